@@ -1,0 +1,122 @@
+"""Task runner for the ferro monorepo: build, test, lint and benchmark the four distributions.
+
+Every session installs ferro's own distributions from their local paths, as regular (non-editable)
+wheels, lower layers first, so what is tested is what users get.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.3.2"
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+
+# The one place that encodes the layering: each distribution -> its local layers, in install order.
+PACKAGES: dict[str, list[str]] = {
+    "ferro-backend": [],
+    "ferro-collective": ["ferro-backend"],
+    "ferro-fsdp": ["ferro-backend", "ferro-collective"],
+    "ferro-checkpoint": [],
+}
+IMPORT_NAMES = {dist: dist.replace("-", "_") for dist in PACKAGES}
+
+
+def _path(dist: str, extras: str = "") -> str:
+    return str(PACKAGES_DIR / dist) + (f"[{extras}]" if extras else "")
+
+
+def _install_layers(session: nox.Session, dist: str, extras: str = "") -> None:
+    """Install ``dist`` and its local layers in one pip call (so pip never looks for them on PyPI)."""
+    session.install(*[_path(d) for d in PACKAGES[dist]], _path(dist, extras))
+
+
+@nox.session
+@nox.parametrize("package", [nox.param(p, id=p.removeprefix("ferro-")) for p in PACKAGES])
+def tests(session: nox.Session, package: str) -> None:
+    """Install one distribution with only its own layers in a fresh venv, then run its tests."""
+    _install_layers(session, package, extras="test")
+    expected = [package, *PACKAGES[package]]
+    # The layering is real: only this distribution's layers are installed, and it imports alone.
+    session.run(
+        "python",
+        str(ROOT / "tools" / "check_layers.py"),
+        ",".join(expected),
+        ",".join(PACKAGES),
+    )
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(PACKAGES_DIR / package / "tests"),
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"FERRO_INSTALLED_LAYERS": ",".join(expected)},
+    )
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build wheels and sdists for all four distributions into dist/, and check each wheel."""
+    session.install("build")
+    out = ROOT / "dist"
+    for dist in PACKAGES:
+        session.run("python", "-m", "build", "--outdir", str(out), _path(dist))
+    session.run("python", str(ROOT / "tools" / "check_wheels.py"), str(out), *PACKAGES)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff on every Python file, cython-lint on every .pyx kernel."""
+    session.install("ruff", "cython-lint")
+    session.run("ruff", "check", str(ROOT))
+    pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.pyx"))
+    if pyx:
+        session.run("cython-lint", *pyx)
+
+
+@nox.session
+def check_versions(session: nox.Session) -> None:
+    """Each distribution's requirement on its sibling layers admits the sibling's current version."""
+    session.install("packaging")
+    session.run("python", str(ROOT / "tools" / "check_versions.py"), *PACKAGES)
+
+
+BENCH_ARGS = [
+    "--benchmark-only",
+    "--benchmark-autosave",
+    "--benchmark-storage=file://.benchmarks",
+    "--benchmark-group-by=group",
+    "--benchmark-columns=min,median,mean,rounds",
+    "-p",
+    "no:cacheprovider",
+]
+
+
+def _bench_install(session: nox.Session) -> None:
+    session.install(
+        *[_path(d) for d in PACKAGES],
+        "pytest",
+        "pytest-benchmark",
+        "pytest-timeout",
+        "safetensors",
+        "ml_dtypes",
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark over benchmarks/: saves each run and compares with the previous saved one."""
+    _bench_install(session)
+    args = list(BENCH_ARGS)
+    storage = ROOT / ".benchmarks"
+    if any(storage.rglob("*.json")):
+        args.append("--benchmark-compare")
+    with session.chdir(ROOT):
+        session.run("python", "-m", "pytest", "benchmarks", *args, *session.posargs)

@@ -1,0 +1,51 @@
+"""ferro-backend: point-to-point transports for distributed training on numpy arrays."""
+
+from importlib.metadata import version as _version
+
+from . import _wire  # the compiled kernel, imported unconditionally: no Python fallback
+from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
+from .env import init_from_env
+from .errors import (
+    AuthenticationError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DistributedError,
+    InvalidRankError,
+    InvalidWorldSizeError,
+    PeerAbortedError,
+    PeerClosedError,
+    ProtocolError,
+    RendezvousError,
+    SizeMismatchError,
+)
+from .simulated import SimulatedBackend
+from .sub import SubBackend
+from .tcp import TcpBackend
+from .wire import pack, packed_nbytes, unpack
+
+__version__ = _version("ferro-backend")
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "USER_TAG_LIMIT",
+    "AuthenticationError",
+    "Backend",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedError",
+    "InvalidRankError",
+    "InvalidWorldSizeError",
+    "PeerAbortedError",
+    "PeerClosedError",
+    "ProtocolError",
+    "RendezvousError",
+    "Request",
+    "SimulatedBackend",
+    "SizeMismatchError",
+    "SubBackend",
+    "TcpBackend",
+    "init_from_env",
+    "pack",
+    "packed_nbytes",
+    "unpack",
+]

@@ -1,0 +1,142 @@
+# cython: language_level=3
+"""Byte kernels of the ferro wire format: copy, byte-swap and pack/unpack many arrays at once.
+
+Validation (contiguity, sizes, dtypes) lives in ``wire.py``; the loops here assume valid input
+and run without the GIL, so simulated ranks (threads) copy in parallel.
+"""
+
+cimport cython
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+ctypedef fused word:
+    uint16_t
+    uint32_t
+    uint64_t
+
+
+cdef extern from *:
+    """
+    static inline unsigned short ferro_bswap16(unsigned short x) { return __builtin_bswap16(x); }
+    static inline unsigned int ferro_bswap32(unsigned int x) { return __builtin_bswap32(x); }
+    static inline unsigned long long ferro_bswap64(unsigned long long x) {
+        return __builtin_bswap64(x);
+    }
+    """
+    uint16_t ferro_bswap16(uint16_t x) noexcept nogil
+    uint32_t ferro_bswap32(uint32_t x) noexcept nogil
+    uint64_t ferro_bswap64(uint64_t x) noexcept nogil
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline void _swap_words(const word* src, word* dst, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if word is uint16_t:
+            dst[i] = ferro_bswap16(src[i])
+        elif word is uint32_t:
+            dst[i] = ferro_bswap32(src[i])
+        else:
+            dst[i] = ferro_bswap64(src[i])
+
+
+cdef inline void _copy(const unsigned char* src, unsigned char* dst, Py_ssize_t nbytes,
+                       Py_ssize_t swap) noexcept nogil:
+    """Copy ``nbytes``; when ``swap`` is 2, 4 or 8, reverse the bytes of each such word."""
+    if swap == 2:
+        _swap_words(<const uint16_t*>src, <uint16_t*>dst, nbytes // 2)
+    elif swap == 4:
+        _swap_words(<const uint32_t*>src, <uint32_t*>dst, nbytes // 4)
+    elif swap == 8:
+        _swap_words(<const uint64_t*>src, <uint64_t*>dst, nbytes // 8)
+    elif nbytes > 0:
+        memcpy(dst, src, nbytes)
+
+
+def copy_bytes(const unsigned char[::1] src, unsigned char[::1] dst):
+    """Copy ``src`` into ``dst`` (equal lengths) with the GIL released."""
+    cdef Py_ssize_t n = src.shape[0]
+    if dst.shape[0] != n:
+        raise ValueError(f"copy_bytes: source has {n} bytes, destination {dst.shape[0]}")
+    if n == 0:
+        return
+    with nogil:
+        memcpy(&dst[0], &src[0], n)
+
+
+def swap_copy(const unsigned char[::1] src, unsigned char[::1] dst, Py_ssize_t itemsize):
+    """Copy ``src`` into ``dst`` reversing the byte order of each ``itemsize``-byte word."""
+    cdef Py_ssize_t n = src.shape[0]
+    if dst.shape[0] != n or itemsize not in (1, 2, 4, 8) or n % itemsize:
+        raise ValueError(
+            f"swap_copy: {n} source bytes, {dst.shape[0]} destination bytes, itemsize {itemsize}"
+        )
+    if n == 0:
+        return
+    with nogil:
+        _copy(&src[0], &dst[0], n, itemsize if itemsize > 1 else 0)
+
+
+cdef struct Span:
+    const unsigned char* ptr
+    unsigned char* wptr
+    Py_ssize_t nbytes
+    Py_ssize_t swap
+
+
+def pack_into(list srcs, unsigned char[::1] out, list swaps):
+    """Copy each byte view of ``srcs`` back to back into ``out`` in one GIL-free pass.
+
+    ``swaps[i]`` is 0 (plain copy) or the word size whose bytes are reversed. The caller checks
+    that the views fill ``out`` exactly.
+    """
+    cdef Py_ssize_t count = len(srcs), i, offset = 0
+    cdef const unsigned char[::1] view
+    cdef Span* spans = <Span*>malloc(max(count, 1) * sizeof(Span))
+    if spans == NULL:
+        raise MemoryError()
+    try:
+        for i in range(count):
+            view = srcs[i]
+            spans[i].nbytes = view.shape[0]
+            spans[i].ptr = &view[0] if view.shape[0] else NULL
+            spans[i].swap = swaps[i]
+            if offset + spans[i].nbytes > out.shape[0]:
+                raise ValueError(f"pack_into: output of {out.shape[0]} bytes is too small")
+            offset += spans[i].nbytes
+        offset = 0
+        with nogil:
+            for i in range(count):
+                if spans[i].nbytes:
+                    _copy(spans[i].ptr, &out[0] + offset, spans[i].nbytes, spans[i].swap)
+                offset += spans[i].nbytes
+    finally:
+        free(spans)
+
+
+def unpack_from(const unsigned char[::1] buf, list dsts, list swaps):
+    """Copy consecutive ranges of ``buf`` into each writable byte view of ``dsts``."""
+    cdef Py_ssize_t count = len(dsts), i, offset = 0
+    cdef unsigned char[::1] view
+    cdef Span* spans = <Span*>malloc(max(count, 1) * sizeof(Span))
+    if spans == NULL:
+        raise MemoryError()
+    try:
+        for i in range(count):
+            view = dsts[i]
+            spans[i].nbytes = view.shape[0]
+            spans[i].wptr = &view[0] if view.shape[0] else NULL
+            spans[i].swap = swaps[i]
+            if offset + spans[i].nbytes > buf.shape[0]:
+                raise ValueError(f"unpack_from: buffer of {buf.shape[0]} bytes is too small")
+            offset += spans[i].nbytes
+        offset = 0
+        with nogil:
+            for i in range(count):
+                if spans[i].nbytes:
+                    _copy(&buf[0] + offset, spans[i].wptr, spans[i].nbytes, spans[i].swap)
+                offset += spans[i].nbytes
+    finally:
+        free(spans)

@@ -1,0 +1,217 @@
+"""The ``Backend`` protocol: point-to-point messaging between the ranks of a job.
+
+A backend moves raw bytes. Anything that exports the buffer protocol can be sent (``bytes``,
+``bytearray``, ``memoryview``, C-contiguous numpy arrays); ``recv`` fills a caller-allocated,
+writable buffer whose length must equal the message's. Messages between one pair of ranks on one
+``tag`` arrive in the order they were sent; different tags are independent streams.
+
+Tags are integers in ``[0, 2**64)``. Plain user code uses ``[0, 2**31)``; ``[2**31, 2**32)`` is
+kept for ferro's own layers (barrier, collectives), and the upper 32 bits carry the subgroup id of
+a :class:`~ferro_backend.SubBackend`, so a subgroup's traffic can never be taken for its parent's.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any
+
+from .errors import (
+    CollectiveTimeoutError,
+    InvalidRankError,
+    InvalidWorldSizeError,
+    SizeMismatchError,
+)
+
+DEFAULT_TIMEOUT: float = 60.0
+"""Seconds a blocking call waits before :class:`CollectiveTimeoutError` (per backend, overridable)."""
+
+USER_TAG_LIMIT = 1 << 31
+"""Tags below this are free for user code; ``[2**31, 2**32)`` belongs to ferro's own layers."""
+GROUP_TAG_SHIFT = 32
+"""Subgroup ids live in the bits above this one (see :class:`SubBackend`)."""
+MAX_TAG = (1 << 64) - 1
+BARRIER_TAG = (1 << 32) - 1
+"""The tag the default :meth:`Backend.barrier` uses."""
+
+
+def as_send_view(data: Any) -> memoryview:
+    """A flat byte view of ``data`` without copying; non-contiguous buffers are refused."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if not mv.c_contiguous:
+        raise ValueError(
+            f"send: buffer of shape {mv.shape} is not C-contiguous; pass np.ascontiguousarray(x)"
+        )
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def as_recv_view(out: Any) -> memoryview:
+    """A flat writable byte view of ``out`` without copying; read-only buffers are refused."""
+    mv = out if isinstance(out, memoryview) else memoryview(out)
+    if mv.readonly:
+        raise ValueError(f"recv: the output buffer ({type(out).__name__}) is read-only")
+    if not mv.c_contiguous:
+        raise ValueError(f"recv: output buffer of shape {mv.shape} is not C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def check_tag(tag: int, limit: int = MAX_TAG) -> int:
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= limit:
+        raise ValueError(f"tag {tag!r} is not an integer in [0, {limit}]")
+    return tag
+
+
+def check_world_size(world_size: int, minimum: int = 1) -> int:
+    if not isinstance(world_size, int) or world_size < minimum:
+        raise InvalidWorldSizeError(f"world_size {world_size!r} is invalid, expected >= {minimum}")
+    return world_size
+
+
+def check_rank(rank: int, world_size: int, what: str = "rank") -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise InvalidRankError(f"{what} {rank!r} is out of range for world_size {world_size}")
+    return rank
+
+
+def size_mismatch(op: str, src: int, dst: int, tag: int, expected: int, got: int):
+    return SizeMismatchError(
+        f"{op}: message {src} -> {dst} (tag {tag}) has {got} bytes, "
+        f"the receive buffer has {expected}"
+    )
+
+
+class Request(abc.ABC):
+    """A pending point-to-point operation (``irecv``/``isend``)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete; raise what the operation raised."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once complete (successfully or not)."""
+
+
+class _LazyRecv(Request):
+    """Default ``irecv``: the receive happens in ``wait`` (enough for transports whose sends
+    never block on the receiver, like every ferro transport)."""
+
+    def __init__(self, backend: Backend, out: Any, src: int, tag: int) -> None:
+        self._args = (backend, out, src, tag)
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            backend, out, src, tag = self._args
+            backend.recv(out, src, tag=tag, timeout=timeout)
+            self._done = True
+
+    def test(self) -> bool:
+        return self._done
+
+
+class _DoneRequest(Request):
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+
+class Backend(abc.ABC):
+    """Transport-agnostic point-to-point messaging for the ranks of one job.
+
+    Implementations provide :attr:`rank`, :attr:`world_size`, :meth:`send`, :meth:`recv` and
+    :meth:`close`; :meth:`barrier`, :meth:`irecv`, :meth:`isend` and :meth:`abort` have default
+    implementations on top of those. A backend is a context manager: leaving the ``with`` block
+    closes it, and leaving it with an exception first aborts, so peers stop waiting for this rank.
+    """
+
+    #: default timeout of blocking calls, in seconds
+    timeout: float = DEFAULT_TIMEOUT
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This rank's index in the job, 0-based."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """The number of ranks in the job."""
+
+    @abc.abstractmethod
+    def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
+        """Send the bytes of ``data`` to rank ``dst`` on stream ``tag``.
+
+        Returns once ``data`` may be reused. Raises :class:`InvalidRankError` for a bad ``dst``
+        (or ``dst == rank``), :class:`PeerClosedError` if ``dst`` is gone.
+        """
+
+    @abc.abstractmethod
+    def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
+        """Fill the writable buffer ``out`` with the next message from ``src`` on ``tag``.
+
+        Raises :class:`SizeMismatchError` if the message's length differs from ``len(out)`` in
+        bytes, :class:`CollectiveTimeoutError` after ``timeout`` seconds (default:
+        :attr:`timeout`), :class:`PeerClosedError`/:class:`PeerAbortedError` if ``src`` closed,
+        died or aborted.
+        """
+
+    def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
+        """Post a receive into ``out`` and return at once; ``Request.wait`` completes it."""
+        check_rank(src, self.world_size, "irecv: src")
+        return _LazyRecv(self, out, src, tag)
+
+    def isend(self, data: Any, dst: int, *, tag: int = 0) -> Request:
+        """Start a send. The default sends eagerly (ferro transports never block on receivers)."""
+        self.send(data, dst, tag=tag)
+        return _DoneRequest()
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier (dissemination: ceil(log2 n) rounds)."""
+        n, me = self.world_size, self.rank
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        step, round_ = 1, 0
+        token = bytearray(1)
+        while step < n:
+            self.send(bytes([round_]), (me + step) % n, tag=BARRIER_TAG)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(
+                    f"barrier: rank {me} timed out in round {round_} of {n} ranks"
+                )
+            self.recv(token, (me - step) % n, tag=BARRIER_TAG, timeout=remaining)
+            if token[0] != round_:
+                raise SizeMismatchError(
+                    f"barrier: rank {me} got round {token[0]} from rank {(me - step) % n}, "
+                    f"expected round {round_}"
+                )
+            step <<= 1
+            round_ += 1
+
+    def abort(self, reason: str) -> None:  # noqa: B027 - optional for foreign transports
+        """Tell every peer that this rank failed; their blocked calls raise PeerAbortedError."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the transport. Idempotent."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            try:
+                self.abort(f"{exc_type.__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - the original exception matters more
+                pass
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
+

@@ -1,0 +1,24 @@
+"""Pick the backend the environment asks for: TCP under ferrorun/torchrun, one rank otherwise."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .base import Backend
+from .simulated import SimulatedBackend
+from .tcp import TcpBackend
+
+
+def init_from_env(**kwargs: Any) -> Backend:
+    """Return this process's backend.
+
+    Under ``ferrorun`` (or torchrun), where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set,
+    a :class:`TcpBackend` joined to the job; otherwise a one-rank backend, so the same script
+    runs alone. Keyword arguments go to the backend's constructor.
+    """
+    env = os.environ
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return TcpBackend.from_env(**kwargs)
+    (backend,) = SimulatedBackend.create_group(1, **kwargs)
+    return backend

@@ -1,0 +1,75 @@
+"""The ``DistributedError`` family: every failure of a ferro transport or collective.
+
+Each class also subclasses the closest builtin, so ``except TimeoutError`` or
+``except ConnectionError`` keeps working for callers that do not know ferro.
+Messages name the ranks, sizes, tags and addresses involved.
+"""
+
+from __future__ import annotations
+
+
+class DistributedError(RuntimeError):
+    """Base class of every ferro distributed error."""
+
+
+class InvalidRankError(DistributedError, ValueError):
+    """A rank outside ``[0, world_size)``, or a rank that is not where it must be."""
+
+
+class InvalidWorldSizeError(DistributedError, ValueError):
+    """A world size that the operation cannot work with (zero, too small, not divisible...)."""
+
+
+class SizeMismatchError(DistributedError, ValueError):
+    """A message whose length differs from the receive buffer's, or arrays of mismatched sizes."""
+
+
+class CollectiveTimeoutError(DistributedError, TimeoutError):
+    """A blocking call did not complete within its timeout."""
+
+
+class PeerClosedError(DistributedError, ConnectionError):
+    """A peer closed its end or died while this rank was talking to it."""
+
+    def __init__(self, message: str, *, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class PeerAbortedError(PeerClosedError):
+    """A peer called ``Backend.abort(reason)``: the job is failing, stop waiting."""
+
+    def __init__(self, message: str, *, peer: int | None = None, reason: str = "") -> None:
+        super().__init__(message, peer=peer)
+        self.reason = reason
+
+
+class CollectiveMismatchError(DistributedError):
+    """Ranks called different collectives, or the same one with other dtypes or shapes."""
+
+
+class ProtocolError(DistributedError):
+    """Bytes on the wire that do not follow the ferro protocol (bad magic, version, frame)."""
+
+
+class AuthenticationError(DistributedError, PermissionError):
+    """The peer does not know the job's token (or this process does not)."""
+
+
+class RendezvousError(DistributedError, ConnectionError):
+    """The job could not be set up: a port in use, a rank 0 that never came up, a bad table."""
+
+
+__all__ = [
+    "AuthenticationError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DistributedError",
+    "InvalidRankError",
+    "InvalidWorldSizeError",
+    "PeerAbortedError",
+    "PeerClosedError",
+    "ProtocolError",
+    "RendezvousError",
+    "SizeMismatchError",
+]

@@ -1,0 +1,188 @@
+"""Message matching shared by the ferro transports.
+
+Each rank owns one :class:`Mailbox`. A receive either finds its message already queued (an
+*unexpected* message, copied once more) or posts its buffer, so the transport writes the incoming
+bytes straight into the caller's memory. Messages match on ``(src, tag)`` in FIFO order.
+
+Failures reach every waiter at once: a peer that closed or died fails the receives posted for it
+(after its queued messages are drained), and an abort fails every receive of the job.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from . import _wire
+from .base import Request, size_mismatch
+from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
+
+
+def copy_into(dst: memoryview, src) -> None:
+    """Copy bytes with the GIL released (threads of a simulated job copy in parallel)."""
+    _wire.copy_bytes(src, dst)
+
+
+class PostedRecv(Request):
+    """A receive buffer waiting for its message."""
+
+    __slots__ = ("_box", "src", "tag", "view", "_done", "_error")
+
+    def __init__(self, box: Mailbox, src: int, tag: int, view: memoryview) -> None:
+        self._box = box
+        self.src = src
+        self.tag = tag
+        self.view = view
+        self._done = False
+        self._error: BaseException | None = None
+
+    # -- transport side -------------------------------------------------------------------
+    def complete(self) -> None:
+        with self._box.cond:
+            self._done = True
+            self._box.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._box.cond:
+            if not self._done:
+                self._error = error
+                self._done = True
+                self._box.cond.notify_all()
+
+    # -- caller side ----------------------------------------------------------------------
+    def test(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> None:
+        box = self._box
+        limit = box.default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with box.cond:
+            while not self._done:
+                failure = box.failure_for(self.src)
+                if failure is not None and self in box.posted.get((self.src, self.tag), ()):
+                    box.posted[(self.src, self.tag)].remove(self)
+                    raise failure
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    queue = box.posted.get((self.src, self.tag))
+                    if queue is not None and self in queue:
+                        queue.remove(self)
+                    raise CollectiveTimeoutError(
+                        f"recv: rank {box.rank} waited {limit:g}s for a message from rank "
+                        f"{self.src} (tag {self.tag}, {len(self.view)} bytes)"
+                    )
+                box.cond.wait(min(remaining, 1.0))
+        if self._error is not None:
+            raise self._error
+
+
+class Mailbox:
+    """The receive side of one rank: posted receives and queued (unexpected) messages."""
+
+    def __init__(self, rank: int, default_timeout: float) -> None:
+        self.rank = rank
+        self.default_timeout = default_timeout
+        self.cond = threading.Condition(threading.Lock())
+        self.posted: dict[tuple[int, int], deque[PostedRecv]] = {}
+        self.unexpected: dict[tuple[int, int], deque[bytearray]] = {}
+        self.closed_peers: dict[int, str] = {}
+        self.aborted: tuple[int, str] | None = None
+        self.closed = False
+
+    # -- failures -------------------------------------------------------------------------
+    def failure_for(self, src: int) -> BaseException | None:
+        """The error a receive from ``src`` must raise now, if any (caller holds the lock)."""
+        if self.aborted is not None:
+            who, reason = self.aborted
+            return PeerAbortedError(
+                f"rank {who} aborted the job: {reason}", peer=who, reason=reason
+            )
+        if self.closed:
+            return PeerClosedError(f"rank {self.rank}: this backend is closed", peer=self.rank)
+        if src in self.closed_peers:
+            return PeerClosedError(
+                f"rank {self.rank}: peer rank {src} is gone ({self.closed_peers[src]})", peer=src
+            )
+        return None
+
+    def peer_closed(self, src: int, why: str) -> None:
+        with self.cond:
+            self.closed_peers.setdefault(src, why)
+            self.cond.notify_all()
+
+    def abort(self, who: int, reason: str) -> None:
+        with self.cond:
+            if self.aborted is None:
+                self.aborted = (who, reason)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    # -- receive side ---------------------------------------------------------------------
+    def post(self, src: int, tag: int, view: memoryview) -> PostedRecv:
+        """Post ``view`` for the next message from ``src`` on ``tag`` (completed at once if one
+        is queued)."""
+        key = (src, tag)
+        with self.cond:
+            if self.aborted is not None or self.closed:
+                raise self.failure_for(src)
+            queue = self.unexpected.get(key)
+            msg = queue.popleft() if queue else None
+            if queue is not None and not queue:
+                del self.unexpected[key]
+            if msg is None:
+                failure = self.failure_for(src)
+                if failure is not None:
+                    raise failure
+                req = PostedRecv(self, src, tag, view)
+                self.posted.setdefault(key, deque()).append(req)
+                return req
+        req = PostedRecv(self, src, tag, view)
+        if len(msg) != len(view):
+            raise size_mismatch("recv", src, self.rank, tag, len(view), len(msg))
+        copy_into(view, msg)
+        req._done = True
+        return req
+
+    # -- transport side -------------------------------------------------------------------
+    def claim(self, src: int, tag: int) -> PostedRecv | None:
+        """Take the first receive posted for ``(src, tag)``; the transport then fills it."""
+        key = (src, tag)
+        with self.cond:
+            queue = self.posted.get(key)
+            if not queue:
+                return None
+            req = queue.popleft()
+            if not queue:
+                del self.posted[key]
+            return req
+
+    def deliver(self, src: int, tag: int, data) -> None:
+        """Hand over a complete message: into a receive posted meanwhile, else into the queue."""
+        req = self.claim(src, tag)
+        if req is None:
+            key = (src, tag)
+            with self.cond:
+                # Re-check under the lock: a receive may have been posted since claim().
+                queue = self.posted.get(key)
+                if queue:
+                    req = queue.popleft()
+                    if not queue:
+                        del self.posted[key]
+                else:
+                    self.unexpected.setdefault(key, deque()).append(data)
+                    self.cond.notify_all()
+                    return
+        self.fill(req, data)
+
+    def fill(self, req: PostedRecv, data) -> None:
+        if len(data) != len(req.view):
+            req.fail(size_mismatch("recv", req.src, self.rank, req.tag, len(req.view), len(data)))
+            return
+        copy_into(req.view, data)
+        req.complete()

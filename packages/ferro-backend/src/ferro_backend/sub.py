@@ -1,0 +1,117 @@
+"""Subgroups: a ``Backend`` view of some ranks of a parent backend.
+
+Local rank ``i`` is the ``i``-th smallest member. Every message of a subgroup travels on the
+root transport with the subgroup's id in the upper 32 bits of the tag, so it can never be taken
+for a message of the parent or of another subgroup between the same pair of ranks. The id is a
+hash of the members' global ranks (and an optional ``name``), the same on every member.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from .base import GROUP_TAG_SHIFT, Backend, Request, check_rank, check_tag
+from .errors import InvalidRankError, InvalidWorldSizeError
+
+
+class SubBackend(Backend):
+    """A subgroup of ``parent``'s ranks; ``parent`` may itself be a :class:`SubBackend`."""
+
+    def __init__(self, parent: Backend, members: Iterable[int], *, name: str = "") -> None:
+        members = list(members)
+        if not members:
+            raise InvalidWorldSizeError("SubBackend: members is empty, expected at least one rank")
+        pw = parent.world_size
+        for m in members:
+            if not isinstance(m, int) or not 0 <= m < pw:
+                raise InvalidRankError(
+                    f"SubBackend: member {m!r} is out of range for the parent's world_size {pw}"
+                )
+        self._members = tuple(sorted(set(members)))
+        self._parent = parent
+        try:
+            self._local_rank = self._members.index(parent.rank)
+        except ValueError:
+            raise InvalidRankError(
+                f"SubBackend: parent rank {parent.rank} is not among the members {self._members}"
+            ) from None
+        # Route straight to the root transport with global ranks.
+        if isinstance(parent, SubBackend):
+            self._root = parent._root
+            self._global = tuple(parent._global[m] for m in self._members)
+        else:
+            self._root = parent
+            self._global = self._members
+        key = repr((self._global, name)).encode()
+        self._group_id = (zlib.crc32(key) & 0x7FFFFFFF) | 0x80000000
+        self._tag_base = self._group_id << GROUP_TAG_SHIFT
+        self.timeout = parent.timeout
+
+    # -- the subgroup's identity ------------------------------------------------------------
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The parent ranks of this subgroup, ascending; the index is the local rank."""
+        return self._members
+
+    @property
+    def parent(self) -> Backend:
+        return self._parent
+
+    @property
+    def group_id(self) -> int:
+        return self._group_id
+
+    def to_global(self, local: int) -> int:
+        """The parent rank of local rank ``local`` (InvalidRankError if out of range)."""
+        check_rank(local, len(self._members), "SubBackend.to_global: local rank")
+        return self._members[local]
+
+    def to_local(self, global_rank: int) -> int | None:
+        """The local rank of parent rank ``global_rank``, or None if it is not a member."""
+        try:
+            return self._members.index(global_rank)
+        except ValueError:
+            return None
+
+    @property
+    def rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._members)
+
+    # -- messaging ----------------------------------------------------------------------
+    def _route(self, op: str, peer: int, tag: int) -> tuple[int, int]:
+        check_rank(peer, len(self._members), f"SubBackend.{op}: peer")
+        check_tag(tag, (1 << GROUP_TAG_SHIFT) - 1)
+        return self._global[peer], self._tag_base | tag
+
+    def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
+        g, t = self._route("send", dst, tag)
+        self._root.send(data, g, tag=t)
+
+    def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
+        g, t = self._route("recv", src, tag)
+        self._root.recv(out, g, tag=t, timeout=self.timeout if timeout is None else timeout)
+
+    def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
+        g, t = self._route("irecv", src, tag)
+        return self._root.irecv(out, g, tag=t)
+
+    def isend(self, data: Any, dst: int, *, tag: int = 0) -> Request:
+        g, t = self._route("isend", dst, tag)
+        return self._root.isend(data, g, tag=t)
+
+    def abort(self, reason: str) -> None:
+        """Aborts the whole job: a failing rank fails every group it is in."""
+        self._root.abort(reason)
+
+    def close(self) -> None:
+        """Closing a view releases nothing: the parent owns the transport."""
+
+    def __repr__(self) -> str:
+        return (f"<SubBackend rank={self.rank} world_size={self.world_size} "
+                f"members={self._members}>")
