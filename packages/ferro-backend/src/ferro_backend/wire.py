@@ -29,8 +29,8 @@ def _check_dtype(op: str, index: int, dtype: np.dtype) -> None:
 
 def _swap_size(dtype: np.dtype, native_is_wire: bool) -> int:
     """0 for a plain copy, else the word size whose bytes must be reversed."""
-    swap_needed = (dtype.byteorder == ">") if native_is_wire else (dtype.byteorder in "=<")
-    if dtype.byteorder == "|" or not swap_needed:
+    little = dtype.byteorder == "<" or (dtype.byteorder == "=" and native_is_wire)
+    if dtype.byteorder == "|" or little:
         return 0
     size = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
     if size == 1:

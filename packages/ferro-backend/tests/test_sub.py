@@ -1,0 +1,149 @@
+"""SubBackend: the seed's tests, ported, plus isolation of subgroup traffic from the parent's."""
+
+import numpy as np
+import pytest
+
+from ferro_backend import InvalidRankError, InvalidWorldSizeError, SimulatedBackend, SubBackend
+from ferro_backend.testing import run_ranks, run_threads
+
+
+def test_subbackend_local_rank_and_world_size():
+    g = SimulatedBackend.create_group(4)
+    s1, s3 = SubBackend(g[1], [1, 3]), SubBackend(g[3], [1, 3])
+    assert (s1.rank, s1.world_size, s3.rank, s3.world_size) == (0, 2, 1, 2)
+
+
+def test_subbackend_global_rank_not_in_members_is_error():
+    g = SimulatedBackend.create_group(4)
+    with pytest.raises(InvalidRankError, match=r"parent rank 0 is not among the members \(1, 3\)"):
+        SubBackend(g[0], [1, 3])
+
+
+def test_subbackend_empty_members_is_error():
+    g = SimulatedBackend.create_group(2)
+    with pytest.raises(InvalidWorldSizeError, match="empty"):
+        SubBackend(g[0], [])
+
+
+def test_subbackend_member_out_of_range_is_error():
+    g = SimulatedBackend.create_group(2)
+    with pytest.raises(InvalidRankError, match="member 5"):
+        SubBackend(g[0], [0, 5])
+
+
+def test_subbackend_send_recv_routes_through_parent():
+    def fn(b):
+        if b.rank not in (0, 2):
+            return None
+        sub = SubBackend(b, [0, 2])
+        if sub.rank == 0:
+            sub.send(bytes([9, 8, 7]), 1)
+            return None
+        buf = bytearray(3)
+        sub.recv(buf, 0, timeout=5)
+        return bytes(buf)
+
+    assert run_ranks(fn, 4, timeout=10)[2] == bytes([9, 8, 7])
+
+
+def test_subbackend_barrier():
+    def fn(b):
+        if b.rank % 2 == 0:
+            SubBackend(b, [0, 2, 4]).barrier(timeout=5)
+
+    run_ranks(fn, 6, timeout=10)
+
+
+def test_subbackend_to_global_to_local():
+    g = SimulatedBackend.create_group(4)
+    sub = SubBackend(g[0], [0, 2])
+    assert (sub.to_global(0), sub.to_global(1)) == (0, 2)
+    assert (sub.to_local(0), sub.to_local(2), sub.to_local(1), sub.to_local(3)) == (0, 1, None, None)
+    with pytest.raises(InvalidRankError):
+        sub.to_global(2)
+
+
+def test_subbackend_sorts_and_dedups_members():
+    g = SimulatedBackend.create_group(4)
+    sub = SubBackend(g[2], [3, 2, 0, 2, 3])
+    assert sub.members == (0, 2, 3) and sub.rank == 1 and sub.world_size == 3
+    assert sub.parent is g[2]
+
+
+# ---- beyond the seed: a subgroup's messages are never the parent's ------------------------
+def test_subgroup_and_parent_traffic_interleaved_on_the_same_pair():
+    """Same pair, same user tag, sent in one order and received in the other: no mix-up."""
+
+    def fn(b):
+        sub_a = SubBackend(b, [0, 1])
+        sub_b = SubBackend(b, [0, 1], name="second")
+        if b.rank == 0:
+            for i in range(20):
+                b.send(np.array([i], np.int64), 1, tag=5)
+                sub_a.send(np.array([100 + i], np.int64), 1, tag=5)
+                sub_b.send(np.array([200 + i], np.int64), 1, tag=5)
+            return None
+        out = np.empty(1, np.int64)
+        got = {"b": [], "a": [], "p": []}
+        for i in range(20):
+            sub_b.recv(out, 0, tag=5, timeout=5)
+            got["b"].append(int(out[0]))
+        for i in range(20):
+            sub_a.recv(out, 0, tag=5, timeout=5)
+            got["a"].append(int(out[0]))
+            b.recv(out, 0, tag=5, timeout=5)
+            got["p"].append(int(out[0]))
+        return got
+
+    got = run_ranks(fn, 2, timeout=20)[1]
+    assert got == {"p": list(range(20)), "a": list(range(100, 120)), "b": list(range(200, 220))}
+
+
+def test_nested_subgroups_route_to_global_ranks():
+    def fn(b):
+        if b.rank not in (1, 3, 5):
+            return None
+        outer = SubBackend(b, [1, 3, 5])
+        if outer.rank == 0:
+            return None
+        inner = SubBackend(outer, [1, 2])  # outer-local ranks 1, 2 = global 3, 5
+        if inner.rank == 0:
+            inner.send(b"hi", 1)
+            return None
+        buf = bytearray(2)
+        inner.recv(buf, 0, timeout=5)
+        return bytes(buf)
+
+    assert run_ranks(fn, 6, timeout=10)[5] == b"hi"
+
+
+def test_overlapping_subgroup_barriers_do_not_interfere():
+    def fn(b):
+        groups = [SubBackend(b, m) for m in ([0, 1, 2], [1, 2, 3]) if b.rank in m]
+        for _ in range(3):
+            for g in groups:
+                g.barrier(timeout=5)
+            b.barrier(timeout=5)
+
+    run_ranks(fn, 4, timeout=20)
+
+
+def test_subgroup_rejects_tags_above_32_bits():
+    g = SimulatedBackend.create_group(2)
+    with pytest.raises(ValueError, match="tag"):
+        SubBackend(g[0], [0, 1]).send(b"x", 1, tag=1 << 40)
+
+
+def test_subgroup_abort_aborts_the_job():
+    g = SimulatedBackend.create_group(3)
+
+    def fn(b):
+        if b.rank == 0:
+            SubBackend(b, [0, 1]).abort("bad batch")
+            return "aborted"
+        try:
+            b.recv(bytearray(1), 0, timeout=5)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__
+
+    assert run_threads(fn, g, timeout=10) == ["aborted", "PeerAbortedError", "PeerAbortedError"]
