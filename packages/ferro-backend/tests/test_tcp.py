@@ -1,0 +1,261 @@
+"""TcpBackend with real processes on 127.0.0.1: mesh, tags, failures, strangers, start-up errors."""
+
+import socket
+import time
+
+import numpy as np
+import pytest
+from tcp_job import Job, run_job
+
+from ferro_backend import (
+    AuthenticationError,
+    InvalidRankError,
+    InvalidWorldSizeError,
+    RendezvousError,
+    TcpBackend,
+)
+from ferro_backend.tcp import parse_addr
+from ferro_backend.testing import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+ALL_PAIRS = """
+me, n = b.rank, b.world_size
+reqs = {}
+outs = {}
+for peer in range(n):
+    if peer == me:
+        continue
+    for tag in (0, 3):
+        outs[(peer, tag)] = np.empty(1000 + peer, dtype=np.float64)
+        reqs[(peer, tag)] = b.irecv(outs[(peer, tag)], peer, tag=tag)
+for peer in range(n):
+    if peer != me:
+        for tag in (3, 0):
+            b.send(np.full(1000 + me, me * 10 + tag, dtype=np.float64), peer, tag=tag)
+ok = True
+for (peer, tag), req in reqs.items():
+    req.wait(10)
+    ok &= bool((outs[(peer, tag)] == peer * 10 + tag).all())
+sub = SubBackend(b, range(0, n, 2)) if me % 2 == 0 else None
+if sub is not None and sub.world_size > 1:
+    # subgroup and parent traffic on the same pair and tag
+    if sub.rank == 0:
+        sub.send(b"sub", 1, tag=0)
+        b.send(b"par", sub.to_global(1), tag=0)
+    elif sub.rank == 1:
+        x, y = bytearray(3), bytearray(3)
+        b.recv(x, 0, tag=0, timeout=10)
+        sub.recv(y, 0, tag=0, timeout=10)
+        ok &= (bytes(x), bytes(y)) == (b"par", b"sub")
+for _ in range(3):
+    b.barrier(timeout=10)
+result = [me, n, ok]
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_full_mesh_all_pairs_tags_subgroups_and_barrier(world):
+    results = run_job(ALL_PAIRS, world, token="s3cret")
+    assert results == [[r, world, True] for r in range(world)]
+
+
+def test_world_of_one_needs_no_network():
+    b = TcpBackend(0, 1, f"127.0.0.1:{free_port()}")
+    b.barrier(timeout=1)
+    b.close()
+
+
+def test_size_mismatch_is_refused_and_the_stream_stays_in_sync():
+    body = """
+if b.rank == 0:
+    b.send(np.arange(1000, dtype=np.uint8), 1)
+    b.send(b"next", 1)
+    result = "sent"
+else:
+    small = bytearray(10)
+    try:
+        b.recv(small, 0, timeout=10)
+        result = "no error"
+    except SizeMismatchError as exc:
+        msg = str(exc)
+        nxt = bytearray(4)
+        b.recv(nxt, 0, timeout=10)
+        result = [msg, bytes(nxt).decode()]
+"""
+    res = run_job(body, 2)
+    msg, nxt = res[1]
+    assert "1000 bytes" in msg and "has 10" in msg and "0 -> 1" in msg
+    assert nxt == "next"
+
+
+def test_large_message_lands_in_posted_buffer():
+    body = """
+n = 64 << 20
+if b.rank == 0:
+    a = np.arange(n // 8, dtype=np.int64)
+    b.send(a, 1)
+    result = 0
+else:
+    out = np.empty(n // 8, dtype=np.int64)
+    b.recv(out, 0, timeout=30)
+    result = bool((out == np.arange(n // 8)).all())
+"""
+    assert run_job(body, 2)[1] is True
+
+
+def test_message_over_2_gib():
+    body = """
+n = (2 << 30) + 24
+if b.rank == 0:
+    a = np.zeros(n, dtype=np.uint8)
+    a[[0, 1 << 31, n - 1]] = [7, 8, 9]
+    b.send(a, 1)
+    result = 0
+else:
+    out = np.empty(n, dtype=np.uint8)
+    b.recv(out, 0, timeout=60)
+    result = [int(out[0]), int(out[1 << 31]), int(out[n - 1]), int(out[12345])]
+"""
+    assert run_job(body, 2, timeout=60)[1] == [7, 8, 9, 0]
+
+
+def test_peer_killed_mid_recv_gives_peer_closed_promptly():
+    body = """
+if b.rank == 0:
+    print("READY", flush=True)
+    time.sleep(60)
+else:
+    t0 = time.monotonic()
+    try:
+        b.recv(bytearray(8), 0, timeout=30)
+        result = "no error"
+    except PeerClosedError as exc:
+        result = [type(exc).__name__, exc.peer, time.monotonic() - t0, str(exc)]
+"""
+    job = Job(body, 2)
+    job.wait_for_line(0, "READY")
+    time.sleep(0.3)
+    job.procs[0].kill()
+    results = job.finish()
+    name, peer, elapsed, msg = results[1].result
+    assert name == "PeerClosedError" and peer == 0
+    assert elapsed < 2.5, msg
+
+
+def test_abort_reaches_every_rank_with_the_reason():
+    body = """
+if b.rank == 1:
+    time.sleep(0.3)
+    b.abort("loss is NaN at step 12")
+    result = "aborted"
+else:
+    t0 = time.monotonic()
+    try:
+        b.recv(bytearray(1), 2 if b.rank == 0 else 0, timeout=30)  # waiting on a live peer
+        result = "no error"
+    except PeerAbortedError as exc:
+        result = [exc.peer, exc.reason, time.monotonic() - t0]
+"""
+    results = run_job(body, 3)
+    for r in (0, 2):
+        peer, reason, elapsed = results[r]
+        assert peer == 1 and reason == "loss is NaN at step 12" and elapsed < 2.5
+
+
+def test_live_but_silent_peer_times_out():
+    body = """
+if b.rank == 0:
+    time.sleep(1.5)
+    result = 0
+else:
+    t0 = time.monotonic()
+    try:
+        b.recv(bytearray(1), 0, tag=4, timeout=0.5)
+    except CollectiveTimeoutError as exc:
+        result = [time.monotonic() - t0, str(exc)]
+"""
+    elapsed, msg = run_job(body, 2)[1]
+    assert 0.4 < elapsed < 2.0 and "rank 0" in msg and "tag 4" in msg
+
+
+def _wait_listening(port: int, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nobody listens on {port}")
+
+
+def test_stranger_with_garbage_and_with_wrong_token_cannot_join_and_job_goes_on():
+    body = """
+b.send(np.array([b.rank], np.int64), 1 - b.rank)
+out = np.empty(1, np.int64)
+b.recv(out, 1 - b.rank, timeout=10)
+result = int(out[0])
+"""
+    with Job(body, 2, token="right-token", ranks=[0]) as job:
+        _wait_listening(job.port)
+        # 1: garbage
+        with socket.create_connection(("127.0.0.1", job.port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+            s.settimeout(5)
+            try:
+                while s.recv(1024):
+                    pass
+            except OSError:
+                pass
+        # 2: a ferro process with the wrong token
+        with pytest.raises(AuthenticationError, match="token"):
+            TcpBackend(1, 2, f"127.0.0.1:{job.port}", token="wrong-token", timeout=5)
+        # 3: no token at all
+        with pytest.raises(AuthenticationError):
+            TcpBackend(1, 2, f"127.0.0.1:{job.port}", token=b"", timeout=5)
+        job.start(1)
+        results = job.finish()
+    assert [r.result for r in results] == [1, 0]
+
+
+def test_port_in_use_names_address_port_and_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=rf"rank 0: cannot listen on 127.0.0.1:{port}"):
+            TcpBackend(0, 2, f"127.0.0.1:{port}", timeout=5)
+        assert time.monotonic() - t0 < 2
+
+
+def test_rank0_never_up_fails_within_connect_timeout():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=rf"rank 1: rank 0 did not come up at 127.0.0.1:{port}"):
+        TcpBackend(1, 2, f"127.0.0.1:{port}", timeout=30, connect_timeout=1.0)
+    assert time.monotonic() - t0 < 3
+
+
+def test_missing_rank_named_by_rank0():
+    port = free_port()
+    with pytest.raises(RendezvousError, match=r"ranks \[1, 2\] did not join"):
+        TcpBackend(0, 3, f"127.0.0.1:{port}", connect_timeout=0.5)
+
+
+def test_bad_arguments():
+    with pytest.raises(InvalidWorldSizeError):
+        TcpBackend(0, 0, "127.0.0.1:1")
+    with pytest.raises(InvalidRankError):
+        TcpBackend(2, 2, "127.0.0.1:1")
+    with pytest.raises(ValueError, match="host:port"):
+        TcpBackend(0, 2, "localhost")
+    assert parse_addr("[::1]:80") == ("::1", 80)
+
+
+def test_from_env_reports_missing_variables(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RendezvousError, match="RANK"):
+        TcpBackend.from_env()
