@@ -1,0 +1,226 @@
+"""ferro-backend: send/recv round trips (simulated, TCP) and the `_wire` pack/unpack kernel.
+
+Baselines measured in the same run: two ``np.copyto`` for a simulated round trip (the copies an
+in-process transport cannot avoid), raw-socket ``sendall``/``recv_into`` echo between two
+processes for TCP, ``np.copyto`` into slices of one buffer for pack/unpack.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ferro_backend import SimulatedBackend, TcpBackend, pack, unpack
+from ferro_backend.testing import free_port
+
+SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
+
+
+def _rounds(nbytes: int) -> int:
+    return 200 if nbytes <= 1 << 20 else 8
+
+
+# ---------------------------------------------------------------- simulated round trip
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("impl", ["memcpy", "simulated"])
+def bench_simulated_round_trip(benchmark, impl, size):
+    nbytes = SIZES[size]
+    benchmark.group = f"roundtrip simulated {size}"
+    benchmark.extra_info["bytes"] = 2 * nbytes
+    a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    back = np.empty_like(a)
+    if impl == "memcpy":
+        benchmark.extra_info["role"] = "baseline"
+        mid = np.empty_like(a)
+
+        def run():
+            np.copyto(mid, a)
+            np.copyto(back, mid)
+
+        benchmark.pedantic(run, rounds=_rounds(nbytes), warmup_rounds=2)
+    else:
+        b0, b1 = SimulatedBackend.create_group(2)
+        stop = threading.Event()
+        mid = np.empty_like(a)
+
+        def echo():
+            while not stop.is_set():
+                try:
+                    b1.recv(mid, 0, timeout=30)
+                except Exception:  # noqa: BLE001 - closed at the end
+                    return
+                b1.send(mid, 0)
+
+        t = threading.Thread(target=echo, daemon=True)
+        t.start()
+
+        def run():
+            req = b0.irecv(back, 1)
+            b0.send(a, 1)
+            req.wait(30)
+
+        benchmark.pedantic(run, rounds=_rounds(nbytes), warmup_rounds=2)
+        stop.set()
+        b0.close()
+        b1.close()
+        t.join(5)
+    np.testing.assert_array_equal(back, a)
+
+
+# ---------------------------------------------------------------- TCP round trip
+RAW_ECHO = """
+import socket, sys
+n, port = int(sys.argv[1]), int(sys.argv[2])
+s = socket.create_connection(("127.0.0.1", port))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+buf = bytearray(n); view = memoryview(buf)
+while True:
+    got = 0
+    while got < n:
+        k = s.recv_into(view[got:], n - got)
+        if k == 0:
+            sys.exit(0)
+        got += k
+    s.sendall(buf)
+"""
+
+FERRO_ECHO = """
+import sys
+import numpy as np
+from ferro_backend import TcpBackend
+n, port = int(sys.argv[1]), int(sys.argv[2])
+b = TcpBackend(1, 2, f"127.0.0.1:{port}", timeout=120)
+buf = np.empty(n, dtype=np.uint8)
+while True:
+    try:
+        b.recv(buf, 0, timeout=120)
+    except Exception:
+        break
+    b.send(buf, 0)
+b.close()
+"""
+
+
+def _spawn(script: str, nbytes: int, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(nbytes),
+                             str(port)], env=dict(os.environ))
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("impl", ["raw_socket", "tcp"])
+def bench_tcp_round_trip(benchmark, impl, size):
+    nbytes = SIZES[size]
+    benchmark.group = f"roundtrip tcp 2 processes {size}"
+    benchmark.extra_info["bytes"] = 2 * nbytes
+    a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    back = np.empty_like(a)
+    port = free_port()
+    if impl == "raw_socket":
+        benchmark.extra_info["role"] = "baseline"
+        lsock = socket.create_server(("127.0.0.1", port))
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            lsock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        proc = _spawn(RAW_ECHO, nbytes, port)
+        lsock.settimeout(30)
+        conn, _ = lsock.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = memoryview(back)
+
+        def run():
+            conn.sendall(a)
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:], nbytes - got)
+
+        try:
+            benchmark.pedantic(run, rounds=_rounds(nbytes), warmup_rounds=2)
+        finally:
+            conn.close()
+            lsock.close()
+            proc.wait(30)
+    else:
+        proc = _spawn(FERRO_ECHO, nbytes, port)
+        b = TcpBackend(0, 2, f"127.0.0.1:{port}", timeout=120)
+
+        def run():
+            req = b.irecv(back, 1)
+            b.send(a, 1)
+            req.wait(60)
+
+        try:
+            benchmark.pedantic(run, rounds=_rounds(nbytes), warmup_rounds=2)
+        finally:
+            b.close()
+            proc.wait(30)
+    np.testing.assert_array_equal(back, a)
+
+
+# ---------------------------------------------------------------- _wire pack / unpack
+def _arrays():
+    rng = np.random.default_rng(1)
+    per = (64 << 20) // 100 // 4
+    return [rng.standard_normal(per, dtype=np.float32) for _ in range(100)]
+
+
+@pytest.mark.parametrize("impl", ["copyto", "_wire.pack"])
+def bench_pack_100_arrays_64MiB(benchmark, impl):
+    arrays = _arrays()
+    total = sum(a.nbytes for a in arrays)
+    benchmark.group = "pack 100 arrays 64MiB"
+    benchmark.extra_info["bytes"] = total
+    out = np.empty(total, dtype=np.uint8)
+    if impl == "copyto":
+        benchmark.extra_info["role"] = "baseline"
+        views, off = [], 0
+        for a in arrays:
+            views.append(out[off:off + a.nbytes].view(np.float32))
+            off += a.nbytes
+
+        def run():
+            for v, a in zip(views, arrays):
+                np.copyto(v, a)
+    else:
+        def run():
+            pack(arrays, out=out)
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    assert out[:arrays[0].nbytes].view(np.float32)[5] == arrays[0][5]
+
+
+@pytest.mark.parametrize("impl", ["copyto", "_wire.unpack"])
+def bench_unpack_100_arrays_64MiB(benchmark, impl):
+    arrays = _arrays()
+    buf = pack(arrays)
+    outs = [np.empty_like(a) for a in arrays]
+    benchmark.group = "unpack 100 arrays 64MiB"
+    benchmark.extra_info["bytes"] = buf.nbytes
+    if impl == "copyto":
+        benchmark.extra_info["role"] = "baseline"
+        views, off = [], 0
+        for a in arrays:
+            views.append(buf[off:off + a.nbytes].view(np.float32))
+            off += a.nbytes
+
+        def run():
+            for o, v in zip(outs, views):
+                np.copyto(o, v)
+    else:
+        def run():
+            unpack(buf, outs)
+
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+    np.testing.assert_array_equal(outs[-1], arrays[-1])
+
+
+def test_time_is_monotonic():  # keeps `pytest benchmarks` from reporting "no tests" on --benchmark-skip
+    assert time.monotonic() > 0
