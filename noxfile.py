@@ -12,7 +12,7 @@ import nox
 
 nox.needs_version = ">=2024.3.2"
 nox.options.sessions = ["lint", "tests"]
-nox.options.reuse_existing_virtualenvs = True
+nox.options.reuse_existing_virtualenvs = False
 
 ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
@@ -74,7 +74,7 @@ def build(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff on every Python file, cython-lint on every .pyx kernel."""
-    session.install("ruff", "cython-lint")
+    session.install("ruff", "cython-lint", "pycodestyle")
     session.run("ruff", "check", str(ROOT))
     pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.pyx"))
     if pyx:

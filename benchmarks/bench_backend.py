@@ -17,7 +17,6 @@ import time
 
 import numpy as np
 import pytest
-
 from ferro_backend import SimulatedBackend, TcpBackend, pack, unpack
 from ferro_backend.testing import free_port
 
@@ -55,7 +54,7 @@ def bench_simulated_round_trip(benchmark, impl, size):
             while not stop.is_set():
                 try:
                     b1.recv(mid, 0, timeout=30)
-                except Exception:  # noqa: BLE001 - closed at the end
+                except Exception:
                     return
                 b1.send(mid, 0)
 

@@ -93,7 +93,8 @@ class Job:
                 except subprocess.TimeoutExpired:
                     self.kill()
                     out, err = p.communicate()
-                    raise AssertionError(f"rank {r} did not finish in {timeout}s:\n{out}\n{err}")
+                    raise AssertionError(
+                        f"rank {r} did not finish in {timeout}s:\n{out}\n{err}") from None
                 results.append(RankResult(r, p.returncode, out, err))
         finally:
             self.kill()

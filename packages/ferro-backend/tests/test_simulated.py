@@ -5,7 +5,6 @@ import time
 
 import numpy as np
 import pytest
-
 from ferro_backend import (
     Backend,
     CollectiveTimeoutError,
@@ -170,7 +169,7 @@ def test_abort_wakes_every_blocked_rank_with_the_reason():
     def wait(b):
         try:
             b.recv(bytearray(1), 0, timeout=30)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors[b.rank] = exc
 
     threads = [threading.Thread(target=wait, args=(b,)) for b in group[1:]]

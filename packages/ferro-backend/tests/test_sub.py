@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from ferro_backend import InvalidRankError, InvalidWorldSizeError, SimulatedBackend, SubBackend
 from ferro_backend.testing import run_ranks, run_threads
 
@@ -85,10 +84,10 @@ def test_subgroup_and_parent_traffic_interleaved_on_the_same_pair():
             return None
         out = np.empty(1, np.int64)
         got = {"b": [], "a": [], "p": []}
-        for i in range(20):
+        for _ in range(20):
             sub_b.recv(out, 0, tag=5, timeout=5)
             got["b"].append(int(out[0]))
-        for i in range(20):
+        for _ in range(20):
             sub_a.recv(out, 0, tag=5, timeout=5)
             got["a"].append(int(out[0]))
             b.recv(out, 0, tag=5, timeout=5)
@@ -143,7 +142,7 @@ def test_subgroup_abort_aborts_the_job():
             return "aborted"
         try:
             b.recv(bytearray(1), 0, timeout=5)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return type(exc).__name__
 
     assert run_threads(fn, g, timeout=10) == ["aborted", "PeerAbortedError", "PeerAbortedError"]

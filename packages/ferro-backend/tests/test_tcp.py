@@ -3,10 +3,7 @@
 import socket
 import time
 
-import numpy as np
 import pytest
-from tcp_job import Job, run_job
-
 from ferro_backend import (
     AuthenticationError,
     InvalidRankError,
@@ -16,6 +13,7 @@ from ferro_backend import (
 )
 from ferro_backend.tcp import parse_addr
 from ferro_backend.testing import free_port
+from tcp_job import Job, run_job
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -208,7 +208,7 @@ class Backend(abc.ABC):
         if exc is not None:
             try:
                 self.abort(f"{exc_type.__name__}: {exc}")
-            except Exception:  # noqa: BLE001 - the original exception matters more
+            except Exception:
                 pass
         self.close()
 

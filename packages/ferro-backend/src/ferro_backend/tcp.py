@@ -302,7 +302,7 @@ class TcpBackend(Backend):
             try:
                 _client_handshake(sock, self._key, info, f"rank {self._rank} -> rank {peer} at "
                                   f"{host}:{port}")
-            except (TimeoutError, socket.timeout) as exc:
+            except TimeoutError as exc:
                 sock.close()
                 raise RendezvousError(f"rank {self._rank}: handshake with rank {peer} at "
                                       f"{host}:{port} timed out") from exc
@@ -329,7 +329,7 @@ class TcpBackend(Backend):
             lsock.settimeout(remaining)
             try:
                 sock, peer_addr = lsock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             sock.settimeout(max(0.05, min(remaining, 10.0)))
             try:
@@ -594,7 +594,7 @@ class TcpBackend(Backend):
         try:
             if not self._closed:
                 self._teardown(wait=0.0)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
