@@ -43,12 +43,12 @@ def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
     def body(i: int, backend: Backend) -> None:
         try:
             results[i] = fn(backend)
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        except BaseException as exc:
             errors[i] = exc
             if abort_on_error:
                 try:
                     backend.abort(f"{type(exc).__name__}: {exc}")
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
 
     threads = [threading.Thread(target=body, args=(i, b), name=f"ferro-rank-{i}", daemon=True)
@@ -62,7 +62,7 @@ def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
         for b in backends:
             try:
                 b.abort(f"run_threads: ranks {stuck} still running after {timeout:g}s")
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         raise CollectiveTimeoutError(f"run_threads: ranks {stuck} did not finish in {timeout:g}s")
     if errors:
