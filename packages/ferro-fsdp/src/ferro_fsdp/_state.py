@@ -1,0 +1,219 @@
+"""Sharded state dicts: this rank's pieces of parameters and optimizer state, and their specs.
+
+A *piece layout* is what a ``TensorShardSpec((n,), 0, sizes)`` describes: the pieces of all ranks,
+in rank order, concatenate to the flattened tensor. Saving writes pieces in such a layout without
+communication. Loading learns the layout of the pieces it is given from one small all-gather of
+their lengths (so it takes ferro-checkpoint's reshard split, the layout it saved, or the full
+tensor on every rank) and only all-gathers a tensor's data when some rank's piece does not cover
+the region that rank needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from ferro_backend import Backend
+from ferro_collective import all_gather
+
+from .flat import FlatLayout, split_sizes, split_starts
+from .module import Parameter
+
+
+@dataclass
+class Plan:
+    """How a wrapper holds its parameters locally.
+
+    ``mode``: ``"shard"`` (chunks over the whole world), ``"hybrid"`` (chunks over the intra-node
+    group of ``layout.world`` ranks), ``"full"`` (full parameters on every rank).
+    """
+
+    backend: Backend
+    names: list[str]
+    params: list[Parameter]
+    layout: FlatLayout
+    mode: str
+    world: int
+    rank: int
+    timeout: float | None = None
+
+    def needed(self, i: int, q: int) -> tuple[int, int]:
+        """``(start, length)`` of parameter ``i``'s flattened elements that rank ``q`` holds."""
+        n = self.layout.numels[i]
+        if self.mode == "full":
+            return 0, n
+        parts = self.layout.world
+        r = q if self.mode == "shard" else q % parts
+        return split_starts(n, parts)[r], split_sizes(n, parts)[r]
+
+    def piece(self, i: int, local: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+        """This rank's saved piece of a local array of parameter ``i``, and every rank's size."""
+        n = self.layout.numels[i]
+        flat = np.asarray(local).reshape(-1)
+        if self.mode == "hybrid":
+            parts = self.layout.world
+            sizes = split_sizes(n, parts) + (0,) * (self.world - parts)
+            if self.rank < parts:
+                return np.array(flat[:sizes[self.rank]], copy=True), sizes
+            return flat[:0].copy(), sizes
+        sizes = split_sizes(n, self.world)
+        if self.mode == "shard":
+            return np.array(flat[:sizes[self.rank]], copy=True), sizes
+        start = split_starts(n, self.world)[self.rank]
+        return np.array(flat[start:start + sizes[self.rank]], copy=True), sizes
+
+    def local_from(self, i: int, data: np.ndarray) -> np.ndarray:
+        """The local array of parameter ``i`` from the elements ``needed(i, rank)``."""
+        if self.mode == "full":
+            return np.array(data, dtype=self.layout.dtype).reshape(self.layout.shapes[i])
+        out = np.zeros(self.layout.chunks[i], dtype=self.layout.dtype)
+        out[:data.size] = data
+        return out
+
+
+def _keys(plan: Plan, optimizer: Any) -> list[tuple[str, int, str, str]]:
+    """``(key, param index, kind, state key)`` for every tensor a state dict may hold."""
+    keys = [(name, i, "param", "") for i, name in enumerate(plan.names)]
+    if optimizer is not None:
+        for i, name in enumerate(plan.names):
+            for k in getattr(optimizer, "array_state_keys", ()):
+                keys.append((f"optim.{name}.{k}", i, "array", k))
+            for k in getattr(optimizer, "scalar_state_keys", ()):
+                keys.append((f"optim.{name}.{k}", i, "scalar", k))
+    return keys
+
+
+def _check_optimizer(op: str, plan: Plan, optimizer: Any) -> None:
+    if optimizer is None:
+        return
+    if not hasattr(optimizer, "state"):
+        raise TypeError(f"{op}: {type(optimizer).__name__} has no .state; expected a ferro_fsdp.optim "
+                        "optimizer")
+    mine = {id(p) for p in getattr(optimizer, "params", ())}
+    absent = [n for n, p in zip(plan.names, plan.params) if id(p) not in mine]
+    if absent:
+        raise ValueError(f"{op}: the optimizer does not hold the parameters {absent}; build it on "
+                         "module.parameters()")
+
+
+def save(plan: Plan, optimizer: Any = None) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+    _check_optimizer("sharded_state_dict", plan, optimizer)
+    tensors: dict[str, np.ndarray] = {}
+    specs: dict[str, tuple] = {}
+    for key, i, kind, k in _keys(plan, optimizer):
+        p = plan.params[i]
+        n = plan.layout.numels[i]
+        if kind == "param":
+            tensors[key], sizes = plan.piece(i, p.data)
+            specs[key] = ((n,), 0, sizes)
+            continue
+        state = optimizer.state.get(p, {})
+        if k not in state:
+            continue
+        value = state[k]
+        if kind == "array":
+            tensors[key], sizes = plan.piece(i, np.asarray(value))
+            specs[key] = ((n,), 0, sizes)
+        else:
+            dtype = np.int64 if isinstance(value, (int, np.integer)) else np.float64
+            tensors[key] = np.array([value], dtype=dtype)
+            specs[key] = ((plan.world,), 0, (1,) * plan.world)
+    return tensors, specs
+
+
+def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
+    _check_optimizer("load_sharded_state_dict", plan, optimizer)
+    keys = _keys(plan, optimizer)
+    known = {k for k, *_ in keys}
+    unexpected = sorted(k for k in tensors if k not in known)
+    lengths = np.array([np.asarray(tensors[k]).size if k in tensors else -1 for k, *_ in keys]
+                       + [len(unexpected)], dtype=np.int64)
+    if plan.world > 1:
+        table = all_gather(lengths, plan.backend, timeout=plan.timeout).reshape(plan.world, -1)
+    else:
+        table = lengths.reshape(1, -1)
+    if table[:, -1].any():
+        raise ValueError(f"load_sharded_state_dict: unexpected keys {unexpected} on rank {plan.rank} "
+                         f"({int(table[:, -1].sum())} over all ranks)")
+    missing = [k for j, (k, _, kind, _) in enumerate(keys) if kind == "param" and (table[:, j] < 0).all()]
+    if missing:
+        raise ValueError(f"load_sharded_state_dict: missing parameter keys {missing}")
+    new_state: dict[int, dict[str, Any]] = {}
+    for j, (key, i, kind, k) in enumerate(keys):
+        col = table[:, j]
+        if (col < 0).all():
+            continue
+        if (col < 0).any():
+            raise ValueError(f"load_sharded_state_dict: {key!r} is present on ranks "
+                             f"{np.flatnonzero(col >= 0).tolist()} only")
+        if kind == "scalar":
+            value = _load_scalar(plan, key, tensors[key], col)
+            new_state.setdefault(i, {})[k] = value
+            continue
+        data = _load_region(plan, key, i, np.asarray(tensors[key]), col)
+        local = plan.local_from(i, data)
+        if kind == "param":
+            p = plan.params[i]
+            if (p.data.shape == local.shape and p.data.dtype == local.dtype
+                    and p.data.flags.writeable):
+                p.data[...] = local
+            else:
+                p.data = local
+        else:
+            new_state.setdefault(i, {})[k] = local
+    if optimizer is not None:
+        for i, p in enumerate(plan.params):
+            if i in new_state:
+                optimizer.state[p] = new_state[i]
+            else:
+                optimizer.state.pop(p, None)
+
+
+def _gather_pieces(plan: Plan, piece: np.ndarray, col: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Every rank's piece, concatenated in rank order (one all-gather, padded to the longest)."""
+    width = int(col.max())
+    buf = np.zeros(width, dtype=dtype)
+    buf[:piece.size] = piece.reshape(-1)
+    table = all_gather(buf, plan.backend, timeout=plan.timeout).reshape(plan.world, width)
+    return np.concatenate([table[q, :int(col[q])] for q in range(plan.world)])
+
+
+def _load_region(plan: Plan, key: str, i: int, piece: np.ndarray, col: np.ndarray) -> np.ndarray:
+    n = plan.layout.numels[i]
+    total = int(col.sum())
+    if total == n:
+        starts = np.concatenate([[0], np.cumsum(col)[:-1]])
+        covers = [(int(starts[q]), int(col[q])) for q in range(plan.world)]
+    elif (col == n).all():
+        covers = [(0, n)] * plan.world
+    else:
+        raise ValueError(f"load_sharded_state_dict: {key!r} has pieces of {col.tolist()} elements, "
+                         f"expected them to add up to its {n} elements (or {n} on every rank)")
+
+    def inside(q: int) -> bool:
+        s, length = plan.needed(i, q)
+        cs, cl = covers[q]
+        return length == 0 or (cs <= s and s + length <= cs + cl)
+
+    start, length = plan.needed(i, plan.rank)
+    piece = np.asarray(piece, dtype=plan.layout.dtype).reshape(-1)
+    if all(inside(q) for q in range(plan.world)):
+        off = start - covers[plan.rank][0]
+        return piece[max(off, 0):max(off, 0) + length]
+    full = _gather_pieces(plan, piece, col, plan.layout.dtype)
+    if total != n:
+        full = full[:n]
+    return full[start:start + length]
+
+
+def _load_scalar(plan: Plan, key: str, piece: Any, col: np.ndarray) -> int | float:
+    piece = np.asarray(piece).reshape(-1)
+    if int(col.sum()) == 0:
+        raise ValueError(f"load_sharded_state_dict: {key!r} is empty on every rank")
+    dtype = np.int64 if piece.dtype.kind in "iub" else np.float64
+    if (col >= 1).all():
+        value = piece[0]
+    else:
+        value = _gather_pieces(plan, piece.astype(np.float64), col, np.dtype(np.float64))[0]
+    return int(value) if dtype is np.int64 else float(value)

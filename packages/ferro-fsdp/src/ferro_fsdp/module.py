@@ -1,0 +1,209 @@
+"""``Parameter`` and ``Module``: the smallest model layer that FSDP, DDP and the optimizers need.
+
+A :class:`Module` registers every attribute that is a :class:`Parameter` or a :class:`Module`, in
+the order the attributes were first assigned (re-assigning keeps the position; assigning anything
+else, or ``del``, unregisters). ``named_parameters`` walks that order depth-first with dotted
+names (``"0.weight"``) and lists a shared Parameter once. Models are plain numpy: ``forward``
+computes, the optional ``backward(grad_output)`` sets ``.grad`` on the module's parameters (adding
+to a gradient already there, as torch accumulates) and returns the gradient wrt the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+
+class Parameter:
+    """A trainable array: ``data``, its gradient ``grad`` (None until a backward), ``requires_grad``.
+
+    The array is not copied. Distributed wrappers swap ``data`` and ``grad`` but never replace the
+    Parameter object, so an optimizer built on it stays valid for the whole run.
+    """
+
+    __slots__ = ("__weakref__", "data", "grad", "requires_grad")
+
+    def __init__(self, data: Any, requires_grad: bool = True) -> None:
+        self.data: np.ndarray = np.asarray(data)
+        self.grad: np.ndarray | None = None
+        self.requires_grad: bool = bool(requires_grad)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        return self.data.size
+
+    def accumulate_grad(self, grad: np.ndarray) -> None:
+        """Add ``grad`` to ``.grad`` (or set it when there is none); no-op if not ``requires_grad``."""
+        if not self.requires_grad:
+            return
+        grad = np.asarray(grad, dtype=self.data.dtype)
+        if grad.shape != self.data.shape:
+            raise ValueError(
+                f"Parameter.accumulate_grad: gradient of shape {grad.shape}, "
+                f"expected the parameter's shape {self.data.shape}"
+            )
+        if self.grad is None:
+            self.grad = np.array(grad, copy=True)
+        else:
+            self.grad = self.grad + grad
+
+    def __repr__(self) -> str:
+        return (f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}, "
+                f"requires_grad={self.requires_grad})")
+
+
+class Module:
+    """Base class of models: attributes that are Parameters or Modules register themselves, in order.
+
+    Subclasses implement ``forward(x)`` and, to be trained with ferro, ``backward(grad_output)``.
+    Calling ``super().__init__()`` is recommended but not required.
+    """
+
+    training: bool
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_registry", {})
+        object.__setattr__(self, "training", True)
+
+    # -- registration ---------------------------------------------------------------------
+    def _reg(self) -> dict[str, None]:
+        reg = self.__dict__.get("_registry")
+        if reg is None:
+            reg = {}
+            object.__setattr__(self, "_registry", reg)
+        return reg
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        reg = self._reg()
+        if isinstance(value, (Parameter, Module)):
+            reg.setdefault(name, None)
+        else:
+            reg.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._reg().pop(name, None)
+        object.__delattr__(self, name)
+
+    def register_parameter(self, name: str, param: Parameter) -> None:
+        """``setattr(self, name, param)``, for names that are not identifiers."""
+        if not isinstance(param, Parameter):
+            raise TypeError(f"register_parameter: {name!r} is a {type(param).__name__}, not a Parameter")
+        setattr(self, name, param)
+
+    def add_module(self, name: str, module: Module) -> None:
+        """``setattr(self, name, module)``, for names like ``"0"``."""
+        if not isinstance(module, Module):
+            raise TypeError(f"add_module: {name!r} is a {type(module).__name__}, not a Module")
+        setattr(self, name, module)
+
+    def _items(self) -> Iterator[tuple[str, Parameter | Module]]:
+        for name in list(self._reg()):
+            yield name, self.__dict__[name]
+
+    # -- traversal ------------------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> list[tuple[str, Parameter]]:
+        """``(dotted name, Parameter)`` in registration order, depth first; shared ones once."""
+        out: list[tuple[str, Parameter]] = []
+        seen: set[int] = set()
+        self._collect(prefix, recurse, out, seen)
+        return out
+
+    def _collect(self, prefix: str, recurse: bool, out: list, seen: set[int]) -> None:
+        for name, value in self._items():
+            full = f"{prefix}{name}"
+            if isinstance(value, Parameter):
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    out.append((full, value))
+            elif recurse:
+                value._collect(full + ".", True, out, seen)
+
+    def parameters(self, recurse: bool = True) -> list[Parameter]:
+        return [p for _, p in self.named_parameters(recurse=recurse)]
+
+    def named_children(self) -> list[tuple[str, Module]]:
+        return [(n, v) for n, v in self._items() if isinstance(v, Module)]
+
+    def children(self) -> list[Module]:
+        return [m for _, m in self.named_children()]
+
+    def named_modules(self, prefix: str = "") -> list[tuple[str, Module]]:
+        """This module (name ``prefix``) and every submodule, depth first."""
+        out = [(prefix, self)]
+        for name, child in self.named_children():
+            out.extend(child.named_modules(f"{prefix}.{name}" if prefix else name))
+        return out
+
+    def modules(self) -> list[Module]:
+        return [m for _, m in self.named_modules()]
+
+    # -- computing ------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.forward is not implemented")
+
+    def backward(self, grad_output: Any) -> Any:
+        """Optional: set ``.grad`` on this module's parameters and return the gradient wrt its input."""
+        raise NotImplementedError(f"{type(self).__name__}.backward is not implemented")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    # -- modes, gradients, state ----------------------------------------------------------
+    def train(self, mode: bool = True) -> Module:
+        for m in self.modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """Set every parameter's ``.grad`` to None."""
+        for p in self.parameters():
+            p.grad = None
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """``{dotted name: copy of .data}`` in ``named_parameters`` order."""
+        return {name: np.array(p.data, copy=True) for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy ``state``'s arrays into the parameters (same names and shapes, every name once)."""
+        named = dict(self.named_parameters())
+        missing = [n for n in named if n not in state]
+        unexpected = [n for n in state if n not in named]
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for name, p in named.items():
+            value = np.asarray(state[name])
+            if value.shape != p.data.shape:
+                raise ValueError(f"load_state_dict: {name!r} has shape {value.shape}, "
+                                 f"expected {p.data.shape}")
+            p.data = np.array(value, dtype=p.data.dtype, copy=True)
+
+    def num_parameters(self) -> int:
+        return sum(p.data.size for p in self.parameters())
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        kids = self.named_children()
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        if not kids:
+            return head + ")"
+        body = "".join(f"\n  ({n}): " + repr(m).replace("\n", "\n  ") for n, m in kids)
+        return head + body + "\n)"
+
+
+__all__ = ["Module", "Parameter"]

@@ -1,0 +1,183 @@
+"""SGD (momentum, dampening, Nesterov, weight decay) and Adam, with torch's update rules.
+
+An optimizer steps whatever Parameters it is given, in place (``p.data`` is updated, never
+replaced, so views stay views). Given a rank's FSDP shards, its state is sharded too (ZeRO);
+FSDP's ``sharded_state_dict(optimizer)`` saves that state with the parameters. Parameters whose
+``.grad`` is None are skipped, as in torch.
+
+``optimizer.state`` maps each Parameter to its state dict (``"momentum_buffer"`` for SGD;
+``"step"``, ``"exp_avg"``, ``"exp_avg_sq"`` for Adam). ``state_dict()`` / ``load_state_dict()``
+use parameter indices instead, like torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .module import Parameter
+
+
+class Optimizer:
+    """Parameter groups, per-parameter state, ``zero_grad``, ``state_dict``."""
+
+    #: state entries that are arrays shaped like the parameter
+    array_state_keys: ClassVar[tuple[str, ...]] = ()
+    #: state entries that are Python numbers
+    scalar_state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, params: Iterable[Parameter] | Iterable[dict], defaults: dict[str, Any]) -> None:
+        self.defaults = dict(defaults)
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Parameter, dict[str, Any]] = {}
+        params = list(params)
+        if not params:
+            raise ValueError(f"{type(self).__name__}: got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        seen: set[int] = set()
+        for g in groups:
+            group = {**self.defaults, **g, "params": list(g["params"])}
+            for p in group["params"]:
+                if not isinstance(p, Parameter):
+                    raise TypeError(f"{type(self).__name__}: {type(p).__name__} is not a Parameter")
+                if id(p) in seen:
+                    raise ValueError(f"{type(self).__name__}: a Parameter appears twice")
+                seen.add(id(p))
+            self.param_groups.append(group)
+
+    @property
+    def params(self) -> list[Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.param_groups:
+            g["lr"] = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad = np.zeros_like(p.data)
+
+    @staticmethod
+    def _grad(p: Parameter, who: str) -> np.ndarray:
+        g = p.grad
+        if g.shape != p.data.shape:
+            raise ValueError(f"{who}.step: gradient of shape {g.shape} for a parameter of shape "
+                             f"{p.data.shape}")
+        if not p.data.flags.writeable:
+            raise ValueError(f"{who}.step: parameter of shape {p.data.shape} is read-only")
+        return g
+
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or not p.requires_grad:
+                    continue
+                self._update(p, self._grad(p, type(self).__name__), group,
+                             self.state.setdefault(p, {}))
+
+    def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {...}}, "param_groups": [...]}`` with parameters as indices (copies)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        state = {index[id(p)]: {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+                                for k, v in s.items()}
+                 for p, s in self.state.items() if id(p) in index}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        params = self.params
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: parameter groups do not match")
+        for g, mine in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in g.items() if k != "params"})
+        self.state = {}
+        for i, s in state_dict["state"].items():
+            p = params[int(i)]
+            self.state[p] = {k: (np.array(v, dtype=p.data.dtype, copy=True) if isinstance(v, np.ndarray)
+                                 else v) for k, v in s.items()}
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD: ``g = grad + wd*p``; ``buf = momentum*buf + (1-dampening)*g`` (``buf = g``
+    on the first step); ``g = g + momentum*buf`` if nesterov else ``buf``; ``p -= lr*g``."""
+
+    array_state_keys = ("momentum_buffer",)
+
+    def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0, *, dampening: float = 0.0, nesterov: bool = False) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"SGD: lr {lr}, momentum {momentum} and weight_decay {weight_decay} "
+                             "must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening 0")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                                  "dampening": dampening, "nesterov": nesterov})
+
+    def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
+        wd, momentum = group["weight_decay"], group["momentum"]
+        d = grad + wd * p.data if wd else grad
+        if momentum:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = np.array(d, dtype=p.data.dtype, copy=True)
+                state["momentum_buffer"] = buf
+            else:
+                buf *= momentum
+                buf += (1.0 - group["dampening"]) * d
+            d = d + momentum * buf if group["nesterov"] else buf
+        p.data -= group["lr"] * d
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam (L2 weight decay added to the gradient, bias-corrected moments)."""
+
+    array_state_keys = ("exp_avg", "exp_avg_sq")
+    scalar_state_keys = ("step",)
+
+    def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"Adam: invalid lr {lr}, betas {betas}, eps {eps} or "
+                             f"weight_decay {weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+                                  "weight_decay": weight_decay})
+
+    def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
+        beta1, beta2 = group["betas"]
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = np.zeros_like(p.data)
+            state["exp_avg_sq"] = np.zeros_like(p.data)
+        state["step"] += 1
+        step = state["step"]
+        d = grad + group["weight_decay"] * p.data if group["weight_decay"] else grad
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= beta1
+        m += (1.0 - beta1) * d
+        v *= beta2
+        v += (1.0 - beta2) * (d * d)
+        bias1 = 1.0 - beta1 ** step
+        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        denom = np.sqrt(v) / bias2_sqrt + group["eps"]
+        p.data -= (group["lr"] / bias1) * (m / denom)
+
+
+__all__ = ["SGD", "Adam", "Optimizer"]

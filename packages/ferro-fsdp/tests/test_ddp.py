@@ -1,0 +1,141 @@
+"""DistributedDataParallel: rank 0's parameters at start, bucketed fused allreduces, no_sync."""
+
+import threading
+
+import ferro_fsdp.ddp as ddp_mod
+import numpy as np
+import pytest
+from _helpers import make_data, make_mlp, run
+from ferro_backend import SimulatedBackend
+from ferro_fsdp import DDP, DistributedDataParallel, Module, Parameter, nn
+
+
+def count_allreduces(monkeypatch):
+    calls = []
+    lock = threading.Lock()
+    real = ddp_mod.allreduce_async
+
+    def counted(tensor, backend, *args, **kwargs):
+        with lock:
+            calls.append((backend.rank, tensor.size))
+        return real(tensor, backend, *args, **kwargs)
+
+    monkeypatch.setattr(ddp_mod, "allreduce_async", counted)
+    return calls
+
+
+def test_alias():
+    assert DDP is DistributedDataParallel
+
+
+def test_construction_broadcasts_rank_0_parameters():
+    def body(b):
+        d = DDP(make_mlp(seed=10 + b.rank), b)
+        return d.module.state_dict()
+
+    ref = make_mlp(seed=10).state_dict()
+    for sd in run(body, 3):
+        for name in ref:
+            np.testing.assert_array_equal(sd[name], ref[name])
+
+
+def test_buckets_in_reverse_order_each_one_message(monkeypatch):
+    calls = count_allreduces(monkeypatch)
+    x, y = make_data(8)
+
+    def body(b):
+        d = DDP(make_mlp(), b, bucket_cap_mb=1048 / (1 << 20))
+        loss_fn = nn.CrossEntropyLoss()
+        loss_fn(d(x[:4]), y[:4])
+        d.backward(loss_fn.backward())
+        return d.buckets
+
+    for buckets in run(body, 2):
+        assert buckets == [["2.bias", "2.weight", "0.bias"], ["0.weight"]]
+    assert sorted(calls) == [(0, 13 + 65 + 5), (0, 91), (1, 13 + 65 + 5), (1, 91)]
+
+
+def test_default_cap_is_one_bucket_and_grads_are_the_mean():
+    x, y = make_data(8)
+
+    def body(b):
+        d = DDP(make_mlp(), b)
+        assert len(d.buckets) == 1 and d.bucket_cap_bytes == 25 << 20
+        loss_fn = nn.CrossEntropyLoss()
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        loss_fn(d(x[sl]), y[sl])
+        d.backward(loss_fn.backward())
+        return [p.grad for p in d.module.parameters()]
+
+    ref = make_mlp()
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn(ref(x), y)
+    ref.backward(loss_fn.backward())
+    g0, g1 = run(body, 2)
+    for a, b_, r in zip(g0, g1, ref.parameters()):
+        np.testing.assert_array_equal(a, b_)
+        np.testing.assert_allclose(a, r.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_no_sync_accumulates_locally(monkeypatch):
+    calls = count_allreduces(monkeypatch)
+    x, y = make_data(8)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+
+    def body(b):
+        d = DDP(make_mlp(), b)
+        with d.no_sync():
+            loss_fn(d(x[4 * b.rank:4 * b.rank + 2]), y[4 * b.rank:4 * b.rank + 2])
+            d.backward(loss_fn.backward())
+        loss_fn(d(x[4 * b.rank + 2:4 * b.rank + 4]), y[4 * b.rank + 2:4 * b.rank + 4])
+        d.backward(loss_fn.backward())
+        return [p.grad for p in d.module.parameters()]
+
+    ref = make_mlp()
+    loss_fn(ref(x), y)
+    ref.backward(loss_fn.backward())
+    for grads in run(body, 2):
+        for g, r in zip(grads, ref.parameters()):
+            np.testing.assert_allclose(g, r.grad / 2, rtol=1e-12, atol=1e-15)
+    assert len(calls) == 2  # one sync per rank, after the second backward
+
+
+def test_dtypes_get_their_own_buckets_and_missing_grads_count_as_zero():
+    class Mixed(Module):
+        def __init__(self):
+            super().__init__()
+            self.a = Parameter(np.ones(3, np.float32))
+            self.b = Parameter(np.ones(2, np.float64))
+            self.c = Parameter(np.ones(2, np.float32))
+
+    def body(b):
+        d = DDP(Mixed(), b)
+        if b.rank == 0:
+            d.module.a.grad = np.full(3, 2.0, np.float32)
+            d.module.b.grad = np.full(2, 4.0)
+        d.sync_gradients()
+        return d.buckets, d.module.a.grad, d.module.b.grad, d.module.c.grad
+
+    for buckets, a, b_, c in run(body, 2):
+        assert buckets == [["c", "a"], ["b"]]
+        assert a.dtype == np.float32 and b_.dtype == np.float64
+        np.testing.assert_array_equal(a, 1.0)
+        np.testing.assert_array_equal(b_, 2.0)
+        np.testing.assert_array_equal(c, 0.0)
+
+
+def test_state_dict_and_errors():
+    b = SimulatedBackend.create_group(1)[0]
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        DDP(make_mlp(), b, bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="Module"):
+        DDP(object(), b)
+    d = DDP(make_mlp(), b)
+    assert d.train() is d and d.eval() is d and not d.module.training
+    tensors, specs = d.sharded_state_dict()
+    assert specs["0.weight"] == ((91,), 0, (91,))
+    d.module.zero_grad()
+    d.load_sharded_state_dict(tensors)
+    d.module.parameters()[0].grad = np.ones(3)
+    with pytest.raises(ValueError, match="shape"):
+        DDP(d.module, SimulatedBackend.create_group(2)[0], broadcast_parameters=False).sync_gradients()

@@ -1,0 +1,157 @@
+"""SGD and Adam against torch's update rules, written out independently."""
+
+import numpy as np
+import pytest
+from ferro_fsdp import Parameter, optim
+
+
+def run_opt(make, grads, p0):
+    p = Parameter(np.array(p0, dtype=np.float64))
+    opt = make([p])
+    out = []
+    for g in grads:
+        p.grad = np.array(g, dtype=np.float64)
+        opt.step()
+        out.append(p.data.copy())
+    return out, opt, p
+
+
+def sgd_reference(p, grads, lr, momentum=0.0, wd=0.0, dampening=0.0, nesterov=False):
+    p = np.array(p, dtype=np.float64)
+    buf = None
+    out = []
+    for g in grads:
+        d = np.asarray(g) + wd * p
+        if momentum:
+            buf = d.copy() if buf is None else momentum * buf + (1 - dampening) * d
+            d = d + momentum * buf if nesterov else buf
+        p = p - lr * d
+        out.append(p)
+    return out
+
+
+def adam_reference(p, grads, lr, b1, b2, eps, wd):
+    p = np.array(p, dtype=np.float64)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    out = []
+    for t, g in enumerate(grads, start=1):
+        d = np.asarray(g) + wd * p
+        m = b1 * m + (1 - b1) * d
+        v = b2 * v + (1 - b2) * d * d
+        mhat = m / (1 - b1 ** t)
+        vhat = v / (1 - b2 ** t)
+        p = p - lr * mhat / (np.sqrt(vhat) + eps)
+        out.append(p)
+    return out
+
+
+GRADS = np.random.default_rng(0).standard_normal((6, 5))
+P0 = np.random.default_rng(1).standard_normal(5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"momentum": 0.9}, {"momentum": 0.9, "weight_decay": 0.1},
+                                {"momentum": 0.5, "dampening": 0.3},
+                                {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}])
+def test_sgd_matches_torch_rule(kw):
+    out, _, _ = run_opt(lambda ps: optim.SGD(ps, lr=0.1, **kw), GRADS, P0)
+    ref = sgd_reference(P0, GRADS, 0.1, kw.get("momentum", 0.0), kw.get("weight_decay", 0.0),
+                        kw.get("dampening", 0.0), kw.get("nesterov", False))
+    for a, b in zip(out, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_adam_matches_torch_rule(wd):
+    out, opt, p = run_opt(lambda ps: optim.Adam(ps, lr=0.01, betas=(0.8, 0.99), eps=1e-6,
+                                                weight_decay=wd), GRADS, P0)
+    ref = adam_reference(P0, GRADS, 0.01, 0.8, 0.99, 1e-6, wd)
+    for a, b in zip(out, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert opt.state[p]["step"] == len(GRADS)
+
+
+def test_adam_with_a_constant_gradient_moves_lr_per_step():
+    # m_hat = g and v_hat = g^2 exactly, so each step moves lr * g / (|g| + eps)
+    out, _, _ = run_opt(lambda ps: optim.Adam(ps, lr=0.1, eps=0.0), [np.full(3, 2.5)] * 4, np.zeros(3))
+    np.testing.assert_allclose(out[-1], -0.4 * np.ones(3), rtol=1e-12)
+
+
+def test_updates_in_place_and_skips_missing_grads():
+    buf = np.zeros(6)
+    a = Parameter(buf[:3])
+    b = Parameter(np.ones(2))
+    opt = optim.SGD([a, b], lr=1.0)
+    a.grad = np.ones(3)
+    opt.step()
+    np.testing.assert_array_equal(buf[:3], -1.0)  # the view was updated, not replaced
+    np.testing.assert_array_equal(b.data, 1.0)  # no grad: skipped
+    assert b not in opt.state or not opt.state[b]
+
+
+def test_zero_grad_lr_groups_and_errors():
+    a, b = Parameter(np.ones(2)), Parameter(np.ones(2))
+    opt = optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    a.grad = np.ones(2)
+    b.grad = np.ones(2)
+    opt.step()
+    np.testing.assert_allclose(a.data, 0.9)
+    np.testing.assert_allclose(b.data, 0.5)
+    opt.zero_grad()
+    assert a.grad is None
+    opt.zero_grad(set_to_none=False)  # torch: a None gradient stays None, others become zeros
+    assert a.grad is None
+    a.grad = np.ones(2)
+    opt.zero_grad(set_to_none=False)
+    np.testing.assert_array_equal(a.grad, 0.0)
+    opt.lr = 1.0
+    assert opt.lr == 1.0 and opt.param_groups[1]["lr"] == 1.0
+    with pytest.raises(ValueError):
+        optim.SGD([], lr=0.1)
+    with pytest.raises(ValueError, match="twice"):
+        optim.SGD([a, a], lr=0.1)
+    with pytest.raises(TypeError):
+        optim.SGD([np.ones(2)], lr=0.1)
+    with pytest.raises(ValueError):
+        optim.SGD([a], lr=0.1, nesterov=True)
+    with pytest.raises(ValueError):
+        optim.Adam([a], betas=(1.0, 0.9))
+    a.grad = np.ones(3)
+    with pytest.raises(ValueError, match="shape"):
+        optim.SGD([a], lr=0.1).step()
+    frozen = Parameter(np.ones(2))
+    frozen.data.flags.writeable = False
+    frozen.grad = np.ones(2)
+    with pytest.raises(ValueError, match="read-only"):
+        optim.SGD([frozen], lr=0.1).step()
+
+
+def test_state_dict_round_trip_continues_identically():
+    def make(ps):
+        return optim.Adam(ps, lr=0.01)
+
+    out, opt, p = run_opt(make, GRADS[:3], P0)
+    sd = opt.state_dict()
+    assert sd["state"][0]["step"] == 3 and sd["param_groups"][0]["params"] == [0]
+    q = Parameter(p.data.copy())
+    opt2 = make([q])
+    opt2.load_state_dict(sd)
+    for g in GRADS[3:]:
+        p.grad = g.copy()
+        q.grad = g.copy()
+        opt.step()
+        opt2.step()
+    np.testing.assert_array_equal(p.data, q.data)
+    with pytest.raises(ValueError, match="groups"):
+        make([Parameter(np.ones(1)), Parameter(np.ones(1))]).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dtype_is_kept(dtype):
+    p = Parameter(np.ones(3, dtype))
+    for opt in (optim.SGD([p], lr=0.1, momentum=0.9), optim.Adam([p])):
+        p.grad = np.ones(3, dtype)
+        opt.step()
+        assert p.data.dtype == dtype
+        assert all(v.dtype == dtype for v in opt.state[p].values() if isinstance(v, np.ndarray))

@@ -1,0 +1,191 @@
+"""Sharded state dicts: stop on one world size and strategy, resume on another, same trajectory.
+
+ferro-checkpoint is not a dependency; `checkpoint_reshard` below does what its save + load on a
+new world size does (concatenate the pieces along dim 0 in rank order, split again with "the
+first full % world ranks get one extra row").
+"""
+
+import numpy as np
+import pytest
+from _helpers import (
+    FS,
+    HS,
+    NS,
+    SGO,
+    assert_close_rel,
+    full_params,
+    make_data,
+    make_mlp,
+    make_opt,
+    reference_training,
+    run,
+    train_steps,
+    wrap,
+)
+from ferro_fsdp import FSDP, nn, split_sizes
+
+N = 24
+STEPS = 20
+STOP = 9
+
+
+def consolidate(per_rank, specs_per_rank):
+    """The full flattened tensors from every rank's pieces, checking the specs on the way."""
+    specs = specs_per_rank[0]
+    for other in specs_per_rank[1:]:
+        assert other == specs, "every rank must compute the same specs"
+    full = {}
+    for key, (full_shape, shard_dim, sizes) in specs.items():
+        assert shard_dim == 0 and len(full_shape) == 1
+        assert len(sizes) == len(per_rank)
+        assert sum(sizes) == full_shape[0]
+        pieces = [t[key] for t in per_rank]
+        assert [p.shape for p in pieces] == [(s,) for s in sizes]
+        full[key] = np.concatenate(pieces)
+    return full
+
+
+def checkpoint_reshard(full, world):
+    out = []
+    for r in range(world):
+        d = {}
+        for key, arr in full.items():
+            sizes = split_sizes(arr.shape[0], world)
+            start = sum(sizes[:r])
+            d[key] = arr[start:start + sizes[r]].copy()
+        out.append(d)
+    return out
+
+
+def train_and_save(strategy, world, intra, opt_kind, steps):
+    x, y = make_data(N)
+    per = N // world
+
+    def body(b):
+        w = wrap(make_mlp(), b, strategy, intra)
+        opt = make_opt(opt_kind, w.module.parameters())
+        sl = slice(b.rank * per, (b.rank + 1) * per)
+        losses = train_steps(w, opt, nn.CrossEntropyLoss(), x[sl], y[sl], steps)
+        tensors, specs = w.sharded_state_dict(opt)
+        return tensors, specs, losses
+
+    res = run(body, world)
+    return [r[0] for r in res], [r[1] for r in res], [r[2] for r in res]
+
+
+def load_and_train(strategy, world, intra, opt_kind, per_rank, steps, start_step=0):
+    x, y = make_data(N)
+    per = N // world
+
+    def body(b):
+        model = make_mlp(seed=123)  # other initial values: everything comes from the state dict
+        w = wrap(model, b, strategy, intra)
+        opt = make_opt(opt_kind, w.module.parameters())
+        w.load_sharded_state_dict(per_rank[b.rank], opt)
+        sl = slice(b.rank * per, (b.rank + 1) * per)
+        losses = train_steps(w, opt, nn.CrossEntropyLoss(), x[sl], y[sl], steps)
+        return full_params(w), losses
+
+    return run(body, world)
+
+
+RESUMES = [
+    ((FS, 4, None), (FS, 2, None)),
+    ((FS, 2, None), (FS, 4, None)),
+    ((FS, 4, None), (FS, 3, None)),
+    ((HS, 4, 2), (FS, 2, None)),
+    ((FS, 4, None), (HS, 4, 2)),
+    ((SGO, 4, None), (NS, 2, None)),
+    ((NS, 2, None), (SGO, 4, None)),
+    (("ddp", 4, None), (FS, 2, None)),
+    ((FS, 2, None), ("ddp", 4, None)),
+]
+
+
+def _id(case):
+    (s1, w1, _), (s2, w2, _) = case
+    return f"{getattr(s1, 'name', s1)}{w1}-to-{getattr(s2, 'name', s2)}{w2}"
+
+
+@pytest.mark.parametrize("opt_kind", ["adam", "sgd"])
+@pytest.mark.parametrize("case", RESUMES, ids=[_id(c) for c in RESUMES])
+def test_resume_on_another_world_size_continues_the_trajectory(case, opt_kind):
+    (s1, w1, i1), (s2, w2, i2) = case
+    x, y = make_data(N)
+    ref_params, ref_losses = reference_training(opt_kind, STEPS, x, y)
+    per_rank, specs, losses1 = train_and_save(s1, w1, i1, opt_kind, STOP)
+    full = consolidate(per_rank, specs)
+    n_state = 2 if opt_kind == "adam" else 1
+    assert len(full) == 4 * (1 + n_state + (opt_kind == "adam"))
+    if opt_kind == "adam":
+        assert all((full[k] == STOP).all() for k in full if k.endswith(".step"))
+    results = load_and_train(s2, w2, i2, opt_kind, checkpoint_reshard(full, w2), STEPS - STOP)
+    for params, _ in results:
+        for name in ref_params:
+            assert_close_rel(params[name], ref_params[name], 1e-10)
+    mean_before = np.mean(losses1, axis=0)
+    mean_after = np.mean([r[1] for r in results], axis=0)
+    np.testing.assert_allclose(np.concatenate([mean_before, mean_after]), ref_losses, rtol=1e-10)
+
+
+def test_specs_describe_the_pieces():
+    per_rank, specs, _ = train_and_save(FS, 4, None, "adam", 1)
+    assert specs[0]["0.weight"] == ((91,), 0, (23, 23, 23, 22))
+    assert specs[0]["optim.0.weight.exp_avg"] == ((91,), 0, (23, 23, 23, 22))
+    assert specs[0]["optim.0.weight.step"] == ((4,), 0, (1, 1, 1, 1))
+    assert per_rank[3]["0.weight"].shape == (22,)
+    assert per_rank[0]["optim.0.weight.step"].dtype == np.int64
+    hybrid, hspecs, _ = train_and_save(HS, 4, 2, "sgd", 1)
+    assert hspecs[0]["0.weight"] == ((91,), 0, (46, 45, 0, 0))
+    assert hybrid[2]["0.weight"].shape == (0,)
+
+
+def test_load_what_was_saved_on_the_same_world_and_full_tensors():
+    # the same world size: ferro-checkpoint hands back each rank's own file (here: hybrid's
+    # first-node layout); a consolidated checkpoint: the full tensors on every rank
+    per_rank, specs, _ = train_and_save(HS, 4, 2, "adam", 3)
+    full = consolidate(per_rank, specs)
+    x, y = make_data(N)
+    ref_params, _ = reference_training("adam", 5, x, y)
+    for pieces in (per_rank, [dict(full)] * 4):
+        for params, _ in load_and_train(HS, 4, 2, "adam", pieces, 2):
+            for name in ref_params:
+                assert_close_rel(params[name], ref_params[name], 1e-10)
+
+
+def test_bad_state_dicts_raise_on_every_rank():
+    per_rank, specs, _ = train_and_save(FS, 2, None, "sgd", 1)
+
+    def attempt(mutate):
+        pieces = [dict(d) for d in per_rank]
+        mutate(pieces)
+
+        def body(b):
+            w = FSDP(make_mlp(), b)
+            opt = make_opt("sgd", w.module.parameters())
+            try:
+                w.load_sharded_state_dict(pieces[b.rank], opt)
+            except ValueError as exc:
+                return str(exc)
+            return None
+
+        return run(body, 2)
+
+    msgs = attempt(lambda p: [d.pop("0.weight") for d in p])
+    assert all(m and "missing parameter keys ['0.weight']" in m for m in msgs)
+    msgs = attempt(lambda p: p[1].update({"bogus": np.zeros(1)}))
+    assert all(m and "unexpected keys" in m for m in msgs)
+    msgs = attempt(lambda p: p[0].update({"0.bias": np.zeros(2)}))
+    assert all(m and "add up" in m for m in msgs)
+    msgs = attempt(lambda p: p[0].pop("optim.0.weight.momentum_buffer"))
+    assert all(m and "present on ranks [1] only" in m for m in msgs)
+
+
+def test_optimizer_must_hold_the_parameters():
+    def body(b):
+        w = FSDP(make_mlp(), b)
+        other = make_opt("sgd", make_mlp().parameters())
+        with pytest.raises(ValueError, match="does not hold"):
+            w.sharded_state_dict(other)
+
+    run(body, 1)
