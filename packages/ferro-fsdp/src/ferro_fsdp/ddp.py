@@ -168,7 +168,12 @@ class DistributedDataParallel:
             flat = self._pack([p.grad for p in params], like=params)
             works.append(allreduce_async(flat, self._backend, ReduceOp.MEAN, timeout=self._timeout))
         for bucket, work in zip(self._buckets, works):
-            self._unpack_into(work.wait(self._timeout), bucket, "grad")
+            flat = work.wait(self._timeout)
+            offset = 0
+            for i in bucket:  # views into the reduced bucket: no copy
+                p = self._params[i]
+                p.grad = flat[offset:offset + p.data.size].reshape(p.data.shape)
+                offset += p.data.size
 
     # -- state dicts ------------------------------------------------------------------------
     def _state_plan(self) -> _state.Plan:

@@ -388,11 +388,10 @@ class FSDP:
             flat = self._pack_full(grads)
             if self._backend.world_size > 1:
                 flat = allreduce(flat, self._backend, ReduceOp.MEAN, timeout=self._timeout)
-            outs = [np.empty(shape, self._layout.dtype) for shape in self._layout.shapes]
-            if outs:
-                unpack(flat, outs)
-            for p, g in zip(self._params, outs):
-                p.grad = g if p.requires_grad else None
+            # the reduced gradients are views into the one reduced buffer: no copy
+            outs = self._full_layout.shard_views(flat)
+            for p, g, shape in zip(self._params, outs, self._layout.shapes):
+                p.grad = g.reshape(shape) if p.requires_grad else None
         else:
             send = self._layout.full_to_scatter(grads)
             if self._layout.world > 1:

@@ -42,8 +42,12 @@ class Parameter:
     def size(self) -> int:
         return self.data.size
 
-    def accumulate_grad(self, grad: np.ndarray) -> None:
-        """Add ``grad`` to ``.grad`` (or set it when there is none); no-op if not ``requires_grad``."""
+    def accumulate_grad(self, grad: np.ndarray, *, owned: bool = False) -> None:
+        """Add ``grad`` to ``.grad`` (or set it when there is none); no-op if not ``requires_grad``.
+
+        ``owned=True`` hands over a fresh array that nobody else references (a layer's own
+        result): it becomes ``.grad`` without a copy.
+        """
         if not self.requires_grad:
             return
         grad = np.asarray(grad, dtype=self.data.dtype)
@@ -53,7 +57,7 @@ class Parameter:
                 f"expected the parameter's shape {self.data.shape}"
             )
         if self.grad is None:
-            self.grad = np.array(grad, copy=True)
+            self.grad = grad if owned and grad.flags.writeable else np.array(grad, copy=True)
         else:
             self.grad = self.grad + grad
 

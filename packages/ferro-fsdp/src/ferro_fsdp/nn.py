@@ -72,9 +72,9 @@ class Linear(Module):
                              f"{x.shape[:-1] + (self.out_features,)}")
         g2 = g.reshape(-1, self.out_features)
         x2 = x.reshape(-1, self.in_features)
-        self.weight.accumulate_grad(g2.T @ x2)
+        self.weight.accumulate_grad(g2.T @ x2, owned=True)
         if self.bias is not None:
-            self.bias.accumulate_grad(g2.sum(axis=0))
+            self.bias.accumulate_grad(g2.sum(axis=0), owned=True)
         return g @ self.weight.data
 
     def extra_repr(self) -> str:
