@@ -91,6 +91,12 @@ class DistributedDataParallel:
     def backend(self) -> Backend:
         return self._backend
 
+    def parameters(self) -> list[Parameter]:
+        return self._module.parameters()
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return self._module.named_parameters()
+
     @property
     def buckets(self) -> list[list[str]]:
         """Parameter names per bucket, in the order the buckets are reduced."""

@@ -201,6 +201,13 @@ class FSDP:
         """The flat layout: shapes, chunk sizes, padding (its ``world`` is the sharding group's size)."""
         return self._layout
 
+    def parameters(self) -> list[Parameter]:
+        """``module.parameters()``: the Parameters an optimizer should step (this rank's shards)."""
+        return self._module.parameters()
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return self._module.named_parameters()
+
     @property
     def param_names(self) -> list[str]:
         return list(self._names)
