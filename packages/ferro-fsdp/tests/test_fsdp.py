@@ -328,3 +328,16 @@ def test_accessors_and_hybrid_groups():
     assert res == [((0, 1), (0, 2)), ((0, 1), (1, 3)), ((2, 3), (0, 2)), ((2, 3), (1, 3))]
     f = FSDP(SeedModule([1.0]), one_rank(), "no_shard")
     assert f.intra_node_group is None and f.strategy is NS
+
+
+def test_forward_refuses_a_stale_prefetch():
+    def body(b):
+        f = FSDP(SeedModule([1.0, 2.0, 3.0, 4.0]), b)
+        f.prefetch_forward_params()
+        f.module.weight.data += 1.0  # an update after the prefetch started
+        with pytest.raises(FSDPStateError, match="stale"):
+            f(np.array([1.0], np.float32))
+        assert not f.has_pending_prefetch
+        return f(np.array([1.0], np.float32))[0]  # a plain forward gathers the new values
+
+    assert run(body, 2) == [14.0, 14.0]

@@ -259,11 +259,11 @@ class FSDP:
     def _local_flat_shard(self) -> np.ndarray:
         return self._layout.pack_shards([p.data for p in self._params])
 
-    def _start_gather(self) -> Any:
+    def _start_gather(self) -> tuple[Any, np.ndarray]:
         flat = self._local_flat_shard()
         if self._layout.world == 1:
-            return _Ready(flat)
-        return all_gather_async(flat, self._shard_group, timeout=self._timeout)
+            return _Ready(flat.copy()), flat
+        return all_gather_async(flat, self._shard_group, timeout=self._timeout), flat
 
     def _gather(self) -> list[np.ndarray]:
         """The full parameters (views into one new buffer) from this rank's shards."""
@@ -281,8 +281,10 @@ class FSDP:
     def prefetch_forward_params(self) -> None:
         """Start the all-gather of the next ``forward`` now (async); ``forward`` waits for it.
 
-        Call it after the optimizer step (the gather snapshots the shards when it starts) and do
-        other work before ``forward``. Valid for FULL_SHARD and HYBRID_SHARD (intra-node gather).
+        Call it after the optimizer step (the gather snapshots the shards when it starts; a
+        ``forward`` that finds this rank's shards changed since then raises FSDPStateError instead
+        of running on stale parameters) and do other work before ``forward``. Valid for
+        FULL_SHARD and HYBRID_SHARD (intra-node gather).
 
         Raises
         ------
@@ -313,7 +315,14 @@ class FSDP:
             return self._module.forward(x)
         pending, self._pending = self._pending, None
         if pending is not None:
-            full = self._layout.gathered_to_full(pending.wait(self._timeout))
+            work, sent = pending
+            gathered = work.wait(self._timeout)
+            if not np.array_equal(self._local_flat_shard(), sent, equal_nan=True):
+                raise FSDPStateError(
+                    "FSDP.forward: this rank's parameters changed after prefetch_forward_params() "
+                    "(an optimizer step or update_shards in between?); the prefetched parameters "
+                    "are stale. Prefetch after the update.")
+            full = self._layout.gathered_to_full(gathered)
         else:
             full = self._gather()
         for fp, arr in zip(fps, full):
