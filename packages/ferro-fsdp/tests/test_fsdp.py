@@ -16,6 +16,7 @@ from _helpers import (
     make_opt,
     reference_training,
     run,
+    wrap,
 )
 from ferro_backend import InvalidWorldSizeError, SimulatedBackend
 from ferro_fsdp import FSDP, FSDPStateError, Module, Parameter, ShardingStrategy, nn, optim
@@ -341,3 +342,21 @@ def test_forward_refuses_a_stale_prefetch():
         return f(np.array([1.0], np.float32))[0]  # a plain forward gathers the new values
 
     assert run(body, 2) == [14.0, 14.0]
+
+
+@pytest.mark.parametrize("strategy", [FS, SGO, NS, "ddp"])
+def test_module_without_parameters(strategy):
+    def body(b):
+        w = wrap(nn.ReLU(), b, strategy)
+        out = w(np.array([-1.0, 2.0]))
+        g = w.backward(np.ones(2))
+        if strategy != "ddp":
+            if strategy is FS:
+                w.prefetch_forward_params()
+            w(np.array([1.0]))
+            w.sync_gradients()
+            w.broadcast_updated_params()
+            assert w.full_state_dict() == {}
+        return out.tolist(), g.tolist()
+
+    assert run(body, 2) == [([0.0, 2.0], [0.0, 1.0])] * 2

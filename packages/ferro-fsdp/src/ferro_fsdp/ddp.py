@@ -162,7 +162,7 @@ class DistributedDataParallel:
 
         A parameter without a gradient counts as zeros (and gets the averaged gradient).
         """
-        if self._backend.world_size == 1:
+        if self._backend.world_size == 1 or not self._buckets:
             return
         works = []
         for bucket in self._buckets:

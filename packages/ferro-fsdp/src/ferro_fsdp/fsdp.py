@@ -261,14 +261,14 @@ class FSDP:
 
     def _start_gather(self) -> tuple[Any, np.ndarray]:
         flat = self._local_flat_shard()
-        if self._layout.world == 1:
+        if self._layout.world == 1 or not self._layout.numel:
             return _Ready(flat.copy()), flat
         return all_gather_async(flat, self._shard_group, timeout=self._timeout), flat
 
     def _gather(self) -> list[np.ndarray]:
         """The full parameters (views into one new buffer) from this rank's shards."""
         flat = self._local_flat_shard()
-        if self._layout.world > 1:
+        if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
 
@@ -402,7 +402,7 @@ class FSDP:
         s = self._strategy
         if s is ShardingStrategy.NO_SHARD:
             flat = self._pack_full(grads)
-            if self._backend.world_size > 1:
+            if self._backend.world_size > 1 and self._layout.numel:
                 flat = allreduce(flat, self._backend, ReduceOp.MEAN, timeout=self._timeout)
             # the reduced gradients are views into the one reduced buffer: no copy
             outs = self._full_layout.shard_views(flat)
@@ -410,11 +410,12 @@ class FSDP:
                 p.grad = g.reshape(shape) if p.requires_grad else None
         else:
             send = self._layout.full_to_scatter(grads)
-            if self._layout.world > 1:
+            if self._layout.world > 1 and self._layout.numel:
                 shard = reduce_scatter(send, self._shard_group, ReduceOp.MEAN, timeout=self._timeout)
             else:
                 shard = send
-            if s is ShardingStrategy.HYBRID_SHARD and self._inter.world_size > 1:
+            if s is ShardingStrategy.HYBRID_SHARD and self._inter.world_size > 1 \
+                    and self._layout.numel:
                 shard = allreduce(shard, self._inter, ReduceOp.MEAN, timeout=self._timeout)
             views = self._layout.shard_views(shard)
             for i, (p, view) in enumerate(zip(self._params, views)):
@@ -432,7 +433,8 @@ class FSDP:
     def broadcast_updated_params(self) -> None:
         """SHARD_GRAD_OP: after the optimizer step, rebuild every full parameter from each rank's
         updated chunk (one all-gather). A no-op for the other strategies. Collective."""
-        if self._strategy is not ShardingStrategy.SHARD_GRAD_OP or self._layout.world == 1:
+        if self._strategy is not ShardingStrategy.SHARD_GRAD_OP or self._layout.world == 1 \
+                or not self._layout.numel:
             return
         r = self._shard_rank
         chunks = [self._layout.shard_of(i, p.data, r) for i, p in enumerate(self._params)]
