@@ -1,0 +1,105 @@
+# cython: language_level=3
+"""Reduction kernels: ``acc = op(acc, x)`` element-wise, with the MEAN divide fused.
+
+Inputs are validated by ``ops.py`` (same length, same dtype, contiguous, writable accumulator);
+loops run without the GIL so simulated ranks (threads) reduce in parallel. The order is fixed:
+each call folds exactly one buffer into the accumulator, so a schedule of calls fixes every
+element's summation order (IEEE addition and multiplication are commutative, not associative).
+"""
+
+cimport cython
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
+
+ctypedef fused num:
+    float
+    double
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+    uint8_t
+
+ctypedef fused real:
+    float
+    double
+
+# op codes shared with ops.py
+cdef enum:
+    SUM = 0
+    PROD = 1
+    MAX = 2
+    MIN = 3
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline void _acc(num* acc, const num* x, Py_ssize_t n, int op) noexcept nogil:
+    cdef Py_ssize_t i
+    if op == SUM:
+        for i in range(n):
+            acc[i] = acc[i] + x[i]
+    elif op == PROD:
+        for i in range(n):
+            acc[i] = acc[i] * x[i]
+    elif op == MAX:
+        # NaN propagates like np.maximum: a NaN in either operand wins
+        for i in range(n):
+            if not (acc[i] >= x[i]):
+                if num is float or num is double:
+                    if acc[i] != acc[i]:
+                        continue
+                acc[i] = x[i]
+    else:
+        for i in range(n):
+            if not (acc[i] <= x[i]):
+                if num is float or num is double:
+                    if acc[i] != acc[i]:
+                        continue
+                acc[i] = x[i]
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline void _acc_div(real* acc, const real* x, Py_ssize_t n, real d) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        acc[i] = (acc[i] + x[i]) / d
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef inline void _div(real* acc, Py_ssize_t n, real d) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        acc[i] = acc[i] / d
+
+
+def accumulate(num[::1] acc, const num[::1] x, int op):
+    """``acc[i] = op(acc[i], x[i])``; op: 0 sum, 1 product, 2 max, 3 min."""
+    cdef Py_ssize_t n = acc.shape[0]
+    if x.shape[0] != n:
+        raise ValueError(f"accumulate: accumulator has {n} elements, input {x.shape[0]}")
+    if n == 0:
+        return
+    with nogil:
+        _acc(&acc[0], &x[0], n, op)
+
+
+def accumulate_mean(real[::1] acc, const real[::1] x, double divisor):
+    """Last pass of a MEAN: ``acc[i] = (acc[i] + x[i]) / divisor`` in one sweep."""
+    cdef Py_ssize_t n = acc.shape[0]
+    if x.shape[0] != n:
+        raise ValueError(f"accumulate_mean: accumulator has {n} elements, input {x.shape[0]}")
+    if n == 0:
+        return
+    with nogil:
+        _acc_div(&acc[0], &x[0], n, <real>divisor)
+
+
+def divide(real[::1] acc, double divisor):
+    """``acc[i] /= divisor`` (MEAN where the last pass is not an accumulation)."""
+    cdef Py_ssize_t n = acc.shape[0]
+    if n == 0:
+        return
+    with nogil:
+        _div(&acc[0], n, <real>divisor)

@@ -1,0 +1,76 @@
+"""Per-backend state: the collective sequence number and the async workers.
+
+All ranks must call collectives on a backend in the same order (as in torch.distributed); the
+sequence number each call takes is then the same on every rank, and every message of that call
+travels on tags derived from it, so calls in flight at once never mix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import weakref
+
+from ferro_backend.base import USER_TAG_LIMIT
+
+#: collectives use tags in [2**31, 2**32 - 1): 2**19 - 1 sequence slots of 4096 step tags each
+TAG_BASE = USER_TAG_LIMIT
+STEPS_PER_CALL = 1 << 12
+SEQ_SLOTS = (1 << 19) - 1
+ASYNC_WORKERS = int(os.environ.get("FERRO_ASYNC_WORKERS", "4"))
+
+
+class BackendState:
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._workers: list[threading.Thread] = []
+
+    def next_seq(self) -> int:
+        with self._lock:
+            return next(self._seq)
+
+    def submit(self, job) -> None:
+        """Run ``job()`` on this backend's worker threads, in submission order."""
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                for i in range(ASYNC_WORKERS):
+                    t = threading.Thread(target=_worker, args=(self._queue,), daemon=True,
+                                         name=f"ferro-collective-async-{i}")
+                    t.start()
+                    self._workers.append(t)
+        self._queue.put(job)
+
+    def __del__(self) -> None:
+        q = self._queue
+        if q is not None:
+            for _ in self._workers:
+                q.put(None)
+
+
+def _worker(q: queue.SimpleQueue) -> None:
+    while True:
+        job = q.get()
+        if job is None:
+            return
+        job()
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+
+
+def state(backend) -> BackendState:
+    with _states_lock:
+        st = _states.get(backend)
+        if st is None:
+            st = _states[backend] = BackendState()
+        return st
+
+
+def tag_base(seq: int) -> int:
+    return TAG_BASE + (seq % SEQ_SLOTS) * STEPS_PER_CALL
