@@ -54,6 +54,24 @@ class PostedRecv(Request):
     def test(self) -> bool:
         return self._done
 
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds without giving up the receive: True once complete
+        (then :meth:`wait` returns or raises at once), False if still pending. Raises the
+        peer's failure, if any."""
+        box = self._box
+        deadline = time.monotonic() + timeout
+        with box.cond:
+            while not self._done:
+                failure = box.failure_for(self.src)
+                if failure is not None and self in box.posted.get((self.src, self.tag), ()):
+                    box.posted[(self.src, self.tag)].remove(self)
+                    raise failure
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                box.cond.wait(min(remaining, 1.0))
+        return True
+
     def wait(self, timeout: float | None = None) -> None:
         box = self._box
         limit = box.default_timeout if timeout is None else timeout

@@ -46,7 +46,10 @@ def _choose(name: str, algorithm: str | None, nbytes: int, n: int) -> str:
     return "tree" if name == "broadcast" else "ring"
 
 
-def _as_array(name: str, tensor) -> np.ndarray:
+def _as_array(name: str, tensor, backend) -> np.ndarray:
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
+                        f"{type(backend).__name__}")
     x = np.asarray(tensor)
     if x.dtype.hasobject or x.dtype.itemsize == 0:
         raise TypeError(f"{name}: dtype {x.dtype} cannot be sent")
@@ -58,9 +61,6 @@ class _Call:
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
                  body: Callable[[alg.Ctx], np.ndarray]) -> None:
-        if not isinstance(backend, Backend):
-            raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
-                            f"{type(backend).__name__}")
         self.name = name
         self.backend = backend
         self.timeout = DEFAULT_COLLECTIVE_TIMEOUT if timeout is None else float(timeout)
@@ -85,7 +85,7 @@ class _Call:
 
 # ----------------------------------------------------------------------------- allreduce
 def _allreduce(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
-    x = _as_array("allreduce", tensor)
+    x = _as_array("allreduce", tensor, backend)
     op = as_op(op)
     wd = work_dtype("allreduce", x.dtype, op)
     n = backend.world_size
@@ -153,7 +153,7 @@ def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
 
 # ----------------------------------------------------------------------------- broadcast
 def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm) -> _Call:
-    x = _as_array("broadcast", tensor)
+    x = _as_array("broadcast", tensor, backend)
     n = backend.world_size
     if not isinstance(root, int | np.integer) or not 0 <= root < n:
         raise InvalidRankError(f"broadcast: root {root!r} is out of range for world_size {n}")
@@ -189,7 +189,7 @@ def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float |
 
 # ----------------------------------------------------------------------------- all_gather
 def _all_gather(tensor, backend: Backend, timeout, algorithm) -> _Call:
-    x = _as_array("all_gather", tensor)
+    x = _as_array("all_gather", tensor, backend)
     n = backend.world_size
     algo = _choose("all_gather", algorithm, x.nbytes, n)
     shape = (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
@@ -228,7 +228,7 @@ def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
 
 # ----------------------------------------------------------------------------- reduce_scatter
 def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
-    x = _as_array("reduce_scatter", tensor)
+    x = _as_array("reduce_scatter", tensor, backend)
     op = as_op(op)
     wd = work_dtype("reduce_scatter", x.dtype, op)
     n = backend.world_size
@@ -270,6 +270,7 @@ def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, 
 # ----------------------------------------------------------------------------- barrier
 def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     """Block until every rank has called barrier (dissemination, ceil(log2 n) rounds)."""
+    _as_array("barrier", (), backend)
     call = _Call("barrier", backend, timeout, (), lambda ctx: None)
     if backend.world_size > 1:
         ctx = alg.Ctx(backend, "barrier", call.seq, tag_base(call.seq), call.timeout)

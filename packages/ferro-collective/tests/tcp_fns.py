@@ -1,0 +1,36 @@
+"""Module-level rank functions for the TCP tests (spawned processes import them)."""
+
+import numpy as np
+
+from ferro_collective import (
+    ReduceOp,
+    all_gather,
+    all_gather_async,
+    allreduce,
+    allreduce_async,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
+
+
+def suite(b, seed):
+    """Every collective and algorithm on one job; returns byte strings to compare."""
+    n, r = b.world_size, b.rank
+    rng = np.random.default_rng(seed + r)
+    x = rng.standard_normal(1000).astype(np.float32)
+    out = {}
+    for algo in ("ring", "recursive_doubling", "star"):
+        out[f"allreduce-{algo}"] = allreduce(x, b, ReduceOp.SUM, algorithm=algo).tobytes()
+    out["mean"] = allreduce(x.astype(np.float64), b, ReduceOp.MEAN).tobytes()
+    out["max"] = allreduce(np.array([r, -r], np.int64), b, ReduceOp.MAX).tolist()
+    out["gather"] = all_gather(np.full((2, 3), r, np.int32), b).tolist()
+    out["rs"] = reduce_scatter(np.arange(4 * n, dtype=np.float64).reshape(2 * n, 2), b).tolist()
+    out["bcast"] = broadcast(np.array([r * 7]), b, root=n - 1).tolist()
+    w1 = allreduce_async(np.full(3, r, np.float64), b)
+    w2 = all_gather_async(np.array(r), b)
+    sync = allreduce(np.ones(5), b).tolist()
+    out["async"] = [w2.wait(30).tolist(), w1.wait(30).tolist(), sync]
+    barrier(b)
+    out["inputs"] = x.tobytes()
+    return out

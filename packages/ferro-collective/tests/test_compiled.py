@@ -1,0 +1,15 @@
+import importlib.machinery
+
+import ferro_collective
+from ferro_collective import _reduce
+
+
+def test_reduce_kernel_is_an_extension_module():
+    assert _reduce.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def test_public_names():
+    for name in ferro_collective.__all__:
+        assert getattr(ferro_collective, name) is not None
+    assert ferro_collective.DEFAULT_COLLECTIVE_TIMEOUT == 60.0
+    assert ferro_collective.__version__ == "0.1.0"

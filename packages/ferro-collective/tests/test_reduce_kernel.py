@@ -1,0 +1,69 @@
+"""The `_reduce` kernels against numpy's ufuncs."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from ferro_collective import ReduceOp, _reduce
+from ferro_collective.ops import accumulate, divide
+
+KERNEL_DTYPES = [np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
+UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MAX: np.maximum,
+          ReduceOp.MIN: np.minimum}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(KERNEL_DTYPES).flatmap(
+    lambda dt: st.tuples(hnp.arrays(dt, st.integers(0, 50)), st.just(dt))),
+    st.sampled_from(list(UFUNCS)), st.data())
+def test_accumulate_matches_numpy(arr_dt, op, data):
+    a, dt = arr_dt
+    b = data.draw(hnp.arrays(dt, a.shape))
+    acc = a.copy()
+    with np.errstate(all="ignore"):
+        expected = UFUNCS[op](a, b)
+    accumulate(acc, b, op)
+    np.testing.assert_array_equal(acc, expected)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_fused_mean_matches_add_then_divide(dt):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(1001).astype(dt), rng.standard_normal(1001).astype(dt)
+    acc = a.copy()
+    accumulate(acc, b, ReduceOp.MEAN, mean_divisor=3)
+    np.testing.assert_array_equal(acc, np.divide(np.add(a, b), 3))
+    divide(acc, 7)
+    np.testing.assert_array_equal(acc, np.divide(np.divide(np.add(a, b), 3), 7))
+
+
+def test_nan_and_signed_zero_follow_numpy():
+    a = np.array([np.nan, 1.0, 0.0, -0.0], np.float32)
+    b = np.array([1.0, np.nan, -0.0, 0.0], np.float32)
+    for op in (ReduceOp.MAX, ReduceOp.MIN):
+        acc = a.copy()
+        accumulate(acc, b, op)
+        assert np.isnan(acc[:2]).all()
+
+
+def test_integer_sum_wraps_exactly_like_numpy():
+    a = np.array([2**31 - 1, -(2**31)], np.int32)
+    acc = a.copy()
+    accumulate(acc, np.array([1, -1], np.int32), ReduceOp.SUM)
+    np.testing.assert_array_equal(acc, np.add(a, np.array([1, -1], np.int32)))
+
+
+def test_kernel_rejects_length_mismatch_and_read_only():
+    with pytest.raises(ValueError, match="4 elements, input 3"):
+        _reduce.accumulate(np.zeros(4, np.float32), np.zeros(3, np.float32), 0)
+    ro = np.zeros(4)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        _reduce.accumulate(ro, np.zeros(4), 0)
+    # read-only *inputs* are fine (const memoryviews)
+    x = np.frombuffer(np.ones(4).tobytes())
+    acc = np.zeros(4)
+    _reduce.accumulate(acc, x, 0)
+    assert acc.sum() == 4
