@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+
 from ferro_backend import SimulatedBackend, TcpBackend, pack, unpack
 from ferro_backend.testing import free_port
 

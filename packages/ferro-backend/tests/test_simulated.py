@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+
 from ferro_backend import (
     Backend,
     CollectiveTimeoutError,

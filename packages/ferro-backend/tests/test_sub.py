@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from ferro_backend import InvalidRankError, InvalidWorldSizeError, SimulatedBackend, SubBackend
 from ferro_backend.testing import run_ranks, run_threads
 

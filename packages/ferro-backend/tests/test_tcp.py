@@ -4,6 +4,8 @@ import socket
 import time
 
 import pytest
+from tcp_job import Job, run_job
+
 from ferro_backend import (
     AuthenticationError,
     InvalidRankError,
@@ -13,7 +15,6 @@ from ferro_backend import (
 )
 from ferro_backend.tcp import parse_addr
 from ferro_backend.testing import free_port
-from tcp_job import Job, run_job
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from ferro_backend import SizeMismatchError, _wire, pack, packed_nbytes, unpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+from ferro_backend import SizeMismatchError, _wire, pack, packed_nbytes, unpack
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
           np.bool_]

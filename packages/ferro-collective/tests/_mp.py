@@ -14,7 +14,7 @@ def _child(fn, rank, world, addr, timeout, args, results):
     try:
         with TcpBackend(rank, world, addr, timeout=timeout) as b:
             results.put((rank, "ok", fn(b, *args)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 

@@ -24,7 +24,6 @@ from ferro_collective import (
     barrier,
     broadcast,
     broadcast_async,
-    reduce_scatter,
     reduce_scatter_async,
     set_stall_report,
 )
@@ -118,7 +117,7 @@ def run_ranks_collect(fn, world):
     def wrap(b):
         try:
             fn(b)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors[b.rank] = exc
 
     run_ranks(wrap, world, timeout=30)

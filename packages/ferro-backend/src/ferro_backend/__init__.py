@@ -2,7 +2,7 @@
 
 from importlib.metadata import version as _version
 
-from . import _wire  # the compiled kernel, imported unconditionally: no Python fallback
+from . import _wire  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
 from .env import init_from_env
 from .errors import (

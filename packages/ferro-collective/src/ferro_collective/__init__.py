@@ -12,7 +12,7 @@ from ferro_backend import (
     SizeMismatchError,
 )
 
-from . import _reduce  # the compiled kernel, imported unconditionally: no Python fallback
+from . import _reduce  # noqa: F401 - the compiled kernel, imported unconditionally
 from .algorithms import set_stall_report
 from .api import (
     ALGORITHMS,

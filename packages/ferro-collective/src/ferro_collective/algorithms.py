@@ -21,6 +21,7 @@ import logging
 import time
 
 import numpy as np
+
 from ferro_backend import CollectiveTimeoutError
 
 from ._state import STEPS_PER_CALL

@@ -12,6 +12,7 @@ import os
 import struct
 
 import numpy as np
+
 from ferro_backend import CollectiveMismatchError
 
 _MAX_DIMS = 6

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+
 from ferro_backend import CollectiveTimeoutError
 
 
@@ -27,7 +28,7 @@ class Work:
     def _run(self, fn: Callable[[], np.ndarray]) -> None:
         try:
             self._result = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+        except BaseException as exc:
             self._error = exc
         finally:
             self._done.set()
