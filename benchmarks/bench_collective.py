@@ -1,0 +1,209 @@
+"""ferro-collective: the `_reduce` kernels against numpy, and the collectives over the simulated
+and TCP backends, with bus bandwidth as nccl-tests defines it.
+
+busbw: allreduce = size * 2(n-1)/n / time; all_gather, reduce_scatter = total size * (n-1)/n /
+time; broadcast = size / time. For TCP, the benchmark process is rank 0 and the other ranks are
+worker processes that receive each round's command over ferro point-to-point first (a 32-byte
+message; at 4 KiB that command is part of the measured time). The side-by-side comparison with
+mpi4py and gloo, where every implementation runs with the same process layout, is
+``benchmarks/peers.py`` (``nox -s bench_peers``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ferro_backend import SimulatedBackend, TcpBackend
+from ferro_backend.testing import free_port
+from ferro_collective import (
+    ReduceOp,
+    all_gather,
+    allreduce,
+    broadcast,
+    reduce_scatter,
+)
+from ferro_collective.ops import accumulate
+
+SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
+COLLECTIVES = ["allreduce", "broadcast", "all_gather", "reduce_scatter"]
+
+
+def busbw_factor(name: str, n: int) -> float:
+    return {"allreduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+            "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[name]
+
+
+def run_collective(name: str, x: np.ndarray, backend):
+    if name == "allreduce":
+        return allreduce(x, backend)
+    if name == "broadcast":
+        return broadcast(x, backend, 0)
+    if name == "all_gather":
+        return all_gather(x[: x.size // backend.world_size], backend)
+    return reduce_scatter(x, backend)
+
+
+def _rounds(nbytes: int) -> int:
+    return 30 if nbytes <= 1 << 20 else 3
+
+
+# ------------------------------------------------------------------ kernels vs numpy
+@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
+def bench_sum_kernel_16MiB(benchmark, impl):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(4 << 20, dtype=np.float32), rng.standard_normal(4 << 20,
+                                                                              dtype=np.float32)
+    acc = a.copy()
+    benchmark.group = "kernel SUM float32 16MiB"
+    benchmark.extra_info["bytes"] = a.nbytes
+    if impl == "numpy":
+        benchmark.extra_info["role"] = "baseline"
+        benchmark.pedantic(lambda: np.add(acc, b, out=acc), rounds=30, warmup_rounds=3)
+    else:
+        benchmark.pedantic(lambda: accumulate(acc, b, ReduceOp.SUM), rounds=30, warmup_rounds=3)
+    check = a.copy()
+    accumulate(check, b, ReduceOp.SUM)
+    np.testing.assert_array_equal(check, a + b)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
+def bench_mean_kernel_16MiB(benchmark, impl):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(4 << 20, dtype=np.float32), rng.standard_normal(4 << 20,
+                                                                              dtype=np.float32)
+    acc = a.copy()
+    benchmark.group = "kernel MEAN (last pass) float32 16MiB"
+    benchmark.extra_info["bytes"] = a.nbytes
+    if impl == "numpy":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            np.add(acc, b, out=acc)
+            np.divide(acc, 4, out=acc)
+    else:
+        def run():
+            accumulate(acc, b, ReduceOp.MEAN, mean_divisor=4)
+
+    benchmark.pedantic(run, rounds=30, warmup_rounds=3)
+    check = a.copy()
+    accumulate(check, b, ReduceOp.MEAN, mean_divisor=4)
+    np.testing.assert_array_equal(check, np.divide(np.add(a, b), 4))
+
+
+# ------------------------------------------------------------------ simulated
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", COLLECTIVES)
+def bench_simulated(benchmark, name, world, size):
+    import threading
+
+    nbytes = SIZES[size]
+    benchmark.group = f"{name} simulated world={world} {size}"
+    x = np.ones(nbytes // 4, dtype=np.float32)
+    group = SimulatedBackend.create_group(world)
+    barrier = threading.Barrier(world)
+    stop = threading.Event()
+
+    def worker(b):
+        while True:
+            barrier.wait()
+            if stop.is_set():
+                return
+            run_collective(name, x, b)
+
+    threads = [threading.Thread(target=worker, args=(b,), daemon=True) for b in group[1:]]
+    for t in threads:
+        t.start()
+
+    def one():
+        barrier.wait()
+        return run_collective(name, x, group[0])
+
+    result = benchmark.pedantic(one, rounds=_rounds(nbytes), warmup_rounds=1)
+    stop.set()
+    barrier.wait()
+    for t in threads:
+        t.join(10)
+    t = benchmark.stats.stats.median
+    benchmark.extra_info["busbw_GBps"] = nbytes * busbw_factor(name, world) / t / 1e9
+    assert result is not None
+
+
+# ------------------------------------------------------------------ TCP
+WORKER = """
+import sys
+import numpy as np
+from ferro_backend import TcpBackend
+sys.path.insert(0, sys.argv[3])
+from bench_collective import run_collective, COLLECTIVES
+rank, world, _, addr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+b = TcpBackend(rank, world, addr, timeout=300)
+cmd = np.empty(2, np.int64)
+cache = {}
+while True:
+    b.recv(cmd, 0, tag=99, timeout=600)
+    op, nbytes = int(cmd[0]), int(cmd[1])
+    if op < 0:
+        break
+    x = cache.setdefault(nbytes, np.ones(nbytes // 4, np.float32))
+    run_collective(COLLECTIVES[op], x, b)
+b.close()
+"""
+
+
+class TcpJob:
+    def __init__(self, world: int) -> None:
+        import os
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        addr = f"127.0.0.1:{free_port()}"
+        self.procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(r),
+                                        str(world), here, addr]) for r in range(1, world)]
+        self.backend = TcpBackend(0, world, addr, timeout=300)
+
+    def run(self, name: str, x: np.ndarray):
+        cmd = np.array([COLLECTIVES.index(name), x.nbytes], np.int64)
+        for r in range(1, self.backend.world_size):
+            self.backend.send(cmd, r, tag=99)
+        return run_collective(name, x, self.backend)
+
+    def close(self) -> None:
+        for r in range(1, self.backend.world_size):
+            self.backend.send(np.array([-1, 0], np.int64), r, tag=99)
+        self.backend.close()
+        for p in self.procs:
+            p.wait(30)
+
+
+_jobs: dict[int, TcpJob] = {}
+
+
+@pytest.fixture(scope="module")
+def tcp_jobs():
+    yield _jobs
+    for job in _jobs.values():
+        job.close()
+    _jobs.clear()
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", COLLECTIVES)
+def bench_tcp(benchmark, tcp_jobs, name, world, size):
+    nbytes = SIZES[size]
+    benchmark.group = f"{name} tcp world={world} {size}"
+    if world not in tcp_jobs:
+        tcp_jobs[world] = TcpJob(world)
+    job = tcp_jobs[world]
+    x = np.ones(nbytes // 4, dtype=np.float32)
+    result = benchmark.pedantic(job.run, args=(name, x), rounds=_rounds(nbytes),
+                                warmup_rounds=1)
+    t = benchmark.stats.stats.median
+    benchmark.extra_info["busbw_GBps"] = nbytes * busbw_factor(name, world) / t / 1e9
+    if name == "allreduce":
+        assert float(result[0]) == world
