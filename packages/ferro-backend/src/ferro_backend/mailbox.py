@@ -159,6 +159,7 @@ class Mailbox:
                     raise failure
                 req = PostedRecv(self, src, tag, view)
                 self.posted.setdefault(key, deque()).append(req)
+                self.cond.notify_all()  # a transport may be waiting to claim it
                 return req
         req = PostedRecv(self, src, tag, view)
         if len(msg) != len(view):
@@ -179,6 +180,24 @@ class Mailbox:
             if not queue:
                 del self.posted[key]
             return req
+
+    def claim_wait(self, src: int, tag: int, timeout: float) -> PostedRecv | None:
+        """Like :meth:`claim`, waiting up to ``timeout`` for the receive to be posted (a large
+        frame that is about to be asked for is worth a short wait: no buffer, no extra copy)."""
+        key = (src, tag)
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                queue = self.posted.get(key)
+                if queue:
+                    req = queue.popleft()
+                    if not queue:
+                        del self.posted[key]
+                    return req
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.closed or self.aborted is not None:
+                    return None
+                self.cond.wait(remaining)
 
     def deliver(self, src: int, tag: int, data) -> None:
         """Hand over a complete message: into a receive posted meanwhile, else into the queue."""

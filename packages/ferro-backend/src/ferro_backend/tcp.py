@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from .base import (
     DEFAULT_TIMEOUT,
     Backend,
@@ -71,6 +73,10 @@ ST_OK, ST_AUTH, ST_BAD = 0, 1, 2
 K_DATA, K_ABORT, K_CLOSE = 1, 2, 3
 
 SOCKET_BUFFER = 4 << 20
+#: a frame this large with no receive posted yet waits up to LARGE_FRAME_WAIT seconds for one,
+#: so it lands in the caller's buffer instead of a temporary one (bounded: never a deadlock)
+LARGE_FRAME = 256 << 10
+LARGE_FRAME_WAIT = 0.05
 _CHUNK = 1 << 30
 _SEND_POLL = 0.25  # seconds a blocked send waits before re-checking timeouts and aborts
 
@@ -503,8 +509,10 @@ class TcpBackend(Backend):
                 kind, tag, length = _FRAME.unpack(header)
                 if kind == K_DATA:
                     current = box.claim(peer, tag)
+                    if current is None and length >= LARGE_FRAME:
+                        current = box.claim_wait(peer, tag, LARGE_FRAME_WAIT)
                     if current is None:
-                        buf = bytearray(length)
+                        buf = np.empty(length, dtype=np.uint8)  # no zero-fill
                         self._read_exact(sock, memoryview(buf))
                         box.deliver(peer, tag, buf)
                     elif len(current.view) != length:

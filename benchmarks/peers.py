@@ -1,0 +1,325 @@
+"""Side by side: ferro (TCP, shared memory) against mpi4py/Open MPI and torch.distributed (gloo).
+
+Every implementation runs with the same process layout (N processes on this machine) and the
+same measurement: a barrier, a warm-up call, then K calls timed on every rank; a call's time is
+the slowest rank's mean. Bus bandwidth follows nccl-tests: allreduce = S * 2(n-1)/n / t,
+all_gather and reduce_scatter = S * (n-1)/n / t (S the gathered/reduced total), broadcast = S / t.
+
+    python benchmarks/peers.py --worlds 2 4 --out benchmarks/peers      (what nox -s bench_peers runs)
+
+Implementations whose library is not installed are skipped with a message. Writes
+``<out>/results.json``, ``<out>/results.md`` (the tables) and ``<out>/busbw.png`` (the plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
+
+
+def iters_for(nbytes: int) -> int:
+    return max(3, min(200, (32 << 20) // max(nbytes, 1)))
+
+
+def busbw(op: str, nbytes: int, n: int, t: float) -> float:
+    f = {"allreduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+         "broadcast": 1.0, "barrier": 0.0}[op]
+    return nbytes * f / t / 1e9 if t > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- workers
+def _ferro_ops(transport: str):
+    import ferro_backend
+    from ferro_collective import all_gather, allreduce, barrier, broadcast, reduce_scatter
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    cls = ferro_backend.ShmBackend if transport == "shm" else ferro_backend.TcpBackend
+    b = cls(rank, world, addr, timeout=300)
+    ops = {
+        "allreduce": lambda x: allreduce(x, b),
+        "all_gather": lambda x: all_gather(x[: x.size // world], b),
+        "reduce_scatter": lambda x: reduce_scatter(x, b),
+        "broadcast": lambda x: broadcast(x, b, 0),
+        "barrier": lambda x: barrier(b),
+    }
+    return rank, world, ops, lambda: barrier(b), np.ones, b.close
+
+
+def _mpi_ops():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+
+    def allreduce(x):
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    def all_gather(x):
+        part = x[: x.size // world]
+        out = np.empty(part.size * world, x.dtype)
+        comm.Allgather(part, out)
+        return out
+
+    def reduce_scatter(x):
+        out = np.empty(x.size // world, x.dtype)
+        comm.Reduce_scatter_block(x, out, op=MPI.SUM)
+        return out
+
+    def broadcast(x):
+        comm.Bcast(x, root=0)
+        return x
+
+    ops = {"allreduce": allreduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+           "broadcast": broadcast, "barrier": lambda x: comm.Barrier()}
+    return rank, world, ops, comm.Barrier, np.ones, lambda: None
+
+
+def _gloo_ops():
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
+                                        f"{os.environ['MASTER_PORT']}")
+
+    def allreduce(x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    def all_gather(x):
+        part = x[: x.numel() // world]
+        out = torch.empty(part.numel() * world, dtype=x.dtype)
+        dist.all_gather_into_tensor(out, part)
+        return out
+
+    def reduce_scatter(x):
+        out = torch.empty(x.numel() // world, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x)
+        return out
+
+    def broadcast(x):
+        dist.broadcast(x, 0)
+        return x
+
+    ops = {"allreduce": allreduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+           "broadcast": broadcast, "barrier": lambda x: dist.barrier()}
+
+    def ones(n, dtype=np.float32):
+        return torch.ones(n, dtype=torch.float32)
+
+    return rank, world, ops, dist.barrier, ones, dist.destroy_process_group
+
+
+def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int]) -> None:
+    if impl == "mpi":
+        rank, world, ops, barrier, ones, close = _mpi_ops()
+    elif impl == "gloo":
+        rank, world, ops, barrier, ones, close = _gloo_ops()
+    else:
+        rank, world, ops, barrier, ones, close = _ferro_ops(impl.split("-")[1])
+    rows = []
+    for op in ops_filter:
+        for nbytes in (sizes if op != "barrier" else [0]):
+            x = ones(max(nbytes // 4, world), dtype=np.float32)
+            k = iters_for(nbytes) if op != "barrier" else 200
+            ops[op](x)  # warm-up
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                ops[op](x)
+            elapsed = (time.perf_counter() - t0) / k
+            rows.append({"op": op, "bytes": nbytes, "seconds": elapsed})
+    # the slowest rank's time per call
+    times = np.array([r["seconds"] for r in rows])
+    Path(f"{out_path}.rank{rank}").write_text(json.dumps(times.tolist()))
+    barrier()
+    if rank == 0:
+        all_times = [json.loads(Path(f"{out_path}.rank{r}").read_text()) for r in range(world)]
+        worst = np.max(np.array(all_times), axis=0)
+        for r, t in zip(rows, worst):
+            r["seconds"] = float(t)
+            r["busbw_GBps"] = busbw(r["op"], r["bytes"], world, float(t))
+        Path(out_path).write_text(json.dumps(rows))
+    barrier()
+    Path(f"{out_path}.rank{rank}").unlink()
+    close()
+
+
+# --------------------------------------------------------------------------- driver
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def available(impl: str) -> str | None:
+    """None if ``impl`` can run here, else why not."""
+    try:
+        if impl == "mpi":
+            import mpi4py  # noqa: F401
+
+            if not shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                                + os.environ.get("PATH", "")):
+                return "mpirun not found"
+        elif impl == "gloo":
+            import torch.distributed  # noqa: F401
+        elif impl == "ferro-shm":
+            import ferro_backend
+
+            if not hasattr(ferro_backend, "ShmBackend"):
+                return "ferro_backend has no ShmBackend"
+        else:
+            import ferro_collective  # noqa: F401
+    except ImportError as exc:
+        return f"not installed ({exc.name})"
+    return None
+
+
+def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int],
+           timeout: float) -> None:
+    args = [__file__, "--worker", impl, "--result", out_path, "--ops", *ops, "--sizes",
+            *map(str, sizes)]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    if impl == "mpi":
+        mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                              + env.get("PATH", ""))
+        procs = [subprocess.Popen([mpirun, "-n", str(world), "--oversubscribe", sys.executable,
+                                   *args], env=env)]
+    else:
+        procs = [subprocess.Popen([sys.executable, *args], env=dict(env, RANK=str(r),
+                                                                    LOCAL_RANK=str(r)))
+                 for r in range(world)]
+    try:
+        for p in procs:
+            p.wait(timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{impl} world={world} failed: exit codes {[p.returncode for p in procs]}")
+
+
+def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
+    lines = []
+    for world in worlds:
+        lines.append(f"\n#### {world} processes: bus bandwidth, GB/s (barrier: latency, us)\n")
+        present = [i for i in impls if f"{i}/{world}" in results]
+        lines.append("| op | size | " + " | ".join(present) + " | ferro-shm / mpi | ferro-shm / "
+                     "gloo | ferro-tcp / gloo |")
+        lines.append("|---" * (len(present) + 5) + "|")
+        rows = results[f"{present[0]}/{world}"] if present else []
+        for i, row in enumerate(rows):
+            cells, vals = [], {}
+            for impl in present:
+                r = results[f"{impl}/{world}"][i]
+                v = r["seconds"] * 1e6 if r["op"] == "barrier" else r["busbw_GBps"]
+                vals[impl] = v
+                cells.append(f"{v:.1f}" if r["op"] == "barrier" else f"{v:.3f}")
+
+            def ratio(a, b, row=row, vals=vals):
+                if a not in vals or b not in vals or not vals[a] or not vals[b]:
+                    return "-"
+                q = vals[b] / vals[a] if row["op"] == "barrier" else vals[a] / vals[b]
+                return f"{q:.2f}x"
+
+            size = "-" if row["op"] == "barrier" else _human(row["bytes"])
+            lines.append(f"| {row['op']} | {size} | " + " | ".join(cells) + f" | "
+                         f"{ratio('ferro-shm', 'mpi')} | {ratio('ferro-shm', 'gloo')} | "
+                         f"{ratio('ferro-tcp', 'gloo')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def plot(results: dict, worlds: list[int], impls: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [o for o in OPS if o != "barrier"]
+    fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)),
+                             squeeze=False)
+    for wi, world in enumerate(worlds):
+        for oi, op in enumerate(ops):
+            ax = axes[wi][oi]
+            for impl in impls:
+                rows = [r for r in results.get(f"{impl}/{world}", []) if r["op"] == op]
+                if rows:
+                    ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows],
+                            marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}, {world} processes")
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("bus bandwidth (GB/s)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--impls", nargs="+", default=["ferro-shm", "ferro-tcp", "mpi", "gloo"])
+    p.add_argument("--ops", nargs="+", default=OPS)
+    p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    p.add_argument("--out", default=str(Path(__file__).parent / "peers"))
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.result, args.ops, args.sizes)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, impls = {}, []
+    for impl in args.impls:
+        why = available(impl)
+        if why:
+            print(f"peers: skipping {impl}: {why}", flush=True)
+            continue
+        impls.append(impl)
+        for world in args.worlds:
+            path = out / f"{impl}-{world}.json"
+            print(f"peers: {impl} with {world} processes ...", flush=True)
+            launch(impl, world, str(path), args.ops, args.sizes, args.timeout)
+            results[f"{impl}/{world}"] = json.loads(path.read_text())
+            path.unlink()
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = markdown(results, args.worlds, impls)
+    (out / "results.md").write_text(md)
+    print(md)
+    try:
+        plot(results, args.worlds, impls, out / "busbw.png")
+    except ImportError:
+        print("peers: matplotlib not installed, no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
