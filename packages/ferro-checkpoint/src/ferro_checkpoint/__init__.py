@@ -1,0 +1,58 @@
+"""ferro-checkpoint: sharded safetensors checkpoints that reshard, save asynchronously and
+never lose data. Needs numpy and safetensors only."""
+
+from importlib.metadata import version as _version
+
+from . import _along_dim  # noqa: F401 - the compiled kernel, imported unconditionally
+from .along_dim import concat_along_dim, slice_along_dim
+from .async_save import AsyncCheckpointer, CheckpointFuture
+from .consolidate import consolidate
+from .errors import (
+    AsyncCheckpointError,
+    CheckpointIOError,
+    DistCheckpointError,
+    IncompleteCheckpointError,
+    InvalidArgumentError,
+    MetadataError,
+    MissingShardError,
+    SerializationError,
+    TensorError,
+)
+from .load import DistributedCheckpoint, load_distributed, open_checkpoint, reshard
+from .metadata import (
+    FORMAT_VERSION,
+    ShardMetadata,
+    TensorShardSpec,
+    compute_shard_sizes,
+    flat_shard_metadata,
+)
+from .save import save_distributed
+
+__version__ = _version("ferro-checkpoint")
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AsyncCheckpointError",
+    "AsyncCheckpointer",
+    "CheckpointFuture",
+    "CheckpointIOError",
+    "DistCheckpointError",
+    "DistributedCheckpoint",
+    "IncompleteCheckpointError",
+    "InvalidArgumentError",
+    "MetadataError",
+    "MissingShardError",
+    "SerializationError",
+    "ShardMetadata",
+    "TensorError",
+    "TensorShardSpec",
+    "compute_shard_sizes",
+    "concat_along_dim",
+    "consolidate",
+    "flat_shard_metadata",
+    "load_distributed",
+    "open_checkpoint",
+    "reshard",
+    "save_distributed",
+    "slice_along_dim",
+]

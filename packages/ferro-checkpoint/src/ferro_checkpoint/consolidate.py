@@ -1,0 +1,33 @@
+"""``consolidate``: one full safetensors file from a sharded checkpoint, tensor by tensor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import CheckpointIOError
+from .format import fsync_dir, write_safetensors
+from .load import _Shards, assemble, open_checkpoint
+
+
+def consolidate(directory, output_file) -> None:
+    """Write every full tensor of the checkpoint in ``directory`` to ``output_file``.
+
+    The result is a plain safetensors file any reader opens (``safetensors.numpy.load_file``,
+    a Hugging Face loader). Tensors are assembled and written one at a time, so memory stays at
+    about the largest tensor; the file appears atomically (temp file, fsync, rename).
+    """
+    ckpt = open_checkpoint(directory)
+    specs = ckpt.shard_metadata.tensor_specs
+    names = sorted(specs)
+    shards = _Shards(ckpt)
+    out = Path(output_file)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    write_safetensors(tmp, [(n, specs[n].dtype, specs[n].full_shape) for n in names],
+                      lambda n: assemble(shards, n, 1, 0),
+                      {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id})
+    try:
+        os.replace(tmp, out)
+        fsync_dir(out.parent if str(out.parent) else Path("."))
+    except OSError as exc:
+        raise CheckpointIOError(f"consolidate: cannot write {out}: {exc}") from exc

@@ -1,0 +1,165 @@
+"""Reading and writing safetensors files, streamed and durable.
+
+The writer produces standard safetensors (8-byte little-endian header length, JSON header with
+``dtype``/``shape``/``data_offsets`` and string ``__metadata__``, then the tensors' bytes), readable
+unchanged by ``safetensors.numpy.load_file``; it writes tensor by tensor (no whole-state-dict
+buffer), then flushes and fsyncs. The reader validates the header against the file size and
+maps the file, so tensors are zero-copy views and a reshard reads only the rows it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointIOError, SerializationError, TensorError
+
+try:
+    import ml_dtypes as _ml
+
+    _BF16: np.dtype | None = np.dtype(_ml.bfloat16)
+except ImportError:  # pragma: no cover
+    _BF16 = None
+
+_CODES = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
+          np.dtype(np.int8): "I8", np.dtype(np.int16): "I16", np.dtype(np.int32): "I32",
+          np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16",
+          np.dtype(np.uint32): "U32", np.dtype(np.uint64): "U64", np.dtype(np.bool_): "BOOL"}
+if _BF16 is not None:
+    _CODES[_BF16] = "BF16"
+_DTYPES = {v: k for k, v in _CODES.items()}
+MAX_HEADER = 100 << 20
+
+
+def dtype_code(dtype: np.dtype, name: str = "") -> str:
+    dtype = np.dtype(dtype).newbyteorder("=") if np.dtype(dtype).byteorder in "<>" else \
+        np.dtype(dtype)
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        raise TensorError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors "
+                          f"(supported: {sorted(_CODES.values())})") from None
+
+
+def code_dtype(code: str, where: str) -> np.dtype:
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        hint = " (install ml_dtypes for BF16)" if code == "BF16" else ""
+        raise TensorError(f"{where}: dtype {code!r} is not supported here{hint}") from None
+
+
+def little_endian(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not np.little_endian):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def crc32(a: np.ndarray) -> str:
+    return f"{zlib.crc32(memoryview(a.reshape(-1).view(np.uint8))):08x}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, entries: Iterable[tuple[str, str, tuple[int, ...]]],
+                      produce, metadata: dict[str, str] | None = None) -> None:
+    """Write ``path`` durably. ``entries`` lists (name, dtype code, shape) in file order;
+    ``produce(name)`` returns each tensor's array when its turn comes (tensor by tensor)."""
+    entries = list(entries)
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, code, shape in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * code_dtype(code, name).itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset,
+                                                                               offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for name, code, shape in entries:
+                a = little_endian(np.asarray(produce(name)))
+                if tuple(a.shape) != tuple(shape) or dtype_code(a.dtype, name) != code:
+                    raise TensorError(f"{path}: tensor {name!r} is {a.dtype}{a.shape}, the "
+                                      f"header says {code}{tuple(shape)}")
+                f.write(memoryview(a.reshape(-1).view(np.uint8)))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise CheckpointIOError(f"writing {path}: {exc}") from exc
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise CheckpointIOError(f"opening {self.path}: {exc}") from exc
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise SerializationError(f"{self.path}: truncated: {size} bytes, not even a "
+                                         "safetensors header length")
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            if hlen > min(size - 8, MAX_HEADER):
+                raise SerializationError(f"{self.path}: header claims {hlen} bytes, the file "
+                                         f"has {size} (truncated or not safetensors)")
+            try:
+                header = json.loads(f.read(hlen))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise SerializationError(f"{self.path}: corrupt header: {exc}") from exc
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            self.data_start = 8 + hlen
+            self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+            end = 0
+            try:
+                for name, e in header.items():
+                    s, t = e["data_offsets"]
+                    self.entries[name] = (e["dtype"], tuple(e["shape"]), int(s), int(t))
+                    end = max(end, int(t))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise SerializationError(f"{self.path}: corrupt header entry: {exc}") from exc
+            if self.data_start + end > size:
+                raise SerializationError(f"{self.path}: truncated: tensors need "
+                                         f"{self.data_start + end} bytes, the file has {size}")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A zero-copy read-only view of tensor ``name``."""
+        try:
+            code, shape, s, t = self.entries[name]
+        except KeyError:
+            raise TensorError(f"{self.path}: no tensor {name!r}") from None
+        dtype = code_dtype(code, f"{self.path}: tensor {name!r}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if (t - s) != count * dtype.itemsize:
+            raise SerializationError(f"{self.path}: tensor {name!r} has {t - s} bytes for "
+                                     f"shape {shape} of {code}")
+        if count == 0:
+            return np.empty(shape, dtype=dtype)
+        wire = dtype if np.little_endian else dtype.newbyteorder("<")
+        return np.frombuffer(self._map, dtype=wire, count=count,
+                             offset=self.data_start + s).reshape(shape)

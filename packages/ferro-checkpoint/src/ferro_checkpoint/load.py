@@ -1,0 +1,175 @@
+"""Loading: this rank's shard when the world size is unchanged, a memory-bounded reshard
+otherwise. Every shard used is checked against metadata.json (checkpoint id, rank, world size,
+shapes, dtypes) and its per-tensor crc32; the error names the bad file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .along_dim import copy_slab_into
+from .errors import (
+    IncompleteCheckpointError,
+    InvalidArgumentError,
+    MetadataError,
+    MissingShardError,
+    SerializationError,
+    TensorError,
+)
+from .format import SafetensorsFile, code_dtype, crc32
+from .metadata import ShardMetadata
+from .save import METADATA, check_rank_world, roll_forward, shard_path
+
+
+@dataclass
+class DistributedCheckpoint:
+    """A committed checkpoint directory and its metadata (see :meth:`open`)."""
+
+    checkpoint_dir: Path
+    shard_metadata: ShardMetadata
+
+    @classmethod
+    def open(cls, directory) -> DistributedCheckpoint:
+        """Open a committed checkpoint (finishing a save that committed before a crash)."""
+        return open_checkpoint(directory)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.shard_metadata.num_ranks
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.shard_metadata.checkpoint_id
+
+    def shard(self, rank: int) -> SafetensorsFile:
+        """The verified shard file of ``rank``."""
+        return _open_shard(self, rank)
+
+    def load(self, rank: int, world_size: int) -> dict[str, np.ndarray]:
+        return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self)
+
+
+def open_checkpoint(directory) -> DistributedCheckpoint:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MissingShardError(f"checkpoint directory {directory} does not exist")
+    roll_forward(directory)
+    path = directory / METADATA
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise MetadataError(f"{path} is missing: no committed checkpoint in {directory}") \
+            from None
+    return DistributedCheckpoint(directory, ShardMetadata.from_json(text, source=str(path)))
+
+
+def _open_shard(ckpt: DistributedCheckpoint, rank: int) -> SafetensorsFile:
+    path = shard_path(ckpt.checkpoint_dir, rank)
+    try:
+        f = SafetensorsFile(path)
+    except FileNotFoundError:
+        raise MissingShardError(f"{path} is missing (checkpoint of {ckpt.num_ranks} ranks)") \
+            from None
+    meta = f.metadata
+    got_id = meta.get("ferro.checkpoint_id")
+    if got_id != ckpt.checkpoint_id:
+        raise IncompleteCheckpointError(
+            f"{path} belongs to checkpoint {got_id!r}, metadata.json to {ckpt.checkpoint_id!r}: "
+            "shards of different saves are mixed (a save did not complete); refusing to load")
+    if meta.get("ferro.rank") != str(rank) or meta.get("ferro.world_size") != str(ckpt.num_ranks):
+        raise IncompleteCheckpointError(
+            f"{path} says rank {meta.get('ferro.rank')} of {meta.get('ferro.world_size')}, "
+            f"expected rank {rank} of {ckpt.num_ranks}")
+    specs = ckpt.shard_metadata.tensor_specs
+    if set(f.entries) != set(specs):
+        raise TensorError(f"{path} holds tensors {sorted(f.entries)}, metadata.json names "
+                          f"{sorted(specs)}")
+    for name, spec in specs.items():
+        code, shape, _, _ = f.entries[name]
+        if shape != spec.shard_shape(rank) or (spec.dtype and code != spec.dtype):
+            raise TensorError(f"{path}: tensor {name!r} is {code}{shape}, metadata.json "
+                              f"expects {spec.dtype}{spec.shard_shape(rank)}")
+    return f
+
+
+def _verify(f: SafetensorsFile, name: str, view: np.ndarray) -> None:
+    want = f.metadata.get(f"ferro.crc32.{name}")
+    if want is None:
+        raise SerializationError(f"{f.path}: tensor {name!r} has no checksum")
+    if crc32(view) != want:
+        raise SerializationError(f"{f.path}: tensor {name!r} is corrupt (crc32 {crc32(view)}, "
+                                 f"expected {want})")
+
+
+class _Shards:
+    """Old shards opened (and each tensor verified) lazily, at most once."""
+
+    def __init__(self, ckpt: DistributedCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.files: dict[int, SafetensorsFile] = {}
+        self.verified: set[tuple[int, str]] = set()
+
+    def tensor(self, rank: int, name: str) -> np.ndarray:
+        f = self.files.get(rank)
+        if f is None:
+            f = self.files[rank] = _open_shard(self.ckpt, rank)
+        view = f.tensor(name)
+        if (rank, name) not in self.verified:
+            _verify(f, name, view)
+            self.verified.add((rank, name))
+        return view
+
+
+def assemble(shards: _Shards, name: str, new_world: int, new_rank: int) -> np.ndarray:
+    """Rank ``new_rank``'s shard of ``name`` in a world of ``new_world``, copying only the rows
+    that rank needs from the old shards that hold them."""
+    spec = shards.ckpt.shard_metadata.tensor_specs[name]
+    new = spec.resharded(new_world)
+    lo, hi = new.start(new_rank), new.start(new_rank) + new.shard_sizes[new_rank]
+    dtype = code_dtype(spec.dtype, name) if spec.dtype else None
+    out = None
+    pos = 0
+    for r, size in enumerate(spec.shard_sizes):
+        s, e = max(lo, pos), min(hi, pos + size)
+        if s < e or (out is None and r == len(spec.shard_sizes) - 1):
+            view = shards.tensor(r, name)
+            if out is None:
+                out = np.empty(new.shard_shape(new_rank), dtype=dtype or view.dtype)
+            if s < e:
+                copy_slab_into(view, out, spec.shard_dim, s - pos, s - lo, e - s)
+        pos += size
+    return out
+
+
+def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, *,
+            checkpoint: DistributedCheckpoint | None = None) -> dict[str, np.ndarray]:
+    """Rank ``new_rank``'s tensors for a world of ``new_world_size`` from a checkpoint saved by
+    ``old_world_size`` ranks. Reads only the needed rows, tensor by tensor: the extra memory is
+    about one new shard. New shard sizes: the first ``full % world`` ranks get one extra row."""
+    check_rank_world("reshard", new_rank, new_world_size)
+    ckpt = checkpoint or open_checkpoint(directory)
+    if ckpt.num_ranks != old_world_size:
+        raise InvalidArgumentError(f"reshard: the checkpoint in {ckpt.checkpoint_dir} was saved "
+                                   f"by {ckpt.num_ranks} ranks, not {old_world_size}")
+    shards = _Shards(ckpt)
+    return {name: assemble(shards, name, new_world_size, new_rank)
+            for name in sorted(ckpt.shard_metadata.tensor_specs)}
+
+
+def load_distributed(directory, rank: int, world_size: int, *,
+                     checkpoint: DistributedCheckpoint | None = None) -> dict[str, np.ndarray]:
+    """This rank's tensors: its own shard if ``world_size`` equals the saved one, else resharded.
+
+    Raises MetadataError (no committed checkpoint), MissingShardError, SerializationError
+    (corrupt or truncated file, checksum mismatch), IncompleteCheckpointError (mixed saves),
+    TensorError, InvalidArgumentError; each names the file.
+    """
+    check_rank_world("load_distributed", rank, world_size)
+    ckpt = checkpoint or open_checkpoint(directory)
+    if world_size != ckpt.num_ranks:
+        return reshard(directory, ckpt.num_ranks, world_size, rank, checkpoint=ckpt)
+    shards = _Shards(ckpt)
+    return {name: np.array(shards.tensor(rank, name))
+            for name in sorted(ckpt.shard_metadata.tensor_specs)}

@@ -1,0 +1,142 @@
+"""Shard specs and the checkpoint's metadata.json.
+
+metadata.json schema (``format_version`` 1)::
+
+    {
+      "format": "ferro-checkpoint",
+      "format_version": 1,
+      "checkpoint_id": "<32 hex digits, the same in every shard's header>",
+      "num_ranks": 4,
+      "tensor_specs": {
+        "<name>": {"full_shape": [10, 3], "shard_dim": 0, "shard_sizes": [3, 3, 2, 2],
+                   "dtype": "F32"}
+      }
+    }
+
+Shard ``r`` of a tensor holds the rows ``[sum(shard_sizes[:r]), sum(shard_sizes[:r+1]))`` along
+``shard_dim``; every other dimension is whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InvalidArgumentError, MetadataError
+
+FORMAT = "ferro-checkpoint"
+FORMAT_VERSION = 1
+
+
+def compute_shard_sizes(full: int, world_size: int) -> tuple[int, ...]:
+    """Split ``full`` rows over ``world_size`` ranks: the first ``full % world`` get one extra."""
+    if world_size < 1:
+        raise InvalidArgumentError(f"world_size {world_size} must be >= 1")
+    base, extra = divmod(full, world_size)
+    return tuple(base + (1 if r < extra else 0) for r in range(world_size))
+
+
+@dataclass
+class TensorShardSpec:
+    """How one tensor is split: ``shard_sizes[r]`` rows of ``shard_dim`` live on rank ``r``."""
+
+    full_shape: tuple[int, ...]
+    shard_dim: int
+    shard_sizes: tuple[int, ...]
+    dtype: str | None = None  # safetensors dtype code, filled in by save
+
+    def __post_init__(self) -> None:
+        self.full_shape = tuple(int(s) for s in self.full_shape)
+        self.shard_sizes = tuple(int(s) for s in self.shard_sizes)
+        self.shard_dim = int(self.shard_dim)
+        if not self.full_shape:
+            raise InvalidArgumentError("TensorShardSpec: a 0-d tensor cannot be sharded; "
+                                       "reshape it to (1,)")
+        if not 0 <= self.shard_dim < len(self.full_shape):
+            raise InvalidArgumentError(f"TensorShardSpec: shard_dim {self.shard_dim} is out of "
+                                       f"range for full_shape {self.full_shape}")
+        if any(s < 0 for s in self.shard_sizes) or not self.shard_sizes:
+            raise InvalidArgumentError(f"TensorShardSpec: bad shard_sizes {self.shard_sizes}")
+        if sum(self.shard_sizes) != self.full_shape[self.shard_dim]:
+            raise InvalidArgumentError(
+                f"TensorShardSpec: shard_sizes {self.shard_sizes} sum to {sum(self.shard_sizes)}"
+                f", expected full_shape[{self.shard_dim}] = {self.full_shape[self.shard_dim]}")
+
+    def start(self, rank: int) -> int:
+        return sum(self.shard_sizes[:rank])
+
+    def shard_shape(self, rank: int) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.shard_dim] = self.shard_sizes[rank]
+        return tuple(shape)
+
+    def resharded(self, world_size: int) -> TensorShardSpec:
+        return TensorShardSpec(self.full_shape, self.shard_dim,
+                               compute_shard_sizes(self.full_shape[self.shard_dim], world_size),
+                               self.dtype)
+
+    def to_dict(self) -> dict:
+        d = {"full_shape": list(self.full_shape), "shard_dim": self.shard_dim,
+             "shard_sizes": list(self.shard_sizes)}
+        if self.dtype is not None:
+            d["dtype"] = self.dtype
+        return d
+
+
+@dataclass
+class ShardMetadata:
+    """How many ranks wrote a checkpoint and how each tensor is sharded."""
+
+    num_ranks: int
+    tensor_specs: dict[str, TensorShardSpec] = field(default_factory=dict)
+    checkpoint_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+            raise InvalidArgumentError(f"ShardMetadata: num_ranks {self.num_ranks!r} must be >= 1")
+        for name, spec in self.tensor_specs.items():
+            if len(spec.shard_sizes) != self.num_ranks:
+                raise InvalidArgumentError(
+                    f"ShardMetadata: tensor {name!r} has {len(spec.shard_sizes)} shard sizes, "
+                    f"expected num_ranks = {self.num_ranks}")
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "checkpoint_id": self.checkpoint_id, "num_ranks": self.num_ranks,
+            "tensor_specs": {k: v.to_dict() for k, v in sorted(self.tensor_specs.items())},
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "metadata.json") -> ShardMetadata:
+        try:
+            raw = json.loads(text)
+            if raw.get("format", FORMAT) != FORMAT:
+                raise MetadataError(f"{source}: format {raw.get('format')!r} is not {FORMAT!r}")
+            version = raw.get("format_version", 1)
+            if version != FORMAT_VERSION:
+                raise MetadataError(f"{source}: format_version {version} is not supported "
+                                    f"(this is {FORMAT_VERSION})")
+            specs = {k: TensorShardSpec(tuple(v["full_shape"]), v["shard_dim"],
+                                        tuple(v["shard_sizes"]), v.get("dtype"))
+                     for k, v in raw["tensor_specs"].items()}
+            return cls(int(raw["num_ranks"]), specs, str(raw.get("checkpoint_id", "")))
+        except MetadataError:
+            raise
+        except (ValueError, KeyError, TypeError, InvalidArgumentError) as exc:
+            raise MetadataError(f"{source}: malformed metadata: {exc}") from exc
+
+
+def flat_shard_metadata(state_dict: Mapping[str, np.ndarray], world_size: int) -> ShardMetadata:
+    """Spec for FSDP-style flat shards: each rank's tensor is its flat chunk of a 1-d tensor of
+    ``numel * world_size`` elements, equal chunks, sharded along dim 0 (the seed's helper)."""
+    if world_size < 1:
+        raise InvalidArgumentError(f"flat_shard_metadata: world_size {world_size} must be >= 1")
+    specs = {}
+    for name, t in state_dict.items():
+        numel = int(np.asarray(t).size)
+        specs[name] = TensorShardSpec((numel * world_size,), 0, (numel,) * world_size)
+    return ShardMetadata(world_size, specs)
