@@ -80,7 +80,7 @@ class AsyncCheckpointer:
                 future.checkpoint_id = save_distributed(
                     staged, self.directory, self.rank, self.world_size, spec,
                     backend=self.backend, checkpoint_id=checkpoint_id)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            except BaseException as exc:
                 future._error = exc
             finally:
                 future._done.set()
