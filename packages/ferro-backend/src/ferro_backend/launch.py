@@ -1,0 +1,180 @@
+"""``ferrorun``: start the ranks of a ferro job on this machine, in the spirit of torchrun.
+
+    ferrorun --nproc 4 train.py --epochs 3
+    ferrorun --nproc 2 -m mypackage.train
+    ferrorun --nnodes 2 --node-rank 0 --nproc 8 --master-addr 10.0.0.1 --master-port 29500 \\
+             --token $SECRET train.py
+
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+FERRO_TOKEN (fresh per single-node job) and FERRO_TRANSPORT, so ``ferro_backend.init_from_env()``
+joins the job. Every line a rank prints is prefixed with ``[rank N]``. When a rank fails, the
+others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds; each rank runs in its own
+process group, so its children go too) and ferrorun exits with that rank's exit code. SIGINT and
+SIGTERM sent to ferrorun reach every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from .testing import free_port
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ferrorun", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
+                   help="ranks to start on this node (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's host (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rank 0's port (default: a free port; required with --nnodes > 1)")
+    p.add_argument("--transport", choices=["tcp", "shm"], default=None,
+                   help="transport for init_from_env (default: shm on one node when available, "
+                        "else tcp)")
+    p.add_argument("--token", default=None, help="job secret (default: FERRO_TOKEN, or a fresh "
+                   "one for a single-node job)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="default timeout of blocking calls in the ranks, seconds (FERRO_TIMEOUT)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="run the target as a module (python -m)")
+    p.add_argument("script", help="the script (or module with -m) every rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def _default_transport(nnodes: int) -> str:
+    if nnodes > 1:
+        return "tcp"
+    try:
+        from . import shm  # noqa: F401
+    except ImportError:
+        return "tcp"
+    return "shm"
+
+
+def _pump(stream, out, prefix: str) -> None:
+    for line in iter(stream.readline, b""):
+        out.buffer.write(prefix.encode() + line if prefix else line)
+        out.buffer.flush()
+    stream.close()
+
+
+class Job:
+    def __init__(self, cmd: list[str], envs: list[dict[str, str]], ranks: list[int],
+                 grace: float, prefix: bool) -> None:
+        self.grace = grace
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.ranks = ranks
+        for env, rank in zip(envs, ranks):
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)
+            self.procs.append(p)
+            tag = f"[rank {rank}] " if prefix else ""
+            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, out, tag), daemon=True)
+                t.start()
+                self.pumps.append(t)
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, sig)  # the rank and everything it started
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self) -> None:
+        self.signal_all(signal.SIGTERM)
+        end = time.monotonic() + self.grace
+        while time.monotonic() < end and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def wait(self) -> int:
+        """Wait for every rank; on the first failure stop the rest. Returns the exit code."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                sys.stderr.write(f"ferrorun: rank {self.ranks[i]} exited with code {code}; "
+                                 f"stopping the other ranks\n")
+                self.stop_all()
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                # ranks done: make sure no child they left behind outlives the job
+                self.signal_all(signal.SIGKILL)
+                return 0
+            time.sleep(0.05)
+
+    def finish_output(self) -> None:
+        for t in self.pumps:
+            t.join(5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        _parser().error(f"--nproc {args.nproc}, --nnodes {args.nnodes}, --node-rank "
+                        f"{args.node_rank}: need nproc >= 1 and 0 <= node-rank < nnodes")
+    if args.nnodes > 1 and args.master_port is None:
+        _parser().error("--master-port is required with --nnodes > 1")
+    token = args.token or os.environ.get("FERRO_TOKEN")
+    if token is None:
+        if args.nnodes > 1:
+            _parser().error("multi-node jobs need a shared secret: --token or FERRO_TOKEN")
+        token = secrets.token_hex(16)
+    port = args.master_port or free_port(args.master_addr if args.master_addr != "localhost"
+                                         else "127.0.0.1")
+    world = args.nproc * args.nnodes
+    transport = args.transport or _default_transport(args.nnodes)
+    cmd = [sys.executable, "-u"] + (["-m", args.script] if args.module else [args.script])
+    cmd += args.args
+    envs, ranks = [], []
+    for local in range(args.nproc):
+        rank = args.node_rank * args.nproc + local
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(args.nproc), GROUP_RANK=str(args.node_rank),
+                   MASTER_ADDR=args.master_addr, MASTER_PORT=str(port), FERRO_TOKEN=token,
+                   FERRO_TRANSPORT=transport, PYTHONUNBUFFERED="1")
+        if args.timeout is not None:
+            env["FERRO_TIMEOUT"] = str(args.timeout)
+        envs.append(env)
+        ranks.append(rank)
+    job = Job(cmd, envs, ranks, args.grace, not args.no_prefix)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        job.signal_all(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = job.wait()
+        if received and code == 0:
+            code = 128 + received[0]
+    finally:
+        if any(p.poll() is None for p in job.procs):
+            job.stop_all()
+        for s, h in old.items():
+            signal.signal(s, h)
+        job.finish_output()
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""ferrorun: success, a failing rank, a hanging job stopped by SIGTERM, init_from_env."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ferro_backend import SimulatedBackend, init_from_env
+
+pytestmark = pytest.mark.timeout(90)
+FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
+
+
+def write(tmp_path, name, body):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_success_env_and_prefixed_output(tmp_path):
+    script = write(tmp_path, "ok.py", """
+        import os
+        from ferro_backend import init_from_env
+        b = init_from_env(timeout=20)
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"]
+        print("env", *[os.environ[k] for k in keys], len(os.environ["FERRO_TOKEN"]),
+              type(b).__name__, b.rank, b.world_size)
+        b.barrier()
+        b.close()
+    """)
+    r = subprocess.run([*FERRORUN, "--nproc", "3", "--transport", "tcp", str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(line for line in r.stdout.splitlines() if " env " in line)
+    assert len(lines) == 3
+    ports = set()
+    for rank, line in enumerate(lines):
+        prefix, _, rest = line.partition(" env ")
+        assert prefix == f"[rank {rank}]"
+        vals = rest.split()
+        assert vals[:5] == [str(rank), "3", str(rank), "3", "127.0.0.1"]
+        assert vals[6] == "32" and vals[7:] == ["TcpBackend", str(rank), "3"]
+        ports.add(vals[5])
+    assert len(ports) == 1  # one free port picked for the job
+
+
+def test_failing_rank_stops_the_others_and_passes_its_exit_code(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = write(tmp_path, "fail.py", f"""
+        import os, subprocess, sys, time
+        rank = int(os.environ["RANK"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open(os.path.join({str(pids)!r}, f"{{rank}}-{{os.getpid()}}-{{child.pid}}"), "w").close()
+        if rank == 1:
+            time.sleep(0.5)
+            sys.exit(7)
+        time.sleep(120)
+    """)
+    t0 = time.monotonic()
+    r = subprocess.run([*FERRORUN, "--nproc", "3", "--grace", "2", str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 7, r.stderr
+    assert time.monotonic() - t0 < 20
+    assert "rank 1 exited with code 7" in r.stderr
+    time.sleep(0.2)
+    files = os.listdir(pids)
+    assert len(files) == 3
+    for f in files:
+        _, pid, child = map(int, f.split("-"))
+        assert not alive(pid) and not alive(child), f"orphan left: {f}"
+
+
+def test_sigterm_to_ferrorun_reaches_every_rank(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = write(tmp_path, "hang.py", f"""
+        import os, signal, sys, time
+        rank = os.environ["RANK"]
+        def on_term(signum, frame):
+            open(os.path.join({str(marks)!r}, "term-" + rank), "w").close()
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        print("started", flush=True)
+        while True:
+            time.sleep(0.1)
+    """)
+    p = subprocess.Popen([*FERRORUN, "--nproc", "3", str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        started = 0
+        while started < 3:
+            line = p.stdout.readline()
+            assert line, "ferrorun ended early"
+            started += "started" in line
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert sorted(os.listdir(marks)) == ["term-0", "term-1", "term-2"]
+    assert p.returncode == 128 + signal.SIGTERM
+
+
+def test_module_mode_and_bad_arguments(tmp_path):
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "-m", "json.tool", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "[rank 1] usage" in r.stdout
+    r = subprocess.run([*FERRORUN, "--nnodes", "2", "x.py"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--master-port is required" in r.stderr
+
+
+def test_init_from_env_outside_ferrorun(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    b = init_from_env()
+    assert isinstance(b, SimulatedBackend) and (b.rank, b.world_size) == (0, 1)
+    b.barrier()
+    b.close()
