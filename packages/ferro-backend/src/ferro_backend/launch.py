@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -64,10 +65,33 @@ def _default_transport(nnodes: int) -> str:
     return "shm"
 
 
+_OUTPUT_LOCK = threading.Lock()
+
+
 def _pump(stream, out, prefix: str) -> None:
-    for line in iter(stream.readline, b""):
-        out.buffer.write(prefix.encode() + line if prefix else line)
-        out.buffer.flush()
+    """Copy a rank's output whole line by whole line, each prefixed; a carriage return
+    (a redrawn progress bar) ends a line too, so the bar keeps its prefix."""
+    tag = prefix.encode()
+    pending = b""
+    while True:
+        chunk = stream.read1(65536)
+        if chunk:
+            pending += chunk
+            cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+            if not cut:
+                continue
+            ready, pending = pending[:cut], pending[cut:]
+        else:
+            ready, pending = pending, b""
+        if ready:
+            if tag:
+                ready = b"".join(tag + part for part in re.split(rb"(?<=[\r\n])", ready)
+                                 if part)
+            with _OUTPUT_LOCK:
+                out.buffer.write(ready)
+                out.buffer.flush()
+        if not chunk:
+            break
     stream.close()
 
 

@@ -65,6 +65,16 @@ class AsyncCheckpointer:
     def dir(self) -> Path:
         return self.directory
 
+    @property
+    def in_flight(self) -> CheckpointFuture | None:
+        """The future of the last save, or None."""
+        return self._current
+
+    def wait(self) -> None:
+        """Wait for the last save (if any); raises AsyncCheckpointError if it failed."""
+        if self._current is not None:
+            self._current.wait()
+
     def save_async(self, state_dict: Mapping[str, np.ndarray], *,
                    shard_spec: ShardMetadata | None = None,
                    checkpoint_id: str | None = None) -> CheckpointFuture:

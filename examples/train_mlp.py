@@ -1,0 +1,315 @@
+"""Train an MLP classifier with ferro-fsdp: checkpoint, stop, resume on another number of ranks.
+
+    ferrorun --nproc 4 examples/train_mlp.py --epochs 8 --checkpoint-dir ckpt
+    ferrorun --nproc 2 examples/train_mlp.py --epochs 20 --checkpoint-dir ckpt --resume
+
+Data: the handwritten digits scikit-learn ships offline (``load_digits``, 1797 8x8 images, 10
+classes; 80/20 train/held-out split), or ``--dataset synthetic --params N`` for a model of about N
+parameters on generated data. Every rank trains on its own slice of each global batch (the
+batch size must be divisible by the number of ranks), so a run gives the same parameters
+whatever the number of ranks, up to floating-point summation order (exactly, in float64, for the
+tests). Checkpoints are sharded state dicts written by ferro-checkpoint's AsyncCheckpointer;
+``--resume`` loads the last one on any number of ranks (resharding) and continues from its step:
+same data order, same loss curve. Rank 0 shows a progress bar, prints held-out accuracy each
+epoch and a summary at the end, and writes the loss curve of every run in the checkpoint
+directory to ``loss_curve.png`` beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ferro_backend import init_from_env
+from ferro_checkpoint import (
+    AsyncCheckpointer,
+    ShardMetadata,
+    TensorShardSpec,
+    load_distributed,
+)
+from ferro_collective import ReduceOp, all_gather, allreduce
+from ferro_fsdp import DDP, FSDP, nn, optim
+
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", choices=["digits", "synthetic"], default="digits")
+    p.add_argument("--params", type=int, default=1_000_000,
+                   help="synthetic: approximate number of model parameters")
+    p.add_argument("--samples", type=int, default=4096, help="synthetic: number of samples")
+    p.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
+    p.add_argument("--intra-node-size", type=int, default=None,
+                   help="hybrid_shard: ranks per node (default: half the ranks, at least 1)")
+    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    p.add_argument("--lr", type=float, default=None, help="default 2e-3 (adam), 0.05 (sgd)")
+    p.add_argument("--epochs", type=int, default=20, help="total epochs (a resume continues)")
+    p.add_argument("--steps", type=int, default=None, help="total steps (overrides --epochs)")
+    p.add_argument("--batch-size", type=int, default=96, help="global batch size")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", type=Path, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--min-accuracy", type=float, default=None,
+                   help="exit with status 3 if the final held-out accuracy is lower")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dump-params", type=Path, default=None,
+                   help="write the final full parameters (rank 0) to this .npz")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------ data
+def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    dtype = np.dtype(args.dtype)
+    if args.dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = x / 16.0
+        classes = 10
+    else:
+        rng = np.random.default_rng(args.seed + 1)
+        features, classes = 256, 10
+        x = rng.standard_normal((args.samples, features))
+        w = rng.standard_normal((features, classes))
+        y = np.argmax(x @ w + 0.5 * rng.standard_normal((args.samples, classes)), axis=1)
+    order = np.random.default_rng(args.seed).permutation(len(x))
+    cut = int(len(x) * 0.8)
+    tr, te = order[:cut], order[cut:]
+    mean, std = x[tr].mean(0), x[tr].std(0) + 1e-6
+    x = (x - mean) / std
+    return x[tr].astype(dtype), y[tr], x[te].astype(dtype), y[te], classes
+
+
+def build_model(args, features: int, classes: int) -> nn.Sequential:
+    hidden = args.hidden
+    if args.dataset == "synthetic":
+        # two hidden layers of width h: params ~ features*h + h*h + h*classes
+        a, b = 1.0, features + classes
+        hidden = max(8, int((-b + math.sqrt(b * b + 4 * a * args.params)) / (2 * a)))
+        return nn.Sequential(
+            nn.Linear(features, hidden, dtype=args.dtype, rng=args.seed),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden, dtype=args.dtype, rng=args.seed + 1),
+            nn.ReLU(),
+            nn.Linear(hidden, classes, dtype=args.dtype, rng=args.seed + 2))
+    return nn.Sequential(nn.Linear(features, hidden, dtype=args.dtype, rng=args.seed), nn.ReLU(),
+                         nn.Linear(hidden, classes, dtype=args.dtype, rng=args.seed + 1))
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def state_spec(tensors: dict, specs: dict, step: int, world: int, rank: int):
+    tensors = dict(tensors)
+    tensors["train.step"] = np.array([step], np.int64)
+    specs = dict(specs)
+    specs["train.step"] = ((world,), 0, (1,) * world)
+    meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
+    return tensors, meta
+
+
+def resume(args, wrapper, opt, backend) -> int:
+    tensors = load_distributed(args.checkpoint_dir, backend.rank, backend.world_size)
+    piece = tensors.pop("train.step")
+    step = int(piece[0]) if piece.size else -1
+    wrapper.load_sharded_state_dict(tensors, opt)
+    return int(allreduce(np.array([step], np.int64), backend, ReduceOp.MAX)[0])
+
+
+def history_path(args) -> Path:
+    return args.checkpoint_dir / "loss_history.json"
+
+
+def plot_losses(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in history:
+        steps = [s for s, _ in run["losses"]]
+        ax.plot(steps, [v for _, v in run["losses"]],
+                label=f"run {run['run']}: {run['world_size']} ranks, {run['strategy']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (global batch)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ training
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = init_from_env()
+    rank, world = backend.rank, backend.world_size
+    if args.batch_size % world:
+        raise SystemExit(f"train_mlp: --batch-size {args.batch_size} is not divisible by "
+                         f"{world} ranks")
+    if args.resume and args.checkpoint_dir is None:
+        raise SystemExit("train_mlp: --resume needs --checkpoint-dir")
+    x_tr, y_tr, x_te, y_te, classes = load_data(args)
+    model = build_model(args, x_tr.shape[1], classes)
+    n_params = sum(p.data.size for p in model.parameters())
+    if args.strategy == "ddp":
+        wrapper = DDP(model, backend)
+    else:
+        intra = None
+        if args.strategy == "hybrid_shard":
+            intra = args.intra_node_size or max(1, world // 2)
+        wrapper = FSDP(model, backend, args.strategy, intra_node_size=intra,
+                       sync_module_states=True)
+    lr = args.lr or (2e-3 if args.optimizer == "adam" else 0.05)
+    params = wrapper.module.parameters()
+    opt = optim.Adam(params, lr=lr) if args.optimizer == "adam" else \
+        optim.SGD(params, lr=lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    steps_per_epoch = len(x_tr) // args.batch_size
+    total = args.steps if args.steps is not None else args.epochs * steps_per_epoch
+    step = 0
+    if args.resume and (args.checkpoint_dir / "metadata.json").exists():
+        step = resume(args, wrapper, opt, backend)
+        if rank == 0:
+            print(f"resumed from step {step} of {args.checkpoint_dir} on {world} ranks "
+                  f"({args.strategy})", flush=True)
+    checkpointer = None
+    history: list[dict] = []
+    if args.checkpoint_dir is not None:
+        if rank == 0:
+            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            if args.resume and history_path(args).exists():
+                history = json.loads(history_path(args).read_text())
+        backend.barrier()
+    run = {"run": len(history) + 1, "world_size": world, "strategy": args.strategy,
+           "losses": []}
+    history.append(run)
+    per_rank = args.batch_size // world
+
+    def evaluate() -> float:
+        wrapper.eval()
+        lo = rank * len(x_te) // world
+        hi = (rank + 1) * len(x_te) // world
+        correct = int((np.argmax(wrapper(x_te[lo:hi]), axis=1) == y_te[lo:hi]).sum())
+        wrapper.train()
+        return float(allreduce(np.array([correct], np.int64), backend)[0]) / len(x_te)
+
+    def save(step_now: int) -> None:
+        nonlocal checkpointer
+        tensors, specs = wrapper.sharded_state_dict(opt)
+        tensors, meta = state_spec(tensors, specs, step_now, world, rank)
+        if checkpointer is None:
+            checkpointer = AsyncCheckpointer(args.checkpoint_dir, rank, world, meta,
+                                             backend=backend)
+        else:
+            checkpointer.wait()
+        checkpointer.save_async(tensors, shard_spec=meta)
+
+    progress = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total, initial=step, unit="step", file=sys.stdout,
+                        dynamic_ncols=True)
+    sent0 = getattr(backend, "bytes_sent", 0)
+    t0 = time.perf_counter()
+    first_step = step
+    accuracy = float("nan")
+    while step < total:
+        epoch, k = divmod(step, steps_per_epoch)
+        order = np.random.default_rng(args.seed * 1000 + epoch).permutation(len(x_tr))
+        idx = order[k * args.batch_size:(k + 1) * args.batch_size][rank * per_rank:
+                                                                     (rank + 1) * per_rank]
+        out = wrapper(x_tr[idx])
+        loss = loss_fn(out, y_tr[idx])
+        wrapper.backward(loss_fn.backward())
+        if args.strategy != "ddp":
+            wrapper.sync_gradients()
+        opt.step()
+        opt.zero_grad()
+        if args.strategy != "ddp":
+            wrapper.broadcast_updated_params()
+        step += 1
+        global_loss = float(allreduce(np.array([loss]), backend, ReduceOp.MEAN)[0])
+        run["losses"].append((step, global_loss))
+        if progress is not None:
+            elapsed = time.perf_counter() - t0
+            progress.set_postfix(loss=f"{global_loss:.4f}",
+                                 samples_per_s=f"{(step - first_step) * args.batch_size / elapsed:.0f}")
+            progress.update(1)
+        if args.checkpoint_dir is not None and args.checkpoint_every and \
+                step % args.checkpoint_every == 0:
+            save(step)
+        if step % steps_per_epoch == 0 or step == total:
+            accuracy = evaluate()
+            if rank == 0:
+                msg = f"epoch {step // steps_per_epoch} step {step}: loss {global_loss:.4f}, " \
+                      f"held-out accuracy {accuracy:.4f}"
+                (progress.write(msg) if progress is not None else print(msg, flush=True))
+    elapsed = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
+    if step == first_step:
+        accuracy = evaluate()
+    if args.checkpoint_dir is not None:
+        save(step)
+        checkpointer.wait()
+    done = max(step - first_step, 1)
+    sent = float(allreduce(np.array([getattr(backend, "bytes_sent", 0) - sent0], np.float64),
+                           backend, ReduceOp.MEAN)[0])
+    peak = all_gather(np.array([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+                               np.int64), backend)
+    if args.dump_params is not None:
+        tensors, specs = wrapper.sharded_state_dict()
+        full = {k: all_gather(v, backend) for k, v in sorted(tensors.items())}
+        if rank == 0:
+            np.savez(args.dump_params, **full)
+    if rank == 0:
+        summary = {
+            "world_size": world, "strategy": args.strategy, "optimizer": args.optimizer,
+            "parameters": int(n_params), "steps": step, "steps_this_run": step - first_step,
+            "steps_per_s": (step - first_step) / elapsed if elapsed else 0.0,
+            "bytes_sent_per_rank_per_step": sent / done,
+            "peak_memory_per_rank_MiB": [round(int(b) / 2**20, 1) for b in peak],
+            "final_loss": run["losses"][-1][1] if run["losses"] else None,
+            "held_out_accuracy": accuracy,
+        }
+        print("summary: " + json.dumps(summary), flush=True)
+        print(f"{summary['steps_this_run']} steps in {elapsed:.1f}s "
+              f"({summary['steps_per_s']:.1f} steps/s) on {world} ranks, "
+              f"{summary['bytes_sent_per_rank_per_step'] / 1024:.1f} KiB sent per rank per step, "
+              f"peak memory per rank {summary['peak_memory_per_rank_MiB']} MiB, "
+              f"held-out accuracy {accuracy:.4f}", flush=True)
+        if args.checkpoint_dir is not None:
+            history_path(args).write_text(json.dumps(history))
+            (args.checkpoint_dir / "summary.json").write_text(json.dumps(summary))
+            try:
+                plot_losses(history, args.checkpoint_dir / "loss_curve.png")
+                print(f"loss curve: {args.checkpoint_dir / 'loss_curve.png'}", flush=True)
+            except ImportError:
+                print("matplotlib not installed: no loss curve plot", flush=True)
+    backend.barrier()
+    backend.close()
+    if args.min_accuracy is not None and accuracy < args.min_accuracy:
+        if rank == 0:
+            print(f"held-out accuracy {accuracy:.4f} is below --min-accuracy "
+                  f"{args.min_accuracy}", flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
