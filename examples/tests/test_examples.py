@@ -1,0 +1,108 @@
+"""The examples and the README's commands, run as a user runs them."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
+pytestmark = pytest.mark.timeout(300)
+
+
+def ferrorun(nproc: int, script: Path, *args, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run([*FERRORUN, "--nproc", str(nproc), "--transport", "tcp", str(script),
+                        *map(str, args)], capture_output=True, text=True, timeout=240,
+                       cwd=ROOT)
+    if check:
+        assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S)
+    return [line.strip() for b in blocks for line in b.splitlines()
+            if line.strip().startswith(("python3 -m pip", "ferrorun", "nox"))]
+
+
+def test_readme_shows_the_quickstart_verbatim():
+    text = (ROOT / "README.md").read_text()
+    assert (EXAMPLES / "quickstart.py").read_text().strip() in text
+
+
+def test_readme_commands_are_the_ones_we_run():
+    cmds = readme_commands()
+    # the two set-up lines (run by CI and by `nox -s demo`) and the quickstart line (run below)
+    assert "python3 -m pip install nox && nox -s demo" in cmds
+    assert "python3 -m pip install nox && nox -s tests" in cmds
+    assert "ferrorun --nproc 2 examples/quickstart.py" in cmds
+
+
+def test_quickstart_as_the_readme_runs_it():
+    line = next(c for c in readme_commands() if c.startswith("ferrorun"))
+    r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", *line.split()[1:]],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", r.stdout)]
+    assert len(losses) == 2 and max(losses) < 1.0, r.stdout
+
+
+def final_params(tmp_path, name, runs, strategy, optimizer="sgd"):
+    """Run train_mlp in pieces [(nproc, total_steps), ...] resuming in between; return the
+    final full parameters."""
+    ckpt = tmp_path / f"ckpt-{name}"
+    dump = tmp_path / f"{name}.npz"
+    for i, (nproc, steps) in enumerate(runs):
+        args = ["--steps", steps, "--strategy", strategy, "--optimizer", optimizer,
+                "--dtype", "float64", "--batch-size", 48, "--checkpoint-dir", ckpt,
+                "--no-progress", "--dump-params", dump]
+        if strategy == "hybrid_shard":
+            args += ["--intra-node-size", 1]
+        if i:
+            args.append("--resume")
+        ferrorun(nproc, EXAMPLES / "train_mlp.py", *args)
+    with np.load(dump) as z:
+        return {k: z[k] for k in z.files}, json.loads((ckpt / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard",
+                                      "ddp"])
+def test_train_then_resume_on_1_and_3_ranks_matches_an_uninterrupted_run(tmp_path, strategy):
+    straight, summary = final_params(tmp_path, "straight", [(2, 6)], strategy)
+    for other in (1, 3):
+        resumed, rsummary = final_params(tmp_path, f"resume{other}", [(2, 3), (other, 6)],
+                                         strategy)
+        assert rsummary["steps"] == 6 and rsummary["world_size"] == other
+        assert resumed.keys() == straight.keys()
+        for k in straight:
+            np.testing.assert_allclose(resumed[k], straight[k], rtol=1e-10, atol=1e-12,
+                                       err_msg=f"{strategy}: {k} after resume on {other}")
+    assert summary["held_out_accuracy"] > 0.3
+
+
+def test_loss_curve_continues_across_a_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ferrorun(2, EXAMPLES / "train_mlp.py", "--steps", 20, "--checkpoint-dir", ckpt,
+             "--checkpoint-every", 5, "--no-progress")
+    r = ferrorun(1, EXAMPLES / "train_mlp.py", "--steps", 40, "--checkpoint-dir", ckpt,
+                 "--resume", "--no-progress")
+    assert "resumed from step 20" in r.stdout
+    history = json.loads((ckpt / "loss_history.json").read_text())
+    assert [run["world_size"] for run in history] == [2, 1]
+    first, second = history[0]["losses"], history[1]["losses"]
+    assert [s for s, _ in first] == list(range(1, 21))
+    assert [s for s, _ in second] == list(range(21, 41))
+    # continues where it stopped: no jump back to the untrained loss
+    assert second[0][1] < 0.8 * first[0][1]
+    assert (ckpt / "loss_curve.png").stat().st_size > 1000
+
+
+def test_bad_batch_size_is_a_clear_error(tmp_path):
+    r = ferrorun(2, EXAMPLES / "train_mlp.py", "--batch-size", 7, "--steps", 1, check=False)
+    assert r.returncode != 0 and "not divisible by 2 ranks" in r.stderr
