@@ -1,4 +1,7 @@
-"""ferro-backend: send/recv round trips (simulated, TCP) and the `_wire` pack/unpack kernel.
+"""ferro-backend: send/recv round trips (simulated, TCP, shm) and the `_wire` pack/unpack kernel.
+
+ShmBackend's large messages move through the `_shm` kernel (a single cross-memory copy); its
+round trips are measured against the same raw-socket echo as TCP.
 
 Baselines measured in the same run: two ``np.copyto`` for a simulated round trip (the copies an
 in-process transport cannot avoid), raw-socket ``sendall``/``recv_into`` echo between two
@@ -18,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from ferro_backend import SimulatedBackend, TcpBackend, pack, unpack
+from ferro_backend import ShmBackend, SimulatedBackend, TcpBackend, pack, unpack
 from ferro_backend.testing import free_port
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
@@ -97,9 +100,9 @@ while True:
 FERRO_ECHO = """
 import sys
 import numpy as np
-from ferro_backend import TcpBackend
-n, port = int(sys.argv[1]), int(sys.argv[2])
-b = TcpBackend(1, 2, f"127.0.0.1:{port}", timeout=120)
+import ferro_backend
+n, port, cls = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+b = getattr(ferro_backend, cls)(1, 2, f"127.0.0.1:{port}", timeout=120)
 buf = np.empty(n, dtype=np.uint8)
 while True:
     try:
@@ -111,16 +114,16 @@ b.close()
 """
 
 
-def _spawn(script: str, nbytes: int, port: int) -> subprocess.Popen:
+def _spawn(script: str, nbytes: int, port: int, cls: str = "") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(nbytes),
-                             str(port)], env=dict(os.environ))
+                             str(port), cls], env=dict(os.environ))
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-@pytest.mark.parametrize("impl", ["raw_socket", "tcp"])
+@pytest.mark.parametrize("impl", ["raw_socket", "tcp", "shm"])
 def bench_tcp_round_trip(benchmark, impl, size):
     nbytes = SIZES[size]
-    benchmark.group = f"roundtrip tcp 2 processes {size}"
+    benchmark.group = f"roundtrip 2 processes {size}"
     benchmark.extra_info["bytes"] = 2 * nbytes
     a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     back = np.empty_like(a)
@@ -149,8 +152,9 @@ def bench_tcp_round_trip(benchmark, impl, size):
             lsock.close()
             proc.wait(30)
     else:
-        proc = _spawn(FERRO_ECHO, nbytes, port)
-        b = TcpBackend(0, 2, f"127.0.0.1:{port}", timeout=120)
+        cls = ShmBackend if impl == "shm" else TcpBackend
+        proc = _spawn(FERRO_ECHO, nbytes, port, cls.__name__)
+        b = cls(0, 2, f"127.0.0.1:{port}", timeout=120)
 
         def run():
             req = b.irecv(back, 1)

@@ -43,11 +43,12 @@ class Job:
     ``connect=False``); always reaps them."""
 
     def __init__(self, body: str, world: int, *, port: int | None = None, token: str = "",
-                 timeout: float = 20.0, connect: bool = True, ranks=None, env=None) -> None:
+                 timeout: float = 20.0, connect: bool = True, ranks=None, env=None,
+                 backend: str = "TcpBackend") -> None:
         self.port = port or free_port()
         self.world = world
         fd, self.path = tempfile.mkstemp(suffix=".py", prefix="ferro_tcp_job_")
-        setup = (f"b = TcpBackend.from_env(timeout={timeout!r})\n" if connect else "")
+        setup = (f"b = {backend}.from_env(timeout={timeout!r})\n" if connect else "")
         footer = "\nprint('RESULT ' + json.dumps(result), flush=True)\n" + (
             "b.close()\n" if connect else "")
         with os.fdopen(fd, "w") as f:

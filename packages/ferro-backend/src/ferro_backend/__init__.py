@@ -18,6 +18,7 @@ from .errors import (
     RendezvousError,
     SizeMismatchError,
 )
+from .shm import ShmBackend
 from .simulated import SimulatedBackend
 from .sub import SubBackend
 from .tcp import TcpBackend
@@ -40,6 +41,7 @@ __all__ = [
     "ProtocolError",
     "RendezvousError",
     "Request",
+    "ShmBackend",
     "SimulatedBackend",
     "SizeMismatchError",
     "SubBackend",

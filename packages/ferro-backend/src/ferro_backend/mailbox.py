@@ -181,6 +181,12 @@ class Mailbox:
                 del self.posted[key]
             return req
 
+    def repost_front(self, req: PostedRecv) -> None:
+        """Give a claimed receive back, first in line (its message will come another way)."""
+        with self.cond:
+            self.posted.setdefault((req.src, req.tag), deque()).appendleft(req)
+            self.cond.notify_all()
+
     def claim_wait(self, src: int, tag: int, timeout: float) -> PostedRecv | None:
         """Like :meth:`claim`, waiting up to ``timeout`` for the receive to be posted (a large
         frame that is about to be asked for is worth a short wait: no buffer, no extra copy)."""

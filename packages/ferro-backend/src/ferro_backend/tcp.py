@@ -536,7 +536,7 @@ class TcpBackend(Backend):
                 elif kind == K_CLOSE:
                     box.peer_closed(peer, "it closed its backend")
                     return
-                else:
+                elif not self._extra_frame(peer, sock, kind, tag, length):
                     raise ProtocolError(f"frame of unknown kind {kind} from rank {peer}")
         except (OSError, EOFError, ProtocolError, ValueError) as exc:
             why = "the process died or closed the connection" if isinstance(
@@ -546,6 +546,11 @@ class TcpBackend(Backend):
                     f"recv: rank {self._rank} <- {peer}: connection lost mid-message ({why})",
                     peer=peer))
             box.peer_closed(peer, why)
+
+    def _extra_frame(self, peer: int, sock: socket.socket, kind: int, tag: int,
+                     length: int) -> bool:
+        """Handle a frame kind this class does not know (subclasses extend the protocol)."""
+        return False
 
     # ------------------------------------------------------------------ teardown
     def abort(self, reason: str) -> None:

@@ -1,0 +1,162 @@
+"""ShmBackend with real processes: the backend contract, single-copy transfers, failures."""
+
+import glob
+import time
+
+import numpy as np
+import pytest
+from tcp_job import Job, run_job
+from test_tcp import ALL_PAIRS
+
+from ferro_backend import ShmBackend, _shm
+from ferro_backend.shm import CMA_THRESHOLD
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_kernel_is_compiled_and_reads_memory():
+    import importlib.machinery
+    import os
+
+    assert _shm.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    src = np.arange(1000, dtype=np.int64)
+    out = np.empty_like(src)
+    _shm.cma_read(os.getpid(), src.ctypes.data, out.view(np.uint8))
+    np.testing.assert_array_equal(out, src)
+    with pytest.raises(OSError):
+        _shm.cma_read(2**22 + 12345, src.ctypes.data, out.view(np.uint8))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_contract_all_pairs_tags_subgroups_barrier(world):
+    assert run_job(ALL_PAIRS, world, backend="ShmBackend") == [[r, world, True]
+                                                               for r in range(world)]
+
+
+BIG = """
+n = 48 << 20
+if b.rank == 0:
+    a = np.arange(n // 8, dtype=np.int64)
+    b.send(a, 1, tag=3)                 # posted first on the receiver: lands in place
+    b.send(a[: 1 << 15].copy(), 1, tag=4)   # unexpected: buffered, still one cross-memory copy
+    b.send(np.ones(10, np.uint8), 1, tag=5)  # small: through the socket
+    result = b.bytes_sent
+else:
+    out = np.empty(n // 8, dtype=np.int64)
+    req = b.irecv(out, 0, tag=3)
+    req.wait(30)
+    time.sleep(0.2)
+    small = np.empty(1 << 15, dtype=np.int64)
+    b.recv(small, 0, tag=4, timeout=10)
+    tiny = np.empty(10, np.uint8)
+    b.recv(tiny, 0, tag=5, timeout=10)
+    result = [bool((out == np.arange(n // 8)).all()), bool((small == np.arange(1 << 15)).all()),
+              int(tiny.sum())]
+"""
+
+
+def test_large_messages_posted_and_unexpected():
+    sent, got = run_job(BIG, 2, backend="ShmBackend")
+    assert got == [True, True, 10]
+    assert sent == (48 << 20) + (1 << 18) + 10
+
+
+def test_size_mismatch_on_a_large_message_keeps_the_pair_usable():
+    body = f"""
+if b.rank == 0:
+    b.send(np.zeros({CMA_THRESHOLD * 2}, np.uint8), 1)
+    b.send(np.ones({CMA_THRESHOLD}, np.uint8), 1)
+    result = 0
+else:
+    try:
+        b.recv(np.empty({CMA_THRESHOLD}, np.uint8), 0, timeout=10)
+        result = "no error"
+    except SizeMismatchError as exc:
+        nxt = np.empty({CMA_THRESHOLD}, np.uint8)
+        b.recv(nxt, 0, timeout=10)
+        result = [str(exc), int(nxt.sum())]
+"""
+    msg, total = run_job(body, 2, backend="ShmBackend")[1]
+    assert f"has {CMA_THRESHOLD * 2} bytes" in msg and total == CMA_THRESHOLD
+
+
+def test_dead_peer_fails_a_blocked_recv_promptly_and_leaks_nothing():
+    before = set(glob.glob("/dev/shm/*"))
+    body = """
+if b.rank == 0:
+    print("READY", flush=True)
+    time.sleep(60)
+else:
+    t0 = time.monotonic()
+    try:
+        b.recv(np.empty(1 << 20, np.uint8), 0, timeout=30)
+        result = "no error"
+    except PeerClosedError as exc:
+        result = [exc.peer, time.monotonic() - t0]
+"""
+    job = Job(body, 2, backend="ShmBackend")
+    job.wait_for_line(0, "READY")
+    time.sleep(0.3)
+    job.procs[0].kill()
+    peer, elapsed = job.finish()[1].result
+    assert peer == 0 and elapsed < 2.5
+    assert set(glob.glob("/dev/shm/*")) <= before  # no segment left behind by anyone
+
+
+def test_sender_waiting_for_a_dead_receiver_fails_promptly():
+    body = f"""
+if b.rank == 1:
+    print("READY", flush=True)
+    time.sleep(60)
+else:
+    t0 = time.monotonic()
+    try:
+        b.send(np.zeros({CMA_THRESHOLD * 4}, np.uint8), 1)  # the reader buffers it...
+        b.send(np.zeros(1, np.uint8), 1)
+        time.sleep(1.5)
+        b.send(np.zeros({CMA_THRESHOLD * 4}, np.uint8), 1)  # ...but the peer is dead now
+        result = "no error"
+    except PeerClosedError as exc:
+        result = [exc.peer, time.monotonic() - t0]
+"""
+    job = Job(body, 2, backend="ShmBackend")
+    job.wait_for_line(1, "READY")
+    time.sleep(0.5)
+    job.procs[1].kill()
+    res = job.finish()[0].result
+    assert res[0] == 1 and res[1] < 5
+
+
+def test_abort_and_timeout():
+    body = """
+if b.rank == 2:
+    time.sleep(1.0)
+    b.abort("shm test abort")
+    result = "aborted"
+elif b.rank == 1:
+    t0 = time.monotonic()
+    try:
+        b.recv(np.empty(1, np.uint8), 0, tag=9, timeout=0.2)
+    except CollectiveTimeoutError:
+        pass
+    try:
+        b.recv(np.empty(1 << 20, np.uint8), 0, timeout=30)
+    except PeerAbortedError as exc:
+        result = [exc.peer, exc.reason]
+else:
+    try:
+        b.recv(np.empty(1, np.uint8), 1, timeout=30)
+    except PeerAbortedError as exc:
+        result = [exc.peer, exc.reason]
+time.sleep(1.0)  # closing at once could reach a peer before rank 2's abort does
+"""
+    res = run_job(body, 3, backend="ShmBackend")
+    assert res[0] == res[1] == [2, "shm test abort"]
+
+
+def test_world_of_one():
+    from ferro_backend.testing import free_port
+
+    b = ShmBackend(0, 1, f"127.0.0.1:{free_port()}")
+    b.barrier(timeout=1)
+    b.close()
