@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from ferro_backend import Backend, SimulatedBackend
 from ferro_backend.base import as_send_view
 from ferro_fsdp import DDP, FSDP, nn, optim
