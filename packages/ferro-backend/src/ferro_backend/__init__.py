@@ -18,6 +18,7 @@ from .errors import (
     RendezvousError,
     SizeMismatchError,
 )
+from .mpi import MpiBackend
 from .shm import ShmBackend
 from .simulated import SimulatedBackend
 from .sub import SubBackend
@@ -36,6 +37,7 @@ __all__ = [
     "DistributedError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "MpiBackend",
     "PeerAbortedError",
     "PeerClosedError",
     "ProtocolError",

