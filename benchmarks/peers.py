@@ -225,6 +225,8 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
     for world in worlds:
         lines.append(f"\n#### {world} processes: bus bandwidth, GB/s (barrier: latency, us)\n")
         present = [i for i in impls if f"{i}/{world}" in results]
+        if not present:
+            continue
         lines.append("| op | size | " + " | ".join(present) + " | ferro-shm / mpi | ferro-shm / "
                      "gloo | ferro-tcp / gloo |")
         lines.append("|---" * (len(present) + 5) + "|")
@@ -307,7 +309,12 @@ def main(argv=None) -> int:
         for world in args.worlds:
             path = out / f"{impl}-{world}.json"
             print(f"peers: {impl} with {world} processes ...", flush=True)
-            launch(impl, world, str(path), args.ops, args.sizes, args.timeout)
+            try:
+                launch(impl, world, str(path), args.ops, args.sizes, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(f"peers: {impl} with {world} processes failed, row left out: {exc}",
+                      flush=True)
+                continue
             results[f"{impl}/{world}"] = json.loads(path.read_text())
             path.unlink()
     (out / "results.json").write_text(json.dumps(results, indent=1))
