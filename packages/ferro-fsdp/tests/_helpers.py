@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from ferro_backend.testing import run_ranks
 from ferro_fsdp import DDP, FSDP, Module, Parameter, ShardingStrategy, nn, optim
 

@@ -2,10 +2,11 @@
 
 import threading
 
-import ferro_fsdp.ddp as ddp_mod
 import numpy as np
 import pytest
 from _helpers import make_data, make_mlp, run
+
+import ferro_fsdp.ddp as ddp_mod
 from ferro_backend import SimulatedBackend
 from ferro_fsdp import DDP, DistributedDataParallel, Module, Parameter, nn
 

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
-from ferro_fsdp import FlatLayout, split_sizes, split_starts
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from ferro_fsdp import FlatLayout, split_sizes, split_starts
 
 
 def test_split_rule_is_ferro_checkpoints():

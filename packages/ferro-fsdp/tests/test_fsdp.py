@@ -2,7 +2,6 @@
 
 import threading
 
-import ferro_fsdp.fsdp as fsdp_mod
 import numpy as np
 import pytest
 from _helpers import (
@@ -18,6 +17,8 @@ from _helpers import (
     run,
     wrap,
 )
+
+import ferro_fsdp.fsdp as fsdp_mod
 from ferro_backend import InvalidWorldSizeError, SimulatedBackend
 from ferro_fsdp import FSDP, FSDPStateError, Module, Parameter, ShardingStrategy, nn, optim
 

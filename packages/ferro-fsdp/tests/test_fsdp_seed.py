@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from _helpers import FS, HS, NS, SGO, SeedModule, run
+
 from ferro_backend import InvalidWorldSizeError, SimulatedBackend
 from ferro_fsdp import FSDP, FSDPStateError, ShardingStrategy
 

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+
 from ferro_fsdp import Module, Parameter, nn
 
 

@@ -22,6 +22,7 @@ from _helpers import (
     train_steps,
     wrap,
 )
+
 from ferro_fsdp import FSDP, nn, split_sizes
 
 N = 24

@@ -8,6 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 from _helpers import assert_close_rel, make_data, reference_training
+
 from ferro_backend.testing import free_port
 
 SCRIPT = textwrap.dedent("""

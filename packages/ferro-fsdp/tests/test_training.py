@@ -23,6 +23,7 @@ from _helpers import (
     train_steps,
     wrap,
 )
+
 from ferro_fsdp import nn
 
 STEPS = 20

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from ferro_backend import Backend
 from ferro_collective import all_gather
 

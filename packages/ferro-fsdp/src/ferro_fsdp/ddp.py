@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from ferro_backend import Backend, pack, unpack
 from ferro_collective import ReduceOp, allreduce_async, broadcast
 

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
 from ferro_backend import pack, unpack
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack, unpack
 from ferro_collective import (
     ReduceOp,
