@@ -77,6 +77,14 @@ def check_rank(rank: int, world_size: int, what: str = "rank") -> int:
     return rank
 
 
+def check_peer(op: str, peer: int, rank: int, world_size: int, what: str = "peer") -> int:
+    """A valid peer of ``rank`` for a point-to-point ``op`` (never ``rank`` itself)."""
+    check_rank(peer, world_size, f"{op}: {what}")
+    if peer == rank:
+        raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
+    return peer
+
+
 def size_mismatch(op: str, src: int, dst: int, tag: int, expected: int, got: int):
     return SizeMismatchError(
         f"{op}: message {src} -> {dst} (tag {tag}) has {got} bytes, "

@@ -75,15 +75,9 @@ class PostedRecv(Request):
     def wait(self, timeout: float | None = None) -> None:
         box = self._box
         limit = box.default_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        with box.cond:
-            while not self._done:
-                failure = box.failure_for(self.src)
-                if failure is not None and self in box.posted.get((self.src, self.tag), ()):
-                    box.posted[(self.src, self.tag)].remove(self)
-                    raise failure
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+        if not self.poll(limit):
+            with box.cond:
+                if not self._done:  # withdraw: a later message goes to a later receive
                     queue = box.posted.get((self.src, self.tag))
                     if queue is not None and self in queue:
                         queue.remove(self)
@@ -91,7 +85,6 @@ class PostedRecv(Request):
                         f"recv: rank {box.rank} waited {limit:g}s for a message from rank "
                         f"{self.src} (tag {self.tag}, {len(self.view)} bytes)"
                     )
-                box.cond.wait(min(remaining, 1.0))
         if self._error is not None:
             raise self._error
 

@@ -32,11 +32,11 @@ from .base import (
     Request,
     as_recv_view,
     as_send_view,
-    check_rank,
+    check_peer,
     check_tag,
     size_mismatch,
 )
-from .errors import CollectiveTimeoutError, InvalidRankError, PeerAbortedError, PeerClosedError
+from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
 from .mailbox import Mailbox
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
@@ -85,9 +85,7 @@ class MpiBackend(Backend):
         return (tag ^ (tag >> 31) ^ (tag >> 47)) % self._tag_space
 
     def _check_peer(self, op: str, peer: int) -> None:
-        check_rank(peer, self._world, f"{op}: peer")
-        if peer == self._rank:
-            raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
+        check_peer(op, peer, self._rank, self._world)
 
     def _raise_if_failed(self, op: str) -> None:
         self._poll_abort()

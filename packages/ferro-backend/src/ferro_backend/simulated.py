@@ -14,11 +14,11 @@ from .base import (
     Request,
     as_recv_view,
     as_send_view,
-    check_rank,
+    check_peer,
     check_tag,
     check_world_size,
 )
-from .errors import InvalidRankError, PeerAbortedError, PeerClosedError
+from .errors import PeerAbortedError, PeerClosedError
 from .mailbox import Mailbox
 
 
@@ -57,9 +57,7 @@ class SimulatedBackend(Backend):
         return len(self._group.mailboxes)
 
     def _check_peer(self, op: str, peer: int, what: str) -> None:
-        check_rank(peer, self.world_size, f"{op}: {what}")
-        if peer == self._rank:
-            raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
+        check_peer(op, peer, self._rank, self.world_size, what)
 
     def _check_alive(self, op: str, peer: int) -> None:
         group = self._group

@@ -42,6 +42,7 @@ from .base import (
     Request,
     as_recv_view,
     as_send_view,
+    check_peer,
     check_rank,
     check_tag,
     check_world_size,
@@ -51,7 +52,6 @@ from .errors import (
     AuthenticationError,
     CollectiveTimeoutError,
     DistributedError,
-    InvalidRankError,
     PeerAbortedError,
     PeerClosedError,
     ProtocolError,
@@ -416,9 +416,7 @@ class TcpBackend(Backend):
 
     # ------------------------------------------------------------------ data path
     def _check_peer(self, op: str, peer: int, what: str) -> None:
-        check_rank(peer, self._world, f"{op}: {what}")
-        if peer == self._rank:
-            raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
+        check_peer(op, peer, self._rank, self._world, what)
 
     def _raise_if_failed(self, op: str, peer: int) -> None:
         if self._aborted is not None:

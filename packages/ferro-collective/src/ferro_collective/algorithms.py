@@ -146,17 +146,23 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 
 
 # ----------------------------------------------------------------------------- allreduce
+def _reduce_at_root(ctx: Ctx, buf: np.ndarray, op: ReduceOp, tag: int) -> None:
+    """Rank 0 folds every rank's contribution into ``buf`` in rank order (MEAN fused last)."""
+    n = ctx.n
+    mean = n if op is ReduceOp.MEAN else None
+    parts = [np.empty_like(buf) for _ in range(n - 1)]
+    reqs = [ctx.irecv(parts[r - 1], r, tag) for r in range(1, n)]
+    for r in range(1, n):
+        ctx.wait(reqs[r - 1], r, "its contribution",
+                 {q for q in range(r, n) if not reqs[q - 1].test()})
+        accumulate(buf, parts[r - 1], op, mean if r == n - 1 else None)
+
+
 def allreduce_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> None:
     n, me = ctx.n, ctx.rank
-    mean = n if op is ReduceOp.MEAN else None
     tag_up, tag_down = ctx.next_tag(), ctx.next_tag()
     if me == 0:
-        parts = [np.empty_like(buf) for _ in range(n - 1)]
-        reqs = [ctx.irecv(parts[r - 1], r, tag_up) for r in range(1, n)]
-        for r in range(1, n):
-            ctx.wait(reqs[r - 1], r, "its contribution",
-                     {q for q in range(r, n) if not reqs[q - 1].test()})
-            accumulate(buf, parts[r - 1], op, mean if r == n - 1 else None)
+        _reduce_at_root(ctx, buf, op, tag_up)
         for r in range(1, n):
             ctx.send(buf, r, tag_down)
     else:
@@ -288,14 +294,9 @@ def reduce_scatter_ring(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> np.ndarray:
 def reduce_scatter_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> np.ndarray:
     n, me = ctx.n, ctx.rank
     size = buf.size // n
-    mean = n if op is ReduceOp.MEAN else None
     tag_up, tag_down = ctx.next_tag(), ctx.next_tag()
     if me == 0:
-        parts = [np.empty_like(buf) for _ in range(n - 1)]
-        reqs = [ctx.irecv(parts[r - 1], r, tag_up) for r in range(1, n)]
-        for r in range(1, n):
-            ctx.wait(reqs[r - 1], r, "its contribution")
-            accumulate(buf, parts[r - 1], op, mean if r == n - 1 else None)
+        _reduce_at_root(ctx, buf, op, tag_up)
         for r in range(1, n):
             ctx.send(buf[r * size:(r + 1) * size], r, tag_down)
         return buf[:size]
