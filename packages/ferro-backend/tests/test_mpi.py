@@ -59,6 +59,23 @@ SUITE = textwrap.dedent("""
         b.recv(bytearray(1), (me + 1) % n, tag=99, timeout=0.3)
     except CollectiveTimeoutError:
         out["timeout"] = time.monotonic() - t0
+    # NaN, negative and non-number timeouts are refused, never a hang
+    bad = []
+    for value in (float("nan"), -1.0, "x"):
+        for call in (lambda: b.recv(bytearray(1), (me + 1) % n, timeout=value),
+                     lambda: b.irecv(bytearray(1), (me + 1) % n).poll(value),
+                     lambda: b.barrier(timeout=value)):
+            try:
+                call()
+                bad.append("no error")
+            except ValueError as exc:
+                bad.append("ok" if "timeout" in str(exc) else str(exc))
+    try:
+        MpiBackend(timeout=float("nan"))
+        bad.append("no error")
+    except ValueError:
+        bad.append("ok")
+    out["bad_timeouts"] = bad
     for _ in range(3):
         b.barrier(timeout=30)
     # abort reaches the others
@@ -97,6 +114,7 @@ def test_backend_contract_under_mpirun(tmp_path, n):
     assert len(results) == n
     for res in results:
         assert res["pairs"] is True and 0.2 < res["timeout"] < 5
+        assert res["bad_timeouts"] == ["ok"] * 10
     assert any(res.get("sub") == ["par", "sub"] for res in results)
     assert any("has 10" in res.get("mismatch", [""])[0] for res in results)
     aborted = [res["abort"] for res in results if res["abort"] != "sent"]

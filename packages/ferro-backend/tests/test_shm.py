@@ -5,11 +5,11 @@ import time
 
 import numpy as np
 import pytest
-from tcp_job import Job, run_job
 from test_tcp import ALL_PAIRS
 
 from ferro_backend import ShmBackend, _shm
 from ferro_backend.shm import CMA_THRESHOLD
+from ferro_backend.testing import Job, run_job
 
 pytestmark = pytest.mark.timeout(90)
 

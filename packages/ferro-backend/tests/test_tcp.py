@@ -4,7 +4,6 @@ import socket
 import time
 
 import pytest
-from tcp_job import Job, run_job
 
 from ferro_backend import (
     AuthenticationError,
@@ -14,7 +13,7 @@ from ferro_backend import (
     TcpBackend,
 )
 from ferro_backend.tcp import parse_addr
-from ferro_backend.testing import free_port
+from ferro_backend.testing import Job, free_port, run_job
 
 pytestmark = pytest.mark.timeout(90)
 

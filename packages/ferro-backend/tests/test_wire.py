@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ferro_backend import SizeMismatchError, _wire, pack, packed_nbytes, unpack
+from ferro_backend import SizeMismatchError, pack, packed_nbytes, unpack
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
           np.bool_]
@@ -48,19 +48,6 @@ def test_big_endian_host_path_swaps_words(arrs):
 def test_non_native_input_on_little_endian_host_is_swapped_to_wire_order():
     a = np.arange(5, dtype=">i4")
     assert pack([a]).tobytes() == np.arange(5, dtype="<i4").tobytes()
-
-
-@pytest.mark.parametrize("itemsize", [2, 4, 8])
-def test_swap_copy_matches_numpy_byteswap(itemsize):
-    src = np.arange(64, dtype=f"u{itemsize}")
-    dst = np.empty_like(src)
-    _wire.swap_copy(src.view(np.uint8), dst.view(np.uint8), itemsize)
-    np.testing.assert_array_equal(dst, src.byteswap())
-
-
-def test_copy_bytes_checks_lengths():
-    with pytest.raises(ValueError, match="3 bytes, destination 4"):
-        _wire.copy_bytes(b"abc", bytearray(4))
 
 
 def test_unpack_checks_total_size_and_destinations():

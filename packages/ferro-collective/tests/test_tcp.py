@@ -2,15 +2,16 @@
 
 import numpy as np
 import pytest
-from _mp import run_tcp
 from tcp_fns import suite
+
+from ferro_backend.testing import run_processes
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_over_tcp(world):
-    results = run_tcp(suite, world, 7)
+    results = run_processes(suite, world, 7)
     xs = [np.frombuffer(r["inputs"], np.float32) for r in results]
     first = results[0]
     for r, res in enumerate(results):

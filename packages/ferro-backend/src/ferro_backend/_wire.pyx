@@ -56,27 +56,12 @@ cdef inline void _copy(const unsigned char* src, unsigned char* dst, Py_ssize_t 
 
 
 def copy_bytes(const unsigned char[::1] src, unsigned char[::1] dst):
-    """Copy ``src`` into ``dst`` (equal lengths) with the GIL released."""
+    """Copy ``src`` into ``dst`` with the GIL released (the caller checked equal lengths)."""
     cdef Py_ssize_t n = src.shape[0]
-    if dst.shape[0] != n:
-        raise ValueError(f"copy_bytes: source has {n} bytes, destination {dst.shape[0]}")
     if n == 0:
         return
     with nogil:
         memcpy(&dst[0], &src[0], n)
-
-
-def swap_copy(const unsigned char[::1] src, unsigned char[::1] dst, Py_ssize_t itemsize):
-    """Copy ``src`` into ``dst`` reversing the byte order of each ``itemsize``-byte word."""
-    cdef Py_ssize_t n = src.shape[0]
-    if dst.shape[0] != n or itemsize not in (1, 2, 4, 8) or n % itemsize:
-        raise ValueError(
-            f"swap_copy: {n} source bytes, {dst.shape[0]} destination bytes, itemsize {itemsize}"
-        )
-    if n == 0:
-        return
-    with nogil:
-        _copy(&src[0], &dst[0], n, itemsize if itemsize > 1 else 0)
 
 
 cdef struct Span:
@@ -103,10 +88,6 @@ def pack_into(list srcs, unsigned char[::1] out, list swaps):
             spans[i].nbytes = view.shape[0]
             spans[i].ptr = &view[0] if view.shape[0] else NULL
             spans[i].swap = swaps[i]
-            if offset + spans[i].nbytes > out.shape[0]:
-                raise ValueError(f"pack_into: output of {out.shape[0]} bytes is too small")
-            offset += spans[i].nbytes
-        offset = 0
         with nogil:
             for i in range(count):
                 if spans[i].nbytes:
@@ -117,7 +98,8 @@ def pack_into(list srcs, unsigned char[::1] out, list swaps):
 
 
 def unpack_from(const unsigned char[::1] buf, list dsts, list swaps):
-    """Copy consecutive ranges of ``buf`` into each writable byte view of ``dsts``."""
+    """Copy consecutive ranges of ``buf`` into each writable byte view of ``dsts`` (the caller
+    checks that they add up to ``buf``'s length)."""
     cdef Py_ssize_t count = len(dsts), i, offset = 0
     cdef unsigned char[::1] view
     cdef Span* spans = <Span*>malloc(max(count, 1) * sizeof(Span))
@@ -129,10 +111,6 @@ def unpack_from(const unsigned char[::1] buf, list dsts, list swaps):
             spans[i].nbytes = view.shape[0]
             spans[i].wptr = &view[0] if view.shape[0] else NULL
             spans[i].swap = swaps[i]
-            if offset + spans[i].nbytes > buf.shape[0]:
-                raise ValueError(f"unpack_from: buffer of {buf.shape[0]} bytes is too small")
-            offset += spans[i].nbytes
-        offset = 0
         with nogil:
             for i in range(count):
                 if spans[i].nbytes:

@@ -13,6 +13,8 @@ a :class:`~ferro_backend.SubBackend`, so a subgroup's traffic can never be taken
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 import time
 from typing import Any
 
@@ -92,16 +94,56 @@ def size_mismatch(op: str, src: int, dst: int, tag: int, expected: int, got: int
     )
 
 
+def check_timeout(timeout: Any, what: str = "timeout") -> float:
+    """``timeout`` as a float number of seconds, or ValueError naming it.
+
+    The one validation of every timeout in ferro: NaN, negative numbers, booleans and
+    non-numbers are refused (a NaN deadline would otherwise never expire: a hang). ``inf`` is
+    allowed and means "wait for ever".
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ValueError(f"{what} {timeout!r} is not a number of seconds")
+    value = float(timeout)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{what} {timeout!r} is invalid, expected a number of seconds >= 0")
+    return value
+
+
 class Request(abc.ABC):
-    """A pending point-to-point operation (``irecv``/``isend``)."""
+    """A pending point-to-point operation, as returned by :meth:`Backend.irecv`/:meth:`isend`.
+
+    A transport implements :meth:`wait` and :meth:`is_completed`; :meth:`poll` has a default
+    built on those (a transport that can block efficiently overrides it).
+    """
 
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> None:
-        """Block until complete; raise what the operation raised."""
+        """Block until complete (at most ``timeout`` seconds; None: the backend's timeout) and
+        raise what the operation raised; :class:`CollectiveTimeoutError` when time runs out."""
 
     @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once complete, successfully or not (then :meth:`wait` returns or raises at once)."""
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Wait up to ``timeout`` seconds for completion without giving the operation up.
+
+        True once complete, False if still pending; never raises a timeout (it may raise the
+        operation's own failure, e.g. a peer that is gone).
+        """
+        deadline = time.monotonic() + check_timeout(timeout)
+        pause = 1e-5
+        while not self.is_completed():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 1e-3)
+        return True
+
     def test(self) -> bool:
-        """True once complete (successfully or not)."""
+        """Alias of :meth:`is_completed` (MPI's name)."""
+        return self.is_completed()
 
 
 class _LazyRecv(Request):
@@ -118,7 +160,7 @@ class _LazyRecv(Request):
             backend.recv(out, src, tag=tag, timeout=timeout)
             self._done = True
 
-    def test(self) -> bool:
+    def is_completed(self) -> bool:
         return self._done
 
 
@@ -126,7 +168,7 @@ class _DoneRequest(Request):
     def wait(self, timeout: float | None = None) -> None:
         return None
 
-    def test(self) -> bool:
+    def is_completed(self) -> bool:
         return True
 
 
@@ -139,8 +181,27 @@ class Backend(abc.ABC):
     closes it, and leaving it with an exception first aborts, so peers stop waiting for this rank.
     """
 
-    #: default timeout of blocking calls, in seconds
-    timeout: float = DEFAULT_TIMEOUT
+    #: the one default deadline, in seconds, of every blocking call on this backend: p2p
+    #: receives, barriers, and every collective of the layers above (a per-call ``timeout=``
+    #: wins). Setting it validates it (:func:`check_timeout`).
+    _timeout: float = DEFAULT_TIMEOUT
+    #: payload bytes this rank sent / received (transports that count them update these)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = check_timeout(value, f"{type(self).__name__}.timeout")
+
+    def resolve_timeout(self, timeout: float | None, what: str = "timeout") -> float:
+        """A per-call ``timeout`` validated, or this backend's :attr:`timeout` when None."""
+        if timeout is None:
+            return check_timeout(self.timeout, f"{type(self).__name__}.timeout")
+        return check_timeout(timeout, what)
 
     @property
     @abc.abstractmethod
@@ -183,7 +244,7 @@ class Backend(abc.ABC):
     def barrier(self, *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier (dissemination: ceil(log2 n) rounds)."""
         n, me = self.world_size, self.rank
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + self.resolve_timeout(timeout, "barrier: timeout")
         step, round_ = 1, 0
         token = bytearray(1)
         while step < n:

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from .base import Backend
+from .shm import ShmBackend
 from .simulated import SimulatedBackend
 from .tcp import TcpBackend
 
@@ -14,19 +15,14 @@ def init_from_env(**kwargs: Any) -> Backend:
     """Return this process's backend.
 
     Under ``ferrorun`` (or torchrun), where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set,
-    a :class:`TcpBackend` joined to the job (the shared-memory backend when FERRO_TRANSPORT=shm
-    and it is available); otherwise a one-rank backend, so the same script runs alone.
+    a :class:`TcpBackend` joined to the job (:class:`ShmBackend` when FERRO_TRANSPORT=shm);
+    otherwise a one-rank backend, so the same script runs alone.
     Keyword arguments go to the backend's constructor.
     """
     env = os.environ
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         if env.get("FERRO_TRANSPORT") == "shm":
-            try:
-                from .shm import ShmBackend
-            except ImportError:
-                pass
-            else:
-                return ShmBackend.from_env(**kwargs)
+            return ShmBackend.from_env(**kwargs)
         return TcpBackend.from_env(**kwargs)
     (backend,) = SimulatedBackend.create_group(1, **kwargs)
     return backend

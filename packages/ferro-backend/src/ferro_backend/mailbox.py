@@ -5,7 +5,9 @@ Each rank owns one :class:`Mailbox`. A receive either finds its message already 
 bytes straight into the caller's memory. Messages match on ``(src, tag)`` in FIFO order.
 
 Failures reach every waiter at once: a peer that closed or died fails the receives posted for it
-(after its queued messages are drained), and an abort fails every receive of the job.
+(after its queued messages are drained), and an abort fails every receive of the job. The mailbox
+is also the one record of those failures for its rank: :meth:`Mailbox.check` is what every
+transport's send path asks before it sends.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from . import _wire
-from .base import Request, size_mismatch
+from .base import Request, check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
 
 
@@ -51,18 +54,18 @@ class PostedRecv(Request):
                 self._box.cond.notify_all()
 
     # -- caller side ----------------------------------------------------------------------
-    def test(self) -> bool:
+    def is_completed(self) -> bool:
         return self._done
 
-    def poll(self, timeout: float) -> bool:
+    def poll(self, timeout: float = 0.0) -> bool:
         """Wait up to ``timeout`` seconds without giving up the receive: True once complete
         (then :meth:`wait` returns or raises at once), False if still pending. Raises the
         peer's failure, if any."""
         box = self._box
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
         with box.cond:
             while not self._done:
-                failure = box.failure_for(self.src)
+                failure = box.failure("recv", self.src)
                 if failure is not None and self in box.posted.get((self.src, self.tag), ()):
                     box.posted[(self.src, self.tag)].remove(self)
                     raise failure
@@ -74,7 +77,7 @@ class PostedRecv(Request):
 
     def wait(self, timeout: float | None = None) -> None:
         box = self._box
-        limit = box.default_timeout if timeout is None else timeout
+        limit = box.timeout() if timeout is None else check_timeout(timeout, "recv: timeout")
         if not self.poll(limit):
             with box.cond:
                 if not self._done:  # withdraw: a later message goes to a later receive
@@ -90,33 +93,44 @@ class PostedRecv(Request):
 
 
 class Mailbox:
-    """The receive side of one rank: posted receives and queued (unexpected) messages."""
+    """The receive side of one rank: posted receives, queued (unexpected) messages, and the
+    failures known to this rank (an abort, its own close, peers that are gone).
 
-    def __init__(self, rank: int, default_timeout: float) -> None:
+    ``timeout`` returns the owning backend's current default deadline (so a changed
+    ``Backend.timeout`` reaches receives that are already posted).
+    """
+
+    def __init__(self, rank: int, timeout: Callable[[], float]) -> None:
         self.rank = rank
-        self.default_timeout = default_timeout
+        self.timeout = timeout
         self.cond = threading.Condition(threading.Lock())
         self.posted: dict[tuple[int, int], deque[PostedRecv]] = {}
-        self.unexpected: dict[tuple[int, int], deque[bytearray]] = {}
+        self.unexpected: dict[tuple[int, int], deque] = {}
         self.closed_peers: dict[int, str] = {}
         self.aborted: tuple[int, str] | None = None
         self.closed = False
 
     # -- failures -------------------------------------------------------------------------
-    def failure_for(self, src: int) -> BaseException | None:
-        """The error a receive from ``src`` must raise now, if any (caller holds the lock)."""
-        if self.aborted is not None:
-            who, reason = self.aborted
-            return PeerAbortedError(
-                f"rank {who} aborted the job: {reason}", peer=who, reason=reason
-            )
+    def failure(self, op: str, peer: int) -> BaseException | None:
+        """The error an ``op`` with ``peer`` must raise now, if any (lock-free read)."""
+        aborted = self.aborted
+        if aborted is not None:
+            who, reason = aborted
+            return PeerAbortedError(f"{op}: rank {who} aborted the job: {reason}", peer=who,
+                                    reason=reason)
         if self.closed:
-            return PeerClosedError(f"rank {self.rank}: this backend is closed", peer=self.rank)
-        if src in self.closed_peers:
-            return PeerClosedError(
-                f"rank {self.rank}: peer rank {src} is gone ({self.closed_peers[src]})", peer=src
-            )
+            return PeerClosedError(f"{op}: rank {self.rank}'s backend is closed", peer=self.rank)
+        why = self.closed_peers.get(peer)
+        if why is not None:
+            return PeerClosedError(f"{op}: rank {self.rank} <-> {peer}: peer rank {peer} is gone "
+                                   f"({why})", peer=peer)
         return None
+
+    def check(self, op: str, peer: int) -> None:
+        """Raise what :meth:`failure` names, if anything (every send path calls this first)."""
+        failure = self.failure(op, peer)
+        if failure is not None:
+            raise failure
 
     def peer_closed(self, src: int, why: str) -> None:
         with self.cond:
@@ -141,15 +155,10 @@ class Mailbox:
         key = (src, tag)
         with self.cond:
             if self.aborted is not None or self.closed:
-                raise self.failure_for(src)
-            queue = self.unexpected.get(key)
-            msg = queue.popleft() if queue else None
-            if queue is not None and not queue:
-                del self.unexpected[key]
+                raise self.failure("recv", src)
+            msg = self._pop(self.unexpected, key)
             if msg is None:
-                failure = self.failure_for(src)
-                if failure is not None:
-                    raise failure
+                self.check("recv", src)
                 req = PostedRecv(self, src, tag, view)
                 self.posted.setdefault(key, deque()).append(req)
                 self.cond.notify_all()  # a transport may be waiting to claim it
@@ -161,18 +170,28 @@ class Mailbox:
         req._done = True
         return req
 
+    def take_unexpected(self, src: int, tag: int):
+        """The oldest queued message from ``src`` on ``tag``, or None (for transports that
+        receive by polling, like MPI's)."""
+        with self.cond:
+            return self._pop(self.unexpected, (src, tag))
+
+    @staticmethod
+    def _pop(table: dict, key: tuple[int, int]):
+        """First item queued under ``key`` in ``table`` (caller holds the lock), or None."""
+        queue = table.get(key)
+        if not queue:
+            return None
+        item = queue.popleft()
+        if not queue:
+            del table[key]
+        return item
+
     # -- transport side -------------------------------------------------------------------
     def claim(self, src: int, tag: int) -> PostedRecv | None:
         """Take the first receive posted for ``(src, tag)``; the transport then fills it."""
-        key = (src, tag)
         with self.cond:
-            queue = self.posted.get(key)
-            if not queue:
-                return None
-            req = queue.popleft()
-            if not queue:
-                del self.posted[key]
-            return req
+            return self._pop(self.posted, (src, tag))
 
     def repost_front(self, req: PostedRecv) -> None:
         """Give a claimed receive back, first in line (its message will come another way)."""
@@ -187,11 +206,8 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                queue = self.posted.get(key)
-                if queue:
-                    req = queue.popleft()
-                    if not queue:
-                        del self.posted[key]
+                req = self._pop(self.posted, key)
+                if req is not None:
                     return req
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self.closed or self.aborted is not None:
@@ -200,20 +216,13 @@ class Mailbox:
 
     def deliver(self, src: int, tag: int, data) -> None:
         """Hand over a complete message: into a receive posted meanwhile, else into the queue."""
-        req = self.claim(src, tag)
-        if req is None:
-            key = (src, tag)
-            with self.cond:
-                # Re-check under the lock: a receive may have been posted since claim().
-                queue = self.posted.get(key)
-                if queue:
-                    req = queue.popleft()
-                    if not queue:
-                        del self.posted[key]
-                else:
-                    self.unexpected.setdefault(key, deque()).append(data)
-                    self.cond.notify_all()
-                    return
+        key = (src, tag)
+        with self.cond:
+            req = self._pop(self.posted, key)
+            if req is None:
+                self.unexpected.setdefault(key, deque()).append(data)
+                self.cond.notify_all()
+                return
         self.fill(req, data)
 
     def fill(self, req: PostedRecv, data) -> None:

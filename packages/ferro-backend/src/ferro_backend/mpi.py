@@ -21,7 +21,6 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -34,9 +33,10 @@ from .base import (
     as_send_view,
     check_peer,
     check_tag,
+    check_timeout,
     size_mismatch,
 )
-from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
+from .errors import CollectiveTimeoutError
 from .mailbox import Mailbox
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
@@ -48,17 +48,16 @@ class MpiBackend(Backend):
     def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         from mpi4py import MPI
 
+        self.timeout = timeout  # validated before the (collective) Dup
         self._MPI = MPI
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self._rank = self._comm.Get_rank()
         self._world = self._comm.Get_size()
-        self.timeout = float(timeout)
         ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
         self._abort_tag = int(ub)
         self._tag_space = int(ub)  # data tags in [0, ub)
-        self._box = Mailbox(self._rank, self.timeout)
-        self._aborted: tuple[int, str] | None = None
-        self._closed = False
+        # messages that arrived under a folded tag before their receive, and the failures
+        self._box = Mailbox(self._rank, lambda: self.timeout)
         # a header and its payload are taken together: one receiving thread at a time
         self._recv_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -84,36 +83,25 @@ class MpiBackend(Backend):
     def _mpi_tag(self, tag: int) -> int:
         return (tag ^ (tag >> 31) ^ (tag >> 47)) % self._tag_space
 
-    def _check_peer(self, op: str, peer: int) -> None:
-        check_peer(op, peer, self._rank, self._world)
-
-    def _raise_if_failed(self, op: str) -> None:
-        self._poll_abort()
-        if self._aborted is not None:
-            who, reason = self._aborted
-            raise PeerAbortedError(f"{op}: rank {who} aborted the job: {reason}", peer=who,
-                                   reason=reason)
-        if self._closed:
-            raise PeerClosedError(f"{op}: rank {self._rank}'s backend is closed",
-                                  peer=self._rank)
-
-    def _poll_abort(self) -> None:
-        if self._aborted is not None or self._closed:
-            return
-        MPI = self._MPI
-        msg = self._comm.improbe(MPI.ANY_SOURCE, self._abort_tag, status=(st := MPI.Status()))
-        if msg is not None:
-            n = st.Get_count(MPI.BYTE)
-            buf = bytearray(n)
-            msg.Recv([buf, MPI.BYTE])
-            self._aborted = (st.Get_source(), buf.decode(errors="replace"))
+    def _fail_if_down(self, op: str, peer: int) -> None:
+        """Raise if a peer aborted the job (polled here), this backend closed, or peer is gone."""
+        box = self._box
+        if box.aborted is None and not box.closed:
+            MPI = self._MPI
+            st = MPI.Status()
+            msg = self._comm.improbe(MPI.ANY_SOURCE, self._abort_tag, status=st)
+            if msg is not None:
+                buf = bytearray(st.Get_count(MPI.BYTE))
+                msg.Recv([buf, MPI.BYTE])
+                box.abort(st.Get_source(), buf.decode(errors="replace"))
+        box.check(op, peer)
 
     # ------------------------------------------------------------------ data path
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        self._check_peer("send", dst)
+        check_peer("send", dst, self._rank, self._world, "dst")
         check_tag(tag)
         view = as_send_view(data)
-        self._raise_if_failed("send")
+        self._fail_if_down("send", dst)
         MPI = self._MPI
         mtag = self._mpi_tag(tag)
         # Sends never wait for the receiver (the Backend contract, and what ring algorithms
@@ -136,12 +124,12 @@ class MpiBackend(Backend):
             time.sleep(1e-4)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        self._check_peer("recv", src)
+        check_peer("recv", src, self._rank, self._world, "src")
         check_tag(tag)
         return _MpiRecv(self, as_recv_view(out), src, tag)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
-        self.irecv(out, src, tag=tag).wait(timeout)
+        self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
 
     def _progress(self, src: int, tag: int, view: memoryview) -> bool:
         """Try once to complete a receive; True when done (raises its errors)."""
@@ -150,12 +138,7 @@ class MpiBackend(Backend):
             return self._progress_locked(src, tag, view)
 
     def _progress_locked(self, src: int, tag: int, view: memoryview) -> bool:
-        key = (src, tag)
-        with self._box.cond:
-            queue = self._box.unexpected.get(key)
-            msg = queue.popleft() if queue else None
-            if queue is not None and not queue:
-                del self._box.unexpected[key]
+        msg = self._box.take_unexpected(src, tag)
         if msg is not None:
             if len(msg) != len(view):
                 raise size_mismatch("recv", src, self._rank, tag, len(view), len(msg))
@@ -173,8 +156,7 @@ class MpiBackend(Backend):
             payload = np.empty(nbytes, np.uint8)
             self._comm.Recv([payload, MPI.BYTE], src, mtag)
             if real_tag != tag:  # a folded-tag neighbour: keep it for its own receive
-                with self._box.cond:
-                    self._box.unexpected.setdefault((src, real_tag), deque()).append(payload)
+                self._box.deliver(src, real_tag, payload)
                 return False
             raise size_mismatch("recv", src, self._rank, tag, len(view), nbytes)
         self._comm.Recv([view, MPI.BYTE], src, mtag)
@@ -182,7 +164,7 @@ class MpiBackend(Backend):
 
     def abort(self, reason: str) -> None:
         """Tell every peer that this rank failed (their receives raise PeerAbortedError)."""
-        if self._closed:
+        if self._box.closed:
             return
         data = reason.encode()[:60000]
         reqs = [self._comm.Isend([data, self._MPI.BYTE], r, self._abort_tag)
@@ -191,15 +173,14 @@ class MpiBackend(Backend):
         while reqs and time.monotonic() < deadline:
             reqs = [r for r in reqs if not r.Test()]
             time.sleep(0.001)
-        if self._aborted is None:
-            self._aborted = (self._rank, reason)
-        self._closed = True
+        self._box.abort(self._rank, reason)
+        self._box.close()
 
     def close(self) -> None:
         """Finish the sends in flight (up to the timeout), then free the communicator."""
-        if not self._closed:
+        if not self._box.closed:
             self._flush_sends(self.timeout)
-            self._closed = True
+            self._box.close()
             try:
                 self._comm.Free()
             except Exception:
@@ -211,16 +192,16 @@ class _MpiRecv(Request):
         self._b, self._view, self._src, self._tag = backend, view, src, tag
         self._done = False
 
-    def test(self) -> bool:
+    def is_completed(self) -> bool:
         if not self._done:
             self._done = self._b._progress(self._src, self._tag, self._view)
         return self._done
 
-    def poll(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def poll(self, timeout: float = 0.0) -> bool:
+        deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
         pause = 2e-5
-        while not self.test():
-            self._b._raise_if_failed("recv")
+        while not self.is_completed():
+            self._b._fail_if_down("recv", self._src)
             if time.monotonic() >= deadline:
                 return False
             time.sleep(pause)
@@ -228,7 +209,7 @@ class _MpiRecv(Request):
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        limit = self._b.timeout if timeout is None else timeout
+        limit = self._b.resolve_timeout(timeout, "recv: timeout")
         if not self.poll(limit):
             raise CollectiveTimeoutError(
                 f"recv: rank {self._b.rank} waited {limit:g}s for a message from rank "

@@ -5,9 +5,12 @@ authentication, small messages, failure detection and abort. A message of at lea
 ``CMA_THRESHOLD`` bytes never crosses a socket: the sender publishes a descriptor (pid, address,
 length) and blocks; the receiver's reader thread copies the bytes straight out of the sender's
 memory into the posted receive buffer with ``process_vm_readv`` (``_shm.cma_read``, GIL released:
-a single copy, as Open MPI's CMA path does) and acknowledges. Nothing is mapped or created in
-``/dev/shm``, so a SIGKILLed rank leaks nothing. If the kernel forbids cross-memory reads
-(another user, a hardened ptrace policy), the pair falls back to sending through the socket.
+a single copy, as Open MPI's CMA path does) and acknowledges. If the kernel forbids cross-memory
+reads (another user, a hardened ptrace policy), the pair falls back to sending through the socket.
+
+Despite the name, no shared-memory segment is used today: nothing is mapped or created in
+``/dev/shm``, so a SIGKILLed rank leaks nothing. (A shared-memory engine for small messages is
+planned; the name is kept for it.)
 
 Same contract and errors as :class:`TcpBackend`: a dead peer fails waiting receives (and a send
 waiting for its acknowledgement) at once, timeouts raise CollectiveTimeoutError, ``abort``
@@ -19,7 +22,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import socket
 import struct
 import threading
 import time
@@ -28,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from . import _shm
-from .base import as_send_view, check_tag, size_mismatch
+from .base import size_mismatch
 from .errors import CollectiveTimeoutError, PeerClosedError
+from .framing import Link
 from .tcp import TcpBackend
 
 K_CMA, K_ACK = 4, 5
@@ -42,7 +45,8 @@ CMA_THRESHOLD = 64 << 10
 
 
 class ShmBackend(TcpBackend):
-    """One rank of a job whose ranks share a host. Arguments as :class:`TcpBackend`."""
+    """One rank of a job whose ranks share a host (large messages by cross-memory copy, no
+    shared segment yet). Arguments as :class:`TcpBackend`."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, **kwargs: Any) -> None:
         _shm.allow_peers_to_read()
@@ -59,27 +63,24 @@ class ShmBackend(TcpBackend):
 
     # ------------------------------------------------------------------ sending
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        view = as_send_view(data)
+        view = self._checked_send_view(data, dst, tag)
         if len(view) < CMA_THRESHOLD or dst not in self._cma_peers:
             return super().send(view, dst, tag=tag)
-        self._check_peer("send", dst, "dst")
-        check_tag(tag)
-        self._raise_if_failed("send", dst)
         arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive and gives its address
         send_id = next(self._send_ids)
         pending = [threading.Event(), None]
         with self._acks_lock:
             self._acks[send_id] = pending
+        link = self._links[dst]
         try:
             desc = memoryview(_DESC.pack(self._pid, arr.ctypes.data, len(view), send_id))
             deadline = time.monotonic() + self.timeout
-            with self._send_locks[dst]:
-                self._send_frame(dst, K_CMA, tag, desc, deadline)
+            link.send_frame(K_CMA, tag, desc, deadline, lambda: self._fail_if_down("send", dst))
             while not pending[0].wait(0.05):
-                self._raise_if_failed("send", dst)
+                self._fail_if_down("send", dst)
                 if time.monotonic() > deadline:
                     raise CollectiveTimeoutError(
-                        f"send: rank {self._rank} -> {dst} (tag {tag}): {len(view)} bytes not "
+                        f"send: rank {self.rank} -> {dst} (tag {tag}): {len(view)} bytes not "
                         f"read by the peer within {self.timeout:g}s")
         finally:
             with self._acks_lock:
@@ -88,7 +89,7 @@ class ShmBackend(TcpBackend):
             self._cma_peers.discard(dst)
             super().send(view, dst, tag=tag)
         else:
-            self.bytes_sent += len(view)
+            link.sent += len(view)
 
     def _ack_sender(self) -> None:
         while True:
@@ -97,19 +98,16 @@ class ShmBackend(TcpBackend):
                 return
             peer, send_id, status = item
             try:
-                with self._send_locks[peer]:
-                    self._send_frame(peer, K_ACK, 0, memoryview(_ACK.pack(send_id, status)),
-                                     time.monotonic() + self.timeout)
+                self._links[peer].send_frame(K_ACK, 0, memoryview(_ACK.pack(send_id, status)),
+                                             time.monotonic() + self.timeout)
             except Exception:
                 pass
 
     # ------------------------------------------------------------------ receiving
-    def _extra_frame(self, peer: int, sock: socket.socket, kind: int, tag: int,
-                     length: int) -> bool:
-        box = self._box
+    def _on_frame(self, link: Link, kind: int, tag: int, length: int) -> bool:
         if kind == K_ACK:
             payload = bytearray(_ACK.size)
-            self._read_exact(sock, memoryview(payload))
+            link.read_into(memoryview(payload))
             send_id, status = _ACK.unpack(payload)
             with self._acks_lock:
                 pending = self._acks.get(send_id)
@@ -120,38 +118,41 @@ class ShmBackend(TcpBackend):
         if kind != K_CMA:
             return False
         payload = bytearray(_DESC.size)
-        self._read_exact(sock, memoryview(payload))
+        link.read_into(memoryview(payload))
         pid, addr, nbytes, send_id = _DESC.unpack(payload)
+        self._ack_queue.put((link.peer, send_id, self._cma_receive(link, tag, pid, addr, nbytes)))
+        return True
+
+    def _cma_receive(self, link: Link, tag: int, pid: int, addr: int, nbytes: int) -> int:
+        """Copy a published message out of the sender's memory; the status to acknowledge."""
+        box, peer = self._box, link.peer
         req = box.claim(peer, tag) or box.claim_wait(peer, tag, 0.05)
-        status = ACK_OK
         try:
             if req is None:
                 buf = np.empty(nbytes, dtype=np.uint8)
                 _shm.cma_read(pid, addr, buf)
                 box.deliver(peer, tag, buf)
             elif len(req.view) != nbytes:
-                req.fail(size_mismatch("recv", peer, self._rank, tag, len(req.view), nbytes))
+                req.fail(size_mismatch("recv", peer, self.rank, tag, len(req.view), nbytes))
             else:
                 _shm.cma_read(pid, addr, req.view)
                 req.complete()
         except OSError as exc:
-            if req is not None and exc.errno in (1, 13, 38):  # EPERM, EACCES, ENOSYS
-                box.repost_front(req)
-                status = ACK_RETRY
-            elif exc.errno in (1, 13, 38):
-                status = ACK_RETRY
-            else:  # the sender died under us
+            if exc.errno in (1, 13, 38):  # EPERM, EACCES, ENOSYS: the socket must carry it
                 if req is not None:
-                    req.fail(PeerClosedError(f"recv: rank {self._rank} <- {peer}: the sender "
-                                             f"is gone ({exc})", peer=peer))
-                box.peer_closed(peer, str(exc))
-        self.bytes_received += nbytes if status == ACK_OK else 0
-        self._ack_queue.put((peer, send_id, status))
-        return True
+                    box.repost_front(req)
+                return ACK_RETRY
+            if req is not None:  # the sender died under us
+                req.fail(PeerClosedError(f"recv: rank {self.rank} <- {peer}: the sender "
+                                         f"is gone ({exc})", peer=peer))
+            box.peer_closed(peer, str(exc))
+            return ACK_OK
+        link.received += nbytes
+        return ACK_OK
 
     def close(self) -> None:
         """Send the acknowledgements still queued, then close like TcpBackend."""
-        if not self._closed:
+        if not self._box.closed:
             self._ack_queue.put(None)
             self._ack_thread.join(5.0)
         super().close()

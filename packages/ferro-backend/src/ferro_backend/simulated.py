@@ -16,37 +16,38 @@ from .base import (
     as_send_view,
     check_peer,
     check_tag,
+    check_timeout,
     check_world_size,
 )
-from .errors import PeerAbortedError, PeerClosedError
 from .mailbox import Mailbox
-
-
-class _Group:
-    def __init__(self, world_size: int, timeout: float) -> None:
-        self.mailboxes = [Mailbox(r, timeout) for r in range(world_size)]
-        self.closed: set[int] = set()
-        self.aborted: tuple[int, str] | None = None
 
 
 class SimulatedBackend(Backend):
     """One rank of an in-process group made by :meth:`create_group`."""
 
-    def __init__(self, group: _Group, rank: int, timeout: float) -> None:
-        self._group = group
+    def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float) -> None:
+        self._boxes = mailboxes
         self._rank = rank
         self.timeout = timeout
+        self._box = mailboxes[rank]
 
     @classmethod
     def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT
                      ) -> list[SimulatedBackend]:
         """Create ``world_size`` connected backends; index ``i`` is rank ``i``.
 
-        Raises :class:`InvalidWorldSizeError` for ``world_size < 1``.
+        ``timeout`` is every rank's :attr:`Backend.timeout`: the default deadline of its
+        receives, barriers and collectives.
+
+        Raises :class:`InvalidWorldSizeError` for ``world_size < 1``, ValueError for a
+        timeout that is negative, NaN or not a number.
         """
         check_world_size(world_size)
-        group = _Group(world_size, timeout)
-        return [cls(group, r, timeout) for r in range(world_size)]
+        timeout = check_timeout(timeout, "SimulatedBackend.create_group: timeout")
+        ranks: list[SimulatedBackend] = []
+        boxes = [Mailbox(r, lambda r=r: ranks[r].timeout) for r in range(world_size)]
+        ranks.extend(cls(boxes, r, timeout) for r in range(world_size))
+        return ranks
 
     @property
     def rank(self) -> int:
@@ -54,58 +55,38 @@ class SimulatedBackend(Backend):
 
     @property
     def world_size(self) -> int:
-        return len(self._group.mailboxes)
-
-    def _check_peer(self, op: str, peer: int, what: str) -> None:
-        check_peer(op, peer, self._rank, self.world_size, what)
-
-    def _check_alive(self, op: str, peer: int) -> None:
-        group = self._group
-        if group.aborted is not None:
-            who, reason = group.aborted
-            raise PeerAbortedError(f"rank {who} aborted the job: {reason}", peer=who,
-                                   reason=reason)
-        if self._rank in group.closed:
-            raise PeerClosedError(f"{op}: rank {self._rank} is closed", peer=self._rank)
-        if peer in group.closed:
-            raise PeerClosedError(f"{op}: rank {self._rank} -> {peer}: peer rank {peer} is closed",
-                                  peer=peer)
+        return len(self._boxes)
 
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        self._check_peer("send", dst, "dst")
+        check_peer("send", dst, self._rank, len(self._boxes), "dst")
         check_tag(tag)
         view = as_send_view(data)
-        self._check_alive("send", dst)
-        box = self._group.mailboxes[dst]
+        self._box.check("send", dst)
+        box = self._boxes[dst]
         req = box.claim(self._rank, tag)
         if req is not None:
             box.fill(req, view)
         else:
             box.deliver(self._rank, tag, bytes(view))
+        self.bytes_sent += len(view)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        self._check_peer("recv", src, "src")
+        check_peer("recv", src, self._rank, len(self._boxes), "src")
         check_tag(tag)
-        view = as_recv_view(out)
-        return self._group.mailboxes[self._rank].post(src, tag, view)
+        return self._box.post(src, tag, as_recv_view(out))
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
-        self.irecv(out, src, tag=tag).wait(timeout)
+        self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
 
     def abort(self, reason: str) -> None:
-        group = self._group
-        if group.aborted is None:
-            group.aborted = (self._rank, reason)
-        for box in group.mailboxes:
+        for box in self._boxes:
             box.abort(self._rank, reason)
         self.close()
 
     def close(self) -> None:
-        group = self._group
-        if self._rank in group.closed:
+        if self._box.closed:
             return
-        group.closed.add(self._rank)
-        for r, box in enumerate(group.mailboxes):
+        for r, box in enumerate(self._boxes):
             if r == self._rank:
                 box.close()
             else:

@@ -95,7 +95,7 @@ class SubBackend(Backend):
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         g, t = self._route("recv", src, tag)
-        self._root.recv(out, g, tag=t, timeout=self.timeout if timeout is None else timeout)
+        self._root.recv(out, g, tag=t, timeout=self.resolve_timeout(timeout, "recv: timeout"))
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         g, t = self._route("irecv", src, tag)

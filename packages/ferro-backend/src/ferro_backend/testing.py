@@ -1,19 +1,42 @@
 """Helpers for testing code that runs on several ranks (public, like an in-memory exporter).
 
-:func:`run_ranks` runs one function per rank in threads over a :class:`SimulatedBackend` group,
-joins every thread with a timeout, and re-raises the first rank's error. :func:`free_port` finds a
-free TCP port on 127.0.0.1.
+Threads over the simulated backend:
+
+- :func:`run_ranks` runs one function per rank in threads over a :class:`SimulatedBackend` group,
+  joins every thread with a timeout, and re-raises the first rank's error; :func:`run_threads`
+  does the same over backends you made.
+
+Real processes on 127.0.0.1 (every package's multi-process tests use these two, nothing else):
+
+- :func:`run_processes` runs a module-level function as every rank of a real job (spawned
+  processes, TCP or shared-memory transport) and returns each rank's result;
+- :class:`Job` starts a Python snippet (or script) as the ranks of a job with the torchrun
+  environment set, for tests that kill ranks, watch their output or check exit codes.
+
+Both reap every process they started, on success, failure and timeout alike.
+:func:`free_port` finds a free TCP port on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import queue
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
+import time
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .base import Backend
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveTimeoutError, PeerClosedError
 from .simulated import SimulatedBackend
 
 T = TypeVar("T")
@@ -68,8 +91,6 @@ def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
     if errors:
         if raise_first:
             # The root cause is the error that is not a consequence of another rank's abort.
-            from .errors import PeerClosedError
-
             primary = {i: e for i, e in errors.items() if not isinstance(e, PeerClosedError)}
             pick = primary or errors
             raise pick[min(pick)]
@@ -102,4 +123,200 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["RankFailure", "free_port", "run_ranks", "run_threads"]
+# ----------------------------------------------------------------------------- real processes
+def _backend_class(transport: str):
+    if transport == "tcp":
+        from .tcp import TcpBackend
+
+        return TcpBackend
+    if transport == "shm":
+        from .shm import ShmBackend
+
+        return ShmBackend
+    raise ValueError(f"transport {transport!r} is not 'tcp' or 'shm'")
+
+
+def _process_main(fn, rank, world, addr, transport, backend_timeout, args, results) -> None:
+    try:
+        cls = _backend_class(transport)
+        with cls(rank, world, addr, timeout=backend_timeout) as backend:
+            results.put((rank, "ok", fn(backend, *args)))
+    except BaseException as exc:
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_processes(fn: Callable[..., T], world_size: int, *args: Any, transport: str = "tcp",
+                  timeout: float = 60.0, backend_timeout: float = 30.0) -> list[T]:
+    """Run ``fn(backend, *args)`` as every rank of a real job; return the results by rank.
+
+    Each rank is a spawned process with its own ``transport`` backend (``"tcp"`` or ``"shm"``)
+    on 127.0.0.1 and a free port. ``fn`` must be importable (a module-level function) and its
+    result picklable. Raises AssertionError naming each failed rank and its traceback, or the
+    ranks that did not report within ``timeout`` seconds. Every process is joined or killed.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    addr = f"127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_process_main, daemon=True,
+                         args=(fn, r, world_size, addr, transport, backend_timeout, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            (out if status == "ok" else errors)[rank] = value
+    except queue.Empty:
+        late = sorted(set(range(world_size)) - out.keys() - errors.keys())
+        raise AssertionError(f"run_processes: ranks {late} did not report within {timeout:g}s"
+                             ) from None
+    finally:
+        _reap(procs)
+    if errors:
+        raise AssertionError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    return [out[r] for r in range(world_size)]
+
+
+def _reap(procs) -> None:
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+_PRELUDE = """
+import json, os, sys, time
+import numpy as np
+from ferro_backend import *
+from ferro_backend.errors import *
+result = None
+"""
+
+
+@dataclass
+class RankResult:
+    """How one rank of a :class:`Job` ended: exit code, output, and the ``result`` it set."""
+
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def result(self) -> Any:
+        for line in reversed(self.stdout.splitlines()):
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise AssertionError(f"rank {self.rank} printed no RESULT (rc {self.returncode}):\n"
+                             f"{self.stdout}\n{self.stderr}")
+
+
+class Job:
+    """Start ``world`` processes running ``body`` as the ranks of one job on 127.0.0.1.
+
+    ``body`` is Python run after a prelude that imports numpy (``np``) and every ferro_backend
+    name; unless ``connect=False`` it runs with ``b`` bound to ``backend.from_env(timeout=...)``.
+    Whatever it assigns to ``result`` (JSON) comes back as :attr:`RankResult.result`. Each rank
+    gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and FERRO_TOKEN when ``token``), plus
+    ``env``; ``args`` become its ``sys.argv[1:]``. Use as a context manager or call
+    :meth:`finish`: every process is reaped and the script removed.
+    """
+
+    def __init__(self, body: str, world: int, *, port: int | None = None, token: str = "",
+                 timeout: float = 20.0, connect: bool = True, ranks: Sequence[int] | None = None,
+                 env: dict[str, str] | None = None, backend: str = "TcpBackend",
+                 args: Sequence[str] = ()) -> None:
+        self.port = port or free_port()
+        self.world = world
+        self.args = [str(a) for a in args]
+        fd, self.path = tempfile.mkstemp(suffix=".py", prefix="ferro_job_")
+        setup = f"b = {backend}.from_env(timeout={timeout!r})\n" if connect else ""
+        footer = "\nprint('RESULT ' + json.dumps(result), flush=True)\n" + (
+            "b.close()\n" if connect else "")
+        with os.fdopen(fd, "w") as f:
+            f.write(_PRELUDE + setup + textwrap.dedent(body) + footer)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.extra_env = env or {}
+        self.token = token
+        for r in (range(world) if ranks is None else ranks):
+            self.start(r)
+
+    def env(self, rank: int) -> dict[str, str]:
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), PYTHONUNBUFFERED="1")
+        env.pop("FERRO_TOKEN", None)
+        if self.token:
+            env["FERRO_TOKEN"] = self.token
+        env.update(self.extra_env)
+        return env
+
+    def start(self, rank: int) -> None:
+        self.procs[rank] = subprocess.Popen([sys.executable, self.path, *self.args],
+                                            env=self.env(rank), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)
+
+    def wait_for_line(self, rank: int, text: str, timeout: float = 20.0) -> None:
+        """Read rank ``rank``'s output until a line contains ``text`` (AssertionError if not)."""
+        proc = self.procs[rank]
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            line = proc.stdout.readline()
+            if text in line:
+                return
+            if not line and proc.poll() is not None:
+                break
+        raise AssertionError(f"rank {rank} never printed {text!r}")
+
+    def finish(self, timeout: float = 60.0) -> list[RankResult]:
+        """Wait for every rank (at most ``timeout`` seconds in all) and return how each ended."""
+        end = time.monotonic() + timeout
+        results = []
+        try:
+            for r, p in sorted(self.procs.items()):
+                try:
+                    out, err = p.communicate(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.kill()
+                    out, err = p.communicate()
+                    raise AssertionError(
+                        f"rank {r} did not finish in {timeout:g}s:\n{out}\n{err}") from None
+                results.append(RankResult(r, p.returncode, out, err))
+        finally:
+            self._cleanup()
+        return results
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running and reap it."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+
+    def _cleanup(self) -> None:
+        self.kill()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cleanup()
+
+
+def run_job(body: str, world: int, **kwargs: Any) -> list[Any]:
+    """Run a :class:`Job` to completion; every rank must exit 0. Returns each rank's result."""
+    results = Job(body, world, **kwargs).finish()
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} failed (rc {r.returncode}):\n{r.stderr}"
+    return [r.result for r in results]
+
+
+__all__ = ["Job", "RankFailure", "RankResult", "free_port", "run_job", "run_processes",
+           "run_ranks", "run_threads"]

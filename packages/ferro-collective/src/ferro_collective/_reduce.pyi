@@ -1,5 +1,9 @@
 import numpy as np
 
+OP_SUM: int
+OP_PROD: int
+OP_MAX: int
+OP_MIN: int
+
 def accumulate(acc: np.ndarray, x: np.ndarray, op: int) -> None: ...
 def accumulate_mean(acc: np.ndarray, x: np.ndarray, divisor: float) -> None: ...
-def divide(acc: np.ndarray, divisor: float) -> None: ...

@@ -23,12 +23,14 @@ ctypedef fused real:
     float
     double
 
-# op codes shared with ops.py
+# the op codes; exported below as OP_* so that ops.py reads them from here (one definition)
 cdef enum:
     SUM = 0
     PROD = 1
     MAX = 2
     MIN = 3
+
+OP_SUM, OP_PROD, OP_MAX, OP_MIN = SUM, PROD, MAX, MIN
 
 
 @cython.boundscheck(False)
@@ -66,19 +68,12 @@ cdef inline void _acc_div(real* acc, const real* x, Py_ssize_t n, real d) noexce
         acc[i] = (acc[i] + x[i]) / d
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef inline void _div(real* acc, Py_ssize_t n, real d) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        acc[i] = acc[i] / d
-
-
 def accumulate(num[::1] acc, const num[::1] x, int op):
-    """``acc[i] = op(acc[i], x[i])``; op: 0 sum, 1 product, 2 max, 3 min."""
+    """``acc[i] = op(acc[i], x[i])`` with op one of OP_SUM, OP_PROD, OP_MAX, OP_MIN.
+
+    ``ops.accumulate`` checks that ``x`` has ``acc``'s length; the kernel trusts it.
+    """
     cdef Py_ssize_t n = acc.shape[0]
-    if x.shape[0] != n:
-        raise ValueError(f"accumulate: accumulator has {n} elements, input {x.shape[0]}")
     if n == 0:
         return
     with nogil:
@@ -86,20 +81,10 @@ def accumulate(num[::1] acc, const num[::1] x, int op):
 
 
 def accumulate_mean(real[::1] acc, const real[::1] x, double divisor):
-    """Last pass of a MEAN: ``acc[i] = (acc[i] + x[i]) / divisor`` in one sweep."""
+    """Last pass of a MEAN: ``acc[i] = (acc[i] + x[i]) / divisor`` in one sweep (lengths
+    checked by ``ops.accumulate``)."""
     cdef Py_ssize_t n = acc.shape[0]
-    if x.shape[0] != n:
-        raise ValueError(f"accumulate_mean: accumulator has {n} elements, input {x.shape[0]}")
     if n == 0:
         return
     with nogil:
         _acc_div(&acc[0], &x[0], n, <real>divisor)
-
-
-def divide(real[::1] acc, double divisor):
-    """``acc[i] /= divisor`` (MEAN where the last pass is not an accumulation)."""
-    cdef Py_ssize_t n = acc.shape[0]
-    if n == 0:
-        return
-    with nogil:
-        _div(&acc[0], n, <real>divisor)

@@ -7,11 +7,12 @@ travels on tags derived from it, so calls in flight at once never mix.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
-import queue
 import threading
 import weakref
+from collections.abc import Callable
 
 from ferro_backend.base import USER_TAG_LIMIT
 
@@ -26,38 +27,23 @@ class BackendState:
     def __init__(self) -> None:
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue | None = None
-        self._workers: list[threading.Thread] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def next_seq(self) -> int:
         with self._lock:
             return next(self._seq)
 
-    def submit(self, job) -> None:
-        """Run ``job()`` on this backend's worker threads, in submission order."""
+    def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``job()`` on this backend's worker threads; jobs start in submission order."""
         with self._lock:
-            if self._queue is None:
-                self._queue = queue.SimpleQueue()
-                for i in range(ASYNC_WORKERS):
-                    t = threading.Thread(target=_worker, args=(self._queue,), daemon=True,
-                                         name=f"ferro-collective-async-{i}")
-                    t.start()
-                    self._workers.append(t)
-        self._queue.put(job)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    ASYNC_WORKERS, thread_name_prefix="ferro-collective-async")
+        return self._pool.submit(job)
 
     def __del__(self) -> None:
-        q = self._queue
-        if q is not None:
-            for _ in self._workers:
-                q.put(None)
-
-
-def _worker(q: queue.SimpleQueue) -> None:
-    while True:
-        job = q.get()
-        if job is None:
-            return
-        job()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

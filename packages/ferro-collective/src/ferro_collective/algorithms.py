@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from ferro_backend import CollectiveTimeoutError
+from ferro_backend.partition import split_bounds
 
 from ._state import STEPS_PER_CALL
 from .header import HEADER_SIZE, check_all, encode
@@ -74,9 +76,8 @@ class Ctx:
 
     def wait(self, req, src: int, what: str, missing=None) -> None:
         """Wait for ``req`` from ``src``: a stall report at the soft deadline, then the error."""
-        poll = getattr(req, "poll", None)
-        if poll is not None and not self.reported:
-            if poll(max(0.0, self.soft_deadline - time.monotonic())):
+        if not self.reported:
+            if req.poll(max(0.0, self.soft_deadline - time.monotonic())):
                 return
             self.reported = True
             waiting = sorted(missing) if missing is not None else [src]
@@ -134,15 +135,9 @@ def barrier(ctx: Ctx) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """n contiguous chunks; the first ``numel % n`` get one extra element."""
-    base, extra = divmod(numel, n)
-    bounds, start = [], 0
-    for i in range(n):
-        size = base + (1 if i < extra else 0)
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+def chunk_bounds(numel: int, n: int) -> tuple[tuple[int, int], ...]:
+    """n contiguous chunks by ferro's one split rule (the first ``numel % n`` get one extra)."""
+    return split_bounds(numel, n)
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -154,7 +149,7 @@ def _reduce_at_root(ctx: Ctx, buf: np.ndarray, op: ReduceOp, tag: int) -> None:
     reqs = [ctx.irecv(parts[r - 1], r, tag) for r in range(1, n)]
     for r in range(1, n):
         ctx.wait(reqs[r - 1], r, "its contribution",
-                 {q for q in range(r, n) if not reqs[q - 1].test()})
+                 {q for q in range(r, n) if not reqs[q - 1].is_completed()})
         accumulate(buf, parts[r - 1], op, mean if r == n - 1 else None)
 
 
@@ -172,7 +167,7 @@ def allreduce_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> None:
 
 
 def reduce_scatter_ring_into(ctx: Ctx, buf: np.ndarray, op: ReduceOp,
-                             bounds: list[tuple[int, int]], mean: int | None) -> int:
+                             bounds: Sequence[tuple[int, int]], mean: int | None) -> int:
     """Ring reduce-scatter in place; returns the chunk index this rank owns (fully reduced).
 
     At step s rank r sends chunk (r - s - 1) mod n and folds chunk (r - s - 2) mod n; after n-1
@@ -196,7 +191,7 @@ def reduce_scatter_ring_into(ctx: Ctx, buf: np.ndarray, op: ReduceOp,
     return me
 
 
-def all_gather_ring_into(ctx: Ctx, buf: np.ndarray, bounds: list[tuple[int, int]],
+def all_gather_ring_into(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]],
                          owned: int) -> None:
     """Ring all-gather in place: rank r starts with chunk ``owned`` filled, ends with all."""
     n, me = ctx.n, ctx.rank

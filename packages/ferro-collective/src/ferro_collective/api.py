@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ferro_backend import Backend, InvalidRankError, SizeMismatchError
+from ferro_backend import DEFAULT_TIMEOUT, Backend, InvalidRankError, SizeMismatchError
 
 from . import algorithms as alg
 from ._state import state, tag_base
@@ -20,8 +20,9 @@ from .header import encode, mismatch_check_enabled
 from .ops import WIDENED, ReduceOp, as_op, work_dtype
 from .work import Work
 
-DEFAULT_COLLECTIVE_TIMEOUT: float = 60.0
-"""Seconds a collective may take before :class:`CollectiveTimeoutError` (per call: ``timeout=``)."""
+DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
+"""The default :attr:`Backend.timeout` (60 s). A collective's deadline is its backend's
+``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
 #: allreduce messages up to this size use recursive doubling (latency), larger ones the ring
 SMALL_MESSAGE_BYTES = 256 << 10
@@ -64,7 +65,7 @@ class _Call:
                  body: Callable[[alg.Ctx], np.ndarray]) -> None:
         self.name = name
         self.backend = backend
-        self.timeout = DEFAULT_COLLECTIVE_TIMEOUT if timeout is None else float(timeout)
+        self.timeout = backend.resolve_timeout(timeout, f"{name}: timeout")
         self.seq = state(backend).next_seq()
         self.header = header
         self.body = body
@@ -79,9 +80,7 @@ class _Call:
         return self()
 
     def submit(self) -> Work:
-        work = Work(self.name, self.seq)
-        state(self.backend).submit(lambda: work._run(self))
-        return work
+        return Work(self.name, self.seq, state(self.backend).submit(self))
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -100,7 +99,7 @@ def _allreduce(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
         out = buf.reshape(x.shape)
         return out.astype(x.dtype) if x.dtype in WIDENED else out
 
-    header = (x.dtype, x.shape, op.name, -1)
+    header = (x.dtype, x.shape, op, -1)
     return _Call("allreduce", backend, timeout, header, body)
 
 
@@ -118,7 +117,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         SUM, MEAN (float dtypes only), MAX, MIN or PRODUCT. Integer SUM is exact (wrapping like
         numpy); float16/bfloat16 accumulate in float32 and round once.
     timeout : float, optional
-        Seconds before CollectiveTimeoutError (default DEFAULT_COLLECTIVE_TIMEOUT).
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     algorithm : {"auto", "ring", "recursive_doubling", "star"}
         "auto" picks recursive doubling for small messages and the ring for large ones.
 
@@ -168,7 +167,7 @@ def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm) -> _Call
             {"tree": alg.broadcast_tree, "star": alg.broadcast_star}[algo](ctx, flat, root)
         return buf
 
-    header = (x.dtype, x.shape, "", root)
+    header = (x.dtype, x.shape, None, root)
     return _Call("broadcast", backend, timeout, header, body)
 
 
@@ -206,7 +205,7 @@ def _all_gather(tensor, backend: Backend, timeout, algorithm) -> _Call:
         {"ring": alg.all_gather_ring, "star": alg.all_gather_star}[algo](ctx, b8, o8)
         return out
 
-    header = (x.dtype, x.shape, "", -1)
+    header = (x.dtype, x.shape, None, -1)
     return _Call("all_gather", backend, timeout, header, body)
 
 
@@ -251,7 +250,7 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
         out = np.array(mine, dtype=x.dtype, copy=True).reshape(out_shape)
         return out
 
-    header = (x.dtype, x.shape, op.name, -1)
+    header = (x.dtype, x.shape, op, -1)
     return _Call("reduce_scatter", backend, timeout, header, body)
 
 
@@ -270,7 +269,12 @@ def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, 
 
 # ----------------------------------------------------------------------------- barrier
 def barrier(backend: Backend, *, timeout: float | None = None) -> None:
-    """Block until every rank has called barrier (dissemination, ceil(log2 n) rounds)."""
+    """Block until every rank has called barrier.
+
+    The barrier is the collectives' header exchange (Bruck's all-gather of a small header,
+    ceil(log2 n) rounds), so a rank that calls another collective instead gets
+    :class:`CollectiveMismatchError` on every rank rather than a hang.
+    """
     _as_array("barrier", (), backend)
     call = _Call("barrier", backend, timeout, (), lambda ctx: None)
     if backend.world_size > 1:

@@ -15,12 +15,15 @@ import numpy as np
 
 from ferro_backend import CollectiveMismatchError
 
+from .ops import OPS, ReduceOp
+
 _MAX_DIMS = 6
 _HEADER = struct.Struct(f"<2sBBBBH8sqI{_MAX_DIMS}q")
 HEADER_SIZE = _HEADER.size
-OPS = {"barrier": 1, "allreduce": 2, "broadcast": 3, "all_gather": 4, "reduce_scatter": 5}
-_OP_NAMES = {v: k for k, v in OPS.items()}
-_REDOPS = ["", "SUM", "MEAN", "MAX", "MIN", "PRODUCT"]
+COLLECTIVES = {"barrier": 1, "allreduce": 2, "broadcast": 3, "all_gather": 4,
+               "reduce_scatter": 5}
+_COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVES.items()}
+_REDOP_NAMES = {spec.wire: op.name for op, spec in OPS.items()}
 
 _check = os.environ.get("FERRO_COLLECTIVE_CHECK", "1") != "0"
 
@@ -39,13 +42,14 @@ def mismatch_check_enabled() -> bool:
     return _check
 
 
-def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...], redop: str = "",
-           root: int = -1, seq: int = 0) -> bytes:
+def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
+           redop: ReduceOp | None = None, root: int = -1, seq: int = 0) -> bytes:
     dims = list(shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     if len(shape) > _MAX_DIMS:
         dims[-1] = hash(tuple(shape[_MAX_DIMS - 1:])) & 0x7FFFFFFFFFFFFFFF
     dstr = (np.dtype(dtype).str if dtype is not None else "").encode()[:8]
-    return _HEADER.pack(b"FC", OPS[op], _REDOPS.index(redop), min(len(shape), 255), 0,
+    wire_op = 0 if redop is None else OPS[redop].wire
+    return _HEADER.pack(b"FC", COLLECTIVES[op], wire_op, min(len(shape), 255), 0,
                         0, dstr, root, seq & 0xFFFFFFFF, *dims)
 
 
@@ -53,14 +57,14 @@ def describe(header: bytes) -> str:
     magic, op, redop, ndim, _, _, dstr, root, seq, *dims = _HEADER.unpack(header)
     if magic != b"FC":
         return f"<not a ferro collective header: {header[:8]!r}>"
-    name = _OP_NAMES.get(op, f"op#{op}")
+    name = _COLLECTIVE_NAMES.get(op, f"op#{op}")
     if name == "barrier":
         return f"barrier (seq {seq})"
     dtype = np.dtype(dstr.rstrip(b"\x00").decode() or "V")
     shape = ", ".join(str(d) for d in dims[:min(ndim, _MAX_DIMS)])
     extra = []
     if redop:
-        extra.append(_REDOPS[redop])
+        extra.append(_REDOP_NAMES.get(redop, f"op#{redop}"))
     if root >= 0:
         extra.append(f"root={root}")
     return f"{name}({dtype.name}[{shape}]{', ' if extra else ''}{', '.join(extra)}) (seq {seq})"

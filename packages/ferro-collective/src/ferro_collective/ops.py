@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,10 +27,27 @@ class ReduceOp(enum.Enum):
     PRODUCT = "product"
 
 
-_KERNEL_CODE = {ReduceOp.SUM: 0, ReduceOp.MEAN: 0, ReduceOp.PRODUCT: 1, ReduceOp.MAX: 2,
-                ReduceOp.MIN: 3}
-_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.PRODUCT: np.multiply,
-          ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
+@dataclass(frozen=True)
+class OpSpec:
+    """Everything ferro knows about one reduce op, in one place.
+
+    ``kernel``: the ``_reduce`` kernel's op code (the kernel exports its codes, so they are
+    defined once); ``ufunc``: numpy's equivalent for dtypes the kernel does not cover;
+    ``wire``: the op's code in a collective header (never 0, which means "no op").
+    """
+
+    kernel: int
+    ufunc: np.ufunc
+    wire: int
+
+
+OPS: dict[ReduceOp, OpSpec] = {
+    ReduceOp.SUM: OpSpec(_reduce.OP_SUM, np.add, 1),
+    ReduceOp.MEAN: OpSpec(_reduce.OP_SUM, np.add, 2),  # a SUM with the divide fused last
+    ReduceOp.MAX: OpSpec(_reduce.OP_MAX, np.maximum, 3),
+    ReduceOp.MIN: OpSpec(_reduce.OP_MIN, np.minimum, 4),
+    ReduceOp.PRODUCT: OpSpec(_reduce.OP_PROD, np.multiply, 5),
+}
 
 #: dtypes the Cython kernel reduces directly
 KERNEL_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16,
@@ -70,20 +88,19 @@ def work_dtype(name: str, dtype: np.dtype, op: ReduceOp) -> np.dtype:
 
 def accumulate(acc: np.ndarray, x: np.ndarray, op: ReduceOp, mean_divisor: int | None = None
                ) -> None:
-    """``acc = op(acc, x)`` in place; with ``mean_divisor`` also divide (MEAN's last pass)."""
+    """``acc = op(acc, x)`` in place; with ``mean_divisor`` also divide (MEAN's last pass).
+
+    ``acc`` and ``x`` are 1-d C-contiguous arrays of one dtype (``acc`` writable). The lengths
+    are checked here, once: the kernel trusts them.
+    """
+    if acc.shape != x.shape:
+        raise ValueError(f"accumulate: accumulator has {acc.size} elements, input {x.size}")
     if acc.dtype in KERNEL_DTYPES:
         if mean_divisor is not None:
             _reduce.accumulate_mean(acc, x, float(mean_divisor))
         else:
-            _reduce.accumulate(acc, x, _KERNEL_CODE[op])
+            _reduce.accumulate(acc, x, OPS[op].kernel)
         return
-    _UFUNC[op](acc, x, out=acc)
+    OPS[op].ufunc(acc, x, out=acc)
     if mean_divisor is not None:
         np.divide(acc, mean_divisor, out=acc)
-
-
-def divide(acc: np.ndarray, divisor: int) -> None:
-    if acc.dtype in KERNEL_DTYPES:
-        _reduce.divide(acc, float(divisor))
-    else:
-        np.divide(acc, divisor, out=acc)

@@ -1,51 +1,46 @@
-"""``Work``: the handle of an asynchronous collective."""
+"""``Work``: the handle of an asynchronous collective, a thin layer over ``concurrent.futures``."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+import concurrent.futures
 
 import numpy as np
 
 from ferro_backend import CollectiveTimeoutError
+from ferro_backend.base import check_timeout
 
 
 class Work:
-    """A collective running in the background.
+    """A collective running in the background (torch's name for it).
 
     ``wait(timeout)`` returns its result (a new array) or raises what the collective raised;
-    ``is_completed()`` tells without blocking. Several may be in flight on one backend at once;
-    their messages never mix with each other or with synchronous calls.
+    ``is_completed()`` tells without blocking; :attr:`future` is the underlying
+    :class:`concurrent.futures.Future` (for ``add_done_callback``, ``as_completed``...). Several
+    may be in flight on one backend at once; their messages never mix with each other or with
+    synchronous calls.
     """
 
-    def __init__(self, name: str, seq: int) -> None:
+    def __init__(self, name: str, seq: int, future: concurrent.futures.Future) -> None:
         self.name = name
         self.seq = seq
-        self._done = threading.Event()
-        self._result: np.ndarray | None = None
-        self._error: BaseException | None = None
-
-    def _run(self, fn: Callable[[], np.ndarray]) -> None:
-        try:
-            self._result = fn()
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._done.set()
+        self.future = future
 
     def is_completed(self) -> bool:
         """True once the collective finished, successfully or not."""
-        return self._done.is_set()
+        return self.future.done()
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
         """Block until done (at most ``timeout`` seconds; None waits for the collective's own
         timeout to fire) and return the result; raises the collective's error."""
-        if not self._done.wait(timeout):
+        if timeout is not None:
+            timeout = check_timeout(timeout, "Work.wait: timeout")
+        # (not future.result(timeout): the collective's own CollectiveTimeoutError is a
+        # TimeoutError too, and must come out as it is)
+        done, _ = concurrent.futures.wait([self.future], timeout)
+        if not done:
             raise CollectiveTimeoutError(
                 f"Work.wait: {self.name} (seq {self.seq}) not complete after {timeout:g}s")
-        if self._error is not None:
-            raise self._error
-        return self._result
+        return self.future.result()
 
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"

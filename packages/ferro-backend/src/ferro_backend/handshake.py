@@ -1,0 +1,114 @@
+"""The handshake every TCP connection of a ferro job starts with: protocol check and mutual auth.
+
+Client and server exchange the protocol magic, version and a fresh 32-byte nonce each, then prove
+knowledge of the job's token with HMAC-SHA256 over both nonces (a different role string per side,
+so neither proof can be replayed as the other). A process that does not know the token gets
+:class:`AuthenticationError`; the server refuses it and goes on accepting. After the proofs the
+client announces ``(rank, world_size, listen port, host)`` and the server answers with a status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+
+from .errors import AuthenticationError, ProtocolError, RendezvousError
+
+MAGIC = b"FERRO\x00"
+PROTOCOL_VERSION = 1
+_HELLO = struct.Struct("<6sH32s")  # magic, version, nonce
+_AUTH = struct.Struct("<32s")  # HMAC-SHA256
+_INFO = struct.Struct("<IIHH")  # rank, world_size, listen port, host length
+_STATUS = struct.Struct("<BH")  # status, message length
+
+ST_OK, ST_AUTH, ST_BAD = 0, 1, 2
+
+
+def _mac(key: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(key, b"ferro-auth-v1|" + role + a + b, hashlib.sha256).digest()
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock``; ConnectionError if it closes first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} handshake bytes")
+        got += k
+    return bytes(buf)
+
+
+def send_status(sock: socket.socket, status: int, message: str = "") -> None:
+    data = message.encode()[:60000]
+    sock.sendall(_STATUS.pack(status, len(data)) + data)
+
+
+def _recv_status(sock: socket.socket) -> tuple[int, str]:
+    status, n = _STATUS.unpack(recv_exactly(sock, _STATUS.size))
+    return status, recv_exactly(sock, n).decode(errors="replace")
+
+
+def client_handshake(sock: socket.socket, key: bytes, info: bytes, where: str) -> None:
+    """Client side, up to the server's verdict on ``info``.
+
+    Raises AuthenticationError (wrong token, or not a ferro peer), ProtocolError (another
+    protocol or version) or RendezvousError (the server refused ``info``); ``where`` names the
+    connection in those messages.
+    """
+    nonce_c = secrets.token_bytes(32)
+    sock.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, nonce_c))
+    try:
+        magic, version, nonce_s = _HELLO.unpack(recv_exactly(sock, _HELLO.size))
+    except ConnectionError as exc:
+        raise AuthenticationError(f"{where}: the peer closed the connection during the "
+                                  f"handshake ({exc}); is this a ferro job?") from exc
+    if magic != MAGIC:
+        raise ProtocolError(f"{where}: peer answered with magic {magic!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"{where}: peer speaks protocol {version}, this is {PROTOCOL_VERSION}")
+    (mac_s,) = _AUTH.unpack(recv_exactly(sock, _AUTH.size))
+    sock.sendall(_mac(key, b"client", nonce_s, nonce_c))
+    if not hmac.compare_digest(mac_s, _mac(key, b"server", nonce_c, nonce_s)):
+        raise AuthenticationError(f"{where}: the peer does not know this job's token")
+    status, message = _recv_status(sock)
+    if status == ST_AUTH:
+        raise AuthenticationError(f"{where}: rejected: {message}")
+    sock.sendall(info)
+    status, message = _recv_status(sock)
+    if status != ST_OK:
+        raise RendezvousError(f"{where}: rejected: {message}")
+
+
+def server_handshake(sock: socket.socket, key: bytes) -> None:
+    """Server side up to the client's info; raises ProtocolError or AuthenticationError."""
+    hello = recv_exactly(sock, _HELLO.size)
+    magic, version, nonce_c = _HELLO.unpack(hello)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    nonce_s = secrets.token_bytes(32)
+    sock.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, nonce_s))
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    sock.sendall(_mac(key, b"server", nonce_c, nonce_s))
+    (mac_c,) = _AUTH.unpack(recv_exactly(sock, _AUTH.size))
+    if not hmac.compare_digest(mac_c, _mac(key, b"client", nonce_s, nonce_c)):
+        send_status(sock, ST_AUTH, "wrong token")
+        raise AuthenticationError("a client with the wrong token")
+    send_status(sock, ST_OK)
+
+
+def encode_info(rank: int, world_size: int, host: str, port: int) -> bytes:
+    h = host.encode()
+    return _INFO.pack(rank, world_size, port, len(h)) + h
+
+
+def decode_info(sock: socket.socket) -> tuple[int, int, str, int]:
+    """``(rank, world_size, host, listen port)`` as the client announced them."""
+    rank, world, port, n = _INFO.unpack(recv_exactly(sock, _INFO.size))
+    return rank, world, recv_exactly(sock, n).decode(), port

@@ -1,0 +1,210 @@
+"""Building a TCP job's full mesh of authenticated connections (the rendezvous).
+
+1. Rank 0 listens on ``master_addr``. Every other rank opens a listener of its own, connects to
+   rank 0 and announces ``(rank, world_size, listen port)``.
+2. Rank 0 sends everyone the address table (the address it saw each rank connect from); rank
+   ``i`` connects to each rank ``0 < j < i`` and accepts from each rank ``j > i``. The connection
+   to rank 0 is kept as the ``(0, i)`` link.
+
+Every connection starts with :mod:`.handshake`. Errors name the rank, address, port and the ranks
+that never came: :class:`RendezvousError` for ports in use, peers that never came up or joined.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import time
+
+from .errors import AuthenticationError, ProtocolError, RendezvousError
+from .handshake import (
+    ST_BAD,
+    ST_OK,
+    client_handshake,
+    decode_info,
+    encode_info,
+    recv_exactly,
+    send_status,
+    server_handshake,
+)
+
+log = logging.getLogger("ferro_backend.tcp")
+
+SOCKET_BUFFER = 4 << 20
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"master_addr {addr!r} is not 'host:port'")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:  # pragma: no cover - a kernel may refuse the size
+            pass
+
+
+class Rendezvous:
+    """One rank's side of the mesh set-up; :meth:`run` returns ``{peer: connected socket}``."""
+
+    def __init__(self, rank: int, world_size: int, host: str, port: int, key: bytes) -> None:
+        self.rank, self.world = rank, world_size
+        self.host, self.port, self.key = host, port, key
+
+    def run(self, deadline: float) -> dict[int, socket.socket]:
+        socks: dict[int, socket.socket] = {}
+        try:
+            if self.rank == 0:
+                self._as_root(socks, deadline)
+            else:
+                self._as_member(socks, deadline)
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            raise
+        return socks
+
+    def _as_root(self, socks: dict[int, socket.socket], deadline: float) -> None:
+        lsock = self._listen(self.host, self.port)
+        try:
+            joined = self._accept(lsock, set(range(1, self.world)), deadline)
+        finally:
+            lsock.close()
+        table = {r: (h, p) for r, (_, h, p) in joined.items()}
+        payload = json.dumps({str(r): hp for r, hp in table.items()}).encode()
+        for r, (sock, _, _) in joined.items():
+            socks[r] = sock
+            sock.sendall(struct.pack("<Q", len(payload)) + payload)
+
+    def _as_member(self, socks: dict[int, socket.socket], deadline: float) -> None:
+        rank, world = self.rank, self.world
+        # Listen first (on loopback for a loopback job, else on every interface); rank 0 tells
+        # the others the address it saw this rank connect from.
+        loopback = self.host.startswith("127.") or self.host in ("localhost", "::1")
+        wildcard = "::" if _family(self.host) == socket.AF_INET6 else "0.0.0.0"
+        lsock = self._listen(self.host if loopback else wildcard, 0)
+        try:
+            port = lsock.getsockname()[1]
+            master = self._connect(self.host, self.port, deadline, 0, port)
+            socks[0] = master
+            master.settimeout(max(0.05, deadline - time.monotonic()))
+            try:
+                (n,) = struct.unpack("<Q", recv_exactly(master, 8))
+                raw = json.loads(recv_exactly(master, n))
+            except (OSError, ValueError) as exc:
+                raise RendezvousError(f"rank {rank}: no address table from rank 0 at "
+                                      f"{self.host}:{self.port}: {exc}") from exc
+            table = {int(r): (h, p) for r, (h, p) in raw.items()}
+            for peer in range(1, rank):
+                host, pport = table[peer]
+                socks[peer] = self._connect(host, pport, deadline, peer, port)
+            if rank < world - 1:
+                joined = self._accept(lsock, set(range(rank + 1, world)), deadline)
+                for r, (sock, _, _) in joined.items():
+                    socks[r] = sock
+        finally:
+            lsock.close()
+
+    def _listen(self, host: str, port: int) -> socket.socket:
+        lsock = socket.socket(_family(host), socket.SOCK_STREAM)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _tune(lsock)
+        try:
+            lsock.bind((host, port))
+        except OSError as exc:
+            lsock.close()
+            raise RendezvousError(
+                f"rank {self.rank}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
+        lsock.listen(max(16, self.world))
+        return lsock
+
+    def _connect(self, host: str, port: int, deadline: float, peer: int, listen_port: int
+                 ) -> socket.socket:
+        delay = 0.02
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousError(
+                    f"rank {self.rank}: rank {peer} did not come up at {host}:{port} "
+                    f"within the connect timeout"
+                )
+            sock = socket.socket(_family(host), socket.SOCK_STREAM)
+            _tune(sock)
+            sock.settimeout(max(0.05, min(remaining, 5.0)))
+            try:
+                sock.connect((host, port))
+            except OSError:
+                sock.close()
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
+                continue
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            info = encode_info(self.rank, self.world, "", listen_port)
+            where = f"rank {self.rank} -> rank {peer} at {host}:{port}"
+            try:
+                client_handshake(sock, self.key, info, where)
+            except TimeoutError as exc:
+                sock.close()
+                raise RendezvousError(f"rank {self.rank}: handshake with rank {peer} at "
+                                      f"{host}:{port} timed out") from exc
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+    def _accept(self, lsock: socket.socket, expected: set[int], deadline: float
+                ) -> dict[int, tuple[socket.socket, str, int]]:
+        """Accept authenticated connections until every rank in ``expected`` has joined."""
+        joined: dict[int, tuple[socket.socket, str, int]] = {}
+        host, port = lsock.getsockname()[:2]
+        while len(joined) < len(expected):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for s, _, _ in joined.values():
+                    s.close()
+                missing = sorted(expected - joined.keys())
+                raise RendezvousError(
+                    f"rank {self.rank} listening on {host}:{port}: ranks {missing} did not "
+                    f"join within the connect timeout"
+                )
+            lsock.settimeout(remaining)
+            try:
+                sock, peer_addr = lsock.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(max(0.05, min(remaining, 10.0)))
+            try:
+                server_handshake(sock, self.key)
+                prank, pworld, phost, pport = decode_info(sock)
+                problem = None
+                if pworld != self.world:
+                    problem = f"world_size {pworld} differs from this job's {self.world}"
+                elif prank not in expected:
+                    problem = f"rank {prank} is not expected here (expected {sorted(expected)})"
+                elif prank in joined:
+                    problem = f"rank {prank} joined twice"
+                if problem:
+                    send_status(sock, ST_BAD, problem)
+                    raise ProtocolError(problem)
+                send_status(sock, ST_OK)
+            except (ProtocolError, AuthenticationError, OSError, struct.error) as exc:
+                log.warning("rank %d: refused a connection from %s: %s", self.rank,
+                            peer_addr, exc)
+                sock.close()
+                continue
+            joined[prank] = (sock, phost or peer_addr[0], pport)
+        return joined

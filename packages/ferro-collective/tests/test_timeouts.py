@@ -1,0 +1,64 @@
+"""Collectives take their deadline from ``Backend.timeout`` (one source); ``timeout=`` wins."""
+
+import time
+
+import numpy as np
+import pytest
+
+import ferro_collective as fc
+from ferro_backend import CollectiveTimeoutError, SimulatedBackend, SubBackend
+
+CALLS = {
+    "allreduce": lambda b, **kw: fc.allreduce(np.ones(4), b, **kw),
+    "broadcast": lambda b, **kw: fc.broadcast(np.ones(4), b, **kw),
+    "all_gather": lambda b, **kw: fc.all_gather(np.ones(4), b, **kw),
+    "reduce_scatter": lambda b, **kw: fc.reduce_scatter(np.ones(4), b, **kw),
+    "barrier": lambda b, **kw: fc.barrier(b, **kw),
+    "allreduce_async": lambda b, **kw: fc.allreduce_async(np.ones(4), b, **kw).wait(),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", list(CALLS))
+def test_collective_with_a_silent_peer_raises_within_the_backend_timeout(name):
+    rank0, _silent = SimulatedBackend.create_group(2, timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="0.5s"):
+        CALLS[name](rank0)
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.timeout(30)
+def test_per_call_timeout_wins_and_subgroups_inherit_the_parent_timeout():
+    rank0, _silent = SimulatedBackend.create_group(2, timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="0.2s"):
+        fc.allreduce(np.ones(3), rank0, timeout=0.2)
+    assert time.monotonic() - t0 < 2.0
+    rank0.timeout = 0.3
+    sub = SubBackend(rank0, [0, 1])
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="0.3s"):
+        fc.allreduce(np.ones(3), sub)
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, "1s"], ids=repr)
+@pytest.mark.parametrize("name", list(CALLS))
+def test_bad_timeouts_raise_value_error_naming_the_collective(name, bad):
+    rank0, _silent = SimulatedBackend.create_group(2)
+    op = name.removesuffix("_async")
+    with pytest.raises(ValueError, match=f"{op}: timeout"):
+        CALLS[name](rank0, timeout=bad)
+
+
+@pytest.mark.timeout(30)
+def test_work_wait_refuses_bad_timeouts():
+    rank0, _silent = SimulatedBackend.create_group(2, timeout=0.3)
+    work = fc.allreduce_async(np.ones(2), rank0)
+    with pytest.raises(ValueError, match="Work.wait: timeout"):
+        work.wait(float("nan"))
+    with pytest.raises(CollectiveTimeoutError):
+        work.wait()
+    assert work.is_completed() and work.future.done()
