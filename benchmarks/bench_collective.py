@@ -17,6 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from busbw import busbw_factor
 
 from ferro_backend import SimulatedBackend, TcpBackend
 from ferro_backend.testing import free_port
@@ -31,11 +32,6 @@ from ferro_collective.ops import accumulate
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
 COLLECTIVES = ["allreduce", "broadcast", "all_gather", "reduce_scatter"]
-
-
-def busbw_factor(name: str, n: int) -> float:
-    return {"allreduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[name]
 
 
 def run_collective(name: str, x: np.ndarray, backend):

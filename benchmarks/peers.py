@@ -17,13 +17,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from busbw import busbw
+
+from ferro_backend.testing import free_port
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
@@ -31,12 +33,6 @@ OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
 
 def iters_for(nbytes: int) -> int:
     return max(3, min(200, (32 << 20) // max(nbytes, 1)))
-
-
-def busbw(op: str, nbytes: int, n: int, t: float) -> float:
-    f = {"allreduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-         "broadcast": 1.0, "barrier": 0.0}[op]
-    return nbytes * f / t / 1e9 if t > 0 else 0.0
 
 
 # --------------------------------------------------------------------------- workers
@@ -163,12 +159,6 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int]) ->
 
 
 # --------------------------------------------------------------------------- driver
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def available(impl: str) -> str | None:
     """None if ``impl`` can run here, else why not."""
     try:

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,29 @@ def test_loss_curve_continues_across_a_resume(tmp_path):
 def test_bad_batch_size_is_a_clear_error(tmp_path):
     r = ferrorun(2, EXAMPLES / "train_mlp.py", "--batch-size", 7, "--steps", 1, check=False)
     assert r.returncode != 0 and "not divisible by 2 ranks" in r.stderr
+
+
+def test_ferrorun_timeout_reaches_the_collectives(tmp_path):
+    script = tmp_path / "silent_peer.py"
+    script.write_text(
+        "import time\n"
+        "import numpy as np\n"
+        "import ferro_backend, ferro_collective\n"
+        "b = ferro_backend.init_from_env()\n"
+        "assert b.timeout == 0.5, b.timeout\n"
+        "if b.rank == 1:\n"
+        "    time.sleep(20)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    ferro_collective.allreduce(np.ones(4), b)\n"
+        "except ferro_backend.CollectiveTimeoutError as exc:\n"
+        "    print(f'TIMED OUT after {time.monotonic() - t0:.2f}s: {exc}', flush=True)\n"
+        "    raise SystemExit(3)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--transport", "tcp", "--timeout", "0.5",
+                        "--grace", "1", str(script)], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 3, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if "TIMED OUT" in ln]
+    assert float(line.split("after ")[1].split("s:")[0]) < 2.0
+    assert time.monotonic() - t0 < 15  # rank 1 was stopped, not waited for

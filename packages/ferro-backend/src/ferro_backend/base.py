@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import math
 import numbers
+import os
 import time
 from typing import Any
 
@@ -107,6 +108,18 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float:
     if math.isnan(value) or value < 0:
         raise ValueError(f"{what} {timeout!r} is invalid, expected a number of seconds >= 0")
     return value
+
+
+def timeout_from_env() -> float | None:
+    """``FERRO_TIMEOUT`` (set by ``ferrorun --timeout``) validated, or None when unset."""
+    raw = os.environ.get("FERRO_TIMEOUT")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FERRO_TIMEOUT {raw!r} is not a number of seconds") from None
+    return check_timeout(value, "FERRO_TIMEOUT")
 
 
 class Request(abc.ABC):

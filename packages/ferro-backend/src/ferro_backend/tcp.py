@@ -23,8 +23,8 @@ from .base import (
     check_peer,
     check_rank,
     check_tag,
-    check_timeout,
     check_world_size,
+    timeout_from_env,
 )
 from .errors import RendezvousError
 from .framing import K_DATA, Link, read_frames
@@ -114,13 +114,9 @@ class TcpBackend(Backend):
         rank = kwargs.pop("rank", None)
         world = kwargs.pop("world_size", None)
         addr = kwargs.pop("master_addr", None)
-        if "FERRO_TIMEOUT" in env:
-            try:
-                env_timeout = float(env["FERRO_TIMEOUT"])
-            except ValueError:
-                raise ValueError(f"FERRO_TIMEOUT {env['FERRO_TIMEOUT']!r} is not a number of "
-                                 "seconds") from None
-            kwargs.setdefault("timeout", check_timeout(env_timeout, "FERRO_TIMEOUT"))
+        env_timeout = timeout_from_env()
+        if env_timeout is not None:
+            kwargs.setdefault("timeout", env_timeout)
         return cls(int(env["RANK"]) if rank is None else rank,
                    int(env["WORLD_SIZE"]) if world is None else world,
                    f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if addr is None else addr,
