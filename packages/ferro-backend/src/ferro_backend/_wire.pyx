@@ -65,10 +65,50 @@ def copy_bytes(const unsigned char[::1] src, unsigned char[::1] dst):
 
 
 cdef struct Span:
-    const unsigned char* ptr
-    unsigned char* wptr
+    unsigned char* ptr
     Py_ssize_t nbytes
     Py_ssize_t swap
+
+
+cdef Span* _spans(list views, list swaps) except NULL:
+    """One Span per byte view (``wire.py`` checked writability where it matters); free() it."""
+    cdef Py_ssize_t count = len(views), i
+    cdef const unsigned char[::1] view
+    cdef Span* spans = <Span*>malloc(max(count, 1) * sizeof(Span))
+    if spans == NULL:
+        raise MemoryError()
+    for i in range(count):
+        view = views[i]
+        spans[i].nbytes = view.shape[0]
+        spans[i].ptr = <unsigned char*>&view[0] if view.shape[0] else NULL
+        spans[i].swap = swaps[i]
+    return spans
+
+
+cdef void _run(Span* spans, Py_ssize_t count, unsigned char* flat, bint into_flat
+               ) noexcept nogil:
+    """Copy every span to (``into_flat``) or from consecutive ranges of ``flat``."""
+    cdef Py_ssize_t i, offset = 0
+    for i in range(count):
+        if spans[i].nbytes:
+            if into_flat:
+                _copy(spans[i].ptr, flat + offset, spans[i].nbytes, spans[i].swap)
+            else:
+                _copy(flat + offset, spans[i].ptr, spans[i].nbytes, spans[i].swap)
+        offset += spans[i].nbytes
+
+
+cdef _transfer(list views, const unsigned char[::1] flat, list swaps, bint into_flat):
+    cdef Py_ssize_t count = len(views)
+    cdef Span* spans
+    if flat.shape[0] == 0:
+        return
+    spans = _spans(views, swaps)
+    try:
+        with nogil:
+            _run(spans, count, <unsigned char*>&flat[0], into_flat)
+    finally:
+        free(spans)
 
 
 def pack_into(list srcs, unsigned char[::1] out, list swaps):
@@ -77,44 +117,10 @@ def pack_into(list srcs, unsigned char[::1] out, list swaps):
     ``swaps[i]`` is 0 (plain copy) or the word size whose bytes are reversed. The caller checks
     that the views fill ``out`` exactly.
     """
-    cdef Py_ssize_t count = len(srcs), i, offset = 0
-    cdef const unsigned char[::1] view
-    cdef Span* spans = <Span*>malloc(max(count, 1) * sizeof(Span))
-    if spans == NULL:
-        raise MemoryError()
-    try:
-        for i in range(count):
-            view = srcs[i]
-            spans[i].nbytes = view.shape[0]
-            spans[i].ptr = &view[0] if view.shape[0] else NULL
-            spans[i].swap = swaps[i]
-        with nogil:
-            for i in range(count):
-                if spans[i].nbytes:
-                    _copy(spans[i].ptr, &out[0] + offset, spans[i].nbytes, spans[i].swap)
-                offset += spans[i].nbytes
-    finally:
-        free(spans)
+    _transfer(srcs, out, swaps, True)
 
 
 def unpack_from(const unsigned char[::1] buf, list dsts, list swaps):
     """Copy consecutive ranges of ``buf`` into each writable byte view of ``dsts`` (the caller
-    checks that they add up to ``buf``'s length)."""
-    cdef Py_ssize_t count = len(dsts), i, offset = 0
-    cdef unsigned char[::1] view
-    cdef Span* spans = <Span*>malloc(max(count, 1) * sizeof(Span))
-    if spans == NULL:
-        raise MemoryError()
-    try:
-        for i in range(count):
-            view = dsts[i]
-            spans[i].nbytes = view.shape[0]
-            spans[i].wptr = &view[0] if view.shape[0] else NULL
-            spans[i].swap = swaps[i]
-        with nogil:
-            for i in range(count):
-                if spans[i].nbytes:
-                    _copy(&buf[0] + offset, spans[i].wptr, spans[i].nbytes, spans[i].swap)
-                offset += spans[i].nbytes
-    finally:
-        free(spans)
+    checks that they are writable and add up to ``buf``'s length)."""
+    _transfer(dsts, buf, swaps, False)

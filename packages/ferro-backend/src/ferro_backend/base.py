@@ -244,6 +244,18 @@ class Backend(abc.ABC):
         died or aborted.
         """
 
+    def _send_view(self, data: Any, dst: int, tag: int) -> memoryview:
+        """Validate a send's peer and tag; the bytes of ``data`` to send (for transports)."""
+        check_peer("send", dst, self.rank, self.world_size, "dst")
+        check_tag(tag)
+        return as_send_view(data)
+
+    def _recv_view(self, out: Any, src: int, tag: int) -> memoryview:
+        """Validate a receive's peer and tag; the writable bytes of ``out`` (for transports)."""
+        check_peer("recv", src, self.rank, self.world_size, "src")
+        check_tag(tag)
+        return as_recv_view(out)
+
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         """Post a receive into ``out`` and return at once; ``Request.wait`` completes it."""
         check_rank(src, self.world_size, "irecv: src")
@@ -297,3 +309,19 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
 
+
+
+class FixedRanks:
+    """Mixin for transports whose rank and world size are fixed at construction: they set
+    ``self._rank`` and ``self._world``; this provides :attr:`Backend.rank`/``world_size``."""
+
+    _rank: int
+    _world: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world

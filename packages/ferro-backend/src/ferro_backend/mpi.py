@@ -25,24 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    Backend,
-    Request,
-    as_recv_view,
-    as_send_view,
-    check_peer,
-    check_tag,
-    check_timeout,
-    size_mismatch,
-)
+from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request, check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError
 from .mailbox import Mailbox
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
 
 
-class MpiBackend(Backend):
+class MpiBackend(FixedRanks, Backend):
     """A ferro ``Backend`` over an MPI communicator (default: a duplicate of COMM_WORLD)."""
 
     def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -69,14 +59,6 @@ class MpiBackend(Backend):
         return cls(**kwargs)
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
     def comm(self):
         return self._comm
 
@@ -98,9 +80,7 @@ class MpiBackend(Backend):
 
     # ------------------------------------------------------------------ data path
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        check_peer("send", dst, self._rank, self._world, "dst")
-        check_tag(tag)
-        view = as_send_view(data)
+        view = self._send_view(data, dst, tag)
         self._fail_if_down("send", dst)
         MPI = self._MPI
         mtag = self._mpi_tag(tag)
@@ -124,9 +104,7 @@ class MpiBackend(Backend):
             time.sleep(1e-4)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        check_peer("recv", src, self._rank, self._world, "src")
-        check_tag(tag)
-        return _MpiRecv(self, as_recv_view(out), src, tag)
+        return _MpiRecv(self, self._recv_view(out, src, tag), src, tag)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))

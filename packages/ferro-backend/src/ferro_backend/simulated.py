@@ -8,26 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import (
-    DEFAULT_TIMEOUT,
-    Backend,
-    Request,
-    as_recv_view,
-    as_send_view,
-    check_peer,
-    check_tag,
-    check_timeout,
-    check_world_size,
-)
+from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request, check_timeout, check_world_size
 from .mailbox import Mailbox
 
 
-class SimulatedBackend(Backend):
+class SimulatedBackend(FixedRanks, Backend):
     """One rank of an in-process group made by :meth:`create_group`."""
 
     def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float) -> None:
         self._boxes = mailboxes
         self._rank = rank
+        self._world = len(mailboxes)
         self.timeout = timeout
         self._box = mailboxes[rank]
 
@@ -49,18 +40,8 @@ class SimulatedBackend(Backend):
         ranks.extend(cls(boxes, r, timeout) for r in range(world_size))
         return ranks
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return len(self._boxes)
-
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        check_peer("send", dst, self._rank, len(self._boxes), "dst")
-        check_tag(tag)
-        view = as_send_view(data)
+        view = self._send_view(data, dst, tag)
         self._box.check("send", dst)
         box = self._boxes[dst]
         req = box.claim(self._rank, tag)
@@ -71,9 +52,7 @@ class SimulatedBackend(Backend):
         self.bytes_sent += len(view)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        check_peer("recv", src, self._rank, len(self._boxes), "src")
-        check_tag(tag)
-        return self._box.post(src, tag, as_recv_view(out))
+        return self._box.post(src, tag, self._recv_view(out, src, tag))
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))

@@ -12,11 +12,11 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from .base import GROUP_TAG_SHIFT, Backend, Request, check_rank, check_tag
+from .base import GROUP_TAG_SHIFT, Backend, FixedRanks, Request, check_rank, check_tag
 from .errors import InvalidRankError, InvalidWorldSizeError
 
 
-class SubBackend(Backend):
+class SubBackend(FixedRanks, Backend):
     """A subgroup of ``parent``'s ranks; ``parent`` may itself be a :class:`SubBackend`."""
 
     def __init__(self, parent: Backend, members: Iterable[int], *, name: str = "") -> None:
@@ -30,9 +30,10 @@ class SubBackend(Backend):
                     f"SubBackend: member {m!r} is out of range for the parent's world_size {pw}"
                 )
         self._members = tuple(sorted(set(members)))
+        self._world = len(self._members)
         self._parent = parent
         try:
-            self._local_rank = self._members.index(parent.rank)
+            self._rank = self._members.index(parent.rank)
         except ValueError:
             raise InvalidRankError(
                 f"SubBackend: parent rank {parent.rank} is not among the members {self._members}"
@@ -74,14 +75,6 @@ class SubBackend(Backend):
             return self._members.index(global_rank)
         except ValueError:
             return None
-
-    @property
-    def rank(self) -> int:
-        return self._local_rank
-
-    @property
-    def world_size(self) -> int:
-        return len(self._members)
 
     # -- messaging ----------------------------------------------------------------------
     def _route(self, op: str, peer: int, tag: int) -> tuple[int, int]:

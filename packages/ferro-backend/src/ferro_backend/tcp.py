@@ -17,12 +17,9 @@ from typing import Any
 from .base import (
     DEFAULT_TIMEOUT,
     Backend,
+    FixedRanks,
     Request,
-    as_recv_view,
-    as_send_view,
-    check_peer,
     check_rank,
-    check_tag,
     check_world_size,
     timeout_from_env,
 )
@@ -35,7 +32,7 @@ from .teardown import release, say_goodbye, send_abort
 __all__ = ["TcpBackend", "parse_addr"]
 
 
-class TcpBackend(Backend):
+class TcpBackend(FixedRanks, Backend):
     """One rank of a multi-process job over TCP (full mesh).
 
     Parameters
@@ -123,14 +120,6 @@ class TcpBackend(Backend):
                    **kwargs)
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
     def bytes_sent(self) -> int:  # type: ignore[override]
         return sum(link.sent for link in self._links.values())
 
@@ -145,9 +134,7 @@ class TcpBackend(Backend):
 
     def _checked_send_view(self, data: Any, dst: int, tag: int) -> memoryview:
         """Validate a send (peer, tag, buffer, liveness); return the bytes to send."""
-        check_peer("send", dst, self._rank, self._world, "dst")
-        check_tag(tag)
-        view = as_send_view(data)
+        view = self._send_view(data, dst, tag)
         self._fail_if_down("send", dst)
         return view
 
@@ -163,9 +150,7 @@ class TcpBackend(Backend):
                                     lambda: self._fail_if_down("send", dst))
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        check_peer("recv", src, self._rank, self._world, "src")
-        check_tag(tag)
-        return self._box.post(src, tag, as_recv_view(out))
+        return self._box.post(src, tag, self._recv_view(out, src, tag))
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
