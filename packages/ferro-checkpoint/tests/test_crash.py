@@ -93,3 +93,29 @@ def test_sigkill_at_random_moments(tmp_path):
         start = (last or 0) + 1
     assert kills >= 20
     assert last is not None and last >= 2  # saves really happened between kills
+
+
+def test_open_recovers_a_save_committed_before_a_crash(tmp_path):
+    """The state a crash right after the commit point leaves (temp shards and the commit
+    record not yet renamed): opening finishes it, and touches nothing uncommitted."""
+    from _util import save_all
+
+    from ferro_checkpoint.layout import commit_path, recover, shard_path, tmp_shard_path
+
+    old = {"w": np.arange(12.0)}
+    save_all(old, tmp_path, 3, checkpoint_id="old")
+    new = {"w": np.arange(12.0) * 10}
+    staging = tmp_path / "staging"
+    save_all(new, staging, 2, checkpoint_id="new")
+    for r in range(2):
+        (staging / f"rank_{r}.safetensors").rename(tmp_shard_path(tmp_path, r, "new"))
+    (staging / "metadata.json").rename(commit_path(tmp_path, "new"))
+    staging.rmdir()
+    uncommitted = tmp_shard_path(tmp_path, 0, "other")
+    uncommitted.write_bytes(b"an uncommitted save's shard")
+    np.testing.assert_array_equal(load_distributed(tmp_path, 0, 1)["w"], new["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [uncommitted.name, "metadata.json", shard_path(tmp_path, 0).name,
+         shard_path(tmp_path, 1).name])  # rank_2 of the old 3-rank world is deleted
+    recover(tmp_path)  # idempotent: nothing left to do
+    assert uncommitted.read_bytes() == b"an uncommitted save's shard"

@@ -1,5 +1,5 @@
 """ferro-checkpoint: sharded safetensors checkpoints that reshard, save asynchronously and
-never lose data. Needs numpy and safetensors only."""
+never lose data. Needs numpy only (see the package README)."""
 
 from importlib.metadata import version as _version
 

@@ -1,4 +1,7 @@
-"""``concat_along_dim`` and ``slice_along_dim`` on top of the ``_along_dim`` kernel."""
+"""``concat_along_dim`` and ``slice_along_dim`` on top of the ``_along_dim`` kernel.
+
+All validation of the kernel's input happens here, once; the kernel assumes valid input.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +30,13 @@ def _check_dim(op: str, ndim: int, dim: int) -> int:
 
 def copy_slab_into(src: np.ndarray, dst: np.ndarray, dim: int, src_start: int, dst_start: int,
                    count: int) -> None:
-    """``dst[(..., dst_start:dst_start+count along dim, ...)] = src[... src_start ...]``."""
+    """``dst[(..., dst_start:dst_start+count along dim, ...)] = src[... src_start ...]``.
+
+    The caller has validated the input (the kernel checks nothing): ``dim`` is in range and
+    non-negative, ``dst`` is C-contiguous with ``src``'s dtype and the same shape outside
+    ``dim``, and the slab lies inside both arrays. :func:`concat_along_dim` and
+    :func:`slice_along_dim` check user input; ``load.assemble`` derives it from verified shards.
+    """
     outer, inner = _geometry(src.shape, dim, src.dtype.itemsize)
     _along_dim.copy_slab(_bytes(np.ascontiguousarray(src)), _bytes(dst), outer, src.shape[dim],
                          dst.shape[dim], inner, src_start, dst_start, count)

@@ -2,40 +2,68 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from . import _along_dim  # noqa: F401 - compiled kernels load with the package
 from .errors import AsyncCheckpointError, InvalidArgumentError
-from .metadata import ShardMetadata
-from .save import check_rank_world, save_distributed
+from .metadata import ShardMetadata, check_rank_world
+from .save import save_distributed
+
+
+def _run_in_background(fn: Callable[[], str], name: str) -> concurrent.futures.Future:
+    """Run ``fn`` on a new daemon thread; its result or exception lands in the returned future.
+
+    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so a collective save
+    waiting on a dead peer would block exit; a daemon thread does not (an unfinished save is
+    simply not committed).
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 class CheckpointFuture:
-    """The pending result of :meth:`AsyncCheckpointer.save_async`."""
+    """The pending result of :meth:`AsyncCheckpointer.save_async` (a ``concurrent.futures``
+    future underneath, whose result is the checkpoint id)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, future: concurrent.futures.Future) -> None:
         self.directory = directory
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self.checkpoint_id: str | None = None
+        self._future = future
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The saved checkpoint's id once the save succeeded, else None."""
+        f = self._future
+        return f.result() if f.done() and f.exception() is None else None
 
     def is_done(self) -> bool:
         """True once the background write finished, successfully or not."""
-        return self._done.is_set()
+        return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is committed. Idempotent; raises AsyncCheckpointError (the
         cause chained) every time if the save failed."""
-        if not self._done.wait(timeout):
+        concurrent.futures.wait([self._future], timeout)
+        if not self._future.done():
             raise AsyncCheckpointError(f"save to {self.directory} not done after {timeout}s")
-        if self._error is not None:
+        error = self._future.exception()
+        if error is not None:
             raise AsyncCheckpointError(f"asynchronous save to {self.directory} failed: "
-                                       f"{type(self._error).__name__}: {self._error}") \
-                from self._error
+                                       f"{type(error).__name__}: {error}") from error
 
 
 class AsyncCheckpointer:
@@ -83,18 +111,11 @@ class AsyncCheckpointer:
                                        "for it before starting another")
         staged = {k: np.array(v, copy=True) for k, v in state_dict.items()}
         spec = shard_spec or self.shard_spec
-        future = CheckpointFuture(self.directory)
 
-        def run() -> None:
-            try:
-                future.checkpoint_id = save_distributed(
-                    staged, self.directory, self.rank, self.world_size, spec,
-                    backend=self.backend, checkpoint_id=checkpoint_id)
-            except BaseException as exc:
-                future._error = exc
-            finally:
-                future._done.set()
+        def save() -> str:
+            return save_distributed(staged, self.directory, self.rank, self.world_size, spec,
+                                    backend=self.backend, checkpoint_id=checkpoint_id)
 
-        self._current = future
-        threading.Thread(target=run, name=f"ferro-checkpoint-{self.rank}", daemon=True).start()
-        return future
+        self._current = CheckpointFuture(
+            self.directory, _run_in_background(save, f"ferro-checkpoint-{self.rank}"))
+        return self._current

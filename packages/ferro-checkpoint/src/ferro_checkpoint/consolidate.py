@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 
 from .errors import CheckpointIOError
-from .format import fsync_dir, write_safetensors
-from .load import _Shards, assemble, open_checkpoint
+from .layout import fsync_dir
+from .load import VerifiedShards, assemble, open_checkpoint
+from .safetensors_io import write_safetensors
 
 
 def consolidate(directory, output_file) -> None:
@@ -20,7 +21,7 @@ def consolidate(directory, output_file) -> None:
     ckpt = open_checkpoint(directory)
     specs = ckpt.shard_metadata.tensor_specs
     names = sorted(specs)
-    shards = _Shards(ckpt)
+    shards = VerifiedShards(ckpt)
     out = Path(output_file)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     write_safetensors(tmp, [(n, specs[n].dtype, specs[n].full_shape) for n in names],

@@ -15,12 +15,11 @@ from .errors import (
     InvalidArgumentError,
     MetadataError,
     MissingShardError,
-    SerializationError,
     TensorError,
 )
-from .format import SafetensorsFile, code_dtype, crc32
-from .metadata import ShardMetadata
-from .save import METADATA, check_rank_world, roll_forward, shard_path
+from .layout import METADATA, recover, shard_path
+from .metadata import ShardMetadata, check_rank_world
+from .safetensors_io import SafetensorsFile, code_dtype, verify_crc32
 
 
 @dataclass
@@ -32,7 +31,7 @@ class DistributedCheckpoint:
 
     @classmethod
     def open(cls, directory) -> DistributedCheckpoint:
-        """Open a committed checkpoint (finishing a save that committed before a crash)."""
+        """Open a committed checkpoint; see :func:`open_checkpoint` (it may rename files)."""
         return open_checkpoint(directory)
 
     @property
@@ -45,17 +44,24 @@ class DistributedCheckpoint:
 
     def shard(self, rank: int) -> SafetensorsFile:
         """The verified shard file of ``rank``."""
-        return _open_shard(self, rank)
+        return _open_verified_shard(self, rank)
 
     def load(self, rank: int, world_size: int) -> dict[str, np.ndarray]:
         return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self)
 
 
 def open_checkpoint(directory) -> DistributedCheckpoint:
+    """The committed checkpoint in ``directory``.
+
+    Opening is not read-only: it first calls :func:`ferro_checkpoint.layout.recover`, which
+    finishes a save that crashed after its commit point (renames its temp shards and commit
+    record into place, deletes shards of a larger old world). Without such a leftover it
+    changes nothing.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise MissingShardError(f"checkpoint directory {directory} does not exist")
-    roll_forward(directory)
+    recover(directory)  # deliberate: a committed save is finished before metadata.json is read
     path = directory / METADATA
     try:
         text = path.read_text()
@@ -65,7 +71,8 @@ def open_checkpoint(directory) -> DistributedCheckpoint:
     return DistributedCheckpoint(directory, ShardMetadata.from_json(text, source=str(path)))
 
 
-def _open_shard(ckpt: DistributedCheckpoint, rank: int) -> SafetensorsFile:
+def _open_verified_shard(ckpt: DistributedCheckpoint, rank: int) -> SafetensorsFile:
+    """Rank ``rank``'s shard, checked against metadata.json (id, rank, names, shapes, dtypes)."""
     path = shard_path(ckpt.checkpoint_dir, rank)
     try:
         f = SafetensorsFile(path)
@@ -94,17 +101,8 @@ def _open_shard(ckpt: DistributedCheckpoint, rank: int) -> SafetensorsFile:
     return f
 
 
-def _verify(f: SafetensorsFile, name: str, view: np.ndarray) -> None:
-    want = f.metadata.get(f"ferro.crc32.{name}")
-    if want is None:
-        raise SerializationError(f"{f.path}: tensor {name!r} has no checksum")
-    if crc32(view) != want:
-        raise SerializationError(f"{f.path}: tensor {name!r} is corrupt (crc32 {crc32(view)}, "
-                                 f"expected {want})")
-
-
-class _Shards:
-    """Old shards opened (and each tensor verified) lazily, at most once."""
+class VerifiedShards:
+    """A checkpoint's shards, each opened and each tensor's checksum verified lazily, once."""
 
     def __init__(self, ckpt: DistributedCheckpoint) -> None:
         self.ckpt = ckpt
@@ -114,15 +112,15 @@ class _Shards:
     def tensor(self, rank: int, name: str) -> np.ndarray:
         f = self.files.get(rank)
         if f is None:
-            f = self.files[rank] = _open_shard(self.ckpt, rank)
+            f = self.files[rank] = _open_verified_shard(self.ckpt, rank)
         view = f.tensor(name)
         if (rank, name) not in self.verified:
-            _verify(f, name, view)
+            verify_crc32(f, name, view)
             self.verified.add((rank, name))
         return view
 
 
-def assemble(shards: _Shards, name: str, new_world: int, new_rank: int) -> np.ndarray:
+def assemble(shards: VerifiedShards, name: str, new_world: int, new_rank: int) -> np.ndarray:
     """Rank ``new_rank``'s shard of ``name`` in a world of ``new_world``, copying only the rows
     that rank needs from the old shards that hold them."""
     spec = shards.ckpt.shard_metadata.tensor_specs[name]
@@ -153,7 +151,7 @@ def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, 
     if ckpt.num_ranks != old_world_size:
         raise InvalidArgumentError(f"reshard: the checkpoint in {ckpt.checkpoint_dir} was saved "
                                    f"by {ckpt.num_ranks} ranks, not {old_world_size}")
-    shards = _Shards(ckpt)
+    shards = VerifiedShards(ckpt)
     return {name: assemble(shards, name, new_world_size, new_rank)
             for name in sorted(ckpt.shard_metadata.tensor_specs)}
 
@@ -170,6 +168,6 @@ def load_distributed(directory, rank: int, world_size: int, *,
     ckpt = checkpoint or open_checkpoint(directory)
     if world_size != ckpt.num_ranks:
         return reshard(directory, ckpt.num_ranks, world_size, rank, checkpoint=ckpt)
-    shards = _Shards(ckpt)
+    shards = VerifiedShards(ckpt)
     return {name: np.array(shards.tensor(rank, name))
             for name in sorted(ckpt.shard_metadata.tensor_specs)}

@@ -31,8 +31,21 @@ FORMAT = "ferro-checkpoint"
 FORMAT_VERSION = 1
 
 
+def check_rank_world(op: str, rank: int, world_size: int) -> None:
+    """Raise InvalidArgumentError unless ``0 <= rank < world_size``; ``op`` names the caller."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(f"{op}: world_size {world_size!r} must be >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"{op}: rank {rank!r} is out of range for world_size "
+                                   f"{world_size}")
+
+
 def compute_shard_sizes(full: int, world_size: int) -> tuple[int, ...]:
-    """Split ``full`` rows over ``world_size`` ranks: the first ``full % world`` get one extra."""
+    """Split ``full`` rows over ``world_size`` ranks: the first ``full % world`` get one extra.
+
+    The same rule as ``ferro_backend.partition.split_sizes``, its single home; this copy exists
+    because ferro-checkpoint does not depend on ferro-backend, and a test checks they agree.
+    """
     if world_size < 1:
         raise InvalidArgumentError(f"world_size {world_size} must be >= 1")
     base, extra = divmod(full, world_size)

@@ -7,8 +7,9 @@ Protocol for a save with id ``I`` into directory ``D``:
 2. When every shard is durable (after a barrier with a backend; without one, the rank that finds
    all shards present), one rank writes the commit record ``D/.commit.<I>.json`` (temp file,
    fsync, rename, directory fsync). **This is the commit point.**
-3. Roll forward: each temp shard is renamed to ``rank_<r>.safetensors`` and the commit record
-   to ``metadata.json`` (each step idempotent; ``open_checkpoint`` finishes it after a crash).
+3. Roll forward (``layout.recover``): each temp shard is renamed to ``rank_<r>.safetensors``
+   and the commit record to ``metadata.json``, each step idempotent. Every open of the
+   checkpoint calls ``recover`` too, finishing a save that crashed after its commit point.
 
 A crash before step 2 leaves the previous checkpoint untouched; after it, the new checkpoint is
 complete and durable. Loading checks that every shard carries ``metadata.json``'s id and its
@@ -22,9 +23,7 @@ used otherwise; a crashed save's leftovers are then only safe once every rank sa
 
 from __future__ import annotations
 
-import os
 import re
-import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,37 +31,26 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointIOError, InvalidArgumentError, TensorError
-from .format import crc32, dtype_code, fsync_dir, little_endian, write_safetensors
-from .metadata import ShardMetadata, TensorShardSpec
+from .layout import (
+    CHECKPOINT_ID_RE,
+    METADATA,
+    all_tmp_shards_written,
+    commit_path,
+    fsync_dir,
+    recover,
+    remove_stale_tmp_shards,
+    tmp_shard_path,
+    write_json_durably,
+)
+from .metadata import ShardMetadata, TensorShardSpec, check_rank_world
+from .safetensors_io import crc32, crc32_key, dtype_code, little_endian, write_safetensors
 
-METADATA = "metadata.json"
-_TMP_RE = re.compile(r"^\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.tmp$")
-_COMMIT_RE = re.compile(r"^\.commit\.([0-9A-Za-z_-]+)\.json$")
 _ID_TAG = (1 << 30) + 7  # user-range tag for the checkpoint id (on a private subgroup)
 
 
-def shard_path(directory: Path, rank: int) -> Path:
-    return Path(directory) / f"rank_{rank}.safetensors"
-
-
-def tmp_shard_path(directory: Path, rank: int, ckpt_id: str) -> Path:
-    return Path(directory) / f".rank_{rank}.{ckpt_id}.safetensors.tmp"
-
-
-def commit_path(directory: Path, ckpt_id: str) -> Path:
-    return Path(directory) / f".commit.{ckpt_id}.json"
-
-
-def check_rank_world(op: str, rank: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgumentError(f"{op}: world_size {world_size!r} must be >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"{op}: rank {rank!r} is out of range for world_size "
-                                   f"{world_size}")
-
-
-def _validate(state_dict: Mapping[str, np.ndarray], rank: int, spec: ShardMetadata
-              ) -> dict[str, np.ndarray]:
+def _checked_arrays(state_dict: Mapping[str, np.ndarray], rank: int, spec: ShardMetadata
+                    ) -> dict[str, np.ndarray]:
+    """This rank's tensors as arrays, after checking names, shapes and dtypes against ``spec``."""
     names, expected = set(state_dict), set(spec.tensor_specs)
     if names != expected:
         raise TensorError(f"save_distributed: rank {rank}'s state dict has tensors "
@@ -80,10 +68,16 @@ def _validate(state_dict: Mapping[str, np.ndarray], rank: int, spec: ShardMetada
     return arrays
 
 
-def _agree_on_id(backend, rank: int, world_size: int) -> str:
+def _checkpoint_group(backend):
+    """The private subgroup of all ranks the save's messages travel on."""
     from ferro_backend import SubBackend
 
-    group = SubBackend(backend, range(backend.world_size), name="ferro-checkpoint")
+    return SubBackend(backend, range(backend.world_size), name="ferro-checkpoint")
+
+
+def _agree_on_id(backend) -> str:
+    """Rank 0 draws a random id and sends it to every rank."""
+    group = _checkpoint_group(backend)
     buf = bytearray(32)
     if group.rank == 0:
         buf[:] = uuid.uuid4().hex.encode()
@@ -104,57 +98,10 @@ def _default_id(directory: Path) -> str:
     return f"g{n + 1}"
 
 
-def _write_json_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.part.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def roll_forward(directory: Path) -> None:
-    """Finish any committed-but-not-renamed save (idempotent, safe after a crash)."""
-    directory = Path(directory)
-    def mtime(p: Path) -> int:
-        try:
-            return p.stat().st_mtime_ns
-        except FileNotFoundError:
-            return 0
-
-    records = sorted((p for p in directory.iterdir() if _COMMIT_RE.match(p.name)), key=mtime)
-    for record in records:
-        ckpt_id = _COMMIT_RE.match(record.name).group(1)
-        try:
-            meta = ShardMetadata.from_json(record.read_text(), source=str(record))
-        except FileNotFoundError:
-            continue  # another process finished it
-        for r in range(meta.num_ranks):
-            tmp = tmp_shard_path(directory, r, ckpt_id)
-            try:
-                os.replace(tmp, shard_path(directory, r))
-            except FileNotFoundError:
-                pass
-        fsync_dir(directory)
-        try:
-            os.replace(record, directory / METADATA)
-        except FileNotFoundError:
-            continue
-        fsync_dir(directory)
-        for p in directory.iterdir():  # shards of a larger, older world
-            m = re.fullmatch(r"rank_(\d+)\.safetensors", p.name)
-            if m and int(m.group(1)) >= meta.num_ranks:
-                p.unlink(missing_ok=True)
-
-
 def _commit(directory: Path, meta: ShardMetadata) -> None:
-    _write_json_durably(commit_path(directory, meta.checkpoint_id), meta.to_json())
-    roll_forward(directory)
-
-
-def _all_shards_written(directory: Path, ckpt_id: str, world_size: int) -> bool:
-    return all(tmp_shard_path(directory, r, ckpt_id).exists() for r in range(world_size))
+    """Write the commit record (the commit point), then roll the save forward."""
+    write_json_durably(commit_path(directory, meta.checkpoint_id), meta.to_json())
+    recover(directory)
 
 
 def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
@@ -186,29 +133,25 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     if shard_spec.num_ranks != world_size:
         raise InvalidArgumentError(f"save_distributed: shard_spec.num_ranks "
                                    f"{shard_spec.num_ranks} != world_size {world_size}")
-    arrays = _validate(state_dict, rank, shard_spec)
+    arrays = _checked_arrays(state_dict, rank, shard_spec)
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointIOError(f"save_distributed: cannot create {directory}: {exc}") from exc
     if backend is not None:
-        ckpt_id = _agree_on_id(backend, rank, world_size)
+        ckpt_id = _agree_on_id(backend)
     else:
         ckpt_id = checkpoint_id or _default_id(directory)
-    if not re.fullmatch(r"[0-9A-Za-z_-]+", ckpt_id):
+    if not CHECKPOINT_ID_RE.fullmatch(ckpt_id):
         raise InvalidArgumentError(f"save_distributed: checkpoint_id {ckpt_id!r} must be "
                                    "letters, digits, '_' or '-'")
-    # this rank's leftovers of crashed saves
-    for p in directory.iterdir():
-        m = _TMP_RE.match(p.name)
-        if m and int(m.group(1)) == rank and m.group(2) != ckpt_id:
-            p.unlink(missing_ok=True)
+    remove_stale_tmp_shards(directory, rank, ckpt_id)
     names = sorted(arrays)
     le = {n: little_endian(arrays[n]) for n in names}
     meta = {"ferro.checkpoint_id": ckpt_id, "ferro.rank": str(rank),
             "ferro.world_size": str(world_size)}
-    meta.update({f"ferro.crc32.{n}": crc32(le[n]) for n in names})
+    meta.update({crc32_key(n): crc32(le[n]) for n in names})
     write_safetensors(tmp_shard_path(directory, rank, ckpt_id),
                       [(n, dtype_code(le[n].dtype, n), le[n].shape) for n in names],
                       le.__getitem__, meta)
@@ -218,13 +161,11 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
              for n, s in shard_spec.tensor_specs.items()}
     final = ShardMetadata(world_size, specs, ckpt_id)
     if backend is not None:
-        from ferro_backend import SubBackend
-
-        group = SubBackend(backend, range(backend.world_size), name="ferro-checkpoint")
+        group = _checkpoint_group(backend)
         group.barrier()
         if rank == 0:
             _commit(directory, final)
         group.barrier()
-    elif _all_shards_written(directory, ckpt_id, world_size):
+    elif all_tmp_shards_written(directory, ckpt_id, world_size):
         _commit(directory, final)
     return ckpt_id

@@ -1,0 +1,131 @@
+"""A checkpoint directory's files, their durable transitions, and crash recovery.
+
+Save and load both use this module; it is the one place that knows the file names.
+
+Files of a checkpoint directory ``D`` (``<id>``: letters, digits, ``_``, ``-``):
+
+- ``D/metadata.json``: the committed checkpoint's metadata (schema in ``metadata.py``).
+- ``D/rank_<r>.safetensors``: rank ``r``'s committed shard.
+- ``D/.rank_<r>.<id>.safetensors.tmp``: rank ``r``'s shard of save ``<id>``, not yet renamed.
+- ``D/.commit.<id>.json``: the commit record of save ``<id>``: once it exists, save ``<id>`` is
+  committed, and :func:`recover` finishes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+from .metadata import ShardMetadata
+
+METADATA = "metadata.json"
+CHECKPOINT_ID_RE = re.compile(r"[0-9A-Za-z_-]+")
+_SHARD_RE = re.compile(r"rank_(\d+)\.safetensors")
+_TMP_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.tmp")
+_COMMIT_RE = re.compile(r"\.commit\.([0-9A-Za-z_-]+)\.json")
+
+
+def shard_path(directory: Path, rank: int) -> Path:
+    """``D/rank_<rank>.safetensors``: a committed shard."""
+    return Path(directory) / f"rank_{rank}.safetensors"
+
+
+def tmp_shard_path(directory: Path, rank: int, ckpt_id: str) -> Path:
+    """``D/.rank_<rank>.<id>.safetensors.tmp``: a shard written but not yet committed."""
+    return Path(directory) / f".rank_{rank}.{ckpt_id}.safetensors.tmp"
+
+
+def commit_path(directory: Path, ckpt_id: str) -> Path:
+    """``D/.commit.<id>.json``: the commit record of save ``<id>``."""
+    return Path(directory) / f".commit.{ckpt_id}.json"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames and creations in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: Path, text: str) -> None:
+    """Write ``path`` atomically and durably: temp file, fsync, rename, directory fsync."""
+    tmp = path.with_name(f"{path.name}.part.{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def all_tmp_shards_written(directory: Path, ckpt_id: str, world_size: int) -> bool:
+    return all(tmp_shard_path(directory, r, ckpt_id).exists() for r in range(world_size))
+
+
+def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str) -> None:
+    """Delete rank ``rank``'s temp shards of saves other than ``ckpt_id`` (left by a crash
+    before their commit). Only the rank that wrote them calls this, when it saves again."""
+    for p in Path(directory).iterdir():
+        m = _TMP_SHARD_RE.fullmatch(p.name)
+        if m and int(m.group(1)) == rank and m.group(2) != ckpt_id:
+            p.unlink(missing_ok=True)
+
+
+def recover(directory: Path) -> None:
+    """Finish every committed save in ``directory`` whose files were not all renamed yet.
+
+    A save is committed once its commit record ``.commit.<id>.json`` exists. For each commit
+    record, oldest first (by modification time), this
+
+    1. renames ``.rank_<r>.<id>.safetensors.tmp`` to ``rank_<r>.safetensors`` for every rank
+       ``r`` of that save (replacing the previous checkpoint's shard; a temp shard already
+       renamed is skipped), then fsyncs the directory;
+    2. renames the commit record to ``metadata.json`` (replacing the previous one) and fsyncs
+       the directory;
+    3. deletes ``rank_<r>.safetensors`` for every ``r >= num_ranks`` of that save (shards of an
+       older checkpoint saved by more ranks).
+
+    Nothing else is touched: temp shards of saves without a commit record (a crash before the
+    commit point) stay until their rank saves again (:func:`remove_stale_tmp_shards`), and with
+    no commit record present this only lists the directory. Every step is idempotent, so
+    concurrent or repeated calls, and a crash during one, are safe.
+
+    Called by every save right after it writes its commit record, and by every open of a
+    checkpoint (``open_checkpoint``, hence ``load_distributed``, ``reshard``, ``consolidate``)
+    before it reads ``metadata.json``: a save that crashed after its commit point is finished
+    by the next open, which therefore needs write access to the directory in that case.
+    """
+    directory = Path(directory)
+
+    def mtime(p: Path) -> int:
+        try:
+            return p.stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
+
+    records = sorted((p for p in directory.iterdir() if _COMMIT_RE.fullmatch(p.name)), key=mtime)
+    for record in records:
+        ckpt_id = _COMMIT_RE.fullmatch(record.name).group(1)
+        try:
+            meta = ShardMetadata.from_json(record.read_text(), source=str(record))
+        except FileNotFoundError:
+            continue  # another process finished it
+        for r in range(meta.num_ranks):
+            try:
+                os.replace(tmp_shard_path(directory, r, ckpt_id), shard_path(directory, r))
+            except FileNotFoundError:
+                pass
+        fsync_dir(directory)
+        try:
+            os.replace(record, directory / METADATA)
+        except FileNotFoundError:
+            continue
+        fsync_dir(directory)
+        for p in directory.iterdir():
+            m = _SHARD_RE.fullmatch(p.name)
+            if m and int(m.group(1)) >= meta.num_ranks:
+                p.unlink(missing_ok=True)
