@@ -49,7 +49,7 @@ def tests(session: nox.Session, package: str) -> None:
     ``tests(examples)`` installs all four and runs the examples and the README's commands.
     """
     if package == "examples":
-        session.install(*[_path(d) for d in PACKAGES], _path("ferro-checkpoint", "collective"),
+        session.install(*[_path(d) for d in PACKAGES], _path("ferro-checkpoint", "backend"),
                         "pytest", "pytest-timeout", *EXAMPLE_DEPS, *MPI_DEPS)
         session.run("python", "-m", "pytest", str(ROOT / "examples" / "tests"), "-p",
                     "no:cacheprovider", *session.posargs)
