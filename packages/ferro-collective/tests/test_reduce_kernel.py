@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from ferro_collective import ReduceOp, _reduce
-from ferro_collective.ops import OPS, accumulate
+from ferro_collective.ops import OPS, accumulate, fold
 
-KERNEL_DTYPES = [np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
+KERNEL_DTYPES = [np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                 np.uint16, np.uint32, np.uint64]
 UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MAX: np.maximum,
           ReduceOp.MIN: np.minimum}
 
@@ -73,3 +74,27 @@ def test_lengths_are_checked_once_in_python_and_read_only_accumulators_refused()
     acc = np.zeros(4)
     _reduce.accumulate(acc, x, _reduce.OP_SUM)
     assert acc.sum() == 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(KERNEL_DTYPES), st.integers(1, 6), st.integers(0, 9000),
+       st.sampled_from(list(UFUNCS) + [ReduceOp.MEAN]), st.data())
+def test_fold_equals_accumulating_in_list_order(dt, count, size, op, data):
+    if op is ReduceOp.MEAN and np.dtype(dt).kind != "f":
+        return  # MEAN is refused on integers before any kernel runs
+    inputs = [data.draw(hnp.arrays(dt, size)) for _ in range(count)]
+    expected = inputs[0].copy()
+    with np.errstate(all="ignore"):
+        for i, x in enumerate(inputs[1:], start=1):
+            last = i == count - 1
+            accumulate(expected, x, op, count if op is ReduceOp.MEAN and last else None)
+        got = np.empty_like(inputs[0])
+        fold(got, inputs, op, count if op is ReduceOp.MEAN and count > 1 else None)
+    np.testing.assert_array_equal(got, expected)  # the same bits (NaNs in the same places)
+
+
+def test_fold_checks_inputs_once_in_python():
+    with pytest.raises(ValueError, match="input 1 is float64"):
+        fold(np.zeros(4, np.float32), [np.zeros(4, np.float32), np.zeros(4)], ReduceOp.SUM)
+    with pytest.raises(ValueError, match="input 0 is float32\\[3\\]"):
+        fold(np.zeros(4, np.float32), [np.zeros(3, np.float32)], ReduceOp.SUM)

@@ -102,6 +102,8 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float:
     non-numbers are refused (a NaN deadline would otherwise never expire: a hang). ``inf`` is
     allowed and means "wait for ever".
     """
+    if type(timeout) is float and timeout >= 0:  # the common case, fast (NaN fails >= 0)
+        return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise ValueError(f"{what} {timeout!r} is not a number of seconds")
     value = float(timeout)

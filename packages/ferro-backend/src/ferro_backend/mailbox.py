@@ -109,6 +109,13 @@ class Mailbox:
         self.closed_peers: dict[int, str] = {}
         self.aborted: tuple[int, str] | None = None
         self.closed = False
+        #: called (no arguments, from the thread that saw it) on every failure: a peer gone,
+        #: an abort, this rank's close (e.g. to wake waits that do not use this mailbox)
+        self.on_failure: list[Callable[[], None]] = []
+
+    def _failed(self) -> None:
+        for callback in self.on_failure:
+            callback()
 
     # -- failures -------------------------------------------------------------------------
     def failure(self, op: str, peer: int) -> BaseException | None:
@@ -136,17 +143,20 @@ class Mailbox:
         with self.cond:
             self.closed_peers.setdefault(src, why)
             self.cond.notify_all()
+        self._failed()
 
     def abort(self, who: int, reason: str) -> None:
         with self.cond:
             if self.aborted is None:
                 self.aborted = (who, reason)
             self.cond.notify_all()
+        self._failed()
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+        self._failed()
 
     # -- receive side ---------------------------------------------------------------------
     def post(self, src: int, tag: int, view: memoryview) -> PostedRecv:

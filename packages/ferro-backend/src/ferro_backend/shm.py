@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _shm
 from .base import size_mismatch
+from .engine import DEFAULT_SLOT_BYTES, SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .framing import Link
 from .tcp import TcpBackend
@@ -45,10 +46,23 @@ CMA_THRESHOLD = 64 << 10
 
 
 class ShmBackend(TcpBackend):
-    """One rank of a job whose ranks share a host (large messages by cross-memory copy, no
-    shared segment yet). Arguments as :class:`TcpBackend`."""
+    """One rank of a job whose ranks share a host. Arguments as :class:`TcpBackend`, plus:
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, **kwargs: Any) -> None:
+    engine
+        Map the job's shared segment (:mod:`ferro_backend.engine`), on which ferro-collective
+        runs its same-host fast path (default: on, ``FERRO_SHM_ENGINE=0`` turns it off).
+    slot_bytes
+        Data bytes per rank and slot of that segment (default 1 MiB,
+        ``FERRO_SHM_SLOT_BYTES``): collectives up to this size go through the segment.
+    """
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, *,
+                 engine: bool | None = None, slot_bytes: int | None = None,
+                 **kwargs: Any) -> None:
+        if engine is None:
+            engine = os.environ.get("FERRO_SHM_ENGINE", "1") != "0"
+        if slot_bytes is None:
+            slot_bytes = int(os.environ.get("FERRO_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
         _shm.allow_peers_to_read()
         self._pid = os.getpid()
         self._send_ids = itertools.count(1)
@@ -60,6 +74,20 @@ class ShmBackend(TcpBackend):
         self._ack_thread = threading.Thread(target=self._ack_sender, daemon=True,
                                             name=f"ferro-shm-acks-{rank}")
         self._ack_thread.start()
+        #: the job's shared segment, where ferro-collective runs its fast path (None: off)
+        self.engine: SharedSegment | None = None
+        if world_size > 1 and engine:
+            try:
+                self.engine = SharedSegment.join(self, slot_bytes=slot_bytes)
+            except BaseException:
+                self.abort("the engine segment could not be set up")
+                raise
+            self._box.on_failure.append(self.engine.mark_failed)
+
+    def peer_failure(self, op: str, peer: int) -> BaseException | None:
+        """The error an ``op`` involving ``peer`` must raise now (an abort, this backend
+        closed, or ``peer`` gone), or None: how the engine's users name a failure."""
+        return self._box.failure(op, peer)
 
     # ------------------------------------------------------------------ sending
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
@@ -159,6 +187,8 @@ class ShmBackend(TcpBackend):
 
     def _teardown(self, wait: float) -> None:
         super()._teardown(wait)
+        if self.engine is not None:
+            self.engine.close()
         self._ack_queue.put(None)
         with self._acks_lock:
             for pending in self._acks.values():

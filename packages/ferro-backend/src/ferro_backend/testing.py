@@ -164,14 +164,26 @@ def run_processes(fn: Callable[..., T], world_size: int, *args: Any, transport: 
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                reported = out.keys() | errors.keys()
+                # a rank that died without reporting (killed, crashed at start-up) fails now
+                dead = [r for r, p in enumerate(procs) if r not in reported
+                        and p.exitcode is not None and p.exitcode != 0]
+                if dead:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise AssertionError(f"run_processes: ranks {dead} died without reporting "
+                                         f"(exit codes {codes})") from None
+                if time.monotonic() > deadline:
+                    late = sorted(set(range(world_size)) - reported)
+                    raise AssertionError(f"run_processes: ranks {late} did not report within "
+                                         f"{timeout:g}s") from None
+                continue
             (out if status == "ok" else errors)[rank] = value
-    except queue.Empty:
-        late = sorted(set(range(world_size)) - out.keys() - errors.keys())
-        raise AssertionError(f"run_processes: ranks {late} did not report within {timeout:g}s"
-                             ) from None
     finally:
         _reap(procs)
     if errors:

@@ -8,7 +8,9 @@ element's summation order (IEEE addition and multiplication are commutative, not
 """
 
 cimport cython
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 ctypedef fused num:
     float
@@ -18,6 +20,9 @@ ctypedef fused num:
     int32_t
     int64_t
     uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
 
 ctypedef fused real:
     float
@@ -88,3 +93,46 @@ def accumulate_mean(real[::1] acc, const real[::1] x, double divisor):
         return
     with nogil:
         _acc_div(&acc[0], &x[0], n, <real>divisor)
+
+
+#: elements per block of fold(): the block of the output stays in cache while every input is
+#: folded into it
+cdef Py_ssize_t FOLD_BLOCK = 4096
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def fold(num[::1] out, list inputs, int op, double mean_divisor):
+    """``out = inputs[0] op inputs[1] op ... op inputs[-1]``, in that order, in one pass.
+
+    With ``mean_divisor`` > 0 the last step also divides (MEAN). Each element is combined in
+    list order, exactly as a sequence of :func:`accumulate` calls would (so the bits equal the
+    star algorithm's rank-order fold). ``ops.fold`` checks that every input is a C-contiguous
+    array of ``out``'s dtype and length; the kernel trusts it.
+    """
+    cdef Py_ssize_t count = len(inputs), n = out.shape[0], j, start, size
+    cdef const num[::1] view
+    cdef const num** ptrs
+    if n == 0 or count == 0:
+        return
+    ptrs = <const num**>malloc(count * sizeof(const num*))
+    if ptrs == NULL:
+        raise MemoryError()
+    try:
+        for j in range(count):
+            view = inputs[j]
+            ptrs[j] = &view[0]
+        with nogil:
+            start = 0
+            while start < n:
+                size = min(FOLD_BLOCK, n - start)
+                memcpy(&out[start], ptrs[0] + start, size * sizeof(num))
+                for j in range(1, count):
+                    if num is float or num is double:
+                        if mean_divisor > 0 and j == count - 1:
+                            _acc_div(&out[start], ptrs[j] + start, size, <num>mean_divisor)
+                            continue
+                    _acc(&out[start], ptrs[j] + start, size, op)
+                start += size
+    finally:
+        free(ptrs)

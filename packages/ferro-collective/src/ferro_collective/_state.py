@@ -30,8 +30,7 @@ class BackendState:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def next_seq(self) -> int:
-        with self._lock:
-            return next(self._seq)
+        return next(self._seq)  # itertools.count: atomic under the GIL
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``job()`` on this backend's worker threads; jobs start in submission order."""
@@ -51,11 +50,13 @@ _states_lock = threading.Lock()
 
 
 def state(backend) -> BackendState:
-    with _states_lock:
-        st = _states.get(backend)
-        if st is None:
-            st = _states[backend] = BackendState()
-        return st
+    st = _states.get(backend)  # the common case needs no lock
+    if st is None:
+        with _states_lock:
+            st = _states.get(backend)
+            if st is None:
+                st = _states[backend] = BackendState()
+    return st
 
 
 def tag_base(seq: int) -> int:

@@ -27,7 +27,7 @@ from ferro_backend import CollectiveTimeoutError
 from ferro_backend.partition import split_bounds
 
 from ._state import STEPS_PER_CALL
-from .header import HEADER_SIZE, check_all, encode
+from .header import HEADER_SIZE, check_all
 from .ops import ReduceOp, accumulate
 
 log = logging.getLogger("ferro_collective")
@@ -128,10 +128,6 @@ def header_exchange(ctx: Ctx, header: bytes) -> None:
     for i in range(n):
         headers[(me + i) % n] = bytes(known[i * HEADER_SIZE:(i + 1) * HEADER_SIZE])
     check_all(ctx.name, me, headers)
-
-
-def barrier(ctx: Ctx) -> None:
-    header_exchange(ctx, encode("barrier", None, (), seq=ctx.seq))
 
 
 # ----------------------------------------------------------------------------- helpers

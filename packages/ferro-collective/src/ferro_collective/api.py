@@ -15,9 +15,10 @@ import numpy as np
 from ferro_backend import DEFAULT_TIMEOUT, Backend, InvalidRankError, SizeMismatchError
 
 from . import algorithms as alg
+from . import fastpath
 from ._state import state, tag_base
 from .header import encode, mismatch_check_enabled
-from .ops import WIDENED, ReduceOp, as_op, work_dtype
+from .ops import KERNEL_DTYPES, ReduceOp, as_op, work_dtype
 from .work import Work
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
@@ -58,23 +59,56 @@ def _as_array(name: str, tensor, backend) -> np.ndarray:
     return x
 
 
+def _out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """``out=`` checked: a writable C-contiguous ndarray of the result's shape and dtype."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
+                                f"{np.dtype(dtype)}{list(shape)}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name}: out must be writable and C-contiguous")
+    return out
+
+
 class _Call:
-    """One prepared collective: validated, sequenced, ready to run (now or in the background)."""
+    """One prepared collective: validated, sequenced, ready to run (now or in the background).
+
+    ``body(ctx)`` runs it with the Python algorithms over point-to-point messages; ``fast(group,
+    step, header)``, where given, runs it on the same-host engine (``fastpath``), which every
+    call on a backend with an engine goes through (in issue order) unless an algorithm was
+    forced.
+    """
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
-                 body: Callable[[alg.Ctx], np.ndarray]) -> None:
+                 body: Callable[[alg.Ctx], np.ndarray], fast=None,
+                 algorithm: str | None = None, seq: int | None = None) -> None:
         self.name = name
         self.backend = backend
         self.timeout = backend.resolve_timeout(timeout, f"{name}: timeout")
-        self.seq = state(backend).next_seq()
+        self.seq = state(backend).next_seq() if seq is None else seq
         self.header = header
         self.body = body
+        self.fast = fast if algorithm in (None, "auto") else None
+        self.group = fastpath.group_for(backend)
 
-    def __call__(self) -> np.ndarray:
+    def _python(self, _step=None) -> np.ndarray:
         ctx = alg.Ctx(self.backend, self.name, self.seq, tag_base(self.seq), self.timeout)
-        if ctx.n > 1 and mismatch_check_enabled():
+        if ctx.n > 1 and (mismatch_check_enabled() or self.name == "barrier"):
+            # the header exchange; for a barrier it is the whole barrier
             alg.header_exchange(ctx, encode(self.name, *self.header, seq=self.seq))
         return self.body(ctx)
+
+    def __call__(self) -> np.ndarray:
+        if self.group is None:
+            return self._python()
+        fn = self._python
+        if self.fast is not None:
+            header = encode(self.name, *self.header, seq=self.seq)
+            fn = lambda step: self.fast(self.group, step, header)
+        return self.group.run(self.name, self.seq, self.timeout, fn)
 
     def run(self) -> np.ndarray:
         return self()
@@ -84,27 +118,49 @@ class _Call:
 
 
 # ----------------------------------------------------------------------------- allreduce
-def _allreduce(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
+def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
+               seq: int | None = None) -> _Call:
     x = _as_array("allreduce", tensor, backend)
     op = as_op(op)
     wd = work_dtype("allreduce", x.dtype, op)
     n = backend.world_size
     algo = _choose("allreduce", algorithm, x.nbytes, n)
+    out = _out("allreduce", out, x.shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
-        buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)
+        if out is not None and wd == x.dtype:
+            buf = out.reshape(-1)
+            if not np.may_share_memory(out, x):
+                buf[...] = x.reshape(-1)
+        else:
+            buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)
         if n > 1 and buf.size:
             {"ring": alg.allreduce_ring, "recursive_doubling": alg.allreduce_recursive_doubling,
              "star": alg.allreduce_star}[algo](ctx, buf, op)
-        out = buf.reshape(x.shape)
-        return out.astype(x.dtype) if x.dtype in WIDENED else out
+        return _finish(buf.reshape(x.shape), x.dtype, out)
+
+    def fast(group, step, header: bytes) -> np.ndarray:
+        result = np.empty(x.shape, x.dtype) if out is None else out
+        fastpath.allreduce(group, step, header, np.ascontiguousarray(x).reshape(-1),
+                           result.reshape(-1), wd, op)
+        return result
 
     header = (x.dtype, x.shape, op, -1)
-    return _Call("allreduce", backend, timeout, header, body)
+    return _Call("allreduce", backend, timeout, header, body, fast, algorithm, seq=seq)
+
+
+def _finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
+    """``result`` in ``dtype``, in ``out`` when given (no copy when it already is ``out``)."""
+    if out is None:
+        return result if result.dtype == dtype else result.astype(dtype)
+    if not np.may_share_memory(result, out):
+        np.copyto(out, result, casting="unsafe")
+    return out
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
-              timeout: float | None = None, algorithm: str | None = None) -> np.ndarray:
+              timeout: float | None = None, algorithm: str | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
     """Reduce ``tensor`` element-wise across all ranks; every rank gets the result.
 
     Parameters
@@ -119,13 +175,18 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     timeout : float, optional
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     algorithm : {"auto", "ring", "recursive_doubling", "star"}
-        "auto" picks recursive doubling for small messages and the ring for large ones.
+        "auto" picks recursive doubling for small messages and the ring for large ones, or the
+        same-host engine where the backend has one (its results equal "star"'s bits). A forced
+        algorithm must be the same on every rank.
+    out : numpy.ndarray, optional
+        A writable C-contiguous array of the input's shape and dtype to fill and return; it may
+        be the input itself (an in-place allreduce).
 
     Returns
     -------
     numpy.ndarray
-        A new array of the input's shape and dtype, bit-identical on every rank, and the same
-        bits for the same inputs run after run.
+        ``out``, or a new array of the input's shape and dtype; bit-identical on every rank, and
+        the same bits for the same inputs run after run.
 
     Raises
     ------
@@ -142,92 +203,138 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     >>> run_ranks(lambda b: allreduce(np.array([b.rank + 1.0]), b).tolist(), 3)
     [[6.0], [6.0], [6.0]]
     """
-    return _allreduce(tensor, backend, op, timeout, algorithm).run()
+    if algorithm is None and type(tensor) is np.ndarray and isinstance(op, ReduceOp):
+        done = _lean_allreduce(tensor, backend, op, timeout, out)
+        if done is not None:
+            return done
+    return _allreduce(tensor, backend, op, timeout, algorithm, out).run()
+
+
+def _lean_allreduce(x: np.ndarray, backend, op: ReduceOp, timeout, out) -> np.ndarray | None:
+    """The engine's one-step allreduce for the common case (a C-contiguous array of a kernel
+    dtype that fits a slot), or None: then the general path validates and runs the call."""
+    group = fastpath.group_for(backend)
+    if (group is None or x.dtype not in KERNEL_DTYPES or not x.flags.c_contiguous
+            or (op is ReduceOp.MEAN and x.dtype.kind != "f")):
+        return None
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    elif (type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        return None
+    seq = state(backend).next_seq()
+    if group.lean_allreduce(seq, x, out, op, backend.resolve_timeout(timeout,
+                                                                      "allreduce: timeout")):
+        return out
+    return _allreduce(x, backend, op, timeout, None, out, seq=seq).run()
 
 
 def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
-                    timeout: float | None = None, algorithm: str | None = None) -> Work:
+                    timeout: float | None = None, algorithm: str | None = None,
+                    out: np.ndarray | None = None) -> Work:
     """:func:`allreduce` in the background; ``Work.wait()`` returns its result."""
-    return _allreduce(tensor, backend, op, timeout, algorithm).submit()
+    return _allreduce(tensor, backend, op, timeout, algorithm, out).submit()
 
 
 # ----------------------------------------------------------------------------- broadcast
-def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm) -> _Call:
+def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out) -> _Call:
     x = _as_array("broadcast", tensor, backend)
     n = backend.world_size
     if not isinstance(root, int | np.integer) or not 0 <= root < n:
         raise InvalidRankError(f"broadcast: root {root!r} is out of range for world_size {n}")
     root = int(root)
     algo = _choose("broadcast", algorithm, x.nbytes, n)
+    out = _out("broadcast", out, x.shape, x.dtype)
+
+    def result() -> np.ndarray:
+        buf = np.empty(x.shape, x.dtype) if out is None else out
+        if not np.may_share_memory(buf, x):
+            buf[...] = x
+        return buf
 
     def body(ctx: alg.Ctx) -> np.ndarray:
-        buf = np.array(x, order="C", copy=True)
+        buf = result()
         flat = buf.reshape(-1).view(np.uint8) if buf.size else buf.reshape(-1)
         if n > 1 and buf.size:
             {"tree": alg.broadcast_tree, "star": alg.broadcast_star}[algo](ctx, flat, root)
         return buf
 
+    def fast(group, step, header: bytes) -> np.ndarray:
+        buf = result() if backend.rank == root else (np.empty(x.shape, x.dtype) if out is None
+                                                      else out)
+        fastpath.broadcast(group, step, header, buf.reshape(-1).view(np.uint8), root)
+        return buf
+
     header = (x.dtype, x.shape, None, root)
-    return _Call("broadcast", backend, timeout, header, body)
+    return _Call("broadcast", backend, timeout, header, body, fast, algorithm)
 
 
 def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-              algorithm: str | None = None) -> np.ndarray:
+              algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Every rank returns a copy of ``root``'s ``tensor`` (all ranks pass the same shape/dtype).
 
     Uses a binomial tree (ceil(log2 n) rounds) by default, ``algorithm="star"`` for the seed's.
-    Raises :class:`InvalidRankError` for a root outside ``[0, world_size)``.
+    Raises :class:`InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
+    writable C-contiguous array of the input's shape and dtype to fill (may be the input).
     """
-    return _broadcast(tensor, backend, root, timeout, algorithm).run()
+    return _broadcast(tensor, backend, root, timeout, algorithm, out).run()
 
 
 def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-                    algorithm: str | None = None) -> Work:
+                    algorithm: str | None = None, out: np.ndarray | None = None) -> Work:
     """:func:`broadcast` in the background."""
-    return _broadcast(tensor, backend, root, timeout, algorithm).submit()
+    return _broadcast(tensor, backend, root, timeout, algorithm, out).submit()
 
 
 # ----------------------------------------------------------------------------- all_gather
-def _all_gather(tensor, backend: Backend, timeout, algorithm) -> _Call:
+def _all_gather(tensor, backend: Backend, timeout, algorithm, out) -> _Call:
     x = _as_array("all_gather", tensor, backend)
     n = backend.world_size
     algo = _choose("all_gather", algorithm, x.nbytes, n)
     shape = (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
+    out = _out("all_gather", out, shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
         block = np.ascontiguousarray(x).reshape(-1)
-        out = np.empty(shape, dtype=x.dtype)
-        flat = out.reshape(-1)
+        result = np.empty(shape, dtype=x.dtype) if out is None else out
+        flat = result.reshape(-1)
         if n == 1 or not block.size:
             flat[...] = block
-            return out
+            return result
         b8, o8 = block.view(np.uint8), flat.view(np.uint8)
         {"ring": alg.all_gather_ring, "star": alg.all_gather_star}[algo](ctx, b8, o8)
-        return out
+        return result
+
+    def fast(group, step, header: bytes) -> np.ndarray:
+        result = np.empty(shape, dtype=x.dtype) if out is None else out
+        block = np.ascontiguousarray(x).reshape(-1)
+        fastpath.all_gather(group, step, header, block.view(np.uint8),
+                            result.reshape(-1).view(np.uint8))
+        return result
 
     header = (x.dtype, x.shape, None, -1)
-    return _Call("all_gather", backend, timeout, header, body)
+    return _Call("all_gather", backend, timeout, header, body, fast, algorithm)
 
 
 def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
-               algorithm: str | None = None) -> np.ndarray:
+               algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order.
 
     Every rank passes the same shape and dtype. The result's dim 0 is ``world_size`` times the
     input's; a 0-d input gathers to shape ``[world_size]``; zero-size inputs keep their shape
     (dim 0 multiplied). Ring algorithm by default (bandwidth-optimal), ``"star"`` for the seed's.
     """
-    return _all_gather(tensor, backend, timeout, algorithm).run()
+    return _all_gather(tensor, backend, timeout, algorithm, out).run()
 
 
 def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
-                     algorithm: str | None = None) -> Work:
+                     algorithm: str | None = None, out: np.ndarray | None = None) -> Work:
     """:func:`all_gather` in the background."""
-    return _all_gather(tensor, backend, timeout, algorithm).submit()
+    return _all_gather(tensor, backend, timeout, algorithm, out).submit()
 
 
 # ----------------------------------------------------------------------------- reduce_scatter
-def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
+def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> _Call:
     x = _as_array("reduce_scatter", tensor, backend)
     op = as_op(op)
     wd = work_dtype("reduce_scatter", x.dtype, op)
@@ -239,6 +346,7 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
                                 f"not divisible by world_size {n}")
     algo = _choose("reduce_scatter", algorithm, x.nbytes, n)
     out_shape = (x.shape[0] // n, *x.shape[1:])
+    out = _out("reduce_scatter", out, out_shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
         buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)
@@ -247,24 +355,35 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm) -> _Call:
         else:
             mine = {"ring": alg.reduce_scatter_ring,
                     "star": alg.reduce_scatter_star}[algo](ctx, buf, op)
-        out = np.array(mine, dtype=x.dtype, copy=True).reshape(out_shape)
+        if out is None:
+            return np.array(mine, dtype=x.dtype, copy=True).reshape(out_shape)
+        np.copyto(out.reshape(-1), mine, casting="unsafe")
         return out
 
+    def fast(group, step, header: bytes) -> np.ndarray:
+        result = np.empty(out_shape, x.dtype) if out is None else out
+        fastpath.reduce_scatter(group, step, header, np.ascontiguousarray(x).reshape(-1),
+                                result.reshape(-1), wd, op)
+        return result
+
     header = (x.dtype, x.shape, op, -1)
-    return _Call("reduce_scatter", backend, timeout, header, body)
+    return _Call("reduce_scatter", backend, timeout, header, body, fast, algorithm)
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
-                   timeout: float | None = None, algorithm: str | None = None) -> np.ndarray:
+                   timeout: float | None = None, algorithm: str | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """Reduce across ranks, then rank ``r`` keeps the ``r``-th of ``world_size`` equal slices
-    along dim 0 (dim 0 must be divisible by the world size: else SizeMismatchError)."""
-    return _reduce_scatter(tensor, backend, op, timeout, algorithm).run()
+    along dim 0 (dim 0 must be divisible by the world size: else SizeMismatchError).
+    ``out=``: a writable C-contiguous array of the slice's shape and dtype to fill."""
+    return _reduce_scatter(tensor, backend, op, timeout, algorithm, out).run()
 
 
 def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
-                         timeout: float | None = None, algorithm: str | None = None) -> Work:
+                         timeout: float | None = None, algorithm: str | None = None,
+                         out: np.ndarray | None = None) -> Work:
     """:func:`reduce_scatter` in the background."""
-    return _reduce_scatter(tensor, backend, op, timeout, algorithm).submit()
+    return _reduce_scatter(tensor, backend, op, timeout, algorithm, out).submit()
 
 
 # ----------------------------------------------------------------------------- barrier
@@ -275,8 +394,12 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     ceil(log2 n) rounds), so a rank that calls another collective instead gets
     :class:`CollectiveMismatchError` on every rank rather than a hang.
     """
-    _as_array("barrier", (), backend)
-    call = _Call("barrier", backend, timeout, (), lambda ctx: None)
-    if backend.world_size > 1:
-        ctx = alg.Ctx(backend, "barrier", call.seq, tag_base(call.seq), call.timeout)
-        alg.barrier(ctx)
+    if not isinstance(backend, Backend):
+        raise TypeError(f"barrier: backend must be a ferro_backend.Backend, got "
+                        f"{type(backend).__name__}")
+    group = fastpath.group_for(backend)
+    if group is not None:
+        group.lean_barrier(state(backend).next_seq(),
+                           backend.resolve_timeout(timeout, "barrier: timeout"))
+        return
+    _Call("barrier", backend, timeout, (None, ()), lambda ctx: None, fastpath.barrier).run()

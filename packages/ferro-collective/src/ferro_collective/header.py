@@ -42,8 +42,25 @@ def mismatch_check_enabled() -> bool:
     return _check
 
 
+_SEQ_OFFSET = 24  # where the sequence number sits in a packed header
+_templates: dict[tuple, bytes] = {}
+
+
 def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
            redop: ReduceOp | None = None, root: int = -1, seq: int = 0) -> bytes:
+    """The header of one call (cached per call signature; only ``seq`` is packed each time)."""
+    key = (op, dtype, shape, redop, root)
+    template = _templates.get(key)
+    if template is None:
+        if len(_templates) > 4096:
+            _templates.clear()
+        template = _templates[key] = _encode(op, dtype, shape, redop, root, 0)
+    return template[:_SEQ_OFFSET] + (seq & 0xFFFFFFFF).to_bytes(4, "little") + \
+        template[_SEQ_OFFSET + 4:]
+
+
+def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
+            redop: ReduceOp | None, root: int, seq: int) -> bytes:
     dims = list(shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     if len(shape) > _MAX_DIMS:
         dims[-1] = hash(tuple(shape[_MAX_DIMS - 1:])) & 0x7FFFFFFFFFFFFFFF

@@ -32,28 +32,26 @@ class OpSpec:
     """Everything ferro knows about one reduce op, in one place.
 
     ``kernel``: the ``_reduce`` kernel's op code (the kernel exports its codes, so they are
-    defined once); ``ufunc``: numpy's equivalent for dtypes the kernel does not cover;
-    ``wire``: the op's code in a collective header (never 0, which means "no op").
+    defined once); ``wire``: the op's code in a collective header (never 0, which means "no
+    op").
     """
 
     kernel: int
-    ufunc: np.ufunc
     wire: int
 
 
 OPS: dict[ReduceOp, OpSpec] = {
-    ReduceOp.SUM: OpSpec(_reduce.OP_SUM, np.add, 1),
-    ReduceOp.MEAN: OpSpec(_reduce.OP_SUM, np.add, 2),  # a SUM with the divide fused last
-    ReduceOp.MAX: OpSpec(_reduce.OP_MAX, np.maximum, 3),
-    ReduceOp.MIN: OpSpec(_reduce.OP_MIN, np.minimum, 4),
-    ReduceOp.PRODUCT: OpSpec(_reduce.OP_PROD, np.multiply, 5),
+    ReduceOp.SUM: OpSpec(_reduce.OP_SUM, 1),
+    ReduceOp.MEAN: OpSpec(_reduce.OP_SUM, 2),  # a SUM with the divide fused into the last pass
+    ReduceOp.MAX: OpSpec(_reduce.OP_MAX, 3),
+    ReduceOp.MIN: OpSpec(_reduce.OP_MIN, 4),
+    ReduceOp.PRODUCT: OpSpec(_reduce.OP_PROD, 5),
 }
 
-#: dtypes the Cython kernel reduces directly
+#: dtypes the Cython kernel reduces (every dtype a reduction computes in)
 KERNEL_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16,
-                                                  np.int32, np.int64, np.uint8))
-#: dtypes reduced through numpy's ufuncs (still exact and deterministic)
-UFUNC_DTYPES = frozenset(np.dtype(t) for t in (np.uint16, np.uint32, np.uint64))
+                                                  np.int32, np.int64, np.uint8, np.uint16,
+                                                  np.uint32, np.uint64))
 #: half-precision dtypes: accumulated in float32, rounded once at the end
 WIDENED = {np.dtype(np.float16): np.dtype(np.float32)}
 if BFLOAT16 is not None:
@@ -77,7 +75,7 @@ def work_dtype(name: str, dtype: np.dtype, op: ReduceOp) -> np.dtype:
         return WIDENED[dtype]
     if dtype.byteorder not in "=|" and dtype.byteorder != ("<" if np.little_endian else ">"):
         raise TypeError(f"{name}: dtype {dtype} is not in native byte order")
-    if dtype in KERNEL_DTYPES or dtype in UFUNC_DTYPES:
+    if dtype in KERNEL_DTYPES:
         if op is ReduceOp.MEAN and dtype.kind in "iu":
             raise TypeError(f"{name}: ReduceOp.MEAN on integer dtype {dtype} is not defined; "
                             "use SUM and divide, or cast to a float dtype")
@@ -95,12 +93,22 @@ def accumulate(acc: np.ndarray, x: np.ndarray, op: ReduceOp, mean_divisor: int |
     """
     if acc.shape != x.shape:
         raise ValueError(f"accumulate: accumulator has {acc.size} elements, input {x.size}")
-    if acc.dtype in KERNEL_DTYPES:
-        if mean_divisor is not None:
-            _reduce.accumulate_mean(acc, x, float(mean_divisor))
-        else:
-            _reduce.accumulate(acc, x, OPS[op].kernel)
-        return
-    OPS[op].ufunc(acc, x, out=acc)
     if mean_divisor is not None:
-        np.divide(acc, mean_divisor, out=acc)
+        _reduce.accumulate_mean(acc, x, float(mean_divisor))
+    else:
+        _reduce.accumulate(acc, x, OPS[op].kernel)
+
+
+def fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean_divisor: int | None = None
+         ) -> None:
+    """``out = inputs[0] op inputs[1] op ...`` in list order, in one pass (MEAN: divide fused
+    into the last step). Same bits as the equivalent :func:`accumulate` calls.
+
+    ``out`` and every input: 1-d C-contiguous arrays of one kernel dtype and one length, checked
+    here (once: the kernel trusts them).
+    """
+    for i, x in enumerate(inputs):
+        if x.shape != out.shape or x.dtype != out.dtype:
+            raise ValueError(f"fold: input {i} is {x.dtype}[{x.size}], expected "
+                             f"{out.dtype}[{out.size}]")
+    _reduce.fold(out, inputs, OPS[op].kernel, float(mean_divisor or 0))

@@ -1,0 +1,147 @@
+"""The same-host engine (``ferro_collective._shmcoll`` + ``_reduce.fold``) against its baselines.
+
+- ``fold``: the N-way rank-order reduction kernel against numpy's ``np.add`` chain (same work).
+- collectives on 2 real processes: ``ShmBackend`` with the engine (``_shmcoll``) against the
+  Python algorithms over the same transport with the engine off (ferro 0.1's path, the
+  baseline), in one run. Each round is ``K`` calls on every rank (the worker knows the schedule,
+  so nothing but the collective is timed); the per-call time is the round time / K.
+
+The side-by-side with Open MPI and gloo is ``benchmarks/peers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from busbw import busbw_factor
+
+from ferro_backend import ShmBackend
+from ferro_backend.testing import free_port
+from ferro_collective import ReduceOp
+from ferro_collective.ops import fold
+
+SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+OPS = ["allreduce", "broadcast", "all_gather", "reduce_scatter", "barrier"]
+ROUNDS = 5
+#: every (size, collective) in the order both ranks run them
+CASES = [(size, name) for size in SIZES for name in OPS if name != "barrier" or size == "4KiB"]
+
+
+def calls_per_round(nbytes: int) -> int:
+    return max(2, min(500, (16 << 20) // max(nbytes, 1)))
+
+
+def run_op(name: str, x: np.ndarray, out: np.ndarray, b) -> None:
+    import ferro_collective as fc
+
+    n = b.world_size
+    if name == "allreduce":
+        fc.allreduce(x, b, out=out)
+    elif name == "broadcast":
+        fc.broadcast(x, b, 0, out=out)
+    elif name == "all_gather":
+        fc.all_gather(x[: x.size // n], b, out=out)
+    elif name == "reduce_scatter":
+        fc.reduce_scatter(x, b, out=out[: x.size // n])
+    else:
+        fc.barrier(b)
+
+
+# ------------------------------------------------------------------ the fold kernel
+@pytest.mark.parametrize("impl", ["numpy", "fold"])
+def bench_fold_4_inputs_4MiB(benchmark, impl):
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(1 << 20).astype(np.float32) for _ in range(4)]
+    out = np.empty_like(inputs[0])
+    benchmark.group = "kernel fold (4 inputs, SUM, float32 4MiB)"
+    benchmark.extra_info["bytes"] = out.nbytes * 4
+    if impl == "numpy":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            np.copyto(out, inputs[0])
+            for x in inputs[1:]:
+                np.add(out, x, out=out)
+    else:
+        def run():
+            fold(out, inputs, ReduceOp.SUM)
+
+    benchmark.pedantic(run, rounds=30, warmup_rounds=3)
+    np.testing.assert_array_equal(out, ((inputs[0] + inputs[1]) + inputs[2]) + inputs[3])
+
+
+# ------------------------------------------------------------------ collectives, 2 processes
+WORKER = """
+import sys
+import numpy as np
+from ferro_backend import ShmBackend
+sys.path.insert(0, sys.argv[1])
+from bench_engine import CASES, SIZES, ROUNDS, calls_per_round, run_op
+addr, engine = sys.argv[2], sys.argv[3] == "1"
+b = ShmBackend(1, 2, addr, timeout=300, engine=engine)
+for size, name in CASES:
+    nbytes = SIZES[size]
+    x = np.ones(nbytes // 4, np.float32)
+    out = np.empty_like(x)
+    for _ in range((ROUNDS + 1) * calls_per_round(nbytes)):
+        run_op(name, x, out, b)
+b.close()
+"""
+
+
+class Pair:
+    """Rank 0 here, rank 1 a worker process running the same schedule."""
+
+    def __init__(self, engine: bool) -> None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        addr = f"127.0.0.1:{free_port()}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), here, addr,
+                                      "1" if engine else "0"], env=env)
+        self.backend = ShmBackend(0, 2, addr, timeout=300, engine=engine)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    made = {}
+    yield made
+    for pair in made.values():
+        pair.close()
+
+
+@pytest.mark.parametrize("impl", ["python_path_baseline", "engine"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{s}-{n}" for s, n in CASES])
+def bench_engine_2_ranks(benchmark, pairs, impl, case):
+    # the worker runs CASES in order; pytest runs `case` as the outer loop, so each pair does too
+    size, name = case
+    pair = pairs.get(impl)
+    if pair is None:
+        pair = pairs[impl] = Pair(engine=impl == "engine")
+    nbytes = SIZES[size]
+    k = calls_per_round(nbytes)
+    x = np.ones(nbytes // 4, np.float32)
+    out = np.empty_like(x)
+    benchmark.group = f"{name} 2 ranks shm {size}"
+    if impl != "engine":
+        benchmark.extra_info["role"] = "baseline"
+
+    def one_round():
+        for _ in range(k):
+            run_op(name, x, out, pair.backend)
+
+    benchmark.pedantic(one_round, rounds=ROUNDS, warmup_rounds=1)
+    per_call = benchmark.stats.stats.median / k
+    benchmark.extra_info["per_call_us"] = per_call * 1e6
+    if name != "barrier":
+        benchmark.extra_info["busbw_GBps"] = nbytes * busbw_factor(name, 2) / per_call / 1e9
+    if name == "allreduce":
+        assert out[0] == 2.0

@@ -1,0 +1,142 @@
+"""The engine's shared segment: how it is made, shared, authenticated and released."""
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ferro_backend import RendezvousError, ShmBackend
+from ferro_backend import engine as eng
+from ferro_backend.testing import run_job
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_layout_is_aligned_and_holds_every_slot():
+    lay = eng.layout(5, 10_000)
+    assert lay["slot_off"] % eng.PAGE == 0 and lay["parity_stride"] % eng.PAGE == 0
+    assert lay["ctrl_stride"] % 64 == 0
+    assert lay["parity_stride"] >= lay["head_bytes"] + 10_000
+    assert lay["size"] == lay["slot_off"] + 5 * 2 * lay["parity_stride"]
+
+
+class _FakeRank0:
+    """What _serve_fd needs of a backend: rank 0 of 3, whose sends we can read."""
+
+    rank, world_size = 0, 3
+
+    def __init__(self) -> None:
+        self.sent: dict[int, bytes] = {}
+        self.ready = threading.Event()
+
+    def send(self, data, dst, *, tag=0):
+        self.sent[dst] = bytes(data)
+        if len(self.sent) == 2:
+            self.ready.set()
+
+
+def _connect(name: bytes, hello: bytes) -> list[int]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(name)
+        s.sendall(hello)
+        try:
+            _, fds, _, _ = socket.recv_fds(s, 1, 1)
+        except (ConnectionError, OSError):
+            return []
+        return fds
+
+
+def test_a_stranger_without_the_secret_gets_nothing_and_the_ranks_get_the_segment():
+    fake = _FakeRank0()
+    fd = os.memfd_create("test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    os.pwrite(fd, b"segment", 0)
+    server = threading.Thread(target=eng._serve_fd,
+                              args=(fake, fd, time.monotonic() + 20))
+    server.start()
+    assert fake.ready.wait(10)
+    msg1, msg2 = fake.sent[1], fake.sent[2]
+    name = msg1[:eng._NAME_BYTES]
+    assert name == msg2[:eng._NAME_BYTES] and msg1[eng._NAME_BYTES:] != msg2[eng._NAME_BYTES:]
+    # strangers: a wrong secret, a right secret for the wrong rank, and silence
+    assert _connect(name, struct.pack("<I", 1) + b"x" * 32) == []
+    assert _connect(name, struct.pack("<I", 2) + msg1[eng._NAME_BYTES:]) == []
+    got = []
+    for rank, msg in ((1, msg1), (2, msg2)):
+        fds = _connect(name, struct.pack("<I", rank) + msg[eng._NAME_BYTES:])
+        assert len(fds) == 1
+        got.append(os.pread(fds[0], 7, 0))
+        os.close(fds[0])
+    server.join(10)
+    os.close(fd)
+    assert got == [b"segment", b"segment"]
+    # and a rank cannot be served twice
+    assert not server.is_alive()
+
+
+def test_segment_is_shared_has_no_name_and_checks_cross_memory_reads():
+    body = """
+seg = b.engine
+seg._bytes[seg.layout["slot_off"] + b.rank] = 7 + b.rank
+b.barrier()
+result = [int(v) for v in seg._bytes[seg.layout["slot_off"]:seg.layout["slot_off"] + 3]] + [
+    seg.cma_ok, len(seg.pids), seg.layout["slot_bytes"]]
+"""
+    before = set(os.listdir("/dev/shm"))
+    for res in run_job(body, 3, backend="ShmBackend", env={"FERRO_SHM_SLOT_BYTES": "8192"}):
+        assert res == [7, 8, 9, True, 3, 8192]
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_engine_can_be_turned_off():
+    body = "result = b.engine is None"
+    assert run_job(body, 2, backend="ShmBackend", env={"FERRO_SHM_ENGINE": "0"}) == [True, True]
+
+
+def test_failure_flag_is_raised_when_a_peer_closes():
+    body = """
+if b.rank == 1:
+    b.close()
+    result = None
+else:
+    t0 = time.monotonic()
+    while not b.engine.failed[0] and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    result = int(b.engine.failed[0])
+"""
+    assert run_job(body, 2, backend="ShmBackend")[0] == 1
+
+
+def test_cma_probe_reads_a_peer_word():
+    seg_pid = os.getpid()
+    probe = np.array([0xC0FFEE00 + 1], dtype=np.uint64)
+
+    class _Seg:
+        def ctrl(self, rank):
+            return 0
+
+    mem = bytearray(64)
+    struct.pack_into("<QQ", mem, 8, seg_pid, probe.ctypes.data)
+    assert eng._can_read(mem, _Seg(), 1)
+    assert not eng._can_read(mem, _Seg(), 2)  # the probe holds another rank's word
+
+
+def test_rendezvous_error_names_the_rank_when_rank0_sends_no_segment(monkeypatch):
+    class _Peer:
+        rank, world_size, timeout = 1, 2, 1.0
+
+        def recv(self, out, src, *, tag=0, timeout=None):
+            out[:] = b"\0ferro-engine-" + b"0" * 32 + b"k" * 32
+
+    with pytest.raises(RendezvousError, match="rank 1: cannot fetch the engine segment"):
+        eng._fetch_fd(_Peer(), time.monotonic() + 1)
+
+
+def test_shm_backend_world_of_one_has_no_engine():
+    with ShmBackend(0, 1, "127.0.0.1:1") as b:
+        assert b.engine is None

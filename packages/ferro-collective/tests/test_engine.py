@@ -1,0 +1,109 @@
+"""The same-host engine (ShmBackend's shared segment) under every collective.
+
+Ranks are real processes on this host. Results must be the same bits as the star algorithm
+(the engine folds in rank order too), on every transport path: small messages through the slots,
+large ones by cross-memory reads, and large ones through the slots in pieces where cross-memory
+reads are off. Small slots (``FERRO_SHM_SLOT_BYTES``) make the large paths cheap to test.
+"""
+
+import json
+import os
+import signal
+import time
+
+import engine_fns
+import pytest
+
+from ferro_backend.testing import Job, run_processes
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("world,slot,cma", [(2, None, "1"), (3, "4096", "1"), (4, "4096", "0"),
+                                            (2, "65536", "0")])
+def test_engine_equals_star_bit_for_bit(monkeypatch, world, slot, cma):
+    if slot:
+        monkeypatch.setenv("FERRO_SHM_SLOT_BYTES", slot)
+    monkeypatch.setenv("FERRO_SHM_CMA", cma)
+    results = run_processes(engine_fns.equals_star, world, world * 7, 14, transport="shm",
+                            timeout=150)
+    assert results == [[]] * world
+
+
+def test_mismatch_is_reported_on_every_rank_and_the_group_stays_usable():
+    for msg in run_processes(engine_fns.mismatch, 3, transport="shm"):
+        assert "ranks disagree" in msg and "[3]" in msg and "[4]" in msg, msg
+        assert msg.endswith("usable=True")
+
+
+def test_silent_peer_times_out_at_the_deadline_without_burning_cpu():
+    res = run_processes(engine_fns.late_peer, 2, 2.5, transport="shm", timeout=60)[0]
+    assert "timed out after 0.5s waiting for ranks [1]" in res["error"]
+    assert 0.45 < res["seconds"] < 1.5
+    assert res["cpu"] < 0.05 * res["seconds"] + 0.01  # no busy wait after the short spin
+    assert "timed out" in res["after"]  # a group whose steps disagree refuses further calls
+
+
+KILLED = """
+import ferro_collective as fc
+if b.rank == 1:
+    print("READY", flush=True)
+    time.sleep(60)
+t0 = time.monotonic()
+try:
+    fc.allreduce(np.ones(1000), b, timeout=30)
+    result = "no error"
+except PeerClosedError as exc:
+    result = [type(exc).__name__, str(exc), time.monotonic() - t0]
+"""
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _engine_sockets() -> list[str]:
+    with open("/proc/net/unix") as f:
+        return [line for line in f if "ferro-engine" in line]
+
+
+def test_killed_peer_fails_the_others_promptly_and_leaves_nothing_behind():
+    before = _shm_names()
+    with Job(KILLED, 3, backend="ShmBackend", timeout=30) as job:
+        job.wait_for_line(1, "READY")
+        time.sleep(0.3)  # ranks 0 and 2 are waiting in the allreduce
+        os.kill(job.procs[1].pid, signal.SIGKILL)
+        results = job.finish(30)
+    for r in (0, 2):
+        name, msg, seconds = results[r].result
+        assert name in ("PeerClosedError", "PeerAbortedError") and "1" in msg, msg
+        assert seconds < 2.5 + 0.3
+    assert _shm_names() == before
+    assert _engine_sockets() == []
+
+
+def test_stopped_peer_makes_the_others_time_out_at_their_deadline():
+    body = """
+import ferro_collective as fc
+if b.rank == 1:
+    print("READY", flush=True)
+    time.sleep(30)
+else:
+    t0 = time.monotonic()
+    try:
+        fc.allreduce(np.ones(10), b, timeout=1.0)
+        result = "no error"
+    except CollectiveTimeoutError as exc:
+        result = [str(exc), time.monotonic() - t0]
+"""
+    with Job(body, 2, backend="ShmBackend", timeout=30) as job:
+        job.wait_for_line(1, "READY")
+        os.kill(job.procs[1].pid, signal.SIGSTOP)
+        try:
+            out, _ = job.procs[0].communicate(timeout=20)
+        finally:
+            os.kill(job.procs[1].pid, signal.SIGKILL)
+    result = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert result, out
+    msg, seconds = json.loads(result[0][7:])
+    assert "timed out after 1s" in msg and 0.9 < seconds < 3.0
