@@ -84,6 +84,9 @@ class SharedSegment:
         #: process-local failure flag (u32) that the fast path's waits poll
         self.failed = np.zeros(1, dtype=np.uint32)
         self.failed_address = self.failed.ctypes.data
+        #: payload bytes this rank wrote into the segment / read from it or from peers' memory
+        self.sent = 0
+        self.received = 0
         #: every rank's pid, and whether every rank may read every other's memory (CMA)
         self.pids: list[int] = []
         self.cma_ok = False

@@ -84,6 +84,15 @@ class ShmBackend(TcpBackend):
                 raise
             self._box.on_failure.append(self.engine.mark_failed)
 
+    @property
+    def bytes_sent(self) -> int:  # type: ignore[override]
+        """Payload bytes sent over the links plus those written for peers into the segment."""
+        return super().bytes_sent + (self.engine.sent if self.engine is not None else 0)
+
+    @property
+    def bytes_received(self) -> int:  # type: ignore[override]
+        return super().bytes_received + (self.engine.received if self.engine is not None else 0)
+
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         """The error an ``op`` involving ``peer`` must raise now (an abort, this backend
         closed, or ``peer`` gone), or None: how the engine's users name a failure."""

@@ -72,6 +72,7 @@ class EngineGroup:
         seg = backend.engine
         lay = seg.layout
         self.backend = backend
+        self.seg = seg
         self.n, self.me = seg.nranks, seg.rank
         self.slot_bytes = lay["slot_bytes"]
         self.cma_ok = seg.cma_ok
@@ -156,6 +157,7 @@ class EngineGroup:
             addr, nbytes = src.ctypes.data, src.nbytes
         rc = self.eng.exchange(step, header, addr, nbytes,
                                call.hard if call.reported else call.soft)
+        self.seg.sent += nbytes
         self.step = step
         if rc != _shmcoll.STATUS_OK:
             self._settle(rc, call, step)
@@ -207,6 +209,7 @@ class EngineGroup:
             header = encode("allreduce", x.dtype, x.shape, op, -1, seq)
             rc = self.eng.exchange(step, header, x.ctypes.data, nbytes,
                                    start + timeout * alg.STALL_FRACTION)
+            self.seg.sent += nbytes
             self.step = step
             if rc != _shmcoll.STATUS_OK:
                 call = Step("allreduce", seq, timeout, start)
@@ -296,6 +299,7 @@ class EngineGroup:
 
         try:
             _shm.cma_read(self.pids[rank], addr, out.reshape(-1).view(np.uint8))
+            self.seg.received += out.nbytes
         except OSError as exc:
             raise PeerClosedError(f"rank {self.me}: cannot read rank {rank}'s memory ({exc})",
                                   peer=rank) from exc
@@ -402,6 +406,7 @@ def _fold_through_slots(g: EngineGroup, call: Step, header: bytes, x: np.ndarray
         step = g.exchange(call, header, x)
     else:  # widened: the slot holds the work dtype, so peers need not convert
         np.copyto(g.slot_for_writing(x.size * wd.itemsize, wd), x, casting="unsafe")
+        g.seg.sent += x.size * wd.itemsize
         step = g.exchange(call, header)
     s, e = part if part is not None else (0, x.size)
     inputs = [g.data(r, step, x.size * wd.itemsize, wd)[s:e] for r in range(g.n)]
