@@ -19,6 +19,7 @@ from _helpers import (
 )
 
 import ferro_fsdp.fsdp as fsdp_mod
+import ferro_fsdp.grad_sync as grad_sync_mod
 from ferro_backend import InvalidWorldSizeError, SimulatedBackend
 from ferro_fsdp import FSDP, FSDPStateError, Module, Parameter, ShardingStrategy, nn, optim
 
@@ -63,9 +64,10 @@ class Counter:
     def __init__(self, monkeypatch, names):
         self.calls = {}
         self.lock = threading.Lock()
-        for name in names:
-            real = getattr(fsdp_mod, name)
-            monkeypatch.setattr(fsdp_mod, name, self.wrap(name, real))
+        for name in names:  # the collectives FSDP's modules call, wherever they are imported
+            for mod in (fsdp_mod, grad_sync_mod):
+                if hasattr(mod, name):
+                    monkeypatch.setattr(mod, name, self.wrap(name, getattr(mod, name)))
 
     def wrap(self, name, real):
         def counted(tensor, group, *args, **kwargs):

@@ -180,19 +180,8 @@ class EngineGroup:
             self.run("barrier", seq, timeout, lambda call: barrier(
                 self, call, encode("barrier", None, (), seq=seq)))
             return
-        start = time.monotonic()
-        step = self.step + 1
         try:
-            rc = self.eng.exchange(step, encode("barrier", None, (), seq=seq), 0, 0,
-                                   start + timeout * alg.STALL_FRACTION)
-            self.step = step
-            if rc != _shmcoll.STATUS_OK:
-                call = Step("barrier", seq, timeout, start)
-                try:
-                    self._settle(rc, call, step)
-                except (CollectiveTimeoutError, PeerClosedError) as exc:
-                    self.broken = exc
-                    raise
+            self._lean_step("barrier", seq, timeout, encode("barrier", None, (), seq=seq), 0, 0)
         finally:
             self._done(seq)
 
@@ -203,21 +192,10 @@ class EngineGroup:
         nbytes = x.nbytes
         if nbytes > self.slot_bytes or self._next_seq != seq or self.broken is not None:
             return False
-        start = time.monotonic()
-        step = self.step + 1
         try:
-            header = encode("allreduce", x.dtype, x.shape, op, -1, seq)
-            rc = self.eng.exchange(step, header, x.ctypes.data, nbytes,
-                                   start + timeout * alg.STALL_FRACTION)
-            self.seg.sent += nbytes
-            self.step = step
-            if rc != _shmcoll.STATUS_OK:
-                call = Step("allreduce", seq, timeout, start)
-                try:
-                    self._settle(rc, call, step)
-                except (CollectiveTimeoutError, PeerClosedError) as exc:
-                    self.broken = exc
-                    raise
+            step = self._lean_step("allreduce", seq, timeout,
+                                   encode("allreduce", x.dtype, x.shape, op, -1, seq),
+                                   x.ctypes.data, nbytes)
             key = (step & 1, nbytes, x.dtype)
             inputs = self._views.get(key)
             if inputs is None:
@@ -230,6 +208,22 @@ class EngineGroup:
         finally:
             self._done(seq)
         return True
+
+    def _lean_step(self, name: str, seq: int, timeout: float, header: bytes, addr: int,
+                   nbytes: int) -> int:
+        """One exchange step with no call object unless it does not end well; the step."""
+        start = time.monotonic()
+        step = self.step + 1
+        rc = self.eng.exchange(step, header, addr, nbytes, start + timeout * alg.STALL_FRACTION)
+        self.seg.sent += nbytes
+        self.step = step
+        if rc != _shmcoll.STATUS_OK:
+            try:
+                self._settle(rc, Step(name, seq, timeout, start), step)
+            except (CollectiveTimeoutError, PeerClosedError) as exc:
+                self.broken = exc
+                raise
+        return step
 
     def _done(self, seq: int) -> None:
         self._next_seq = seq + 1

@@ -1,18 +1,21 @@
 """ferro-fsdp: fully sharded data parallel (FSDP: ZeRO-3, ZeRO-2, DDP, hybrid) for numpy models.
 
 ``FSDP`` and ``DistributedDataParallel`` wrap a ``Module``; ``ferro_fsdp.nn`` and
-``ferro_fsdp.optim`` are enough to train a real model. See ``../../shared/API.md`` for the contract.
+``ferro_fsdp.optim`` are enough to train a real model. The package README describes the
+strategies, padding and state-dict format.
 """
 
 from importlib.metadata import version as _version
 
+from ferro_backend.partition import split_sizes, split_starts
+
 from . import nn, optim
 from .ddp import DDP, DistributedDataParallel
 from .errors import FSDPStateError
-from .flat import FlatLayout, split_sizes, split_starts
+from .flat import FlatLayout
 from .fsdp import FSDP
 from .module import Module, Parameter
-from .strategy import ShardingStrategy
+from .strategy import ShardingStrategy, StrategySpec
 
 __version__ = _version("ferro-fsdp")
 
@@ -25,6 +28,7 @@ __all__ = [
     "Module",
     "Parameter",
     "ShardingStrategy",
+    "StrategySpec",
     "nn",
     "optim",
     "split_sizes",

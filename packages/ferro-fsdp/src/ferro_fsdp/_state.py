@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import Backend
+from ferro_backend.partition import split_bounds, split_sizes
 from ferro_collective import all_gather
 
-from .flat import FlatLayout, split_sizes, split_starts
+from .flat import FlatLayout
 from .module import Parameter
 
 
@@ -26,15 +27,16 @@ from .module import Parameter
 class Plan:
     """How a wrapper holds its parameters locally.
 
-    ``mode``: ``"shard"`` (chunks over the whole world), ``"hybrid"`` (chunks over the intra-node
-    group of ``layout.world`` ranks), ``"full"`` (full parameters on every rank).
+    ``sharded``: each rank holds one chunk of every parameter, split over ``layout.world``
+    ranks (the whole world, or a node of a HYBRID_SHARD job: rank ``q`` holds chunk
+    ``q % layout.world``); else every rank holds full parameters.
     """
 
     backend: Backend
     names: list[str]
     params: list[Parameter]
     layout: FlatLayout
-    mode: str
+    sharded: bool
     world: int
     rank: int
     timeout: float | None = None
@@ -42,31 +44,31 @@ class Plan:
     def needed(self, i: int, q: int) -> tuple[int, int]:
         """``(start, length)`` of parameter ``i``'s flattened elements that rank ``q`` holds."""
         n = self.layout.numels[i]
-        if self.mode == "full":
+        if not self.sharded:
             return 0, n
         parts = self.layout.world
-        r = q if self.mode == "shard" else q % parts
-        return split_starts(n, parts)[r], split_sizes(n, parts)[r]
+        start, end = split_bounds(n, parts)[q % parts]
+        return start, end - start
 
     def piece(self, i: int, local: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
-        """This rank's saved piece of a local array of parameter ``i``, and every rank's size."""
+        """This rank's saved piece of a local array of parameter ``i``, and every rank's size.
+
+        Sharded: the first ``layout.world`` ranks save their chunks (a HYBRID_SHARD job saves
+        its first node's), the others empty pieces. Full: ferro-checkpoint's split of the world.
+        """
         n = self.layout.numels[i]
         flat = np.asarray(local).reshape(-1)
-        if self.mode == "hybrid":
+        if self.sharded:
             parts = self.layout.world
             sizes = split_sizes(n, parts) + (0,) * (self.world - parts)
-            if self.rank < parts:
-                return np.array(flat[:sizes[self.rank]], copy=True), sizes
-            return flat[:0].copy(), sizes
-        sizes = split_sizes(n, self.world)
-        if self.mode == "shard":
             return np.array(flat[:sizes[self.rank]], copy=True), sizes
-        start = split_starts(n, self.world)[self.rank]
-        return np.array(flat[start:start + sizes[self.rank]], copy=True), sizes
+        sizes = split_sizes(n, self.world)
+        start, end = split_bounds(n, self.world)[self.rank]
+        return np.array(flat[start:end], copy=True), sizes
 
     def local_from(self, i: int, data: np.ndarray) -> np.ndarray:
         """The local array of parameter ``i`` from the elements ``needed(i, rank)``."""
-        if self.mode == "full":
+        if not self.sharded:
             return np.array(data, dtype=self.layout.dtype).reshape(self.layout.shapes[i])
         out = np.zeros(self.layout.chunks[i], dtype=self.layout.dtype)
         out[:data.size] = data
@@ -218,3 +220,52 @@ def _load_scalar(plan: Plan, key: str, piece: Any, col: np.ndarray) -> int | flo
     else:
         value = _gather_pieces(plan, piece.astype(np.float64), col, np.dtype(np.float64))[0]
     return int(value) if dtype is np.int64 else float(value)
+
+
+class ShardedStateDicts:
+    """FSDP's whole-model views and sharded state dicts (a mixin of :class:`~ferro_fsdp.FSDP`)."""
+
+    def full_state_dict(self) -> dict[str, np.ndarray]:
+        """``{name: full parameter}`` on every rank (copies). Collective for sharded strategies."""
+        if self._spec.shards_params:
+            full = self._gather()
+        else:
+            full = [p.data for p in self._params]
+        return {n: np.array(a, copy=True) for n, a in zip(self._names, full)}
+
+    def sharded_state_dict(self, optimizer: Any = None
+                           ) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """This rank's pieces of the parameters (and optimizer state) and their shard specs.
+
+        Returns ``(tensors, specs)``: ``tensors[name]`` is a 1-d array, ``specs[name]`` is
+        ``(full_shape, shard_dim, shard_sizes)`` = ``((n,), 0, sizes)`` where concatenating every
+        rank's piece in rank order gives the flattened tensor (ferro-checkpoint's
+        ``TensorShardSpec(*spec)``). Parameters are saved under their names, optimizer state as
+        ``"optim.<name>.<key>"`` (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``, ``step``).
+        ``step`` is an int64 piece of one element per rank (full shape ``(world,)``).
+        FULL_SHARD / SHARD_GRAD_OP / NO_SHARD save ferro-checkpoint's own split
+        (``sizes[r] = n // W + (r < n % W)``); HYBRID_SHARD saves the first node's chunks and
+        empty pieces elsewhere. No communication.
+        """
+        return save(self._state_plan(), optimizer)
+
+    def load_sharded_state_dict(self, tensors: dict[str, Any], optimizer: Any = None) -> None:
+        """Load pieces saved by :meth:`sharded_state_dict` on any world size and strategy.
+
+        ``tensors`` is this rank's piece of each tensor such that the pieces of all ranks, in
+        rank order, concatenate to the flattened tensor (what ferro-checkpoint's
+        ``load_distributed``/``reshard`` return), or the full tensor on every rank. Optimizer
+        state is loaded into ``optimizer`` (built on ``module.parameters()``); keys it does not
+        find start fresh. Collective: every rank must call it.
+
+        Raises
+        ------
+        ValueError
+            Missing parameter keys, unexpected keys, or pieces that do not add up (same on all ranks).
+        """
+        load(self._state_plan(), tensors, optimizer)
+
+    def _state_plan(self) -> Plan:
+        return Plan(self._backend, self._names, self._params, self._layout,
+                    self._spec.shards_params, self._backend.world_size, self._backend.rank,
+                    self._timeout)

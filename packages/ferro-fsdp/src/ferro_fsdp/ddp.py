@@ -21,10 +21,10 @@ from ferro_collective import ReduceOp, allreduce_async, broadcast
 
 from . import _state
 from .flat import FlatLayout
-from .module import Module, Parameter
+from .module import Module, ModuleWrapper, Parameter
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(ModuleWrapper):
     """Data parallel training of ``module`` over ``backend`` (every rank holds the full model).
 
     Parameters
@@ -85,20 +85,6 @@ class DistributedDataParallel:
 
     # -- accessors --------------------------------------------------------------------------
     @property
-    def module(self) -> Module:
-        return self._module
-
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    def parameters(self) -> list[Parameter]:
-        return self._module.parameters()
-
-    def named_parameters(self) -> list[tuple[str, Parameter]]:
-        return self._module.named_parameters()
-
-    @property
     def buckets(self) -> list[list[str]]:
         """Parameter names per bucket, in the order the buckets are reduced."""
         return [[self._names[i] for i in b] for b in self._buckets]
@@ -106,9 +92,6 @@ class DistributedDataParallel:
     @property
     def bucket_cap_bytes(self) -> int:
         return self._cap
-
-    def __call__(self, x: Any) -> Any:
-        return self.forward(x)
 
     def forward(self, x: Any) -> Any:
         return self._module.forward(x)
@@ -128,13 +111,6 @@ class DistributedDataParallel:
             yield
         finally:
             self._sync = previous
-
-    def train(self, mode: bool = True) -> DistributedDataParallel:
-        self._module.train(mode)
-        return self
-
-    def eval(self) -> DistributedDataParallel:
-        return self.train(False)
 
     # -- gradients --------------------------------------------------------------------------
     def _pack(self, arrays: list[np.ndarray | None], like: list[Parameter] | None = None) -> np.ndarray:
@@ -189,7 +165,7 @@ class DistributedDataParallel:
             raise TypeError(f"DDP state dicts need one parameter dtype, got {sorted(map(str, dtypes))}")
         layout = FlatLayout([p.data.shape for p in self._params],
                             dtypes.pop() if dtypes else np.float32, 1)
-        return _state.Plan(self._backend, self._names, self._params, layout, "full",
+        return _state.Plan(self._backend, self._names, self._params, layout, False,
                            self._backend.world_size, self._backend.rank, self._timeout)
 
     def sharded_state_dict(self, optimizer: Any = None

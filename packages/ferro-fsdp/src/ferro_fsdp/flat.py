@@ -1,7 +1,8 @@
 """The flat-parameter layout: a unit's parameters as one buffer, split into equal shards.
 
-Parameter ``i`` with ``n`` elements is split over ``world`` ranks by the same rule ferro-checkpoint
-uses for resharding: rank ``r`` holds the ``len_r = n // world + (r < n % world)`` elements that
+Parameter ``i`` with ``n`` elements is split over ``world`` ranks by ferro's one split rule
+(:mod:`ferro_backend.partition`, which ferro-checkpoint's resharding follows too): rank ``r``
+holds the ``len_r = n // world + (r < n % world)`` elements that
 start at ``sum(len_q for q < r)`` of the flattened parameter. Every rank's chunk is padded with
 zeros to the same ``chunk = ceil(n / world)`` elements, so shards have equal sizes whatever ``n``
 is (at most one padding element per rank and parameter: the last element of the chunk of ranks
@@ -23,21 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ferro_backend import pack, unpack
-
-
-def split_sizes(n: int, parts: int) -> tuple[int, ...]:
-    """``n`` elements over ``parts`` ranks: the first ``n % parts`` ranks get one more."""
-    base, extra = divmod(int(n), int(parts))
-    return tuple(base + (1 if r < extra else 0) for r in range(parts))
-
-
-def split_starts(n: int, parts: int) -> tuple[int, ...]:
-    """Offset of each rank's elements in the flattened array (see :func:`split_sizes`)."""
-    starts, acc = [], 0
-    for size in split_sizes(n, parts):
-        starts.append(acc)
-        acc += size
-    return tuple(starts)
+from ferro_backend.partition import split_bounds
 
 
 class FlatLayout:
@@ -66,7 +53,8 @@ class FlatLayout:
     # -- one parameter ------------------------------------------------------------------------
     def region(self, i: int, r: int) -> tuple[int, int]:
         """``(start, length)`` of parameter ``i``'s real elements on rank ``r``."""
-        return split_starts(self.numels[i], self.world)[r], split_sizes(self.numels[i], self.world)[r]
+        start, end = split_bounds(self.numels[i], self.world)[r]
+        return start, end - start
 
     def shard_of(self, i: int, full: np.ndarray, r: int) -> np.ndarray:
         """Rank ``r``'s padded chunk of parameter ``i`` (a new ``(chunk,)`` array)."""
@@ -160,4 +148,4 @@ class FlatLayout:
                 f"shard_numel={self.shard_numel}, padding={self.padded_numel - self.numel})")
 
 
-__all__ = ["FlatLayout", "split_sizes", "split_starts"]
+__all__ = ["FlatLayout"]

@@ -29,40 +29,33 @@ A training step::
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack, unpack
+from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
 from ferro_collective import (
-    ReduceOp,
     all_gather,
     all_gather_async,
-    allreduce,
     broadcast,
-    reduce_scatter,
 )
 
-from . import _state
+from ._state import ShardedStateDicts
 from .errors import FSDPStateError
 from .flat import FlatLayout
-from .module import Module, Parameter
+from .grad_sync import GradientSync
+from .module import Module, ModuleWrapper, Parameter
 from .strategy import ShardingStrategy
 
 _FREED_NOTE = "freed: FULL_SHARD / HYBRID_SHARD free the gathered parameters after forward"
 
 
-class _Ready:
-    """A finished all-gather on a group of one (the Work protocol: wait, is_completed)."""
-
-    def __init__(self, value: np.ndarray) -> None:
-        self._value = value
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        return self._value
-
-    def is_completed(self) -> bool:
-        return True
+def _ready(value: np.ndarray) -> concurrent.futures.Future:
+    """A finished all-gather (a group of one) as a future like an async one's."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def _freed(dtype: np.dtype) -> np.ndarray:
@@ -71,7 +64,7 @@ def _freed(dtype: np.dtype) -> np.ndarray:
     return out
 
 
-class FSDP:
+class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
     """Shard ``module``'s parameters over ``backend``'s ranks with ``strategy``.
 
     Parameters
@@ -115,15 +108,17 @@ class FSDP:
         self._backend = backend
         self._strategy = strategy
         self._timeout = timeout
+        spec = strategy.spec
+        self._spec = spec
         world, rank = backend.world_size, backend.rank
         self._intra: Backend | None = None
         self._inter: Backend | None = None
-        if strategy is ShardingStrategy.HYBRID_SHARD:
+        if spec.shard_group == "intra":
             if intra_node_size is None or isinstance(intra_node_size, bool) or \
                     not isinstance(intra_node_size, int) or intra_node_size <= 0 or \
                     world % intra_node_size:
                 raise InvalidWorldSizeError(
-                    f"FSDP HYBRID_SHARD: world_size {world} must be a positive multiple of "
+                    f"FSDP {strategy.name}: world_size {world} must be a positive multiple of "
                     f"intra_node_size {intra_node_size}")
             node, local = divmod(rank, intra_node_size)
             self._intra = SubBackend(backend, range(node * intra_node_size,
@@ -145,18 +140,15 @@ class FSDP:
         if dtype.kind not in "fc":
             raise TypeError(f"FSDP: parameter dtype {dtype} is not floating")
         shapes = [p.data.shape for p in self._params]
-        if strategy is ShardingStrategy.HYBRID_SHARD:
-            self._shard_group: Backend | None = self._intra
-        elif strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-            self._shard_group = backend
-        else:
-            self._shard_group = None
+        groups = {"world": backend, "intra": self._intra, "inter": self._inter, None: None}
+        self._shard_group: Backend | None = groups[spec.shard_group]
+        self._replicate_group: Backend | None = groups[spec.replicate_group]
         shard_world = self._shard_group.world_size if self._shard_group is not None else 1
         self._shard_rank = self._shard_group.rank if self._shard_group is not None else 0
         self._layout = FlatLayout(shapes, dtype, shard_world)
         self._full_layout = FlatLayout(shapes, dtype, 1)
-        self._reshard = strategy.shards_params if reshard_after_forward is None else \
-            bool(reshard_after_forward) and strategy.shards_params
+        self._reshard = spec.shards_params if reshard_after_forward is None else \
+            bool(reshard_after_forward) and spec.shards_params
         self._full_params: list[Parameter] | None = None
         self._pending: Any = None
 
@@ -165,20 +157,12 @@ class FSDP:
             flat = broadcast(flat, backend, 0, timeout=timeout)
             for p, value in zip(self._params, self._full_layout.gathered_to_full(flat)):
                 p.data = np.array(value, copy=True)
-        if strategy.shards_params:
+        if spec.shards_params:
             for i, p in enumerate(self._params):
                 p.data = self._layout.shard_of(i, p.data, self._shard_rank)
                 p.grad = None
 
     # -- accessors --------------------------------------------------------------------------
-    @property
-    def module(self) -> Module:
-        return self._module
-
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
     @property
     def strategy(self) -> ShardingStrategy:
         return self._strategy
@@ -201,13 +185,6 @@ class FSDP:
     def layout(self) -> FlatLayout:
         """The flat layout: shapes, chunk sizes, padding (its ``world`` is the sharding group's size)."""
         return self._layout
-
-    def parameters(self) -> list[Parameter]:
-        """``module.parameters()``: the Parameters an optimizer should step (this rank's shards)."""
-        return self._module.parameters()
-
-    def named_parameters(self) -> list[tuple[str, Parameter]]:
-        return self._module.named_parameters()
 
     @property
     def param_names(self) -> list[str]:
@@ -234,16 +211,6 @@ class FSDP:
             held.setdefault(id(_root(fp.data)), _root(fp.data).nbytes)
         return sum(held.values())
 
-    def __call__(self, x: Any) -> Any:
-        return self.forward(x)
-
-    def train(self, mode: bool = True) -> FSDP:
-        self._module.train(mode)
-        return self
-
-    def eval(self) -> FSDP:
-        return self.train(False)
-
     def __repr__(self) -> str:
         return (f"FSDP(strategy={self._strategy.name}, rank={self._backend.rank}, "
                 f"world_size={self._backend.world_size}, {self._layout!r})")
@@ -260,11 +227,11 @@ class FSDP:
     def _local_flat_shard(self) -> np.ndarray:
         return self._layout.pack_shards([p.data for p in self._params])
 
-    def _start_gather(self) -> tuple[Any, np.ndarray]:
+    def _start_gather(self) -> tuple[concurrent.futures.Future, np.ndarray]:
         flat = self._local_flat_shard()
         if self._layout.world == 1 or not self._layout.numel:
-            return _Ready(flat.copy()), flat
-        return all_gather_async(flat, self._shard_group, timeout=self._timeout), flat
+            return _ready(flat.copy()), flat
+        return all_gather_async(flat, self._shard_group, timeout=self._timeout).future, flat
 
     def _gather(self) -> list[np.ndarray]:
         """The full parameters (views into one new buffer) from this rank's shards."""
@@ -292,7 +259,7 @@ class FSDP:
         FSDPStateError
             A prefetch is already pending, or the strategy keeps full parameters (nothing to gather).
         """
-        if not self._strategy.shards_params:
+        if not self._spec.shards_params:
             raise FSDPStateError(
                 f"FSDP.prefetch_forward_params: prefetch is only valid for FULL_SHARD and "
                 f"HYBRID_SHARD, got {self._strategy.name}: its parameters are already full on "
@@ -310,14 +277,14 @@ class FSDP:
         A pending prefetch is consumed (and waited for) here.
         """
         fps = self._ensure_full_params()
-        if not self._strategy.shards_params:
+        if not self._spec.shards_params:
             for p, fp in zip(self._params, fps):
                 fp.data = p.data
             return self._module.forward(x)
         pending, self._pending = self._pending, None
         if pending is not None:
-            work, sent = pending
-            gathered = work.wait(self._timeout)
+            future, sent = pending
+            gathered = future.result()  # the collective's own deadline bounds the wait
             if not np.array_equal(self._local_flat_shard(), sent, equal_nan=True):
                 raise FSDPStateError(
                     "FSDP.forward: this rank's parameters changed after prefetch_forward_params() "
@@ -351,7 +318,7 @@ class FSDP:
         if self._full_params is None:
             raise FSDPStateError("FSDP.backward: no forward() since the last sync_gradients()")
         fps = self._full_params
-        if self._strategy.shards_params and any(
+        if self._spec.shards_params and any(
                 fp.data.size == 0 and n for fp, n in zip(fps, self._layout.numels)):
             for fp, arr in zip(fps, self._gather()):
                 fp.data = arr
@@ -364,166 +331,9 @@ class FSDP:
             for p, fp, (data, grad) in zip(self._params, fps, saved):
                 fp.grad = p.grad
                 p.data, p.grad = data, grad
-            if self._strategy.shards_params:
+            if self._spec.shards_params:
                 for fp in fps:
                     fp.data = _freed(self._layout.dtype)
-
-    # -- gradients --------------------------------------------------------------------------
-    def _full_grads(self, op: str) -> list[np.ndarray | None]:
-        if self._full_params is None:
-            raise FSDPStateError(f"FSDP.{op}: no forward() since the last sync_gradients(); "
-                                 "call forward and backward first")
-        grads = []
-        for name, fp, shape in zip(self._names, self._full_params, self._layout.shapes):
-            g = fp.grad
-            if g is not None:
-                g = np.asarray(g)
-                if g.size != int(np.prod(shape)):
-                    raise ValueError(f"FSDP.{op}: gradient of {name!r} has shape {g.shape}, "
-                                     f"expected {shape}")
-                g = g.astype(self._layout.dtype, copy=False)
-            grads.append(g)
-        return grads
-
-    def sync_gradients(self) -> None:
-        """Average the full gradients of ``backward`` across ranks into ``module.<p>.grad``.
-
-        FULL_SHARD: one reduce-scatter (MEAN) of the flat gradient, ``.grad`` = this rank's chunk.
-        HYBRID_SHARD: intra-node reduce-scatter, then inter-node allreduce of the chunk.
-        SHARD_GRAD_OP: one reduce-scatter; ``.grad`` full-shape, zero outside this rank's chunk.
-        NO_SHARD: one allreduce (MEAN) of the packed gradients. A parameter without a gradient
-        counts as zeros. Collective; clears ``full_params``.
-
-        Raises
-        ------
-        FSDPStateError
-            No forward since the last sync.
-        """
-        grads = self._full_grads("sync_gradients")
-        s = self._strategy
-        if s is ShardingStrategy.NO_SHARD:
-            flat = self._pack_full(grads)
-            if self._backend.world_size > 1 and self._layout.numel:
-                flat = allreduce(flat, self._backend, ReduceOp.MEAN, timeout=self._timeout)
-            # the reduced gradients are views into the one reduced buffer: no copy
-            outs = self._full_layout.shard_views(flat)
-            for p, g, shape in zip(self._params, outs, self._layout.shapes):
-                p.grad = g.reshape(shape) if p.requires_grad else None
-        else:
-            send = self._layout.full_to_scatter(grads)
-            if self._layout.world > 1 and self._layout.numel:
-                shard = reduce_scatter(send, self._shard_group, ReduceOp.MEAN, timeout=self._timeout)
-            else:
-                shard = send
-            if s is ShardingStrategy.HYBRID_SHARD and self._inter.world_size > 1 \
-                    and self._layout.numel:
-                shard = allreduce(shard, self._inter, ReduceOp.MEAN, timeout=self._timeout)
-            views = self._layout.shard_views(shard)
-            for i, (p, view) in enumerate(zip(self._params, views)):
-                if not p.requires_grad:
-                    p.grad = None
-                elif s is ShardingStrategy.SHARD_GRAD_OP:
-                    start, length = self._layout.region(i, self._shard_rank)
-                    full = np.zeros(self._layout.shapes[i], self._layout.dtype)
-                    full.reshape(-1)[start:start + length] = view[:length]
-                    p.grad = full
-                else:
-                    p.grad = view
-        self._full_params = None
-
-    def broadcast_updated_params(self) -> None:
-        """SHARD_GRAD_OP: after the optimizer step, rebuild every full parameter from each rank's
-        updated chunk (one all-gather). A no-op for the other strategies. Collective."""
-        if self._strategy is not ShardingStrategy.SHARD_GRAD_OP or self._layout.world == 1 \
-                or not self._layout.numel:
-            return
-        r = self._shard_rank
-        chunks = [self._layout.shard_of(i, p.data, r) for i, p in enumerate(self._params)]
-        flat = all_gather(self._layout.pack_shards(chunks), self._shard_group, timeout=self._timeout)
-        for p, full in zip(self._params, self._layout.gathered_to_full(flat)):
-            if p.data.flags.c_contiguous and p.data.flags.writeable and p.data.shape == full.shape:
-                p.data[...] = full
-            else:
-                p.data = np.array(full, copy=True)
-
-    def update_shards(self, flat: Any) -> None:
-        """Overwrite this rank's parameter data (shards, or full parameters) from one flat array.
-
-        ``flat`` holds ``sum(p.data.size)`` elements in ``named_parameters`` order (for
-        FULL_SHARD the padded chunks back to back, ``layout.shard_numel`` elements).
-
-        Raises
-        ------
-        ValueError
-            ``flat`` has another number of elements.
-        """
-        flat = np.asarray(flat).reshape(-1)
-        total = sum(p.data.size for p in self._params)
-        if flat.size != total:
-            raise ValueError(f"FSDP.update_shards: expected {total} elements but got {flat.size}")
-        flat = np.ascontiguousarray(flat, dtype=self._layout.dtype)
-        outs = []
-        for p in self._params:
-            if not (p.data.flags.c_contiguous and p.data.flags.writeable
-                    and p.data.dtype == self._layout.dtype):
-                p.data = np.array(p.data, dtype=self._layout.dtype, copy=True)
-            outs.append(p.data)
-        if outs:
-            unpack(flat, outs)
-
-    # -- whole-model views and state dicts --------------------------------------------------
-    def full_state_dict(self) -> dict[str, np.ndarray]:
-        """``{name: full parameter}`` on every rank (copies). Collective for sharded strategies."""
-        if self._strategy.shards_params:
-            full = self._gather()
-        else:
-            full = [p.data for p in self._params]
-        return {n: np.array(a, copy=True) for n, a in zip(self._names, full)}
-
-    def sharded_state_dict(self, optimizer: Any = None
-                           ) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
-        """This rank's pieces of the parameters (and optimizer state) and their shard specs.
-
-        Returns ``(tensors, specs)``: ``tensors[name]`` is a 1-d array, ``specs[name]`` is
-        ``(full_shape, shard_dim, shard_sizes)`` = ``((n,), 0, sizes)`` where concatenating every
-        rank's piece in rank order gives the flattened tensor (ferro-checkpoint's
-        ``TensorShardSpec(*spec)``). Parameters are saved under their names, optimizer state as
-        ``"optim.<name>.<key>"`` (``momentum_buffer``; ``exp_avg``, ``exp_avg_sq``, ``step``).
-        ``step`` is an int64 piece of one element per rank (full shape ``(world,)``).
-        FULL_SHARD / SHARD_GRAD_OP / NO_SHARD save ferro-checkpoint's own split
-        (``sizes[r] = n // W + (r < n % W)``); HYBRID_SHARD saves the first node's chunks and
-        empty pieces elsewhere. No communication.
-        """
-        return _state.save(self._state_plan(), optimizer)
-
-    def load_sharded_state_dict(self, tensors: dict[str, Any], optimizer: Any = None) -> None:
-        """Load pieces saved by :meth:`sharded_state_dict` on any world size and strategy.
-
-        ``tensors`` is this rank's piece of each tensor such that the pieces of all ranks, in
-        rank order, concatenate to the flattened tensor (what ferro-checkpoint's
-        ``load_distributed``/``reshard`` return), or the full tensor on every rank. Optimizer
-        state is loaded into ``optimizer`` (built on ``module.parameters()``); keys it does not
-        find start fresh. Collective: every rank must call it.
-
-        Raises
-        ------
-        ValueError
-            Missing parameter keys, unexpected keys, or pieces that do not add up (same on all ranks).
-        """
-        _state.load(self._state_plan(), tensors, optimizer)
-
-    def _state_plan(self) -> _state.Plan:
-        world, rank = self._backend.world_size, self._backend.rank
-        s = self._strategy
-        if s is ShardingStrategy.FULL_SHARD:
-            mode = "shard"
-        elif s is ShardingStrategy.HYBRID_SHARD:
-            mode = "hybrid"
-        else:
-            mode = "full"
-        return _state.Plan(self._backend, self._names, self._params, self._layout, mode,
-                           world, rank, self._timeout)
-
 
 def _root(arr: np.ndarray) -> np.ndarray:
     while isinstance(getattr(arr, "base", None), np.ndarray):

@@ -210,4 +210,42 @@ class Module:
         return head + body + "\n)"
 
 
-__all__ = ["Module", "Parameter"]
+class ModuleWrapper:
+    """What FSDP and DDP share as wrappers of one module over one backend: the read-only
+    ``module``/``backend``, the module's parameters (what an optimizer steps), ``train``/``eval``
+    and calling the wrapper as its ``forward``."""
+
+    _module: Module
+    _backend: Any
+
+    @property
+    def module(self) -> Module:
+        return self._module
+
+    @property
+    def backend(self) -> Any:
+        return self._backend
+
+    def parameters(self) -> list[Parameter]:
+        """``module.parameters()``: the Parameters an optimizer should step (under a sharding
+        strategy, this rank's shards)."""
+        return self._module.parameters()
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return self._module.named_parameters()
+
+    def forward(self, x: Any) -> Any:  # pragma: no cover - every wrapper defines its own
+        raise NotImplementedError
+
+    def __call__(self, x: Any) -> Any:
+        return self.forward(x)
+
+    def train(self, mode: bool = True):
+        self._module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+
+__all__ = ["Module", "ModuleWrapper", "Parameter"]

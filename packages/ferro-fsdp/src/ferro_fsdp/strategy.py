@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class ShardingStrategy(enum.Enum):
@@ -40,9 +41,57 @@ class ShardingStrategy(enum.Enum):
         raise ValueError(f"ShardingStrategy: unknown strategy {value!r}, expected one of {names}")
 
     @property
+    def spec(self) -> StrategySpec:
+        """What this strategy does, as data (the table :data:`SPECS`)."""
+        return SPECS[self]
+
+    @property
     def shards_params(self) -> bool:
         """True where a rank keeps only a chunk of each parameter between steps."""
-        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        return SPECS[self].shards_params
 
 
-__all__ = ["ShardingStrategy"]
+@dataclass(frozen=True)
+class StrategySpec:
+    """Everything :class:`~ferro_fsdp.FSDP` does differently per strategy, in one place.
+
+    shards_params
+        A rank keeps only its chunk of each parameter between steps (gathered to run, then
+        freed: torch's reshard_after_forward).
+    shard_group
+        The ranks a parameter's chunks are spread over: ``"world"``, ``"intra"`` (the ranks of
+        this rank's node, HYBRID_SHARD) or None (no chunks: full parameters everywhere).
+    grad_reduce
+        How ``sync_gradients`` averages the flat gradient over ``shard_group``:
+        ``"reduce_scatter"`` (each rank gets its chunk) or ``"allreduce"`` (everyone gets all).
+    replicate_group
+        A group the gradient chunk is then mean-allreduced over (``"inter"``: the ranks with the
+        same chunk on other nodes), or None.
+    grad_form
+        ``module.<p>.grad`` after the sync: ``"chunk"`` (this rank's padded chunk), ``"scattered"``
+        (full shape, zero outside this rank's chunk) or ``"full"``.
+    regather_after_step
+        Parameters stay full but were updated chunk-wise: ``broadcast_updated_params`` all-gathers
+        them after the optimizer step.
+    """
+
+    shards_params: bool
+    shard_group: str | None
+    grad_reduce: str
+    replicate_group: str | None
+    grad_form: str
+    regather_after_step: bool
+
+
+SPECS: dict[ShardingStrategy, StrategySpec] = {
+    ShardingStrategy.FULL_SHARD: StrategySpec(True, "world", "reduce_scatter", None, "chunk",
+                                              False),
+    ShardingStrategy.HYBRID_SHARD: StrategySpec(True, "intra", "reduce_scatter", "inter",
+                                                "chunk", False),
+    ShardingStrategy.SHARD_GRAD_OP: StrategySpec(False, "world", "reduce_scatter", None,
+                                                 "scattered", True),
+    ShardingStrategy.NO_SHARD: StrategySpec(False, None, "allreduce", None, "full", False),
+}
+
+
+__all__ = ["SPECS", "ShardingStrategy", "StrategySpec"]
