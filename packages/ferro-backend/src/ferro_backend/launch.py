@@ -56,13 +56,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _default_transport(nnodes: int) -> str:
-    if nnodes > 1:
-        return "tcp"
-    try:
-        from . import shm  # noqa: F401
-    except ImportError:
-        return "tcp"
-    return "shm"
+    """Shared memory (the same-host engine) on one node, TCP across nodes."""
+    return "tcp" if nnodes > 1 else "shm"
 
 
 _OUTPUT_LOCK = threading.Lock()

@@ -15,7 +15,6 @@ from ferro_backend import (
 from . import _reduce  # noqa: F401 - the compiled kernel, imported unconditionally
 from .algorithms import set_stall_report
 from .api import (
-    ALGORITHMS,
     DEFAULT_COLLECTIVE_TIMEOUT,
     all_gather,
     all_gather_async,
@@ -27,6 +26,7 @@ from .api import (
     reduce_scatter,
     reduce_scatter_async,
 )
+from .call import ALGORITHMS
 from .header import set_mismatch_check
 from .ops import ReduceOp
 from .work import Work

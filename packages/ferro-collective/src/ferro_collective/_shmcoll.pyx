@@ -67,11 +67,8 @@ cdef extern from *:
     void ferro_futex_wait(uint32_t* p, uint32_t seen, double seconds) noexcept nogil
     void ferro_futex_wake(uint32_t* p) noexcept nogil
 
-cdef enum:
-    OK = 0
-    TIMEOUT = 1
-    FAILED = 2
-    MISMATCH = 3
+# status codes (C globals: usable without the GIL)
+cdef int OK = 0, TIMEOUT = 1, FAILED = 2, MISMATCH = 3
 
 #: status codes of exchange() and wait()
 STATUS_OK, STATUS_TIMEOUT, STATUS_FAILED, STATUS_MISMATCH = OK, TIMEOUT, FAILED, MISMATCH

@@ -8,16 +8,15 @@ root, than its peers gets :class:`CollectiveMismatchError` on every rank, naming
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from ferro_backend import DEFAULT_TIMEOUT, Backend, InvalidRankError, SizeMismatchError
 
 from . import algorithms as alg
 from . import fastpath
-from ._state import state, tag_base
-from .header import encode, mismatch_check_enabled
+from ._state import state
+from .call import Call, as_array, check_out, choose, finish
+from .engine_group import group_for
 from .ops import KERNEL_DTYPES, ReduceOp, as_op, work_dtype
 from .work import Work
 
@@ -25,107 +24,15 @@ DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`Backend.timeout` (60 s). A collective's deadline is its backend's
 ``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
-#: allreduce messages up to this size use recursive doubling (latency), larger ones the ring
-SMALL_MESSAGE_BYTES = 256 << 10
-
-ALGORITHMS = {
-    "allreduce": ("auto", "ring", "recursive_doubling", "star"),
-    "broadcast": ("auto", "tree", "star"),
-    "all_gather": ("auto", "ring", "star"),
-    "reduce_scatter": ("auto", "ring", "star"),
-}
-
-
-def _choose(name: str, algorithm: str | None, nbytes: int, n: int) -> str:
-    algorithm = algorithm or "auto"
-    if algorithm not in ALGORITHMS[name]:
-        raise ValueError(f"{name}: unknown algorithm {algorithm!r}; expected one of "
-                         f"{ALGORITHMS[name]}")
-    if algorithm != "auto":
-        return algorithm
-    if name == "allreduce":
-        return "recursive_doubling" if nbytes <= SMALL_MESSAGE_BYTES or n <= 2 and \
-            nbytes <= 4 * SMALL_MESSAGE_BYTES else "ring"
-    return "tree" if name == "broadcast" else "ring"
-
-
-def _as_array(name: str, tensor, backend) -> np.ndarray:
-    if not isinstance(backend, Backend):
-        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
-                        f"{type(backend).__name__}")
-    x = np.asarray(tensor)
-    if x.dtype.hasobject or x.dtype.itemsize == 0:
-        raise TypeError(f"{name}: dtype {x.dtype} cannot be sent")
-    return x
-
-
-def _out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-    """``out=`` checked: a writable C-contiguous ndarray of the result's shape and dtype."""
-    if out is None:
-        return None
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
-    if out.shape != tuple(shape) or out.dtype != dtype:
-        raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
-                                f"{np.dtype(dtype)}{list(shape)}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"{name}: out must be writable and C-contiguous")
-    return out
-
-
-class _Call:
-    """One prepared collective: validated, sequenced, ready to run (now or in the background).
-
-    ``body(ctx)`` runs it with the Python algorithms over point-to-point messages; ``fast(group,
-    step, header)``, where given, runs it on the same-host engine (``fastpath``), which every
-    call on a backend with an engine goes through (in issue order) unless an algorithm was
-    forced.
-    """
-
-    def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
-                 body: Callable[[alg.Ctx], np.ndarray], fast=None,
-                 algorithm: str | None = None, seq: int | None = None) -> None:
-        self.name = name
-        self.backend = backend
-        self.timeout = backend.resolve_timeout(timeout, f"{name}: timeout")
-        self.seq = state(backend).next_seq() if seq is None else seq
-        self.header = header
-        self.body = body
-        self.fast = fast if algorithm in (None, "auto") else None
-        self.group = fastpath.group_for(backend)
-
-    def _python(self, _step=None) -> np.ndarray:
-        ctx = alg.Ctx(self.backend, self.name, self.seq, tag_base(self.seq), self.timeout)
-        if ctx.n > 1 and (mismatch_check_enabled() or self.name == "barrier"):
-            # the header exchange; for a barrier it is the whole barrier
-            alg.header_exchange(ctx, encode(self.name, *self.header, seq=self.seq))
-        return self.body(ctx)
-
-    def __call__(self) -> np.ndarray:
-        if self.group is None:
-            return self._python()
-        fn = self._python
-        if self.fast is not None:
-            header = encode(self.name, *self.header, seq=self.seq)
-            fn = lambda step: self.fast(self.group, step, header)
-        return self.group.run(self.name, self.seq, self.timeout, fn)
-
-    def run(self) -> np.ndarray:
-        return self()
-
-    def submit(self) -> Work:
-        return Work(self.name, self.seq, state(self.backend).submit(self))
-
-
 # ----------------------------------------------------------------------------- allreduce
 def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
-               seq: int | None = None) -> _Call:
-    x = _as_array("allreduce", tensor, backend)
+               seq: int | None = None) -> Call:
+    x = as_array("allreduce", tensor, backend)
     op = as_op(op)
     wd = work_dtype("allreduce", x.dtype, op)
     n = backend.world_size
-    algo = _choose("allreduce", algorithm, x.nbytes, n)
-    out = _out("allreduce", out, x.shape, x.dtype)
+    algo = choose("allreduce", algorithm, x.nbytes, n)
+    out = check_out("allreduce", out, x.shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
         if out is not None and wd == x.dtype:
@@ -137,7 +44,7 @@ def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
         if n > 1 and buf.size:
             {"ring": alg.allreduce_ring, "recursive_doubling": alg.allreduce_recursive_doubling,
              "star": alg.allreduce_star}[algo](ctx, buf, op)
-        return _finish(buf.reshape(x.shape), x.dtype, out)
+        return finish(buf.reshape(x.shape), x.dtype, out)
 
     def fast(group, step, header: bytes) -> np.ndarray:
         result = np.empty(x.shape, x.dtype) if out is None else out
@@ -146,16 +53,7 @@ def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
         return result
 
     header = (x.dtype, x.shape, op, -1)
-    return _Call("allreduce", backend, timeout, header, body, fast, algorithm, seq=seq)
-
-
-def _finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
-    """``result`` in ``dtype``, in ``out`` when given (no copy when it already is ``out``)."""
-    if out is None:
-        return result if result.dtype == dtype else result.astype(dtype)
-    if not np.may_share_memory(result, out):
-        np.copyto(out, result, casting="unsafe")
-    return out
+    return Call("allreduce", backend, timeout, header, body, fast, algorithm, seq=seq)
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -213,7 +111,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
 def _lean_allreduce(x: np.ndarray, backend, op: ReduceOp, timeout, out) -> np.ndarray | None:
     """The engine's one-step allreduce for the common case (a C-contiguous array of a kernel
     dtype that fits a slot), or None: then the general path validates and runs the call."""
-    group = fastpath.group_for(backend)
+    group = group_for(backend)
     if (group is None or x.dtype not in KERNEL_DTYPES or not x.flags.c_contiguous
             or (op is ReduceOp.MEAN and x.dtype.kind != "f")):
         return None
@@ -237,14 +135,14 @@ def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
 
 
 # ----------------------------------------------------------------------------- broadcast
-def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out) -> _Call:
-    x = _as_array("broadcast", tensor, backend)
+def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out) -> Call:
+    x = as_array("broadcast", tensor, backend)
     n = backend.world_size
     if not isinstance(root, int | np.integer) or not 0 <= root < n:
         raise InvalidRankError(f"broadcast: root {root!r} is out of range for world_size {n}")
     root = int(root)
-    algo = _choose("broadcast", algorithm, x.nbytes, n)
-    out = _out("broadcast", out, x.shape, x.dtype)
+    algo = choose("broadcast", algorithm, x.nbytes, n)
+    out = check_out("broadcast", out, x.shape, x.dtype)
 
     def result() -> np.ndarray:
         buf = np.empty(x.shape, x.dtype) if out is None else out
@@ -266,7 +164,7 @@ def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out) -> 
         return buf
 
     header = (x.dtype, x.shape, None, root)
-    return _Call("broadcast", backend, timeout, header, body, fast, algorithm)
+    return Call("broadcast", backend, timeout, header, body, fast, algorithm)
 
 
 def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
@@ -287,12 +185,12 @@ def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float |
 
 
 # ----------------------------------------------------------------------------- all_gather
-def _all_gather(tensor, backend: Backend, timeout, algorithm, out) -> _Call:
-    x = _as_array("all_gather", tensor, backend)
+def _all_gather(tensor, backend: Backend, timeout, algorithm, out) -> Call:
+    x = as_array("all_gather", tensor, backend)
     n = backend.world_size
-    algo = _choose("all_gather", algorithm, x.nbytes, n)
+    algo = choose("all_gather", algorithm, x.nbytes, n)
     shape = (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
-    out = _out("all_gather", out, shape, x.dtype)
+    out = check_out("all_gather", out, shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
         block = np.ascontiguousarray(x).reshape(-1)
@@ -313,7 +211,7 @@ def _all_gather(tensor, backend: Backend, timeout, algorithm, out) -> _Call:
         return result
 
     header = (x.dtype, x.shape, None, -1)
-    return _Call("all_gather", backend, timeout, header, body, fast, algorithm)
+    return Call("all_gather", backend, timeout, header, body, fast, algorithm)
 
 
 def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
@@ -334,8 +232,8 @@ def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
 
 
 # ----------------------------------------------------------------------------- reduce_scatter
-def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> _Call:
-    x = _as_array("reduce_scatter", tensor, backend)
+def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> Call:
+    x = as_array("reduce_scatter", tensor, backend)
     op = as_op(op)
     wd = work_dtype("reduce_scatter", x.dtype, op)
     n = backend.world_size
@@ -344,9 +242,9 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> _C
     if x.shape[0] % n:
         raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} ({x.shape[0]}) is "
                                 f"not divisible by world_size {n}")
-    algo = _choose("reduce_scatter", algorithm, x.nbytes, n)
+    algo = choose("reduce_scatter", algorithm, x.nbytes, n)
     out_shape = (x.shape[0] // n, *x.shape[1:])
-    out = _out("reduce_scatter", out, out_shape, x.dtype)
+    out = check_out("reduce_scatter", out, out_shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
         buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)
@@ -367,7 +265,7 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> _C
         return result
 
     header = (x.dtype, x.shape, op, -1)
-    return _Call("reduce_scatter", backend, timeout, header, body, fast, algorithm)
+    return Call("reduce_scatter", backend, timeout, header, body, fast, algorithm)
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -397,9 +295,9 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"barrier: backend must be a ferro_backend.Backend, got "
                         f"{type(backend).__name__}")
-    group = fastpath.group_for(backend)
+    group = group_for(backend)
     if group is not None:
         group.lean_barrier(state(backend).next_seq(),
                            backend.resolve_timeout(timeout, "barrier: timeout"))
         return
-    _Call("barrier", backend, timeout, (None, ()), lambda ctx: None, fastpath.barrier).run()
+    Call("barrier", backend, timeout, (None, ()), lambda ctx: None, fastpath.barrier).run()
