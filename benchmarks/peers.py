@@ -28,6 +28,8 @@ from busbw import busbw
 from ferro_backend.testing import free_port
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+#: one BLAS/OpenMP thread per rank for every implementation
+THREAD_CAPS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
 
 
@@ -44,14 +46,32 @@ def _ferro_ops(transport: str):
     addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     cls = ferro_backend.ShmBackend if transport == "shm" else ferro_backend.TcpBackend
     b = cls(rank, world, addr, timeout=300)
+    outs = _Outputs(lambda n: np.empty(n, np.float32))
     ops = {
-        "allreduce": lambda x: allreduce(x, b),
-        "all_gather": lambda x: all_gather(x[: x.size // world], b),
-        "reduce_scatter": lambda x: reduce_scatter(x, b),
-        "broadcast": lambda x: broadcast(x, b, 0),
+        "allreduce": lambda x: allreduce(x, b, out=outs.get("ar", x.size)),
+        "all_gather": lambda x: all_gather(x[: x.size // world], b,
+                                           out=outs.get("ag", x.size // world * world)),
+        "reduce_scatter": lambda x: reduce_scatter(x, b, out=outs.get("rs", x.size // world)),
+        "broadcast": lambda x: broadcast(x, b, 0, out=x),
         "barrier": lambda x: barrier(b),
     }
     return rank, world, ops, lambda: barrier(b), np.ones, b.close
+
+
+class _Outputs:
+    """Output buffers made once per size and reused, for every implementation alike: a user
+    tuning for speed preallocates (MPI's Allreduce(x, out), torch's *_into_tensor, ferro's
+    out=), so no run pays page faults for a fresh result each call."""
+
+    def __init__(self, empty) -> None:
+        self._empty = empty
+        self._bufs: dict[tuple[str, int], object] = {}
+
+    def get(self, key: str, n: int):
+        buf = self._bufs.get((key, n))
+        if buf is None:
+            buf = self._bufs[(key, n)] = self._empty(n)
+        return buf
 
 
 def _mpi_ops():
@@ -60,19 +80,21 @@ def _mpi_ops():
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
 
+    outs = _Outputs(lambda n: np.empty(n, np.float32))
+
     def allreduce(x):
-        out = np.empty_like(x)
+        out = outs.get("ar", x.size)
         comm.Allreduce(x, out, op=MPI.SUM)
         return out
 
     def all_gather(x):
         part = x[: x.size // world]
-        out = np.empty(part.size * world, x.dtype)
+        out = outs.get("ag", part.size * world)
         comm.Allgather(part, out)
         return out
 
     def reduce_scatter(x):
-        out = np.empty(x.size // world, x.dtype)
+        out = outs.get("rs", x.size // world)
         comm.Reduce_scatter_block(x, out, op=MPI.SUM)
         return out
 
@@ -94,19 +116,22 @@ def _gloo_ops():
                             init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
                                         f"{os.environ['MASTER_PORT']}")
 
+    outs = _Outputs(lambda n: torch.empty(n, dtype=torch.float32))
+
     def allreduce(x):
-        y = x.clone()
+        y = outs.get("ar", x.numel())  # all_reduce is in place: copy the input in, as a user must
+        y.copy_(x)
         dist.all_reduce(y)
         return y
 
     def all_gather(x):
         part = x[: x.numel() // world]
-        out = torch.empty(part.numel() * world, dtype=x.dtype)
+        out = outs.get("ag", part.numel() * world)
         dist.all_gather_into_tensor(out, part)
         return out
 
     def reduce_scatter(x):
-        out = torch.empty(x.numel() // world, dtype=x.dtype)
+        out = outs.get("rs", x.numel() // world)
         dist.reduce_scatter_tensor(out, x)
         return out
 
@@ -128,6 +153,8 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int]) ->
         rank, world, ops, barrier, ones, close = _mpi_ops()
     elif impl == "gloo":
         rank, world, ops, barrier, ones, close = _gloo_ops()
+    elif impl == "mpi-sm":
+        rank, world, ops, barrier, ones, close = _mpi_ops()
     else:
         rank, world, ops, barrier, ones, close = _ferro_ops(impl.split("-")[1])
     rows = []
@@ -162,7 +189,7 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int]) ->
 def available(impl: str) -> str | None:
     """None if ``impl`` can run here, else why not."""
     try:
-        if impl == "mpi":
+        if impl in ("mpi", "mpi-sm"):
             import mpi4py  # noqa: F401
 
             if not shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
@@ -188,12 +215,14 @@ def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int
             *map(str, sizes)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
-    if impl == "mpi":
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               **THREAD_CAPS)
+    if impl in ("mpi", "mpi-sm"):
         mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
                               + env.get("PATH", ""))
-        procs = [subprocess.Popen([mpirun, "-n", str(world), "--oversubscribe", sys.executable,
-                                   *args], env=env)]
+        extra = ["--mca", "coll_sm_priority", "100"] if impl == "mpi-sm" else []
+        procs = [subprocess.Popen([mpirun, "-n", str(world), "--oversubscribe", *extra,
+                                   sys.executable, *args], env=env)]
     else:
         procs = [subprocess.Popen([sys.executable, *args], env=dict(env, RANK=str(r),
                                                                     LOCAL_RANK=str(r)))
@@ -210,17 +239,27 @@ def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int
         raise RuntimeError(f"{impl} world={world} failed: exit codes {[p.returncode for p in procs]}")
 
 
+def best_mpi(results: dict, world: int) -> list[dict] | None:
+    """Open MPI at its best: per row, the faster of the default and coll/sm runs."""
+    runs = [results[k] for k in (f"mpi/{world}", f"mpi-sm/{world}") if k in results]
+    if not runs:
+        return None
+    return [min(rows, key=lambda r: r["seconds"]) for rows in zip(*runs)]
+
+
 def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
-    lines = []
+    lines = ["Median of the repeats; `spread` = (max - min) / median of ferro-shm's runs. "
+             "`mpi-best` is the faster of Open MPI's default and `--mca coll_sm_priority 100` "
+             "per row. BLAS/OpenMP capped to one thread per rank for everyone."]
     for world in worlds:
-        lines.append(f"\n#### {world} processes: bus bandwidth, GB/s (barrier: latency, us)\n")
         present = [i for i in impls if f"{i}/{world}" in results]
         if not present:
             continue
-        lines.append("| op | size | " + " | ".join(present) + " | ferro-shm / mpi | ferro-shm / "
-                     "gloo | ferro-tcp / gloo |")
-        lines.append("|---" * (len(present) + 5) + "|")
-        rows = results[f"{present[0]}/{world}"] if present else []
+        lines.append(f"\n#### {world} processes: bus bandwidth, GB/s (barrier: latency, us)\n")
+        lines.append("| op | size | " + " | ".join(present) + " | ferro-shm spread | ferro-shm / "
+                     "mpi-best | ferro-shm / gloo | ferro-tcp / gloo |")
+        lines.append("|---" * (len(present) + 6) + "|")
+        rows = results[f"{present[0]}/{world}"]
         for i, row in enumerate(rows):
             cells, vals = [], {}
             for impl in present:
@@ -235,9 +274,11 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
                 q = vals[b] / vals[a] if row["op"] == "barrier" else vals[a] / vals[b]
                 return f"{q:.2f}x"
 
+            shm = results.get(f"ferro-shm/{world}")
+            spread = f"{shm[i].get('spread', 0) * 100:.0f}%" if shm else "-"
             size = "-" if row["op"] == "barrier" else _human(row["bytes"])
-            lines.append(f"| {row['op']} | {size} | " + " | ".join(cells) + f" | "
-                         f"{ratio('ferro-shm', 'mpi')} | {ratio('ferro-shm', 'gloo')} | "
+            lines.append(f"| {row['op']} | {size} | " + " | ".join(cells) + f" | {spread} | "
+                         f"{ratio('ferro-shm', 'mpi-best')} | {ratio('ferro-shm', 'gloo')} | "
                          f"{ratio('ferro-tcp', 'gloo')} |")
     return "\n".join(lines) + "\n"
 
@@ -273,14 +314,30 @@ def plot(results: dict, worlds: list[int], impls: list[str], path: Path) -> None
     fig.savefig(path, dpi=90)
 
 
+def _median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Per row, the run with the median time, plus the spread (max - min) / median."""
+    merged = []
+    for rows in zip(*runs):
+        times = sorted(r["seconds"] for r in rows)
+        med = times[len(times) // 2]
+        row = dict(next(r for r in rows if r["seconds"] == med))
+        row["spread"] = (times[-1] - times[0]) / med if med else 0.0
+        row["runs"] = [r["seconds"] for r in rows]
+        merged.append(row)
+    return merged
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--impls", nargs="+", default=["ferro-shm", "ferro-tcp", "mpi", "gloo"])
+    p.add_argument("--impls", nargs="+",
+                   default=["ferro-shm", "ferro-tcp", "mpi", "mpi-sm", "gloo"])
     p.add_argument("--ops", nargs="+", default=OPS)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     p.add_argument("--out", default=str(Path(__file__).parent / "peers"))
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of every implementation (interleaved); rows give the median")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -289,30 +346,39 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, impls = {}, []
+    impls = []
     for impl in args.impls:
         why = available(impl)
         if why:
             print(f"peers: skipping {impl}: {why}", flush=True)
             continue
         impls.append(impl)
-        for world in args.worlds:
-            path = out / f"{impl}-{world}.json"
-            print(f"peers: {impl} with {world} processes ...", flush=True)
-            try:
-                launch(impl, world, str(path), args.ops, args.sizes, args.timeout)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"peers: {impl} with {world} processes failed, row left out: {exc}",
+    runs: dict[str, list[list[dict]]] = {}
+    for rep in range(args.repeat):  # interleaved, so a noisy minute hits every implementation
+        for impl in impls:
+            for world in args.worlds:
+                path = out / f"{impl}-{world}.json"
+                print(f"peers: {impl} with {world} processes, run {rep + 1}/{args.repeat}",
                       flush=True)
-                continue
-            results[f"{impl}/{world}"] = json.loads(path.read_text())
-            path.unlink()
+                try:
+                    launch(impl, world, str(path), args.ops, args.sizes, args.timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"peers: {impl} with {world} processes failed, run left out: {exc}",
+                          flush=True)
+                    continue
+                runs.setdefault(f"{impl}/{world}", []).append(json.loads(path.read_text()))
+                path.unlink()
+    results = {key: _median_rows(rows) for key, rows in runs.items()}
+    for world in args.worlds:
+        mpi = best_mpi(results, world)
+        if mpi is not None:
+            results[f"mpi-best/{world}"] = mpi
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    md = markdown(results, args.worlds, impls)
+    md = markdown(results, args.worlds, impls + ["mpi-best"])
     (out / "results.md").write_text(md)
     print(md)
     try:
-        plot(results, args.worlds, impls, out / "busbw.png")
+        plot(results, args.worlds, impls + ["mpi-best"], out / "busbw.png")
     except ImportError:
         print("peers: matplotlib not installed, no plot")
     return 0
