@@ -136,3 +136,31 @@ def test_init_from_env_outside_ferrorun(monkeypatch):
     assert isinstance(b, SimulatedBackend) and (b.rank, b.world_size) == (0, 1)
     b.barrier()
     b.close()
+
+
+def test_thread_caps_per_rank_unless_the_user_set_them(tmp_path):
+    from ferro_backend.launch import THREAD_VARS, thread_caps
+
+    assert thread_caps(4, environ={}, cores=16) == {v: "4" for v in THREAD_VARS}
+    assert thread_caps(3, environ={}, cores=2) == {v: "1" for v in THREAD_VARS}
+    assert thread_caps(2, environ={"OMP_NUM_THREADS": "7"}, cores=8) == {
+        "OPENBLAS_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
+    script = write(tmp_path, "caps.py", """
+        import os
+        print("caps", *[os.environ.get(k) for k in
+                        ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")])
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    env["MKL_NUM_THREADS"] = "3"
+    r = subprocess.run([*FERRORUN, "--nproc", "2", str(script)], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    expected = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    lines = [line.split(" caps ")[1] for line in r.stdout.splitlines() if " caps " in line]
+    assert lines == [f"{expected} {expected} 3"] * 2
+    assert r.stderr.count("OMP_NUM_THREADS, OPENBLAS_NUM_THREADS set to") == 1  # said once
+
+
+def test_version():
+    r = subprocess.run([*FERRORUN, "--version"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.startswith("ferrorun (ferro-backend 0.")

@@ -7,10 +7,11 @@
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 FERRO_TOKEN (fresh per single-node job) and FERRO_TRANSPORT, so ``ferro_backend.init_from_env()``
-joins the job. Every line a rank prints is prefixed with ``[rank N]``. When a rank fails, the
-others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds; each rank runs in its own
-process group, so its children go too) and ferrorun exits with that rank's exit code. SIGINT and
-SIGTERM sent to ferrorun reach every rank.
+joins the job, and OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS = max(1, cores //
+local ranks) unless they are set already. Every line a rank prints is prefixed with
+``[rank N]``. When a rank fails, the others are stopped (SIGTERM, then SIGKILL after
+``--grace`` seconds; each rank runs in its own process group, so its children go too) and
+ferrorun exits with that rank's exit code. SIGINT and SIGTERM sent to ferrorun reach every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.metadata import version as _version
 
 from .testing import free_port
 
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    "one for a single-node job)")
     p.add_argument("--timeout", type=float, default=None,
                    help="default timeout of blocking calls in the ranks, seconds (FERRO_TIMEOUT)")
+    p.add_argument("--version", action="version",
+                   version=f"ferrorun (ferro-backend {_version('ferro-backend')})")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
@@ -53,6 +57,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the script (or module with -m) every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     return p
+
+
+#: the BLAS/OpenMP thread-count variables ferrorun caps per rank unless the user set them
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_caps(local_ranks: int, environ: dict[str, str] | None = None,
+                cores: int | None = None) -> dict[str, str]:
+    """The thread caps every rank gets: ``max(1, cores // local_ranks)`` for each variable of
+    :data:`THREAD_VARS` the user has not set (without caps, every rank's BLAS starts one thread
+    per core, and N ranks fight over the cores: torchrun caps them too)."""
+    environ = os.environ if environ is None else environ
+    if cores is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    per_rank = str(max(1, cores // max(1, local_ranks)))
+    return {var: per_rank for var in THREAD_VARS if var not in environ}
 
 
 def _default_transport(nnodes: int) -> str:
@@ -163,13 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     transport = args.transport or _default_transport(args.nnodes)
     cmd = [sys.executable, "-u"] + (["-m", args.script] if args.module else [args.script])
     cmd += args.args
+    caps = thread_caps(args.nproc)
+    if caps:
+        sys.stderr.write(f"ferrorun: {', '.join(sorted(caps))} set to "
+                         f"{next(iter(caps.values()))} per rank ({args.nproc} local ranks); set "
+                         "them yourself to choose another value\n")
     envs, ranks = [], []
     for local in range(args.nproc):
         rank = args.node_rank * args.nproc + local
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(args.nproc), GROUP_RANK=str(args.node_rank),
                    MASTER_ADDR=args.master_addr, MASTER_PORT=str(port), FERRO_TOKEN=token,
-                   FERRO_TRANSPORT=transport, PYTHONUNBUFFERED="1")
+                   FERRO_TRANSPORT=transport, PYTHONUNBUFFERED="1", **caps)
         if args.timeout is not None:
             env["FERRO_TIMEOUT"] = str(args.timeout)
         envs.append(env)
