@@ -74,7 +74,7 @@ def train_and_save(strategy, world, intra, opt_kind, steps):
     return [r[0] for r in res], [r[1] for r in res], [r[2] for r in res]
 
 
-def load_and_train(strategy, world, intra, opt_kind, per_rank, steps, start_step=0):
+def load_and_train(strategy, world, intra, opt_kind, per_rank, steps):
     x, y = make_data(N)
     per = N // world
 

@@ -38,7 +38,8 @@ class DistributedDataParallel(ModuleWrapper):
     broadcast_parameters
         Broadcast rank 0's parameters at construction (default True).
     timeout
-        Passed to every collective.
+        Passed to every collective; None (the default) leaves each collective the
+        backend's own ``backend.timeout``.
 
     ``backward(grad_output)`` runs ``module.backward`` and then ``sync_gradients()`` (unless
     inside ``no_sync()``); a model trained without ``backward`` calls ``sync_gradients()``

@@ -1,21 +1,12 @@
-"""Fully sharded data parallel for numpy models (the seed fsdp.rs, flattened and padded).
+"""Fully sharded data parallel for numpy models: the :class:`FSDP` wrapper, flattened and padded.
 
 One :class:`FSDP` wraps one module as one unit: its parameters share one :class:`FlatLayout`,
 so a forward is one all-gather and a gradient sync one reduce-scatter (or one allreduce), never
-one per parameter. FSDP never replaces a Parameter object; it swaps ``.data`` and ``.grad``:
-
-========================  =====================================  ===========================================
-strategy                  ``module.<p>.data`` between steps      ``module.<p>.grad`` after ``sync_gradients``
-========================  =====================================  ===========================================
-FULL_SHARD                this rank's padded chunk ``(chunk,)``  mean-reduced gradient of that chunk
-HYBRID_SHARD              the chunk of the rank's intra group    same, also averaged across nodes
-SHARD_GRAD_OP             full parameter                         full shape, only this rank's chunk filled
-NO_SHARD                  full parameter                         mean-allreduced full gradient
-========================  =====================================  ===========================================
-
-Chunks follow :mod:`ferro_fsdp.flat`: rank ``r`` holds ``len_r = n // W + (r < n % W)`` real
-elements of an ``n``-element parameter, then zeros up to ``ceil(n / W)`` elements. The padding
-stays zero through SGD and Adam (its gradient is zero) and never reaches the full parameter.
+one per parameter. FSDP never replaces a Parameter object; it swaps ``.data`` and ``.grad``.
+What each strategy does is read from its :class:`~ferro_fsdp.strategy.StrategySpec`; what
+``.data`` and ``.grad`` hold under each strategy, and the padding of chunks, are in the package
+README. This module gathers and runs forward/backward; :mod:`ferro_fsdp.grad_sync` averages the
+gradients and :mod:`ferro_fsdp._state` saves and loads sharded state dicts.
 
 A training step::
 
@@ -35,11 +26,7 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
-from ferro_collective import (
-    all_gather,
-    all_gather_async,
-    broadcast,
-)
+from ferro_collective import all_gather, all_gather_async, broadcast
 
 from ._state import ShardedStateDicts
 from .errors import FSDPStateError
@@ -47,8 +34,6 @@ from .flat import FlatLayout
 from .grad_sync import GradientSync
 from .module import Module, ModuleWrapper, Parameter
 from .strategy import ShardingStrategy
-
-_FREED_NOTE = "freed: FULL_SHARD / HYBRID_SHARD free the gathered parameters after forward"
 
 
 def _ready(value: np.ndarray) -> concurrent.futures.Future:
@@ -85,7 +70,8 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
     sync_module_states
         Broadcast rank 0's parameters before sharding.
     timeout
-        Passed to every collective.
+        Passed to every collective; None (the default) leaves each collective the
+        backend's own ``backend.timeout``.
 
     Raises
     ------
@@ -334,6 +320,7 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
             if self._spec.shards_params:
                 for fp in fps:
                     fp.data = _freed(self._layout.dtype)
+
 
 def _root(arr: np.ndarray) -> np.ndarray:
     while isinstance(getattr(arr, "base", None), np.ndarray):
