@@ -164,3 +164,69 @@ def test_thread_caps_per_rank_unless_the_user_set_them(tmp_path):
 def test_version():
     r = subprocess.run([*FERRORUN, "--version"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.startswith("ferrorun (ferro-backend 0.")
+
+
+def test_max_restarts_restarts_the_whole_job_and_names_the_failed_rank(tmp_path):
+    script = write(tmp_path, "flaky.py", """
+        import os, signal, sys
+        n = int(os.environ["FERRO_RESTART_COUNT"])
+        print("attempt", n, os.environ["MASTER_PORT"], os.environ["FERRO_TOKEN"], flush=True)
+        if os.environ["RANK"] == "1" and n == 0:
+            sys.exit(3)
+        if os.environ["RANK"] == "1" and n == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--max-restarts", "2", "--grace", "1",
+                        str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    restarts = [line for line in r.stderr.splitlines() if "restarting the job" in line]
+    assert restarts == ["ferrorun: rank 1 exited with code 3; restarting the job (1 of 2)",
+                        "ferrorun: rank 1 was killed by SIGKILL; restarting the job (2 of 2)"]
+    attempts = {}
+    for line in r.stdout.splitlines():
+        if " attempt " in line:
+            n, port, token = line.split(" attempt ")[1].split()
+            attempts.setdefault(int(n), set()).add((port, token))
+    assert sorted(attempts) == [0, 1, 2]
+    # a fresh rendezvous and a fresh token for every attempt, the same within one
+    assert all(len(v) == 1 for v in attempts.values())
+    assert len({next(iter(v)) for v in attempts.values()}) == 3
+
+
+def test_restarts_run_out_with_the_last_failures_code(tmp_path):
+    script = write(tmp_path, "bad.py", """
+        import os, sys
+        sys.exit(5 if os.environ["RANK"] == "0" else 0)
+    """)
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--max-restarts", "1", "--grace", "1",
+                        str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 5
+    assert r.stderr.count("restarting the job") == 1
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    script = write(tmp_path, "sleepy.py", """
+        import os, time
+        print("pid", os.getpid(), flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([*FERRORUN, "--nproc", "2", str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    pids = []
+    try:
+        end = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < end:
+            line = p.stdout.readline()
+            if " pid " in line:
+                pids.append(int(line.split(" pid ")[1]))
+        assert len(pids) == 2
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        time.sleep(2)
+        assert [pid for pid in pids if alive(pid)] == []
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

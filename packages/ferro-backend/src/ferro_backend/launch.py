@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="default timeout of blocking calls in the ranks, seconds (FERRO_TIMEOUT)")
     p.add_argument("--version", action="version",
                    version=f"ferrorun (ferro-backend {_version('ferro-backend')})")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="on a rank's failure, stop every rank and start the whole job again, up "
+                        "to this many times (each rank sees FERRO_RESTART_COUNT; default 0)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
@@ -111,10 +114,21 @@ def _pump(stream, out, prefix: str) -> None:
     stream.close()
 
 
+def _describe(code: int) -> str:
+    """How a rank ended: ``exited with code 3`` or ``was killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class Job:
     def __init__(self, cmd: list[str], envs: list[dict[str, str]], ranks: list[int],
                  grace: float, prefix: bool) -> None:
         self.grace = grace
+        self.failure: tuple[int, int] | None = None  # (rank, return code) of the first failure
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.ranks = ranks
@@ -145,13 +159,15 @@ class Job:
             p.wait()
 
     def wait(self) -> int:
-        """Wait for every rank; on the first failure stop the rest. Returns the exit code."""
+        """Wait for every rank; on the first failure stop the rest. Returns the exit code
+        (128 + N for a rank killed by signal N); :attr:`failure` names the failed rank."""
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                sys.stderr.write(f"ferrorun: rank {self.ranks[i]} exited with code {code}; "
+                self.failure = (self.ranks[i], code)
+                sys.stderr.write(f"ferrorun: rank {self.ranks[i]} {_describe(code)}; "
                                  f"stopping the other ranks\n")
                 self.stop_all()
                 return code if code > 0 else 128 - code
@@ -178,47 +194,63 @@ def main(argv: list[str] | None = None) -> int:
         if args.nnodes > 1:
             _parser().error("multi-node jobs need a shared secret: --token or FERRO_TOKEN")
         token = secrets.token_hex(16)
-    port = args.master_port or free_port(args.master_addr if args.master_addr != "localhost"
-                                         else "127.0.0.1")
     world = args.nproc * args.nnodes
     transport = args.transport or _default_transport(args.nnodes)
-    cmd = [sys.executable, "-u"] + (["-m", args.script] if args.module else [args.script])
-    cmd += args.args
+    target = ["-m", args.script] if args.module else [args.script]
+    cmd = [sys.executable, "-u", "-m", "ferro_backend._rank_main", str(os.getpid()), *target,
+           *args.args]
     caps = thread_caps(args.nproc)
     if caps:
         sys.stderr.write(f"ferrorun: {', '.join(sorted(caps))} set to "
                          f"{next(iter(caps.values()))} per rank ({args.nproc} local ranks); set "
                          "them yourself to choose another value\n")
-    envs, ranks = [], []
-    for local in range(args.nproc):
-        rank = args.node_rank * args.nproc + local
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE=str(args.nproc), GROUP_RANK=str(args.node_rank),
-                   MASTER_ADDR=args.master_addr, MASTER_PORT=str(port), FERRO_TOKEN=token,
-                   FERRO_TRANSPORT=transport, PYTHONUNBUFFERED="1", **caps)
-        if args.timeout is not None:
-            env["FERRO_TIMEOUT"] = str(args.timeout)
-        envs.append(env)
-        ranks.append(rank)
-    job = Job(cmd, envs, ranks, args.grace, not args.no_prefix)
     received: list[int] = []
+    job: Job | None = None
 
     def forward(signum, frame):
         received.append(signum)
-        job.signal_all(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+        if job is not None:
+            job.signal_all(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    restart = 0
     try:
-        code = job.wait()
-        if received and code == 0:
-            code = 128 + received[0]
+        while True:
+            # a fresh rendezvous (port) and, for a single-node job, a fresh token each time
+            port = args.master_port or free_port(args.master_addr if args.master_addr !=
+                                                 "localhost" else "127.0.0.1")
+            if not (args.token or os.environ.get("FERRO_TOKEN")):
+                token = secrets.token_hex(16)
+            envs, ranks = [], []
+            for local in range(args.nproc):
+                rank = args.node_rank * args.nproc + local
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                           LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.nproc),
+                           GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
+                           MASTER_PORT=str(port), FERRO_TOKEN=token, FERRO_TRANSPORT=transport,
+                           FERRO_RESTART_COUNT=str(restart), PYTHONUNBUFFERED="1", **caps)
+                if args.timeout is not None:
+                    env["FERRO_TIMEOUT"] = str(args.timeout)
+                envs.append(env)
+                ranks.append(rank)
+            job = Job(cmd, envs, ranks, args.grace, not args.no_prefix)
+            try:
+                code = job.wait()
+            finally:
+                if any(p.poll() is None for p in job.procs):
+                    job.stop_all()
+                job.finish_output()
+            if received:
+                return code if code else 128 + received[0]
+            if code == 0 or restart >= args.max_restarts:
+                return code
+            restart += 1
+            failed_rank, failed_code = job.failure
+            sys.stderr.write(f"ferrorun: rank {failed_rank} {_describe(failed_code)}; "
+                             f"restarting the job ({restart} of {args.max_restarts})\n")
     finally:
-        if any(p.poll() is None for p in job.procs):
-            job.stop_all()
         for s, h in old.items():
             signal.signal(s, h)
-        job.finish_output()
-    return code
 
 
 if __name__ == "__main__":  # pragma: no cover
