@@ -16,7 +16,7 @@ from ferro_backend import (
     SimulatedBackend,
     SizeMismatchError,
 )
-from ferro_backend.testing import run_ranks, run_threads
+from ferro_backend.testing import RankFailure, run_ranks, run_threads
 
 
 # ---- ported from backend.rs ------------------------------------------------------------
@@ -219,3 +219,46 @@ def test_zero_length_messages():
             b.recv(bytearray(0), 0, timeout=5)
 
     run_ranks(fn, 2, timeout=10)
+
+
+def _ring_loop(b, rounds=50):
+    """A ring exchange per round (every rank sends and receives), returns rounds done."""
+    out = bytearray(1)
+    for i in range(rounds):
+        b.send(bytes([i % 256]), (b.rank + 1) % b.world_size, tag=7)
+        b.recv(out, (b.rank - 1) % b.world_size, tag=7)
+    return rounds
+
+
+@pytest.mark.timeout(30)
+def test_injected_kill_fails_the_peers_promptly():
+    group = SimulatedBackend.create_group(3, timeout=10)
+    group[1].inject(after_messages=5, fault="kill")
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:  # a failing rank aborts, as a dying process would
+        run_threads(_ring_loop, group, raise_first=False)
+    errors = info.value.errors
+    assert set(errors) == {0, 1, 2}
+    assert all(isinstance(e, PeerClosedError) for e in errors.values())
+    assert "killed by fault injection" in str(errors[2])
+    assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.timeout(30)
+def test_injected_freeze_makes_the_peers_time_out_and_delay_only_slows():
+    group = SimulatedBackend.create_group(2, timeout=0.5)
+    group[0].inject(after_messages=3, fault="freeze")
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_threads(_ring_loop, group, abort_on_error=False, raise_first=False)
+    assert all(isinstance(e, CollectiveTimeoutError) for e in info.value.errors.values())
+    assert time.monotonic() - t0 < 5
+    group = SimulatedBackend.create_group(2, timeout=10)
+    group[1].inject(after_messages=0, fault="delay", delay=0.01)
+    t0 = time.monotonic()
+    assert run_threads(lambda b: _ring_loop(b, 20), group) == [20, 20]
+    assert time.monotonic() - t0 >= 0.2
+    with pytest.raises(ValueError, match="fault 'explode'"):
+        group[0].inject(fault="explode")
+    with pytest.raises(ValueError, match="after_messages -1"):
+        group[0].inject(after_messages=-1)

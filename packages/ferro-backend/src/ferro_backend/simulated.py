@@ -6,9 +6,11 @@ destination's posted receive buffer when there is one, else into a queue. Sends 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request, check_timeout, check_world_size
+from .errors import CollectiveTimeoutError, PeerClosedError
 from .mailbox import Mailbox
 
 
@@ -21,6 +23,8 @@ class SimulatedBackend(FixedRanks, Backend):
         self._world = len(mailboxes)
         self.timeout = timeout
         self._box = mailboxes[rank]
+        self._sends = 0
+        self._fault: tuple[int, str, float] | None = None  # (from send number, kind, delay)
 
     @classmethod
     def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT
@@ -40,9 +44,52 @@ class SimulatedBackend(FixedRanks, Backend):
         ranks.extend(cls(boxes, r, timeout) for r in range(world_size))
         return ranks
 
+    def inject(self, *, after_messages: int = 0, fault: str = "kill", delay: float = 0.1) -> None:
+        """Make this rank fail on purpose, for tests of recovery code without processes.
+
+        After this rank has sent ``after_messages`` more messages, every later send:
+
+        - ``"kill"``: the rank dies: its peers' calls with it raise :class:`PeerClosedError`
+          (as after a SIGKILL), and its own send raises PeerClosedError too;
+        - ``"freeze"``: the rank stops (as after a SIGSTOP): nothing more is delivered, its
+          peers time out at their deadlines, and its own send waits its timeout and raises
+          :class:`CollectiveTimeoutError`;
+        - ``"delay"``: each message is delivered ``delay`` seconds late (a slow rank).
+
+        Example: ``group[1].inject(after_messages=5, fault="kill")``.
+        """
+        if fault not in ("kill", "freeze", "delay"):
+            raise ValueError(f"inject: fault {fault!r} is not 'kill', 'freeze' or 'delay'")
+        if isinstance(after_messages, bool) or not isinstance(after_messages, int) \
+                or after_messages < 0:
+            raise ValueError(f"inject: after_messages {after_messages!r} is not an int >= 0")
+        self._fault = (self._sends + after_messages, fault,
+                       check_timeout(delay, "inject: delay"))
+
+    def _faulty_send(self, dst: int) -> bool:
+        """Apply an injected fault to this send; True if the message must not be delivered."""
+        start, kind, delay = self._fault
+        if self._sends <= start:
+            return False
+        if kind == "delay":
+            time.sleep(delay)
+            return False
+        if kind == "kill":
+            reason = f"rank {self._rank} was killed by fault injection"
+            for r, box in enumerate(self._boxes):
+                if r != self._rank:
+                    box.peer_closed(self._rank, reason)
+            raise PeerClosedError(f"send: {reason}", peer=self._rank)
+        time.sleep(self.timeout)
+        raise CollectiveTimeoutError(f"send: rank {self._rank} -> {dst} is frozen by fault "
+                                     f"injection (waited {self.timeout:g}s)")
+
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
         view = self._send_view(data, dst, tag)
         self._box.check("send", dst)
+        self._sends += 1
+        if self._fault is not None and self._faulty_send(dst):
+            return
         box = self._boxes[dst]
         req = box.claim(self._rank, tag)
         if req is not None:
