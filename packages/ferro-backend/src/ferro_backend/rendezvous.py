@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import socket
 import struct
+import threading
 import time
 
 from .errors import AuthenticationError, ProtocolError, RendezvousError
@@ -33,6 +35,9 @@ from .handshake import (
 log = logging.getLogger("ferro_backend.tcp")
 
 SOCKET_BUFFER = 4 << 20
+#: seconds a connection may take to complete its handshake before it is dropped
+HANDSHAKE_TIMEOUT = 10.0
+_ACCEPT_POLL = 0.05
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -168,43 +173,67 @@ class Rendezvous:
 
     def _accept(self, lsock: socket.socket, expected: set[int], deadline: float
                 ) -> dict[int, tuple[socket.socket, str, int]]:
-        """Accept authenticated connections until every rank in ``expected`` has joined."""
+        """Accept authenticated connections until every rank in ``expected`` has joined.
+
+        Each connection's handshake runs in a thread of its own, so a stranger that connects
+        and says nothing (or a hundred of them) cannot hold up the ranks behind it; the ranks'
+        claims are checked here, one at a time.
+        """
         joined: dict[int, tuple[socket.socket, str, int]] = {}
         host, port = lsock.getsockname()[:2]
-        while len(joined) < len(expected):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                for s, _, _ in joined.values():
-                    s.close()
-                missing = sorted(expected - joined.keys())
-                raise RendezvousError(
-                    f"rank {self.rank} listening on {host}:{port}: ranks {missing} did not "
-                    f"join within the connect timeout"
-                )
-            lsock.settimeout(remaining)
-            try:
-                sock, peer_addr = lsock.accept()
-            except TimeoutError:
-                continue
-            sock.settimeout(max(0.05, min(remaining, 10.0)))
-            try:
-                server_handshake(sock, self.key)
-                prank, pworld, phost, pport = decode_info(sock)
-                problem = None
-                if pworld != self.world:
-                    problem = f"world_size {pworld} differs from this job's {self.world}"
-                elif prank not in expected:
-                    problem = f"rank {prank} is not expected here (expected {sorted(expected)})"
-                elif prank in joined:
-                    problem = f"rank {prank} joined twice"
-                if problem:
-                    send_status(sock, ST_BAD, problem)
-                    raise ProtocolError(problem)
-                send_status(sock, ST_OK)
-            except (ProtocolError, AuthenticationError, OSError, struct.error) as exc:
-                log.warning("rank %d: refused a connection from %s: %s", self.rank,
-                            peer_addr, exc)
-                sock.close()
-                continue
-            joined[prank] = (sock, phost or peer_addr[0], pport)
+        arrivals: queue.SimpleQueue = queue.SimpleQueue()
+        lsock.settimeout(_ACCEPT_POLL)
+        try:
+            while len(joined) < len(expected):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(expected - joined.keys())
+                    raise RendezvousError(
+                        f"rank {self.rank} listening on {host}:{port}: ranks {missing} did not "
+                        f"join within the connect timeout")
+                try:
+                    sock, peer_addr = lsock.accept()
+                except TimeoutError:
+                    pass
+                else:
+                    sock.settimeout(max(0.05, min(remaining, HANDSHAKE_TIMEOUT)))
+                    threading.Thread(target=self._greet, args=(sock, peer_addr, arrivals),
+                                     daemon=True, name=f"ferro-handshake-{self.rank}").start()
+                while not arrivals.empty():
+                    sock, peer_addr, info = arrivals.get()
+                    self._admit(sock, peer_addr, info, expected, joined)
+        except BaseException:
+            for s, _, _ in joined.values():
+                s.close()
+            raise
         return joined
+
+    def _greet(self, sock: socket.socket, peer_addr, arrivals: queue.SimpleQueue) -> None:
+        """A connection's handshake (in its own thread); a stranger is refused and dropped."""
+        try:
+            server_handshake(sock, self.key)
+            arrivals.put((sock, peer_addr, decode_info(sock)))
+        except (ProtocolError, AuthenticationError, OSError, struct.error) as exc:
+            log.warning("rank %d: refused a connection from %s: %s", self.rank, peer_addr, exc)
+            sock.close()
+
+    def _admit(self, sock: socket.socket, peer_addr, info: tuple[int, int, str, int],
+               expected: set[int], joined: dict) -> None:
+        prank, pworld, phost, pport = info
+        problem = None
+        if pworld != self.world:
+            problem = f"world_size {pworld} differs from this job's {self.world}"
+        elif prank not in expected:
+            problem = f"rank {prank} is not expected here (expected {sorted(expected)})"
+        elif prank in joined:
+            problem = f"rank {prank} joined twice"
+        try:
+            if problem:
+                send_status(sock, ST_BAD, problem)
+                raise ProtocolError(problem)
+            send_status(sock, ST_OK)
+        except (ProtocolError, OSError) as exc:
+            log.warning("rank %d: refused a connection from %s: %s", self.rank, peer_addr, exc)
+            sock.close()
+            return
+        joined[prank] = (sock, phost or peer_addr[0], pport)
