@@ -17,6 +17,20 @@ cdef extern from "<sys/uio.h>" nogil:
                              const iovec* remote_iov, unsigned long riovcnt,
                              unsigned long flags)
 
+cdef extern from *:
+    """
+    #include <limits.h>
+    #include <stdint.h>
+    #include <unistd.h>
+    #include <sys/syscall.h>
+    #include <linux/futex.h>
+    static inline void ferro_wake_all(uint32_t* word) {
+        syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+    """
+    void ferro_wake_all(unsigned int* word) noexcept nogil
+
+
 cdef extern from "<sys/prctl.h>" nogil:
     int prctl(int option, unsigned long arg2, unsigned long arg3, unsigned long arg4,
               unsigned long arg5)
@@ -66,3 +80,10 @@ def allow_peers_to_read() -> bool:
     with nogil:
         rc = prctl(PR_SET_PTRACER, <unsigned long>0xFFFFFFFFFFFFFFFF, 0, 0, 0)
     return rc == 0
+
+
+def futex_wake(size_t address):
+    """Wake every thread (of any process) sleeping in a futex wait on the 32-bit word at
+    ``address`` (a word of a shared mapping; the caller owns the mapping)."""
+    with nogil:
+        ferro_wake_all(<unsigned int*>address)

@@ -92,8 +92,13 @@ class SharedSegment:
         self.cma_ok = False
 
     def mark_failed(self) -> None:
-        """A peer died, closed or aborted (or this rank closed): waiting calls give up."""
+        """A peer died, closed or aborted (or this rank closed): waiting calls give up now
+        (the flag is set, then every rank's step word is woken, so no sleeper waits out its
+        sleep slice)."""
         self.failed[0] = 1
+        if self._bytes is not None:
+            for rank in range(self.nranks):
+                _shm.futex_wake(self.address + self.ctrl(rank))
 
     def close(self) -> None:
         self.mark_failed()
