@@ -10,7 +10,9 @@ batch size must be divisible by the number of ranks), so a run gives the same pa
 whatever the number of ranks, up to floating-point summation order (exactly, in float64, for the
 tests). Checkpoints are sharded state dicts written by ferro-checkpoint's AsyncCheckpointer;
 ``--resume`` loads the last one on any number of ranks (resharding) and continues from its step:
-same data order, same loss curve. Rank 0 shows a progress bar, prints held-out accuracy each
+same data order, same loss curve. Under ``ferrorun --max-restarts N`` a restarted job resumes by
+itself (``FERRO_RESTART_COUNT`` > 0), so a run killed at any step ends with the same parameters,
+bit for bit, as one that never failed (``--fail-at-step`` injects such a failure). Rank 0 shows a progress bar, prints held-out accuracy each
 epoch and a summary at the end, and writes the loss curve of every run in the checkpoint
 directory to ``loss_curve.png`` beside the checkpoint.
 """
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -66,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dump-params", type=Path, default=None,
                    help="write the final full parameters (rank 0) to this .npz")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection, to test restarts: on the first attempt "
+                        "(FERRO_RESTART_COUNT=0) rank --fail-rank SIGKILLs itself after this step")
+    p.add_argument("--fail-rank", type=int, default=1)
     return p.parse_args(argv)
 
 
@@ -161,6 +169,12 @@ def main(argv=None) -> int:
                          f"{world} ranks")
     if args.resume and args.checkpoint_dir is None:
         raise SystemExit("train_mlp: --resume needs --checkpoint-dir")
+    # under `ferrorun --max-restarts`, a restarted job resumes by itself from its newest
+    # committed checkpoint (or starts over if it failed before the first one)
+    restart = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
+    if args.resume and not restart and not (args.checkpoint_dir / "metadata.json").exists():
+        raise SystemExit(f"train_mlp: --resume: no committed checkpoint in "
+                         f"{args.checkpoint_dir} (no metadata.json); check the path")
     x_tr, y_tr, x_te, y_te, classes = load_data(args)
     model = build_model(args, x_tr.shape[1], classes)
     n_params = sum(p.data.size for p in model.parameters())
@@ -181,17 +195,18 @@ def main(argv=None) -> int:
     steps_per_epoch = len(x_tr) // args.batch_size
     total = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     step = 0
-    if args.resume and (args.checkpoint_dir / "metadata.json").exists():
+    resuming = (args.resume or restart > 0) and args.checkpoint_dir is not None
+    if resuming and (args.checkpoint_dir / "metadata.json").exists():
         step = resume(args, wrapper, opt, backend)
         if rank == 0:
             print(f"resumed from step {step} of {args.checkpoint_dir} on {world} ranks "
-                  f"({args.strategy})", flush=True)
+                  f"({args.strategy}, restart {restart})", flush=True)
     checkpointer = None
     history: list[dict] = []
     if args.checkpoint_dir is not None:
         if rank == 0:
             args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            if args.resume and history_path(args).exists():
+            if resuming and history_path(args).exists():
                 history = json.loads(history_path(args).read_text())
         backend.barrier()
     run = {"run": len(history) + 1, "world_size": world, "strategy": args.strategy,
@@ -243,6 +258,8 @@ def main(argv=None) -> int:
         if args.strategy != "ddp":
             wrapper.broadcast_updated_params()
         step += 1
+        if step == args.fail_at_step and restart == 0 and rank == args.fail_rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (see --fail-at-step)
         global_loss = float(allreduce(np.array([loss]), backend, ReduceOp.MEAN)[0])
         run["losses"].append((step, global_loss))
         if progress is not None:

@@ -1,6 +1,7 @@
 """The examples and the README's commands, run as a user runs them."""
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -133,3 +134,32 @@ def test_ferrorun_timeout_reaches_the_collectives(tmp_path):
     (line,) = [ln for ln in r.stdout.splitlines() if "TIMED OUT" in ln]
     assert float(line.split("after ")[1].split("s:")[0]) < 2.0
     assert time.monotonic() - t0 < 15  # rank 1 was stopped, not waited for
+
+
+def test_a_killed_rank_restarts_and_the_run_ends_bit_identical(tmp_path):
+    common = ["--strategy", "full_shard", "--optimizer", "adam", "--steps", "30",
+              "--checkpoint-every", "4", "--no-progress"]
+    script = EXAMPLES / "train_mlp.py"
+    r = subprocess.run([*FERRORUN, "--nproc", "2", str(script), *common, "--checkpoint-dir",
+                        str(tmp_path / "a"), "--dump-params", str(tmp_path / "a.npz")],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kill_at = random.Random(7).randrange(5, 29)
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--max-restarts", "2", "--grace", "1",
+                        str(script), *common, "--checkpoint-dir", str(tmp_path / "b"),
+                        "--dump-params", str(tmp_path / "b.npz"), "--fail-at-step",
+                        str(kill_at)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ferrorun: rank 1 was killed by SIGKILL; restarting the job (1 of 2)" in r.stderr
+    assert "restart 1)" in r.stdout  # it resumed by itself from its newest checkpoint
+    a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for name in a.files:
+        assert a[name].tobytes() == b[name].tobytes(), name  # bit for bit
+
+
+def test_resume_from_a_mistyped_directory_is_refused(tmp_path):
+    r = ferrorun(1, EXAMPLES / "train_mlp.py", "--steps", "2", "--resume", "--checkpoint-dir",
+                 tmp_path / "no-such-ckpt", "--no-progress", check=False)
+    assert r.returncode != 0
+    assert "no committed checkpoint in" in r.stderr + r.stdout and "no-such-ckpt" in r.stderr + r.stdout
