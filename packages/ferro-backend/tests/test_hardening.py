@@ -92,4 +92,5 @@ def test_rendezvous_survives_strangers_and_the_job_is_correct():
         assert r.returncode == 0, r.stderr[-3000:]
         ok, grown_mib = r.result
         assert ok is True
+        print(f"rank {r.rank}: RSS grew by {grown_mib:.1f} MiB under attack")
         assert grown_mib < 50, f"rank {r.rank} grew by {grown_mib:.1f} MiB"
