@@ -15,10 +15,12 @@ from .errors import (
     InvalidArgumentError,
     MetadataError,
     MissingShardError,
+    MissingStepError,
     SerializationError,
     TensorError,
 )
 from .load import DistributedCheckpoint, load_distributed, open_checkpoint, reshard
+from .manager import CheckpointManager
 from .metadata import (
     FORMAT_VERSION,
     ShardMetadata,
@@ -36,12 +38,14 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointFuture",
     "CheckpointIOError",
+    "CheckpointManager",
     "DistCheckpointError",
     "DistributedCheckpoint",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
     "MetadataError",
     "MissingShardError",
+    "MissingStepError",
     "SerializationError",
     "ShardMetadata",
     "TensorError",

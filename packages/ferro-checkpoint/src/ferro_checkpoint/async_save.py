@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 
 from .errors import AsyncCheckpointError, InvalidArgumentError
 from .metadata import ShardMetadata, check_rank_world
-from .save import save_distributed
+from .save import encode_extra, save_distributed
 
 
 def _run_in_background(fn: Callable[[], str], name: str) -> concurrent.futures.Future:
@@ -105,16 +106,20 @@ class AsyncCheckpointer:
 
     def save_async(self, state_dict: Mapping[str, np.ndarray], *,
                    shard_spec: ShardMetadata | None = None,
-                   checkpoint_id: str | None = None) -> CheckpointFuture:
+                   checkpoint_id: str | None = None,
+                   extra: Mapping | None = None) -> CheckpointFuture:
+        """Copy ``state_dict`` (and serialize ``extra``) now, save it in the background."""
         if self._current is not None and not self._current.is_done():
             raise AsyncCheckpointError(f"a save to {self.directory} is still in flight; wait() "
                                        "for it before starting another")
         staged = {k: np.array(v, copy=True) for k, v in state_dict.items()}
+        extra = json.loads(encode_extra(extra, "save_async") or "null")  # a snapshot, now
         spec = shard_spec or self.shard_spec
 
         def save() -> str:
             return save_distributed(staged, self.directory, self.rank, self.world_size, spec,
-                                    backend=self.backend, checkpoint_id=checkpoint_id)
+                                    backend=self.backend, checkpoint_id=checkpoint_id,
+                                    extra=extra)
 
         self._current = CheckpointFuture(
             self.directory, _run_in_background(save, f"ferro-checkpoint-{self.rank}"))

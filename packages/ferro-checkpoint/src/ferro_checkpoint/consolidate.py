@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 from .errors import CheckpointIOError
-from .layout import fsync_dir
+from .layout import METADATA, fsync_dir
 from .load import VerifiedShards, assemble, open_checkpoint
-from .safetensors_io import write_safetensors
+from .safetensors_io import code_dtype, write_safetensors
 
 
 def consolidate(directory, output_file) -> None:
@@ -22,11 +22,18 @@ def consolidate(directory, output_file) -> None:
     specs = ckpt.shard_metadata.tensor_specs
     names = sorted(specs)
     shards = VerifiedShards(ckpt)
+    shards.open_all()  # every header checked against metadata.json before writing anything
+    for n in names:
+        code_dtype(specs[n].dtype, f"{ckpt.checkpoint_dir / METADATA}: tensor {n!r}")
     out = Path(output_file)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    write_safetensors(tmp, [(n, specs[n].dtype, specs[n].full_shape) for n in names],
-                      lambda n: assemble(shards, n, 1, 0),
-                      {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id})
+    try:
+        write_safetensors(tmp, [(n, specs[n].dtype, specs[n].full_shape) for n in names],
+                          lambda n: assemble(shards, n, 1, 0),
+                          {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id})
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     try:
         os.replace(tmp, out)
         fsync_dir(out.parent if str(out.parent) else Path("."))

@@ -25,6 +25,10 @@ class MissingShardError(DistCheckpointError, FileNotFoundError):
     """A shard file the metadata names does not exist."""
 
 
+class MissingStepError(MissingShardError):
+    """``CheckpointManager.restore`` asked for a step that is not committed (or none is)."""
+
+
 class TensorError(DistCheckpointError, ValueError):
     """A tensor's shape or dtype does not match its shard spec, or a tensor is missing."""
 
@@ -45,6 +49,7 @@ __all__ = [
     "InvalidArgumentError",
     "MetadataError",
     "MissingShardError",
+    "MissingStepError",
     "SerializationError",
     "TensorError",
 ]

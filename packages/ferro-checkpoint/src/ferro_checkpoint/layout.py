@@ -111,7 +111,7 @@ def recover(directory: Path) -> None:
     for record in records:
         ckpt_id = _COMMIT_RE.fullmatch(record.name).group(1)
         try:
-            meta = ShardMetadata.from_json(record.read_text(), source=str(record))
+            meta = ShardMetadata.from_json(record.read_bytes(), source=str(record))
         except FileNotFoundError:
             continue  # another process finished it
         for r in range(meta.num_ranks):

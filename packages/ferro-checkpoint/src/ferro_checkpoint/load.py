@@ -4,6 +4,7 @@ shapes, dtypes) and its per-tensor crc32; the error names the bad file."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +16,12 @@ from .errors import (
     InvalidArgumentError,
     MetadataError,
     MissingShardError,
+    SerializationError,
     TensorError,
 )
 from .layout import METADATA, recover, shard_path
 from .metadata import ShardMetadata, check_rank_world
-from .safetensors_io import SafetensorsFile, code_dtype, verify_crc32
+from .safetensors_io import EXTRA_KEY, SafetensorsFile, code_dtype, verify_crc32
 
 
 @dataclass
@@ -49,6 +51,23 @@ class DistributedCheckpoint:
     def load(self, rank: int, world_size: int) -> dict[str, np.ndarray]:
         return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self)
 
+    def extra(self, rank: int) -> dict | None:
+        """The ``extra`` dict rank ``rank`` saved with its shard (None if it saved none)."""
+        if not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+            raise InvalidArgumentError(f"extra: rank {rank!r} is out of range for a checkpoint "
+                                       f"of {self.num_ranks} ranks")
+        f = _open_verified_shard(self, rank)
+        text = f.metadata.get(EXTRA_KEY)
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise SerializationError(f"{f.path}: corrupt extra: {exc}") from exc
+        if not isinstance(value, dict):
+            raise SerializationError(f"{f.path}: extra is {type(value).__name__}, not a dict")
+        return value
+
 
 def open_checkpoint(directory) -> DistributedCheckpoint:
     """The committed checkpoint in ``directory``.
@@ -64,7 +83,7 @@ def open_checkpoint(directory) -> DistributedCheckpoint:
     recover(directory)  # deliberate: a committed save is finished before metadata.json is read
     path = directory / METADATA
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except FileNotFoundError:
         raise MetadataError(f"{path} is missing: no committed checkpoint in {directory}") \
             from None
@@ -109,6 +128,12 @@ class VerifiedShards:
         self.files: dict[int, SafetensorsFile] = {}
         self.verified: set[tuple[int, str]] = set()
 
+    def open_all(self) -> None:
+        """Open (and check against metadata.json) every rank's shard now."""
+        for r in range(self.ckpt.num_ranks):
+            if r not in self.files:
+                self.files[r] = _open_verified_shard(self.ckpt, r)
+
     def tensor(self, rank: int, name: str) -> np.ndarray:
         f = self.files.get(rank)
         if f is None:
@@ -126,7 +151,8 @@ def assemble(shards: VerifiedShards, name: str, new_world: int, new_rank: int) -
     spec = shards.ckpt.shard_metadata.tensor_specs[name]
     new = spec.resharded(new_world)
     lo, hi = new.start(new_rank), new.start(new_rank) + new.shard_sizes[new_rank]
-    dtype = code_dtype(spec.dtype, name) if spec.dtype else None
+    where = f"{shards.ckpt.checkpoint_dir / METADATA}: tensor {name!r}"
+    dtype = code_dtype(spec.dtype, where) if spec.dtype else None
     out = None
     pos = 0
     for r, size in enumerate(spec.shard_sizes):

@@ -68,6 +68,9 @@ class TensorShardSpec:
         if not self.full_shape:
             raise InvalidArgumentError("TensorShardSpec: a 0-d tensor cannot be sharded; "
                                        "reshape it to (1,)")
+        if any(s < 0 for s in self.full_shape):
+            raise InvalidArgumentError(f"TensorShardSpec: full_shape {self.full_shape} has a "
+                                       "negative dimension")
         if not 0 <= self.shard_dim < len(self.full_shape):
             raise InvalidArgumentError(f"TensorShardSpec: shard_dim {self.shard_dim} is out of "
                                        f"range for full_shape {self.full_shape}")
@@ -124,23 +127,62 @@ class ShardMetadata:
         }, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, *, source: str = "metadata.json") -> ShardMetadata:
+    def from_json(cls, text: str | bytes, *, source: str = "metadata.json") -> ShardMetadata:
+        """Parse and check metadata.json; anything malformed raises MetadataError naming
+        ``source`` (never KeyError/TypeError/ValueError)."""
         try:
             raw = json.loads(text)
-            if raw.get("format", FORMAT) != FORMAT:
-                raise MetadataError(f"{source}: format {raw.get('format')!r} is not {FORMAT!r}")
-            version = raw.get("format_version", 1)
-            if version != FORMAT_VERSION:
-                raise MetadataError(f"{source}: format_version {version} is not supported "
-                                    f"(this is {FORMAT_VERSION})")
-            specs = {k: TensorShardSpec(tuple(v["full_shape"]), v["shard_dim"],
-                                        tuple(v["shard_sizes"]), v.get("dtype"))
-                     for k, v in raw["tensor_specs"].items()}
-            return cls(int(raw["num_ranks"]), specs, str(raw.get("checkpoint_id", "")))
-        except MetadataError:
-            raise
-        except (ValueError, KeyError, TypeError, InvalidArgumentError) as exc:
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise MetadataError(f"{source}: malformed metadata: not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise MetadataError(f"{source}: malformed metadata: a JSON {type(raw).__name__}, "
+                                "not an object")
+        if raw.get("format", FORMAT) != FORMAT:
+            raise MetadataError(f"{source}: format {raw.get('format')!r:.80} is not {FORMAT!r}")
+        version = raw.get("format_version", 1)
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            raise MetadataError(f"{source}: format_version {version!r:.80} is not supported "
+                                f"(this is {FORMAT_VERSION})")
+        try:
+            specs_raw = raw["tensor_specs"]
+            if not isinstance(specs_raw, dict):
+                raise MetadataError(f"{source}: malformed metadata: tensor_specs must be an "
+                                    "object")
+            specs = {k: _spec_from_dict(k, v, source) for k, v in specs_raw.items()}
+            ckpt_id = raw.get("checkpoint_id", "")
+            if not isinstance(ckpt_id, str):
+                raise MetadataError(f"{source}: malformed metadata: checkpoint_id "
+                                    f"{ckpt_id!r:.80} is not a string")
+            return cls(_nonneg_int(raw["num_ranks"], "num_ranks", source), specs, ckpt_id)
+        except KeyError as exc:
+            raise MetadataError(f"{source}: malformed metadata: missing field {exc}") from None
+        except InvalidArgumentError as exc:
             raise MetadataError(f"{source}: malformed metadata: {exc}") from exc
+
+
+def _nonneg_int(v, what: str, source: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MetadataError(f"{source}: malformed metadata: {what} {v!r:.80} is not an int >= 0")
+    return v
+
+
+def _spec_from_dict(name: str, v, source: str) -> TensorShardSpec:
+    where = f"tensor_specs[{name!r}]"
+    if not isinstance(v, dict):
+        raise MetadataError(f"{source}: malformed metadata: {where} is not an object")
+    lists = {}
+    for key in ("full_shape", "shard_sizes"):
+        value = v[key]
+        if not isinstance(value, list):
+            raise MetadataError(f"{source}: malformed metadata: {where}.{key} {value!r:.80} is "
+                                "not a list")
+        lists[key] = tuple(_nonneg_int(i, f"{where}.{key} entry", source) for i in value)
+    dtype = v.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise MetadataError(f"{source}: malformed metadata: {where}.dtype {dtype!r:.80} is not "
+                            "a string")
+    return TensorShardSpec(lists["full_shape"], _nonneg_int(v["shard_dim"], f"{where}.shard_dim",
+                                                            source), lists["shard_sizes"], dtype)
 
 
 def flat_shard_metadata(state_dict: Mapping[str, np.ndarray], world_size: int) -> ShardMetadata:

@@ -11,6 +11,7 @@ package README says why this is hand-written rather than built on the safetensor
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -37,6 +38,7 @@ if _BF16 is not None:
     _CODES[_BF16] = "BF16"
 _DTYPES = {v: k for k, v in _CODES.items()}
 MAX_HEADER = 100 << 20
+EXTRA_KEY = "ferro.extra"  # header ``__metadata__`` key of a rank's JSON ``extra`` (optional)
 
 
 def dtype_code(dtype: np.dtype, name: str = "") -> str:
@@ -128,23 +130,52 @@ class SafetensorsFile:
                                          f"has {size} (truncated or not safetensors)")
             try:
                 header = json.loads(f.read(hlen))
-            except (ValueError, UnicodeDecodeError) as exc:
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
                 raise SerializationError(f"{self.path}: corrupt header: {exc}") from exc
-            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            if not isinstance(header, dict):
+                raise SerializationError(f"{self.path}: corrupt header: a JSON "
+                                         f"{type(header).__name__}, not an object")
+            meta = header.pop("__metadata__", None) or {}
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise SerializationError(f"{self.path}: corrupt header: __metadata__ must map "
+                                         "strings to strings")
+            self.metadata: dict[str, str] = meta
             self.data_start = 8 + hlen
-            self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+            self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {
+                name: self._entry(name, e) for name, e in header.items()}
             end = 0
-            try:
-                for name, e in header.items():
-                    s, t = e["data_offsets"]
-                    self.entries[name] = (e["dtype"], tuple(e["shape"]), int(s), int(t))
-                    end = max(end, int(t))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise SerializationError(f"{self.path}: corrupt header entry: {exc}") from exc
+            for name, (_, _, s, t) in sorted(self.entries.items(), key=lambda kv: kv[1][2:]):
+                if s < end and s < t:
+                    raise SerializationError(f"{self.path}: tensor {name!r}'s bytes [{s}, {t}) "
+                                             f"overlap another tensor's (which end at {end})")
+                end = max(end, t)
             if self.data_start + end > size:
                 raise SerializationError(f"{self.path}: truncated: tensors need "
                                          f"{self.data_start + end} bytes, the file has {size}")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def _entry(self, name: str, e) -> tuple[str, tuple[int, ...], int, int]:
+        """One header entry, checked: dtype a string, shape and offsets non-negative ints,
+        ``begin <= end``, and (for a known dtype) exactly the bytes the shape needs."""
+        def ints(v) -> bool:
+            return isinstance(v, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+
+        if not isinstance(e, dict):
+            raise SerializationError(f"{self.path}: corrupt header entry {name!r}: {e!r:.80}")
+        code, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(code, str) or not ints(shape) or not ints(offsets) \
+                or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise SerializationError(
+                f"{self.path}: corrupt header entry {name!r}: dtype {code!r:.40}, shape "
+                f"{shape!r:.80}, data_offsets {offsets!r:.80} (need a dtype string, non-negative "
+                "integer dims and offsets [begin, end] with begin <= end)")
+        s, t = offsets
+        dtype = _DTYPES.get(code)
+        if dtype is not None and t - s != math.prod(shape) * dtype.itemsize:
+            raise SerializationError(f"{self.path}: tensor {name!r} has {t - s} bytes for "
+                                     f"shape {tuple(shape)} of {code}")
+        return code, tuple(shape), s, t
 
     def tensor(self, name: str) -> np.ndarray:
         """A zero-copy read-only view of tensor ``name``."""
@@ -153,7 +184,7 @@ class SafetensorsFile:
         except KeyError:
             raise TensorError(f"{self.path}: no tensor {name!r}") from None
         dtype = code_dtype(code, f"{self.path}: tensor {name!r}")
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if (t - s) != count * dtype.itemsize:
             raise SerializationError(f"{self.path}: tensor {name!r} has {t - s} bytes for "
                                      f"shape {shape} of {code}")

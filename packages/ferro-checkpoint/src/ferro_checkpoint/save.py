@@ -23,6 +23,7 @@ used otherwise; a crashed save's leftovers are then only safe once every rank sa
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -43,7 +44,14 @@ from .layout import (
     write_json_durably,
 )
 from .metadata import ShardMetadata, TensorShardSpec, check_rank_world
-from .safetensors_io import crc32, crc32_key, dtype_code, little_endian, write_safetensors
+from .safetensors_io import (
+    EXTRA_KEY,
+    crc32,
+    crc32_key,
+    dtype_code,
+    little_endian,
+    write_safetensors,
+)
 
 _ID_TAG = (1 << 30) + 7  # user-range tag for the checkpoint id (on a private subgroup)
 
@@ -66,6 +74,18 @@ def _checked_arrays(state_dict: Mapping[str, np.ndarray], rank: int, spec: Shard
         dtype_code(a.dtype, name)
         arrays[name] = a
     return arrays
+
+
+def encode_extra(extra: Mapping | None, op: str) -> str | None:
+    """``extra`` as JSON text (None stays None); InvalidArgumentError if it is not a JSON dict."""
+    if extra is None:
+        return None
+    if not isinstance(extra, Mapping):
+        raise InvalidArgumentError(f"{op}: extra must be a dict, not {type(extra).__name__}")
+    try:
+        return json.dumps(dict(extra), allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{op}: extra is not JSON-serializable: {exc}") from exc
 
 
 def _checkpoint_group(backend):
@@ -106,7 +126,7 @@ def _commit(directory: Path, meta: ShardMetadata) -> None:
 
 def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                      world_size: int, shard_spec: ShardMetadata, *, backend=None,
-                     checkpoint_id: str | None = None) -> str:
+                     checkpoint_id: str | None = None, extra: Mapping | None = None) -> str:
     """Save this rank's shards of a distributed checkpoint; returns the checkpoint id.
 
     Parameters
@@ -124,6 +144,9 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         Optional ferro_backend.Backend: makes the save collective and crash-safe across ranks.
     checkpoint_id
         Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend.
+    extra
+        Optional JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
+        so it is committed atomically with the shard; read it back with :func:`read_extra`.
 
     Raises
     ------
@@ -134,6 +157,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         raise InvalidArgumentError(f"save_distributed: shard_spec.num_ranks "
                                    f"{shard_spec.num_ranks} != world_size {world_size}")
     arrays = _checked_arrays(state_dict, rank, shard_spec)
+    extra_json = encode_extra(extra, "save_distributed")
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -152,6 +176,8 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     meta = {"ferro.checkpoint_id": ckpt_id, "ferro.rank": str(rank),
             "ferro.world_size": str(world_size)}
     meta.update({crc32_key(n): crc32(le[n]) for n in names})
+    if extra_json is not None:
+        meta[EXTRA_KEY] = extra_json
     write_safetensors(tmp_shard_path(directory, rank, ckpt_id),
                       [(n, dtype_code(le[n].dtype, n), le[n].shape) for n in names],
                       le.__getitem__, meta)

@@ -1,0 +1,262 @@
+"""``CheckpointManager``: numbered training steps under one root, each a normal checkpoint.
+
+Files of a root ``R``:
+
+- ``R/step_<n>/``: step ``n``'s checkpoint directory, written by :func:`save_distributed`
+  (``layout.py`` lists its files). The step is **committed** exactly when that checkpoint is:
+  once ``layout.recover`` has run, when ``step_<n>/metadata.json`` exists. Only committed steps
+  are listed by ``steps()`` / ``latest_step()`` and restored.
+- ``R/.deleting.step_<n>.<hex>/``: a step being deleted. A step is first renamed out of the
+  way (atomic), then removed, so nobody ever sees a half-deleted step; leftovers of a crash
+  during a deletion are removed by rank 0's next save.
+
+``extra`` (JSON: RNG state, data position...) is stored in each rank's shard header (key
+``ferro.extra``), so the existing protocol commits it with the shard: it is durable before the
+commit record, and a step whose extra is missing or partial cannot be committed. Each rank
+stores its own ``extra``; ``restore`` returns the one the same rank saved, or rank 0's when the
+world size changed (per-rank state cannot be mapped onto another world).
+
+Checkpoint ids: with a backend, a random id per save (collective save). Without one, every
+rank's process saves step ``n`` under the id ``step<n>``, so the last rank to write commits.
+
+Deletion rule (only **rank 0** deletes; the other ranks never delete a directory):
+
+1. after each of its saves, rank 0 lists the committed steps; it deletes committed steps older
+   than the newest ``keep_last``, and uncommitted step directories numbered below the newest
+   committed step. Both are safe while other ranks keep saving: a step is committed only once
+   every rank wrote its shard of it, and every rank saves its steps in increasing order and
+   one at a time (a save first waits for the previous asynchronous one), so no rank still
+   writes a committed step or one below it. Uncommitted steps above the newest committed one
+   may be in progress on another rank and are left alone.
+2. Without a backend rank 0's own save may not be the one that commits its step (a later rank
+   does), so pruning can lag one save behind: up to ``keep_last + 1`` committed steps exist
+   until rank 0's next save. With a backend the save is collective and done on every rank when
+   it returns, so rank 0 prunes right after the commit.
+3. A new manager finishes every step committed before a crash (``layout.recover``), then
+   removes its own rank's temp shards left in any step directory by a crash (files named with
+   its rank only), so a re-save of a crashed step without a backend cannot commit a stale shard
+   of that rank. Construct the managers of all ranks before any of them
+   saves (without a backend; with one the id is random and this does not matter).
+4. With ``world_size == 1`` a save into an uncommitted ``step_<n>/`` first deletes it.
+
+Steps are meant to increase; re-saving a committed step replaces it atomically (the usual
+protocol), and steps newer than it stay listed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .async_save import CheckpointFuture, _run_in_background
+from .errors import CheckpointIOError, InvalidArgumentError, MissingStepError
+from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
+from .load import load_distributed, open_checkpoint
+from .metadata import ShardMetadata, check_rank_world
+from .save import _checked_arrays, encode_extra, save_distributed
+
+_STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
+_TOMBSTONE = ".deleting."
+
+
+def _check_step(op: str, step) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise InvalidArgumentError(f"{op}: step {step!r} must be an int >= 0")
+    return int(step)
+
+
+class CheckpointManager:
+    """Saves numbered steps under ``root`` (``root/step_<n>/``), keeps the newest ``keep_last``
+    committed ones, and restores the newest (or a given) step on any world size.
+
+    One manager per rank; see the module docstring for the files, how ``extra`` is committed
+    with the step, and which rank deletes what. ``backend`` (a ferro_backend.Backend) makes
+    every save collective. Blocking waits (for a previous asynchronous save) are bounded by
+    ``wait_timeout_s`` (an attribute, in seconds).
+    """
+
+    wait_timeout_s: float = 3600.0
+
+    def __init__(self, root, rank: int, world_size: int, *, keep_last: int = 3,
+                 backend=None) -> None:
+        check_rank_world("CheckpointManager", rank, world_size)
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise InvalidArgumentError(f"CheckpointManager: keep_last {keep_last!r} must be an "
+                                       "int >= 1")
+        if backend is not None and (getattr(backend, "rank", rank) != rank or
+                                    getattr(backend, "world_size", world_size) != world_size):
+            raise InvalidArgumentError(
+                f"CheckpointManager: backend is rank {backend.rank} of {backend.world_size}, "
+                f"the manager rank {rank} of {world_size}")
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self.backend = backend
+        self._pending: CheckpointFuture | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for d in self._step_dirs().values():  # rule 3: this rank's crash leftovers
+                recover(d)  # first finish a save committed before the crash: it needs them
+                remove_stale_tmp_shards(d, rank, "")
+        except FileNotFoundError:
+            pass  # a step directory deleted meanwhile by rank 0
+        except OSError as exc:
+            raise CheckpointIOError(f"CheckpointManager: cannot use {self.root}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({str(self.root)!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, keep_last={self.keep_last})")
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> Path:
+        """``root/step_<step>``, committed or not."""
+        return self.root / f"step_{_check_step('step_dir', step)}"
+
+    def _step_dirs(self) -> dict[int, Path]:
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise CheckpointIOError(f"listing {self.root}: {exc}") from exc
+        return {int(m.group(1)): p for p in entries
+                if (m := _STEP_RE.fullmatch(p.name)) and p.is_dir()}
+
+    @staticmethod
+    def _committed(directory: Path) -> bool:
+        try:
+            recover(directory)  # finishes a save that crashed after its commit point
+            return (directory / METADATA).is_file()
+        except FileNotFoundError:
+            return False  # deleted meanwhile
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+        return sorted(s for s, d in self._step_dirs().items() if self._committed(d))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _wait_pending(self) -> None:
+        """Wait for the previous asynchronous save; its failure is raised here, once."""
+        fut = self._pending
+        if fut is None:
+            return
+        try:
+            fut.wait(self.wait_timeout_s)
+        finally:
+            if fut.is_done():
+                self._pending = None
+
+    def save(self, step: int, state_dict: Mapping[str, np.ndarray], shard_spec: ShardMetadata,
+             *, extra: dict | None = None, blocking: bool = True) -> CheckpointFuture:
+        """Save this rank's shard of ``step`` into ``root/step_<step>/`` with ``extra``.
+
+        Waits first for the previous asynchronous save of this manager (raising
+        AsyncCheckpointError if it failed). ``blocking=False`` copies the tensors and ``extra``
+        now and writes in the background; the returned future's ``wait(timeout)`` reports
+        the result. Afterwards rank 0 prunes (module docstring).
+
+        Raises InvalidArgumentError (bad step, spec or extra), TensorError, CheckpointIOError,
+        AsyncCheckpointError.
+        """
+        step = _check_step("CheckpointManager.save", step)
+        if shard_spec.num_ranks != self.world_size:
+            raise InvalidArgumentError(f"CheckpointManager.save: shard_spec.num_ranks "
+                                       f"{shard_spec.num_ranks} != world_size {self.world_size}")
+        arrays = _checked_arrays(state_dict, self.rank, shard_spec)
+        extra_snapshot = encode_extra(extra, "CheckpointManager.save")
+        self._wait_pending()
+        directory = self.step_dir(step)
+        ckpt_id = None if self.backend is not None else f"step{step}"
+        if not blocking:
+            staged = {k: np.array(v, copy=True) for k, v in arrays.items()}
+
+            def run() -> str:
+                return self._save_and_prune(staged, shard_spec, directory, ckpt_id,
+                                            extra_snapshot)
+
+            self._pending = CheckpointFuture(
+                directory, _run_in_background(run, f"ferro-checkpoint-step{step}-{self.rank}"))
+            return self._pending
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self._save_and_prune(arrays, shard_spec, directory, ckpt_id,
+                                             extra_snapshot))
+        return CheckpointFuture(directory, done)
+
+    def _save_and_prune(self, arrays, shard_spec, directory: Path, ckpt_id: str | None,
+                        extra_json: str | None) -> str:
+        if self.world_size == 1 and directory.exists() and not self._committed(directory):
+            self._remove(directory)  # rule 4: a crashed save's leftovers, no other writer
+        extra = None if extra_json is None else json.loads(extra_json)
+        saved = save_distributed(arrays, directory, self.rank, self.world_size, shard_spec,
+                                 backend=self.backend, checkpoint_id=ckpt_id, extra=extra)
+        if self.rank == 0:
+            self._prune()
+        return saved
+
+    def _remove(self, directory: Path) -> None:
+        """Rename ``directory`` out of the way (atomic), then delete it."""
+        tombstone = self.root / f"{_TOMBSTONE}{directory.name}.{uuid.uuid4().hex}"
+        try:
+            os.rename(directory, tombstone)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise CheckpointIOError(f"deleting {directory}: {exc}") from exc
+        fsync_dir(self.root)
+        shutil.rmtree(tombstone, ignore_errors=True)
+
+    def _prune(self) -> None:
+        """Rank 0 only: the deletion rule of the module docstring."""
+        for p in self.root.iterdir():
+            if p.name.startswith(_TOMBSTONE) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+        dirs = self._step_dirs()
+        committed = sorted(s for s, d in dirs.items() if self._committed(d))
+        if not committed:
+            return
+        for s, d in dirs.items():
+            if s < committed[-1] and s not in committed:
+                self._remove(d)
+        for s in committed[:-self.keep_last]:
+            self._remove(dirs[s])
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+        """This rank's tensors of ``step`` (the newest committed one if None), resharded when
+        the world size changed, and its ``extra`` (``{}`` if none was saved).
+
+        Waits for this manager's pending asynchronous save first. Raises MissingStepError if
+        the step is not committed, and the load errors of :func:`load_distributed`.
+        """
+        self._wait_pending()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise MissingStepError(f"no committed step in {self.root}")
+        else:
+            step = _check_step("CheckpointManager.restore", step)
+        directory = self.step_dir(step)
+        if not directory.is_dir() or not self._committed(directory):
+            raise MissingStepError(f"step {step} is not a committed step in {self.root} "
+                                   f"(committed: {self.steps()})")
+        ckpt = open_checkpoint(directory)
+        tensors = load_distributed(directory, self.rank, self.world_size, checkpoint=ckpt)
+        source = self.rank if ckpt.num_ranks == self.world_size else 0
+        return tensors, ckpt.extra(source) or {}
