@@ -8,13 +8,14 @@ classes; 80/20 train/held-out split), or ``--dataset synthetic --params N`` for 
 parameters on generated data. Every rank trains on its own slice of each global batch (the
 batch size must be divisible by the number of ranks), so a run gives the same parameters
 whatever the number of ranks, up to floating-point summation order (exactly, in float64, for the
-tests). Checkpoints are sharded state dicts written by ferro-checkpoint's AsyncCheckpointer;
-``--resume`` loads the last one on any number of ranks (resharding) and continues from its step:
+tests). Checkpoints are sharded state dicts saved asynchronously with the data position;
+``--resume`` loads the newest committed step (a ferro-checkpoint ``CheckpointManager`` keeps
+``step_<n>/`` directories, the last three) on any number of ranks (resharding) and continues:
 same data order, same loss curve. Under ``ferrorun --max-restarts N`` a restarted job resumes by
 itself (``FERRO_RESTART_COUNT`` > 0), so a run killed at any step ends with the same parameters,
-bit for bit, as one that never failed (``--fail-at-step`` injects such a failure). Rank 0 shows a progress bar, prints held-out accuracy each
-epoch and a summary at the end, and writes the loss curve of every run in the checkpoint
-directory to ``loss_curve.png`` beside the checkpoint.
+bit for bit, as one that never failed (``--fail-at-step`` injects such a failure). Rank 0 shows
+a progress bar, prints held-out accuracy each epoch and a summary at the end, and writes the
+loss curve of every run in the checkpoint directory to ``loss_curve.png``.
 """
 
 from __future__ import annotations
@@ -32,12 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ferro_backend import init_from_env
-from ferro_checkpoint import (
-    AsyncCheckpointer,
-    ShardMetadata,
-    TensorShardSpec,
-    load_distributed,
-)
+from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 from ferro_collective import ReduceOp, all_gather, allreduce
 from ferro_fsdp import DDP, FSDP, nn, optim
 
@@ -117,21 +113,11 @@ def build_model(args, features: int, classes: int) -> nn.Sequential:
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def state_spec(tensors: dict, specs: dict, step: int, world: int, rank: int):
-    tensors = dict(tensors)
-    tensors["train.step"] = np.array([step], np.int64)
-    specs = dict(specs)
-    specs["train.step"] = ((world,), 0, (1,) * world)
-    meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
-    return tensors, meta
-
-
-def resume(args, wrapper, opt, backend) -> int:
-    tensors = load_distributed(args.checkpoint_dir, backend.rank, backend.world_size)
-    piece = tensors.pop("train.step")
-    step = int(piece[0]) if piece.size else -1
+def resume(manager: CheckpointManager, wrapper, opt, backend) -> int:
+    """Load the newest committed step (resharded to this world size); its step number."""
+    tensors, extra = manager.restore()
     wrapper.load_sharded_state_dict(tensors, opt)
-    return int(allreduce(np.array([step], np.int64), backend, ReduceOp.MAX)[0])
+    return int(allreduce(np.array([extra["step"]], np.int64), backend, ReduceOp.MAX)[0])
 
 
 def history_path(args) -> Path:
@@ -172,9 +158,9 @@ def main(argv=None) -> int:
     # under `ferrorun --max-restarts`, a restarted job resumes by itself from its newest
     # committed checkpoint (or starts over if it failed before the first one)
     restart = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
-    if args.resume and not restart and not (args.checkpoint_dir / "metadata.json").exists():
-        raise SystemExit(f"train_mlp: --resume: no committed checkpoint in "
-                         f"{args.checkpoint_dir} (no metadata.json); check the path")
+    if args.resume and not restart and not args.checkpoint_dir.is_dir():
+        raise SystemExit(f"train_mlp: --resume: no checkpoint directory {args.checkpoint_dir}; "
+                         "check the path")
     x_tr, y_tr, x_te, y_te, classes = load_data(args)
     model = build_model(args, x_tr.shape[1], classes)
     n_params = sum(p.data.size for p in model.parameters())
@@ -195,13 +181,19 @@ def main(argv=None) -> int:
     steps_per_epoch = len(x_tr) // args.batch_size
     total = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     step = 0
-    resuming = (args.resume or restart > 0) and args.checkpoint_dir is not None
-    if resuming and (args.checkpoint_dir / "metadata.json").exists():
-        step = resume(args, wrapper, opt, backend)
+    manager = None
+    if args.checkpoint_dir is not None:
+        manager = CheckpointManager(args.checkpoint_dir, rank, world, keep_last=3,
+                                    backend=backend)
+    resuming = (args.resume or restart > 0) and manager is not None
+    if resuming and manager.latest_step() is not None:
+        step = resume(manager, wrapper, opt, backend)
         if rank == 0:
             print(f"resumed from step {step} of {args.checkpoint_dir} on {world} ranks "
                   f"({args.strategy}, restart {restart})", flush=True)
-    checkpointer = None
+    elif args.resume and not restart:
+        raise SystemExit(f"train_mlp: --resume: no committed checkpoint in "
+                         f"{args.checkpoint_dir}; check the path")
     history: list[dict] = []
     if args.checkpoint_dir is not None:
         if rank == 0:
@@ -222,16 +214,18 @@ def main(argv=None) -> int:
         wrapper.train()
         return float(allreduce(np.array([correct], np.int64), backend)[0]) / len(x_te)
 
-    def save(step_now: int) -> None:
-        nonlocal checkpointer
+    def save(step_now: int, blocking: bool = False) -> None:
+        """Step ``step_now`` in ``root/step_<n>/`` (asynchronous unless ``blocking``): the
+        shards, the optimizer state, and where the data order stands (the order of an epoch
+        is a function of the seed, so the step is the whole data position)."""
         tensors, specs = wrapper.sharded_state_dict(opt)
-        tensors, meta = state_spec(tensors, specs, step_now, world, rank)
-        if checkpointer is None:
-            checkpointer = AsyncCheckpointer(args.checkpoint_dir, rank, world, meta,
-                                             backend=backend)
-        else:
-            checkpointer.wait()
-        checkpointer.save_async(tensors, shard_spec=meta)
+        meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
+        epoch, k = divmod(step_now, steps_per_epoch)
+        extra = {"step": step_now, "epoch": epoch, "batch_in_epoch": k, "seed": args.seed,
+                 "world_size": world, "strategy": args.strategy}
+        future = manager.save(step_now, tensors, meta, extra=extra, blocking=blocking)
+        if blocking:
+            future.wait()
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -281,9 +275,8 @@ def main(argv=None) -> int:
         progress.close()
     if step == first_step:
         accuracy = evaluate()
-    if args.checkpoint_dir is not None:
-        save(step)
-        checkpointer.wait()
+    if manager is not None and manager.latest_step() != step:
+        save(step, blocking=True)
     done = max(step - first_step, 1)
     sent = float(allreduce(np.array([getattr(backend, "bytes_sent", 0) - sent0], np.float64),
                            backend, ReduceOp.MEAN)[0])
