@@ -1,6 +1,7 @@
 """A live TCP job under attack from 127.0.0.1 during its rendezvous.
 
-While rank 0 listens on the master port, strangers open connections that say nothing (held
+While rank 0 listens on the master port and rank 1 on its own port, strangers open connections
+that say nothing (held
 open), send random bytes, send the protocol magic with absurd fields, replay a handshake recorded
 with the real token, and open 100 connections at once. The job must still form, exchange correct
 data within its deadline, and no rank may grow by more than 50 MiB.
@@ -70,22 +71,58 @@ def _attack(port: int, stop: threading.Event, held: list) -> None:
         time.sleep(0.02)
 
 
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on (from its socket inodes and /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.add(int(cols[1].split(":")[1], 16))
+    return ports
+
+
 def test_rendezvous_survives_strangers_and_the_job_is_correct():
     stop = threading.Event()
     held: list = []
+    attackers = []
+
+    def attack(port: int) -> None:
+        t = threading.Thread(target=_attack, args=(port, stop, held), daemon=True)
+        t.start()
+        attackers.append(t)
+
     with Job(BODY, 3, connect=False, token=TOKEN, ranks=[0]) as job:
         job.wait_for_line(0, "UP")
-        time.sleep(0.3)  # rank 0 is listening now
-        attacker = threading.Thread(target=_attack, args=(job.port, stop, held), daemon=True)
-        attacker.start()
+        time.sleep(0.3)  # rank 0 is listening on the master port now
+        attack(job.port)
         time.sleep(1.0)  # the 100 idle connections and a few rounds of junk are in
-        job.start(1)
+        job.start(1)  # rank 1 joins rank 0, then listens for rank 2: attack its port too
+        job.wait_for_line(1, "UP")
+        end = time.monotonic() + 20
+        ports: set[int] = set()
+        while not ports and time.monotonic() < end:
+            time.sleep(0.05)
+            ports = _listening_ports(job.procs[1].pid)
+        assert ports, "rank 1 never listened"
+        for port in ports:
+            attack(port)
+        time.sleep(1.0)
         job.start(2)
         try:
             results = job.finish(60)
         finally:
             stop.set()
-            attacker.join(10)
+            for t in attackers:
+                t.join(10)
             for s in held:
                 s.close()
     for r in results:
