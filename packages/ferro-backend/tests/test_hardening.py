@@ -2,8 +2,8 @@
 
 While rank 0 listens on the master port and rank 1 on its own port, strangers open connections
 that say nothing (held open), send random bytes, send the protocol magic with absurd fields,
-replay a handshake recorded with the real token, and open 100 connections at once. The job must still form, exchange correct
-data within its deadline, and no rank may grow by more than 50 MiB.
+replay a handshake recorded with the real token, and open 100 connections at once. The job must
+still form, exchange correct data within its deadline, and no rank may grow by more than 50 MiB.
 """
 
 import os

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ferro_backend import SimulatedBackend, init_from_env
+from ferro_backend.testing import free_port
 
 pytestmark = pytest.mark.timeout(90)
 FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
@@ -230,3 +231,39 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_two_node_job_restarts_on_both_nodes(tmp_path):
+    """Two ferrorun agents (--nnodes 2 on this host): a rank of node 1 fails on the first
+    attempt; both agents restart their ranks and the job completes on attempt 1."""
+    script = write(tmp_path, "two_nodes.py", """
+        import os, sys
+        from ferro_backend import init_from_env
+        n = int(os.environ["FERRO_RESTART_COUNT"])
+        b = init_from_env(timeout=20)
+        if b.rank == 3 and n == 0:
+            sys.exit(4)
+        b.barrier()
+        print("done", b.rank, n, flush=True)
+        b.close()
+    """)
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc", "2", "--master-port", port, "--token", "t0k3n",
+              "--max-restarts", "1", "--grace", "1", "--timeout", "20"]
+    agents = [subprocess.Popen([*FERRORUN, *common, "--node-rank", str(i), str(script)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for i in (0, 1)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=90))
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    for a, (_, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-2000:]
+        assert "restarting the job (1 of 1)" in err
+    done = sorted(line.split(" done ")[1] for out, _ in outs for line in out.splitlines()
+                  if " done " in line)
+    assert done == ["0 1", "1 1", "2 1", "3 1"]
