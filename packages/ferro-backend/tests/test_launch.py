@@ -267,3 +267,43 @@ def test_two_node_job_restarts_on_both_nodes(tmp_path):
     done = sorted(line.split(" done ")[1] for out, _ in outs for line in out.splitlines()
                   if " done " in line)
     assert done == ["0 1", "1 1", "2 1", "3 1"]
+
+
+def test_log_dir_log_level_and_master_port_from_the_environment(tmp_path):
+    script = write(tmp_path, "logs.py", """
+        import logging, os
+        import ferro_backend
+        print("port", os.environ["MASTER_PORT"], flush=True)
+        print("level", logging.getLogger("ferro_collective").getEffectiveLevel(), flush=True)
+    """)
+    port = str(free_port())
+    env = dict(os.environ, MASTER_PORT=port)
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--log-dir", str(tmp_path / "logs"),
+                        "--log-level", "debug", str(script)], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f"port {port}") == 2
+    for rank in (0, 1):
+        text = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+        assert f"port {port}" in text and "level 10" in text  # DEBUG
+
+
+def test_ctrl_c_gives_one_line_per_rank_and_names_the_signal(tmp_path):
+    script = write(tmp_path, "wait.py", """
+        import time
+        print("up", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([*FERRORUN, "--nproc", "2", "--grace", "2", str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):
+            assert " up" in p.stdout.readline()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130
+    assert "Traceback" not in err
+    assert err.count("interrupted (rank") == 2

@@ -4,7 +4,7 @@ from importlib.metadata import version as _version
 
 from . import _wire  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
-from .env import init_from_env
+from .env import configure_logging, init_from_env
 from .errors import (
     AuthenticationError,
     CollectiveMismatchError,
@@ -26,6 +26,7 @@ from .tcp import TcpBackend
 from .wire import pack, packed_nbytes, unpack
 
 __version__ = _version("ferro-backend")
+configure_logging()
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -49,13 +49,18 @@ def _die_with(launcher: int) -> None:
 def main() -> None:
     launcher = int(sys.argv[1])
     _die_with(launcher)
-    if sys.argv[2] == "-m":
-        sys.argv = [sys.argv[3], *sys.argv[4:]]
-        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = sys.argv[2:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-        runpy.run_path(sys.argv[0], run_name="__main__")
+    try:
+        if sys.argv[2] == "-m":
+            sys.argv = [sys.argv[3], *sys.argv[4:]]
+            runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = sys.argv[2:]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank: one line each, not a traceback each
+        sys.stderr.write(f"interrupted (rank {os.environ.get('RANK', '?')})\n")
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

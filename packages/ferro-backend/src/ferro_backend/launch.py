@@ -26,20 +26,36 @@ import sys
 import threading
 import time
 from importlib.metadata import version as _version
+from pathlib import Path
 
 from .testing import free_port
 
+_DESCRIPTION = "Start the ranks of a ferro job on this machine, in the spirit of torchrun."
+_EPILOG = """examples:
+  ferrorun --nproc 4 train.py --epochs 3
+  ferrorun --nproc 2 -m mypackage.train
+  ferrorun --nproc 2 --max-restarts 3 train.py        # restart the job when a rank fails
+  ferrorun --nnodes 2 --node-rank 0 --nproc 8 --master-addr 10.0.0.1 --master-port 29500 \\
+           --token $SECRET train.py
+
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+FERRO_TOKEN, FERRO_TRANSPORT and FERRO_RESTART_COUNT, so ferro_backend.init_from_env() joins
+the job; BLAS/OpenMP threads are capped per rank unless OMP_NUM_THREADS etc. are set. When a
+rank fails the others are stopped and ferrorun exits with its code (or restarts the job)."""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ferrorun", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="ferrorun", description=_DESCRIPTION, epilog=_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
                    help="ranks to start on this node (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's host (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="rank 0's port (default: a free port; required with --nnodes > 1)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="rank 0's host (default: MASTER_ADDR, else 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=_env_port(),
+                   help="rank 0's port (default: MASTER_PORT, else a free port; required with "
+                        "--nnodes > 1)")
     p.add_argument("--transport", choices=["tcp", "shm"], default=None,
                    help="transport for init_from_env (default: shm on one node when available, "
                         "else tcp)")
@@ -55,11 +71,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="also write each rank's output to LOG_DIR/rank_<N>.log")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
+                   help="level of ferro's loggers in the ranks (FERRO_LOG_LEVEL)")
     p.add_argument("-m", dest="module", action="store_true",
                    help="run the target as a module (python -m)")
     p.add_argument("script", help="the script (or module with -m) every rank runs")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="[ARG ...]",
+                   help="the script's own arguments (optional)")
     return p
+
+
+def _env_port() -> int | None:
+    raw = os.environ.get("MASTER_PORT")
+    return int(raw) if raw and raw.isdigit() else None
 
 
 #: the BLAS/OpenMP thread-count variables ferrorun caps per rank unless the user set them
@@ -87,9 +113,10 @@ def _default_transport(nnodes: int) -> str:
 _OUTPUT_LOCK = threading.Lock()
 
 
-def _pump(stream, out, prefix: str) -> None:
+def _pump(stream, out, prefix: str, log=None) -> None:
     """Copy a rank's output whole line by whole line, each prefixed; a carriage return
-    (a redrawn progress bar) ends a line too, so the bar keeps its prefix."""
+    (a redrawn progress bar) ends a line too, so the bar keeps its prefix. ``log``: a binary
+    file that also gets the rank's output, unprefixed."""
     tag = prefix.encode()
     pending = b""
     while True:
@@ -102,6 +129,9 @@ def _pump(stream, out, prefix: str) -> None:
             ready, pending = pending[:cut], pending[cut:]
         else:
             ready, pending = pending, b""
+        if ready and log is not None:
+            log.write(ready)
+            log.flush()
         if ready:
             if tag:
                 ready = b"".join(tag + part for part in re.split(rb"(?<=[\r\n])", ready)
@@ -126,19 +156,24 @@ def _describe(code: int) -> str:
 
 class Job:
     def __init__(self, cmd: list[str], envs: list[dict[str, str]], ranks: list[int],
-                 grace: float, prefix: bool) -> None:
+                 grace: float, prefix: bool, log_dir: Path | None = None) -> None:
         self.grace = grace
         self.failure: tuple[int, int] | None = None  # (rank, return code) of the first failure
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
+        self.logs: list = []
         self.ranks = ranks
         for env, rank in zip(envs, ranks):
             p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  start_new_session=True)
             self.procs.append(p)
             tag = f"[rank {rank}] " if prefix else ""
+            log = None
+            if log_dir is not None:
+                log = open(log_dir / f"rank_{rank}.log", "ab")
+                self.logs.append(log)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, tag), daemon=True)
+                t = threading.Thread(target=_pump, args=(stream, out, tag, log), daemon=True)
                 t.start()
                 self.pumps.append(t)
 
@@ -180,6 +215,8 @@ class Job:
     def finish_output(self) -> None:
         for t in self.pumps:
             t.join(5)
+        for log in self.logs:
+            log.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ferrorun: {', '.join(sorted(caps))} set to "
                          f"{next(iter(caps.values()))} per rank ({args.nproc} local ranks); set "
                          "them yourself to choose another value\n")
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     received: list[int] = []
     job: Job | None = None
 
@@ -231,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                            FERRO_RESTART_COUNT=str(restart), PYTHONUNBUFFERED="1", **caps)
                 if args.timeout is not None:
                     env["FERRO_TIMEOUT"] = str(args.timeout)
+                if args.log_level is not None:
+                    env["FERRO_LOG_LEVEL"] = args.log_level
                 envs.append(env)
                 ranks.append(rank)
-            job = Job(cmd, envs, ranks, args.grace, not args.no_prefix)
+            job = Job(cmd, envs, ranks, args.grace, not args.no_prefix, args.log_dir)
             try:
                 code = job.wait()
             finally:
