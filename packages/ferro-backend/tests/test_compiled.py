@@ -11,6 +11,27 @@ def test_wire_kernel_is_an_extension_module():
     assert _wire.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
+def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
+    import sys
+
+    from ferro_backend import _platform, launch, shm
+
+    if sys.platform.startswith("linux"):
+        assert _platform.SAME_HOST_ENGINE
+        assert _platform._shm.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+        assert launch._default_transport(1) == "shm"
+    # where the kernel does not exist, ShmBackend says so (simulated here) and TCP is the default
+    monkeypatch.setattr(shm, "SAME_HOST_ENGINE", False)
+    monkeypatch.setattr(launch, "SAME_HOST_ENGINE", False)
+    try:
+        shm.ShmBackend(0, 1, "127.0.0.1:1")
+    except RuntimeError as exc:
+        assert "needs Linux" in str(exc) and "TcpBackend" in str(exc)
+    else:
+        raise AssertionError("ShmBackend did not refuse")
+    assert launch._default_transport(1) == "tcp"
+
+
 def test_package_is_installed_not_the_source_tree():
     assert "site-packages" in ferro_backend.__file__ or "dist-packages" in ferro_backend.__file__
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _shm
+from ._platform import _shm
 from .errors import RendezvousError
 from .handshake import recv_exactly
 

@@ -28,6 +28,7 @@ import time
 from importlib.metadata import version as _version
 from pathlib import Path
 
+from ._platform import SAME_HOST_ENGINE
 from .testing import free_port
 
 _DESCRIPTION = "Start the ranks of a ferro job on this machine, in the spirit of torchrun."
@@ -106,8 +107,8 @@ def thread_caps(local_ranks: int, environ: dict[str, str] | None = None,
 
 
 def _default_transport(nnodes: int) -> str:
-    """Shared memory (the same-host engine) on one node, TCP across nodes."""
-    return "tcp" if nnodes > 1 else "shm"
+    """Shared memory (the same-host engine) on one Linux node, TCP otherwise."""
+    return "shm" if nnodes == 1 and SAME_HOST_ENGINE else "tcp"
 
 
 _OUTPUT_LOCK = threading.Lock()

@@ -23,13 +23,14 @@ import itertools
 import os
 import queue
 import struct
+import sys
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from . import _shm
+from ._platform import SAME_HOST_ENGINE, _shm
 from .base import size_mismatch
 from .engine import DEFAULT_SLOT_BYTES, SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
@@ -59,6 +60,9 @@ class ShmBackend(TcpBackend):
     def __init__(self, rank: int, world_size: int, master_addr: str, *,
                  engine: bool | None = None, slot_bytes: int | None = None,
                  **kwargs: Any) -> None:
+        if not SAME_HOST_ENGINE:
+            raise RuntimeError(f"ShmBackend needs Linux (process_vm_readv, memfd, futexes); this "
+                               f"is {sys.platform}: use TcpBackend (ferrorun --transport tcp)")
         if engine is None:
             engine = os.environ.get("FERRO_SHM_ENGINE", "1") != "0"
         if slot_bytes is None:
