@@ -31,9 +31,34 @@ def _path(dist: str, extras: str = "") -> str:
     return str(PACKAGES_DIR / dist) + (f"[{extras}]" if extras else "")
 
 
+WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
+BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.0"]
+_built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the sessions
+
+
+def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
+    """The wheels of ``dists`` from this run's wheelhouse, built (once per nox run, from the
+    working tree) where missing: every session installs the same wheels, each in its own venv."""
+    todo = [d for d in dists if d not in _built]
+    if todo:
+        WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+        for old in WHEELHOUSE.glob("*.whl"):
+            if any(old.name.startswith(d.replace("-", "_") + "-") for d in todo):
+                old.unlink()
+        session.install(*BUILD_DEPS)
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--quiet", "-w", str(WHEELHOUSE), *[_path(d) for d in todo])
+        for d in todo:
+            (found,) = WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl")
+            _built[d] = found
+    return [_built[d] for d in dists]
+
+
 def _install_layers(session: nox.Session, dist: str, extras: str = "") -> None:
-    """Install ``dist`` and its local layers in one pip call (so pip never looks for them on PyPI)."""
-    session.install(*[_path(d) for d in PACKAGES[dist]], _path(dist, extras))
+    """Install ``dist`` and its local layers, as wheels from this run's wheelhouse, in one pip
+    call (so pip never looks for a ferro distribution on an index)."""
+    *lower, top = _wheel(session, [*PACKAGES[dist], dist])
+    session.install(*map(str, lower), str(top) + (f"[{extras}]" if extras else ""))
 
 
 EXAMPLE_DEPS = ["scikit-learn", "tqdm", "matplotlib"]
@@ -49,7 +74,8 @@ def tests(session: nox.Session, package: str) -> None:
     ``tests(examples)`` installs all four and runs the examples and the README's commands.
     """
     if package == "examples":
-        session.install(*[_path(d) for d in PACKAGES], _path("ferro-checkpoint", "backend"),
+        wheels = _wheel(session, list(PACKAGES))
+        session.install(*map(str, wheels[:-1]), f"{wheels[-1]}[backend]",
                         "pytest", "pytest-timeout", *EXAMPLE_DEPS, *MPI_DEPS)
         session.run("python", "-m", "pytest", str(ROOT / "examples" / "tests"), "-p",
                     "no:cacheprovider", *session.posargs)
