@@ -166,6 +166,22 @@ def bench(session: nox.Session) -> None:
         session.run("python", "-m", "pytest", "benchmarks", *args, *session.posargs)
 
 
+@nox.session(name="bench_check")
+def bench_check(session: nox.Session) -> None:
+    """The regression gate: every same-run ratio (ferro / its baseline) against the committed
+    benchmarks/baseline.json; fails naming each benchmark more than 35% below it (after
+    re-measuring it twice). `nox -s bench_check -- --update` rewrites the baseline on purpose.
+    Not part of `nox -s tests`."""
+    _bench_install(session)
+    out = Path(session.create_tmp()) / "bench.json"
+    pytest = ["python", "-m", "pytest", "benchmarks", "--benchmark-only", "-p", "no:cacheprovider",
+              "-q", "--benchmark-disable-gc"]
+    with session.chdir(ROOT):
+        session.run(*pytest, f"--benchmark-json={out}")
+        session.run("python", str(ROOT / "tools" / "bench_check.py"), str(out), "--rerun",
+                    " ".join(pytest), *session.posargs)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: train on 4 ranks (FULL_SHARD) with checkpoints, resume on 2 ranks, reach

@@ -16,6 +16,10 @@ itself (``FERRO_RESTART_COUNT`` > 0), so a run killed at any step ends with the 
 bit for bit, as one that never failed (``--fail-at-step`` injects such a failure). Rank 0 shows
 a progress bar, prints held-out accuracy each epoch and a summary at the end, and writes the
 loss curve of every run in the checkpoint directory to ``loss_curve.png``.
+
+Beyond the ferro packages it needs scikit-learn (``--dataset digits``), tqdm (the progress bar)
+and matplotlib (the plot): ``pip install -r examples/requirements.txt``. Each is imported only
+where it is used, so ``--help`` and ``--dataset synthetic --no-progress`` work without them.
 """
 
 from __future__ import annotations
@@ -77,7 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     dtype = np.dtype(args.dtype)
     if args.dataset == "digits":
-        from sklearn.datasets import load_digits
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as exc:
+            raise SystemExit("train_mlp: --dataset digits needs scikit-learn: pip install "
+                             "scikit-learn (or pip install -r examples/requirements.txt), or use "
+                             f"--dataset synthetic ({exc})") from None
 
         x, y = load_digits(return_X_y=True)
         x = x / 16.0
@@ -124,7 +133,15 @@ def history_path(args) -> Path:
     return args.checkpoint_dir / "loss_history.json"
 
 
+def run_start(run: dict) -> int:
+    """The step a run started from (0 for a fresh run, the checkpoint's step for a resume)."""
+    if "start_step" in run:
+        return int(run["start_step"])
+    return int(run["losses"][0][0]) - 1 if run["losses"] else 0
+
+
 def plot_losses(history: list[dict], path: Path) -> None:
+    """The loss curve of every run, with a dashed vertical line where each resumed run starts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,8 +150,15 @@ def plot_losses(history: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in history:
         steps = [s for s, _ in run["losses"]]
-        ax.plot(steps, [v for _, v in run["losses"]],
-                label=f"run {run['run']}: {run['world_size']} ranks, {run['strategy']}")
+        (line,) = ax.plot(steps, [v for _, v in run["losses"]],
+                          label=f"run {run['run']}: {run['world_size']} ranks, {run['strategy']}")
+        start = run_start(run)
+        if run["run"] > 1 or start > 0:  # a resume (or a restart) continues from a checkpoint
+            ax.axvline(start, color=line.get_color(), linestyle="--", linewidth=1,
+                       label=f"run {run['run']} resumes at step {start}")
+    resumes = len(history) - 1
+    ax.set_title(f"train_mlp: training loss of {len(history)} run{'s' * (len(history) != 1)}"
+                 + (f" ({resumes} resume{'s' * (resumes != 1)}, dashed)" if resumes else ""))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (global batch)")
     ax.set_yscale("log")
@@ -202,7 +226,7 @@ def main(argv=None) -> int:
                 history = json.loads(history_path(args).read_text())
         backend.barrier()
     run = {"run": len(history) + 1, "world_size": world, "strategy": args.strategy,
-           "losses": []}
+           "start_step": step, "losses": []}
     history.append(run)
     per_rank = args.batch_size // world
 
@@ -229,10 +253,15 @@ def main(argv=None) -> int:
 
     progress = None
     if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=total, initial=step, unit="step", file=sys.stdout,
-                        dynamic_ncols=True)
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+            print("train_mlp: tqdm not installed (pip install tqdm): no progress bar",
+                  flush=True)
+        if tqdm is not None:
+            progress = tqdm(total=total, initial=step, unit="step", file=sys.stdout,
+                            dynamic_ncols=True)
     sent0 = getattr(backend, "bytes_sent", 0)
     t0 = time.perf_counter()
     first_step = step
@@ -310,7 +339,8 @@ def main(argv=None) -> int:
                 plot_losses(history, args.checkpoint_dir / "loss_curve.png")
                 print(f"loss curve: {args.checkpoint_dir / 'loss_curve.png'}", flush=True)
             except ImportError:
-                print("matplotlib not installed: no loss curve plot", flush=True)
+                print("matplotlib not installed (pip install matplotlib): no loss curve plot",
+                      flush=True)
     backend.barrier()
     backend.close()
     if args.min_accuracy is not None and accuracy < args.min_accuracy:
@@ -318,6 +348,9 @@ def main(argv=None) -> int:
             print(f"held-out accuracy {accuracy:.4f} is below --min-accuracy "
                   f"{args.min_accuracy}", flush=True)
         return 3
+    if args.min_accuracy is not None and rank == 0:
+        print(f"held-out accuracy {accuracy:.4f} >= --min-accuracy {args.min_accuracy}: met",
+              flush=True)
     return 0
 
 

@@ -56,6 +56,9 @@ def test_quickstart_as_the_readme_runs_it():
     assert sorted(rank for rank, _, _ in found) == ["0", "1"], r.stdout
     for _, first, last in found:  # it shows that training happened: the loss fell
         assert float(first) > 1.0 and float(last) < 1e-2 * float(first), r.stdout
+    # and the README says what it prints in the same form
+    assert re.search(r"`\[rank 0\] rank 0 of 2: loss \S+ at step 1, \S+ at step 300`",
+                     (ROOT / "README.md").read_text())
 
 
 def final_params(tmp_path, name, runs, strategy, optimizer="sgd"):

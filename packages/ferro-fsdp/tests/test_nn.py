@@ -155,3 +155,47 @@ def test_sequential_container():
     assert [type(m).__name__ for m in s] == ["Linear", "ReLU", "Linear"]
     assert [n for n, _ in s.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert nn.Linear(4, 6, rng=0).weight.dtype == np.float32  # torch's default dtype
+
+
+# ----------------------------------------------------------------------------- NaN propagation
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_keeps_nan_like_np_maximum(dtype):
+    x = np.array([np.nan, -1.0, 0.0, 2.0, -np.inf, np.inf], dtype=dtype)
+    y = nn.ReLU()(x)
+    np.testing.assert_array_equal(y, np.maximum(x, 0))  # NaN compares equal to NaN here
+    assert np.isnan(y[0]) and y.dtype == dtype
+
+
+def test_relu_backward_at_nan_input_passes_the_gradient_like_torch():
+    r = nn.ReLU()
+    r(np.array([np.nan, -1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(r.backward(np.array([5.0, 5.0, 5.0, 5.0])), [5.0, 0.0, 0.0, 5.0])
+    # a NaN upstream gradient stays NaN where the gradient passes
+    g = r.backward(np.array([np.nan, np.nan, np.nan, np.nan]))
+    assert np.isnan(g[[0, 3]]).all() and (g[[1, 2]] == 0).all()
+
+
+def test_nan_in_a_network_reaches_the_loss():
+    model = nn.Sequential(nn.Linear(3, 4, rng=0), nn.ReLU(), nn.Linear(4, 2, rng=1))
+    x = np.ones((2, 3), np.float32)
+    x[0, 1] = np.nan
+    out = model(x)
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+    assert np.isnan(nn.MSELoss()(out, np.zeros_like(out)))
+    assert np.isnan(nn.CrossEntropyLoss()(out, np.array([0, 1])))
+
+
+@pytest.mark.parametrize("target", [np.array([0, 1]), np.array([[1.0, 0.0], [0.0, 1.0]])])
+def test_cross_entropy_keeps_nan_logits(target):
+    z = np.array([[np.nan, 1.0], [0.5, -0.5]])
+    loss_fn = nn.CrossEntropyLoss()
+    assert np.isnan(loss_fn(z, target))
+    g = loss_fn.backward()
+    assert np.isnan(g[0]).all() and np.isfinite(g[1]).all()
+
+
+def test_mse_keeps_nan():
+    loss_fn = nn.MSELoss()
+    assert np.isnan(loss_fn(np.array([np.nan, 1.0]), np.array([0.0, 1.0])))
+    assert np.isnan(loss_fn.backward()[0])
+    assert np.isnan(loss_fn(np.array([0.0, 1.0]), np.array([np.nan, 1.0])))

@@ -8,6 +8,7 @@ first full % world ranks get one extra row").
 import numpy as np
 import pytest
 from _helpers import (
+    DIMS,
     FS,
     HS,
     NS,
@@ -190,3 +191,25 @@ def test_optimizer_must_hold_the_parameters():
             w.sharded_state_dict(other)
 
     run(body, 1)
+
+
+def test_resume_into_a_model_of_another_shape_names_the_shapes_and_sizes():
+    per_rank, _, _ = train_and_save(FS, 2, None, "sgd", 1)
+    dims = (DIMS[0], DIMS[1] + 1, *DIMS[2:])      # a wider first hidden layer
+    want_shape = (dims[1], dims[0])
+
+    def body(b):
+        w = FSDP(make_mlp(dims), b)
+        opt = make_opt("sgd", w.module.parameters())
+        with pytest.raises(ValueError) as info:
+            w.load_sharded_state_dict(per_rank[b.rank], opt)
+        return str(info.value)
+
+    saved = [per_rank[r]["0.weight"].size for r in range(2)]
+    n = dims[0] * dims[1]
+    for msg in run(body, 2):
+        assert "'0.weight'" in msg and "pieces" not in msg
+        assert f"shape {want_shape} ({n} elements)" in msg       # what it expected
+        assert f"add up to {n} (e.g. {list(split_sizes(n, 2))})" in msg
+        assert f"got shard sizes {saved} ({sum(saved)} elements in all" in msg  # what it got
+        assert "another shape" in msg

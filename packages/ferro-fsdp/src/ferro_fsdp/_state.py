@@ -191,8 +191,14 @@ def _load_region(plan: Plan, key: str, i: int, piece: np.ndarray, col: np.ndarra
     elif (col == n).all():
         covers = [(0, n)] * plan.world
     else:
-        raise ValueError(f"load_sharded_state_dict: {key!r} has pieces of {col.tolist()} elements, "
-                         f"expected them to add up to its {n} elements (or {n} on every rank)")
+        shape = plan.layout.shapes[i]
+        raise ValueError(
+            f"load_sharded_state_dict: {key!r} does not fit this model's parameter of shape "
+            f"{shape} ({n} elements): expected 1-d shards whose sizes over the {plan.world} "
+            f"ranks add up to {n} (e.g. {list(split_sizes(n, plan.world))}), or the full {n} "
+            f"elements on every rank; got shard sizes {col.tolist()} ({total} elements in all, "
+            f"this rank's shard of shape {tuple(np.shape(piece))}). Was the checkpoint saved "
+            "from a model of another shape?")
 
     def inside(q: int) -> bool:
         s, length = plan.needed(i, q)

@@ -83,22 +83,27 @@ class Linear(Module):
 
 
 class ReLU(Module):
-    """``max(x, 0)``; the gradient at 0 is 0, as in torch."""
+    """``max(x, 0)`` as ``np.maximum`` and torch compute it: NaN stays NaN (never silently 0).
+
+    Backward is torch's ``threshold_backward``: the gradient is 0 where ``x <= 0`` (so 0 at
+    ``x == 0``, as in torch) and ``grad_output`` elsewhere, NaN inputs included; a NaN
+    ``grad_output`` stays NaN where it passes.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self._mask: np.ndarray | None = None
+        self._off: np.ndarray | None = None
 
     def forward(self, x: Any) -> np.ndarray:
         x = np.asarray(x)
-        self._mask = x > 0
-        return np.where(self._mask, x, np.zeros((), dtype=x.dtype))
+        self._off = x <= 0                     # False for NaN: its gradient passes, as in torch
+        return np.maximum(x, np.zeros((), dtype=x.dtype))
 
     def backward(self, grad_output: Any) -> np.ndarray:
-        if self._mask is None:
+        if self._off is None:
             raise RuntimeError("ReLU.backward: called before forward")
         g = np.asarray(grad_output)
-        return np.where(self._mask, g, np.zeros((), dtype=g.dtype))
+        return np.where(self._off, np.zeros((), dtype=g.dtype), g)
 
 
 class Sequential(Module):

@@ -1,0 +1,39 @@
+"""The README's ```python blocks run as written, each alone in a fresh interpreter, and print."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"  # packages/<dist>/README.md
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+
+
+def run_block(code: str, tmp_path: Path) -> str:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, f"README block failed:\n{code}\n--- stderr:\n{r.stderr[-3000:]}"
+    assert r.stdout.strip(), f"README block printed nothing:\n{code}"
+    return r.stdout
+
+
+def test_readme_has_python_blocks():
+    assert README.is_file(), README
+    assert python_blocks(), f"no ```python block in {README}"
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_readme_block_runs_and_prints(index, tmp_path):
+    run_block(python_blocks()[index], tmp_path)
+
+
+def test_manager_example_prints_the_kept_steps_and_the_restored_rows(tmp_path):
+    (code,) = python_blocks()
+    out = run_block(code, tmp_path)
+    assert "steps kept [100, 200, 300]" in out, out
+    assert "w[:, 0] = [300.0, 300.0, 300.0, 301.0, 301.0, 301.0]" in out, out
