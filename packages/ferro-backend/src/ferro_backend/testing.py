@@ -14,7 +14,8 @@ Real processes on 127.0.0.1 (every package's multi-process tests use these two, 
   environment set, for tests that kill ranks, watch their output or check exit codes.
 
 Both reap every process they started, on success, failure and timeout alike.
-:func:`free_port` finds a free TCP port on 127.0.0.1.
+:func:`free_port` finds a free TCP port on 127.0.0.1. :func:`check_backend` (from
+:mod:`.conformance`) checks a transport written outside ferro against the Backend contract.
 """
 
 from __future__ import annotations
@@ -330,5 +331,7 @@ def run_job(body: str, world: int, **kwargs: Any) -> list[Any]:
     return [r.result for r in results]
 
 
-__all__ = ["Job", "RankFailure", "RankResult", "free_port", "run_job", "run_processes",
-           "run_ranks", "run_threads"]
+from .conformance import check_backend  # noqa: E402 - it runs its checks with run_threads
+
+__all__ = ["Job", "RankFailure", "RankResult", "check_backend", "free_port", "run_job",
+           "run_processes", "run_ranks", "run_threads"]
