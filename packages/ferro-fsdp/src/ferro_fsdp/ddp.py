@@ -135,6 +135,12 @@ class DistributedDataParallel(ModuleWrapper):
             outs.append(cur)
         unpack(flat, outs)
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """After the gradients are synced: clip them to a global L2 norm of at most
+        ``max_norm`` (every rank holds the same averaged gradients, so no communication) and
+        return the norm before clipping."""
+        return self._clip(max_norm, "DDP.clip_grad_norm_", None)
+
     def sync_gradients(self) -> None:
         """Mean-allreduce every gradient, one fused async allreduce per bucket. Collective.
 

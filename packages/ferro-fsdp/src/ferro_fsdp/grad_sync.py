@@ -84,6 +84,18 @@ class GradientSync:
         full.reshape(-1)[start:start + length] = view[:length]
         return full
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """After :meth:`sync_gradients`: clip the gradients to a global L2 norm of at most
+        ``max_norm`` (as torch's ``clip_grad_norm_``) and return the norm before clipping.
+
+        The norm is over the whole model: sharded gradients (FULL_SHARD, SHARD_GRAD_OP, a node
+        of HYBRID_SHARD) add their squared sums over the sharding group; full ones (NO_SHARD)
+        are the same on every rank. Every rank gets the same norm and scales the same way.
+        Collective for the sharded strategies.
+        """
+        group = None if self._spec.grad_form == "full" else self._shard_group
+        return self._clip(max_norm, "FSDP.clip_grad_norm_", group)
+
     def broadcast_updated_params(self) -> None:
         """SHARD_GRAD_OP: after the optimizer step, rebuild every full parameter from each rank's
         updated chunk (one all-gather). A no-op for the other strategies. Collective."""

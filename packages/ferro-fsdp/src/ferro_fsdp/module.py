@@ -237,6 +237,28 @@ class ModuleWrapper:
     def forward(self, x: Any) -> Any:  # pragma: no cover - every wrapper defines its own
         raise NotImplementedError
 
+    def _clip(self, max_norm: float, op: str, norm_group) -> float:
+        """Scale every ``.grad`` so that the global L2 norm is at most ``max_norm``; return the
+        norm before clipping. ``norm_group``: the ranks whose squared sums add up to the global
+        one (None when every rank holds the whole gradient)."""
+        import math
+
+        from ferro_collective import allreduce
+
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float, np.floating)) \
+                or not max_norm > 0:
+            raise ValueError(f"{op}: max_norm {max_norm!r} must be a number > 0")
+        grads = [p.grad for p in self._module.parameters() if p.grad is not None]
+        local = np.array([sum(float(np.vdot(g, g).real) for g in grads)], np.float64)
+        if norm_group is not None and norm_group.world_size > 1:
+            local = allreduce(local, norm_group)
+        norm = math.sqrt(float(local[0]))
+        scale = float(max_norm) / (norm + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g *= g.dtype.type(scale)
+        return norm
+
     def __call__(self, x: Any) -> Any:
         return self.forward(x)
 
