@@ -38,7 +38,7 @@ import numpy as np
 
 from ferro_backend import init_from_env
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
-from ferro_collective import ReduceOp, all_gather, allreduce
+from ferro_collective import ReduceOp, all_gather, allreduce, broadcast
 from ferro_fsdp import DDP, FSDP, nn, optim
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
@@ -122,11 +122,18 @@ def build_model(args, features: int, classes: int) -> nn.Sequential:
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def resume(manager: CheckpointManager, wrapper, opt, backend) -> int:
-    """Load the newest committed step (resharded to this world size); its step number."""
-    tensors, extra = manager.restore()
+def newest_step(manager: CheckpointManager, backend) -> int | None:
+    """The newest committed step as rank 0 sees it, on every rank (one decision for all)."""
+    mine = manager.latest_step()
+    step = int(broadcast(np.array([-1 if mine is None else mine], np.int64), backend, 0)[0])
+    return None if step < 0 else step
+
+
+def resume(manager: CheckpointManager, step: int, wrapper, opt) -> int:
+    """Load committed step ``step`` (resharded to this world size); its step number."""
+    tensors, extra = manager.restore(step)
     wrapper.load_sharded_state_dict(tensors, opt)
-    return int(allreduce(np.array([extra["step"]], np.int64), backend, ReduceOp.MAX)[0])
+    return int(extra["step"])
 
 
 def history_path(args) -> Path:
@@ -210,8 +217,9 @@ def main(argv=None) -> int:
         manager = CheckpointManager(args.checkpoint_dir, rank, world, keep_last=3,
                                     backend=backend)
     resuming = (args.resume or restart > 0) and manager is not None
-    if resuming and manager.latest_step() is not None:
-        step = resume(manager, wrapper, opt, backend)
+    found = newest_step(manager, backend) if resuming else None
+    if found is not None:
+        step = resume(manager, found, wrapper, opt)
         if rank == 0:
             print(f"resumed from step {step} of {args.checkpoint_dir} on {world} ranks "
                   f"({args.strategy}, restart {restart})", flush=True)
@@ -238,6 +246,8 @@ def main(argv=None) -> int:
         wrapper.train()
         return float(allreduce(np.array([correct], np.int64), backend)[0]) / len(x_te)
 
+    saved: list = [None, None]  # the last step saved and its future: the same on every rank
+
     def save(step_now: int, blocking: bool = False) -> None:
         """Step ``step_now`` in ``root/step_<n>/`` (asynchronous unless ``blocking``): the
         shards, the optimizer state, and where the data order stands (the order of an epoch
@@ -247,9 +257,10 @@ def main(argv=None) -> int:
         epoch, k = divmod(step_now, steps_per_epoch)
         extra = {"step": step_now, "epoch": epoch, "batch_in_epoch": k, "seed": args.seed,
                  "world_size": world, "strategy": args.strategy}
-        future = manager.save(step_now, tensors, meta, extra=extra, blocking=blocking)
+        saved[:] = [step_now, manager.save(step_now, tensors, meta, extra=extra,
+                                           blocking=blocking)]
         if blocking:
-            future.wait()
+            saved[1].wait()
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -304,8 +315,13 @@ def main(argv=None) -> int:
         progress.close()
     if step == first_step:
         accuracy = evaluate()
-    if manager is not None and manager.latest_step() != step:
-        save(step, blocking=True)
+    if manager is not None:
+        # decided from what this rank did (the same on every rank), never from the directory,
+        # which other ranks' saves may be changing
+        if saved[0] != step:
+            save(step, blocking=True)
+        else:
+            saved[1].wait()
     done = max(step - first_step, 1)
     sent = float(allreduce(np.array([getattr(backend, "bytes_sent", 0) - sent0], np.float64),
                            backend, ReduceOp.MEAN)[0])
