@@ -1,25 +1,17 @@
 """The README's ```python blocks run as written, each alone in a fresh interpreter, and print."""
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ferro_backend.readme_blocks import python_blocks as _blocks
+from ferro_backend.readme_blocks import run_block
 
 README = Path(__file__).resolve().parent.parent / "README.md"  # packages/<dist>/README.md
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
-
-
-def run_block(code: str, tmp_path: Path) -> str:
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
-    assert r.returncode == 0, f"README block failed:\n{code}\n--- stderr:\n{r.stderr[-3000:]}"
-    assert r.stdout.strip(), f"README block printed nothing:\n{code}"
-    return r.stdout
+    return _blocks(README)
 
 
 def test_readme_has_python_blocks():

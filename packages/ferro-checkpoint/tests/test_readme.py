@@ -1,4 +1,8 @@
-"""The README's ```python blocks run as written, each alone in a fresh interpreter, and print."""
+"""The README's ```python blocks run as written, each alone in a fresh interpreter, and print.
+
+The other packages use ``ferro_backend.readme_blocks`` for this; ferro-checkpoint is tested
+without ferro-backend installed, so it keeps these few lines of its own.
+"""
 
 import re
 import subprocess

@@ -88,29 +88,30 @@ def _timeouts(b: Backend) -> None:
     assert not req.is_completed() and req.poll(0.01) is False, "a pending irecv says completed"
 
 
-def _closed(b: Backend) -> None:
+def _peer_ends(b: Backend, end: Callable[[Backend], None], expected: type, what: str,
+               reason: str = "") -> None:
+    """Rank 1 ends itself with ``end``; rank 0's receive from it must raise ``expected``
+    (naming ``reason`` if given) within 2.5 s."""
     if b.rank == 1:
-        b.close()
+        end(b)
     elif b.rank == 0:
         t0 = time.monotonic()
         try:
             b.recv(bytearray(1), 1, tag=7, timeout=10)
-        except PeerClosedError:
-            assert time.monotonic() - t0 < 2.5, "PeerClosedError came late"
+        except expected as exc:
+            assert time.monotonic() - t0 < 2.5, f"{expected.__name__} came late"
+            assert reason in str(exc), f"the {what} reason is lost: {exc}"
         else:
-            raise AssertionError("a receive from a closed peer returned")
+            raise AssertionError(f"a receive from a peer that {what} returned")
+
+
+def _closed(b: Backend) -> None:
+    _peer_ends(b, lambda me: me.close(), PeerClosedError, "closed")
 
 
 def _aborted(b: Backend) -> None:
-    if b.rank == 1:
-        b.abort("conformance abort")
-    elif b.rank == 0:
-        try:
-            b.recv(bytearray(1), 1, tag=7, timeout=10)
-        except PeerAbortedError as exc:
-            assert "conformance abort" in str(exc), f"the abort reason is lost: {exc}"
-        else:
-            raise AssertionError("a receive after a peer's abort returned")
+    _peer_ends(b, lambda me: me.abort("conformance abort"), PeerAbortedError, "aborted",
+               "conformance abort")
 
 
 PROMISES: list[tuple[str, Callable[[Backend], None]]] = [
