@@ -1,29 +1,20 @@
-"""The README's ```python blocks run as written, each alone in a fresh interpreter, and print."""
+"""The README's ```python blocks run as written, each alone in a fresh interpreter, and print
+what they promise (each block runs once per test session)."""
 
 from pathlib import Path
 
 import pytest
 
-from ferro_backend.readme_blocks import python_blocks as _blocks
-from ferro_backend.readme_blocks import run_block
+from ferro_backend.readme_blocks import run_readme
 
 README = Path(__file__).resolve().parent.parent / "README.md"  # packages/<dist>/README.md
 
 
-def python_blocks() -> list[str]:
-    return _blocks(README)
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> list[str]:
+    return run_readme(README, tmp_path_factory.mktemp("readme"))
 
 
-def test_readme_has_python_blocks():
-    assert README.is_file(), README
-    assert python_blocks(), f"no ```python block in {README}"
-
-
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_block_runs_and_prints(index, tmp_path):
-    run_block(python_blocks()[index], tmp_path)
-
-
-def test_send_recv_example_prints_what_rank_1_received(tmp_path):
-    (code,) = python_blocks()
-    assert "['sent', [0.0, 1.0, 2.0, 3.0]]" in run_block(code, tmp_path)
+def test_send_recv_example_prints_what_rank_1_received(outputs):
+    (out,) = outputs
+    assert "['sent', [0.0, 1.0, 2.0, 3.0]]" in out

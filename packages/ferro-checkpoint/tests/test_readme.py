@@ -26,18 +26,16 @@ def run_block(code: str, tmp_path: Path) -> str:
     return r.stdout
 
 
-def test_readme_has_python_blocks():
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> list[str]:
+    """Every block once (ferro_backend.readme_blocks.run_readme's few lines, kept here)."""
     assert README.is_file(), README
-    assert python_blocks(), f"no ```python block in {README}"
+    blocks = python_blocks()
+    assert blocks, f"no ```python block in {README}"
+    return [run_block(code, tmp_path_factory.mktemp("readme")) for code in blocks]
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_block_runs_and_prints(index, tmp_path):
-    run_block(python_blocks()[index], tmp_path)
-
-
-def test_manager_example_prints_the_kept_steps_and_the_restored_rows(tmp_path):
-    (code,) = python_blocks()
-    out = run_block(code, tmp_path)
+def test_manager_example_prints_the_kept_steps_and_the_restored_rows(outputs):
+    (out,) = outputs
     assert "steps kept [100, 200, 300]" in out, out
     assert "w[:, 0] = [300.0, 300.0, 300.0, 301.0, 301.0, 301.0]" in out, out

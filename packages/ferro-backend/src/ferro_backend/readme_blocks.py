@@ -27,4 +27,14 @@ def run_block(code: str, cwd: Path, timeout: float = 120.0) -> str:
     return r.stdout
 
 
-__all__ = ["python_blocks", "run_block"]
+def run_readme(readme: Path, cwd: Path, timeout: float = 120.0) -> list[str]:
+    """Run every ```python block of ``readme`` once, each alone; their outputs, in order.
+    AssertionError when the README is missing, has no block, or a block fails or is silent."""
+    readme = Path(readme)
+    assert readme.is_file(), f"no README at {readme}"
+    blocks = python_blocks(readme)
+    assert blocks, f"no ```python block in {readme}"
+    return [run_block(code, cwd, timeout) for code in blocks]
+
+
+__all__ = ["python_blocks", "run_block", "run_readme"]
