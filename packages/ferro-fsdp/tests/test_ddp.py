@@ -140,3 +140,153 @@ def test_state_dict_and_errors():
     d.module.parameters()[0].grad = np.ones(3)
     with pytest.raises(ValueError, match="shape"):
         DDP(d.module, SimulatedBackend.create_group(2)[0], broadcast_parameters=False).sync_gradients()
+
+
+# -- persistent buckets and overlap (0.2) ------------------------------------------------------
+def _train(d, x, y, steps, momentum=0.9):
+    from ferro_fsdp import optim
+
+    opt = optim.SGD(d.parameters(), lr=0.1, momentum=momentum)
+    loss_fn = nn.CrossEntropyLoss()
+    losses = []
+    for s in range(steps):
+        lo = slice(4 * d.backend.rank + s, 4 * d.backend.rank + s + 4)
+        losses.append(loss_fn(d(x[lo]), y[lo]))
+        d.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+    return losses, d.module.state_dict()
+
+
+def test_grads_are_views_into_persistent_buckets():
+    x, y = make_data(16)
+
+    def body(b):
+        d = DDP(make_mlp(), b, bucket_cap_mb=1048 / (1 << 20))
+        loss_fn = nn.CrossEntropyLoss()
+        flats = []
+        for _ in range(2):
+            loss_fn(d(x[:4]), y[:4])
+            d.backward(loss_fn.backward())
+            for p in d.parameters():
+                assert any(np.shares_memory(p.grad, f) for f in d._flats)
+            flats.append([f.__array_interface__["data"][0] for f in d._flats])
+            grads = [p.grad.copy() for p in d.parameters()]
+            d.module.zero_grad()
+        assert flats[0] == flats[1]  # the same buffers, step after step
+        return grads
+
+    a, c = run(body, 2)
+    for ga, gc in zip(a, c):
+        np.testing.assert_array_equal(ga, gc)
+
+
+def test_buckets_start_during_backward(monkeypatch):
+    """With one bucket per layer, the last layer's bucket is reduced before the first layer's
+    backward has run: the allreduce overlaps the rest of the backward."""
+    events = []
+    lock = threading.Lock()
+    real = ddp_mod.allreduce_async
+
+    def logged(tensor, backend, *args, **kwargs):
+        with lock:
+            events.append((backend.rank, "allreduce", tensor.size))
+        return real(tensor, backend, *args, **kwargs)
+
+    monkeypatch.setattr(ddp_mod, "allreduce_async", logged)
+    x, y = make_data(8)
+
+    def body(b):
+        model = make_mlp()
+        first = model[0]
+        first.register_backward_pre_hook(
+            lambda m, args: events.append((b.rank, "first layer backward", 0)))
+        d = DDP(model, b, bucket_cap_mb=400 / (1 << 20))
+        loss_fn = nn.CrossEntropyLoss()
+        loss_fn(d(x[:4]), y[:4])
+        d.backward(loss_fn.backward())
+        return d.buckets
+
+    buckets = run(body, 2)[0]
+    assert len(buckets) >= 3
+    for r in range(2):
+        mine = [e for e in events if e[0] == r]
+        kinds = [k for _, k, _ in mine]
+        assert kinds.index("allreduce") < kinds.index("first layer backward")
+        assert kinds.count("allreduce") == len(buckets)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlap_gives_the_same_bits_as_after_backward(world):
+    x, y = make_data(40)
+
+    def body(b, overlap):
+        return _train(DDP(make_mlp(seed=3), b, bucket_cap_mb=700 / (1 << 20),
+                          overlap=overlap), x, y, 4)
+
+    on = run(lambda b: body(b, True), world)
+    off = run(lambda b: body(b, False), world)
+    for (la, sa), (lb, sb) in zip(on, off):
+        assert la == lb
+        for k in sa:
+            np.testing.assert_array_equal(sa[k], sb[k])
+    for _, s in on[1:]:  # every rank holds the same model
+        for k in s:
+            np.testing.assert_array_equal(s[k], on[0][1][k])
+
+
+def test_module_used_twice_is_a_clear_error_and_overlap_false_runs_it():
+    class Twice(Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3, rng=0, dtype=np.float64)
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+        def backward(self, g):
+            return self.lin.backward(g)  # (a toy: only the last use's gradient)
+
+    def body(b, overlap):
+        d = DDP(Twice(), b, overlap=overlap)
+        d(np.ones((2, 3)))
+        d.backward(np.ones((2, 3)))
+        d.backward(np.ones((2, 3)))
+        return d.module.lin.weight.grad.copy()
+
+    run(lambda b: body(b, False), 2)
+
+    class Reuse(Twice):
+        def backward(self, g):
+            return self.lin.backward(self.lin.backward(g))
+
+    def body2(b):
+        d = DDP(Reuse(), b)
+        d(np.ones((2, 3)))
+        with pytest.raises(RuntimeError, match="lin.weight.*another gradient"):
+            d.backward(np.ones((2, 3)))
+        d.sync_gradients()  # the started bucket is waited for; the ranks stay in step
+        return True
+
+    assert run(body2, 2) == [True, True]
+
+
+def test_no_sync_accumulates_in_the_bucket_then_syncs():
+    x, y = make_data(16)
+
+    def body(b):
+        d = DDP(make_mlp(), b)
+        loss_fn = nn.CrossEntropyLoss()
+        r = 8 * b.rank
+        with d.no_sync():
+            loss_fn(d(x[r:r + 4]), y[r:r + 4])
+            d.backward(loss_fn.backward())
+        local = [p.grad.copy() for p in d.parameters()]
+        loss_fn(d(x[r + 4:r + 8]), y[r + 4:r + 8])
+        d.backward(loss_fn.backward())
+        return local, [p.grad.copy() for p in d.parameters()]
+
+    (l0, g0), (l1, g1) = run(body, 2)
+    for a, c in zip(g0, g1):
+        np.testing.assert_array_equal(a, c)
+    assert not all(np.array_equal(a, c) for a, c in zip(l0, l1))  # local grads differ per rank

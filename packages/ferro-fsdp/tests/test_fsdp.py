@@ -20,6 +20,7 @@ from _helpers import (
 
 import ferro_fsdp.fsdp as fsdp_mod
 import ferro_fsdp.grad_sync as grad_sync_mod
+import ferro_fsdp.units as units_mod
 from ferro_backend import InvalidWorldSizeError, SimulatedBackend
 from ferro_fsdp import FSDP, FSDPStateError, Module, Parameter, ShardingStrategy, nn, optim
 
@@ -65,9 +66,10 @@ class Counter:
         self.calls = {}
         self.lock = threading.Lock()
         for name in names:  # the collectives FSDP's modules call, wherever they are imported
-            for mod in (fsdp_mod, grad_sync_mod):
-                if hasattr(mod, name):
-                    monkeypatch.setattr(mod, name, self.wrap(name, getattr(mod, name)))
+            for mod in (fsdp_mod, grad_sync_mod, units_mod):
+                for variant in (name, name + "_async"):
+                    if hasattr(mod, variant):
+                        monkeypatch.setattr(mod, variant, self.wrap(name, getattr(mod, variant)))
 
     def wrap(self, name, real):
         def counted(tensor, group, *args, **kwargs):

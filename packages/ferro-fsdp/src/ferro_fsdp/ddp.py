@@ -1,11 +1,17 @@
-"""DistributedDataParallel: replicated parameters, gradients averaged in fused buckets.
+"""DistributedDataParallel: replicated parameters, gradients averaged in persistent buckets.
 
-At construction rank 0's parameters are broadcast (one fused message per bucket). After
-``backward`` the gradients are mean-allreduced bucket by bucket: parameters are assigned to
-buckets in reverse ``named_parameters`` order (the order a backward pass produces gradients, as
-in torch), each bucket holds parameters of one dtype and at most ``bucket_cap_mb`` (a larger
-parameter gets a bucket of its own), and each bucket is one packed message. All buckets' async
-allreduces are started before the first is waited for.
+At construction rank 0's parameters are broadcast (one fused message per bucket). Parameters are
+assigned to buckets in reverse ``named_parameters`` order (the order a backward pass produces
+gradients, as in torch); each bucket holds parameters of one dtype and at most ``bucket_cap_mb``
+(a larger parameter gets a bucket of its own). Each bucket is one persistent flat buffer and every
+parameter's ``.grad`` is a view into it (torch's ``gradient_as_bucket_view``): layers write their
+gradients straight into the bucket, nothing is packed per step, and the allreduce is in place.
+
+Overlap: during ``DDP.backward`` a hook on every module that owns parameters marks them ready when
+the module's backward returns; as soon as a bucket's last gradient is written its allreduce starts
+in the background while the rest of the backward runs. Buckets start in bucket order on every
+rank (a ready bucket waits for the ones before it), so all ranks issue the same collectives in
+the same order.
 """
 
 from __future__ import annotations
@@ -17,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import Backend, pack, unpack
-from ferro_collective import ReduceOp, allreduce_async, broadcast
+from ferro_collective import ReduceOp, Work, allreduce_async, broadcast
 
 from . import _state
 from .flat import FlatLayout
-from .module import Module, ModuleWrapper, Parameter
+from .module import Module, ModuleWrapper
 
 
 class DistributedDataParallel(ModuleWrapper):
@@ -40,18 +46,24 @@ class DistributedDataParallel(ModuleWrapper):
     timeout
         Passed to every collective; None (the default) leaves each collective the
         backend's own ``backend.timeout``.
+    overlap
+        Start each bucket's allreduce during ``backward`` as soon as its gradients are written
+        (default True). With False every bucket starts after the backward.
 
     ``backward(grad_output)`` runs ``module.backward`` and then ``sync_gradients()`` (unless
     inside ``no_sync()``); a model trained without ``backward`` calls ``sync_gradients()``
-    itself. After the sync every rank's ``.grad`` is the mean over ranks, bit-identical.
+    itself. After the sync every rank's ``.grad`` is the mean over ranks, bit-identical, and a
+    view into its bucket (it stays one across steps; ``zero_grad`` may set it to None).
     """
 
     def __init__(self, module: Module, backend: Backend, *, bucket_cap_mb: float = 25.0,
-                 broadcast_parameters: bool = True, timeout: float | None = None) -> None:
+                 broadcast_parameters: bool = True, timeout: float | None = None,
+                 overlap: bool = True) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"DDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"DDP: bucket_cap_mb {bucket_cap_mb}, expected > 0")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"DDP: bucket_cap_mb {bucket_cap_mb!r}, expected a number > 0")
         self._module = module
         self._backend = backend
         self._timeout = timeout
@@ -69,6 +81,18 @@ class DistributedDataParallel(ModuleWrapper):
                 flat = self._pack(arrays)
                 flat = broadcast(flat, backend, 0, timeout=timeout)
                 self._unpack_into(flat, bucket, "data")
+        self._flats: list[np.ndarray] = []
+        self._slots: dict[int, np.ndarray] = {}
+        self._bucket_of: dict[int, int] = {}
+        if backend.world_size > 1:
+            self._make_buckets()
+        self._overlap = bool(overlap) and backend.world_size > 1 and bool(self._buckets)
+        self._hook_handles: list = []
+        self._owners: dict[int, int] = {}
+        if self._overlap:
+            self._install_hooks()
+        self._armed = False
+        self._reset()
 
     def _plan_buckets(self, order: list[int]) -> list[list[int]]:
         buckets: list[list[int]] = []
@@ -84,6 +108,47 @@ class DistributedDataParallel(ModuleWrapper):
             open_by_dtype[p.data.dtype] = (bucket, size + nbytes)
         return buckets
 
+    def _make_buckets(self) -> None:
+        """One persistent flat buffer per bucket; each parameter's gradient slot is a view."""
+        for b, bucket in enumerate(self._buckets):
+            params = [self._params[i] for i in bucket]
+            flat = np.zeros(sum(p.data.size for p in params), params[0].data.dtype)
+            offset = 0
+            for i, p in zip(bucket, params):
+                view = flat[offset:offset + p.data.size].reshape(p.data.shape)
+                offset += p.data.size
+                if p.grad is not None and np.shape(p.grad) == p.data.shape:
+                    view[...] = p.grad
+                    p.grad = view
+                p.set_grad_slot(view)
+                self._slots[i] = view
+                self._bucket_of[i] = b
+            self._flats.append(flat)
+
+    def _install_hooks(self) -> None:
+        index = {id(p): i for i, p in enumerate(self._params)}
+        seen: set[int] = set()
+        for _, m in self._module.named_modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            mine = [index[id(p)] for _, p in m.named_parameters(recurse=False)
+                    if id(p) in index and index[id(p)] in self._bucket_of]
+            if not mine:
+                continue
+            for i in mine:
+                self._owners[i] = self._owners.get(i, 0) + 1
+            self._hook_handles.append(m.register_backward_pre_hook(
+                lambda mod, args, mine=mine: self._before_backward(mine)))
+            self._hook_handles.append(m.register_backward_hook(
+                lambda mod, args, out, mine=mine: self._after_backward(mine)))
+
+    def _reset(self) -> None:
+        self._works: list[Work | None] = [None] * len(self._buckets)
+        self._next = 0
+        self._missing = [len(b) for b in self._buckets]
+        self._fired = dict.fromkeys(self._owners, 0)
+
     # -- accessors --------------------------------------------------------------------------
     @property
     def buckets(self) -> list[list[str]]:
@@ -94,12 +159,26 @@ class DistributedDataParallel(ModuleWrapper):
     def bucket_cap_bytes(self) -> int:
         return self._cap
 
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets start their allreduce during the backward."""
+        return self._overlap
+
     def forward(self, x: Any) -> Any:
         return self._module.forward(x)
 
     def backward(self, grad_output: Any) -> Any:
-        """``module.backward(grad_output)``, then ``sync_gradients()`` unless in ``no_sync()``."""
-        out = self._module.backward(grad_output)
+        """``module.backward(grad_output)``, then ``sync_gradients()`` unless in ``no_sync()``.
+
+        Outside ``no_sync()`` each bucket's allreduce starts inside the backward, as soon as its
+        gradients are complete (``overlap=True``)."""
+        self._armed = self._sync and self._overlap
+        try:
+            out = self._module.backward(grad_output)
+        except BaseException:
+            self._armed = False
+            raise
+        self._armed = False
         if self._sync:
             self.sync_gradients()
         return out
@@ -114,13 +193,48 @@ class DistributedDataParallel(ModuleWrapper):
             self._sync = previous
 
     # -- gradients --------------------------------------------------------------------------
-    def _pack(self, arrays: list[np.ndarray | None], like: list[Parameter] | None = None) -> np.ndarray:
-        like = like or []
-        dtype = next((a.dtype for a in arrays if a is not None), None) or like[0].data.dtype
-        filled = [np.zeros(p.data.shape, dtype) if a is None else np.ascontiguousarray(a, dtype=dtype)
-                  for a, p in zip(arrays, like)] if like else [np.ascontiguousarray(a) for a in arrays]
-        out = np.empty(sum(a.size for a in filled), dtype=dtype)
-        pack(filled, out=out.view(np.uint8))
+    def _before_backward(self, mine: list[int]) -> None:
+        if not self._armed:
+            return
+        for i in mine:
+            if self._works[self._bucket_of[i]] is not None:
+                raise RuntimeError(
+                    f"DDP.backward: parameter {self._names[i]!r} gets another gradient after its "
+                    "bucket's allreduce started (is its module called twice in forward?); use "
+                    "DDP(..., overlap=False) for such models")
+
+    def _after_backward(self, mine: list[int]) -> None:
+        if not self._armed:
+            return
+        for i in mine:
+            self._fired[i] += 1
+            if self._fired[i] == self._owners[i]:
+                self._missing[self._bucket_of[i]] -= 1
+        while self._next < len(self._buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        """Start bucket ``b``'s in-place mean allreduce (buckets start in order)."""
+        assert b == self._next
+        for i in self._buckets[b]:
+            p, slot = self._params[i], self._slots[i]
+            if p.grad is None:
+                slot[...] = 0
+            elif p.grad is not slot:
+                if np.shape(p.grad) != p.data.shape:
+                    raise ValueError(f"DDP.sync_gradients: gradient of shape {np.shape(p.grad)} for "
+                                     f"{self._names[i]!r} of shape {p.data.shape}")
+                np.copyto(slot, p.grad)
+            p.grad = slot
+        flat = self._flats[b]
+        self._works[b] = allreduce_async(flat, self._backend, ReduceOp.MEAN,
+                                         timeout=self._timeout, out=flat)
+        self._next = b + 1
+
+    def _pack(self, arrays: list[np.ndarray]) -> np.ndarray:
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        out = np.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype)
+        pack(arrays, out=out.view(np.uint8))
         return out
 
     def _unpack_into(self, flat: np.ndarray, bucket: list[int], attr: str) -> None:
@@ -142,28 +256,20 @@ class DistributedDataParallel(ModuleWrapper):
         return self._clip(max_norm, "DDP.clip_grad_norm_", None)
 
     def sync_gradients(self) -> None:
-        """Mean-allreduce every gradient, one fused async allreduce per bucket. Collective.
+        """Mean-allreduce every gradient, one in-place async allreduce per bucket. Collective.
 
-        A parameter without a gradient counts as zeros (and gets the averaged gradient).
+        Buckets the backward already started are only waited for. A parameter without a
+        gradient counts as zeros (and gets the averaged gradient).
         """
         if self._backend.world_size == 1 or not self._buckets:
             return
-        works = []
-        for bucket in self._buckets:
-            params = [self._params[i] for i in bucket]
-            for p in params:
-                if p.grad is not None and p.grad.shape != p.data.shape:
-                    raise ValueError(f"DDP.sync_gradients: gradient of shape {p.grad.shape} for a "
-                                     f"parameter of shape {p.data.shape}")
-            flat = self._pack([p.grad for p in params], like=params)
-            works.append(allreduce_async(flat, self._backend, ReduceOp.MEAN, timeout=self._timeout))
-        for bucket, work in zip(self._buckets, works):
-            flat = work.wait(self._timeout)
-            offset = 0
-            for i in bucket:  # views into the reduced bucket: no copy
-                p = self._params[i]
-                p.grad = flat[offset:offset + p.data.size].reshape(p.data.shape)
-                offset += p.data.size
+        try:
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+            for work in self._works:
+                work.wait(self._timeout)
+        finally:
+            self._reset()
 
     # -- state dicts ------------------------------------------------------------------------
     def _state_plan(self) -> _state.Plan:

@@ -1,32 +1,36 @@
 """Fully sharded data parallel for numpy models: the :class:`FSDP` wrapper, flattened and padded.
 
-One :class:`FSDP` wraps one module as one unit: its parameters share one :class:`FlatLayout`,
-so a forward is one all-gather and a gradient sync one reduce-scatter (or one allreduce), never
-one per parameter. FSDP never replaces a Parameter object; it swaps ``.data`` and ``.grad``.
-What each strategy does is read from its :class:`~ferro_fsdp.strategy.StrategySpec`; what
-``.data`` and ``.grad`` hold under each strategy, and the padding of chunks, are in the package
-README. This module gathers and runs forward/backward; :mod:`ferro_fsdp.grad_sync` averages the
+An :class:`FSDP` shards its module's parameters in units (:mod:`ferro_fsdp.units`): with
+``wrap=None`` the whole module is one unit, so a forward is one all-gather and a gradient sync
+one reduce-scatter (or one allreduce); with ``wrap=`` every wrapped submodule is its own unit,
+gathered just before it runs (its successor's gather prefetched in the background) and freed
+right after, and its gradients' reduce-scatter starts as soon as its backward is done, while
+the rest of the backward runs. FSDP never replaces a Parameter object; it swaps ``.data`` and
+``.grad``. What each strategy does is read from its :class:`~ferro_fsdp.strategy.StrategySpec`;
+what ``.data`` and ``.grad`` hold under each strategy, and the padding of chunks, are in the
+package README. This module schedules the units; :mod:`ferro_fsdp.grad_sync` averages the
 gradients and :mod:`ferro_fsdp._state` saves and loads sharded state dicts.
 
 A training step::
 
-    out = fsdp(x)                         # all-gather, run, free the gathered parameters
+    out = fsdp(x)                         # per unit: all-gather, run, free
     loss = loss_fn(out, y)
-    fsdp.backward(loss_fn.backward())     # all-gather again, run module.backward, keep full grads
-    fsdp.sync_gradients()                 # one reduce-scatter / allreduce of the flat gradient
+    fsdp.backward(loss_fn.backward())     # per unit: all-gather, run backward, start its reduce
+    fsdp.sync_gradients()                 # wait for the reductions: .grad = this rank's chunk
     opt.step(); opt.zero_grad()           # on fsdp.module.parameters(): the shards
     fsdp.broadcast_updated_params()       # SHARD_GRAD_OP only (a no-op otherwise)
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
-from ferro_collective import all_gather, all_gather_async, broadcast
+from ferro_collective import all_gather, broadcast
 
 from ._state import ShardedStateDicts
 from .errors import FSDPStateError
@@ -34,22 +38,10 @@ from .flat import FlatLayout
 from .grad_sync import GradientSync
 from .module import Module, ModuleWrapper, Parameter
 from .strategy import ShardingStrategy
+from .units import Unit, find_units
 
 
-def _ready(value: np.ndarray) -> concurrent.futures.Future:
-    """A finished all-gather (a group of one) as a future like an async one's."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
-
-
-def _freed(dtype: np.dtype) -> np.ndarray:
-    out = np.empty(0, dtype=dtype)
-    out.flags.writeable = False
-    return out
-
-
-class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
+class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
     """Shard ``module``'s parameters over ``backend``'s ranks with ``strategy``.
 
     Parameters
@@ -62,11 +54,22 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
         The ranks to shard over (any ``ferro_backend.Backend``).
     strategy
         A :class:`ShardingStrategy` (or its name, ``"full_shard"``...).
+    wrap
+        None: the whole module is one unit. A Module subclass (or a tuple of them): every
+        submodule of those types is its own unit. An int: submodules whose parameters (not
+        already in a deeper unit) add up to at least that many elements are units, in module
+        order. The parameters no unit claims form the root unit. Units change when parameters
+        are gathered and gradients reduced, never the results (the same bits as ``wrap=None``).
+        An FSDP built on a submodule beforehand (same backend and strategy) may also sit inside
+        ``module``: it stays its own unit, and this FSDP's ``sync_gradients``, state dicts and
+        ``clip_grad_norm_`` cover its parameters too.
     intra_node_size
         HYBRID_SHARD only: ranks per node; the world size must be a positive multiple of it.
     reshard_after_forward
-        Free the gathered parameters after ``forward`` (FULL_SHARD / HYBRID_SHARD; default True,
-        as torch). ``backward`` then gathers them again. With False they stay until ``backward``.
+        Free each unit's gathered parameters after its ``forward`` (FULL_SHARD / HYBRID_SHARD;
+        default True, as torch); its ``backward`` then gathers them again. With False they stay
+        until the unit's backward. A dict ``{unit name: bool}`` sets it per unit (unit names
+        are dotted module paths, ``""`` for the root unit; others keep the default).
     sync_module_states
         Broadcast rank 0's parameters before sharding.
     timeout
@@ -78,15 +81,18 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
     InvalidWorldSizeError
         HYBRID_SHARD without a valid ``intra_node_size`` (a divisor of the world size).
     ValueError
-        ``intra_node_size`` with another strategy, an unknown strategy.
+        ``intra_node_size`` with another strategy, an unknown strategy, a nested FSDP on
+        another backend or strategy, an unknown unit name in ``reshard_after_forward``.
     TypeError
-        Not a Module, or parameters of mixed or non-floating dtypes.
+        Not a Module, parameters of mixed or non-floating dtypes, a ``wrap`` of another kind.
     """
 
     def __init__(self, module: Module, backend: Backend,
                  strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
-                 intra_node_size: int | None = None, reshard_after_forward: bool | None = None,
+                 wrap: Any = None, intra_node_size: int | None = None,
+                 reshard_after_forward: bool | dict[str, bool] | None = None,
                  sync_module_states: bool = False, timeout: float | None = None) -> None:
+        Module.__init__(self)
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
         strategy = ShardingStrategy.coerce(strategy)
@@ -115,6 +121,14 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
                              f"got {strategy.name}")
         self._intra_node_size = intra_node_size
 
+        unit_modules, nested = find_units(module, wrap, lambda m: isinstance(m, FSDP))
+        for name, inner in nested:
+            if inner._backend is not backend or inner._strategy is not strategy:
+                raise ValueError(
+                    f"FSDP: nested FSDP {name!r} shards over {inner._backend!r} with "
+                    f"{inner._strategy.name}; a nested FSDP must use this FSDP's backend and "
+                    f"strategy ({backend!r}, {strategy.name})")
+        self._nested: list[FSDP] = [inner for _, inner in nested]
         named = module.named_parameters()
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -125,28 +139,95 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
         dtype = dtypes.pop() if dtypes else np.dtype(np.float32)
         if dtype.kind not in "fc":
             raise TypeError(f"FSDP: parameter dtype {dtype} is not floating")
-        shapes = [p.data.shape for p in self._params]
         groups = {"world": backend, "intra": self._intra, "inter": self._inter, None: None}
         self._shard_group: Backend | None = groups[spec.shard_group]
         self._replicate_group: Backend | None = groups[spec.replicate_group]
         shard_world = self._shard_group.world_size if self._shard_group is not None else 1
         self._shard_rank = self._shard_group.rank if self._shard_group is not None else 0
+        nested_ids = {id(p) for inner in self._nested for p in inner._module.parameters()}
+        own = [i for i, p in enumerate(self._params) if id(p) not in nested_ids]
+        # a nested FSDP has sharded its parameters already: the layout describes the full ones
+        shapes = [self._nested_full_shape(p) if id(p) in nested_ids else p.data.shape
+                  for p in self._params]
         self._layout = FlatLayout(shapes, dtype, shard_world)
         self._full_layout = FlatLayout(shapes, dtype, 1)
-        self._reshard = spec.shards_params if reshard_after_forward is None else \
-            bool(reshard_after_forward) and spec.shards_params
-        self._full_params: list[Parameter] | None = None
-        self._pending: Any = None
 
-        if sync_module_states and world > 1 and self._params:
-            flat = self._pack_full([p.data for p in self._params])
+        if sync_module_states and world > 1 and own:
+            flat = self._pack_full([self._params[i].data for i in own],
+                                   [shapes[i] for i in own])
             flat = broadcast(flat, backend, 0, timeout=timeout)
-            for p, value in zip(self._params, self._full_layout.gathered_to_full(flat)):
-                p.data = np.array(value, copy=True)
+            for i, value in zip(own, FlatLayout([shapes[i] for i in own], dtype, 1)
+                                .gathered_to_full(flat)):
+                self._params[i].data = np.array(value, copy=True)
         if spec.shards_params:
-            for i, p in enumerate(self._params):
+            for i in own:
+                p = self._params[i]
                 p.data = self._layout.shard_of(i, p.data, self._shard_rank)
                 p.grad = None
+        self._units = self._make_units(unit_modules, own, reshard_after_forward)
+        self._root = self._units[0]
+        self._order: list[Unit] = []      # sub-units in the order the first forward ran them
+        self._recording = True
+        self._phase: str | None = None    # "forward" / "backward" while FSDP runs the module
+        self._sync = True
+        self._hook_handles = []
+        for unit in self._units[1:]:
+            self._hook(unit)
+
+    def _nested_full_shape(self, p: Parameter) -> tuple[int, ...]:
+        for inner in self._nested:
+            for q, shape in zip(inner._params, inner._layout.shapes):
+                if q is p:
+                    return shape
+        raise AssertionError("unreachable: parameter of no nested FSDP")
+
+    def _make_units(self, unit_modules: list[tuple[str, Module]], own: list[int],
+                    reshard: Any) -> list[Unit]:
+        default = self._spec.shards_params
+        per_unit: dict[str, bool] = {}
+        if isinstance(reshard, dict):
+            known = {"", *(name for name, _ in unit_modules)}
+            unknown = sorted(set(reshard) - known)
+            if unknown:
+                raise ValueError(f"FSDP: reshard_after_forward names {unknown}, which are not "
+                                 f"units; the units are {sorted(known)}")
+            per_unit = {k: bool(v) and default for k, v in reshard.items()}
+        elif reshard is not None:
+            default = bool(reshard) and default
+        index = {id(self._params[i]): i for i in own}
+        taken: set[int] = set()
+        subs = []
+        for name, m in unit_modules:  # deepest first: a unit keeps what no deeper unit took
+            idx = sorted(index[id(p)] for p in m.parameters()
+                         if id(p) in index and index[id(p)] not in taken)
+            taken.update(idx)
+            subs.append(Unit(self, name, m, idx, per_unit.get(name, default)))
+        root = Unit(self, "", None, [i for i in own if i not in taken],
+                    per_unit.get("", default))
+        order = {name: k for k, (name, _) in enumerate(sorted(unit_modules, key=lambda t: (
+            self._first_param(t[1]), t[0])))}
+        subs.sort(key=lambda u: order[u.name])
+        return [root, *subs]
+
+    def _first_param(self, m: Module) -> int:
+        ids = {id(p) for p in m.parameters()}
+        return min((i for i, p in enumerate(self._params) if id(p) in ids), default=-1)
+
+    def _hook(self, unit: Unit) -> None:
+        m = unit.module
+        self._hook_handles += [
+            m.register_forward_pre_hook(lambda mod, args: self._pre_forward(unit)),
+            m.register_forward_hook(lambda mod, args, out: self._post_forward(unit)),
+            m.register_backward_pre_hook(lambda mod, args: self._pre_backward(unit)),
+            m.register_backward_hook(lambda mod, args, out: self._post_backward(unit)),
+        ]
+
+    # -- module tree: an FSDP inside a module is transparent -----------------------------------
+    def _collect(self, prefix: str, recurse: bool, out: list, seen: set[int]) -> None:
+        self._module._collect(prefix, recurse, out, seen)
+
+    def named_children(self) -> list[tuple[str, Module]]:
+        return self._module.named_children()
 
     # -- accessors --------------------------------------------------------------------------
     @property
@@ -178,62 +259,62 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
 
     @property
     def full_params(self) -> list[Parameter]:
-        """Full parameters of the last forward, in ``named_parameters`` order (empty after a sync).
+        """Full parameters of the last forward, in ``named_parameters`` order (empty after a
+        sync; parameters of nested FSDPs are theirs, not listed here).
 
-        Their ``.grad`` collects the full gradients of ``backward`` until ``sync_gradients``.
-        Under FULL_SHARD / HYBRID_SHARD their ``.data`` is freed (an empty array) outside
-        ``forward`` and ``backward`` unless ``reshard_after_forward=False``.
+        Their ``.grad`` collects the full gradients of ``backward`` until the unit's reduction
+        starts (``sync_gradients``, or the end of the unit's backward outside ``no_sync()``).
+        Under FULL_SHARD / HYBRID_SHARD their ``.data`` is freed (an empty array) outside the
+        unit's ``forward`` and ``backward`` unless ``reshard_after_forward=False``.
         """
-        return list(self._full_params) if self._full_params is not None else []
+        if self._root.fps is None:
+            return []
+        by_index = {i: fp for u in self._units for i, fp in zip(u.idx, u.ensure_fps())}
+        return [by_index[i] for i in sorted(by_index)]
+
+    @property
+    def units(self) -> list[str]:
+        """The units' names (dotted module paths; ``""`` is the root unit), root first."""
+        return [u.name for u in self._units]
 
     @property
     def has_pending_prefetch(self) -> bool:
-        return self._pending is not None
+        return any(u.pending is not None for u in self._units)
 
     def local_param_bytes(self) -> int:
         """Bytes of parameter data this rank holds now (its shards, plus full parameters if held)."""
         held = {id(_root(p.data)): _root(p.data).nbytes for p in self._params}
-        for fp in self._full_params or ():
-            held.setdefault(id(_root(fp.data)), _root(fp.data).nbytes)
+        for u in self._units:
+            for fp in u.fps or ():
+                held.setdefault(id(_root(fp.data)), _root(fp.data).nbytes)
         return sum(held.values())
 
     def __repr__(self) -> str:
         return (f"FSDP(strategy={self._strategy.name}, rank={self._backend.rank}, "
-                f"world_size={self._backend.world_size}, {self._layout!r})")
+                f"world_size={self._backend.world_size}, units={len(self._units)}, "
+                f"{self._layout!r})")
 
     # -- gathering --------------------------------------------------------------------------
-    def _pack_full(self, arrays: list[np.ndarray | None]) -> np.ndarray:
-        out = np.empty(self._full_layout.numel, dtype=self._layout.dtype)
+    def _pack_full(self, arrays: list[np.ndarray | None],
+                   shapes: list[tuple[int, ...]] | None = None) -> np.ndarray:
+        shapes = list(self._layout.shapes) if shapes is None else shapes
+        out = np.empty(sum(int(np.prod(s)) for s in shapes), dtype=self._layout.dtype)
         if arrays:
             pack([np.zeros(s, self._layout.dtype) if a is None else
                   np.ascontiguousarray(a, dtype=self._layout.dtype)
-                  for a, s in zip(arrays, self._layout.shapes)], out=out.view(np.uint8))
+                  for a, s in zip(arrays, shapes)], out=out.view(np.uint8))
         return out
 
-    def _local_flat_shard(self) -> np.ndarray:
-        return self._layout.pack_shards([p.data for p in self._params])
-
-    def _start_gather(self) -> tuple[concurrent.futures.Future, np.ndarray]:
-        flat = self._local_flat_shard()
-        if self._layout.world == 1 or not self._layout.numel:
-            return _ready(flat.copy()), flat
-        return all_gather_async(flat, self._shard_group, timeout=self._timeout).future, flat
-
     def _gather(self) -> list[np.ndarray]:
-        """The full parameters (views into one new buffer) from this rank's shards."""
-        flat = self._local_flat_shard()
+        """Every full parameter (views into one new buffer) from this rank's shards."""
+        flat = self._layout.pack_shards([p.data for p in self._params])
         if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
 
-    def _ensure_full_params(self) -> list[Parameter]:
-        if self._full_params is None:
-            self._full_params = [Parameter(_freed(self._layout.dtype), p.requires_grad)
-                                 for p in self._params]
-        return self._full_params
-
     def prefetch_forward_params(self) -> None:
-        """Start the all-gather of the next ``forward`` now (async); ``forward`` waits for it.
+        """Start the all-gather of the next ``forward``'s first unit now (async); ``forward``
+        waits for it. (Later units are prefetched by ``forward`` itself, one ahead.)
 
         Call it after the optimizer step (the gather snapshots the shards when it starts; a
         ``forward`` that finds this rank's shards changed since then raises FSDPStateError instead
@@ -250,76 +331,128 @@ class FSDP(ModuleWrapper, GradientSync, ShardedStateDicts):
                 f"FSDP.prefetch_forward_params: prefetch is only valid for FULL_SHARD and "
                 f"HYBRID_SHARD, got {self._strategy.name}: its parameters are already full on "
                 "every rank, there is nothing to gather")
-        if self._pending is not None:
+        if self.has_pending_prefetch:
             raise FSDPStateError("FSDP.prefetch_forward_params: called twice without an "
                                  "intervening forward()")
-        self._pending = self._start_gather()
+        first = self._root
+        if not first.layout.numel and self._order:
+            first = self._order[0]
+        first.start_gather()
+
+    # -- unit hooks -------------------------------------------------------------------------
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        if self._recording or unit not in self._order:
+            return None
+        k = self._order.index(unit) + step
+        return self._order[k] if 0 <= k < len(self._order) else None
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if self._phase != "forward":
+            return
+        if self._recording and unit not in self._order:
+            self._order.append(unit)
+        unit.gather("forward")
+        unit.swap_in(with_grads=False)
+        nxt = self._neighbour(unit, +1)
+        if nxt is not None:
+            nxt.start_gather()
+
+    def _post_forward(self, unit: Unit) -> None:
+        if self._phase != "forward":
+            return
+        unit.swap_out(with_grads=False)
+        if unit.reshard:
+            unit.free()
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self._phase != "backward":
+            return
+        unit.gather("backward")
+        unit.swap_in(with_grads=True)
+        prev = self._neighbour(unit, -1)
+        if prev is not None and self._spec.shards_params:
+            prev.start_gather()
+
+    def _post_backward(self, unit: Unit) -> None:
+        if self._phase != "backward":
+            return
+        unit.swap_out(with_grads=True)
+        unit.free()
+        if self._sync:
+            unit.start_reduce("backward")
+
+    def _restore(self, with_grads: bool) -> None:
+        """After the module ran (or raised): every unit shows its shards again."""
+        for unit in self._units:
+            unit.swap_out(with_grads)
+            if unit.reshard or with_grads:
+                unit.free()
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, x: Any) -> Any:
-        """Run the module on full parameters; FULL_SHARD / HYBRID_SHARD gather them first.
+        """Run the module on full parameters; FULL_SHARD / HYBRID_SHARD gather each unit just
+        before it runs and free it right after (the next unit's gather runs meanwhile).
 
         Collective for FULL_SHARD / HYBRID_SHARD: every rank of the sharding group must call it.
         A pending prefetch is consumed (and waited for) here.
         """
-        fps = self._ensure_full_params()
-        if not self._spec.shards_params:
-            for p, fp in zip(self._params, fps):
-                fp.data = p.data
-            return self._module.forward(x)
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            future, sent = pending
-            gathered = future.result()  # the collective's own deadline bounds the wait
-            if not np.array_equal(self._local_flat_shard(), sent, equal_nan=True):
-                raise FSDPStateError(
-                    "FSDP.forward: this rank's parameters changed after prefetch_forward_params() "
-                    "(an optimizer step or update_shards in between?); the prefetched parameters "
-                    "are stale. Prefetch after the update.")
-            full = self._layout.gathered_to_full(gathered)
-        else:
-            full = self._gather()
-        for fp, arr in zip(fps, full):
-            fp.data = arr
-        saved = [p.data for p in self._params]
+        for unit in self._units:
+            unit.ensure_fps()
+        if self._phase is not None:
+            raise FSDPStateError(f"FSDP.forward: called inside this FSDP's own {self._phase}")
+        self._phase = "forward"
+        ok = False
         try:
-            for p, arr in zip(self._params, full):
-                p.data = arr
-            return self._module.forward(x)
+            self._root.gather("forward")
+            self._root.swap_in(with_grads=False)
+            if not self._recording and self._order:
+                self._order[0].start_gather()
+            out = self._module(x)
+            ok = True
+            return out
         finally:
-            for p, s in zip(self._params, saved):
-                p.data = s
-            if self._reshard:
-                for fp in fps:
-                    fp.data = _freed(self._layout.dtype)
+            self._phase = None
+            self._restore(with_grads=False)
+            if ok:
+                self._recording = False
 
     def backward(self, grad_output: Any) -> Any:
-        """Run ``module.backward(grad_output)`` on full parameters; keep the gradients for sync.
+        """Run ``module.backward(grad_output)`` on full parameters; each unit is gathered again
+        just before its backward (unless kept by ``reshard_after_forward=False``; the previous
+        unit's gather runs meanwhile) and freed right after.
 
-        FULL_SHARD / HYBRID_SHARD all-gather the parameters again (unless kept by
-        ``reshard_after_forward=False``) and free them afterwards. The gradients go to
-        ``full_params[i].grad`` (adding to what an earlier backward left there); the module's
-        own ``.grad`` is untouched until ``sync_gradients``. Returns the module's return value.
+        The gradients go to ``full_params[i].grad`` (adding to what an earlier backward left
+        there) and, outside ``no_sync()``, each unit's reduction starts as soon as its backward
+        is done; the module's own ``.grad`` is untouched until ``sync_gradients``. Returns the
+        module's return value.
         """
-        if self._full_params is None:
+        if self._root.fps is None:
             raise FSDPStateError("FSDP.backward: no forward() since the last sync_gradients()")
-        fps = self._full_params
-        if self._spec.shards_params and any(
-                fp.data.size == 0 and n for fp, n in zip(fps, self._layout.numels)):
-            for fp, arr in zip(fps, self._gather()):
-                fp.data = arr
-        saved = [(p.data, p.grad) for p in self._params]
+        if self._phase is not None:
+            raise FSDPStateError(f"FSDP.backward: called inside this FSDP's own {self._phase}")
+        self._phase = "backward"
         try:
-            for p, fp in zip(self._params, fps):
-                p.data, p.grad = fp.data, fp.grad
-            return self._module.backward(grad_output)
+            self._root.gather("backward")
+            self._root.swap_in(with_grads=True)
+            if self._order and self._spec.shards_params:
+                self._order[-1].start_gather()
+            out = self._module.backward(grad_output)
         finally:
-            for p, fp, (data, grad) in zip(self._params, fps, saved):
-                fp.grad = p.grad
-                p.data, p.grad = data, grad
-            if self._spec.shards_params:
-                for fp in fps:
-                    fp.data = _freed(self._layout.dtype)
+            self._phase = None
+            self._restore(with_grads=True)
+        if self._sync:
+            self._root.start_reduce("backward")
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep their full gradients (no reduction starts); the next
+        backward outside adds to them and reduces the sum, as torch's ``no_sync``."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
 
 def _root(arr: np.ndarray) -> np.ndarray:

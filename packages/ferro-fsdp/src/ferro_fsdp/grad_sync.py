@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import unpack
-from ferro_collective import ReduceOp, all_gather, allreduce, reduce_scatter
+from ferro_collective import all_gather
 
 from .errors import FSDPStateError
 
@@ -20,58 +20,48 @@ from .errors import FSDPStateError
 class GradientSync:
     """``sync_gradients``, ``broadcast_updated_params`` and ``update_shards`` of FSDP."""
 
-    def _full_grads(self, op: str) -> list[np.ndarray | None]:
-        if self._full_params is None:
-            raise FSDPStateError(f"FSDP.{op}: no forward() since the last sync_gradients(); "
-                                 "call forward and backward first")
-        grads = []
-        for name, fp, shape in zip(self._names, self._full_params, self._layout.shapes):
-            g = fp.grad
-            if g is not None:
-                g = np.asarray(g)
-                if g.size != int(np.prod(shape)):
-                    raise ValueError(f"FSDP.{op}: gradient of {name!r} has shape {g.shape}, "
-                                     f"expected {shape}")
-                g = g.astype(self._layout.dtype, copy=False)
-            grads.append(g)
-        return grads
-
     def sync_gradients(self) -> None:
         """Average the full gradients of ``backward`` across ranks into ``module.<p>.grad``.
 
-        FULL_SHARD: one reduce-scatter (MEAN) of the flat gradient, ``.grad`` = this rank's chunk.
-        HYBRID_SHARD: intra-node reduce-scatter, then inter-node allreduce of the chunk.
-        SHARD_GRAD_OP: one reduce-scatter; ``.grad`` full-shape, zero outside this rank's chunk.
-        NO_SHARD: one allreduce (MEAN) of the packed gradients. A parameter without a gradient
-        counts as zeros. Collective; clears ``full_params``.
+        Per unit (one for ``wrap=None``): FULL_SHARD: one reduce-scatter (MEAN) of the unit's
+        flat gradient, ``.grad`` = this rank's chunk. HYBRID_SHARD: intra-node reduce-scatter,
+        then inter-node allreduce of the chunk. SHARD_GRAD_OP: one reduce-scatter; ``.grad``
+        full-shape, zero outside this rank's chunk. NO_SHARD: one allreduce (MEAN) of the packed
+        gradients. Reductions the backward already started are only waited for. A parameter
+        without a gradient counts as zeros. Nested FSDPs sync first. Collective; clears
+        ``full_params``.
 
         Raises
         ------
         FSDPStateError
             No forward since the last sync.
         """
-        grads = self._full_grads("sync_gradients")
+        if self._root.fps is None:
+            raise FSDPStateError("FSDP.sync_gradients: no forward() since the last "
+                                 "sync_gradients(); call forward and backward first")
+        for inner in self._nested:
+            inner.sync_gradients()
         spec = self._spec
-        if spec.grad_reduce == "allreduce":
-            flat = self._pack_full(grads)
-            if self._backend.world_size > 1 and self._layout.numel:
-                flat = allreduce(flat, self._backend, ReduceOp.MEAN, timeout=self._timeout)
-            # the reduced gradients are views into the one reduced buffer: no copy
-            views = self._full_layout.shard_views(flat)
-        else:
-            send = self._layout.full_to_scatter(grads)
-            if self._layout.world > 1 and self._layout.numel:
-                shard = reduce_scatter(send, self._shard_group, ReduceOp.MEAN,
-                                       timeout=self._timeout)
-            else:
-                shard = send
-            group = self._replicate_group
-            if group is not None and group.world_size > 1 and self._layout.numel:
-                shard = allreduce(shard, group, ReduceOp.MEAN, timeout=self._timeout)
-            views = self._layout.shard_views(shard)
-        for i, (p, view) in enumerate(zip(self._params, views)):
-            p.grad = self._grad_as(spec.grad_form, i, view) if p.requires_grad else None
-        self._full_params = None
+        try:
+            for unit in self._units:
+                if unit.dirty or not unit.reductions or any(
+                        fp.grad is not None for fp in unit.fps or ()):
+                    unit.start_reduce("sync_gradients")
+            for unit in self._units:
+                flat = unit.finish_reduce()
+                layout = unit.full_layout if spec.grad_reduce == "allreduce" else unit.layout
+                for i, view in zip(unit.idx, layout.shard_views(flat)):
+                    p = self._params[i]
+                    p.grad = self._grad_as(spec.grad_form, i, view) if p.requires_grad else None
+        finally:
+            for unit in self._units:
+                unit.reductions = []
+                unit.fps = None
+                unit.dirty = False
+                if unit.pending is not None:  # a prefetch nobody used: let it finish, drop it
+                    future, _ = unit.pending
+                    unit.pending = None
+                    future.result()
 
     def _grad_as(self, form: str, i: int, view: np.ndarray) -> np.ndarray:
         """Parameter ``i``'s reduced gradient in the strategy's ``grad_form``."""

@@ -6,11 +6,20 @@ else, or ``del``, unregisters). ``named_parameters`` walks that order depth-firs
 names (``"0.weight"``) and lists a shared Parameter once. Models are plain numpy: ``forward``
 computes, the optional ``backward(grad_output)`` sets ``.grad`` on the module's parameters (adding
 to a gradient already there, as torch accumulates) and returns the gradient wrt the input.
+
+Hooks: ``register_forward_pre_hook``, ``register_forward_hook``, ``register_backward_pre_hook``
+and ``register_backward_hook`` run around a module's ``forward``/``backward`` however it is
+called (``m(x)``, ``m.forward(x)``, a container's ``child.backward(g)``): every subclass's
+``forward`` and ``backward`` are wrapped once, when the class is defined, and the hooks fire at
+the outermost call only (a ``super().backward`` inside does not fire them twice). DDP uses them
+to start a bucket's allreduce as soon as its last gradient is written, FSDP to gather a unit
+just before it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,12 +32,34 @@ class Parameter:
     Parameter object, so an optimizer built on it stays valid for the whole run.
     """
 
-    __slots__ = ("__weakref__", "data", "grad", "requires_grad")
+    __slots__ = ("__weakref__", "_slot", "data", "grad", "requires_grad")
 
     def __init__(self, data: Any, requires_grad: bool = True) -> None:
         self.data: np.ndarray = np.asarray(data)
         self.grad: np.ndarray | None = None
         self.requires_grad: bool = bool(requires_grad)
+        self._slot: np.ndarray | None = None
+
+    def set_grad_slot(self, slot: np.ndarray | None) -> None:
+        """Give the gradient a persistent home (DDP: a view into its bucket), or take it away.
+
+        While a slot is set, a backward that finds no gradient writes the new one into the slot
+        (``.grad`` becomes the slot itself) and later backwards add to it in place, so the
+        bucket never needs packing.
+        """
+        if slot is not None and (slot.shape != self.data.shape or not slot.flags.writeable):
+            raise ValueError(f"Parameter.set_grad_slot: slot of shape {slot.shape} "
+                             f"(writeable={slot.flags.writeable}), expected a writable "
+                             f"{self.data.shape}")
+        self._slot = slot
+
+    def free_grad_slot(self) -> np.ndarray | None:
+        """The slot a layer may write a fresh gradient straight into (``np.matmul(...,
+        out=slot)``, then ``.grad = slot``): only while there is no gradient yet and the
+        parameter has a slot of its dtype; else None (use :meth:`accumulate_grad`)."""
+        if self.grad is None and self.requires_grad:
+            return self._slot
+        return None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,14 +87,59 @@ class Parameter:
                 f"Parameter.accumulate_grad: gradient of shape {grad.shape}, "
                 f"expected the parameter's shape {self.data.shape}"
             )
+        slot = self._slot
         if self.grad is None:
-            self.grad = grad if owned and grad.flags.writeable else np.array(grad, copy=True)
+            if slot is not None:
+                np.copyto(slot, grad)
+                self.grad = slot
+            else:
+                self.grad = grad if owned and grad.flags.writeable else np.array(grad, copy=True)
+        elif slot is not None and self.grad is slot:
+            np.add(slot, grad, out=slot)
         else:
             self.grad = self.grad + grad
 
     def __repr__(self) -> str:
         return (f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}, "
                 f"requires_grad={self.requires_grad})")
+
+
+class RemovableHandle:
+    """What ``register_*_hook`` returns: ``remove()`` unregisters the hook (twice is fine)."""
+
+    def __init__(self, hooks: list, hook: Callable) -> None:
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+_HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
+
+
+def _hooked(method: Callable, pre: str, post: str) -> Callable:
+    """``method`` (a subclass's forward or backward) running ``pre``/``post`` hooks around the
+    outermost call on an instance."""
+
+    @functools.wraps(method)
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        hooks = self.__dict__.get("_ferro_hooks")
+        if not hooks or self.__dict__.get("_in_" + pre):
+            return method(self, *args, **kwargs)
+        for hook in list(hooks[pre]):
+            hook(self, args)
+        self.__dict__["_in_" + pre] = True
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            self.__dict__["_in_" + pre] = False
+        for hook in list(hooks[post]):
+            hook(self, args, result)
+        return result
+
+    run.__ferro_hooked__ = True
+    return run
 
 
 class Module:
@@ -74,6 +150,14 @@ class Module:
     """
 
     training: bool
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, pre, post in (("forward", "forward_pre", "forward"),
+                                ("backward", "backward_pre", "backward")):
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "__ferro_hooked__", False):
+                setattr(cls, name, _hooked(method, pre, post))
 
     def __init__(self) -> None:
         object.__setattr__(self, "_registry", {})
@@ -110,6 +194,35 @@ class Module:
         if not isinstance(module, Module):
             raise TypeError(f"add_module: {name!r} is a {type(module).__name__}, not a Module")
         setattr(self, name, module)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _add_hook(self, kind: str, hook: Callable) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"register_{kind}_hook: {hook!r} is not callable")
+        hooks = self.__dict__.get("_ferro_hooks")
+        if hooks is None:
+            hooks = {k: [] for k in _HOOK_KINDS}
+            object.__setattr__(self, "_ferro_hooks", hooks)
+        hooks[kind].append(hook)
+        return RemovableHandle(hooks[kind], hook)
+
+    def register_forward_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, args)`` before every ``forward``."""
+        return self._add_hook("forward_pre", hook)
+
+    def register_forward_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, args, output)`` after every ``forward`` that returned (not after one
+        that raised)."""
+        return self._add_hook("forward", hook)
+
+    def register_backward_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, (grad_output,))`` before every ``backward``."""
+        return self._add_hook("backward_pre", hook)
+
+    def register_backward_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module, (grad_output,), grad_input)`` after every ``backward``: this module's
+        parameters then hold this backward's gradients."""
+        return self._add_hook("backward", hook)
 
     def _items(self) -> Iterator[tuple[str, Parameter | Module]]:
         for name in list(self._reg()):
@@ -270,4 +383,4 @@ class ModuleWrapper:
         return self.train(False)
 
 
-__all__ = ["Module", "ModuleWrapper", "Parameter"]
+__all__ = ["Module", "ModuleWrapper", "Parameter", "RemovableHandle"]

@@ -72,10 +72,19 @@ class Linear(Module):
                              f"{x.shape[:-1] + (self.out_features,)}")
         g2 = g.reshape(-1, self.out_features)
         x2 = x.reshape(-1, self.in_features)
-        self.weight.accumulate_grad(g2.T @ x2, owned=True)
-        if self.bias is not None:
-            self.bias.accumulate_grad(g2.sum(axis=0), owned=True)
-        return g @ self.weight.data
+        w, b = self.weight, self.bias
+        slot = w.free_grad_slot()
+        if slot is not None and g2.dtype == x2.dtype == slot.dtype:
+            w.grad = np.matmul(g2.T, x2, out=slot)  # straight into DDP's bucket: no copy
+        else:
+            w.accumulate_grad(g2.T @ x2, owned=True)
+        if b is not None:
+            slot = b.free_grad_slot()
+            if slot is not None and g2.dtype == slot.dtype:
+                b.grad = np.sum(g2, axis=0, out=slot)
+            else:
+                b.accumulate_grad(g2.sum(axis=0), owned=True)
+        return g @ w.data
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

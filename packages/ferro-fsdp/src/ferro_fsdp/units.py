@@ -1,0 +1,277 @@
+"""FSDP units: groups of parameters that are gathered, freed and reduced together.
+
+An :class:`~ferro_fsdp.FSDP` holds a root unit (the parameters no other unit claims) and, with
+``wrap=``, one unit per wrapped submodule. A unit's parameters share one :class:`FlatLayout`, so
+gathering it is one all-gather and reducing its gradients one reduce-scatter (or allreduce).
+Every parameter is split by the same rule whatever unit it is in, so a rank's shards, and the
+order in which each element's contributions are added, do not depend on how the model is
+wrapped: ``wrap=`` changes when bytes move, never the results.
+
+:func:`find_units` picks the unit submodules; :class:`Unit` does the per-unit work that
+:class:`~ferro_fsdp.FSDP` schedules from module hooks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ferro_backend import pack
+from ferro_collective import (
+    ReduceOp,
+    Work,
+    all_gather,
+    all_gather_async,
+    allreduce,
+    allreduce_async,
+    reduce_scatter_async,
+)
+
+from .flat import FlatLayout
+from .module import Module, Parameter
+
+
+def freed(dtype: np.dtype) -> np.ndarray:
+    """The ``.data`` of a full parameter that is not held (an empty read-only array)."""
+    out = np.empty(0, dtype=dtype)
+    out.flags.writeable = False
+    return out
+
+
+def _ready(value: np.ndarray) -> concurrent.futures.Future:
+    """A finished all-gather (a group of one) as a future like an async one's."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _matcher(wrap: Any) -> Callable[[Module, int], bool]:
+    """``wrap`` as a predicate over (submodule, its parameters not yet in a unit)."""
+    if isinstance(wrap, type) and issubclass(wrap, Module):
+        return lambda m, n: isinstance(m, wrap)
+    if isinstance(wrap, tuple) and wrap and all(isinstance(t, type) and issubclass(t, Module)
+                                                for t in wrap):
+        return lambda m, n: isinstance(m, wrap)
+    if isinstance(wrap, int | np.integer) and not isinstance(wrap, bool) and wrap > 0:
+        return lambda m, n: n >= int(wrap)
+    raise TypeError(f"FSDP: wrap={wrap!r}; expected None, a Module subclass, a tuple of them, "
+                    "or a minimum number of parameters (int > 0)")
+
+
+def find_units(root: Module, wrap: Any, is_nested: Callable[[Module], bool]
+               ) -> tuple[list[tuple[str, Module]], list[tuple[str, Module]]]:
+    """``(units, nested)``: the submodules of ``root`` that ``wrap`` makes units (dotted name,
+    module; deepest first within a branch, in module order otherwise) and the nested FSDPs
+    (``is_nested``) found under it, which own their parameters and are not descended into.
+
+    A size-based ``wrap`` (an int) makes a submodule a unit when the parameters under it that no
+    deeper unit claimed add up to at least that many elements (torch's size-based policy).
+    """
+    match = None if wrap is None else _matcher(wrap)
+    units: list[tuple[str, Module]] = []
+    nested: list[tuple[str, Module]] = []
+    claimed: set[int] = set()
+    seen: set[int] = set()
+
+    def free_numel(m: Module) -> int:
+        return sum(p.data.size for p in m.parameters() if id(p) not in claimed)
+
+    def visit(prefix: str, m: Module) -> None:
+        for name, child in m.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if is_nested(child):
+                nested.append((full, child))
+                claimed.update(id(p) for p in child.parameters())
+                continue
+            visit(full, child)
+            if match is not None and match(child, free_numel(child)) and free_numel(child):
+                units.append((full, child))
+                claimed.update(id(p) for p in child.parameters())
+
+    visit("", root)
+    return units, nested
+
+
+class Unit:
+    """One unit of an FSDP: parameter indices ``idx`` (into the FSDP's parameter list), their
+    flat layout over the sharding group, the full parameters while held, the pending gather
+    and the pending gradient reductions."""
+
+    def __init__(self, owner: Any, name: str, module: Module | None, idx: list[int],
+                 reshard: bool) -> None:
+        self.owner = owner
+        self.name = name
+        self.module = module
+        self.idx = idx
+        shapes = [owner._layout.shapes[i] for i in idx]
+        self.dtype = owner._layout.dtype
+        self.layout = FlatLayout(shapes, self.dtype, owner._layout.world)
+        self.full_layout = FlatLayout(shapes, self.dtype, 1)
+        self.reshard = reshard
+        self.fps: list[Parameter] | None = None      # full parameters since the last forward
+        self.pending: tuple[concurrent.futures.Future, np.ndarray] | None = None
+        self.reductions: list[Work] = []               # started, not yet waited for
+        self.swapped: list[tuple[np.ndarray, Any]] | None = None
+        self.dirty = False   # a backward wrote gradients that no started reduction holds
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name or '<root>'!r}, {len(self.idx)} params, numel={self.layout.numel})"
+
+    @property
+    def params(self) -> list[Parameter]:
+        return [self.owner._params[i] for i in self.idx]
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _local_flat_shard(self) -> np.ndarray:
+        return self.layout.pack_shards([p.data for p in self.params])
+
+    def start_gather(self) -> None:
+        """Start the all-gather of this unit's parameters in the background (a prefetch)."""
+        if self.pending is not None or not self.owner._spec.shards_params or self.is_full():
+            return
+        flat = self._local_flat_shard()
+        if self.layout.world == 1 or not self.layout.numel:
+            self.pending = _ready(flat.copy()), flat
+        else:
+            work = all_gather_async(flat, self.owner._shard_group, timeout=self.owner._timeout)
+            self.pending = work.future, flat
+
+    def ensure_fps(self) -> list[Parameter]:
+        if self.fps is None:
+            self.fps = [Parameter(freed(self.dtype), p.requires_grad) for p in self.params]
+        return self.fps
+
+    def is_full(self) -> bool:
+        """True while the full parameters are held (or the strategy keeps them full)."""
+        return self.fps is not None and all(
+            fp.data.size or not n for fp, n in zip(self.fps, self.layout.numels))
+
+    def gather(self, op: str) -> None:
+        """Make the full parameters available in ``fps[i].data`` (waiting for a prefetch)."""
+        from .errors import FSDPStateError
+
+        fps = self.ensure_fps()
+        if not self.owner._spec.shards_params:
+            for p, fp in zip(self.params, fps):
+                fp.data = p.data
+            return
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            future, sent = pending
+            gathered = future.result()  # the collective's own deadline bounds the wait
+            if not np.array_equal(self._local_flat_shard(), sent, equal_nan=True):
+                raise FSDPStateError(
+                    f"FSDP.{op}: this rank's parameters changed after their all-gather was "
+                    "started (an optimizer step or update_shards after prefetch_forward_params()?)"
+                    "; the prefetched parameters are stale. Prefetch after the update.")
+        elif self.is_full():
+            return
+        else:
+            flat = self._local_flat_shard()
+            gathered = flat if self.layout.world == 1 or not self.layout.numel else \
+                all_gather(flat, self.owner._shard_group, timeout=self.owner._timeout)
+        for fp, arr in zip(fps, self.layout.gathered_to_full(gathered)):
+            fp.data = arr
+
+    def free(self) -> None:
+        if self.fps is not None and self.owner._spec.shards_params:
+            for fp in self.fps:
+                fp.data = freed(self.dtype)
+
+    def swap_in(self, with_grads: bool) -> None:
+        """The module's parameters show the full data (and the full gradients, in backward)."""
+        if self.swapped is not None:
+            return
+        self.swapped = [(p.data, p.grad) for p in self.params]
+        for p, fp in zip(self.params, self.fps):
+            p.data = fp.data
+            if with_grads:
+                p.grad = fp.grad
+
+    def swap_out(self, with_grads: bool) -> None:
+        """The module's parameters show this rank's shards again (gradients kept in ``fps``)."""
+        if self.swapped is None:
+            return
+        for p, fp, (data, grad) in zip(self.params, self.fps, self.swapped):
+            if with_grads:
+                fp.grad = p.grad
+            p.data, p.grad = data, grad
+        self.swapped = None
+        self.dirty = self.dirty or with_grads
+
+    # -- gradients ----------------------------------------------------------------------------
+    def full_grads(self, op: str) -> list[np.ndarray | None]:
+        grads = []
+        for i, fp, shape in zip(self.idx, self.fps or (), self.layout.shapes):
+            g = fp.grad
+            if g is not None:
+                g = np.asarray(g)
+                if g.size != int(np.prod(shape)):
+                    raise ValueError(f"FSDP.{op}: gradient of {self.owner._names[i]!r} has "
+                                     f"shape {g.shape}, expected {shape}")
+                g = g.astype(self.dtype, copy=False)
+            grads.append(g)
+        return grads
+
+    def start_reduce(self, op: str) -> None:
+        """Start averaging this unit's full gradients over the sharding group in the background
+        (a reduce-scatter, or an allreduce for NO_SHARD); the full gradients are released."""
+        self.dirty = False
+        self.ensure_fps()
+        grads = self.full_grads(op)
+        spec, owner = self.owner._spec, self.owner
+        if spec.grad_reduce == "allreduce":
+            flat = np.empty(self.full_layout.numel, self.dtype)
+            if grads:
+                pack([np.zeros(s, self.dtype) if g is None else np.ascontiguousarray(g)
+                      for g, s in zip(grads, self.layout.shapes)], out=flat.view(np.uint8))
+            group, reduce = owner._backend, allreduce_async
+        else:
+            flat = self.layout.full_to_scatter(grads)
+            group, reduce = owner._shard_group, reduce_scatter_async
+        if group is not None and group.world_size > 1 and self.layout.numel:
+            if reduce is allreduce_async:
+                work = allreduce_async(flat, group, ReduceOp.MEAN, timeout=owner._timeout,
+                                       out=flat)
+            else:
+                work = reduce_scatter_async(flat, group, ReduceOp.MEAN, timeout=owner._timeout)
+        else:
+            work = _done_work(flat)
+        self.reductions.append(work)
+        for fp in self.fps:
+            fp.grad = None
+
+    def finish_reduce(self) -> np.ndarray:
+        """Wait for the started reductions; this rank's averaged flat gradient (chunk, or the
+        full flat gradient for NO_SHARD), replicated over the replicate group if any."""
+        owner = self.owner
+        total = None
+        try:
+            for work in self.reductions:
+                shard = work.wait(owner._timeout)
+                total = shard if total is None else total + shard
+        finally:
+            self.reductions = []
+        group = owner._replicate_group
+        if group is not None and group.world_size > 1 and self.layout.numel:
+            total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout)
+        return total
+
+
+class _done_work:
+    """A reduction that needed no communication (a group of one), shaped like a Work."""
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        return self.value
+
+
+__all__ = ["Unit", "find_units", "freed"]

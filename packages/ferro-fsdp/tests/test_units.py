@@ -1,0 +1,240 @@
+"""FSDP units (wrap=, nested FSDP): the same bits as one unit, at most two units full at once,
+prefetch one ahead, each unit's reduction started as soon as its backward is done."""
+
+import threading
+
+import numpy as np
+import pytest
+from _helpers import FS, HS, NS, SGO, make_data, make_mlp, make_opt, run, train_steps
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ferro_fsdp.units as units_mod
+from ferro_fsdp import FSDP, Module, nn
+
+DIMS = (7, 13, 11, 5)  # three Linear layers, no size divisible by 2, 3 or 4
+
+
+def train(b, strategy, wrap, *, steps=3, intra=None, opt="sgd", model=None, reshard=None):
+    x, y = make_data(12 * b.world_size, dims=DIMS)
+    model = model if model is not None else make_mlp(DIMS, seed=5)
+    f = FSDP(model, b, strategy, wrap=wrap, intra_node_size=intra, reshard_after_forward=reshard)
+    o = make_opt(opt, f.module.parameters())
+    lo = slice(12 * b.rank, 12 * b.rank + 12)
+    losses = train_steps(f, o, nn.CrossEntropyLoss(), x[lo], y[lo], steps)
+    return f.units, losses, f.full_state_dict(), None
+
+
+@pytest.mark.parametrize("strategy,world,intra", [(FS, 2, None), (FS, 3, None), (SGO, 3, None),
+                                                  (NS, 2, None), (HS, 4, 2)])
+@pytest.mark.parametrize("wrap", [nn.Linear, (nn.Linear, nn.ReLU), 100])
+def test_units_give_the_bits_of_one_unit(strategy, world, intra, wrap):
+    one = run(lambda b: train(b, strategy, None, intra=intra), world)
+    many = run(lambda b: train(b, strategy, wrap, intra=intra), world)
+    for (u1, l1, s1, _), (un, ln, sn, _) in zip(one, many):
+        assert u1 == [""] and len(un) > 1
+        assert l1 == ln
+        for k in s1:
+            np.testing.assert_array_equal(s1[k], sn[k])
+
+
+def test_unit_names_by_type_and_by_size():
+    def body(b):
+        by_type = FSDP(make_mlp(DIMS), b, wrap=nn.Linear).units
+        by_size = FSDP(make_mlp(DIMS), b, wrap=150).units  # 7*13+13=104, 13*11+11=154, 11*5+5=60
+        everything = FSDP(make_mlp(DIMS), b, wrap=1).units
+        return by_type, by_size, everything
+
+    for by_type, by_size, everything in run(body, 2):
+        assert by_type == ["", "0", "2", "4"]
+        assert by_size == ["", "2"]
+        assert everything == ["", "0", "2", "4"]  # ReLU has no parameters: never a unit
+
+
+def _mlp4(seed=0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(*[m for i in range(4) for m in
+                           (nn.Linear(32, 32, rng=rng), nn.ReLU())][:-1])
+
+
+def test_at_most_two_units_full_at_once_and_prefetch_one_ahead(monkeypatch):
+    gathers = []
+    lock = threading.Lock()
+    real = units_mod.all_gather_async
+
+    def logged(tensor, group, *args, **kwargs):
+        with lock:
+            gathers.append(group.rank)
+        return real(tensor, group, *args, **kwargs)
+
+    monkeypatch.setattr(units_mod, "all_gather_async", logged)
+    x, y = make_data(8, dims=(32, 32), dtype=np.float32, classes=False)
+
+    def body(b):
+        f = FSDP(_mlp4(), b, FS, wrap=nn.Linear)
+        most = [0]
+        full_bytes = sum(p.data.nbytes for p in _mlp4().parameters())
+
+        def count(*_):
+            held = sum(1 for u in f._units if u.pending is not None
+                       or u.fps and any(fp.data.size for fp in u.fps))
+            most[0] = max(most[0], held)
+            assert f.local_param_bytes() <= full_bytes / b.world_size + 2 * 33 * 32 * 4
+
+        for m in f.module:
+            if isinstance(m, nn.Linear):
+                m.register_forward_pre_hook(count)  # after FSDP's: gathered, next prefetching
+                m.register_backward_pre_hook(count)
+        o = make_opt("sgd", f.module.parameters())
+        train_steps(f, o, nn.MSELoss(), x, y, 3)
+        return most[0], f.units
+
+    for most, units in run(body, 2):
+        assert units == ["", "0", "2", "4", "6"]
+        assert most == 2
+    # steps 2 and 3: every unit's forward and backward gathers ran as prefetches
+    assert len(gathers) >= 2 * 2 * 7
+
+
+def test_reduce_scatter_of_a_unit_starts_before_the_first_unit_backward(monkeypatch):
+    events = []
+    lock = threading.Lock()
+    real = units_mod.reduce_scatter_async
+
+    def logged(tensor, group, *args, **kwargs):
+        with lock:
+            events.append((group.rank, "reduce_scatter"))
+        return real(tensor, group, *args, **kwargs)
+
+    monkeypatch.setattr(units_mod, "reduce_scatter_async", logged)
+    x, y = make_data(8, dims=(32, 32), dtype=np.float32, classes=False)
+
+    def body(b):
+        model = _mlp4()
+        model[0].register_backward_pre_hook(lambda *a: events.append((b.rank, "first backward")))
+        f = FSDP(model, b, FS, wrap=nn.Linear)
+        o = make_opt("sgd", f.module.parameters())
+        train_steps(f, o, nn.MSELoss(), x, y, 1)
+
+    run(body, 2)
+    for r in range(2):
+        kinds = [k for rank, k in events if rank == r]
+        assert kinds.index("reduce_scatter") < kinds.index("first backward")
+        assert kinds.count("reduce_scatter") == 4  # 4 Linear units; the empty root sends nothing
+
+
+class Block(Module):
+    def __init__(self, b, seed, wrap_inner):
+        super().__init__()
+        lin = nn.Linear(13, 13, rng=seed, dtype=np.float64)
+        self.lin = FSDP(lin, b) if wrap_inner else lin
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+    def backward(self, g):
+        return self.lin.backward(self.act.backward(g))
+
+
+def _nested_model(b, nested):
+    rng = np.random.default_rng(3)
+    return nn.Sequential(nn.Linear(7, 13, rng=rng, dtype=np.float64),
+                         Block(b, 4, nested), Block(b, 5, nested),
+                         nn.Linear(13, 5, rng=rng, dtype=np.float64))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nested_fsdp_gives_the_bits_of_one_unit(world):
+    def body(b, nested):
+        model = _nested_model(b, nested)
+        units, losses, state, _ = train(b, FS, None, model=model)
+        f_names = [n for n, _ in model.named_parameters()]
+        return units, losses, state, f_names
+
+    flat = run(lambda b: body(b, False), world)
+    nested = run(lambda b: body(b, True), world)
+    for (_, l1, s1, n1), (_, l2, s2, n2) in zip(flat, nested):
+        assert n1 == n2  # an FSDP inside a module is transparent to names
+        assert l1 == l2
+        for k in s1:
+            np.testing.assert_array_equal(s1[k], s2[k])
+
+
+def test_nested_fsdp_state_dicts_and_errors():
+    def body(b):
+        model = _nested_model(b, True)
+        f = FSDP(model, b, FS)
+        tensors, specs = f.sharded_state_dict()
+        f.load_sharded_state_dict(tensors)
+        with pytest.raises(ValueError, match="nested FSDP '1.lin'.*backend and strategy"):
+            FSDP(_nested_model(b, True), b, NS)
+        return sorted(tensors)
+
+    names = run(body, 2)[0]
+    assert "1.lin.weight" in names and "0.weight" in names
+
+
+def test_reshard_after_forward_per_unit_and_errors():
+    def body(b):
+        f = FSDP(make_mlp(DIMS), b, FS, wrap=nn.Linear, reshard_after_forward={"2": False})
+        f(np.ones((2, 7)))
+        held = [u.name for u in f._units if u.fps and any(fp.data.size for fp in u.fps)]
+        with pytest.raises(ValueError, match=r"names \['9'\], which are not units"):
+            FSDP(make_mlp(DIMS), b, FS, wrap=nn.Linear, reshard_after_forward={"9": False})
+        with pytest.raises(TypeError, match="wrap='linear'"):
+            FSDP(make_mlp(DIMS), b, FS, wrap="linear")
+        with pytest.raises(TypeError, match="wrap=0"):
+            FSDP(make_mlp(DIMS), b, FS, wrap=0)
+        return held
+
+    assert run(body, 2) == [["2"], ["2"]]
+
+
+@pytest.mark.parametrize("strategy", [FS, NS])
+def test_no_sync_with_units_accumulates_then_reduces_once(strategy):
+    x, y = make_data(16, dims=DIMS)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+
+    def body(b, wrap, use_no_sync):
+        f = FSDP(make_mlp(DIMS), b, strategy, wrap=wrap)
+        lo = 8 * b.rank
+        for k, half in enumerate((slice(lo, lo + 4), slice(lo + 4, lo + 8))):
+            loss_fn(f(x[half]), y[half])
+            if use_no_sync and k == 0:
+                with f.no_sync():
+                    f.backward(loss_fn.backward())
+            else:
+                f.backward(loss_fn.backward())
+        f.sync_gradients()
+        return [p.grad.copy() for p in f.module.parameters()]
+
+    ref = run(lambda b: body(b, None, True), 2)
+    for got in (run(lambda b: body(b, nn.Linear, True), 2),
+                run(lambda b: body(b, nn.Linear, False), 2)):
+        for ga, gb in zip(ref, got):
+            for a, c in zip(ga, gb):
+                np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=12, deadline=None)
+@given(widths=st.lists(st.integers(1, 9), min_size=2, max_size=5), world=st.integers(1, 4),
+       size=st.integers(1, 80))
+def test_any_model_any_wrap_size_same_bits(widths, world, size):
+    dims = (3, *widths)
+    x = np.random.default_rng(0).standard_normal((4 * world, 3))
+    y = np.random.default_rng(1).standard_normal((4 * world, dims[-1]))
+
+    def body(b, wrap):
+        f = FSDP(make_mlp(dims, seed=2), b, FS, wrap=wrap)
+        o = make_opt("adam", f.module.parameters())
+        lo = slice(4 * b.rank, 4 * b.rank + 4)
+        losses = train_steps(f, o, nn.MSELoss(), x[lo], y[lo], 2)
+        return losses, f.full_state_dict()
+
+    one = run(lambda b: body(b, None), world)
+    many = run(lambda b: body(b, size), world)
+    for (l1, s1), (l2, s2) in zip(one, many):
+        assert l1 == l2
+        for k in s1:
+            np.testing.assert_array_equal(s1[k], s2[k])
