@@ -238,3 +238,32 @@ def test_any_model_any_wrap_size_same_bits(widths, world, size):
         assert l1 == l2
         for k in s1:
             np.testing.assert_array_equal(s1[k], s2[k])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", [FS, SGO, NS])
+def test_clip_grad_norm_with_units_equals_one_unit(world, strategy):
+    x, y = make_data(8 * world, dims=DIMS)
+
+    def body(b, wrap):
+        f = FSDP(make_mlp(DIMS, seed=9), b, strategy, wrap=wrap)
+        o = make_opt("sgd", f.module.parameters())
+        loss_fn = nn.CrossEntropyLoss()
+        norms = []
+        for _ in range(2):
+            lo = slice(8 * b.rank, 8 * b.rank + 8)
+            loss_fn(f(x[lo]), y[lo])
+            f.backward(loss_fn.backward())
+            f.sync_gradients()
+            norms.append(f.clip_grad_norm_(0.05))
+            o.step()
+            o.zero_grad()
+            f.broadcast_updated_params()
+        return norms, f.full_state_dict()
+
+    one = run(lambda b: body(b, None), world)
+    many = run(lambda b: body(b, nn.Linear), world)
+    for (n1, s1), (n2, s2) in zip(one, many):
+        assert n1 == n2
+        for k in s1:
+            np.testing.assert_array_equal(s1[k], s2[k])

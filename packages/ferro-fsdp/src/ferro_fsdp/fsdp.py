@@ -38,7 +38,7 @@ from .flat import FlatLayout
 from .grad_sync import GradientSync
 from .module import Module, ModuleWrapper, Parameter
 from .strategy import ShardingStrategy
-from .units import Unit, find_units
+from .units import BufferPool, Unit, find_units
 
 
 class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
@@ -164,6 +164,7 @@ class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
                 p = self._params[i]
                 p.data = self._layout.shard_of(i, p.data, self._shard_rank)
                 p.grad = None
+        self._pool = BufferPool()
         self._units = self._make_units(unit_modules, own, reshard_after_forward)
         self._root = self._units[0]
         self._order: list[Unit] = []      # sub-units in the order the first forward ran them
@@ -337,7 +338,7 @@ class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
         first = self._root
         if not first.layout.numel and self._order:
             first = self._order[0]
-        first.start_gather()
+        first.start_gather(checked=True)
 
     # -- unit hooks -------------------------------------------------------------------------
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:

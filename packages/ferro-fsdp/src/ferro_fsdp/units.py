@@ -14,6 +14,7 @@ wrapped: ``wrap=`` changes when bytes move, never the results.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,6 @@ from ferro_backend import pack
 from ferro_collective import (
     ReduceOp,
     Work,
-    all_gather,
     all_gather_async,
     allreduce,
     allreduce_async,
@@ -46,6 +46,36 @@ def _ready(value: np.ndarray) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result(value)
     return future
+
+
+class BufferPool:
+    """Unit-sized arrays handed out and given back, so that a training step allocates none:
+    gathers, full parameters, full gradients and reduce-scatter inputs of every unit come from
+    here (torch's caching allocator does the same job). What the pool holds never exceeds what
+    was in use at once; thread-safe (reductions give their buffers back when they finish)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, str], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: np.dtype) -> np.ndarray:
+        key = (int(numel), np.dtype(dtype).str)
+        with self._lock:
+            stack = self._free.get(key)
+            if stack:
+                return stack.pop()
+        return np.empty(numel, dtype)
+
+    def give(self, arr: np.ndarray | None) -> None:
+        if arr is None:
+            return
+        with self._lock:
+            self._free.setdefault((arr.size, arr.dtype.str), []).append(arr)
+
+    def held_bytes(self) -> int:
+        """Bytes of the free arrays the pool keeps for reuse."""
+        with self._lock:
+            return sum(a.nbytes for stack in self._free.values() for a in stack)
 
 
 def _matcher(wrap: Any) -> Callable[[Module, int], bool]:
@@ -118,7 +148,11 @@ class Unit:
         self.pending: tuple[concurrent.futures.Future, np.ndarray] | None = None
         self.reductions: list[Work] = []               # started, not yet waited for
         self.swapped: list[tuple[np.ndarray, Any]] | None = None
+        self.checked = False  # the pending gather was the user's prefetch
         self.dirty = False   # a backward wrote gradients that no started reduction holds
+        self.full_buf: np.ndarray | None = None    # backs fps[i].data while held (pooled)
+        self.grad_buf: np.ndarray | None = None    # backs the full gradients (pooled)
+        self.result: np.ndarray | None = None      # the reduced gradient .grad views (persistent)
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'!r}, {len(self.idx)} params, numel={self.layout.numel})"
@@ -128,19 +162,31 @@ class Unit:
         return [self.owner._params[i] for i in self.idx]
 
     # -- parameters ---------------------------------------------------------------------------
-    def _local_flat_shard(self) -> np.ndarray:
-        return self.layout.pack_shards([p.data for p in self.params])
+    def _unchanged(self, sent: np.ndarray) -> bool:
+        """This rank's shards still equal what a started gather sent."""
+        return all(np.array_equal(p.data, sent[o:o + c], equal_nan=True) for p, o, c in zip(
+            self.params, self.layout.shard_offsets, self.layout.chunks))
 
-    def start_gather(self) -> None:
-        """Start the all-gather of this unit's parameters in the background (a prefetch)."""
+    def start_gather(self, *, checked: bool = False) -> None:
+        """Start the all-gather of this unit's parameters in the background (a prefetch).
+
+        ``checked``: the user asked for it (``prefetch_forward_params``), so the shards may
+        still change before it is used; ``gather`` then checks they did not."""
         if self.pending is not None or not self.owner._spec.shards_params or self.is_full():
             return
-        flat = self._local_flat_shard()
+        pool = self.owner._pool
+        flat = self.layout.pack_shards([p.data for p in self.params],
+                                       out=pool.take(self.layout.shard_numel, self.dtype))
+        out = pool.take(self.layout.padded_numel, self.dtype)
         if self.layout.world == 1 or not self.layout.numel:
-            self.pending = _ready(flat.copy()), flat
+            out[...] = flat
+            self.pending = _ready(out), flat
+            self.checked = checked
         else:
-            work = all_gather_async(flat, self.owner._shard_group, timeout=self.owner._timeout)
+            work = all_gather_async(flat, self.owner._shard_group, timeout=self.owner._timeout,
+                                    out=out)
             self.pending = work.future, flat
+            self.checked = checked
 
     def ensure_fps(self) -> list[Parameter]:
         if self.fps is None:
@@ -161,47 +207,71 @@ class Unit:
             for p, fp in zip(self.params, fps):
                 fp.data = p.data
             return
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            future, sent = pending
+        if self.pending is None and self.is_full():
+            return
+        prefetched = self.pending is not None and self.checked
+        self.start_gather()
+        future, sent = self.pending
+        self.pending = None
+        pool = self.owner._pool
+        gathered = None
+        try:
             gathered = future.result()  # the collective's own deadline bounds the wait
-            if not np.array_equal(self._local_flat_shard(), sent, equal_nan=True):
+            if prefetched and not self._unchanged(sent):
                 raise FSDPStateError(
                     f"FSDP.{op}: this rank's parameters changed after their all-gather was "
                     "started (an optimizer step or update_shards after prefetch_forward_params()?)"
                     "; the prefetched parameters are stale. Prefetch after the update.")
-        elif self.is_full():
-            return
-        else:
-            flat = self._local_flat_shard()
-            gathered = flat if self.layout.world == 1 or not self.layout.numel else \
-                all_gather(flat, self.owner._shard_group, timeout=self.owner._timeout)
-        for fp, arr in zip(fps, self.layout.gathered_to_full(gathered)):
-            fp.data = arr
+            self.give_full()
+            self.full_buf = pool.take(self.layout.numel, self.dtype)
+            outs, acc = [], 0
+            for n, shape in zip(self.layout.numels, self.layout.shapes):
+                outs.append(self.full_buf[acc:acc + n].reshape(shape))
+                acc += n
+            for fp, arr in zip(fps, self.layout.gathered_to_full(gathered, outs)):
+                fp.data = arr
+        finally:
+            pool.give(gathered)
+            pool.give(sent)
+
+    def give_full(self) -> None:
+        self.owner._pool.give(self.full_buf)
+        self.full_buf = None
 
     def free(self) -> None:
         if self.fps is not None and self.owner._spec.shards_params:
             for fp in self.fps:
                 fp.data = freed(self.dtype)
+            self.give_full()
 
     def swap_in(self, with_grads: bool) -> None:
         """The module's parameters show the full data (and the full gradients, in backward)."""
         if self.swapped is not None:
             return
-        self.swapped = [(p.data, p.grad) for p in self.params]
-        for p, fp in zip(self.params, self.fps):
+        self.swapped = [(p.data, p.grad, p._slot) for p in self.params]
+        if with_grads and self.grad_buf is None and all(fp.grad is None for fp in self.fps):
+            self.grad_buf = self.owner._pool.take(self.layout.numel, self.dtype)
+        acc = 0
+        for p, fp, n, shape in zip(self.params, self.fps, self.layout.numels,
+                                   self.layout.shapes):
             p.data = fp.data
             if with_grads:
                 p.grad = fp.grad
+                slot = None
+                if self.grad_buf is not None and fp.grad is None:  # layers write in place
+                    slot = self.grad_buf[acc:acc + n].reshape(shape)
+                p.set_grad_slot(slot)
+            acc += n
 
     def swap_out(self, with_grads: bool) -> None:
         """The module's parameters show this rank's shards again (gradients kept in ``fps``)."""
         if self.swapped is None:
             return
-        for p, fp, (data, grad) in zip(self.params, self.fps, self.swapped):
+        for p, fp, (data, grad, slot) in zip(self.params, self.fps, self.swapped):
             if with_grads:
                 fp.grad = p.grad
             p.data, p.grad = data, grad
+            p.set_grad_slot(slot)
         self.swapped = None
         self.dirty = self.dirty or with_grads
 
@@ -221,31 +291,50 @@ class Unit:
 
     def start_reduce(self, op: str) -> None:
         """Start averaging this unit's full gradients over the sharding group in the background
-        (a reduce-scatter, or an allreduce for NO_SHARD); the full gradients are released."""
+        (a reduce-scatter, or an allreduce for NO_SHARD); the full gradients are released.
+
+        The first reduction of a step lands in the unit's persistent result buffer (what
+        ``.grad`` views after the sync); any further one (a second backward outside
+        ``no_sync``) in a pooled buffer that ``finish_reduce`` adds in and gives back."""
         self.dirty = False
         self.ensure_fps()
         grads = self.full_grads(op)
-        spec, owner = self.owner._spec, self.owner
-        if spec.grad_reduce == "allreduce":
-            flat = np.empty(self.full_layout.numel, self.dtype)
+        owner, pool = self.owner, self.owner._pool
+        first = not self.reductions
+        if owner._spec.grad_reduce == "allreduce":
+            numel = self.full_layout.numel
+            if first and self.result is None:
+                self.result = np.empty(numel, self.dtype)
+            flat = self.result if first else pool.take(numel, self.dtype)
             if grads:
                 pack([np.zeros(s, self.dtype) if g is None else np.ascontiguousarray(g)
                       for g, s in zip(grads, self.layout.shapes)], out=flat.view(np.uint8))
-            group, reduce = owner._backend, allreduce_async
-        else:
-            flat = self.layout.full_to_scatter(grads)
-            group, reduce = owner._shard_group, reduce_scatter_async
-        if group is not None and group.world_size > 1 and self.layout.numel:
-            if reduce is allreduce_async:
+            group = owner._backend
+            if group.world_size > 1 and numel:
                 work = allreduce_async(flat, group, ReduceOp.MEAN, timeout=owner._timeout,
                                        out=flat)
             else:
-                work = reduce_scatter_async(flat, group, ReduceOp.MEAN, timeout=owner._timeout)
+                work = _done_work(flat)
         else:
-            work = _done_work(flat)
+            send = self.layout.full_to_scatter(
+                grads, out=pool.take(self.layout.padded_numel, self.dtype))
+            if first and self.result is None:
+                self.result = np.empty(self.layout.shard_numel, self.dtype)
+            out = self.result if first else pool.take(self.layout.shard_numel, self.dtype)
+            group = owner._shard_group
+            if group is not None and group.world_size > 1 and self.layout.numel:
+                work = reduce_scatter_async(send, group, ReduceOp.MEAN, timeout=owner._timeout,
+                                            out=out)
+                work.future.add_done_callback(lambda _, send=send: pool.give(send))
+            else:
+                out[...] = send[:self.layout.shard_numel]
+                pool.give(send)
+                work = _done_work(out)
         self.reductions.append(work)
         for fp in self.fps:
             fp.grad = None
+        pool.give(self.grad_buf)
+        self.grad_buf = None
 
     def finish_reduce(self) -> np.ndarray:
         """Wait for the started reductions; this rank's averaged flat gradient (chunk, or the
@@ -255,12 +344,16 @@ class Unit:
         try:
             for work in self.reductions:
                 shard = work.wait(owner._timeout)
-                total = shard if total is None else total + shard
+                if total is None:
+                    total = shard
+                else:
+                    np.add(total, shard, out=total)
+                    owner._pool.give(shard)
         finally:
             self.reductions = []
         group = owner._replicate_group
         if group is not None and group.world_size > 1 and self.layout.numel:
-            total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout)
+            total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout, out=total)
         return total
 
 
@@ -274,4 +367,4 @@ class _done_work:
         return self.value
 
 
-__all__ = ["Unit", "find_units", "freed"]
+__all__ = ["BufferPool", "Unit", "find_units", "freed"]
