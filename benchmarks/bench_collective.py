@@ -1,5 +1,5 @@
-"""ferro-collective: the `_reduce` kernels against numpy, and the collectives over the simulated
-and TCP backends, with bus bandwidth as nccl-tests defines it.
+"""ferro-collective: the `_reduce` kernels (arithmetic and bitwise) against numpy, and the
+collectives over the simulated and TCP backends, with bus bandwidth as nccl-tests defines it.
 
 busbw: allreduce = size * 2(n-1)/n / time; all_gather, reduce_scatter = total size * (n-1)/n /
 time; broadcast = size / time. For TCP, the benchmark process is rank 0 and the other ranks are
@@ -89,6 +89,27 @@ def bench_mean_kernel_16MiB(benchmark, impl):
     check = a.copy()
     accumulate(check, b, ReduceOp.MEAN, mean_divisor=4)
     np.testing.assert_array_equal(check, np.divide(np.add(a, b), 4))
+
+
+@pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
+@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
+def bench_bitwise_kernel_16MiB(benchmark, impl, op):
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 2**32, 4 << 20, dtype=np.uint32)
+    b = rng.integers(0, 2**32, 4 << 20, dtype=np.uint32)
+    acc = a.copy()
+    rop = ReduceOp[op]
+    ufunc = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+    benchmark.group = f"kernel {op} uint32 16MiB"
+    benchmark.extra_info["bytes"] = a.nbytes
+    if impl == "numpy":
+        benchmark.extra_info["role"] = "baseline"
+        benchmark.pedantic(lambda: ufunc(acc, b, out=acc), rounds=30, warmup_rounds=3)
+    else:
+        benchmark.pedantic(lambda: accumulate(acc, b, rop), rounds=30, warmup_rounds=3)
+    check = a.copy()
+    accumulate(check, b, rop)
+    np.testing.assert_array_equal(check, ufunc(a, b))
 
 
 # ------------------------------------------------------------------ simulated

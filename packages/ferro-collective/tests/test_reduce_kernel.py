@@ -57,7 +57,9 @@ def test_integer_sum_wraps_exactly_like_numpy():
 def test_op_codes_have_one_definition():
     # the kernel defines its codes; the op table reads them; header codes are distinct
     assert {OPS[op].kernel for op in ReduceOp} == {_reduce.OP_SUM, _reduce.OP_PROD,
-                                                   _reduce.OP_MAX, _reduce.OP_MIN}
+                                                   _reduce.OP_MAX, _reduce.OP_MIN,
+                                                   _reduce.OP_BAND, _reduce.OP_BOR,
+                                                   _reduce.OP_BXOR}
     assert len({spec.wire for spec in OPS.values()}) == len(ReduceOp)
     assert 0 not in {spec.wire for spec in OPS.values()}
 
@@ -98,3 +100,50 @@ def test_fold_checks_inputs_once_in_python():
         fold(np.zeros(4, np.float32), [np.zeros(4, np.float32), np.zeros(4)], ReduceOp.SUM)
     with pytest.raises(ValueError, match="input 0 is float32\\[3\\]"):
         fold(np.zeros(4, np.float32), [np.zeros(3, np.float32)], ReduceOp.SUM)
+
+
+# ----------------------------------------------------------------------------- bitwise ops
+INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+BITWISE_UFUNCS = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+                  ReduceOp.BXOR: np.bitwise_xor}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(INT_DTYPES).flatmap(
+    lambda dt: st.tuples(hnp.arrays(dt, st.integers(0, 50)), st.just(dt))),
+    st.sampled_from(list(BITWISE_UFUNCS)), st.data())
+def test_bitwise_accumulate_matches_numpy(arr_dt, op, data):
+    a, dt = arr_dt
+    b = data.draw(hnp.arrays(dt, a.shape))
+    acc = a.copy()
+    accumulate(acc, b, op)
+    np.testing.assert_array_equal(acc, BITWISE_UFUNCS[op](a, b))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(INT_DTYPES), st.integers(1, 6), st.integers(0, 9000),
+       st.sampled_from(list(BITWISE_UFUNCS)), st.data())
+def test_bitwise_fold_matches_numpy_reduce(dt, count, size, op, data):
+    inputs = [data.draw(hnp.arrays(dt, size)) for _ in range(count)]
+    got = np.empty_like(inputs[0])
+    fold(got, inputs, op)
+    np.testing.assert_array_equal(got, BITWISE_UFUNCS[op].reduce(np.stack(inputs), axis=0))
+
+
+@pytest.mark.parametrize("op", list(BITWISE_UFUNCS))
+def test_bitwise_on_bool_views_keeps_zero_one(op):
+    a = np.array([True, True, False, False])
+    b = np.array([True, False, True, False])
+    acc = a.view(np.uint8).copy()
+    accumulate(acc, b.view(np.uint8), op)
+    np.testing.assert_array_equal(acc.view(np.bool_), BITWISE_UFUNCS[op](a, b))
+
+
+@pytest.mark.parametrize("op", list(BITWISE_UFUNCS))
+@pytest.mark.parametrize("dt", [np.float32, np.float64, np.float16, np.complex64])
+def test_bitwise_ops_refuse_non_integer_dtypes(op, dt):
+    from ferro_collective.ops import work_dtype
+
+    with pytest.raises(TypeError, match=f"ReduceOp.{op.name} needs an integer or bool dtype, "
+                                        f"got {np.dtype(dt)}"):
+        work_dtype("allreduce", np.dtype(dt), op)

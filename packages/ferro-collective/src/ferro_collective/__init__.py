@@ -1,4 +1,10 @@
-"""ferro-collective: allreduce, broadcast, all_gather, reduce_scatter and barrier on numpy arrays."""
+"""ferro-collective: collectives on numpy arrays over any ferro_backend.Backend.
+
+allreduce, broadcast, all_gather, reduce_scatter and barrier; the rooted reduce, gather and
+scatter (:mod:`.rooted`); the uneven all_gather_v, all_to_all and all_to_all_single
+(:mod:`.exchange`); broadcast_object and all_gather_object on picklable objects
+(:mod:`.objects`); the ``*_async`` forms returning :class:`Work`.
+"""
 
 from importlib.metadata import version as _version
 
@@ -27,8 +33,18 @@ from .api import (
     reduce_scatter_async,
 )
 from .call import ALGORITHMS
+from .exchange import (
+    all_gather_v,
+    all_gather_v_async,
+    all_to_all,
+    all_to_all_async,
+    all_to_all_single,
+    all_to_all_single_async,
+)
 from .header import set_mismatch_check
+from .objects import all_gather_object, broadcast_object
 from .ops import ReduceOp
+from .rooted import gather, gather_async, reduce, reduce_async, scatter, scatter_async
 from .work import Work
 
 __version__ = _version("ferro-collective")
@@ -47,13 +63,27 @@ __all__ = [
     "Work",
     "all_gather",
     "all_gather_async",
+    "all_gather_object",
+    "all_gather_v",
+    "all_gather_v_async",
+    "all_to_all",
+    "all_to_all_async",
+    "all_to_all_single",
+    "all_to_all_single_async",
     "allreduce",
     "allreduce_async",
     "barrier",
     "broadcast",
     "broadcast_async",
+    "broadcast_object",
+    "gather",
+    "gather_async",
+    "reduce",
+    "reduce_async",
     "reduce_scatter",
     "reduce_scatter_async",
+    "scatter",
+    "scatter_async",
     "set_mismatch_check",
     "set_stall_report",
 ]

@@ -4,6 +4,9 @@ OP_SUM: int
 OP_PROD: int
 OP_MAX: int
 OP_MIN: int
+OP_BAND: int
+OP_BOR: int
+OP_BXOR: int
 
 def accumulate(acc: np.ndarray, x: np.ndarray, op: int) -> None: ...
 def accumulate_mean(acc: np.ndarray, x: np.ndarray, divisor: float) -> None: ...

@@ -1,6 +1,10 @@
 # cython: language_level=3
 """Reduction kernels: ``acc = op(acc, x)`` element-wise, with the MEAN divide fused.
 
+Ops: SUM, PROD, MAX, MIN on every kernel dtype, and the bitwise BAND, BOR, BXOR on the integer
+dtypes only (``ops.work_dtype`` refuses floats before a kernel runs; bool arrays are reduced as
+uint8 views, whose 0/1 values the bitwise ops keep).
+
 Inputs are validated by ``ops.py`` (same length, same dtype, contiguous, writable accumulator);
 loops run without the GIL so simulated ranks (threads) reduce in parallel. The order is fixed:
 each call folds exactly one buffer into the accumulator, so a schedule of calls fixes every
@@ -34,8 +38,12 @@ cdef enum:
     PROD = 1
     MAX = 2
     MIN = 3
+    BAND = 4
+    BOR = 5
+    BXOR = 6
 
 OP_SUM, OP_PROD, OP_MAX, OP_MIN = SUM, PROD, MAX, MIN
+OP_BAND, OP_BOR, OP_BXOR = BAND, BOR, BXOR
 
 
 @cython.boundscheck(False)
@@ -56,13 +64,23 @@ cdef inline void _acc(num* acc, const num* x, Py_ssize_t n, int op) noexcept nog
                     if acc[i] != acc[i]:
                         continue
                 acc[i] = x[i]
-    else:
+    elif op == MIN:
         for i in range(n):
             if not (acc[i] <= x[i]):
                 if num is float or num is double:
                     if acc[i] != acc[i]:
                         continue
                 acc[i] = x[i]
+    elif num is not float and num is not double:  # the bitwise ops: integers only
+        if op == BAND:
+            for i in range(n):
+                acc[i] = acc[i] & x[i]
+        elif op == BOR:
+            for i in range(n):
+                acc[i] = acc[i] | x[i]
+        elif op == BXOR:
+            for i in range(n):
+                acc[i] = acc[i] ^ x[i]
 
 
 @cython.boundscheck(False)
@@ -74,7 +92,8 @@ cdef inline void _acc_div(real* acc, const real* x, Py_ssize_t n, real d) noexce
 
 
 def accumulate(num[::1] acc, const num[::1] x, int op):
-    """``acc[i] = op(acc[i], x[i])`` with op one of OP_SUM, OP_PROD, OP_MAX, OP_MIN.
+    """``acc[i] = op(acc[i], x[i])`` with op one of OP_SUM, OP_PROD, OP_MAX, OP_MIN, and for
+    integer dtypes OP_BAND, OP_BOR, OP_BXOR.
 
     ``ops.accumulate`` checks that ``x`` has ``acc``'s length; the kernel trusts it.
     """

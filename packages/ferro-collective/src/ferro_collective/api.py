@@ -17,7 +17,7 @@ from . import fastpath
 from ._state import state
 from .call import Call, as_array, check_out, choose, finish
 from .engine_group import group_for
-from .ops import KERNEL_DTYPES, ReduceOp, as_op, work_dtype
+from .ops import BITWISE, KERNEL_DTYPES, ReduceOp, as_op, work_dtype
 from .work import Work
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
@@ -68,8 +68,9 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         uint8..uint64). Not modified.
     backend : ferro_backend.Backend
     op : ReduceOp
-        SUM, MEAN (float dtypes only), MAX, MIN or PRODUCT. Integer SUM is exact (wrapping like
-        numpy); float16/bfloat16 accumulate in float32 and round once.
+        SUM, MEAN (float dtypes only), MAX, MIN, PRODUCT, or BAND/BOR/BXOR (integer and bool
+        dtypes only). Integer SUM is exact (wrapping like numpy); float16/bfloat16 accumulate in
+        float32 and round once.
     timeout : float, optional
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     algorithm : {"auto", "ring", "recursive_doubling", "star"}
@@ -89,7 +90,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     Raises
     ------
     TypeError
-        An unsupported dtype, or MEAN on integers.
+        An unsupported dtype, MEAN on integers, or a bitwise op on floats.
     CollectiveMismatchError
         Ranks called different collectives or shapes/dtypes/ops.
     CollectiveTimeoutError, PeerClosedError
@@ -113,7 +114,8 @@ def _lean_allreduce(x: np.ndarray, backend, op: ReduceOp, timeout, out) -> np.nd
     dtype that fits a slot), or None: then the general path validates and runs the call."""
     group = group_for(backend)
     if (group is None or x.dtype not in KERNEL_DTYPES or not x.flags.c_contiguous
-            or (op is ReduceOp.MEAN and x.dtype.kind != "f")):
+            or (op is ReduceOp.MEAN and x.dtype.kind != "f")
+            or (op in BITWISE and x.dtype.kind == "f")):
         return None
     if out is None:
         out = np.empty(x.shape, x.dtype)

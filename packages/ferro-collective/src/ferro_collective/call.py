@@ -27,6 +27,12 @@ ALGORITHMS = {
     "broadcast": ("auto", "tree", "star"),
     "all_gather": ("auto", "ring", "star"),
     "reduce_scatter": ("auto", "ring", "star"),
+    # the collectives added in 0.2 choose by size alone (no algorithm= argument)
+    "reduce": ("auto", "tree", "ring"),
+    "gather": ("auto", "tree", "star"),
+    "scatter": ("auto", "tree", "star"),
+    "all_gather_v": ("auto", "ring"),
+    "all_to_all": ("auto", "pairwise"),
 }
 
 
@@ -40,6 +46,12 @@ def choose(name: str, algorithm: str | None, nbytes: int, n: int) -> str:
     if name == "allreduce":
         return "recursive_doubling" if nbytes <= SMALL_MESSAGE_BYTES or n <= 2 and \
             nbytes <= 4 * SMALL_MESSAGE_BYTES else "ring"
+    if name == "reduce":  # binomial tree; reduce-scatter + gather (bandwidth) when large
+        return "tree" if nbytes <= SMALL_MESSAGE_BYTES or n <= 2 else "ring"
+    if name in ("gather", "scatter"):  # nbytes: one rank's block
+        return "tree" if nbytes <= SMALL_MESSAGE_BYTES // 4 else "star"
+    if name == "all_to_all":
+        return "pairwise"
     return "tree" if name == "broadcast" else "ring"
 
 

@@ -1,9 +1,11 @@
 """Mismatch detection: every collective starts by all-gathering a small header.
 
-The header names the collective, its dtype, shape, reduce op and root. The exchange uses Bruck's
-all-gather (ceil(log2 n) rounds of small messages), so every rank learns every rank's header, and
-either all ranks proceed or all raise :class:`CollectiveMismatchError` naming what each rank
-called — never a hang, never garbage. The same exchange is the barrier.
+The header names the collective, its dtype, shape, reduce op and root (a negative dim, printed
+``*``, is one that may differ between ranks, as dim 0 of ``all_gather_v``; ``INVALID`` marks a
+rank whose own arguments were wrong, so that its peers fail at once instead of waiting). The
+exchange uses Bruck's all-gather (ceil(log2 n) rounds of small messages), so every rank learns
+every rank's header, and either all ranks proceed or all raise :class:`CollectiveMismatchError`
+naming what each rank called — never a hang, never garbage. The same exchange is the barrier.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ _MAX_DIMS = 6
 _HEADER = struct.Struct(f"<2sBBBBH8sqI{_MAX_DIMS}q")
 HEADER_SIZE = _HEADER.size
 COLLECTIVES = {"barrier": 1, "allreduce": 2, "broadcast": 3, "all_gather": 4,
-               "reduce_scatter": 5}
+               "reduce_scatter": 5, "reduce": 6, "gather": 7, "scatter": 8, "all_gather_v": 9,
+               "all_to_all": 10, "all_to_all_single": 11, "broadcast_object": 12,
+               "all_gather_object": 13}
 _COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVES.items()}
 _REDOP_NAMES = {spec.wire: op.name for op, spec in OPS.items()}
+#: header flag: this rank's arguments were invalid (it raises its own error; peers a mismatch)
+INVALID = 1
 
 _check = os.environ.get("FERRO_COLLECTIVE_CHECK", "1") != "0"
 
@@ -47,44 +53,49 @@ _templates: dict[tuple, bytes] = {}
 
 
 def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
-           redop: ReduceOp | None = None, root: int = -1, seq: int = 0) -> bytes:
+           redop: ReduceOp | None = None, root: int = -1, seq: int = 0, *, flags: int = 0
+           ) -> bytes:
     """The header of one call (cached per call signature; only ``seq`` is packed each time)."""
-    key = (op, dtype, shape, redop, root)
+    key = (op, dtype, shape, redop, root, flags)
     template = _templates.get(key)
     if template is None:
         if len(_templates) > 4096:
             _templates.clear()
-        template = _templates[key] = _encode(op, dtype, shape, redop, root, 0)
+        template = _templates[key] = _encode(op, dtype, shape, redop, root, 0, flags)
     return template[:_SEQ_OFFSET] + (seq & 0xFFFFFFFF).to_bytes(4, "little") + \
         template[_SEQ_OFFSET + 4:]
 
 
 def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
-            redop: ReduceOp | None, root: int, seq: int) -> bytes:
+            redop: ReduceOp | None, root: int, seq: int, flags: int = 0) -> bytes:
     dims = list(shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     if len(shape) > _MAX_DIMS:
         dims[-1] = hash(tuple(shape[_MAX_DIMS - 1:])) & 0x7FFFFFFFFFFFFFFF
     dstr = (np.dtype(dtype).str if dtype is not None else "").encode()[:8]
     wire_op = 0 if redop is None else OPS[redop].wire
-    return _HEADER.pack(b"FC", COLLECTIVES[op], wire_op, min(len(shape), 255), 0,
+    return _HEADER.pack(b"FC", COLLECTIVES[op], wire_op, min(len(shape), 255), flags,
                         0, dstr, root, seq & 0xFFFFFFFF, *dims)
 
 
 def describe(header: bytes) -> str:
-    magic, op, redop, ndim, _, _, dstr, root, seq, *dims = _HEADER.unpack(header)
+    magic, op, redop, ndim, flags, _, dstr, root, seq, *dims = _HEADER.unpack(header)
     if magic != b"FC":
         return f"<not a ferro collective header: {header[:8]!r}>"
     name = _COLLECTIVE_NAMES.get(op, f"op#{op}")
     if name == "barrier":
         return f"barrier (seq {seq})"
-    dtype = np.dtype(dstr.rstrip(b"\x00").decode() or "V")
-    shape = ", ".join(str(d) for d in dims[:min(ndim, _MAX_DIMS)])
-    extra = []
+    if flags & INVALID:
+        return f"{name}(<invalid arguments, see that rank's error>) (seq {seq})"
+    args = []
+    if dstr.rstrip(b"\x00"):  # collectives whose data only some ranks know name no dtype
+        dtype = np.dtype(dstr.rstrip(b"\x00").decode())
+        shape = ", ".join(str(d) if d >= 0 else "*" for d in dims[:min(ndim, _MAX_DIMS)])
+        args.append(f"{dtype.name}[{shape}]")
     if redop:
-        extra.append(_REDOP_NAMES.get(redop, f"op#{redop}"))
+        args.append(_REDOP_NAMES.get(redop, f"op#{redop}"))
     if root >= 0:
-        extra.append(f"root={root}")
-    return f"{name}({dtype.name}[{shape}]{', ' if extra else ''}{', '.join(extra)}) (seq {seq})"
+        args.append(f"root={root}")
+    return f"{name}({', '.join(args)}) (seq {seq})"
 
 
 def check_all(name: str, rank: int, headers: list[bytes]) -> None:

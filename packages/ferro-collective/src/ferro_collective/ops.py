@@ -25,6 +25,9 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     MIN = "min"
     PRODUCT = "product"
+    BAND = "band"  #: bitwise AND (integer and bool dtypes only)
+    BOR = "bor"  #: bitwise OR (integer and bool dtypes only)
+    BXOR = "bxor"  #: bitwise XOR (integer and bool dtypes only)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,12 @@ OPS: dict[ReduceOp, OpSpec] = {
     ReduceOp.MAX: OpSpec(_reduce.OP_MAX, 3),
     ReduceOp.MIN: OpSpec(_reduce.OP_MIN, 4),
     ReduceOp.PRODUCT: OpSpec(_reduce.OP_PROD, 5),
+    ReduceOp.BAND: OpSpec(_reduce.OP_BAND, 6),
+    ReduceOp.BOR: OpSpec(_reduce.OP_BOR, 7),
+    ReduceOp.BXOR: OpSpec(_reduce.OP_BXOR, 8),
 }
+#: the bitwise ops: integer and bool dtypes only (bool reduces as its uint8 view)
+BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 #: dtypes the Cython kernel reduces (every dtype a reduction computes in)
 KERNEL_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16,
@@ -71,7 +79,13 @@ def as_op(op) -> ReduceOp:
 def work_dtype(name: str, dtype: np.dtype, op: ReduceOp) -> np.dtype:
     """The dtype a reduction computes in, or a TypeError naming what is unsupported."""
     dtype = np.dtype(dtype)
-    if dtype in WIDENED:
+    if op in BITWISE:
+        if dtype == np.bool_:
+            return np.dtype(np.uint8)
+        if dtype.kind not in "iu":
+            raise TypeError(f"{name}: ReduceOp.{op.name} needs an integer or bool dtype, got "
+                            f"{dtype}")
+    elif dtype in WIDENED:
         return WIDENED[dtype]
     if dtype.byteorder not in "=|" and dtype.byteorder != ("<" if np.little_endian else ">"):
         raise TypeError(f"{name}: dtype {dtype} is not in native byte order")
@@ -81,7 +95,7 @@ def work_dtype(name: str, dtype: np.dtype, op: ReduceOp) -> np.dtype:
                             "use SUM and divide, or cast to a float dtype")
         return dtype
     raise TypeError(f"{name}: cannot reduce dtype {dtype}; supported: float16, bfloat16, float32,"
-                    " float64, int8/16/32/64, uint8/16/32/64")
+                    " float64, int8/16/32/64, uint8/16/32/64 (and bool for BAND/BOR/BXOR)")
 
 
 def accumulate(acc: np.ndarray, x: np.ndarray, op: ReduceOp, mean_divisor: int | None = None

@@ -1,0 +1,334 @@
+"""The uneven collectives: all_gather_v, all_to_all (list form), all_to_all_single.
+
+Dim 0 may differ between ranks (and, for the all-to-alls, between destinations); the dtype and
+the trailing shape may not (CollectiveMismatchError on every rank, naming what each called:
+the header carries them with dim 0 as ``*``). The row counts travel in the metadata round of
+:class:`~.metadata.MetaCall`, so every rank knows every message's size before data moves and
+every check on them is made by every rank alike (the same error everywhere, never a hang).
+
+Algorithms:
+
+- all_gather_v: the ring all-gather (n-1 steps, bandwidth-optimal) on uneven byte chunks; empty
+  chunks are skipped by both sides.
+- all_to_all: pairwise exchange: every receive is posted first (straight into the result), then
+  at step ``s = 1..n-1`` rank ``r`` sends to ``r + s`` and waits for ``r - s`` (mod n), so each
+  step is a permutation and no rank is sent to by many at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ferro_backend import Backend, SizeMismatchError
+
+from . import algorithms as alg
+from .call import as_array, check_out, choose
+from .metadata import MetaCall, guard, pack_ints, unpack_ints
+from .work import Work
+
+
+def _check_backend(name: str, backend) -> None:
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
+                        f"{type(backend).__name__}")
+
+
+def _row_bytes(dtype: np.dtype, trailing: tuple[int, ...]) -> int:
+    return int(np.prod(trailing, dtype=np.int64)) * dtype.itemsize
+
+
+def _views(buf: np.ndarray, rows: Sequence[int], dtype: np.dtype, trailing: tuple[int, ...],
+           zero_d: bool) -> list[np.ndarray]:
+    """``buf`` (bytes) cut into consecutive arrays of ``rows[r]`` rows each."""
+    rb = _row_bytes(dtype, trailing)
+    out, start = [], 0
+    for k in rows:
+        piece = buf[start:start + k * rb].view(dtype)
+        out.append(piece.reshape(()) if zero_d else piece.reshape(k, *trailing))
+        start += k * rb
+    return out
+
+
+# ----------------------------------------------------------------------------- algorithms
+def all_gather_v_ring(ctx: alg.Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
+    """Ring all-gather in place on uneven chunks (rank r starts with chunk r filled)."""
+    n, me = ctx.n, ctx.rank
+    right, left = (me + 1) % n, (me - 1) % n
+    for s in range(n - 1):
+        send_c, recv_c = (me - s) % n, (me - s - 1) % n
+        tag = ctx.next_tag()
+        rs, re = bounds[recv_c]
+        req = ctx.irecv(buf[rs:re], left, tag) if re > rs else None
+        ss, se = bounds[send_c]
+        if se > ss:
+            ctx.send(buf[ss:se], right, tag)
+        if req is not None:
+            ctx.wait(req, left, f"rank {recv_c}'s block (all-gather step {s})")
+
+
+def all_to_all_pairwise(ctx: alg.Ctx, sends: Sequence[np.ndarray],
+                        recvs: Sequence[np.ndarray]) -> None:
+    """``recvs[r]`` = what rank r sends us; ``sends[d]`` goes to rank d (byte arrays)."""
+    n, me = ctx.n, ctx.rank
+    tag = ctx.next_tag()
+    reqs = {}
+    for s in range(1, n):
+        src = (me - s) % n
+        if recvs[src].size:
+            reqs[src] = ctx.irecv(recvs[src], src, tag)
+    if recvs[me].size:
+        recvs[me][...] = sends[me]
+    for s in range(1, n):
+        dst, src = (me + s) % n, (me - s) % n
+        if sends[dst].size:
+            ctx.send(sends[dst], dst, tag)
+        if src in reqs:
+            ctx.wait(reqs[src], src, f"its block (pairwise exchange step {s})")
+
+
+# ----------------------------------------------------------------------------- all_gather_v
+def _all_gather_v(tensor, backend: Backend, timeout, algorithm=None) -> MetaCall:
+    _check_backend("all_gather_v", backend)
+    choose("all_gather_v", algorithm, 0, backend.world_size)
+    x, invalid = guard(lambda: as_array("all_gather_v", tensor, backend))
+    if invalid is not None:
+        return MetaCall("all_gather_v", backend, timeout, (None, (), None, -1), bytes(8),
+                        lambda ctx, metas: None, invalid)
+    zero_d = x.ndim == 0
+    trailing = x.shape[1:]
+
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> list[np.ndarray]:
+        rows = [unpack_ints(m, 1)[0] for m in metas]
+        rb = _row_bytes(x.dtype, trailing)
+        bounds, start = [], 0
+        for k in rows:
+            bounds.append((start, start + k * rb))
+            start += k * rb
+        buf = np.empty(start, np.uint8)
+        s, e = bounds[ctx.rank]
+        if e > s:
+            buf[s:e] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        if ctx.n > 1 and start:
+            all_gather_v_ring(ctx, buf, bounds)
+        return _views(buf, rows, x.dtype, trailing, zero_d)
+
+    header = (x.dtype, () if zero_d else (-1, *trailing), None, -1)
+    return MetaCall("all_gather_v", backend, timeout, header,
+                    pack_ints([1 if zero_d else x.shape[0]]), body)
+
+
+def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> list[np.ndarray]:
+    """Every rank's ``tensor``, in rank order; dim 0 may differ between ranks.
+
+    Every rank passes the same dtype and the same shape after dim 0 (or every rank a 0-d
+    array); otherwise every rank raises :class:`CollectiveMismatchError` naming what each
+    passed. Returns a list of ``world_size`` new arrays (index ``r`` = rank ``r``'s, zero rows
+    allowed), the same on every rank. A metadata round (ceil(log2 n) small messages) exchanges
+    the row counts, then the ring all-gather moves the data. Inputs are not modified.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> [[a.tolist() for a in res] for res in
+    ...  run_ranks(lambda b: all_gather_v(np.arange(b.rank + 1), b), 2)]
+    [[[0], [0, 1]], [[0], [0, 1]]]
+    """
+    return _all_gather_v(tensor, backend, timeout).run()
+
+
+def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None) -> Work:
+    """:func:`all_gather_v` in the background; ``Work.wait()`` returns the list."""
+    return _all_gather_v(tensor, backend, timeout).submit()
+
+
+# ----------------------------------------------------------------------------- all_to_all
+def _all_to_all(tensors, backend: Backend, timeout, algorithm=None) -> MetaCall:
+    _check_backend("all_to_all", backend)
+    n = backend.world_size
+    choose("all_to_all", algorithm, 0, n)
+
+    def prepare() -> list[np.ndarray]:
+        if isinstance(tensors, np.ndarray | str | bytes) or not isinstance(tensors, Sequence):
+            raise TypeError(f"all_to_all: tensors must be a list of world_size ({n}) arrays, got "
+                            f"{type(tensors).__name__} (for one array split along dim 0 use "
+                            "all_to_all_single)")
+        if len(tensors) != n:
+            raise ValueError(f"all_to_all: got {len(tensors)} tensors, expected world_size {n}")
+        xs = [as_array("all_to_all", t, backend) for t in tensors]
+        for r, t in enumerate(xs):
+            if t.dtype != xs[0].dtype or t.ndim != xs[0].ndim or t.shape[1:] != xs[0].shape[1:]:
+                raise ValueError(
+                    f"all_to_all: tensors[{r}] is {t.dtype}{list(t.shape)}, tensors[0] is "
+                    f"{xs[0].dtype}{list(xs[0].shape)}; all need one dtype and one shape after "
+                    "dim 0")
+        return xs
+
+    xs, invalid = guard(prepare)
+    if invalid is not None:
+        return MetaCall("all_to_all", backend, timeout, (None, (), None, -1), bytes(8 * n),
+                        lambda ctx, metas: None, invalid)
+    dtype, zero_d, trailing = xs[0].dtype, xs[0].ndim == 0, xs[0].shape[1:]
+    send_rows = [1 if zero_d else t.shape[0] for t in xs]
+
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> list[np.ndarray]:
+        me = ctx.rank
+        rows = [unpack_ints(m, 1, 8 * me)[0] for m in metas]
+        buf = np.empty(sum(rows) * _row_bytes(dtype, trailing), np.uint8)
+        result = _views(buf, rows, dtype, trailing, zero_d)
+        recvs = [r.reshape(-1).view(np.uint8) for r in result]
+        sends = [np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in xs]
+        all_to_all_pairwise(ctx, sends, recvs)
+        return result
+
+    header = (dtype, () if zero_d else (-1, *trailing), None, -1)
+    return MetaCall("all_to_all", backend, timeout, header, pack_ints(send_rows), body)
+
+
+def all_to_all(tensors: Sequence, backend: Backend, *,
+               timeout: float | None = None) -> list[np.ndarray]:
+    """Send ``tensors[r]`` to rank ``r``; return the list whose entry ``r`` came from rank ``r``.
+
+    ``tensors``: a list of ``world_size`` arrays of one dtype and one shape after dim 0 (dim 0
+    may differ, zero rows included; or all 0-d), the same dtype and trailing shape on every rank
+    (else CollectiveMismatchError on every rank). A list of the wrong length or mixed dtypes is
+    a ValueError on that rank and a CollectiveMismatchError on the others. Pairwise exchange
+    after a metadata round that exchanges the row counts. Inputs are not modified.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> res = run_ranks(lambda b: all_to_all([np.array([10 * b.rank + d]) for d in range(2)],
+    ...                                      b), 2)
+    >>> [[a.tolist() for a in r] for r in res]
+    [[[0], [10]], [[1], [11]]]
+    """
+    return _all_to_all(tensors, backend, timeout).run()
+
+
+def all_to_all_async(tensors: Sequence, backend: Backend, *,
+                     timeout: float | None = None) -> Work:
+    """:func:`all_to_all` in the background."""
+    return _all_to_all(tensors, backend, timeout).submit()
+
+
+# ----------------------------------------------------------------------------- all_to_all_single
+def _splits(what: str, splits, n: int, total: int | None) -> list[int]:
+    arr = np.asarray(splits)
+    if arr.ndim != 1 or arr.size != n or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"all_to_all_single: {what} must be {n} integers (one per rank), got "
+                         f"{splits!r}")
+    values = [int(v) for v in arr]
+    if any(v < 0 for v in values):
+        raise ValueError(f"all_to_all_single: {what} {values} has a negative size")
+    if total is not None and sum(values) != total:
+        raise SizeMismatchError(f"all_to_all_single: {what} {values} add up to {sum(values)}, "
+                                f"dim 0 of the tensor is {total}")
+    return values
+
+
+def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeout, out,
+                       algorithm=None) -> MetaCall:
+    name = "all_to_all_single"
+    _check_backend(name, backend)
+    n = backend.world_size
+    choose("all_to_all", algorithm, 0, n)
+    if out is not None and not isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
+
+    def prepare():
+        x = as_array(name, tensor, backend)
+        if x.ndim == 0:
+            raise SizeMismatchError(f"{name}: a 0-d tensor cannot be split across ranks")
+        if send_splits is None:
+            if x.shape[0] % n:
+                raise SizeMismatchError(f"{name}: dim 0 of shape {x.shape} ({x.shape[0]}) is not "
+                                        f"divisible by world_size {n} (send_splits=None means "
+                                        "equal splits)")
+            send = [x.shape[0] // n] * n
+        else:
+            send = _splits("send_splits", send_splits, n, x.shape[0])
+        recv = [-1] * n if recv_splits is None else _splits("recv_splits", recv_splits, n, None)
+        return x, send, recv
+
+    prepared, invalid = guard(prepare)
+    if invalid is not None:
+        return MetaCall(name, backend, timeout, (None, (), None, -1), bytes(16 * n),
+                        lambda ctx, metas: None, invalid)
+    x, send, recv = prepared
+    trailing = x.shape[1:]
+
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
+        me = ctx.rank
+        sends = [unpack_ints(m, n) for m in metas]
+        for d, m in enumerate(metas):  # every rank checks every pair: the same error everywhere
+            declared = unpack_ints(m, n, 8 * n)
+            got = [sends[r][d] for r in range(n)]
+            if declared[0] < 0:
+                if len(set(got)) > 1:
+                    raise SizeMismatchError(
+                        f"{name}: rank {d} passed recv_splits=None (equal splits) but ranks "
+                        f"0..{n - 1} send it {got} rows; pass recv_splits")
+            elif declared != got:
+                r = next(r for r in range(n) if declared[r] != got[r])
+                raise SizeMismatchError(f"{name}: rank {r} sends {got[r]} rows to rank {d}, "
+                                        f"whose recv_splits[{r}] is {declared[r]}")
+        rows = [sends[r][me] for r in range(n)]
+        shape = (sum(rows), *trailing)
+        res, late = out, None
+        if out is not None:  # checked now that the shape is known; a bad one still takes part
+            _, late = guard(lambda: check_out(name, out, shape, x.dtype))
+        if res is None or late is not None or np.may_share_memory(res, x):
+            res = np.empty(shape, x.dtype)
+        rb = _row_bytes(x.dtype, trailing)
+        flat_in = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        flat_out = res.reshape(-1).view(np.uint8)
+        sviews, rviews, s0, r0 = [], [], 0, 0
+        for r in range(n):
+            sviews.append(flat_in[s0:s0 + send[r] * rb])
+            rviews.append(flat_out[r0:r0 + rows[r] * rb])
+            s0 += send[r] * rb
+            r0 += rows[r] * rb
+        all_to_all_pairwise(ctx, sviews, rviews)
+        if late is not None:
+            raise late
+        if out is not None and res is not out:
+            out[...] = res
+            return out
+        return res
+
+    header = (x.dtype, (-1, *trailing), None, -1)
+    return MetaCall(name, backend, timeout, header, pack_ints(send + recv), body)
+
+
+def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
+                      timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Split ``tensor`` along dim 0 by ``send_splits`` and send piece ``d`` to rank ``d``;
+    return what every rank sent us, concatenated along dim 0 in rank order.
+
+    As ``torch.distributed.all_to_all_single``: ``send_splits``/``recv_splits`` are
+    ``world_size`` row counts (None: equal splits; ``send_splits`` must add up to dim 0).
+    Every rank checks every rank's splits against the others' (rank ``r``'s ``send_splits[d]``
+    must equal rank ``d``'s ``recv_splits[r]``), so a disagreement is the same
+    SizeMismatchError on every rank. The dtype and trailing shape must agree across ranks
+    (else CollectiveMismatchError). ``out=``: a writable C-contiguous array of the result's
+    shape and dtype to fill and return. Inputs are not modified.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> run_ranks(lambda b: all_to_all_single(np.arange(4) + 10 * b.rank, b), 2)
+    [array([ 0,  1, 10, 11]), array([ 2,  3, 12, 13])]
+    """
+    return _all_to_all_single(tensor, backend, send_splits, recv_splits, timeout, out).run()
+
+
+def all_to_all_single_async(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
+                            timeout: float | None = None, out: np.ndarray | None = None) -> Work:
+    """:func:`all_to_all_single` in the background."""
+    return _all_to_all_single(tensor, backend, send_splits, recv_splits, timeout, out).submit()
+
+
+__all__ = ["all_gather_v", "all_gather_v_async", "all_to_all", "all_to_all_async",
+           "all_to_all_single", "all_to_all_single_async"]

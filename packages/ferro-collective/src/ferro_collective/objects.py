@@ -1,0 +1,145 @@
+"""Collectives on picklable Python objects: broadcast_object and all_gather_object.
+
+Objects travel as pickles. **Unpickling runs code chosen by the sender**: use these only among
+ranks that trust each other, that is on a backend whose peers are authenticated (ferrorun's
+token on TCP, the same-host engine, MPI), never with data from outside the job.
+
+A metadata round tells every rank each pickle's size (and whether it could be made) before the
+bytes move (a binomial-tree broadcast; the ring all-gather on uneven chunks). An object that
+cannot be pickled is a TypeError on the rank that passed it and, naming that rank and the
+reason, on every other rank too; none waits for bytes that will never come.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+from ferro_backend import Backend
+
+from . import algorithms as alg
+from .exchange import _check_backend, all_gather_v_ring
+from .metadata import MetaCall, pack_ints, unpack_ints
+from .rooted import check_root
+
+PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+def _dumps(name: str, obj) -> tuple[bytes, BaseException | None]:
+    """The pickle of ``obj``, or (the reason it cannot be pickled, the error)."""
+    try:
+        return pickle.dumps(obj, protocol=PROTOCOL), None
+    except Exception as exc:  # PicklingError, TypeError, AttributeError, RecursionError...
+        why = f"cannot pickle {type(obj).__name__} object: {type(exc).__name__}: {exc}"
+        return why.encode("utf-8", "replace"), TypeError(f"{name}: {why}")
+
+
+def _loads(name: str, me: int, src: int, data: np.ndarray):
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise pickle.UnpicklingError(
+            f"{name}: rank {me} cannot unpickle rank {src}'s object ({data.size} bytes): "
+            f"{type(exc).__name__}: {exc}") from exc
+
+
+def broadcast_object(obj, backend: Backend, root: int = 0, *,
+                     timeout: float | None = None) -> object:
+    """Every rank returns ``root``'s ``obj`` (the others' ``obj`` is ignored; pass None).
+
+    The root pickles ``obj`` (highest protocol) and returns ``obj`` itself; every other rank
+    returns a new object unpickled from the root's bytes (a binomial-tree broadcast after a
+    small metadata round carrying the size). **Unpickling runs code chosen by the root: use
+    this only among authenticated ranks.**
+
+    Raises
+    ------
+    InvalidRankError
+        ``root`` is not in ``[0, world_size)``.
+    TypeError
+        The root's object cannot be pickled: on every rank, naming the reason.
+    pickle.UnpicklingError
+        This rank cannot rebuild the object (a class it cannot import...): on that rank only.
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> run_ranks(lambda b: broadcast_object({"lr": 0.1} if b.rank == 0 else None, b), 2)
+    [{'lr': 0.1}, {'lr': 0.1}]
+    """
+    name = "broadcast_object"
+    _check_backend(name, backend)
+    n, me = backend.world_size, backend.rank
+    root = check_root(name, root, n)
+    payload, error = _dumps(name, obj) if me == root else (b"", None)
+    meta = pack_ints([len(payload), error is not None]) if me == root else bytes(16)
+
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> object:
+        size, failed = unpack_ints(metas[root], 2)
+        buf = np.frombuffer(payload, np.uint8) if me == root else np.empty(size, np.uint8)
+        if n > 1 and size:
+            alg.broadcast_tree(ctx, buf, root)
+        if failed:
+            if error is not None:
+                raise error
+            raise TypeError(f"{name}: root {root} {bytes(buf).decode('utf-8', 'replace')}")
+        return obj if me == root else _loads(name, me, root, buf)
+
+    return MetaCall(name, backend, timeout, (None, (), None, root), meta, body).run()
+
+
+def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (each entry unpickled anew, this
+    rank's own included, so the lists are equal and share nothing with the inputs).
+
+    Pickles of any size per rank (a metadata round exchanges the sizes, then the ring
+    all-gather moves the bytes). **Unpickling runs code chosen by the sending rank: use this
+    only among authenticated ranks.**
+
+    Raises
+    ------
+    TypeError
+        Some rank's object cannot be pickled: on every rank, naming the ranks and reasons.
+    pickle.UnpicklingError
+        This rank cannot rebuild some rank's object: on that rank only.
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> run_ranks(lambda b: all_gather_object(("rank", b.rank), b), 2)
+    [[('rank', 0), ('rank', 1)], [('rank', 0), ('rank', 1)]]
+    """
+    name = "all_gather_object"
+    _check_backend(name, backend)
+    payload, error = _dumps(name, obj)
+
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> list:
+        info = [unpack_ints(m, 2) for m in metas]
+        bounds, start = [], 0
+        for size, _ in info:
+            bounds.append((start, start + size))
+            start += size
+        buf = np.empty(start, np.uint8)
+        s, e = bounds[ctx.rank]
+        buf[s:e] = np.frombuffer(payload, np.uint8)
+        if ctx.n > 1 and start:
+            all_gather_v_ring(ctx, buf, bounds)
+        failed = [r for r, (_, bad) in enumerate(info) if bad]
+        if failed:
+            if error is not None:
+                raise error
+            reasons = "; ".join(f"rank {r} {bytes(buf[slice(*bounds[r])]).decode('utf-8', 'replace')}"
+                                for r in failed)
+            raise TypeError(f"{name}: ranks {failed} cannot pickle their objects: {reasons}")
+        return [_loads(name, ctx.rank, r, buf[s:e]) for r, (s, e) in enumerate(bounds)]
+
+    meta = pack_ints([len(payload), error is not None])
+    return MetaCall(name, backend, timeout, (None, (), None, -1), meta, body).run()
+
+
+__all__ = ["all_gather_object", "broadcast_object"]
