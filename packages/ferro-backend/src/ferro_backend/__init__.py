@@ -12,12 +12,14 @@ from .errors import (
     DistributedError,
     InvalidRankError,
     InvalidWorldSizeError,
+    LauncherError,
     PeerAbortedError,
     PeerClosedError,
     ProtocolError,
     RendezvousError,
     SizeMismatchError,
 )
+from .launchers import Launcher, detect_launcher
 from .mpi import MpiBackend
 from .shm import ShmBackend
 from .simulated import SimulatedBackend
@@ -38,6 +40,8 @@ __all__ = [
     "DistributedError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "LauncherError",
+    "Launcher",
     "MpiBackend",
     "PeerAbortedError",
     "PeerClosedError",
@@ -49,6 +53,7 @@ __all__ = [
     "SizeMismatchError",
     "SubBackend",
     "TcpBackend",
+    "detect_launcher",
     "init_from_env",
     "pack",
     "packed_nbytes",

@@ -311,6 +311,60 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
 
+    #: the node (host) of every rank, index = rank, when known (``init_from_env`` sets it from
+    #: the launcher's rendezvous); None: not known
+    nodes: tuple[str, ...] | None = None
+
+    def link_transports(self) -> tuple[str, str]:
+        """How this transport moves messages ``(within a node, between nodes)``, in words;
+        transports override it for :meth:`describe`."""
+        name = type(self).__name__
+        return name, name
+
+    def describe(self) -> str:
+        """The job's topology as this rank sees it: ranks per node and the transport of each
+        kind of link (within a node, between nodes). ``init_from_env`` logs it once at INFO
+        on rank 0.
+
+        Examples
+        --------
+        >>> from ferro_backend import SimulatedBackend
+        >>> print(SimulatedBackend.create_group(2)[0].describe())
+        SimulatedBackend: 2 ranks on 1 node (this is rank 0)
+          node 'this process': ranks 0-1
+          links within a node: in-process (threads, one copy per message)
+        """
+        n = self.world_size
+        head = f"{type(self).__name__}: {n} rank{'s' * (n != 1)}"
+        within, between = self.link_transports()
+        if self.nodes is None:
+            return "\n".join([f"{head}, nodes not known (this is rank {self.rank})",
+                              f"  links: {within} within a node, {between} between nodes"])
+        by_node: dict[str, list[int]] = {}
+        for r, node in enumerate(self.nodes):
+            by_node.setdefault(node, []).append(r)
+        k = len(by_node)
+        lines = [f"{head} on {k} node{'s' * (k != 1)} (this is rank {self.rank})"]
+        lines += [f"  node {node!r}: ranks {rank_ranges(ranks)}" for node, ranks in by_node.items()]
+        lines.append(f"  links within a node: {within}")
+        if k > 1:
+            lines.append(f"  links between nodes: {between}")
+        return "\n".join(lines)
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts: list[str] = []
+    start = prev = None
+    for r in [*sorted(ranks), None]:
+        if start is not None and (r is None or r != prev + 1):
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = None
+        if r is not None and start is None:
+            start = r
+        prev = r
+    return ", ".join(parts)
+
 
 
 class FixedRanks:

@@ -1,4 +1,8 @@
-"""Pick the backend the environment asks for: TCP under ferrorun/torchrun, one rank otherwise."""
+"""Pick the backend the environment asks for: the launcher's job, or one rank outside a launcher.
+
+The detection and the rendezvous of each launcher live in :mod:`.launchers`; this module keeps
+the public entry point and the logging set-up.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,8 @@ import os
 from typing import Any
 
 from .base import Backend, timeout_from_env
-from .shm import ShmBackend
+from .launchers import connect, detect_launcher
 from .simulated import SimulatedBackend
-from .tcp import TcpBackend
 
 #: the loggers of ferro's packages, set by FERRO_LOG_LEVEL (``ferrorun --log-level``)
 FERRO_LOGGERS = ("ferro_backend", "ferro_collective", "ferro_fsdp", "ferro_checkpoint")
@@ -32,20 +35,32 @@ def configure_logging(environ: dict[str, str] | None = None) -> None:
 
 
 def init_from_env(**kwargs: Any) -> Backend:
-    """Return this process's backend.
+    """Return this process's backend: join the job of the launcher that started it.
 
-    Under ``ferrorun`` (or torchrun), where RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set,
-    a :class:`TcpBackend` joined to the job (:class:`ShmBackend` when FERRO_TRANSPORT=shm);
-    otherwise a one-rank backend, so the same script runs alone.
+    Launchers, in this order (README: "Launchers"): ferrorun, torchrun, Open MPI's mpirun,
+    MPICH/Intel MPI/Hydra's mpiexec, Slurm's srun (:func:`ferro_backend.detect_launcher`).
+    The transport is the fastest the job's topology allows: :class:`ShmBackend` (the same-host
+    engine) when every rank is on one host, :class:`TcpBackend` across hosts;
+    ``FERRO_TRANSPORT=tcp|shm|mpi`` overrides (under ferrorun, which sets it, exactly as
+    before). Rank 0 logs :meth:`Backend.describe` once at INFO. Outside any launcher: a
+    one-rank backend, so the same script runs alone.
+
     Keyword arguments go to the backend's constructor. ``FERRO_TIMEOUT`` (``ferrorun
     --timeout``) sets :attr:`Backend.timeout`, the deadline of p2p calls and collectives alike,
     unless ``timeout=`` is given.
+
+    Raises
+    ------
+    LauncherError
+        The launchers' variables disagree (``RANK`` vs ``SLURM_PROCID``...), or the launcher
+        needs a package that is missing (mpi4py under mpirun): the message names the variables
+        it saw and what to install. Never a silent one-rank run.
+    RendezvousError, AuthenticationError
+        The ranks could not meet (as :class:`TcpBackend`).
     """
-    env = os.environ
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        if env.get("FERRO_TRANSPORT") == "shm":
-            return ShmBackend.from_env(**kwargs)
-        return TcpBackend.from_env(**kwargs)
+    launcher = detect_launcher()
+    if launcher is not None:
+        return connect(launcher, **kwargs)
     env_timeout = timeout_from_env()
     if env_timeout is not None:
         kwargs.setdefault("timeout", env_timeout)

@@ -60,6 +60,12 @@ class RendezvousError(DistributedError, ConnectionError):
     """The job could not be set up: a port in use, a rank 0 that never came up, a bad table."""
 
 
+class LauncherError(DistributedError):
+    """The launcher's environment cannot start this rank: variables that disagree (``RANK``
+    vs ``SLURM_PROCID``...), a value that is not a number, or a dependency the launcher needs
+    (mpi4py under mpirun) that is missing. The message names the variables it saw."""
+
+
 __all__ = [
     "AuthenticationError",
     "CollectiveMismatchError",
@@ -67,6 +73,7 @@ __all__ = [
     "DistributedError",
     "InvalidRankError",
     "InvalidWorldSizeError",
+    "LauncherError",
     "PeerAbortedError",
     "PeerClosedError",
     "ProtocolError",

@@ -140,6 +140,13 @@ class MpiBackend(FixedRanks, Backend):
         self._comm.Recv([view, MPI.BYTE], src, mtag)
         return True
 
+    def link_transports(self) -> tuple[str, str]:
+        try:
+            lib = self._MPI.Get_library_version().splitlines()[0].strip()
+        except Exception:  # pragma: no cover - an MPI without the call
+            lib = "MPI"
+        return f"MPI ({lib})", f"MPI ({lib})"
+
     def abort(self, reason: str) -> None:
         """Tell every peer that this rank failed (their receives raise PeerAbortedError)."""
         if self._box.closed:

@@ -62,15 +62,39 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
+def listen(host: str, port: int, rank: int, world_size: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free one) for a rendezvous of
+    ``world_size`` ranks; RendezvousError naming the rank, address and port if it cannot."""
+    lsock = socket.socket(_family(host), socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _tune(lsock)
+    try:
+        lsock.bind((host, port))
+    except OSError as exc:
+        lsock.close()
+        raise RendezvousError(
+            f"rank {rank}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
+    lsock.listen(max(16, world_size))
+    return lsock
+
+
 class Rendezvous:
     """One rank's side of the mesh set-up; :meth:`run` returns ``{peer: connected socket}``."""
 
-    def __init__(self, rank: int, world_size: int, host: str, port: int, key: bytes) -> None:
+    def __init__(self, rank: int, world_size: int, host: str, port: int, key: bytes,
+                 listener: socket.socket | None = None) -> None:
         self.rank, self.world = rank, world_size
         self.host, self.port, self.key = host, port, key
+        #: rank 0's listening socket when the caller bound it already (a launcher that picked a
+        #: free port and told the other ranks, :mod:`.launchers`); taken over and closed here
+        self.listener = listener
 
     def run(self, deadline: float) -> dict[int, socket.socket]:
         socks: dict[int, socket.socket] = {}
+        if self.listener is not None and self.rank != 0:
+            self.listener.close()
+            self.listener = None
         try:
             if self.rank == 0:
                 self._as_root(socks, deadline)
@@ -83,7 +107,7 @@ class Rendezvous:
         return socks
 
     def _as_root(self, socks: dict[int, socket.socket], deadline: float) -> None:
-        lsock = self._listen(self.host, self.port)
+        lsock = self.listener if self.listener is not None else self._listen(self.host, self.port)
         try:
             joined = self._accept(lsock, set(range(1, self.world)), deadline)
         finally:
@@ -124,18 +148,7 @@ class Rendezvous:
             lsock.close()
 
     def _listen(self, host: str, port: int) -> socket.socket:
-        lsock = socket.socket(_family(host), socket.SOCK_STREAM)
-        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        _tune(lsock)
-        try:
-            lsock.bind((host, port))
-        except OSError as exc:
-            lsock.close()
-            raise RendezvousError(
-                f"rank {self.rank}: cannot listen on {host}:{port}: {exc.strerror or exc}"
-            ) from exc
-        lsock.listen(max(16, self.world))
-        return lsock
+        return listen(host, port, self.rank, self.world)
 
     def _connect(self, host: str, port: int, deadline: float, peer: int, listen_port: int
                  ) -> socket.socket:

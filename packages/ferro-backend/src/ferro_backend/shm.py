@@ -191,6 +191,16 @@ class ShmBackend(TcpBackend):
         link.received += nbytes
         return ACK_OK
 
+    def link_transports(self) -> tuple[str, str]:
+        cma = (f"cross-memory copy for point-to-point messages >= {CMA_THRESHOLD >> 10} KiB, "
+               "TCP loopback for smaller ones and control")
+        if self.engine is not None:
+            slot = self.engine.layout["slot_bytes"]
+            within = (f"shared-memory engine (collectives, {slot >> 10} KiB slots) + {cma}")
+        else:
+            within = cma
+        return within, "none (ShmBackend needs every rank on one host)"
+
     def close(self) -> None:
         """Send the acknowledgements still queued, then close like TcpBackend."""
         if not self._box.closed:

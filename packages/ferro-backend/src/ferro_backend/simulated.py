@@ -18,6 +18,7 @@ class SimulatedBackend(FixedRanks, Backend):
     """One rank of an in-process group made by :meth:`create_group`."""
 
     def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float) -> None:
+        self.nodes = ("this process",) * len(mailboxes)
         self._boxes = mailboxes
         self._rank = rank
         self._world = len(mailboxes)
@@ -103,6 +104,9 @@ class SimulatedBackend(FixedRanks, Backend):
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
+
+    def link_transports(self) -> tuple[str, str]:
+        return "in-process (threads, one copy per message)", "none (one process)"
 
     def abort(self, reason: str) -> None:
         for box in self._boxes:

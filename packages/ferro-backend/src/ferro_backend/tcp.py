@@ -10,6 +10,7 @@ This module puts them together behind the :class:`~ferro_backend.Backend` contra
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -50,6 +51,10 @@ class TcpBackend(FixedRanks, Backend):
         protocol magic and version only.
     connect_timeout
         Seconds the rendezvous may take (default: ``timeout``).
+    listener
+        Rank 0 only: a socket already bound and listening, taken over for the rendezvous
+        instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
+        free port it told the other ranks about through the launcher, without a race).
 
     Raises
     ------
@@ -74,7 +79,8 @@ class TcpBackend(FixedRanks, Backend):
 
     def __init__(self, rank: int, world_size: int, master_addr: str, *,
                  timeout: float = DEFAULT_TIMEOUT, token: str | bytes | None = None,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None,
+                 listener: socket.socket | None = None) -> None:
         check_world_size(world_size)
         check_rank(rank, world_size)
         self._rank = rank
@@ -90,8 +96,11 @@ class TcpBackend(FixedRanks, Backend):
         self._state_lock = threading.Lock()
         self._links: dict[int, Link] = {}
         self._readers: list[threading.Thread] = []
+        if world_size == 1 and listener is not None:
+            listener.close()
         if world_size > 1:
-            socks = Rendezvous(rank, world_size, host, port, key).run(time.monotonic() + connect)
+            socks = Rendezvous(rank, world_size, host, port, key, listener).run(
+                time.monotonic() + connect)
             self._links = {peer: Link(rank, peer, sock) for peer, sock in socks.items()}
             for peer, link in self._links.items():
                 t = threading.Thread(target=read_frames, args=(link, self._box, self._on_frame),
@@ -156,6 +165,11 @@ class TcpBackend(FixedRanks, Backend):
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
 
     # ------------------------------------------------------------------ teardown
+    def link_transports(self) -> tuple[str, str]:
+        # Every pair has its own TCP connection; ranks on one node talk over loopback (no
+        # engine-within-node path for multi-node jobs yet: that hierarchical path is planned).
+        return "TCP", "TCP"
+
     def abort(self, reason: str) -> None:
         """Tell every peer that this rank failed, then close. Peers' blocked calls raise
         :class:`PeerAbortedError` naming this rank and ``reason``."""
