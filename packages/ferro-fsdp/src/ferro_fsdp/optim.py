@@ -129,6 +129,7 @@ class SGD(Optimizer):
             raise ValueError("SGD: nesterov needs momentum > 0 and dampening 0")
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                                   "dampening": dampening, "nesterov": nesterov})
+        self._scratch: dict[int, np.ndarray] = {}
 
     def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
         wd, momentum = group["weight_decay"], group["momentum"]
@@ -140,9 +141,17 @@ class SGD(Optimizer):
                 state["momentum_buffer"] = buf
             else:
                 buf *= momentum
-                buf += (1.0 - group["dampening"]) * d
+                if group["dampening"]:
+                    buf += (1.0 - group["dampening"]) * d
+                else:
+                    buf += d  # (1 - 0) * d is d: the same bits without a temporary
             d = d + momentum * buf if group["nesterov"] else buf
-        p.data -= group["lr"] * d
+        # p -= lr * d through a persistent scratch array: no parameter-sized allocation
+        scratch = self._scratch.get(id(p))
+        if scratch is None or scratch.shape != d.shape or scratch.dtype != p.data.dtype:
+            scratch = self._scratch[id(p)] = np.empty(d.shape, p.data.dtype)
+        np.multiply(d, group["lr"], out=scratch)
+        p.data -= scratch
 
 
 class Adam(Optimizer):

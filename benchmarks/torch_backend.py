@@ -1,0 +1,157 @@
+"""torch's own DDP and FSDP2 (``fully_shard``) training steps/s over the backend "ferro" vs
+"gloo", measured in the same run by the same 2 processes.
+
+    python benchmarks/torch_backend.py [--repeats 3] [--world 2]
+
+Each rank: one BLAS thread (torch.set_num_threads(1), OMP_NUM_THREADS=1), float32 MLPs
+64-128-10 (9.6 k params), 784-1024-1024-10 (1.9 M) and 1024-2048-2048-1024-10 (8.4 M), batch
+128 per rank, cross-entropy, SGD with momentum. For every (model, wrapper) the two backends
+alternate, ``--repeats`` times each: a fresh model, 2 warm-up steps, then K timed steps; a
+measurement is the slowest rank's steps/s. Prints a markdown table: median steps/s and the
+spread (min-max) over the repeats, and the ratio of the medians.
+Needs ferro-torch (and so torch, ferro-collective, ferro-backend) installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = {
+    "9.6k": (64, 128, 10),
+    "1.9M": (784, 1024, 1024, 10),
+    "8.4M": (1024, 2048, 2048, 1024, 10),
+}
+#: timed steps per measurement (about a second each on one core)
+STEPS = {"9.6k": 200, "1.9M": 12, "8.4M": 4}
+BATCH = 128
+ENV_ROLE = "FERRO_TORCH_BENCH_RANK"
+
+
+def mlp(sizes, torch):
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def measure(wrapper: str, sizes, group, steps: int, torch, dist) -> float:
+    """Steps/s of one fresh model on ``group`` (the slowest rank's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = mlp(sizes, torch)
+    if wrapper == "DDP":
+        model = DDP(model, process_group=group)
+    else:
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(BATCH, sizes[0], generator=g)
+    y = torch.randint(0, sizes[-1], (BATCH,), generator=g)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier(group=group)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, dist.ReduceOp.MAX, group=group)
+    return steps / elapsed.item()
+
+
+def rank_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import ferro_torch
+
+    dist.init_process_group("ferro")
+    groups = {"ferro": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    transport = type(ferro_torch.ferro_backend()).__name__
+    rows = []
+    for size in args.sizes:
+        sizes = SIZES[size]
+        params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+        for wrapper in args.wrappers:
+            got: dict[str, list[float]] = {"ferro": [], "gloo": []}
+            for rep in range(args.repeats):
+                order = ("ferro", "gloo") if rep % 2 == 0 else ("gloo", "ferro")
+                for name in order:
+                    got[name].append(measure(wrapper, sizes, groups[name],
+                                             max(2, int(STEPS[size] * args.scale)), torch, dist))
+            rows.append((size, params, wrapper, got))
+            if dist.get_rank() == 0:
+                print(f"  {wrapper} {size}: ferro {got['ferro']}, gloo {got['gloo']}",
+                      file=sys.stderr, flush=True)
+    if dist.get_rank() == 0:
+        cpu = platform.processor() or platform.machine()
+        print(f"\n{args.world} ranks on {os.cpu_count()} cores ({cpu}), "
+              f"1 thread per rank, torch {torch.__version__}, ferro transport {transport}, "
+              f"batch {BATCH}/rank, float32, SGD momentum; median steps/s over {args.repeats} "
+              f"repeats (min-max)\n")
+        print("| model | params | wrapper | ferro steps/s | gloo steps/s | ferro / gloo |")
+        print("|---|---:|---|---:|---:|---:|")
+        for size, params, wrapper, got in rows:
+            f, g = (statistics.median(got[k]) for k in ("ferro", "gloo"))
+            cells = [f"{statistics.median(got[k]):.1f} ({min(got[k]):.1f}-{max(got[k]):.1f})"
+                     for k in ("ferro", "gloo")]
+            print(f"| {'-'.join(map(str, SIZES[size]))} | {params:,} | {wrapper} | {cells[0]} | "
+                  f"{cells[1]} | {f / g:.2f}x |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--wrappers", nargs="+", default=["DDP", "FSDP2"], choices=["DDP", "FSDP2"])
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the timed steps")
+    args = p.parse_args()
+    if ENV_ROLE in os.environ:
+        rank_main(args)
+        return 0
+    from ferro_backend.testing import free_port
+
+    port = free_port()
+    procs = []
+    for r in range(args.world):
+        env = {**os.environ, ENV_ROLE: str(r), "RANK": str(r), "LOCAL_RANK": str(r),
+               "WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "FERRO_TOKEN": os.environ.get("FERRO_TOKEN", "bench"),
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
+    codes = []
+    try:
+        codes = [proc.wait(timeout=1800) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return max(codes, default=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

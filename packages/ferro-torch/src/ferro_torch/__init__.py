@@ -1,0 +1,45 @@
+"""ferro-torch: the torch.distributed backend "ferro" (CPU tensors over ferro's transports).
+
+``import ferro_torch`` registers it; then ``torch.distributed.init_process_group("ferro")``
+under ferrorun or torchrun runs torch's collectives, DDP and FSDP2 on ferro.
+"""
+
+from importlib.metadata import version as _version
+
+import torch.distributed as _dist
+
+from .errors import FerroTorchError
+from .process_group import ProcessGroupFerro, create_process_group
+
+__version__ = _version("ferro-torch")
+
+#: the name the backend is registered under
+BACKEND_NAME = "ferro"
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() in _dist.Backend._plugins:  # imported again (e.g. reloaded)
+        return
+    _dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
+                                   devices=["cpu"])
+
+
+def ferro_backend(group=None):
+    """The ferro transport (a :class:`ferro_backend.Backend`) under ``group`` (default: the
+    default group), to run ferro's own collectives next to torch's on the same ranks.
+    TypeError if the group is not a ferro group."""
+    pg = _dist.group.WORLD if group is None else group
+    if not isinstance(pg, ProcessGroupFerro):
+        raise TypeError(f"ferro_backend: {pg!r} is not a 'ferro' process group")
+    return pg.ferro_backend
+
+
+_register()
+
+__all__ = [
+    "BACKEND_NAME",
+    "FerroTorchError",
+    "ProcessGroupFerro",
+    "create_process_group",
+    "ferro_backend",
+]

@@ -1,0 +1,203 @@
+"""Works (torch's handle of a running operation) and the ordered runner behind them.
+
+Each process group runs its collectives one at a time in the order they were issued, which is
+the order every rank issues them in (torch's rule), so every rank's ferro calls line up. A
+call issued with ``async_op=False`` while nothing of its group is pending runs at once in the
+caller's thread; anything else goes to the group's worker thread, so DDP's gradient
+allreduces run while autograd computes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import FerroTorchError, as_torch_error
+
+
+def seconds(timeout: Any) -> float | None:
+    """A torch timeout (timedelta, seconds or None) in seconds; None for "none given"
+    (torch's unset timeouts are zero or negative)."""
+    if timeout is None:
+        return None
+    secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return secs if secs > 0 else None
+
+
+class FerroWork(dist.Work):
+    """One operation of a ferro process group: ``wait()``, ``is_completed()``,
+    ``get_future()`` (its value: the operation's output tensors), ``exception()``."""
+
+    def __init__(self, name: str, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._name = name
+        self._outputs = outputs
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future | None = None
+
+    # -- completion (the runner's side) ----------------------------------------------------
+    def _finish(self, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._exc = exc
+            self._done.set()
+            fut = self._future
+        if fut is not None:
+            self._complete(fut)
+
+    def _complete(self, fut: torch.futures.Future) -> None:
+        if self._exc is not None:
+            fut.set_exception(self._exc)
+        else:
+            fut.set_result(self._outputs)
+
+    # -- torch's side ---------------------------------------------------------------------
+    def wait(self, timeout: Any = None) -> bool:
+        secs = seconds(timeout)
+        if not self._done.wait(secs):
+            raise FerroTorchError(f"ferro {self._name}: not complete after {secs:g}s")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                done = self._done.is_set()
+            else:
+                return self._future
+        if done:
+            self._complete(self._future)
+        return self._future
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_completed() else "pending"
+        return f"<FerroWork {self._name} {state}>"
+
+
+class RequestWork(FerroWork):
+    """A point-to-point receive: completes when ferro's ``Request`` does (then ``after()``,
+    which copies a staged receive into a non-contiguous tensor)."""
+
+    def __init__(self, name: str, outputs: list[torch.Tensor], request, timeout: float,
+                 after: Callable[[], None] | None = None) -> None:
+        super().__init__(name, outputs)
+        self._request = request
+        self._timeout = timeout
+        self._after = after
+        self._wait_lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+
+    def _settle(self, secs: float | None) -> None:
+        with self._wait_lock:
+            if self._done.is_set():
+                return
+            try:
+                self._request.wait(self._timeout if secs is None else secs)
+                if self._after is not None:
+                    self._after()
+            except BaseException as exc:
+                self._finish(as_torch_error(exc, self._name))
+            else:
+                self._finish()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._settle(seconds(timeout))
+        return super().wait()
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._request.is_completed():
+            self._settle(None)
+        return self._done.is_set()
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            start = self._waiter is None and not self._done.is_set()
+            if start:
+                self._waiter = threading.Thread(target=self._settle, args=(None,), daemon=True,
+                                                name=f"ferro-torch-{self._name}")
+        if start:
+            self._waiter.start()
+        return super().get_future()
+
+
+class Runner:
+    """Runs one process group's operations one at a time, in issue order."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()  # guards _pending, the queue and the thread
+        self._running = threading.Lock()  # held while an operation runs
+        self._pending = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: FerroWork, fn: Callable[[], None], inline: bool) -> FerroWork:
+        with self._lock:
+            self._pending += 1
+            inline = inline and self._pending == 1
+            if inline:
+                self._running.acquire()  # free: nothing of this group is pending
+            else:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                    name=f"ferro-torch-{self._name}")
+                    self._thread.start()
+                self._queue.put((work, fn))
+        if inline:
+            try:
+                self._execute(work, fn)
+            finally:
+                self._running.release()
+                with self._lock:
+                    self._pending -= 1
+        return work
+
+    @staticmethod
+    def _execute(work: FerroWork, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            work._finish(as_torch_error(exc, f"ferro {work._name}"))
+        else:
+            work._finish()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            with self._running:
+                self._execute(*item)
+            with self._lock:
+                self._pending -= 1
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread = None
+
+
+__all__ = ["FerroWork", "RequestWork", "Runner", "seconds"]

@@ -1,0 +1,37 @@
+"""How ferro's failures reach torch: one error class, a torch ``DistBackendError``."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ferro_backend import DistributedError
+
+
+class FerroTorchError(dist.DistBackendError):
+    """A ferro collective or message failed under torch.distributed.
+
+    A subclass of ``torch.distributed.DistBackendError`` (so of ``DistError`` and
+    ``RuntimeError``) carrying ferro's message; the ferro exception (a dead peer's
+    ``PeerClosedError``, ``CollectiveMismatchError``, ``CollectiveTimeoutError``,
+    ``AuthenticationError``...) is its ``__cause__`` and :attr:`ferro_error`.
+    """
+
+    def __init__(self, message: str, ferro_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.ferro_error = ferro_error
+
+
+def as_torch_error(exc: BaseException, where: str) -> BaseException:
+    """``exc`` as torch should see it: ferro's errors (and lost connections) become
+    :class:`FerroTorchError` naming ``where``; argument errors (TypeError, ValueError that are
+    not ferro's) and FerroTorchError itself are returned as they are."""
+    if isinstance(exc, FerroTorchError):
+        return exc
+    if isinstance(exc, DistributedError | ConnectionError | TimeoutError):
+        err = FerroTorchError(f"{where}: {type(exc).__name__}: {exc}", exc)
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+__all__ = ["FerroTorchError", "as_torch_error"]
