@@ -225,6 +225,10 @@ class EngineGroup:
         """``rank``'s slot data of ``step``: its first ``nbytes`` as ``dtype``."""
         return self._data[rank][step & 1][:nbytes].view(dtype)
 
+    def slot_bytes_of(self, rank: int, step: int, nbytes: int) -> bytes:
+        """A copy of the first ``nbytes`` of ``rank``'s slot data of ``step``."""
+        return self._data[rank][step & 1][:nbytes].tobytes()
+
     def slot_for_writing(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
         """This rank's slot data for the next step (to fill before :meth:`exchange`)."""
         return self.data(self.me, self.step + 1, nbytes, dtype)

@@ -12,11 +12,14 @@ Algorithms:
   chunks are skipped by both sides.
 - all_to_all: pairwise exchange: every receive is posted first (straight into the result), then
   at step ``s = 1..n-1`` rank ``r`` sends to ``r + s`` and waits for ``r - s`` (mod n), so each
-  step is a permutation and no rank is sent to by many at once.
+  step is a permutation and no rank is sent to by many at once. On a ``ShmBackend`` the
+  all-to-alls run on the same-host engine instead (:func:`.fastpath.get_pieces`): small data
+  rides in the metadata step, large pieces are read straight from their senders' memory.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +27,9 @@ import numpy as np
 from ferro_backend import Backend, SizeMismatchError
 
 from . import algorithms as alg
+from . import fastpath
 from .call import as_array, check_out, choose
+from .engine_group import EngineGroup, Step
 from .metadata import MetaCall, guard, pack_ints, unpack_ints
 from .work import Work
 
@@ -36,7 +41,7 @@ def _check_backend(name: str, backend) -> None:
 
 
 def _row_bytes(dtype: np.dtype, trailing: tuple[int, ...]) -> int:
-    return int(np.prod(trailing, dtype=np.int64)) * dtype.itemsize
+    return math.prod(trailing) * dtype.itemsize
 
 
 def _views(buf: np.ndarray, rows: Sequence[int], dtype: np.dtype, trailing: tuple[int, ...],
@@ -171,19 +176,34 @@ def _all_to_all(tensors, backend: Backend, timeout, algorithm=None) -> MetaCall:
                         lambda ctx, metas: None, invalid)
     dtype, zero_d, trailing = xs[0].dtype, xs[0].ndim == 0, xs[0].shape[1:]
     send_rows = [1 if zero_d else t.shape[0] for t in xs]
+    rb = _row_bytes(dtype, trailing)
+    sends = [np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in xs]
+
+    def plan(me: int, metas: list[bytes]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        rows = [unpack_ints(m, 1, 8 * me)[0] for m in metas]
+        buf = np.empty(sum(rows) * rb, np.uint8)
+        result = _views(buf, rows, dtype, trailing, zero_d)
+        return result, [r.reshape(-1).view(np.uint8) for r in result]
 
     def body(ctx: alg.Ctx, metas: list[bytes]) -> list[np.ndarray]:
-        me = ctx.rank
-        rows = [unpack_ints(m, 1, 8 * me)[0] for m in metas]
-        buf = np.empty(sum(rows) * _row_bytes(dtype, trailing), np.uint8)
-        result = _views(buf, rows, dtype, trailing, zero_d)
-        recvs = [r.reshape(-1).view(np.uint8) for r in result]
-        sends = [np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in xs]
+        result, recvs = plan(ctx.rank, metas)
         all_to_all_pairwise(ctx, sends, recvs)
         return result
 
+    def put(group: EngineGroup, payload: np.ndarray) -> None:
+        fastpath.put_pieces(group, payload, sends)
+
+    def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
+            messages) -> list[np.ndarray]:
+        result, recvs = plan(group.me, metas)
+        sizes = [[k * rb for k in unpack_ints(m, group.n)] for m in metas]
+        if not fastpath.get_pieces(group, call, step, off, sizes, recvs, sends[group.me]):
+            return messages()
+        return result
+
     header = (dtype, () if zero_d else (-1, *trailing), None, -1)
-    return MetaCall("all_to_all", backend, timeout, header, pack_ints(send_rows), body)
+    return MetaCall("all_to_all", backend, timeout, header, pack_ints(send_rows), body,
+                    fast=(put, run), algorithm=algorithm)
 
 
 def all_to_all(tensors: Sequence, backend: Backend, *,
@@ -258,9 +278,16 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
                         lambda ctx, metas: None, invalid)
     x, send, recv = prepared
     trailing = x.shape[1:]
+    rb = _row_bytes(x.dtype, trailing)
+    flat_in = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    sviews, s0 = [], 0
+    for k in send:
+        sviews.append(flat_in[s0:s0 + k * rb])
+        s0 += k * rb
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
-        me = ctx.rank
+    def plan(me: int, metas: list[bytes]):
+        """The result array, its pieces by source rank, this rank's late ``out`` error (or the
+        split error every rank raises alike), and every rank's send splits."""
         sends = [unpack_ints(m, n) for m in metas]
         for d, m in enumerate(metas):  # every rank checks every pair: the same error everywhere
             declared = unpack_ints(m, n, 8 * n)
@@ -281,16 +308,14 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
             _, late = guard(lambda: check_out(name, out, shape, x.dtype))
         if res is None or late is not None or np.may_share_memory(res, x):
             res = np.empty(shape, x.dtype)
-        rb = _row_bytes(x.dtype, trailing)
-        flat_in = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
         flat_out = res.reshape(-1).view(np.uint8)
-        sviews, rviews, s0, r0 = [], [], 0, 0
+        rviews, r0 = [], 0
         for r in range(n):
-            sviews.append(flat_in[s0:s0 + send[r] * rb])
             rviews.append(flat_out[r0:r0 + rows[r] * rb])
-            s0 += send[r] * rb
             r0 += rows[r] * rb
-        all_to_all_pairwise(ctx, sviews, rviews)
+        return res, rviews, late, sends
+
+    def finish(res: np.ndarray, late: BaseException | None) -> np.ndarray:
         if late is not None:
             raise late
         if out is not None and res is not out:
@@ -298,8 +323,25 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
             return out
         return res
 
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
+        res, rviews, late, _ = plan(ctx.rank, metas)
+        all_to_all_pairwise(ctx, sviews, rviews)
+        return finish(res, late)
+
+    def put(group: EngineGroup, payload: np.ndarray) -> None:
+        fastpath.put_pieces(group, payload, sviews, flat_in)
+
+    def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
+            messages) -> np.ndarray:
+        res, rviews, late, sends = plan(group.me, metas)
+        sizes = [[k * rb for k in row] for row in sends]
+        if not fastpath.get_pieces(group, call, step, off, sizes, rviews, sviews[group.me]):
+            return messages()
+        return finish(res, late)
+
     header = (x.dtype, (-1, *trailing), None, -1)
-    return MetaCall(name, backend, timeout, header, pack_ints(send + recv), body)
+    return MetaCall(name, backend, timeout, header, pack_ints(send + recv), body,
+                    fast=(put, run), algorithm=algorithm)
 
 
 def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,

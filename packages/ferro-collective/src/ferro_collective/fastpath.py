@@ -16,6 +16,13 @@ everyone, so the header check costs no extra round. Then:
   alive until nobody reads it any more;
 - **large**, without cross-memory reads: the data goes through the slots in slot-sized pieces.
 
+scatter and the all-to-alls start with a metadata step (:class:`~.metadata.MetaCall`: the
+sizes are not known to every rank in advance); each rank's data rides in that same step, after
+the metadata, when it is small, or else the step carries the addresses its peers read it from,
+and a last step keeps those buffers alive until every peer has read its piece
+(:func:`placement` says which, from sizes every rank knows after the step). Without
+cross-memory reads, data too large for a slot goes over point-to-point messages.
+
 Reductions fold in rank order, exactly as the star algorithm does, so results are the same bits
 on every rank and equal to ``algorithm="star"``'s. Calls on one backend run one at a time in the
 order they were issued (the same order on every rank, as the collectives require); async calls
@@ -135,6 +142,80 @@ def barrier(g: EngineGroup, call: Step, header: bytes) -> None:
     g.exchange(call, header)
 
 
+# ----------------------------------------------------------------------------- one data step
+#: where a rank's data goes in scatter and the all-to-alls (:func:`placement`)
+SLOT, DIRECT, MESSAGES = 0, 1, 2
+_ADDR = np.dtype("<u8")
+
+
+def placement(g: EngineGroup, nbytes: int, room: int) -> int:
+    """How a rank's ``nbytes`` of data reach its peers when ``room`` bytes of its slot are free
+    after the metadata: ``SLOT`` (in the metadata step), ``DIRECT`` (its peers read its memory;
+    the slot holds the addresses) or ``MESSAGES`` (point-to-point). Every rank computes the same
+    answer for every rank: the sizes are in the metadata, ``cma_ok`` is the group's."""
+    if nbytes <= room and not (g.cma_ok and nbytes >= DIRECT_COPY_BYTES):
+        return SLOT
+    if g.cma_ok and room >= _ADDR.itemsize * g.n:
+        return DIRECT
+    return MESSAGES
+
+
+def put_pieces(g: EngineGroup, payload: np.ndarray, pieces: list[np.ndarray],
+               flat: np.ndarray | None = None) -> None:
+    """Before the metadata step: this rank's ``pieces`` (1-d bytes, one per destination rank,
+    or for scatter one per rank; ``flat``: the same bytes as one array, when they are) into
+    ``payload`` back to back, or their addresses, as :func:`placement` says."""
+    nbytes = sum(p.size for p in pieces) if flat is None else flat.size
+    where = placement(g, nbytes, payload.size)
+    if where == SLOT:
+        if flat is not None:
+            payload[:nbytes] = flat
+        else:
+            pos = 0
+            for p in pieces:
+                payload[pos:pos + p.size] = p
+                pos += p.size
+        g.seg.sent += nbytes
+    elif where == DIRECT:
+        payload[:len(pieces) * _ADDR.itemsize].view(_ADDR)[:] = [p.ctypes.data for p in pieces]
+
+
+def get_pieces(g: EngineGroup, call: Step, step: int, off: int,
+               sizes: list[list[int]], recvs: list[np.ndarray | None],
+               own: np.ndarray | None, own_last: bool = False) -> bool:
+    """After the metadata step: ``recvs[r]`` (1-d bytes; None: nothing for this rank) =
+    piece ``me`` of rank ``r``, where ``sizes[r]`` are the byte sizes of the pieces rank ``r``
+    put (:func:`put_pieces`) and ``own`` this rank's own piece (copied last when ``own_last``:
+    its destination may overlap what the peers read). False (nothing done) when some rank's
+    data must go over messages (the same answer on every rank); else True, after a last step
+    that keeps every buffer alive until nobody reads it when some were read directly."""
+    n, me = g.n, g.me
+    room = g.slot_bytes - off
+    where = [placement(g, sum(sz), room) for sz in sizes]
+    if MESSAGES in where:
+        return False
+    mine = recvs[me] if own is not None and recvs[me] is not None and recvs[me].size else None
+    if mine is not None and not own_last:
+        mine[...] = own
+    for i in range(1, n):  # rank me+1 first: the ranks read different peers at once
+        r = (me + i) % n
+        dst = recvs[r]
+        if dst is None or not dst.size:
+            continue
+        if where[r] == SLOT:
+            start = off + sum(sizes[r][:me])
+            dst[...] = g.data(r, step, start + dst.size, np.dtype(np.uint8))[start:]
+        else:
+            at = off + me * _ADDR.itemsize
+            addr = int(g.data(r, step, at + _ADDR.itemsize, np.dtype(np.uint8))[at:].view(_ADDR)[0])
+            g.read(r, addr, dst)
+    if DIRECT in where:
+        g.sync(call)  # nobody reads our buffers any more
+    if mine is not None and own_last:
+        mine[...] = own
+    return True
+
+
 # ----------------------------------------------------------------------------- folding
 def _fold_through_slots(g: EngineGroup, call: Step, header: bytes, x: np.ndarray,
                         out: np.ndarray, wd: np.dtype, op: ReduceOp, mean: int | None,
@@ -200,4 +281,5 @@ def _fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean: int | N
     _reduce.fold(out, inputs, OPS[op].kernel, float(mean or 0))
 
 
-__all__ = ["all_gather", "allreduce", "barrier", "broadcast", "reduce_scatter"]
+__all__ = ["DIRECT", "MESSAGES", "SLOT", "all_gather", "allreduce", "barrier", "broadcast",
+           "get_pieces", "placement", "put_pieces", "reduce_scatter"]

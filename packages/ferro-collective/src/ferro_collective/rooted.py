@@ -15,8 +15,8 @@ tree):
 
 ``auto`` picks by message size (:func:`.call.choose`). Over a ``ShmBackend`` reduce and gather
 run on the same-host engine (:mod:`.fastpath`: the rank-order fold of ``algorithm="star"``, read
-straight from the peers' memory when large); scatter goes over point-to-point messages, in issue
-order with the engine's calls.
+straight from the peers' memory when large), and so does scatter (the root's blocks ride in its
+metadata step when small; else every rank reads its block from the root's memory).
 """
 
 from __future__ import annotations
@@ -372,7 +372,11 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
         if prepared is not None:
             x, meta = prepared
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
+    data = np.ascontiguousarray(x).reshape(-1).view(np.uint8) if x is not None else None
+
+    def plan(metas: list[bytes]) -> tuple[np.ndarray, np.ndarray, BaseException | None]:
+        """The result array, its bytes, and this rank's late ``out`` error (or the error every
+        rank raises alike, from the root's shape)."""
         dtype, full = unpack_desc(metas[root])
         if len(full) == 0:
             raise SizeMismatchError(f"scatter: root {root}'s tensor is 0-d; it cannot be split "
@@ -386,8 +390,10 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
             _, late = guard(lambda: check_out("scatter", out, shape, dtype))
         if res is None or late is not None:
             res = np.empty(shape, dtype)
-        mine = res.reshape(-1).view(np.uint8)
-        data = np.ascontiguousarray(x).reshape(-1).view(np.uint8) if me == root else None
+        return res, res.reshape(-1).view(np.uint8), late
+
+    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
+        res, mine, late = plan(metas)
         if n == 1 or not mine.size:
             if me == root:
                 mine[...] = data[:mine.size]
@@ -398,7 +404,30 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
             raise late
         return res
 
-    return MetaCall("scatter", backend, timeout, (None, (), None, root), meta, body, invalid)
+    def put(group: EngineGroup, payload: np.ndarray) -> None:
+        if me == root:
+            size = data.size // n
+            fastpath.put_pieces(group, payload, [data[r * size:(r + 1) * size]
+                                                 for r in range(n)], data)
+
+    def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
+            messages) -> np.ndarray:
+        """scatter on the same-host engine: the root's blocks ride in the metadata step when
+        small, else every rank reads its block straight from the root's memory."""
+        res, mine, late = plan(metas)
+        sizes = [[mine.size] * n if r == root else [] for r in range(n)]
+        recvs = [mine if r == root else None for r in range(n)]
+        own = data[me * mine.size:(me + 1) * mine.size] if me == root else None
+        if not fastpath.get_pieces(group, call, step, off, sizes, recvs, own,
+                                   own_last=out is not None and own is not None
+                                   and np.may_share_memory(res, data)):
+            return messages()
+        if late is not None:
+            raise late
+        return res
+
+    return MetaCall("scatter", backend, timeout, (None, (), None, root), meta, body, invalid,
+                    (put, run), algorithm)
 
 
 def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
