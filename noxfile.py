@@ -6,6 +6,7 @@ wheels, lower layers first, so what is tested is what users get.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -43,6 +44,11 @@ _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the s
 def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
     """The wheels of ``dists`` from this run's wheelhouse, built (once per nox run, from the
     working tree) where missing: every session installs the same wheels, each in its own venv."""
+    if os.environ.get("FERRO_REUSE_WHEELHOUSE") == "1":  # tools/parallel_tests.py built them
+        for d in dists:
+            found = sorted(WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl"))
+            if d not in _built and len(found) == 1:
+                _built[d] = found[0]
     todo = [d for d in dists if d not in _built]
     if todo:
         WHEELHOUSE.mkdir(parents=True, exist_ok=True)
@@ -107,11 +113,24 @@ def tests(session: nox.Session, package: str) -> None:
         *session.posargs,
         env={"FERRO_INSTALLED_LAYERS": ",".join(expected)},
     )
+    if package == "ferro-torch":  # init_from_env under a real torchrun needs torch: here it is
+        session.run("python", "-m", "pytest",
+                    str(PACKAGES_DIR / "ferro-backend" / "tests" / "test_launchers.py"),
+                    "-p", "no:cacheprovider", "-k", "under_torchrun", "-rs",
+                    env={"FERRO_INSTALLED_LAYERS": ",".join(expected)})
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every distribution's wheel into .nox/wheelhouse (what ``./dev tests`` does once
+    before running the tests(...) sessions in parallel lanes on those wheels)."""
+    for path in _wheel(session, list(PACKAGES)):
+        session.log(f"built {path.name}")
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build wheels and sdists for all four distributions into dist/, and check each wheel."""
+    """Build wheels and sdists for all five distributions into dist/, and check each wheel."""
     session.install("build")
     out = ROOT / "dist"
     for dist in PACKAGES:

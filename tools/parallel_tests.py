@@ -1,0 +1,92 @@
+"""``./dev tests``: every ``tests(...)`` nox session, in parallel lanes, on wheels built once.
+
+The sessions are independent (each installs its own wheels in its own venv) and spend most of
+their time waiting on the processes their tests start, so two lanes on a 2-core machine finish
+in about half the serial time. Lanes are balanced by measured session times (the longest first);
+each lane runs its sessions one after the other. Every session's output goes to
+``.nox/<session>.log`` and is printed, whole, when the session ends; the exit status is non-zero
+if any session failed.
+
+    python tools/parallel_tests.py NOX [--lanes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: seconds each session took on a 2-core machine (CI, serial): only used to balance the lanes
+COST = {"examples": 120, "backend": 110, "torch": 100, "collective": 75, "checkpoint": 35,
+        "fsdp": 25}
+
+
+def lanes_for(sessions: list[str], n: int) -> list[list[str]]:
+    """Longest session first into the lane that ends soonest."""
+    lanes: list[list[str]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for s in sorted(sessions, key=lambda s: -COST.get(s, 60)):
+        k = load.index(min(load))
+        lanes[k].append(s)
+        load[k] += COST.get(s, 60)
+    return [lane for lane in lanes if lane]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("nox")
+    ap.add_argument("--lanes", type=int, default=int(os.environ.get("FERRO_TEST_LANES", "2")))
+    args = ap.parse_args()
+    start = time.monotonic()
+    listed = subprocess.run([args.nox, "-l", "-s", "tests"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    sessions = [line.split("tests(", 1)[1].split(")", 1)[0] for line in listed.splitlines()
+                if line.startswith("* tests(")]
+    if not sessions:
+        print(listed, file=sys.stderr)
+        raise SystemExit("parallel_tests: nox lists no tests(...) sessions")
+    # every wheel once, before the lanes start (the lanes reuse them)
+    subprocess.run([args.nox, "-s", "wheels"], cwd=ROOT, check=True)
+    env = {**os.environ, "FERRO_REUSE_WHEELHOUSE": "1"}
+    logs = ROOT / ".nox"
+    failed: list[str] = []
+    lock = threading.Lock()
+
+    def run_lane(lane: list[str]) -> None:
+        for name in lane:
+            log = logs / f"tests-{name}.log"
+            t0 = time.monotonic()
+            with open(log, "w") as out:
+                rc = subprocess.run([args.nox, "-s", f"tests({name})"], cwd=ROOT, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT).returncode
+            took = time.monotonic() - t0
+            with lock:
+                sys.stdout.write(log.read_text())
+                verdict = "passed" if rc == 0 else f"FAILED (exit {rc})"
+                print(f"==== tests({name}) {verdict} in {took:.0f} s ====", flush=True)
+                if rc:
+                    failed.append(name)
+
+    lanes = lanes_for(sessions, max(1, args.lanes))
+    print(f"parallel_tests: {len(sessions)} sessions in {len(lanes)} lanes: {lanes}", flush=True)
+    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = time.monotonic() - start
+    if failed:
+        print(f"parallel_tests: FAILED: {', '.join(f'tests({n})' for n in failed)} "
+              f"({total:.0f} s)", flush=True)
+        return 1
+    print(f"parallel_tests: all {len(sessions)} sessions passed in {total:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
