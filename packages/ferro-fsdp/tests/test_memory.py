@@ -106,12 +106,9 @@ def test_full_shard_one_unit_per_layer_holds_at_most_two_layers():
     barrier = threading.Barrier(2)
     peaks = {}
 
-    def body(b, wrap):
-        f = FSDP(_model(), b, "full_shard", wrap=wrap)
-        _step(f, x, y, nn.MSELoss())  # records the execution order
-        f._pool = BufferPool()        # start from an empty pool: every byte counts
-        for u in f._units:
-            u.result = None
+    def traced(b, key, fn):
+        """``fn()`` on every rank at once; ``peaks[key]``: the bytes all ranks allocated at
+        the peak of it (tracemalloc counts the whole process: every rank's thread)."""
         barrier.wait(timeout=30)
         if b.rank == 0:
             gc.collect()
@@ -119,12 +116,20 @@ def test_full_shard_one_unit_per_layer_holds_at_most_two_layers():
             tracemalloc.reset_peak()
             peaks["start"] = tracemalloc.get_traced_memory()[0]
         barrier.wait(timeout=30)
-        f(x)
+        fn()
         barrier.wait(timeout=30)
         if b.rank == 0:
-            peaks[wrap] = tracemalloc.get_traced_memory()[1] - peaks["start"]
+            peaks[key] = tracemalloc.get_traced_memory()[1] - peaks["start"]
             tracemalloc.stop()
         barrier.wait(timeout=30)
+
+    def body(b, wrap):
+        f = FSDP(_model(), b, "full_shard", wrap=wrap)
+        _step(f, x, y, nn.MSELoss())  # records the execution order
+        f._pool = BufferPool()        # start from an empty pool: every byte counts
+        for u in f._units:
+            u.result = None
+        traced(b, wrap, lambda: f(x))
 
     def bare_gather(b):  # what the transport itself allocates for one unit's all-gather
         from ferro_collective import all_gather
@@ -132,19 +137,7 @@ def test_full_shard_one_unit_per_layer_holds_at_most_two_layers():
         shard = np.ones(LAYER_BYTES // 4 // 2, np.float32)
         out = np.empty(2 * shard.size, np.float32)
         all_gather(shard, b, out=out)  # warm
-        barrier.wait(timeout=30)
-        if b.rank == 0:
-            gc.collect()
-            tracemalloc.start()
-            tracemalloc.reset_peak()
-            peaks["start"] = tracemalloc.get_traced_memory()[0]
-        barrier.wait(timeout=30)
-        all_gather(shard, b, out=out)
-        barrier.wait(timeout=30)
-        if b.rank == 0:
-            peaks["transport"] = tracemalloc.get_traced_memory()[1] - peaks["start"]
-            tracemalloc.stop()
-        barrier.wait(timeout=30)
+        traced(b, "transport", lambda: all_gather(shard, b, out=out))
 
     run(bare_gather, 2)
     run(lambda b: body(b, nn.Linear), 2)

@@ -210,10 +210,15 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def _coalesced(self, name: str, one: Callable, outputs, inputs, opts):
+        """One op per (output, input) pair, in order on this group's worker; the last Work
+        completes after all of them."""
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self._run(name, [], opts, lambda: None)
+
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = AllgatherOptions() if opts is None else opts
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._run("allgather", [], opts, lambda: None)
+        return self._coalesced("allgather", self.all_gather_single, outputs, inputs, opts)
 
     # -- reduce_scatter -----------------------------------------------------------------------
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -263,8 +268,8 @@ class ProcessGroupFerro(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = ReduceScatterOptions() if opts is None else opts
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._run("reduce_scatter", [], opts, lambda: None)
+        return self._coalesced("reduce_scatter", self.reduce_scatter_single, outputs, inputs,
+                               opts)
 
     # -- all_to_all ---------------------------------------------------------------------------
     def alltoall(self, output_tensors, input_tensors, opts=None):
