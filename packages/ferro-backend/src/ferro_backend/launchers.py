@@ -21,9 +21,11 @@ are set wins; every other launcher's variables that are present must agree with 
 No launcher variables: ``None``, and ``init_from_env`` runs the script as one rank.
 
 :func:`connect` then builds the fastest transport the topology allows: every rank on one host ->
-:class:`ShmBackend` (the same-host engine), ranks on several hosts -> :class:`TcpBackend` (a
-hierarchical path, the engine inside each node and TCP between nodes, does not exist yet);
-``FERRO_TRANSPORT=tcp|shm|mpi`` overrides. Hosts are compared by host name, exchanged at the
+:class:`ShmBackend` (the same-host engine), ranks on several hosts -> :class:`TcpBackend` with a
+:class:`~ferro_backend.hierarchy.Hierarchy` (each node maps its own engine segment and
+ferro-collective's allreduce, broadcast, all_gather, reduce_scatter and barrier run
+hierarchically: the engine inside each node, TCP between nodes; ``FERRO_HIERARCHY=0`` turns
+it off); ``FERRO_TRANSPORT=tcp|shm|mpi`` overrides. Hosts are compared by host name, exchanged at the
 rendezvous, together with the launcher's node id where it has one (``GROUP_RANK``,
 ``SLURM_NODEID``) or ``FERRO_NODE_ID``, which tests use to make two "nodes" on one machine.
 """
@@ -43,6 +45,7 @@ from typing import Any
 from ._platform import SAME_HOST_ENGINE
 from .base import DEFAULT_TIMEOUT, Backend, timeout_from_env
 from .errors import LauncherError, RendezvousError
+from .hierarchy import attach_hierarchy
 from .rendezvous import listen
 from .shm import ShmBackend
 from .tcp import TcpBackend
@@ -408,6 +411,12 @@ def connect(launcher: Launcher, environ: Mapping[str, str] | None = None,
         backend = _via_mpi(launcher, transport, env, kwargs)
     else:
         backend = _via_slurm(launcher, transport, env, kwargs)
+    if transport is None and isinstance(backend, TcpBackend) and backend.world_size > 1 \
+            and env.get("FERRO_HIERARCHY", "1") != "0":
+        # several nodes: the engine inside each node, the mesh between them
+        if backend.nodes is None:
+            backend.nodes = tuple(_exchange_nodes(backend, node_key(launcher), backend.timeout))
+        attach_hierarchy(backend)
     if launcher.rank == 0:
         log.info("init_from_env: started by %s\n%s", launcher.label, backend.describe())
     return backend

@@ -96,6 +96,9 @@ class TcpBackend(FixedRanks, Backend):
         self._state_lock = threading.Lock()
         self._links: dict[int, Link] = {}
         self._readers: list[threading.Thread] = []
+        self._closers: list = []
+        #: multi-node jobs: the node/cross groups (:mod:`ferro_backend.hierarchy`), else None
+        self.hierarchy = None
         if world_size == 1 and listener is not None:
             listener.close()
         if world_size > 1:
@@ -166,8 +169,13 @@ class TcpBackend(FixedRanks, Backend):
 
     # ------------------------------------------------------------------ teardown
     def link_transports(self) -> tuple[str, str]:
-        # Every pair has its own TCP connection; ranks on one node talk over loopback (no
-        # engine-within-node path for multi-node jobs yet: that hierarchical path is planned).
+        # Every pair has its own TCP connection; on several nodes each node also maps its own
+        # engine segment, on which the collectives' node stages run (ferro_backend.hierarchy)
+        if self.hierarchy is not None:
+            slot = self.hierarchy.node.engine.layout["slot_bytes"]
+            return (f"shared-memory engine for the collectives' node stages ({slot >> 10} KiB "
+                    "slots), TCP loopback for point-to-point", "TCP (the collectives' cross-node "
+                    "stages: each local rank carries 1/L of the data)")
         return "TCP", "TCP"
 
     def abort(self, reason: str) -> None:
@@ -192,6 +200,8 @@ class TcpBackend(FixedRanks, Backend):
             if self._box.closed:
                 return
             self._box.close()
+        for closer in self._closers:  # e.g. a node's engine segment (ferro_backend.hierarchy)
+            closer()
         release(self._links.values(), self._readers, wait)
 
     def __del__(self) -> None:

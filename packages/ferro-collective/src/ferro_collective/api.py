@@ -13,7 +13,7 @@ import numpy as np
 from ferro_backend import DEFAULT_TIMEOUT, Backend, InvalidRankError, SizeMismatchError
 
 from . import algorithms as alg
-from . import fastpath
+from . import fastpath, hierarchical
 from ._state import state
 from .call import Call, as_array, check_out, choose, finish
 from .engine_group import group_for
@@ -53,7 +53,8 @@ def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
         return result
 
     header = (x.dtype, x.shape, op, -1)
-    return Call("allreduce", backend, timeout, header, body, fast, algorithm, seq=seq)
+    return Call("allreduce", backend, timeout, header, body, fast, algorithm, seq=seq,
+                hier=lambda h: hierarchical.allreduce(h, x, op, wd, timeout, out))
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -137,7 +138,8 @@ def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
 
 
 # ----------------------------------------------------------------------------- broadcast
-def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out) -> Call:
+def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out, *,
+               seq: int | None = None) -> Call:
     x = as_array("broadcast", tensor, backend)
     n = backend.world_size
     if not isinstance(root, int | np.integer) or not 0 <= root < n:
@@ -166,7 +168,8 @@ def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out) -> 
         return buf
 
     header = (x.dtype, x.shape, None, root)
-    return Call("broadcast", backend, timeout, header, body, fast, algorithm)
+    return Call("broadcast", backend, timeout, header, body, fast, algorithm, seq=seq,
+                hier=lambda h: hierarchical.broadcast(h, x, root, timeout, out))
 
 
 def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
@@ -187,7 +190,8 @@ def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float |
 
 
 # ----------------------------------------------------------------------------- all_gather
-def _all_gather(tensor, backend: Backend, timeout, algorithm, out) -> Call:
+def _all_gather(tensor, backend: Backend, timeout, algorithm, out, *,
+                seq: int | None = None) -> Call:
     x = as_array("all_gather", tensor, backend)
     n = backend.world_size
     algo = choose("all_gather", algorithm, x.nbytes, n)
@@ -213,7 +217,8 @@ def _all_gather(tensor, backend: Backend, timeout, algorithm, out) -> Call:
         return result
 
     header = (x.dtype, x.shape, None, -1)
-    return Call("all_gather", backend, timeout, header, body, fast, algorithm)
+    return Call("all_gather", backend, timeout, header, body, fast, algorithm, seq=seq,
+                hier=lambda h: hierarchical.all_gather(h, x, shape, timeout, out))
 
 
 def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
@@ -267,7 +272,9 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> Ca
         return result
 
     header = (x.dtype, x.shape, op, -1)
-    return Call("reduce_scatter", backend, timeout, header, body, fast, algorithm)
+    return Call("reduce_scatter", backend, timeout, header, body, fast, algorithm,
+                hier=lambda h: hierarchical.reduce_scatter(h, x, op, wd, out_shape, timeout,
+                                                           out, backend.rank))
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -302,4 +309,9 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
         group.lean_barrier(state(backend).next_seq(),
                            backend.resolve_timeout(timeout, "barrier: timeout"))
         return
-    Call("barrier", backend, timeout, (None, ()), lambda ctx: None, fastpath.barrier).run()
+    _barrier_call(backend, timeout).run()
+
+
+def _barrier_call(backend: Backend, timeout, seq: int | None = None) -> Call:
+    return Call("barrier", backend, timeout, (None, ()), lambda ctx: None, fastpath.barrier,
+                seq=seq, hier=lambda h: hierarchical.barrier(h, timeout))

@@ -90,7 +90,7 @@ class Call:
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
                  body: Callable[[alg.Ctx], np.ndarray], fast=None,
-                 algorithm: str | None = None, seq: int | None = None) -> None:
+                 algorithm: str | None = None, seq: int | None = None, hier=None) -> None:
         self.name = name
         self.backend = backend
         self.timeout = backend.resolve_timeout(timeout, f"{name}: timeout")
@@ -99,6 +99,16 @@ class Call:
         self.body = body
         self.fast = fast if algorithm in (None, "auto") else None
         self.group = engine_group.group_for(backend)
+        # several nodes: ``hier(hierarchy)`` plans the call's node and cross stages now (their
+        # sequence numbers in issue order) and returns what runs them (ferro_collective.hierarchical)
+        self.staged = None
+        if hier is not None and algorithm in (None, "auto") and self.group is None \
+                and getattr(backend, "hierarchy", None) is not None:
+            from . import hierarchical
+
+            h = hierarchical.hierarchy_of(backend)
+            if h is not None:
+                self.staged = hier(h)
 
     def _python(self, _step=None) -> np.ndarray:
         ctx = alg.Ctx(self.backend, self.name, self.seq, tag_base(self.seq), self.timeout)
@@ -108,6 +118,8 @@ class Call:
         return self.body(ctx)
 
     def __call__(self) -> np.ndarray:
+        if self.staged is not None:
+            return self.staged()
         if self.group is None:
             return self._python()
         fn = self._python

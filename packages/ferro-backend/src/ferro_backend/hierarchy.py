@@ -1,0 +1,98 @@
+"""Jobs on several nodes: the same-host engine inside each node, the job's mesh between nodes.
+
+:func:`attach_hierarchy` gives a multi-node :class:`~ferro_backend.TcpBackend` (or
+ShmBackend) a :class:`Hierarchy`: ``node``, the ranks of this rank's node as a
+:class:`~ferro_backend.SubBackend` that carries its own shared-memory segment (``node.engine``,
+so ferro-collective runs its one-step engine collectives on it), and ``cross``, the ranks with
+this rank's local index on every node (their messages cross the network). ferro-collective's
+hierarchical collectives compose the two: an allreduce reduces inside the node on the engine,
+then each local rank allreduces its 1/L slice of the node's sum across nodes, then the node
+gathers the slices, so each rank sends 1/L of the data over the network instead of all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ._platform import SAME_HOST_ENGINE
+from .engine import DEFAULT_SLOT_BYTES, SharedSegment
+from .sub import SubBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Hierarchy:
+    """The node structure of a job: ``node`` (this rank's node, with ``node.engine``),
+    ``cross`` (the ranks with this rank's local index on every node, in node order),
+    ``members`` (every node's global ranks, in node order: node ``k`` is ``members[k]``)."""
+
+    node: SubBackend
+    cross: SubBackend
+    members: tuple[tuple[int, ...], ...]
+
+    @property
+    def local_rank(self) -> int:
+        return self.node.rank
+
+    @property
+    def local_world(self) -> int:
+        return self.node.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.members)
+
+
+def node_members(nodes: tuple[str, ...] | list[str]) -> tuple[tuple[int, ...], ...]:
+    """Global ranks per node (nodes in order of their lowest rank, ranks ascending)."""
+    by_node: dict[str, list[int]] = {}
+    for rank, key in enumerate(nodes):
+        by_node.setdefault(key, []).append(rank)
+    return tuple(tuple(ranks) for ranks in sorted(by_node.values()))
+
+
+def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = None, *,
+                     slot_bytes: int | None = None) -> Hierarchy | None:
+    """Give ``backend`` (the whole job, every rank calls this) its :class:`Hierarchy` as
+    ``backend.hierarchy`` and return it; None (and nothing attached) when the job is on one
+    node, the nodes hold different numbers of ranks, a node has one rank only, or this platform
+    has no engine. ``nodes``: every rank's node key, index = rank (default ``backend.nodes``).
+
+    Collective over ``backend``: each node maps its own segment (the memfd rendezvous of
+    :class:`SharedSegment`, over the node's ranks only).
+    """
+    nodes = backend.nodes if nodes is None else tuple(nodes)
+    if nodes is None or len(nodes) != backend.world_size or not SAME_HOST_ENGINE:
+        return None
+    members = node_members(nodes)
+    sizes = {len(m) for m in members}
+    if len(members) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    mine = next(m for m in members if backend.rank in m)
+    local = mine.index(backend.rank)
+    node = SubBackend(backend, mine, name="ferro-node")
+    cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}")
+    node.engine = SharedSegment.join(node, slot_bytes=slot_bytes or DEFAULT_SLOT_BYTES)
+    box, seg = backend._box, node.engine
+    node.peer_failure = lambda op, peer: box.failure(op, node._global[peer])
+
+    def on_failure() -> None:
+        # wake the node's engine waits on an abort, this rank's close, or a node peer gone;
+        # a rank of another node that finished and closed must not break this node's calls
+        # (the cross stages see that rank's failures on the mesh)
+        if box.aborted is not None or box.closed or any(p in box.closed_peers for p in mine):
+            seg.mark_failed()
+
+    box.on_failure.append(on_failure)
+    backend._closers.append(seg.close)
+    hierarchy = Hierarchy(node, cross, members)
+    backend.hierarchy = hierarchy
+    log.debug("rank %d: node %s (local rank %d of %d), cross group %s", backend.rank, mine,
+              local, len(mine), cross._global)
+    return hierarchy
+
+
+__all__ = ["Hierarchy", "attach_hierarchy", "node_members"]

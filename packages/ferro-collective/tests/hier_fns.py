@@ -1,0 +1,61 @@
+"""Rank functions for the hierarchical tests (spawned processes import them): TcpBackend jobs
+on two "nodes" of this machine, each node with its own engine segment."""
+
+import numpy as np
+
+from ferro_backend import DistributedError
+from ferro_backend.hierarchy import attach_hierarchy
+from ferro_collective import (
+    ReduceOp,
+    all_gather,
+    all_gather_async,
+    allreduce,
+    allreduce_async,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
+
+SIZES = (0, 1, 7, 1000, 300_001)
+
+
+def suite(b, nodes):
+    h = attach_hierarchy(b, nodes)
+    assert h is not None and b.hierarchy is h
+    n, r = b.world_size, b.rank
+    out = {"node": list(h.node._global), "cross": list(h.cross._global),
+           "describe": b.describe()}
+    for size in SIZES:
+        x = np.random.default_rng(100 + r).standard_normal(size)
+        out[f"sum{size}"] = allreduce(x, b).tobytes()
+        out[f"mean{size}"] = allreduce(x.astype(np.float32), b, ReduceOp.MEAN).tobytes()
+    out["int"] = allreduce(np.arange(10, dtype=np.int64) * (r + 1), b).tolist()
+    out["max"] = allreduce(np.array([r, -r], np.int32), b, ReduceOp.MAX).tolist()
+    out["half"] = allreduce(np.full(5, 0.1 * (r + 1), np.float16), b).tobytes()
+    inplace = np.full((3, 2), float(r))
+    allreduce(inplace, b, out=inplace)
+    out["inplace"] = inplace.tolist()
+    out["bcast"] = [broadcast(np.array([10 * r, r]), b, root=k).tolist() for k in range(n)]
+    big = np.full(200_000, float(r))
+    out["bcast_big"] = float(broadcast(big, b, root=n - 1).sum())
+    out["gather"] = all_gather(np.full((2, 3), r, np.int32), b).tolist()
+    out["gather0d"] = all_gather(np.array(r), b).tolist()
+    out["rs"] = reduce_scatter(np.arange(4 * n, dtype=np.int64).reshape(2 * n, 2), b).tolist()
+    w1 = allreduce_async(np.full(3, r, np.float64), b)
+    w2 = all_gather_async(np.array([r]), b)
+    sync = allreduce(np.ones(5), b).tolist()
+    out["async"] = [w2.wait(30).tolist(), w1.wait(30).tolist(), sync]
+    barrier(b)
+    return out
+
+
+def mismatch(b, nodes):
+    attach_hierarchy(b, nodes)
+    try:
+        if b.rank == 0:
+            allreduce(np.ones(4), b, timeout=3)
+        else:
+            broadcast(np.ones(4), b, root=0, timeout=3)
+    except DistributedError as exc:
+        return type(exc).__name__
+    return "no error"

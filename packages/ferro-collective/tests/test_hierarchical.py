@@ -1,0 +1,110 @@
+"""Hierarchical collectives: 4 TcpBackend processes on two "nodes" (each node maps its own engine
+segment), node-major and interleaved rank layouts; results against numpy, the same bits on every
+rank, and a mismatch that errors on every rank instead of hanging."""
+
+import numpy as np
+import pytest
+from hier_fns import SIZES, mismatch, suite
+
+from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.hierarchy import node_members
+from ferro_backend.testing import run_processes
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")]
+
+LAYOUTS = {"node-major": ("a", "a", "b", "b"), "interleaved": ("a", "b", "a", "b")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hierarchical_collectives(layout):
+    nodes = LAYOUTS[layout]
+    world = len(nodes)
+    results = run_processes(suite, world, nodes)
+    members = node_members(nodes)
+    first = results[0]
+    for r, res in enumerate(results):
+        mine = next(m for m in members if r in m)
+        assert res["node"] == list(mine)
+        assert res["cross"] == [m[mine.index(r)] for m in members]
+        assert "shared-memory engine for the collectives' node stages" in res["describe"]
+        for key in first:
+            if key not in ("node", "cross", "describe", "rs"):
+                assert res[key] == first[key], (r, key)  # the same bits on every rank
+    for size in SIZES:
+        xs = [np.random.default_rng(100 + r).standard_normal(size) for r in range(world)]
+        np.testing.assert_allclose(np.frombuffer(first[f"sum{size}"]), np.sum(xs, axis=0),
+                                   rtol=1e-12, atol=1e-12)
+        mean = np.frombuffer(first[f"mean{size}"], np.float32)
+        np.testing.assert_allclose(mean, np.mean(np.float32(xs), axis=0), rtol=1e-5, atol=1e-6)
+    assert first["int"] == (np.arange(10) * sum(range(1, world + 1))).tolist()
+    assert first["max"] == [world - 1, 0]
+    half = np.frombuffer(first["half"], np.float16)
+    np.testing.assert_allclose(half, np.float32(0.1) * sum(range(1, world + 1)), rtol=2e-3)
+    assert first["inplace"] == [[sum(range(world))] * 2] * 3
+    assert first["bcast"] == [[10 * k, k] for k in range(world)]
+    assert first["bcast_big"] == 200_000.0 * (world - 1)
+    assert first["gather"] == np.repeat(np.arange(world), 2)[:, None].repeat(3, 1).tolist()
+    assert first["gather0d"] == list(range(world))
+    full = (world * np.arange(4 * world)).reshape(2 * world, 2)
+    for r, res in enumerate(results):
+        assert res["rs"] == full[2 * r:2 * r + 2].tolist()
+    assert first["async"] == [list(range(world)), [sum(range(world))] * 3, [world] * 5]
+
+
+def test_a_mismatch_errors_on_every_rank():
+    got = run_processes(mismatch, 4, LAYOUTS["node-major"])
+    assert all(name != "no error" for name in got), got
+    assert "CollectiveMismatchError" in got[:2], got  # the node where the calls differ
+
+
+JOB = """
+import json, os, numpy as np
+from ferro_backend import init_from_env
+from ferro_collective import allreduce, broadcast
+b = init_from_env()
+h = b.hierarchy
+s = allreduce(np.full(100_000, b.rank + 1.0), b)
+c = broadcast(np.array([b.rank]), b, root=3)
+print(json.dumps({"rank": b.rank, "type": type(b).__name__, "local": h and h.local_world,
+                  "nodes": h and h.num_nodes, "sum": float(s[0]), "bcast": int(c[0])}))
+b.close()
+"""
+
+
+def test_init_from_env_on_two_nodes_attaches_the_hierarchy(tmp_path):
+    """ferrorun's variables by hand, 2 ranks on each of two "nodes" (FERRO_NODE_ID): TCP between
+    the nodes, an engine segment inside each, the collectives hierarchical."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ferro_backend.testing import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    port = str(free_port())
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("FERRO_", "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**base, "RANK": str(r), "WORLD_SIZE": "4",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                   "FERRO_NODE_ID": "ab"[r // 2], "FERRO_TIMEOUT": "30"})
+             for r in range(4)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    res = sorted((json.loads(o.strip().splitlines()[-1]) for o, _ in outs),
+                 key=lambda d: d["rank"])
+    for d in res:
+        assert d["type"] == "TcpBackend" and d["local"] == 2 and d["nodes"] == 2, d
+        assert d["sum"] == 10.0 and d["bcast"] == 3, d
