@@ -58,8 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="rank 0's port (default: MASTER_PORT, else a free port; required with "
                         "--nnodes > 1)")
     p.add_argument("--transport", choices=["tcp", "shm"], default=None,
-                   help="transport for init_from_env (default: shm on one node when available, "
-                        "else tcp)")
+                   help="transport for init_from_env (default: shm on one node when available; "
+                        "on several nodes TCP between nodes and the engine inside each)")
     p.add_argument("--token", default=None, help="job secret (default: FERRO_TOKEN, or a fresh "
                    "one for a single-node job)")
     p.add_argument("--timeout", type=float, default=None,
@@ -106,9 +106,13 @@ def thread_caps(local_ranks: int, environ: dict[str, str] | None = None,
     return {var: per_rank for var in THREAD_VARS if var not in environ}
 
 
-def _default_transport(nnodes: int) -> str:
-    """Shared memory (the same-host engine) on one Linux node, TCP otherwise."""
-    return "shm" if nnodes == 1 and SAME_HOST_ENGINE else "tcp"
+def _default_transport(nnodes: int) -> str | None:
+    """Shared memory (the same-host engine) on one Linux node, TCP on one node elsewhere; on
+    several nodes None: init_from_env then builds the mesh and gives each node its engine
+    (ferro_backend.hierarchy)."""
+    if nnodes > 1:
+        return None
+    return "shm" if SAME_HOST_ENGINE else "tcp"
 
 
 _OUTPUT_LOCK = threading.Lock()
@@ -267,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
                            LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.nproc),
                            GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
-                           MASTER_PORT=str(port), FERRO_TOKEN=token, FERRO_TRANSPORT=transport,
+                           MASTER_PORT=str(port), FERRO_TOKEN=token,
                            FERRO_RESTART_COUNT=str(restart), PYTHONUNBUFFERED="1", **caps)
+                if transport is not None:
+                    env["FERRO_TRANSPORT"] = transport
                 if args.timeout is not None:
                     env["FERRO_TIMEOUT"] = str(args.timeout)
                 if args.log_level is not None:
