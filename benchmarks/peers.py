@@ -3,9 +3,13 @@
 Every implementation runs with the same process layout (N processes on this machine) and the
 same measurement: a barrier, a warm-up call, then K calls timed on every rank; a call's time is
 the slowest rank's mean. Bus bandwidth follows nccl-tests: allreduce = S * 2(n-1)/n / t,
-all_gather and reduce_scatter = S * (n-1)/n / t (S the gathered/reduced total), broadcast = S / t.
+all_gather, reduce_scatter, gather, scatter and all_to_all = S * (n-1)/n / t (S the
+gathered/reduced/scattered total, for all_to_all one rank's send buffer), broadcast = S / t.
+Rooted collectives use root 0; all_to_all sends equal splits (ferro's all_to_all_single, MPI's
+Alltoall, torch's all_to_all_single).
 
     python benchmarks/peers.py --worlds 2 4 --out benchmarks/peers      (what nox -s bench_peers runs)
+    python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all --out benchmarks/peers_2core_rooted
 
 Implementations whose library is not installed are skipped with a message. Writes
 ``<out>/results.json``, ``<out>/results.md`` (the tables) and ``<out>/busbw.png`` (the plot).
@@ -30,7 +34,18 @@ from ferro_backend.testing import free_port
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 #: one BLAS/OpenMP thread per rank for every implementation
 THREAD_CAPS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
+OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "gather", "scatter", "all_to_all",
+       "barrier"]
+#: collectives whose bus bandwidth factor busbw.py does not have: nccl-tests' (n-1)/n of the
+#: total (gather, scatter: the gathered/scattered total; alltoall: one rank's send buffer)
+RING_FACTOR_OPS = ("gather", "scatter", "all_to_all")
+
+
+def op_busbw(op: str, nbytes: int, n: int, seconds: float) -> float:
+    """Bus bandwidth in GB/s of one call of ``op``, as nccl-tests defines it."""
+    if op in RING_FACTOR_OPS:
+        return nbytes * (n - 1) / n / seconds / 1e9 if seconds > 0 else 0.0
+    return busbw(op, nbytes, n, seconds)
 
 
 def iters_for(nbytes: int) -> int:
@@ -40,7 +55,16 @@ def iters_for(nbytes: int) -> int:
 # --------------------------------------------------------------------------- workers
 def _ferro_ops(transport: str):
     import ferro_backend
-    from ferro_collective import all_gather, allreduce, barrier, broadcast, reduce_scatter
+    from ferro_collective import (
+        all_gather,
+        all_to_all_single,
+        allreduce,
+        barrier,
+        broadcast,
+        gather,
+        reduce_scatter,
+        scatter,
+    )
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -53,6 +77,12 @@ def _ferro_ops(transport: str):
                                            out=outs.get("ag", x.size // world * world)),
         "reduce_scatter": lambda x: reduce_scatter(x, b, out=outs.get("rs", x.size // world)),
         "broadcast": lambda x: broadcast(x, b, 0, out=x),
+        "gather": lambda x: gather(x[: x.size // world], b, 0,
+                                   out=outs.get("ga", x.size // world * world) if rank == 0
+                                   else None),
+        "scatter": lambda x: scatter(x if rank == 0 else None, b, 0,
+                                     out=outs.get("sc", x.size // world)),
+        "all_to_all": lambda x: all_to_all_single(x, b, out=outs.get("a2a", x.size)),
         "barrier": lambda x: barrier(b),
     }
     return rank, world, ops, lambda: barrier(b), np.ones, b.close
@@ -102,8 +132,25 @@ def _mpi_ops():
         comm.Bcast(x, root=0)
         return x
 
+    def gather(x):
+        part = x[: x.size // world]
+        out = outs.get("ga", part.size * world) if rank == 0 else None
+        comm.Gather(part, out, root=0)
+        return out
+
+    def scatter(x):
+        out = outs.get("sc", x.size // world)
+        comm.Scatter(x if rank == 0 else None, out, root=0)
+        return out
+
+    def all_to_all(x):
+        out = outs.get("a2a", x.size)
+        comm.Alltoall(x, out)
+        return out
+
     ops = {"allreduce": allreduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
-           "broadcast": broadcast, "barrier": lambda x: comm.Barrier()}
+           "broadcast": broadcast, "gather": gather, "scatter": scatter,
+           "all_to_all": all_to_all, "barrier": lambda x: comm.Barrier()}
     return rank, world, ops, comm.Barrier, np.ones, lambda: None
 
 
@@ -139,8 +186,25 @@ def _gloo_ops():
         dist.broadcast(x, 0)
         return x
 
+    def gather(x):
+        part = x[: x.numel() // world]
+        out = outs.get("ga", part.numel() * world) if rank == 0 else None
+        dist.gather(part, list(out.chunk(world)) if rank == 0 else None, dst=0)
+        return out
+
+    def scatter(x):
+        out = outs.get("sc", x.numel() // world)
+        dist.scatter(out, list(x.chunk(world)) if rank == 0 else None, src=0)
+        return out
+
+    def all_to_all(x):
+        out = outs.get("a2a", x.numel())
+        dist.all_to_all_single(out, x)
+        return out
+
     ops = {"allreduce": allreduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
-           "broadcast": broadcast, "barrier": lambda x: dist.barrier()}
+           "broadcast": broadcast, "gather": gather, "scatter": scatter,
+           "all_to_all": all_to_all, "barrier": lambda x: dist.barrier()}
 
     def ones(n, dtype=np.float32):
         return torch.ones(n, dtype=torch.float32)
@@ -178,7 +242,7 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int]) ->
         worst = np.max(np.array(all_times), axis=0)
         for r, t in zip(rows, worst):
             r["seconds"] = float(t)
-            r["busbw_GBps"] = busbw(r["op"], r["bytes"], world, float(t))
+            r["busbw_GBps"] = op_busbw(r["op"], r["bytes"], world, float(t))
         Path(out_path).write_text(json.dumps(rows))
     barrier()
     Path(f"{out_path}.rank{rank}").unlink()
@@ -293,7 +357,8 @@ def plot(results: dict, worlds: list[int], impls: list[str], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [o for o in OPS if o != "barrier"]
+    present = {r["op"] for rows in results.values() for r in rows}
+    ops = [o for o in OPS if o != "barrier" and o in present]
     fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)),
                              squeeze=False)
     for wi, world in enumerate(worlds):

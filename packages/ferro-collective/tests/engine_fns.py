@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 import ferro_collective as fc
-from ferro_backend import CollectiveTimeoutError
+from ferro_backend import CollectiveTimeoutError, PeerClosedError
 from ferro_collective import ReduceOp
 
 try:
@@ -143,3 +143,182 @@ def late_peer(b, delay: float) -> dict:
 
 def pid(b) -> int:
     return os.getpid()
+
+
+# ----------------------------------------------------------------------------- scatter, all-to-all
+def _p2p_counter():
+    """Counts the engine calls of scatter and the all-to-alls whose data went over
+    point-to-point messages instead (``fastpath.get_pieces`` said so), in this process."""
+    from ferro_collective import fastpath
+
+    get = fastpath.get_pieces
+    if getattr(get, "used", None) is None:
+        def counting(g, call, *args, **kwargs):
+            done = get(g, call, *args, **kwargs)
+            if not done:
+                counting.used.append(call.name)
+            return done
+
+        counting.used = []
+        fastpath.get_pieces = counting
+    return fastpath.get_pieces.used
+
+
+def _exchange_sizes(seed: int, n: int):
+    """The same (label, rows matrix [src][dst], trailing shape, dtype) cases on every rank:
+    small (in the slots), medium, large (>= 256 KiB per rank: read from the peers' memory),
+    zero-size pieces and uneven splits."""
+    rng = np.random.default_rng(seed)
+    dtypes = [np.float32, np.float64, np.int8, np.uint16, np.bool_] + \
+        ([BF16] if BF16 is not None else [])
+    yield "equal small", [[2] * n for _ in range(n)], (3,), np.dtype(np.float32)
+    yield "all empty", [[0] * n for _ in range(n)], (2,), np.dtype(np.int32)
+    yield "one empty row", [[0 if s == d else 1 for d in range(n)] for s in range(n)], (), \
+        np.dtype(np.int64)
+    yield "equal large", [[40_000] * n for _ in range(n)], (2,), np.dtype(np.float64)
+    for i in range(4):
+        top = [5, 300, 30_000, 90_000][i]
+        rows = rng.integers(0, top, size=(n, n))
+        rows[rng.random((n, n)) < 0.3] = 0  # zero-size pieces
+        dt = np.dtype(dtypes[rng.integers(len(dtypes))])
+        yield f"uneven {top}", rows.tolist(), (int(rng.integers(1, 4)),), dt
+
+
+def _piece(src: int, dst: int, rows: int, trailing, dt):
+    """What rank ``src`` sends rank ``dst`` (every rank can rebuild it)."""
+    vals = np.arange(rows * int(np.prod(trailing)), dtype=np.int64) * 7 + 1000 * src + dst
+    if dt.kind == "b":
+        return (vals % 3 == 0).reshape(rows, *trailing)
+    return vals.astype(dt).reshape(rows, *trailing)
+
+
+def exchange_equals_p2p(b, seed: int) -> list[str]:
+    """scatter, all_to_all and all_to_all_single on the engine against numpy and against their
+    point-to-point algorithms, bit for bit; inputs kept; out= (scatter's root with an out that
+    is its own block of the input); the failures, and a note of every fallback to messages."""
+    from ferro_collective.exchange import _all_to_all, _all_to_all_single
+    from ferro_collective.rooted import _scatter
+
+    assert b.engine is not None, "the engine is off"
+    n, r = b.world_size, b.rank
+    used = _p2p_counter()
+    used.clear()
+    bad = []
+    for label, rows, trailing, dt in _exchange_sizes(seed, n):
+        # all_to_all_single and all_to_all
+        sends = [_piece(r, d, rows[r][d], trailing, dt) for d in range(n)]
+        want = [_piece(s, r, rows[s][r], trailing, dt) for s in range(n)]
+        x = np.concatenate(sends)
+        keep = x.tobytes()
+        send, recv = [rows[r][d] for d in range(n)], [rows[s][r] for s in range(n)]
+        got = fc.all_to_all_single(x, b, send_splits=send, recv_splits=recv)
+        ref = _all_to_all_single(x, b, send, recv, None, None, "pairwise").run()
+        if got.tobytes() != np.concatenate(want).tobytes() or got.tobytes() != ref.tobytes() \
+                or got.dtype != dt:
+            bad.append(f"all_to_all_single {label}")
+        out = np.empty_like(got)
+        if fc.all_to_all_single(x, b, send_splits=send, recv_splits=recv, out=out) is not out \
+                or out.tobytes() != ref.tobytes():
+            bad.append(f"all_to_all_single out= {label}")
+        got = fc.all_to_all(sends, b)
+        ref = _all_to_all(sends, b, None, "pairwise").run()
+        if [a.tobytes() for a in got] != [w.tobytes() for w in want] or \
+                [a.tobytes() for a in ref] != [w.tobytes() for w in want] or \
+                [a.shape for a in got] != [w.shape for w in want]:
+            bad.append(f"all_to_all {label}")
+        if x.tobytes() != keep or np.concatenate(sends).tobytes() != keep:
+            bad.append(f"input modified {label}")
+        # scatter: rank root's rows to every rank, equal blocks of rows[root][0] rows
+        root = seed % n
+        k = rows[root][0]
+        full = np.concatenate([_piece(root, d, k, trailing, dt) for d in range(n)])
+        mine = full[r * k:(r + 1) * k]
+        for algo in ("tree", "star"):
+            ref = _scatter(full if r == root else None, b, root, None, None, algo).run()
+            if ref.tobytes() != mine.tobytes():
+                bad.append(f"scatter {algo} {label}")
+        got = fc.scatter(full if r == root else None, b, root)
+        if got.tobytes() != mine.tobytes() or got.shape != mine.shape:
+            bad.append(f"scatter {label} root {root}")
+        own = full.copy()
+        blk = own[r * k:(r + 1) * k]
+        res = fc.scatter(own if r == root else None, b, root, out=blk)  # the root's own block
+        if res is not blk or own.tobytes() != full.tobytes() if r == root else \
+                blk.tobytes() != mine.tobytes():
+            bad.append(f"scatter out= {label} root {root}")
+        if full.tobytes() != np.concatenate([_piece(root, d, k, trailing, dt)
+                                             for d in range(n)]).tobytes():
+            bad.append(f"scatter input modified {label}")
+    # 0-d pieces and async calls queue in issue order with the engine's other calls
+    zero = fc.all_to_all([np.array(10 * r + d, np.int16) for d in range(n)], b)
+    if [a.shape for a in zero] != [()] * n or [int(a) for a in zero] != [10 * s + r
+                                                                         for s in range(n)]:
+        bad.append("all_to_all 0-d")
+    big = np.arange(n * 70_000, dtype=np.float32) + r
+    works = [fc.all_to_all_single_async(big, b), fc.scatter_async(big if r == 0 else None, b),
+             fc.allreduce_async(np.ones(3), b), fc.all_to_all_async([big[:5]] * n, b)]
+    mid = fc.all_gather(np.array([r]), b)
+    got = [w.wait(60) for w in works]
+    if got[0].tobytes() != np.concatenate([np.arange(r * 70_000, (r + 1) * 70_000,
+                                                     dtype=np.float32) + s
+                                           for s in range(n)]).tobytes() or \
+            got[1].tobytes() != np.arange(r * 70_000, (r + 1) * 70_000,
+                                          dtype=np.float32).tobytes() or \
+            got[2].tolist() != [n] * 3 or [a.tolist() for a in got[3]] != \
+            [(np.arange(5) + s).tolist() for s in range(n)] or mid.tolist() != list(range(n)):
+        bad.append("async order")
+    fc.barrier(b)
+    return bad + [f"fell back to messages: {sorted(set(used))}"] * bool(used)
+
+
+def exchange_mismatch(b, case: str) -> str:
+    """Rank 0 calls a fast-path scatter / all-to-all, the others another collective (small or
+    large, so each side is on its own way of the engine): every rank must say so, and the
+    group stays usable."""
+    n, r = b.world_size, b.rank
+    big = np.ones(n * 100_000, np.float32)
+    calls = {
+        "scatter/allreduce": (lambda: fc.scatter(big, b, root=0),
+                              lambda: fc.allreduce(big, b)),
+        "all_to_all_single/all_gather": (lambda: fc.all_to_all_single(big, b),
+                                         lambda: fc.all_gather(big, b)),
+        "all_to_all/scatter": (lambda: fc.all_to_all([np.ones(3)] * n, b),
+                               lambda: fc.scatter(None, b, root=0)),
+        "all_to_all_single/gather": (lambda: fc.all_to_all_single(np.ones(2 * n), b),
+                                     lambda: fc.gather(np.ones(2), b)),
+    }
+    try:
+        calls[case][0 if r == 0 else 1]()
+    except fc.CollectiveMismatchError as exc:
+        single = fc.all_to_all_single(np.arange(n * 70_000, dtype=np.float64) + r, b)
+        ok = single[-1] == (n - 1) + r * 70_000 + 70_000 - 1 and \
+            fc.allreduce(np.ones(2), b)[0] == n
+        return f"{exc} | usable={ok}"
+    return "no error"
+
+
+def exchange_stalled_reader(b) -> dict:
+    """A large scatter whose non-root ranks are slow to read the root's memory: the root times
+    out at its deadline in the last step (it waits for them to finish reading), naming them."""
+    from ferro_collective.engine_group import EngineGroup
+
+    out = {}
+    if b.rank != 0:
+        orig = EngineGroup.read
+
+        def slow(self, rank, addr, dst):
+            time.sleep(1.5)
+            return orig(self, rank, addr, dst)
+
+        EngineGroup.read = slow
+    t0 = time.monotonic()
+    try:
+        fc.scatter(np.ones(b.world_size * 200_000) if b.rank == 0 else None, b,
+                   timeout=0.5 if b.rank == 0 else 1.0)
+        out["error"] = None
+    except (CollectiveTimeoutError, PeerClosedError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - t0
+    if b.rank == 0:
+        time.sleep(2.0)  # alive while the others finish reading (its buffer may be gone)
+    return out

@@ -47,6 +47,18 @@ def suite(b) -> list[str]:
                                   recv_splits=[r + 1] * n)
     check("all_to_all_single uneven", uneven.tolist() == [float(s) for s in range(n)
                                                           for _ in range(r + 1)])
+    # large (>= 256 KiB a rank: read from the peers' memory on the engine), zero-size pieces
+    rows = [[0 if (s + d) % 3 == 0 else 30_000 + 1000 * s + d for d in range(n)]
+            for s in range(n)]
+    pieces = [np.full((rows[r][d], 2), 100 * r + d, np.float32) for d in range(n)]
+    want = [np.full((rows[s][r], 2), 100 * s + r, np.float32) for s in range(n)]
+    big = fc.all_to_all_single(np.concatenate(pieces), b, send_splits=rows[r],
+                               recv_splits=[rows[s][r] for s in range(n)])
+    check("all_to_all_single large uneven", big.tobytes() == np.concatenate(want).tobytes())
+    check("all_to_all large uneven", [a.tobytes() for a in fc.all_to_all(pieces, b)]
+          == [w.tobytes() for w in want])
+    empty = fc.scatter(np.empty((0, 3), np.int8) if r == 2 % n else None, b, root=2 % n)
+    check("scatter of zero rows", empty.shape == (0, 3) and empty.dtype == np.int8)
     check("broadcast_object", fc.broadcast_object({"cfg": [1, r]} if r == 1 else None, b,
                                                   root=1) == {"cfg": [1, 1]})
     check("all_gather_object", fc.all_gather_object(("r", r), b) == [("r", s) for s in range(n)])

@@ -112,3 +112,76 @@ else:
     assert result, out
     msg, seconds = json.loads(result[0][7:])
     assert "timed out after 1s" in msg and 0.9 < seconds < 3.0
+
+
+# ----------------------------------------------------------------------------- scatter, all-to-all
+@pytest.mark.parametrize("world,slot,cma", [(2, None, "1"), (3, None, "1"), (3, "4096", "1"),
+                                            (3, "4096", "0"), (2, "65536", "0")])
+def test_scatter_and_all_to_all_on_the_engine_equal_point_to_point(monkeypatch, world, slot,
+                                                                    cma):
+    if slot:
+        monkeypatch.setenv("FERRO_SHM_SLOT_BYTES", slot)
+    monkeypatch.setenv("FERRO_SHM_CMA", cma)
+    results = run_processes(engine_fns.exchange_equals_p2p, world, world + 3, transport="shm",
+                            timeout=150)
+    if cma == "1":  # one engine call each: no point-to-point message
+        assert results == [[]] * world
+    else:  # large data goes over messages without cross-memory reads; the rest on the engine
+        for res in results:
+            assert res[:-1] == [] and res[-1].startswith("fell back to messages"), res
+
+
+@pytest.mark.parametrize("case", ["scatter/allreduce", "all_to_all_single/all_gather",
+                                  "all_to_all/scatter", "all_to_all_single/gather"])
+def test_fast_path_exchange_against_another_collective_is_a_mismatch_on_every_rank(case):
+    first, other = case.split("/")
+    for msg in run_processes(engine_fns.exchange_mismatch, 3, case, transport="shm"):
+        assert "ranks disagree" in msg and f"ranks [0] called {first}(" in msg and \
+            f"ranks [1, 2] called {other}(" in msg, msg
+        assert msg.endswith("usable=True"), msg
+
+
+def test_scatter_root_times_out_while_its_readers_stall():
+    res = run_processes(engine_fns.exchange_stalled_reader, 3, transport="shm", timeout=60)
+    assert res[0]["error"].startswith("CollectiveTimeoutError"), res[0]
+    assert "timed out after 0.5s waiting for ranks [1, 2]" in res[0]["error"], res[0]
+    assert 0.45 < res[0]["seconds"] < 1.4
+    for r in (1, 2):  # past their own deadline after the slow read; the root had published
+        # its last step, so they may also finish (or find its memory gone)
+        err = res[r]["error"]
+        assert err is None or "timed out after 1s" in err or \
+            "cannot read rank 0's memory" in err, res[r]
+        assert res[r]["seconds"] < 3.5
+
+
+KILLED_EXCHANGE = """
+import ferro_collective as fc
+x = np.ones(3 * 100_000, np.float32)
+print("LOOPING", flush=True)
+try:
+    while True:
+        fc.all_to_all_single(x, b, timeout=30)
+        fc.scatter(x if b.rank == 0 else None, b, timeout=30)
+        fc.all_to_all([x[:10]] * 3, b, timeout=30)
+except PeerClosedError as exc:
+    result = [type(exc).__name__, time.time()]
+"""
+
+
+def test_killed_peer_fails_scatter_and_all_to_all_promptly():
+    latencies = []
+    for victim, delay in ((1, 0.1), (0, 0.25), (2, 0.35)):
+        with Job(KILLED_EXCHANGE, 3, backend="ShmBackend", timeout=30) as job:
+            for r in range(3):
+                job.wait_for_line(r, "LOOPING")
+            time.sleep(delay)
+            t_kill = time.time()
+            os.kill(job.procs[victim].pid, signal.SIGKILL)
+            results = job.finish(30)
+        for r in results:
+            if r.rank != victim:
+                assert r.returncode == 0, r.stderr[-2000:]
+                name, t_err = r.result
+                assert name in ("PeerClosedError", "PeerAbortedError")
+                latencies.append(t_err - t_kill)
+    assert max(latencies) < 2.5, latencies

@@ -229,6 +229,11 @@ class EngineGroup:
         """A copy of the first ``nbytes`` of ``rank``'s slot data of ``step``."""
         return self._data[rank][step & 1][:nbytes].tobytes()
 
+    def raw_slot(self, rank: int, step: int) -> np.ndarray:
+        """``rank``'s whole slot data of ``step`` (bytes; the next step's for writing when
+        ``rank`` is this rank and ``step`` is ``self.step + 1``)."""
+        return self._data[rank][step & 1]
+
     def slot_for_writing(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
         """This rank's slot data for the next step (to fill before :meth:`exchange`)."""
         return self.data(self.me, self.step + 1, nbytes, dtype)

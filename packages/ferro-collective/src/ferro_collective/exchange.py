@@ -195,9 +195,11 @@ def _all_to_all(tensors, backend: Backend, timeout, algorithm=None) -> MetaCall:
 
     def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
             messages) -> list[np.ndarray]:
-        result, recvs = plan(group.me, metas)
-        sizes = [[k * rb for k in unpack_ints(m, group.n)] for m in metas]
-        if not fastpath.get_pieces(group, call, step, off, sizes, recvs, sends[group.me]):
+        me = group.me
+        result, recvs = plan(me, metas)
+        totals, starts = fastpath.sent_bytes([[k * rb for k in unpack_ints(m, n)]
+                                              for m in metas], me)
+        if not fastpath.get_pieces(group, call, step, off, totals, starts, recvs, sends[me]):
             return messages()
         return result
 
@@ -280,28 +282,16 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
     trailing = x.shape[1:]
     rb = _row_bytes(x.dtype, trailing)
     flat_in = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-    sviews, s0 = [], 0
+    sviews, starts, s0 = [], [], 0
     for k in send:
         sviews.append(flat_in[s0:s0 + k * rb])
+        starts.append(s0)
         s0 += k * rb
 
     def plan(me: int, metas: list[bytes]):
         """The result array, its pieces by source rank, this rank's late ``out`` error (or the
-        split error every rank raises alike), and every rank's send splits."""
-        sends = [unpack_ints(m, n) for m in metas]
-        for d, m in enumerate(metas):  # every rank checks every pair: the same error everywhere
-            declared = unpack_ints(m, n, 8 * n)
-            got = [sends[r][d] for r in range(n)]
-            if declared[0] < 0:
-                if len(set(got)) > 1:
-                    raise SizeMismatchError(
-                        f"{name}: rank {d} passed recv_splits=None (equal splits) but ranks "
-                        f"0..{n - 1} send it {got} rows; pass recv_splits")
-            elif declared != got:
-                r = next(r for r in range(n) if declared[r] != got[r])
-                raise SizeMismatchError(f"{name}: rank {r} sends {got[r]} rows to rank {d}, "
-                                        f"whose recv_splits[{r}] is {declared[r]}")
-        rows = [sends[r][me] for r in range(n)]
+        split error every rank raises alike), and the byte sizes for the engine."""
+        rows, totals, at = _split_plan(name, metas, n, me, rb)
         shape = (sum(rows), *trailing)
         res, late = out, None
         if out is not None:  # checked now that the shape is known; a bad one still takes part
@@ -310,10 +300,10 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
             res = np.empty(shape, x.dtype)
         flat_out = res.reshape(-1).view(np.uint8)
         rviews, r0 = [], 0
-        for r in range(n):
-            rviews.append(flat_out[r0:r0 + rows[r] * rb])
-            r0 += rows[r] * rb
-        return res, rviews, late, sends
+        for k in rows:
+            rviews.append(flat_out[r0:r0 + k * rb])
+            r0 += k * rb
+        return res, rviews, late, (totals, at)
 
     def finish(res: np.ndarray, late: BaseException | None) -> np.ndarray:
         if late is not None:
@@ -329,19 +319,53 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
         return finish(res, late)
 
     def put(group: EngineGroup, payload: np.ndarray) -> None:
-        fastpath.put_pieces(group, payload, sviews, flat_in)
+        fastpath.put_pieces(group, payload, sviews, flat_in, starts)
 
     def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
             messages) -> np.ndarray:
-        res, rviews, late, sends = plan(group.me, metas)
-        sizes = [[k * rb for k in row] for row in sends]
-        if not fastpath.get_pieces(group, call, step, off, sizes, rviews, sviews[group.me]):
+        me = group.me
+        res, rviews, late, (totals, at) = plan(me, metas)
+        if not fastpath.get_pieces(group, call, step, off, totals, at, rviews, sviews[me]):
             return messages()
         return finish(res, late)
 
     header = (x.dtype, (-1, *trailing), None, -1)
     return MetaCall(name, backend, timeout, header, pack_ints(send + recv), body,
                     fast=(put, run), algorithm=algorithm)
+
+
+_plans: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
+
+
+def _split_plan(name: str, metas: list[bytes], n: int, me: int,
+                rb: int) -> tuple[list[int], list[int], list[int]]:
+    """From every rank's ``send_splits + recv_splits`` (metadata): the rows this rank gets from
+    each rank, and the engine's byte sizes (:func:`.fastpath.sent_bytes`); or the
+    SizeMismatchError every rank raises alike. Cached: the same splits come back call after
+    call."""
+    key = (me, rb, *metas)
+    got = _plans.get(key)
+    if got is not None:
+        return got
+    sends = [unpack_ints(m, n) for m in metas]
+    for d, m in enumerate(metas):  # every rank checks every pair: the same error everywhere
+        declared = unpack_ints(m, n, 8 * n)
+        recv = [sends[r][d] for r in range(n)]
+        if declared[0] < 0:
+            if len(set(recv)) > 1:
+                raise SizeMismatchError(
+                    f"{name}: rank {d} passed recv_splits=None (equal splits) but ranks "
+                    f"0..{n - 1} send it {recv} rows; pass recv_splits")
+        elif declared != recv:
+            r = next(r for r in range(n) if declared[r] != recv[r])
+            raise SizeMismatchError(f"{name}: rank {r} sends {recv[r]} rows to rank {d}, "
+                                    f"whose recv_splits[{r}] is {declared[r]}")
+    got = ([sends[r][me] for r in range(n)],
+           *fastpath.sent_bytes([[k * rb for k in row] for row in sends], me))
+    if len(_plans) > 256:
+        _plans.clear()
+    _plans[key] = got
+    return got
 
 
 def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,

@@ -189,7 +189,7 @@ class MetaCall(Call):
         fast = self.fast if off <= g.slot_bytes else None
         try:
             if len(block) <= g.slot_bytes:
-                slot = g.slot_for_writing(g.slot_bytes, np.dtype(np.uint8))
+                slot = g.raw_slot(g.me, g.step + 1)
                 slot[:len(block)] = np.frombuffer(block, np.uint8)
                 if fast is not None and self.invalid is None:
                     fast[0](g, slot[off:])

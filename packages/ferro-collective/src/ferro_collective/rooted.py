@@ -408,17 +408,20 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
         if me == root:
             size = data.size // n
             fastpath.put_pieces(group, payload, [data[r * size:(r + 1) * size]
-                                                 for r in range(n)], data)
+                                                 for r in range(n)],
+                                data, [r * size for r in range(n)])
 
     def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
             messages) -> np.ndarray:
         """scatter on the same-host engine: the root's blocks ride in the metadata step when
         small, else every rank reads its block straight from the root's memory."""
         res, mine, late = plan(metas)
-        sizes = [[mine.size] * n if r == root else [] for r in range(n)]
-        recvs = [mine if r == root else None for r in range(n)]
-        own = data[me * mine.size:(me + 1) * mine.size] if me == root else None
-        if not fastpath.get_pieces(group, call, step, off, sizes, recvs, own,
+        size = mine.size
+        totals, starts, recvs = [0] * n, [0] * n, [None] * n
+        # the root's block for itself stays home: ours is block me, or me - 1 past the root
+        totals[root], starts[root], recvs[root] = (n - 1) * size, (me - (me > root)) * size, mine
+        own = data[me * size:(me + 1) * size] if me == root else None
+        if not fastpath.get_pieces(group, call, step, off, totals, starts, recvs, own,
                                    own_last=out is not None and own is not None
                                    and np.may_share_memory(res, data)):
             return messages()
