@@ -219,7 +219,15 @@ class EngineGroup:
         rc = self.eng.wait(step, call.hard if call.reported else call.soft)
         self.step = step
         if rc != _shmcoll.STATUS_OK:
-            self._settle(rc, call, step)
+            try:
+                self._settle(rc, call, step)
+            except BaseException:
+                # Withdraw this step before giving up: a peer still copying from our buffers
+                # (a direct read) must not find us arrived once we return and the caller may
+                # free them; it waits for a step that never comes and raises instead of
+                # returning what it copied.
+                self.eng.publish(step - 1)
+                raise
 
     def data(self, rank: int, step: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
         """``rank``'s slot data of ``step``: its first ``nbytes`` as ``dtype``."""
