@@ -414,25 +414,23 @@ class ProcessGroupFerro(dist.ProcessGroup):
         raise ValueError("recv: backend 'ferro' needs a source rank (no receive from any source)")
 
     # -- lifetime -----------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the worker; close the transport if this group owns it."""
+    def _stop(self, end_transport: Callable[[], None]) -> None:
+        """Once: stop the worker, then (when this group owns the transport) end it."""
         if self._closed:
             return
         self._closed = True
         self._runner.stop()
         if self._owns:
             _forget_root(self)
-            self._b.close()
+            end_transport()
+
+    def shutdown(self) -> None:
+        """Stop the worker; close the transport if this group owns it."""
+        self._stop(self._b.close)
 
     def abort(self) -> None:
         """Abort: every peer's pending operations fail (with ferro's PeerAbortedError)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._runner.stop()
-        if self._owns:
-            _forget_root(self)
-            self._b.abort("torch.distributed aborted the process group")
+        self._stop(lambda: self._b.abort("torch.distributed aborted the process group"))
 
 
 #: the world's ferro group, if any (a subgroup of it is a SubBackend of its transport)
