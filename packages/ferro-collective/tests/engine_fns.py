@@ -99,8 +99,31 @@ def equals_star(b, seed: int, count: int) -> list[str]:
     if [float(w.wait(30)[0]) for w in works] != [i * b.world_size for i in range(6)] or \
             mid[0] != b.world_size:
         bad.append("async order")
+    # the one-step small calls (broadcast, all_gather, reduce_scatter) while async calls are in
+    # flight: they wait their turn on the general path, in issue order
+    n = b.world_size
+    works = [fc.broadcast_async(np.full(10, float(i)) if b.rank == 0 else np.zeros(10), b, 0)
+             for i in range(3)]
+    gathered = fc.all_gather(np.array([b.rank]), b)
+    part = fc.reduce_scatter(np.arange(2 * n, dtype=np.int64), b)
+    if [float(w.wait(30)[0]) for w in works] != [0.0, 1.0, 2.0] or \
+            gathered.tolist() != list(range(n)) or \
+            part.tolist() != [n * 2 * b.rank, n * (2 * b.rank + 1)]:
+        bad.append("small calls behind async ones")
     fc.barrier(b)
     return bad
+
+
+def lean_mismatch(b) -> str:
+    """Rank 0 broadcasts 3 contiguous elements (the one-step path), the others 4 strided ones
+    (the general path): every rank must name the mismatch, and the group stays usable."""
+    x = np.ones(3) if b.rank == 0 else np.ones(8)[::2]
+    try:
+        fc.broadcast(x, b, root=0)
+    except fc.CollectiveMismatchError as exc:
+        ok = fc.all_gather(np.array([1]), b).sum() == b.world_size
+        return f"{exc} | usable={ok}"
+    return "no error"
 
 
 def mismatch(b) -> str:

@@ -141,6 +141,11 @@ def test_fast_path_exchange_against_another_collective_is_a_mismatch_on_every_ra
         assert msg.endswith("usable=True"), msg
 
 
+def test_a_one_step_call_against_a_general_one_is_a_mismatch():
+    for msg in run_processes(engine_fns.lean_mismatch, 3, transport="shm"):
+        assert "broadcast" in msg and msg.endswith("usable=True"), msg
+
+
 def test_scatter_root_times_out_while_its_readers_stall():
     res = run_processes(engine_fns.exchange_stalled_reader, 3, transport="shm", timeout=60)
     assert res[0]["error"].startswith("CollectiveTimeoutError"), res[0]

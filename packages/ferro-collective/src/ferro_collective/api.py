@@ -180,7 +180,25 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     Raises :class:`InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
     writable C-contiguous array of the input's shape and dtype to fill (may be the input).
     """
+    if algorithm is None and type(tensor) is np.ndarray:
+        group = group_for(backend)
+        if group is not None and tensor.flags.c_contiguous and not tensor.dtype.hasobject \
+                and type(root) is int and 0 <= root < backend.world_size:
+            if out is None:
+                out = np.empty(tensor.shape, tensor.dtype)
+            if _usable_out(out, tensor.shape, tensor.dtype):
+                seq = state(backend).next_seq()
+                if group.lean_broadcast(seq, tensor, out, root,
+                                        backend.resolve_timeout(timeout, "broadcast: timeout")):
+                    return out
+                return _broadcast(tensor, backend, root, timeout, None, out, seq=seq).run()
     return _broadcast(tensor, backend, root, timeout, algorithm, out).run()
+
+
+def _usable_out(out, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    """``out`` is what a lean engine call can write into (else the general path checks it)."""
+    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
+            and out.flags.c_contiguous and out.flags.writeable)
 
 
 def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
@@ -229,6 +247,19 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     input's; a 0-d input gathers to shape ``[world_size]``; zero-size inputs keep their shape
     (dim 0 multiplied). Ring algorithm by default (bandwidth-optimal), ``"star"`` for the seed's.
     """
+    if algorithm is None and type(tensor) is np.ndarray:
+        group = group_for(backend)
+        if group is not None and tensor.flags.c_contiguous and not tensor.dtype.hasobject:
+            n = backend.world_size
+            shape = (n,) if tensor.ndim == 0 else (tensor.shape[0] * n, *tensor.shape[1:])
+            if out is None:
+                out = np.empty(shape, tensor.dtype)
+            if _usable_out(out, shape, tensor.dtype):
+                seq = state(backend).next_seq()
+                if group.lean_all_gather(seq, tensor, out,
+                                         backend.resolve_timeout(timeout, "all_gather: timeout")):
+                    return out
+                return _all_gather(tensor, backend, timeout, None, out, seq=seq).run()
     return _all_gather(tensor, backend, timeout, algorithm, out).run()
 
 
@@ -239,7 +270,8 @@ def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
 
 
 # ----------------------------------------------------------------------------- reduce_scatter
-def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> Call:
+def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out, *,
+                    seq: int | None = None) -> Call:
     x = as_array("reduce_scatter", tensor, backend)
     op = as_op(op)
     wd = work_dtype("reduce_scatter", x.dtype, op)
@@ -272,7 +304,7 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out) -> Ca
         return result
 
     header = (x.dtype, x.shape, op, -1)
-    return Call("reduce_scatter", backend, timeout, header, body, fast, algorithm,
+    return Call("reduce_scatter", backend, timeout, header, body, fast, algorithm, seq=seq,
                 hier=lambda h: hierarchical.reduce_scatter(h, x, op, wd, out_shape, timeout,
                                                            out, backend.rank))
 
@@ -283,6 +315,22 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     """Reduce across ranks, then rank ``r`` keeps the ``r``-th of ``world_size`` equal slices
     along dim 0 (dim 0 must be divisible by the world size: else SizeMismatchError).
     ``out=``: a writable C-contiguous array of the slice's shape and dtype to fill."""
+    if algorithm is None and type(tensor) is np.ndarray and isinstance(op, ReduceOp):
+        group = group_for(backend)
+        x, n = tensor, backend.world_size
+        if (group is not None and x.dtype in KERNEL_DTYPES and x.flags.c_contiguous
+                and x.ndim and x.shape[0] % n == 0
+                and not (op is ReduceOp.MEAN and x.dtype.kind != "f")
+                and not (op in BITWISE and x.dtype.kind == "f")):
+            shape = (x.shape[0] // n, *x.shape[1:])
+            if out is None:
+                out = np.empty(shape, x.dtype)
+            if _usable_out(out, shape, x.dtype):
+                seq = state(backend).next_seq()
+                if group.lean_reduce_scatter(seq, x, out, op, backend.resolve_timeout(
+                        timeout, "reduce_scatter: timeout")):
+                    return out
+                return _reduce_scatter(x, backend, op, timeout, None, out, seq=seq).run()
     return _reduce_scatter(tensor, backend, op, timeout, algorithm, out).run()
 
 

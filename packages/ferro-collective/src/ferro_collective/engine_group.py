@@ -27,6 +27,10 @@ from . import algorithms as alg
 from .header import HEADER_SIZE, check_all, encode
 from .ops import OPS, ReduceOp
 
+#: all_gather blocks of at least this many bytes are read straight from the peers' memory
+#: (when cross-memory reads work), smaller ones go through the slots
+DIRECT_COPY_BYTES = int(os.environ.get("FERRO_SHM_DIRECT_COPY_BYTES", 256 << 10))
+
 log = logging.getLogger("ferro_collective")
 
 _EXTRA = struct.Struct("<QQQ")  # pid, input address, output address
@@ -177,15 +181,80 @@ class EngineGroup:
             step = self._lean_step("allreduce", seq, timeout,
                                    encode("allreduce", x.dtype, x.shape, op, -1, seq),
                                    x.ctypes.data, nbytes)
-            key = (step & 1, nbytes, x.dtype)
-            inputs = self._views.get(key)
-            if inputs is None:
-                if len(self._views) > 256:
-                    self._views.clear()
-                inputs = self._views[key] = [d[step & 1][:nbytes].view(x.dtype)
-                                             for d in self._data]
+            inputs = self._slot_views(step, nbytes, x.dtype)
             _reduce.fold(out.reshape(-1), inputs, OPS[op].kernel,
                          float(self.n) if op is ReduceOp.MEAN else 0.0)
+        finally:
+            self._done(seq)
+        return True
+
+    def _slot_views(self, step: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's slot data of ``step`` as ``nbytes`` of ``dtype`` (cached views)."""
+        key = (step & 1, nbytes, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            views = self._views[key] = [d[step & 1][:nbytes].view(dtype) for d in self._data]
+        return views
+
+    def lean_reduce_scatter(self, seq: int, x: np.ndarray, out: np.ndarray, op: ReduceOp,
+                            timeout: float) -> bool:
+        """A small reduce_scatter of a kernel dtype: one step, then the fold of this rank's
+        part of every slot (what the general path's slot fold computes); False as above."""
+        nbytes = x.nbytes
+        if nbytes > self.slot_bytes or self._next_seq != seq or self.broken is not None:
+            return False
+        try:
+            step = self._lean_step("reduce_scatter", seq, timeout,
+                                   encode("reduce_scatter", x.dtype, x.shape, op, -1, seq),
+                                   x.ctypes.data, nbytes)
+            part = x.size // self.n
+            s = self.me * part
+            inputs = [v[s:s + part] for v in self._slot_views(step, nbytes, x.dtype)]
+            _reduce.fold(out.reshape(-1), inputs, OPS[op].kernel,
+                         float(self.n) if op is ReduceOp.MEAN else 0.0)
+        finally:
+            self._done(seq)
+        return True
+
+    def lean_broadcast(self, seq: int, x: np.ndarray, out: np.ndarray, root: int,
+                       timeout: float) -> bool:
+        """A broadcast that fits a slot, in one step (the root's data in its slot); False
+        (nothing done) when not that case or not this call's turn."""
+        nbytes = x.nbytes
+        if nbytes > self.slot_bytes or self._next_seq != seq or self.broken is not None:
+            return False
+        try:
+            mine = self.me == root
+            step = self._lean_step("broadcast", seq, timeout,
+                                   encode("broadcast", x.dtype, x.shape, None, root, seq),
+                                   x.ctypes.data if mine else 0, nbytes if mine else 0)
+            flat = out.reshape(-1)
+            if mine:
+                if not np.may_share_memory(out, x):
+                    flat[...] = x.reshape(-1)
+            else:
+                flat[...] = self._slot_views(step, nbytes, x.dtype)[root]
+        finally:
+            self._done(seq)
+        return True
+
+    def lean_all_gather(self, seq: int, x: np.ndarray, out: np.ndarray,
+                        timeout: float) -> bool:
+        """An all_gather whose block goes through the slots (the general path's rule for
+        small blocks), in one step; False (nothing done) otherwise."""
+        nbytes = x.nbytes
+        if (nbytes > self.slot_bytes or (self.cma_ok and nbytes >= DIRECT_COPY_BYTES)
+                or self._next_seq != seq or self.broken is not None):
+            return False
+        try:
+            step = self._lean_step("all_gather", seq, timeout,
+                                   encode("all_gather", x.dtype, x.shape, None, -1, seq),
+                                   x.ctypes.data, nbytes)
+            rows = out.reshape(self.n, -1)
+            for r, view in enumerate(self._slot_views(step, nbytes, x.dtype)):
+                rows[r] = x.reshape(-1) if r == self.me else view
         finally:
             self._done(seq)
         return True

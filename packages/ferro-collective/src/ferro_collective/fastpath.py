@@ -39,16 +39,16 @@ import numpy as np
 from ferro_backend.partition import split_bounds
 
 from . import _reduce
-from .engine_group import EngineGroup, Step
+from .engine_group import DIRECT_COPY_BYTES, EngineGroup, Step
 from .ops import OPS, ReduceOp
 
 #: bytes of each peer's input read and folded at once by the large reduction
 PIECE_BYTES = 512 << 10
-#: all_gather blocks at least this large are copied straight from their owners' memory (one
-#: copy) instead of through the slots (two copies), where cross-memory reads work. (Measured on
-#: 2 ranks: 1 MiB all_gather 172 -> 106 us; broadcast was slower that way, 144 -> 319 us, as the
-#: root must then wait for every reader: it keeps the slots up to the slot size.)
-DIRECT_COPY_BYTES = int(os.environ.get("FERRO_SHM_DIRECT_COPY_BYTES", 256 << 10))
+# DIRECT_COPY_BYTES (engine_group): all_gather blocks at least this large are copied straight
+# from their owners' memory (one copy) instead of through the slots (two copies), where
+# cross-memory reads work. (Measured on
+# 2 ranks: 1 MiB all_gather 172 -> 106 us; broadcast was slower that way, 144 -> 319 us, as the
+# root must then wait for every reader: it keeps the slots up to the slot size.)
 
 
 # ----------------------------------------------------------------------------- the collectives
