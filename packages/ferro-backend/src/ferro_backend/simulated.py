@@ -12,13 +12,16 @@ from typing import Any
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request, check_timeout, check_world_size
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .mailbox import Mailbox
+from .netsim import Network, TimedRequest, VirtualTime
 
 
 class SimulatedBackend(FixedRanks, Backend):
     """One rank of an in-process group made by :meth:`create_group`."""
 
-    def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float) -> None:
+    def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float,
+                 vt: VirtualTime | None = None) -> None:
         self.nodes = ("this process",) * len(mailboxes)
+        self._vt = vt
         self._boxes = mailboxes
         self._rank = rank
         self._world = len(mailboxes)
@@ -28,12 +31,13 @@ class SimulatedBackend(FixedRanks, Backend):
         self._fault: tuple[int, str, float] | None = None  # (from send number, kind, delay)
 
     @classmethod
-    def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT
-                     ) -> list[SimulatedBackend]:
+    def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
+                     network: Network | None = None) -> list[SimulatedBackend]:
         """Create ``world_size`` connected backends; index ``i`` is rank ``i``.
 
         ``timeout`` is every rank's :attr:`Backend.timeout`: the default deadline of its
-        receives, barriers and collectives.
+        receives, barriers and collectives. ``network``: a :class:`~ferro_backend.netsim.Network`
+        whose links every message is charged to in virtual time (``backend.clock``).
 
         Raises :class:`InvalidWorldSizeError` for ``world_size < 1``, ValueError for a
         timeout that is negative, NaN or not a number.
@@ -42,8 +46,17 @@ class SimulatedBackend(FixedRanks, Backend):
         timeout = check_timeout(timeout, "SimulatedBackend.create_group: timeout")
         ranks: list[SimulatedBackend] = []
         boxes = [Mailbox(r, lambda r=r: ranks[r].timeout) for r in range(world_size)]
-        ranks.extend(cls(boxes, r, timeout) for r in range(world_size))
+        vt = VirtualTime(network, world_size) if network is not None else None
+        ranks.extend(cls(boxes, r, timeout, vt) for r in range(world_size))
+        if network is not None:
+            for b in ranks:
+                b.nodes = tuple(f"node {network.node(r)}" for r in range(world_size))
         return ranks
+
+    @property
+    def clock(self) -> float:
+        """This rank's virtual time in seconds (a group made with ``network=``), else 0.0."""
+        return self._vt.clock[self._rank] if self._vt is not None else 0.0
 
     def inject(self, *, after_messages: int = 0, fault: str = "kill", delay: float = 0.1) -> None:
         """Make this rank fail on purpose, for tests of recovery code without processes.
@@ -91,6 +104,8 @@ class SimulatedBackend(FixedRanks, Backend):
         self._sends += 1
         if self._fault is not None and self._faulty_send(dst):
             return
+        if self._vt is not None:
+            self._vt.on_send(self._rank, dst, tag, len(view))
         box = self._boxes[dst]
         req = box.claim(self._rank, tag)
         if req is not None:
@@ -100,7 +115,12 @@ class SimulatedBackend(FixedRanks, Backend):
         self.bytes_sent += len(view)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        return self._box.post(src, tag, self._recv_view(out, src, tag))
+        view = self._recv_view(out, src, tag)
+        if self._vt is None:
+            return self._box.post(src, tag, view)
+        ticket = self._vt.on_post(src, self._rank, tag)
+        return TimedRequest(self._box.post(src, tag, view), self._vt, (src, self._rank, tag),
+                            ticket)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
