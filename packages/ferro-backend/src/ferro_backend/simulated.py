@@ -54,6 +54,11 @@ class SimulatedBackend(FixedRanks, Backend):
         return ranks
 
     @property
+    def network(self) -> Network | None:
+        """The modelled network of a group made with ``network=``, else None."""
+        return self._vt.network if self._vt is not None else None
+
+    @property
     def clock(self) -> float:
         """This rank's virtual time in seconds (a group made with ``network=``), else 0.0."""
         return self._vt.clock[self._rank] if self._vt is not None else 0.0

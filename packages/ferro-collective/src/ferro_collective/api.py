@@ -31,7 +31,7 @@ def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
     op = as_op(op)
     wd = work_dtype("allreduce", x.dtype, op)
     n = backend.world_size
-    algo = choose("allreduce", algorithm, x.nbytes, n)
+    algo = choose("allreduce", algorithm, x.nbytes, n, backend)
     out = check_out("allreduce", out, x.shape, x.dtype)
 
     def body(ctx: alg.Ctx) -> np.ndarray:
@@ -145,7 +145,7 @@ def _broadcast(tensor, backend: Backend, root: int, timeout, algorithm, out, *,
     if not isinstance(root, int | np.integer) or not 0 <= root < n:
         raise InvalidRankError(f"broadcast: root {root!r} is out of range for world_size {n}")
     root = int(root)
-    algo = choose("broadcast", algorithm, x.nbytes, n)
+    algo = choose("broadcast", algorithm, x.nbytes, n, backend)
     out = check_out("broadcast", out, x.shape, x.dtype)
 
     def result() -> np.ndarray:
@@ -212,7 +212,7 @@ def _all_gather(tensor, backend: Backend, timeout, algorithm, out, *,
                 seq: int | None = None) -> Call:
     x = as_array("all_gather", tensor, backend)
     n = backend.world_size
-    algo = choose("all_gather", algorithm, x.nbytes, n)
+    algo = choose("all_gather", algorithm, x.nbytes, n, backend)
     shape = (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
     out = check_out("all_gather", out, shape, x.dtype)
 
@@ -281,7 +281,7 @@ def _reduce_scatter(tensor, backend: Backend, op, timeout, algorithm, out, *,
     if x.shape[0] % n:
         raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} ({x.shape[0]}) is "
                                 f"not divisible by world_size {n}")
-    algo = choose("reduce_scatter", algorithm, x.nbytes, n)
+    algo = choose("reduce_scatter", algorithm, x.nbytes, n, backend)
     out_shape = (x.shape[0] // n, *x.shape[1:])
     out = check_out("reduce_scatter", out, out_shape, x.dtype)
 

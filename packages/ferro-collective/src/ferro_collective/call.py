@@ -14,7 +14,7 @@ import numpy as np
 from ferro_backend import Backend, SizeMismatchError
 
 from . import algorithms as alg
-from . import engine_group
+from . import costmodel, engine_group
 from ._state import state, tag_base
 from .header import encode, mismatch_check_enabled
 from .work import Work
@@ -36,13 +36,19 @@ ALGORITHMS = {
 }
 
 
-def choose(name: str, algorithm: str | None, nbytes: int, n: int) -> str:
+def choose(name: str, algorithm: str | None, nbytes: int, n: int, backend=None) -> str:
+    """The algorithm to run: the one asked for, or for "auto" the measured thresholds up to 4
+    ranks and beyond that the cost model's best for ``backend``'s network (its simulated
+    network, else its node layout on a typical cluster: :func:`costmodel.params_for`)."""
     algorithm = algorithm or "auto"
     if algorithm not in ALGORITHMS[name]:
         raise ValueError(f"{name}: unknown algorithm {algorithm!r}; expected one of "
                          f"{ALGORITHMS[name]}")
     if algorithm != "auto":
         return algorithm
+    if n > 4 and name in costmodel.ALGORITHMS_MODELLED:
+        # beyond the world sizes the thresholds below were measured at: the cost model
+        return costmodel.choose_auto(name, nbytes, n, costmodel.params_for(backend))
     if name == "allreduce":
         return "recursive_doubling" if nbytes <= SMALL_MESSAGE_BYTES or n <= 2 and \
             nbytes <= 4 * SMALL_MESSAGE_BYTES else "ring"
