@@ -28,13 +28,16 @@ from .header import HEADER_SIZE
 @dataclass(frozen=True)
 class Params:
     """``alpha`` seconds and ``beta`` bytes/s between nodes; ``intra_alpha``/``intra_beta``
-    within a node of ``ranks_per_node`` consecutive ranks (None: one link kind)."""
+    within a node of ``ranks_per_node`` consecutive ranks (None: one link kind); ``gamma``
+    seconds per byte a rank folds into its buffer (the reduction kernel; 0: free, as in the
+    simulated network)."""
 
     alpha: float
     beta: float
     intra_alpha: float | None = None
     intra_beta: float | None = None
     ranks_per_node: int = 1
+    gamma: float = 0.0
 
     @classmethod
     def of(cls, network) -> Params:
@@ -57,6 +60,7 @@ class Params:
 #: a 25 Gb/s, 5 us cluster of 16-rank nodes with a 10 GB/s, 0.5 us shared-memory link: what
 #: "auto" assumes beyond the sizes its thresholds were measured at
 DEFAULT = Params(5e-6, 25e9 / 8, 0.5e-6, 10e9, 16)
+
 
 def params_for(backend) -> Params:
     """The link parameters "auto" plans with on ``backend``: its modelled network when it is a
@@ -103,17 +107,20 @@ class _Schedule:
         self.nic[src] = max(self.clock[src], self.nic[src]) + busy
         return self.nic[src] + lat
 
-    def rounds(self, rounds) -> None:
+    def rounds(self, rounds, fold: bool = False) -> None:
         """Rounds in which every rank sends one message, then waits for one: ``rounds`` yields
-        ``(dst_of, nbytes)``; ``dst_of(me)`` is the rank ``me`` sends to (None: sits out)."""
+        ``(dst_of, nbytes)``; ``dst_of(me)`` is the rank ``me`` sends to (None: sits out).
+        ``fold``: the receiver then reduces what it got into its buffer (``gamma`` per byte)."""
         n = len(self.clock)
         for dst_of, nbytes in rounds:
-            arrivals = [0.0] * n
+            arrivals = [None] * n
             for me in range(n):
                 dst = dst_of(me)
                 if dst is not None:
-                    arrivals[dst] = max(arrivals[dst], self.send(me, dst, nbytes))
-            self.clock = [max(c, a) for c, a in zip(self.clock, arrivals)]
+                    arrivals[dst] = max(arrivals[dst] or 0.0, self.send(me, dst, nbytes))
+            work = self.p.gamma * nbytes if fold else 0.0
+            self.clock = [c if a is None else max(c, a) + work
+                          for c, a in zip(self.clock, arrivals)]
 
 
 def _header(p: Params, n: int) -> list[float]:
@@ -135,28 +142,33 @@ def header_time(p: Params, n: int) -> float:
     return max(_header(p, n)) if n > 1 else 0.0
 
 
-def _ring(s: _Schedule, steps: int, nbytes: float) -> None:
+def _ring(s: _Schedule, steps: int, nbytes: float, folds: int = 0) -> None:
+    """``steps`` ring steps, the first ``folds`` of them reducing what arrives."""
     n = len(s.clock)
-    s.rounds([(lambda me: (me + 1) % n, nbytes)] * steps)
+    s.rounds([(lambda me: (me + 1) % n, nbytes)] * folds, fold=True)
+    s.rounds([(lambda me: (me + 1) % n, nbytes)] * (steps - folds))
 
 
 def _recursive_doubling(s: _Schedule, nbytes: float) -> None:
     n = len(s.clock)
     q = 1 << (n.bit_length() - 1)
     for me in range(q, n):  # fold into me - q
-        s.clock[me - q] = max(s.clock[me - q], s.send(me, me - q, nbytes))
+        s.clock[me - q] = max(s.clock[me - q], s.send(me, me - q, nbytes)) \
+            + s.p.gamma * nbytes
     d = 1
     while d < q:
-        s.rounds([(lambda me, d=d: (me ^ d) if me < q else None, nbytes)])
+        s.rounds([(lambda me, d=d: (me ^ d) if me < q else None, nbytes)], fold=True)
         d *= 2
     for me in range(q, n):  # the result back
         s.clock[me] = max(s.clock[me], s.send(me - q, me, nbytes))
 
 
-def _gather_to_root(s: _Schedule, nbytes: float) -> None:
+def _gather_to_root(s: _Schedule, nbytes: float, fold: bool = False) -> None:
     n = len(s.clock)
     for r in range(1, n):
         s.clock[0] = max(s.clock[0], s.send(r, 0, nbytes))
+    if fold:
+        s.clock[0] += s.p.gamma * nbytes * (n - 1)
 
 
 def _from_root(s: _Schedule, nbytes: float) -> None:
@@ -188,11 +200,11 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
     s = _Schedule(p, _header(p, n) if header else [0.0] * n)
     chunk = math.ceil(nbytes / n)
     if name == "allreduce" and algorithm == "ring":
-        _ring(s, 2 * (n - 1), chunk)
+        _ring(s, 2 * (n - 1), chunk, folds=n - 1)
     elif name == "allreduce" and algorithm == "recursive_doubling":
         _recursive_doubling(s, nbytes)
     elif name == "allreduce" and algorithm == "star":
-        _gather_to_root(s, nbytes)
+        _gather_to_root(s, nbytes, fold=True)
         _from_root(s, nbytes)
     elif name == "broadcast" and algorithm == "tree":
         _tree(s, nbytes)
@@ -201,7 +213,7 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
     elif name == "all_gather" and algorithm == "ring":
         _ring(s, n - 1, nbytes)
     elif name == "reduce_scatter" and algorithm == "ring":
-        _ring(s, n - 1, chunk)
+        _ring(s, n - 1, chunk, folds=n - 1)
     else:
         raise ValueError(f"costmodel: no model for {name} {algorithm!r}")
     return max(s.clock)
