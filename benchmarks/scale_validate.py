@@ -1,7 +1,8 @@
 """The cost model against real runs on this machine: TcpBackend processes (loopback), 2 and 4.
 
 Per world size: ranks 0 and 1 exchange messages both ways at once (as every algorithm's steps
-do) to fit the model's alpha (seconds per message, Python's share included) and beta (bytes/s); rank 0 times the reduction kernel for gamma (s/byte); then
+do) to fit the model's alpha (seconds per message, Python's share included) and beta
+(bytes/s); rank 0 times the reduction kernel for gamma (s/byte); then
 every rank runs allreduce with each algorithm forced, at 4 KiB-16 MiB (the slowest rank's
 median of ``--reps``). Prints predicted vs measured and the error.
 
