@@ -108,3 +108,37 @@ def test_init_from_env_on_two_nodes_attaches_the_hierarchy(tmp_path):
     for d in res:
         assert d["type"] == "TcpBackend" and d["local"] == 2 and d["nodes"] == 2, d
         assert d["sum"] == 10.0 and d["bcast"] == 3, d
+
+
+def test_ferrorun_on_two_nodes_runs_hierarchically(tmp_path):
+    """Two ferrorun agents (--nnodes 2, 2 ranks each) on this host: no transport is forced, so
+    init_from_env gives every rank the mesh plus its node's engine."""
+    import json
+    import subprocess
+    import sys
+
+    from ferro_backend.testing import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    port = str(free_port())
+    common = [sys.executable, "-m", "ferro_backend.launch", "--nnodes", "2", "--nproc", "2",
+              "--master-port", port, "--token", "t0k3n", "--timeout", "30"]
+    agents = [subprocess.Popen([*common, "--node-rank", str(k), str(script)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for k in range(2)]
+    try:
+        outs = [a.communicate(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait(5)
+    for a, (_, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-3000:]
+    res = [json.loads(line.split("] ", 1)[1]) for out, _ in outs for line in out.splitlines()
+           if line.startswith("[rank ") and '"rank"' in line]
+    assert sorted(d["rank"] for d in res) == [0, 1, 2, 3], outs
+    for d in res:
+        assert d["type"] == "TcpBackend" and d["local"] == 2 and d["nodes"] == 2, d
+        assert d["sum"] == 10.0 and d["bcast"] == 3, d

@@ -218,8 +218,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
         local_world = _opt_int(env, "LOCAL_WORLD_SIZE")
         nodes = (primary.world // local_world if local_world and primary.world % local_world == 0
                  else None)
+        # ferrorun --nnodes sets GROUP_RANK (its --node-rank): the node id
+        group = env.get("GROUP_RANK", "").strip() or None
         return Launcher(source, primary.rank, primary.world, _opt_int(env, "LOCAL_RANK") or 0,
-                        override, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), nodes, seen)
+                        override or group, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), nodes,
+                        seen)
     if source == "torchrun":
         group = env.get("GROUP_RANK", "").strip() or None
         return Launcher(source, primary.rank, primary.world, _opt_int(env, "LOCAL_RANK") or 0,
@@ -472,8 +475,8 @@ def _via_master(launcher: Launcher, transport: str | None, kwargs: dict[str, Any
     if transport == "mpi":
         return _mpi_backend(launcher, kwargs)
     backend = (ShmBackend if transport == "shm" else TcpBackend).from_env(**kwargs)
-    if launcher.num_nodes == 1 and launcher.node_id is None:
-        backend.nodes = (socket.gethostname(),) * launcher.world_size
+    if launcher.num_nodes == 1:
+        backend.nodes = (node_key(launcher),) * launcher.world_size
     return backend
 
 
