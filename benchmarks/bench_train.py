@@ -47,7 +47,8 @@ def _ferro_worker(kind: str, dims: tuple[int, ...]) -> list[float]:
     rng = np.random.default_rng(0)
     layers = []
     for i in range(len(dims) - 1):
-        layers.append(nn.Linear(dims[i], dims[i + 1], rng=rng))
+        # the first layer's input is the data: no gradient for it (torch's autograd skips it too)
+        layers.append(nn.Linear(dims[i], dims[i + 1], rng=rng, input_grad=i > 0))
         if i < len(dims) - 2:
             layers.append(nn.ReLU())
     model = nn.Sequential(*layers)

@@ -199,3 +199,24 @@ def test_mse_keeps_nan():
     assert np.isnan(loss_fn(np.array([np.nan, 1.0]), np.array([0.0, 1.0])))
     assert np.isnan(loss_fn.backward()[0])
     assert np.isnan(loss_fn(np.array([0.0, 1.0]), np.array([np.nan, 1.0])))
+
+
+def test_linear_without_input_grad_skips_it_and_keeps_the_parameter_grads():
+    from ferro_fsdp import nn as fnn
+
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    a = fnn.Linear(3, 2, rng=1, dtype=np.float64)
+    b = fnn.Linear(3, 2, rng=1, dtype=np.float64, input_grad=False)
+    g = np.ones((4, 2))
+    a(x), b(x)
+    assert a.backward(g) is not None and b.backward(g) is None
+    np.testing.assert_array_equal(a.weight.grad, b.weight.grad)
+    np.testing.assert_array_equal(a.bias.grad, b.bias.grad)
+    first = fnn.Sequential(fnn.Linear(3, 4, rng=2, input_grad=False), fnn.ReLU(),
+                           fnn.Linear(4, 2, rng=3))
+    first(x.astype(np.float32))
+    assert first.backward(np.ones((4, 2), np.float32)) is None
+    bad = fnn.Sequential(fnn.ReLU(), fnn.Linear(3, 2, rng=4, input_grad=False))
+    bad(x.astype(np.float32))
+    with pytest.raises(ValueError, match="ReLU comes before a layer with input_grad=False"):
+        bad.backward(np.ones((4, 2), np.float32))

@@ -29,10 +29,13 @@ class Linear(Module):
 
     Initialised like torch: weight and bias uniform in ``±1/sqrt(in_features)``. ``rng`` is a seed
     or a ``numpy.random.Generator``; ``dtype`` float32 (default, as torch) or float64.
+    ``input_grad=False`` (also settable later as an attribute): ``backward`` skips the gradient
+    wrt the input and returns None, one matmul less per step; for a model's first layer, whose
+    input (the data) needs no gradient, as torch's autograd skips it on its own.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 dtype: Any = np.float32, rng: Any = None) -> None:
+                 dtype: Any = np.float32, rng: Any = None, input_grad: bool = True) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: in_features {in_features} and out_features {out_features} "
@@ -50,6 +53,7 @@ class Linear(Module):
         else:
             self.bias = None
         self._x: np.ndarray | None = None
+        self.input_grad = bool(input_grad)
 
     def forward(self, x: Any) -> np.ndarray:
         x = np.asarray(x)
@@ -84,7 +88,7 @@ class Linear(Module):
                 b.grad = np.sum(g2, axis=0, out=slot)
             else:
                 b.accumulate_grad(g2.sum(axis=0), owned=True)
-        return g @ w.data
+        return g @ w.data if self.input_grad else None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -143,6 +147,9 @@ class Sequential(Module):
     def backward(self, grad_output: Any) -> Any:
         g = grad_output
         for m in reversed(self._layers()):
+            if g is None:  # a later layer computed no input gradient (input_grad=False)
+                raise ValueError(f"Sequential.backward: {type(m).__name__} comes before a layer "
+                                 "with input_grad=False: it needs that gradient")
             g = m.backward(g)
         return g
 
