@@ -117,8 +117,26 @@ def run_ranks(fn: Callable[[Backend], T], world_size: int, *, timeout: float = 6
             b.close()
 
 
+#: where free_port looks first: below Linux's default ephemeral range (32768-60999), so that no
+#: outgoing connection of another test running at the same time takes the port before the job
+#: that was given it binds it
+_QUIET_PORTS = (20000, 32000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago: a random one outside the ephemeral
+    range when one binds (parallel test sessions rarely pick the same), else any free port."""
+    import random
+
+    pick = random.SystemRandom()
+    for _ in range(50):
+        port = pick.randrange(*_QUIET_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -280,8 +298,10 @@ class Job:
             if text in line:
                 return
             if not line and proc.poll() is not None:
-                break
-        raise AssertionError(f"rank {rank} never printed {text!r}")
+                err = proc.stderr.read() if proc.stderr is not None else ""
+                raise AssertionError(f"rank {rank} exited with code {proc.returncode} before "
+                                     f"printing {text!r}; its stderr ends:\n{err[-3000:]}")
+        raise AssertionError(f"rank {rank} never printed {text!r} in {timeout:g}s")
 
     def finish(self, timeout: float = 60.0) -> list[RankResult]:
         """Wait for every rank (at most ``timeout`` seconds in all) and return how each ended."""
