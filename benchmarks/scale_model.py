@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import ferro_collective as fc
 from ferro_backend import SimulatedBackend
 from ferro_backend.netsim import Network
+from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
 from ferro_collective.call import choose
 
@@ -32,21 +32,15 @@ CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "star")] + \
 def simulate(n: int, name: str, algorithm: str, nbytes: int) -> float:
     group = SimulatedBackend.create_group(n, network=NET, timeout=600)
     x = np.ones(nbytes // 4, np.float32)
-    clocks = [0.0] * n
 
     def run(b):
         if name == "allreduce":
             fc.allreduce(x, b, algorithm=algorithm)
         else:
             fc.broadcast(x, b, 0, algorithm=algorithm)
-        clocks[b.rank] = b.clock
+        return b.clock
 
-    threads = [threading.Thread(target=run, args=(b,)) for b in group]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return max(clocks)
+    return max(run_threads(run, group, timeout=600))
 
 
 def main() -> None:

@@ -1,29 +1,12 @@
 """SimulatedBackend with a modelled network: virtual time per message (alpha-beta, the
 sender's interface one message at a time), node layouts, deterministic whatever the threads do."""
 
-import threading
-
 import numpy as np
 import pytest
 
 from ferro_backend import SimulatedBackend
 from ferro_backend.netsim import Link, Network
-
-
-def _run(group, fn):
-    out = [None] * len(group)
-
-    def one(b):
-        out[b.rank] = fn(b)
-
-    threads = [threading.Thread(target=one, args=(b,)) for b in group]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive()
-    return out
-
+from ferro_backend.testing import run_threads
 
 NET = Network(Link(10e-6, 1e9))  # 10 us, 1 GB/s
 
@@ -88,9 +71,10 @@ def test_virtual_time_does_not_depend_on_thread_scheduling():
             req.wait(10)
         return b.clock
 
-    first = _run(SimulatedBackend.create_group(5, network=NET), lambda b: ring(b, False))
+    first = run_threads(lambda b: ring(b, False), SimulatedBackend.create_group(5, network=NET))
     for _ in range(3):
-        again = _run(SimulatedBackend.create_group(5, network=NET), lambda b: ring(b, True))
+        again = run_threads(lambda b: ring(b, True),
+                            SimulatedBackend.create_group(5, network=NET))
         assert again == first
     assert all(c > 0 for c in first)
 

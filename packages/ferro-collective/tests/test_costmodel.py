@@ -1,6 +1,5 @@
 """The cost model against the simulated network (virtual time), and "auto" against the model."""
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 import ferro_collective as fc
 from ferro_backend import SimulatedBackend
 from ferro_backend.netsim import Link, Network
+from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
 from ferro_collective.call import choose
 
@@ -22,7 +22,6 @@ NETWORKS = {
 def _simulate(net, n, name, algorithm, nbytes):
     """Virtual seconds of one call on a simulated group (the slowest rank's clock)."""
     group = SimulatedBackend.create_group(n, network=net, timeout=120)
-    clocks = [0.0] * n
     if name == "reduce_scatter":
         x = np.ones(max(n, nbytes // 4 // n * n), np.float32)
     else:
@@ -37,15 +36,9 @@ def _simulate(net, n, name, algorithm, nbytes):
             fc.all_gather(x, b, algorithm=algorithm)
         else:
             fc.reduce_scatter(x, b, algorithm=algorithm)
-        clocks[b.rank] = b.clock
+        return b.clock
 
-    threads = [threading.Thread(target=run, args=(b,)) for b in group]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive()
-    return max(clocks), x.nbytes
+    return max(run_threads(run, group, timeout=120)), x.nbytes
 
 
 CASES = [(label, n, nbytes) for label in NETWORKS for n in (8, 12, 64)
@@ -97,18 +90,11 @@ def test_auto_is_a_function_of_size_and_world():
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "star", "auto"])
 def test_every_algorithm_gives_every_rank_the_same_bits(algorithm):
     net = Network(Link(1e-6, 1e9))
-    group = SimulatedBackend.create_group(12, network=net)
-    out = [None] * 12
-
     def run(b):
         x = np.random.default_rng(b.rank).standard_normal(1001).astype(np.float32)
-        out[b.rank] = fc.allreduce(x, b, algorithm=algorithm).tobytes()
+        return fc.allreduce(x, b, algorithm=algorithm).tobytes()
 
-    threads = [threading.Thread(target=run, args=(b,)) for b in group]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = run_threads(run, SimulatedBackend.create_group(12, network=net))
     assert len(set(out)) == 1
 
 
