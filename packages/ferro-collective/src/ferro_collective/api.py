@@ -104,30 +104,39 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[6.0], [6.0], [6.0]]
     """
     if algorithm is None and type(tensor) is np.ndarray and isinstance(op, ReduceOp):
-        done = _lean_allreduce(tensor, backend, op, timeout, out)
-        if done is not None:
-            return done
+        group = group_for(backend)
+        if group is not None and _reducible_in_one_step(tensor, op):
+            done = _one_step(
+                "allreduce", backend, tensor.shape, tensor.dtype, out, timeout,
+                lambda seq, o, t: group.lean_allreduce(seq, tensor, o, op, t),
+                lambda o, seq: _allreduce(tensor, backend, op, timeout, None, o, seq=seq).run())
+            if done is not None:
+                return done
     return _allreduce(tensor, backend, op, timeout, algorithm, out).run()
 
 
-def _lean_allreduce(x: np.ndarray, backend, op: ReduceOp, timeout, out) -> np.ndarray | None:
-    """The engine's one-step allreduce for the common case (a C-contiguous array of a kernel
-    dtype that fits a slot), or None: then the general path validates and runs the call."""
-    group = group_for(backend)
-    if (group is None or x.dtype not in KERNEL_DTYPES or not x.flags.c_contiguous
-            or (op is ReduceOp.MEAN and x.dtype.kind != "f")
-            or (op in BITWISE and x.dtype.kind == "f")):
-        return None
+def _reducible_in_one_step(x: np.ndarray, op: ReduceOp) -> bool:
+    """The one-step reductions' case: a C-contiguous array of a kernel dtype, an op it takes
+    (the general path raises the errors for the others)."""
+    return (x.dtype in KERNEL_DTYPES and x.flags.c_contiguous
+            and not (op is ReduceOp.MEAN and x.dtype.kind != "f")
+            and not (op in BITWISE and x.dtype.kind == "f"))
+
+
+def _one_step(name: str, backend: Backend, shape: tuple[int, ...], dtype: np.dtype, out,
+              timeout, lean, general) -> np.ndarray | None:
+    """An engine call with no call object: ``lean(seq, out, timeout)`` into ``out`` (made here
+    when None); when it is not that call's turn, ``general(out, seq)`` runs it with the same
+    sequence number. None (nothing done) when ``out`` is not one a lean call can write into:
+    the general path then checks it."""
     if out is None:
-        out = np.empty(x.shape, x.dtype)
-    elif (type(out) is not np.ndarray or out.shape != x.shape or out.dtype != x.dtype
-          or not out.flags.c_contiguous or not out.flags.writeable):
+        out = np.empty(shape, dtype)
+    elif not _usable_out(out, shape, dtype):
         return None
     seq = state(backend).next_seq()
-    if group.lean_allreduce(seq, x, out, op, backend.resolve_timeout(timeout,
-                                                                      "allreduce: timeout")):
+    if lean(seq, out, backend.resolve_timeout(timeout, f"{name}: timeout")):
         return out
-    return _allreduce(x, backend, op, timeout, None, out, seq=seq).run()
+    return general(out, seq)
 
 
 def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -184,14 +193,13 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
         group = group_for(backend)
         if group is not None and tensor.flags.c_contiguous and not tensor.dtype.hasobject \
                 and type(root) is int and 0 <= root < backend.world_size:
-            if out is None:
-                out = np.empty(tensor.shape, tensor.dtype)
-            if _usable_out(out, tensor.shape, tensor.dtype):
-                seq = state(backend).next_seq()
-                if group.lean_broadcast(seq, tensor, out, root,
-                                        backend.resolve_timeout(timeout, "broadcast: timeout")):
-                    return out
-                return _broadcast(tensor, backend, root, timeout, None, out, seq=seq).run()
+            done = _one_step(
+                "broadcast", backend, tensor.shape, tensor.dtype, out, timeout,
+                lambda seq, o, t: group.lean_broadcast(seq, tensor, o, root, t),
+                lambda o, seq: _broadcast(tensor, backend, root, timeout, None, o,
+                                          seq=seq).run())
+            if done is not None:
+                return done
     return _broadcast(tensor, backend, root, timeout, algorithm, out).run()
 
 
@@ -252,14 +260,12 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
         if group is not None and tensor.flags.c_contiguous and not tensor.dtype.hasobject:
             n = backend.world_size
             shape = (n,) if tensor.ndim == 0 else (tensor.shape[0] * n, *tensor.shape[1:])
-            if out is None:
-                out = np.empty(shape, tensor.dtype)
-            if _usable_out(out, shape, tensor.dtype):
-                seq = state(backend).next_seq()
-                if group.lean_all_gather(seq, tensor, out,
-                                         backend.resolve_timeout(timeout, "all_gather: timeout")):
-                    return out
-                return _all_gather(tensor, backend, timeout, None, out, seq=seq).run()
+            done = _one_step(
+                "all_gather", backend, shape, tensor.dtype, out, timeout,
+                lambda seq, o, t: group.lean_all_gather(seq, tensor, o, t),
+                lambda o, seq: _all_gather(tensor, backend, timeout, None, o, seq=seq).run())
+            if done is not None:
+                return done
     return _all_gather(tensor, backend, timeout, algorithm, out).run()
 
 
@@ -318,19 +324,14 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     if algorithm is None and type(tensor) is np.ndarray and isinstance(op, ReduceOp):
         group = group_for(backend)
         x, n = tensor, backend.world_size
-        if (group is not None and x.dtype in KERNEL_DTYPES and x.flags.c_contiguous
-                and x.ndim and x.shape[0] % n == 0
-                and not (op is ReduceOp.MEAN and x.dtype.kind != "f")
-                and not (op in BITWISE and x.dtype.kind == "f")):
-            shape = (x.shape[0] // n, *x.shape[1:])
-            if out is None:
-                out = np.empty(shape, x.dtype)
-            if _usable_out(out, shape, x.dtype):
-                seq = state(backend).next_seq()
-                if group.lean_reduce_scatter(seq, x, out, op, backend.resolve_timeout(
-                        timeout, "reduce_scatter: timeout")):
-                    return out
-                return _reduce_scatter(x, backend, op, timeout, None, out, seq=seq).run()
+        if group is not None and x.ndim and x.shape[0] % n == 0 \
+                and _reducible_in_one_step(x, op):
+            done = _one_step(
+                "reduce_scatter", backend, (x.shape[0] // n, *x.shape[1:]), x.dtype, out,
+                timeout, lambda seq, o, t: group.lean_reduce_scatter(seq, x, o, op, t),
+                lambda o, seq: _reduce_scatter(x, backend, op, timeout, None, o, seq=seq).run())
+            if done is not None:
+                return done
     return _reduce_scatter(tensor, backend, op, timeout, algorithm, out).run()
 
 
