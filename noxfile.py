@@ -140,10 +140,10 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on every Python file, cython-lint on every .pyx kernel."""
+    """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include."""
     session.install("ruff", "cython-lint", "pycodestyle")
     session.run("ruff", "check", str(ROOT))
-    pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.pyx"))
+    pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.px[id]"))
     if pyx:
         session.run("cython-lint", *pyx)
 

@@ -12,8 +12,10 @@ import signal
 import time
 
 import engine_fns
+import numpy as np
 import pytest
 
+import ferro_collective as fc
 from ferro_backend.testing import Job, run_processes
 
 pytestmark = pytest.mark.timeout(180)
@@ -190,3 +192,20 @@ def test_killed_peer_fails_scatter_and_all_to_all_promptly():
                 assert name in ("PeerClosedError", "PeerAbortedError")
                 latencies.append(t_err - t_kill)
     assert max(latencies) < 2.5, latencies
+
+
+def test_one_call_collectives_wait_past_the_stall_report_for_a_late_peer():
+    # rank 1 arrives after rank 0's soft deadline (stall report), before its hard one
+    for flags in run_processes(engine_fns.late_but_in_time, 2, transport="shm", timeout=60):
+        assert flags == [True] * 5
+
+
+def test_the_engine_patches_the_sequence_number_where_the_header_holds_it():
+    from ferro_collective import _shmcoll
+    from ferro_collective.header import _SEQ_OFFSET, encode
+
+    assert _shmcoll.HEADER_SEQ_OFFSET == _SEQ_OFFSET
+    a, b = encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0x01020304), \
+        encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0)
+    assert a[_SEQ_OFFSET:_SEQ_OFFSET + 4] == bytes([4, 3, 2, 1])
+    assert a[:_SEQ_OFFSET] == b[:_SEQ_OFFSET] and a[_SEQ_OFFSET + 4:] == b[_SEQ_OFFSET + 4:]

@@ -7,6 +7,7 @@ OP_MIN: int
 OP_BAND: int
 OP_BOR: int
 OP_BXOR: int
+DTYPE_CODES: dict[str, int]
 
 def accumulate(acc: np.ndarray, x: np.ndarray, op: int) -> None: ...
 def accumulate_mean(acc: np.ndarray, x: np.ndarray, divisor: float) -> None: ...

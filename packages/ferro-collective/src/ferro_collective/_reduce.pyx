@@ -11,84 +11,16 @@ each call folds exactly one buffer into the accumulator, so a schedule of calls 
 element's summation order (IEEE addition and multiplication are commutative, not associative).
 """
 
-cimport cython
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
 
-ctypedef fused num:
-    float
-    double
-    int8_t
-    int16_t
-    int32_t
-    int64_t
-    uint8_t
-    uint16_t
-    uint32_t
-    uint64_t
-
-ctypedef fused real:
-    float
-    double
-
-# the op codes; exported below as OP_* so that ops.py reads them from here (one definition)
-cdef enum:
-    SUM = 0
-    PROD = 1
-    MAX = 2
-    MIN = 3
-    BAND = 4
-    BOR = 5
-    BXOR = 6
+include "_kernels.pxi"
 
 OP_SUM, OP_PROD, OP_MAX, OP_MIN = SUM, PROD, MAX, MIN
 OP_BAND, OP_BOR, OP_BXOR = BAND, BOR, BXOR
 
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef inline void _acc(num* acc, const num* x, Py_ssize_t n, int op) noexcept nogil:
-    cdef Py_ssize_t i
-    if op == SUM:
-        for i in range(n):
-            acc[i] = acc[i] + x[i]
-    elif op == PROD:
-        for i in range(n):
-            acc[i] = acc[i] * x[i]
-    elif op == MAX:
-        # NaN propagates like np.maximum: a NaN in either operand wins
-        for i in range(n):
-            if not (acc[i] >= x[i]):
-                if num is float or num is double:
-                    if acc[i] != acc[i]:
-                        continue
-                acc[i] = x[i]
-    elif op == MIN:
-        for i in range(n):
-            if not (acc[i] <= x[i]):
-                if num is float or num is double:
-                    if acc[i] != acc[i]:
-                        continue
-                acc[i] = x[i]
-    elif num is not float and num is not double:  # the bitwise ops: integers only
-        if op == BAND:
-            for i in range(n):
-                acc[i] = acc[i] & x[i]
-        elif op == BOR:
-            for i in range(n):
-                acc[i] = acc[i] | x[i]
-        elif op == BXOR:
-            for i in range(n):
-                acc[i] = acc[i] ^ x[i]
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef inline void _acc_div(real* acc, const real* x, Py_ssize_t n, real d) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(n):
-        acc[i] = (acc[i] + x[i]) / d
+#: numpy dtype name -> the dtype code of the engine's address-level folds (``_shmcoll``)
+DTYPE_CODES = {"float32": F32, "float64": F64, "int8": I8, "int16": I16, "int32": I32,
+               "int64": I64, "uint8": U8, "uint16": U16, "uint32": U32, "uint64": U64}
 
 
 def accumulate(num[::1] acc, const num[::1] x, int op):
@@ -114,13 +46,6 @@ def accumulate_mean(real[::1] acc, const real[::1] x, double divisor):
         _acc_div(&acc[0], &x[0], n, <real>divisor)
 
 
-#: elements per block of fold(): the block of the output stays in cache while every input is
-#: folded into it
-cdef Py_ssize_t FOLD_BLOCK = 4096
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def fold(num[::1] out, list inputs, int op, double mean_divisor):
     """``out = inputs[0] op inputs[1] op ... op inputs[-1]``, in that order, in one pass.
 
@@ -129,7 +54,7 @@ def fold(num[::1] out, list inputs, int op, double mean_divisor):
     star algorithm's rank-order fold). ``ops.fold`` checks that every input is a C-contiguous
     array of ``out``'s dtype and length; the kernel trusts it.
     """
-    cdef Py_ssize_t count = len(inputs), n = out.shape[0], j, start, size
+    cdef Py_ssize_t count = len(inputs), n = out.shape[0], j
     cdef const num[::1] view
     cdef const num** ptrs
     if n == 0 or count == 0:
@@ -142,16 +67,6 @@ def fold(num[::1] out, list inputs, int op, double mean_divisor):
             view = inputs[j]
             ptrs[j] = &view[0]
         with nogil:
-            start = 0
-            while start < n:
-                size = min(FOLD_BLOCK, n - start)
-                memcpy(&out[start], ptrs[0] + start, size * sizeof(num))
-                for j in range(1, count):
-                    if num is float or num is double:
-                        if mean_divisor > 0 and j == count - 1:
-                            _acc_div(&out[start], ptrs[j] + start, size, <num>mean_divisor)
-                            continue
-                    _acc(&out[start], ptrs[j] + start, size, op)
-                start += size
+            _fold(&out[0], ptrs, count, n, op, mean_divisor)
     finally:
         free(ptrs)

@@ -26,11 +26,13 @@ ASYNC_WORKERS = int(os.environ.get("FERRO_ASYNC_WORKERS", "4"))
 class BackendState:
     def __init__(self) -> None:
         self._seq = itertools.count()
+        #: the next sequence number (itertools.count's __next__: atomic under the GIL)
+        self.counter = self._seq.__next__
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def next_seq(self) -> int:
-        return next(self._seq)  # itertools.count: atomic under the GIL
+        return self.counter()
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``job()`` on this backend's worker threads; jobs start in submission order."""

@@ -14,10 +14,9 @@ from ferro_backend import DEFAULT_TIMEOUT, Backend, InvalidRankError, SizeMismat
 
 from . import algorithms as alg
 from . import fastpath, hierarchical
-from ._state import state
 from .call import Call, as_array, check_out, choose, finish
 from .engine_group import group_for
-from .ops import BITWISE, KERNEL_DTYPES, ReduceOp, as_op, work_dtype
+from .ops import ReduceOp, as_op, work_dtype
 from .work import Work
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
@@ -103,40 +102,13 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     >>> run_ranks(lambda b: allreduce(np.array([b.rank + 1.0]), b).tolist(), 3)
     [[6.0], [6.0], [6.0]]
     """
-    if algorithm is None and type(tensor) is np.ndarray and isinstance(op, ReduceOp):
+    if algorithm is None and type(tensor) is np.ndarray and type(op) is ReduceOp:
         group = group_for(backend)
-        if group is not None and _reducible_in_one_step(tensor, op):
-            done = _one_step(
-                "allreduce", backend, tensor.shape, tensor.dtype, out, timeout,
-                lambda seq, o, t: group.lean_allreduce(seq, tensor, o, op, t),
-                lambda o, seq: _allreduce(tensor, backend, op, timeout, None, o, seq=seq).run())
+        if group is not None:
+            done = group.allreduce_now(tensor, out, op, timeout)
             if done is not None:
                 return done
     return _allreduce(tensor, backend, op, timeout, algorithm, out).run()
-
-
-def _reducible_in_one_step(x: np.ndarray, op: ReduceOp) -> bool:
-    """The one-step reductions' case: a C-contiguous array of a kernel dtype, an op it takes
-    (the general path raises the errors for the others)."""
-    return (x.dtype in KERNEL_DTYPES and x.flags.c_contiguous
-            and not (op is ReduceOp.MEAN and x.dtype.kind != "f")
-            and not (op in BITWISE and x.dtype.kind == "f"))
-
-
-def _one_step(name: str, backend: Backend, shape: tuple[int, ...], dtype: np.dtype, out,
-              timeout, lean, general) -> np.ndarray | None:
-    """An engine call with no call object: ``lean(seq, out, timeout)`` into ``out`` (made here
-    when None); when it is not that call's turn, ``general(out, seq)`` runs it with the same
-    sequence number. None (nothing done) when ``out`` is not one a lean call can write into:
-    the general path then checks it."""
-    if out is None:
-        out = np.empty(shape, dtype)
-    elif not _usable_out(out, shape, dtype):
-        return None
-    seq = state(backend).next_seq()
-    if lean(seq, out, backend.resolve_timeout(timeout, f"{name}: timeout")):
-        return out
-    return general(out, seq)
 
 
 def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -189,24 +161,13 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     Raises :class:`InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
     writable C-contiguous array of the input's shape and dtype to fill (may be the input).
     """
-    if algorithm is None and type(tensor) is np.ndarray:
+    if algorithm is None and type(tensor) is np.ndarray and type(root) is int:
         group = group_for(backend)
-        if group is not None and tensor.flags.c_contiguous and not tensor.dtype.hasobject \
-                and type(root) is int and 0 <= root < backend.world_size:
-            done = _one_step(
-                "broadcast", backend, tensor.shape, tensor.dtype, out, timeout,
-                lambda seq, o, t: group.lean_broadcast(seq, tensor, o, root, t),
-                lambda o, seq: _broadcast(tensor, backend, root, timeout, None, o,
-                                          seq=seq).run())
+        if group is not None:
+            done = group.broadcast_now(tensor, out, root, timeout)
             if done is not None:
                 return done
     return _broadcast(tensor, backend, root, timeout, algorithm, out).run()
-
-
-def _usable_out(out, shape: tuple[int, ...], dtype: np.dtype) -> bool:
-    """``out`` is what a lean engine call can write into (else the general path checks it)."""
-    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
-            and out.flags.c_contiguous and out.flags.writeable)
 
 
 def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
@@ -257,13 +218,8 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     """
     if algorithm is None and type(tensor) is np.ndarray:
         group = group_for(backend)
-        if group is not None and tensor.flags.c_contiguous and not tensor.dtype.hasobject:
-            n = backend.world_size
-            shape = (n,) if tensor.ndim == 0 else (tensor.shape[0] * n, *tensor.shape[1:])
-            done = _one_step(
-                "all_gather", backend, shape, tensor.dtype, out, timeout,
-                lambda seq, o, t: group.lean_all_gather(seq, tensor, o, t),
-                lambda o, seq: _all_gather(tensor, backend, timeout, None, o, seq=seq).run())
+        if group is not None:
+            done = group.all_gather_now(tensor, out, timeout)
             if done is not None:
                 return done
     return _all_gather(tensor, backend, timeout, algorithm, out).run()
@@ -321,15 +277,10 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     """Reduce across ranks, then rank ``r`` keeps the ``r``-th of ``world_size`` equal slices
     along dim 0 (dim 0 must be divisible by the world size: else SizeMismatchError).
     ``out=``: a writable C-contiguous array of the slice's shape and dtype to fill."""
-    if algorithm is None and type(tensor) is np.ndarray and isinstance(op, ReduceOp):
+    if algorithm is None and type(tensor) is np.ndarray and type(op) is ReduceOp:
         group = group_for(backend)
-        x, n = tensor, backend.world_size
-        if group is not None and x.ndim and x.shape[0] % n == 0 \
-                and _reducible_in_one_step(x, op):
-            done = _one_step(
-                "reduce_scatter", backend, (x.shape[0] // n, *x.shape[1:]), x.dtype, out,
-                timeout, lambda seq, o, t: group.lean_reduce_scatter(seq, x, o, op, t),
-                lambda o, seq: _reduce_scatter(x, backend, op, timeout, None, o, seq=seq).run())
+        if group is not None:
+            done = group.reduce_scatter_now(tensor, out, op, timeout)
             if done is not None:
                 return done
     return _reduce_scatter(tensor, backend, op, timeout, algorithm, out).run()
@@ -355,8 +306,7 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
                         f"{type(backend).__name__}")
     group = group_for(backend)
     if group is not None:
-        group.lean_barrier(state(backend).next_seq(),
-                           backend.resolve_timeout(timeout, "barrier: timeout"))
+        group.barrier_now(timeout)
         return
     _barrier_call(backend, timeout).run()
 

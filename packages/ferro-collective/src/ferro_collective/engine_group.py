@@ -3,8 +3,9 @@
 :class:`EngineGroup` is what :mod:`.fastpath`'s collectives run on: it takes the steps of the
 protocol (``_shmcoll.SlotEngine``), turns their status into ferro's errors (mismatch, timeout
 naming the missing ranks, a dead peer), logs stall reports, keeps calls in issue order and
-persistent scratch buffers. ``lean_barrier``/``lean_allreduce`` are the common small calls with
-as little Python as possible.
+persistent scratch buffers. Its ``*_now`` methods run the common small calls (barrier and slot-sized
+allreduce, reduce_scatter, broadcast, all_gather) as one engine call each, with as little Python
+as possible.
 """
 
 from __future__ import annotations
@@ -24,14 +25,20 @@ from ferro_backend import CollectiveTimeoutError, PeerClosedError
 
 from . import _reduce, _shmcoll
 from . import algorithms as alg
+from ._state import state
 from .header import HEADER_SIZE, check_all, encode
-from .ops import OPS, ReduceOp
+from .ops import BITWISE, OPS, ReduceOp
 
 #: all_gather blocks of at least this many bytes are read straight from the peers' memory
 #: (when cross-memory reads work), smaller ones go through the slots
 DIRECT_COPY_BYTES = int(os.environ.get("FERRO_SHM_DIRECT_COPY_BYTES", 256 << 10))
 
 log = logging.getLogger("ferro_collective")
+
+#: kernel dtype -> the engine's dtype code (float codes first, then the integers)
+_CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
+_FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
+_NOTHING = np.empty(0, np.uint8)
 
 _EXTRA = struct.Struct("<QQQ")  # pid, input address, output address
 _EXTRA_OFF = 128  # in the slot header, after the collective header
@@ -79,7 +86,10 @@ class EngineGroup:
         self._next_seq: int | None = None
         self._waiting = 0
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
-        self._views: dict[tuple[int, int, np.dtype], list[np.ndarray]] = {}
+        self._headers: dict[tuple, bytes] = {}
+        self._barrier_header = encode("barrier", None, (), seq=0)
+        # the backend's sequence numbers (shared with every other call on it)
+        self._next = state(backend).counter
 
     @staticmethod
     def _slots(lay: dict[str, int], rank: int) -> list[int]:
@@ -158,122 +168,156 @@ class EngineGroup:
                 rc = _shmcoll.STATUS_MISMATCH
         self._check(rc, call, step)
 
-    # ------------------------------------------------------------------ lean paths
-    def lean_barrier(self, seq: int, timeout: float) -> None:
-        """The barrier with nothing but the step: no call object unless something is wrong."""
-        if self._next_seq != seq or self.broken is not None:
-            self.run("barrier", seq, timeout, lambda call: self.exchange(
-                call, encode("barrier", None, (), seq=seq)))
-            return
+    # ------------------------------------------------------------------ one-call paths
+    # The common small collectives with as little Python as possible: the checks a one-step
+    # call needs, this backend's next sequence number, then one engine call that exchanges the
+    # header and data and folds or copies every rank's slot without the GIL. Each returns None
+    # (nothing taken, no sequence number used) when the call is not that case, so that the
+    # general path runs it and raises whatever error its arguments deserve.
+
+    def barrier_now(self, timeout: float | None) -> None:
+        """The barrier: one step with the barrier's header."""
+        seq, t, start = self._enter("barrier", timeout)
         try:
-            self._lean_step("barrier", seq, timeout, encode("barrier", None, (), seq=seq), 0, 0)
+            step = self.step + 1
+            rc = self.eng.step_copy(step, self._barrier_header, seq, _NOTHING, _NOTHING, 0,
+                                    start + t * alg.STALL_FRACTION)
+            self.step = step
+            if rc != _shmcoll.STATUS_OK:
+                self._recover(rc, "barrier", seq, t, start, step)
         finally:
             self._done(seq)
 
-    def lean_allreduce(self, seq: int, x: np.ndarray, out: np.ndarray, op: ReduceOp,
-                       timeout: float) -> bool:
-        """A small allreduce of a kernel dtype in one step and one fold; False (nothing done)
-        when it is not that case or not this call's turn, so the general path runs it."""
-        nbytes = x.nbytes
-        if nbytes > self.slot_bytes or self._next_seq != seq or self.broken is not None:
-            return False
+    def allreduce_now(self, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
+                      timeout: float | None) -> np.ndarray | None:
+        """A slot-sized allreduce of a kernel dtype in one engine call, or None."""
+        return self._reduce_now("allreduce", x, out, x.shape, op, timeout, 0, x.size)
+
+    def reduce_scatter_now(self, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
+                           timeout: float | None) -> np.ndarray | None:
+        """A slot-sized reduce_scatter (dim 0 divisible by the world size) in one engine call:
+        this rank's part of every slot folded (the general path's slot fold), or None."""
+        n = self.n
+        if not x.ndim or x.shape[0] % n:
+            return None
+        part = x.size // n
+        return self._reduce_now("reduce_scatter", x, out, (x.shape[0] // n, *x.shape[1:]), op,
+                                timeout, self.me * part * x.itemsize, part)
+
+    def _reduce_now(self, name: str, x: np.ndarray, out: np.ndarray | None,
+                    shape: tuple[int, ...], op: ReduceOp, timeout: float | None, offset: int,
+                    count: int) -> np.ndarray | None:
+        code = _CODES.get(x.dtype)
+        if (code is None or x.nbytes > self.slot_bytes or not x.flags.c_contiguous
+                or (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
+                or (op in BITWISE and code < _FIRST_INT_CODE)):
+            return None
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif not _usable_out(out, shape, x.dtype):
+            return None
+        header = self._header(name, x.dtype, x.shape, op, -1)
+        kernel = OPS[op].kernel
+        div = float(self.n) if op is ReduceOp.MEAN else 0.0
+        seq, t, start = self._enter(name, timeout)
         try:
-            step = self._lean_step("allreduce", seq, timeout,
-                                   encode("allreduce", x.dtype, x.shape, op, -1, seq),
-                                   x.ctypes.data, nbytes)
-            inputs = self._slot_views(step, nbytes, x.dtype)
-            _reduce.fold(out.reshape(-1), inputs, OPS[op].kernel,
-                         float(self.n) if op is ReduceOp.MEAN else 0.0)
+            step = self.step + 1
+            rc = self.eng.step_fold(step, header, seq, x, out, offset, count, code, kernel,
+                                    div, start + t * alg.STALL_FRACTION)
+            self.step = step
+            self.seg.sent += x.nbytes
+            if rc != _shmcoll.STATUS_OK:
+                self._recover(rc, name, seq, t, start, step)
+                self.eng.fold(step, out, x.nbytes, offset, count, code, kernel, div)
         finally:
             self._done(seq)
-        return True
+        return out
 
-    def _slot_views(self, step: int, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
-        """Every rank's slot data of ``step`` as ``nbytes`` of ``dtype`` (cached views)."""
-        key = (step & 1, nbytes, dtype)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) > 256:
-                self._views.clear()
-            views = self._views[key] = [d[step & 1][:nbytes].view(dtype) for d in self._data]
-        return views
+    def broadcast_now(self, x: np.ndarray, out: np.ndarray | None, root: int,
+                      timeout: float | None) -> np.ndarray | None:
+        """A slot-sized broadcast in one engine call (the root's data through its slot), or
+        None."""
+        if (x.nbytes > self.slot_bytes or not x.flags.c_contiguous or x.dtype.hasobject
+                or not 0 <= root < self.n):
+            return None
+        if out is None:
+            out = np.empty(x.shape, x.dtype)
+        elif not _usable_out(out, x.shape, x.dtype):
+            return None
+        return self._copy_now("broadcast", x, out, root, timeout)
 
-    def lean_reduce_scatter(self, seq: int, x: np.ndarray, out: np.ndarray, op: ReduceOp,
-                            timeout: float) -> bool:
-        """A small reduce_scatter of a kernel dtype: one step, then the fold of this rank's
-        part of every slot (what the general path's slot fold computes); False as above."""
-        nbytes = x.nbytes
-        if nbytes > self.slot_bytes or self._next_seq != seq or self.broken is not None:
-            return False
-        try:
-            step = self._lean_step("reduce_scatter", seq, timeout,
-                                   encode("reduce_scatter", x.dtype, x.shape, op, -1, seq),
-                                   x.ctypes.data, nbytes)
-            part = x.size // self.n
-            s = self.me * part
-            inputs = [v[s:s + part] for v in self._slot_views(step, nbytes, x.dtype)]
-            _reduce.fold(out.reshape(-1), inputs, OPS[op].kernel,
-                         float(self.n) if op is ReduceOp.MEAN else 0.0)
-        finally:
-            self._done(seq)
-        return True
-
-    def lean_broadcast(self, seq: int, x: np.ndarray, out: np.ndarray, root: int,
-                       timeout: float) -> bool:
-        """A broadcast that fits a slot, in one step (the root's data in its slot); False
-        (nothing done) when not that case or not this call's turn."""
-        nbytes = x.nbytes
-        if nbytes > self.slot_bytes or self._next_seq != seq or self.broken is not None:
-            return False
-        try:
-            mine = self.me == root
-            step = self._lean_step("broadcast", seq, timeout,
-                                   encode("broadcast", x.dtype, x.shape, None, root, seq),
-                                   x.ctypes.data if mine else 0, nbytes if mine else 0)
-            flat = out.reshape(-1)
-            if mine:
-                if not np.may_share_memory(out, x):
-                    flat[...] = x.reshape(-1)
-            else:
-                flat[...] = self._slot_views(step, nbytes, x.dtype)[root]
-        finally:
-            self._done(seq)
-        return True
-
-    def lean_all_gather(self, seq: int, x: np.ndarray, out: np.ndarray,
-                        timeout: float) -> bool:
+    def all_gather_now(self, x: np.ndarray, out: np.ndarray | None,
+                       timeout: float | None) -> np.ndarray | None:
         """An all_gather whose block goes through the slots (the general path's rule for
-        small blocks), in one step; False (nothing done) otherwise."""
+        small blocks) in one engine call, or None."""
         nbytes = x.nbytes
         if (nbytes > self.slot_bytes or (self.cma_ok and nbytes >= DIRECT_COPY_BYTES)
-                or self._next_seq != seq or self.broken is not None):
-            return False
+                or not x.flags.c_contiguous or x.dtype.hasobject):
+            return None
+        shape = (self.n,) if x.ndim == 0 else (x.shape[0] * self.n, *x.shape[1:])
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif not _usable_out(out, shape, x.dtype):
+            return None
+        return self._copy_now("all_gather", x, out, -1, timeout)
+
+    def _copy_now(self, name: str, x: np.ndarray, out: np.ndarray, root: int,
+                  timeout: float | None) -> np.ndarray:
+        header = self._header(name, x.dtype, x.shape, None, root)
+        # byte views: the engine copies bytes, whatever the dtype (bool, float16, ...)
+        src, dst = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+        seq, t, start = self._enter(name, timeout)
         try:
-            step = self._lean_step("all_gather", seq, timeout,
-                                   encode("all_gather", x.dtype, x.shape, None, -1, seq),
-                                   x.ctypes.data, nbytes)
-            rows = out.reshape(self.n, -1)
-            for r, view in enumerate(self._slot_views(step, nbytes, x.dtype)):
-                rows[r] = x.reshape(-1) if r == self.me else view
+            step = self.step + 1
+            rc = self.eng.step_copy(step, header, seq, src, dst, root,
+                                    start + t * alg.STALL_FRACTION)
+            self.step = step
+            self.seg.sent += x.nbytes if root < 0 or root == self.me else 0
+            if rc != _shmcoll.STATUS_OK:
+                self._recover(rc, name, seq, t, start, step)
+                self.eng.copy(step, src, dst, root)
         finally:
             self._done(seq)
-        return True
+        return out
 
-    def _lean_step(self, name: str, seq: int, timeout: float, header: bytes, addr: int,
-                   nbytes: int) -> int:
-        """One exchange step with no call object unless it does not end well; the step."""
+    def _header(self, name: str, dtype: np.dtype, shape: tuple[int, ...],
+                op: ReduceOp | None, root: int) -> bytes:
+        """The call's header with sequence number 0 (the engine patches it in), cached."""
+        key = (name, dtype, shape, op, root)
+        header = self._headers.get(key)
+        if header is None:
+            if len(self._headers) > 1024:
+                self._headers.clear()
+            header = self._headers[key] = encode(name, dtype, shape, op, root, 0)
+        return header
+
+    def _enter(self, name: str, timeout: float | None) -> tuple[int, float, float]:
+        """A one-call collective's sequence number, timeout and start, once every call
+        issued before it on this backend has finished."""
+        seq = self._next()
+        t = self._timeout if timeout is None else self.backend.resolve_timeout(
+            timeout, f"{name}: timeout")
         start = time.monotonic()
-        step = self.step + 1
-        rc = self.eng.exchange(step, header, addr, nbytes, start + timeout * alg.STALL_FRACTION)
-        self.seg.sent += nbytes
-        self.step = step
-        if rc != _shmcoll.STATUS_OK:
-            try:
-                self._settle(rc, Step(name, seq, timeout, start), step)
-            except (CollectiveTimeoutError, PeerClosedError) as exc:
-                self.broken = exc
-                raise
-        return step
+        if self._next_seq != seq:
+            self._wait_turn(Step(name, seq, t, start))
+        if self.broken is not None:
+            self._done(seq)
+            raise self.broken
+        return seq, t, start
+
+    def _recover(self, rc: int, name: str, seq: int, timeout: float, start: float,
+                 step: int) -> None:
+        """After a one-call step that did not end OK: the stall report and the wait up to the
+        hard deadline, or the error (which breaks the group for a timeout or a dead peer)."""
+        try:
+            self._settle(rc, Step(name, seq, timeout, start), step)
+        except (CollectiveTimeoutError, PeerClosedError) as exc:
+            self.broken = exc
+            raise
+
+    @property
+    def _timeout(self) -> float:
+        return self.backend.timeout
 
     def _done(self, seq: int) -> None:
         self._next_seq = seq + 1
@@ -366,20 +410,32 @@ class EngineGroup:
                                   peer=rank) from exc
 
 
+def _usable_out(out, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    """``out`` is what a one-call path can write into (else the general path checks it)."""
+    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
+            and out.flags.c_contiguous and out.flags.writeable)
+
+
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
 
 
 def group_for(backend: Any) -> EngineGroup | None:
     """The fast path of ``backend`` when it has a live engine, else None."""
-    if getattr(backend, "engine", None) is None:
+    seg = getattr(backend, "engine", None)
+    if seg is None:
         return None
-    group = _groups.get(backend)  # the common case needs no lock
-    if group is None:
-        with _groups_lock:
-            group = _groups.get(backend)
-            if group is None:
-                group = _groups[backend] = EngineGroup(backend)
+    group = getattr(backend, "_ferro_engine_group", None)  # the common case: one lookup
+    if group is not None and group.seg is seg:
+        return group
+    with _groups_lock:
+        group = _groups.get(backend)
+        if group is None or group.seg is not seg:
+            group = _groups[backend] = EngineGroup(backend)
+    try:
+        backend._ferro_engine_group = group
+    except AttributeError:  # a backend that takes no attributes: the weak map alone
+        pass
     return group
 
 
