@@ -212,6 +212,16 @@ cdef class SlotEngine:
                                 <const unsigned char*>src, nbytes, deadline)
         return rc
 
+    def step(self, uint32_t step, const unsigned char[::1] header, uint32_t seq,
+             double deadline):
+        """A step with no data (the barrier): :meth:`exchange` of ``header`` with ``seq``
+        patched in; OK, TIMEOUT, FAILED or MISMATCH."""
+        cdef int rc
+        with nogil:
+            rc = self._exchange(step, &header[0], header.shape[0], True, seq, NULL, 0,
+                                deadline)
+        return rc
+
     def step_fold(self, uint32_t step, const unsigned char[::1] header, uint32_t seq,
                   object src, object out, size_t offset, Py_ssize_t count, int code, int op,
                   double mean_divisor, double deadline):

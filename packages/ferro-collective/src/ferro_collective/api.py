@@ -301,13 +301,13 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     ceil(log2 n) rounds), so a rank that calls another collective instead gets
     :class:`CollectiveMismatchError` on every rank rather than a hang.
     """
-    if not isinstance(backend, Backend):
-        raise TypeError(f"barrier: backend must be a ferro_backend.Backend, got "
-                        f"{type(backend).__name__}")
     group = group_for(backend)
     if group is not None:
         group.barrier_now(timeout)
         return
+    if not isinstance(backend, Backend):
+        raise TypeError(f"barrier: backend must be a ferro_backend.Backend, got "
+                        f"{type(backend).__name__}")
     _barrier_call(backend, timeout).run()
 
 

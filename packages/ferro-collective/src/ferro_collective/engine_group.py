@@ -38,7 +38,6 @@ log = logging.getLogger("ferro_collective")
 #: kernel dtype -> the engine's dtype code (float codes first, then the integers)
 _CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
 _FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
-_NOTHING = np.empty(0, np.uint8)
 
 _EXTRA = struct.Struct("<QQQ")  # pid, input address, output address
 _EXTRA_OFF = 128  # in the slot header, after the collective header
@@ -86,7 +85,7 @@ class EngineGroup:
         self._next_seq: int | None = None
         self._waiting = 0
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
-        self._headers: dict[tuple, bytes] = {}
+        self._plans: dict[tuple, tuple | bool] = {}
         self._barrier_header = encode("barrier", None, (), seq=0)
         # the backend's sequence numbers (shared with every other call on it)
         self._next = state(backend).counter
@@ -180,8 +179,7 @@ class EngineGroup:
         seq, t, start = self._enter("barrier", timeout)
         try:
             step = self.step + 1
-            rc = self.eng.step_copy(step, self._barrier_header, seq, _NOTHING, _NOTHING, 0,
-                                    start + t * alg.STALL_FRACTION)
+            rc = self.eng.step(step, self._barrier_header, seq, start + t * alg.STALL_FRACTION)
             self.step = step
             if rc != _shmcoll.STATUS_OK:
                 self._recover(rc, "barrier", seq, t, start, step)
@@ -191,34 +189,86 @@ class EngineGroup:
     def allreduce_now(self, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
                       timeout: float | None) -> np.ndarray | None:
         """A slot-sized allreduce of a kernel dtype in one engine call, or None."""
-        return self._reduce_now("allreduce", x, out, x.shape, op, timeout, 0, x.size)
+        plan = self._plans.get(("allreduce", x.dtype, x.shape, op))
+        if plan is None:
+            plan = self._plan_reduce("allreduce", x, op)
+        return self._reduce_now(plan, x, out, timeout) if plan else None
 
     def reduce_scatter_now(self, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
                            timeout: float | None) -> np.ndarray | None:
         """A slot-sized reduce_scatter (dim 0 divisible by the world size) in one engine call:
         this rank's part of every slot folded (the general path's slot fold), or None."""
-        n = self.n
-        if not x.ndim or x.shape[0] % n:
-            return None
-        part = x.size // n
-        return self._reduce_now("reduce_scatter", x, out, (x.shape[0] // n, *x.shape[1:]), op,
-                                timeout, self.me * part * x.itemsize, part)
+        plan = self._plans.get(("reduce_scatter", x.dtype, x.shape, op))
+        if plan is None:
+            plan = self._plan_reduce("reduce_scatter", x, op)
+        return self._reduce_now(plan, x, out, timeout) if plan else None
 
-    def _reduce_now(self, name: str, x: np.ndarray, out: np.ndarray | None,
-                    shape: tuple[int, ...], op: ReduceOp, timeout: float | None, offset: int,
-                    count: int) -> np.ndarray | None:
-        code = _CODES.get(x.dtype)
-        if (code is None or x.nbytes > self.slot_bytes or not x.flags.c_contiguous
-                or (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
-                or (op in BITWISE and code < _FIRST_INT_CODE)):
+    def broadcast_now(self, x: np.ndarray, out: np.ndarray | None, root: int,
+                      timeout: float | None) -> np.ndarray | None:
+        """A slot-sized broadcast in one engine call (the root's data through its slot), or
+        None."""
+        plan = self._plans.get(("broadcast", x.dtype, x.shape, root))
+        if plan is None:
+            plan = self._plan_copy("broadcast", x, root)
+        return self._copy_now(plan, x, out, root, timeout) if plan else None
+
+    def all_gather_now(self, x: np.ndarray, out: np.ndarray | None,
+                       timeout: float | None) -> np.ndarray | None:
+        """An all_gather whose block goes through the slots (the general path's rule for
+        small blocks) in one engine call, or None."""
+        plan = self._plans.get(("all_gather", x.dtype, x.shape, -1))
+        if plan is None:
+            plan = self._plan_copy("all_gather", x, -1)
+        return self._copy_now(plan, x, out, -1, timeout) if plan else None
+
+    # A plan is what a call signature needs, worked out once: (name, header with sequence
+    # number 0 (the engine patches it in), result shape, and for reductions the dtype code,
+    # kernel op, MEAN divisor, fold offset and item count), or False when a one-call path
+    # does not take that signature.
+
+    def _plan_reduce(self, name: str, x: np.ndarray, op: ReduceOp) -> tuple | bool:
+        code, n = _CODES.get(x.dtype), self.n
+        plan: tuple | bool = False
+        if (code is not None and x.nbytes <= self.slot_bytes
+                and not (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
+                and not (op in BITWISE and code < _FIRST_INT_CODE)):
+            if name == "allreduce":
+                plan = (name, encode(name, x.dtype, x.shape, op, -1, 0), x.shape, code,
+                        OPS[op].kernel, float(n) if op is ReduceOp.MEAN else 0.0, 0, x.size)
+            elif x.ndim and x.shape[0] % n == 0:
+                part = x.size // n
+                plan = (name, encode(name, x.dtype, x.shape, op, -1, 0),
+                        (x.shape[0] // n, *x.shape[1:]), code, OPS[op].kernel,
+                        float(n) if op is ReduceOp.MEAN else 0.0, self.me * part * x.itemsize,
+                        part)
+        return self._keep((name, x.dtype, x.shape, op), plan)
+
+    def _plan_copy(self, name: str, x: np.ndarray, root: int) -> tuple | bool:
+        plan: tuple | bool = False
+        nbytes = x.nbytes
+        if not x.dtype.hasobject and nbytes <= self.slot_bytes:
+            if name == "broadcast" and 0 <= root < self.n:
+                plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape)
+            elif name == "all_gather" and not (self.cma_ok and nbytes >= DIRECT_COPY_BYTES):
+                shape = (self.n,) if x.ndim == 0 else (x.shape[0] * self.n, *x.shape[1:])
+                plan = (name, encode(name, x.dtype, x.shape, None, -1, 0), shape)
+        return self._keep((name, x.dtype, x.shape, root), plan)
+
+    def _keep(self, key: tuple, plan: tuple | bool) -> tuple | bool:
+        if len(self._plans) > 4096:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _reduce_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None,
+                    timeout: float | None) -> np.ndarray | None:
+        name, header, shape, code, kernel, div, offset, count = plan
+        if not x.flags.c_contiguous:
             return None
         if out is None:
             out = np.empty(shape, x.dtype)
         elif not _usable_out(out, shape, x.dtype):
             return None
-        header = self._header(name, x.dtype, x.shape, op, -1)
-        kernel = OPS[op].kernel
-        div = float(self.n) if op is ReduceOp.MEAN else 0.0
         seq, t, start = self._enter(name, timeout)
         try:
             step = self.step + 1
@@ -233,37 +283,15 @@ class EngineGroup:
             self._done(seq)
         return out
 
-    def broadcast_now(self, x: np.ndarray, out: np.ndarray | None, root: int,
-                      timeout: float | None) -> np.ndarray | None:
-        """A slot-sized broadcast in one engine call (the root's data through its slot), or
-        None."""
-        if (x.nbytes > self.slot_bytes or not x.flags.c_contiguous or x.dtype.hasobject
-                or not 0 <= root < self.n):
+    def _copy_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None, root: int,
+                  timeout: float | None) -> np.ndarray | None:
+        name, header, shape = plan
+        if not x.flags.c_contiguous:
             return None
-        if out is None:
-            out = np.empty(x.shape, x.dtype)
-        elif not _usable_out(out, x.shape, x.dtype):
-            return None
-        return self._copy_now("broadcast", x, out, root, timeout)
-
-    def all_gather_now(self, x: np.ndarray, out: np.ndarray | None,
-                       timeout: float | None) -> np.ndarray | None:
-        """An all_gather whose block goes through the slots (the general path's rule for
-        small blocks) in one engine call, or None."""
-        nbytes = x.nbytes
-        if (nbytes > self.slot_bytes or (self.cma_ok and nbytes >= DIRECT_COPY_BYTES)
-                or not x.flags.c_contiguous or x.dtype.hasobject):
-            return None
-        shape = (self.n,) if x.ndim == 0 else (x.shape[0] * self.n, *x.shape[1:])
         if out is None:
             out = np.empty(shape, x.dtype)
         elif not _usable_out(out, shape, x.dtype):
             return None
-        return self._copy_now("all_gather", x, out, -1, timeout)
-
-    def _copy_now(self, name: str, x: np.ndarray, out: np.ndarray, root: int,
-                  timeout: float | None) -> np.ndarray:
-        header = self._header(name, x.dtype, x.shape, None, root)
         # byte views: the engine copies bytes, whatever the dtype (bool, float16, ...)
         src, dst = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
         seq, t, start = self._enter(name, timeout)
@@ -279,17 +307,6 @@ class EngineGroup:
         finally:
             self._done(seq)
         return out
-
-    def _header(self, name: str, dtype: np.dtype, shape: tuple[int, ...],
-                op: ReduceOp | None, root: int) -> bytes:
-        """The call's header with sequence number 0 (the engine patches it in), cached."""
-        key = (name, dtype, shape, op, root)
-        header = self._headers.get(key)
-        if header is None:
-            if len(self._headers) > 1024:
-                self._headers.clear()
-            header = self._headers[key] = encode(name, dtype, shape, op, root, 0)
-        return header
 
     def _enter(self, name: str, timeout: float | None) -> tuple[int, float, float]:
         """A one-call collective's sequence number, timeout and start, once every call
