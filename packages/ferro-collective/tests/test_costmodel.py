@@ -1,16 +1,20 @@
 """The cost model against the simulated network (virtual time), and "auto" against the model."""
 
+import dataclasses
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import ferro_collective as fc
 from ferro_backend import SimulatedBackend
+from ferro_backend.hierarchy import Hierarchy
 from ferro_backend.netsim import Link, Network
 from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
-from ferro_collective.call import choose
+from ferro_collective.call import choose, prefer_hierarchical
+from ferro_collective.hierarchical import hierarchy_of
 
 NETWORKS = {
     "flat 25 Gb/s": Network.cluster(gbit=25, latency_us=5),
@@ -19,9 +23,14 @@ NETWORKS = {
 }
 
 
-def _simulate(net, n, name, algorithm, nbytes):
-    """Virtual seconds of one call on a simulated group (the slowest rank's clock)."""
-    group = SimulatedBackend.create_group(n, network=net, timeout=120)
+def _simulate(net, n, name, algorithm, nbytes, staged=None):
+    """Virtual seconds of one call on a simulated group (the slowest rank's clock).
+    ``staged``: on a group with a simulated hierarchy, True runs the hierarchical stages, False
+    the flat "auto" algorithm (whatever the model would pick), None leaves the choice to auto."""
+    hierarchical = algorithm == "hierarchical"
+    if hierarchical:
+        algorithm = None
+    group = SimulatedBackend.create_group(n, network=net, timeout=120, hierarchical=hierarchical)
     if name == "reduce_scatter":
         x = np.ones(max(n, nbytes // 4 // n * n), np.float32)
     else:
@@ -34,11 +43,16 @@ def _simulate(net, n, name, algorithm, nbytes):
             fc.broadcast(x, b, 0, algorithm=algorithm)
         elif name == "all_gather":
             fc.all_gather(x, b, algorithm=algorithm)
+        elif name == "barrier":
+            fc.barrier(b)
         else:
             fc.reduce_scatter(x, b, algorithm=algorithm)
         return b.clock
 
-    return max(run_threads(run, group, timeout=120)), x.nbytes
+    if staged is None:
+        return max(run_threads(run, group, timeout=120)), x.nbytes
+    with mock.patch.object(cm, "choose_hierarchical", lambda *a, **k: staged):
+        return max(run_threads(run, group, timeout=120)), x.nbytes
 
 
 CASES = [(label, n, nbytes) for label in NETWORKS for n in (8, 12, 64)
@@ -111,3 +125,150 @@ def test_model_errors():
     with pytest.raises(ValueError, match="no model"):
         cm.predict("allreduce", "bogus", 10, 4)
     assert cm.predict("allreduce", "ring", 10, 1) == 0.0
+
+
+# ----------------------------------------------------------------------------- hierarchical
+HIER_CASES = [("16 ranks/node", 32, 4096), ("16 ranks/node", 64, 1 << 18),
+              ("4 ranks/node, 10 Gb/s", 8, 1 << 20), ("4 ranks/node, 10 Gb/s", 12, 4096),
+              ("4 ranks/node, 10 Gb/s", 64, 4096), ("16 ranks/node", 256, 4096)]
+
+
+@pytest.mark.parametrize("label,n,nbytes", HIER_CASES)
+def test_hierarchical_model_agrees_with_the_simulated_stages(label, n, nbytes):
+    """The hierarchical collectives' stages on a simulated hierarchy (node stages over the
+    intra-node links, cross stages over the network) against predict(..., "hierarchical")."""
+    net = NETWORKS[label]
+    p = cm.Params.of(net)
+    for name in cm.HIERARCHICAL:
+        if n == 256 and name not in ("allreduce", "barrier"):
+            continue  # 8-64 ranks cover the others
+        size = nbytes // 16 if name == "all_gather" and nbytes > 4096 else nbytes
+        sim, sent = _simulate(net, n, name, "hierarchical", size, staged=True)
+        model = cm.predict(name, "hierarchical", sent, n, p)
+        assert model == pytest.approx(sim, rel=0.10), (name, sim, model)
+
+
+def test_a_simulated_hierarchy_runs_on_the_global_links():
+    net = NETWORKS["4 ranks/node, 10 Gb/s"]
+    group = SimulatedBackend.create_group(8, network=net, hierarchical=True)
+    h = group[5].hierarchy
+    assert h.simulated and h.members == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert h.node.members == (4, 5, 6, 7) and h.cross.members == (1, 5)
+    assert h.local_rank == 1 and h.num_nodes == 2 and hierarchy_of(group[5]) is h
+    assert cm.params_for(h.node) == cm.Params(net.intra.latency, net.intra.bandwidth)
+    assert cm.params_for(h.cross) == cm.Params(net.inter.latency, net.inter.bandwidth)
+
+    def run(b):
+        h = b.hierarchy
+        if b.rank == 4:
+            h.node.send(np.zeros(1000, np.uint8), 1)  # to rank 5, on node 1
+        elif b.rank == 5:
+            h.node.recv(np.zeros(1000, np.uint8), 0)
+            h.cross.recv(np.zeros(1000, np.uint8), 0)  # from rank 1, on node 0
+        elif b.rank == 1:
+            h.cross.send(np.zeros(1000, np.uint8), 1)
+        return b.clock
+
+    clocks = run_threads(run, group)
+    intra, inter = net.intra.time(1000), net.inter.time(1000)
+    assert clocks[5] == pytest.approx(max(intra, inter))
+    assert clocks[5] == pytest.approx(inter) and inter > intra
+    # a real backend's hierarchy without an engine is still not used
+    plain = SimpleNamespace(hierarchy=Hierarchy(h.node, h.cross, h.members))
+    assert hierarchy_of(plain) is None
+    for bad in (dict(network=None), dict(network=Network.cluster(ranks_per_node=8)),
+                dict(network=Network.cluster(ranks_per_node=1)),
+                dict(network=Network.cluster(ranks_per_node=3))):
+        with pytest.raises(ValueError):
+            SimulatedBackend.create_group(8, hierarchical=True, **bad)
+
+
+LAYOUTS = [(label, L) for label in ("16 ranks/node", "4 ranks/node, 10 Gb/s")
+           for L in (None, 2)]
+
+
+@pytest.mark.parametrize("label,L", LAYOUTS)
+def test_auto_with_a_layout_is_never_more_than_1_2x_the_models_best(label, L):
+    """Flat or hierarchical, auto's pick against the best the model knows among the flat
+    algorithms and the hierarchical stages; the same answer for the same size class."""
+    p = cm.Params.of(NETWORKS[label])
+    if L is not None:
+        p = dataclasses.replace(p, ranks_per_node=L)
+    L = p.ranks_per_node
+    backend = SimpleNamespace(params=p)
+    for n in (2 * L, 4 * L, 8 * L, 16 * L, 256):
+        for nbytes in (8, 4096, 65536, 1 << 20, 16 << 20, 64 << 20):
+            for name in cm.HIERARCHICAL:
+                hier = cm.predict(name, "hierarchical", nbytes, n, p)
+                if name == "barrier":
+                    flat = cm.predict("barrier", "flat", 0, n, p)
+                    picked = flat
+                else:
+                    flat = cm.best(name, nbytes, n, p)[1]
+                    picked = cm.predict(name, choose(name, None, nbytes, n, backend), nbytes,
+                                        n, p)
+                staged = cm.choose_hierarchical(name, nbytes, n, p)
+                assert staged == cm.choose_hierarchical(name, nbytes * 3 // 4 + 1, n, p)
+                if staged:
+                    picked = hier
+                assert picked <= 1.2 * min(flat, hier), (label, name, n, nbytes, staged)
+
+
+@pytest.mark.parametrize("nbytes", [4096, 1 << 20])
+def test_auto_on_a_simulated_hierarchy_follows_the_model(nbytes):
+    """auto on a simulated hierarchy takes the faster of flat and staged, as the model rates
+    them (the virtual time shows it), and every rank gets the same bits."""
+    net = NETWORKS["4 ranks/node, 10 Gb/s"]
+    p = cm.Params.of(net)
+    for name in ("allreduce", "reduce_scatter", "all_gather"):
+        size = nbytes // 8 if name == "all_gather" else nbytes
+        staged = cm.choose_hierarchical(name, size, 16, p)
+        model = cm.predict(name, "hierarchical", size, 16, p) if staged \
+            else cm.flat_time(name, size, 16, p)
+        sim, _ = _simulate(net, 16, name, "hierarchical", size)
+        assert sim == pytest.approx(model, rel=0.10), (name, staged)
+        other, _ = _simulate(net, 16, name, "hierarchical", size, staged=not staged)
+        assert sim <= other * 1.02, (name, staged, sim, other)
+
+    group = SimulatedBackend.create_group(16, network=net, hierarchical=True)
+
+    def run(b):
+        x = np.random.default_rng(b.rank).standard_normal(nbytes // 4).astype(np.float32)
+        return fc.allreduce(x, b).tobytes(), fc.reduce_scatter(x, b).tobytes()
+
+    out = run_threads(run, group)
+    assert len({a for a, _ in out}) == 1
+    whole = np.frombuffer(out[0][0], np.float32)
+    ref = np.sum([np.random.default_rng(r).standard_normal(nbytes // 4).astype(np.float32)
+                  for r in range(16)], axis=0)
+    np.testing.assert_allclose(whole, ref, rtol=1e-4, atol=1e-4)
+    rows = nbytes // 4 // 16
+    for r, (_, mine) in enumerate(out):
+        np.testing.assert_allclose(np.frombuffer(mine, np.float32), ref[r * rows:(r + 1) * rows],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_real_multi_node_jobs_always_run_the_stages():
+    """A real job (an engine in each node) runs every collective staged whatever its size or
+    layout (a mismatched call must fail as a mismatch on every rank, which needs every rank on
+    one path); the model's engine estimate still rates the stages ahead for allreduce,
+    broadcast and barrier on every layout it describes."""
+    for L in (2, 4, 16):
+        p = dataclasses.replace(cm.DEFAULT, ranks_per_node=L)
+        for n in (2 * L, 8 * L, 256):
+            for nbytes in (8, 4096, 1 << 20, 64 << 20):
+                for name in ("allreduce", "broadcast", "barrier"):
+                    assert cm.choose_hierarchical(name, nbytes, n, p, engine=True), \
+                        (name, n, L, nbytes)
+                real = SimpleNamespace(nodes=tuple(r // L for r in range(n)), world_size=n)
+                h = SimpleNamespace(local_world=L, members=tuple(
+                    tuple(range(k * L, (k + 1) * L)) for k in range(n // L)),
+                    node=SimpleNamespace(engine=1))
+                for name in ("allreduce", "broadcast", "all_gather", "reduce_scatter"):
+                    assert prefer_hierarchical(
+                        name, (np.dtype(np.float32), (nbytes // 4,)), real, h)
+    h = SimpleNamespace(local_world=2, members=((0, 2), (1, 3)), node=SimpleNamespace(engine=None))
+    interleaved = SimpleNamespace(nodes=("a", "b", "a", "b"), world_size=4)
+    assert all(prefer_hierarchical(name, (np.dtype(np.float32), (1 << 20,)), interleaved, h)
+               for name in ("allreduce", "reduce_scatter", "all_gather"))
+    assert not cm.choose_hierarchical("allreduce", 1 << 20, 16, cm.DEFAULT)  # one node

@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 class Hierarchy:
     """The node structure of a job: ``node`` (this rank's node, with ``node.engine``),
     ``cross`` (the ranks with this rank's local index on every node, in node order),
-    ``members`` (every node's global ranks, in node order: node ``k`` is ``members[k]``)."""
+    ``members`` (every node's global ranks, in node order: node ``k`` is ``members[k]``).
+    ``simulated``: built by :func:`attach_simulated_hierarchy` on a modelled network, with no
+    engine: the node stages run the point-to-point algorithms over the intra-node links."""
 
     node: SubBackend
     cross: SubBackend
     members: tuple[tuple[int, ...], ...]
+    simulated: bool = False
 
     @property
     def local_rank(self) -> int:
@@ -95,4 +98,37 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
     return hierarchy
 
 
-__all__ = ["Hierarchy", "attach_hierarchy", "node_members"]
+def attach_simulated_hierarchy(backend: Any) -> Hierarchy:
+    """Give a :class:`~ferro_backend.SimulatedBackend` made with a ``network`` a simulated
+    :class:`Hierarchy` (``simulated=True``, no engine) from the network's node layout; every
+    rank of the group calls this (``create_group(..., hierarchical=True)`` does). The node and
+    cross groups are SubBackends of ``backend``: their messages travel with global ranks, so the
+    network charges them to the intra- and inter-node links. Each carries ``network``, the model
+    of its own links (one kind: intra-node for ``node``, inter-node for ``cross``), which "auto"
+    plans the stage with. Local work only, no messages.
+
+    Raises ValueError when the network puts fewer than 2 ranks on a node, the world is not a
+    whole number of nodes, or it is one node only.
+    """
+    from .netsim import Network
+
+    network = backend.network
+    if network is None:
+        raise ValueError("attach_simulated_hierarchy: the backend has no modelled network")
+    L, n = network.ranks_per_node, backend.world_size
+    if L < 2 or n % L or n // L < 2:
+        raise ValueError(f"attach_simulated_hierarchy: {n} ranks at {L} per node is not several "
+                         f"nodes of at least 2 ranks each")
+    members = tuple(tuple(range(k, k + L)) for k in range(0, n, L))
+    mine = members[backend.rank // L]
+    local = backend.rank % L
+    node = SubBackend(backend, mine, name="ferro-node")
+    cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}")
+    node.network = Network(network.intra or network.inter)
+    cross.network = Network(network.inter)
+    hierarchy = Hierarchy(node, cross, members, simulated=True)
+    backend.hierarchy = hierarchy
+    return hierarchy
+
+
+__all__ = ["Hierarchy", "attach_hierarchy", "attach_simulated_hierarchy", "node_members"]

@@ -32,15 +32,21 @@ class SimulatedBackend(FixedRanks, Backend):
 
     @classmethod
     def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
-                     network: Network | None = None) -> list[SimulatedBackend]:
+                     network: Network | None = None,
+                     hierarchical: bool = False) -> list[SimulatedBackend]:
         """Create ``world_size`` connected backends; index ``i`` is rank ``i``.
 
         ``timeout`` is every rank's :attr:`Backend.timeout`: the default deadline of its
         receives, barriers and collectives. ``network``: a :class:`~ferro_backend.netsim.Network`
         whose links every message is charged to in virtual time (``backend.clock``).
+        ``hierarchical``: give every rank a simulated :class:`~ferro_backend.hierarchy.Hierarchy`
+        from ``network``'s node layout (``backend.hierarchy``; needs ``network``, at least 2
+        ranks per node and 2 nodes), so ferro-collective's hierarchical collectives run on it
+        (their node stages over the intra-node links, in virtual time).
 
         Raises :class:`InvalidWorldSizeError` for ``world_size < 1``, ValueError for a
-        timeout that is negative, NaN or not a number.
+        timeout that is negative, NaN or not a number, or ``hierarchical`` without a network
+        of several nodes.
         """
         check_world_size(world_size)
         timeout = check_timeout(timeout, "SimulatedBackend.create_group: timeout")
@@ -51,6 +57,14 @@ class SimulatedBackend(FixedRanks, Backend):
         if network is not None:
             for b in ranks:
                 b.nodes = tuple(f"node {network.node(r)}" for r in range(world_size))
+        if hierarchical:
+            from .hierarchy import attach_simulated_hierarchy
+
+            if network is None:
+                raise ValueError("SimulatedBackend.create_group: hierarchical=True needs a "
+                                 "network (its ranks_per_node is the node layout)")
+            for b in ranks:
+                attach_simulated_hierarchy(b)
         return ranks
 
     @property

@@ -85,6 +85,26 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.nda
     return out
 
 
+def prefer_hierarchical(name: str, header: tuple, backend, h) -> bool:
+    """Whether "auto" runs ``name`` as the hierarchy ``h``'s stages.
+
+    Real nodes (an engine in each) always do: every rank then takes the same path whatever
+    its arguments, so a mismatched call still fails as a mismatch on every rank, and the
+    engine's cost across real nodes has not been measured yet. A simulated network's
+    hierarchy follows the cost model (:func:`costmodel.choose_hierarchical` on its links and
+    layout; a layout the model does not describe keeps the stages): the same answer on every
+    rank for the same size, world size and layout (ranks that pass different sizes may then
+    take different paths and time out instead of reporting the mismatch)."""
+    if getattr(h.node, "engine", None) is not None:
+        return True
+    p = costmodel.params_for(backend)
+    if p.ranks_per_node != h.local_world or len(h.members) * h.local_world != backend.world_size:
+        return True
+    dtype, shape = header[0], header[1]
+    nbytes = 0 if dtype is None else int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return costmodel.choose_hierarchical(name, nbytes, backend.world_size, p)
+
+
 class Call:
     """One prepared collective: validated, sequenced, ready to run (now or in the background).
 
@@ -107,13 +127,14 @@ class Call:
         self.group = engine_group.group_for(backend)
         # several nodes: ``hier(hierarchy)`` plans the call's node and cross stages now (their
         # sequence numbers in issue order) and returns what runs them (ferro_collective.hierarchical)
+        # where the cost model rates them faster than the flat algorithm
         self.staged = None
         if hier is not None and algorithm in (None, "auto") and self.group is None \
                 and getattr(backend, "hierarchy", None) is not None:
             from . import hierarchical
 
             h = hierarchical.hierarchy_of(backend)
-            if h is not None:
+            if h is not None and prefer_hierarchical(name, header, backend, h):
                 self.staged = hier(h)
 
     def _python(self, _step=None) -> np.ndarray:

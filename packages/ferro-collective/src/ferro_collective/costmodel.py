@@ -12,6 +12,13 @@ Every collective first exchanges its header (mismatch detection, Bruck's all-gat
 
 :func:`predict` gives one algorithm's time, :func:`best` the fastest; :func:`choose_auto` is
 what ``algorithm="auto"`` uses beyond the few ranks the fixed thresholds were measured on.
+
+Several nodes: ``predict(name, "hierarchical", ...)`` composes the stages of
+:mod:`ferro_collective.hierarchical` (node stage, cross stages of every local index at once,
+node stage; each with its header exchange and auto's algorithm for its group and links) on one
+schedule of the job's ranks, as a simulated hierarchy runs them
+(``SimulatedBackend.create_group(..., hierarchical=True)``), and :func:`choose_hierarchical`
+is how "auto" decides between them and the flat algorithm on a backend with a node layout.
 """
 
 from __future__ import annotations
@@ -67,6 +74,9 @@ def params_for(backend) -> Params:
     :class:`~ferro_backend.SimulatedBackend` made with one; else :data:`DEFAULT`'s links with the
     backend's node layout (``backend.nodes``: consecutive ranks per node, the same number on
     each), or every link between nodes when the layout is unknown or irregular."""
+    params = getattr(backend, "params", None)
+    if isinstance(params, Params):  # a stand-in the model plans with (flat_time)
+        return params
     network = getattr(backend, "network", None)
     if network is not None:
         return Params.of(network)
@@ -123,7 +133,47 @@ class _Schedule:
                           for c, a in zip(self.clock, arrivals)]
 
 
-def _header(p: Params, n: int) -> list[float]:
+class _Clocks:
+    """A group's clocks as a list indexed by local rank, stored in the whole job's schedule."""
+
+    def __init__(self, s: _Schedule, members: tuple[int, ...]) -> None:
+        self.s, self.members = s, members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, i: int) -> float:
+        return self.s.clock[self.members[i]]
+
+    def __setitem__(self, i: int, value: float) -> None:
+        self.s.clock[self.members[i]] = value
+
+    def __iter__(self):
+        return (self.s.clock[m] for m in self.members)
+
+
+class _View(_Schedule):
+    """A subgroup of a job's :class:`_Schedule` (local rank ``i`` is global ``members[i]``):
+    the algorithms run on it as on a schedule of their own, their messages charged to the
+    global ranks' links and interfaces (as a SubBackend's are by the simulated network)."""
+
+    def __init__(self, s: _Schedule, members) -> None:  # not _Schedule.__init__: no clocks of its own
+        self.s, self.p, self.members = s, s.p, tuple(members)
+
+    @property
+    def clock(self) -> _Clocks:
+        return _Clocks(self.s, self.members)
+
+    @clock.setter
+    def clock(self, values) -> None:
+        for m, v in zip(self.members, list(values)):
+            self.s.clock[m] = v
+
+    def send(self, src: int, dst: int, nbytes: float) -> float:
+        return self.s.send(self.members[src], self.members[dst], nbytes)
+
+
+def _header_rounds(n: int) -> list:
     """Bruck's all-gather of the headers: round ``k`` (distance ``d = 2^k``), rank ``me``
     sends ``min(d, n - count)`` headers to ``me - d``."""
     rounds, count, d = [], 1, 1
@@ -132,8 +182,12 @@ def _header(p: Params, n: int) -> list[float]:
         rounds.append((lambda me, d=d: (me - d) % n, take * HEADER_SIZE))
         count += take
         d *= 2
+    return rounds
+
+
+def _header(p: Params, n: int) -> list[float]:
     s = _Schedule(p, [0.0] * n)
-    s.rounds(rounds)
+    s.rounds(_header_rounds(n))
     return s.clock
 
 
@@ -189,15 +243,11 @@ def _tree(s: _Schedule, nbytes: float) -> None:
             mask >>= 1
 
 
-@functools.lru_cache(maxsize=4096)
-def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
-            *, header: bool = True) -> float:
-    """Seconds for ``name`` with ``algorithm`` on ``n`` ranks, ``nbytes`` per rank (the
-    input: the whole buffer for allreduce/broadcast/reduce_scatter, the block for all_gather),
-    from the algorithm's message schedule on ``p``'s links."""
-    if n <= 1:
-        return 0.0
-    s = _Schedule(p, _header(p, n) if header else [0.0] * n)
+def _run(s: _Schedule, name: str, algorithm: str, nbytes: float) -> None:
+    """One flat algorithm's messages on ``s`` (a schedule or a group's view of one)."""
+    n = len(s.clock)
+    if n <= 1 or nbytes <= 0:
+        return  # nothing to send (the calls skip the algorithm for an empty buffer)
     chunk = math.ceil(nbytes / n)
     if name == "allreduce" and algorithm == "ring":
         _ring(s, 2 * (n - 1), chunk, folds=n - 1)
@@ -216,6 +266,128 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
         _ring(s, n - 1, chunk, folds=n - 1)
     else:
         raise ValueError(f"costmodel: no model for {name} {algorithm!r}")
+
+
+#: the collectives that have a hierarchical form (ferro_collective.hierarchical); "barrier" is
+#: modelled as "flat" (the header exchange alone) and "hierarchical"
+HIERARCHICAL = ("allreduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+
+
+@functools.lru_cache(maxsize=4096)
+def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
+            *, header: bool = True) -> float:
+    """Seconds for ``name`` with ``algorithm`` on ``n`` ranks, ``nbytes`` per rank (the
+    input: the whole buffer for allreduce/broadcast/reduce_scatter, the block for all_gather),
+    from the algorithm's message schedule on ``p``'s links.
+
+    ``algorithm="hierarchical"``: the stages :mod:`ferro_collective.hierarchical` runs on nodes
+    of ``p.ranks_per_node`` ranks, each stage with its own header exchange and the algorithm
+    "auto" picks for it (:func:`hierarchical_stages`), the node stages over the intra-node
+    links (as on a simulated network); ``"hierarchical_engine"``: the same with each node stage
+    one step through the node's shared-memory engine (a real multi-node job).
+    """
+    if n <= 1:
+        return 0.0
+    if algorithm in ("hierarchical", "hierarchical_engine"):
+        return _hierarchical(name, nbytes, n, p, algorithm == "hierarchical_engine",
+                             header)
+    if name == "barrier" and algorithm == "flat":
+        return header_time(p, n)
+    s = _Schedule(p, _header(p, n) if header else [0.0] * n)
+    _run(s, name, algorithm, nbytes)
+    return max(s.clock)
+
+
+def _layout(n: int, p: Params) -> tuple[int, int]:
+    L = p.ranks_per_node
+    if L < 2 or n % L or n // L < 2:
+        raise ValueError(f"costmodel: {n} ranks at {L} per node have no hierarchy (it needs "
+                         "at least 2 nodes of at least 2 ranks)")
+    return L, n // L
+
+
+def _auto_pick(name: str, nbytes: int, n: int, p: Params) -> str:
+    """What ``algorithm="auto"`` runs (``call.choose``: its thresholds up to 4 ranks, the
+    model beyond) for ``n`` ranks on ``p``'s links."""
+    from types import SimpleNamespace
+
+    from .call import choose
+
+    return choose(name, None, int(nbytes), n, SimpleNamespace(params=p))
+
+
+def _stage_pick(name: str, nbytes: int, n: int, alpha: float, beta: float) -> str:
+    """auto's pick for a stage of ``n`` ranks on one kind of link (a stage's group carries its
+    link as its network: ferro_backend.hierarchy)."""
+    return _auto_pick(name, nbytes, n, Params(alpha, beta))
+
+
+def hierarchical_stages(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> list:
+    """The stages of the hierarchical ``name`` on ``n`` ranks in nodes of ``p.ranks_per_node``:
+    ``(group, stage collective, algorithm, bytes)`` with group "node" or "cross" (for
+    allreduce's cross stage, local rank 0's slice; the others' differ by at most one element).
+    ``algorithm`` is auto's pick for the stage's group size and links."""
+    L, N = _layout(n, p)
+    ia, ib = p.link(False)
+    xa, xb = p.link(True)
+    if name in ("allreduce", "reduce_scatter"):
+        piece = math.ceil(nbytes / L)
+        return [("node", "allreduce", _stage_pick("allreduce", nbytes, L, ia, ib), nbytes),
+                ("cross", "allreduce", _stage_pick("allreduce", piece, N, xa, xb), piece),
+                ("node", "all_gather", _stage_pick("all_gather", piece, L, ia, ib), piece)]
+    if name == "broadcast":
+        return [("cross", "broadcast", _stage_pick("broadcast", nbytes, N, xa, xb), nbytes),
+                ("node", "broadcast", _stage_pick("broadcast", nbytes, L, ia, ib), nbytes)]
+    if name == "all_gather":
+        return [("node", "all_gather", _stage_pick("all_gather", nbytes, L, ia, ib), nbytes),
+                ("cross", "all_gather", _stage_pick("all_gather", L * nbytes, N, xa, xb),
+                 L * nbytes)]
+    if name == "barrier":
+        return [("node", "barrier", "flat", 0), ("cross", "barrier", "flat", 0),
+                ("node", "barrier", "flat", 0)]
+    raise ValueError(f"costmodel: no hierarchical model for {name!r}")
+
+
+def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
+                  header: bool) -> float:
+    """The stages on the job's schedule (global ranks, node ``k`` = ranks ``kL .. kL+L-1``):
+    every node's (or every local index's) group runs the stage on its own ranks; groups share
+    no rank, so they run concurrently, each from its ranks' clocks."""
+    from ferro_backend.partition import split_sizes
+
+    L, N = _layout(n, p)
+    nodes = [tuple(range(k * L, (k + 1) * L)) for k in range(N)]
+    crosses = [tuple(range(j, n, L)) for j in range(L)]
+    s = _Schedule(p, [0.0] * n)
+    pieces = split_sizes(int(nbytes), L)  # allreduce's slices (bytes; the call splits elements)
+    ia, ib = p.link(False)
+    xa, xb = p.link(True)
+    for group, stage, algorithm, size in hierarchical_stages(name, nbytes, n, p):
+        if group == "node" and engine:
+            # one step through the node's segment: everyone arrives, then copies the stage's
+            # bytes over the intra-node link (the engine checks headers in the same step)
+            for members in nodes:
+                t = max(s.clock[m] for m in members) + ia + size / ib
+                for m in members:
+                    s.clock[m] = t
+            continue
+        if group == "node":
+            groups = [(members, size) for members in nodes]
+        elif name == "broadcast":
+            groups = [(crosses[0], size)]  # the root's local index only (root 0)
+        elif stage == "allreduce":
+            groups = [(members, pieces[j]) for j, members in enumerate(crosses)]
+        else:
+            groups = [(members, size) for members in crosses]
+        for members, size_j in groups:
+            view = _View(s, members)
+            if header:
+                view.rounds(_header_rounds(len(members)))
+            if stage == "barrier":
+                continue
+            if group == "cross" and stage == "allreduce" and size_j != size:
+                algorithm = _stage_pick("allreduce", size_j, N, xa, xb)
+            _run(view, stage, algorithm, size_j)
     return max(s.clock)
 
 
@@ -240,5 +412,45 @@ def choose_auto(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> str:
     return _auto(name, bucket, n, p)
 
 
-__all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "Params", "best", "choose_auto", "header_time",
+def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
+    """The flat call's modelled time with the algorithm "auto" runs (barrier: the header
+    exchange)."""
+    if name == "barrier":
+        return predict("barrier", "flat", 0, n, p)
+    return predict(name, _auto_pick(name, nbytes, n, p), nbytes, n, p)
+
+
+#: a real job (the engine in each node, whose cost the model only estimates) leaves its stages
+#: for the flat algorithm only when the model rates the flat one this much faster
+ENGINE_MARGIN = 0.9
+
+
+@functools.lru_cache(maxsize=1024)
+def _hier_wins(name: str, bucket: int, n: int, p: Params, engine: bool) -> bool:
+    if engine:
+        return not flat_time(name, bucket, n, p) < ENGINE_MARGIN * predict(
+            name, "hierarchical_engine", bucket, n, p)
+    return predict(name, "hierarchical", bucket, n, p) < flat_time(name, bucket, n, p)
+
+
+def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
+                        engine: bool = False) -> bool:
+    """Whether ``algorithm="auto"`` runs ``name`` as node and cross stages
+    (:mod:`ferro_collective.hierarchical`) rather than flat on ``n`` ranks in nodes of
+    ``p.ranks_per_node``: when the model rates the stages faster than the flat algorithm auto
+    would run, at the size rounded up to a power of two (so one (size class, world, layout)
+    always gets one answer, the same on every rank). ``engine``: the node stages run on a
+    shared-memory engine (a real job) rather than over intra-node messages (a simulated one);
+    such a job keeps its stages unless the flat algorithm is rated :data:`ENGINE_MARGIN` times
+    their time or less. False where the layout has no hierarchy (one node, or one rank per node)."""
+    L = p.ranks_per_node
+    if name not in HIERARCHICAL or L < 2 or n % L or n // L < 2:
+        return False
+    bucket = 1 << max(0, int(nbytes) - 1).bit_length()
+    return _hier_wins(name, bucket if name != "barrier" else 0, n, p, engine)
+
+
+__all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL", "Params", "best",
+           "choose_auto",
+           "choose_hierarchical", "flat_time", "header_time", "hierarchical_stages",
            "params_for", "predict"]

@@ -14,6 +14,11 @@ barrier as stages on its two groups: ``node`` (this rank's node, on the same-hos
 * reduce_scatter: the hierarchical allreduce, then this rank's slice.
 * barrier: node, cross, node.
 
+Whether a call runs staged or flat follows :func:`ferro_collective.costmodel.choose_hierarchical`
+(``algorithm="auto"`` only). A simulated network's hierarchy
+(``SimulatedBackend.create_group(n, network=..., hierarchical=True)``) runs the same stages with
+no engine, in virtual time, which the cost model's "hierarchical" entries are held to.
+
 Every stage is an ordinary collective on its group, with its own header check. The stages'
 sequence numbers are taken when the call is made (in issue order), so asynchronous calls in
 flight at once still pair up across ranks. Every rank gets the same bits (each slice is
@@ -35,9 +40,12 @@ from .ops import ReduceOp
 
 
 def hierarchy_of(backend) -> object | None:
-    """The backend's Hierarchy when it has a usable one (several nodes, an engine in each)."""
+    """The backend's Hierarchy when it has a usable one: several nodes, an engine in each, or
+    one built on a simulated network (``Hierarchy.simulated``: no engine, the node stages run
+    the point-to-point algorithms over the modelled intra-node links)."""
     h = getattr(backend, "hierarchy", None)
-    if h is None or getattr(h.node, "engine", None) is None:
+    if h is None or (getattr(h.node, "engine", None) is None
+                     and not getattr(h, "simulated", False)):
         return None
     return h
 
