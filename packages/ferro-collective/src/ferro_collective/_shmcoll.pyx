@@ -212,17 +212,18 @@ cdef class SlotEngine:
                                 <const unsigned char*>src, nbytes, deadline)
         return rc
 
-    def step(self, uint32_t step, const unsigned char[::1] header, uint32_t seq,
+    def step(self, uint32_t step, bytes header not None, uint32_t seq,
              double deadline):
         """A step with no data (the barrier): :meth:`exchange` of ``header`` with ``seq``
         patched in; OK, TIMEOUT, FAILED or MISMATCH."""
         cdef int rc
+        cdef const unsigned char* h = header
+        cdef Py_ssize_t hlen = len(header)
         with nogil:
-            rc = self._exchange(step, &header[0], header.shape[0], True, seq, NULL, 0,
-                                deadline)
+            rc = self._exchange(step, h, hlen, True, seq, NULL, 0, deadline)
         return rc
 
-    def step_fold(self, uint32_t step, const unsigned char[::1] header, uint32_t seq,
+    def step_fold(self, uint32_t step, bytes header not None, uint32_t seq,
                   object src, object out, size_t offset, Py_ssize_t count, int code, int op,
                   double mean_divisor, double deadline):
         """One whole reduction step: :meth:`exchange` of ``header`` with ``seq`` patched in
@@ -232,11 +233,13 @@ cdef class SlotEngine:
         Returns OK, TIMEOUT, FAILED or MISMATCH (``out`` untouched unless OK)."""
         cdef Py_buffer s, o
         cdef int rc
+        cdef const unsigned char* h = header
+        cdef Py_ssize_t hlen = len(header)
         self._buffers(src, out, &s, &o)
         try:
             self._check_fold(s.len, o.len, offset, count, code)
             with nogil:
-                rc = self._exchange(step, &header[0], header.shape[0], True, seq,
+                rc = self._exchange(step, h, hlen, True, seq,
                                     <const unsigned char*>s.buf, s.len, deadline)
                 if rc == OK and count > 0:
                     rc = self._fold_slots(step, <unsigned char*>o.buf, offset, count, code, op,
@@ -286,7 +289,7 @@ cdef class SlotEngine:
             raise
         return 0
 
-    def step_copy(self, uint32_t step, const unsigned char[::1] header, uint32_t seq,
+    def step_copy(self, uint32_t step, bytes header not None, uint32_t seq,
                   object src, object out, int root, double deadline):
         """One whole broadcast (``root`` >= 0: every rank copies ``len(src)`` bytes from
         ``root``'s slot into ``out``; only the root sends data) or all_gather (``root`` = -1:
@@ -294,11 +297,13 @@ cdef class SlotEngine:
         step; OK, TIMEOUT, FAILED or MISMATCH (nothing copied unless OK)."""
         cdef Py_buffer s, o
         cdef int rc
+        cdef const unsigned char* h = header
+        cdef Py_ssize_t hlen = len(header)
         self._buffers(src, out, &s, &o)
         try:
             self._check_copy(s.len, o.len, root)
             with nogil:
-                rc = self._exchange(step, &header[0], header.shape[0], True, seq,
+                rc = self._exchange(step, h, hlen, True, seq,
                                     <const unsigned char*>s.buf,
                                     s.len if root < 0 or root == self.me else 0, deadline)
                 if rc == OK:

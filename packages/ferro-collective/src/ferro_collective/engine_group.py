@@ -39,6 +39,8 @@ log = logging.getLogger("ferro_collective")
 _CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
 _FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
 
+_monotonic = time.monotonic
+
 _EXTRA = struct.Struct("<QQQ")  # pid, input address, output address
 _EXTRA_OFF = 128  # in the slot header, after the collective header
 
@@ -175,8 +177,13 @@ class EngineGroup:
     # general path runs it and raises whatever error its arguments deserve.
 
     def barrier_now(self, timeout: float | None) -> None:
-        """The barrier: one step with the barrier's header."""
-        seq, t, start = self._enter("barrier", timeout)
+        """The barrier: one step with the barrier's header (the common case inline: its turn,
+        the backend's timeout, nothing broken)."""
+        seq = self._next()
+        if timeout is not None or self._next_seq != seq or self.broken is not None:
+            seq, t, start = self._enter("barrier", timeout, seq)
+        else:
+            t, start = self.backend.timeout, _monotonic()
         try:
             step = self.step + 1
             rc = self.eng.step(step, self._barrier_header, seq, start + t * alg.STALL_FRACTION)
@@ -184,7 +191,9 @@ class EngineGroup:
             if rc != _shmcoll.STATUS_OK:
                 self._recover(rc, "barrier", seq, t, start, step)
         finally:
-            self._done(seq)
+            self._next_seq = seq + 1
+            if self._waiting:
+                self._done(seq)
 
     def allreduce_now(self, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
                       timeout: float | None) -> np.ndarray | None:
@@ -269,7 +278,11 @@ class EngineGroup:
             out = np.empty(shape, x.dtype)
         elif not _usable_out(out, shape, x.dtype):
             return None
-        seq, t, start = self._enter(name, timeout)
+        seq = self._next()
+        if timeout is not None or self._next_seq != seq or self.broken is not None:
+            seq, t, start = self._enter(name, timeout, seq)
+        else:
+            t, start = self.backend.timeout, _monotonic()
         try:
             step = self.step + 1
             rc = self.eng.step_fold(step, header, seq, x, out, offset, count, code, kernel,
@@ -280,7 +293,9 @@ class EngineGroup:
                 self._recover(rc, name, seq, t, start, step)
                 self.eng.fold(step, out, x.nbytes, offset, count, code, kernel, div)
         finally:
-            self._done(seq)
+            self._next_seq = seq + 1
+            if self._waiting:
+                self._done(seq)
         return out
 
     def _copy_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None, root: int,
@@ -294,7 +309,11 @@ class EngineGroup:
             return None
         # byte views: the engine copies bytes, whatever the dtype (bool, float16, ...)
         src, dst = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
-        seq, t, start = self._enter(name, timeout)
+        seq = self._next()
+        if timeout is not None or self._next_seq != seq or self.broken is not None:
+            seq, t, start = self._enter(name, timeout, seq)
+        else:
+            t, start = self.backend.timeout, _monotonic()
         try:
             step = self.step + 1
             rc = self.eng.step_copy(step, header, seq, src, dst, root,
@@ -305,13 +324,17 @@ class EngineGroup:
                 self._recover(rc, name, seq, t, start, step)
                 self.eng.copy(step, src, dst, root)
         finally:
-            self._done(seq)
+            self._next_seq = seq + 1
+            if self._waiting:
+                self._done(seq)
         return out
 
-    def _enter(self, name: str, timeout: float | None) -> tuple[int, float, float]:
-        """A one-call collective's sequence number, timeout and start, once every call
-        issued before it on this backend has finished."""
-        seq = self._next()
+    def _enter(self, name: str, timeout: float | None, seq: int | None = None
+               ) -> tuple[int, float, float]:
+        """A one-call collective's sequence number (``seq``, or the backend's next), timeout
+        and start, once every call issued before it on this backend has finished."""
+        if seq is None:
+            seq = self._next()
         t = self._timeout if timeout is None else self.backend.resolve_timeout(
             timeout, f"{name}: timeout")
         start = time.monotonic()
