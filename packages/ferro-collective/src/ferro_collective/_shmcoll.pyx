@@ -9,7 +9,9 @@ Slot ``s % 2`` is free again at step ``s + 2``: a rank publishes ``s + 1`` only 
 finished reading everyone's step-``s`` slots, and nobody writes step ``s + 2`` before seeing
 every rank at ``s + 1``.
 
-Waiting is a bounded spin (with a CPU pause) and then a futex sleep on the peer's step word, all
+Waiting is a bounded spin (with a CPU pause; when the ranks outnumber the cores, a bounded run of
+``sched_yield`` instead, which hands the core to a peer that needs it) and then a futex sleep on
+the peer's step word, all
 without the GIL; the sleep wakes when the peer publishes (it wakes sleepers) and at least every
 50 ms to check this process's failure flag (set by the transport when a peer dies or aborts)
 and the deadline. Validation (layout, sizes, addresses) is done by ``fastpath.py`` and
@@ -35,6 +37,7 @@ cdef extern from *:
     #include <unistd.h>
     #include <sys/syscall.h>
     #include <linux/futex.h>
+    #include <sched.h>
 
     static inline uint32_t ferro_load(uint32_t* p) {
         return __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -75,6 +78,7 @@ cdef extern from *:
     double ferro_now() noexcept nogil
     void ferro_futex_wait(uint32_t* p, uint32_t seen, double seconds) noexcept nogil
     void ferro_futex_wake(uint32_t* p) noexcept nogil
+    int sched_yield() noexcept nogil
 
 # status codes (C globals: usable without the GIL)
 cdef int OK = 0, TIMEOUT = 1, FAILED = 2, MISMATCH = 3
@@ -98,16 +102,16 @@ cdef class SlotEngine:
     """This rank's view of one engine segment (addresses and layout as plain integers)."""
 
     cdef unsigned char* base
-    cdef int n, me, spin
+    cdef int n, me, spin, yields
     cdef size_t ctrl_off, ctrl_stride, slot_off, slot_stride, parity_stride, head_bytes
     cdef size_t slot_bytes
     cdef uint32_t* failed
 
     def __init__(self, size_t base, int n, int me, size_t ctrl_off, size_t ctrl_stride,
                  size_t slot_off, size_t slot_stride, size_t parity_stride, size_t head_bytes,
-                 size_t slot_bytes, size_t failed_addr, int spin):
+                 size_t slot_bytes, size_t failed_addr, int spin, int yields=0):
         self.base = <unsigned char*>base
-        self.n, self.me, self.spin = n, me, spin
+        self.n, self.me, self.spin, self.yields = n, me, spin, yields
         self.ctrl_off, self.ctrl_stride = ctrl_off, ctrl_stride
         self.slot_off, self.slot_stride, self.parity_stride = slot_off, slot_stride, parity_stride
         self.head_bytes, self.slot_bytes = head_bytes, slot_bytes
@@ -136,6 +140,10 @@ cdef class SlotEngine:
         while <int32_t>(ferro_load(word) - step) < 0:
             if spins < self.spin:
                 ferro_pause()
+                spins += 1
+                continue
+            if spins < self.spin + self.yields:
+                sched_yield()
                 spins += 1
                 continue
             if ferro_load(self.failed) != 0:

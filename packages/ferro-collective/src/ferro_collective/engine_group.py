@@ -71,11 +71,14 @@ class EngineGroup:
         self.cma_ok = seg.cma_ok
         self.pids = seg.pids
         cores = os.cpu_count() or 1
-        spin = 4000 if self.n <= cores else 0  # oversubscribed: never spin on a core a peer needs
+        # oversubscribed: never spin on a core a peer needs; yield it a bounded number of
+        # times (FERRO_SHM_YIELDS) before sleeping, so a waiting rank lets its peers run
+        spin = 4000 if self.n <= cores else 0
+        yields = 0 if self.n <= cores else int(os.environ.get("FERRO_SHM_YIELDS", 100))
         self.eng = _shmcoll.SlotEngine(
             seg.address, self.n, self.me, lay["ctrl_off"], lay["ctrl_stride"], lay["slot_off"],
             lay["slot_stride"], lay["parity_stride"], lay["head_bytes"], lay["slot_bytes"],
-            seg.failed_address, spin)
+            seg.failed_address, spin, yields)
         mem = np.frombuffer(seg._mem, dtype=np.uint8)
         self._heads = [[mem[a:a + lay["head_bytes"]] for a in self._slots(lay, r)]
                        for r in range(self.n)]
