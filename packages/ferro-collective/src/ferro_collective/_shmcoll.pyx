@@ -142,15 +142,15 @@ cdef class SlotEngine:
                 ferro_pause()
                 spins += 1
                 continue
-            if spins < self.spin + self.yields:
-                sched_yield()
-                spins += 1
-                continue
             if ferro_load(self.failed) != 0:
                 return FAILED
             now = ferro_now()
             if now >= deadline:
                 return TIMEOUT
+            if spins < self.spin + self.yields:
+                sched_yield()
+                spins += 1
+                continue
             ferro_add(self._sleepers(rank), 1)
             seen = ferro_load(word)
             if <int32_t>(seen - step) < 0:
