@@ -272,3 +272,16 @@ def test_real_multi_node_jobs_always_run_the_stages():
     assert all(prefer_hierarchical(name, (np.dtype(np.float32), (1 << 20,)), interleaved, h)
                for name in ("allreduce", "reduce_scatter", "all_gather"))
     assert not cm.choose_hierarchical("allreduce", 1 << 20, 16, cm.DEFAULT)  # one node
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "star"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_flat_times_are_linear_in_the_fitted_terms(algorithm, n):
+    """What scale_validate.py fits: on one kind of link a flat allreduce costs call +
+    messages * alpha + bytes / beta + folded * gamma along its critical path."""
+    p = cm.Params(37e-6, 0.9e9, gamma=0.3e-9, call=55e-6)
+    for nbytes in (4096, 1 << 20):
+        msgs, sent, folded = cm.terms("allreduce", algorithm, nbytes, n)
+        assert msgs >= 1 and sent >= nbytes / n and folded >= 0
+        want = p.call + msgs * p.alpha + sent / p.beta + folded * p.gamma
+        assert cm.predict("allreduce", algorithm, nbytes, n, p) == pytest.approx(want, rel=1e-9)

@@ -37,7 +37,9 @@ class Params:
     """``alpha`` seconds and ``beta`` bytes/s between nodes; ``intra_alpha``/``intra_beta``
     within a node of ``ranks_per_node`` consecutive ranks (None: one link kind); ``gamma``
     seconds per byte a rank folds into its buffer (the reduction kernel; 0: free, as in the
-    simulated network)."""
+    simulated network); ``call`` seconds every call costs each rank outside its messages
+    (argument checks, buffers, the Python around them: fitted to real runs by
+    ``benchmarks/scale_validate.py``; 0 on the simulated network)."""
 
     alpha: float
     beta: float
@@ -45,6 +47,7 @@ class Params:
     intra_beta: float | None = None
     ranks_per_node: int = 1
     gamma: float = 0.0
+    call: float = 0.0
 
     @classmethod
     def of(cls, network) -> Params:
@@ -292,10 +295,22 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
         return _hierarchical(name, nbytes, n, p, algorithm == "hierarchical_engine",
                              header)
     if name == "barrier" and algorithm == "flat":
-        return header_time(p, n)
+        return header_time(p, n) + p.call
     s = _Schedule(p, _header(p, n) if header else [0.0] * n)
     _run(s, name, algorithm, nbytes)
-    return max(s.clock)
+    return max(s.clock) + p.call
+
+
+def terms(name: str, algorithm: str, nbytes: int, n: int) -> tuple[float, float, float]:
+    """The flat algorithm's critical path on one kind of link as (messages, bytes sent,
+    bytes folded) in a row: its time is ``call + messages * alpha + bytes / beta + folded *
+    gamma``, linear in the parameters (every rank's path of these symmetric schedules is
+    the same), which is what lets ``benchmarks/scale_validate.py`` fit them to real runs."""
+    big = 1e30
+    msgs = predict(name, algorithm, nbytes, n, Params(1.0, big))
+    sent = predict(name, algorithm, nbytes, n, Params(0.0, 1.0))
+    folded = predict(name, algorithm, nbytes, n, Params(0.0, big, gamma=1.0))
+    return msgs, sent, folded
 
 
 def _layout(n: int, p: Params) -> tuple[int, int]:
@@ -451,6 +466,5 @@ def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
 
 
 __all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL", "Params", "best",
-           "choose_auto",
-           "choose_hierarchical", "flat_time", "header_time", "hierarchical_stages",
-           "params_for", "predict"]
+           "choose_auto", "choose_hierarchical", "flat_time", "header_time",
+           "hierarchical_stages", "params_for", "predict", "terms"]
