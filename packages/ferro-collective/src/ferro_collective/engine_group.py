@@ -258,12 +258,17 @@ class EngineGroup:
     def _plan_copy(self, name: str, x: np.ndarray, root: int) -> tuple | bool:
         plan: tuple | bool = False
         nbytes = x.nbytes
-        if not x.dtype.hasobject and nbytes <= self.slot_bytes:
+        if not x.dtype.hasobject:
+            # the last item: one step through the slots (else the staged engine path, with
+            # cross-memory reads where they work, still without a call object)
             if name == "broadcast" and 0 <= root < self.n:
-                plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape)
-            elif name == "all_gather" and not (self.cma_ok and nbytes >= DIRECT_COPY_BYTES):
+                plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape,
+                        nbytes <= self.slot_bytes)
+            elif name == "all_gather":
                 shape = (self.n,) if x.ndim == 0 else (x.shape[0] * self.n, *x.shape[1:])
-                plan = (name, encode(name, x.dtype, x.shape, None, -1, 0), shape)
+                plan = (name, encode(name, x.dtype, x.shape, None, -1, 0), shape,
+                        nbytes <= self.slot_bytes
+                        and not (self.cma_ok and nbytes >= DIRECT_COPY_BYTES))
         return self._keep((name, x.dtype, x.shape, root), plan)
 
     def _keep(self, key: tuple, plan: tuple | bool) -> tuple | bool:
@@ -303,7 +308,7 @@ class EngineGroup:
 
     def _copy_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None, root: int,
                   timeout: float | None) -> np.ndarray | None:
-        name, header, shape = plan
+        name, header, shape, one_step = plan
         if not x.flags.c_contiguous:
             return None
         if out is None:
@@ -317,6 +322,8 @@ class EngineGroup:
             seq, t, start = self._enter(name, timeout, seq)
         else:
             t, start = self.backend.timeout, _monotonic()
+        if not one_step:
+            return self._staged_copy(name, x, src, dst, out, root, seq, t, start)
         try:
             step = self.step + 1
             rc = self.eng.step_copy(step, header, seq, src, dst, root,
@@ -326,6 +333,31 @@ class EngineGroup:
             if rc != _shmcoll.STATUS_OK:
                 self._recover(rc, name, seq, t, start, step)
                 self.eng.copy(step, src, dst, root)
+        finally:
+            self._next_seq = seq + 1
+            if self._waiting:
+                self._done(seq)
+        return out
+
+    def _staged_copy(self, name: str, x: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                     out: np.ndarray, root: int, seq: int, t: float, start: float
+                     ) -> np.ndarray:
+        """A large broadcast or all_gather on the engine's staged path (``fastpath``: cross-
+        memory reads, or slot-sized pieces), with no call object."""
+        from . import fastpath
+
+        call = Step(name, seq, t, start)
+        header = encode(name, x.dtype, x.shape, None, root, seq)
+        try:
+            if name == "broadcast":
+                if self.me == root and not np.may_share_memory(dst, src):
+                    dst[...] = src
+                fastpath.broadcast(self, call, header, dst, root)
+            else:
+                fastpath.all_gather(self, call, header, src, dst)
+        except (CollectiveTimeoutError, PeerClosedError) as exc:
+            self.broken = exc
+            raise
         finally:
             self._next_seq = seq + 1
             if self._waiting:
