@@ -226,5 +226,29 @@ def bench_unpack_100_arrays_64MiB(benchmark, impl):
     np.testing.assert_array_equal(outs[-1], arrays[-1])
 
 
+@pytest.mark.parametrize("size", ["64KiB", "1MiB", "16MiB"])
+@pytest.mark.parametrize("impl", ["copyto", "_shm.cma_read", "_shm.cma_write"])
+def bench_cross_memory_copy(benchmark, impl, size):
+    """The `_shm` kernel's single copies (here within one process: the same system calls)
+    against numpy's copy of the same bytes."""
+    from ferro_backend import _shm
+
+    nbytes = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}[size]
+    src = np.arange(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    benchmark.group = f"cross-memory copy {size}"
+    benchmark.extra_info["bytes"] = nbytes
+    pid = os.getpid()
+    if impl == "copyto":
+        benchmark.extra_info["role"] = "baseline"
+        run = lambda: np.copyto(dst, src)
+    elif impl == "_shm.cma_read":
+        run = lambda: _shm.cma_read(pid, src.ctypes.data, dst)
+    else:
+        run = lambda: _shm.cma_write(pid, dst.ctypes.data, src)
+    benchmark.pedantic(run, rounds=50 if nbytes <= 1 << 20 else 10, warmup_rounds=2)
+    assert dst[-1] == src[-1]
+
+
 def test_time_is_monotonic():  # keeps `pytest benchmarks` from reporting "no tests" on --benchmark-skip
     assert time.monotonic() > 0

@@ -25,6 +25,13 @@ def test_kernel_is_compiled_and_reads_memory():
     np.testing.assert_array_equal(out, src)
     with pytest.raises(OSError):
         _shm.cma_read(2**22 + 12345, src.ctypes.data, out.view(np.uint8))
+    # and the other direction: a write into (here) this process's own buffer
+    dst = np.zeros_like(src)
+    _shm.cma_write(os.getpid(), dst.ctypes.data, src.view(np.uint8))
+    np.testing.assert_array_equal(dst, src)
+    with pytest.raises(OSError, match="process_vm_writev"):
+        _shm.cma_write(2**22 + 12345, dst.ctypes.data, src.view(np.uint8))
+    _shm.cma_write(os.getpid(), dst.ctypes.data, src.view(np.uint8)[:0])  # nothing to move
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -1,9 +1,11 @@
 # cython: language_level=3
-"""Single-copy reads from another process's memory (Linux cross-memory attach).
+"""Single-copy reads from and writes to another process's memory (Linux cross-memory attach).
 
 ``cma_read`` copies a peer's buffer straight into ours with one kernel copy
 (``process_vm_readv``), the GIL released; this is how Open MPI and MPICH move large messages
-between processes of one host. Validation lives in ``shm.py``.
+between processes of one host. ``cma_write`` is the other direction (``process_vm_writev``):
+a broadcast's root pushes part of its buffer into a reader's while that reader pulls the rest.
+Validation lives in ``shm.py`` and ferro-collective's engine.
 """
 
 from libc.errno cimport errno
@@ -16,6 +18,9 @@ cdef extern from "<sys/uio.h>" nogil:
     ssize_t process_vm_readv(int pid, const iovec* local_iov, unsigned long liovcnt,
                              const iovec* remote_iov, unsigned long riovcnt,
                              unsigned long flags)
+    ssize_t process_vm_writev(int pid, const iovec* local_iov, unsigned long liovcnt,
+                              const iovec* remote_iov, unsigned long riovcnt,
+                              unsigned long flags)
 
 cdef extern from *:
     """
@@ -37,9 +42,10 @@ cdef extern from "<sys/prctl.h>" nogil:
     int PR_SET_PTRACER
 
 
-cdef Py_ssize_t _read(int pid, size_t remote, unsigned char* local, Py_ssize_t n,
+cdef Py_ssize_t _move(int pid, size_t remote, unsigned char* local, Py_ssize_t n, bint write,
                       int* err) noexcept nogil:
-    """Read ``n`` bytes; returns the count read (short only on error, ``err`` set)."""
+    """Read (or write) ``n`` bytes; returns the count moved (short only on error, ``err``
+    set)."""
     cdef iovec liov, riov
     cdef Py_ssize_t done = 0
     cdef ssize_t got
@@ -48,7 +54,10 @@ cdef Py_ssize_t _read(int pid, size_t remote, unsigned char* local, Py_ssize_t n
         liov.iov_len = n - done
         riov.iov_base = <void*>(remote + done)
         riov.iov_len = n - done
-        got = process_vm_readv(pid, &liov, 1, &riov, 1, 0)
+        if write:
+            got = process_vm_writev(pid, &liov, 1, &riov, 1, 0)
+        else:
+            got = process_vm_readv(pid, &liov, 1, &riov, 1, 0)
         if got <= 0:
             err[0] = errno if got < 0 else 5  # EIO on a zero-length read
             return done
@@ -67,10 +76,24 @@ def cma_read(int pid, size_t remote_addr, unsigned char[::1] out):
     if n == 0:
         return
     with nogil:
-        got = _read(pid, remote_addr, &out[0], n, &err)
+        got = _move(pid, remote_addr, &out[0], n, False, &err)
     if got != n:
         import os
         raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)} after "
+                           f"{got} of {n} bytes")
+
+
+def cma_write(int pid, size_t remote_addr, const unsigned char[::1] data):
+    """Copy ``data`` to ``remote_addr`` in process ``pid`` (errors as :func:`cma_read`)."""
+    cdef Py_ssize_t n = data.shape[0], got
+    cdef int err = 0
+    if n == 0:
+        return
+    with nogil:
+        got = _move(pid, remote_addr, <unsigned char*>&data[0], n, True, &err)
+    if got != n:
+        import os
+        raise OSError(err, f"process_vm_writev to pid {pid}: {os.strerror(err)} after "
                            f"{got} of {n} bytes")
 
 

@@ -32,6 +32,9 @@ from .ops import BITWISE, OPS, ReduceOp
 #: all_gather blocks of at least this many bytes are read straight from the peers' memory
 #: (when cross-memory reads work), smaller ones go through the slots
 DIRECT_COPY_BYTES = int(os.environ.get("FERRO_SHM_DIRECT_COPY_BYTES", 256 << 10))
+#: broadcasts of at least this many bytes move by cross-memory copies (the root pushing part
+#: while the readers pull the rest) where those work, smaller ones through the root's slot
+BROADCAST_DIRECT_BYTES = int(os.environ.get("FERRO_SHM_BROADCAST_DIRECT_BYTES", 256 << 10))
 
 log = logging.getLogger("ferro_collective")
 
@@ -263,7 +266,8 @@ class EngineGroup:
             # cross-memory reads where they work, still without a call object)
             if name == "broadcast" and 0 <= root < self.n:
                 plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape,
-                        nbytes <= self.slot_bytes)
+                        nbytes <= self.slot_bytes
+                        and not (self.cma_ok and nbytes >= BROADCAST_DIRECT_BYTES))
             elif name == "all_gather":
                 shape = (self.n,) if x.ndim == 0 else (x.shape[0] * self.n, *x.shape[1:])
                 plan = (name, encode(name, x.dtype, x.shape, None, -1, 0), shape,
@@ -472,7 +476,18 @@ class EngineGroup:
             f"{call.name} (seq {call.seq}) on rank {self.me}: timed out after "
             f"{call.timeout:g}s waiting for ranks {missing} (shared-memory engine)")
 
-    # ------------------------------------------------------------------ cross-memory reads
+    # ------------------------------------------------------------------ cross-memory copies
+    def write(self, rank: int, addr: int, data: np.ndarray) -> None:
+        """Copy ``data`` to ``addr`` in ``rank``'s memory."""
+        from ferro_backend import _shm
+
+        try:
+            _shm.cma_write(self.pids[rank], addr, data.reshape(-1).view(np.uint8))
+            self.seg.sent += data.nbytes
+        except OSError as exc:
+            raise PeerClosedError(f"rank {self.me}: cannot write to rank {rank}'s memory "
+                                  f"({exc})", peer=rank) from exc
+
     def read(self, rank: int, addr: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes at ``addr`` in ``rank``'s memory into ``out``."""
         from ferro_backend import _shm

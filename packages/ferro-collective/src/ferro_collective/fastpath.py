@@ -39,7 +39,7 @@ import numpy as np
 from ferro_backend.partition import split_bounds
 
 from . import _reduce
-from .engine_group import DIRECT_COPY_BYTES, EngineGroup, Step
+from .engine_group import BROADCAST_DIRECT_BYTES, DIRECT_COPY_BYTES, EngineGroup, Step
 from .ops import OPS, ReduceOp
 
 #: bytes of each peer's input read and folded at once by the large reduction
@@ -96,15 +96,28 @@ def reduce_scatter(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, out
 
 
 def broadcast(g: EngineGroup, call: Step, header: bytes, buf: np.ndarray, root: int) -> None:
-    """Every rank's ``buf`` (1-d bytes) becomes ``root``'s."""
-    if buf.size <= g.slot_bytes:
+    """Every rank's ``buf`` (1-d bytes) becomes ``root``'s.
+
+    Through the root's slot when it fits (and is below ``BROADCAST_DIRECT_BYTES`` where
+    cross-memory copies work); else by cross-memory copies with the work shared: every reader
+    pulls the first ``(n-1)/n`` of the buffer from the root while the root pushes the last
+    ``1/n`` into each reader (so the root's core copies too instead of waiting), then a step
+    without data so that nobody returns while its buffer is still being copied."""
+    size = buf.size
+    if size <= g.slot_bytes and not (g.cma_ok and size >= BROADCAST_DIRECT_BYTES):
         step = g.exchange(call, header, buf if g.me == root else None)
         if g.me != root:
-            buf[...] = g.data(root, step, buf.size, buf.dtype)
+            buf[...] = g.data(root, step, size, buf.dtype)
     elif g.cma_ok:
-        step = g.exchange(call, header, extra=(os.getpid(), buf.ctypes.data, 0))
-        if g.me != root:
-            g.read(root, g.extras(step)[root][1], buf)
+        step = g.exchange(call, header, extra=(os.getpid(), buf.ctypes.data, buf.ctypes.data))
+        extras = g.extras(step)
+        cut = size - (size // g.n) // 64 * 64  # the readers pull [0, cut), the root pushes
+        if g.me == root:
+            for r in range(g.n):
+                if r != root:
+                    g.write(r, extras[r][2] + cut, buf[cut:])
+        else:
+            g.read(root, extras[root][1], buf[:cut])
         g.sync(call)
     else:
         for s in range(0, buf.size, g.slot_bytes):
