@@ -50,13 +50,19 @@ def _data(rng, dt, shape):
     return rng.integers(0, 50, size=shape).astype(dt)
 
 
-def equals_star(b, seed: int, count: int) -> list[str]:
+def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str]:
     """Every collective on the engine against the star algorithm (rank-order fold) bit for bit;
-    returns the failures (empty: all equal) and checks out=, in-place and async ordering."""
+    returns the failures (empty: all equal) and checks out=, in-place and async ordering.
+    ``cases``: (dtype name, shape, op name, root) to run instead of ``count`` seeded ones."""
     assert b.engine is not None, "the engine is off"
     rng = np.random.default_rng(1000 * seed + b.rank)
     bad = []
-    for dt, shape, op, root in _cases(seed, b.world_size, count):
+    if cases is None:
+        cases = list(_cases(seed, b.world_size, count))
+    else:
+        cases = [(np.dtype(BF16 if d == "bfloat16" else d), tuple(shape), ReduceOp[o],
+                  root % b.world_size) for d, shape, o, root in cases]
+    for dt, shape, op, root in cases:
         x = _data(rng, dt, shape)
         keep = x.copy()
         label = f"{dt}{list(shape)} {op.name}"

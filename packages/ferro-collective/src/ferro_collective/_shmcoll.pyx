@@ -142,11 +142,13 @@ cdef class SlotEngine:
                 ferro_pause()
                 spins += 1
                 continue
-            if ferro_load(self.failed) != 0:
-                return FAILED
+            # the deadline first: a wait that is already late times out whatever happened
+            # since (a peer that gave up at its own deadline and closed, say)
             now = ferro_now()
             if now >= deadline:
                 return TIMEOUT
+            if ferro_load(self.failed) != 0:
+                return FAILED
             if spins < self.spin + self.yields:
                 sched_yield()
                 spins += 1
