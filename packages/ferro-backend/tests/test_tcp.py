@@ -129,16 +129,34 @@ else:
         b.recv(bytearray(8), 0, timeout=30)
         result = "no error"
     except PeerClosedError as exc:
-        result = [type(exc).__name__, exc.peer, time.monotonic() - t0, str(exc)]
+        result = [type(exc).__name__, exc.peer, time.monotonic() - t0, str(exc), exc.clean]
 """
     job = Job(body, 2)
     job.wait_for_line(0, "READY")
     time.sleep(0.3)
     job.procs[0].kill()
     results = job.finish()
-    name, peer, elapsed, msg = results[1].result
+    name, peer, elapsed, msg, clean = results[1].result
     assert name == "PeerClosedError" and peer == 0
     assert elapsed < 2.5, msg
+    assert clean is False  # a death, not an orderly close
+
+
+def test_a_peer_that_closes_its_backend_is_gone_cleanly():
+    body = """
+if b.rank == 0:
+    time.sleep(0.3)
+    result = "closed"
+else:
+    try:
+        b.recv(bytearray(8), 0, timeout=30)
+        result = "no error"
+    except PeerClosedError as exc:
+        result = [exc.peer, exc.clean, str(exc)]
+"""
+    results = run_job(body, 2)  # rank 0 returns first and closes its backend in order
+    peer, clean, msg = results[1]
+    assert peer == 0 and clean is True and "closed its backend" in msg, msg
 
 
 def test_abort_reaches_every_rank_with_the_reason():

@@ -29,11 +29,13 @@ class CollectiveTimeoutError(DistributedError, TimeoutError):
 
 
 class PeerClosedError(DistributedError, ConnectionError):
-    """A peer closed its end or died while this rank was talking to it."""
+    """A peer closed its end or died while this rank was talking to it. ``clean``: the peer
+    closed its backend in order (often after an error of its own), rather than dying."""
 
-    def __init__(self, message: str, *, peer: int | None = None) -> None:
+    def __init__(self, message: str, *, peer: int | None = None, clean: bool = False) -> None:
         super().__init__(message)
         self.peer = peer
+        self.clean = clean
 
 
 class PeerAbortedError(PeerClosedError):

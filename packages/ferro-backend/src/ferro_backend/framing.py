@@ -24,7 +24,7 @@ import numpy as np
 
 from .base import size_mismatch
 from .errors import CollectiveTimeoutError, PeerClosedError, ProtocolError
-from .mailbox import Mailbox
+from .mailbox import CLOSED_CLEANLY, Mailbox
 
 FRAME = struct.Struct("<B7xQQ")  # kind, tag, length
 K_DATA, K_ABORT, K_CLOSE = 1, 2, 3
@@ -135,7 +135,7 @@ def read_frames(link: Link, box: Mailbox,
                 box.abort(peer, payload.decode(errors="replace"))
                 return
             elif kind == K_CLOSE:
-                box.peer_closed(peer, "it closed its backend")
+                box.peer_closed(peer, CLOSED_CLEANLY)
                 return
             elif not on_frame(link, kind, tag, length):
                 raise ProtocolError(f"frame of unknown kind {kind} from rank {peer}")

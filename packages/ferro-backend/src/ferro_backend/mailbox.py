@@ -21,6 +21,9 @@ from . import _wire
 from .base import Request, check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
 
+#: why a peer is gone when it said goodbye (``Backend.close``) instead of dying
+CLOSED_CLEANLY = "it closed its backend"
+
 
 def copy_into(dst: memoryview, src) -> None:
     """Copy bytes with the GIL released (threads of a simulated job copy in parallel)."""
@@ -130,7 +133,7 @@ class Mailbox:
         why = self.closed_peers.get(peer)
         if why is not None:
             return PeerClosedError(f"{op}: rank {self.rank} <-> {peer}: peer rank {peer} is gone "
-                                   f"({why})", peer=peer)
+                                   f"({why})", peer=peer, clean=why == CLOSED_CLEANLY)
         return None
 
     def check(self, op: str, peer: int) -> None:

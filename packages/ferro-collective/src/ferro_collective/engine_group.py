@@ -43,6 +43,8 @@ _CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
 _FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
 
 _monotonic = time.monotonic
+#: seconds a failed step waits to learn of a peer's death before it reports a clean close
+CLEAN_CLOSE_GRACE = 0.25
 
 _EXTRA = struct.Struct("<QQQ")  # pid, input address, output address
 _EXTRA_OFF = 128  # in the slot header, after the collective header
@@ -466,15 +468,31 @@ class EngineGroup:
             return  # pragma: no cover - check_all raised
         missing = self._missing(step)
         if rc == _shmcoll.STATUS_FAILED:
-            for peer in missing + [r for r in range(self.n) if r != self.me]:
-                failure = self.backend.peer_failure(call.name, peer)
-                if failure is not None:
-                    raise failure
-            raise PeerClosedError(f"{call.name} (seq {call.seq}) on rank {self.me}: the "
-                                  "engine was shut down")
+            raise self._failure(call, missing)
         raise CollectiveTimeoutError(
             f"{call.name} (seq {call.seq}) on rank {self.me}: timed out after "
             f"{call.timeout:g}s waiting for ranks {missing} (shared-memory engine)")
+
+    def _failure(self, call: Step, missing: list[int]) -> BaseException:
+        """The error for a step the failure flag ended: the failure of a peer that died (or
+        aborted) in preference to one that closed its backend in order, which is usually a
+        peer giving up because of the same death; a close alone is reported after a short
+        grace for this process to learn of a death its peers saw first."""
+        order = missing + [r for r in range(self.n) if r != self.me and r not in missing]
+        grace = time.monotonic() + CLEAN_CLOSE_GRACE
+        while True:
+            failures = [f for f in (self.backend.peer_failure(call.name, p) for p in order)
+                        if f is not None]
+            for failure in failures:
+                if not getattr(failure, "clean", False):
+                    return failure
+            if time.monotonic() >= grace:
+                break
+            time.sleep(0.005)
+        if failures:
+            return failures[0]
+        return PeerClosedError(f"{call.name} (seq {call.seq}) on rank {self.me}: the engine "
+                               "was shut down")
 
     # ------------------------------------------------------------------ cross-memory copies
     def write(self, rank: int, addr: int, data: np.ndarray) -> None:
