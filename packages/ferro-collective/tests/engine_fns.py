@@ -354,21 +354,21 @@ def exchange_stalled_reader(b) -> dict:
 
 
 def late_but_in_time(b) -> list:
-    """Rank 1 joins each one-call collective after rank 0's stall report (at half its 2 s
+    """Rank 1 joins each one-call collective after rank 0's stall report (at half its 1.6 s
     deadline) but before the deadline: rank 0's call waits on and returns the right result."""
     n = b.world_size
     got = []
     x = np.arange(8, dtype=np.float32) + b.rank
     calls = [
-        lambda: fc.allreduce(x, b, ReduceOp.MAX, timeout=2),
-        lambda: fc.reduce_scatter(x, b, timeout=2),
-        lambda: fc.broadcast(x, b, root=1, timeout=2),
-        lambda: fc.all_gather(x[:2], b, timeout=2),
-        lambda: fc.barrier(b, timeout=2),
+        lambda: fc.allreduce(x, b, ReduceOp.MAX, timeout=1.6),
+        lambda: fc.reduce_scatter(x, b, timeout=1.6),
+        lambda: fc.broadcast(x, b, root=1, timeout=1.6),
+        lambda: fc.all_gather(x[:2], b, timeout=1.6),
+        lambda: fc.barrier(b, timeout=1.6),
     ]
     for call in calls:
         if b.rank == 1:
-            time.sleep(1.3)
+            time.sleep(1.0)
         res = call()
         got.append(None if res is None else res.tolist())
     expected = [(np.arange(8) + n - 1).tolist(),
