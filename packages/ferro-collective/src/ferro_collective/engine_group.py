@@ -376,7 +376,7 @@ class EngineGroup:
         and start, once every call issued before it on this backend has finished."""
         if seq is None:
             seq = self._next()
-        t = self._timeout if timeout is None else self.backend.resolve_timeout(
+        t = self.backend.timeout if timeout is None else self.backend.resolve_timeout(
             timeout, f"{name}: timeout")
         start = time.monotonic()
         if self._next_seq != seq:
@@ -395,10 +395,6 @@ class EngineGroup:
         except (CollectiveTimeoutError, PeerClosedError) as exc:
             self.broken = exc
             raise
-
-    @property
-    def _timeout(self) -> float:
-        return self.backend.timeout
 
     def _done(self, seq: int) -> None:
         self._next_seq = seq + 1
