@@ -378,3 +378,24 @@ def late_but_in_time(b) -> list:
                 np.concatenate([np.arange(2) + r for r in range(n)]).tolist(),
                 None]
     return [g == e for g, e in zip(got, expected)]
+
+
+def bad_timeouts(b) -> list:
+    """Every one-call collective with a bad timeout raises ValueError (every rank passes it)
+    and takes no sequence number: the calls after it still pair up and finish at once."""
+    fc.barrier(b)  # the group has run a call: a sequence number taken and dropped would show
+    x = np.arange(8, dtype=np.float32)
+    calls = [lambda t: fc.allreduce(x, b, timeout=t), lambda t: fc.reduce_scatter(x, b, timeout=t),
+             lambda t: fc.broadcast(x, b, 0, timeout=t), lambda t: fc.all_gather(x, b, timeout=t),
+             lambda t: fc.barrier(b, timeout=t)]
+    errors = []
+    for call in calls:
+        for bad in (-1.0, float("nan")):
+            try:
+                call(bad)
+                errors.append("no error")
+            except ValueError as exc:
+                errors.append("timeout" in str(exc))
+    t0 = time.monotonic()
+    ok = fc.allreduce(x, b, timeout=5)[-1] == 7 * b.world_size
+    return [all(e is True for e in errors), bool(ok), time.monotonic() - t0 < 1.0]

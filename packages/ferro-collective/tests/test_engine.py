@@ -245,3 +245,8 @@ def test_the_engine_patches_the_sequence_number_where_the_header_holds_it():
         encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0)
     assert a[_SEQ_OFFSET:_SEQ_OFFSET + 4] == bytes([4, 3, 2, 1])
     assert a[:_SEQ_OFFSET] == b[:_SEQ_OFFSET] and a[_SEQ_OFFSET + 4:] == b[_SEQ_OFFSET + 4:]
+
+
+def test_a_bad_timeout_on_the_engine_raises_and_takes_no_sequence_number():
+    assert run_processes(engine_fns.bad_timeouts, 2, transport="shm", timeout=60) == \
+        [[True, True, True]] * 2

@@ -187,11 +187,10 @@ class EngineGroup:
     def barrier_now(self, timeout: float | None) -> None:
         """The barrier: one step with the barrier's header (the common case inline: its turn,
         the backend's timeout, nothing broken)."""
+        t = self._resolve(timeout, "barrier")
         seq = self._next()
-        if timeout is not None or self._next_seq != seq or self.broken is not None:
-            seq, t, start = self._enter("barrier", timeout, seq)
-        else:
-            t, start = self.backend.timeout, _monotonic()
+        start = _monotonic() if self._next_seq == seq and self.broken is None \
+            else self._enter("barrier", seq, t)
         try:
             step = self.step + 1
             rc = self.eng.step(step, self._barrier_header, seq, start + t * alg.STALL_FRACTION)
@@ -292,11 +291,10 @@ class EngineGroup:
             out = np.empty(shape, x.dtype)
         elif not _usable_out(out, shape, x.dtype):
             return None
+        t = self._resolve(timeout, name)
         seq = self._next()
-        if timeout is not None or self._next_seq != seq or self.broken is not None:
-            seq, t, start = self._enter(name, timeout, seq)
-        else:
-            t, start = self.backend.timeout, _monotonic()
+        start = _monotonic() if self._next_seq == seq and self.broken is None \
+            else self._enter(name, seq, t)
         try:
             step = self.step + 1
             rc = self.eng.step_fold(step, header, seq, x, out, offset, count, code, kernel,
@@ -323,11 +321,10 @@ class EngineGroup:
             return None
         # byte views: the engine copies bytes, whatever the dtype (bool, float16, ...)
         src, dst = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+        t = self._resolve(timeout, name)
         seq = self._next()
-        if timeout is not None or self._next_seq != seq or self.broken is not None:
-            seq, t, start = self._enter(name, timeout, seq)
-        else:
-            t, start = self.backend.timeout, _monotonic()
+        start = _monotonic() if self._next_seq == seq and self.broken is None \
+            else self._enter(name, seq, t)
         if not one_step:
             return self._staged_copy(name, x, src, dst, out, root, seq, t, start)
         try:
@@ -370,21 +367,23 @@ class EngineGroup:
                 self._done(seq)
         return out
 
-    def _enter(self, name: str, timeout: float | None, seq: int | None = None
-               ) -> tuple[int, float, float]:
-        """A one-call collective's sequence number (``seq``, or the backend's next), timeout
-        and start, once every call issued before it on this backend has finished."""
-        if seq is None:
-            seq = self._next()
-        t = self.backend.timeout if timeout is None else self.backend.resolve_timeout(
-            timeout, f"{name}: timeout")
+    def _resolve(self, timeout: float | None, name: str) -> float:
+        """The call's timeout, checked before it takes a sequence number (a bad one raises
+        with nothing taken)."""
+        if timeout is None:
+            return self.backend.timeout
+        return self.backend.resolve_timeout(timeout, f"{name}: timeout")
+
+    def _enter(self, name: str, seq: int, timeout: float) -> float:
+        """The start of one-call collective ``seq`` once every call issued before it on this
+        backend has finished (or the error that broke the group)."""
         start = time.monotonic()
         if self._next_seq != seq:
-            self._wait_turn(Step(name, seq, t, start))
+            self._wait_turn(Step(name, seq, timeout, start))
         if self.broken is not None:
             self._done(seq)
             raise self.broken
-        return seq, t, start
+        return start
 
     def _recover(self, rc: int, name: str, seq: int, timeout: float, start: float,
                  step: int) -> None:
