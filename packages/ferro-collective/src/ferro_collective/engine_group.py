@@ -189,8 +189,7 @@ class EngineGroup:
         the backend's timeout, nothing broken)."""
         t = self._resolve(timeout, "barrier")
         seq = self._next()
-        start = _monotonic() if self._next_seq == seq and self.broken is None \
-            else self._enter("barrier", seq, t)
+        start = self._enter("barrier", seq, t)
         try:
             step = self.step + 1
             rc = self.eng.step(step, self._barrier_header, seq, start + t * alg.STALL_FRACTION)
@@ -198,9 +197,7 @@ class EngineGroup:
             if rc != _shmcoll.STATUS_OK:
                 self._recover(rc, "barrier", seq, t, start, step)
         finally:
-            self._next_seq = seq + 1
-            if self._waiting:
-                self._done(seq)
+            self._done(seq)
 
     def allreduce_now(self, x: np.ndarray, out: np.ndarray | None, op: ReduceOp,
                       timeout: float | None) -> np.ndarray | None:
@@ -293,8 +290,7 @@ class EngineGroup:
             return None
         t = self._resolve(timeout, name)
         seq = self._next()
-        start = _monotonic() if self._next_seq == seq and self.broken is None \
-            else self._enter(name, seq, t)
+        start = self._enter(name, seq, t)
         try:
             step = self.step + 1
             rc = self.eng.step_fold(step, header, seq, x, out, offset, count, code, kernel,
@@ -305,9 +301,7 @@ class EngineGroup:
                 self._recover(rc, name, seq, t, start, step)
                 self.eng.fold(step, out, x.nbytes, offset, count, code, kernel, div)
         finally:
-            self._next_seq = seq + 1
-            if self._waiting:
-                self._done(seq)
+            self._done(seq)
         return out
 
     def _copy_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None, root: int,
@@ -323,8 +317,7 @@ class EngineGroup:
         src, dst = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
         t = self._resolve(timeout, name)
         seq = self._next()
-        start = _monotonic() if self._next_seq == seq and self.broken is None \
-            else self._enter(name, seq, t)
+        start = self._enter(name, seq, t)
         if not one_step:
             return self._staged_copy(name, x, src, dst, out, root, seq, t, start)
         try:
@@ -337,9 +330,7 @@ class EngineGroup:
                 self._recover(rc, name, seq, t, start, step)
                 self.eng.copy(step, src, dst, root)
         finally:
-            self._next_seq = seq + 1
-            if self._waiting:
-                self._done(seq)
+            self._done(seq)
         return out
 
     def _staged_copy(self, name: str, x: np.ndarray, src: np.ndarray, dst: np.ndarray,
@@ -362,9 +353,7 @@ class EngineGroup:
             self.broken = exc
             raise
         finally:
-            self._next_seq = seq + 1
-            if self._waiting:
-                self._done(seq)
+            self._done(seq)
         return out
 
     def _resolve(self, timeout: float | None, name: str) -> float:
@@ -377,7 +366,7 @@ class EngineGroup:
     def _enter(self, name: str, seq: int, timeout: float) -> float:
         """The start of one-call collective ``seq`` once every call issued before it on this
         backend has finished (or the error that broke the group)."""
-        start = time.monotonic()
+        start = _monotonic()
         if self._next_seq != seq:
             self._wait_turn(Step(name, seq, timeout, start))
         if self.broken is not None:
