@@ -112,6 +112,23 @@ else:
     assert run_job(body, 2, backend="ShmBackend")[0] == 1
 
 
+def test_a_failure_seen_before_its_callback_is_registered_still_reaches_it():
+    # a peer can close while this rank is still joining the segment: the engine's flag,
+    # registered afterwards, must be raised all the same
+    from ferro_backend.mailbox import Mailbox
+
+    box = Mailbox(0, lambda: 5.0)
+    calls: list[str] = []
+    box.add_failure_callback(lambda: calls.append("early"))
+    assert calls == []  # nothing has failed yet
+    box.peer_closed(1, "it closed its backend")
+    assert calls == ["early"]
+    box.add_failure_callback(lambda: calls.append("late"))
+    assert calls == ["early", "late"]  # registered after the failure: called at once
+    box.abort(1, "stop")
+    assert calls == ["early", "late", "early", "late"]
+
+
 def test_cma_probe_reads_a_peer_word():
     seg_pid = os.getpid()
     probe = np.array([0xC0FFEE00 + 1], dtype=np.uint64)

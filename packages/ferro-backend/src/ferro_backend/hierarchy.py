@@ -89,7 +89,7 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
         if box.aborted is not None or box.closed or any(p in box.closed_peers for p in mine):
             seg.mark_failed()
 
-    box.on_failure.append(on_failure)
+    box.add_failure_callback(on_failure)
     backend._closers.append(seg.close)
     hierarchy = Hierarchy(node, cross, members)
     backend.hierarchy = hierarchy

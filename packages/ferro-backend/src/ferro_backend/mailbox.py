@@ -116,6 +116,15 @@ class Mailbox:
         #: an abort, this rank's close (e.g. to wake waits that do not use this mailbox)
         self.on_failure: list[Callable[[], None]] = []
 
+    def add_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on every failure from now on, and at once when one has already
+        happened (a peer that closed before the callback was registered must not be lost)."""
+        with self.cond:
+            self.on_failure.append(callback)
+            seen = self.aborted is not None or self.closed or bool(self.closed_peers)
+        if seen:
+            callback()
+
     def _failed(self) -> None:
         for callback in self.on_failure:
             callback()

@@ -86,7 +86,7 @@ class ShmBackend(TcpBackend):
             except BaseException:
                 self.abort("the engine segment could not be set up")
                 raise
-            self._box.on_failure.append(self.engine.mark_failed)
+            self._box.add_failure_callback(self.engine.mark_failed)
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
