@@ -1,7 +1,8 @@
 """ferro-backend: send/recv round trips (simulated, TCP, shm) and the `_wire` pack/unpack kernel.
 
-ShmBackend's large messages move through the `_shm` kernel (a single cross-memory copy); its
-round trips are measured against the same raw-socket echo as TCP.
+ShmBackend's messages move through the `_ring` kernel (point-to-point rings in the engine
+segment) and, when large, the `_shm` kernel (a single cross-memory copy); its round trips are
+measured against the same raw-socket echo as TCP.
 
 Baselines measured in the same run: two ``np.copyto`` for a simulated round trip (the copies an
 in-process transport cannot avoid), raw-socket ``sendall``/``recv_into`` echo between two
@@ -248,6 +249,41 @@ def bench_cross_memory_copy(benchmark, impl, size):
         run = lambda: _shm.cma_write(pid, dst.ctypes.data, src)
     benchmark.pedantic(run, rounds=50 if nbytes <= 1 << 20 else 10, warmup_rounds=2)
     assert dst[-1] == src[-1]
+
+
+@pytest.mark.parametrize("size", ["64B", "4KiB", "16KiB"])
+@pytest.mark.parametrize("impl", ["2x copyto", "_ring.put+take"])
+def bench_ring_put_take(benchmark, impl, size):
+    """The `_ring` kernel: one message into a point-to-point ring and out again (within one
+    process), against the two numpy copies it makes (into the ring, out of it)."""
+    from ferro_backend import _ring
+
+    nbytes = {"64B": 64, "4KiB": 4 << 10, "16KiB": (16 << 10) - 64}[size]
+    src = np.arange(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    benchmark.group = f"ring put+take {size}"
+    benchmark.extra_info["bytes"] = nbytes
+    if impl == "2x copyto":
+        benchmark.extra_info["role"] = "baseline"
+        mid = np.empty_like(src)
+
+        def run():
+            np.copyto(mid, src)
+            np.copyto(dst, mid)
+    else:
+        cap = 64 << 10
+        mem = np.zeros(cap + 4096, dtype=np.uint8)
+        flags = np.zeros(2, dtype=np.uint32)  # failure flag, doorbell
+        ctrl = (mem.ctypes.data + 63) // 64 * 64
+        ring = _ring.Ring(ctrl, ctrl + _ring.CTRL_BYTES, cap, flags.ctypes.data,
+                          flags.ctypes.data + 4)
+        far = time.monotonic() + 3600
+
+        def run():
+            ring.put(_ring.EAGER, 0, nbytes, 0, src, far)
+            ring.take(dst)
+    benchmark.pedantic(run, rounds=2000, warmup_rounds=20)
+    np.testing.assert_array_equal(dst, src)
 
 
 def test_time_is_monotonic():  # keeps `pytest benchmarks` from reporting "no tests" on --benchmark-skip

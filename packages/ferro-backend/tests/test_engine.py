@@ -21,7 +21,22 @@ def test_layout_is_aligned_and_holds_every_slot():
     assert lay["slot_off"] % eng.PAGE == 0 and lay["parity_stride"] % eng.PAGE == 0
     assert lay["ctrl_stride"] % 64 == 0
     assert lay["parity_stride"] >= lay["head_bytes"] + 10_000
-    assert lay["size"] == lay["slot_off"] + 5 * 2 * lay["parity_stride"]
+    assert lay["ring_off"] == lay["slot_off"] + 5 * 2 * lay["parity_stride"]
+    assert lay["ring_off"] % eng.PAGE == 0 and lay["ring_stride"] % eng.PAGE == 0
+    assert lay["ring_stride"] >= eng.RING_CTRL + lay["ring_bytes"]
+    assert lay["size"] == lay["ring_off"] + 5 * 5 * lay["ring_stride"]
+
+
+@pytest.mark.parametrize("n", [2, 16, 17, 64, 256])
+def test_ring_bytes_shrink_with_the_world_and_follow_the_environment(n, monkeypatch):
+    size = eng.default_ring_bytes(n)
+    assert size & (size - 1) == 0 and 4096 <= size <= 64 << 10
+    assert size == 64 << 10 if n <= 16 else n * n * size <= 16 << 20 or size == 4096
+    monkeypatch.setenv("FERRO_SHM_RING_BYTES", "8192")
+    assert eng.default_ring_bytes(n) == 8192
+    monkeypatch.setenv("FERRO_SHM_RING_BYTES", "5000")
+    with pytest.raises(ValueError, match="FERRO_SHM_RING_BYTES '5000'"):
+        eng.default_ring_bytes(n)
 
 
 class _FakeRank0:

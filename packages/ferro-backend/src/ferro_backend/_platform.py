@@ -1,8 +1,8 @@
 """Where the same-host transport exists: Linux (cross-memory attach, memfd, futexes).
 
-On Linux the compiled kernel ``_shm`` is imported unconditionally (a broken build fails loudly);
-on other platforms it is not built, ``_shm`` is None, ``ShmBackend`` raises a clear error and
-``ferrorun`` defaults to TCP.
+On Linux the compiled kernels ``_shm`` and ``_ring`` are imported unconditionally (a broken
+build fails loudly); on other platforms they are not built, both are None, ``ShmBackend`` raises
+a clear error and ``ferrorun`` defaults to TCP.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 SAME_HOST_ENGINE = sys.platform.startswith("linux")
 
 if SAME_HOST_ENGINE:
-    from . import _shm
+    from . import _ring, _shm
 else:  # pragma: no cover - exercised on other platforms only
-    _shm = None
+    _shm = _ring = None
 
-__all__ = ["SAME_HOST_ENGINE", "_shm"]
+__all__ = ["SAME_HOST_ENGINE", "_ring", "_shm"]

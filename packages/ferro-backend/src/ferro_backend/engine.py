@@ -10,11 +10,16 @@ rank unmaps it or dies, even by SIGKILL.
 The segment's layout (all offsets in bytes, control lines and slots cache-line/page aligned)::
 
     [0, 128)                     segment header: magic, version, ranks, slot_bytes
-    ctrl_off + r * ctrl_stride   rank r's control line: u32 step, u32 sleepers
+    ctrl_off + r * ctrl_stride   rank r's control line: u32 step, u32 sleepers, u64 pid,
+                                 u64 probe address, (+32) u32 point-to-point doorbell
     slot_off + r * slot_stride   rank r's two slots (by step parity, parity_stride apart), each
                                  head_bytes of header, then slot_bytes of data
+    ring_off + (d * n + s) * ring_stride
+                                 the point-to-point ring from rank s to rank d (``_ring.pyx``):
+                                 a control block, then ring_bytes of entries
 
-ferro-collective's fast path (``ferro_collective.fastpath``) runs its protocol on it; this module
+ferro-collective's fast path (``ferro_collective.fastpath``) runs its protocol on the slots and
+``ShmBackend``'s point-to-point messages run through the rings (:mod:`.rings`); this module
 only makes, shares, maps and releases the memory, and keeps the process-local *failure flag*
 that the fast path's waits poll: the transport raises it when a peer dies, closes or aborts.
 """
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
     from .tcp import TcpBackend
 
 MAGIC = 0xFE770E61
-VERSION = 1
+VERSION = 2
 CTRL_OFF = 128
 CTRL_STRIDE = 128  # two cache lines: no false sharing, no adjacent-line prefetch
 HEAD_BYTES = 256
@@ -54,21 +59,44 @@ _SECRET_BYTES = 32
 
 #: default data bytes per slot: messages up to this size go through the segment
 DEFAULT_SLOT_BYTES = 1 << 20
+RING_CTRL = 128
+BELL_OFFSET = 32
+
+
+def default_ring_bytes(nranks: int) -> int:
+    """Bytes of each point-to-point ring: 64 KiB up to 16 ranks, then less (a power of two,
+    at least 4 KiB) so the n*n rings stay near 16 MiB; ``FERRO_SHM_RING_BYTES`` overrides."""
+    raw = os.environ.get("FERRO_SHM_RING_BYTES")
+    if raw is not None:
+        value = int(raw)
+        if value < 4096 or value & (value - 1):
+            raise ValueError(f"FERRO_SHM_RING_BYTES {raw!r} is not a power of two >= 4096")
+        return value
+    size = 64 << 10
+    while size > 4096 and nranks * nranks * size > (16 << 20):
+        size >>= 1
+    return size
 
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def layout(nranks: int, slot_bytes: int) -> dict[str, int]:
-    """The segment layout for ``nranks`` ranks and ``slot_bytes`` per slot."""
+def layout(nranks: int, slot_bytes: int, ring_bytes: int | None = None) -> dict[str, int]:
+    """The segment layout for ``nranks`` ranks, ``slot_bytes`` per slot and ``ring_bytes``
+    per point-to-point ring (default :func:`default_ring_bytes`)."""
+    if ring_bytes is None:
+        ring_bytes = default_ring_bytes(nranks)
     slot_off = _align(CTRL_OFF + nranks * CTRL_STRIDE, PAGE)
     parity_stride = _align(HEAD_BYTES + slot_bytes, PAGE)
     slot_stride = 2 * parity_stride
+    ring_off = slot_off + nranks * slot_stride
+    ring_stride = _align(RING_CTRL + ring_bytes, PAGE)
     return {"ctrl_off": CTRL_OFF, "ctrl_stride": CTRL_STRIDE, "slot_off": slot_off,
             "slot_stride": slot_stride, "parity_stride": parity_stride,
             "head_bytes": HEAD_BYTES, "slot_bytes": slot_bytes,
-            "size": slot_off + nranks * slot_stride}
+            "ring_off": ring_off, "ring_stride": ring_stride, "ring_bytes": ring_bytes,
+            "size": ring_off + nranks * nranks * ring_stride}
 
 
 class SharedSegment:
@@ -99,6 +127,9 @@ class SharedSegment:
         if self._bytes is not None:
             for rank in range(self.nranks):
                 _shm.futex_wake(self.address + self.ctrl(rank))
+                if rank != self.rank:  # point-to-point waits: receives, and senders
+                    _shm.futex_wake(self.ring(rank, self.rank)[0])  # ring head
+                    _shm.futex_wake(self.ring(self.rank, rank)[0] + 64)  # ring tail
 
     def close(self) -> None:
         self.mark_failed()
@@ -127,7 +158,7 @@ class SharedSegment:
                 mem = mmap.mmap(fd, lay["size"])
             finally:
                 os.close(fd)
-            struct.pack_into("<IIIQ", mem, 0, MAGIC, VERSION, n, slot_bytes)
+            struct.pack_into("<IIIQQ", mem, 0, MAGIC, VERSION, n, slot_bytes, lay["ring_bytes"])
         else:
             fd = _fetch_fd(backend, deadline)
             try:
@@ -139,10 +170,12 @@ class SharedSegment:
         probe = np.array([0xC0FFEE00 + rank], dtype=np.uint64)
         struct.pack_into("<QQ", mem, seg.ctrl(rank) + 8, os.getpid(), probe.ctypes.data)
         backend.barrier(timeout=max(0.05, deadline - time.monotonic()))  # every rank mapped it
-        magic, version, nranks, sb = struct.unpack_from("<IIIQ", mem, 0)
-        if (magic, version, nranks, sb) != (MAGIC, VERSION, n, slot_bytes):
+        magic, version, nranks, sb, rb = struct.unpack_from("<IIIQQ", mem, 0)
+        if (magic, version, nranks, sb, rb) != (MAGIC, VERSION, n, slot_bytes, lay["ring_bytes"]):
             raise RendezvousError(f"rank {rank}: the engine segment is not this job's "
-                                  f"(magic {magic:#x}, {nranks} ranks, slot {sb})")
+                                  f"(magic {magic:#x}, version {version}, {nranks} ranks, "
+                                  f"slot {sb}, ring {rb}; expected ring {lay['ring_bytes']} "
+                                  "bytes: is FERRO_SHM_RING_BYTES the same on every rank?)")
         seg.pids = [struct.unpack_from("<Q", mem, seg.ctrl(r) + 8)[0] for r in range(n)]
         mine = b"\x01" if all(_can_read(mem, seg, r) for r in range(n) if r != rank) else b"\x00"
         flags = bytearray(n)
@@ -161,6 +194,17 @@ class SharedSegment:
     def ctrl(self, rank: int) -> int:
         """Offset of ``rank``'s control line."""
         return self.layout["ctrl_off"] + rank * self.layout["ctrl_stride"]
+
+    def bell(self, rank: int) -> int:
+        """Address of ``rank``'s point-to-point doorbell (rung by producers about to wait)."""
+        return self.address + self.ctrl(rank) + BELL_OFFSET
+
+    def ring(self, src: int, dst: int) -> tuple[int, int, int]:
+        """The ring from ``src`` to ``dst``: addresses of its control block and data, and its
+        capacity in bytes."""
+        lay = self.layout
+        ctrl = self.address + lay["ring_off"] + (dst * self.nranks + src) * lay["ring_stride"]
+        return ctrl, ctrl + RING_CTRL, lay["ring_bytes"]
 
 
 def _can_read(mem: mmap.mmap, seg: SharedSegment, peer: int) -> bool:

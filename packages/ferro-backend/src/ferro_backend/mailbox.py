@@ -171,16 +171,18 @@ class Mailbox:
         self._failed()
 
     # -- receive side ---------------------------------------------------------------------
-    def post(self, src: int, tag: int, view: memoryview) -> PostedRecv:
+    def post(self, src: int, tag: int, view: memoryview, *, check: bool = True) -> PostedRecv:
         """Post ``view`` for the next message from ``src`` on ``tag`` (completed at once if one
-        is queued)."""
+        is queued). ``check=False`` posts even if ``src`` is gone (a transport that still holds
+        messages from it raises after delivering them)."""
         key = (src, tag)
         with self.cond:
             if self.aborted is not None or self.closed:
                 raise self.failure("recv", src)
             msg = self._pop(self.unexpected, key)
             if msg is None:
-                self.check("recv", src)
+                if check:
+                    self.check("recv", src)
                 req = PostedRecv(self, src, tag, view)
                 self.posted.setdefault(key, deque()).append(req)
                 self.cond.notify_all()  # a transport may be waiting to claim it

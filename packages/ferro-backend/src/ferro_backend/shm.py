@@ -1,20 +1,21 @@
-"""A same-host transport: large messages move with one kernel copy between the processes.
+"""A same-host transport: messages move through shared memory or one kernel copy.
 
 ``ShmBackend`` keeps TcpBackend's mesh (over loopback) as its control plane: rendezvous,
-authentication, small messages, failure detection and abort. A message of at least
-``CMA_THRESHOLD`` bytes never crosses a socket: the sender publishes a descriptor (pid, address,
-length) and blocks; the receiver's reader thread copies the bytes straight out of the sender's
-memory into the posted receive buffer with ``process_vm_readv`` (``_shm.cma_read``, GIL released:
-a single copy, as Open MPI's CMA path does) and acknowledges. If the kernel forbids cross-memory
-reads (another user, a hardened ptrace policy), the pair falls back to sending through the socket.
+authentication, failure detection and abort. Its data moves through the job's engine segment
+(:mod:`.engine`, an anonymous ``memfd``: nothing has a name in ``/dev/shm``, so a SIGKILLed
+rank leaks nothing): collectives through the slots (ferro-collective's fast path), point-to-point
+messages through a ring per ordered pair of ranks (:mod:`.rings`): small ones copied in and out,
+large ones (at least ``CMA_THRESHOLD`` bytes) copied once straight out of the sender's memory
+into the receive buffer with ``process_vm_readv`` (``_shm.cma_read``, GIL released, as Open
+MPI's CMA path does), streamed through the ring where the kernel forbids cross-memory reads
+(another user, a hardened ptrace policy).
 
-Despite the name, no shared-memory segment is used today: nothing is mapped or created in
-``/dev/shm``, so a SIGKILLed rank leaks nothing. (A shared-memory engine for small messages is
-planned; the name is kept for it.)
+With the engine off (``engine=False``, ``FERRO_SHM_ENGINE=0``) messages travel the sockets, the
+large ones as a descriptor the receiver's reader thread copies from.
 
 Same contract and errors as :class:`TcpBackend`: a dead peer fails waiting receives (and a send
-waiting for its acknowledgement) at once, timeouts raise CollectiveTimeoutError, ``abort``
-reaches everyone.
+waiting for its receiver) at once, timeouts raise CollectiveTimeoutError, ``abort`` reaches
+everyone.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from typing import Any
 import numpy as np
 
 from ._platform import SAME_HOST_ENGINE, _shm
-from .base import size_mismatch
+from .base import Request, size_mismatch
 from .engine import DEFAULT_SLOT_BYTES, SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .framing import Link
+from .rings import RingMesh, RingRecv
 from .tcp import TcpBackend
 
 K_CMA, K_ACK = 4, 5
@@ -42,7 +44,8 @@ _DESC = struct.Struct("<QQQQ")  # pid, address, nbytes, send id
 _ACK = struct.Struct("<QQ")  # send id, status
 ACK_OK, ACK_RETRY = 0, 1
 
-#: messages at least this large move by cross-memory copy; smaller ones through the socket
+#: messages at least this large move by cross-memory copy (through the rings: by descriptor);
+#: smaller ones through the ring (or the socket)
 CMA_THRESHOLD = 64 << 10
 
 
@@ -74,6 +77,7 @@ class ShmBackend(TcpBackend):
         self._acks_lock = threading.Lock()
         self._cma_peers: set[int] = set(range(world_size))
         self._ack_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._rings: RingMesh | None = None  # set once the engine segment is mapped
         super().__init__(rank, world_size, master_addr, **kwargs)
         self._ack_thread = threading.Thread(target=self._ack_sender, daemon=True,
                                             name=f"ferro-shm-acks-{rank}")
@@ -87,15 +91,20 @@ class ShmBackend(TcpBackend):
                 self.abort("the engine segment could not be set up")
                 raise
             self._box.add_failure_callback(self.engine.mark_failed)
+        #: point-to-point messages through the segment's rings (None: through the sockets)
+        if self.engine is not None:
+            self._rings = RingMesh(self.engine, self._box, lambda: self.timeout, CMA_THRESHOLD)
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
         """Payload bytes sent over the links plus those written for peers into the segment."""
-        return super().bytes_sent + (self.engine.sent if self.engine is not None else 0)
+        extra = 0 if self.engine is None else self.engine.sent
+        return super().bytes_sent + extra + (0 if self._rings is None else self._rings.sent)
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
-        return super().bytes_received + (self.engine.received if self.engine is not None else 0)
+        extra = 0 if self.engine is None else self.engine.received
+        return super().bytes_received + extra + (0 if self._rings is None else self._rings.received)
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         """The error an ``op`` involving ``peer`` must raise now (an abort, this backend
@@ -105,6 +114,8 @@ class ShmBackend(TcpBackend):
     # ------------------------------------------------------------------ sending
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
         view = self._checked_send_view(data, dst, tag)
+        if self._rings is not None:
+            return self._rings.send(view, dst, tag)
         if len(view) < CMA_THRESHOLD or dst not in self._cma_peers:
             return super().send(view, dst, tag=tag)
         arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive and gives its address
@@ -145,6 +156,12 @@ class ShmBackend(TcpBackend):
                 pass
 
     # ------------------------------------------------------------------ receiving
+    def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
+        view = self._recv_view(out, src, tag)
+        if self._rings is None:
+            return self._box.post(src, tag, view)
+        return RingRecv(self._rings, self._box.post(src, tag, view, check=False))
+
     def _on_frame(self, link: Link, kind: int, tag: int, length: int) -> bool:
         if kind == K_ACK:
             payload = bytearray(_ACK.size)
@@ -195,8 +212,12 @@ class ShmBackend(TcpBackend):
         cma = (f"cross-memory copy for point-to-point messages >= {CMA_THRESHOLD >> 10} KiB, "
                "TCP loopback for smaller ones and control")
         if self.engine is not None:
-            slot = self.engine.layout["slot_bytes"]
-            within = (f"shared-memory engine (collectives, {slot >> 10} KiB slots) + {cma}")
+            lay = self.engine.layout
+            big = ("cross-memory copy" if self._rings is not None
+                   and self._rings.cma_threshold is not None else "streamed through the ring")
+            within = (f"shared-memory engine (collectives: {lay['slot_bytes'] >> 10} KiB slots; "
+                      f"point-to-point: {lay['ring_bytes'] >> 10} KiB rings, messages >= "
+                      f"{CMA_THRESHOLD >> 10} KiB {big}), TCP loopback for control")
         else:
             within = cma
         return within, "none (ShmBackend needs every rank on one host)"
@@ -210,6 +231,8 @@ class ShmBackend(TcpBackend):
 
     def _teardown(self, wait: float) -> None:
         super()._teardown(wait)
+        if self._rings is not None:
+            self._rings.close()
         if self.engine is not None:
             self.engine.close()
         self._ack_queue.put(None)

@@ -1,0 +1,314 @@
+"""ShmBackend's point-to-point rings: the kernel against a model, then real processes."""
+
+import importlib.machinery
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferro_backend import _ring
+from ferro_backend.shm import CMA_THRESHOLD
+from ferro_backend.testing import Job, run_job
+
+pytestmark = pytest.mark.timeout(90)
+
+CAP = 4096
+_BELLS: list = []  # doorbells of the kernel tests' rings, kept alive
+
+
+def _ring_in(mem: np.ndarray, failed: np.ndarray, cap: int = CAP, spin: int = 10):
+    base = mem.ctypes.data
+    ctrl = (base + 63) // 64 * 64
+    bell = np.zeros(1, dtype=np.uint32)
+    _BELLS.append(bell)
+    return _ring.Ring(ctrl, ctrl + _ring.CTRL_BYTES, cap, failed.ctypes.data, bell.ctypes.data,
+                      spin)
+
+
+@pytest.fixture
+def ring():
+    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    failed = np.zeros(1, dtype=np.uint32)
+    yield _ring_in(mem, failed), failed
+    del mem
+
+
+def test_ring_kernel_is_compiled():
+    assert _ring.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, CAP // 4 - _ring.ENTRY_HEADER),
+                          st.integers(0, 2**64 - 1)), min_size=1, max_size=80))
+def test_ring_is_a_fifo_of_entries_across_wraps(ops):
+    """Random puts (when there is room) and takes agree with a deque, wraps and pads included."""
+    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    failed = np.zeros(1, dtype=np.uint32)
+    r = _ring_in(mem, failed)
+    model: deque = deque()
+    rng = np.random.default_rng(len(ops))
+    for i, (put, size, tag) in enumerate(ops):
+        if put:
+            data = rng.integers(0, 255, size, dtype=np.uint8)
+            rc, start, end = r.put(_ring.EAGER, tag, size, i, data, time.monotonic() + 0.01)
+            if rc == _ring.READY:
+                model.append((tag, i, data))
+                assert (end - start) % _ring.ALIGN == 0
+            else:  # full: nothing was written
+                assert rc == _ring.TIME_UP
+        elif model:
+            tag_, aux, data = model.popleft()
+            kind, length, got_tag, total, got_aux = r.peek()
+            assert (kind, length, got_tag, total, got_aux) == (_ring.EAGER, len(data), tag_,
+                                                               len(data), aux)
+            out = np.empty(len(data) + 3, dtype=np.uint8)
+            r.take(out, 3)
+            np.testing.assert_array_equal(out[3:], data)
+        else:
+            assert r.peek() is None and not r.pending()
+    while model:
+        tag_, aux, data = model.popleft()
+        out = np.empty(len(data), dtype=np.uint8)
+        assert r.peek()[2] == tag_
+        r.take(out)
+        np.testing.assert_array_equal(out, data)
+    assert r.peek() is None
+
+
+def test_full_ring_times_out_and_bad_arguments_are_named(ring):
+    r, failed = ring
+    assert r.max_payload == CAP // 4 - _ring.ENTRY_HEADER
+    with pytest.raises(ValueError, match="exceeds"):
+        r.put(_ring.EAGER, 0, 0, 0, bytes(r.max_payload + 1), time.monotonic() + 1)
+    while r.put(_ring.EAGER, 1, 900, 0, bytes(900), time.monotonic() + 0.01)[0] == _ring.READY:
+        pass
+    t0 = time.monotonic()
+    assert r.put(_ring.EAGER, 1, 900, 0, bytes(900), t0 + 0.1)[0] == _ring.TIME_UP
+    assert 0.09 <= time.monotonic() - t0 < 1.0
+    assert r.wait_data(time.monotonic() + 1) == _ring.READY  # there is data: at once
+    with pytest.raises(ValueError, match="does not fit"):
+        r.take(bytearray(10))
+    failed[0] = 1
+    assert r.put(_ring.EAGER, 1, 900, 0, bytes(900), time.monotonic() + 5)[0] == _ring.FAILED
+    with pytest.raises(ValueError, match="power of two"):
+        _ring.Ring(4096, 4096 + 128, 3000, failed.ctypes.data, failed.ctypes.data)
+
+
+def test_descriptor_status_goes_back_to_the_producer(ring):
+    r, _ = ring
+    rc, start, end = r.put(_ring.CMA, 7, 1 << 20, 0xABC, None, time.monotonic() + 1)
+    assert rc == _ring.READY
+    assert r.wait_consumed(end, time.monotonic() + 0.05) == _ring.TIME_UP
+    assert r.peek() == (_ring.CMA, 0, 7, 1 << 20, 0xABC)
+    r.skip(13)
+    assert r.wait_consumed(end, time.monotonic() + 0.05) == _ring.READY
+    assert r.status_at(start) == 13
+
+
+def test_watch_waits_for_the_doorbell_then_reports_a_stranded_entry():
+    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    failed = np.zeros(1, dtype=np.uint32)
+    r = _ring_in(mem, failed, spin=0)
+    bell = _BELLS[-1]
+    stop = np.zeros(1, dtype=np.uint32)
+    watch = _ring.Watch([(mem.ctypes.data + 63) // 64 * 64], bell.ctypes.data, stop)
+    found = []
+    th = threading.Thread(target=lambda: found.append(watch.wait_stale(0.01)))
+    th.start()
+    r.put(_ring.EAGER, 1, 1, 0, b"x", time.monotonic() + 1)
+    th.join(0.3)
+    assert th.is_alive()  # an entry alone rings nothing: the watch sleeps on
+    while r.put(_ring.EAGER, 1, 900, 0, bytes(900), time.monotonic() + 0.01)[0] == _ring.READY:
+        pass  # full now; the failed put above slept, so it rang the bell
+    assert int(bell[0]) > 0
+    th.join(5)
+    assert found == [[0]]
+    watch.wake()
+    assert watch.wait_stale(10.0) is None  # stopped: returns at once
+
+
+# ------------------------------------------------------------------ real processes
+MIXED = f"""
+sizes = [0, 1, 100, 4000, 16000, 16353, 40000, {CMA_THRESHOLD - 1}, {CMA_THRESHOLD},
+         {CMA_THRESHOLD * 3 + 7}, 3 << 20]
+links_before = sum(l.sent for l in b._links.values())
+if b.rank == 0:
+    for i, n in enumerate(sizes):  # alternate tags: FIFO per tag across all three paths
+        b.send(np.full(n, i, np.uint8), 1, tag=i % 2)
+    time.sleep(0.3)  # the odd-tag ones now sit in the mailbox, moved there by the watch
+    for i, n in enumerate(sizes):
+        b.send(np.full(n, 100 + i, np.uint8), 1, tag=5)
+    result = sum(l.sent for l in b._links.values()) - links_before
+else:
+    got = []
+    for want_tag in (0, 1):
+        for i, n in enumerate(sizes):
+            if i % 2 == want_tag:
+                out = np.empty(n, np.uint8)
+                b.recv(out, 0, tag=want_tag, timeout=20)
+                got.append(bool((out == i).all()))
+    reqs = [(b.irecv(np.empty(n, np.uint8), 0, tag=5), i) for i, n in enumerate(sizes)]
+    for req, i in reqs:
+        req.wait(20)
+    result = [all(got), len(got), b.bytes_received]
+"""
+
+
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_every_path_keeps_fifo_per_tag_and_bypasses_the_sockets(cma):
+    socket_bytes, (ok, count, received) = run_job(MIXED, 2, backend="ShmBackend",
+                                                  env={"FERRO_SHM_CMA": cma})
+    sizes = [0, 1, 100, 4000, 16000, 16353, 40000, CMA_THRESHOLD - 1, CMA_THRESHOLD,
+             CMA_THRESHOLD * 3 + 7, 3 << 20]
+    assert ok and count == len(sizes)
+    assert socket_bytes == 0  # nothing went through a socket
+    assert received >= 2 * sum(sizes)
+
+
+IRECV = """
+if b.rank == 0:
+    time.sleep(0.2)
+    for i in range(3):
+        b.send(np.full(64, i, np.int32), 1, tag=9)
+    result = None
+else:
+    outs = [np.empty(64, np.int32) for _ in range(3)]
+    reqs = [b.irecv(o, 0, tag=9) for o in outs]
+    pending = not reqs[0].is_completed()
+    deadline = time.monotonic() + 10
+    while not all(r.is_completed() for r in reqs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for r in reqs:
+        r.wait(5)
+    result = [pending, [int(o[0]) for o in outs], reqs[0].poll(0)]
+"""
+
+
+def test_irecv_completes_by_polling():
+    assert run_job(IRECV, 2, backend="ShmBackend")[1] == [True, [0, 1, 2], True]
+
+
+FLOOD = """
+import threading
+if b.rank == 0:
+    # far more than the 64 KiB ring while the receiver is asleep: the watch drains it
+    t0 = time.monotonic()
+    for i in range(400):
+        b.send(np.full(1000, i % 251, np.uint8), 1, tag=3)
+    result = time.monotonic() - t0
+else:
+    time.sleep(1.0)
+    out = np.empty(1000, np.uint8)
+    ok = True
+    for i in range(400):
+        b.recv(out, 0, tag=3, timeout=10)
+        ok &= bool((out == i % 251).all())
+    # four threads receive from four sending threads at once, on their own tags
+    result = ok
+if b.rank == 0:
+    def sender(t):
+        for i in range(200):
+            b.send(np.full(50 + 997 * t, (t * 7 + i) % 256, np.uint8), 1, tag=100 + t)
+    ths = [threading.Thread(target=sender, args=(t,)) for t in range(4)]
+else:
+    oks = [True] * 4
+    def receiver(t):
+        out = np.empty(50 + 997 * t, np.uint8)
+        for i in range(200):
+            b.recv(out, 0, tag=100 + t, timeout=20)
+            oks[t] &= bool((out == (t * 7 + i) % 256).all())
+    ths = [threading.Thread(target=receiver, args=(t,)) for t in range(4)]
+for t in ths:
+    t.start()
+for t in ths:
+    t.join(60)
+if b.rank == 1:
+    result = [result, oks]
+"""
+
+
+def test_a_sleeping_receiver_never_stalls_the_sender_and_threads_share_a_pair():
+    elapsed, (ok, oks) = run_job(FLOOD, 2, backend="ShmBackend")
+    assert ok and oks == [True] * 4
+    assert elapsed < 0.8  # the sends finished while the receiver still slept
+
+
+DRAIN_THEN_FAIL = f"""
+if b.rank == 0:
+    b.send(np.full(10, 1, np.uint8), 1)
+    b.send(np.full(40000, 2, np.uint8), 1)
+    b.send(np.full({CMA_THRESHOLD * 2}, 3, np.uint8), 1)
+    b.close()
+    result = None
+else:
+    time.sleep(0.5)  # rank 0 has closed by now
+    sums = []
+    for n in (10, 40000, {CMA_THRESHOLD * 2}):
+        out = np.empty(n, np.uint8)
+        b.recv(out, 0, timeout=5)
+        sums.append(int(out.sum()))
+    t0 = time.monotonic()
+    try:
+        b.recv(np.empty(1, np.uint8), 0, timeout=10)
+        result = "no error"
+    except PeerClosedError as exc:
+        result = [sums, exc.clean, time.monotonic() - t0]
+"""
+
+
+def test_messages_sent_before_a_close_are_delivered_then_the_close_is_named():
+    sums, clean, elapsed = run_job(DRAIN_THEN_FAIL, 2, backend="ShmBackend")[1]
+    assert sums == [10, 80000, 3 * CMA_THRESHOLD * 2] and clean and elapsed < 1.0
+
+
+def test_sender_blocked_on_a_full_ring_fails_promptly_when_the_receiver_dies():
+    body = """
+if b.rank == 1:
+    import os, signal
+    print("READY", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)   # frozen: its watch thread cannot drain
+    time.sleep(60)
+else:
+    t0 = time.monotonic()
+    try:
+        for i in range(10000):
+            b.send(np.zeros(8000, np.uint8), 1)
+        result = "no error"
+    except PeerClosedError as exc:
+        result = [exc.peer, time.monotonic()]
+"""
+    job = Job(body, 2, backend="ShmBackend")
+    job.wait_for_line(1, "READY")
+    time.sleep(0.5)
+    killed = time.monotonic()
+    job.procs[1].kill()
+    peer, when = job.finish()[0].result
+    assert peer == 1 and when - killed < 2.5
+
+
+def test_a_receiver_waiting_on_a_silent_peer_costs_almost_no_cpu():
+    body = """
+import resource
+if b.rank == 0:
+    time.sleep(2.5)
+    b.send(b"x", 1)
+    result = None
+else:
+    out = bytearray(1)
+    try:
+        b.recv(out, 0, timeout=0.3)   # past the spin, then asleep
+    except CollectiveTimeoutError:
+        pass
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    b.recv(out, 0, timeout=10)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    result = [bytes(out).decode(), cpu / (t1 - t0), t1 - t0]
+"""
+    got, share, waited = run_job(body, 2, backend="ShmBackend")[1]
+    assert got == "x" and waited > 1.0
+    assert share < 0.05, share  # the whole process, watch thread included
