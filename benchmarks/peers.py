@@ -35,14 +35,17 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 #: one BLAS/OpenMP thread per rank for every implementation
 THREAD_CAPS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "gather", "scatter", "all_to_all",
-       "barrier"]
+       "barrier", "pingpong"]
 #: collectives whose bus bandwidth factor busbw.py does not have: nccl-tests' (n-1)/n of the
 #: total (gather, scatter: the gathered/scattered total; alltoall: one rank's send buffer)
 RING_FACTOR_OPS = ("gather", "scatter", "all_to_all")
 
 
 def op_busbw(op: str, nbytes: int, n: int, seconds: float) -> float:
-    """Bus bandwidth in GB/s of one call of ``op``, as nccl-tests defines it."""
+    """Bus bandwidth in GB/s of one call of ``op``, as nccl-tests defines it (pingpong: the
+    bytes of one round trip, 2S, over its time)."""
+    if op == "pingpong":
+        return 2 * nbytes / seconds / 1e9 if seconds > 0 else 0.0
     if op in RING_FACTOR_OPS:
         return nbytes * (n - 1) / n / seconds / 1e9 if seconds > 0 else 0.0
     return busbw(op, nbytes, n, seconds)
@@ -84,8 +87,26 @@ def _ferro_ops(transport: str):
                                      out=outs.get("sc", x.size // world)),
         "all_to_all": lambda x: all_to_all_single(x, b, out=outs.get("a2a", x.size)),
         "barrier": lambda x: barrier(b),
+        "pingpong": _pingpong(rank, world, b.send, b.recv),
     }
     return rank, world, ops, lambda: barrier(b), np.ones, b.close
+
+
+def _pingpong(rank: int, world: int, send, recv):
+    """Point-to-point round trips: ranks 2k and 2k+1 exchange S bytes and back (an odd last
+    rank idles); every implementation's plain blocking send and receive."""
+    peer = rank ^ 1
+    if peer >= world:
+        return lambda x: None
+    if rank % 2 == 0:
+        def run(x):
+            send(x, peer)
+            recv(x, peer)
+    else:
+        def run(x):
+            recv(x, peer)
+            send(x, peer)
+    return run
 
 
 class _Outputs:
@@ -150,7 +171,9 @@ def _mpi_ops():
 
     ops = {"allreduce": allreduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
            "broadcast": broadcast, "gather": gather, "scatter": scatter,
-           "all_to_all": all_to_all, "barrier": lambda x: comm.Barrier()}
+           "all_to_all": all_to_all, "barrier": lambda x: comm.Barrier(),
+           "pingpong": _pingpong(rank, world, lambda x, p: comm.Send(x, dest=p),
+                                 lambda x, p: comm.Recv(x, source=p))}
     return rank, world, ops, comm.Barrier, np.ones, lambda: None
 
 
@@ -204,7 +227,9 @@ def _gloo_ops():
 
     ops = {"allreduce": allreduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
            "broadcast": broadcast, "gather": gather, "scatter": scatter,
-           "all_to_all": all_to_all, "barrier": lambda x: dist.barrier()}
+           "all_to_all": all_to_all, "barrier": lambda x: dist.barrier(),
+           "pingpong": _pingpong(rank, world, lambda x, p: dist.send(x, p),
+                                 lambda x, p: dist.recv(x, p))}
 
     def ones(n, dtype=np.float32):
         return torch.ones(n, dtype=torch.float32)

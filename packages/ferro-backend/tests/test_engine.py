@@ -30,8 +30,8 @@ def test_layout_is_aligned_and_holds_every_slot():
 @pytest.mark.parametrize("n", [2, 16, 17, 64, 256])
 def test_ring_bytes_shrink_with_the_world_and_follow_the_environment(n, monkeypatch):
     size = eng.default_ring_bytes(n)
-    assert size & (size - 1) == 0 and 4096 <= size <= 64 << 10
-    assert size == 64 << 10 if n <= 16 else n * n * size <= 16 << 20 or size == 4096
+    assert size & (size - 1) == 0 and 4096 <= size <= 256 << 10
+    assert size == 256 << 10 if n <= 8 else n * n * size <= 16 << 20 or size == 4096
     monkeypatch.setenv("FERRO_SHM_RING_BYTES", "8192")
     assert eng.default_ring_bytes(n) == 8192
     monkeypatch.setenv("FERRO_SHM_RING_BYTES", "5000")

@@ -109,6 +109,43 @@ def test_descriptor_status_goes_back_to_the_producer(ring):
     assert r.status_at(start) == 13
 
 
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 50_000), st.integers(1, CAP // 4 - _ring.ENTRY_HEADER))
+def test_a_stream_crosses_a_small_ring_while_the_consumer_copies(nbytes, step):
+    """put_stream in one thread, take_stream in another: the bytes arrive whole and in order,
+    however the chunks wrap."""
+    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    failed = np.zeros(1, np.uint32)
+    r = _ring_in(mem, failed, spin=100)
+    src = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    out = np.zeros_like(src)
+    done = []
+    th = threading.Thread(target=lambda: done.append(
+        r.put_stream(9, src, 0, step, time.monotonic() + 10)))
+    th.start()
+    got = (_ring.READY, 0) if nbytes == 0 else r.take_stream(out, 9, 0, time.monotonic() + 10)
+    th.join(10)
+    assert done == [(_ring.READY, nbytes)] and got == (_ring.READY, nbytes)
+    np.testing.assert_array_equal(out, src)
+    assert r.peek() is None
+
+
+def test_a_stream_stops_at_a_foreign_entry_and_at_its_deadline(ring):
+    r, _ = ring
+    with pytest.raises(ValueError, match="chunk size"):
+        r.put_stream(1, bytes(10), 0, r.max_payload + 1, time.monotonic() + 1)
+    r.put(_ring.EAGER, 1, 3, 0, b"abc", time.monotonic() + 1)
+    with pytest.raises(RuntimeError, match="corrupt"):
+        r.take_stream(bytearray(100), 1, 0, time.monotonic() + 1)
+    r.skip()
+    assert r.put_stream(4, bytes(range(100)), 0, 40, time.monotonic() + 1) == (_ring.READY, 100)
+    out = bytearray(100)
+    assert r.take_stream(out, 4, 0, time.monotonic() + 1) == (_ring.READY, 100)
+    assert bytes(out) == bytes(range(100))
+    t0 = time.monotonic()  # nothing more comes: the wait ends at its deadline, offset kept
+    assert r.take_stream(bytearray(200), 4, 120, t0 + 0.1) == (_ring.TIME_UP, 120)
+
+
 def test_watch_waits_for_the_doorbell_then_reports_a_stranded_entry():
     mem = np.zeros(CAP + 1024, dtype=np.uint8)
     failed = np.zeros(1, dtype=np.uint32)
@@ -158,7 +195,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("cma", ["1", "0"])
+@pytest.mark.parametrize("cma", ["always", "1", "0"])
 def test_every_path_keeps_fifo_per_tag_and_bypasses_the_sockets(cma):
     socket_bytes, (ok, count, received) = run_job(MIXED, 2, backend="ShmBackend",
                                                   env={"FERRO_SHM_CMA": cma})

@@ -91,7 +91,7 @@ PAD, EAGER, CHUNK, CMA = 1, 2, 3, 4
 READY, TIME_UP, FAILED = 0, 1, 2
 
 cdef int C_READY = 0, C_TIME_UP = 1, C_FAILED = 2
-cdef uint32_t C_PAD = 1
+cdef uint32_t C_PAD = 1, C_CHUNK = 3
 cdef double SLICE = 0.05
 
 cdef struct Entry:
@@ -148,11 +148,13 @@ cdef class Ring:
 
     # ------------------------------------------------------------------ waiting
     cdef int _wait_change(self, uint32_t* word, uint32_t* sleepers, uint32_t seen,
-                          double until, bint watch_failed, bint ring_bell) noexcept nogil:
+                          double until, bint watch_failed, bint ring_bell,
+                          double busy_until=0.0) noexcept nogil:
         """Wait until ``*word != seen``: READY, TIME_UP at ``until``, FAILED if asked to watch
         the failure flag and it is up. A producer (``ring_bell``) rings the consumer's doorbell
-        before each sleep."""
-        cdef int spins = 0
+        before each sleep. Until ``busy_until`` the wait keeps spinning (when spinning is on at
+        all: the ranks do not outnumber the cores)."""
+        cdef int spins = 0, _k
         cdef double now
         while ring_load(word) == seen:
             if spins < self.spin:
@@ -162,6 +164,10 @@ cdef class Ring:
             now = ring_now()
             if now >= until:
                 return C_TIME_UP
+            if self.spin and now < busy_until:
+                for _k in range(64):
+                    ring_pause()
+                continue
             if watch_failed and ring_load(self.failed) != 0:
                 return C_FAILED
             if spins < self.spin + self.yields:
@@ -186,8 +192,10 @@ cdef class Ring:
             rc = self._wait_change(self.head, self.head_sleepers, t, until, watch_failed, False)
         return rc
 
-    def wait_consumed(self, uint32_t end, double until, bint watch_failed=True) -> int:
-        """Producer: wait until the consumer's tail has reached position ``end``."""
+    def wait_consumed(self, uint32_t end, double until, bint watch_failed=True,
+                      double busy_until=0.0) -> int:
+        """Producer: wait until the consumer's tail has reached position ``end`` (spinning
+        until ``busy_until`` first: the time the consumer's copy is expected to take)."""
         cdef uint32_t t
         cdef int rc = C_READY
         with nogil:
@@ -196,7 +204,7 @@ cdef class Ring:
                 if <int32_t>(t - end) >= 0:
                     break
                 rc = self._wait_change(self.tail, self.tail_sleepers, t, until, watch_failed,
-                                       True)
+                                       True, busy_until)
                 if rc != C_READY:
                     break
         return rc
@@ -211,6 +219,36 @@ cdef class Ring:
         if ring_load(self.head_sleepers) != 0:
             ring_wake(self.head)
 
+    cdef int _put_entry(self, uint32_t kind, uint64_t tag, uint64_t total, uint64_t aux,
+                        const unsigned char* src, uint32_t n, double until, bint watch_failed,
+                        uint32_t* start) noexcept nogil:
+        """Append one entry of ``n <= cap/4 - 32`` payload bytes, waiting for space; its ring
+        position goes to ``start``."""
+        cdef uint32_t need = _entry_bytes(n), pos, room
+        cdef int rc = C_READY
+        cdef Entry* e
+        pos = ring_load(self.head)
+        room = self.cap - (pos & self.mask)
+        if room < need:  # the entry would wrap: pad the end of the data area
+            rc = self._wait_space(pos, room, until, watch_failed)
+            if rc != C_READY:
+                return rc
+            e = <Entry*>(self.data + (pos & self.mask))
+            e.kind = C_PAD
+            e.len = room - 32
+            pos += room
+            self._publish_head(pos)
+        rc = self._wait_space(pos, need, until, watch_failed)
+        if rc != C_READY:
+            return rc
+        e = <Entry*>(self.data + (pos & self.mask))
+        e.kind, e.len, e.tag, e.total, e.aux = kind, n, tag, total, aux
+        if n:
+            memcpy(self.data + (pos & self.mask) + 32, src, n)
+        start[0] = pos
+        self._publish_head(pos + need)
+        return C_READY
+
     def put(self, uint32_t kind, uint64_t tag, uint64_t total, uint64_t aux, object payload,
             double until, bint watch_failed=True):
         """Producer: append one entry (``payload`` a buffer of at most :attr:`max_payload`
@@ -218,9 +256,8 @@ cdef class Ring:
         entry's ring positions, or TIME_UP/FAILED (nothing written)."""
         cdef Py_buffer buf
         cdef bint have = payload is not None
-        cdef uint32_t n = 0, need, pos, room, end
-        cdef int rc = C_READY
-        cdef Entry* e
+        cdef uint32_t n = 0, start = 0
+        cdef int rc
         if have:
             PyObject_GetBuffer(payload, &buf, PyBUF_SIMPLE)
             if <size_t>buf.len > <size_t>(self.cap // 4 - ENTRY_HEADER):
@@ -228,34 +265,44 @@ cdef class Ring:
                 raise ValueError(f"ring entry payload of {buf.len} bytes exceeds "
                                  f"{self.cap // 4 - ENTRY_HEADER}")
             n = <uint32_t>buf.len
-        need = _entry_bytes(n)
         try:
             with nogil:
-                pos = ring_load(self.head)
-                room = self.cap - (pos & self.mask)
-                if room < need:  # the entry would wrap: pad the end of the data area
-                    rc = self._wait_space(pos, room, until, watch_failed)
-                    if rc == C_READY:
-                        e = <Entry*>(self.data + (pos & self.mask))
-                        e.kind = C_PAD
-                        e.len = room - 32
-                        pos += room
-                        self._publish_head(pos)
-                if rc == C_READY:
-                    rc = self._wait_space(pos, need, until, watch_failed)
-                if rc == C_READY:
-                    e = <Entry*>(self.data + (pos & self.mask))
-                    e.kind, e.len, e.tag, e.total, e.aux = kind, n, tag, total, aux
-                    if n:
-                        memcpy(self.data + (pos & self.mask) + 32, buf.buf, n)
-                    end = pos + need
-                    self._publish_head(end)
+                rc = self._put_entry(kind, tag, total, aux,
+                                     <const unsigned char*>buf.buf if have else NULL, n, until,
+                                     watch_failed, &start)
         finally:
             if have:
                 PyBuffer_Release(&buf)
         if rc != C_READY:
             return rc, 0, 0
-        return rc, pos, end
+        return rc, start, start + _entry_bytes(n)
+
+    def put_stream(self, uint64_t tag, object payload, size_t offset, uint32_t step,
+                   double until, bint watch_failed=True):
+        """Producer: stream ``payload[offset:]`` through the ring as CHUNK entries of ``step``
+        bytes (at most :attr:`max_payload`; the consumer copies them out meanwhile). Returns
+        ``(status, offset reached)``."""
+        cdef Py_buffer buf
+        cdef uint32_t n, start
+        cdef size_t total
+        cdef int rc = C_READY
+        if step == 0 or step > self.cap // 4 - ENTRY_HEADER:
+            raise ValueError(f"ring: chunk size {step} is not in [1, {self.cap // 4 - ENTRY_HEADER}]")
+        PyObject_GetBuffer(payload, &buf, PyBUF_SIMPLE)
+        total = <size_t>buf.len
+        try:
+            with nogil:
+                while offset < total:
+                    n = <uint32_t>min(<size_t>step, total - offset)
+                    rc = self._put_entry(C_CHUNK, tag, total, offset,
+                                         <const unsigned char*>buf.buf + offset, n, until,
+                                         watch_failed, &start)
+                    if rc != C_READY:
+                        break
+                    offset += n
+        finally:
+            PyBuffer_Release(&buf)
+        return rc, offset
 
     cdef int _wait_space(self, uint32_t pos, uint32_t need, double until,
                          bint watch_failed) noexcept nogil:
@@ -317,6 +364,45 @@ cdef class Ring:
                 self._publish_tail(t + _entry_bytes(e.len))
         finally:
             PyBuffer_Release(&buf)
+
+    def take_stream(self, object out, uint64_t tag, size_t offset, double until,
+                    bint watch_failed=True):
+        """Consumer: copy the CHUNK entries of the message on ``tag`` that fills ``out`` into
+        it, from ``offset`` on, waiting for the producer (which streams them) until ``until``.
+        Returns ``(status, offset reached)``; ``offset == len(out)``: the message is complete.
+        An entry that is not the next chunk of this message raises RuntimeError."""
+        cdef Py_buffer buf
+        cdef Entry* e
+        cdef size_t total
+        cdef uint32_t t
+        cdef int rc = C_READY
+        cdef bint stray = False
+        PyObject_GetBuffer(out, &buf, PyBUF_WRITABLE)
+        total = <size_t>buf.len
+        try:
+            with nogil:
+                while offset < total:
+                    e = self._head_entry()
+                    if e == NULL:
+                        rc = self._wait_change(self.head, self.head_sleepers,
+                                               ring_load(self.tail), until, watch_failed, False)
+                        if rc != C_READY:
+                            break
+                        continue
+                    if (e.kind != C_CHUNK or e.tag != tag or e.aux != offset or e.total != total
+                            or offset + e.len > total):
+                        stray = True
+                        break
+                    memcpy(<unsigned char*>buf.buf + offset, <unsigned char*>e + 32, e.len)
+                    offset += e.len
+                    t = ring_load(self.tail)
+                    self._publish_tail(t + _entry_bytes(e.len))
+        finally:
+            PyBuffer_Release(&buf)
+        if stray:
+            raise RuntimeError(f"ring: expected chunk at offset {offset} of a {total}-byte "
+                               f"message on tag {tag}; the stream is corrupt")
+        return rc, offset
 
     def skip(self, int status=-1):
         """Consumer: consume the next entry without reading its payload; ``status >= 0`` is

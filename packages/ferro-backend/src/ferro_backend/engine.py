@@ -64,15 +64,16 @@ BELL_OFFSET = 32
 
 
 def default_ring_bytes(nranks: int) -> int:
-    """Bytes of each point-to-point ring: 64 KiB up to 16 ranks, then less (a power of two,
-    at least 4 KiB) so the n*n rings stay near 16 MiB; ``FERRO_SHM_RING_BYTES`` overrides."""
+    """Bytes of each point-to-point ring: 256 KiB up to 8 ranks, then less (a power of two,
+    at least 4 KiB) so the n*n rings stay within 16 MiB; ``FERRO_SHM_RING_BYTES`` overrides.
+    (A ring's pages are only touched once its pair streams a message that large.)"""
     raw = os.environ.get("FERRO_SHM_RING_BYTES")
     if raw is not None:
         value = int(raw)
         if value < 4096 or value & (value - 1):
             raise ValueError(f"FERRO_SHM_RING_BYTES {raw!r} is not a power of two >= 4096")
         return value
-    size = 64 << 10
+    size = 256 << 10
     while size > 4096 and nranks * nranks * size > (16 << 20):
         size >>= 1
     return size

@@ -4,14 +4,16 @@ Every ordered pair of ranks has a single-producer, single-consumer ring in the j
 (``engine.py`` lays them out, ``_ring.pyx`` moves the bytes without the GIL). A message travels
 one of three ways, in FIFO order with every other message of its pair:
 
-* **eager** (up to a quarter of the ring): one entry, copied in by the sender and out by the
+* **eager** (up to 16 KiB, less in a small ring): one entry, copied in by the sender and out by the
   receiver; the send returns as soon as the entry is written;
-* **by descriptor** (from ``cma_threshold`` bytes, when every rank may read every other's memory):
-  the entry carries the address of the sender's buffer, the receiver copies the bytes straight
-  out of the sender's memory (``process_vm_readv``, one copy) and the send returns when the
-  receiver has consumed the entry;
-* **chunked** (everything else): the message streams through the ring in quarter-ring entries
-  while the receiver copies them out.
+* **streamed** (larger ones, while the ranks do not outnumber the cores): the message flows
+  through the ring in chunks (16 KiB up to a quarter ring) that the receiver copies out while
+  the sender copies the next ones in, both without the GIL;
+* **by descriptor** (from ``cma_threshold`` bytes when the ranks outnumber the cores, or with
+  ``FERRO_SHM_CMA=always``; only where every rank may read every other's memory): the entry
+  carries the address of the sender's buffer, the receiver copies the bytes straight out of the
+  sender's memory (``process_vm_readv``, one copy, no running peer needed) and the send returns
+  when the receiver has consumed the entry.
 
 Nobody polls on the receiver's behalf: a thread in ``recv`` drains the ring from its source
 itself (spinning briefly, then sleeping on a futex the sender wakes), delivering entries for
@@ -46,6 +48,14 @@ from .mailbox import Mailbox, PostedRecv
 WATCH_PERIOD = 1e-3
 #: seconds of one wait while another peer's failure is known (the failure flag is up for good)
 DEGRADED_SLICE = 0.05
+#: the largest eager message and streamed chunk: 16 KiB entries (smaller pipeline better, larger
+#: ones pay less per entry)
+EAGER_MAX = (16 << 10) - _ring.ENTRY_HEADER if _ring is not None else 0
+#: a drain waits this long for the next chunk of a message being streamed before it moves on
+STREAM_IDLE = 0.02
+#: the speed of a cross-memory copy here, roughly: a sender spins (rather than sleeps) for the
+#: time its receiver's copy should take
+CMA_BYTES_PER_S = 5e9
 
 
 class RingMesh:
@@ -56,8 +66,13 @@ class RingMesh:
         n, me = seg.nranks, seg.rank
         self.rank, self.box, self.timeout = me, box, timeout
         self.pids = seg.pids
-        self.cma_threshold = cma_threshold if seg.cma_ok else None
         cores = os.cpu_count() or 1
+        # a rank per core: both ends run at once, and streaming through the ring beats the
+        # cross-memory copy at every size (no page pinning); oversubscribed, one system call
+        # that needs no running peer is better. FERRO_SHM_CMA=always/0 forces either.
+        use_cma = seg.cma_ok and (n > cores or os.environ.get("FERRO_SHM_CMA") == "always")
+        #: messages at least this large go by descriptor (None: streamed)
+        self.cma_threshold = cma_threshold if use_cma else None
         spin = 4000 if n <= cores else 0
         yields = 0 if n <= cores else int(os.environ.get("FERRO_SHM_YIELDS", 100))
         # a view of the mapping: while it lives, the segment's close cannot unmap the rings
@@ -69,6 +84,8 @@ class RingMesh:
 
         peers = [p for p in range(n) if p != me]
         self.out = {p: ring(me, p) for p in peers}
+        #: the largest message that travels as one entry, and the chunk of a streamed one
+        self.eager_max = min(EAGER_MAX, seg.ring(me, me)[2] // 4 - _ring.ENTRY_HEADER)
         self.inc = {p: ring(p, me) for p in peers}
         self.out_locks = {p: threading.Lock() for p in peers}
         self.in_locks = {p: threading.Lock() for p in peers}
@@ -106,6 +123,15 @@ class RingMesh:
         nbytes = len(view)
         deadline = time.monotonic() + self.timeout()
         ring, lock = self.out[dst], self.out_locks[dst]
+        if nbytes <= self.eager_max and lock.acquire(False):  # the common case, in one call
+            try:
+                rc = ring.put(_ring.EAGER, tag, nbytes, 0, view, deadline)[0]
+            finally:
+                lock.release()
+            if rc == _ring.READY:
+                self.sent += nbytes
+                return
+            # nothing was written: the general path below waits, or names the failure
 
         def late() -> str:
             return (f"send: rank {self.rank} -> {dst} (tag {tag}): {nbytes} bytes not taken "
@@ -114,13 +140,14 @@ class RingMesh:
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise CollectiveTimeoutError(late())
         try:
-            if nbytes <= ring.max_payload:
+            if nbytes <= self.eager_max:
                 self._put(ring, _ring.EAGER, tag, nbytes, 0, view, deadline, dst, late)
             elif self.cma_threshold is not None and nbytes >= self.cma_threshold:
                 arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive; its address
                 start, end = self._put(ring, _ring.CMA, tag, nbytes, arr.ctypes.data, None,
                                        deadline, dst, late)
-                self._await(lambda until, w: ring.wait_consumed(end, until, w), deadline,
+                busy = time.monotonic() + nbytes / CMA_BYTES_PER_S + 30e-6  # the peer's copy
+                self._await(lambda until, w: ring.wait_consumed(end, until, w, busy), deadline,
                             "send", dst, late)
                 status = ring.status_at(start)
                 if status:
@@ -128,10 +155,16 @@ class RingMesh:
                                           f"peer could not read the message ({os.strerror(status)})",
                                           peer=dst)
             else:
-                step = ring.max_payload
-                for off in range(0, nbytes, step):
-                    self._put(ring, _ring.CHUNK, tag, nbytes, off, view[off:off + step],
-                              deadline, dst, late)
+                reached = 0
+                # a pipeline of at least 16 chunks, each from 16 KiB up to a quarter ring
+                step = min(ring.max_payload, max(self.eager_max, nbytes // 16 // 64 * 64))
+
+                def stream(until: float, watch: bool) -> int:
+                    nonlocal reached
+                    rc, reached = ring.put_stream(tag, view, reached, step, until, watch)
+                    return rc
+
+                self._await(stream, deadline, "send", dst, late)
         finally:
             lock.release()
         self.sent += nbytes
@@ -148,6 +181,47 @@ class RingMesh:
         return spot[0], spot[1]
 
     # ------------------------------------------------------------------ receiving
+    def recv_now(self, view: memoryview, src: int, tag: int,
+                 deadline: float) -> bool | PostedRecv:
+        """The common receive in one go: when no other thread drains the ring from ``src`` and
+        nothing for ``(src, tag)`` is queued or posted, wait for the next entry and, if it is
+        this receive's message, copy it straight into ``view`` (no posted request, no mailbox):
+        True. False: not that case (nothing consumed; post and :meth:`progress` instead). A
+        request: a chunked message partly received (:meth:`progress` completes it)."""
+        lock = self.in_locks[src]
+        if not lock.acquire(False):
+            return False
+        try:
+            box, key = self.box, (src, tag)
+            if box.unexpected.get(key) or box.posted.get(key):
+                return False
+            ring = self.inc[src]
+            while True:
+                entry = ring.peek()
+                if entry is None:
+                    if ring.wait_data(deadline) != _ring.READY:
+                        return False  # late or failing: the general path says which
+                    continue
+                kind, length, got_tag, total, aux = entry
+                if got_tag != tag or total != len(view):
+                    return False
+                if kind == _ring.EAGER:
+                    ring.take(view)
+                elif kind == _ring.CMA:
+                    self._read_into(ring, src, tag, view, aux)
+                elif kind == _ring.CHUNK and aux == 0:
+                    _rc, reached = ring.take_stream(view, tag, 0, deadline)
+                    if reached < total:  # the rest comes through the general path
+                        req = PostedRecv(box, src, tag, view)
+                        self._partial[src] = [req, view]
+                        return req
+                else:
+                    return False
+                self.received += total
+                return True
+        finally:
+            lock.release()
+
     def progress(self, req: PostedRecv, src: int, deadline: float) -> bool:
         """Drive the ring from ``src`` until ``req`` is complete (True) or ``deadline`` passes
         (False). Raises ``src``'s failure (after draining what it sent before it)."""
@@ -226,6 +300,7 @@ class RingMesh:
                 else:
                     ring.take(req.view)
                     req.complete()
+                self.received += length
             elif kind == _ring.CHUNK:
                 self._chunk(ring, src, length, tag, total, aux)
             elif kind == _ring.CMA:
@@ -233,7 +308,6 @@ class RingMesh:
             else:
                 raise RuntimeError(f"ring {src} -> {self.rank}: unknown entry kind {kind} "
                                    "(the segment is corrupt)")
-            self.received += length if kind != _ring.CMA else total
 
     def _chunk(self, ring: _ring.Ring, src: int, length: int, tag: int, total: int,
                offset: int) -> None:
@@ -251,10 +325,12 @@ class RingMesh:
         req, target = part
         if target is None:
             ring.skip()
-        else:
-            ring.take(target, offset)
-        if offset + length < total:
+            offset += length
+        else:  # the sender streams the rest right behind: copy while it comes
+            _rc, offset = ring.take_stream(target, tag, offset, time.monotonic() + STREAM_IDLE)
+        if offset < total:
             return
+        self.received += total
         del self._partial[src]
         if req is None:
             box.deliver(src, tag, target)
@@ -273,21 +349,29 @@ class RingMesh:
             return
         buf = np.empty(total, dtype=np.uint8) if req is None else req.view
         try:
-            _shm.cma_read(self.pids[src], address, buf)
-        except OSError as exc:
-            ring.skip(exc.errno or 5)  # the sender (if alive) learns why
-            error = PeerClosedError(f"recv: rank {self.rank} <- {src} (tag {tag}): cannot read "
-                                    f"the sender's memory ({exc})", peer=src)
+            self._read_into(ring, src, tag, buf, address)
+        except PeerClosedError as error:
             if req is None:
                 req = box.claim(src, tag)
             if req is not None:
                 req.fail(error)
             return
-        ring.skip(0)
+        self.received += total
         if req is None:
             box.deliver(src, tag, buf)
         else:
             req.complete()
+
+    def _read_into(self, ring: _ring.Ring, src: int, tag: int, buf, address: int) -> None:
+        """Copy a descriptor's message out of the sender's memory into ``buf`` and consume
+        the entry (its status tells the sender how it went)."""
+        try:
+            _shm.cma_read(self.pids[src], address, buf)
+        except OSError as exc:
+            ring.skip(exc.errno or 5)  # the sender (if alive) learns why
+            raise PeerClosedError(f"recv: rank {self.rank} <- {src} (tag {tag}): cannot read "
+                                  f"the sender's memory ({exc})", peer=src) from exc
+        ring.skip(0)
 
     # ------------------------------------------------------------------ the watch thread
     def _watch_loop(self) -> None:
@@ -327,9 +411,15 @@ class RingRecv(Request):
         return self._req._done or self._mesh.progress(self._req, self._req.src, deadline)
 
     def wait(self, timeout: float | None = None) -> None:
+        limit = self._mesh.timeout() if timeout is None else check_timeout(timeout,
+                                                                            "recv: timeout")
+        self.wait_until(time.monotonic() + limit, limit)
+
+    def wait_until(self, deadline: float, limit: float) -> None:
+        """:meth:`wait` with an absolute ``deadline`` (``limit``: the seconds to name in a
+        timeout)."""
         req, mesh = self._req, self._mesh
-        limit = mesh.timeout() if timeout is None else check_timeout(timeout, "recv: timeout")
-        if not req._done and not mesh.progress(req, req.src, time.monotonic() + limit):
+        if not req._done and not mesh.progress(req, req.src, deadline):
             if mesh.withdraw(req):
                 raise CollectiveTimeoutError(
                     f"recv: rank {mesh.rank} waited {limit:g}s for a message from rank "

@@ -162,6 +162,17 @@ class ShmBackend(TcpBackend):
             return self._box.post(src, tag, view)
         return RingRecv(self._rings, self._box.post(src, tag, view, check=False))
 
+    def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
+        if self._rings is None:
+            return super().recv(out, src, tag=tag, timeout=timeout)
+        view = self._recv_view(out, src, tag)
+        limit = self.resolve_timeout(timeout, "recv: timeout")
+        deadline = time.monotonic() + limit
+        done = self._rings.recv_now(view, src, tag, deadline)
+        if done is not True:
+            req = self._box.post(src, tag, view, check=False) if done is False else done
+            RingRecv(self._rings, req).wait_until(deadline, limit)
+
     def _on_frame(self, link: Link, kind: int, tag: int, length: int) -> bool:
         if kind == K_ACK:
             payload = bytearray(_ACK.size)
