@@ -349,3 +349,42 @@ else:
     got, share, waited = run_job(body, 2, backend="ShmBackend")[1]
     assert got == "x" and waited > 1.0
     assert share < 0.05, share  # the whole process, watch thread included
+
+
+def test_the_quick_checks_of_small_arrays_refuse_what_the_full_ones_refuse():
+    body = """
+errors = []
+def refused(fn):
+    try:
+        fn()
+    except (ValueError, InvalidRankError) as exc:
+        errors.append(type(exc).__name__)
+    else:
+        errors.append("accepted")
+if b.rank == 0:
+    a = np.arange(8, dtype=np.float32)
+    refused(lambda: b.send(a[::2], 1))                 # not contiguous
+    refused(lambda: b.send(a, 0))                      # to itself
+    refused(lambda: b.send(a, 1, tag=-1))
+    refused(lambda: b.send(a, 1, tag=2**64))
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    refused(lambda: b.recv(ro, 1))                     # read-only
+    refused(lambda: b.recv(np.zeros(8, np.float32)[::2], 1))
+    refused(lambda: b.recv(np.zeros(4, np.float32), 1, timeout=float("nan")))
+    refused(lambda: b.recv(np.zeros(4, np.float32), 1, timeout=-1.0))
+    refused(lambda: b.recv(np.zeros(4, np.float32), 5))
+    b.send(a, 1, tag=2**64 - 1)                        # the largest tag is fine
+    one = np.zeros((), np.float64)                     # 0-d: 8 bytes
+    b.recv(one, 1, timeout=10.0)
+    result = [errors, float(one)]
+else:
+    got = np.empty(8, np.float32)
+    b.recv(got, 0, tag=2**64 - 1, timeout=10)
+    b.send(np.array(2.5), 0)
+    result = got.tolist()
+"""
+    (errors, value), got = run_job(body, 2, backend="ShmBackend")
+    assert errors == ["ValueError"] + ["InvalidRankError"] + ["ValueError"] * 6 + \
+        ["InvalidRankError"]
+    assert value == 2.5 and got == list(range(8))

@@ -39,11 +39,12 @@ from collections.abc import Callable
 import numpy as np
 
 from ._platform import _ring, _shm
-from .base import Request, check_timeout, size_mismatch
+from .base import Request, as_recv_view, check_timeout, size_mismatch
 from .engine import SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .mailbox import Mailbox, PostedRecv
 
+READY, TIME_UP = (_ring.READY, _ring.TIME_UP) if _ring is not None else (0, 1)
 #: how long entries must sit unconsumed after a doorbell before the watch thread moves them
 WATCH_PERIOD = 1e-3
 #: seconds of one wait while another peer's failure is known (the failure flag is up for good)
@@ -119,17 +120,28 @@ class RingMesh:
                 raise CollectiveTimeoutError(late())
 
     # ------------------------------------------------------------------ sending
+    def send_eager(self, buf, nbytes: int, dst: int, tag: int, deadline: float) -> int | None:
+        """The common send in one call: ``buf`` (``nbytes <= eager_max``, validated by the
+        caller) as one entry. READY; TIME_UP or FAILED (nothing written); None: another thread
+        is sending to ``dst`` (use :meth:`send`)."""
+        lock = self.out_locks[dst]
+        if not lock.acquire(False):
+            return None
+        try:
+            rc = self.out[dst].put(_ring.EAGER, tag, nbytes, 0, buf, deadline)[0]
+        finally:
+            lock.release()
+        if rc == _ring.READY:
+            self.sent += nbytes
+        return rc
+
     def send(self, view: memoryview, dst: int, tag: int) -> None:
         nbytes = len(view)
         deadline = time.monotonic() + self.timeout()
         ring, lock = self.out[dst], self.out_locks[dst]
-        if nbytes <= self.eager_max and lock.acquire(False):  # the common case, in one call
-            try:
-                rc = ring.put(_ring.EAGER, tag, nbytes, 0, view, deadline)[0]
-            finally:
-                lock.release()
+        if nbytes <= self.eager_max:
+            rc = self.send_eager(view, nbytes, dst, tag, deadline)
             if rc == _ring.READY:
-                self.sent += nbytes
                 return
             # nothing was written: the general path below waits, or names the failure
 
@@ -181,7 +193,7 @@ class RingMesh:
         return spot[0], spot[1]
 
     # ------------------------------------------------------------------ receiving
-    def recv_now(self, view: memoryview, src: int, tag: int,
+    def recv_now(self, view, nbytes: int, src: int, tag: int,
                  deadline: float) -> bool | PostedRecv:
         """The common receive in one go: when no other thread drains the ring from ``src`` and
         nothing for ``(src, tag)`` is queued or posted, wait for the next entry and, if it is
@@ -203,7 +215,7 @@ class RingMesh:
                         return False  # late or failing: the general path says which
                     continue
                 kind, length, got_tag, total, aux = entry
-                if got_tag != tag or total != len(view):
+                if got_tag != tag or total != nbytes:
                     return False
                 if kind == _ring.EAGER:
                     ring.take(view)
@@ -212,8 +224,8 @@ class RingMesh:
                 elif kind == _ring.CHUNK and aux == 0:
                     _rc, reached = ring.take_stream(view, tag, 0, deadline)
                     if reached < total:  # the rest comes through the general path
-                        req = PostedRecv(box, src, tag, view)
-                        self._partial[src] = [req, view]
+                        req = PostedRecv(box, src, tag, as_recv_view(view))
+                        self._partial[src] = [req, req.view]
                         return req
                 else:
                     return False

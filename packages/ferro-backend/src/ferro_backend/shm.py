@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from ._platform import SAME_HOST_ENGINE, _shm
-from .base import Request, size_mismatch
+from .base import MAX_TAG, Request, as_recv_view, size_mismatch
 from .engine import DEFAULT_SLOT_BYTES, SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .framing import Link
-from .rings import RingMesh, RingRecv
+from .rings import READY, TIME_UP, RingMesh, RingRecv
 from .tcp import TcpBackend
 
 K_CMA, K_ACK = 4, 5
@@ -113,9 +113,22 @@ class ShmBackend(TcpBackend):
 
     # ------------------------------------------------------------------ sending
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
+        rings, box = self._rings, self._box
+        if (rings is not None and type(data) is np.ndarray and type(dst) is int
+                and type(tag) is int and dst != self._rank and 0 <= dst < self._world
+                and 0 <= tag <= MAX_TAG and data.nbytes <= rings.eager_max
+                and data.flags.c_contiguous and box.aborted is None and not box.closed
+                and dst not in box.closed_peers):  # a small array, checked at a glance
+            rc = rings.send_eager(data, data.nbytes, dst, tag, time.monotonic() + self._timeout)
+            if rc == READY:
+                return
+            if rc == TIME_UP:
+                raise CollectiveTimeoutError(
+                    f"send: rank {self._rank} -> {dst} (tag {tag}): {data.nbytes} bytes not "
+                    f"taken by the peer within {self._timeout:g}s (its ring stayed full)")
         view = self._checked_send_view(data, dst, tag)
-        if self._rings is not None:
-            return self._rings.send(view, dst, tag)
+        if rings is not None:
+            return rings.send(view, dst, tag)
         if len(view) < CMA_THRESHOLD or dst not in self._cma_peers:
             return super().send(view, dst, tag=tag)
         arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive and gives its address
@@ -163,12 +176,24 @@ class ShmBackend(TcpBackend):
         return RingRecv(self._rings, self._box.post(src, tag, view, check=False))
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
-        if self._rings is None:
+        rings = self._rings
+        if rings is None:
             return super().recv(out, src, tag=tag, timeout=timeout)
-        view = self._recv_view(out, src, tag)
-        limit = self.resolve_timeout(timeout, "recv: timeout")
-        deadline = time.monotonic() + limit
-        done = self._rings.recv_now(view, src, tag, deadline)
+        if (type(out) is np.ndarray and type(src) is int and type(tag) is int
+                and src != self._rank and 0 <= src < self._world and 0 <= tag <= MAX_TAG
+                and (timeout is None or type(timeout) is float and timeout >= 0)
+                and out.flags.c_contiguous and out.flags.writeable):  # checked at a glance
+            limit = self._timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
+            done = rings.recv_now(out, out.nbytes, src, tag, deadline)
+            if done is True:
+                return
+            view = as_recv_view(out)
+        else:
+            view = self._recv_view(out, src, tag)
+            limit = self.resolve_timeout(timeout, "recv: timeout")
+            deadline = time.monotonic() + limit
+            done = rings.recv_now(view, len(view), src, tag, deadline)
         if done is not True:
             req = self._box.post(src, tag, view, check=False) if done is False else done
             RingRecv(self._rings, req).wait_until(deadline, limit)
