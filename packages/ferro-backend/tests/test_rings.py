@@ -192,16 +192,27 @@ else:
     for req, i in reqs:
         req.wait(20)
     result = [all(got), len(got), b.bytes_received]
+# a receive already waiting when the message comes, into arrays of other dtypes
+for n in (10, 5000, 300_000):
+    if b.rank == 0:
+        time.sleep(0.05)
+        b.send(np.arange(n, dtype=np.float32), 1, tag=7)
+        b.send(np.arange(n, dtype=np.int64).reshape(n // 5, 5), 1, tag=8)
+    else:
+        f, i = np.empty(n, np.float32), np.empty((n // 5, 5), np.int64)
+        b.recv(f, 0, tag=7, timeout=10.0)
+        b.recv(i, 0, tag=8)
+        result.append(bool((f == np.arange(n)).all() and (i.ravel() == np.arange(n)).all()))
 """
 
 
 @pytest.mark.parametrize("cma", ["always", "1", "0"])
 def test_every_path_keeps_fifo_per_tag_and_bypasses_the_sockets(cma):
-    socket_bytes, (ok, count, received) = run_job(MIXED, 2, backend="ShmBackend",
-                                                  env={"FERRO_SHM_CMA": cma})
+    socket_bytes, (ok, count, received, *typed) = run_job(MIXED, 2, backend="ShmBackend",
+                                                          env={"FERRO_SHM_CMA": cma})
     sizes = [0, 1, 100, 4000, 16000, 16353, 40000, CMA_THRESHOLD - 1, CMA_THRESHOLD,
              CMA_THRESHOLD * 3 + 7, 3 << 20]
-    assert ok and count == len(sizes)
+    assert ok and count == len(sizes) and typed == [True] * 3
     assert socket_bytes == 0  # nothing went through a socket
     assert received >= 2 * sum(sizes)
 

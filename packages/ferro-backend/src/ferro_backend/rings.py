@@ -377,6 +377,8 @@ class RingMesh:
     def _read_into(self, ring: _ring.Ring, src: int, tag: int, buf, address: int) -> None:
         """Copy a descriptor's message out of the sender's memory into ``buf`` and consume
         the entry (its status tells the sender how it went)."""
+        if not isinstance(buf, memoryview):  # an array of any dtype: its bytes
+            buf = as_recv_view(buf)
         try:
             _shm.cma_read(self.pids[src], address, buf)
         except OSError as exc:
