@@ -9,8 +9,8 @@ one of three ways, in FIFO order with every other message of its pair:
 * **streamed** (larger ones, while the ranks do not outnumber the cores): the message flows
   through the ring in chunks (16 KiB up to a quarter ring) that the receiver copies out while
   the sender copies the next ones in, both without the GIL;
-* **by descriptor** (from ``cma_threshold`` bytes when the ranks outnumber the cores, or with
-  ``FERRO_SHM_CMA=always``; only where every rank may read every other's memory): the entry
+* **by descriptor** (from 256 KiB when the ranks outnumber the cores, or from ``cma_threshold``
+  with ``FERRO_SHM_CMA=always``; only where every rank may read every other's memory): the entry
   carries the address of the sender's buffer, the receiver copies the bytes straight out of the
   sender's memory (``process_vm_readv``, one copy, no running peer needed) and the send returns
   when the receiver has consumed the entry.
@@ -54,6 +54,10 @@ DEGRADED_SLICE = 0.05
 EAGER_MAX = (16 << 10) - _ring.ENTRY_HEADER if _ring is not None else 0
 #: a drain waits this long for the next chunk of a message being streamed before it moves on
 STREAM_IDLE = 0.02
+#: oversubscribed, messages from this size go by descriptor (4 processes on 2 cores, pairs in
+#: ping-pong: streaming 1.0-1.9 GB/s against 0.8-0.9 at 64 KiB, descriptors 3.8-4.5 against
+#: 2.2-2.4 at 1 MiB)
+OVERSUBSCRIBED_CMA = 256 << 10
 #: the speed of a cross-memory copy here, roughly: a sender spins (rather than sleeps) for the
 #: time its receiver's copy should take
 CMA_BYTES_PER_S = 5e9
@@ -71,9 +75,10 @@ class RingMesh:
         # a rank per core: both ends run at once, and streaming through the ring beats the
         # cross-memory copy at every size (no page pinning); oversubscribed, one system call
         # that needs no running peer is better. FERRO_SHM_CMA=always/0 forces either.
-        use_cma = seg.cma_ok and (n > cores or os.environ.get("FERRO_SHM_CMA") == "always")
+        forced = os.environ.get("FERRO_SHM_CMA") == "always"
         #: messages at least this large go by descriptor (None: streamed)
-        self.cma_threshold = cma_threshold if use_cma else None
+        self.cma_threshold = (None if not seg.cma_ok else cma_threshold if forced
+                              else OVERSUBSCRIBED_CMA if n > cores else None)
         spin = 4000 if n <= cores else 0
         yields = 0 if n <= cores else int(os.environ.get("FERRO_SHM_YIELDS", 100))
         # a view of the mapping: while it lives, the segment's close cannot unmap the rings
