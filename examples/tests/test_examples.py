@@ -3,6 +3,7 @@
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -61,12 +62,15 @@ def test_quickstart_as_the_readme_runs_it():
                      (ROOT / "README.md").read_text())
 
 
-def final_params(tmp_path, name, runs, strategy, optimizer="sgd"):
-    """Run train_mlp in pieces [(nproc, total_steps), ...] resuming in between; return the
-    final full parameters."""
+def final_params(tmp_path, name, runs, strategy, optimizer="sgd", start_from=None):
+    """Run train_mlp in pieces [(nproc, total_steps), ...] resuming in between (the first
+    piece too when ``start_from`` names an earlier run whose checkpoint to resume from);
+    return the final full parameters."""
     ckpt = tmp_path / f"ckpt-{name}"
     dump = tmp_path / f"{name}.npz"
-    for i, (nproc, steps) in enumerate(runs):
+    if start_from is not None:
+        shutil.copytree(tmp_path / f"ckpt-{start_from}", ckpt)
+    for i, (nproc, steps) in enumerate(runs, start=start_from is not None):
         args = ["--steps", steps, "--strategy", strategy, "--optimizer", optimizer,
                 "--dtype", "float64", "--batch-size", 48, "--checkpoint-dir", ckpt,
                 "--no-progress", "--dump-params", dump]
@@ -83,9 +87,10 @@ def final_params(tmp_path, name, runs, strategy, optimizer="sgd"):
                                       "ddp"])
 def test_train_then_resume_on_1_and_3_ranks_matches_an_uninterrupted_run(tmp_path, strategy):
     straight, summary = final_params(tmp_path, "straight", [(2, 6)], strategy)
+    final_params(tmp_path, "half", [(2, 3)], strategy)  # one first half, resumed twice
     for other in (1, 3):
-        resumed, rsummary = final_params(tmp_path, f"resume{other}", [(2, 3), (other, 6)],
-                                         strategy)
+        resumed, rsummary = final_params(tmp_path, f"resume{other}", [(other, 6)], strategy,
+                                         start_from="half")
         assert rsummary["steps"] == 6 and rsummary["world_size"] == other
         assert resumed.keys() == straight.keys()
         for k in straight:
