@@ -4,7 +4,9 @@
 ShmBackend) a :class:`Hierarchy`: ``node``, the ranks of this rank's node as a
 :class:`~ferro_backend.SubBackend` that carries its own shared-memory segment (``node.engine``,
 so ferro-collective runs its one-step engine collectives on it), and ``cross``, the ranks with
-this rank's local index on every node (their messages cross the network). ferro-collective's
+this rank's local index on every node (their messages cross the network). Point-to-point
+messages between two ranks of one node travel that segment's rings (:mod:`.rings`), as on a
+:class:`~ferro_backend.ShmBackend`. ferro-collective's
 hierarchical collectives compose the two: an allreduce reduces inside the node on the engine,
 then each local rank allreduces its 1/L slice of the node's sum across nodes, then the node
 gathers the slices, so each rank sends 1/L of the data over the network instead of all of it.
@@ -18,6 +20,7 @@ from typing import Any
 
 from ._platform import SAME_HOST_ENGINE
 from .engine import DEFAULT_SLOT_BYTES, SharedSegment
+from .rings import RingMesh
 from .sub import SubBackend
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,9 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
             seg.mark_failed()
 
     box.add_failure_callback(on_failure)
+    if backend._rings is None:  # the node's ranks talk through the segment's rings too
+        backend._rings = RingMesh(seg, box, lambda: backend.timeout, ranks=mine)
+        backend._closers.append(backend._rings.close)
     backend._closers.append(seg.close)
     hierarchy = Hierarchy(node, cross, members)
     backend.hierarchy = hierarchy

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -54,6 +54,8 @@ DEGRADED_SLICE = 0.05
 EAGER_MAX = (16 << 10) - _ring.ENTRY_HEADER if _ring is not None else 0
 #: a drain waits this long for the next chunk of a message being streamed before it moves on
 STREAM_IDLE = 0.02
+#: with FERRO_SHM_CMA=always, messages from this size go by descriptor
+CMA_THRESHOLD = 64 << 10
 #: oversubscribed, messages from this size go by descriptor (4 processes on 2 cores, pairs in
 #: ping-pong: streaming 1.0-1.9 GB/s against 0.8-0.9 at 64 KiB, descriptors 3.8-4.5 against
 #: 2.2-2.4 at 1 MiB)
@@ -64,13 +66,18 @@ CMA_BYTES_PER_S = 5e9
 
 
 class RingMesh:
-    """This rank's ends of the point-to-point rings: ``send``/``post``/``progress``."""
+    """This rank's ends of the point-to-point rings of ``seg``: ``send``/``recv_now``/
+    ``progress``. ``ranks[i]`` is the job rank of the segment's rank ``i`` (default: the same;
+    a multi-node job maps one segment per node), and every rank this class takes or names is a
+    job rank, as the mailbox's are."""
 
     def __init__(self, seg: SharedSegment, box: Mailbox, timeout: Callable[[], float],
-                 cma_threshold: int) -> None:
+                 cma_threshold: int = CMA_THRESHOLD,
+                 ranks: Sequence[int] | None = None) -> None:
         n, me = seg.nranks, seg.rank
-        self.rank, self.box, self.timeout = me, box, timeout
-        self.pids = seg.pids
+        ranks = list(range(n)) if ranks is None else list(ranks)
+        self.rank, self.box, self.timeout = ranks[me], box, timeout
+        self.pids = {ranks[i]: pid for i, pid in enumerate(seg.pids)}
         cores = os.cpu_count() or 1
         # a rank per core: both ends run at once, and streaming through the ring beats the
         # cross-memory copy at every size (no page pinning); oversubscribed, one system call
@@ -91,21 +98,23 @@ class RingMesh:
             ctrl, data, cap = seg.ring(src, dst)
             return _ring.Ring(ctrl, data, cap, seg.failed_address, seg.bell(dst), spin, yields)
 
-        peers = [p for p in range(n) if p != me]
-        self.out = {p: ring(me, p) for p in peers}
+        local = [i for i in range(n) if i != me]
+        peers = [ranks[i] for i in local]
+        #: job rank -> the ring to it / from it
+        self.out = {ranks[i]: ring(me, i) for i in local}
+        self.inc = {ranks[i]: ring(i, me) for i in local}
         #: the largest message that travels as one entry, and the chunk of a streamed one
         self.eager_max = min(EAGER_MAX, seg.ring(me, me)[2] // 4 - _ring.ENTRY_HEADER)
-        self.inc = {p: ring(p, me) for p in peers}
         self.out_locks = {p: threading.Lock() for p in peers}
         self.in_locks = {p: threading.Lock() for p in peers}
-        #: src -> [request or None, buffer or None, tag]: a chunked message being received
+        #: src -> [request or None, buffer or None]: a chunked message being received
         self._partial: dict[int, list] = {}
         self.sent = self.received = 0
         self._stop = np.zeros(1, dtype=np.uint32)
-        self._watch = _ring.Watch([seg.ring(p, me)[0] for p in peers], seg.bell(me), self._stop)
+        self._watch = _ring.Watch([seg.ring(i, me)[0] for i in local], seg.bell(me), self._stop)
         self._peers = peers
         self._watcher = threading.Thread(target=self._watch_loop, daemon=True,
-                                         name=f"ferro-shm-watch-{me}")
+                                         name=f"ferro-shm-watch-{self.rank}")
         self._watcher.start()
 
     # ------------------------------------------------------------------ waiting

@@ -5,10 +5,9 @@ authentication, failure detection and abort. Its data moves through the job's en
 (:mod:`.engine`, an anonymous ``memfd``: nothing has a name in ``/dev/shm``, so a SIGKILLed
 rank leaks nothing): collectives through the slots (ferro-collective's fast path), point-to-point
 messages through a ring per ordered pair of ranks (:mod:`.rings`): small ones copied in and out,
-large ones (at least ``CMA_THRESHOLD`` bytes) copied once straight out of the sender's memory
-into the receive buffer with ``process_vm_readv`` (``_shm.cma_read``, GIL released, as Open
-MPI's CMA path does), streamed through the ring where the kernel forbids cross-memory reads
-(another user, a hardened ptrace policy).
+large ones streamed through the ring or, when the ranks outnumber the cores, copied once
+straight out of the sender's memory into the receive buffer with ``process_vm_readv``
+(``_shm.cma_read``, GIL released, as Open MPI's CMA path does) where the kernel allows it.
 
 With the engine off (``engine=False``, ``FERRO_SHM_ENGINE=0``) messages travel the sockets, the
 large ones as a descriptor the receiver's reader thread copies from.
@@ -32,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from ._platform import SAME_HOST_ENGINE, _shm
-from .base import MAX_TAG, Request, as_recv_view, size_mismatch
+from .base import size_mismatch
 from .engine import DEFAULT_SLOT_BYTES, SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .framing import Link
-from .rings import READY, TIME_UP, RingMesh, RingRecv
+from .rings import CMA_THRESHOLD, RingMesh
 from .tcp import TcpBackend
 
 K_CMA, K_ACK = 4, 5
@@ -44,9 +43,6 @@ _DESC = struct.Struct("<QQQQ")  # pid, address, nbytes, send id
 _ACK = struct.Struct("<QQ")  # send id, status
 ACK_OK, ACK_RETRY = 0, 1
 
-#: messages at least this large move by cross-memory copy (through the rings: by descriptor);
-#: smaller ones through the ring (or the socket)
-CMA_THRESHOLD = 64 << 10
 
 
 class ShmBackend(TcpBackend):
@@ -77,7 +73,6 @@ class ShmBackend(TcpBackend):
         self._acks_lock = threading.Lock()
         self._cma_peers: set[int] = set(range(world_size))
         self._ack_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._rings: RingMesh | None = None  # set once the engine segment is mapped
         super().__init__(rank, world_size, master_addr, **kwargs)
         self._ack_thread = threading.Thread(target=self._ack_sender, daemon=True,
                                             name=f"ferro-shm-acks-{rank}")
@@ -93,18 +88,16 @@ class ShmBackend(TcpBackend):
             self._box.add_failure_callback(self.engine.mark_failed)
         #: point-to-point messages through the segment's rings (None: through the sockets)
         if self.engine is not None:
-            self._rings = RingMesh(self.engine, self._box, lambda: self.timeout, CMA_THRESHOLD)
+            self._rings = RingMesh(self.engine, self._box, lambda: self.timeout)
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
         """Payload bytes sent over the links plus those written for peers into the segment."""
-        extra = 0 if self.engine is None else self.engine.sent
-        return super().bytes_sent + extra + (0 if self._rings is None else self._rings.sent)
+        return super().bytes_sent + (0 if self.engine is None else self.engine.sent)
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
-        extra = 0 if self.engine is None else self.engine.received
-        return super().bytes_received + extra + (0 if self._rings is None else self._rings.received)
+        return super().bytes_received + (0 if self.engine is None else self.engine.received)
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         """The error an ``op`` involving ``peer`` must raise now (an abort, this backend
@@ -112,25 +105,11 @@ class ShmBackend(TcpBackend):
         return self._box.failure(op, peer)
 
     # ------------------------------------------------------------------ sending
-    def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        rings, box = self._rings, self._box
-        if (rings is not None and type(data) is np.ndarray and type(dst) is int
-                and type(tag) is int and dst != self._rank and 0 <= dst < self._world
-                and 0 <= tag <= MAX_TAG and data.nbytes <= rings.eager_max
-                and data.flags.c_contiguous and box.aborted is None and not box.closed
-                and dst not in box.closed_peers):  # a small array, checked at a glance
-            rc = rings.send_eager(data, data.nbytes, dst, tag, time.monotonic() + self._timeout)
-            if rc == READY:
-                return
-            if rc == TIME_UP:
-                raise CollectiveTimeoutError(
-                    f"send: rank {self._rank} -> {dst} (tag {tag}): {data.nbytes} bytes not "
-                    f"taken by the peer within {self._timeout:g}s (its ring stayed full)")
-        view = self._checked_send_view(data, dst, tag)
-        if rings is not None:
-            return rings.send(view, dst, tag)
+    def _send_frames(self, view: memoryview, dst: int, tag: int) -> None:
+        """Without the engine's rings: large messages as a descriptor over the socket, which
+        the receiver's reader thread copies from (one cross-memory copy)."""
         if len(view) < CMA_THRESHOLD or dst not in self._cma_peers:
-            return super().send(view, dst, tag=tag)
+            return super()._send_frames(view, dst, tag)
         arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive and gives its address
         send_id = next(self._send_ids)
         pending = [threading.Event(), None]
@@ -152,7 +131,7 @@ class ShmBackend(TcpBackend):
                 self._acks.pop(send_id, None)
         if pending[1] == ACK_RETRY:  # the peer cannot read our memory: use the socket
             self._cma_peers.discard(dst)
-            super().send(view, dst, tag=tag)
+            super()._send_frames(view, dst, tag)
         else:
             link.sent += len(view)
 
@@ -169,35 +148,6 @@ class ShmBackend(TcpBackend):
                 pass
 
     # ------------------------------------------------------------------ receiving
-    def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        view = self._recv_view(out, src, tag)
-        if self._rings is None:
-            return self._box.post(src, tag, view)
-        return RingRecv(self._rings, self._box.post(src, tag, view, check=False))
-
-    def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
-        rings = self._rings
-        if rings is None:
-            return super().recv(out, src, tag=tag, timeout=timeout)
-        if (type(out) is np.ndarray and type(src) is int and type(tag) is int
-                and src != self._rank and 0 <= src < self._world and 0 <= tag <= MAX_TAG
-                and (timeout is None or type(timeout) is float and timeout >= 0)
-                and out.flags.c_contiguous and out.flags.writeable):  # checked at a glance
-            limit = self._timeout if timeout is None else timeout
-            deadline = time.monotonic() + limit
-            done = rings.recv_now(out, out.nbytes, src, tag, deadline)
-            if done is True:
-                return
-            view = as_recv_view(out)
-        else:
-            view = self._recv_view(out, src, tag)
-            limit = self.resolve_timeout(timeout, "recv: timeout")
-            deadline = time.monotonic() + limit
-            done = rings.recv_now(view, len(view), src, tag, deadline)
-        if done is not True:
-            req = self._box.post(src, tag, view, check=False) if done is False else done
-            RingRecv(self._rings, req).wait_until(deadline, limit)
-
     def _on_frame(self, link: Link, kind: int, tag: int, length: int) -> bool:
         if kind == K_ACK:
             payload = bytearray(_ACK.size)

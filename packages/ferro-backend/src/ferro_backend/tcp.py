@@ -15,19 +15,24 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from .base import (
     DEFAULT_TIMEOUT,
+    MAX_TAG,
     Backend,
     FixedRanks,
     Request,
+    as_recv_view,
     check_rank,
     check_world_size,
     timeout_from_env,
 )
-from .errors import RendezvousError
+from .errors import CollectiveTimeoutError, RendezvousError
 from .framing import K_DATA, Link, read_frames
 from .mailbox import Mailbox
 from .rendezvous import Rendezvous, parse_addr
+from .rings import READY, TIME_UP, RingMesh, RingRecv
 from .teardown import release, say_goodbye, send_abort
 
 __all__ = ["TcpBackend", "parse_addr"]
@@ -133,11 +138,13 @@ class TcpBackend(FixedRanks, Backend):
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
-        return sum(link.sent for link in self._links.values())
+        rings = 0 if self._rings is None else self._rings.sent
+        return sum(link.sent for link in self._links.values()) + rings
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
-        return sum(link.received for link in self._links.values())
+        rings = 0 if self._rings is None else self._rings.received
+        return sum(link.received for link in self._links.values()) + rings
 
     # ------------------------------------------------------------------ protected interface
     def _fail_if_down(self, op: str, peer: int) -> None:
@@ -156,16 +163,63 @@ class TcpBackend(FixedRanks, Backend):
         return False
 
     # ------------------------------------------------------------------ data path
+    #: the same-host engine's point-to-point rings (:mod:`.rings`) to the peers that share
+    #: this rank's segment: every peer of a ShmBackend, the node's ranks of a multi-node job
+    #: (:mod:`.hierarchy`); None: every message travels the sockets
+    _rings: RingMesh | None = None
+
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
+        rings, box = self._rings, self._box
+        if (rings is not None and type(data) is np.ndarray and type(dst) is int
+                and type(tag) is int and dst in rings.out and 0 <= tag <= MAX_TAG
+                and data.nbytes <= rings.eager_max and data.flags.c_contiguous
+                and box.aborted is None and not box.closed
+                and dst not in box.closed_peers):  # a small array, checked at a glance
+            rc = rings.send_eager(data, data.nbytes, dst, tag, time.monotonic() + self._timeout)
+            if rc == READY:
+                return
+            if rc == TIME_UP:
+                raise CollectiveTimeoutError(
+                    f"send: rank {self._rank} -> {dst} (tag {tag}): {data.nbytes} bytes not "
+                    f"taken by the peer within {self._timeout:g}s (its ring stayed full)")
         view = self._checked_send_view(data, dst, tag)
+        if rings is not None and dst in rings.out:
+            return rings.send(view, dst, tag)
+        self._send_frames(view, dst, tag)
+
+    def _send_frames(self, view: memoryview, dst: int, tag: int) -> None:
+        """Send a validated message over ``dst``'s socket."""
         self._links[dst].send_frame(K_DATA, tag, view, time.monotonic() + self.timeout,
                                     lambda: self._fail_if_down("send", dst))
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        return self._box.post(src, tag, self._recv_view(out, src, tag))
+        view = self._recv_view(out, src, tag)
+        rings = self._rings
+        if rings is not None and src in rings.inc:
+            return RingRecv(rings, self._box.post(src, tag, view, check=False))
+        return self._box.post(src, tag, view)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
-        self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
+        rings = self._rings
+        if rings is None or type(src) is not int or src not in rings.inc:
+            self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
+            return
+        if (type(out) is np.ndarray and type(tag) is int and 0 <= tag <= MAX_TAG
+                and (timeout is None or type(timeout) is float and timeout >= 0)
+                and out.flags.c_contiguous and out.flags.writeable):  # checked at a glance
+            limit = self._timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
+            done = rings.recv_now(out, out.nbytes, src, tag, deadline)
+            view = as_recv_view(out) if done is False else None
+        else:
+            view = self._recv_view(out, src, tag)
+            limit = self.resolve_timeout(timeout, "recv: timeout")
+            deadline = time.monotonic() + limit
+            done = rings.recv_now(view, len(view), src, tag, deadline)
+        if done is True:
+            return
+        req = self._box.post(src, tag, view, check=False) if done is False else done
+        RingRecv(rings, req).wait_until(deadline, limit)
 
     # ------------------------------------------------------------------ teardown
     def link_transports(self) -> tuple[str, str]:
