@@ -224,12 +224,15 @@ class TcpBackend(FixedRanks, Backend):
     # ------------------------------------------------------------------ teardown
     def link_transports(self) -> tuple[str, str]:
         # Every pair has its own TCP connection; on several nodes each node also maps its own
-        # engine segment, on which the collectives' node stages run (ferro_backend.hierarchy)
+        # engine segment, on which the collectives' node stages and the node's point-to-point
+        # messages run (ferro_backend.hierarchy)
         if self.hierarchy is not None:
-            slot = self.hierarchy.node.engine.layout["slot_bytes"]
-            return (f"shared-memory engine for the collectives' node stages ({slot >> 10} KiB "
-                    "slots), TCP loopback for point-to-point", "TCP (the collectives' cross-node "
-                    "stages: each local rank carries 1/L of the data)")
+            lay = self.hierarchy.node.engine.layout
+            p2p = (f"point-to-point: {lay['ring_bytes'] >> 10} KiB rings" if self._rings
+                   is not None else "TCP loopback for point-to-point")
+            return (f"shared-memory engine (the collectives' node stages: "
+                    f"{lay['slot_bytes'] >> 10} KiB slots; {p2p})", "TCP (the collectives' "
+                    "cross-node stages: each local rank carries 1/L of the data)")
         return "TCP", "TCP"
 
     def abort(self, reason: str) -> None:
