@@ -7,7 +7,6 @@ wheels, lower layers first, so what is tested is what users get.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import nox
@@ -57,17 +56,8 @@ def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
             if any(old.name.startswith(d.replace("-", "_") + "-") for d in todo):
                 old.unlink()
         session.install(*BUILD_DEPS)
-        # two builds at a time: most of a build is one compiler process per kernel
-        groups = [todo[0::2], todo[1::2]] if len(todo) > 1 else [todo]
-        python = str(Path(session.bin) / "python")
-        env = {**os.environ, "PATH": session.bin + os.pathsep + os.environ.get("PATH", ""),
-               "VIRTUAL_ENV": str(Path(session.bin).parent)}  # meson, ninja, cython of the venv
-        builds = [subprocess.Popen([python, "-m", "pip", "wheel", "--no-deps",
-                                    "--no-build-isolation", "--quiet", "-w", str(WHEELHOUSE),
-                                    *[_path(d) for d in group]], env=env) for group in groups]
-        failed = [g for g, b in zip(groups, builds) if b.wait() != 0]
-        if failed:
-            session.error(f"building the wheels of {failed} failed (see pip's output above)")
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--quiet", "-w", str(WHEELHOUSE), *[_path(d) for d in todo])
         for d in todo:
             (found,) = WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl")
             _built[d] = found
