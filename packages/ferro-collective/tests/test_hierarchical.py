@@ -27,7 +27,8 @@ def test_hierarchical_collectives(layout):
         mine = next(m for m in members if r in m)
         assert res["node"] == list(mine)
         assert res["cross"] == [m[mine.index(r)] for m in members]
-        assert "shared-memory engine for the collectives' node stages" in res["describe"]
+        assert "shared-memory engine (the collectives' node stages" in res["describe"]
+        assert "KiB rings" in res["describe"]  # the node's point-to-point messages
         for key in first:
             if key not in ("node", "cross", "describe", "rs"):
                 assert res[key] == first[key], (r, key)  # the same bits on every rank
