@@ -7,9 +7,15 @@ wheels, lower layers first, so what is tested is what users get.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import nox
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11: requirements come with the wheels, as before
+    tomllib = None
 
 nox.needs_version = ">=2024.3.2"
 nox.options.sessions = ["lint", "tests"]
@@ -45,6 +51,7 @@ def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
     """The wheels of ``dists`` from this run's wheelhouse, built (once per nox run, from the
     working tree) where missing: every session installs the same wheels, each in its own venv."""
     if os.environ.get("FERRO_REUSE_WHEELHOUSE") == "1":  # tools/parallel_tests.py built them
+        _wait_for_wheelhouse(session)
         for d in dists:
             found = sorted(WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl"))
             if d not in _built and len(found) == 1:
@@ -64,9 +71,41 @@ def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
     return [_built[d] for d in dists]
 
 
+def _wait_for_wheelhouse(session: nox.Session) -> None:
+    """Under tools/parallel_tests.py the wheels are built while the lanes install their other
+    requirements: wait for its marker (``ok``, or ``failed``: this session cannot run)."""
+    marker = os.environ.get("FERRO_WHEELHOUSE_READY")
+    if not marker:
+        return
+    path, deadline = Path(marker), time.monotonic() + 1200
+    while not path.exists():
+        if time.monotonic() > deadline:
+            session.error(f"the wheelhouse was never ready ({marker} missing after 20 min)")
+        time.sleep(0.5)
+    if path.read_text().strip() != "ok":
+        session.error("building the wheels failed (see the wheels session's output)")
+
+
+def _third_party(dists: list[str], extras: str = "") -> list[str]:
+    """What ``dists`` require from outside ferro (their pyproject's dependencies, and the top
+    one's ``extras``): installed before the wheels, while they may still be building."""
+    reqs: list[str] = []
+    if tomllib is None:
+        return reqs
+    for i, dist in enumerate(dists):
+        project = tomllib.loads((PACKAGES_DIR / dist / "pyproject.toml").read_text())["project"]
+        reqs += project.get("dependencies", [])
+        if extras and i == len(dists) - 1:
+            for extra in extras.split(","):
+                reqs += project.get("optional-dependencies", {}).get(extra, [])
+    return sorted({r for r in reqs if not r.startswith("ferro-")})
+
+
 def _install_layers(session: nox.Session, dist: str, extras: str = "") -> None:
     """Install ``dist`` and its local layers, as wheels from this run's wheelhouse, in one pip
-    call (so pip never looks for a ferro distribution on an index)."""
+    call (so pip never looks for a ferro distribution on an index), after their requirements
+    from outside ferro."""
+    session.install(*_third_party([*PACKAGES[dist], dist], extras))
     *lower, top = _wheel(session, [*PACKAGES[dist], dist])
     session.install(*map(str, lower), str(top) + (f"[{extras}]" if extras else ""))
 
@@ -84,6 +123,8 @@ def tests(session: nox.Session, package: str) -> None:
     ``tests(examples)`` installs all four and runs the examples and the README's commands.
     """
     if package == "examples":
+        session.install(*_third_party(NUMPY_PACKAGES), "pytest", "pytest-timeout",
+                        *EXAMPLE_DEPS, *MPI_DEPS)
         wheels = _wheel(session, NUMPY_PACKAGES)
         session.install(*map(str, wheels[:-1]), f"{wheels[-1]}[backend]",
                         "pytest", "pytest-timeout", *EXAMPLE_DEPS, *MPI_DEPS)

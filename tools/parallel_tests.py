@@ -1,4 +1,5 @@
-"""``./dev tests``: every ``tests(...)`` nox session, in parallel lanes, on wheels built once.
+"""``./dev tests``: every ``tests(...)`` nox session, in parallel lanes, on wheels built once
+(while the lanes set up their venvs).
 
 The sessions are independent (each installs its own wheels in its own venv) and spend most of
 their time waiting on the processes their tests start (or on timeouts they provoke), so three
@@ -51,10 +52,22 @@ def main() -> int:
     if not sessions:
         print(listed, file=sys.stderr)
         raise SystemExit("parallel_tests: nox lists no tests(...) sessions")
-    # every wheel once, before the lanes start (the lanes reuse them)
-    subprocess.run([args.nox, "-s", "wheels"], cwd=ROOT, check=True)
-    env = {**os.environ, "FERRO_REUSE_WHEELHOUSE": "1"}
+    # every wheel once (the lanes reuse them), built while the lanes make their venvs and
+    # install what they need from outside ferro; each session waits for the marker
     logs = ROOT / ".nox"
+    logs.mkdir(exist_ok=True)
+    marker = logs / "wheelhouse.ready"
+    marker.unlink(missing_ok=True)
+    wheels_rc: list[int] = []
+
+    def build_wheels() -> None:
+        rc = subprocess.run([args.nox, "-s", "wheels"], cwd=ROOT).returncode
+        wheels_rc.append(rc)
+        marker.write_text("ok" if rc == 0 else "failed")
+
+    builder = threading.Thread(target=build_wheels)
+    builder.start()
+    env = {**os.environ, "FERRO_REUSE_WHEELHOUSE": "1", "FERRO_WHEELHOUSE_READY": str(marker)}
     failed: list[str] = []
     lock = threading.Lock()
 
@@ -80,7 +93,11 @@ def main() -> int:
         t.start()
     for t in threads:
         t.join()
+    builder.join()
     total = time.monotonic() - start
+    if wheels_rc != [0]:
+        print(f"parallel_tests: FAILED: the wheels did not build ({total:.0f} s)", flush=True)
+        return 1
     if failed:
         print(f"parallel_tests: FAILED: {', '.join(f'tests({n})' for n in failed)} "
               f"({total:.0f} s)", flush=True)
