@@ -445,8 +445,6 @@ def test_random_traffic_between_processes_arrives_whole_and_in_order(case):
 
 
 TWO_NODES = """
-import json
-import numpy as np
 from ferro_backend import init_from_env
 b = init_from_env()
 me, n = b.rank, b.world_size
@@ -463,48 +461,17 @@ for peer in range(n):
             out = np.empty(size, np.uint8)
             b.recv(out, peer, tag=k, timeout=20.0)
             ok &= bool((out == peer * 10 + k).all())
-socket_bytes = sum(link.sent for link in b._links.values()) - before
-print(json.dumps({"rank": me, "ok": ok, "socket": socket_bytes,
-                  "ring_peers": sorted(b._rings.out) if b._rings is not None else None}))
+result = {"ok": ok, "socket": sum(link.sent for link in b._links.values()) - before,
+          "ring_peers": sorted(b._rings.out) if b._rings is not None else None}
 b.barrier()
 b.close()
 """
 
 
-def test_on_two_nodes_the_node_s_ranks_talk_through_its_rings(tmp_path):
+def test_on_two_nodes_the_node_s_ranks_talk_through_its_rings():
     """Two "nodes" of 2 ranks (FERRO_NODE_ID) on a TcpBackend: messages between the ranks of a
     node take the node segment's rings, only those between nodes cross a socket."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from ferro_backend.testing import free_port
-
-    script = tmp_path / "job.py"
-    script.write_text(TWO_NODES)
-    port = str(free_port())
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("FERRO_", "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "WORLD_SIZE": "4",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                   "FERRO_NODE_ID": "ab"[r // 2], "FERRO_TIMEOUT": "30"})
-             for r in range(4)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    res = sorted((json.loads(o.strip().splitlines()[-1]) for o, _ in outs),
-                 key=lambda d: d["rank"])
-    for d in res:
-        r = d["rank"]
+    res = run_job(TWO_NODES, 4, connect=False, nodes="aabb", env={"FERRO_TIMEOUT": "30"})
+    for r, d in enumerate(res):
         assert d["ok"] and d["ring_peers"] == [r ^ 1], d
         assert d["socket"] == 2 * (10 + 40_000 + 300_000), d  # the two peers on the other node

@@ -59,54 +59,31 @@ def test_a_mismatch_errors_on_every_rank():
     assert "CollectiveMismatchError" in got[:2], got  # the node where the calls differ
 
 
+#: run by hand (ferro_backend.testing.Job: ``result`` comes back) and under ferrorun (the
+#: printed line does)
 JOB = """
-import json, os, numpy as np
+import json
+import numpy as np
 from ferro_backend import init_from_env
 from ferro_collective import allreduce, broadcast
 b = init_from_env()
 h = b.hierarchy
 s = allreduce(np.full(100_000, b.rank + 1.0), b)
 c = broadcast(np.array([b.rank]), b, root=3)
-print(json.dumps({"rank": b.rank, "type": type(b).__name__, "local": h and h.local_world,
-                  "nodes": h and h.num_nodes, "sum": float(s[0]), "bcast": int(c[0])}))
+result = {"rank": b.rank, "type": type(b).__name__, "local": h and h.local_world,
+          "nodes": h and h.num_nodes, "sum": float(s[0]), "bcast": int(c[0])}
+print(json.dumps(result), flush=True)
 b.close()
 """
 
 
-def test_init_from_env_on_two_nodes_attaches_the_hierarchy(tmp_path):
+def test_init_from_env_on_two_nodes_attaches_the_hierarchy():
     """ferrorun's variables by hand, 2 ranks on each of two "nodes" (FERRO_NODE_ID): TCP between
     the nodes, an engine segment inside each, the collectives hierarchical."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from ferro_backend.testing import run_job
 
-    from ferro_backend.testing import free_port
-
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
-    port = str(free_port())
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("FERRO_", "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "WORLD_SIZE": "4",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                   "FERRO_NODE_ID": "ab"[r // 2], "FERRO_TIMEOUT": "30"})
-             for r in range(4)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    res = sorted((json.loads(o.strip().splitlines()[-1]) for o, _ in outs),
-                 key=lambda d: d["rank"])
-    for d in res:
+    for d in run_job(JOB, 4, connect=False, nodes="aabb",
+                     env={"FERRO_TIMEOUT": "30"}):
         assert d["type"] == "TcpBackend" and d["local"] == 2 and d["nodes"] == 2, d
         assert d["sum"] == 10.0 and d["bcast"] == 3, d
 

@@ -245,6 +245,10 @@ class RankResult:
                              f"{self.stdout}\n{self.stderr}")
 
 
+#: the variables of ferrorun, Slurm, Open MPI, PMI and torchrun a pretend-node job drops
+_LAUNCHER_PREFIXES = ("FERRO_", "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC")
+
+
 class Job:
     """Start ``world`` processes running ``body`` as the ranks of one job on 127.0.0.1.
 
@@ -252,14 +256,19 @@ class Job:
     name; unless ``connect=False`` it runs with ``b`` bound to ``backend.from_env(timeout=...)``.
     Whatever it assigns to ``result`` (JSON) comes back as :attr:`RankResult.result`. Each rank
     gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and FERRO_TOKEN when ``token``), plus
-    ``env``; ``args`` become its ``sys.argv[1:]``. Use as a context manager or call
-    :meth:`finish`: every process is reaped and the script removed.
+    ``env``; ``args`` become its ``sys.argv[1:]``. ``nodes`` (one key per rank) puts the ranks
+    on pretend nodes (FERRO_NODE_ID), with no launcher's variables inherited: a multi-node job
+    on this host for ``init_from_env``. Use as a context manager or call :meth:`finish`: every
+    process is reaped and the script removed.
     """
 
     def __init__(self, body: str, world: int, *, port: int | None = None, token: str = "",
                  timeout: float = 20.0, connect: bool = True, ranks: Sequence[int] | None = None,
                  env: dict[str, str] | None = None, backend: str = "TcpBackend",
-                 args: Sequence[str] = ()) -> None:
+                 args: Sequence[str] = (), nodes: Sequence[str] | None = None) -> None:
+        if nodes is not None and len(nodes) != world:
+            raise ValueError(f"Job: {len(nodes)} node keys for {world} ranks")
+        self.nodes = nodes
         self.port = port or free_port()
         self.world = world
         self.args = [str(a) for a in args]
@@ -276,8 +285,13 @@ class Job:
             self.start(r)
 
     def env(self, rank: int) -> dict[str, str]:
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), PYTHONUNBUFFERED="1")
+        env = dict(os.environ)
+        if self.nodes is not None:
+            env = {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_PREFIXES)
+                   and k != "LOCAL_RANK"}
+            env["FERRO_NODE_ID"] = self.nodes[rank]
+        env.update(RANK=str(rank), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(self.port), PYTHONUNBUFFERED="1")
         env.pop("FERRO_TOKEN", None)
         if self.token:
             env["FERRO_TOKEN"] = self.token
