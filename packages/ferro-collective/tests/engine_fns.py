@@ -167,6 +167,8 @@ def late_peer(b, delay: float) -> dict:
         out["after"] = "no error"
     except CollectiveTimeoutError as exc:
         out["after"] = str(exc)
+    if b.rank > 1:  # stay until rank 0 is surely done: a rank 0 that the machine's load held
+        time.sleep(delay)  # back must still see a silent rank 1, not this rank's close
     return out
 
 
