@@ -95,8 +95,8 @@ def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str
         z = np.arange(size, dtype=np.float32) * (b.rank == 0)
         if fc.broadcast(z, b, out=z) is not z or z[-1] != size - 1:
             bad.append(f"in-place broadcast {size}")
-    # an all_gather block between the direct-copy threshold and the slot size
-    block = np.arange(50_000, dtype=np.float64) + b.rank
+    # an all_gather block larger than the default slot (read directly where that works)
+    block = np.arange(150_000, dtype=np.float64) + b.rank
     if fc.all_gather(block, b).tobytes() != fc.all_gather(block, b, algorithm="star").tobytes():
         bad.append("all_gather direct copy")
     # async calls complete in issue order, interleaved with sync ones
