@@ -147,3 +147,42 @@ def test_bitwise_ops_refuse_non_integer_dtypes(op, dt):
     with pytest.raises(TypeError, match=f"ReduceOp.{op.name} needs an integer or bool dtype, "
                                         f"got {np.dtype(dt)}"):
         work_dtype("allreduce", np.dtype(dt), op)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 600), st.integers(0, 31), st.integers(0, 31), st.sampled_from([0, 64, 1 << 30]),
+       st.binary(min_size=0, max_size=700))
+def test_copy_matches_numpy_at_every_length_and_alignment(n, dst_off, src_off, stream_min, data):
+    src_buf = np.frombuffer(data.ljust(n + 64, b"\x5a"), np.uint8).copy()
+    src = src_buf[src_off:src_off + n]
+    dst_buf = np.full(n + 64, 7, np.uint8)
+    dst = dst_buf[dst_off:dst_off + n]
+    expected = dst_buf.copy()
+    expected[dst_off:dst_off + n] = src
+    _reduce.copy(dst, src, stream_min)
+    np.testing.assert_array_equal(dst_buf, expected)  # nothing outside dst written
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 400), st.integers(0, 100), st.integers(0, 100),
+       st.sampled_from([0, 1 << 30]))
+def test_copy_between_overlapping_views_is_a_memmove(n, a, b, stream_min):
+    buf = np.arange(n + 100, dtype=np.uint8)
+    expected = buf.copy()
+    expected[a:a + n] = buf[b:b + n].copy()
+    _reduce.copy(buf[a:a + n], buf[b:b + n], stream_min)
+    np.testing.assert_array_equal(buf, expected)
+
+
+def test_copy_streams_a_large_buffer_exactly():
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, (_reduce.STREAM_COPY_BYTES + 12345), dtype=np.uint8)
+    dst = np.zeros(src.size + 3, np.uint8)
+    _reduce.copy(dst[3:], src)  # unaligned destination: a memcpy head, streamed body, tail
+    np.testing.assert_array_equal(dst[3:], src)
+    assert dst[:3].tolist() == [0, 0, 0]
+
+
+def test_copy_refuses_different_lengths():
+    with pytest.raises(ValueError, match="dst has 3 bytes, src 4"):
+        _reduce.copy(np.zeros(3, np.uint8), np.zeros(4, np.uint8))

@@ -351,7 +351,7 @@ class EngineGroup:
         try:
             if name == "broadcast":
                 if self.me == root and not np.may_share_memory(dst, src):
-                    dst[...] = src
+                    _reduce.copy(dst, src)
                 fastpath.broadcast(self, call, header, dst, root)
             else:
                 fastpath.all_gather(self, call, header, src, dst)
