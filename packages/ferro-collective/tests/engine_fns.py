@@ -116,6 +116,24 @@ def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str
             gathered.tolist() != list(range(n)) or \
             part.tolist() != [n * 2 * b.rank, n * (2 * b.rank + 1)]:
         bad.append("small calls behind async ones")
+    # Python and numpy scalars: the one-call path (a 0-d array, as the general path makes
+    # them), with the general path's results
+    from ferro_collective.engine_group import group_for
+
+    g = group_for(b)
+    for value in (b.rank + 0.5, b.rank + 1, np.float32(b.rank) * 3, np.int16(b.rank), True):
+        arr = np.asarray(value)
+        op = ReduceOp.BOR if arr.dtype == np.bool_ else ReduceOp.SUM
+        got = (fc.allreduce(value, b, op), fc.broadcast(value, b, n - 1),
+               fc.all_gather(value, b))
+        ref = (fc.allreduce(value, b, op, algorithm="star"),
+               fc.broadcast(value, b, n - 1, algorithm="star"),
+               fc.all_gather(value, b, algorithm="star"))
+        if any(type(x) is not np.ndarray or x.dtype != y.dtype or x.shape != y.shape
+               or x.tobytes() != y.tobytes() for x, y in zip(got, ref)):
+            bad.append(f"scalar {value!r}: {got} != {ref}")
+        if g is not None and ("broadcast", arr.dtype, (), n - 1) not in g._plans:
+            bad.append(f"scalar {value!r}: not on the one-call path")
     fc.barrier(b)
     return bad
 

@@ -149,9 +149,9 @@ def test_bitwise_ops_refuse_non_integer_dtypes(op, dt):
         work_dtype("allreduce", np.dtype(dt), op)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.integers(0, 600), st.integers(0, 31), st.integers(0, 31), st.sampled_from([0, 64, 1 << 30]),
-       st.binary(min_size=0, max_size=700))
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 600), st.integers(0, 31), st.integers(0, 31),
+       st.sampled_from([0, 64, 1 << 30]), st.binary(min_size=0, max_size=700))
 def test_copy_matches_numpy_at_every_length_and_alignment(n, dst_off, src_off, stream_min, data):
     src_buf = np.frombuffer(data.ljust(n + 64, b"\x5a"), np.uint8).copy()
     src = src_buf[src_off:src_off + n]
@@ -163,7 +163,7 @@ def test_copy_matches_numpy_at_every_length_and_alignment(n, dst_off, src_off, s
     np.testing.assert_array_equal(dst_buf, expected)  # nothing outside dst written
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(1, 400), st.integers(0, 100), st.integers(0, 100),
        st.sampled_from([0, 1 << 30]))
 def test_copy_between_overlapping_views_is_a_memmove(n, a, b, stream_min):

@@ -23,6 +23,15 @@ DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`Backend.timeout` (60 s). A collective's deadline is its backend's
 ``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
+_SCALARS = (bool, int, float, np.generic)
+
+
+def _scalar_array(tensor) -> np.ndarray | None:
+    """A Python or numpy scalar as the 0-d array the general path would make of it (so that a
+    scalar, e.g. a loss to average, takes the engine's one-call path too); None otherwise."""
+    return np.asarray(tensor) if isinstance(tensor, _SCALARS) else None
+
+
 # ----------------------------------------------------------------------------- allreduce
 def _allreduce(tensor, backend: Backend, op, timeout, algorithm, out, *,
                seq: int | None = None) -> Call:
@@ -102,10 +111,11 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     >>> run_ranks(lambda b: allreduce(np.array([b.rank + 1.0]), b).tolist(), 3)
     [[6.0], [6.0], [6.0]]
     """
-    if algorithm is None and type(tensor) is np.ndarray and type(op) is ReduceOp:
+    x = tensor if type(tensor) is np.ndarray else _scalar_array(tensor)
+    if algorithm is None and x is not None and type(op) is ReduceOp:
         group = group_for(backend)
         if group is not None:
-            done = group.allreduce_now(tensor, out, op, timeout)
+            done = group.allreduce_now(x, out, op, timeout)
             if done is not None:
                 return done
     return _allreduce(tensor, backend, op, timeout, algorithm, out).run()
@@ -161,10 +171,11 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     Raises :class:`InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
     writable C-contiguous array of the input's shape and dtype to fill (may be the input).
     """
-    if algorithm is None and type(tensor) is np.ndarray and type(root) is int:
+    x = tensor if type(tensor) is np.ndarray else _scalar_array(tensor)
+    if algorithm is None and x is not None and type(root) is int:
         group = group_for(backend)
         if group is not None:
-            done = group.broadcast_now(tensor, out, root, timeout)
+            done = group.broadcast_now(x, out, root, timeout)
             if done is not None:
                 return done
     return _broadcast(tensor, backend, root, timeout, algorithm, out).run()
@@ -216,10 +227,11 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     input's; a 0-d input gathers to shape ``[world_size]``; zero-size inputs keep their shape
     (dim 0 multiplied). Ring algorithm by default (bandwidth-optimal), ``"star"`` for the seed's.
     """
-    if algorithm is None and type(tensor) is np.ndarray:
+    x = tensor if type(tensor) is np.ndarray else _scalar_array(tensor)
+    if algorithm is None and x is not None:
         group = group_for(backend)
         if group is not None:
-            done = group.all_gather_now(tensor, out, timeout)
+            done = group.all_gather_now(x, out, timeout)
             if done is not None:
                 return done
     return _all_gather(tensor, backend, timeout, algorithm, out).run()
