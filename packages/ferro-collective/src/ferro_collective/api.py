@@ -23,7 +23,7 @@ DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`Backend.timeout` (60 s). A collective's deadline is its backend's
 ``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
-_SCALARS = (bool, int, float, np.generic)
+_SCALARS = (int, float, np.generic)  # bool is an int
 
 
 def _scalar_array(tensor) -> np.ndarray | None:
