@@ -112,27 +112,6 @@ def bench_bitwise_kernel_16MiB(benchmark, impl, op):
     np.testing.assert_array_equal(check, ufunc(a, b))
 
 
-@pytest.mark.parametrize("size", ["1MiB", "32MiB"])
-@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
-def bench_copy_kernel(benchmark, impl, size):
-    """``_reduce.copy`` (streaming stores from ``STREAM_COPY_BYTES``) against ``np.copyto``
-    (memcpy): the large all_gather's own block and the large broadcast root's copy."""
-    from ferro_collective import _reduce
-
-    nbytes = SIZES[size] if size in SIZES else 32 << 20
-    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    benchmark.group = f"kernel copy {size}"
-    benchmark.extra_info["bytes"] = nbytes
-    rounds = 30 if nbytes <= 1 << 20 else 10
-    if impl == "numpy":
-        benchmark.extra_info["role"] = "baseline"
-        benchmark.pedantic(lambda: np.copyto(dst, src), rounds=rounds, warmup_rounds=2)
-    else:
-        benchmark.pedantic(lambda: _reduce.copy(dst, src), rounds=rounds, warmup_rounds=2)
-    np.testing.assert_array_equal(dst, src)
-
-
 # ------------------------------------------------------------------ simulated
 @pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("world", [2, 4])

@@ -12,59 +12,11 @@ element's summation order (IEEE addition and multiplication are commutative, not
 """
 
 from libc.stdlib cimport free, malloc
-from libc.string cimport memmove
 
 include "_kernels.pxi"
 
-cdef extern from *:
-    """
-    #include <stdint.h>
-    #include <string.h>
-    #if defined(__x86_64__) || defined(_M_X64)
-    #include <emmintrin.h>
-    #define FERRO_STREAM_STORES 1
-    #else
-    #define FERRO_STREAM_STORES 0
-    #endif
-    /* d = s (n bytes, not overlapping) with stores that bypass the caches where the CPU has
-       them (SSE2, every x86-64): a cached store first reads the line it writes, a streaming
-       store does not, which is a third less memory traffic for a copy larger than the caches
-       whose destination is not read again at once. Elsewhere: memcpy. */
-    static void ferro_stream_copy(char *d, const char *s, size_t n) {
-    #if FERRO_STREAM_STORES
-        size_t head = (size_t)(-(uintptr_t)d) & 15, i = 0;
-        if (head > n) head = n;
-        memcpy(d, s, head);
-        d += head; s += head; n -= head;
-        for (; i + 64 <= n; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a);
-            _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c);
-            _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
-        _mm_sfence();
-        memcpy(d + i, s + i, n - i);
-    #else
-        memcpy(d, s, n);
-    #endif
-    }
-    """
-    int FERRO_STREAM_STORES
-    void ferro_stream_copy(char *d, const char *s, size_t n) noexcept nogil
-
 OP_SUM, OP_PROD, OP_MAX, OP_MIN = SUM, PROD, MAX, MIN
 OP_BAND, OP_BOR, OP_BXOR = BAND, BOR, BXOR
-
-#: copies of at least this many bytes use streaming stores (:func:`copy`): measured here, one
-#: rank copying while another does, 8 MiB 12.7 -> 15.6 GB/s and 32 MiB 5.6 -> 11.7 GB/s, but
-#: 1 MiB 21.9 -> 19.2 GB/s (a destination that fits the caches is better written through them)
-STREAM_COPY_BYTES = 4 << 20
-#: whether :func:`copy` has streaming stores on this CPU (else it is memcpy at every size)
-STREAMING = bool(FERRO_STREAM_STORES)
 
 #: numpy dtype name -> the dtype code of the engine's address-level folds (``_shmcoll``)
 DTYPE_CODES = {"float32": F32, "float64": F64, "int8": I8, "int16": I16, "int32": I32,
@@ -118,24 +70,3 @@ def fold(num[::1] out, list inputs, int op, double mean_divisor):
             _fold(&out[0], ptrs, count, n, op, mean_divisor)
     finally:
         free(ptrs)
-
-
-def copy(unsigned char[::1] dst, const unsigned char[::1] src,
-         Py_ssize_t stream_min=STREAM_COPY_BYTES):
-    """``dst[:] = src`` (bytes of equal length): streaming stores from ``stream_min`` bytes on
-    (:data:`STREAM_COPY_BYTES` by default), else, or when the two overlap, memmove."""
-    cdef Py_ssize_t n = src.shape[0]
-    cdef char* d
-    cdef const char* s
-    if dst.shape[0] != n:
-        raise ValueError(f"copy: dst has {dst.shape[0]} bytes, src {n}")
-    if n == 0:
-        return
-    d = <char*>&dst[0]
-    s = <const char*>&src[0]
-    with nogil:
-        if n < stream_min or (d < s + n and s < d + n):
-            if d != s:
-                memmove(d, s, n)
-        else:
-            ferro_stream_copy(d, s, n)

@@ -132,9 +132,8 @@ def all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
             out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,
                                                                           block.dtype)
     elif g.cma_ok:
-        # this rank's own block first: while the peers arrive, and from a hot source (with
-        # streaming stores when it is larger than the caches)
-        _reduce.copy(out[g.me * size:(g.me + 1) * size], block)
+        # this rank's own block first: while the peers arrive, and from a hot source
+        out[g.me * size:(g.me + 1) * size] = block
         step = g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
         extras = g.extras(step)
         for r in range(g.n):
