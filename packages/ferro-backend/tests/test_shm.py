@@ -69,6 +69,29 @@ def test_large_messages_posted_and_unexpected():
     assert sent == (48 << 20) + (1 << 18) + 10
 
 
+def test_descriptor_ping_pong_without_the_engine_does_not_stall():
+    """Without the engine a large message is a descriptor whose acknowledgement comes back on
+    the link the sender's reader thread reads. A reply that overtook that acknowledgement used
+    to hold the reader (waiting up to 50 ms for its receive to be posted, which the sender
+    could not do before the acknowledgement behind it was read): 50 ms per round trip."""
+    body = f"""
+a = np.arange({CMA_THRESHOLD}, dtype=np.int64).view(np.uint8)[:{CMA_THRESHOLD}].copy()
+out = np.empty_like(a)
+t0 = time.monotonic()
+for _ in range(80):
+    if b.rank == 0:
+        b.send(a, 1)
+        b.recv(out, 1, timeout=10)
+    else:
+        b.recv(out, 0, timeout=10)
+        b.send(out, 0)
+result = [time.monotonic() - t0, bool((out == a).all())]
+"""
+    res = run_job(body, 2, backend="ShmBackend", env={"FERRO_SHM_ENGINE": "0"})
+    assert all(ok for _, ok in res), res
+    assert res[0][0] < 1.0, f"80 round trips took {res[0][0]:.2f} s (a stall per round trip)"
+
+
 def test_size_mismatch_on_a_large_message_keeps_the_pair_usable():
     body = f"""
 if b.rank == 0:
