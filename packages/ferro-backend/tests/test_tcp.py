@@ -1,6 +1,7 @@
 """TcpBackend with real processes on 127.0.0.1: mesh, tags, failures, strangers, start-up errors."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -100,6 +101,39 @@ else:
     result = bool((out == np.arange(n // 8)).all())
 """
     assert run_job(body, 2)[1] is True
+
+
+def test_reader_waits_for_a_receive_only_while_no_send_of_ours_is_stuck():
+    """A large frame with no receive posted may wait a moment for it (no buffer, one copy),
+    but not while a send of this process is stuck on a full socket: two ranks that both send
+    16 MiB and then receive used to sit out the whole 50 ms wait on each side."""
+    from ferro_backend.mailbox import Mailbox
+
+    box = Mailbox(0, lambda: 5.0)
+    t0 = time.monotonic()
+    assert box.claim_wait(1, 0, 5.0, lambda: time.monotonic() < t0 + 0.02) is None
+    assert time.monotonic() - t0 < 1.0  # gave up once told to, not after the 5 s wait
+    t0 = time.monotonic()
+    assert box.claim_wait(1, 0, 0.05, lambda: True) is None
+    assert time.monotonic() - t0 >= 0.045  # allowed: the whole wait
+    threading.Timer(0.01, box.post, args=(1, 7, memoryview(bytearray(4)))).start()
+    got = box.claim_wait(1, 7, 5.0, lambda: True)  # posted while it waits: taken at once
+    assert got is not None and (got.src, got.tag) == (1, 7)
+    body = """
+peer = 1 - b.rank
+link = b._links[peer]
+seen = [b._may_wait_for_receive()]
+with link.lock:  # what a send holds while the socket is full
+    seen.append(b._may_wait_for_receive())
+a = np.arange(16 << 20, dtype=np.uint8)
+out = np.empty_like(a)
+for _ in range(3):  # both send first, then receive
+    b.send(a, peer)
+    b.recv(out, peer, timeout=30)
+seen.append(bool((out == a).all()))
+result = seen
+"""
+    assert run_job(body, 2) == [[True, False, True]] * 2
 
 
 def test_message_over_2_gib():

@@ -102,10 +102,13 @@ class Link:
 
 
 def read_frames(link: Link, box: Mailbox,
-                on_frame: Callable[[Link, int, int, int], bool]) -> None:
+                on_frame: Callable[[Link, int, int, int], bool],
+                may_wait: Callable[[], bool] = lambda: True) -> None:
     """The reader thread's loop for ``link``: deliver DATA frames into ``box``, turn ABORT,
     CLOSE, EOF and errors into failures on ``box``; other kinds go to ``on_frame(link, kind,
-    tag, length)``, which returns False for a kind it does not know (a ProtocolError)."""
+    tag, length)``, which returns False for a kind it does not know (a ProtocolError). A large
+    frame whose receive is not posted yet waits up to LARGE_FRAME_WAIT for it while
+    ``may_wait()`` (the backend says no while a send of its own is stuck: see TcpBackend)."""
     peer, rank = link.peer, link.rank
     header = memoryview(bytearray(FRAME.size))
     current = None
@@ -116,7 +119,7 @@ def read_frames(link: Link, box: Mailbox,
             if kind == K_DATA:
                 current = box.claim(peer, tag)
                 if current is None and length >= LARGE_FRAME:
-                    current = box.claim_wait(peer, tag, LARGE_FRAME_WAIT)
+                    current = box.claim_wait(peer, tag, LARGE_FRAME_WAIT, may_wait)
                 if current is None:
                     buf = np.empty(length, dtype=np.uint8)  # no zero-fill
                     link.read_into(memoryview(buf))

@@ -223,9 +223,12 @@ class Mailbox:
             self.posted.setdefault((req.src, req.tag), deque()).appendleft(req)
             self.cond.notify_all()
 
-    def claim_wait(self, src: int, tag: int, timeout: float) -> PostedRecv | None:
+    def claim_wait(self, src: int, tag: int, timeout: float,
+                   may_wait: Callable[[], bool] | None = None) -> PostedRecv | None:
         """Like :meth:`claim`, waiting up to ``timeout`` for the receive to be posted (a large
-        frame that is about to be asked for is worth a short wait: no buffer, no extra copy)."""
+        frame that is about to be asked for is worth a short wait: no buffer, no extra copy).
+        With ``may_wait``, the wait also ends (None) as soon as that says no, checked at least
+        every millisecond."""
         key = (src, tag)
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -236,7 +239,12 @@ class Mailbox:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self.closed or self.aborted is not None:
                     return None
-                self.cond.wait(remaining)
+                if may_wait is None:
+                    self.cond.wait(remaining)
+                elif may_wait():
+                    self.cond.wait(min(remaining, 1e-3))
+                else:
+                    return None
 
     def deliver(self, src: int, tag: int, data) -> None:
         """Hand over a complete message: into a receive posted meanwhile, else into the queue."""

@@ -69,7 +69,7 @@ class ShmBackend(TcpBackend):
         _shm.allow_peers_to_read()
         self._pid = os.getpid()
         self._send_ids = itertools.count(1)
-        self._acks: dict[int, list] = {}  # send id -> [event, status, destination]
+        self._acks: dict[int, list] = {}  # send id -> [event, status]
         self._acks_lock = threading.Lock()
         self._cma_peers: set[int] = set(range(world_size))
         self._ack_queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -112,7 +112,7 @@ class ShmBackend(TcpBackend):
             return super()._send_frames(view, dst, tag)
         arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive and gives its address
         send_id = next(self._send_ids)
-        pending = [threading.Event(), None, dst]
+        pending = [threading.Event(), None]
         with self._acks_lock:
             self._acks[send_id] = pending
         link = self._links[dst]
@@ -170,13 +170,8 @@ class ShmBackend(TcpBackend):
     def _cma_receive(self, link: Link, tag: int, pid: int, addr: int, nbytes: int) -> int:
         """Copy a published message out of the sender's memory; the status to acknowledge."""
         box, peer = self._box, link.peer
-        req = box.claim(peer, tag)
-        if req is None and not self._awaiting_ack(peer):
-            # a receive about to be posted is worth a short wait (no buffer, no second copy),
-            # but never while one of our own sends to that peer waits for its acknowledgement:
-            # that frame is behind this one on the link this thread reads, so waiting here
-            # would hold our sender (and so the receive it waits to post) for the whole wait
-            req = box.claim_wait(peer, tag, 0.05)
+        # a receive about to be posted is worth a short wait: no buffer, one copy
+        req = box.claim(peer, tag) or box.claim_wait(peer, tag, 0.05, self._may_wait_for_receive)
         try:
             if req is None:
                 buf = np.empty(nbytes, dtype=np.uint8)
@@ -200,9 +195,10 @@ class ShmBackend(TcpBackend):
         link.received += nbytes
         return ACK_OK
 
-    def _awaiting_ack(self, peer: int) -> bool:
-        with self._acks_lock:
-            return any(pending[2] == peer for pending in self._acks.values())
+    def _may_wait_for_receive(self) -> bool:
+        # nor while a send of ours waits for its acknowledgement: it may be behind the frame
+        # this reader holds, and the receive we would post comes after that send returns
+        return not self._acks and super()._may_wait_for_receive()
 
     def link_transports(self) -> tuple[str, str]:
         cma = (f"cross-memory copy for point-to-point messages >= {CMA_THRESHOLD >> 10} KiB, "

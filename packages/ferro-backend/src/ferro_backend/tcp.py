@@ -111,7 +111,9 @@ class TcpBackend(FixedRanks, Backend):
                 time.monotonic() + connect)
             self._links = {peer: Link(rank, peer, sock) for peer, sock in socks.items()}
             for peer, link in self._links.items():
-                t = threading.Thread(target=read_frames, args=(link, self._box, self._on_frame),
+                t = threading.Thread(target=read_frames,
+                                     args=(link, self._box, self._on_frame,
+                                           self._may_wait_for_receive),
                                      daemon=True, name=f"ferro-tcp-{rank}<-{peer}")
                 t.start()
                 self._readers.append(t)
@@ -156,6 +158,14 @@ class TcpBackend(FixedRanks, Backend):
         view = self._send_view(data, dst, tag)
         self._fail_if_down("send", dst)
         return view
+
+    def _may_wait_for_receive(self) -> bool:
+        """Whether a reader thread may wait a moment for the receive of a large frame to be
+        posted (saving a buffer and a copy): not while a send of this process is stuck on a
+        full socket. The receive would be posted after that send, which may wait on a peer
+        whose reader waits on us the same way (two ranks that both send, then receive): each
+        would sit out the whole wait (16 MiB each way: 77 ms instead of about 15)."""
+        return not any(link.lock.locked() for link in self._links.values())
 
     def _on_frame(self, link: Link, kind: int, tag: int, length: int) -> bool:
         """Handle a frame kind the base protocol does not know; False: unknown (subclasses
