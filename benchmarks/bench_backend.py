@@ -28,6 +28,16 @@ from ferro_backend.testing import free_port
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
 
 
+def _copy_twice(src: np.ndarray, dst: np.ndarray):
+    """The memcpy baseline of a message's trip: ``src`` into a middle buffer, then into ``dst``."""
+    mid = np.empty_like(src)
+
+    def run() -> None:
+        np.copyto(mid, src)
+        np.copyto(dst, mid)
+    return run
+
+
 def _rounds(nbytes: int) -> int:
     return 200 if nbytes <= 1 << 20 else 8
 
@@ -43,13 +53,7 @@ def bench_simulated_round_trip(benchmark, impl, size):
     back = np.empty_like(a)
     if impl == "memcpy":
         benchmark.extra_info["role"] = "baseline"
-        mid = np.empty_like(a)
-
-        def run():
-            np.copyto(mid, a)
-            np.copyto(back, mid)
-
-        benchmark.pedantic(run, rounds=_rounds(nbytes), warmup_rounds=2)
+        benchmark.pedantic(_copy_twice(a, back), rounds=_rounds(nbytes), warmup_rounds=2)
     else:
         b0, b1 = SimulatedBackend.create_group(2)
         stop = threading.Event()
@@ -265,11 +269,7 @@ def bench_ring_put_take(benchmark, impl, size):
     benchmark.extra_info["bytes"] = nbytes
     if impl == "2x copyto":
         benchmark.extra_info["role"] = "baseline"
-        mid = np.empty_like(src)
-
-        def run():
-            np.copyto(mid, src)
-            np.copyto(dst, mid)
+        run = _copy_twice(src, dst)
     else:
         cap = 64 << 10
         mem = np.zeros(cap + 4096, dtype=np.uint8)
