@@ -103,12 +103,12 @@ class Link:
 
 def read_frames(link: Link, box: Mailbox,
                 on_frame: Callable[[Link, int, int, int], bool],
-                may_wait: Callable[[], bool] = lambda: True) -> None:
+                may_wait: Callable[[], bool] | None = None) -> None:
     """The reader thread's loop for ``link``: deliver DATA frames into ``box``, turn ABORT,
     CLOSE, EOF and errors into failures on ``box``; other kinds go to ``on_frame(link, kind,
     tag, length)``, which returns False for a kind it does not know (a ProtocolError). A large
-    frame whose receive is not posted yet waits up to LARGE_FRAME_WAIT for it while
-    ``may_wait()`` (the backend says no while a send of its own is stuck: see TcpBackend)."""
+    frame whose receive is not posted yet waits up to LARGE_FRAME_WAIT for it (while
+    ``may_wait()``, if given: TcpBackend says no while a send of its own is stuck)."""
     peer, rank = link.peer, link.rank
     header = memoryview(bytearray(FRAME.size))
     current = None
