@@ -17,6 +17,7 @@ from .errors import (
     PeerClosedError,
     ProtocolError,
     RendezvousError,
+    SettingError,
     SizeMismatchError,
 )
 from .launchers import Launcher, detect_launcher
@@ -48,6 +49,7 @@ __all__ = [
     "ProtocolError",
     "RendezvousError",
     "Request",
+    "SettingError",
     "ShmBackend",
     "SimulatedBackend",
     "SizeMismatchError",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-import os
 import time
 from typing import Any
 
@@ -114,14 +113,9 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float:
 
 def timeout_from_env() -> float | None:
     """``FERRO_TIMEOUT`` (set by ``ferrorun --timeout``) validated, or None when unset."""
-    raw = os.environ.get("FERRO_TIMEOUT")
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"FERRO_TIMEOUT {raw!r} is not a number of seconds") from None
-    return check_timeout(value, "FERRO_TIMEOUT")
+    from . import settings
+
+    return settings.TIMEOUT.get()
 
 
 class Request(abc.ABC):

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import settings
 from ._platform import _shm
 from .errors import RendezvousError
 from .handshake import recv_exactly
@@ -67,11 +68,8 @@ def default_ring_bytes(nranks: int) -> int:
     """Bytes of each point-to-point ring: 256 KiB up to 8 ranks, then less (a power of two,
     at least 4 KiB) so the n*n rings stay within 16 MiB; ``FERRO_SHM_RING_BYTES`` overrides.
     (A ring's pages are only touched once its pair streams a message that large.)"""
-    raw = os.environ.get("FERRO_SHM_RING_BYTES")
-    if raw is not None:
-        value = int(raw)
-        if value < 4096 or value & (value - 1):
-            raise ValueError(f"FERRO_SHM_RING_BYTES {raw!r} is not a power of two >= 4096")
+    value = settings.SHM_RING_BYTES.get()
+    if value is not None:
         return value
     size = 256 << 10
     while size > 4096 and nranks * nranks * size > (16 << 20):
@@ -188,7 +186,7 @@ class SharedSegment:
             if peer != rank:
                 backend.recv(memoryview(flags)[peer:peer + 1], peer, tag=SETUP_TAG,
                              timeout=max(0.05, deadline - time.monotonic()))
-        seg.cma_ok = all(flags) and os.environ.get("FERRO_SHM_CMA", "1") != "0"
+        seg.cma_ok = all(flags) and settings.SHM_CMA.get() != "never"
         backend.barrier(timeout=max(0.05, deadline - time.monotonic()))  # probes read
         return seg
 

@@ -7,30 +7,28 @@ the public entry point and the logging set-up.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
+from . import settings
 from .base import Backend, timeout_from_env
 from .launchers import connect, detect_launcher
 from .simulated import SimulatedBackend
 
 #: the loggers of ferro's packages, set by FERRO_LOG_LEVEL (``ferrorun --log-level``)
-FERRO_LOGGERS = ("ferro_backend", "ferro_collective", "ferro_fsdp", "ferro_checkpoint")
+LOGGERS = ("ferro_backend", "ferro_collective", "ferro_fsdp", "ferro_checkpoint")
 
 
 def configure_logging(environ: dict[str, str] | None = None) -> None:
     """Apply ``FERRO_LOG_LEVEL`` (debug, info, warning, error) to ferro's loggers, with a
     handler on stderr when the program has configured none. Called when ferro_backend is
     imported; a no-op without the variable."""
-    level = (os.environ if environ is None else environ).get("FERRO_LOG_LEVEL")
-    if not level:
+    level = settings.LOG_LEVEL.get(environ)
+    if level is None:
         return
     value = logging.getLevelName(level.upper())
-    if not isinstance(value, int):
-        raise ValueError(f"FERRO_LOG_LEVEL {level!r} is not debug, info, warning or error")
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    for name in FERRO_LOGGERS:
+    for name in LOGGERS:
         logging.getLogger(name).setLevel(value)
 
 

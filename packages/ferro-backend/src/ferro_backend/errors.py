@@ -68,6 +68,11 @@ class LauncherError(DistributedError):
     (mpi4py under mpirun) that is missing. The message names the variables it saw."""
 
 
+class SettingError(LauncherError, ValueError):
+    """A ``FERRO_*`` variable has a value ferro cannot use (:mod:`ferro_backend.settings`);
+    the message names the variable, the value and what was expected."""
+
+
 __all__ = [
     "AuthenticationError",
     "CollectiveMismatchError",
@@ -80,5 +85,6 @@ __all__ = [
     "PeerClosedError",
     "ProtocolError",
     "RendezvousError",
+    "SettingError",
     "SizeMismatchError",
 ]

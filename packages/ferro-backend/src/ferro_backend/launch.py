@@ -28,6 +28,7 @@ import time
 from importlib.metadata import version as _version
 from pathlib import Path
 
+from . import settings
 from ._platform import SAME_HOST_ENGINE
 from .testing import free_port
 
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.node_rank}: need nproc >= 1 and 0 <= node-rank < nnodes")
     if args.nnodes > 1 and args.master_port is None:
         _parser().error("--master-port is required with --nnodes > 1")
-    token = args.token or os.environ.get("FERRO_TOKEN")
+    token = args.token or settings.TOKEN.get()
     if token is None:
         if args.nnodes > 1:
             _parser().error("multi-node jobs need a shared secret: --token or FERRO_TOKEN")
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             # a fresh rendezvous (port) and, for a single-node job, a fresh token each time
             port = args.master_port or free_port(args.master_addr if args.master_addr !=
                                                  "localhost" else "127.0.0.1")
-            if not (args.token or os.environ.get("FERRO_TOKEN")):
+            if not (args.token or settings.TOKEN.get()):
                 token = secrets.token_hex(16)
             envs, ranks = [], []
             for local in range(args.nproc):
@@ -271,14 +272,15 @@ def main(argv: list[str] | None = None) -> int:
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
                            LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(args.nproc),
                            GROUP_RANK=str(args.node_rank), MASTER_ADDR=args.master_addr,
-                           MASTER_PORT=str(port), FERRO_TOKEN=token,
-                           FERRO_RESTART_COUNT=str(restart), PYTHONUNBUFFERED="1", **caps)
+                           MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **caps)
+                env[settings.TOKEN.name] = token
+                env[settings.RESTART_COUNT.name] = str(restart)
                 if transport is not None:
-                    env["FERRO_TRANSPORT"] = transport
+                    env[settings.TRANSPORT.name] = transport
                 if args.timeout is not None:
-                    env["FERRO_TIMEOUT"] = str(args.timeout)
+                    env[settings.TIMEOUT.name] = str(args.timeout)
                 if args.log_level is not None:
-                    env["FERRO_LOG_LEVEL"] = args.log_level
+                    env[settings.LOG_LEVEL.name] = args.log_level
                 envs.append(env)
                 ranks.append(rank)
             job = Job(cmd, envs, ranks, args.grace, not args.no_prefix, args.log_dir)

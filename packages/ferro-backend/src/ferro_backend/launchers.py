@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from . import settings
 from ._platform import SAME_HOST_ENGINE
 from .base import DEFAULT_TIMEOUT, Backend, timeout_from_env
 from .errors import LauncherError, RendezvousError
@@ -195,7 +196,7 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
     """
     env = os.environ if environ is None else environ
     claims = _claims(env)
-    override = env.get("FERRO_NODE_ID", "").strip() or None
+    override = settings.NODE_ID.get(env)
     generic = "env" in claims and "MASTER_ADDR" in env and "MASTER_PORT" in env
     if generic:
         source = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "ferrorun"
@@ -251,7 +252,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
                                 "SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST: rank 0's host is "
                                 "unknown (set MASTER_ADDR)")
         addr = first_host(nodelist)
-    port = _opt_int(env, "MASTER_PORT", "FERRO_MASTER_PORT")
+    port = _opt_int(env, "MASTER_PORT")
+    if port is None:
+        port = settings.MASTER_PORT.get(env)
     if port is None:
         port = slurm_port(env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "0")),
                           env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0")))
@@ -301,14 +304,7 @@ def slurm_port(job_id: str, step_id: str) -> int:
 # ------------------------------------------------------------------------------ connecting
 def transport_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """``FERRO_TRANSPORT`` (tcp, shm or mpi), None when unset."""
-    env = os.environ if environ is None else environ
-    raw = env.get("FERRO_TRANSPORT", "").strip().lower()
-    if not raw:
-        return None
-    if raw not in TRANSPORTS:
-        raise LauncherError(f"init_from_env: FERRO_TRANSPORT={env['FERRO_TRANSPORT']!r}, "
-                            f"expected one of {', '.join(TRANSPORTS)}")
-    return raw
+    return settings.TRANSPORT.get(environ)
 
 
 def node_key(launcher: Launcher) -> str:
@@ -415,7 +411,7 @@ def connect(launcher: Launcher, environ: Mapping[str, str] | None = None,
     else:
         backend = _via_slurm(launcher, transport, env, kwargs)
     if transport is None and isinstance(backend, TcpBackend) and backend.world_size > 1 \
-            and env.get("FERRO_HIERARCHY", "1") != "0":
+            and settings.HIERARCHY.get(env):
         # several nodes: the engine inside each node, the mesh between them
         if backend.nodes is None:
             backend.nodes = tuple(_exchange_nodes(backend, node_key(launcher), backend.timeout))
@@ -449,11 +445,11 @@ def _listen_for_job(nodes: list[str], env: Mapping[str, str], world: int,
                     toward: tuple[str, int] | None = None) -> tuple[socket.socket, str]:
     """Rank 0: bind the rendezvous listener (FERRO_MASTER_PORT, else any free port: nothing to
     collide with) and return it with the ``host:port`` the other ranks must connect to."""
-    port = _opt_int(env, "FERRO_MASTER_PORT") or 0
+    port = settings.MASTER_PORT.get(env) or 0
     if len({n.split("/", 1)[0] for n in nodes}) == 1:  # one host: loopback only
         lsock = listen("127.0.0.1", port, 0, world)
         return lsock, _address("127.0.0.1", lsock.getsockname()[1])
-    adv = env.get("FERRO_MASTER_ADDR", "").strip() or _own_address(toward)
+    adv = settings.MASTER_ADDR.get(env) or _own_address(toward)
     lsock = listen("::" if ":" in adv else "0.0.0.0", port, 0, world)
     return lsock, _address(adv, lsock.getsockname()[1])
 
@@ -548,14 +544,14 @@ def _via_torch_store(launcher: Launcher, transport: str | None, env: Mapping[str
 
 def _via_own_port(launcher: Launcher, transport: str | None, env: Mapping[str, str],
                   kwargs: dict[str, Any], why: ImportError) -> Backend:
-    if not env.get("FERRO_MASTER_PORT", "").strip():
+    port = settings.MASTER_PORT.get(env)
+    if port is None:
         raise LauncherError(
             f"init_from_env: started by torchrun ({', '.join(launcher.seen)}), but torch is "
             f"not importable here ({why}), so ferro cannot join torchrun's store at "
             f"MASTER_ADDR:MASTER_PORT (the store holds that port). Install torch in this "
             "environment, or set FERRO_MASTER_PORT to a free port on rank 0's host for "
             "ferro's own rendezvous")
-    port = _int(env, "FERRO_MASTER_PORT")
     local_world = _opt_int(env, "LOCAL_WORLD_SIZE")
     one_host = launcher.num_nodes == 1 or local_world == launcher.world_size
     key = node_key(launcher)

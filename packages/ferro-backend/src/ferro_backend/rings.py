@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from . import settings
 from ._platform import _ring, _shm
 from .base import Request, as_recv_view, check_timeout, size_mismatch
 from .engine import SharedSegment
@@ -82,7 +83,7 @@ class RingMesh:
         # a rank per core: both ends run at once, and streaming through the ring beats the
         # cross-memory copy at every size (no page pinning); oversubscribed, one system call
         # that needs no running peer is better. FERRO_SHM_CMA=always/0 forces either.
-        forced = os.environ.get("FERRO_SHM_CMA") == "always"
+        forced = settings.SHM_CMA.get() == "always"
         #: messages at least this large go by descriptor (None: streamed)
         self.cma_threshold = (None if not seg.cma_ok else cma_threshold if forced
                               else OVERSUBSCRIBED_CMA if n > cores else None)
@@ -90,7 +91,7 @@ class RingMesh:
         # oversubscribed: yield the core a bounded number of times before sleeping (a round
         # trip is two wake-ups: 4 procs on 2 cores, 4 KiB ping-pong 0.10 GB/s with 100
         # yields, 0.26 with 1000, 0.18 with 10000)
-        yields = 0 if n <= cores else int(os.environ.get("FERRO_SHM_YIELDS", 1000))
+        yields = 0 if n <= cores else settings.SHM_RING_YIELDS.get()
         # a view of the mapping: while it lives, the segment's close cannot unmap the rings
         self._keep = np.frombuffer(seg._mem, dtype=np.uint8)
 

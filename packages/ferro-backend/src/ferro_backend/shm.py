@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from . import settings
 from ._platform import SAME_HOST_ENGINE, _shm
 from .base import size_mismatch
-from .engine import DEFAULT_SLOT_BYTES, SharedSegment
+from .engine import SharedSegment
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .framing import Link
 from .rings import CMA_THRESHOLD, RingMesh
@@ -63,9 +64,9 @@ class ShmBackend(TcpBackend):
             raise RuntimeError(f"ShmBackend needs Linux (process_vm_readv, memfd, futexes); this "
                                f"is {sys.platform}: use TcpBackend (ferrorun --transport tcp)")
         if engine is None:
-            engine = os.environ.get("FERRO_SHM_ENGINE", "1") != "0"
+            engine = settings.SHM_ENGINE.get()
         if slot_bytes is None:
-            slot_bytes = int(os.environ.get("FERRO_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+            slot_bytes = settings.SHM_SLOT_BYTES.get()
         _shm.allow_peers_to_read()
         self._pid = os.getpid()
         self._send_ids = itertools.count(1)

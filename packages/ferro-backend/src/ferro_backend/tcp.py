@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import settings
 from .base import (
     DEFAULT_TIMEOUT,
     MAX_TAG,
@@ -93,7 +94,7 @@ class TcpBackend(FixedRanks, Backend):
         self.timeout = timeout
         connect = self.resolve_timeout(connect_timeout, "TcpBackend: connect_timeout")
         if token is None:
-            token = os.environ.get("FERRO_TOKEN")
+            token = settings.TOKEN.get()
         key = token.encode() if isinstance(token, str) else (token or b"")
         self.master_addr = master_addr
         host, port = parse_addr(master_addr)

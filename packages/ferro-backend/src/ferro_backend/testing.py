@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from . import settings
 from .base import Backend
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .simulated import SimulatedBackend
@@ -246,7 +247,7 @@ class RankResult:
 
 
 #: the variables of ferrorun, Slurm, Open MPI, PMI and torchrun a pretend-node job drops
-_LAUNCHER_PREFIXES = ("FERRO_", "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC")
+_LAUNCHER_PREFIXES = (settings.PREFIX, "SLURM_", "OMPI_", "PMI_", "TORCHELASTIC")
 
 
 class Job:
@@ -289,12 +290,12 @@ class Job:
         if self.nodes is not None:
             env = {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_PREFIXES)
                    and k != "LOCAL_RANK"}
-            env["FERRO_NODE_ID"] = self.nodes[rank]
+            env[settings.NODE_ID.name] = self.nodes[rank]
         env.update(RANK=str(rank), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(self.port), PYTHONUNBUFFERED="1")
-        env.pop("FERRO_TOKEN", None)
+        env.pop(settings.TOKEN.name, None)
         if self.token:
-            env["FERRO_TOKEN"] = self.token
+            env[settings.TOKEN.name] = self.token
         env.update(self.extra_env)
         return env
 

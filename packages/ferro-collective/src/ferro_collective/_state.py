@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import os
 import threading
 import weakref
 from collections.abc import Callable
 
+from ferro_backend import settings
 from ferro_backend.base import USER_TAG_LIMIT
 
 #: collectives use tags in [2**31, 2**32 - 1): 2**19 - 1 sequence slots of 4096 step tags each
 TAG_BASE = USER_TAG_LIMIT
 STEPS_PER_CALL = 1 << 12
 SEQ_SLOTS = (1 << 19) - 1
-ASYNC_WORKERS = int(os.environ.get("FERRO_ASYNC_WORKERS", "4"))
 
 
 class BackendState:
@@ -39,7 +38,7 @@ class BackendState:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    ASYNC_WORKERS, thread_name_prefix="ferro-collective-async")
+                    settings.ASYNC_WORKERS.get(), thread_name_prefix="ferro-collective-async")
         return self._pool.submit(job)
 
     def __del__(self) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import sys
 import threading
 import time
 import weakref
@@ -22,25 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import CollectiveTimeoutError, PeerClosedError
+from ferro_backend import CollectiveTimeoutError, PeerClosedError, settings
 
 from . import _reduce, _shmcoll
 from . import algorithms as alg
 from ._state import state
 from .header import HEADER_SIZE, check_all, encode
 from .ops import BITWISE, OPS, ReduceOp
-
-#: all_gather blocks of at least this many bytes are read straight from the peers' memory (when
-#: cross-memory reads work) even when they fit a slot; by default only blocks larger than a slot
-#: are. (2 ranks, 1 MiB all_gather: through the slots 3.95 GB/s against 3.28 read directly, and
-#: 2.86 against 2.18 when the input was just written; 4 ranks, 256 KiB blocks: 291 against 464 us.)
-DIRECT_COPY_BYTES = int(os.environ.get("FERRO_SHM_DIRECT_COPY_BYTES", sys.maxsize))
-#: broadcasts of at least this many bytes move by cross-memory copies (the root pushing part
-#: while the readers pull the rest) where those work even when they fit a slot; by default only
-#: those larger than a slot do. (2 ranks, just-written data: through the root's slot 9.2 GB/s at
-#: 256 KiB and 7.1 at 1 MiB against 4.6 and 5.3 directly; an unchanged buffer, which a reader
-#: finds in its own cache from the call before, reads directly faster at 1 MiB: 15.2 vs 9.2.)
-BROADCAST_DIRECT_BYTES = int(os.environ.get("FERRO_SHM_BROADCAST_DIRECT_BYTES", sys.maxsize))
 
 log = logging.getLogger("ferro_collective")
 
@@ -85,7 +72,12 @@ class EngineGroup:
         # oversubscribed: never spin on a core a peer needs; yield it a bounded number of
         # times (FERRO_SHM_YIELDS) before sleeping, so a waiting rank lets its peers run
         spin = 4000 if self.n <= cores else 0
-        yields = 0 if self.n <= cores else int(os.environ.get("FERRO_SHM_YIELDS", 100))
+        yields = 0 if self.n <= cores else settings.SHM_YIELDS.get()
+        #: all_gather blocks / broadcasts of at least these many bytes move by cross-memory
+        #: copies (where those work) even when they fit a slot (FERRO_SHM_DIRECT_COPY_BYTES,
+        #: FERRO_SHM_BROADCAST_DIRECT_BYTES; default: only what exceeds a slot)
+        self.direct_copy_bytes = settings.SHM_DIRECT_COPY_BYTES.get()
+        self.broadcast_direct_bytes = settings.SHM_BROADCAST_DIRECT_BYTES.get()
         self.eng = _shmcoll.SlotEngine(
             seg.address, self.n, self.me, lay["ctrl_off"], lay["ctrl_stride"], lay["slot_off"],
             lay["slot_stride"], lay["parity_stride"], lay["head_bytes"], lay["slot_bytes"],
@@ -271,12 +263,12 @@ class EngineGroup:
             if name == "broadcast" and 0 <= root < self.n:
                 plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape,
                         nbytes <= self.slot_bytes
-                        and not (self.cma_ok and nbytes >= BROADCAST_DIRECT_BYTES))
+                        and not (self.cma_ok and nbytes >= self.broadcast_direct_bytes))
             elif name == "all_gather":
                 shape = (self.n,) if x.ndim == 0 else (x.shape[0] * self.n, *x.shape[1:])
                 plan = (name, encode(name, x.dtype, x.shape, None, -1, 0), shape,
                         nbytes <= self.slot_bytes
-                        and not (self.cma_ok and nbytes >= DIRECT_COPY_BYTES))
+                        and not (self.cma_ok and nbytes >= self.direct_copy_bytes))
         return self._keep((name, x.dtype, x.shape, root), plan)
 
     def _keep(self, key: tuple, plan: tuple | bool) -> tuple | bool:

@@ -39,14 +39,14 @@ import numpy as np
 from ferro_backend.partition import split_bounds
 
 from . import _reduce
-from .engine_group import BROADCAST_DIRECT_BYTES, DIRECT_COPY_BYTES, EngineGroup, Step
+from .engine_group import EngineGroup, Step
 from .ops import OPS, ReduceOp
 
 #: bytes of each peer's input read and folded at once by the large reduction
 PIECE_BYTES = 512 << 10
-# DIRECT_COPY_BYTES and BROADCAST_DIRECT_BYTES (engine_group): data that fits a slot goes through
-# the slots unless told otherwise (measured faster, see there); larger data is copied straight
-# from its owners' memory (one copy instead of two) where cross-memory reads work.
+# EngineGroup.direct_copy_bytes and .broadcast_direct_bytes: data that fits a slot goes through
+# the slots unless told otherwise (measured faster: benchmarks/README.md); larger data is copied
+# straight from its owners' memory (one copy instead of two) where cross-memory reads work.
 
 
 # ----------------------------------------------------------------------------- the collectives
@@ -102,7 +102,7 @@ def broadcast(g: EngineGroup, call: Step, header: bytes, buf: np.ndarray, root: 
     ``1/n`` into each reader (so the root's core copies too instead of waiting), then a step
     without data so that nobody returns while its buffer is still being copied."""
     size = buf.size
-    if size <= g.slot_bytes and not (g.cma_ok and size >= BROADCAST_DIRECT_BYTES):
+    if size <= g.slot_bytes and not (g.cma_ok and size >= g.broadcast_direct_bytes):
         step = g.exchange(call, header, buf if g.me == root else None)
         if g.me != root:
             buf[...] = g.data(root, step, size, buf.dtype)
@@ -126,7 +126,7 @@ def all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
                out: np.ndarray) -> None:
     """``out`` (1-d bytes) = every rank's ``block`` (1-d bytes), in rank order."""
     size = block.size
-    if size <= g.slot_bytes and not (g.cma_ok and size >= DIRECT_COPY_BYTES):
+    if size <= g.slot_bytes and not (g.cma_ok and size >= g.direct_copy_bytes):
         step = g.exchange(call, header, block)
         for r in range(g.n):
             out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,

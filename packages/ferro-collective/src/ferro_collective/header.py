@@ -10,12 +10,11 @@ naming what each rank called — never a hang, never garbage. The same exchange 
 
 from __future__ import annotations
 
-import os
 import struct
 
 import numpy as np
 
-from ferro_backend import CollectiveMismatchError
+from ferro_backend import CollectiveMismatchError, settings
 
 from .ops import OPS, ReduceOp
 
@@ -31,7 +30,7 @@ _REDOP_NAMES = {spec.wire: op.name for op, spec in OPS.items()}
 #: header flag: this rank's arguments were invalid (it raises its own error; peers a mismatch)
 INVALID = 1
 
-_check = os.environ.get("FERRO_COLLECTIVE_CHECK", "1") != "0"
+_check: bool | None = None  # None: FERRO_COLLECTIVE_CHECK decides, at the first call
 
 
 def set_mismatch_check(enabled: bool) -> None:
@@ -45,6 +44,9 @@ def set_mismatch_check(enabled: bool) -> None:
 
 
 def mismatch_check_enabled() -> bool:
+    global _check
+    if _check is None:
+        _check = settings.COLLECTIVE_CHECK.get()
     return _check
 
 

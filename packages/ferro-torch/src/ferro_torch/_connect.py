@@ -16,7 +16,7 @@ import os
 import socket
 from pathlib import Path
 
-from ferro_backend import Backend, ShmBackend, TcpBackend
+from ferro_backend import Backend, ShmBackend, TcpBackend, settings
 from ferro_backend._platform import SAME_HOST_ENGINE
 
 TRANSPORTS = ("tcp", "shm")
@@ -73,10 +73,11 @@ def _bind(host: str, world_size: int, keep: bool) -> tuple[socket.socket | None,
 
 def transport_name(one_host: bool) -> str:
     """``FERRO_TRANSPORT`` when set, else ``shm`` on one Linux host and ``tcp`` otherwise."""
-    name = os.environ.get("FERRO_TRANSPORT", "").strip().lower()
-    if name:
+    name = settings.TRANSPORT.get()
+    if name is not None:
         if name not in TRANSPORTS:
-            raise ValueError(f"FERRO_TRANSPORT {name!r} is not one of {TRANSPORTS}")
+            raise ValueError(f"FERRO_TRANSPORT {name!r} is not one of {TRANSPORTS} under "
+                             "ferro-torch")
         return name
     return "shm" if one_host and SAME_HOST_ENGINE else "tcp"
 

@@ -1,0 +1,281 @@
+"""Every ``FERRO_*`` environment variable ferro reads, declared once.
+
+Each :class:`Setting` has its name, its kind (how a value is parsed and validated), its default,
+who reads it and one line of documentation. Nothing else in ferro reads ``os.environ`` for a
+``FERRO_*`` name: code asks the setting (``settings.TIMEOUT.get()``), and code that writes the
+environment of child processes (ferrorun, the test launchers) names it by ``setting.name``.
+
+A value is parsed and validated once per raw string (a cache keyed by the string, so a changed
+environment is seen at once); a bad value raises :class:`~ferro_backend.errors.SettingError`
+naming the variable, the value and what was expected. :func:`override` sets values for a block
+of code (tests), ahead of the environment. :func:`markdown_table` prints the table the
+ferro-backend README carries (a test holds the two equal).
+
+>>> from ferro_backend import settings
+>>> settings.SHM_SLOT_BYTES.parse("256k")
+262144
+>>> with settings.override(SHM_ENGINE=False):
+...     settings.SHM_ENGINE.get()
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SettingError
+
+#: the prefix of every variable here
+PREFIX = "FERRO_"
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _bytes(raw: str) -> int:
+    """A byte count: ``4096``, ``64k``, ``1M``, ``2g`` (powers of 1024) or ``inf``."""
+    word = raw.strip().lower().removesuffix("b").removesuffix("i")
+    if word in ("inf", "infinity"):
+        return 1 << 62
+    unit = word[-1:] if word[-1:] in _UNITS else ""
+    number = word[: len(word) - len(unit)]
+    if not number.isdigit():
+        raise ValueError("expected a byte count (4096, 64k, 1M) or inf")
+    return int(number) * _UNITS[unit]
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds >= 0") from None
+    if math.isnan(value) or value < 0:
+        raise ValueError("expected a number of seconds >= 0")
+    return value
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        word = raw.strip()
+        if not word.lstrip("-").isdigit() or int(word) < minimum:
+            raise ValueError(f"expected a whole number >= {minimum}")
+        return int(word)
+
+    return parse
+
+
+def _port(raw: str) -> int:
+    word = raw.strip()
+    if not word.isdigit() or not 0 < int(word) < 65536:
+        raise ValueError("expected a TCP port in [1, 65535]")
+    return int(word)
+
+
+def _text(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _choice(*choices: str, aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    aliases = dict(aliases or {})
+
+    def parse(raw: str) -> str:
+        word = raw.strip().lower()
+        word = aliases.get(word, word)
+        if word not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return word
+
+    parse.choices = choices  # type: ignore[attr-defined]
+    return parse
+
+
+def _min_bytes(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = _bytes(raw)
+        if value < minimum:
+            raise ValueError(f"expected a byte count >= {minimum}")
+        return value
+
+    return parse
+
+
+def _power_of_two_bytes(raw: str) -> int:
+    value = _bytes(raw)
+    if value < 4096 or value & (value - 1):
+        raise ValueError("expected a power of two >= 4096")
+    return value
+
+
+_overrides: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``FERRO_*`` variable: ``kind`` says in words what it takes; ``parser`` turns the raw
+    string into the value (raising ValueError with what was expected); ``default`` is the
+    value when the variable is unset or empty."""
+
+    name: str
+    kind: str
+    default: Any
+    readers: str
+    doc: str
+    parser: Callable[[str], Any] = field(repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def parse(self, raw: str) -> Any:
+        """``raw`` parsed and validated (SettingError naming the variable if it is not)."""
+        try:
+            return self.parser(raw)
+        except ValueError as exc:  # the parsers say what they expected
+            raise SettingError(f"{self.name} {raw!r} is invalid, {exc}") from None
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The value from ``environ`` (default: :func:`override`'s, else ``os.environ``)."""
+        if environ is None:
+            if self.name in _overrides:
+                return _overrides[self.name]
+            environ = os.environ
+        raw = environ.get(self.name)
+        if raw is None or not raw.strip():
+            return self.default
+        cache = self._cache
+        if raw in cache:
+            return cache[raw]
+        value = self.parse(raw)
+        if len(cache) > 64:
+            cache.clear()
+        cache[raw] = value
+        return value
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        """Whether the variable has a (non-empty) value."""
+        if environ is None and self.name in _overrides:
+            return _overrides[self.name] is not None
+        raw = (os.environ if environ is None else environ).get(self.name)
+        return raw is not None and bool(raw.strip())
+
+
+def _declare(name: str, kind: str, parser: Callable[[str], Any], default: Any, readers: str,
+             doc: str) -> Setting:
+    return Setting(name, kind, default, readers, doc, parser)
+
+
+# ----------------------------------------------------------------------------- the table
+TOKEN = _declare("FERRO_TOKEN", "text", _text, None, "TCP/shm backends, ferrorun",
+                 "the job's shared secret (HMAC handshake); ferrorun makes one per job")
+TRANSPORT = _declare("FERRO_TRANSPORT", "tcp, shm or mpi", _choice("tcp", "shm", "mpi"), None,
+                     "`init_from_env`, ferro-torch",
+                     "`shm` (same host, the engine), `tcp` or `mpi` (MpiBackend; not under "
+                     "ferro-torch); default: the fastest for the job's topology")
+NODE_ID = _declare("FERRO_NODE_ID", "text", _text, None, "`init_from_env`, ferro-torch",
+                   "this rank's node, for comparing hosts (tests: two \"nodes\" on one machine)")
+MASTER_PORT = _declare("FERRO_MASTER_PORT", "port", _port, None, "`init_from_env`",
+                       "rank 0's port for ferro's own rendezvous (any launcher)")
+MASTER_ADDR = _declare("FERRO_MASTER_ADDR", "host", _text, None, "`init_from_env`",
+                       "the address rank 0 advertises to the other nodes (mpirun, torchrun)")
+HIERARCHY = _declare("FERRO_HIERARCHY", "bool", _bool, True, "`init_from_env`",
+                     "`0`: a multi-node job keeps plain TCP for everything (no engine per node)")
+TIMEOUT = _declare("FERRO_TIMEOUT", "seconds", _seconds, None,
+                   "every backend made from the environment",
+                   "`Backend.timeout`: the default deadline of every blocking call")
+RESTART_COUNT = _declare("FERRO_RESTART_COUNT", "count", _count(0), 0, "your script",
+                         "how many times ferrorun restarted the job (set by ferrorun)")
+LOG_LEVEL = _declare("FERRO_LOG_LEVEL", "debug, info, warning or error",
+                     _choice("debug", "info", "warning", "error"), None, "`import ferro_backend`",
+                     "level of the `ferro_backend`, `ferro_collective`, `ferro_fsdp` and "
+                     "`ferro_checkpoint` loggers (`ferrorun --log-level`)")
+SHM_ENGINE = _declare("FERRO_SHM_ENGINE", "bool", _bool, True, "`ShmBackend`",
+                      "`0` turns the same-host engine off (messages then travel the sockets)")
+SHM_SLOT_BYTES = _declare("FERRO_SHM_SLOT_BYTES", "bytes", _min_bytes(64), 1 << 20, "`ShmBackend`",
+                          "data bytes per rank and slot: collectives up to this size take one "
+                          "engine step")
+SHM_RING_BYTES = _declare("FERRO_SHM_RING_BYTES", "bytes, a power of two >= 4096",
+                          _power_of_two_bytes, None, "`ShmBackend`",
+                          "bytes of each point-to-point ring (default 256 KiB up to 8 ranks, "
+                          "less beyond)")
+SHM_CMA = _declare("FERRO_SHM_CMA", "auto, always or never",
+                   _choice("auto", "always", "never", aliases={"0": "never", "1": "auto"}),
+                   "auto", "`ShmBackend`, ferro-collective",
+                   "cross-memory copies: `auto` (where the kernel allows; point-to-point "
+                   "messages by descriptor only when the ranks outnumber the cores), `always` "
+                   "(also from 64 KiB with a core per rank), `never`")
+SHM_YIELDS = _declare("FERRO_SHM_YIELDS", "count", _count(0), 100, "ferro-collective",
+                      "when the ranks outnumber the cores: `sched_yield` calls before a "
+                      "collective step's wait sleeps")
+SHM_RING_YIELDS = _declare("FERRO_SHM_RING_YIELDS", "count", _count(0), 1000, "`ShmBackend`",
+                           "when the ranks outnumber the cores: `sched_yield` calls before a "
+                           "ring wait sleeps")
+SHM_DIRECT_COPY_BYTES = _declare("FERRO_SHM_DIRECT_COPY_BYTES", "bytes", _bytes, 1 << 62,
+                                 "ferro-collective",
+                                 "all_gather blocks from this size are read straight from the "
+                                 "peers' memory even when they fit a slot (default: never)")
+SHM_BROADCAST_DIRECT_BYTES = _declare("FERRO_SHM_BROADCAST_DIRECT_BYTES", "bytes", _bytes,
+                                      1 << 62, "ferro-collective",
+                                      "broadcasts from this size move by cross-memory copies "
+                                      "even when they fit a slot (default: never)")
+ASYNC_WORKERS = _declare("FERRO_ASYNC_WORKERS", "count", _count(1), 4, "ferro-collective",
+                         "threads running the `*_async` collectives")
+COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferro-collective",
+                            "`0` turns the mismatch header off on the point-to-point path")
+
+#: every setting, by variable name, in the order of the README's table
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    TOKEN, TRANSPORT, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY, TIMEOUT, RESTART_COUNT,
+    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS, SHM_RING_YIELDS,
+    SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK)}
+_BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Use these values (by attribute name: ``SHM_ENGINE=False``) instead of the environment's
+    inside the block; None means unset (the default)."""
+    unknown = sorted(set(values) - set(_BY_ATTR))
+    if unknown:
+        raise TypeError(f"settings.override: no settings {unknown}; known: {sorted(_BY_ATTR)}")
+    saved = dict(_overrides)
+    for key, value in values.items():
+        setting = _BY_ATTR[key]
+        _overrides[setting.name] = setting.default if value is None else value
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if value is True or value is False:
+        return "1" if value else "0"
+    if isinstance(value, int) and value >= 1 << 62:
+        return "inf"
+    if isinstance(value, int) and value >= 1 << 10 and value % (1 << 10) == 0:
+        return f"{value >> 20}M" if value % (1 << 20) == 0 else f"{value >> 10}k"
+    return str(value)
+
+
+def markdown_table() -> str:
+    """The README's table of variables: one row per setting."""
+    rows = ["| variable | takes | default | read by | what it does |", "|---|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.kind} | {_shown(s.default)} | {s.readers} | {s.doc} |"
+             for s in SETTINGS.values()]
+    return "\n".join(rows)
+
+
+__all__ = ["PREFIX", "SETTINGS", "Setting", "markdown_table", "override", *sorted(_BY_ATTR)]
