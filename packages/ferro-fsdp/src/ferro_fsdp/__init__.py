@@ -14,7 +14,8 @@ from .ddp import DDP, DistributedDataParallel
 from .errors import FSDPStateError
 from .flat import FlatLayout
 from .fsdp import FSDP
-from .module import Module, Parameter
+from .module import Module
+from .parameter import Parameter
 from .strategy import ShardingStrategy, StrategySpec
 
 __version__ = _version("ferro-fsdp")

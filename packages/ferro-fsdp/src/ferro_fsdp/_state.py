@@ -20,7 +20,7 @@ from ferro_backend.partition import split_bounds, split_sizes
 from ferro_collective import all_gather
 
 from .flat import FlatLayout
-from .module import Parameter
+from .parameter import Parameter
 
 
 @dataclass

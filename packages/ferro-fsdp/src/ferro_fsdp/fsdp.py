@@ -36,7 +36,8 @@ from ._state import ShardedStateDicts
 from .errors import FSDPStateError
 from .flat import FlatLayout
 from .grad_sync import GradientSync
-from .module import Module, ModuleWrapper, Parameter
+from .module import Module, ModuleWrapper
+from .parameter import Parameter
 from .strategy import ShardingStrategy
 from .units import BufferPool, Unit, find_units
 

@@ -1,11 +1,12 @@
-"""``Parameter`` and ``Module``: the smallest model layer that FSDP, DDP and the optimizers need.
+"""``Module``: the smallest model layer that FSDP, DDP and the optimizers need.
 
-A :class:`Module` registers every attribute that is a :class:`Parameter` or a :class:`Module`, in
-the order the attributes were first assigned (re-assigning keeps the position; assigning anything
-else, or ``del``, unregisters). ``named_parameters`` walks that order depth-first with dotted
-names (``"0.weight"``) and lists a shared Parameter once. Models are plain numpy: ``forward``
-computes, the optional ``backward(grad_output)`` sets ``.grad`` on the module's parameters (adding
-to a gradient already there, as torch accumulates) and returns the gradient wrt the input.
+A :class:`Module` registers every attribute that is a :class:`~ferro_fsdp.parameter.Parameter`
+or a :class:`Module`, in the order the attributes were first assigned (re-assigning keeps the
+position; assigning anything else, or ``del``, unregisters). ``named_parameters`` walks that order
+depth-first with dotted names (``"0.weight"``) and lists a shared Parameter once. Models are plain
+numpy: ``forward`` computes, the optional ``backward(grad_output)`` sets ``.grad`` on the module's
+parameters (adding to a gradient already there, as torch accumulates) and returns the gradient
+wrt the input.
 
 Hooks: ``register_forward_pre_hook``, ``register_forward_hook``, ``register_backward_pre_hook``
 and ``register_backward_hook`` run around a module's ``forward``/``backward`` however it is
@@ -24,84 +25,7 @@ from typing import Any
 
 import numpy as np
 
-
-class Parameter:
-    """A trainable array: ``data``, its gradient ``grad`` (None until a backward), ``requires_grad``.
-
-    The array is not copied. Distributed wrappers swap ``data`` and ``grad`` but never replace the
-    Parameter object, so an optimizer built on it stays valid for the whole run.
-    """
-
-    __slots__ = ("__weakref__", "_slot", "data", "grad", "requires_grad")
-
-    def __init__(self, data: Any, requires_grad: bool = True) -> None:
-        self.data: np.ndarray = np.asarray(data)
-        self.grad: np.ndarray | None = None
-        self.requires_grad: bool = bool(requires_grad)
-        self._slot: np.ndarray | None = None
-
-    def set_grad_slot(self, slot: np.ndarray | None) -> None:
-        """Give the gradient a persistent home (DDP: a view into its bucket), or take it away.
-
-        While a slot is set, a backward that finds no gradient writes the new one into the slot
-        (``.grad`` becomes the slot itself) and later backwards add to it in place, so the
-        bucket never needs packing.
-        """
-        if slot is not None and (slot.shape != self.data.shape or not slot.flags.writeable):
-            raise ValueError(f"Parameter.set_grad_slot: slot of shape {slot.shape} "
-                             f"(writeable={slot.flags.writeable}), expected a writable "
-                             f"{self.data.shape}")
-        self._slot = slot
-
-    def free_grad_slot(self) -> np.ndarray | None:
-        """The slot a layer may write a fresh gradient straight into (``np.matmul(...,
-        out=slot)``, then ``.grad = slot``): only while there is no gradient yet and the
-        parameter has a slot of its dtype; else None (use :meth:`accumulate_grad`)."""
-        if self.grad is None and self.requires_grad:
-            return self._slot
-        return None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.data.dtype
-
-    @property
-    def size(self) -> int:
-        return self.data.size
-
-    def accumulate_grad(self, grad: np.ndarray, *, owned: bool = False) -> None:
-        """Add ``grad`` to ``.grad`` (or set it when there is none); no-op if not ``requires_grad``.
-
-        ``owned=True`` hands over a fresh array that nobody else references (a layer's own
-        result): it becomes ``.grad`` without a copy.
-        """
-        if not self.requires_grad:
-            return
-        grad = np.asarray(grad, dtype=self.data.dtype)
-        if grad.shape != self.data.shape:
-            raise ValueError(
-                f"Parameter.accumulate_grad: gradient of shape {grad.shape}, "
-                f"expected the parameter's shape {self.data.shape}"
-            )
-        slot = self._slot
-        if self.grad is None:
-            if slot is not None:
-                np.copyto(slot, grad)
-                self.grad = slot
-            else:
-                self.grad = grad if owned and grad.flags.writeable else np.array(grad, copy=True)
-        elif slot is not None and self.grad is slot:
-            np.add(slot, grad, out=slot)
-        else:
-            self.grad = self.grad + grad
-
-    def __repr__(self) -> str:
-        return (f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}, "
-                f"requires_grad={self.requires_grad})")
+from .parameter import Parameter
 
 
 class RemovableHandle:
@@ -383,4 +307,4 @@ class ModuleWrapper:
         return self.train(False)
 
 
-__all__ = ["Module", "ModuleWrapper", "Parameter", "RemovableHandle"]
+__all__ = ["Module", "ModuleWrapper", "RemovableHandle"]

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .module import Module, Parameter
+from .module import Module
+from .parameter import Parameter
 
 
 def _rng(rng: Any) -> np.random.Generator:

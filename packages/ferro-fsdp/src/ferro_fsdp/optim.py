@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .module import Parameter
+from .parameter import Parameter
 
 
 class Optimizer:

@@ -31,7 +31,8 @@ from ferro_collective import (
 )
 
 from .flat import FlatLayout
-from .module import Module, Parameter
+from .module import Module
+from .parameter import Parameter
 
 
 def freed(dtype: np.dtype) -> np.ndarray:
