@@ -25,6 +25,7 @@ ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
 
 # The one place that encodes the layering: each distribution -> its local layers, in install order.
+# tools/check_layers.py --static reads this table by parsing this file: keep it a literal.
 PACKAGES: dict[str, list[str]] = {
     "ferro-backend": [],
     "ferro-collective": ["ferro-backend"],
@@ -181,12 +182,15 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include."""
+    """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include, then
+    tools/check_layers.py --static: no upward import between the distributions (PACKAGES), no
+    import cycle inside one, no source module over 360 lines."""
     session.install("ruff", "cython-lint", "pycodestyle")
     session.run("ruff", "check", str(ROOT))
     pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.px[id]"))
     if pyx:
         session.run("cython-lint", *pyx)
+    session.run("python", str(ROOT / "tools" / "check_layers.py"), "--static", str(ROOT))
 
 
 @nox.session
