@@ -27,7 +27,8 @@ from ferro_collective import ReduceOp, Work, allreduce_async, broadcast
 
 from . import _state
 from .flat import FlatLayout
-from .module import Module, ModuleWrapper
+from .module import Module
+from .wrapper import ModuleWrapper
 
 
 class DistributedDataParallel(ModuleWrapper):

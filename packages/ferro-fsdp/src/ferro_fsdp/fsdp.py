@@ -36,10 +36,11 @@ from ._state import ShardedStateDicts
 from .errors import FSDPStateError
 from .flat import FlatLayout
 from .grad_sync import GradientSync
-from .module import Module, ModuleWrapper
+from .module import Module
 from .parameter import Parameter
 from .strategy import ShardingStrategy
 from .units import BufferPool, Unit, find_units
+from .wrapper import ModuleWrapper
 
 
 class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):

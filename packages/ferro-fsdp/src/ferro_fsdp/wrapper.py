@@ -1,0 +1,76 @@
+"""``ModuleWrapper``: the base class of FSDP and DDP, wrappers of one module over one backend.
+
+Besides the accessors both wrappers share, it holds the one gradient clipping behind their
+``clip_grad_norm_``: they differ only in which ranks' squared sums add up to the global norm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ferro_collective import allreduce
+
+from .module import Module
+from .parameter import Parameter
+
+
+class ModuleWrapper:
+    """What FSDP and DDP share as wrappers of one module over one backend: the read-only
+    ``module``/``backend``, the module's parameters (what an optimizer steps), ``train``/``eval``
+    and calling the wrapper as its ``forward``."""
+
+    _module: Module
+    _backend: Any
+
+    @property
+    def module(self) -> Module:
+        return self._module
+
+    @property
+    def backend(self) -> Any:
+        return self._backend
+
+    def parameters(self) -> list[Parameter]:
+        """``module.parameters()``: the Parameters an optimizer should step (under a sharding
+        strategy, this rank's shards)."""
+        return self._module.parameters()
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return self._module.named_parameters()
+
+    def forward(self, x: Any) -> Any:  # pragma: no cover - every wrapper defines its own
+        raise NotImplementedError
+
+    def _clip(self, max_norm: float, op: str, norm_group) -> float:
+        """Scale every ``.grad`` so that the global L2 norm is at most ``max_norm``; return the
+        norm before clipping. ``norm_group``: the ranks whose squared sums add up to the global
+        one (None when every rank holds the whole gradient)."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float, np.floating)) \
+                or not max_norm > 0:
+            raise ValueError(f"{op}: max_norm {max_norm!r} must be a number > 0")
+        grads = [p.grad for p in self._module.parameters() if p.grad is not None]
+        local = np.array([sum(float(np.vdot(g, g).real) for g in grads)], np.float64)
+        if norm_group is not None and norm_group.world_size > 1:
+            local = allreduce(local, norm_group)
+        norm = math.sqrt(float(local[0]))
+        scale = float(max_norm) / (norm + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g *= g.dtype.type(scale)
+        return norm
+
+    def __call__(self, x: Any) -> Any:
+        return self.forward(x)
+
+    def train(self, mode: bool = True):
+        self._module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+
+__all__ = ["ModuleWrapper"]
