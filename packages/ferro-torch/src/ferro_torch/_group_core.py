@@ -1,0 +1,46 @@
+"""The core every operation of a ferro process group stands on: its transport, the runner that
+keeps its operations in issue order, and the argument checks they all make."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ferro_backend import Backend
+
+from ._convert import check_cpu
+from ._work import FerroWork, Runner, seconds
+
+
+class GroupCore(dist.ProcessGroup):
+    """A torch ProcessGroup over the ferro transport ``backend``: the base of
+    :class:`~ferro_torch.ProcessGroupFerro`, whose operations run through :meth:`_run`."""
+
+    def __init__(self, backend: Backend, group_name: str, *, owns_transport: bool) -> None:
+        super().__init__(backend.rank, backend.world_size)
+        self._b = backend
+        self._name = str(group_name)
+        self._owns = owns_transport
+        self._runner = Runner(self._name)
+        self._closed = False
+
+    def _run(self, name: str, outputs: list[torch.Tensor], opts, fn: Callable[[], None]
+             ) -> FerroWork:
+        if self._closed:
+            raise RuntimeError(f"ferro {name}: process group {self._name!r} was shut down")
+        work = FerroWork(name, outputs)
+        return self._runner.submit(work, fn, inline=not getattr(opts, "asyncOp", True))
+
+    @staticmethod
+    def _timeout(opts) -> float | None:
+        return seconds(getattr(opts, "timeout", None))
+
+    @staticmethod
+    def _check(name: str, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            check_cpu(name, t)
+
+
+__all__ = ["GroupCore"]

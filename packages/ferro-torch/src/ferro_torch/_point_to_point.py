@@ -1,0 +1,64 @@
+"""Point-to-point messages of a ferro process group: torch's send/recv (and so isend/irecv)
+as ferro's tagged messages between two ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ferro_backend.base import USER_TAG_LIMIT
+
+from ._convert import flat, readable
+from ._group_core import GroupCore
+from ._work import FerroWork, RequestWork
+from .errors import as_torch_error
+
+#: torch's send/recv tags must stay below ferro's user tag limit
+TAG_LIMIT = USER_TAG_LIMIT
+
+
+class PointToPoint(GroupCore):
+    """send/recv of :class:`~ferro_torch.ProcessGroupFerro`: a send completes before it
+    returns; a recv completes when ferro's request does (a non-contiguous tensor is received
+    into a contiguous copy first)."""
+
+    def _check_tag(self, name: str, tag: int) -> int:
+        if not 0 <= tag < TAG_LIMIT:
+            raise ValueError(f"{name}: tag {tag} is outside [0, {TAG_LIMIT})")
+        return tag
+
+    def send(self, tensors, dstRank, tag=0):
+        self._check("send", tensors)
+        self._check_tag("send", tag)
+        work = FerroWork("send", list(tensors))
+        try:
+            for t in tensors:
+                x = readable(t)
+                self._b.send(x.view(np.uint8), dstRank, tag=tag)
+        except BaseException as exc:
+            work._finish(as_torch_error(exc, "ferro send"))
+        else:
+            work._finish()
+        return work
+
+    def recv(self, tensors, srcRank, tag=0):
+        self._check("recv", tensors)
+        self._check_tag("recv", tag)
+        if len(tensors) != 1:
+            raise ValueError(f"recv: {len(tensors)} tensors, expected 1")
+        (t,) = tensors
+        staged = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        req = self._b.irecv(flat(staged).view(np.uint8), srcRank, tag=tag)
+
+        def after() -> None:
+            if staged is not t:
+                with torch.no_grad():
+                    t.copy_(staged)
+
+        return RequestWork("recv", [t], req, self._b.timeout, after)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise ValueError("recv: backend 'ferro' needs a source rank (no receive from any source)")
+
+
+__all__ = ["TAG_LIMIT", "PointToPoint"]
