@@ -13,7 +13,7 @@ from _helpers import run
 import ferro_fsdp.ddp as ddp_mod
 import ferro_fsdp.units as units_mod
 from ferro_fsdp import DDP, FSDP, nn
-from ferro_fsdp.units import BufferPool
+from ferro_fsdp.buffer_pool import BufferPool
 
 WIDTH, LAYERS, BATCH = 128, 8, 4
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4

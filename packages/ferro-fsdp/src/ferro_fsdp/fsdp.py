@@ -33,13 +33,15 @@ from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
 from ferro_collective import all_gather, broadcast
 
 from ._state import ShardedStateDicts
+from .buffer_pool import BufferPool
 from .errors import FSDPStateError
 from .flat import FlatLayout
 from .grad_sync import GradientSync
 from .module import Module
 from .parameter import Parameter
 from .strategy import ShardingStrategy
-from .units import BufferPool, Unit, find_units
+from .units import Unit
+from .wrap_policy import find_units
 from .wrapper import ModuleWrapper
 
 

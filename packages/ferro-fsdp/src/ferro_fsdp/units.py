@@ -7,15 +7,14 @@ Every parameter is split by the same rule whatever unit it is in, so a rank's sh
 order in which each element's contributions are added, do not depend on how the model is
 wrapped: ``wrap=`` changes when bytes move, never the results.
 
-:func:`find_units` picks the unit submodules; :class:`Unit` does the per-unit work that
-:class:`~ferro_fsdp.FSDP` schedules from module hooks.
+:class:`Unit` does the per-unit work that :class:`~ferro_fsdp.FSDP` schedules from module hooks;
+which submodules are units is the wrap policy's (:mod:`ferro_fsdp.wrap_policy`), and the arrays a
+unit works in come from the FSDP's :class:`~ferro_fsdp.buffer_pool.BufferPool`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,86 +46,6 @@ def _ready(value: np.ndarray) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result(value)
     return future
-
-
-class BufferPool:
-    """Unit-sized arrays handed out and given back, so that a training step allocates none:
-    gathers, full parameters, full gradients and reduce-scatter inputs of every unit come from
-    here (torch's caching allocator does the same job). What the pool holds never exceeds what
-    was in use at once; thread-safe (reductions give their buffers back when they finish)."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, str], list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: np.dtype) -> np.ndarray:
-        key = (int(numel), np.dtype(dtype).str)
-        with self._lock:
-            stack = self._free.get(key)
-            if stack:
-                return stack.pop()
-        return np.empty(numel, dtype)
-
-    def give(self, arr: np.ndarray | None) -> None:
-        if arr is None:
-            return
-        with self._lock:
-            self._free.setdefault((arr.size, arr.dtype.str), []).append(arr)
-
-    def held_bytes(self) -> int:
-        """Bytes of the free arrays the pool keeps for reuse."""
-        with self._lock:
-            return sum(a.nbytes for stack in self._free.values() for a in stack)
-
-
-def _matcher(wrap: Any) -> Callable[[Module, int], bool]:
-    """``wrap`` as a predicate over (submodule, its parameters not yet in a unit)."""
-    if isinstance(wrap, type) and issubclass(wrap, Module):
-        return lambda m, n: isinstance(m, wrap)
-    if isinstance(wrap, tuple) and wrap and all(isinstance(t, type) and issubclass(t, Module)
-                                                for t in wrap):
-        return lambda m, n: isinstance(m, wrap)
-    if isinstance(wrap, int | np.integer) and not isinstance(wrap, bool) and wrap > 0:
-        return lambda m, n: n >= int(wrap)
-    raise TypeError(f"FSDP: wrap={wrap!r}; expected None, a Module subclass, a tuple of them, "
-                    "or a minimum number of parameters (int > 0)")
-
-
-def find_units(root: Module, wrap: Any, is_nested: Callable[[Module], bool]
-               ) -> tuple[list[tuple[str, Module]], list[tuple[str, Module]]]:
-    """``(units, nested)``: the submodules of ``root`` that ``wrap`` makes units (dotted name,
-    module; deepest first within a branch, in module order otherwise) and the nested FSDPs
-    (``is_nested``) found under it, which own their parameters and are not descended into.
-
-    A size-based ``wrap`` (an int) makes a submodule a unit when the parameters under it that no
-    deeper unit claimed add up to at least that many elements (torch's size-based policy).
-    """
-    match = None if wrap is None else _matcher(wrap)
-    units: list[tuple[str, Module]] = []
-    nested: list[tuple[str, Module]] = []
-    claimed: set[int] = set()
-    seen: set[int] = set()
-
-    def free_numel(m: Module) -> int:
-        return sum(p.data.size for p in m.parameters() if id(p) not in claimed)
-
-    def visit(prefix: str, m: Module) -> None:
-        for name, child in m.named_children():
-            full = f"{prefix}.{name}" if prefix else name
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            if is_nested(child):
-                nested.append((full, child))
-                claimed.update(id(p) for p in child.parameters())
-                continue
-            visit(full, child)
-            if match is not None and match(child, free_numel(child)) and free_numel(child):
-                units.append((full, child))
-                claimed.update(id(p) for p in child.parameters())
-
-    visit("", root)
-    return units, nested
 
 
 class Unit:
@@ -368,4 +287,4 @@ class _done_work:
         return self.value
 
 
-__all__ = ["BufferPool", "Unit", "find_units", "freed"]
+__all__ = ["Unit", "freed"]
