@@ -67,7 +67,27 @@ class CheckpointFuture:
                                        f"{type(error).__name__}: {error}") from error
 
 
-class AsyncCheckpointer:
+class _RankSaves:
+    """What :class:`AsyncCheckpointer` and :class:`~ferro_checkpoint.CheckpointManager` share:
+    one rank of a world saving (collectively with ``backend``, else alone), and the future of
+    its last background save."""
+
+    def __init__(self, op: str, rank: int, world_size: int, backend) -> None:
+        check_rank_world(op, rank, world_size)
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self._pending: CheckpointFuture | None = None
+
+    def _save_in_background(self, directory: Path, save: Callable[[], str],
+                            thread_name: str) -> CheckpointFuture:
+        """Run ``save`` (which must only read copies made now) on a background thread; its
+        future becomes the pending one."""
+        self._pending = CheckpointFuture(directory, _run_in_background(save, thread_name))
+        return self._pending
+
+
+class AsyncCheckpointer(_RankSaves):
     """Saves a rank's shards in a background thread.
 
     ``save_async`` copies the state dict on the calling thread (so training may modify its
@@ -79,16 +99,12 @@ class AsyncCheckpointer:
 
     def __init__(self, directory, rank: int, world_size: int, shard_spec: ShardMetadata, *,
                  backend=None) -> None:
-        check_rank_world("AsyncCheckpointer", rank, world_size)
+        super().__init__("AsyncCheckpointer", rank, world_size, backend)
         if shard_spec.num_ranks != world_size:
             raise InvalidArgumentError(f"AsyncCheckpointer: shard_spec.num_ranks "
                                        f"{shard_spec.num_ranks} != world_size {world_size}")
         self.directory = Path(directory)
-        self.rank = rank
-        self.world_size = world_size
         self.shard_spec = shard_spec
-        self.backend = backend
-        self._current: CheckpointFuture | None = None
 
     @property
     def dir(self) -> Path:
@@ -97,19 +113,19 @@ class AsyncCheckpointer:
     @property
     def in_flight(self) -> CheckpointFuture | None:
         """The future of the last save, or None."""
-        return self._current
+        return self._pending
 
     def wait(self) -> None:
         """Wait for the last save (if any); raises AsyncCheckpointError if it failed."""
-        if self._current is not None:
-            self._current.wait()
+        if self._pending is not None:
+            self._pending.wait()
 
     def save_async(self, state_dict: Mapping[str, np.ndarray], *,
                    shard_spec: ShardMetadata | None = None,
                    checkpoint_id: str | None = None,
                    extra: Mapping | None = None) -> CheckpointFuture:
         """Copy ``state_dict`` (and serialize ``extra``) now, save it in the background."""
-        if self._current is not None and not self._current.is_done():
+        if self._pending is not None and not self._pending.is_done():
             raise AsyncCheckpointError(f"a save to {self.directory} is still in flight; wait() "
                                        "for it before starting another")
         staged = {k: np.array(v, copy=True) for k, v in state_dict.items()}
@@ -121,6 +137,4 @@ class AsyncCheckpointer:
                                     backend=self.backend, checkpoint_id=checkpoint_id,
                                     extra=extra)
 
-        self._current = CheckpointFuture(
-            self.directory, _run_in_background(save, f"ferro-checkpoint-{self.rank}"))
-        return self._current
+        return self._save_in_background(self.directory, save, f"ferro-checkpoint-{self.rank}")

@@ -56,11 +56,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .async_save import CheckpointFuture, _run_in_background
+from .async_save import CheckpointFuture, _RankSaves
 from .errors import CheckpointIOError, InvalidArgumentError, MissingStepError
 from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
 from .load import load_distributed, open_checkpoint
-from .metadata import ShardMetadata, check_rank_world
+from .metadata import ShardMetadata
 from .save import _checked_arrays, encode_extra, save_distributed
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
@@ -73,7 +73,7 @@ def _check_step(op: str, step) -> int:
     return int(step)
 
 
-class CheckpointManager:
+class CheckpointManager(_RankSaves):
     """Saves numbered steps under ``root`` (``root/step_<n>/``), keeps the newest ``keep_last``
     committed ones, and restores the newest (or a given) step on any world size.
 
@@ -87,7 +87,7 @@ class CheckpointManager:
 
     def __init__(self, root, rank: int, world_size: int, *, keep_last: int = 3,
                  backend=None) -> None:
-        check_rank_world("CheckpointManager", rank, world_size)
+        super().__init__("CheckpointManager", rank, world_size, backend)
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise InvalidArgumentError(f"CheckpointManager: keep_last {keep_last!r} must be an "
                                        "int >= 1")
@@ -97,11 +97,7 @@ class CheckpointManager:
                 f"CheckpointManager: backend is rank {backend.rank} of {backend.world_size}, "
                 f"the manager rank {rank} of {world_size}")
         self.root = Path(root)
-        self.rank = rank
-        self.world_size = world_size
         self.keep_last = keep_last
-        self.backend = backend
-        self._pending: CheckpointFuture | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             for d in self._step_dirs().values():  # rule 3: this rank's crash leftovers
@@ -190,9 +186,8 @@ class CheckpointManager:
                 return self._save_and_prune(staged, shard_spec, directory, ckpt_id,
                                             extra_snapshot)
 
-            self._pending = CheckpointFuture(
-                directory, _run_in_background(run, f"ferro-checkpoint-step{step}-{self.rank}"))
-            return self._pending
+            return self._save_in_background(directory, run,
+                                            f"ferro-checkpoint-step{step}-{self.rank}")
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(self._save_and_prune(arrays, shard_spec, directory, ckpt_id,
                                              extra_snapshot))
