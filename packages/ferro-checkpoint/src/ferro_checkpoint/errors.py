@@ -40,16 +40,3 @@ class InvalidArgumentError(DistCheckpointError, ValueError):
 class AsyncCheckpointError(DistCheckpointError, RuntimeError):
     """A background save failed (the cause is chained), or a save was started while one runs."""
 
-
-__all__ = [
-    "AsyncCheckpointError",
-    "CheckpointIOError",
-    "DistCheckpointError",
-    "IncompleteCheckpointError",
-    "InvalidArgumentError",
-    "MetadataError",
-    "MissingShardError",
-    "MissingStepError",
-    "SerializationError",
-    "TensorError",
-]
