@@ -2,14 +2,17 @@
 
 An :class:`FSDP` shards its module's parameters in units (:mod:`ferro_fsdp.units`): with
 ``wrap=None`` the whole module is one unit, so a forward is one all-gather and a gradient sync
-one reduce-scatter (or one allreduce); with ``wrap=`` every wrapped submodule is its own unit,
-gathered just before it runs (its successor's gather prefetched in the background) and freed
-right after, and its gradients' reduce-scatter starts as soon as its backward is done, while
-the rest of the backward runs. FSDP never replaces a Parameter object; it swaps ``.data`` and
-``.grad``. What each strategy does is read from its :class:`~ferro_fsdp.strategy.StrategySpec`;
-what ``.data`` and ``.grad`` hold under each strategy, and the padding of chunks, are in the
-package README. This module schedules the units; :mod:`ferro_fsdp.grad_sync` averages the
-gradients and :mod:`ferro_fsdp._state` saves and loads sharded state dicts.
+one reduce-scatter (or one allreduce); with ``wrap=`` (:mod:`ferro_fsdp.wrap_policy`) every
+wrapped submodule is its own unit, gathered just before it runs and freed right after, and its
+gradients' reduction starts as soon as its backward is done. FSDP never replaces a Parameter
+object; it swaps ``.data`` and ``.grad``. What each strategy does is read from its
+:class:`~ferro_fsdp.strategy.StrategySpec`; what ``.data`` and ``.grad`` hold under each
+strategy, and the padding of chunks, are in the package README.
+
+This module builds an FSDP (process groups, shards, units) and holds its accessors; the rest
+comes from mixins: :mod:`ferro_fsdp.schedule` runs forward and backward unit by unit,
+:mod:`ferro_fsdp.grad_sync` averages the gradients and :mod:`ferro_fsdp._state` saves and loads
+sharded state dicts.
 
 A training step::
 
@@ -23,8 +26,6 @@ A training step::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,18 +35,18 @@ from ferro_collective import all_gather, broadcast
 
 from ._state import ShardedStateDicts
 from .buffer_pool import BufferPool
-from .errors import FSDPStateError
 from .flat import FlatLayout
 from .grad_sync import GradientSync
 from .module import Module
 from .parameter import Parameter
+from .schedule import UnitSchedule
 from .strategy import ShardingStrategy
 from .units import Unit
 from .wrap_policy import find_units
 from .wrapper import ModuleWrapper
 
 
-class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
+class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts):
     """Shard ``module``'s parameters over ``backend``'s ranks with ``strategy``.
 
     Parameters
@@ -171,13 +172,7 @@ class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
         self._pool = BufferPool()
         self._units = self._make_units(unit_modules, own, reshard_after_forward)
         self._root = self._units[0]
-        self._order: list[Unit] = []      # sub-units in the order the first forward ran them
-        self._recording = True
-        self._phase: str | None = None    # "forward" / "backward" while FSDP runs the module
-        self._sync = True
-        self._hook_handles = []
-        for unit in self._units[1:]:
-            self._hook(unit)
+        self._init_schedule()
 
     def _nested_full_shape(self, p: Parameter) -> tuple[int, ...]:
         for inner in self._nested:
@@ -217,15 +212,6 @@ class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
     def _first_param(self, m: Module) -> int:
         ids = {id(p) for p in m.parameters()}
         return min((i for i, p in enumerate(self._params) if id(p) in ids), default=-1)
-
-    def _hook(self, unit: Unit) -> None:
-        m = unit.module
-        self._hook_handles += [
-            m.register_forward_pre_hook(lambda mod, args: self._pre_forward(unit)),
-            m.register_forward_hook(lambda mod, args, out: self._post_forward(unit)),
-            m.register_backward_pre_hook(lambda mod, args: self._pre_backward(unit)),
-            m.register_backward_hook(lambda mod, args, out: self._post_backward(unit)),
-        ]
 
     # -- module tree: an FSDP inside a module is transparent -----------------------------------
     def _collect(self, prefix: str, recurse: bool, out: list, seen: set[int]) -> None:
@@ -316,148 +302,6 @@ class FSDP(ModuleWrapper, Module, GradientSync, ShardedStateDicts):
         if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
-
-    def prefetch_forward_params(self) -> None:
-        """Start the all-gather of the next ``forward``'s first unit now (async); ``forward``
-        waits for it. (Later units are prefetched by ``forward`` itself, one ahead.)
-
-        Call it after the optimizer step (the gather snapshots the shards when it starts; a
-        ``forward`` that finds this rank's shards changed since then raises FSDPStateError instead
-        of running on stale parameters) and do other work before ``forward``. Valid for
-        FULL_SHARD and HYBRID_SHARD (intra-node gather).
-
-        Raises
-        ------
-        FSDPStateError
-            A prefetch is already pending, or the strategy keeps full parameters (nothing to gather).
-        """
-        if not self._spec.shards_params:
-            raise FSDPStateError(
-                f"FSDP.prefetch_forward_params: prefetch is only valid for FULL_SHARD and "
-                f"HYBRID_SHARD, got {self._strategy.name}: its parameters are already full on "
-                "every rank, there is nothing to gather")
-        if self.has_pending_prefetch:
-            raise FSDPStateError("FSDP.prefetch_forward_params: called twice without an "
-                                 "intervening forward()")
-        first = self._root
-        if not first.layout.numel and self._order:
-            first = self._order[0]
-        first.start_gather(checked=True)
-
-    # -- unit hooks -------------------------------------------------------------------------
-    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
-        if self._recording or unit not in self._order:
-            return None
-        k = self._order.index(unit) + step
-        return self._order[k] if 0 <= k < len(self._order) else None
-
-    def _pre_forward(self, unit: Unit) -> None:
-        if self._phase != "forward":
-            return
-        if self._recording and unit not in self._order:
-            self._order.append(unit)
-        unit.gather("forward")
-        unit.swap_in(with_grads=False)
-        nxt = self._neighbour(unit, +1)
-        if nxt is not None:
-            nxt.start_gather()
-
-    def _post_forward(self, unit: Unit) -> None:
-        if self._phase != "forward":
-            return
-        unit.swap_out(with_grads=False)
-        if unit.reshard:
-            unit.free()
-
-    def _pre_backward(self, unit: Unit) -> None:
-        if self._phase != "backward":
-            return
-        unit.gather("backward")
-        unit.swap_in(with_grads=True)
-        prev = self._neighbour(unit, -1)
-        if prev is not None and self._spec.shards_params:
-            prev.start_gather()
-
-    def _post_backward(self, unit: Unit) -> None:
-        if self._phase != "backward":
-            return
-        unit.swap_out(with_grads=True)
-        unit.free()
-        if self._sync:
-            unit.start_reduce("backward")
-
-    def _restore(self, with_grads: bool) -> None:
-        """After the module ran (or raised): every unit shows its shards again."""
-        for unit in self._units:
-            unit.swap_out(with_grads)
-            if unit.reshard or with_grads:
-                unit.free()
-
-    # -- forward / backward -----------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
-        """Run the module on full parameters; FULL_SHARD / HYBRID_SHARD gather each unit just
-        before it runs and free it right after (the next unit's gather runs meanwhile).
-
-        Collective for FULL_SHARD / HYBRID_SHARD: every rank of the sharding group must call it.
-        A pending prefetch is consumed (and waited for) here.
-        """
-        for unit in self._units:
-            unit.ensure_fps()
-        if self._phase is not None:
-            raise FSDPStateError(f"FSDP.forward: called inside this FSDP's own {self._phase}")
-        self._phase = "forward"
-        ok = False
-        try:
-            self._root.gather("forward")
-            self._root.swap_in(with_grads=False)
-            if not self._recording and self._order:
-                self._order[0].start_gather()
-            out = self._module(x)
-            ok = True
-            return out
-        finally:
-            self._phase = None
-            self._restore(with_grads=False)
-            if ok:
-                self._recording = False
-
-    def backward(self, grad_output: Any) -> Any:
-        """Run ``module.backward(grad_output)`` on full parameters; each unit is gathered again
-        just before its backward (unless kept by ``reshard_after_forward=False``; the previous
-        unit's gather runs meanwhile) and freed right after.
-
-        The gradients go to ``full_params[i].grad`` (adding to what an earlier backward left
-        there) and, outside ``no_sync()``, each unit's reduction starts as soon as its backward
-        is done; the module's own ``.grad`` is untouched until ``sync_gradients``. Returns the
-        module's return value.
-        """
-        if self._root.fps is None:
-            raise FSDPStateError("FSDP.backward: no forward() since the last sync_gradients()")
-        if self._phase is not None:
-            raise FSDPStateError(f"FSDP.backward: called inside this FSDP's own {self._phase}")
-        self._phase = "backward"
-        try:
-            self._root.gather("backward")
-            self._root.swap_in(with_grads=True)
-            if self._order and self._spec.shards_params:
-                self._order[-1].start_gather()
-            out = self._module.backward(grad_output)
-        finally:
-            self._phase = None
-            self._restore(with_grads=True)
-        if self._sync:
-            self._root.start_reduce("backward")
-        return out
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside keep their full gradients (no reduction starts); the next
-        backward outside adds to them and reduces the sum, as torch's ``no_sync``."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
 
 
 def _root(arr: np.ndarray) -> np.ndarray:
