@@ -8,7 +8,8 @@ Usage:
       Reads packages/*/src with ``ast`` (imports nothing) and prints one line per finding:
         - an upward import: a module of distribution D imports a ferro distribution that is not
           one of D's layers (``PACKAGES`` in ROOT/noxfile.py, read by parsing, not importing;
-          an import under ``if TYPE_CHECKING:`` counts here, marked as such);
+          an import under ``if TYPE_CHECKING:`` counts here, marked as such; a distribution
+          D names in its optional dependencies, an extra, is an optional layer of D's);
         - an import cycle between the modules of one distribution (imports inside functions
           count, imports under ``if TYPE_CHECKING:`` do not; .pyx/.pxd modules count, with the
           imports of the .pxi files they ``include``);
@@ -194,15 +195,33 @@ def file_imports(path: Path, seen: frozenset[Path] = frozenset()) -> list[RawImp
     return found
 
 
+def optional_layers(root: Path, dist: str, layers: dict[str, list[str]]) -> set[str]:
+    """The ferro distributions ``dist`` names in its optional dependencies (an extra such as
+    ferro-checkpoint's ``backend``): it may use them where they are installed."""
+    import tomllib
+
+    pyproject = root / "packages" / dist / "pyproject.toml"
+    if not pyproject.is_file():
+        return set()
+    extras = tomllib.loads(pyproject.read_text()).get("project", {}).get(
+        "optional-dependencies", {})
+    named = {re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0] for reqs in extras.values()
+             for req in reqs}
+    return named & set(layers)
+
+
 def upward_imports(root: Path, layers: dict[str, list[str]], modules: dict[str, Module]) -> list[str]:
-    """One line per import of a ferro distribution that is not a layer of the importer's."""
+    """One line per import of a ferro distribution that is neither a layer of the importer's
+    nor one of its optional layers (:func:`optional_layers`)."""
     owner = {dist.replace("-", "_"): dist for dist in layers}  # the noxfile's IMPORT_NAMES
     owner.update({name.split(".")[0]: mod.dist for name, mod in modules.items()})
+    optional = {dist: optional_layers(root, dist, layers) for dist in layers}
     lines: set[str] = set()  # a set: a .pxi included by two modules is reported once
     for mod in modules.values():
         for imp in mod.imports:
             dist = owner.get(imp.module.split(".")[0]) if imp.level == 0 else None
-            if dist is None or dist == mod.dist or dist in layers[mod.dist]:
+            if dist is None or dist == mod.dist or dist in layers[mod.dist] \
+                    or dist in optional.get(mod.dist, ()):
                 continue
             allowed = ", ".join(layers[mod.dist]) or "none"
             tc = " (under TYPE_CHECKING)" if imp.type_checking else ""

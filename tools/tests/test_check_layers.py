@@ -156,3 +156,17 @@ def test_reads_the_real_noxfile() -> None:
     layers = check_layers.read_layers(check_layers.ROOT)
     assert layers["ferro-fsdp"] == ["ferro-backend", "ferro-collective"]
     assert layers["ferro-checkpoint"] == []
+
+
+def test_optional_layer_named_by_an_extra(tmp_path: Path) -> None:
+    layers = {"ferro-backend": [], "ferro-checkpoint": []}
+    tree(tmp_path, {
+        "ferro-backend/ferro_backend/__init__.py": "",
+        "ferro-checkpoint/ferro_checkpoint/__init__.py": "",
+        "ferro-checkpoint/ferro_checkpoint/save.py": "def f():\n    from ferro_backend import x\n",
+    }, layers)
+    assert len(findings(tmp_path)) == 1  # no extra yet: an upward import
+    (tmp_path / "packages" / "ferro-checkpoint" / "pyproject.toml").write_text(
+        '[project]\nname = "ferro-checkpoint"\n\n[project.optional-dependencies]\n'
+        'backend = ["ferro-backend>=0.1,<0.2"]\n')
+    assert findings(tmp_path) == []
