@@ -232,11 +232,11 @@ def bench_unpack_100_arrays_64MiB(benchmark, impl):
 
 
 @pytest.mark.parametrize("size", ["64KiB", "1MiB", "16MiB"])
-@pytest.mark.parametrize("impl", ["copyto", "_shm.cma_read", "_shm.cma_write"])
+@pytest.mark.parametrize("impl", ["copyto", "_segment.cma_read", "_segment.cma_write"])
 def bench_cross_memory_copy(benchmark, impl, size):
-    """The `_shm` kernel's single copies (here within one process: the same system calls)
-    against numpy's copy of the same bytes."""
-    from ferro_backend import _shm
+    """The engine's `_segment` kernel's single copies (here within one process: the same system
+    calls) against numpy's copy of the same bytes."""
+    from ferro_backend.engine import _segment
 
     nbytes = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}[size]
     src = np.arange(nbytes, dtype=np.uint8)
@@ -247,10 +247,10 @@ def bench_cross_memory_copy(benchmark, impl, size):
     if impl == "copyto":
         benchmark.extra_info["role"] = "baseline"
         run = lambda: np.copyto(dst, src)
-    elif impl == "_shm.cma_read":
-        run = lambda: _shm.cma_read(pid, src.ctypes.data, dst)
+    elif impl == "_segment.cma_read":
+        run = lambda: _segment.cma_read(pid, src.ctypes.data, dst)
     else:
-        run = lambda: _shm.cma_write(pid, dst.ctypes.data, src)
+        run = lambda: _segment.cma_write(pid, dst.ctypes.data, src)
     benchmark.pedantic(run, rounds=50 if nbytes <= 1 << 20 else 10, warmup_rounds=2)
     assert dst[-1] == src[-1]
 
@@ -258,9 +258,9 @@ def bench_cross_memory_copy(benchmark, impl, size):
 @pytest.mark.parametrize("size", ["64B", "4KiB", "16KiB"])
 @pytest.mark.parametrize("impl", ["2x copyto", "_ring.put+take"])
 def bench_ring_put_take(benchmark, impl, size):
-    """The `_ring` kernel: one message into a point-to-point ring and out again (within one
-    process), against the two numpy copies it makes (into the ring, out of it)."""
-    from ferro_backend import _ring
+    """The engine's `_ring` kernel: one message into a point-to-point ring and out again (within
+    one process), against the two numpy copies it makes (into the ring, out of it)."""
+    from ferro_backend.engine import _ring, _segment
 
     nbytes = {"64B": 64, "4KiB": 4 << 10, "16KiB": (16 << 10) - 64}[size]
     src = np.arange(nbytes, dtype=np.uint8)
@@ -272,11 +272,9 @@ def bench_ring_put_take(benchmark, impl, size):
         run = _copy_twice(src, dst)
     else:
         cap = 64 << 10
-        mem = np.zeros(cap + 4096, dtype=np.uint8)
-        flags = np.zeros(2, dtype=np.uint32)  # failure flag, doorbell
-        ctrl = (mem.ctypes.data + 63) // 64 * 64
-        ring = _ring.Ring(ctrl, ctrl + _ring.CTRL_BYTES, cap, flags.ctypes.data,
-                          flags.ctypes.data + 4)
+        segment = np.zeros(_segment.layout(2, 64, cap)["size"], dtype=np.uint8)
+        failed = np.zeros(1, dtype=np.uint32)
+        ring = _ring.Ring(segment, 2, 64, cap, 0, 1, failed.ctypes.data)
         far = time.monotonic() + 3600
 
         def run():

@@ -1,10 +1,12 @@
-"""The same-host engine (``ferro_collective._shmcoll`` + ``_reduce.fold``) against its baselines.
+"""The same-host engine (ferro-backend's ``engine._slots`` with ferro-collective's
+``_reduce.fold``) against its baselines.
 
 - ``fold``: the N-way rank-order reduction kernel against numpy's ``np.add`` chain (same work).
-- collectives on 2 real processes: ``ShmBackend`` with the engine (``_shmcoll``) against the
-  Python algorithms over the same transport with the engine off (ferro 0.1's path, the
-  baseline), in one run. Each round is ``K`` calls on every rank (the worker knows the schedule,
-  so nothing but the collective is timed); the per-call time is the round time / K.
+- collectives on 2 real processes: ``ShmBackend`` with the engine (``_slots``, ``_segment``,
+  ``_watch``) against the Python algorithms over the same transport with the engine off
+  (ferro 0.1's path over TCP loopback, the baseline), in one run. Each round is ``K`` calls on
+  every rank (the worker knows the schedule, so nothing but the collective is timed); the
+  per-call time is the round time / K.
 
 The side-by-side with Open MPI and gloo is ``benchmarks/peers.py``.
 """

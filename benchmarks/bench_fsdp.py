@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from ferro_backend import Backend, SimulatedBackend
-from ferro_backend.base import as_send_view
+from ferro_backend.checks import as_send_view
 from ferro_fsdp import DDP, FSDP, nn, optim
 
 WORLD = 4

@@ -28,7 +28,7 @@ from ferro_backend import SimulatedBackend
 from ferro_backend.netsim import Network
 from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
-from ferro_collective.call import choose
+from ferro_collective.plan import choose
 
 NET = Network.cluster(gbit=25, latency_us=5, ranks_per_node=16)
 CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "star")] + \

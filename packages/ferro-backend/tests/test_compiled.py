@@ -14,11 +14,15 @@ def test_wire_kernel_is_an_extension_module():
 def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
     import sys
 
-    from ferro_backend import _platform, launch, shm
+    from ferro_backend import _platform, launch
+    from ferro_backend.engine import shm
 
     if sys.platform.startswith("linux"):
+        from ferro_backend.engine import _ring, _segment, _slots, _watch
+
         assert _platform.SAME_HOST_ENGINE
-        assert _platform._shm.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+        for kernel in (_segment, _slots, _ring, _watch):
+            assert kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
         assert launch._default_transport(1) == "shm"
     # where the kernel does not exist, ShmBackend says so (simulated here) and TCP is the default
     monkeypatch.setattr(shm, "SAME_HOST_ENGINE", False)

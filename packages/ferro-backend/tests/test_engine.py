@@ -10,21 +10,41 @@ import numpy as np
 import pytest
 
 from ferro_backend import RendezvousError, ShmBackend
-from ferro_backend import engine as eng
+from ferro_backend.engine import _segment, _slots
+from ferro_backend.engine import segment as eng
 from ferro_backend.testing import run_job
 
 pytestmark = pytest.mark.timeout(60)
 
 
+PAGE = 4096
+
+
 def test_layout_is_aligned_and_holds_every_slot():
-    lay = eng.layout(5, 10_000)
-    assert lay["slot_off"] % eng.PAGE == 0 and lay["parity_stride"] % eng.PAGE == 0
-    assert lay["ctrl_stride"] % 64 == 0
+    lay = _segment.layout(5, 10_000, 1 << 16)
+    assert lay["slot_off"] % PAGE == 0 and lay["parity_stride"] % PAGE == 0
+    assert lay["ctrl_off"] == 128 and lay["slot_off"] >= lay["ctrl_off"] + 5 * 128
     assert lay["parity_stride"] >= lay["head_bytes"] + 10_000
-    assert lay["ring_off"] == lay["slot_off"] + 5 * 2 * lay["parity_stride"]
-    assert lay["ring_off"] % eng.PAGE == 0 and lay["ring_stride"] % eng.PAGE == 0
-    assert lay["ring_stride"] >= eng.RING_CTRL + lay["ring_bytes"]
+    assert lay["slot_stride"] == 2 * lay["parity_stride"]
+    assert lay["ring_off"] == lay["slot_off"] + 5 * lay["slot_stride"]
+    assert lay["ring_off"] % PAGE == 0 and lay["ring_stride"] % PAGE == 0
+    assert lay["ring_stride"] >= 128 + lay["ring_bytes"]
     assert lay["size"] == lay["ring_off"] + 5 * 5 * lay["ring_stride"]
+
+
+def test_slot_engine_refuses_a_mapping_smaller_than_its_layout_and_foreign_folds():
+    need = _segment.layout(2, 4096, 4096)["size"]
+    failed = np.zeros(1, np.uint32)
+    with pytest.raises(ValueError, match="the layout needs"):
+        _slots.SlotEngine(np.zeros(need - 1, np.uint8), 2, 0, 4096, 4096, failed.ctypes.data,
+                          0, 0)
+    eng_ = _slots.SlotEngine(np.zeros(need, np.uint8), 2, 0, 4096, 4096, failed.ctypes.data,
+                             0, 0)
+    with pytest.raises(TypeError, match="expected a capsule named"):
+        eng_.set_fold(object())
+    x = np.ones(4, np.float32)
+    with pytest.raises(RuntimeError, match="no fold kernel"):
+        eng_.step_fold(b"h" * 8, 0, x, np.empty_like(x), 0, 4, 4, 0, 0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("n", [2, 16, 17, 64, 256])
@@ -97,9 +117,9 @@ def test_a_stranger_without_the_secret_gets_nothing_and_the_ranks_get_the_segmen
 def test_segment_is_shared_has_no_name_and_checks_cross_memory_reads():
     body = """
 seg = b.engine
-seg._bytes[seg.layout["slot_off"] + b.rank] = 7 + b.rank
+seg.slot_data(b.rank, 0)[0] = 7 + b.rank
 b.barrier()
-result = [int(v) for v in seg._bytes[seg.layout["slot_off"]:seg.layout["slot_off"] + 3]] + [
+result = [int(seg.slot_data(r, 0)[0]) for r in range(3)] + [
     seg.cma_ok, len(seg.pids), seg.layout["slot_bytes"]]
 """
     before = set(os.listdir("/dev/shm"))
@@ -120,9 +140,9 @@ if b.rank == 1:
     result = None
 else:
     t0 = time.monotonic()
-    while not b.engine.failed[0] and time.monotonic() - t0 < 10:
+    while not b.engine.failed and time.monotonic() - t0 < 10:
         time.sleep(0.01)
-    result = int(b.engine.failed[0])
+    result = int(b.engine.failed)
 """
     assert run_job(body, 2, backend="ShmBackend")[0] == 1
 
@@ -142,20 +162,6 @@ def test_a_failure_seen_before_its_callback_is_registered_still_reaches_it():
     assert calls == ["early", "late"]  # registered after the failure: called at once
     box.abort(1, "stop")
     assert calls == ["early", "late", "early", "late"]
-
-
-def test_cma_probe_reads_a_peer_word():
-    seg_pid = os.getpid()
-    probe = np.array([0xC0FFEE00 + 1], dtype=np.uint64)
-
-    class _Seg:
-        def ctrl(self, rank):
-            return 0
-
-    mem = bytearray(64)
-    struct.pack_into("<QQ", mem, 8, seg_pid, probe.ctypes.data)
-    assert eng._can_read(mem, _Seg(), 1)
-    assert not eng._can_read(mem, _Seg(), 2)  # the probe holds another rank's word
 
 
 def test_rendezvous_error_names_the_rank_when_rank0_sends_no_segment(monkeypatch):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ferro_backend import handshake
+from ferro_backend.mesh import handshake
 from ferro_backend.testing import Job
 
 pytestmark = pytest.mark.timeout(120)

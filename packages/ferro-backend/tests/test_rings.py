@@ -10,31 +10,36 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferro_backend import _ring
-from ferro_backend.shm import CMA_THRESHOLD
+from ferro_backend.engine import _ring, _segment, _watch
+from ferro_backend.engine.rings import CMA_THRESHOLD
 from ferro_backend.testing import Job, run_job
 
 pytestmark = pytest.mark.timeout(90)
 
 CAP = 4096
-_BELLS: list = []  # doorbells of the kernel tests' rings, kept alive
+SLOT = 64  # the segments of the kernel tests: two ranks, tiny slots, rings of CAP bytes
 
 
-def _ring_in(mem: np.ndarray, failed: np.ndarray, cap: int = CAP, spin: int = 10):
-    base = mem.ctypes.data
-    ctrl = (base + 63) // 64 * 64
-    bell = np.zeros(1, dtype=np.uint32)
-    _BELLS.append(bell)
-    return _ring.Ring(ctrl, ctrl + _ring.CTRL_BYTES, cap, failed.ctypes.data, bell.ctypes.data,
-                      spin)
+def _segment_of(cap: int = CAP) -> np.ndarray:
+    return np.zeros(_segment.layout(2, SLOT, cap)["size"], dtype=np.uint8)
+
+
+def _ring_in(seg: np.ndarray, failed: np.ndarray, cap: int = CAP, spin: int = 10):
+    """The ring from rank 0 to rank 1 of a two-rank segment."""
+    return _ring.Ring(seg, 2, SLOT, cap, 0, 1, failed.ctypes.data, spin)
+
+
+def _bell_of(seg: np.ndarray, rank: int, cap: int = CAP) -> np.ndarray:
+    """``rank``'s doorbell word (byte 32 of its control line: _layout.h's ferro_ctrl)."""
+    at = _segment.layout(2, SLOT, cap)["ctrl_off"] + 128 * rank + 32
+    return seg[at:at + 4].view(np.uint32)
 
 
 @pytest.fixture
 def ring():
-    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    seg = _segment_of()
     failed = np.zeros(1, dtype=np.uint32)
-    yield _ring_in(mem, failed), failed
-    del mem
+    yield _ring_in(seg, failed), failed
 
 
 def test_ring_kernel_is_compiled():
@@ -46,7 +51,7 @@ def test_ring_kernel_is_compiled():
                           st.integers(0, 2**64 - 1)), min_size=1, max_size=80))
 def test_ring_is_a_fifo_of_entries_across_wraps(ops):
     """Random puts (when there is room) and takes agree with a deque, wraps and pads included."""
-    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    mem = _segment_of()
     failed = np.zeros(1, dtype=np.uint32)
     r = _ring_in(mem, failed)
     model: deque = deque()
@@ -95,7 +100,9 @@ def test_full_ring_times_out_and_bad_arguments_are_named(ring):
     failed[0] = 1
     assert r.put(_ring.EAGER, 1, 900, 0, bytes(900), time.monotonic() + 5)[0] == _ring.FAILED
     with pytest.raises(ValueError, match="power of two"):
-        _ring.Ring(4096, 4096 + 128, 3000, failed.ctypes.data, failed.ctypes.data)
+        _ring.Ring(_segment_of(), 2, SLOT, 3000, 0, 1, failed.ctypes.data)
+    with pytest.raises(ValueError, match="the layout needs"):
+        _ring.Ring(_segment_of()[:1000], 2, SLOT, CAP, 0, 1, failed.ctypes.data)
 
 
 def test_descriptor_status_goes_back_to_the_producer(ring):
@@ -114,7 +121,7 @@ def test_descriptor_status_goes_back_to_the_producer(ring):
 def test_a_stream_crosses_a_small_ring_while_the_consumer_copies(nbytes, step):
     """put_stream in one thread, take_stream in another: the bytes arrive whole and in order,
     however the chunks wrap."""
-    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    mem = _segment_of()
     failed = np.zeros(1, np.uint32)
     r = _ring_in(mem, failed, spin=100)
     src = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
@@ -147,12 +154,12 @@ def test_a_stream_stops_at_a_foreign_entry_and_at_its_deadline(ring):
 
 
 def test_watch_waits_for_the_doorbell_then_reports_a_stranded_entry():
-    mem = np.zeros(CAP + 1024, dtype=np.uint8)
+    seg = _segment_of()
     failed = np.zeros(1, dtype=np.uint32)
-    r = _ring_in(mem, failed, spin=0)
-    bell = _BELLS[-1]
+    r = _ring_in(seg, failed, spin=0)
+    bell = _bell_of(seg, 1)
     stop = np.zeros(1, dtype=np.uint32)
-    watch = _ring.Watch([(mem.ctypes.data + 63) // 64 * 64], bell.ctypes.data, stop)
+    watch = _watch.Watch(seg, 2, SLOT, CAP, 1, [0], stop)
     found = []
     th = threading.Thread(target=lambda: found.append(watch.wait_stale(0.01)))
     th.start()
@@ -462,7 +469,7 @@ for peer in range(n):
             b.recv(out, peer, tag=k, timeout=20.0)
             ok &= bool((out == peer * 10 + k).all())
 result = {"ok": ok, "socket": sum(link.sent for link in b._links.values()) - before,
-          "ring_peers": sorted(b._rings.out) if b._rings is not None else None}
+          "ring_peers": sorted(b.routes()[0].peers) if b.routes() else None}
 b.barrier()
 b.close()
 """

@@ -13,7 +13,7 @@ from ferro_backend import (
     RendezvousError,
     TcpBackend,
 )
-from ferro_backend.tcp import parse_addr
+from ferro_backend.mesh.tcp import parse_addr
 from ferro_backend.testing import Job, free_port, run_job
 
 pytestmark = pytest.mark.timeout(90)

@@ -17,7 +17,7 @@ from ferro_backend import (
     SubBackend,
     TcpBackend,
 )
-from ferro_backend.base import check_timeout
+from ferro_backend.checks import check_timeout
 from ferro_backend.testing import free_port, run_job
 
 BAD = [float("nan"), -1.0, -0.001, "1", True, [1.0]]

@@ -118,9 +118,9 @@ def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str
         bad.append("small calls behind async ones")
     # Python and numpy scalars: the one-call path (a 0-d array, as the general path makes
     # them), with the general path's results
-    from ferro_collective.engine_group import group_for
+    from ferro_collective.engine import group_of
 
-    g = group_for(b)
+    g = group_of(b)
     for value in (b.rank + 0.5, b.rank + 1, np.float32(b.rank) * 3, np.int16(b.rank), True):
         arr = np.asarray(value)
         op = ReduceOp.BOR if arr.dtype == np.bool_ else ReduceOp.SUM
@@ -132,7 +132,7 @@ def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str
         if any(type(x) is not np.ndarray or x.dtype != y.dtype or x.shape != y.shape
                or x.tobytes() != y.tobytes() for x, y in zip(got, ref)):
             bad.append(f"scalar {value!r}: {got} != {ref}")
-        if g is not None and ("broadcast", arr.dtype, (), n - 1) not in g._plans:
+        if g is not None and ("broadcast", arr.dtype, (), n - 1) not in g.plans:
             bad.append(f"scalar {value!r}: not on the one-call path")
     fc.barrier(b)
     return bad
@@ -201,11 +201,11 @@ def pid(b) -> int:
 # ----------------------------------------------------------------------------- scatter, all-to-all
 def _p2p_counter():
     """Counts the engine calls of scatter and the all-to-alls whose data went over
-    point-to-point messages instead (``fastpath.get_pieces`` said so), in this process."""
-    from ferro_collective import fastpath
+    point-to-point messages instead (``metadata.get_pieces`` said so), in this process."""
+    from ferro_collective import exchange, metadata, rooted
 
-    get = fastpath.get_pieces
-    if getattr(get, "used", None) is None:
+    get = metadata.get_pieces
+    if getattr(exchange.get_pieces, "used", None) is None:
         def counting(g, call, *args, **kwargs):
             done = get(g, call, *args, **kwargs)
             if not done:
@@ -213,8 +213,8 @@ def _p2p_counter():
             return done
 
         counting.used = []
-        fastpath.get_pieces = counting
-    return fastpath.get_pieces.used
+        exchange.get_pieces = rooted.get_pieces = counting
+    return exchange.get_pieces.used
 
 
 def _exchange_sizes(seed: int, n: int):
@@ -249,8 +249,9 @@ def exchange_equals_p2p(b, seed: int) -> list[str]:
     """scatter, all_to_all and all_to_all_single on the engine against numpy and against their
     point-to-point algorithms, bit for bit; inputs kept; out= (scatter's root with an out that
     is its own block of the input); the failures, and a note of every fallback to messages."""
-    from ferro_collective.exchange import _all_to_all, _all_to_all_single
-    from ferro_collective.rooted import _scatter
+    from ferro_collective.api import SCATTER
+    from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
+    from ferro_collective.dispatch import run
 
     assert b.engine is not None, "the engine is off"
     n, r = b.world_size, b.rank
@@ -265,7 +266,7 @@ def exchange_equals_p2p(b, seed: int) -> list[str]:
         keep = x.tobytes()
         send, recv = [rows[r][d] for d in range(n)], [rows[s][r] for s in range(n)]
         got = fc.all_to_all_single(x, b, send_splits=send, recv_splits=recv)
-        ref = _all_to_all_single(x, b, send, recv, None, None, "pairwise").run()
+        ref = run(ALL_TO_ALL_SINGLE, x, b, (send, recv), None, "pairwise")
         if got.tobytes() != np.concatenate(want).tobytes() or got.tobytes() != ref.tobytes() \
                 or got.dtype != dt:
             bad.append(f"all_to_all_single {label}")
@@ -274,7 +275,7 @@ def exchange_equals_p2p(b, seed: int) -> list[str]:
                 or out.tobytes() != ref.tobytes():
             bad.append(f"all_to_all_single out= {label}")
         got = fc.all_to_all(sends, b)
-        ref = _all_to_all(sends, b, None, "pairwise").run()
+        ref = run(ALL_TO_ALL, sends, b, None, None, "pairwise")
         if [a.tobytes() for a in got] != [w.tobytes() for w in want] or \
                 [a.tobytes() for a in ref] != [w.tobytes() for w in want] or \
                 [a.shape for a in got] != [w.shape for w in want]:
@@ -287,7 +288,7 @@ def exchange_equals_p2p(b, seed: int) -> list[str]:
         full = np.concatenate([_piece(root, d, k, trailing, dt) for d in range(n)])
         mine = full[r * k:(r + 1) * k]
         for algo in ("tree", "star"):
-            ref = _scatter(full if r == root else None, b, root, None, None, algo).run()
+            ref = run(SCATTER, full if r == root else None, b, root, None, algo)
             if ref.tobytes() != mine.tobytes():
                 bad.append(f"scatter {algo} {label}")
         got = fc.scatter(full if r == root else None, b, root)
@@ -353,7 +354,7 @@ def exchange_mismatch(b, case: str) -> str:
 def exchange_stalled_reader(b) -> dict:
     """A large scatter whose non-root ranks are slow to read the root's memory: the root times
     out at its deadline in the last step (it waits for them to finish reading), naming them."""
-    from ferro_collective.engine_group import EngineGroup
+    from ferro_collective.engine import EngineGroup
 
     out = {}
     if b.rank != 0:

@@ -10,7 +10,8 @@ from hypothesis.extra import numpy as hnp
 from ferro_backend import SimulatedBackend
 from ferro_backend.testing import run_ranks
 from ferro_collective import ALGORITHMS, ReduceOp, allreduce, reduce, reduce_scatter
-from ferro_collective.rooted import _reduce
+from ferro_collective.api import REDUCE
+from ferro_collective.dispatch import run
 
 UFUNC = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
          ReduceOp.BXOR: np.bitwise_xor}
@@ -43,7 +44,7 @@ def test_bitwise_ops_in_every_reduction(n, shape, dtype, op, data):
     def fn(b):
         x = xs[b.rank]
         return (allreduce(x, b, op, algorithm=ar_algo),
-                _reduce(x, b, root, op, None, None, red_algo).run(),
+                run(REDUCE, x, b, (root, op), None, red_algo),
                 reduce_scatter(rs_in[b.rank], b, op))
 
     for r, (ar, red, rs) in enumerate(run_ranks(fn, n, timeout=30)):

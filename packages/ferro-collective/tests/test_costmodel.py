@@ -13,8 +13,9 @@ from ferro_backend.hierarchy import Hierarchy
 from ferro_backend.netsim import Link, Network
 from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
-from ferro_collective.call import choose, prefer_hierarchical
-from ferro_collective.hierarchical import hierarchy_of
+from ferro_collective.dispatch import prefer_hierarchical
+from ferro_collective.dispatch import usable_hierarchy as hierarchy_of
+from ferro_collective.plan import choose
 
 NETWORKS = {
     "flat 25 Gb/s": Network.cluster(gbit=25, latency_us=5),

@@ -238,10 +238,13 @@ def test_one_call_collectives_wait_past_the_stall_report_for_a_late_peer():
 
 
 def test_the_engine_patches_the_sequence_number_where_the_header_holds_it():
-    from ferro_collective import _shmcoll
+    from ferro_backend.engine import _slots
+    from ferro_collective import _reduce
     from ferro_collective.header import _SEQ_OFFSET, encode
 
-    assert _shmcoll.HEADER_SEQ_OFFSET == _SEQ_OFFSET
+    assert _slots.HEADER_SEQ_OFFSET == _SEQ_OFFSET
+    # and the engine takes the collectives' fold kernel by its signature
+    assert _reduce.FOLD_SIGNATURE == _slots.FOLD_SIGNATURE
     a, b = encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0x01020304), \
         encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0)
     assert a[_SEQ_OFFSET:_SEQ_OFFSET + 4] == bytes([4, 3, 2, 1])

@@ -30,7 +30,8 @@ from ferro_collective import (
     scatter,
     scatter_async,
 )
-from ferro_collective.rooted import _gather, _reduce, _scatter
+from ferro_collective.api import GATHER, REDUCE, SCATTER
+from ferro_collective.dispatch import run
 
 SETTINGS = settings(max_examples=40, deadline=None)
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
@@ -50,7 +51,7 @@ def test_reduce_property(n, shape, dtype, op, algo, data):
     keep = [x.copy() for x in xs]
 
     def fn(b):
-        return _reduce(xs[b.rank], b, root, op, None, None, algo).run()
+        return run(REDUCE, xs[b.rank], b, (root, op), None, algo)
 
     results = run_ranks(fn, n, timeout=30)
     again = run_ranks(fn, n, timeout=30)
@@ -69,7 +70,7 @@ def test_reduce_property(n, shape, dtype, op, algo, data):
 def test_gather_property(n, shape, dtype, algo, data):
     root = data.draw(st.integers(0, n - 1))
     xs = [x.astype(dtype) for x in inputs(np.random.default_rng(n), np.int8, shape, n)]
-    results = run_ranks(lambda b: _gather(xs[b.rank], b, root, None, None, algo).run(), n,
+    results = run_ranks(lambda b: run(GATHER, xs[b.rank], b, root, None, algo), n,
                         timeout=30)
     expected = np.stack(xs) if len(shape) == 0 else np.concatenate(xs, axis=0)
     for r, res in enumerate(results):
@@ -88,8 +89,8 @@ def test_scatter_property(n, rows, tail, dtype, algo, data):
     root = data.draw(st.integers(0, n - 1))
     full = inputs(np.random.default_rng(rows), np.int8, (rows * n, *tail), 1)[0].astype(dtype)
     keep = full.copy()
-    results = run_ranks(lambda b: _scatter(full if b.rank == root else None, b, root, None,
-                                           None, algo).run(), n, timeout=30)
+    results = run_ranks(lambda b: run(SCATTER, full if b.rank == root else None, b, root, None,
+                                      algo), n, timeout=30)
     for r, res in enumerate(results):
         assert res.shape == (rows, *tail) and res.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(res, full[r * rows:(r + 1) * rows])
@@ -100,7 +101,7 @@ def test_scatter_property(n, rows, tail, dtype, algo, data):
 def test_reduce_large_and_widened_dtypes(algo):
     n = 5
     xs = [np.random.default_rng(r).standard_normal(70_001).astype(np.float16) for r in range(n)]
-    res = run_ranks(lambda b: _reduce(xs[b.rank], b, 3, ReduceOp.MEAN, None, None, algo).run(),
+    res = run_ranks(lambda b: run(REDUCE, xs[b.rank], b, (3, ReduceOp.MEAN), None, algo),
                     n, timeout=30)
     assert res[3].dtype == np.float16
     np.testing.assert_allclose(res[3].astype(np.float64), reference(xs, ReduceOp.MEAN),
@@ -108,7 +109,8 @@ def test_reduce_large_and_widened_dtypes(algo):
 
 
 def test_auto_algorithms_choose_by_size():
-    from ferro_collective.call import SMALL_MESSAGE_BYTES, choose
+    from ferro_collective.costmodel import SMALL_MESSAGE_BYTES
+    from ferro_collective.plan import choose
 
     assert choose("reduce", None, 1000, 8) == "tree"
     assert choose("reduce", None, SMALL_MESSAGE_BYTES * 4, 8) == "ring"

@@ -4,6 +4,7 @@ from importlib.metadata import version as _version
 
 from . import _wire  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
+from .engine.shm import ShmBackend
 from .env import configure_logging, init_from_env
 from .errors import (
     AuthenticationError,
@@ -21,11 +22,10 @@ from .errors import (
     SizeMismatchError,
 )
 from .launchers import Launcher, detect_launcher
+from .mesh.tcp import TcpBackend
 from .mpi import MpiBackend
-from .shm import ShmBackend
 from .simulated import SimulatedBackend
 from .sub import SubBackend
-from .tcp import TcpBackend
 from .wire import pack, packed_nbytes, unpack
 
 __version__ = _version("ferro-backend")

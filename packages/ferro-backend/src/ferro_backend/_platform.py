@@ -1,8 +1,9 @@
 """Where the same-host transport exists: Linux (cross-memory attach, memfd, futexes).
 
-On Linux the compiled kernels ``_shm`` and ``_ring`` are imported unconditionally (a broken
-build fails loudly); on other platforms they are not built, both are None, ``ShmBackend`` raises
-a clear error and ``ferrorun`` defaults to TCP.
+On Linux the engine's compiled kernels (``ferro_backend.engine._segment``, ``_slots``,
+``_ring``, ``_watch``) are imported unconditionally with the package (a broken build fails
+loudly); on other platforms they are not built, ``ShmBackend`` raises a clear error and
+``ferrorun`` defaults to TCP.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ import sys
 
 SAME_HOST_ENGINE = sys.platform.startswith("linux")
 
-if SAME_HOST_ENGINE:
-    from . import _ring, _shm
-else:  # pragma: no cover - exercised on other platforms only
-    _shm = _ring = None
+if SAME_HOST_ENGINE:  # the engine's kernels, imported unconditionally where they are built
+    from .engine import _ring, _segment, _slots, _watch  # noqa: F401
 
-__all__ = ["SAME_HOST_ENGINE", "_ring", "_shm"]
+__all__ = ["SAME_HOST_ENGINE"]

@@ -13,17 +13,11 @@ a :class:`~ferro_backend.SubBackend`, so a subgroup's traffic can never be taken
 from __future__ import annotations
 
 import abc
-import math
-import numbers
 import time
 from typing import Any
 
-from .errors import (
-    CollectiveTimeoutError,
-    InvalidRankError,
-    InvalidWorldSizeError,
-    SizeMismatchError,
-)
+from .checks import as_recv_view, as_send_view, check_peer, check_rank, check_tag, check_timeout
+from .errors import CollectiveTimeoutError, SizeMismatchError
 
 DEFAULT_TIMEOUT: float = 60.0
 """Seconds a blocking call waits before :class:`CollectiveTimeoutError` (per backend, overridable)."""
@@ -32,90 +26,8 @@ USER_TAG_LIMIT = 1 << 31
 """Tags below this are free for user code; ``[2**31, 2**32)`` belongs to ferro's own layers."""
 GROUP_TAG_SHIFT = 32
 """Subgroup ids live in the bits above this one (see :class:`SubBackend`)."""
-MAX_TAG = (1 << 64) - 1
 BARRIER_TAG = (1 << 32) - 1
 """The tag the default :meth:`Backend.barrier` uses."""
-
-
-def as_send_view(data: Any) -> memoryview:
-    """A flat byte view of ``data`` without copying; non-contiguous buffers are refused."""
-    mv = data if isinstance(data, memoryview) else memoryview(data)
-    if not mv.c_contiguous:
-        raise ValueError(
-            f"send: buffer of shape {mv.shape} is not C-contiguous; pass np.ascontiguousarray(x)"
-        )
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    return mv
-
-
-def as_recv_view(out: Any) -> memoryview:
-    """A flat writable byte view of ``out`` without copying; read-only buffers are refused."""
-    mv = out if isinstance(out, memoryview) else memoryview(out)
-    if mv.readonly:
-        raise ValueError(f"recv: the output buffer ({type(out).__name__}) is read-only")
-    if not mv.c_contiguous:
-        raise ValueError(f"recv: output buffer of shape {mv.shape} is not C-contiguous")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    return mv
-
-
-def check_tag(tag: int, limit: int = MAX_TAG) -> int:
-    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= limit:
-        raise ValueError(f"tag {tag!r} is not an integer in [0, {limit}]")
-    return tag
-
-
-def check_world_size(world_size: int, minimum: int = 1) -> int:
-    if not isinstance(world_size, int) or world_size < minimum:
-        raise InvalidWorldSizeError(f"world_size {world_size!r} is invalid, expected >= {minimum}")
-    return world_size
-
-
-def check_rank(rank: int, world_size: int, what: str = "rank") -> int:
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise InvalidRankError(f"{what} {rank!r} is out of range for world_size {world_size}")
-    return rank
-
-
-def check_peer(op: str, peer: int, rank: int, world_size: int, what: str = "peer") -> int:
-    """A valid peer of ``rank`` for a point-to-point ``op`` (never ``rank`` itself)."""
-    check_rank(peer, world_size, f"{op}: {what}")
-    if peer == rank:
-        raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
-    return peer
-
-
-def size_mismatch(op: str, src: int, dst: int, tag: int, expected: int, got: int):
-    return SizeMismatchError(
-        f"{op}: message {src} -> {dst} (tag {tag}) has {got} bytes, "
-        f"the receive buffer has {expected}"
-    )
-
-
-def check_timeout(timeout: Any, what: str = "timeout") -> float:
-    """``timeout`` as a float number of seconds, or ValueError naming it.
-
-    The one validation of every timeout in ferro: NaN, negative numbers, booleans and
-    non-numbers are refused (a NaN deadline would otherwise never expire: a hang). ``inf`` is
-    allowed and means "wait for ever".
-    """
-    if type(timeout) is float and timeout >= 0:  # the common case, fast (NaN fails >= 0)
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise ValueError(f"{what} {timeout!r} is not a number of seconds")
-    value = float(timeout)
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{what} {timeout!r} is invalid, expected a number of seconds >= 0")
-    return value
-
-
-def timeout_from_env() -> float | None:
-    """``FERRO_TIMEOUT`` (set by ``ferrorun --timeout``) validated, or None when unset."""
-    from . import settings
-
-    return settings.TIMEOUT.get()
 
 
 class Request(abc.ABC):
@@ -305,9 +217,23 @@ class Backend(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
 
+    # -- what a transport may offer beyond messages (declared here, with their defaults) -----
     #: the node (host) of every rank, index = rank, when known (``init_from_env`` sets it from
     #: the launcher's rendezvous); None: not known
     nodes: tuple[str, ...] | None = None
+    #: the same-host engine of this group (:class:`ferro_backend.engine.Engine`), on which
+    #: ferro-collective runs its collectives; None: messages only
+    engine: Any = None
+    #: a job on several nodes: its node and cross groups
+    #: (:class:`ferro_backend.hierarchy.Hierarchy`); None: one level
+    hierarchy: Any = None
+    #: the modelled network a simulated job runs on (:class:`ferro_backend.netsim.Network`)
+    network: Any = None
+
+    def peer_failure(self, op: str, peer: int) -> BaseException | None:
+        """The error an ``op`` involving ``peer`` must raise now (the job aborted, this backend
+        closed, or ``peer`` is gone), or None. Transports that track failures override it."""
+        return None
 
     def link_transports(self) -> tuple[str, str]:
         """How this transport moves messages ``(within a node, between nodes)``, in words;

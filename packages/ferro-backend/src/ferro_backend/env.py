@@ -10,7 +10,8 @@ import logging
 from typing import Any
 
 from . import settings
-from .base import Backend, timeout_from_env
+from .base import Backend
+from .checks import timeout_from_env
 from .launchers import connect, detect_launcher
 from .simulated import SimulatedBackend
 

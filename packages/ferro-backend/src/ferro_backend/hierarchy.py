@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._platform import SAME_HOST_ENGINE
-from .engine import DEFAULT_SLOT_BYTES, SharedSegment
-from .rings import RingMesh
 from .sub import SubBackend
 
 log = logging.getLogger(__name__)
@@ -51,6 +49,17 @@ class Hierarchy:
     def num_nodes(self) -> int:
         return len(self.members)
 
+    def link_transports(self) -> tuple[str, str]:
+        """How the job's messages travel ``(within a node, between nodes)``, in words."""
+        engine = self.node.engine
+        if engine is None:
+            return "modelled intra-node links", "modelled inter-node links"
+        p2p = (f"point-to-point: {engine.ring_bytes >> 10} KiB rings" if self.node.root.routes()
+               else "TCP loopback for point-to-point")
+        return (f"shared-memory engine (the collectives' node stages: "
+                f"{engine.slot_bytes >> 10} KiB slots; {p2p})", "TCP (the collectives' "
+                "cross-node stages: each local rank carries 1/L of the data)")
+
 
 def node_members(nodes: tuple[str, ...] | list[str]) -> tuple[tuple[int, ...], ...]:
     """Global ranks per node (nodes in order of their lowest rank, ranks ascending)."""
@@ -77,30 +86,31 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
     sizes = {len(m) for m in members}
     if len(members) < 2 or len(sizes) != 1 or sizes == {1}:
         return None
+    from .engine.rings import RingMesh
+    from .engine.segment import Engine
+
     mine = next(m for m in members if backend.rank in m)
     local = mine.index(backend.rank)
     node = SubBackend(backend, mine, name="ferro-node")
     cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}")
-    node.engine = SharedSegment.join(node, slot_bytes=slot_bytes or DEFAULT_SLOT_BYTES)
-    box, seg = backend._box, node.engine
-    node.peer_failure = lambda op, peer: box.failure(op, node._global[peer])
+    node.engine = engine = Engine.join(node, slot_bytes=slot_bytes)
 
     def on_failure() -> None:
         # wake the node's engine waits on an abort, this rank's close, or a node peer gone;
         # a rank of another node that finished and closed must not break this node's calls
         # (the cross stages see that rank's failures on the mesh)
-        if box.aborted is not None or box.closed or any(p in box.closed_peers for p in mine):
-            seg.mark_failed()
+        if any(backend.peer_failure("engine", p) is not None for p in mine):
+            engine.mark_failed()
 
-    box.add_failure_callback(on_failure)
-    if backend._rings is None:  # the node's ranks talk through the segment's rings too
-        backend._rings = RingMesh(seg, box, lambda: backend.timeout, ranks=mine)
-        backend._closers.append(backend._rings.close)
-    backend._closers.append(seg.close)
+    backend.on_failure(on_failure)
+    if not backend.routes():  # the node's ranks talk through the engine's rings too
+        backend.install_route(RingMesh(engine, backend.mailbox, lambda: backend.timeout,
+                                       ranks=mine))
+    backend.on_close(engine.close)
     hierarchy = Hierarchy(node, cross, members)
     backend.hierarchy = hierarchy
     log.debug("rank %d: node %s (local rank %d of %d), cross group %s", backend.rank, mine,
-              local, len(mine), cross._global)
+              local, len(mine), cross.members)
     return hierarchy
 
 

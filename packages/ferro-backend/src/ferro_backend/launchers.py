@@ -44,12 +44,13 @@ from typing import Any
 
 from . import settings
 from ._platform import SAME_HOST_ENGINE
-from .base import DEFAULT_TIMEOUT, Backend, timeout_from_env
+from .base import DEFAULT_TIMEOUT, Backend
+from .checks import timeout_from_env
+from .engine.shm import ShmBackend
 from .errors import LauncherError, RendezvousError
 from .hierarchy import attach_hierarchy
-from .rendezvous import listen
-from .shm import ShmBackend
-from .tcp import TcpBackend
+from .mesh.rendezvous import listen
+from .mesh.tcp import TcpBackend
 
 log = logging.getLogger("ferro_backend.launchers")
 

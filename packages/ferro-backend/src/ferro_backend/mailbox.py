@@ -18,7 +18,8 @@ from collections import deque
 from collections.abc import Callable
 
 from . import _wire
-from .base import Request, check_timeout, size_mismatch
+from .base import Request
+from .checks import check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
 
 #: why a peer is gone when it said goodbye (``Backend.close``) instead of dying

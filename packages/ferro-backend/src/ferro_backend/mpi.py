@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request, check_timeout, size_mismatch
+from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
+from .checks import check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError
 from .mailbox import Mailbox
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request, check_timeout, check_world_size
+from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
+from .checks import check_timeout, check_world_size
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .mailbox import Mailbox
 from .netsim import Network, TimedRequest, VirtualTime

@@ -12,7 +12,8 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from .base import GROUP_TAG_SHIFT, Backend, FixedRanks, Request, check_rank, check_tag
+from .base import GROUP_TAG_SHIFT, Backend, FixedRanks, Request
+from .checks import check_rank, check_tag
 from .errors import InvalidRankError, InvalidWorldSizeError
 
 
@@ -63,6 +64,21 @@ class SubBackend(FixedRanks, Backend):
     @property
     def group_id(self) -> int:
         return self._group_id
+
+    @property
+    def root(self) -> Backend:
+        """The transport this subgroup's messages travel on (the first non-subgroup parent)."""
+        return self._root
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The ranks of :attr:`root` of the members, by local rank."""
+        return self._global
+
+    def peer_failure(self, op: str, peer: int) -> BaseException | None:
+        """The root transport's failure for local rank ``peer``'s rank (see
+        :meth:`Backend.peer_failure`)."""
+        return self._root.peer_failure(op, self._global[peer])
 
     def to_global(self, local: int) -> int:
         """The parent rank of local rank ``local`` (InvalidRankError if out of range)."""

@@ -146,11 +146,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 # ----------------------------------------------------------------------------- real processes
 def _backend_class(transport: str):
     if transport == "tcp":
-        from .tcp import TcpBackend
+        from .mesh.tcp import TcpBackend
 
         return TcpBackend
     if transport == "shm":
-        from .shm import ShmBackend
+        from .engine.shm import ShmBackend
 
         return ShmBackend
     raise ValueError(f"transport {transport!r} is not 'tcp' or 'shm'")

@@ -19,7 +19,6 @@ from ferro_backend import (
 )
 
 from . import _reduce  # noqa: F401 - the compiled kernel, imported unconditionally
-from .algorithms import set_stall_report
 from .api import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     all_gather,
@@ -29,22 +28,29 @@ from .api import (
     barrier,
     broadcast,
     broadcast_async,
+    gather,
+    gather_async,
+    reduce,
+    reduce_async,
     reduce_scatter,
     reduce_scatter_async,
+    scatter,
+    scatter_async,
 )
-from .call import ALGORITHMS
-from .exchange import (
+from .api_uneven import (
+    all_gather_object,
     all_gather_v,
     all_gather_v_async,
     all_to_all,
     all_to_all_async,
     all_to_all_single,
     all_to_all_single_async,
+    broadcast_object,
 )
 from .header import set_mismatch_check
-from .objects import all_gather_object, broadcast_object
 from .ops import ReduceOp
-from .rooted import gather, gather_async, reduce, reduce_async, scatter, scatter_async
+from .p2p import set_stall_report
+from .plan import ALGORITHMS
 from .work import Work
 
 __version__ = _version("ferro-collective")

@@ -60,5 +60,11 @@ def state(backend) -> BackendState:
     return st
 
 
+def reserve(*backends) -> list[int]:
+    """The next sequence number of each backend, taken now (a hierarchical call reserves its
+    stages' on the node and cross groups when it is issued)."""
+    return [state(b).next_seq() for b in backends]
+
+
 def tag_base(seq: int) -> int:
     return TAG_BASE + (seq % SEQ_SLOTS) * STEPS_PER_CALL

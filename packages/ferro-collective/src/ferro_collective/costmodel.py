@@ -14,7 +14,7 @@ Every collective first exchanges its header (mismatch detection, Bruck's all-gat
 what ``algorithm="auto"`` uses beyond the few ranks the fixed thresholds were measured on.
 
 Several nodes: ``predict(name, "hierarchical", ...)`` composes the stages of
-:mod:`ferro_collective.hierarchical` (node stage, cross stages of every local index at once,
+the hierarchical stages of the collectives (node stage, cross stages of every local index at once,
 node stage; each with its header exchange and auto's algorithm for its group and links) on one
 schedule of the job's ranks, as a simulated hierarchy runs them
 (``SimulatedBackend.create_group(..., hierarchical=True)``), and :func:`choose_hierarchical`
@@ -29,7 +29,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .header import HEADER_SIZE
+from . import schedule
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,6 @@ def params_for(backend) -> Params:
     :class:`~ferro_backend.SimulatedBackend` made with one; else :data:`DEFAULT`'s links with the
     backend's node layout (``backend.nodes``: consecutive ranks per node, the same number on
     each), or every link between nodes when the layout is unknown or irregular."""
-    params = getattr(backend, "params", None)
-    if isinstance(params, Params):  # a stand-in the model plans with (flat_time)
-        return params
     network = getattr(backend, "network", None)
     if network is not None:
         return Params.of(network)
@@ -99,179 +96,7 @@ ALGORITHMS_MODELLED = {
 }
 
 
-def _cost(p: Params, src: int, dst: int, nbytes: float) -> tuple[float, float]:
-    """(latency, seconds on the sender's interface) of one message ``src -> dst``."""
-    L = p.ranks_per_node if p.intra_alpha is not None else 0
-    same = L > 0 and src // L == dst // L
-    a, b = p.link(not same)
-    return a, nbytes / b
-
-
-class _Schedule:
-    """Each rank's clock and the time its interface is free, as the simulated network keeps
-    them: a send leaves at ``max(clock, interface free)``, occupies the interface for its bytes
-    over the bandwidth and arrives a latency later; a receive moves the clock to the arrival."""
-
-    def __init__(self, p: Params, clock: list[float]) -> None:
-        self.p, self.clock, self.nic = p, clock[:], clock[:]
-
-    def send(self, src: int, dst: int, nbytes: float) -> float:
-        lat, busy = _cost(self.p, src, dst, nbytes)
-        self.nic[src] = max(self.clock[src], self.nic[src]) + busy
-        return self.nic[src] + lat
-
-    def rounds(self, rounds, fold: bool = False) -> None:
-        """Rounds in which every rank sends one message, then waits for one: ``rounds`` yields
-        ``(dst_of, nbytes)``; ``dst_of(me)`` is the rank ``me`` sends to (None: sits out).
-        ``fold``: the receiver then reduces what it got into its buffer (``gamma`` per byte)."""
-        n = len(self.clock)
-        for dst_of, nbytes in rounds:
-            arrivals = [None] * n
-            for me in range(n):
-                dst = dst_of(me)
-                if dst is not None:
-                    arrivals[dst] = max(arrivals[dst] or 0.0, self.send(me, dst, nbytes))
-            work = self.p.gamma * nbytes if fold else 0.0
-            self.clock = [c if a is None else max(c, a) + work
-                          for c, a in zip(self.clock, arrivals)]
-
-
-class _Clocks:
-    """A group's clocks as a list indexed by local rank, stored in the whole job's schedule."""
-
-    def __init__(self, s: _Schedule, members: tuple[int, ...]) -> None:
-        self.s, self.members = s, members
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def __getitem__(self, i: int) -> float:
-        return self.s.clock[self.members[i]]
-
-    def __setitem__(self, i: int, value: float) -> None:
-        self.s.clock[self.members[i]] = value
-
-    def __iter__(self):
-        return (self.s.clock[m] for m in self.members)
-
-
-class _View(_Schedule):
-    """A subgroup of a job's :class:`_Schedule` (local rank ``i`` is global ``members[i]``):
-    the algorithms run on it as on a schedule of their own, their messages charged to the
-    global ranks' links and interfaces (as a SubBackend's are by the simulated network)."""
-
-    def __init__(self, s: _Schedule, members) -> None:  # not _Schedule.__init__: no clocks of its own
-        self.s, self.p, self.members = s, s.p, tuple(members)
-
-    @property
-    def clock(self) -> _Clocks:
-        return _Clocks(self.s, self.members)
-
-    @clock.setter
-    def clock(self, values) -> None:
-        for m, v in zip(self.members, list(values)):
-            self.s.clock[m] = v
-
-    def send(self, src: int, dst: int, nbytes: float) -> float:
-        return self.s.send(self.members[src], self.members[dst], nbytes)
-
-
-def _header_rounds(n: int) -> list:
-    """Bruck's all-gather of the headers: round ``k`` (distance ``d = 2^k``), rank ``me``
-    sends ``min(d, n - count)`` headers to ``me - d``."""
-    rounds, count, d = [], 1, 1
-    while count < n:
-        take = min(d, n - count)
-        rounds.append((lambda me, d=d: (me - d) % n, take * HEADER_SIZE))
-        count += take
-        d *= 2
-    return rounds
-
-
-def _header(p: Params, n: int) -> list[float]:
-    s = _Schedule(p, [0.0] * n)
-    s.rounds(_header_rounds(n))
-    return s.clock
-
-
-def header_time(p: Params, n: int) -> float:
-    """The header exchange every collective starts with (mismatch detection)."""
-    return max(_header(p, n)) if n > 1 else 0.0
-
-
-def _ring(s: _Schedule, steps: int, nbytes: float, folds: int = 0) -> None:
-    """``steps`` ring steps, the first ``folds`` of them reducing what arrives."""
-    n = len(s.clock)
-    s.rounds([(lambda me: (me + 1) % n, nbytes)] * folds, fold=True)
-    s.rounds([(lambda me: (me + 1) % n, nbytes)] * (steps - folds))
-
-
-def _recursive_doubling(s: _Schedule, nbytes: float) -> None:
-    n = len(s.clock)
-    q = 1 << (n.bit_length() - 1)
-    for me in range(q, n):  # fold into me - q
-        s.clock[me - q] = max(s.clock[me - q], s.send(me, me - q, nbytes)) \
-            + s.p.gamma * nbytes
-    d = 1
-    while d < q:
-        s.rounds([(lambda me, d=d: (me ^ d) if me < q else None, nbytes)], fold=True)
-        d *= 2
-    for me in range(q, n):  # the result back
-        s.clock[me] = max(s.clock[me], s.send(me - q, me, nbytes))
-
-
-def _gather_to_root(s: _Schedule, nbytes: float, fold: bool = False) -> None:
-    n = len(s.clock)
-    for r in range(1, n):
-        s.clock[0] = max(s.clock[0], s.send(r, 0, nbytes))
-    if fold:
-        s.clock[0] += s.p.gamma * nbytes * (n - 1)
-
-
-def _from_root(s: _Schedule, nbytes: float) -> None:
-    for r in range(1, len(s.clock)):
-        s.clock[r] = max(s.clock[r], s.send(0, r, nbytes))
-
-
-def _tree(s: _Schedule, nbytes: float) -> None:
-    """Binomial tree from rank 0: ``v`` gets the data from ``v - m`` (``m`` its lowest set
-    bit), then sends to ``v + m'`` for every ``m' < m``, largest first."""
-    n = len(s.clock)
-    top = 1 << max(0, (n - 1).bit_length() - 1)
-    for v in range(n):  # parents come before their children
-        mask = top if v == 0 else (v & -v) >> 1
-        while mask:
-            if v + mask < n:
-                s.clock[v + mask] = max(s.clock[v + mask], s.send(v, v + mask, nbytes))
-            mask >>= 1
-
-
-def _run(s: _Schedule, name: str, algorithm: str, nbytes: float) -> None:
-    """One flat algorithm's messages on ``s`` (a schedule or a group's view of one)."""
-    n = len(s.clock)
-    if n <= 1 or nbytes <= 0:
-        return  # nothing to send (the calls skip the algorithm for an empty buffer)
-    chunk = math.ceil(nbytes / n)
-    if name == "allreduce" and algorithm == "ring":
-        _ring(s, 2 * (n - 1), chunk, folds=n - 1)
-    elif name == "allreduce" and algorithm == "recursive_doubling":
-        _recursive_doubling(s, nbytes)
-    elif name == "allreduce" and algorithm == "star":
-        _gather_to_root(s, nbytes, fold=True)
-        _from_root(s, nbytes)
-    elif name == "broadcast" and algorithm == "tree":
-        _tree(s, nbytes)
-    elif name == "broadcast" and algorithm == "star":
-        _from_root(s, nbytes)
-    elif name == "all_gather" and algorithm == "ring":
-        _ring(s, n - 1, nbytes)
-    elif name == "reduce_scatter" and algorithm == "ring":
-        _ring(s, n - 1, chunk, folds=n - 1)
-    else:
-        raise ValueError(f"costmodel: no model for {name} {algorithm!r}")
-
-
-#: the collectives that have a hierarchical form (ferro_collective.hierarchical); "barrier" is
+#: the collectives that have a hierarchical form (node and cross stages); "barrier" is
 #: modelled as "flat" (the header exchange alone) and "hierarchical"
 HIERARCHICAL = ("allreduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
 
@@ -283,7 +108,7 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
     input: the whole buffer for allreduce/broadcast/reduce_scatter, the block for all_gather),
     from the algorithm's message schedule on ``p``'s links.
 
-    ``algorithm="hierarchical"``: the stages :mod:`ferro_collective.hierarchical` runs on nodes
+    ``algorithm="hierarchical"``: the stages the collectives run on nodes
     of ``p.ranks_per_node`` ranks, each stage with its own header exchange and the algorithm
     "auto" picks for it (:func:`hierarchical_stages`), the node stages over the intra-node
     links (as on a simulated network); ``"hierarchical_engine"``: the same with each node stage
@@ -295,9 +120,9 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
         return _hierarchical(name, nbytes, n, p, algorithm == "hierarchical_engine",
                              header)
     if name == "barrier" and algorithm == "flat":
-        return header_time(p, n) + p.call
-    s = _Schedule(p, _header(p, n) if header else [0.0] * n)
-    _run(s, name, algorithm, nbytes)
+        return schedule.header_time(p, n) + p.call
+    s = schedule.Schedule(p, schedule.header_clocks(p, n) if header else [0.0] * n)
+    schedule.run(s, name, algorithm, nbytes)
     return max(s.clock) + p.call
 
 
@@ -321,20 +146,39 @@ def _layout(n: int, p: Params) -> tuple[int, int]:
     return L, n // L
 
 
-def _auto_pick(name: str, nbytes: int, n: int, p: Params) -> str:
-    """What ``algorithm="auto"`` runs (``call.choose``: its thresholds up to 4 ranks, the
-    model beyond) for ``n`` ranks on ``p``'s links."""
-    from types import SimpleNamespace
+#: allreduce messages up to this size use recursive doubling (latency), larger ones the ring
+#: (measured, up to 4 ranks; rooted collectives scale it)
+SMALL_MESSAGE_BYTES = 256 << 10
 
-    from .call import choose
 
-    return choose(name, None, int(nbytes), n, SimpleNamespace(params=p))
+def measured_pick(name: str, nbytes: int, n: int) -> str:
+    """What ``algorithm="auto"`` runs up to 4 ranks (and for the collectives the model does not
+    describe): the thresholds measured on this machine's kind."""
+    if name == "allreduce":
+        return "recursive_doubling" if nbytes <= SMALL_MESSAGE_BYTES or n <= 2 and \
+            nbytes <= 4 * SMALL_MESSAGE_BYTES else "ring"
+    if name == "reduce":  # binomial tree; reduce-scatter + gather (bandwidth) when large
+        return "tree" if nbytes <= SMALL_MESSAGE_BYTES or n <= 2 else "ring"
+    if name in ("gather", "scatter"):  # nbytes: one rank's block
+        return "tree" if nbytes <= SMALL_MESSAGE_BYTES // 4 else "star"
+    if name == "all_to_all":
+        return "pairwise"
+    return "tree" if name == "broadcast" else "ring"
+
+
+def auto_pick(name: str, nbytes: int, n: int, p: Params | None) -> str:
+    """What ``algorithm="auto"`` runs for ``n`` ranks: the measured thresholds up to 4 ranks,
+    beyond them the model's best on ``p``'s links (``p`` is not needed up to 4 ranks, nor for
+    the collectives the model does not describe)."""
+    if n > 4 and name in ALGORITHMS_MODELLED:
+        return choose_auto(name, nbytes, n, DEFAULT if p is None else p)
+    return measured_pick(name, int(nbytes), n)
 
 
 def _stage_pick(name: str, nbytes: int, n: int, alpha: float, beta: float) -> str:
     """auto's pick for a stage of ``n`` ranks on one kind of link (a stage's group carries its
     link as its network: ferro_backend.hierarchy)."""
-    return _auto_pick(name, nbytes, n, Params(alpha, beta))
+    return auto_pick(name, nbytes, n, Params(alpha, beta))
 
 
 def hierarchical_stages(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> list:
@@ -373,7 +217,7 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
     L, N = _layout(n, p)
     nodes = [tuple(range(k * L, (k + 1) * L)) for k in range(N)]
     crosses = [tuple(range(j, n, L)) for j in range(L)]
-    s = _Schedule(p, [0.0] * n)
+    s = schedule.Schedule(p, [0.0] * n)
     pieces = split_sizes(int(nbytes), L)  # allreduce's slices (bytes; the call splits elements)
     ia, ib = p.link(False)
     xa, xb = p.link(True)
@@ -395,14 +239,14 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
         else:
             groups = [(members, size) for members in crosses]
         for members, size_j in groups:
-            view = _View(s, members)
+            view = schedule.View(s, members)
             if header:
-                view.rounds(_header_rounds(len(members)))
+                view.rounds(schedule.header_rounds(len(members)))
             if stage == "barrier":
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)
-            _run(view, stage, algorithm, size_j)
+            schedule.run(view, stage, algorithm, size_j)
     return max(s.clock)
 
 
@@ -432,7 +276,7 @@ def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
     exchange)."""
     if name == "barrier":
         return predict("barrier", "flat", 0, n, p)
-    return predict(name, _auto_pick(name, nbytes, n, p), nbytes, n, p)
+    return predict(name, auto_pick(name, nbytes, n, p), nbytes, n, p)
 
 
 #: a real job (the engine in each node, whose cost the model only estimates) leaves its stages
@@ -451,7 +295,7 @@ def _hier_wins(name: str, bucket: int, n: int, p: Params, engine: bool) -> bool:
 def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
                         engine: bool = False) -> bool:
     """Whether ``algorithm="auto"`` runs ``name`` as node and cross stages
-    (:mod:`ferro_collective.hierarchical`) rather than flat on ``n`` ranks in nodes of
+    (the collectives' hierarchical stages) rather than flat on ``n`` ranks in nodes of
     ``p.ranks_per_node``: when the model rates the stages faster than the flat algorithm auto
     would run, at the size rounded up to a power of two (so one (size class, world, layout)
     always gets one answer, the same on every rank). ``engine``: the node stages run on a
@@ -465,6 +309,7 @@ def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
     return _hier_wins(name, bucket if name != "barrier" else 0, n, p, engine)
 
 
-__all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL", "Params", "best",
-           "choose_auto", "choose_hierarchical", "flat_time", "header_time",
-           "hierarchical_stages", "params_for", "predict", "terms"]
+__all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL",
+           "SMALL_MESSAGE_BYTES", "Params", "auto_pick", "best", "choose_auto",
+           "choose_hierarchical", "flat_time", "hierarchical_stages", "measured_pick",
+           "params_for", "predict", "terms"]

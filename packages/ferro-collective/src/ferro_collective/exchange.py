@@ -3,7 +3,7 @@
 Dim 0 may differ between ranks (and, for the all-to-alls, between destinations); the dtype and
 the trailing shape may not (CollectiveMismatchError on every rank, naming what each called:
 the header carries them with dim 0 as ``*``). The row counts travel in the metadata round of
-:class:`~.metadata.MetaCall`, so every rank knows every message's size before data moves and
+:class:`~.metadata.MetaPlan`, so every rank knows every message's size before data moves and
 every check on them is made by every rank alike (the same error everywhere, never a hang).
 
 Algorithms:
@@ -13,7 +13,7 @@ Algorithms:
 - all_to_all: pairwise exchange: every receive is posted first (straight into the result), then
   at step ``s = 1..n-1`` rank ``r`` sends to ``r + s`` and waits for ``r - s`` (mod n), so each
   step is a permutation and no rank is sent to by many at once. On a ``ShmBackend`` the
-  all-to-alls run on the same-host engine instead (:func:`.fastpath.get_pieces`): small data
+  all-to-alls run on the same-host engine instead (:func:`.metadata.get_pieces`): small data
   rides in the metadata step, large pieces are read straight from their senders' memory.
 """
 
@@ -26,18 +26,11 @@ import numpy as np
 
 from ferro_backend import Backend, SizeMismatchError
 
-from . import algorithms as alg
-from . import fastpath
-from .call import as_array, check_out, choose
-from .engine_group import EngineGroup, Step
-from .metadata import MetaCall, guard, pack_ints, unpack_ints
-from .work import Work
-
-
-def _check_backend(name: str, backend) -> None:
-    if not isinstance(backend, Backend):
-        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
-                        f"{type(backend).__name__}")
+from .checks import as_array, check_backend, check_out
+from .engine import EngineGroup, Step
+from .metadata import MetaPlan, get_pieces, guard, pack_ints, put_pieces, sent_bytes, unpack_ints
+from .p2p import Ctx
+from .plan import choose
 
 
 def _row_bytes(dtype: np.dtype, trailing: tuple[int, ...]) -> int:
@@ -57,7 +50,7 @@ def _views(buf: np.ndarray, rows: Sequence[int], dtype: np.dtype, trailing: tupl
 
 
 # ----------------------------------------------------------------------------- algorithms
-def all_gather_v_ring(ctx: alg.Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
+def all_gather_v_ring(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
     """Ring all-gather in place on uneven chunks (rank r starts with chunk r filled)."""
     n, me = ctx.n, ctx.rank
     right, left = (me + 1) % n, (me - 1) % n
@@ -73,7 +66,7 @@ def all_gather_v_ring(ctx: alg.Ctx, buf: np.ndarray, bounds: Sequence[tuple[int,
             ctx.wait(req, left, f"rank {recv_c}'s block (all-gather step {s})")
 
 
-def all_to_all_pairwise(ctx: alg.Ctx, sends: Sequence[np.ndarray],
+def all_to_all_pairwise(ctx: Ctx, sends: Sequence[np.ndarray],
                         recvs: Sequence[np.ndarray]) -> None:
     """``recvs[r]`` = what rank r sends us; ``sends[d]`` goes to rank d (byte arrays)."""
     n, me = ctx.n, ctx.rank
@@ -94,17 +87,19 @@ def all_to_all_pairwise(ctx: alg.Ctx, sends: Sequence[np.ndarray],
 
 
 # ----------------------------------------------------------------------------- all_gather_v
-def _all_gather_v(tensor, backend: Backend, timeout, algorithm=None) -> MetaCall:
-    _check_backend("all_gather_v", backend)
+def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
+                         seq: int | None = None) -> MetaPlan:
+    """The checked plan of one all_gather_v (``arg``, ``out`` unused)."""
+    check_backend("all_gather_v", backend)
     choose("all_gather_v", algorithm, 0, backend.world_size)
     x, invalid = guard(lambda: as_array("all_gather_v", tensor, backend))
     if invalid is not None:
-        return MetaCall("all_gather_v", backend, timeout, (None, (), None, -1), bytes(8),
+        return MetaPlan("all_gather_v", backend, timeout, (None, (), None, -1), bytes(8),
                         lambda ctx, metas: None, invalid)
     zero_d = x.ndim == 0
     trailing = x.shape[1:]
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> list[np.ndarray]:
+    def body(ctx: Ctx, metas: list[bytes]) -> list[np.ndarray]:
         rows = [unpack_ints(m, 1)[0] for m in metas]
         rb = _row_bytes(x.dtype, trailing)
         bounds, start = [], 0
@@ -120,37 +115,15 @@ def _all_gather_v(tensor, backend: Backend, timeout, algorithm=None) -> MetaCall
         return _views(buf, rows, x.dtype, trailing, zero_d)
 
     header = (x.dtype, () if zero_d else (-1, *trailing), None, -1)
-    return MetaCall("all_gather_v", backend, timeout, header,
+    return MetaPlan("all_gather_v", backend, timeout, header,
                     pack_ints([1 if zero_d else x.shape[0]]), body)
 
 
-def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> list[np.ndarray]:
-    """Every rank's ``tensor``, in rank order; dim 0 may differ between ranks.
-
-    Every rank passes the same dtype and the same shape after dim 0 (or every rank a 0-d
-    array); otherwise every rank raises :class:`CollectiveMismatchError` naming what each
-    passed. Returns a list of ``world_size`` new arrays (index ``r`` = rank ``r``'s, zero rows
-    allowed), the same on every rank. A metadata round (ceil(log2 n) small messages) exchanges
-    the row counts, then the ring all-gather moves the data. Inputs are not modified.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> [[a.tolist() for a in res] for res in
-    ...  run_ranks(lambda b: all_gather_v(np.arange(b.rank + 1), b), 2)]
-    [[[0], [0, 1]], [[0], [0, 1]]]
-    """
-    return _all_gather_v(tensor, backend, timeout).run()
-
-
-def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None) -> Work:
-    """:func:`all_gather_v` in the background; ``Work.wait()`` returns the list."""
-    return _all_gather_v(tensor, backend, timeout).submit()
-
-
 # ----------------------------------------------------------------------------- all_to_all
-def _all_to_all(tensors, backend: Backend, timeout, algorithm=None) -> MetaCall:
-    _check_backend("all_to_all", backend)
+def prepare_all_to_all(tensors, backend: Backend, arg, timeout, algorithm, out,
+                       seq: int | None = None) -> MetaPlan:
+    """The checked plan of one all_to_all (``arg``, ``out`` unused)."""
+    check_backend("all_to_all", backend)
     n = backend.world_size
     choose("all_to_all", algorithm, 0, n)
 
@@ -172,7 +145,7 @@ def _all_to_all(tensors, backend: Backend, timeout, algorithm=None) -> MetaCall:
 
     xs, invalid = guard(prepare)
     if invalid is not None:
-        return MetaCall("all_to_all", backend, timeout, (None, (), None, -1), bytes(8 * n),
+        return MetaPlan("all_to_all", backend, timeout, (None, (), None, -1), bytes(8 * n),
                         lambda ctx, metas: None, invalid)
     dtype, zero_d, trailing = xs[0].dtype, xs[0].ndim == 0, xs[0].shape[1:]
     send_rows = [1 if zero_d else t.shape[0] for t in xs]
@@ -185,54 +158,27 @@ def _all_to_all(tensors, backend: Backend, timeout, algorithm=None) -> MetaCall:
         result = _views(buf, rows, dtype, trailing, zero_d)
         return result, [r.reshape(-1).view(np.uint8) for r in result]
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> list[np.ndarray]:
+    def body(ctx: Ctx, metas: list[bytes]) -> list[np.ndarray]:
         result, recvs = plan(ctx.rank, metas)
         all_to_all_pairwise(ctx, sends, recvs)
         return result
 
     def put(group: EngineGroup, payload: np.ndarray) -> None:
-        fastpath.put_pieces(group, payload, sends)
+        put_pieces(group, payload, sends)
 
     def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
             messages) -> list[np.ndarray]:
         me = group.me
         result, recvs = plan(me, metas)
-        totals, starts = fastpath.sent_bytes([[k * rb for k in unpack_ints(m, n)]
+        totals, starts = sent_bytes([[k * rb for k in unpack_ints(m, n)]
                                               for m in metas], me)
-        if not fastpath.get_pieces(group, call, step, off, totals, starts, recvs, sends[me]):
+        if not get_pieces(group, call, step, off, totals, starts, recvs, sends[me]):
             return messages()
         return result
 
     header = (dtype, () if zero_d else (-1, *trailing), None, -1)
-    return MetaCall("all_to_all", backend, timeout, header, pack_ints(send_rows), body,
-                    fast=(put, run), algorithm=algorithm)
-
-
-def all_to_all(tensors: Sequence, backend: Backend, *,
-               timeout: float | None = None) -> list[np.ndarray]:
-    """Send ``tensors[r]`` to rank ``r``; return the list whose entry ``r`` came from rank ``r``.
-
-    ``tensors``: a list of ``world_size`` arrays of one dtype and one shape after dim 0 (dim 0
-    may differ, zero rows included; or all 0-d), the same dtype and trailing shape on every rank
-    (else CollectiveMismatchError on every rank). A list of the wrong length or mixed dtypes is
-    a ValueError on that rank and a CollectiveMismatchError on the others. Pairwise exchange
-    after a metadata round that exchanges the row counts. Inputs are not modified.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> res = run_ranks(lambda b: all_to_all([np.array([10 * b.rank + d]) for d in range(2)],
-    ...                                      b), 2)
-    >>> [[a.tolist() for a in r] for r in res]
-    [[[0], [10]], [[1], [11]]]
-    """
-    return _all_to_all(tensors, backend, timeout).run()
-
-
-def all_to_all_async(tensors: Sequence, backend: Backend, *,
-                     timeout: float | None = None) -> Work:
-    """:func:`all_to_all` in the background."""
-    return _all_to_all(tensors, backend, timeout).submit()
+    return MetaPlan("all_to_all", backend, timeout, header, pack_ints(send_rows), body,
+                    engine_path=(put, run), algorithm=algorithm)
 
 
 # ----------------------------------------------------------------------------- all_to_all_single
@@ -250,10 +196,12 @@ def _splits(what: str, splits, n: int, total: int | None) -> list[int]:
     return values
 
 
-def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeout, out,
-                       algorithm=None) -> MetaCall:
+def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm, out,
+                              seq: int | None = None) -> MetaPlan:
+    """The checked plan of one all_to_all_single (``arg``: ``(send_splits, recv_splits)``)."""
+    send_splits, recv_splits = arg
     name = "all_to_all_single"
-    _check_backend(name, backend)
+    check_backend(name, backend)
     n = backend.world_size
     choose("all_to_all", algorithm, 0, n)
     if out is not None and not isinstance(out, np.ndarray):
@@ -276,7 +224,7 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
 
     prepared, invalid = guard(prepare)
     if invalid is not None:
-        return MetaCall(name, backend, timeout, (None, (), None, -1), bytes(16 * n),
+        return MetaPlan(name, backend, timeout, (None, (), None, -1), bytes(16 * n),
                         lambda ctx, metas: None, invalid)
     x, send, recv = prepared
     trailing = x.shape[1:]
@@ -313,25 +261,25 @@ def _all_to_all_single(tensor, backend: Backend, send_splits, recv_splits, timeo
             return out
         return res
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
+    def body(ctx: Ctx, metas: list[bytes]) -> np.ndarray:
         res, rviews, late, _ = plan(ctx.rank, metas)
         all_to_all_pairwise(ctx, sviews, rviews)
         return finish(res, late)
 
     def put(group: EngineGroup, payload: np.ndarray) -> None:
-        fastpath.put_pieces(group, payload, sviews, flat_in, starts)
+        put_pieces(group, payload, sviews, flat_in, starts)
 
     def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
             messages) -> np.ndarray:
         me = group.me
         res, rviews, late, (totals, at) = plan(me, metas)
-        if not fastpath.get_pieces(group, call, step, off, totals, at, rviews, sviews[me]):
+        if not get_pieces(group, call, step, off, totals, at, rviews, sviews[me]):
             return messages()
         return finish(res, late)
 
     header = (x.dtype, (-1, *trailing), None, -1)
-    return MetaCall(name, backend, timeout, header, pack_ints(send + recv), body,
-                    fast=(put, run), algorithm=algorithm)
+    return MetaPlan(name, backend, timeout, header, pack_ints(send + recv), body,
+                    engine_path=(put, run), algorithm=algorithm)
 
 
 _plans: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
@@ -361,40 +309,12 @@ def _split_plan(name: str, metas: list[bytes], n: int, me: int,
             raise SizeMismatchError(f"{name}: rank {r} sends {recv[r]} rows to rank {d}, "
                                     f"whose recv_splits[{r}] is {declared[r]}")
     got = ([sends[r][me] for r in range(n)],
-           *fastpath.sent_bytes([[k * rb for k in row] for row in sends], me))
+           *sent_bytes([[k * rb for k in row] for row in sends], me))
     if len(_plans) > 256:
         _plans.clear()
     _plans[key] = got
     return got
 
 
-def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
-                      timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """Split ``tensor`` along dim 0 by ``send_splits`` and send piece ``d`` to rank ``d``;
-    return what every rank sent us, concatenated along dim 0 in rank order.
-
-    As ``torch.distributed.all_to_all_single``: ``send_splits``/``recv_splits`` are
-    ``world_size`` row counts (None: equal splits; ``send_splits`` must add up to dim 0).
-    Every rank checks every rank's splits against the others' (rank ``r``'s ``send_splits[d]``
-    must equal rank ``d``'s ``recv_splits[r]``), so a disagreement is the same
-    SizeMismatchError on every rank. The dtype and trailing shape must agree across ranks
-    (else CollectiveMismatchError). ``out=``: a writable C-contiguous array of the result's
-    shape and dtype to fill and return. Inputs are not modified.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> run_ranks(lambda b: all_to_all_single(np.arange(4) + 10 * b.rank, b), 2)
-    [array([ 0,  1, 10, 11]), array([ 2,  3, 12, 13])]
-    """
-    return _all_to_all_single(tensor, backend, send_splits, recv_splits, timeout, out).run()
-
-
-def all_to_all_single_async(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
-                            timeout: float | None = None, out: np.ndarray | None = None) -> Work:
-    """:func:`all_to_all_single` in the background."""
-    return _all_to_all_single(tensor, backend, send_splits, recv_splits, timeout, out).submit()
-
-
-__all__ = ["all_gather_v", "all_gather_v_async", "all_to_all", "all_to_all_async",
-           "all_to_all_single", "all_to_all_single_async"]
+__all__ = ["all_gather_v_ring", "all_to_all_pairwise", "prepare_all_gather_v",
+           "prepare_all_to_all", "prepare_all_to_all_single"]

@@ -18,10 +18,11 @@ import numpy as np
 
 from ferro_backend import Backend
 
-from . import algorithms as alg
-from .exchange import _check_backend, all_gather_v_ring
-from .metadata import MetaCall, pack_ints, unpack_ints
-from .rooted import check_root
+from .broadcast import broadcast_tree
+from .checks import check_backend, check_root
+from .exchange import all_gather_v_ring
+from .metadata import MetaPlan, pack_ints, unpack_ints
+from .p2p import Ctx
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -44,81 +45,40 @@ def _loads(name: str, me: int, src: int, data: np.ndarray):
             f"{type(exc).__name__}: {exc}") from exc
 
 
-def broadcast_object(obj, backend: Backend, root: int = 0, *,
-                     timeout: float | None = None) -> object:
-    """Every rank returns ``root``'s ``obj`` (the others' ``obj`` is ignored; pass None).
-
-    The root pickles ``obj`` (highest protocol) and returns ``obj`` itself; every other rank
-    returns a new object unpickled from the root's bytes (a binomial-tree broadcast after a
-    small metadata round carrying the size). **Unpickling runs code chosen by the root: use
-    this only among authenticated ranks.**
-
-    Raises
-    ------
-    InvalidRankError
-        ``root`` is not in ``[0, world_size)``.
-    TypeError
-        The root's object cannot be pickled: on every rank, naming the reason.
-    pickle.UnpicklingError
-        This rank cannot rebuild the object (a class it cannot import...): on that rank only.
-    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
-        As for every collective.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> run_ranks(lambda b: broadcast_object({"lr": 0.1} if b.rank == 0 else None, b), 2)
-    [{'lr': 0.1}, {'lr': 0.1}]
-    """
+def prepare_broadcast_object(obj, backend: Backend, root, timeout, algorithm=None, out=None,
+                             seq: int | None = None) -> MetaPlan:
+    """The checked plan of one broadcast_object (``arg``: the root; the metadata round carries
+    the pickle's size and whether it could be made)."""
     name = "broadcast_object"
-    _check_backend(name, backend)
+    check_backend(name, backend)
     n, me = backend.world_size, backend.rank
     root = check_root(name, root, n)
     payload, error = _dumps(name, obj) if me == root else (b"", None)
     meta = pack_ints([len(payload), error is not None]) if me == root else bytes(16)
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> object:
+    def body(ctx: Ctx, metas: list[bytes]) -> object:
         size, failed = unpack_ints(metas[root], 2)
         buf = np.frombuffer(payload, np.uint8) if me == root else np.empty(size, np.uint8)
         if n > 1 and size:
-            alg.broadcast_tree(ctx, buf, root)
+            broadcast_tree(ctx, buf, root)
         if failed:
             if error is not None:
                 raise error
             raise TypeError(f"{name}: root {root} {bytes(buf).decode('utf-8', 'replace')}")
         return obj if me == root else _loads(name, me, root, buf)
 
-    return MetaCall(name, backend, timeout, (None, (), None, root), meta, body).run()
+    return MetaPlan(name, backend, timeout, (None, (), None, root), meta, body)
 
 
-def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) -> list:
-    """Every rank's ``obj``, in rank order, on every rank (each entry unpickled anew, this
-    rank's own included, so the lists are equal and share nothing with the inputs).
-
-    Pickles of any size per rank (a metadata round exchanges the sizes, then the ring
-    all-gather moves the bytes). **Unpickling runs code chosen by the sending rank: use this
-    only among authenticated ranks.**
-
-    Raises
-    ------
-    TypeError
-        Some rank's object cannot be pickled: on every rank, naming the ranks and reasons.
-    pickle.UnpicklingError
-        This rank cannot rebuild some rank's object: on that rank only.
-    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
-        As for every collective.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> run_ranks(lambda b: all_gather_object(("rank", b.rank), b), 2)
-    [[('rank', 0), ('rank', 1)], [('rank', 0), ('rank', 1)]]
-    """
+def prepare_all_gather_object(obj, backend: Backend, arg, timeout, algorithm=None, out=None,
+                              seq: int | None = None) -> MetaPlan:
+    """The checked plan of one all_gather_object (the metadata round carries every pickle's
+    size and whether it could be made)."""
     name = "all_gather_object"
-    _check_backend(name, backend)
+    check_backend(name, backend)
     payload, error = _dumps(name, obj)
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> list:
+    def body(ctx: Ctx, metas: list[bytes]) -> list:
         info = [unpack_ints(m, 2) for m in metas]
         bounds, start = [], 0
         for size, _ in info:
@@ -139,7 +99,7 @@ def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) ->
         return [_loads(name, ctx.rank, r, buf[s:e]) for r, (s, e) in enumerate(bounds)]
 
     meta = pack_ints([len(payload), error is not None])
-    return MetaCall(name, backend, timeout, (None, (), None, -1), meta, body).run()
+    return MetaPlan(name, backend, timeout, (None, (), None, -1), meta, body)
 
 
-__all__ = ["all_gather_object", "broadcast_object"]
+__all__ = ["PROTOCOL", "prepare_all_gather_object", "prepare_broadcast_object"]

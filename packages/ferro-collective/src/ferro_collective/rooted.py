@@ -1,4 +1,4 @@
-"""The rooted collectives: reduce, gather, scatter, and their async forms.
+"""The rooted collectives: reduce, gather, scatter (checks, plans, algorithms, engine paths).
 
 Algorithms (on flat contiguous 1-d buffers; ``v = (rank - root) mod n`` is a rank's place in the
 tree):
@@ -9,14 +9,15 @@ tree):
   tree downwards. Reductions fold a child's partial result into the parent's (the lower ranks'
   operand first), so the combination order is fixed by ``n`` and ``root``: the root's result is
   the same bits run after run.
-- ``ring`` (reduce, large messages): the ring reduce-scatter of :mod:`.algorithms`, then every
-  rank sends its reduced chunk to the root (bandwidth-optimal).
+- ``ring`` (reduce, large messages): the ring reduce-scatter of :mod:`.p2p`, then every rank
+  sends its reduced chunk to the root (bandwidth-optimal).
 - ``star`` (gather/scatter, large blocks): the root receives from / sends to every rank directly.
 
-``auto`` picks by message size (:func:`.call.choose`). Over a ``ShmBackend`` reduce and gather
-run on the same-host engine (:mod:`.fastpath`: the rank-order fold of ``algorithm="star"``, read
-straight from the peers' memory when large), and so does scatter (the root's blocks ride in its
-metadata step when small; else every rank reads its block from the root's memory).
+``auto`` picks by message size (:func:`.plan.choose`). On the same-host engine reduce runs as
+the engine's allreduce (the rank-order fold of ``algorithm="star"``, read straight from the
+peers' memory when large) with the result kept on the root, gather through the slots or read
+straight from every rank's memory, and scatter after its metadata step (the root's blocks ride
+in it when small; else every rank reads its block from the root's memory).
 """
 
 from __future__ import annotations
@@ -25,21 +26,16 @@ import os
 
 import numpy as np
 
-from ferro_backend import Backend, InvalidRankError, SizeMismatchError
+from ferro_backend import Backend, SizeMismatchError
+from ferro_backend.partition import split_bounds
 
-from . import algorithms as alg
-from . import fastpath
-from .call import Call, as_array, check_out, choose
-from .engine_group import EngineGroup, Step
-from .metadata import MetaCall, guard, pack_desc, unpack_desc
+from .allreduce import engine_allreduce
+from .checks import as_array, check_out, check_root, finish
+from .engine import EngineGroup, Step
+from .metadata import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
 from .ops import ReduceOp, accumulate, as_op, work_dtype
-from .work import Work
-
-
-def check_root(name: str, root, n: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int | np.integer) or not 0 <= root < n:
-        raise InvalidRankError(f"{name}: root {root!r} is out of range for world_size {n}")
-    return int(root)
+from .p2p import Ctx, reduce_scatter_ring_into
+from .plan import Plan, choose
 
 
 def _children(v: int, n: int) -> tuple[list[int], int]:
@@ -58,7 +54,7 @@ def _span(c: int, n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- algorithms
-def reduce_tree(ctx: alg.Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
+def reduce_tree(ctx: Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
     """Binomial-tree reduce in place; True on the root (``buf`` holds the result)."""
     n = ctx.n
     v = (ctx.rank - root) % n
@@ -76,11 +72,11 @@ def reduce_tree(ctx: alg.Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
     return True
 
 
-def reduce_ring(ctx: alg.Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
+def reduce_ring(ctx: Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
     """Ring reduce-scatter, then every chunk to the root; True on the root."""
     n, me = ctx.n, ctx.rank
-    bounds = alg.chunk_bounds(buf.size, n)
-    alg.reduce_scatter_ring_into(ctx, buf, op, bounds, n if op is ReduceOp.MEAN else None)
+    bounds = split_bounds(buf.size, n)
+    reduce_scatter_ring_into(ctx, buf, op, bounds, n if op is ReduceOp.MEAN else None)
     tag = ctx.next_tag()
     if me != root:
         s, e = bounds[me]
@@ -94,7 +90,7 @@ def reduce_ring(ctx: alg.Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
     return True
 
 
-def gather_tree(ctx: alg.Ctx, block: np.ndarray, out: np.ndarray | None, root: int) -> None:
+def gather_tree(ctx: Ctx, block: np.ndarray, out: np.ndarray | None, root: int) -> None:
     """Binomial-tree gather of equal byte blocks; the root's ``out`` gets them in rank order."""
     n, size = ctx.n, block.size
     v = (ctx.rank - root) % n
@@ -118,7 +114,7 @@ def gather_tree(ctx: alg.Ctx, block: np.ndarray, out: np.ndarray | None, root: i
         out[:root * size] = buf[cut:]
 
 
-def gather_star(ctx: alg.Ctx, block: np.ndarray, out: np.ndarray | None, root: int) -> None:
+def gather_star(ctx: Ctx, block: np.ndarray, out: np.ndarray | None, root: int) -> None:
     size, tag = block.size, ctx.next_tag()
     if ctx.rank != root:
         ctx.send(block, root, tag)
@@ -130,7 +126,7 @@ def gather_star(ctx: alg.Ctx, block: np.ndarray, out: np.ndarray | None, root: i
         ctx.wait(req, r, "its block")
 
 
-def scatter_tree(ctx: alg.Ctx, data: np.ndarray | None, mine: np.ndarray, root: int) -> None:
+def scatter_tree(ctx: Ctx, data: np.ndarray | None, mine: np.ndarray, root: int) -> None:
     """Binomial-tree scatter of equal byte blocks: ``mine`` gets block ``rank`` of the root's
     ``data`` (rank order)."""
     n, size = ctx.n, mine.size
@@ -149,7 +145,7 @@ def scatter_tree(ctx: alg.Ctx, data: np.ndarray | None, mine: np.ndarray, root: 
         mine[...] = buf[:size]
 
 
-def scatter_star(ctx: alg.Ctx, data: np.ndarray | None, mine: np.ndarray, root: int) -> None:
+def scatter_star(ctx: Ctx, data: np.ndarray | None, mine: np.ndarray, root: int) -> None:
     size, tag = mine.size, ctx.next_tag()
     if ctx.rank != root:
         ctx.wait(ctx.irecv(mine, root, tag), root, "its block")
@@ -173,9 +169,9 @@ def _gather_engine(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
                 out[r * size:(r + 1) * size] = block if r == root else g.data(r, step, size,
                                                                               block.dtype)
     elif g.cma_ok:
-        step = g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
+        g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
         if g.me == root:
-            extras = g.extras(step)
+            extras = g.extras()
             for r in range(g.n):
                 if r == root:
                     out[r * size:(r + 1) * size] = block
@@ -193,7 +189,10 @@ def _gather_engine(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
 
 
 # ----------------------------------------------------------------------------- reduce
-def _reduce(tensor, backend: Backend, root, op, timeout, out, algorithm=None) -> Call:
+def prepare_reduce(tensor, backend: Backend, arg, timeout, algorithm, out,
+                   seq: int | None = None) -> Plan:
+    """The checked plan of one reduce (``arg``: ``(root, op)``)."""
+    root, op = arg
     x = as_array("reduce", tensor, backend)
     n = backend.world_size
     root = check_root("reduce", root, n)
@@ -202,7 +201,7 @@ def _reduce(tensor, backend: Backend, root, op, timeout, out, algorithm=None) ->
     algo = choose("reduce", algorithm, x.size * wd.itemsize, n)
     out = check_out("reduce", out, x.shape, x.dtype) if backend.rank == root else None
 
-    def body(ctx: alg.Ctx) -> np.ndarray | None:
+    def python(ctx: Ctx) -> np.ndarray | None:
         if out is not None and wd == x.dtype and not np.may_share_memory(out, x):
             buf = out.reshape(-1)
             buf[...] = x.reshape(-1)
@@ -214,79 +213,24 @@ def _reduce(tensor, backend: Backend, root, op, timeout, out, algorithm=None) ->
                 return None
         elif ctx.rank != root:
             return None
-        return _finish(buf.reshape(x.shape), x.dtype, out)
+        return finish(buf.reshape(x.shape), x.dtype, out)
 
-    def fast(group, step, header: bytes) -> np.ndarray | None:
-        mine = group.backend.rank == root
+    def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray | None:
+        mine = group.me == root
         result = (np.empty(x.shape, x.dtype) if out is None else out) if mine else \
             group.scratch("reduce", x.dtype, x.size).reshape(x.shape)
-        fastpath.allreduce(group, step, header, np.ascontiguousarray(x).reshape(-1),
-                           result.reshape(-1), wd, op)
+        engine_allreduce(group, call, header, np.ascontiguousarray(x).reshape(-1),
+                         result.reshape(-1), wd, op)
         return result if mine else None
 
-    return Call("reduce", backend, timeout, (x.dtype, x.shape, op, root), body, fast, algorithm)
-
-
-def _finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
-    if out is None:
-        return result if result.dtype == dtype else result.astype(dtype)
-    if not np.may_share_memory(result, out):
-        np.copyto(out, result, casting="unsafe")
-    return out
-
-
-def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM, *,
-           timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray | None:
-    """Reduce ``tensor`` element-wise across all ranks; only ``root`` gets the result.
-
-    Parameters
-    ----------
-    tensor : array_like
-        This rank's contribution; every rank passes the same shape and dtype. Not modified.
-    backend : ferro_backend.Backend
-    root : int
-        The rank that receives the result.
-    op : ReduceOp
-        As for :func:`allreduce`: SUM, MEAN (floats), MAX, MIN, PRODUCT, BAND/BOR/BXOR
-        (integers and bool).
-    timeout : float, optional
-        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
-    out : numpy.ndarray, optional
-        On the root: a writable C-contiguous array of the input's shape and dtype to fill and
-        return (it may be the input). Ignored on the other ranks.
-
-    Returns
-    -------
-    numpy.ndarray or None
-        The reduction on ``root`` (the same bits run after run: the binomial tree, or the ring
-        for large messages, fixes the combination order), None on the other ranks.
-
-    Raises
-    ------
-    InvalidRankError
-        ``root`` is not in ``[0, world_size)``.
-    TypeError
-        An unsupported dtype for ``op``.
-    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
-        As for every collective.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> run_ranks(lambda b: reduce(np.array([b.rank + 1]), b, root=1), 3)
-    [None, array([6]), None]
-    """
-    return _reduce(tensor, backend, root, op, timeout, out).run()
-
-
-def reduce_async(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM, *,
-                 timeout: float | None = None, out: np.ndarray | None = None) -> Work:
-    """:func:`reduce` in the background; ``Work.wait()`` returns its result (None off root)."""
-    return _reduce(tensor, backend, root, op, timeout, out).submit()
+    return Plan("reduce", backend, timeout, (x.dtype, x.shape, op, root), python, engine,
+                algorithm=algorithm, seq=seq)
 
 
 # ----------------------------------------------------------------------------- gather
-def _gather(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Call:
+def prepare_gather(tensor, backend: Backend, root, timeout, algorithm, out,
+                   seq: int | None = None) -> Plan:
+    """The checked plan of one gather (``arg``: the root)."""
     x = as_array("gather", tensor, backend)
     n = backend.world_size
     root = check_root("gather", root, n)
@@ -298,7 +242,7 @@ def _gather(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Cal
     def result() -> np.ndarray:
         return np.empty(shape, x.dtype) if out is None else out
 
-    def body(ctx: alg.Ctx) -> np.ndarray | None:
+    def python(ctx: Ctx) -> np.ndarray | None:
         block = np.ascontiguousarray(x).reshape(-1)
         res = result() if mine else None
         if n == 1 or not block.size:
@@ -309,46 +253,22 @@ def _gather(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Cal
         {"tree": gather_tree, "star": gather_star}[algo](ctx, block.view(np.uint8), flat, root)
         return res
 
-    def fast(group, step, header: bytes) -> np.ndarray | None:
+    def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray | None:
         block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
         res = result() if mine else None
-        _gather_engine(group, step, header, block,
+        _gather_engine(group, call, header, block,
                        res.reshape(-1).view(np.uint8) if mine else None, root)
         return res
 
-    return Call("gather", backend, timeout, (x.dtype, x.shape, None, root), body, fast,
-                algorithm)
-
-
-def gather(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-           out: np.ndarray | None = None) -> np.ndarray | None:
-    """Concatenate every rank's ``tensor`` along dim 0, in rank order, on ``root`` only.
-
-    Every rank passes the same shape and dtype (else CollectiveMismatchError on every rank). A
-    0-d input gathers to shape ``[world_size]``. ``out=``: on the root, a writable C-contiguous
-    array of the result's shape and dtype to fill (ignored elsewhere). Binomial tree for small
-    blocks, direct sends to the root for large ones; the engine on a ``ShmBackend``.
-
-    Returns the gathered array on ``root``, None on the other ranks. Raises
-    :class:`InvalidRankError` for a root outside ``[0, world_size)``.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> run_ranks(lambda b: gather(np.array([b.rank, 10 * b.rank]), b), 2)
-    [array([ 0,  0,  1, 10]), None]
-    """
-    return _gather(tensor, backend, root, timeout, out).run()
-
-
-def gather_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-                 out: np.ndarray | None = None) -> Work:
-    """:func:`gather` in the background."""
-    return _gather(tensor, backend, root, timeout, out).submit()
+    return Plan("gather", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
+                algorithm=algorithm, seq=seq)
 
 
 # ----------------------------------------------------------------------------- scatter
-def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Call:
+def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
+                    seq: int | None = None) -> MetaPlan:
+    """The checked plan of one scatter (``arg``: the root); a :class:`MetaPlan`: only the root
+    knows the dtype and shape, which reach every rank in its metadata round."""
     if not isinstance(backend, Backend):
         as_array("scatter", 0, backend)  # the TypeError naming the backend
     n, me = backend.world_size, backend.rank
@@ -392,7 +312,7 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
             res = np.empty(shape, dtype)
         return res, res.reshape(-1).view(np.uint8), late
 
-    def body(ctx: alg.Ctx, metas: list[bytes]) -> np.ndarray:
+    def body(ctx: Ctx, metas: list[bytes]) -> np.ndarray:
         res, mine, late = plan(metas)
         if n == 1 or not mine.size:
             if me == root:
@@ -407,7 +327,7 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
     def put(group: EngineGroup, payload: np.ndarray) -> None:
         if me == root:
             size = data.size // n
-            fastpath.put_pieces(group, payload, [data[r * size:(r + 1) * size]
+            put_pieces(group, payload, [data[r * size:(r + 1) * size]
                                                  for r in range(n)],
                                 data, [r * size for r in range(n)])
 
@@ -421,7 +341,7 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
         # the root's block for itself stays home: ours is block me, or me - 1 past the root
         totals[root], starts[root], recvs[root] = (n - 1) * size, (me - (me > root)) * size, mine
         own = data[me * size:(me + 1) * size] if me == root else None
-        if not fastpath.get_pieces(group, call, step, off, totals, starts, recvs, own,
+        if not get_pieces(group, call, step, off, totals, starts, recvs, own,
                                    own_last=out is not None and own is not None
                                    and np.may_share_memory(res, data)):
             return messages()
@@ -429,51 +349,9 @@ def _scatter(tensor, backend: Backend, root, timeout, out, algorithm=None) -> Ca
             raise late
         return res
 
-    return MetaCall("scatter", backend, timeout, (None, (), None, root), meta, body, invalid,
+    return MetaPlan("scatter", backend, timeout, (None, (), None, root), meta, body, invalid,
                     (put, run), algorithm)
 
 
-def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-            out: np.ndarray | None = None) -> np.ndarray:
-    """Split ``root``'s ``tensor`` along dim 0 into ``world_size`` equal chunks; rank ``r``
-    returns chunk ``r`` (a new array, or ``out``).
-
-    Parameters
-    ----------
-    tensor : array_like or None
-        On ``root``: the array to split (dim 0 divisible by the world size, as for
-        :func:`reduce_scatter`). The other ranks pass None (anything they pass is ignored).
-    backend : ferro_backend.Backend
-    root : int
-    timeout : float, optional
-    out : numpy.ndarray, optional
-        A writable C-contiguous array of the chunk's shape and dtype to fill and return.
-
-    Raises
-    ------
-    InvalidRankError
-        ``root`` is not in ``[0, world_size)``.
-    SizeMismatchError (a ValueError)
-        Dim 0 of the root's tensor is not divisible by the world size, or it is 0-d: on every
-        rank (the root's shape reaches every rank first). ``out`` of the wrong shape or dtype:
-        on that rank, after the call.
-    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
-        As for every collective; the root passing None is an error on the root and a
-        CollectiveMismatchError on the others.
-
-    Examples
-    --------
-    >>> from ferro_backend.testing import run_ranks
-    >>> run_ranks(lambda b: scatter(np.arange(4) if b.rank == 0 else None, b), 2)
-    [array([0, 1]), array([2, 3])]
-    """
-    return _scatter(tensor, backend, root, timeout, out).run()
-
-
-def scatter_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-                  out: np.ndarray | None = None) -> Work:
-    """:func:`scatter` in the background."""
-    return _scatter(tensor, backend, root, timeout, out).submit()
-
-
-__all__ = ["gather", "gather_async", "reduce", "reduce_async", "scatter", "scatter_async"]
+__all__ = ["gather_star", "gather_tree", "prepare_gather", "prepare_reduce", "prepare_scatter",
+           "reduce_ring", "reduce_tree", "scatter_star", "scatter_tree"]

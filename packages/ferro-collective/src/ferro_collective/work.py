@@ -7,7 +7,7 @@ import concurrent.futures
 import numpy as np
 
 from ferro_backend import CollectiveTimeoutError
-from ferro_backend.base import check_timeout
+from ferro_backend.checks import check_timeout
 
 
 class Work:

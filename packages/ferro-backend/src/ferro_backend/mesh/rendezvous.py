@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 
-from .errors import AuthenticationError, ProtocolError, RendezvousError
+from ..errors import AuthenticationError, ProtocolError, RendezvousError
 from .handshake import (
     ST_BAD,
     ST_OK,

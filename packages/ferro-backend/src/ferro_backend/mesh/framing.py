@@ -2,8 +2,7 @@
 
 A frame is ``(kind, tag, length)`` (64-bit tag and length) followed by ``length`` payload bytes.
 Kinds: ``DATA`` (a message), ``ABORT`` (the peer failed; payload: its reason), ``CLOSE`` (the
-peer said goodbye); transports built on the TCP mesh add their own kinds (see
-:meth:`TcpBackend._on_frame`).
+peer said goodbye).
 
 One reader thread per peer drains its socket: into the buffer of a posted receive when there is
 one (``recv_into`` straight into the caller's memory; a frame of the wrong length is refused and
@@ -22,9 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .base import size_mismatch
-from .errors import CollectiveTimeoutError, PeerClosedError, ProtocolError
-from .mailbox import CLOSED_CLEANLY, Mailbox
+from ..checks import size_mismatch
+from ..errors import CollectiveTimeoutError, PeerClosedError, ProtocolError
+from ..mailbox import CLOSED_CLEANLY, Mailbox
 
 FRAME = struct.Struct("<B7xQQ")  # kind, tag, length
 K_DATA, K_ABORT, K_CLOSE = 1, 2, 3
@@ -101,12 +100,10 @@ class Link:
             n -= k
 
 
-def read_frames(link: Link, box: Mailbox,
-                on_frame: Callable[[Link, int, int, int], bool],
-                may_wait: Callable[[], bool] | None = None) -> None:
+def read_frames(link: Link, box: Mailbox, may_wait: Callable[[], bool] | None = None) -> None:
     """The reader thread's loop for ``link``: deliver DATA frames into ``box``, turn ABORT,
-    CLOSE, EOF and errors into failures on ``box``; other kinds go to ``on_frame(link, kind,
-    tag, length)``, which returns False for a kind it does not know (a ProtocolError). A large
+    CLOSE, EOF and errors into failures on ``box``; a frame of another kind is a
+    ProtocolError (the link is then closed). A large
     frame whose receive is not posted yet waits up to LARGE_FRAME_WAIT for it (while
     ``may_wait()``, if given: TcpBackend says no while a send of its own is stuck)."""
     peer, rank = link.peer, link.rank
@@ -140,7 +137,7 @@ def read_frames(link: Link, box: Mailbox,
             elif kind == K_CLOSE:
                 box.peer_closed(peer, CLOSED_CLEANLY)
                 return
-            elif not on_frame(link, kind, tag, length):
+            else:
                 raise ProtocolError(f"frame of unknown kind {kind} from rank {peer}")
     except (OSError, EOFError, ProtocolError, ValueError) as exc:
         why = "the process died or closed the connection" if isinstance(

@@ -15,7 +15,7 @@ import secrets
 import socket
 import struct
 
-from .errors import AuthenticationError, ProtocolError, RendezvousError
+from ..errors import AuthenticationError, ProtocolError, RendezvousError
 
 MAGIC = b"FERRO\x00"
 PROTOCOL_VERSION = 1

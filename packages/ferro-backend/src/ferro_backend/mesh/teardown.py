@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from .errors import DistributedError
+from ..errors import DistributedError
 from .framing import K_ABORT, K_CLOSE, Link
 
 #: seconds a goodbye or abort frame may take per peer

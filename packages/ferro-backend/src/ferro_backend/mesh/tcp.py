@@ -13,27 +13,17 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from . import settings
-from .base import (
-    DEFAULT_TIMEOUT,
-    MAX_TAG,
-    Backend,
-    FixedRanks,
-    Request,
-    as_recv_view,
-    check_rank,
-    check_world_size,
-    timeout_from_env,
-)
-from .errors import CollectiveTimeoutError, RendezvousError
+from .. import settings
+from ..base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
+from ..checks import check_rank, check_world_size, timeout_from_env
+from ..errors import RendezvousError
+from ..mailbox import Mailbox
 from .framing import K_DATA, Link, read_frames
-from .mailbox import Mailbox
 from .rendezvous import Rendezvous, parse_addr
-from .rings import READY, TIME_UP, RingMesh, RingRecv
+from .route import Route
 from .teardown import release, say_goodbye, send_abort
 
 __all__ = ["TcpBackend", "parse_addr"]
@@ -77,10 +67,9 @@ class TcpBackend(FixedRanks, Backend):
 
     Notes
     -----
-    For transports built on this mesh (``ShmBackend``), the protected interface is:
-    ``_links[peer]`` (a :class:`~ferro_backend.framing.Link`: ``send_frame``, ``read_into``,
-    byte counters), ``_box`` (this rank's mailbox), ``_checked_send_view``, ``_fail_if_down``,
-    the hook :meth:`_on_frame` for frame kinds of their own, and :meth:`_teardown`.
+    Transports built on this mesh compose it through public methods: :meth:`install_route`
+    (messages to some peers take another way: the same-host engine's rings),
+    :attr:`mailbox`, :meth:`on_failure`, :meth:`on_close` and :meth:`peer_failure`.
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str, *,
@@ -102,9 +91,10 @@ class TcpBackend(FixedRanks, Backend):
         self._state_lock = threading.Lock()
         self._links: dict[int, Link] = {}
         self._readers: list[threading.Thread] = []
-        self._closers: list = []
-        #: multi-node jobs: the node/cross groups (:mod:`ferro_backend.hierarchy`), else None
-        self.hierarchy = None
+        self._closers: list[Callable[[], None]] = []
+        #: peer -> the route its messages take instead of the sockets (install_route)
+        self._routes: dict[int, Route] = {}
+        self._route_list: list[Route] = []
         if world_size == 1 and listener is not None:
             listener.close()
         if world_size > 1:
@@ -113,8 +103,7 @@ class TcpBackend(FixedRanks, Backend):
             self._links = {peer: Link(rank, peer, sock) for peer, sock in socks.items()}
             for peer, link in self._links.items():
                 t = threading.Thread(target=read_frames,
-                                     args=(link, self._box, self._on_frame,
-                                           self._may_wait_for_receive),
+                                     args=(link, self._box, self._may_wait_for_receive),
                                      daemon=True, name=f"ferro-tcp-{rank}<-{peer}")
                 t.start()
                 self._readers.append(t)
@@ -141,24 +130,52 @@ class TcpBackend(FixedRanks, Backend):
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
-        rings = 0 if self._rings is None else self._rings.sent
-        return sum(link.sent for link in self._links.values()) + rings
+        """Payload bytes sent over the sockets and through the routes."""
+        return sum(link.sent for link in self._links.values()) + sum(
+            route.bytes_sent for route in self._route_list)
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
-        rings = 0 if self._rings is None else self._rings.received
-        return sum(link.received for link in self._links.values()) + rings
+        return sum(link.received for link in self._links.values()) + sum(
+            route.bytes_received for route in self._route_list)
 
-    # ------------------------------------------------------------------ protected interface
+    # ------------------------------------------------------------------ composition
+    @property
+    def mailbox(self) -> Mailbox:
+        """This rank's receive side (posted receives, queued messages, known failures): routes
+        deliver into it, and every failure the mesh learns of is recorded there."""
+        return self._box
+
+    def install_route(self, route: Route) -> None:
+        """Send to and receive from ``route.peers`` through ``route`` instead of the sockets
+        (the same-host engine's rings: :mod:`ferro_backend.engine`); the route is closed with
+        this backend. Install routes before any message to those peers (at set-up)."""
+        taken = sorted(set(route.peers) & set(self._routes))
+        if taken or self.rank in route.peers:
+            raise ValueError(f"install_route: peers {taken or [self.rank]} already have a route "
+                             "(or are this rank)")
+        self._route_list.append(route)
+        self._routes.update(dict.fromkeys(route.peers, route))
+
+    def routes(self) -> list[Route]:
+        """The routes installed on this backend."""
+        return list(self._route_list)
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on every failure this rank learns of (a peer gone, an abort,
+        this backend closing), from the thread that saw it; at once if one happened already."""
+        self._box.add_failure_callback(callback)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when this backend tears down (after its mailbox is closed)."""
+        self._closers.append(callback)
+
+    def peer_failure(self, op: str, peer: int) -> BaseException | None:
+        return self._box.failure(op, peer)
+
     def _fail_if_down(self, op: str, peer: int) -> None:
         """Raise if the job aborted, this backend closed, or ``peer`` is gone."""
         self._box.check(op, peer)
-
-    def _checked_send_view(self, data: Any, dst: int, tag: int) -> memoryview:
-        """Validate a send (peer, tag, buffer, liveness); return the bytes to send."""
-        view = self._send_view(data, dst, tag)
-        self._fail_if_down("send", dst)
-        return view
 
     def _may_wait_for_receive(self) -> bool:
         """Whether a reader thread may wait a moment for the receive of a large frame to be
@@ -168,82 +185,36 @@ class TcpBackend(FixedRanks, Backend):
         would sit out the whole wait (16 MiB each way: 77 ms instead of about 15)."""
         return not any(link.lock.locked() for link in self._links.values())
 
-    def _on_frame(self, link: Link, kind: int, tag: int, length: int) -> bool:
-        """Handle a frame kind the base protocol does not know; False: unknown (subclasses
-        extend the protocol here, reading the payload with ``link.read_into``)."""
-        return False
-
     # ------------------------------------------------------------------ data path
-    #: the same-host engine's point-to-point rings (:mod:`.rings`) to the peers that share
-    #: this rank's segment: every peer of a ShmBackend, the node's ranks of a multi-node job
-    #: (:mod:`.hierarchy`); None: every message travels the sockets
-    _rings: RingMesh | None = None
-
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
-        rings, box = self._rings, self._box
-        if (rings is not None and type(data) is np.ndarray and type(dst) is int
-                and type(tag) is int and dst in rings.out and 0 <= tag <= MAX_TAG
-                and data.nbytes <= rings.eager_max and data.flags.c_contiguous
-                and box.aborted is None and not box.closed
-                and dst not in box.closed_peers):  # a small array, checked at a glance
-            rc = rings.send_eager(data, data.nbytes, dst, tag, time.monotonic() + self._timeout)
-            if rc == READY:
-                return
-            if rc == TIME_UP:
-                raise CollectiveTimeoutError(
-                    f"send: rank {self._rank} -> {dst} (tag {tag}): {data.nbytes} bytes not "
-                    f"taken by the peer within {self._timeout:g}s (its ring stayed full)")
-        view = self._checked_send_view(data, dst, tag)
-        if rings is not None and dst in rings.out:
-            return rings.send(view, dst, tag)
-        self._send_frames(view, dst, tag)
-
-    def _send_frames(self, view: memoryview, dst: int, tag: int) -> None:
-        """Send a validated message over ``dst``'s socket."""
+        route = self._routes.get(dst) if type(dst) is int else None
+        if route is not None:
+            return route.send(data, dst, tag)
+        view = self._send_view(data, dst, tag)
+        self._fail_if_down("send", dst)
         self._links[dst].send_frame(K_DATA, tag, view, time.monotonic() + self.timeout,
                                     lambda: self._fail_if_down("send", dst))
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         view = self._recv_view(out, src, tag)
-        rings = self._rings
-        if rings is not None and src in rings.inc:
-            return RingRecv(rings, self._box.post(src, tag, view, check=False))
+        route = self._routes.get(src)
+        if route is not None:
+            return route.irecv(view, src, tag)
         return self._box.post(src, tag, view)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
-        rings = self._rings
-        if rings is None or type(src) is not int or src not in rings.inc:
-            self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
-            return
-        if (type(out) is np.ndarray and type(tag) is int and 0 <= tag <= MAX_TAG
-                and (timeout is None or type(timeout) is float and timeout >= 0)
-                and out.flags.c_contiguous and out.flags.writeable):  # checked at a glance
-            limit = self._timeout if timeout is None else timeout
-            deadline = time.monotonic() + limit
-            done = rings.recv_now(out, out.nbytes, src, tag, deadline)
-            view = as_recv_view(out) if done is False else None
-        else:
-            view = self._recv_view(out, src, tag)
-            limit = self.resolve_timeout(timeout, "recv: timeout")
-            deadline = time.monotonic() + limit
-            done = rings.recv_now(view, len(view), src, tag, deadline)
-        if done is True:
-            return
-        req = self._box.post(src, tag, view, check=False) if done is False else done
-        RingRecv(rings, req).wait_until(deadline, limit)
+        route = self._routes.get(src) if type(src) is int else None
+        if route is not None:
+            return route.recv(out, src, tag, timeout)
+        self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
 
     # ------------------------------------------------------------------ teardown
     def link_transports(self) -> tuple[str, str]:
         # Every pair has its own TCP connection; on several nodes each node also maps its own
-        # engine segment, on which the collectives' node stages and the node's point-to-point
-        # messages run (ferro_backend.hierarchy)
+        # engine, on which the collectives' node stages and the node's point-to-point
+        # messages run (ferro_backend.hierarchy describes them)
         if self.hierarchy is not None:
-            lay = self.hierarchy.node.engine.layout
-            p2p = (f"point-to-point: {lay['ring_bytes'] >> 10} KiB rings" if self._rings
-                   is not None else "TCP loopback for point-to-point")
-            return (f"shared-memory engine (the collectives' node stages: "
-                    f"{lay['slot_bytes'] >> 10} KiB slots; {p2p})", "TCP (the collectives' "
-                    "cross-node stages: each local rank carries 1/L of the data)")
+            return self.hierarchy.link_transports()
         return "TCP", "TCP"
 
     def abort(self, reason: str) -> None:
@@ -268,7 +239,9 @@ class TcpBackend(FixedRanks, Backend):
             if self._box.closed:
                 return
             self._box.close()
-        for closer in self._closers:  # e.g. a node's engine segment (ferro_backend.hierarchy)
+        for route in self._route_list:
+            route.close()
+        for closer in self._closers:  # e.g. an engine's segment (ShmBackend, hierarchy)
             closer()
         release(self._links.values(), self._readers, wait)
 

@@ -1,0 +1,100 @@
+"""Argument checks shared by every transport: ranks, world sizes, tags, timeouts, buffers.
+
+Each raises ferro's typed error naming what was wrong (:mod:`ferro_backend.errors`); the
+transports call them before a message moves, so a bad call fails on the rank that made it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from .errors import InvalidRankError, InvalidWorldSizeError, SizeMismatchError
+
+MAX_TAG = (1 << 64) - 1
+
+
+def as_send_view(data: Any) -> memoryview:
+    """A flat byte view of ``data`` without copying; non-contiguous buffers are refused."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if not mv.c_contiguous:
+        raise ValueError(
+            f"send: buffer of shape {mv.shape} is not C-contiguous; pass np.ascontiguousarray(x)"
+        )
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def as_recv_view(out: Any) -> memoryview:
+    """A flat writable byte view of ``out`` without copying; read-only buffers are refused."""
+    mv = out if isinstance(out, memoryview) else memoryview(out)
+    if mv.readonly:
+        raise ValueError(f"recv: the output buffer ({type(out).__name__}) is read-only")
+    if not mv.c_contiguous:
+        raise ValueError(f"recv: output buffer of shape {mv.shape} is not C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def check_tag(tag: int, limit: int = MAX_TAG) -> int:
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= limit:
+        raise ValueError(f"tag {tag!r} is not an integer in [0, {limit}]")
+    return tag
+
+
+def check_world_size(world_size: int, minimum: int = 1) -> int:
+    if not isinstance(world_size, int) or world_size < minimum:
+        raise InvalidWorldSizeError(f"world_size {world_size!r} is invalid, expected >= {minimum}")
+    return world_size
+
+
+def check_rank(rank: int, world_size: int, what: str = "rank") -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise InvalidRankError(f"{what} {rank!r} is out of range for world_size {world_size}")
+    return rank
+
+
+def check_peer(op: str, peer: int, rank: int, world_size: int, what: str = "peer") -> int:
+    """A valid peer of ``rank`` for a point-to-point ``op`` (never ``rank`` itself)."""
+    check_rank(peer, world_size, f"{op}: {what}")
+    if peer == rank:
+        raise InvalidRankError(f"{op}: rank {peer} cannot {op} to/from itself")
+    return peer
+
+
+def size_mismatch(op: str, src: int, dst: int, tag: int, expected: int, got: int):
+    return SizeMismatchError(
+        f"{op}: message {src} -> {dst} (tag {tag}) has {got} bytes, "
+        f"the receive buffer has {expected}"
+    )
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float:
+    """``timeout`` as a float number of seconds, or ValueError naming it.
+
+    The one validation of every timeout in ferro: NaN, negative numbers, booleans and
+    non-numbers are refused (a NaN deadline would otherwise never expire: a hang). ``inf`` is
+    allowed and means "wait for ever".
+    """
+    if type(timeout) is float and timeout >= 0:  # the common case, fast (NaN fails >= 0)
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ValueError(f"{what} {timeout!r} is not a number of seconds")
+    value = float(timeout)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{what} {timeout!r} is invalid, expected a number of seconds >= 0")
+    return value
+
+
+def timeout_from_env() -> float | None:
+    """``FERRO_TIMEOUT`` (set by ``ferrorun --timeout``) validated, or None when unset."""
+    from . import settings
+
+    return settings.TIMEOUT.get()
+
+
+__all__ = ["MAX_TAG", "as_recv_view", "as_send_view", "check_peer", "check_rank", "check_tag",
+           "check_timeout", "check_world_size", "size_mismatch", "timeout_from_env"]

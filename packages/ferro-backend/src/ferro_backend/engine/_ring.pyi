@@ -1,0 +1,36 @@
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+ENTRY_HEADER: int
+ALIGN: int
+PAD: int
+EAGER: int
+CHUNK: int
+CMA: int
+READY: int
+TIME_UP: int
+FAILED: int
+
+class Ring:
+    cap: int
+    max_payload: int
+    control_address: int
+    def __init__(self, segment: npt.NDArray[np.uint8], nranks: int, slot_bytes: int,
+                 ring_bytes: int, src: int, dst: int, failed_addr: int, spin: int = ...,
+                 yields: int = ...) -> None: ...
+    def wait_data(self, until: float, watch_failed: bool = ...) -> int: ...
+    def wait_consumed(self, end: int, until: float, watch_failed: bool = ...,
+                      busy_until: float = ...) -> int: ...
+    def pending(self) -> bool: ...
+    def put(self, kind: int, tag: int, total: int, aux: int, payload: Any, until: float,
+            watch_failed: bool = ...) -> tuple[int, int, int]: ...
+    def put_stream(self, tag: int, payload: Any, offset: int, step: int, until: float,
+                   watch_failed: bool = ...) -> tuple[int, int]: ...
+    def status_at(self, start: int) -> int: ...
+    def peek(self) -> tuple[int, int, int, int, int] | None: ...
+    def take(self, out: Any, offset: int = ...) -> None: ...
+    def take_stream(self, out: Any, tag: int, offset: int, until: float,
+                    watch_failed: bool = ...) -> tuple[int, int]: ...
+    def skip(self, status: int = ...) -> None: ...

@@ -1,0 +1,9 @@
+import numpy as np
+import numpy.typing as npt
+
+class Watch:
+    def __init__(self, segment: npt.NDArray[np.uint8], nranks: int, slot_bytes: int,
+                 ring_bytes: int, me: int, peers: list[int],
+                 stop_word: npt.NDArray[np.uint32]) -> None: ...
+    def wait_stale(self, period: float) -> list[int] | None: ...
+    def wake(self) -> None: ...

@@ -1,0 +1,303 @@
+"""The same-host engine of a group of ranks: one shared segment, its collective slots and rings.
+
+:class:`Engine` is made by :meth:`Engine.join`, collectively over a backend whose ranks share a
+host. Rank 0 creates the segment as an anonymous ``memfd`` and hands it to the other ranks as a
+file descriptor over a Unix socket (``SCM_RIGHTS``). The socket lives in Linux's abstract
+namespace under a random 128-bit name that rank 0 sends only over the job's authenticated
+links, and rank 0 checks each connecting process's uid (``SO_PEERCRED``) and claimed rank.
+Nothing ever has a name in the file system or ``/dev/shm``: the memory is freed when the last
+rank unmaps it or dies, even by SIGKILL.
+
+The segment's layout is declared once, in C (``_layout.h``); this module reads it from the
+compiled ``_segment.layout``. What the engine offers its users (ferro-collective's collectives,
+:mod:`.rings`' point-to-point messages):
+
+* :attr:`Engine.slots`: the collective steps (``_slots.SlotEngine``), with :meth:`slot_data`;
+* :meth:`Engine.ring` / :meth:`Engine.watch`: the point-to-point rings;
+* :meth:`Engine.read` / :meth:`Engine.write`: single copies from and to a peer's memory;
+* :meth:`Engine.mark_failed`: a peer died, closed or aborted: every wait gives up now;
+* :attr:`Engine.bytes_sent` / :attr:`Engine.bytes_received`, :attr:`Engine.client` (the state
+  of the layer that runs collectives on this engine, kept with it).
+"""
+
+from __future__ import annotations
+
+import hmac
+import mmap
+import os
+import secrets
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import settings
+from ..errors import PeerClosedError, RendezvousError
+from ..mesh.handshake import recv_exactly
+from . import _ring, _segment, _slots, _watch
+
+if TYPE_CHECKING:
+    from ..base import Backend
+
+#: the tag of the set-up messages (in ferro's own tag range, below the collectives' base)
+SETUP_TAG = (1 << 32) - 3
+_NAME_PREFIX = b"\0ferro-engine-"
+_NAME_BYTES = len(_NAME_PREFIX) + 32
+_SECRET_BYTES = 32
+#: the spin of a wait while every rank has a core of its own (none when they outnumber them)
+SPIN = 4000
+
+
+def default_ring_bytes(nranks: int) -> int:
+    """Bytes of each point-to-point ring: ``FERRO_SHM_RING_BYTES``, else 256 KiB up to 8 ranks,
+    then less (a power of two, at least 4 KiB) so the n*n rings stay within 16 MiB. (A ring's
+    pages are only touched once its pair streams a message that large.)"""
+    value = settings.SHM_RING_BYTES.get()
+    if value is not None:
+        return value
+    size = 256 << 10
+    while size > 4096 and nranks * nranks * size > (16 << 20):
+        size >>= 1
+    return size
+
+
+def oversubscribed(nranks: int) -> bool:
+    """Whether the ranks outnumber this host's cores (then waits yield instead of spinning)."""
+    return nranks > (os.cpu_count() or 1)
+
+
+class Engine:
+    """This rank's mapping of a group's segment; made with :meth:`join` (collective)."""
+
+    def __init__(self, rank: int, nranks: int, mem: mmap.mmap, slot_bytes: int,
+                 ring_bytes: int) -> None:
+        self.rank, self.nranks = rank, nranks
+        self.slot_bytes, self.ring_bytes = slot_bytes, ring_bytes
+        #: the segment's layout, from its C declaration (offsets and strides in bytes)
+        self.layout = _segment.layout(nranks, slot_bytes, ring_bytes)
+        self._mem = mem
+        self._bytes: np.ndarray | None = np.frombuffer(mem, dtype=np.uint8)
+        self.address = self._bytes.ctypes.data
+        #: process-local failure flag (u32) that every wait on the segment polls
+        self._failed = np.zeros(1, dtype=np.uint32)
+        self._map = _segment.SegmentMap(self._bytes, nranks, rank, slot_bytes, ring_bytes,
+                                        self._failed.ctypes.data)
+        busy = not oversubscribed(nranks)
+        #: the collective steps of this rank (ferro-collective drives them)
+        self.slots = _slots.SlotEngine(self._bytes, nranks, rank, slot_bytes, ring_bytes,
+                                       self._failed.ctypes.data, SPIN if busy else 0,
+                                       0 if busy else settings.SHM_YIELDS.get())
+        self._ring_policy = (SPIN, 0) if busy else (0, settings.SHM_RING_YIELDS.get())
+        lay = self.layout
+        self._data = [[self._bytes[a + lay["head_bytes"]:a + lay["head_bytes"] + slot_bytes]
+                       for a in (base, base + lay["parity_stride"])]
+                      for base in (lay["slot_off"] + r * lay["slot_stride"] for r in range(nranks))]
+        #: every rank's pid, and whether every rank may read every other's memory (CMA)
+        self.pids: list[int] = []
+        self.cma_ok = False
+        self._cma_sent = self._cma_received = self._filled = 0
+        #: the state of the layer that runs collectives on this engine (ferro-collective's)
+        self.client: Any = None
+
+    # ------------------------------------------------------------------ what users call
+    def slot_data(self, rank: int, step: int) -> np.ndarray:
+        """``rank``'s slot data (bytes) of ``step``: the next step's, for this rank to fill
+        before :meth:`SlotEngine.exchange`, or a finished step's, to read."""
+        return self._data[rank][step & 1]
+
+    def ring(self, src: int, dst: int) -> _ring.Ring:
+        """The ring from ``src`` to ``dst`` (segment ranks), with this engine's wait policy."""
+        return _ring.Ring(self._view(), self.nranks, self.slot_bytes, self.ring_bytes, src, dst,
+                          self._failed.ctypes.data, *self._ring_policy)
+
+    def watch(self, peers: list[int], stop_word: np.ndarray) -> _watch.Watch:
+        """The backstop of this rank's incoming rings from ``peers`` (see ``_watch.pyx``)."""
+        return _watch.Watch(self._view(), self.nranks, self.slot_bytes, self.ring_bytes,
+                            self.rank, peers, stop_word)
+
+    def _view(self) -> np.ndarray:
+        if self._bytes is None:
+            raise PeerClosedError(f"rank {self.rank}: the engine is closed", peer=self.rank)
+        return self._bytes
+
+    def read(self, rank: int, address: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes at ``address`` in ``rank``'s memory into ``out``; a peer
+        that is gone raises PeerClosedError naming it."""
+        try:
+            _segment.cma_read(self.pids[rank], address, out.reshape(-1).view(np.uint8))
+        except OSError as exc:
+            raise PeerClosedError(f"rank {self.rank}: cannot read rank {rank}'s memory ({exc})",
+                                  peer=rank) from exc
+        self._cma_received += out.nbytes
+
+    def write(self, rank: int, address: int, data: np.ndarray) -> None:
+        """Copy ``data`` to ``address`` in ``rank``'s memory (errors as :meth:`read`)."""
+        try:
+            _segment.cma_write(self.pids[rank], address, data.reshape(-1).view(np.uint8))
+        except OSError as exc:
+            raise PeerClosedError(f"rank {self.rank}: cannot write to rank {rank}'s memory "
+                                  f"({exc})", peer=rank) from exc
+        self._cma_sent += data.nbytes
+
+    def count_filled(self, nbytes: int) -> None:
+        """Count ``nbytes`` a user wrote into its slot itself (they left this rank)."""
+        self._filled += nbytes
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank wrote into the segment or into peers' memory."""
+        return self.slots.sent + self._cma_sent + self._filled
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes this rank read from peers' memory."""
+        return self._cma_received
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._failed[0])
+
+    def mark_failed(self) -> None:
+        """A peer died, closed or aborted (or this rank closed): every wait on the segment
+        gives up now."""
+        if self._bytes is not None:
+            self._map.mark_failed()
+
+    def close(self) -> None:
+        """Wake every wait and let the mapping go: it is unmapped once nothing holds it (the
+        kernels hold the segment's bytes, so none of them can touch freed memory)."""
+        self.mark_failed()
+        self._bytes = None
+        self._data = []
+        try:
+            self._mem.close()
+        except BufferError:  # views still alive (the kernels, a call in flight): the GC unmaps
+            pass
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def join(cls, backend: Backend, slot_bytes: int | None = None,
+             timeout: float | None = None) -> Engine:
+        """Make (rank 0) or receive (others) the group's segment; every rank of ``backend``
+        calls it. ``slot_bytes``: default ``FERRO_SHM_SLOT_BYTES``.
+
+        Raises RendezvousError naming the rank and what failed.
+        """
+        rank, n = backend.rank, backend.world_size
+        slot_bytes = settings.SHM_SLOT_BYTES.get() if slot_bytes is None else slot_bytes
+        ring_bytes = default_ring_bytes(n)
+        size = _segment.layout(n, slot_bytes, ring_bytes)["size"]
+        deadline = time.monotonic() + (backend.timeout if timeout is None else timeout)
+        _segment.allow_peers_to_read()
+        if rank == 0:
+            fd = os.memfd_create("ferro-engine", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                _serve_fd(backend, fd, deadline)
+                mem = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        else:
+            fd = _fetch_fd(backend, deadline)
+            try:
+                mem = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        engine = cls(rank, n, mem, slot_bytes, ring_bytes)
+        if rank == 0:
+            engine._map.write_head()
+        # every rank's pid and a probe word, for the cross-memory-read check below
+        probe = np.array([0xC0FFEE00 + rank], dtype=np.uint64)
+        engine._map.set_identity(os.getpid(), probe.ctypes.data)
+        left = lambda: max(0.05, deadline - time.monotonic())
+        backend.barrier(timeout=left())  # every rank mapped it
+        if engine._map.head() != engine._map.expected_head():
+            raise RendezvousError(
+                f"rank {rank}: the engine segment is not this job's (magic, version, ranks, "
+                f"slot and ring bytes {engine._map.head()}, expected "
+                f"{engine._map.expected_head()}: is FERRO_SHM_RING_BYTES the same on every rank?)")
+        engine.pids = [engine._map.identity(r)[0] for r in range(n)]
+        mine = b"\x01" if all(engine._can_read(r) for r in range(n) if r != rank) else b"\x00"
+        flags = bytearray(n)
+        flags[rank] = mine[0]
+        for peer in range(n):
+            if peer != rank:
+                backend.send(mine, peer, tag=SETUP_TAG)
+        for peer in range(n):
+            if peer != rank:
+                backend.recv(memoryview(flags)[peer:peer + 1], peer, tag=SETUP_TAG,
+                             timeout=left())
+        engine.cma_ok = all(flags) and settings.SHM_CMA.get() != "never"
+        backend.barrier(timeout=left())  # probes read
+        return engine
+
+    def _can_read(self, peer: int) -> bool:
+        """True if this process may read ``peer``'s memory (cross-memory attach)."""
+        pid, addr = self._map.identity(peer)
+        out = np.zeros(1, dtype=np.uint64)
+        try:
+            _segment.cma_read(pid, addr, out.view(np.uint8))
+        except OSError:
+            return False
+        return int(out[0]) == 0xC0FFEE00 + peer
+
+
+def _serve_fd(backend: Backend, fd: int, deadline: float) -> None:
+    """Rank 0: send each peer, over its authenticated link, the socket name and a secret of
+    its own; hand the fd to each connecting process of our uid that presents a rank not yet
+    served and that rank's secret."""
+    n = backend.world_size
+    name = _NAME_PREFIX + secrets.token_hex(16).encode()
+    keys = {peer: secrets.token_bytes(_SECRET_BYTES) for peer in range(1, n)}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as lsock:
+        lsock.bind(name)
+        lsock.listen(n)
+        for peer in range(1, n):
+            backend.send(name + keys[peer], peer, tag=SETUP_TAG)
+        served: set[int] = set()
+        while len(served) < n - 1:
+            lsock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                conn, _ = lsock.accept()
+            except TimeoutError:
+                missing = sorted(set(range(1, n)) - served)
+                raise RendezvousError(f"rank 0: ranks {missing} never fetched the engine "
+                                      "segment") from None
+            with conn:
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                        struct.calcsize("3i"))
+                _pid, uid, _gid = struct.unpack("3i", creds)
+                conn.settimeout(min(1.0, max(0.01, deadline - time.monotonic())))
+                try:
+                    hello = recv_exactly(conn, 4 + _SECRET_BYTES)
+                except OSError:
+                    continue  # a stranger that says nothing: refused, the job goes on
+                claimed = int.from_bytes(hello[:4], "little")
+                if (uid != os.getuid() or claimed not in keys or claimed in served
+                        or not hmac.compare_digest(hello[4:], keys[claimed])):
+                    continue  # a stranger, or a rank twice: refused, the job goes on
+                socket.send_fds(conn, [b"F"], [fd])
+                served.add(claimed)
+
+
+def _fetch_fd(backend: Backend, deadline: float) -> int:
+    msg = bytearray(_NAME_BYTES + _SECRET_BYTES)
+    backend.recv(msg, 0, tag=SETUP_TAG, timeout=max(0.01, deadline - time.monotonic()))
+    name, key = bytes(msg[:_NAME_BYTES]), bytes(msg[_NAME_BYTES:])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            sock.connect(name)
+            sock.sendall(backend.rank.to_bytes(4, "little") + key)
+            _msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+        except OSError as exc:
+            raise RendezvousError(f"rank {backend.rank}: cannot fetch the engine segment "
+                                  f"from rank 0: {exc}") from exc
+    if len(fds) != 1:
+        raise RendezvousError(f"rank {backend.rank}: rank 0 sent no engine segment")
+    return fds[0]
+
+
+__all__ = ["SETUP_TAG", "Engine", "default_ring_bytes", "oversubscribed"]

@@ -1,0 +1,80 @@
+"""``ShmBackend``: a job whose ranks share a host, on the same-host engine.
+
+The TCP mesh (over loopback) stays the control plane: rendezvous, authentication, failure
+detection and abort. The data moves through the job's engine (:mod:`.segment`, an anonymous
+``memfd``: nothing has a name in ``/dev/shm``, so a SIGKILLed rank leaks nothing): collectives
+through its slots (ferro-collective), point-to-point messages through its rings
+(:class:`~.rings.RingMesh`, installed as the mesh's route to every peer). With the engine off
+(``engine=False``, ``FERRO_SHM_ENGINE=0``) it is a TCP mesh over loopback.
+
+Same contract and errors as :class:`~ferro_backend.TcpBackend`: a dead peer fails waiting
+receives (and a send waiting for its receiver) at once, timeouts raise CollectiveTimeoutError,
+``abort`` reaches everyone.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .. import settings
+from .._platform import SAME_HOST_ENGINE
+from ..mesh.tcp import TcpBackend
+
+
+class ShmBackend(TcpBackend):
+    """One rank of a job whose ranks share a host. Arguments as :class:`TcpBackend`, plus:
+
+    engine
+        Map the job's engine (:class:`ferro_backend.engine.Engine`), on which ferro-collective
+        runs its collectives and point-to-point messages travel (default: on,
+        ``FERRO_SHM_ENGINE=0`` turns it off).
+    slot_bytes
+        Data bytes per rank and slot of the engine (default 1 MiB, ``FERRO_SHM_SLOT_BYTES``):
+        collectives up to this size take one step.
+    """
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, *,
+                 engine: bool | None = None, slot_bytes: int | None = None,
+                 **kwargs: Any) -> None:
+        if not SAME_HOST_ENGINE:
+            raise RuntimeError(f"ShmBackend needs Linux (process_vm_readv, memfd, futexes); this "
+                               f"is {sys.platform}: use TcpBackend (ferrorun --transport tcp)")
+        from .rings import RingMesh
+        from .segment import Engine
+
+        use_engine = settings.SHM_ENGINE.get() if engine is None else engine
+        super().__init__(rank, world_size, master_addr, **kwargs)
+        if world_size > 1 and use_engine:
+            try:
+                self.engine = Engine.join(self, slot_bytes=slot_bytes)
+            except BaseException:
+                self.abort("the engine segment could not be set up")
+                raise
+            self.on_failure(self.engine.mark_failed)
+            self.install_route(RingMesh(self.engine, self.mailbox, lambda: self.timeout))
+            self.on_close(self.engine.close)
+
+    @property
+    def bytes_sent(self) -> int:  # type: ignore[override]
+        """Payload bytes sent over the sockets, the rings, and by the engine's collectives."""
+        return super().bytes_sent + (0 if self.engine is None else self.engine.bytes_sent)
+
+    @property
+    def bytes_received(self) -> int:  # type: ignore[override]
+        return super().bytes_received + (0 if self.engine is None else self.engine.bytes_received)
+
+    def link_transports(self) -> tuple[str, str]:
+        if self.engine is None:
+            within = "TCP loopback (the engine is off)"
+        else:
+            (route,) = self.routes()
+            big = ("cross-memory copy" if route.cma_threshold is not None
+                   else "streamed through the ring")
+            within = (f"shared-memory engine (collectives: {self.engine.slot_bytes >> 10} KiB "
+                      f"slots; point-to-point: {self.engine.ring_bytes >> 10} KiB rings, "
+                      f"large messages {big}), TCP loopback for control")
+        return within, "none (ShmBackend needs every rank on one host)"
+
+
+__all__ = ["ShmBackend"]

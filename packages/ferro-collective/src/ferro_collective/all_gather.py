@@ -1,0 +1,179 @@
+"""all_gather: every rank's array, concatenated along dim 0 in rank order, on every rank.
+
+Where a call runs (:mod:`.dispatch` picks):
+
+- **one engine call** (:func:`one_call`) when a block fits a slot: every rank copies every
+  rank's slot into its result;
+- **staged on the engine** (:func:`engine_all_gather`): blocks beyond a slot (or from
+  ``FERRO_SHM_DIRECT_COPY_BYTES``) are read straight from their owners' memory where ranks may
+  read each other's, else they go through the slots in slot-sized pieces;
+- **hierarchical** (:func:`stages`): all_gather inside the node, then across nodes (blocks
+  put back in rank order);
+- **Python**: the ring (bandwidth-optimal) or the star.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ._state import reserve
+from .checks import as_array, check_out, fast_array
+from .engine import NOT_TAKEN, EngineGroup, Step
+from .header import encode
+from .p2p import Ctx, all_gather_ring_into
+from .plan import Plan, choose
+
+
+def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
+    """The result's shape: dim 0 times ``n`` (a 0-d input gathers to ``[n]``)."""
+    return (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
+
+
+def one_call(group: EngineGroup, tensor, out, arg, timeout):
+    """An all_gather in one engine call (or the staged engine path, with no call object for a
+    block beyond a slot), or ``NOT_TAKEN``."""
+    x = fast_array(tensor)
+    if x is None:
+        return NOT_TAKEN
+    plan = group.plans.get(("all_gather", x.dtype, x.shape, -1))
+    if plan is None:
+        plan = copy_plan(group, "all_gather", x, -1)
+    return group.copy_now(plan, x, out, -1, timeout, _staged) if plan else NOT_TAKEN
+
+
+def copy_plan(group: EngineGroup, name: str, x: np.ndarray, root: int) -> tuple | bool:
+    """What a one-call broadcast (``root`` >= 0) or all_gather (-1) of ``x``'s signature
+    needs (:meth:`EngineGroup.copy_now`), or False when it is not one."""
+    plan: tuple | bool = False
+    if not x.dtype.hasobject:
+        nbytes = x.nbytes
+        if name == "broadcast" and 0 <= root < group.n:
+            one_step = nbytes <= group.slot_bytes and not (
+                group.cma_ok and nbytes >= group.broadcast_direct_bytes)
+            plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape, one_step)
+        elif name == "all_gather":
+            one_step = nbytes <= group.slot_bytes and not (
+                group.cma_ok and nbytes >= group.direct_copy_bytes)
+            plan = (name, encode(name, x.dtype, x.shape, None, -1, 0),
+                    gathered_shape(x, group.n), one_step)
+    return group.keep((name, x.dtype, x.shape, root), plan)
+
+
+def _staged(group: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
+            root: int = -1) -> None:
+    engine_all_gather(group, call, header, x.reshape(-1).view(np.uint8),
+                      out.reshape(-1).view(np.uint8))
+
+
+def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
+    """The checked plan of one all_gather (``arg`` unused)."""
+    x = as_array("all_gather", tensor, backend)
+    n = backend.world_size
+    algo = choose("all_gather", algorithm, x.nbytes, n, backend)
+    shape = gathered_shape(x, n)
+    out = check_out("all_gather", out, shape, x.dtype)
+
+    def python(ctx: Ctx) -> np.ndarray:
+        block = np.ascontiguousarray(x).reshape(-1)
+        result = np.empty(shape, dtype=x.dtype) if out is None else out
+        flat = result.reshape(-1)
+        if n == 1 or not block.size:
+            flat[...] = block
+            return result
+        IMPLEMENTATIONS[algo](ctx, block.view(np.uint8), flat.view(np.uint8))
+        return result
+
+    def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
+        result = np.empty(shape, dtype=x.dtype) if out is None else out
+        _staged(group, call, header, np.ascontiguousarray(x), result)
+        return result
+
+    return Plan("all_gather", backend, timeout, (x.dtype, x.shape, None, -1), python, engine,
+                lambda h: stages(h, x, shape, timeout, out), algorithm, seq)
+
+
+# ----------------------------------------------------------------------------- Python
+def all_gather_star(ctx: Ctx, block: np.ndarray, out: np.ndarray) -> None:
+    n, me = ctx.n, ctx.rank
+    size = block.size
+    tag_up, tag_down = ctx.next_tag(), ctx.next_tag()
+    if me == 0:
+        out[:size] = block
+        reqs = [ctx.irecv(out[r * size:(r + 1) * size], r, tag_up) for r in range(1, n)]
+        for r in range(1, n):
+            ctx.wait(reqs[r - 1], r, "its block")
+        for r in range(1, n):
+            ctx.send(out, r, tag_down)
+    else:
+        req = ctx.irecv(out, 0, tag_down)
+        ctx.send(block, 0, tag_up)
+        ctx.wait(req, 0, "the gathered result")
+
+
+def all_gather_ring(ctx: Ctx, block: np.ndarray, out: np.ndarray) -> None:
+    size = block.size
+    me = ctx.rank
+    out[me * size:(me + 1) * size] = block
+    bounds = [(r * size, (r + 1) * size) for r in range(ctx.n)]
+    all_gather_ring_into(ctx, out, bounds, me)
+
+
+IMPLEMENTATIONS = {"ring": all_gather_ring, "star": all_gather_star}
+
+
+# ----------------------------------------------------------------------------- engine
+def engine_all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
+                      out: np.ndarray) -> None:
+    """``out`` (1-d bytes) = every rank's ``block`` (1-d bytes), in rank order."""
+    size = block.size
+    if size <= g.slot_bytes and not (g.cma_ok and size >= g.direct_copy_bytes):
+        step = g.exchange(call, header, block)
+        for r in range(g.n):
+            out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,
+                                                                          block.dtype)
+    elif g.cma_ok:
+        # this rank's own block first: while the peers arrive, and from a hot source
+        out[g.me * size:(g.me + 1) * size] = block
+        g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
+        extras = g.extras()
+        for r in range(g.n):
+            if r != g.me:
+                g.read(r, extras[r][1], out[r * size:(r + 1) * size])
+        g.sync(call)
+    else:
+        gathered = out.reshape(g.n, size)
+        for s in range(0, size, g.slot_bytes):
+            e = min(size, s + g.slot_bytes)
+            piece = g.scratch("all_gather", np.dtype(np.uint8), g.n * (e - s))
+            engine_all_gather(g, call, header, block[s:e], piece)
+            gathered[:, s:e] = piece.reshape(g.n, e - s)
+
+
+# ----------------------------------------------------------------------------- hierarchical
+def stages(h, x: np.ndarray, shape: tuple[int, ...], timeout, out):
+    """Inside the node, then across nodes; returns ``run(execute)``."""
+    node, cross = h.node, h.cross
+    (s1,) = reserve(node)
+    (s2,) = reserve(cross)
+    order = [r for m in h.members for r in m]  # block k of the result belongs to rank order[k]
+
+    def run(execute) -> np.ndarray:
+        inner = execute(prepare(x, node, None, timeout, None, None, s1))
+        both = execute(prepare(inner, cross, None, timeout, None, None, s2))
+        result = np.empty(shape, x.dtype) if out is None else out
+        if order == sorted(order):
+            result.reshape(-1)[...] = both.reshape(-1)
+            return result
+        blocks = both.reshape(len(order), -1)
+        dst = result.reshape(len(order), -1)
+        for k, r in enumerate(order):
+            dst[r] = blocks[k]
+        return result
+
+    return run
+
+
+__all__ = ["IMPLEMENTATIONS", "copy_plan", "engine_all_gather", "gathered_shape", "one_call",
+           "prepare", "stages"]

@@ -1,0 +1,281 @@
+"""allreduce: every rank gets the element-wise reduction of every rank's array.
+
+Where a call runs (:mod:`.dispatch` picks):
+
+- **one engine call** (:func:`one_call`) when the data fits a slot: every rank writes its slot,
+  then folds every rank's slot in rank order (the fold kernel of ``_reduce``, run by the engine);
+- **staged on the engine** (:func:`engine_allreduce`): where ranks may read each other's memory,
+  a reduce-scatter that folds each rank's chunk of every rank's input straight from the peers'
+  memory, piece by piece, then an all-gather of the chunks; else slot-sized pieces;
+- **hierarchical** (:func:`stages`): allreduce inside the node, local rank ``j`` allreduces
+  slice ``j`` across nodes, the node all-gathers the slices (each rank sends 1/L of the data
+  over the network); MEAN adds up in both stages and divides once;
+- **Python**: recursive doubling (small), the ring (large), or the star (the reference).
+
+Every path fixes the order in which values are combined; the engine's paths fold in rank order,
+as "star" does, so their bits equal ``algorithm="star"``'s on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ferro_backend.partition import split_bounds
+
+from . import _reduce, all_gather
+from ._state import reserve
+from .checks import as_array, check_out, fast_array, finish
+from .engine import NOT_TAKEN, EngineGroup, Step
+from .header import encode
+from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
+from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
+from .plan import Plan, choose
+
+#: bytes of each peer's input read and folded at once by the large reduction
+PIECE_BYTES = 512 << 10
+#: kernel dtype -> the fold kernel's dtype code (float codes first, then the integers)
+CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
+_FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
+
+
+def one_call(group: EngineGroup, tensor, out, op, timeout):
+    """A slot-sized allreduce of a kernel dtype in one engine call, or ``NOT_TAKEN``."""
+    x = fast_array(tensor)
+    if x is None or type(op) is not ReduceOp:
+        return NOT_TAKEN
+    plan = group.plans.get(("allreduce", x.dtype, x.shape, op))
+    if plan is None:
+        plan = fold_plan(group, "allreduce", x, op)
+    return group.fold_now(plan, x, out, timeout) if plan else NOT_TAKEN
+
+
+def fold_plan(group: EngineGroup, name: str, x: np.ndarray, op: ReduceOp) -> tuple | bool:
+    """What a one-call reduction (``name``: allreduce or reduce_scatter) of ``x``'s signature
+    needs, worked out once (:meth:`EngineGroup.fold_now`), or False when it is not one."""
+    code, n = CODES.get(x.dtype), group.n
+    plan: tuple | bool = False
+    if (code is not None and x.nbytes <= group.slot_bytes
+            and not (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
+            and not (op in BITWISE and code < _FIRST_INT_CODE)):
+        div = float(n) if op is ReduceOp.MEAN else 0.0
+        header = encode(name, x.dtype, x.shape, op, -1, 0)
+        if name == "allreduce":
+            plan = (name, header, x.shape, code, OPS[op].kernel, div, 0, x.size)
+        elif x.ndim and x.shape[0] % n == 0:  # reduce_scatter: this rank's part of every slot
+            part = x.size // n
+            plan = (name, header, (x.shape[0] // n, *x.shape[1:]), code, OPS[op].kernel, div,
+                    group.me * part * x.itemsize, part)
+    return group.keep((name, x.dtype, x.shape, op), plan)
+
+
+def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
+    """The checked plan of one allreduce."""
+    x = as_array("allreduce", tensor, backend)
+    op = as_op(op)
+    wd = work_dtype("allreduce", x.dtype, op)
+    n = backend.world_size
+    algo = choose("allreduce", algorithm, x.nbytes, n, backend)
+    out = check_out("allreduce", out, x.shape, x.dtype)
+
+    def python(ctx: Ctx) -> np.ndarray:
+        if out is not None and wd == x.dtype:
+            buf = out.reshape(-1)
+            if not np.may_share_memory(out, x):
+                buf[...] = x.reshape(-1)
+        else:
+            buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)
+        if n > 1 and buf.size:
+            IMPLEMENTATIONS[algo](ctx, buf, op)
+        return finish(buf.reshape(x.shape), x.dtype, out)
+
+    def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
+        result = np.empty(x.shape, x.dtype) if out is None else out
+        engine_allreduce(group, call, header, np.ascontiguousarray(x).reshape(-1),
+                         result.reshape(-1), wd, op)
+        return result
+
+    return Plan("allreduce", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
+                lambda h: stages(h, x, op, wd, timeout, out), algorithm, seq)
+
+
+# ----------------------------------------------------------------------------- Python
+def allreduce_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> None:
+    tag_up, tag_down = ctx.next_tag(), ctx.next_tag()
+    if ctx.rank == 0:
+        fold_at_root(ctx, buf, op, tag_up)
+        for r in range(1, ctx.n):
+            ctx.send(buf, r, tag_down)
+    else:
+        req = ctx.irecv(buf, 0, tag_down)
+        ctx.send(buf.copy(), 0, tag_up)
+        ctx.wait(req, 0, "the result")
+
+
+def allreduce_ring(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> None:
+    bounds = split_bounds(buf.size, ctx.n)
+    mean = ctx.n if op is ReduceOp.MEAN else None
+    owned = reduce_scatter_ring_into(ctx, buf, op, bounds, mean)
+    all_gather_ring_into(ctx, buf, bounds, owned)
+
+
+def allreduce_recursive_doubling(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> None:
+    n, me = ctx.n, ctx.rank
+    p = 1 << (n.bit_length() - 1)  # largest power of two <= n
+    mean = n if op is ReduceOp.MEAN else None
+    tag_fold, tag_unfold = ctx.next_tag(), ctx.next_tag()
+    if me >= p:  # fold into partner me - p, wait for the result
+        req = ctx.irecv(buf, me - p, tag_unfold)
+        ctx.send(buf.copy(), me - p, tag_fold)
+        ctx.wait(req, me - p, "the result")
+        return
+    incoming = np.empty_like(buf)
+    if me + p < n:
+        req = ctx.irecv(incoming, me + p, tag_fold)
+        ctx.wait(req, me + p, "its contribution")
+        accumulate(buf, incoming, op)
+    distance = 1
+    while distance < p:
+        partner = me ^ distance
+        tag = ctx.next_tag()
+        req = ctx.irecv(incoming, partner, tag)
+        ctx.send(buf, partner, tag)
+        ctx.wait(req, partner, f"the round-{distance.bit_length()} partial result")
+        last = distance * 2 >= p
+        # Combine lower-rank operand first on both partners: identical bits on both sides.
+        if partner < me:  # the partner's data is the lower operand: fold into it, copy back
+            accumulate(incoming, buf, op, mean if last else None)
+            buf[...] = incoming
+        else:
+            accumulate(buf, incoming, op, mean if last else None)
+        distance *= 2
+    if me + p < n:
+        ctx.send(buf, me + p, tag_unfold)
+
+
+IMPLEMENTATIONS = {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
+              "star": allreduce_star}
+
+
+# ----------------------------------------------------------------------------- engine
+def engine_allreduce(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
+                     wd: np.dtype, op: ReduceOp) -> None:
+    """``out`` (1-d, x's dtype) = the rank-order fold of every rank's ``x`` (1-d)."""
+    mean = g.n if op is ReduceOp.MEAN else None
+    if x.size * wd.itemsize <= g.slot_bytes:
+        fold_through_slots(g, call, header, x, out, wd, op, mean)
+    elif g.cma_ok:
+        bounds = split_bounds(x.size, g.n)
+        g.exchange(call, header, extra=(os.getpid(), x.ctypes.data, out.ctypes.data))
+        extras = g.extras()
+        s, e = bounds[g.me]
+        fold_from_peers(g, x, out[s:e], wd, op, mean, extras, s, e)
+        g.sync(call)  # every chunk is reduced
+        for r, (rs, re) in enumerate(bounds):
+            if r != g.me and re > rs:
+                g.read(r, extras[r][2] + rs * out.itemsize, out[rs:re])
+        g.sync(call)  # nobody reads our buffers any more
+    else:
+        per = max(1, g.slot_bytes // wd.itemsize)
+        for s in range(0, x.size, per):
+            e = min(x.size, s + per)
+            fold_through_slots(g, call, header, x[s:e], out[s:e], wd, op, mean)
+
+
+def fold_through_slots(g: EngineGroup, call: Step, header: bytes, x: np.ndarray,
+                       out: np.ndarray, wd: np.dtype, op: ReduceOp, mean: int | None,
+                       part: tuple[int, int] | None = None) -> None:
+    """One step: every rank's ``x`` through its slot, then ``out`` = the fold of ``[s:e]``
+    (``part``; default all) of every slot."""
+    if x.dtype == wd:
+        step = g.exchange(call, header, x)
+    else:  # widened: the slot holds the work dtype, so peers need not convert
+        np.copyto(g.slot_for_writing(x.size * wd.itemsize, wd), x, casting="unsafe")
+        step = g.exchange(call, header, prefilled=x.size * wd.itemsize)
+    s, e = part if part is not None else (0, x.size)
+    inputs = [g.data(r, step, x.size * wd.itemsize, wd)[s:e] for r in range(g.n)]
+    if out.dtype == wd:
+        _fold(out, inputs, op, mean)
+    else:
+        acc = g.scratch("fold", wd, e - s)
+        _fold(acc, inputs, op, mean)
+        np.copyto(out, acc, casting="unsafe")
+
+
+def fold_from_peers(g: EngineGroup, x: np.ndarray, target: np.ndarray, wd: np.dtype,
+                    op: ReduceOp, mean: int | None, extras: list[tuple[int, int, int]],
+                    s: int, e: int) -> None:
+    """``target`` (``e - s`` items) = the rank-order fold of every rank's ``x[s:e]``, read piece
+    by piece from the peers' memory (``extras``: their input addresses). ``target`` may be
+    ``x[s:e]`` itself (an in-place allreduce): this rank's piece is then copied first."""
+    per = max(1, PIECE_BYTES // max(x.itemsize, wd.itemsize))
+    count = min(per, e - s)
+    aliased = np.may_share_memory(x, target)
+    bufs = [g.scratch(f"piece{r}", x.dtype, count) for r in range(g.n)]
+    convert = wd != x.dtype
+    conv = [g.scratch(f"conv{r}", wd, count) for r in range(g.n)] if convert else None
+    acc = g.scratch("acc", wd, count) if wd != target.dtype else None
+    for ps in range(s, e, per):
+        pe = min(e, ps + per)
+        k = pe - ps
+        inputs = []
+        for r in range(g.n):
+            if r != g.me:
+                piece = bufs[r][:k]
+                g.read(r, extras[r][1] + ps * x.itemsize, piece)
+            elif aliased and not convert:
+                piece = bufs[r][:k]
+                piece[...] = x[ps:pe]
+            else:
+                piece = x[ps:pe]
+            if conv is not None:
+                np.copyto(conv[r][:k], piece, casting="unsafe")
+                piece = conv[r][:k]
+            inputs.append(piece)
+        dest = target[ps - s:pe - s]
+        if acc is None:
+            _fold(dest, inputs, op, mean)
+        else:
+            _fold(acc[:k], inputs, op, mean)
+            np.copyto(dest, acc[:k], casting="unsafe")
+
+
+def _fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean: int | None) -> None:
+    """``ops.fold`` without its checks: every view here is built with out's dtype and length."""
+    _reduce.fold(out, inputs, OPS[op].kernel, float(mean or 0))
+
+
+# ----------------------------------------------------------------------------- hierarchical
+def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
+    """The node, cross and node stages (their sequence numbers reserved now, in issue order);
+    returns ``run(execute)``, which hands each stage's plan to the dispatcher."""
+    node, cross = h.node, h.cross
+    s1, s3 = reserve(node, node)
+    (s2,) = reserve(cross)
+    stage_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+
+    def run(execute) -> np.ndarray:
+        work = np.array(x, dtype=wd, order="C", copy=True)
+        execute(prepare(work, node, stage_op, timeout, None, work, s1))
+        flat = work.reshape(-1)
+        bounds = split_bounds(flat.size, node.world_size)
+        lo, hi = bounds[node.rank]
+        piece = flat[lo:hi]
+        execute(prepare(piece, cross, stage_op, timeout, None, piece, s2))
+        if op is ReduceOp.MEAN:
+            np.divide(piece, node.world_size * cross.world_size, out=piece)
+        chunk = max(b - a for a, b in bounds)
+        send = np.zeros(chunk, wd)
+        send[:hi - lo] = piece
+        gathered = np.empty(chunk * node.world_size, wd)
+        execute(all_gather.prepare(send, node, None, timeout, None, gathered, s3))
+        for r, (a, b) in enumerate(bounds):
+            flat[a:b] = gathered[r * chunk:r * chunk + b - a]
+        return finish(work, x.dtype, out)
+
+    return run
+
+
+__all__ = ["IMPLEMENTATIONS", "engine_allreduce", "fold_from_peers", "fold_plan",
+           "fold_through_slots", "one_call", "prepare", "stages"]

@@ -1,0 +1,164 @@
+"""The public entry points of the collectives whose sizes not every rank knows in advance:
+all_gather_v, all_to_all, all_to_all_single (:mod:`.exchange`) and the object collectives
+broadcast_object and all_gather_object (:mod:`.objects`), each with a metadata round first
+(:class:`~.metadata.MetaPlan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ferro_backend import Backend
+
+from . import exchange, objects
+from .dispatch import Collective, run, submit
+from .work import Work
+
+ALL_GATHER_V = Collective("all_gather_v", exchange.prepare_all_gather_v)
+ALL_TO_ALL = Collective("all_to_all", exchange.prepare_all_to_all)
+ALL_TO_ALL_SINGLE = Collective("all_to_all_single", exchange.prepare_all_to_all_single)
+BROADCAST_OBJECT = Collective("broadcast_object", objects.prepare_broadcast_object)
+ALL_GATHER_OBJECT = Collective("all_gather_object", objects.prepare_all_gather_object)
+
+
+def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> list[np.ndarray]:
+    """Every rank's ``tensor``, in rank order; dim 0 may differ between ranks.
+
+    Every rank passes the same dtype and the same shape after dim 0 (or every rank a 0-d
+    array); otherwise every rank raises :class:`CollectiveMismatchError` naming what each
+    passed. Returns a list of ``world_size`` new arrays (index ``r`` = rank ``r``'s, zero rows
+    allowed), the same on every rank. A metadata round (ceil(log2 n) small messages) exchanges
+    the row counts, then the ring all-gather moves the data. Inputs are not modified.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> [[a.tolist() for a in res] for res in
+    ...  run_ranks(lambda b: all_gather_v(np.arange(b.rank + 1), b), 2)]
+    [[[0], [0, 1]], [[0], [0, 1]]]
+    """
+    return run(ALL_GATHER_V, tensor, backend, None, timeout)
+
+
+def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None) -> Work:
+    """:func:`all_gather_v` in the background; ``Work.wait()`` returns the list."""
+    return submit(ALL_GATHER_V, tensor, backend, None, timeout)
+
+
+def all_to_all(tensors: Sequence, backend: Backend, *,
+               timeout: float | None = None) -> list[np.ndarray]:
+    """Send ``tensors[r]`` to rank ``r``; return the list whose entry ``r`` came from rank ``r``.
+
+    ``tensors``: a list of ``world_size`` arrays of one dtype and one shape after dim 0 (dim 0
+    may differ, zero rows included; or all 0-d), the same dtype and trailing shape on every rank
+    (else CollectiveMismatchError on every rank). A list of the wrong length or mixed dtypes is
+    a ValueError on that rank and a CollectiveMismatchError on the others. Pairwise exchange
+    after a metadata round that exchanges the row counts. Inputs are not modified.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> res = run_ranks(lambda b: all_to_all([np.array([10 * b.rank + d]) for d in range(2)],
+    ...                                      b), 2)
+    >>> [[a.tolist() for a in r] for r in res]
+    [[[0], [10]], [[1], [11]]]
+    """
+    return run(ALL_TO_ALL, tensors, backend, None, timeout)
+
+
+def all_to_all_async(tensors: Sequence, backend: Backend, *,
+                     timeout: float | None = None) -> Work:
+    """:func:`all_to_all` in the background."""
+    return submit(ALL_TO_ALL, tensors, backend, None, timeout)
+
+
+def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
+                      timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Split ``tensor`` along dim 0 by ``send_splits`` and send piece ``d`` to rank ``d``;
+    return what every rank sent us, concatenated along dim 0 in rank order.
+
+    As ``torch.distributed.all_to_all_single``: ``send_splits``/``recv_splits`` are
+    ``world_size`` row counts (None: equal splits; ``send_splits`` must add up to dim 0).
+    Every rank checks every rank's splits against the others' (rank ``r``'s ``send_splits[d]``
+    must equal rank ``d``'s ``recv_splits[r]``), so a disagreement is the same
+    SizeMismatchError on every rank. The dtype and trailing shape must agree across ranks
+    (else CollectiveMismatchError). ``out=``: a writable C-contiguous array of the result's
+    shape and dtype to fill and return. Inputs are not modified.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> run_ranks(lambda b: all_to_all_single(np.arange(4) + 10 * b.rank, b), 2)
+    [array([ 0,  1, 10, 11]), array([ 2,  3, 12, 13])]
+    """
+    return run(ALL_TO_ALL_SINGLE, tensor, backend, (send_splits, recv_splits), timeout, None,
+               out)
+
+
+def all_to_all_single_async(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
+                            timeout: float | None = None, out: np.ndarray | None = None) -> Work:
+    """:func:`all_to_all_single` in the background."""
+    return submit(ALL_TO_ALL_SINGLE, tensor, backend, (send_splits, recv_splits), timeout,
+                  None, out)
+
+
+def broadcast_object(obj, backend: Backend, root: int = 0, *,
+                     timeout: float | None = None) -> object:
+    """Every rank returns ``root``'s ``obj`` (the others' ``obj`` is ignored; pass None).
+
+    The root pickles ``obj`` (highest protocol) and returns ``obj`` itself; every other rank
+    returns a new object unpickled from the root's bytes (a binomial-tree broadcast after a
+    small metadata round carrying the size). **Unpickling runs code chosen by the root: use
+    this only among authenticated ranks.**
+
+    Raises
+    ------
+    InvalidRankError
+        ``root`` is not in ``[0, world_size)``.
+    TypeError
+        The root's object cannot be pickled: on every rank, naming the reason.
+    pickle.UnpicklingError
+        This rank cannot rebuild the object (a class it cannot import...): on that rank only.
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> run_ranks(lambda b: broadcast_object({"lr": 0.1} if b.rank == 0 else None, b), 2)
+    [{'lr': 0.1}, {'lr': 0.1}]
+    """
+    return run(BROADCAST_OBJECT, obj, backend, root, timeout)
+
+
+def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (each entry unpickled anew, this
+    rank's own included, so the lists are equal and share nothing with the inputs).
+
+    Pickles of any size per rank (a metadata round exchanges the sizes, then the ring
+    all-gather moves the bytes). **Unpickling runs code chosen by the sending rank: use this
+    only among authenticated ranks.**
+
+    Raises
+    ------
+    TypeError
+        Some rank's object cannot be pickled: on every rank, naming the ranks and reasons.
+    pickle.UnpicklingError
+        This rank cannot rebuild some rank's object: on that rank only.
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> run_ranks(lambda b: all_gather_object(("rank", b.rank), b), 2)
+    [[('rank', 0), ('rank', 1)], [('rank', 0), ('rank', 1)]]
+    """
+    return run(ALL_GATHER_OBJECT, obj, backend, None, timeout)
+
+
+__all__ = ["all_gather_object", "all_gather_v", "all_gather_v_async", "all_to_all",
+           "all_to_all_async", "all_to_all_single", "all_to_all_single_async",
+           "broadcast_object"]

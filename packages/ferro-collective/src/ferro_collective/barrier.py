@@ -1,0 +1,52 @@
+"""barrier: nobody leaves before every rank has called it.
+
+The barrier is the collectives' header exchange with the barrier's header, so a rank that calls
+another collective instead gets CollectiveMismatchError on every rank rather than a hang: one
+engine step on a backend with an engine (:func:`one_call`), Bruck's all-gather of the headers
+(``ceil(log2 n)`` rounds) over point-to-point messages, or node, cross and node barriers on a
+multi-node job (:func:`stages`).
+"""
+
+from __future__ import annotations
+
+from ._state import reserve
+from .checks import check_backend
+from .engine import EngineGroup, Step
+from .p2p import Ctx
+from .plan import Plan
+
+
+def one_call(group: EngineGroup, tensor, out, arg, timeout) -> None:
+    """The barrier as one engine step."""
+    group.barrier_now(timeout)
+
+
+def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
+    """The checked plan of one barrier (the header exchange is all of it)."""
+    check_backend("barrier", backend)
+
+    def python(ctx: Ctx) -> None:
+        return None
+
+    def engine(group: EngineGroup, call: Step, header: bytes) -> None:
+        group.exchange(call, header)
+
+    return Plan("barrier", backend, timeout, (None, ()), python, engine,
+                lambda h: stages(h, timeout), algorithm, seq)
+
+
+def stages(h, timeout):
+    """Node, cross, node; returns ``run(execute)``."""
+    node, cross = h.node, h.cross
+    s1, s3 = reserve(node, node)
+    (s2,) = reserve(cross)
+
+    def run(execute) -> None:
+        execute(prepare(None, node, None, timeout, None, None, s1))
+        execute(prepare(None, cross, None, timeout, None, None, s2))
+        execute(prepare(None, node, None, timeout, None, None, s3))
+
+    return run
+
+
+__all__ = ["one_call", "prepare", "stages"]

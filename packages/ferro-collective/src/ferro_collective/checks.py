@@ -1,0 +1,81 @@
+"""The argument checks every collective shares: the backend, the array, ``out=``, the root.
+
+Each raises ferro's typed error naming what was wrong (the collective, the shapes, dtypes and
+ranks involved); collectives make them before a call takes its sequence number, so a bad call
+fails on the rank that made it with nothing taken.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ferro_backend import Backend, InvalidRankError, SizeMismatchError
+
+#: what a collective takes as a scalar: a Python int, float or bool, or a numpy scalar
+SCALARS = (int, float, np.generic)
+
+
+def as_array(name: str, tensor, backend) -> np.ndarray:
+    """``tensor`` as an array (no copy when it is one), on a real backend."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
+                        f"{type(backend).__name__}")
+    x = np.asarray(tensor)
+    if x.dtype.hasobject or x.dtype.itemsize == 0:
+        raise TypeError(f"{name}: dtype {x.dtype} cannot be sent")
+    return x
+
+
+def fast_array(tensor) -> np.ndarray | None:
+    """``tensor`` when it is an ndarray, a Python or numpy scalar as the 0-d array the general
+    path would make of it (so that a scalar, e.g. a loss to average, takes the engine's
+    one-call path too); None otherwise (the general path checks it)."""
+    if type(tensor) is np.ndarray:
+        return tensor
+    return np.asarray(tensor) if isinstance(tensor, SCALARS) else None
+
+
+def check_out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """``out=`` checked: a writable C-contiguous ndarray of the result's shape and dtype."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
+                                f"{np.dtype(dtype)}{list(shape)}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name}: out must be writable and C-contiguous")
+    return out
+
+
+def usable_out(out, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    """``out`` is what a one-call path can write into as it is (else the general path checks
+    it and names what is wrong)."""
+    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
+            and out.flags.c_contiguous and out.flags.writeable)
+
+
+def check_root(name: str, root, n: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, int | np.integer) or not 0 <= root < n:
+        raise InvalidRankError(f"{name}: root {root!r} is out of range for world_size {n}")
+    return int(root)
+
+
+def check_backend(name: str, backend) -> None:
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
+                        f"{type(backend).__name__}")
+
+
+def finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
+    """``result`` in ``dtype``, in ``out`` when given (no copy when it already is ``out``)."""
+    if out is None:
+        return result if result.dtype == dtype else result.astype(dtype)
+    if not np.may_share_memory(result, out):
+        np.copyto(out, result, casting="unsafe")
+    return out
+
+
+__all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_root", "fast_array",
+           "finish", "usable_out"]

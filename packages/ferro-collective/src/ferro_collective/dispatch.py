@@ -1,0 +1,116 @@
+"""The dispatcher: where every collective call is run, chosen once, in one place.
+
+A collective is a :class:`Collective`: its ``one_call`` (the engine's one-call path for the
+common small case, or None) and its ``prepare`` (the checks and the :class:`~.plan.Plan`). For a
+call, :func:`run` tries the one-call path on a backend with an engine, then prepares the plan and
+runs it on the executor :func:`executor` picks for it when it is issued (so that an async call
+keeps its place in the order of calls):
+
+1. **hierarchical stages**, on a multi-node backend without an engine of its own, where the
+   cost model (:func:`prefer_hierarchical`) rates them faster than the flat call;
+2. **the engine**, on a backend with one, in its issue order (the plan's engine body, or its
+   Python body where it has none);
+3. **Python**: the plan's algorithms over point-to-point messages.
+
+The stages of a hierarchical call are plans of their own, on the node and cross groups, which
+the stages hand back to :func:`execute`: a collective's module never calls back up.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import costmodel
+from ._state import state
+from .engine import NOT_TAKEN, group_of
+from .plan import Plan
+from .work import Work
+
+
+class Collective(NamedTuple):
+    """One collective as the dispatcher sees it. ``prepare(tensor, backend, arg, timeout,
+    algorithm, out, seq=None)`` checks a call and returns its plan; ``one_call(group, tensor,
+    out, arg, timeout)`` runs it whole on the engine or answers ``NOT_TAKEN``. ``arg`` is the
+    collective's own argument (the op, the root, None)."""
+
+    name: str
+    prepare: Callable[..., Plan]
+    one_call: Callable[..., Any] | None = None
+
+
+def run(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
+    """One call of ``coll``, now; its result."""
+    if algorithm is None and coll.one_call is not None:
+        group = group_of(backend)
+        if group is not None:
+            done = coll.one_call(group, tensor, out, arg, timeout)
+            if done is not NOT_TAKEN:
+                return done
+    return executor(coll.prepare(tensor, backend, arg, timeout, algorithm, out))()
+
+
+def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,
+           out=None) -> Work:
+    """One call of ``coll``, in the background (its place in the order of calls taken now)."""
+    plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
+    job = executor(plan)
+    return Work(plan.name, plan.seq, state(plan.backend).submit(job))
+
+
+def execute(plan: Plan) -> Any:
+    """Run ``plan`` on its executor now (a hierarchical stage's plans run this way)."""
+    return executor(plan)()
+
+
+def executor(plan: Plan) -> Callable[[], Any]:
+    """What runs ``plan`` (see the module docstring), chosen now; numbers the call."""
+    backend = plan.backend
+    if plan.seq is None:
+        plan.seq = state(backend).next_seq()
+    group = group_of(backend)
+    if group is not None:
+        return functools.partial(group.run, plan)
+    if plan.stages is not None:
+        h = usable_hierarchy(backend)
+        if h is not None and prefer_hierarchical(plan.name, plan.header, backend, h):
+            stages = plan.stages(h)  # reserves the stages' sequence numbers now, in order
+            return functools.partial(stages, execute)
+    return plan.run_python
+
+
+def usable_hierarchy(backend) -> Any:
+    """The backend's Hierarchy when it has a usable one: several nodes, an engine in each, or
+    one built on a simulated network (``Hierarchy.simulated``: no engine, the node stages run
+    the point-to-point algorithms over the modelled intra-node links)."""
+    h = getattr(backend, "hierarchy", None)
+    if h is None or (h.node.engine is None and not h.simulated):
+        return None
+    return h
+
+
+def prefer_hierarchical(name: str, header: tuple, backend, h) -> bool:
+    """Whether "auto" runs ``name`` as the hierarchy ``h``'s stages.
+
+    Real nodes (an engine in each) always do: every rank then takes the same path whatever
+    its arguments, so a mismatched call still fails as a mismatch on every rank, and the
+    engine's cost across real nodes has not been measured yet. A simulated network's
+    hierarchy follows the cost model (:func:`costmodel.choose_hierarchical` on its links and
+    layout; a layout the model does not describe keeps the stages): the same answer on every
+    rank for the same size, world size and layout (ranks that pass different sizes may then
+    take different paths and time out instead of reporting the mismatch)."""
+    if h.node.engine is not None:
+        return True
+    p = costmodel.params_for(backend)
+    if p.ranks_per_node != h.local_world or len(h.members) * h.local_world != backend.world_size:
+        return True
+    dtype, shape = header[0], header[1]
+    nbytes = 0 if dtype is None else int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return costmodel.choose_hierarchical(name, nbytes, backend.world_size, p)
+
+
+__all__ = ["Collective", "execute", "executor", "prefer_hierarchical", "run", "submit",
+           "usable_hierarchy"]

@@ -1,0 +1,183 @@
+"""The building blocks of the collectives over point-to-point messages.
+
+- :class:`Ctx`: one call's backend, tags, deadlines and names for its errors and stall reports;
+- :func:`bruck_all_gather`: every rank's fixed-size block, in ``ceil(log2 n)`` rounds; the
+  mismatch header's exchange (:func:`header_exchange`, which is also the barrier) and the
+  metadata round of the collectives whose sizes only some ranks know run on it;
+- the two phases of the ring (:func:`reduce_scatter_ring_into`, :func:`all_gather_ring_into`),
+  shared by allreduce, reduce_scatter, all_gather and reduce, and the star's rank-order fold at
+  rank 0 (:func:`fold_at_root`), shared by allreduce and reduce_scatter.
+
+Every algorithm fixes the order in which values are combined, and the final values of a chunk
+are computed once (by its owner) and copied to everyone, so every rank returns the same bits,
+and the same inputs give the same bits run after run. Each step posts its receive before
+sending, so transports deliver straight into the destination.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ferro_backend import CollectiveTimeoutError
+
+from ._state import STEPS_PER_CALL
+from .header import HEADER_SIZE, check_all
+from .ops import ReduceOp, accumulate
+
+log = logging.getLogger("ferro_collective")
+
+#: fraction of the timeout after which a waiting collective logs a stall report
+STALL_FRACTION = 0.5
+
+
+def set_stall_report(fraction: float) -> None:
+    """Log a stall report once a collective has waited ``fraction`` of its timeout (0 < f <= 1)."""
+    global STALL_FRACTION
+    if not 0 < fraction <= 1:
+        raise ValueError(f"stall report fraction {fraction} is not in (0, 1]")
+    STALL_FRACTION = fraction
+
+
+class Ctx:
+    """One collective call: its backend, tags, deadlines and names for error messages."""
+
+    def __init__(self, backend, name: str, seq: int, tag_base: int, timeout: float) -> None:
+        self.backend = backend
+        self.rank = backend.rank
+        self.n = backend.world_size
+        self.name = name
+        self.seq = seq
+        self.tag_base = tag_base
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+        self.soft_deadline = self.start + timeout * STALL_FRACTION
+        self.reported = False
+        self.step = 1  # tag offset 0 is the header exchange
+
+    def next_tag(self) -> int:
+        tag = self.tag_base + self.step
+        self.step += 1
+        if self.step >= STEPS_PER_CALL:
+            self.step = 1
+        return tag
+
+    def irecv(self, out: np.ndarray, src: int, tag: int):
+        return self.backend.irecv(out, src, tag=tag)
+
+    def send(self, data: np.ndarray, dst: int, tag: int) -> None:
+        self.backend.send(data, dst, tag=tag)
+
+    def wait(self, req, src: int, what: str, missing=None) -> None:
+        """Wait for ``req`` from ``src``: a stall report at the soft deadline, then the error."""
+        if not self.reported:
+            if req.poll(max(0.0, self.soft_deadline - time.monotonic())):
+                return
+            self.reported = True
+            waiting = sorted(missing) if missing is not None else [src]
+            log.warning("%s (seq %d) on rank %d: still waiting for %s from rank %d after %.1fs; "
+                        "ranks not arrived: %s", self.name, self.seq, self.rank, what, src,
+                        time.monotonic() - self.start, waiting)
+        remaining = self.deadline - time.monotonic()
+        try:
+            req.wait(max(remaining, 0.0))
+        except CollectiveTimeoutError:
+            waiting = sorted(missing) if missing is not None else [src]
+            raise CollectiveTimeoutError(
+                f"{self.name} (seq {self.seq}) on rank {self.rank}: timed out after "
+                f"{self.timeout:g}s waiting for {what} from rank {src}; ranks not arrived: "
+                f"{waiting}") from None
+
+
+# ----------------------------------------------------------------------------- Bruck
+def bruck_all_gather(ctx: Ctx, block: bytes, tag: int, what: str) -> list[bytes]:
+    """Every rank's ``block`` (all of one length), in rank order: Bruck's all-gather."""
+    n, me, size = ctx.n, ctx.rank, len(block)
+    known = bytearray(block)  # blocks of ranks me, me+1, ..., me+count-1 (mod n)
+    count, distance = 1, 1
+    while count < n:
+        take = min(distance, n - count)
+        src, dst = (me + distance) % n, (me - distance) % n
+        incoming = bytearray(take * size)
+        req = ctx.backend.irecv(incoming, src, tag=tag)
+        # the receiver (me - distance) knows as many blocks as we do and takes the next `take`
+        ctx.send(bytes(known[: take * size]), dst, tag)
+        ctx.wait(req, src, what, {(me + count + i) % n for i in range(n - count)})
+        known += incoming
+        count += take
+        distance *= 2
+    blocks = [b""] * n
+    for i in range(n):
+        blocks[(me + i) % n] = bytes(known[i * size:(i + 1) * size])
+    return blocks
+
+
+def header_exchange(ctx: Ctx, header: bytes) -> None:
+    """Bruck all-gather of every rank's header (on the call's first tag); raises
+    CollectiveMismatchError on every rank when they disagree. Doubles as the barrier: nobody
+    leaves before every rank has arrived."""
+    assert len(header) == HEADER_SIZE
+    check_all(ctx.name, ctx.rank, bruck_all_gather(ctx, header, ctx.tag_base,
+                                                   "the collective header"))
+
+
+# ----------------------------------------------------------------------------- ring and star
+def reduce_scatter_ring_into(ctx: Ctx, buf: np.ndarray, op: ReduceOp,
+                             bounds: Sequence[tuple[int, int]], mean: int | None) -> int:
+    """Ring reduce-scatter in place; returns the chunk index this rank owns (fully reduced).
+
+    At step s rank r sends chunk (r - s - 1) mod n and folds chunk (r - s - 2) mod n; after n-1
+    steps rank r owns chunk r. The MEAN divide is fused into the last fold.
+    """
+    n, me = ctx.n, ctx.rank
+    right, left = (me + 1) % n, (me - 1) % n
+    largest = max(e - s for s, e in bounds)
+    scratch = np.empty(largest, dtype=buf.dtype)
+    for s in range(n - 1):
+        send_c = (me - s - 1) % n
+        recv_c = (me - s - 2) % n
+        rs, re = bounds[recv_c]
+        incoming = scratch[: re - rs]
+        tag = ctx.next_tag()
+        req = ctx.irecv(incoming, left, tag)
+        ss, se = bounds[send_c]
+        ctx.send(buf[ss:se], right, tag)
+        ctx.wait(req, left, f"chunk {recv_c} (reduce-scatter step {s})")
+        accumulate(buf[rs:re], incoming, op, mean if s == n - 2 else None)
+    return me
+
+
+def all_gather_ring_into(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]],
+                         owned: int) -> None:
+    """Ring all-gather in place: rank r starts with chunk ``owned`` filled, ends with all."""
+    n, me = ctx.n, ctx.rank
+    right, left = (me + 1) % n, (me - 1) % n
+    for s in range(n - 1):
+        send_c = (owned - s) % n
+        recv_c = (owned - s - 1) % n
+        tag = ctx.next_tag()
+        rs, re = bounds[recv_c]
+        req = ctx.irecv(buf[rs:re], left, tag)
+        ss, se = bounds[send_c]
+        ctx.send(buf[ss:se], right, tag)
+        ctx.wait(req, left, f"chunk {recv_c} (all-gather step {s})")
+
+
+def fold_at_root(ctx: Ctx, buf: np.ndarray, op: ReduceOp, tag: int) -> None:
+    """Rank 0 folds every rank's contribution into ``buf`` in rank order (MEAN fused last)."""
+    n = ctx.n
+    mean = n if op is ReduceOp.MEAN else None
+    parts = [np.empty_like(buf) for _ in range(n - 1)]
+    reqs = [ctx.irecv(parts[r - 1], r, tag) for r in range(1, n)]
+    for r in range(1, n):
+        ctx.wait(reqs[r - 1], r, "its contribution",
+                 {q for q in range(r, n) if not reqs[q - 1].is_completed()})
+        accumulate(buf, parts[r - 1], op, mean if r == n - 1 else None)
+
+
+__all__ = ["STALL_FRACTION", "Ctx", "all_gather_ring_into", "bruck_all_gather", "fold_at_root",
+           "header_exchange", "reduce_scatter_ring_into", "set_stall_report"]

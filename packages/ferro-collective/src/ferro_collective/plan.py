@@ -1,0 +1,99 @@
+"""A collective call, checked and planned: what every rank must agree on, and how it runs.
+
+A :class:`Plan` is what a collective's module makes of one call (its ``prepare``): validated
+arguments, the header every rank compares (name, dtype, shape, op, root), and one body per
+executor: ``python(ctx)`` over point-to-point messages (the algorithms of :mod:`.p2p` and the
+collective's own), ``engine(group, call, header)`` on the same-host engine, ``stages(h)`` as
+hierarchical stages on a multi-node job. The dispatcher (:mod:`.dispatch`) chooses which one
+runs, once, and numbers the call. :func:`choose` is the algorithm a Python body runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ferro_backend import Backend
+
+from . import costmodel
+from ._state import tag_base
+from .header import encode, mismatch_check_enabled
+from .p2p import Ctx, header_exchange
+
+#: every collective's algorithms ("auto": the measured thresholds up to 4 ranks, the cost model
+#: beyond; a forced one must be the same on every rank)
+ALGORITHMS = {
+    "allreduce": ("auto", "ring", "recursive_doubling", "star"),
+    "broadcast": ("auto", "tree", "star"),
+    "all_gather": ("auto", "ring", "star"),
+    "reduce_scatter": ("auto", "ring", "star"),
+    # the collectives added in 0.2 choose by size alone (no algorithm= argument)
+    "reduce": ("auto", "tree", "ring"),
+    "gather": ("auto", "tree", "star"),
+    "scatter": ("auto", "tree", "star"),
+    "all_gather_v": ("auto", "ring"),
+    "all_to_all": ("auto", "pairwise"),
+}
+
+
+def choose(name: str, algorithm: str | None, nbytes: int, n: int, backend=None) -> str:
+    """The algorithm to run: the one asked for, or for "auto" the measured thresholds up to 4
+    ranks and beyond that the cost model's best for ``backend``'s network (its simulated
+    network, else its node layout on a typical cluster: :func:`costmodel.params_for`)."""
+    algorithm = algorithm or "auto"
+    if algorithm not in ALGORITHMS[name]:
+        raise ValueError(f"{name}: unknown algorithm {algorithm!r}; expected one of "
+                         f"{ALGORITHMS[name]}")
+    if algorithm != "auto":
+        return algorithm
+    params = costmodel.params_for(backend) if n > 4 and backend is not None else None
+    return costmodel.auto_pick(name, nbytes, n, params)
+
+
+class Plan:
+    """One checked call (see the module docstring). ``header``: ``(dtype, shape, op, root)``;
+    ``seq``: its sequence number when the caller reserved one (a hierarchical stage), else the
+    dispatcher takes the backend's next. A forced ``algorithm`` keeps the call on the Python
+    body (the engine and the stages run "auto" only)."""
+
+    __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq")
+
+    def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
+                 python: Callable[[Ctx], Any], engine: Callable | None = None,
+                 stages: Callable | None = None, algorithm: str | None = None,
+                 seq: int | None = None) -> None:
+        self.name = name
+        self.backend = backend
+        self.timeout = backend.resolve_timeout(timeout, f"{name}: timeout")
+        self.header = header
+        self.python = python
+        auto = algorithm in (None, "auto")
+        self.engine = engine if auto else None
+        self.stages = stages if auto else None
+        self.seq = seq
+
+    def encoded(self) -> bytes:
+        """The header every rank compares, with this call's sequence number."""
+        return encode(self.name, *self.header, seq=self.seq)
+
+    def context(self) -> Ctx:
+        """This call's point-to-point context (tags from its sequence number, deadlines)."""
+        return Ctx(self.backend, self.name, self.seq, tag_base(self.seq), self.timeout)
+
+    def run_python(self) -> Any:
+        """Over point-to-point messages: the header exchange (the mismatch check; for a barrier
+        the whole barrier), then the body."""
+        ctx = self.context()
+        if ctx.n > 1 and (mismatch_check_enabled() or self.name == "barrier"):
+            header_exchange(ctx, self.encoded())
+        return self.python(ctx)
+
+    def run_engine(self, group, call) -> Any:
+        """On the engine, in its issue order: the engine body, or the Python one where there
+        is none (a forced algorithm, a collective without an engine path)."""
+        if self.engine is None:
+            return self.run_python()
+        return self.engine(group, call, self.encoded())
+
+
+__all__ = ["ALGORITHMS", "Plan", "choose"]

@@ -1,0 +1,145 @@
+"""reduce_scatter: reduce across ranks, then rank ``r`` keeps the ``r``-th of ``world_size``
+equal slices along dim 0 (dim 0 must be divisible by the world size).
+
+Where a call runs (:mod:`.dispatch` picks):
+
+- **one engine call** (:func:`one_call`) when the data fits a slot: every rank folds its part
+  of every rank's slot, in rank order;
+- **staged on the engine** (:func:`engine_reduce_scatter`): each rank folds its chunk of every
+  rank's input straight from the peers' memory where ranks may read each other's, else an
+  allreduce through the slots and this rank's slice of it;
+- **hierarchical** (:func:`stages`): the hierarchical allreduce, then this rank's slice;
+- **Python**: the ring or the star.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ferro_backend import SizeMismatchError
+
+from . import allreduce
+from .checks import as_array, check_out
+from .engine import NOT_TAKEN, EngineGroup, Step
+from .ops import ReduceOp, as_op, work_dtype
+from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
+from .plan import Plan, choose
+
+
+def one_call(group: EngineGroup, tensor, out, op, timeout):
+    """A slot-sized reduce_scatter (dim 0 divisible by the world size) in one engine call:
+    this rank's part of every slot folded, or ``NOT_TAKEN``."""
+    if type(tensor) is not np.ndarray or type(op) is not ReduceOp:
+        return NOT_TAKEN
+    plan = group.plans.get(("reduce_scatter", tensor.dtype, tensor.shape, op))
+    if plan is None:
+        plan = allreduce.fold_plan(group, "reduce_scatter", tensor, op)
+    return group.fold_now(plan, tensor, out, timeout) if plan else NOT_TAKEN
+
+
+def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
+    """The checked plan of one reduce_scatter."""
+    x = as_array("reduce_scatter", tensor, backend)
+    op = as_op(op)
+    wd = work_dtype("reduce_scatter", x.dtype, op)
+    n = backend.world_size
+    if x.ndim == 0:
+        raise SizeMismatchError("reduce_scatter: a 0-d tensor cannot be split across ranks")
+    if x.shape[0] % n:
+        raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} ({x.shape[0]}) is "
+                                f"not divisible by world_size {n}")
+    algo = choose("reduce_scatter", algorithm, x.nbytes, n, backend)
+    out_shape = (x.shape[0] // n, *x.shape[1:])
+    out = check_out("reduce_scatter", out, out_shape, x.dtype)
+
+    def python(ctx: Ctx) -> np.ndarray:
+        buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)
+        if n == 1 or not buf.size:
+            mine = buf[: buf.size // n]
+        else:
+            mine = IMPLEMENTATIONS[algo](ctx, buf, op)
+        if out is None:
+            return np.array(mine, dtype=x.dtype, copy=True).reshape(out_shape)
+        np.copyto(out.reshape(-1), mine, casting="unsafe")
+        return out
+
+    def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
+        result = np.empty(out_shape, x.dtype) if out is None else out
+        engine_reduce_scatter(group, call, header, np.ascontiguousarray(x).reshape(-1),
+                              result.reshape(-1), wd, op)
+        return result
+
+    return Plan("reduce_scatter", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
+                lambda h: stages(h, x, op, wd, out_shape, timeout, out, backend.rank),
+                algorithm, seq)
+
+
+# ----------------------------------------------------------------------------- Python
+def reduce_scatter_ring(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> np.ndarray:
+    n = ctx.n
+    size = buf.size // n
+    bounds = [(r * size, (r + 1) * size) for r in range(n)]
+    mean = n if op is ReduceOp.MEAN else None
+    owned = reduce_scatter_ring_into(ctx, buf, op, bounds, mean)
+    s, e = bounds[owned]
+    return buf[s:e]
+
+
+def reduce_scatter_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> np.ndarray:
+    n, me = ctx.n, ctx.rank
+    size = buf.size // n
+    tag_up, tag_down = ctx.next_tag(), ctx.next_tag()
+    if me == 0:
+        fold_at_root(ctx, buf, op, tag_up)
+        for r in range(1, n):
+            ctx.send(buf[r * size:(r + 1) * size], r, tag_down)
+        return buf[:size]
+    out = np.empty(size, dtype=buf.dtype)
+    req = ctx.irecv(out, 0, tag_down)
+    ctx.send(buf, 0, tag_up)
+    ctx.wait(req, 0, "its reduced chunk")
+    return out
+
+
+IMPLEMENTATIONS = {"ring": reduce_scatter_ring, "star": reduce_scatter_star}
+
+
+# ----------------------------------------------------------------------------- engine
+def engine_reduce_scatter(g: EngineGroup, call: Step, header: bytes, x: np.ndarray,
+                          out: np.ndarray, wd: np.dtype, op: ReduceOp) -> None:
+    """``out`` = this rank's ``1/n`` of the rank-order fold of every rank's ``x``."""
+    mean = g.n if op is ReduceOp.MEAN else None
+    size = x.size // g.n
+    s, e = g.me * size, (g.me + 1) * size
+    if x.size * wd.itemsize <= g.slot_bytes:
+        allreduce.fold_through_slots(g, call, header, x, out, wd, op, mean, (s, e))
+    elif g.cma_ok:
+        g.exchange(call, header, extra=(os.getpid(), x.ctypes.data, 0))
+        allreduce.fold_from_peers(g, x, out, wd, op, mean, g.extras(), s, e)
+        g.sync(call)
+    else:
+        full = g.scratch("reduce_scatter", out.dtype, x.size)
+        allreduce.engine_allreduce(g, call, header, x, full, wd, op)
+        out[...] = full[s:e]
+
+
+# ----------------------------------------------------------------------------- hierarchical
+def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out, rank: int):
+    """The hierarchical allreduce, then this rank's slice; returns ``run(execute)``."""
+    whole = allreduce.stages(h, x, op, wd, timeout, None)
+
+    def run(execute) -> np.ndarray:
+        full = whole(execute)
+        rows = out_shape[0]
+        mine = full[rank * rows:(rank + 1) * rows]
+        if out is None:
+            return np.array(mine, copy=True)
+        out[...] = mine
+        return out
+
+    return run
+
+
+__all__ = ["IMPLEMENTATIONS", "engine_reduce_scatter", "one_call", "prepare", "stages"]

@@ -1,0 +1,192 @@
+"""The message schedules of the point-to-point algorithms, on the alpha-beta model's links.
+
+:class:`Schedule` keeps each rank's clock and the time its interface is free, as the simulated
+network (``ferro_backend.netsim``) keeps them; :func:`run` plays one flat algorithm's messages
+on it (or on a :class:`View` of a subgroup: a hierarchical stage), :func:`header_rounds` the
+header exchange every collective starts with. :mod:`.costmodel` turns the clocks into times.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .header import HEADER_SIZE
+
+if TYPE_CHECKING:
+    from .costmodel import Params
+
+
+def _cost(p: Params, src: int, dst: int, nbytes: float) -> tuple[float, float]:
+    """(latency, seconds on the sender's interface) of one message ``src -> dst``."""
+    L = p.ranks_per_node if p.intra_alpha is not None else 0
+    same = L > 0 and src // L == dst // L
+    a, b = p.link(not same)
+    return a, nbytes / b
+
+
+class Schedule:
+    """Each rank's clock and the time its interface is free, as the simulated network keeps
+    them: a send leaves at ``max(clock, interface free)``, occupies the interface for its bytes
+    over the bandwidth and arrives a latency later; a receive moves the clock to the arrival."""
+
+    def __init__(self, p: Params, clock: list[float]) -> None:
+        self.p, self.clock, self.nic = p, clock[:], clock[:]
+
+    def send(self, src: int, dst: int, nbytes: float) -> float:
+        lat, busy = _cost(self.p, src, dst, nbytes)
+        self.nic[src] = max(self.clock[src], self.nic[src]) + busy
+        return self.nic[src] + lat
+
+    def rounds(self, rounds, fold: bool = False) -> None:
+        """Rounds in which every rank sends one message, then waits for one: ``rounds`` yields
+        ``(dst_of, nbytes)``; ``dst_of(me)`` is the rank ``me`` sends to (None: sits out).
+        ``fold``: the receiver then reduces what it got into its buffer (``gamma`` per byte)."""
+        n = len(self.clock)
+        for dst_of, nbytes in rounds:
+            arrivals = [None] * n
+            for me in range(n):
+                dst = dst_of(me)
+                if dst is not None:
+                    arrivals[dst] = max(arrivals[dst] or 0.0, self.send(me, dst, nbytes))
+            work = self.p.gamma * nbytes if fold else 0.0
+            self.clock = [c if a is None else max(c, a) + work
+                          for c, a in zip(self.clock, arrivals)]
+
+
+class Clocks:
+    """A group's clocks as a list indexed by local rank, stored in the whole job's schedule."""
+
+    def __init__(self, s: Schedule, members: tuple[int, ...]) -> None:
+        self.s, self.members = s, members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, i: int) -> float:
+        return self.s.clock[self.members[i]]
+
+    def __setitem__(self, i: int, value: float) -> None:
+        self.s.clock[self.members[i]] = value
+
+    def __iter__(self):
+        return (self.s.clock[m] for m in self.members)
+
+
+class View(Schedule):
+    """A subgroup of a job's :class:`Schedule` (local rank ``i`` is global ``members[i]``):
+    the algorithms run on it as on a schedule of their own, their messages charged to the
+    global ranks' links and interfaces (as a SubBackend's are by the simulated network)."""
+
+    def __init__(self, s: Schedule, members) -> None:  # not Schedule.__init__: no clocks of its own
+        self.s, self.p, self.members = s, s.p, tuple(members)
+
+    @property
+    def clock(self) -> Clocks:
+        return Clocks(self.s, self.members)
+
+    @clock.setter
+    def clock(self, values) -> None:
+        for m, v in zip(self.members, list(values)):
+            self.s.clock[m] = v
+
+    def send(self, src: int, dst: int, nbytes: float) -> float:
+        return self.s.send(self.members[src], self.members[dst], nbytes)
+
+
+def header_rounds(n: int) -> list:
+    """Bruck's all-gather of the headers: round ``k`` (distance ``d = 2^k``), rank ``me``
+    sends ``min(d, n - count)`` headers to ``me - d``."""
+    rounds, count, d = [], 1, 1
+    while count < n:
+        take = min(d, n - count)
+        rounds.append((lambda me, d=d: (me - d) % n, take * HEADER_SIZE))
+        count += take
+        d *= 2
+    return rounds
+
+
+def header_clocks(p: Params, n: int) -> list[float]:
+    s = Schedule(p, [0.0] * n)
+    s.rounds(header_rounds(n))
+    return s.clock
+
+
+def header_time(p: Params, n: int) -> float:
+    """The header exchange every collective starts with (mismatch detection)."""
+    return max(header_clocks(p, n)) if n > 1 else 0.0
+
+
+def _ring(s: Schedule, steps: int, nbytes: float, folds: int = 0) -> None:
+    """``steps`` ring steps, the first ``folds`` of them reducing what arrives."""
+    n = len(s.clock)
+    s.rounds([(lambda me: (me + 1) % n, nbytes)] * folds, fold=True)
+    s.rounds([(lambda me: (me + 1) % n, nbytes)] * (steps - folds))
+
+
+def _recursive_doubling(s: Schedule, nbytes: float) -> None:
+    n = len(s.clock)
+    q = 1 << (n.bit_length() - 1)
+    for me in range(q, n):  # fold into me - q
+        s.clock[me - q] = max(s.clock[me - q], s.send(me, me - q, nbytes)) \
+            + s.p.gamma * nbytes
+    d = 1
+    while d < q:
+        s.rounds([(lambda me, d=d: (me ^ d) if me < q else None, nbytes)], fold=True)
+        d *= 2
+    for me in range(q, n):  # the result back
+        s.clock[me] = max(s.clock[me], s.send(me - q, me, nbytes))
+
+
+def _gather_to_root(s: Schedule, nbytes: float, fold: bool = False) -> None:
+    n = len(s.clock)
+    for r in range(1, n):
+        s.clock[0] = max(s.clock[0], s.send(r, 0, nbytes))
+    if fold:
+        s.clock[0] += s.p.gamma * nbytes * (n - 1)
+
+
+def _from_root(s: Schedule, nbytes: float) -> None:
+    for r in range(1, len(s.clock)):
+        s.clock[r] = max(s.clock[r], s.send(0, r, nbytes))
+
+
+def _tree(s: Schedule, nbytes: float) -> None:
+    """Binomial tree from rank 0: ``v`` gets the data from ``v - m`` (``m`` its lowest set
+    bit), then sends to ``v + m'`` for every ``m' < m``, largest first."""
+    n = len(s.clock)
+    top = 1 << max(0, (n - 1).bit_length() - 1)
+    for v in range(n):  # parents come before their children
+        mask = top if v == 0 else (v & -v) >> 1
+        while mask:
+            if v + mask < n:
+                s.clock[v + mask] = max(s.clock[v + mask], s.send(v, v + mask, nbytes))
+            mask >>= 1
+
+
+def run(s: Schedule, name: str, algorithm: str, nbytes: float) -> None:
+    """One flat algorithm's messages on ``s`` (a schedule or a group's view of one)."""
+    n = len(s.clock)
+    if n <= 1 or nbytes <= 0:
+        return  # nothing to send (the calls skip the algorithm for an empty buffer)
+    chunk = math.ceil(nbytes / n)
+    if name == "allreduce" and algorithm == "ring":
+        _ring(s, 2 * (n - 1), chunk, folds=n - 1)
+    elif name == "allreduce" and algorithm == "recursive_doubling":
+        _recursive_doubling(s, nbytes)
+    elif name == "allreduce" and algorithm == "star":
+        _gather_to_root(s, nbytes, fold=True)
+        _from_root(s, nbytes)
+    elif name == "broadcast" and algorithm == "tree":
+        _tree(s, nbytes)
+    elif name == "broadcast" and algorithm == "star":
+        _from_root(s, nbytes)
+    elif name == "all_gather" and algorithm == "ring":
+        _ring(s, n - 1, nbytes)
+    elif name == "reduce_scatter" and algorithm == "ring":
+        _ring(s, n - 1, chunk, folds=n - 1)
+    else:
+        raise ValueError(f"costmodel: no model for {name} {algorithm!r}")
+
+
+__all__ = ["Clocks", "Schedule", "View", "header_clocks", "header_rounds", "header_time", "run"]
