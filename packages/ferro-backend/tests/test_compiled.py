@@ -14,8 +14,9 @@ def test_wire_kernel_is_an_extension_module():
 def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
     import sys
 
-    from ferro_backend import _platform, launch
+    from ferro_backend import _platform
     from ferro_backend.engine import shm
+    from ferro_backend.launch import ferrorun, join
 
     if sys.platform.startswith("linux"):
         from ferro_backend.engine import _ring, _segment, _slots, _watch
@@ -23,17 +24,17 @@ def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
         assert _platform.SAME_HOST_ENGINE
         for kernel in (_segment, _slots, _ring, _watch):
             assert kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
-        assert launch._default_transport(1) == "shm"
+        assert ferrorun._default_transport(1) == "shm"
     # where the kernel does not exist, ShmBackend says so (simulated here) and TCP is the default
     monkeypatch.setattr(shm, "SAME_HOST_ENGINE", False)
-    monkeypatch.setattr(launch, "SAME_HOST_ENGINE", False)
+    monkeypatch.setattr(join, "SAME_HOST_ENGINE", False)
     try:
         shm.ShmBackend(0, 1, "127.0.0.1:1")
     except RuntimeError as exc:
         assert "needs Linux" in str(exc) and "TcpBackend" in str(exc)
     else:
         raise AssertionError("ShmBackend did not refuse")
-    assert launch._default_transport(1) == "tcp"
+    assert ferrorun._default_transport(1) == "tcp"
 
 
 def test_package_is_installed_not_the_source_tree():

@@ -140,7 +140,7 @@ def test_init_from_env_outside_ferrorun(monkeypatch):
 
 
 def test_thread_caps_per_rank_unless_the_user_set_them(tmp_path):
-    from ferro_backend.launch import THREAD_VARS, thread_caps
+    from ferro_backend.launch.ferrorun import THREAD_VARS, thread_caps
 
     assert thread_caps(4, environ={}, cores=16) == {v: "4" for v in THREAD_VARS}
     assert thread_caps(3, environ={}, cores=2) == {v: "1" for v in THREAD_VARS}

@@ -5,7 +5,6 @@ from importlib.metadata import version as _version
 from . import _wire  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
 from .engine.shm import ShmBackend
-from .env import configure_logging, init_from_env
 from .errors import (
     AuthenticationError,
     CollectiveMismatchError,
@@ -21,7 +20,8 @@ from .errors import (
     SettingError,
     SizeMismatchError,
 )
-from .launchers import Launcher, detect_launcher
+from .launch.detect import Launcher, detect_launcher
+from .launch.env import configure_logging, init_from_env
 from .mesh.tcp import TcpBackend
 from .mpi import MpiBackend
 from .simulated import SimulatedBackend

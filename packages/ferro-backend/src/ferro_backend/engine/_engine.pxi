@@ -52,6 +52,7 @@ cdef extern from "_sync.h" nogil:
     int FERRO_OK
     int FERRO_TIMEOUT
     int FERRO_FAILED
+    int FERRO_MISMATCH
     int FERRO_UNTIL_CHANGED
     int FERRO_UNTIL_REACHED
 

@@ -2,11 +2,10 @@
 """The engine's collective steps: every rank's slots and step words in the shared segment.
 
 A rank takes part in step ``s`` by writing its slot ``s % 2`` (a collective header, optional
-cross-memory addresses, optional data) and then publishing ``step = s`` (release); it waits
-until every rank has published ``s`` (acquire). Slot ``s % 2`` is free again at step ``s + 2``:
-a rank publishes ``s + 1`` only after it has finished reading everyone's step-``s`` slots, and
-nobody writes step ``s + 2`` before seeing every rank at ``s + 1``. :class:`SlotEngine` keeps
-this rank's step counter, so its users never do step arithmetic. Waits are ``_sync.h``'s.
+cross-memory addresses and data), then publishing ``step = s`` (release); it waits until every
+rank has published ``s`` (acquire). Slot ``s % 2`` is free again at step ``s + 2``: a rank
+publishes ``s + 1`` only after reading everyone's step-``s`` slots. :class:`SlotEngine` keeps
+this rank's step counter (its users do no step arithmetic); waits are ``_sync.h``'s.
 
 The one-call steps (:meth:`SlotEngine.step_fold`, :meth:`SlotEngine.step_copy`) run a whole
 small collective in one call without the GIL: header (with the call's sequence number patched
@@ -27,15 +26,14 @@ include "_engine.pxi"
 ctypedef int (*fold_fn)(int code, void* out, const void** ptrs, Py_ssize_t count, Py_ssize_t n,
                         int op, double mean_divisor) noexcept nogil
 
-#: the capsule name (the C signature) of the fold kernel :meth:`SlotEngine.set_fold` takes:
-#: ``out`` = the rank-order fold of ``count`` inputs of ``n`` items of dtype ``code`` with op
-#: ``op`` (MEAN's divide fused when ``mean_divisor`` > 0); 0, or -1 for an unknown dtype code
+#: the capsule name (the C signature) of the fold :meth:`SlotEngine.set_fold` takes: ``out`` =
+#: the rank-order fold of ``count`` inputs of ``n`` items of dtype ``code`` with op ``op``
+#: (MEAN's divide fused when ``mean_divisor`` > 0); 0, or -1 for an unknown dtype code
 FOLD_SIGNATURE = ("int (int code, void *out, const void **inputs, Py_ssize_t count, "
                   "Py_ssize_t n, int op, double mean_divisor)")
 cdef bytes _FOLD_NAME = FOLD_SIGNATURE.encode()
 #: step results: the wait ended well, timed out, saw the failure flag, or headers disagree
-OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, 3
-cdef int C_MISMATCH = 3
+OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH
 #: where a collective header holds its 32-bit little-endian sequence number
 HEADER_SEQ_OFFSET = 24
 cdef size_t SEQ_OFF = 24
@@ -107,7 +105,7 @@ cdef class SlotEngine:
         at ``src`` into this rank's slot, publish, wait for every rank, compare headers."""
         cdef uint32_t step = self.step + 1
         cdef ferro_slot_head* mine = self._slot(self.me, step)
-        cdef int j, rc
+        cdef int rc
         memcpy(mine.header, header, hlen)
         if patch:
             mine.header[SEQ_OFF] = seq & 0xFF
@@ -120,11 +118,18 @@ cdef class SlotEngine:
         self.sent += nbytes
         self._publish(step)
         rc = self._wait_all(step, deadline)
-        if rc == FERRO_OK:
-            for j in range(self.n):
-                if memcmp(self._slot(j, step).header, mine.header, hlen) != 0:
-                    return C_MISMATCH
+        if rc == FERRO_OK and not self._agree():
+            return FERRO_MISMATCH
         return rc
+
+    cdef bint _agree(self) noexcept nogil:
+        """Whether every rank's header of this step equals this rank's."""
+        cdef int j
+        cdef ferro_slot_head* mine = self._slot(self.me, self.step)
+        for j in range(self.n):
+            if memcmp(self._slot(j, self.step).header, mine.header, self.hlen) != 0:
+                return False
+        return True
 
     def exchange(self, bytes header not None, object src, size_t prefilled, object extra,
                  double deadline):
@@ -186,18 +191,13 @@ cdef class SlotEngine:
         return rc
 
     def withdraw(self):
-        """Publish the step before this one: a rank giving up on a step (after a timeout)
-        must not look arrived to a peer still reading its buffers."""
+        """Publish the step before this one: a rank that gives up on a step must not look
+        arrived to a peer still reading its buffers."""
         self._publish(self.step - 1)
 
     def headers_agree(self) -> bool:
         """Whether every rank's header of this step equals this rank's."""
-        cdef int j
-        for j in range(self.n):
-            if memcmp(self._slot(j, self.step).header, self._slot(self.me, self.step).header,
-                      self.hlen) != 0:
-                return False
-        return True
+        return self._agree()
 
     def headers(self) -> list:
         """Every rank's header of this step (this step's header length each)."""
@@ -205,12 +205,8 @@ cdef class SlotEngine:
 
     def extras(self) -> list:
         """Every rank's ``(pid, input address, output address)`` of this step."""
-        cdef ferro_slot_head* s
-        out = []
-        for j in range(self.n):
-            s = self._slot(j, self.step)
-            out.append((s.pid, s.in_addr, s.out_addr))
-        return out
+        return [(self._slot(j, self.step).pid, self._slot(j, self.step).in_addr,
+                 self._slot(j, self.step).out_addr) for j in range(self.n)]
 
     def missing(self) -> list:
         """The ranks that have not published this rank's step yet (for error messages)."""
@@ -253,7 +249,7 @@ cdef class SlotEngine:
 
     def fold(self, object out, size_t nbytes, size_t offset, Py_ssize_t count,
              size_t itemsize, int code, int op, double mean_divisor):
-        """The fold of :meth:`step_fold` alone, on this step's slot data of ``nbytes``."""
+        """:meth:`step_fold`'s fold alone, on this step's slot data of ``nbytes``."""
         cdef Py_buffer o
         cdef int rc
         PyObject_GetBuffer(out, &o, PyBUF_WRITABLE)

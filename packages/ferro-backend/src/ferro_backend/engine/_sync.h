@@ -23,7 +23,8 @@
 /* the longest a wait sleeps before it looks at its deadline and the failure flag again */
 #define FERRO_SLICE 0.05
 
-enum { FERRO_OK = 0, FERRO_TIMEOUT = 1, FERRO_FAILED = 2 };
+/* how a wait (or a collective step) ended: MISMATCH when the ranks' step headers disagree */
+enum { FERRO_OK = 0, FERRO_TIMEOUT = 1, FERRO_FAILED = 2, FERRO_MISMATCH = 3 };
 /* what a wait waits for: the word to differ from the target, or to reach it (mod 2**32) */
 enum { FERRO_UNTIL_CHANGED = 0, FERRO_UNTIL_REACHED = 1 };
 

@@ -250,3 +250,28 @@ class Rendezvous:
             sock.close()
             return
         joined[prank] = (sock, phost or peer_addr[0], pport)
+
+
+#: where free_port looks first: below Linux's default ephemeral range (32768-60999), so that no
+#: outgoing connection of another test running at the same time takes the port before the job
+#: that was given it binds it
+QUIET_PORTS = (20000, 32000)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago: a random one outside the ephemeral
+    range when one binds (parallel test sessions rarely pick the same), else any free port."""
+    import random
+
+    pick = random.SystemRandom()
+    for _ in range(50):
+        port = pick.randrange(*QUIET_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

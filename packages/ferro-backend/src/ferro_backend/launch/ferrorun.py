@@ -28,9 +28,9 @@ import time
 from importlib.metadata import version as _version
 from pathlib import Path
 
-from . import settings
-from ._platform import SAME_HOST_ENGINE
-from .testing import free_port
+from .. import settings
+from ..mesh.rendezvous import free_port
+from .join import choose_transport
 
 _DESCRIPTION = "Start the ranks of a ferro job on this machine, in the spirit of torchrun."
 _EPILOG = """examples:
@@ -108,12 +108,10 @@ def thread_caps(local_ranks: int, environ: dict[str, str] | None = None,
 
 
 def _default_transport(nnodes: int) -> str | None:
-    """Shared memory (the same-host engine) on one Linux node, TCP on one node elsewhere; on
-    several nodes None: init_from_env then builds the mesh and gives each node its engine
+    """The engine on one Linux node, TCP on one node elsewhere (:func:`.join.choose_transport`);
+    on several nodes None: init_from_env then builds the mesh and gives each node its engine
     (ferro_backend.hierarchy)."""
-    if nnodes > 1:
-        return None
-    return "shm" if SAME_HOST_ENGINE else "tcp"
+    return None if nnodes > 1 else choose_transport(None, True, "")
 
 
 _OUTPUT_LOCK = threading.Lock()
@@ -240,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     world = args.nproc * args.nnodes
     transport = args.transport or _default_transport(args.nnodes)
     target = ["-m", args.script] if args.module else [args.script]
-    cmd = [sys.executable, "-u", "-m", "ferro_backend._rank_main", str(os.getpid()), *target,
+    cmd = [sys.executable, "-u", "-m", "ferro_backend.launch._rank_main", str(os.getpid()), *target,
            *args.args]
     caps = thread_caps(args.nproc)
     if caps:

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .base import Backend
-from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError, SizeMismatchError
+from ..base import Backend
+from ..errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError, SizeMismatchError
+from .threads import RankFailure, run_threads
 
 
 def _never_wait(b: Backend) -> None:
@@ -136,8 +137,6 @@ def check_backend(make_group: Callable[[int], list[Backend]],
     >>> from ferro_backend import SimulatedBackend
     >>> check_backend(SimulatedBackend.create_group)
     """
-    from .testing import RankFailure, run_threads
-
     for n in world_sizes:
         group = make_group(n)
         for i, b in enumerate(group):

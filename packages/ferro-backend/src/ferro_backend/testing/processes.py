@@ -1,22 +1,7 @@
-"""Helpers for testing code that runs on several ranks (public, like an in-memory exporter).
-
-Threads over the simulated backend:
-
-- :func:`run_ranks` runs one function per rank in threads over a :class:`SimulatedBackend` group,
-  joins every thread with a timeout, and re-raises the first rank's error; :func:`run_threads`
-  does the same over backends you made.
-
-Real processes on 127.0.0.1 (every package's multi-process tests use these two, nothing else):
-
-- :func:`run_processes` runs a module-level function as every rank of a real job (spawned
-  processes, TCP or shared-memory transport) and returns each rank's result;
-- :class:`Job` starts a Python snippet (or script) as the ranks of a job with the torchrun
-  environment set, for tests that kill ranks, watch their output or check exit codes.
-
-Both reap every process they started, on success, failure and timeout alike.
-:func:`free_port` finds a free TCP port on 127.0.0.1. :func:`check_backend` (from
-:mod:`.conformance`) checks a transport written outside ferro against the Backend contract.
-"""
+"""Ranks as real processes on 127.0.0.1: a module-level function as every rank of a job
+(:func:`run_processes`), or a Python snippet started with the torchrun environment set
+(:class:`Job`, :func:`run_job`) for tests that kill ranks, watch their output or check exit
+codes. Both reap every process they started, on success, failure and timeout alike."""
 
 from __future__ import annotations
 
@@ -24,133 +9,29 @@ import json
 import multiprocessing
 import os
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import settings
-from .base import Backend
-from .errors import CollectiveTimeoutError, PeerClosedError
-from .simulated import SimulatedBackend
+from .. import settings
+from ..mesh.rendezvous import free_port
 
 T = TypeVar("T")
 
 
-class RankFailure(RuntimeError):
-    """Raised by :func:`run_ranks` when a rank raised; ``errors`` maps rank -> exception."""
-
-    def __init__(self, errors: dict[int, BaseException]) -> None:
-        first = min(errors)
-        super().__init__(f"rank {first} raised {type(errors[first]).__name__}: {errors[first]}")
-        self.errors = errors
-
-
-def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
-                timeout: float = 60.0, abort_on_error: bool = True,
-                raise_first: bool = True) -> list[T]:
-    """Run ``fn(backend)`` for each backend in its own thread; return results by index.
-
-    Each thread is joined with ``timeout``. If a rank raises, its backend is aborted (so the
-    others stop waiting) and, with ``raise_first``, that rank's exception is re-raised after all
-    threads ended; otherwise :class:`RankFailure` carries every rank's error.
-    """
-    results: list[Any] = [None] * len(backends)
-    errors: dict[int, BaseException] = {}
-
-    def body(i: int, backend: Backend) -> None:
-        try:
-            results[i] = fn(backend)
-        except BaseException as exc:
-            errors[i] = exc
-            if abort_on_error:
-                try:
-                    backend.abort(f"{type(exc).__name__}: {exc}")
-                except Exception:
-                    pass
-
-    threads = [threading.Thread(target=body, args=(i, b), name=f"ferro-rank-{i}", daemon=True)
-               for i, b in enumerate(backends)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
-    if stuck:
-        for b in backends:
-            try:
-                b.abort(f"run_threads: ranks {stuck} still running after {timeout:g}s")
-            except Exception:
-                pass
-        raise CollectiveTimeoutError(f"run_threads: ranks {stuck} did not finish in {timeout:g}s")
-    if errors:
-        if raise_first:
-            # The root cause is the error that is not a consequence of another rank's abort.
-            primary = {i: e for i, e in errors.items() if not isinstance(e, PeerClosedError)}
-            pick = primary or errors
-            raise pick[min(pick)]
-        raise RankFailure(errors)
-    return results
-
-
-def run_ranks(fn: Callable[[Backend], T], world_size: int, *, timeout: float = 60.0,
-              backend_timeout: float | None = None, **kwargs: Any) -> list[T]:
-    """Create a simulated group of ``world_size`` and run ``fn(backend)`` on every rank.
-
-    Examples
-    --------
-    >>> run_ranks(lambda b: b.rank * 10, 3)
-    [0, 10, 20]
-    """
-    group = SimulatedBackend.create_group(
-        world_size, **({} if backend_timeout is None else {"timeout": backend_timeout}))
-    try:
-        return run_threads(fn, group, timeout=timeout, **kwargs)
-    finally:
-        for b in group:
-            b.close()
-
-
-#: where free_port looks first: below Linux's default ephemeral range (32768-60999), so that no
-#: outgoing connection of another test running at the same time takes the port before the job
-#: that was given it binds it
-_QUIET_PORTS = (20000, 32000)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago: a random one outside the ephemeral
-    range when one binds (parallel test sessions rarely pick the same), else any free port."""
-    import random
-
-    pick = random.SystemRandom()
-    for _ in range(50):
-        port = pick.randrange(*_QUIET_PORTS)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-# ----------------------------------------------------------------------------- real processes
 def _backend_class(transport: str):
     if transport == "tcp":
-        from .mesh.tcp import TcpBackend
+        from ..mesh.tcp import TcpBackend
 
         return TcpBackend
     if transport == "shm":
-        from .engine.shm import ShmBackend
+        from ..engine.shm import ShmBackend
 
         return ShmBackend
     raise ValueError(f"transport {transport!r} is not 'tcp' or 'shm'")
@@ -366,7 +247,4 @@ def run_job(body: str, world: int, **kwargs: Any) -> list[Any]:
     return [r.result for r in results]
 
 
-from .conformance import check_backend  # noqa: E402 - it runs its checks with run_threads
-
-__all__ = ["Job", "RankFailure", "RankResult", "check_backend", "free_port", "run_job",
-           "run_processes", "run_ranks", "run_threads"]
+__all__ = ["Job", "RankResult", "run_job", "run_processes"]

@@ -1,19 +1,27 @@
 """Pick the backend the environment asks for: the launcher's job, or one rank outside a launcher.
 
-The detection and the rendezvous of each launcher live in :mod:`.launchers`; this module keeps
-the public entry point and the logging set-up.
+Which launcher started this process is :mod:`.detect`'s, how its ranks meet :mod:`.join`'s;
+this module keeps the public entry point and the logging set-up.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
-from . import settings
-from .base import Backend
-from .checks import timeout_from_env
-from .launchers import connect, detect_launcher
-from .simulated import SimulatedBackend
+from .. import settings
+from ..base import Backend
+from ..checks import timeout_from_env
+from ..hierarchy import attach_hierarchy
+from ..mesh.tcp import TcpBackend
+from ..simulated import SimulatedBackend
+from . import mpi_join
+from .detect import Launcher, detect_launcher
+from .join import exchange_nodes, node_key, via_master, via_slurm, via_torch_store
+
+log = logging.getLogger("ferro_backend.launchers")
 
 #: the loggers of ferro's packages, set by FERRO_LOG_LEVEL (``ferrorun --log-level``)
 LOGGERS = ("ferro_backend", "ferro_collective", "ferro_fsdp", "ferro_checkpoint")
@@ -65,3 +73,44 @@ def init_from_env(**kwargs: Any) -> Backend:
         kwargs.setdefault("timeout", env_timeout)
     (backend,) = SimulatedBackend.create_group(1, **kwargs)
     return backend
+
+
+def connect(launcher: Launcher, environ: Mapping[str, str] | None = None,
+            **kwargs: Any) -> Backend:
+    """Join the job ``launcher`` describes with the fastest transport its topology allows
+    (``FERRO_TRANSPORT`` overrides); rank 0 logs :meth:`Backend.describe` at INFO.
+
+    Raises
+    ------
+    LauncherError
+        A dependency the launcher needs is missing (mpi4py under mpirun, torch or
+        FERRO_MASTER_PORT under torchrun), ``FERRO_TRANSPORT=shm`` on several hosts, an MPI
+        that disagrees with the launcher's variables.
+    RendezvousError, AuthenticationError
+        As :class:`TcpBackend`.
+    """
+    env = os.environ if environ is None else environ
+    transport = settings.TRANSPORT.get(environ)
+    env_timeout = timeout_from_env()
+    if env_timeout is not None:
+        kwargs.setdefault("timeout", env_timeout)
+    if transport == "mpi" or launcher.is_mpi:
+        backend = mpi_join.connect(launcher, transport, env, kwargs)
+    elif launcher.source == "ferrorun":
+        backend = via_master(launcher, transport, kwargs)
+    elif launcher.source == "torchrun":
+        backend = via_torch_store(launcher, transport, env, kwargs)
+    else:
+        backend = via_slurm(launcher, transport, env, kwargs)
+    if transport is None and isinstance(backend, TcpBackend) and backend.world_size > 1 \
+            and settings.HIERARCHY.get(environ):
+        # several nodes: the engine inside each node, the mesh between them
+        if backend.nodes is None:
+            backend.nodes = tuple(exchange_nodes(backend, node_key(launcher.node_id)))
+        attach_hierarchy(backend)
+    if launcher.rank == 0:
+        log.info("init_from_env: started by %s\n%s", launcher.label, backend.describe())
+    return backend
+
+
+__all__ = ["LOGGERS", "configure_logging", "connect", "init_from_env"]

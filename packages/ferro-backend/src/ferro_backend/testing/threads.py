@@ -1,0 +1,95 @@
+"""Ranks as threads: one function per rank over a :class:`~ferro_backend.SimulatedBackend`
+group (:func:`run_ranks`) or over backends made elsewhere (:func:`run_threads`), every thread
+joined with a timeout, the first rank's error re-raised."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ..base import Backend
+from ..errors import CollectiveTimeoutError, PeerClosedError
+from ..simulated import SimulatedBackend
+
+T = TypeVar("T")
+
+
+class RankFailure(RuntimeError):
+    """Raised by :func:`run_ranks` when a rank raised; ``errors`` maps rank -> exception."""
+
+    def __init__(self, errors: dict[int, BaseException]) -> None:
+        first = min(errors)
+        super().__init__(f"rank {first} raised {type(errors[first]).__name__}: {errors[first]}")
+        self.errors = errors
+
+
+def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
+                timeout: float = 60.0, abort_on_error: bool = True,
+                raise_first: bool = True) -> list[T]:
+    """Run ``fn(backend)`` for each backend in its own thread; return results by index.
+
+    Each thread is joined with ``timeout``. If a rank raises, its backend is aborted (so the
+    others stop waiting) and, with ``raise_first``, that rank's exception is re-raised after all
+    threads ended; otherwise :class:`RankFailure` carries every rank's error.
+    """
+    results: list[Any] = [None] * len(backends)
+    errors: dict[int, BaseException] = {}
+
+    def body(i: int, backend: Backend) -> None:
+        try:
+            results[i] = fn(backend)
+        except BaseException as exc:
+            errors[i] = exc
+            if abort_on_error:
+                try:
+                    backend.abort(f"{type(exc).__name__}: {exc}")
+                except Exception:
+                    pass
+
+    threads = [threading.Thread(target=body, args=(i, b), name=f"ferro-rank-{i}", daemon=True)
+               for i, b in enumerate(backends)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        for b in backends:
+            try:
+                b.abort(f"run_threads: ranks {stuck} still running after {timeout:g}s")
+            except Exception:
+                pass
+        raise CollectiveTimeoutError(f"run_threads: ranks {stuck} did not finish in {timeout:g}s")
+    if errors:
+        if raise_first:
+            # The root cause is the error that is not a consequence of another rank's abort.
+            primary = {i: e for i, e in errors.items() if not isinstance(e, PeerClosedError)}
+            pick = primary or errors
+            raise pick[min(pick)]
+        raise RankFailure(errors)
+    return results
+
+
+def run_ranks(fn: Callable[[Backend], T], world_size: int, *, timeout: float = 60.0,
+              backend_timeout: float | None = None, **kwargs: Any) -> list[T]:
+    """Create a simulated group of ``world_size`` and run ``fn(backend)`` on every rank.
+
+    Examples
+    --------
+    >>> run_ranks(lambda b: b.rank * 10, 3)
+    [0, 10, 20]
+    """
+    group = SimulatedBackend.create_group(
+        world_size, **({} if backend_timeout is None else {"timeout": backend_timeout}))
+    try:
+        return run_threads(fn, group, timeout=timeout, **kwargs)
+    finally:
+        for b in group:
+            b.close()
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+__all__ = ["RankFailure", "run_ranks", "run_threads"]
