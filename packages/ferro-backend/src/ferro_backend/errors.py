@@ -71,20 +71,3 @@ class LauncherError(DistributedError):
 class SettingError(LauncherError, ValueError):
     """A ``FERRO_*`` variable has a value ferro cannot use (:mod:`ferro_backend.settings`);
     the message names the variable, the value and what was expected."""
-
-
-__all__ = [
-    "AuthenticationError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "DistributedError",
-    "InvalidRankError",
-    "InvalidWorldSizeError",
-    "LauncherError",
-    "PeerAbortedError",
-    "PeerClosedError",
-    "ProtocolError",
-    "RendezvousError",
-    "SettingError",
-    "SizeMismatchError",
-]

@@ -287,21 +287,31 @@ class EngineGroup:
         finally:
             self._done(seq)
 
+    def _begin(self, name: str, timeout: float | None, x: np.ndarray, out: np.ndarray | None,
+               shape: tuple[int, ...]) -> tuple | None:
+        """A one-call path's start: where the result goes (a new array, or ``out`` as it is),
+        the call's timeout, its sequence number and start once its turn came; None (nothing
+        taken) when ``x`` or ``out`` are not what one engine call can use as they are."""
+        if not x.flags.c_contiguous:
+            return None
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        elif not usable_out(out, shape, x.dtype):
+            return None
+        t = self._resolve(timeout, name)
+        seq = self._next()
+        return out, t, seq, self._enter(name, seq, t)
+
     def fold_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None,
                  timeout: float | None) -> Any:
         """A slot-sized reduction in one engine call. ``plan``: (name, header with sequence
         number 0 (the engine patches it in), result shape, dtype code, kernel op, MEAN divisor,
         fold offset in bytes, item count)."""
         name, header, shape, code, kernel, div, offset, count = plan
-        if not x.flags.c_contiguous:
+        begun = self._begin(name, timeout, x, out, shape)
+        if begun is None:
             return NOT_TAKEN
-        if out is None:
-            out = np.empty(shape, x.dtype)
-        elif not usable_out(out, shape, x.dtype):
-            return NOT_TAKEN
-        t = self._resolve(timeout, name)
-        seq = self._next()
-        start = self._enter(name, seq, t)
+        out, t, seq, start = begun
         try:
             rc = self.slots.step_fold(header, seq, x, out, offset, count, x.itemsize, code,
                                       kernel, div, start + t * p2p.STALL_FRACTION)
@@ -319,15 +329,10 @@ class EngineGroup:
         call object. ``plan``: (name, header with sequence number 0, result shape, whether one
         step carries it)."""
         name, header, shape, one_step = plan
-        if not x.flags.c_contiguous:
+        begun = self._begin(name, timeout, x, out, shape)
+        if begun is None:
             return NOT_TAKEN
-        if out is None:
-            out = np.empty(shape, x.dtype)
-        elif not usable_out(out, shape, x.dtype):
-            return NOT_TAKEN
-        t = self._resolve(timeout, name)
-        seq = self._next()
-        start = self._enter(name, seq, t)
+        out, t, seq, start = begun
         try:
             if not one_step:
                 call = Step(name, seq, t, start)

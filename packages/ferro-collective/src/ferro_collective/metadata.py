@@ -244,7 +244,7 @@ def placement(g: EngineGroup, nbytes: int, room: int) -> int:
 
     Data that fits goes in the slot, whatever its size (as gather's): one step instead of two,
     and on the 2-core test machine two copies through the slot beat one cross-memory read
-    (2 ranks, 512 KiB a rank: gather through the slots ~37 us, scatter read directly ~90 us)."""
+    (benchmarks/README.md, "Measurements behind the defaults")."""
     if nbytes <= room:
         return SLOT
     if g.cma_ok and room >= _ADDR.itemsize * g.n:

@@ -182,7 +182,8 @@ class TcpBackend(FixedRanks, Backend):
         posted (saving a buffer and a copy): not while a send of this process is stuck on a
         full socket. The receive would be posted after that send, which may wait on a peer
         whose reader waits on us the same way (two ranks that both send, then receive): each
-        would sit out the whole wait (16 MiB each way: 77 ms instead of about 15)."""
+        would sit out the whole wait (benchmarks/README.md, "Measurements behind the
+        defaults")."""
         return not any(link.lock.locked() for link in self._links.values())
 
     # ------------------------------------------------------------------ data path
