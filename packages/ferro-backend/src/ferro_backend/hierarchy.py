@@ -2,11 +2,11 @@
 
 :func:`attach_hierarchy` gives a multi-node :class:`~ferro_backend.TcpBackend` (or
 ShmBackend) a :class:`Hierarchy`: ``node``, the ranks of this rank's node as a
-:class:`~ferro_backend.SubBackend` that carries its own shared-memory segment (``node.engine``,
-so ferro-collective runs its one-step engine collectives on it), and ``cross``, the ranks with
-this rank's local index on every node (their messages cross the network). Point-to-point
-messages between two ranks of one node travel that segment's rings (:mod:`.rings`), as on a
-:class:`~ferro_backend.ShmBackend`. ferro-collective's
+:class:`~ferro_backend.SubBackend` that carries its own same-host engine (``node.engine``, so
+ferro-collective runs its engine collectives on it), and ``cross``, the ranks with this rank's
+local index on every node (their messages cross the network). Point-to-point messages between
+two ranks of one node travel that engine's rings (:mod:`.engine.rings`, installed as the
+backend's route), as on a :class:`~ferro_backend.ShmBackend`. ferro-collective's
 hierarchical collectives compose the two: an allreduce reduces inside the node on the engine,
 then each local rank allreduces its 1/L slice of the node's sum across nodes, then the node
 gathers the slices, so each rank sends 1/L of the data over the network instead of all of it.
@@ -76,8 +76,9 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
     node, the nodes hold different numbers of ranks, a node has one rank only, or this platform
     has no engine. ``nodes``: every rank's node key, index = rank (default ``backend.nodes``).
 
-    Collective over ``backend``: each node maps its own segment (the memfd rendezvous of
-    :class:`SharedSegment`, over the node's ranks only).
+    Collective over ``backend``: each node maps its own engine (the memfd rendezvous of
+    :meth:`ferro_backend.engine.Engine.join`, over the node's ranks only), whose rings become
+    the backend's route to the node's ranks (:meth:`TcpBackend.install_route`).
     """
     nodes = backend.nodes if nodes is None else tuple(nodes)
     if nodes is None or len(nodes) != backend.world_size or not SAME_HOST_ENGINE:
