@@ -34,7 +34,7 @@ def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
 def one_call(group: EngineGroup, tensor, out, arg, timeout):
     """An all_gather in one engine call (or the staged engine path, with no call object for a
     block beyond a slot), or ``NOT_TAKEN``."""
-    x = fast_array(tensor)
+    x = tensor if type(tensor) is np.ndarray else fast_array(tensor)
     if x is None:
         return NOT_TAKEN
     plan = group.plans.get(("all_gather", x.dtype, x.shape, -1))

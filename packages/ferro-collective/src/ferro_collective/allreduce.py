@@ -42,7 +42,7 @@ _FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
 
 def one_call(group: EngineGroup, tensor, out, op, timeout):
     """A slot-sized allreduce of a kernel dtype in one engine call, or ``NOT_TAKEN``."""
-    x = fast_array(tensor)
+    x = tensor if type(tensor) is np.ndarray else fast_array(tensor)
     if x is None or type(op) is not ReduceOp:
         return NOT_TAKEN
     plan = group.plans.get(("allreduce", x.dtype, x.shape, op))

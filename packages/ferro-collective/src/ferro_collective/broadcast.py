@@ -32,7 +32,7 @@ from .plan import Plan, choose
 def one_call(group: EngineGroup, tensor, out, root, timeout):
     """A broadcast in one engine call (or the staged engine path, with no call object, for
     data beyond a slot), or ``NOT_TAKEN``."""
-    x = fast_array(tensor)
+    x = tensor if type(tensor) is np.ndarray else fast_array(tensor)
     if x is None or type(root) is not int:
         return NOT_TAKEN
     plan = group.plans.get(("broadcast", x.dtype, x.shape, root))

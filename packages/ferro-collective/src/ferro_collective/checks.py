@@ -17,9 +17,7 @@ SCALARS = (int, float, np.generic)
 
 def as_array(name: str, tensor, backend) -> np.ndarray:
     """``tensor`` as an array (no copy when it is one), on a real backend."""
-    if not isinstance(backend, Backend):
-        raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
-                        f"{type(backend).__name__}")
+    check_backend(name, backend)
     x = np.asarray(tensor)
     if x.dtype.hasobject or x.dtype.itemsize == 0:
         raise TypeError(f"{name}: dtype {x.dtype} cannot be sent")

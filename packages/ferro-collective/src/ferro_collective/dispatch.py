@@ -45,8 +45,9 @@ class Collective(NamedTuple):
 def run(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
     """One call of ``coll``, now; its result."""
     if algorithm is None and coll.one_call is not None:
-        group = group_of(backend)
-        if group is not None:
+        engine = getattr(backend, "engine", None)  # group_of(backend), inline: every call
+        if engine is not None:
+            group = engine.client or group_of(backend)
             done = coll.one_call(group, tensor, out, arg, timeout)
             if done is not NOT_TAKEN:
                 return done

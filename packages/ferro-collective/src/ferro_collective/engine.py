@@ -298,7 +298,7 @@ class EngineGroup:
             out = np.empty(shape, x.dtype)
         elif not usable_out(out, shape, x.dtype):
             return None
-        t = self._resolve(timeout, name)
+        t = self.backend.timeout if timeout is None else self._resolve(timeout, name)
         seq = self._next()
         return out, t, seq, self._enter(name, seq, t)
 

@@ -30,7 +30,7 @@ from ferro_backend import Backend, SizeMismatchError
 from ferro_backend.partition import split_bounds
 
 from .allreduce import engine_allreduce
-from .checks import as_array, check_out, check_root, finish
+from .checks import as_array, check_backend, check_out, check_root, finish
 from .engine import EngineGroup, Step
 from .metadata import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
 from .ops import ReduceOp, accumulate, as_op, work_dtype
@@ -269,8 +269,7 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
                     seq: int | None = None) -> MetaPlan:
     """The checked plan of one scatter (``arg``: the root); a :class:`MetaPlan`: only the root
     knows the dtype and shape, which reach every rank in its metadata round."""
-    if not isinstance(backend, Backend):
-        as_array("scatter", 0, backend)  # the TypeError naming the backend
+    check_backend("scatter", backend)
     n, me = backend.world_size, backend.rank
     root = check_root("scatter", root, n)
     if out is not None and not isinstance(out, np.ndarray):
