@@ -182,14 +182,16 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include, then
-    tools/check_layers.py --static: no upward import between the distributions (PACKAGES), no
+    """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include, the
+    checker's own tests, then tools/check_layers.py --static: no upward import between the distributions (PACKAGES), no
     import cycle inside one, no source module over 360 lines."""
-    session.install("ruff", "cython-lint", "pycodestyle")
+    session.install("ruff", "cython-lint", "pycodestyle", "pytest")
     session.run("ruff", "check", str(ROOT))
     pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.px[id]"))
     if pyx:
         session.run("cython-lint", *pyx)
+    session.run("python", "-m", "pytest", str(ROOT / "tools" / "tests"), "-q", "-p",
+                "no:cacheprovider")
     session.run("python", str(ROOT / "tools" / "check_layers.py"), "--static", str(ROOT))
 
 
