@@ -1,5 +1,6 @@
 """The engine's shared segment: how it is made, shared, authenticated and released."""
 
+import ctypes
 import os
 import socket
 import struct
@@ -45,6 +46,62 @@ def test_slot_engine_refuses_a_mapping_smaller_than_its_layout_and_foreign_folds
     x = np.ones(4, np.float32)
     with pytest.raises(RuntimeError, match="no fold kernel"):
         eng_.step_fold(b"h" * 8, 0, x, np.empty_like(x), 0, 4, 4, 0, 0, 0.0, 0.0)
+
+
+def _two_slot_engines():
+    need = _segment.layout(2, 4096, 4096)["size"]
+    seg, failed = np.zeros(need, np.uint8), np.zeros(1, np.uint32)
+    return [_slots.SlotEngine(seg, 2, r, 4096, 4096, failed.ctypes.data, 100, 10)
+            for r in range(2)]
+
+
+def _both(fn0, fn1):
+    out = [None, None]
+    t = threading.Thread(target=lambda: out.__setitem__(1, fn1()))
+    t.start()
+    out[0] = fn0()
+    t.join(10)
+    assert not t.is_alive()
+    return out
+
+
+def _header(tag: bytes, seq: int) -> bytes:
+    return tag.ljust(24, b".") + seq.to_bytes(4, "little") + b"tail" * 5
+
+
+def test_header_hash_leaves_out_the_sequence_number_and_sees_every_other_byte():
+    h = _slots.header_hash
+    assert h(_header(b"a", 0)) == h(_header(b"a", 77)) != h(_header(b"b", 0))
+    assert h(_header(b"a", 0) + b"x") != h(_header(b"a", 0) + b"y")
+    assert h(b"") == h(memoryview(b""))
+
+
+def test_steps_agree_on_equal_headers_however_they_were_published_and_catch_any_difference():
+    deadline = time.monotonic() + 10
+    a, b = _two_slot_engines()
+    # the Python step (its header carries the number) and the one-call step (patched in)
+    rc = _both(lambda: a.exchange(_header(b"x", 5), None, 0, None, deadline),
+               lambda: b.step_barrier(_header(b"x", 0), 5, deadline))
+    assert rc == [_slots.OK, _slots.OK] and a.step == b.step == 1
+    # another sequence number is a mismatch, on both ranks
+    rc = _both(lambda: a.step_barrier(_header(b"x", 0), 6, deadline),
+               lambda: b.step_barrier(_header(b"x", 0), 7, deadline))
+    assert rc == [_slots.MISMATCH, _slots.MISMATCH]
+    assert [x[24] for x in a.headers()] == [6, 7]
+    rc = _both(lambda: a.step_barrier(_header(b"x", 0), 8, deadline),
+               lambda: b.step_barrier(_header(b"y", 0), 8, deadline))
+    assert rc == [_slots.MISMATCH, _slots.MISMATCH]
+    rc = _both(lambda: a.sync(deadline), lambda: b.sync(deadline))
+    assert rc == [_slots.OK, _slots.OK]
+
+
+def test_the_step_table_capsule_is_named_by_its_layout():
+    a, _ = _two_slot_engines()
+    cap = a.api()
+    get = ctypes.pythonapi.PyCapsule_IsValid
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    assert get(cap, _slots.API_SIGNATURE.encode()) == 1
+    assert get(cap, b"something else") == 0
 
 
 @pytest.mark.parametrize("n", [2, 16, 17, 64, 256])

@@ -14,9 +14,9 @@ from .._platform import SAME_HOST_ENGINE
 AVAILABLE = SAME_HOST_ENGINE
 
 if AVAILABLE:
-    from ._slots import FAILED, FOLD_SIGNATURE, MISMATCH, OK, TIMEOUT
+    from ._slots import API_SIGNATURE, FAILED, FOLD_SIGNATURE, MISMATCH, OK, TIMEOUT, header_hash
     from .rings import RingMesh
     from .segment import Engine
 
-__all__ = ["AVAILABLE", "FAILED", "FOLD_SIGNATURE", "MISMATCH", "OK", "TIMEOUT", "Engine",
-           "RingMesh"]
+__all__ = ["API_SIGNATURE", "AVAILABLE", "FAILED", "FOLD_SIGNATURE", "MISMATCH", "OK", "TIMEOUT",
+           "Engine", "RingMesh", "header_hash"]

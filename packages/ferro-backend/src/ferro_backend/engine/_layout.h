@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_VERSION 3u
+#define FERRO_VERSION 4u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u
@@ -39,7 +39,9 @@ typedef struct {               /* one per rank */
     uint64_t probe;            /* address of a word peers read to test cross-memory copies */
     uint64_t reserved;
     uint32_t bell;             /* point-to-point doorbell: producers about to sleep ring it */
-    uint8_t pad[92];
+    uint32_t reserved2;
+    uint64_t head_hash[2];     /* the hash of this rank's collective header, by step parity */
+    uint8_t pad[72];
 } ferro_ctrl;
 
 typedef struct {               /* the start of each slot; slot_bytes of data follow */
@@ -69,6 +71,7 @@ enum { FERRO_PAD = 1, FERRO_EAGER = 2, FERRO_CHUNK = 3, FERRO_CMA = 4 };
 _Static_assert(sizeof(ferro_seg_head) == 128, "the segment header is 128 bytes");
 _Static_assert(sizeof(ferro_ctrl) == 128, "a control line is two cache lines");
 _Static_assert(offsetof(ferro_ctrl, bell) == 32, "the doorbell sits at byte 32");
+_Static_assert(offsetof(ferro_ctrl, head_hash) == 40, "header hashes on the step's line");
 _Static_assert(sizeof(ferro_slot_head) == 256, "a slot head is 256 bytes");
 _Static_assert(sizeof(ferro_ring_ctrl) == 128, "a ring's control block is 128 bytes");
 _Static_assert(offsetof(ferro_ring_ctrl, tail) == 64, "head and tail on their own lines");

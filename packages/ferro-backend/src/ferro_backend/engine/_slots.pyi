@@ -4,11 +4,14 @@ import numpy as np
 import numpy.typing as npt
 
 FOLD_SIGNATURE: str
+API_SIGNATURE: str
 OK: int
 TIMEOUT: int
 FAILED: int
 MISMATCH: int
 HEADER_SEQ_OFFSET: int
+
+def header_hash(header: bytes) -> int: ...
 
 class SlotEngine:
     n: int
@@ -19,6 +22,7 @@ class SlotEngine:
     def __init__(self, segment: npt.NDArray[np.uint8], nranks: int, rank: int, slot_bytes: int,
                  ring_bytes: int, failed_addr: int, spin: int, yields: int) -> None: ...
     def set_fold(self, capsule: Any) -> None: ...
+    def api(self) -> Any: ...
     def exchange(self, header: bytes, src: Any, prefilled: int,
                  extra: tuple[int, int, int] | None, deadline: float) -> int: ...
     def step_barrier(self, header: bytes, seq: int, deadline: float) -> int: ...

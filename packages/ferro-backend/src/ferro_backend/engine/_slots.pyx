@@ -4,27 +4,56 @@
 A rank takes part in step ``s`` by writing its slot ``s % 2`` (a collective header, optional
 cross-memory addresses and data), then publishing ``step = s`` (release); it waits until every
 rank has published ``s`` (acquire). Slot ``s % 2`` is free again at step ``s + 2``: a rank
-publishes ``s + 1`` only after reading everyone's step-``s`` slots. :class:`SlotEngine` keeps
-this rank's step counter (its users do no step arithmetic); waits are ``_sync.h``'s.
+publishes ``s + 1`` only after reading everyone's step-``s`` slots. The protocol is C, in
+``_steps.h`` (waits are ``_sync.h``'s); :class:`SlotEngine` keeps this rank's step counter (its
+users do no step arithmetic) and offers the steps to Python.
 
-The one-call steps (:meth:`SlotEngine.step_fold`, :meth:`SlotEngine.step_copy`) run a whole
-small collective in one call without the GIL: header (with the call's sequence number patched
-in) and data into the slot, publish, wait, compare headers, then fold or copy every rank's slot
-data straight from the segment. The fold is the collective layer's: it hands its kernel over
-once, as a C function pointer in a capsule whose name is the signature (:data:`FOLD_SIGNATURE`,
-as scipy's LowLevelCallable does), so the two distributions share no C code and no link.
+The one-call steps (:meth:`SlotEngine.step_fold`, :meth:`SlotEngine.step_copy`,
+:meth:`SlotEngine.step_barrier`) run a whole small collective in one call without the GIL: header
+(with the call's sequence number patched in) and data into the slot, publish (with the header's
+hash on the rank's control line), wait, compare headers, then fold or copy every rank's slot data
+straight from the segment. Other extensions call the same steps with no Python in between
+through :meth:`SlotEngine.api`: a capsule, named by its C layout (:data:`API_SIGNATURE`), holding
+a table of function pointers. The fold is the collective layer's: it hands its kernel over once,
+as a C function pointer in a capsule whose name is the signature (:data:`FOLD_SIGNATURE`, as
+scipy's LowLevelCallable does), so the two distributions share no C code and no link.
 Validation of what the callers pass (sizes, addresses) is theirs.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
-from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memcpy
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
 
 include "_engine.pxi"
 
-ctypedef int (*fold_fn)(int code, void* out, const void** ptrs, Py_ssize_t count, Py_ssize_t n,
-                        int op, double mean_divisor) noexcept nogil
+cdef extern from "_steps.h" nogil:
+    ctypedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_t count,
+                                  Py_ssize_t n, int op, double mean_divisor)
+    ctypedef struct ferro_slots:
+        unsigned char* base
+        ferro_layout L
+        int n, me
+        uint32_t step
+        unsigned long long sent
+        size_t hlen
+        ferro_policy pol
+        uint32_t* failed
+        ferro_fold_fn fold
+    ctypedef struct ferro_slots_api:
+        pass
+    uint32_t FERRO_SEQ_OFF
+    uint64_t ferro_header_hash(const unsigned char* h, size_t len)
+    ferro_slot_head* ferro_slots_slot(ferro_slots* s, int rank, uint32_t step)
+    void ferro_slots_publish(ferro_slots* s, uint32_t step)
+    int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double deadline)
+    int ferro_slots_agree(ferro_slots* s)
+    int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen, int patch,
+                             uint64_t hash, uint32_t seq, const unsigned char* src,
+                             size_t nbytes, double deadline)
+    int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_ssize_t count, int code,
+                         int op, double mean_divisor)
+    void ferro_slots_copy(ferro_slots* s, void* out, const void* src, size_t nbytes, int root)
+    int ferro_slots_sync(ferro_slots* s, double deadline)
+    void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s)
 
 #: the capsule name (the C signature) of the fold :meth:`SlotEngine.set_fold` takes: ``out`` =
 #: the rank-order fold of ``count`` inputs of ``n`` items of dtype ``code`` with op ``op``
@@ -32,11 +61,31 @@ ctypedef int (*fold_fn)(int code, void* out, const void** ptrs, Py_ssize_t count
 FOLD_SIGNATURE = ("int (int code, void *out, const void **inputs, Py_ssize_t count, "
                   "Py_ssize_t n, int op, double mean_divisor)")
 cdef bytes _FOLD_NAME = FOLD_SIGNATURE.encode()
+#: the capsule name of :meth:`SlotEngine.api`: the layout of the table it holds (``ctx`` is
+#: passed back to each function; ``hash`` is :func:`header_hash` of the header with sequence
+#: number 0, ``seq`` is patched in; each returns OK, TIMEOUT, FAILED, MISMATCH, or -1 for a
+#: dtype code the fold has no kernel for; nothing is folded or copied unless OK)
+API_SIGNATURE = (
+    "ferro_slots_api 1 {void *ctx; "
+    "int (*fold)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
+    "uint32_t seq, const void *src, size_t nbytes, void *out, size_t offset, Py_ssize_t count, "
+    "int code, int op, double mean_divisor, double deadline); "
+    "int (*copy)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
+    "uint32_t seq, const void *src, size_t nbytes, void *out, int root, double deadline); "
+    "int (*barrier)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
+    "uint32_t seq, double deadline);}")
+cdef bytes _API_NAME = API_SIGNATURE.encode()
 #: step results: the wait ended well, timed out, saw the failure flag, or headers disagree
 OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH
 #: where a collective header holds its 32-bit little-endian sequence number
-HEADER_SEQ_OFFSET = 24
-cdef size_t SEQ_OFF = 24
+HEADER_SEQ_OFFSET = FERRO_SEQ_OFF
+
+
+def header_hash(const unsigned char[::1] header) -> int:
+    """The hash a rank publishes with a step's ``header``, without its sequence number (what
+    the :meth:`SlotEngine.api` steps take, computed once per call signature)."""
+    return ferro_header_hash(&header[0], header.shape[0]) if header.shape[0] else \
+        ferro_header_hash(NULL, 0)
 
 
 cdef class SlotEngine:
@@ -44,31 +93,41 @@ cdef class SlotEngine:
     the mapping alive), with the wait ``spin``/``yields`` policy and this process's failure
     flag (a u32 at ``failed_addr``)."""
 
-    cdef unsigned char* base
+    cdef ferro_slots s
+    cdef ferro_slots_api table
     cdef object _keep
-    cdef ferro_layout L
-    cdef readonly int n, me
-    cdef readonly uint32_t step
-    cdef readonly unsigned long long sent
-    cdef ferro_policy pol
-    cdef uint32_t* failed
-    cdef size_t hlen
-    cdef fold_fn fold_kernel
 
     def __init__(self, unsigned char[::1] segment, int nranks, int rank, size_t slot_bytes,
                  size_t ring_bytes, size_t failed_addr, int spin, int yields):
-        ferro_layout_init(&self.L, nranks, slot_bytes, ring_bytes)
-        if <size_t>segment.shape[0] < self.L.size or not 0 <= rank < nranks:
+        ferro_layout_init(&self.s.L, nranks, slot_bytes, ring_bytes)
+        if <size_t>segment.shape[0] < self.s.L.size or not 0 <= rank < nranks:
             raise ValueError(f"SlotEngine: rank {rank} of {nranks} on {segment.shape[0]} bytes "
-                             f"(the layout needs {self.L.size})")
-        self.base, self._keep = &segment[0], segment
-        self.n, self.me = nranks, rank
-        self.pol.spin, self.pol.yields = spin, yields
-        self.failed = <uint32_t*>failed_addr
+                             f"(the layout needs {self.s.L.size})")
+        self.s.base, self._keep = &segment[0], segment
+        self.s.n, self.s.me = nranks, rank
+        self.s.pol.spin, self.s.pol.yields = spin, yields
+        self.s.failed = <uint32_t*>failed_addr
+        ferro_slots_api_init(&self.table, &self.s)
+
+    @property
+    def n(self) -> int:
+        return self.s.n
+
+    @property
+    def me(self) -> int:
+        return self.s.me
+
+    @property
+    def step(self) -> int:
+        return self.s.step
+
+    @property
+    def sent(self) -> int:
+        return self.s.sent
 
     @property
     def slot_bytes(self) -> int:
-        return self.L.slot_bytes
+        return self.s.L.slot_bytes
 
     def set_fold(self, capsule):
         """Take the fold kernel the one-call reductions use: a capsule named
@@ -76,61 +135,14 @@ cdef class SlotEngine:
         if not PyCapsule_IsValid(capsule, _FOLD_NAME):
             raise TypeError(f"SlotEngine.set_fold: expected a capsule named {FOLD_SIGNATURE!r}, "
                             f"got {capsule!r}")
-        self.fold_kernel = <fold_fn>PyCapsule_GetPointer(capsule, _FOLD_NAME)
+        self.s.fold = <ferro_fold_fn>PyCapsule_GetPointer(capsule, _FOLD_NAME)
 
-    # ------------------------------------------------------------------ protocol
-    cdef inline ferro_slot_head* _slot(self, int rank, uint32_t step) noexcept nogil:
-        return ferro_slot_of(self.base, &self.L, rank, step)
+    def api(self):
+        """The one-call steps as a capsule named :data:`API_SIGNATURE` (valid while this
+        SlotEngine lives: its holder keeps a reference to it)."""
+        return PyCapsule_New(&self.table, _API_NAME, NULL)
 
-    cdef void _publish(self, uint32_t step) noexcept nogil:
-        cdef ferro_ctrl* c = ferro_ctrl_of(self.base, &self.L, self.me)
-        ferro_publish(&c.step, step, &c.sleepers)
-
-    cdef int _wait_all(self, uint32_t step, double deadline) noexcept nogil:
-        cdef int j, rc
-        cdef ferro_ctrl* c
-        for j in range(self.n):
-            if j != self.me:
-                c = ferro_ctrl_of(self.base, &self.L, j)
-                rc = ferro_wait(&self.pol, &c.step, step, FERRO_UNTIL_REACHED, &c.sleepers,
-                                deadline, self.failed, NULL, 0.0)
-                if rc != FERRO_OK:
-                    return rc
-        return FERRO_OK
-
-    cdef int _exchange(self, const unsigned char* header, size_t hlen, bint patch,
-                       uint32_t seq, const unsigned char* src, size_t nbytes,
-                       double deadline) noexcept nogil:
-        """The next step: header (``seq`` written at SEQ_OFF when ``patch``) and ``nbytes``
-        at ``src`` into this rank's slot, publish, wait for every rank, compare headers."""
-        cdef uint32_t step = self.step + 1
-        cdef ferro_slot_head* mine = self._slot(self.me, step)
-        cdef int rc
-        memcpy(mine.header, header, hlen)
-        if patch:
-            mine.header[SEQ_OFF] = seq & 0xFF
-            mine.header[SEQ_OFF + 1] = (seq >> 8) & 0xFF
-            mine.header[SEQ_OFF + 2] = (seq >> 16) & 0xFF
-            mine.header[SEQ_OFF + 3] = (seq >> 24) & 0xFF
-        if nbytes:
-            memcpy(ferro_slot_data(mine), src, nbytes)
-        self.step, self.hlen = step, hlen
-        self.sent += nbytes
-        self._publish(step)
-        rc = self._wait_all(step, deadline)
-        if rc == FERRO_OK and not self._agree():
-            return FERRO_MISMATCH
-        return rc
-
-    cdef bint _agree(self) noexcept nogil:
-        """Whether every rank's header of this step equals this rank's."""
-        cdef int j
-        cdef ferro_slot_head* mine = self._slot(self.me, self.step)
-        for j in range(self.n):
-            if memcmp(self._slot(j, self.step).header, mine.header, self.hlen) != 0:
-                return False
-        return True
-
+    # ------------------------------------------------------------------ steps
     def exchange(self, bytes header not None, object src, size_t prefilled, object extra,
                  double deadline):
         """The next step: ``header``, this rank's cross-memory addresses ``extra`` (``(pid,
@@ -139,28 +151,30 @@ cdef class SlotEngine:
         :meth:`data` for this step) into this rank's slot; publish and wait (until
         ``deadline``, a ``time.monotonic()`` value) for every rank; compare the headers.
         Returns OK, TIMEOUT, FAILED or MISMATCH."""
-        cdef Py_buffer s
+        cdef Py_buffer b
         cdef int rc
         cdef const unsigned char* h = header
         cdef size_t hlen = len(header)
-        cdef ferro_slot_head* mine = self._slot(self.me, self.step + 1)
+        cdef ferro_slot_head* mine = ferro_slots_slot(&self.s, self.s.me, self.s.step + 1)
         cdef bint have = src is not None
         if hlen > FERRO_HEADER_ROOM:
             raise ValueError(f"exchange: a {hlen}-byte header exceeds {FERRO_HEADER_ROOM}")
         if extra is not None:
             mine.pid, mine.in_addr, mine.out_addr = extra
         if have:
-            PyObject_GetBuffer(src, &s, PyBUF_SIMPLE)
+            PyObject_GetBuffer(src, &b, PyBUF_SIMPLE)
         try:
-            if have and <size_t>s.len > self.L.slot_bytes:
-                raise ValueError(f"exchange: {s.len} bytes exceed the slot ({self.L.slot_bytes})")
+            if have and <size_t>b.len > self.s.L.slot_bytes:
+                raise ValueError(f"exchange: {b.len} bytes exceed the slot "
+                                 f"({self.s.L.slot_bytes})")
             with nogil:
-                rc = self._exchange(h, hlen, False, 0, <const unsigned char*>s.buf if have
-                                    else NULL, <size_t>s.len if have else 0, deadline)
-            self.sent += prefilled
+                rc = ferro_slots_exchange(&self.s, h, hlen, 0, 0, 0,
+                                          <const unsigned char*>b.buf if have else NULL,
+                                          <size_t>b.len if have else 0, deadline)
+            self.s.sent += prefilled
         finally:
             if have:
-                PyBuffer_Release(&s)
+                PyBuffer_Release(&b)
         return rc
 
     def step_barrier(self, bytes header not None, uint32_t seq, double deadline):
@@ -168,9 +182,10 @@ cdef class SlotEngine:
         TIMEOUT, FAILED or MISMATCH."""
         cdef int rc
         cdef const unsigned char* h = header
-        cdef Py_ssize_t hlen = len(header)
+        cdef size_t hlen = self._header_len(header)
+        cdef uint64_t hash = ferro_header_hash(h, hlen)
         with nogil:
-            rc = self._exchange(h, hlen, True, seq, NULL, 0, deadline)
+            rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq, NULL, 0, deadline)
         return rc
 
     def sync(self, double deadline):
@@ -178,44 +193,53 @@ cdef class SlotEngine:
         one. OK, TIMEOUT or FAILED."""
         cdef int rc
         with nogil:
-            self.step += 1
-            self._publish(self.step)
-            rc = self._wait_all(self.step, deadline)
+            rc = ferro_slots_sync(&self.s, deadline)
         return rc
 
     def wait(self, double deadline):
         """Wait (again) for every rank to reach this rank's step; OK, TIMEOUT or FAILED."""
         cdef int rc
         with nogil:
-            rc = self._wait_all(self.step, deadline)
+            rc = ferro_slots_wait_all(&self.s, self.s.step, deadline)
         return rc
 
     def withdraw(self):
         """Publish the step before this one: a rank that gives up on a step must not look
         arrived to a peer still reading its buffers."""
-        self._publish(self.step - 1)
+        ferro_slots_publish(&self.s, self.s.step - 1)
 
     def headers_agree(self) -> bool:
         """Whether every rank's header of this step equals this rank's."""
-        return self._agree()
+        return ferro_slots_agree(&self.s) != 0
 
     def headers(self) -> list:
         """Every rank's header of this step (this step's header length each)."""
-        return [bytes(self._slot(j, self.step).header[:self.hlen]) for j in range(self.n)]
+        return [bytes(ferro_slots_slot(&self.s, j, self.s.step).header[:self.s.hlen])
+                for j in range(self.s.n)]
 
     def extras(self) -> list:
         """Every rank's ``(pid, input address, output address)`` of this step."""
-        return [(self._slot(j, self.step).pid, self._slot(j, self.step).in_addr,
-                 self._slot(j, self.step).out_addr) for j in range(self.n)]
+        cdef ferro_slot_head* h
+        out = []
+        for j in range(self.s.n):
+            h = ferro_slots_slot(&self.s, j, self.s.step)
+            out.append((h.pid, h.in_addr, h.out_addr))
+        return out
 
     def missing(self) -> list:
         """The ranks that have not published this rank's step yet (for error messages)."""
-        return [j for j in range(self.n) if j != self.me and
-                <int32_t>(ferro_load(&ferro_ctrl_of(self.base, &self.L, j).step) - self.step) < 0]
+        return [j for j in range(self.s.n) if j != self.s.me and
+                <int32_t>(ferro_load(&ferro_ctrl_of(self.s.base, &self.s.L, j).step)
+                          - self.s.step) < 0]
 
     def published(self, int rank) -> int:
         """The last step ``rank`` published."""
-        return ferro_load(&ferro_ctrl_of(self.base, &self.L, rank).step)
+        return ferro_load(&ferro_ctrl_of(self.s.base, &self.s.L, rank).step)
+
+    cdef size_t _header_len(self, bytes header) except? 0:
+        if <size_t>len(header) > FERRO_HEADER_ROOM:
+            raise ValueError(f"a {len(header)}-byte header exceeds {FERRO_HEADER_ROOM}")
+        return len(header)
 
     # ------------------------------------------------------------------ one-call steps
     def step_fold(self, bytes header not None, uint32_t seq, object src, object out,
@@ -227,21 +251,21 @@ cdef class SlotEngine:
         rank-order fold of every rank's slot data from byte ``offset``. OK, TIMEOUT, FAILED or
         MISMATCH (``out`` untouched unless OK: :meth:`fold` finishes a step whose wait ended
         later)."""
-        cdef Py_buffer s, o
+        cdef Py_buffer b, o
         cdef int rc
         cdef const unsigned char* h = header
-        cdef Py_ssize_t hlen = len(header)
-        self._buffers(src, out, &s, &o)
+        cdef size_t hlen = self._header_len(header)
+        cdef uint64_t hash = ferro_header_hash(h, hlen)
+        self._buffers(src, out, &b, &o)
         try:
-            self._check_fold(s.len, o.len, offset, count, itemsize)
+            self._check_fold(b.len, o.len, offset, count, itemsize)
             with nogil:
-                rc = self._exchange(h, hlen, True, seq, <const unsigned char*>s.buf, s.len,
-                                    deadline)
+                rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq,
+                                          <const unsigned char*>b.buf, b.len, deadline)
                 if rc == FERRO_OK and count > 0:
-                    rc = self._fold_slots(<unsigned char*>o.buf, offset, count, code, op,
-                                          mean_divisor)
+                    rc = ferro_slots_fold(&self.s, o.buf, offset, count, code, op, mean_divisor)
         finally:
-            PyBuffer_Release(&s)
+            PyBuffer_Release(&b)
             PyBuffer_Release(&o)
         if rc == -1:
             raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
@@ -256,46 +280,29 @@ cdef class SlotEngine:
         try:
             self._check_fold(nbytes, o.len, offset, count, itemsize)
             with nogil:
-                rc = self._fold_slots(<unsigned char*>o.buf, offset, count, code, op,
-                                      mean_divisor)
+                rc = ferro_slots_fold(&self.s, o.buf, offset, count, code, op, mean_divisor)
         finally:
             PyBuffer_Release(&o)
         if rc != 0:
             raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
 
-    cdef int _fold_slots(self, unsigned char* out, size_t offset, Py_ssize_t count, int code,
-                         int op, double mean_divisor) noexcept nogil:
-        cdef const void* few[64]
-        cdef const void** ptrs = few
-        cdef int j, rc
-        if self.n > 64:
-            ptrs = <const void**>malloc(self.n * sizeof(void*))
-            if ptrs == NULL:
-                return -1
-        for j in range(self.n):
-            ptrs[j] = ferro_slot_data(self._slot(j, self.step)) + offset
-        rc = self.fold_kernel(code, out, ptrs, self.n, count, op, mean_divisor)
-        if ptrs != few:
-            free(ptrs)
-        return rc
-
     cdef int _check_fold(self, Py_ssize_t nbytes, Py_ssize_t out_len, size_t offset,
                          Py_ssize_t count, size_t itemsize) except -1:
-        if self.fold_kernel == NULL:
+        if self.s.fold == NULL:
             raise RuntimeError("SlotEngine: no fold kernel (set_fold was never called)")
-        if (count < 0 or <size_t>nbytes > self.L.slot_bytes
+        if (count < 0 or <size_t>nbytes > self.s.L.slot_bytes
                 or offset + count * itemsize > <size_t>nbytes
                 or count * itemsize > <size_t>out_len):
             raise ValueError(f"fold: {count} items at offset {offset} of {nbytes} bytes of slot "
-                             f"data (slot {self.L.slot_bytes}), output of {out_len} bytes")
+                             f"data (slot {self.s.L.slot_bytes}), output of {out_len} bytes")
         return 0
 
-    cdef int _buffers(self, object src, object out, Py_buffer* s, Py_buffer* o) except -1:
-        PyObject_GetBuffer(src, s, PyBUF_SIMPLE)
+    cdef int _buffers(self, object src, object out, Py_buffer* b, Py_buffer* o) except -1:
+        PyObject_GetBuffer(src, b, PyBUF_SIMPLE)
         try:
             PyObject_GetBuffer(out, o, PyBUF_WRITABLE)
         except BaseException:
-            PyBuffer_Release(s)
+            PyBuffer_Release(b)
             raise
         return 0
 
@@ -305,56 +312,42 @@ cdef class SlotEngine:
         ``root``'s slot into ``out``; only the root sends data) or all_gather (``root`` = -1:
         block ``r`` of ``out`` comes from rank ``r``'s slot, this rank's own from ``src``)
         step; OK, TIMEOUT, FAILED or MISMATCH (nothing copied unless OK: :meth:`copy`)."""
-        cdef Py_buffer s, o
+        cdef Py_buffer b, o
         cdef int rc
         cdef const unsigned char* h = header
-        cdef Py_ssize_t hlen = len(header)
-        self._buffers(src, out, &s, &o)
+        cdef size_t hlen = self._header_len(header)
+        cdef uint64_t hash = ferro_header_hash(h, hlen)
+        self._buffers(src, out, &b, &o)
         try:
-            self._check_copy(s.len, o.len, root)
+            self._check_copy(b.len, o.len, root)
             with nogil:
-                rc = self._exchange(h, hlen, True, seq, <const unsigned char*>s.buf,
-                                    s.len if root < 0 or root == self.me else 0, deadline)
+                rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq,
+                                          <const unsigned char*>b.buf,
+                                          b.len if root < 0 or root == self.s.me else 0, deadline)
                 if rc == FERRO_OK:
-                    self._copy_slots(<unsigned char*>o.buf, <const unsigned char*>s.buf,
-                                     s.len, root)
+                    ferro_slots_copy(&self.s, o.buf, b.buf, b.len, root)
         finally:
-            PyBuffer_Release(&s)
+            PyBuffer_Release(&b)
             PyBuffer_Release(&o)
         return rc
 
     def copy(self, object src, object out, int root):
         """The copies of :meth:`step_copy` alone, for a step whose wait ended later."""
-        cdef Py_buffer s, o
-        self._buffers(src, out, &s, &o)
+        cdef Py_buffer b, o
+        self._buffers(src, out, &b, &o)
         try:
-            self._check_copy(s.len, o.len, root)
+            self._check_copy(b.len, o.len, root)
             with nogil:
-                self._copy_slots(<unsigned char*>o.buf, <const unsigned char*>s.buf, s.len, root)
+                ferro_slots_copy(&self.s, o.buf, b.buf, b.len, root)
         finally:
-            PyBuffer_Release(&s)
+            PyBuffer_Release(&b)
             PyBuffer_Release(&o)
 
     cdef int _check_copy(self, Py_ssize_t nbytes, Py_ssize_t out_len, int root) except -1:
-        if root >= self.n or root < -1:
-            raise ValueError(f"copy: root {root} is not a rank of {self.n} (or -1)")
-        cdef Py_ssize_t want = nbytes if root >= 0 else nbytes * self.n
-        if <size_t>nbytes > self.L.slot_bytes or out_len != want:
-            raise ValueError(f"copy: {nbytes} bytes per rank (slot {self.L.slot_bytes}) do not "
-                             f"fill an output of {out_len} bytes")
+        if root >= self.s.n or root < -1:
+            raise ValueError(f"copy: root {root} is not a rank of {self.s.n} (or -1)")
+        cdef Py_ssize_t want = nbytes if root >= 0 else nbytes * self.s.n
+        if <size_t>nbytes > self.s.L.slot_bytes or out_len != want:
+            raise ValueError(f"copy: {nbytes} bytes per rank (slot {self.s.L.slot_bytes}) do "
+                             f"not fill an output of {out_len} bytes")
         return 0
-
-    cdef void _copy_slots(self, unsigned char* out, const unsigned char* src, size_t nbytes,
-                          int root) noexcept nogil:
-        cdef int j
-        if root >= 0:
-            if root != self.me:
-                memcpy(out, ferro_slot_data(self._slot(root, self.step)), nbytes)
-            elif <const unsigned char*>out != src:
-                memcpy(out, src, nbytes)
-            return
-        for j in range(self.n):
-            if j != self.me:
-                memcpy(out + j * nbytes, ferro_slot_data(self._slot(j, self.step)), nbytes)
-            elif <const unsigned char*>(out + j * nbytes) != src:
-                memcpy(out + j * nbytes, src, nbytes)

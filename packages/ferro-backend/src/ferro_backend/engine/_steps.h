@@ -1,0 +1,235 @@
+/* The engine's collective steps, in C: one rank's view of every rank's slots and step words.
+ *
+ * A rank takes part in step s by writing its slot s % 2 (a collective header, optional
+ * cross-memory addresses and data), then publishing step = s (release); it waits until every
+ * rank has published s (acquire). Slot s % 2 is free again at step s + 2: a rank publishes s + 1
+ * only after reading everyone's step-s slots. Each rank's control line also carries a hash of
+ * its step's header (by step parity, so a peer already on the next step cannot overwrite the
+ * one being compared), published with the step: a rank compares every peer's header by reading
+ * the one cache line it waited on, and the slots' headers only when a hash differs. A barrier
+ * thus moves one cache line each way.
+ *
+ * _slots.pyx wraps these for Python (SlotEngine) and exports the one-call steps to other
+ * extensions as a table of C functions in a capsule (ferro_slots_api): ferro-collective's
+ * compiled dispatcher calls them with no Python object in between. Callers validate sizes;
+ * these functions trust them.
+ */
+#ifndef FERRO_STEPS_H
+#define FERRO_STEPS_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "_layout.h"
+#include "_sync.h"
+
+/* where a collective header holds its 32-bit little-endian sequence number */
+#define FERRO_SEQ_OFF 24u
+
+/* out = the rank-order fold of count inputs of n items of dtype code with op (MEAN's divide
+ * fused when mean_divisor > 0); 0, or -1 for an unknown dtype code. The collectives' kernel. */
+typedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_t count,
+                             Py_ssize_t n, int op, double mean_divisor);
+
+typedef struct {
+    unsigned char* base;
+    ferro_layout L;
+    int n, me;
+    uint32_t step;             /* the last step this rank took */
+    unsigned long long sent;   /* payload bytes this rank wrote into its slot */
+    size_t hlen;               /* the header length of the last step */
+    ferro_policy pol;
+    uint32_t* failed;          /* this process's failure flag */
+    ferro_fold_fn fold;        /* set once by the collectives (NULL: no one-call folds) */
+} ferro_slots;
+
+/* What other extensions call: the one-call steps on ctx (a ferro_slots). Each returns
+ * FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED or FERRO_MISMATCH (nothing folded or copied unless OK),
+ * or -1 when the fold has no kernel for the dtype code. hash: ferro_header_hash of the header
+ * with sequence number 0; seq is patched into the header at FERRO_SEQ_OFF. */
+typedef struct {
+    void* ctx;
+    int (*fold)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash, uint32_t seq,
+                const void* src, size_t nbytes, void* out, size_t offset, Py_ssize_t count,
+                int code, int op, double mean_divisor, double deadline);
+    int (*copy)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash, uint32_t seq,
+                const void* src, size_t nbytes, void* out, int root, double deadline);
+    int (*barrier)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
+                   uint32_t seq, double deadline);
+} ferro_slots_api;
+
+static inline ferro_slot_head* ferro_slots_slot(ferro_slots* s, int rank, uint32_t step) {
+    return ferro_slot_of(s->base, &s->L, rank, step);
+}
+
+/* FNV-1a (64 bits) over the header without its sequence number: the same for every call of one
+ * signature, so a caller computes it once per plan and ferro_header_seq mixes the number in. */
+static inline uint64_t ferro_header_hash(const unsigned char* h, size_t len) {
+    uint64_t x = 14695981039346656037ull;
+    size_t i;
+    for (i = 0; i < len; i++)
+        if (i - FERRO_SEQ_OFF >= 4u) x = (x ^ h[i]) * 1099511628211ull;
+    return x;
+}
+
+static inline uint64_t ferro_header_seq(uint64_t hash, uint32_t seq) {
+    return hash ^ ((uint64_t)seq * 0x9E3779B97F4A7C15ull);
+}
+
+static inline uint32_t ferro_read_seq(const unsigned char* h, size_t len) {
+    if (len < FERRO_SEQ_OFF + 4u) return 0;
+    return (uint32_t)h[FERRO_SEQ_OFF] | (uint32_t)h[FERRO_SEQ_OFF + 1] << 8
+        | (uint32_t)h[FERRO_SEQ_OFF + 2] << 16 | (uint32_t)h[FERRO_SEQ_OFF + 3] << 24;
+}
+
+static inline void ferro_slots_publish(ferro_slots* s, uint32_t step) {
+    ferro_ctrl* c = ferro_ctrl_of(s->base, &s->L, s->me);
+    ferro_publish(&c->step, step, &c->sleepers);
+}
+
+static inline int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double deadline) {
+    int j, rc;
+    ferro_ctrl* c;
+    for (j = 0; j < s->n; j++) {
+        if (j == s->me) continue;
+        c = ferro_ctrl_of(s->base, &s->L, j);
+        rc = ferro_wait(&s->pol, &c->step, step, FERRO_UNTIL_REACHED, &c->sleepers, deadline,
+                        s->failed, NULL, 0.0);
+        if (rc != FERRO_OK) return rc;
+    }
+    return FERRO_OK;
+}
+
+/* Whether every rank's header of this step equals this rank's: the published hashes first
+ * (on the line each rank waited on), the slots' headers only when a hash differs. */
+static inline int ferro_slots_agree(ferro_slots* s) {
+    int j, p = (int)(s->step & 1u);
+    uint64_t mine = ferro_ctrl_of(s->base, &s->L, s->me)->head_hash[p];
+    ferro_slot_head* own = ferro_slots_slot(s, s->me, s->step);
+    for (j = 0; j < s->n; j++) {
+        if (j == s->me) continue;
+        if (__atomic_load_n(&ferro_ctrl_of(s->base, &s->L, j)->head_hash[p], __ATOMIC_RELAXED)
+                == mine)
+            continue;
+        if (memcmp(ferro_slots_slot(s, j, s->step)->header, own->header, s->hlen) != 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* The next step: header (seq patched in at FERRO_SEQ_OFF when patch; hash: its hash without
+ * the number) and nbytes at src into this rank's slot; publish (with the header's hash), wait
+ * for every rank until deadline, compare headers. */
+static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen,
+                                       int patch, uint64_t hash, uint32_t seq,
+                                       const unsigned char* src, size_t nbytes, double deadline) {
+    uint32_t step = s->step + 1;
+    ferro_slot_head* mine = ferro_slots_slot(s, s->me, step);
+    int rc;
+    memcpy(mine->header, header, hlen);
+    if (patch && hlen >= FERRO_SEQ_OFF + 4u) {
+        mine->header[FERRO_SEQ_OFF] = seq & 0xFF;
+        mine->header[FERRO_SEQ_OFF + 1] = (seq >> 8) & 0xFF;
+        mine->header[FERRO_SEQ_OFF + 2] = (seq >> 16) & 0xFF;
+        mine->header[FERRO_SEQ_OFF + 3] = (seq >> 24) & 0xFF;
+    } else {
+        hash = ferro_header_hash(header, hlen);
+        seq = ferro_read_seq(header, hlen);
+    }
+    if (nbytes) memcpy(ferro_slot_data(mine), src, nbytes);
+    s->step = step;
+    s->hlen = hlen;
+    s->sent += nbytes;
+    __atomic_store_n(&ferro_ctrl_of(s->base, &s->L, s->me)->head_hash[step & 1u],
+                     ferro_header_seq(hash, seq), __ATOMIC_RELAXED);
+    ferro_slots_publish(s, step);
+    rc = ferro_slots_wait_all(s, step, deadline);
+    if (rc == FERRO_OK && !ferro_slots_agree(s)) return FERRO_MISMATCH;
+    return rc;
+}
+
+/* out = the rank-order fold of count items at byte offset of every rank's slot data of this
+ * step; -1 for an unknown dtype code, no memory, or no fold kernel. */
+static inline int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_ssize_t count,
+                                   int code, int op, double mean_divisor) {
+    const void* few[64];
+    const void** ptrs = few;
+    int j, rc;
+    if (s->fold == NULL) return -1;
+    if (s->n > 64) {
+        ptrs = (const void**)malloc((size_t)s->n * sizeof(void*));
+        if (ptrs == NULL) return -1;
+    }
+    for (j = 0; j < s->n; j++)
+        ptrs[j] = ferro_slot_data(ferro_slots_slot(s, j, s->step)) + offset;
+    rc = s->fold(code, out, ptrs, s->n, count, op, mean_divisor);
+    if (ptrs != few) free(ptrs);
+    return rc;
+}
+
+/* A broadcast (root >= 0: every rank copies nbytes from root's slot) or all_gather (root = -1:
+ * block r of out from rank r's slot, this rank's own from src) of this step. */
+static inline void ferro_slots_copy(ferro_slots* s, void* out_, const void* src_, size_t nbytes,
+                                    int root) {
+    unsigned char* out = (unsigned char*)out_;
+    const unsigned char* src = (const unsigned char*)src_;
+    int j;
+    if (root >= 0) {
+        if (root != s->me) memcpy(out, ferro_slot_data(ferro_slots_slot(s, root, s->step)), nbytes);
+        else if (out != src) memcpy(out, src, nbytes);
+        return;
+    }
+    for (j = 0; j < s->n; j++) {
+        if (j != s->me)
+            memcpy(out + (size_t)j * nbytes, ferro_slot_data(ferro_slots_slot(s, j, s->step)),
+                   nbytes);
+        else if (out + (size_t)j * nbytes != src)
+            memcpy(out + (size_t)j * nbytes, src, nbytes);
+    }
+}
+
+/* A step without slot writes (every rank has finished the last one). */
+static inline int ferro_slots_sync(ferro_slots* s, double deadline) {
+    s->step += 1;
+    ferro_slots_publish(s, s->step);
+    return ferro_slots_wait_all(s, s->step, deadline);
+}
+
+/* ---- the exported one-call steps (ferro_slots_api) ---- */
+
+static int ferro_api_fold(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
+                          uint32_t seq, const void* src, size_t nbytes, void* out, size_t offset,
+                          Py_ssize_t count, int code, int op, double mean_divisor,
+                          double deadline) {
+    ferro_slots* s = (ferro_slots*)ctx;
+    int rc = ferro_slots_exchange(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
+                                  nbytes, deadline);
+    if (rc == FERRO_OK && count > 0) rc = ferro_slots_fold(s, out, offset, count, code, op,
+                                                          mean_divisor);
+    return rc;
+}
+
+static int ferro_api_copy(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
+                          uint32_t seq, const void* src, size_t nbytes, void* out, int root,
+                          double deadline) {
+    ferro_slots* s = (ferro_slots*)ctx;
+    int rc = ferro_slots_exchange(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
+                                  root < 0 || root == s->me ? nbytes : 0, deadline);
+    if (rc == FERRO_OK) ferro_slots_copy(s, out, src, nbytes, root);
+    return rc;
+}
+
+static int ferro_api_barrier(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
+                             uint32_t seq, double deadline) {
+    return ferro_slots_exchange((ferro_slots*)ctx, header, hlen, 1, hash, seq, NULL, 0,
+                                deadline);
+}
+
+static inline void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s) {
+    api->ctx = s;
+    api->fold = ferro_api_fold;
+    api->copy = ferro_api_copy;
+    api->barrier = ferro_api_barrier;
+}
+
+#endif
