@@ -44,7 +44,7 @@ def _path(dist: str, extras: str = "") -> str:
 
 
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
-BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.0"]
+BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.0", "numpy>=2.0"]
 _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the sessions
 
 

@@ -2,6 +2,10 @@
 ``_reduce.fold``) against its baselines.
 
 - ``fold``: the N-way rank-order reduction kernel against numpy's ``np.add`` chain (same work).
+- ``one call``: ferro-collective's compiled dispatch (``_fastcall``: plan cache, ``out=`` checks,
+  order, the engine's step through its C table) on a one-rank engine, so nothing but the call's
+  own cost is timed, against ``np.copyto`` of the same 4 KiB (the least a one-rank allreduce
+  into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``.
 - collectives on 2 real processes: ``ShmBackend`` with the engine (``_slots``, ``_segment``,
   ``_watch``) against the Python algorithms over the same transport with the engine off
   (ferro 0.1's path over TCP loopback, the baseline), in one run. Each round is ``K`` calls on
@@ -75,6 +79,48 @@ def bench_fold_4_inputs_4MiB(benchmark, impl):
 
     benchmark.pedantic(run, rounds=30, warmup_rounds=3)
     np.testing.assert_array_equal(out, ((inputs[0] + inputs[1]) + inputs[2]) + inputs[3])
+
+
+# ------------------------------------------------------------------ the compiled one-call path
+def one_rank_engine():
+    """A backend of one rank with an engine of its own (a world of one makes none)."""
+    import mmap
+
+    from ferro_backend import SimulatedBackend
+    from ferro_backend.engine import Engine, _segment
+
+    (b,) = SimulatedBackend.create_group(1)
+    slot, ring = 1 << 20, 4096
+    mem = mmap.mmap(-1, _segment.layout(1, slot, ring)["size"])
+    b.engine = Engine(0, 1, mem, slot, ring)
+    return b
+
+
+@pytest.mark.parametrize("impl", ["np.copyto", "np.add", "fastcall"])
+def bench_one_call_dispatch_4KiB(benchmark, impl):
+    import ferro_collective as fc
+    from ferro_collective import _fastcall
+
+    x = np.ones(1024, np.float32)
+    out = np.empty_like(x)
+    benchmark.group = "one-call dispatch (allreduce 4KiB out=, one-rank engine)"
+    benchmark.extra_info["bytes"] = x.nbytes
+    if impl == "np.copyto":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            np.copyto(out, x)
+    elif impl == "np.add":
+        def run():
+            np.add(x, x, out=out)
+    else:
+        b = one_rank_engine()
+        fc.allreduce(x, b, out=out)
+        assert b.engine.client.cached(_fastcall.ALLREDUCE, x, ReduceOp.SUM) is not None
+
+        def run():
+            fc.allreduce(x, b, out=out)
+    benchmark.pedantic(run, rounds=200, iterations=100, warmup_rounds=5)
 
 
 # ------------------------------------------------------------------ collectives, 2 processes

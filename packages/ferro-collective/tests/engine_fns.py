@@ -9,6 +9,7 @@ import numpy as np
 import ferro_collective as fc
 from ferro_backend import CollectiveTimeoutError, PeerClosedError
 from ferro_collective import ReduceOp
+from ferro_collective._fastcall import BROADCAST
 
 try:
     import ml_dtypes
@@ -132,7 +133,7 @@ def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str
         if any(type(x) is not np.ndarray or x.dtype != y.dtype or x.shape != y.shape
                or x.tobytes() != y.tobytes() for x, y in zip(got, ref)):
             bad.append(f"scalar {value!r}: {got} != {ref}")
-        if g is not None and ("broadcast", arr.dtype, (), n - 1) not in g.plans:
+        if g is not None and g.cached(BROADCAST, arr, n - 1) is None:
             bad.append(f"scalar {value!r}: not on the one-call path")
     fc.barrier(b)
     return bad
@@ -424,3 +425,47 @@ def bad_timeouts(b) -> list:
     t0 = time.monotonic()
     ok = fc.allreduce(x, b, timeout=5)[-1] == 7 * b.world_size
     return [all(e is True for e in errors), bool(ok), time.monotonic() - t0 < 1.0]
+
+
+def compiled_path(b) -> list[str]:
+    """Each one-call collective on contiguous arrays runs on the compiled path (its plan made
+    once, found again), with and without ``out=`` (in place included); calls it does not take
+    (a strided input, an ``out=`` of another dtype) run on the general path with the same bits;
+    a wrong ``out=`` still gets the general path's error."""
+    from ferro_collective import _fastcall as F
+    from ferro_collective.engine import group_of
+
+    g, n, bad = group_of(b), b.world_size, []
+    rng = np.random.default_rng(b.rank)
+    x = rng.standard_normal((4 * n, 3)).astype(np.float32)
+    cases = [(F.ALLREDUCE, fc.allreduce, ReduceOp.SUM, x.shape),
+             (F.REDUCE_SCATTER, fc.reduce_scatter, ReduceOp.MAX, (4, 3)),
+             (F.BROADCAST, fc.broadcast, n - 1, x.shape),
+             (F.ALL_GATHER, fc.all_gather, None, (4 * n * n, 3))]
+    for kind, fn, arg, shape in cases:
+        args = () if arg is None else (arg,)
+        ref = fn(x, b, *args, algorithm="star")
+        got = fn(x, b, *args)
+        plan = g.cached(kind, x, arg)
+        if plan is None or plan.shape != shape:
+            bad.append(f"{fn.__name__}: no plan ({plan})")
+        out = np.empty(shape, np.float32)
+        again = fn(x, b, *args, out=out)
+        if g.cached(kind, x, arg) is not plan or again is not out:
+            bad.append(f"{fn.__name__}: the plan was made again, or out= not returned")
+        strided = fn(np.asfortranarray(x), b, *args)
+        for name, res in (("new", got), ("out=", again), ("strided", strided)):
+            if res.tobytes() != ref.tobytes():
+                bad.append(f"{fn.__name__} {name}: other bits than star")
+        try:
+            fn(x, b, *args, out=np.empty(shape, np.float64))
+            bad.append(f"{fn.__name__}: out= of another dtype was taken")
+        except fc.SizeMismatchError as exc:
+            if "out is float64" not in str(exc):
+                bad.append(f"{fn.__name__}: {exc}")
+    inplace = x.copy()
+    if fc.allreduce(inplace, b, out=inplace) is not inplace or \
+            inplace.tobytes() != fc.allreduce(x, b, algorithm="star").tobytes():
+        bad.append("in-place allreduce")
+    fc.barrier(b)
+    return bad

@@ -1,11 +1,12 @@
 import importlib.machinery
 
 import ferro_collective
-from ferro_collective import _reduce
+from ferro_collective import _fastcall, _reduce
 
 
-def test_reduce_kernel_is_an_extension_module():
-    assert _reduce.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+def test_reduce_kernel_and_the_one_call_paths_are_extension_modules():
+    for mod in (_reduce, _fastcall):
+        assert mod.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), mod
 
 
 def test_public_names():

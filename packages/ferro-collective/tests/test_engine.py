@@ -251,6 +251,21 @@ def test_the_engine_patches_the_sequence_number_where_the_header_holds_it():
     assert a[:_SEQ_OFFSET] == b[:_SEQ_OFFSET] and a[_SEQ_OFFSET + 4:] == b[_SEQ_OFFSET + 4:]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_call_collectives_run_compiled_and_leave_other_calls_to_the_general_path(world):
+    assert run_processes(engine_fns.compiled_path, world, transport="shm", timeout=60) == \
+        [[]] * world
+
+
+def test_the_compiled_path_calls_the_step_table_the_engine_exports():
+    from ferro_backend.engine import API_SIGNATURE
+    from ferro_collective import _fastcall
+    from ferro_collective.engine import EngineGroup
+
+    assert _fastcall.API_SIGNATURE == API_SIGNATURE
+    assert issubclass(EngineGroup, _fastcall.Core)
+
+
 def test_a_bad_timeout_on_the_engine_raises_and_takes_no_sequence_number():
     assert run_processes(engine_fns.bad_timeouts, 2, transport="shm", timeout=60) == \
         [[True, True, True]] * 2

@@ -116,7 +116,7 @@ cdef Py_ssize_t FOLD_BLOCK = 4096
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef inline void _fold(num* out, const num** ptrs, Py_ssize_t count, Py_ssize_t n, int op,
-                double mean_divisor) noexcept nogil:
+                       double mean_divisor) noexcept nogil:
     """``out = ptrs[0] op ptrs[1] op ... op ptrs[count - 1]`` (``n`` items each), in that
     order, block by block; with ``mean_divisor`` > 0 the last step also divides (MEAN)."""
     cdef Py_ssize_t start = 0, size, j

@@ -2,8 +2,8 @@
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`one_call`) when a block fits a slot: every rank copies every
-  rank's slot into its result;
+- **one engine call** (:func:`copy_plan`, run by the compiled path) when a block fits a slot:
+  every rank copies every rank's slot into its result;
 - **staged on the engine** (:func:`engine_all_gather`): blocks beyond a slot (or from
   ``FERRO_SHM_DIRECT_COPY_BYTES``) are read straight from their owners' memory where ranks may
   read each other's, else they go through the slots in slot-sized pieces;
@@ -15,13 +15,14 @@ Where a call runs (:mod:`.dispatch` picks):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
+from . import _fastcall
 from ._state import reserve
-from .checks import as_array, check_out, fast_array
-from .engine import NOT_TAKEN, EngineGroup, Step
-from .header import encode
+from .checks import as_array, check_out
+from .engine import EngineGroup, FastPlan, Step, one_call_header
 from .p2p import Ctx, all_gather_ring_into
 from .plan import Plan, choose
 
@@ -31,40 +32,30 @@ def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
     return (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
 
 
-def one_call(group: EngineGroup, tensor, out, arg, timeout):
-    """An all_gather in one engine call (or the staged engine path, with no call object for a
-    block beyond a slot), or ``NOT_TAKEN``."""
-    x = tensor if type(tensor) is np.ndarray else fast_array(tensor)
-    if x is None:
-        return NOT_TAKEN
-    plan = group.plans.get(("all_gather", x.dtype, x.shape, -1))
-    if plan is None:
-        plan = copy_plan(group, "all_gather", x, -1)
-    return group.copy_now(plan, x, out, -1, timeout, _staged) if plan else NOT_TAKEN
-
-
-def copy_plan(group: EngineGroup, name: str, x: np.ndarray, root: int) -> tuple | bool:
-    """What a one-call broadcast (``root`` >= 0) or all_gather (-1) of ``x``'s signature
-    needs (:meth:`EngineGroup.copy_now`), or False when it is not one."""
-    plan: tuple | bool = False
-    if not x.dtype.hasobject:
-        nbytes = x.nbytes
-        if name == "broadcast" and 0 <= root < group.n:
-            one_step = nbytes <= group.slot_bytes and not (
-                group.cma_ok and nbytes >= group.broadcast_direct_bytes)
-            plan = (name, encode(name, x.dtype, x.shape, None, root, 0), x.shape, one_step)
-        elif name == "all_gather":
-            one_step = nbytes <= group.slot_bytes and not (
-                group.cma_ok and nbytes >= group.direct_copy_bytes)
-            plan = (name, encode(name, x.dtype, x.shape, None, -1, 0),
-                    gathered_shape(x, group.n), one_step)
-    return group.keep((name, x.dtype, x.shape, root), plan)
+def copy_plan(group: EngineGroup, x: np.ndarray, root: int, name: str,
+              staged: Callable[..., None]) -> FastPlan | None:
+    """The one-call plan of a broadcast (``root`` >= 0) or all_gather (-1) of ``x``'s
+    signature, made once per signature by the compiled path: one engine step when the data fits
+    a slot (and is not better read straight from the peer), else ``staged`` (the staged engine
+    path); None for object arrays (the general path refuses them)."""
+    if x.dtype.hasobject:
+        return None
+    nbytes = x.nbytes
+    direct = group.broadcast_direct_bytes if root >= 0 else group.direct_copy_bytes
+    one_step = nbytes <= group.slot_bytes and not (group.cma_ok and nbytes >= direct)
+    header, h = one_call_header(name, x.dtype, x.shape, None, root)
+    shape = x.shape if root >= 0 else gathered_shape(x, group.n)
+    return FastPlan.copy(name, header, shape, h, root, one_step, staged)
 
 
 def _staged(group: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
             root: int = -1) -> None:
     engine_all_gather(group, call, header, x.reshape(-1).view(np.uint8),
                       out.reshape(-1).view(np.uint8))
+
+
+_fastcall.register(_fastcall.ALL_GATHER,
+                   lambda group, x, arg: copy_plan(group, x, -1, "all_gather", _staged))
 
 
 def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -175,5 +166,5 @@ def stages(h, x: np.ndarray, shape: tuple[int, ...], timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "copy_plan", "engine_all_gather", "gathered_shape", "one_call",
+__all__ = ["IMPLEMENTATIONS", "copy_plan", "engine_all_gather", "gathered_shape",
            "prepare", "stages"]

@@ -2,8 +2,9 @@
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`one_call`) when the data fits a slot: every rank writes its slot,
-  then folds every rank's slot in rank order (the fold kernel of ``_reduce``, run by the engine);
+- **one engine call** (:func:`fold_plan`, run by the compiled path) when the data fits a slot:
+  every rank writes its slot, then folds every rank's slot in rank order (the fold kernel of
+  ``_reduce``, run by the engine);
 - **staged on the engine** (:func:`engine_allreduce`): where ranks may read each other's memory,
   a reduce-scatter that folds each rank's chunk of every rank's input straight from the peers'
   memory, piece by piece, then an all-gather of the chunks; else slot-sized pieces;
@@ -24,11 +25,10 @@ import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _reduce, all_gather
+from . import _fastcall, _reduce, all_gather
 from ._state import reserve
-from .checks import as_array, check_out, fast_array, finish
-from .engine import NOT_TAKEN, EngineGroup, Step
-from .header import encode
+from .checks import as_array, check_out, finish
+from .engine import EngineGroup, FastPlan, Step, one_call_header
 from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
 from .plan import Plan, choose
@@ -40,34 +40,28 @@ CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
 _FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
 
 
-def one_call(group: EngineGroup, tensor, out, op, timeout):
-    """A slot-sized allreduce of a kernel dtype in one engine call, or ``NOT_TAKEN``."""
-    x = tensor if type(tensor) is np.ndarray else fast_array(tensor)
-    if x is None or type(op) is not ReduceOp:
-        return NOT_TAKEN
-    plan = group.plans.get(("allreduce", x.dtype, x.shape, op))
-    if plan is None:
-        plan = fold_plan(group, "allreduce", x, op)
-    return group.fold_now(plan, x, out, timeout) if plan else NOT_TAKEN
-
-
-def fold_plan(group: EngineGroup, name: str, x: np.ndarray, op: ReduceOp) -> tuple | bool:
-    """What a one-call reduction (``name``: allreduce or reduce_scatter) of ``x``'s signature
-    needs, worked out once (:meth:`EngineGroup.fold_now`), or False when it is not one."""
+def fold_plan(group: EngineGroup, x: np.ndarray, op: ReduceOp,
+              name: str = "allreduce") -> FastPlan | None:
+    """The one-call plan of a reduction (``name``: allreduce or reduce_scatter) of ``x``'s
+    signature, made once per signature by the compiled path, or None when one engine step
+    cannot run it (the general path then checks the call)."""
     code, n = CODES.get(x.dtype), group.n
-    plan: tuple | bool = False
-    if (code is not None and x.nbytes <= group.slot_bytes
-            and not (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
-            and not (op in BITWISE and code < _FIRST_INT_CODE)):
-        div = float(n) if op is ReduceOp.MEAN else 0.0
-        header = encode(name, x.dtype, x.shape, op, -1, 0)
-        if name == "allreduce":
-            plan = (name, header, x.shape, code, OPS[op].kernel, div, 0, x.size)
-        elif x.ndim and x.shape[0] % n == 0:  # reduce_scatter: this rank's part of every slot
-            part = x.size // n
-            plan = (name, header, (x.shape[0] // n, *x.shape[1:]), code, OPS[op].kernel, div,
-                    group.me * part * x.itemsize, part)
-    return group.keep((name, x.dtype, x.shape, op), plan)
+    if (code is None or x.nbytes > group.slot_bytes
+            or (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
+            or (op in BITWISE and code < _FIRST_INT_CODE)):
+        return None
+    div = float(n) if op is ReduceOp.MEAN else 0.0
+    header, h = one_call_header(name, x.dtype, x.shape, op)
+    if name == "allreduce":
+        return FastPlan.fold(name, header, x.shape, h, code, OPS[op].kernel, div, 0, x.size)
+    if x.ndim and x.shape[0] % n == 0:  # reduce_scatter: this rank's part of every slot
+        part = x.size // n
+        return FastPlan.fold(name, header, (x.shape[0] // n, *x.shape[1:]), h, code,
+                             OPS[op].kernel, div, group.me * part * x.itemsize, part)
+    return None
+
+
+_fastcall.register(_fastcall.ALLREDUCE, fold_plan)
 
 
 def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -278,4 +272,4 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
 
 
 __all__ = ["IMPLEMENTATIONS", "engine_allreduce", "fold_from_peers", "fold_plan",
-           "fold_through_slots", "one_call", "prepare", "stages"]
+           "fold_through_slots", "prepare", "stages"]

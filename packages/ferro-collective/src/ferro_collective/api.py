@@ -18,12 +18,12 @@ import numpy as np
 
 from ferro_backend import DEFAULT_TIMEOUT, Backend
 
+from . import _fastcall, rooted
 from . import all_gather as _all_gather
 from . import allreduce as _allreduce
 from . import barrier as _barrier
 from . import broadcast as _broadcast
 from . import reduce_scatter as _reduce_scatter
-from . import rooted
 from .dispatch import Collective, run, submit
 from .ops import ReduceOp
 from .work import Work
@@ -32,11 +32,11 @@ DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`Backend.timeout` (60 s). A collective's deadline is its backend's
 ``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
-ALLREDUCE = Collective("allreduce", _allreduce.prepare, _allreduce.one_call)
-BROADCAST = Collective("broadcast", _broadcast.prepare, _broadcast.one_call)
-ALL_GATHER = Collective("all_gather", _all_gather.prepare, _all_gather.one_call)
-REDUCE_SCATTER = Collective("reduce_scatter", _reduce_scatter.prepare, _reduce_scatter.one_call)
-BARRIER = Collective("barrier", _barrier.prepare, _barrier.one_call)
+ALLREDUCE = Collective("allreduce", _allreduce.prepare, _fastcall.ALLREDUCE)
+BROADCAST = Collective("broadcast", _broadcast.prepare, _fastcall.BROADCAST)
+ALL_GATHER = Collective("all_gather", _all_gather.prepare, _fastcall.ALL_GATHER)
+REDUCE_SCATTER = Collective("reduce_scatter", _reduce_scatter.prepare, _fastcall.REDUCE_SCATTER)
+BARRIER = Collective("barrier", _barrier.prepare, _fastcall.BARRIER)
 REDUCE = Collective("reduce", rooted.prepare_reduce)
 GATHER = Collective("gather", rooted.prepare_gather)
 SCATTER = Collective("scatter", rooted.prepare_scatter)

@@ -2,7 +2,7 @@
 
 The barrier is the collectives' header exchange with the barrier's header, so a rank that calls
 another collective instead gets CollectiveMismatchError on every rank rather than a hang: one
-engine step on a backend with an engine (:func:`one_call`), Bruck's all-gather of the headers
+engine step on a backend with an engine (the compiled ``barrier_now``), Bruck's all-gather of the headers
 (``ceil(log2 n)`` rounds) over point-to-point messages, or node, cross and node barriers on a
 multi-node job (:func:`stages`).
 """
@@ -14,11 +14,6 @@ from .checks import check_backend
 from .engine import EngineGroup, Step
 from .p2p import Ctx
 from .plan import Plan
-
-
-def one_call(group: EngineGroup, tensor, out, arg, timeout) -> None:
-    """The barrier as one engine step."""
-    group.barrier_now(timeout)
 
 
 def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -49,4 +44,4 @@ def stages(h, timeout):
     return run
 
 
-__all__ = ["one_call", "prepare", "stages"]
+__all__ = ["prepare", "stages"]

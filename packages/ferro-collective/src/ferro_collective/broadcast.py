@@ -2,8 +2,8 @@
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`one_call`) when the data fits a slot: the root writes its slot,
-  every other rank copies it out;
+- **one engine call** (:func:`.all_gather.copy_plan`, run by the compiled path) when the data
+  fits a slot: the root writes its slot, every other rank copies it out;
 - **staged on the engine** (:func:`engine_broadcast`): larger data (or from
   ``FERRO_SHM_BROADCAST_DIRECT_BYTES``) by cross-memory copies with the work shared: every
   reader pulls the first ``(n-1)/n`` of the buffer from the root while the root pushes the
@@ -21,24 +21,13 @@ import numpy as np
 
 from ferro_backend import InvalidRankError
 
+from . import _fastcall
 from ._state import reserve
 from .all_gather import copy_plan
-from .checks import as_array, check_out, fast_array
-from .engine import NOT_TAKEN, EngineGroup, Step
+from .checks import as_array, check_out
+from .engine import EngineGroup, Step
 from .p2p import Ctx
 from .plan import Plan, choose
-
-
-def one_call(group: EngineGroup, tensor, out, root, timeout):
-    """A broadcast in one engine call (or the staged engine path, with no call object, for
-    data beyond a slot), or ``NOT_TAKEN``."""
-    x = tensor if type(tensor) is np.ndarray else fast_array(tensor)
-    if x is None or type(root) is not int:
-        return NOT_TAKEN
-    plan = group.plans.get(("broadcast", x.dtype, x.shape, root))
-    if plan is None:
-        plan = copy_plan(group, "broadcast", x, root)
-    return group.copy_now(plan, x, out, root, timeout, _staged) if plan else NOT_TAKEN
 
 
 def _staged(group: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
@@ -47,6 +36,10 @@ def _staged(group: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: n
     if group.me == root and not np.may_share_memory(dst, src):
         dst[...] = src
     engine_broadcast(group, call, header, dst, root)
+
+
+_fastcall.register(_fastcall.BROADCAST,
+                   lambda group, x, root: copy_plan(group, x, root, "broadcast", _staged))
 
 
 def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -164,5 +157,5 @@ def stages(h, x: np.ndarray, root: int, timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "broadcast_tree", "engine_broadcast", "one_call", "prepare",
+__all__ = ["IMPLEMENTATIONS", "broadcast_tree", "engine_broadcast", "prepare",
            "stages"]

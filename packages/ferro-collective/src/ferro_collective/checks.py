@@ -47,13 +47,6 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.nda
     return out
 
 
-def usable_out(out, shape: tuple[int, ...], dtype: np.dtype) -> bool:
-    """``out`` is what a one-call path can write into as it is (else the general path checks
-    it and names what is wrong)."""
-    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
-            and out.flags.c_contiguous and out.flags.writeable)
-
-
 def check_root(name: str, root, n: int) -> int:
     if isinstance(root, bool) or not isinstance(root, int | np.integer) or not 0 <= root < n:
         raise InvalidRankError(f"{name}: root {root!r} is out of range for world_size {n}")
@@ -76,4 +69,4 @@ def finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.nd
 
 
 __all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_root", "fast_array",
-           "finish", "usable_out"]
+           "finish"]

@@ -1,10 +1,11 @@
 """The dispatcher: where every collective call is run, chosen once, in one place.
 
-A collective is a :class:`Collective`: its ``one_call`` (the engine's one-call path for the
-common small case, or None) and its ``prepare`` (the checks and the :class:`~.plan.Plan`). For a
-call, :func:`run` tries the one-call path on a backend with an engine, then prepares the plan and
-runs it on the executor :func:`executor` picks for it when it is issued (so that an async call
-keeps its place in the order of calls):
+A collective is a :class:`Collective`: its ``prepare`` (the checks and the
+:class:`~.plan.Plan`) and, for the common small case, the ``kind`` of its compiled one-call path
+(:func:`._fastcall.one_call`: the whole call as one engine step). For a call, :func:`run` tries
+the one-call path on a backend with an engine, then prepares the plan and runs it on the executor
+:func:`executor` picks for it when it is issued (so that an async call keeps its place in the
+order of calls):
 
 1. **hierarchical stages**, on a multi-node backend without an engine of its own, where the
    cost model (:func:`prefer_hierarchical`) rates them faster than the flat call;
@@ -25,32 +26,31 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import costmodel
+from ._fastcall import NOT_TAKEN, one_call
 from ._state import state
-from .engine import NOT_TAKEN, group_of
+from .engine import group_of
 from .plan import Plan
 from .work import Work
 
 
 class Collective(NamedTuple):
     """One collective as the dispatcher sees it. ``prepare(tensor, backend, arg, timeout,
-    algorithm, out, seq=None)`` checks a call and returns its plan; ``one_call(group, tensor,
-    out, arg, timeout)`` runs it whole on the engine or answers ``NOT_TAKEN``. ``arg`` is the
-    collective's own argument (the op, the root, None)."""
+    algorithm, out, seq=None)`` checks a call and returns its plan; ``kind`` (one of
+    ``_fastcall``'s ALLREDUCE..BARRIER, or None) names its one-call path, which runs it whole on
+    the engine or answers ``NOT_TAKEN``. ``arg`` is the collective's own argument (the op, the
+    root, None)."""
 
     name: str
     prepare: Callable[..., Plan]
-    one_call: Callable[..., Any] | None = None
+    kind: int | None = None
 
 
 def run(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
     """One call of ``coll``, now; its result."""
-    if algorithm is None and coll.one_call is not None:
-        engine = getattr(backend, "engine", None)  # group_of(backend), inline: every call
-        if engine is not None:
-            group = engine.client or group_of(backend)
-            done = coll.one_call(group, tensor, out, arg, timeout)
-            if done is not NOT_TAKEN:
-                return done
+    if algorithm is None and coll.kind is not None:
+        done = one_call(coll.kind, tensor, backend, arg, timeout, out)
+        if done is not NOT_TAKEN:
+            return done
     return executor(coll.prepare(tensor, backend, arg, timeout, algorithm, out))()
 
 

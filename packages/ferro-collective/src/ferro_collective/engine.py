@@ -10,11 +10,13 @@ buffers and the one-call paths' plans persist between calls. The collectives' en
 (each in its collective's module) run their steps through it. After a timeout or a dead peer
 the group refuses further calls: the steps of the ranks no longer agree.
 
-The one-call paths (:meth:`EngineGroup.fold_now`, :meth:`copy_now`, :meth:`barrier_now`) run
-a whole small collective as one engine call with as little Python as possible: the checks a
-one-step call needs, the backend's next sequence number, one compiled step. They answer
-:data:`NOT_TAKEN` (nothing taken, no sequence number used) for a call that is not their case,
-so that the general path runs it and raises whatever its arguments deserve.
+The one-call paths (``allreduce_now``, ``reduce_scatter_now``, ``broadcast_now``,
+``all_gather_now``, ``barrier_now``) are compiled (:mod:`._fastcall`, the group's base class):
+a whole small collective as one engine call with no Python in between for the common case, on
+plans the collectives' modules make once per call signature. They answer :data:`NOT_TAKEN`
+(nothing taken, no sequence number used) for a call that is not their case, so that the general
+path runs it and raises whatever its arguments deserve; a step that does not end well comes
+back here (:meth:`EngineGroup._recover`).
 """
 
 from __future__ import annotations
@@ -30,20 +32,19 @@ from ferro_backend import CollectiveTimeoutError, PeerClosedError, settings
 from ferro_backend import engine as host_engine
 
 from . import _reduce, p2p
+from ._fastcall import NOT_TAKEN, Core
+from ._fastplan import FastPlan
 from ._state import state
-from .checks import usable_out
 from .header import check_all, encode
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 if host_engine.AVAILABLE:
-    from ferro_backend.engine import FAILED, MISMATCH, OK, TIMEOUT
+    from ferro_backend.engine import FAILED, MISMATCH, OK, TIMEOUT, header_hash
 
 log = logging.getLogger("ferro_collective")
 
-#: what a one-call path answers for a call it does not take
-NOT_TAKEN = object()
 #: seconds a failed step waits to learn of a peer's death before it reports a clean close
 CLEAN_CLOSE_GRACE = 0.25
 _monotonic = time.monotonic
@@ -72,8 +73,9 @@ def group_of(backend: Any) -> EngineGroup | None:
     return group if group is not None else EngineGroup(backend, engine)
 
 
-class EngineGroup:
-    """The collectives' state for one backend's engine (see the module docstring)."""
+class EngineGroup(Core):
+    """The collectives' state for one backend's engine (see the module docstring); the call
+    order and the one-call paths are its compiled base's (:class:`._fastcall.Core`)."""
 
     def __init__(self, backend: Any, engine: Any) -> None:
         self.backend, self.engine = backend, engine
@@ -86,27 +88,15 @@ class EngineGroup:
         #: copies (where those work) even when they fit a slot (default: only beyond a slot)
         self.direct_copy_bytes = settings.SHM_DIRECT_COPY_BYTES.get()
         self.broadcast_direct_bytes = settings.SHM_BROADCAST_DIRECT_BYTES.get()
-        self.broken: BaseException | None = None
         self._cond = threading.Condition()
-        self._next_seq: int | None = None
-        self._waiting = 0
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
-        #: the one-call paths' plans, by call signature (see the collectives' ``one_call``)
-        self.plans: dict[tuple, tuple | bool] = {}
-        self._barrier_header = encode("barrier", None, (), seq=0)
-        self._next = state(backend).counter  # the backend's sequence numbers
+        barrier = encode("barrier", None, (), seq=0)
+        self._bind(backend, self.slots, state(backend).counter, barrier, header_hash(barrier))
         engine.client = self
 
     @property
     def step(self) -> int:
         return self.slots.step
-
-    def keep(self, key: tuple, plan: tuple | bool) -> tuple | bool:
-        """Remember a one-call path's ``plan`` (False: not taken) for the signature ``key``."""
-        if len(self.plans) > 4096:
-            self.plans.clear()
-        self.plans[key] = plan
-        return plan
 
     def scratch(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """A persistent 1-d buffer of at least ``count`` items (no allocation per call)."""
@@ -134,7 +124,7 @@ class EngineGroup:
     def _wait_turn(self, call: Step) -> None:
         """Block until every call issued before ``call`` has finished (calls run in order)."""
         with self._cond:
-            if self._next_seq is None:
+            if self._next_seq < 0:
                 self._next_seq = call.seq
             self._waiting += 1
             try:
@@ -149,23 +139,6 @@ class EngineGroup:
                     self._cond.wait(min(left, 0.005))
             finally:
                 self._waiting -= 1
-
-    def _done(self, seq: int) -> None:
-        self._next_seq = seq + 1
-        if self._waiting:
-            with self._cond:
-                self._cond.notify_all()
-
-    def _enter(self, name: str, seq: int, timeout: float) -> float:
-        """The start of one-call collective ``seq`` once every call issued before it on this
-        backend has finished (or the error that broke the group)."""
-        start = _monotonic()
-        if self._next_seq != seq:
-            self._wait_turn(Step(name, seq, timeout, start))
-        if self.broken is not None:
-            self._done(seq)
-            raise self.broken
-        return start
 
     def _resolve(self, timeout: float | None, name: str) -> float:
         """The call's timeout, checked before it takes a sequence number."""
@@ -274,84 +247,31 @@ class EngineGroup:
             raise
 
     # ------------------------------------------------------------------ one-call paths
-    def barrier_now(self, timeout: float | None) -> None:
-        """The barrier: one step with the barrier's header."""
-        t = self._resolve(timeout, "barrier")
-        seq = self._next()
-        start = self._enter("barrier", seq, t)
+    def _wait_turn_for(self, name: str, seq: int, timeout: float, start: float) -> None:
+        self._wait_turn(Step(name, seq, timeout, start))
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _staged(self, plan: FastPlan, x: np.ndarray, out: np.ndarray, seq: int, timeout: float,
+                start: float) -> None:
+        """A one-call copy beyond one step: the plan's staged engine path, without the general
+        path's checks (the compiled path made them)."""
+        call = Step(plan.name, seq, timeout, start)
         try:
-            rc = self.slots.step_barrier(self._barrier_header, seq,
-                                         start + t * p2p.STALL_FRACTION)
-            if rc != OK:
-                self._recover(rc, "barrier", seq, t, start)
-        finally:
-            self._done(seq)
-
-    def _begin(self, name: str, timeout: float | None, x: np.ndarray, out: np.ndarray | None,
-               shape: tuple[int, ...]) -> tuple | None:
-        """A one-call path's start: where the result goes (a new array, or ``out`` as it is),
-        the call's timeout, its sequence number and start once its turn came; None (nothing
-        taken) when ``x`` or ``out`` are not what one engine call can use as they are."""
-        if not x.flags.c_contiguous:
-            return None
-        if out is None:
-            out = np.empty(shape, x.dtype)
-        elif not usable_out(out, shape, x.dtype):
-            return None
-        t = self.backend.timeout if timeout is None else self._resolve(timeout, name)
-        seq = self._next()
-        return out, t, seq, self._enter(name, seq, t)
-
-    def fold_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None,
-                 timeout: float | None) -> Any:
-        """A slot-sized reduction in one engine call. ``plan``: (name, header with sequence
-        number 0 (the engine patches it in), result shape, dtype code, kernel op, MEAN divisor,
-        fold offset in bytes, item count)."""
-        name, header, shape, code, kernel, div, offset, count = plan
-        begun = self._begin(name, timeout, x, out, shape)
-        if begun is None:
-            return NOT_TAKEN
-        out, t, seq, start = begun
-        try:
-            rc = self.slots.step_fold(header, seq, x, out, offset, count, x.itemsize, code,
-                                      kernel, div, start + t * p2p.STALL_FRACTION)
-            if rc != OK:
-                self._recover(rc, name, seq, t, start)
-                self.slots.fold(out, x.nbytes, offset, count, x.itemsize, code, kernel, div)
-        finally:
-            self._done(seq)
-        return out
-
-    def copy_now(self, plan: tuple, x: np.ndarray, out: np.ndarray | None, root: int,
-                 timeout: float | None, staged) -> Any:
-        """A broadcast (``root`` >= 0) or all_gather (-1) in one engine call when its data fits
-        a slot, else ``staged(group, call, header, x, out, root)`` (the staged engine path) with no
-        call object. ``plan``: (name, header with sequence number 0, result shape, whether one
-        step carries it)."""
-        name, header, shape, one_step = plan
-        begun = self._begin(name, timeout, x, out, shape)
-        if begun is None:
-            return NOT_TAKEN
-        out, t, seq, start = begun
-        try:
-            if not one_step:
-                call = Step(name, seq, t, start)
-                try:
-                    staged(self, call, encode(name, x.dtype, x.shape, None, root, seq), x, out,
-                           root)
-                except (CollectiveTimeoutError, PeerClosedError) as exc:
-                    self.broken = exc
-                    raise
-                return out
-            # the engine takes the arrays' bytes as they are (C-contiguous, any dtype)
-            rc = self.slots.step_copy(header, seq, x, out, root,
-                                      start + t * p2p.STALL_FRACTION)
-            if rc != OK:
-                self._recover(rc, name, seq, t, start)
-                self.slots.copy(x, out, root)
-        finally:
-            self._done(seq)
-        return out
+            plan.staged(self, call, encode(plan.name, x.dtype, x.shape, None, plan.root, seq),
+                        x, out, plan.root)
+        except (CollectiveTimeoutError, PeerClosedError) as exc:
+            self.broken = exc
+            raise
 
 
-__all__ = ["NOT_TAKEN", "EngineGroup", "Step", "group_of"]
+def one_call_header(name: str, dtype: np.dtype, shape: tuple[int, ...], op=None,
+                    root: int = -1) -> tuple[bytes, int]:
+    """A one-call plan's header (sequence number 0) and the hash the engine publishes with it."""
+    header = encode(name, dtype, shape, op, root, 0)
+    return header, header_hash(header)
+
+
+__all__ = ["NOT_TAKEN", "EngineGroup", "FastPlan", "Step", "group_of", "one_call_header"]

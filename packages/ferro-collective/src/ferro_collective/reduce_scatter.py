@@ -3,8 +3,8 @@ equal slices along dim 0 (dim 0 must be divisible by the world size).
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`one_call`) when the data fits a slot: every rank folds its part
-  of every rank's slot, in rank order;
+- **one engine call** (:func:`.allreduce.fold_plan`, run by the compiled path) when the data
+  fits a slot: every rank folds its part of every rank's slot, in rank order;
 - **staged on the engine** (:func:`engine_reduce_scatter`): each rank folds its chunk of every
   rank's input straight from the peers' memory where ranks may read each other's, else an
   allreduce through the slots and this rank's slice of it;
@@ -20,23 +20,15 @@ import numpy as np
 
 from ferro_backend import SizeMismatchError
 
-from . import allreduce
+from . import _fastcall, allreduce
 from .checks import as_array, check_out
-from .engine import NOT_TAKEN, EngineGroup, Step
+from .engine import EngineGroup, Step
 from .ops import ReduceOp, as_op, work_dtype
 from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
 from .plan import Plan, choose
 
-
-def one_call(group: EngineGroup, tensor, out, op, timeout):
-    """A slot-sized reduce_scatter (dim 0 divisible by the world size) in one engine call:
-    this rank's part of every slot folded, or ``NOT_TAKEN``."""
-    if type(tensor) is not np.ndarray or type(op) is not ReduceOp:
-        return NOT_TAKEN
-    plan = group.plans.get(("reduce_scatter", tensor.dtype, tensor.shape, op))
-    if plan is None:
-        plan = allreduce.fold_plan(group, "reduce_scatter", tensor, op)
-    return group.fold_now(plan, tensor, out, timeout) if plan else NOT_TAKEN
+_fastcall.register(_fastcall.REDUCE_SCATTER,
+                   lambda group, x, op: allreduce.fold_plan(group, x, op, "reduce_scatter"))
 
 
 def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -142,4 +134,4 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "engine_reduce_scatter", "one_call", "prepare", "stages"]
+__all__ = ["IMPLEMENTATIONS", "engine_reduce_scatter", "prepare", "stages"]
