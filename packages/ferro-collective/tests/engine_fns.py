@@ -469,3 +469,33 @@ def compiled_path(b) -> list[str]:
         bad.append("in-place allreduce")
     fc.barrier(b)
     return bad
+
+
+def other_threads_run_while_waiting(b) -> list[bool]:
+    """A one-call step waiting for a late peer lets this process's other threads run (it holds
+    the GIL only for its first microsecond): a counting thread advances during rank 0's wait,
+    for the barrier, a small allreduce and a small broadcast."""
+    import threading
+
+    flags = []
+    x = np.ones(16, np.float32)
+    for call in (lambda: fc.barrier(b), lambda: fc.allreduce(x, b),
+                 lambda: fc.broadcast(x, b, 1)):
+        fc.barrier(b)
+        if b.rank == 1:
+            time.sleep(0.3)
+            call()
+            continue
+        count, stop = [0], threading.Event()
+
+        def spin(count=count, stop=stop):
+            while not stop.is_set():
+                count[0] += 1
+
+        t = threading.Thread(target=spin)
+        t.start()
+        call()
+        stop.set()
+        t.join(5)
+        flags.append(count[0] > 200_000)  # held GIL: at most a switch interval (5 ms) of it
+    return flags

@@ -257,6 +257,12 @@ def test_one_call_collectives_run_compiled_and_leave_other_calls_to_the_general_
         [[]] * world
 
 
+def test_a_one_call_step_waiting_for_a_late_peer_lets_other_threads_run():
+    res = run_processes(engine_fns.other_threads_run_while_waiting, 2, transport="shm",
+                        timeout=60)
+    assert res[0] == [True, True, True] and res[1] == []
+
+
 def test_the_compiled_path_calls_the_step_table_the_engine_exports():
     from ferro_backend.engine import API_SIGNATURE
     from ferro_collective import _fastcall

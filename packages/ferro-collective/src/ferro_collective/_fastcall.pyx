@@ -18,6 +18,7 @@ is wrong; a step that does not end well goes to the group's Python recovery, as 
 from cpython.object cimport PyObject
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
@@ -26,6 +27,8 @@ cimport numpy as cnp
 from . import p2p
 from .checks import fast_array
 from .ops import ReduceOp
+
+from ferro_backend import Backend as _Backend
 
 from ._fastplan cimport MAX_DIMS, FastPlan
 
@@ -54,6 +57,7 @@ cdef enum:
 cdef list _makers = [None] * KINDS
 cdef dict _p2p = p2p.__dict__
 cdef object _ReduceOp = ReduceOp
+cdef object _general = None
 
 
 def register(int kind, maker) -> None:
@@ -78,6 +82,7 @@ cdef class Core:
     cdef public int _waiting          # calls waiting for their turn
     cdef public object broken         # the error that broke the group, or None
     cdef public int n, me
+    cdef bint _plain_timeout
 
     def _bind(self, backend, slots, counter, bytes barrier_header, uint64_t barrier_hash):
         """Take ``slots``' step table (its ``api()`` capsule), the backend's sequence numbers
@@ -92,6 +97,7 @@ cdef class Core:
         self._barrier = FastPlan("barrier", barrier_header, (), barrier_hash)
         self._next_seq, self._waiting, self.broken = -1, 0, None
         self.n, self.me = slots.n, slots.me
+        self._plain_timeout = getattr(type(backend), "timeout", None) is _Backend.timeout
 
     # ------------------------------------------------------------------ order
     def _done(self, long long seq):
@@ -107,7 +113,10 @@ cdef class Core:
     cdef int _enter(self, str name, object timeout, double* t, long long* seq,
                     double* start) except -1:
         """The call's timeout, sequence number and start once its turn came."""
-        t[0] = self._backend.timeout if timeout is None else self._resolve(timeout, name)
+        if timeout is not None:
+            t[0] = self._resolve(timeout, name)
+        else:  # the backend's timeout; its private value where Backend's property returns it
+            t[0] = self._backend._timeout if self._plain_timeout else self._backend.timeout
         seq[0] = self._counter()
         start[0] = _now()
         if self._next_seq != seq[0]:
@@ -217,11 +226,10 @@ cdef class Core:
         self._enter(p.name, timeout, &t, &seq, &start)
         try:
             soft = start + t * <double>_p2p["STALL_FRACTION"]
-            with nogil:
-                rc = self.api.fold(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
-                                   cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
-                                   cnp.PyArray_DATA(<cnp.ndarray>res), p.offset, p.count, p.code,
-                                   p.kernel, p.div, soft)
+            rc = self.api.fold(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
+                               cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
+                               cnp.PyArray_DATA(<cnp.ndarray>res), p.offset, p.count, p.code,
+                               p.kernel, p.div, soft)
             if rc == -1:
                 raise ValueError(f"{p.name}: the fold has no kernel for dtype code {p.code}")
             if rc != FERRO_OK:
@@ -253,10 +261,9 @@ cdef class Core:
                 self._staged(p, x, res, seq, t, start)
                 return res
             soft = start + t * <double>_p2p["STALL_FRACTION"]
-            with nogil:
-                rc = self.api.copy(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
-                                   cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
-                                   cnp.PyArray_DATA(<cnp.ndarray>res), p.root, soft)
+            rc = self.api.copy(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
+                               cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
+                               cnp.PyArray_DATA(<cnp.ndarray>res), p.root, soft)
             if rc != FERRO_OK:
                 self._recover(rc, p.name, seq, t, start)
                 self._slots_keep.copy(x, res, p.root)
@@ -274,9 +281,8 @@ cdef class Core:
         self._enter("barrier", timeout, &t, &seq, &start)
         try:
             soft = start + t * <double>_p2p["STALL_FRACTION"]
-            with nogil:
-                rc = self.api.barrier(self.api.ctx, p.hptr, p.hlen, p.hash,
-                                      <uint32_t>seq, soft)
+            rc = self.api.barrier(self.api.ctx, p.hptr, p.hlen, p.hash,
+                                  <uint32_t>seq, soft)
             if rc != FERRO_OK:
                 self._recover(rc, "barrier", seq, t, start)
         finally:
@@ -284,9 +290,34 @@ cdef class Core:
         return 0
 
 
+def set_general(general) -> None:
+    """Take the general path :func:`run` falls back to: ``general(coll, tensor, backend, arg,
+    timeout, algorithm, out)`` (the dispatcher's)."""
+    global _general
+    _general = general
+
+
+def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
+    """One call of ``coll`` (a ``dispatch.Collective``), now: its one-call path where it has one
+    and the call is its case, else the general path (:func:`set_general`); its result."""
+    if algorithm is None:
+        kind = <object>PyTuple_GET_ITEM(coll, 2) if PyTuple_Check(coll) and \
+            PyTuple_GET_SIZE(coll) > 2 else None
+        if kind is not None:
+            done = _one_call(<int>kind, tensor, backend, arg, timeout, out)
+            if done is not _NOT_TAKEN:
+                return done
+    return _general(coll, tensor, backend, arg, timeout, algorithm, out)
+
+
 def one_call(int kind, tensor, backend, arg, timeout, out):
     """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine, or
     :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
+    return _one_call(kind, tensor, backend, arg, timeout, out)
+
+
+cdef object _one_call(int kind, object tensor, object backend, object arg, object timeout,
+                      object out):
     engine = getattr(backend, "engine", None)
     if engine is None:
         return _NOT_TAKEN
@@ -303,6 +334,7 @@ def one_call(int kind, tensor, backend, arg, timeout, out):
     if kind == K_ALL_GATHER:
         return c._copy_now(K_ALL_GATHER, tensor, out, -1, -1, timeout)
     c._barrier_now(timeout)
+    return None
 
 
 cdef inline cnp.ndarray _array(object tensor):

@@ -1,6 +1,7 @@
 # The C ABI _fastcall calls: ferro-backend's table of one-call engine steps (a capsule named by
-# its layout, API_SIGNATURE, from SlotEngine.api()) and the monotonic clock the engine's deadlines
-# use. Declarations only, kept apart from the code that calls them.
+# its layout, API_SIGNATURE, from SlotEngine.api(); called with the GIL held, they release it
+# while they wait beyond a short spin) and the monotonic clock the engine's deadlines use.
+# Declarations only, kept apart from the code that calls them.
 
 from libc.stdint cimport uint32_t, uint64_t
 
@@ -15,12 +16,12 @@ cdef extern from "<time.h>" nogil:
 ctypedef int (*fold_step)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                           uint32_t seq, const void* src, size_t nbytes, void* out, size_t offset,
                           Py_ssize_t count, int code, int op, double mean_divisor,
-                          double deadline) noexcept nogil
+                          double deadline) noexcept
 ctypedef int (*copy_step)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                           uint32_t seq, const void* src, size_t nbytes, void* out, int root,
-                          double deadline) noexcept nogil
+                          double deadline) noexcept
 ctypedef int (*barrier_step)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
-                             uint32_t seq, double deadline) noexcept nogil
+                             uint32_t seq, double deadline) noexcept
 
 ctypedef struct slots_api:  # the layout API_SIGNATURE names
     void* ctx
@@ -31,7 +32,7 @@ ctypedef struct slots_api:  # the layout API_SIGNATURE names
 #: the step table this module calls: ferro-backend's ``engine.API_SIGNATURE`` (a test holds the
 #: two equal; the capsule is refused under any other name)
 API_SIGNATURE = (
-    "ferro_slots_api 1 {void *ctx; "
+    "ferro_slots_api 2 (GIL held) {void *ctx; "
     "int (*fold)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
     "uint32_t seq, const void *src, size_t nbytes, void *out, size_t offset, Py_ssize_t count, "
     "int code, int op, double mean_divisor, double deadline); "

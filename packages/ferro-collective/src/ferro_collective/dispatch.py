@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import costmodel
-from ._fastcall import NOT_TAKEN, one_call
+from . import _fastcall, costmodel
 from ._state import state
 from .engine import group_of
 from .plan import Plan
@@ -45,13 +44,16 @@ class Collective(NamedTuple):
     kind: int | None = None
 
 
-def run(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
-    """One call of ``coll``, now; its result."""
-    if algorithm is None and coll.kind is not None:
-        done = one_call(coll.kind, tensor, backend, arg, timeout, out)
-        if done is not NOT_TAKEN:
-            return done
+def _general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
+    """A call the one-call path did not take: its plan, on the executor chosen now."""
     return executor(coll.prepare(tensor, backend, arg, timeout, algorithm, out))()
+
+
+_fastcall.set_general(_general)
+#: ``run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None)``: one call of
+#: ``coll``, now; its result. Compiled (:func:`._fastcall.run`): the one-call path where the
+#: collective has one and no algorithm is forced, else :func:`_general`.
+run = _fastcall.run
 
 
 def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,

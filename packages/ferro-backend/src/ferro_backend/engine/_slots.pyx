@@ -64,9 +64,10 @@ cdef bytes _FOLD_NAME = FOLD_SIGNATURE.encode()
 #: the capsule name of :meth:`SlotEngine.api`: the layout of the table it holds (``ctx`` is
 #: passed back to each function; ``hash`` is :func:`header_hash` of the header with sequence
 #: number 0, ``seq`` is patched in; each returns OK, TIMEOUT, FAILED, MISMATCH, or -1 for a
-#: dtype code the fold has no kernel for; nothing is folded or copied unless OK)
+#: dtype code the fold has no kernel for; nothing is folded or copied unless OK). The functions
+#: are called with the GIL held and release it while they wait beyond a short spin.
 API_SIGNATURE = (
-    "ferro_slots_api 1 {void *ctx; "
+    "ferro_slots_api 2 (GIL held) {void *ctx; "
     "int (*fold)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
     "uint32_t seq, const void *src, size_t nbytes, void *out, size_t offset, Py_ssize_t count, "
     "int code, int op, double mean_divisor, double deadline); "

@@ -17,6 +17,7 @@
 #ifndef FERRO_STEPS_H
 #define FERRO_STEPS_H
 
+#include <Python.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,10 @@
 
 /* where a collective header holds its 32-bit little-endian sequence number */
 #define FERRO_SEQ_OFF 24u
+/* the one-call steps' GIL: checks of the peers' step words before it is released, and the data
+ * size from which a step runs without it from the start */
+#define FERRO_GIL_SPINS 48
+#define FERRO_GIL_BYTES 65536u
 
 /* out = the rank-order fold of count inputs of n items of dtype code with op (MEAN's divide
  * fused when mean_divisor > 0); 0, or -1 for an unknown dtype code. The collectives' kernel. */
@@ -43,10 +48,13 @@ typedef struct {
     ferro_fold_fn fold;        /* set once by the collectives (NULL: no one-call folds) */
 } ferro_slots;
 
-/* What other extensions call: the one-call steps on ctx (a ferro_slots). Each returns
- * FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED or FERRO_MISMATCH (nothing folded or copied unless OK),
- * or -1 when the fold has no kernel for the dtype code. hash: ferro_header_hash of the header
- * with sequence number 0; seq is patched into the header at FERRO_SEQ_OFF. */
+/* What other extensions call: the one-call steps on ctx (a ferro_slots), called with the GIL
+ * held: they release it while they wait beyond a short spin (FERRO_GIL_SPINS checks of the
+ * peers' step words: a peer that arrives within about a microsecond costs no GIL round trip)
+ * and for the whole step beyond FERRO_GIL_BYTES of data. Each returns FERRO_OK, FERRO_TIMEOUT,
+ * FERRO_FAILED or FERRO_MISMATCH (nothing folded or copied unless OK), or -1 when the fold has
+ * no kernel for the dtype code. hash: ferro_header_hash of the header with sequence number 0;
+ * seq is patched into the header at FERRO_SEQ_OFF. */
 typedef struct {
     void* ctx;
     int (*fold)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash, uint32_t seq,
@@ -100,6 +108,25 @@ static inline int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double dea
     return FERRO_OK;
 }
 
+/* ferro_slots_wait_all for a caller holding the GIL (gil = 1): a short spin first, then the
+ * wait without it. */
+static inline int ferro_slots_wait_gil(ferro_slots* s, uint32_t step, double deadline, int gil) {
+    int j, k, rc;
+    PyThreadState* st;
+    if (!gil) return ferro_slots_wait_all(s, step, deadline);
+    for (k = 0, j = 0; k < FERRO_GIL_SPINS; k++) {
+        while (j < s->n && (j == s->me || (int32_t)(ferro_load(
+                   &ferro_ctrl_of(s->base, &s->L, j)->step) - step) >= 0))
+            j++;
+        if (j == s->n) return FERRO_OK;
+        ferro_pause();
+    }
+    st = PyEval_SaveThread();
+    rc = ferro_slots_wait_all(s, step, deadline);
+    PyEval_RestoreThread(st);
+    return rc;
+}
+
 /* Whether every rank's header of this step equals this rank's: the published hashes first
  * (on the line each rank waited on), the slots' headers only when a hash differs. */
 static inline int ferro_slots_agree(ferro_slots* s) {
@@ -119,10 +146,12 @@ static inline int ferro_slots_agree(ferro_slots* s) {
 
 /* The next step: header (seq patched in at FERRO_SEQ_OFF when patch; hash: its hash without
  * the number) and nbytes at src into this rank's slot; publish (with the header's hash), wait
- * for every rank until deadline, compare headers. */
-static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen,
-                                       int patch, uint64_t hash, uint32_t seq,
-                                       const unsigned char* src, size_t nbytes, double deadline) {
+ * for every rank until deadline (gil: the caller holds the GIL, see ferro_slots_wait_gil),
+ * compare headers. */
+static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, size_t hlen,
+                                   int patch, uint64_t hash, uint32_t seq,
+                                   const unsigned char* src, size_t nbytes, double deadline,
+                                   int gil) {
     uint32_t step = s->step + 1;
     ferro_slot_head* mine = ferro_slots_slot(s, s->me, step);
     int rc;
@@ -143,9 +172,16 @@ static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* head
     __atomic_store_n(&ferro_ctrl_of(s->base, &s->L, s->me)->head_hash[step & 1u],
                      ferro_header_seq(hash, seq), __ATOMIC_RELAXED);
     ferro_slots_publish(s, step);
-    rc = ferro_slots_wait_all(s, step, deadline);
+    rc = ferro_slots_wait_gil(s, step, deadline, gil);
     if (rc == FERRO_OK && !ferro_slots_agree(s)) return FERRO_MISMATCH;
     return rc;
+}
+
+/* ferro_slots_step for a caller without the GIL */
+static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen,
+                                       int patch, uint64_t hash, uint32_t seq,
+                                       const unsigned char* src, size_t nbytes, double deadline) {
+    return ferro_slots_step(s, header, hlen, patch, hash, seq, src, nbytes, deadline, 0);
 }
 
 /* out = the rank-order fold of count items at byte offset of every rank's slot data of this
@@ -195,17 +231,20 @@ static inline int ferro_slots_sync(ferro_slots* s, double deadline) {
     return ferro_slots_wait_all(s, s->step, deadline);
 }
 
-/* ---- the exported one-call steps (ferro_slots_api) ---- */
+/* ---- the exported one-call steps (ferro_slots_api), called with the GIL held ---- */
 
 static int ferro_api_fold(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                           uint32_t seq, const void* src, size_t nbytes, void* out, size_t offset,
                           Py_ssize_t count, int code, int op, double mean_divisor,
                           double deadline) {
     ferro_slots* s = (ferro_slots*)ctx;
-    int rc = ferro_slots_exchange(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
-                                  nbytes, deadline);
+    int rc, big = nbytes > FERRO_GIL_BYTES;
+    PyThreadState* st = big ? PyEval_SaveThread() : NULL;
+    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, (const unsigned char*)src, nbytes,
+                          deadline, !big);
     if (rc == FERRO_OK && count > 0) rc = ferro_slots_fold(s, out, offset, count, code, op,
                                                           mean_divisor);
+    if (big) PyEval_RestoreThread(st);
     return rc;
 }
 
@@ -213,16 +252,19 @@ static int ferro_api_copy(void* ctx, const unsigned char* header, size_t hlen, u
                           uint32_t seq, const void* src, size_t nbytes, void* out, int root,
                           double deadline) {
     ferro_slots* s = (ferro_slots*)ctx;
-    int rc = ferro_slots_exchange(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
-                                  root < 0 || root == s->me ? nbytes : 0, deadline);
+    int rc, big = nbytes > FERRO_GIL_BYTES;
+    PyThreadState* st = big ? PyEval_SaveThread() : NULL;
+    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
+                          root < 0 || root == s->me ? nbytes : 0, deadline, !big);
     if (rc == FERRO_OK) ferro_slots_copy(s, out, src, nbytes, root);
+    if (big) PyEval_RestoreThread(st);
     return rc;
 }
 
 static int ferro_api_barrier(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                              uint32_t seq, double deadline) {
-    return ferro_slots_exchange((ferro_slots*)ctx, header, hlen, 1, hash, seq, NULL, 0,
-                                deadline);
+    return ferro_slots_step((ferro_slots*)ctx, header, hlen, 1, hash, seq, NULL, 0, deadline,
+                            1);
 }
 
 static inline void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s) {
