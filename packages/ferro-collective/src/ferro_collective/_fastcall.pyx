@@ -60,6 +60,17 @@ cdef object _ReduceOp = ReduceOp
 cdef object _general = None
 
 
+cdef class SeqCounter:
+    """A backend's collective sequence numbers: ``counter()`` is the next (atomic under the
+    GIL); the compiled paths take theirs without a call."""
+
+    cdef public long long value
+
+    def __call__(self):
+        self.value += 1
+        return self.value - 1
+
+
 def register(int kind, maker) -> None:
     """Take ``maker(group, x, arg)``: the :class:`FastPlan` of ``kind`` for an input like ``x``
     and the collective's own argument ``arg`` (op or root), or None when one call cannot run it.
@@ -76,6 +87,7 @@ cdef class Core:
     cdef slots_api* api
     cdef object _slots_keep
     cdef object _counter, _backend
+    cdef SeqCounter _seq_counter
     cdef list _cache
     cdef FastPlan _barrier
     cdef public long long _next_seq   # the next call to run (-1: none ran yet)
@@ -93,6 +105,7 @@ cdef class Core:
                             f"than this build calls ({capsule!r}); install matching versions")
         self.api = <slots_api*>PyCapsule_GetPointer(capsule, _API_NAME)
         self._slots_keep, self._counter, self._backend = slots, counter, backend
+        self._seq_counter = counter if isinstance(counter, SeqCounter) else None
         self._cache = [None] * CACHE
         self._barrier = FastPlan("barrier", barrier_header, (), barrier_hash)
         self._next_seq, self._waiting, self.broken = -1, 0, None
@@ -117,7 +130,11 @@ cdef class Core:
             t[0] = self._resolve(timeout, name)
         else:  # the backend's timeout; its private value where Backend's property returns it
             t[0] = self._backend._timeout if self._plain_timeout else self._backend.timeout
-        seq[0] = self._counter()
+        if self._seq_counter is not None:
+            seq[0] = self._seq_counter.value
+            self._seq_counter.value += 1
+        else:
+            seq[0] = self._counter()
         start[0] = _now()
         if self._next_seq != seq[0]:
             self._wait_turn_for(name, seq[0], t[0], start[0])
@@ -310,14 +327,10 @@ def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None)
     return _general(coll, tensor, backend, arg, timeout, algorithm, out)
 
 
-def one_call(int kind, tensor, backend, arg, timeout, out):
-    """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine, or
-    :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
-    return _one_call(kind, tensor, backend, arg, timeout, out)
-
-
 cdef object _one_call(int kind, object tensor, object backend, object arg, object timeout,
                       object out):
+    """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine, or
+    :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
     engine = getattr(backend, "engine", None)
     if engine is None:
         return _NOT_TAKEN

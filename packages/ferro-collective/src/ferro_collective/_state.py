@@ -8,13 +8,14 @@ travels on tags derived from it, so calls in flight at once never mix.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import threading
 import weakref
 from collections.abc import Callable
 
 from ferro_backend import settings
 from ferro_backend.base import USER_TAG_LIMIT
+
+from ._fastcall import SeqCounter
 
 #: collectives use tags in [2**31, 2**32 - 1): 2**19 - 1 sequence slots of 4096 step tags each
 TAG_BASE = USER_TAG_LIMIT
@@ -24,9 +25,8 @@ SEQ_SLOTS = (1 << 19) - 1
 
 class BackendState:
     def __init__(self) -> None:
-        self._seq = itertools.count()
-        #: the next sequence number (itertools.count's __next__: atomic under the GIL)
-        self.counter = self._seq.__next__
+        #: the next sequence number (``counter()``; atomic under the GIL)
+        self.counter = SeqCounter()
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
