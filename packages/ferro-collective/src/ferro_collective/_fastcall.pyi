@@ -13,10 +13,6 @@ BROADCAST: int
 ALL_GATHER: int
 BARRIER: int
 
-class SeqCounter:
-    value: int
-    def __call__(self) -> int: ...
-
 def register(kind: int, maker: Callable[[Any, np.ndarray, Any], FastPlan | None]) -> None: ...
 
 class Core:

@@ -30,7 +30,7 @@ from .ops import ReduceOp
 
 from ferro_backend import Backend as _Backend
 
-from ._fastplan cimport MAX_DIMS, FastPlan
+from ._fastplan cimport MAX_DIMS, FastPlan, SeqCounter
 
 cnp.import_array()
 
@@ -58,17 +58,6 @@ cdef list _makers = [None] * KINDS
 cdef dict _p2p = p2p.__dict__
 cdef object _ReduceOp = ReduceOp
 cdef object _general = None
-
-
-cdef class SeqCounter:
-    """A backend's collective sequence numbers: ``counter()`` is the next (atomic under the
-    GIL); the compiled paths take theirs without a call."""
-
-    cdef public long long value
-
-    def __call__(self):
-        self.value += 1
-        return self.value - 1
 
 
 def register(int kind, maker) -> None:

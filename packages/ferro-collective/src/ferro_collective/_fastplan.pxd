@@ -28,3 +28,7 @@ cdef class FastPlan:
     cdef cnp.npy_intp dims[MAX_DIMS]
     cdef object descr, arg
     cdef Py_ssize_t arg_key
+
+
+cdef class SeqCounter:
+    cdef public long long value

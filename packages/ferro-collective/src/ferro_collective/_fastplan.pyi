@@ -13,3 +13,7 @@ class FastPlan:
     @staticmethod
     def copy(name: str, header: bytes, shape: tuple[int, ...], hash: int, root: int,
              one_step: bool, staged: Callable[..., None]) -> FastPlan: ...
+
+class SeqCounter:
+    value: int
+    def __call__(self) -> int: ...

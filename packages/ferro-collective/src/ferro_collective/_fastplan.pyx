@@ -1,6 +1,7 @@
 # cython: language_level=3
 """The one-call plans the compiled dispatcher (:mod:`._fastcall`) runs: one per call signature,
-made by the collectives' modules (the makers registered with ``_fastcall.register``)."""
+made by the collectives' modules (the makers registered with ``_fastcall.register``); and the
+sequence counter it advances in C."""
 
 from libc.stdint cimport uint64_t
 
@@ -37,3 +38,12 @@ cdef class FastPlan:
         p = FastPlan(name, header, shape, hash)
         p.root, p.one_step, p.staged = root, one_step, staged
         return p
+
+
+cdef class SeqCounter:
+    """A backend's collective sequence numbers: ``counter()`` is the next (atomic under the
+    GIL); the compiled paths take theirs without a call."""
+
+    def __call__(self):
+        self.value += 1
+        return self.value - 1
