@@ -1,0 +1,157 @@
+"""How ``ferrorun`` watches the processes it starts (ranks, or one agent per emulated node): their
+output copied line by line with a prefix, the first failure stopping the rest (SIGTERM, then
+SIGKILL after a grace period, each process group whole), and the restart loop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+_OUTPUT_LOCK = threading.Lock()
+
+
+def _pump(stream, out, prefix: str, log=None) -> None:
+    """Copy a rank's output whole line by whole line, each prefixed; a carriage return
+    (a redrawn progress bar) ends a line too, so the bar keeps its prefix. ``log``: a binary
+    file that also gets the rank's output, unprefixed."""
+    tag = prefix.encode()
+    pending = b""
+    while True:
+        chunk = stream.read1(65536)
+        if chunk:
+            pending += chunk
+            cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+            if not cut:
+                continue
+            ready, pending = pending[:cut], pending[cut:]
+        else:
+            ready, pending = pending, b""
+        if ready and log is not None:
+            log.write(ready)
+            log.flush()
+        if ready:
+            if tag:
+                ready = b"".join(tag + part for part in re.split(rb"(?<=[\r\n])", ready)
+                                 if part)
+            with _OUTPUT_LOCK:
+                out.buffer.write(ready)
+                out.buffer.flush()
+        if not chunk:
+            break
+    stream.close()
+
+
+def _describe(code: int) -> str:
+    """How a rank ended: ``exited with code 3`` or ``was killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+Spawn = Callable[[int, list[str], dict[str, str]], subprocess.Popen]
+
+
+class Job:
+    """Processes ``cmds[i]`` with ``envs[i]``, named ``f"{label} {ranks[i]}"``; each in a session of
+    its own (:data:`PIPES`), started by ``spawn(i, cmd, env)`` (default: plainly)."""
+
+    PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "start_new_session": True}
+
+    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], ranks: list[int],
+                 grace: float, prefix: bool, log_dir: Path | None = None, *,
+                 spawn: Spawn | None = None, label: str = "rank") -> None:
+        self.grace = grace
+        self.label = label
+        self.failure: tuple[int, int] | None = None  # (rank, return code) of the first failure
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        self.logs: list = []
+        self.ranks = ranks
+        spawn = spawn or (lambda i, cmd, env: subprocess.Popen(cmd, env=env, **Job.PIPES))
+        for i, (cmd, env, rank) in enumerate(zip(cmds, envs, ranks)):
+            p = spawn(i, cmd, env)
+            self.procs.append(p)
+            tag = f"[rank {rank}] " if prefix else ""
+            log = None
+            if log_dir is not None:
+                log = open(log_dir / f"rank_{rank}.log", "ab")
+                self.logs.append(log)
+            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, out, tag, log), daemon=True)
+                t.start()
+                self.pumps.append(t)
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, sig)  # the rank and everything it started
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self) -> None:
+        self.signal_all(signal.SIGTERM)
+        end = time.monotonic() + self.grace
+        while time.monotonic() < end and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def wait(self) -> int:
+        """Wait for every rank; on the first failure stop the rest. Returns the exit code
+        (128 + N for a rank killed by signal N); :attr:`failure` names the failed rank."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                self.failure = (self.ranks[i], code)
+                sys.stderr.write(f"ferrorun: {self.label} {self.ranks[i]} {_describe(code)}; "
+                                 f"stopping the other {self.label}s\n")
+                self.stop_all()
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                # ranks done: make sure no child they left behind outlives the job
+                self.signal_all(signal.SIGKILL)
+                return 0
+            time.sleep(0.05)
+
+    def finish_output(self) -> None:
+        for t in self.pumps:
+            t.join(5)
+        for log in self.logs:
+            log.close()
+
+
+def supervise(make_job: Callable[[int], Job], max_restarts: int, received: list[int],
+              set_current: Callable[[Job], None]) -> int:
+    """Run ``make_job(attempt)`` until it succeeds, is interrupted (``received`` holds the
+    signals ferrorun was sent) or has failed ``max_restarts`` + 1 times; returns the exit code."""
+    restart = 0
+    while True:
+        job = make_job(restart)
+        set_current(job)
+        try:
+            code = job.wait()
+        finally:
+            if any(p.poll() is None for p in job.procs):
+                job.stop_all()
+            job.finish_output()
+        if received:
+            return code if code else 128 + received[0]
+        if code == 0 or restart >= max_restarts:
+            return code
+        restart += 1
+        failed, failed_code = job.failure
+        sys.stderr.write(f"ferrorun: {job.label} {failed} {_describe(failed_code)}; "
+                         f"restarting the job ({restart} of {max_restarts})\n")

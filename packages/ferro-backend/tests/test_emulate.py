@@ -1,0 +1,260 @@
+"""Emulated nodes (ferrorun --emulate-nodes): options and errors everywhere; on Linux as root, the
+cluster itself (namespaces, host names, shaped links, cuts), a job across emulated nodes, a cut
+link surfacing as a typed error on every rank, and nothing left behind after a SIGKILL."""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ferro_backend.launch import emulate, netns
+from ferro_backend.launch.netns import EmulatedCluster, EmulationError
+
+pytestmark = pytest.mark.timeout(90)
+FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
+
+
+def _unavailable() -> str | None:
+    try:
+        netns.check_support("1gbit")
+        with EmulatedCluster(1):
+            pass
+    except EmulationError as exc:
+        return str(exc)
+    return None
+
+
+REASON = _unavailable()
+needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"no emulated nodes: {REASON}")
+
+
+def namespaces() -> set[str]:
+    """Every network namespace some process is in."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            found.add(os.readlink(f"/proc/{pid}/ns/net"))
+        except OSError:
+            pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_until(pred, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+# ---- options and errors (any platform, any user) ----
+
+@given(st.integers(1, 999), st.sampled_from(["", "k", "m", "g"]), st.sampled_from(["bit", "bps"]))
+def test_rate_bits_reads_tc_units(number, prefix, unit):
+    bits = number * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[prefix] * (8 if unit == "bps" else 1)
+    text = f"{number}{prefix}{unit}"
+    if 8e3 <= bits <= 1e12:
+        assert netns.rate_bits(text) == pytest.approx(bits)
+    else:
+        with pytest.raises(EmulationError, match="between 8kbit and 1tbit"):
+            netns.rate_bits(text)
+
+
+@pytest.mark.parametrize("bad", ["fast", "1 gigabit", "1gb", "-5mbit", ""])
+def test_bad_rate_names_the_rate(bad):
+    with pytest.raises(EmulationError, match="link rate"):
+        netns.rate_bits(bad)
+
+
+def test_without_root_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(EmulationError, match="need root.*uid 1000"):
+        netns.check_support()
+
+
+def test_without_ip_or_tc_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else "/x")
+    netns.check_support()  # no rate: tc is not needed
+    with pytest.raises(EmulationError, match="'tc'"):
+        netns.check_support("1gbit")
+
+
+@pytest.mark.parametrize("count", [0, -1, netns.MAX_NODES + 1, 2.0])
+def test_node_count_checked(count):
+    with pytest.raises(EmulationError, match="emulated nodes"):
+        EmulatedCluster(count)
+
+
+def _args(**kw):
+    base = dict(emulate_nodes=2, nnodes=1, node_rank=0, transport=None, cut_link=None,
+                nproc=2, grace=5.0, timeout=None, log_level=None, log_dir=None, no_prefix=False,
+                module=False, script="train.py", args=["--epochs", "1"], link_rate=None,
+                token=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(nnodes=2), "leave out --nnodes"), (dict(transport="shm"), "shm needs every rank"),
+    (dict(cut_link=["2@1"]), "nodes 0 to 1"), (dict(cut_link=["1"]), "NODE@SECONDS"),
+    (dict(cut_link=["x@1"]), "NODE@SECONDS"), (dict(cut_link=["1@-2"]), "NODE@SECONDS")])
+def test_bad_options_named(kw, match):
+    with pytest.raises(EmulationError, match=match):
+        emulate.validate(_args(**kw))
+
+
+def test_agent_command_is_a_node_of_a_multi_node_job():
+    cmd = emulate.agent_command(_args(timeout=7.0), 1, 2, "10.213.0.1", 29500)
+    line = " ".join(cmd)
+    assert "--nproc 2 --nnodes 2 --node-rank 1 --master-addr 10.213.0.1 --master-port 29500" \
+        in line
+    assert "--timeout 7.0" in line and line.endswith("train.py --epochs 1")
+    assert "--token" not in line  # the secret travels in the environment
+
+
+def test_ferrorun_rejects_link_options_without_emulation():
+    r = subprocess.run([*FERRORUN, "--link-rate", "1gbit", "x.py"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and "--emulate-nodes" in r.stderr
+
+
+# ---- the cluster itself (Linux, root) ----
+
+@needs_namespaces
+def test_cluster_hosts_addresses_shaping_and_cuts():
+    before = namespaces()
+    with EmulatedCluster(2, link_rate="100mbit") as cluster:
+        n0, n1 = cluster.nodes
+        assert (n0.host, n1.host) == ("node0", "node1")
+        assert cluster.run(1, ["hostname"]).stdout.decode().strip() == "node1"
+        assert socket.gethostname() not in ("node0", "node1")
+        qdisc = cluster.run(0, ["tc", "qdisc", "show", "dev", "eth0"]).stdout.decode()
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        assert len(namespaces() - before) == 3  # two nodes and the switch
+        probe = ("import socket, sys\n"
+                 "try:\n"
+                 "    socket.create_connection((sys.argv[1], 9), timeout=1)\n"
+                 "except ConnectionRefusedError:\n"
+                 "    print('reached')\n"
+                 "except OSError as e:\n"
+                 "    print('unreachable', type(e).__name__)\n")
+        reach = lambda: cluster.run(1, [sys.executable, "-c", probe, n0.address]).stdout
+        assert reach().strip() == b"reached"  # node 0 answered (a refusal: nothing listens)
+        cluster.cut(1)
+        assert reach().startswith(b"unreachable")
+        cluster.restore(1)
+        assert wait_until(lambda: reach().strip() == b"reached", 5)
+        # the host's own addresses do not exist inside a node
+        assert b"127.0.0.1" in cluster.run(0, ["ip", "-br", "addr"]).stdout
+        assert cluster.run(0, ["ip", "route"]).stdout.decode().split()[0] == "10.213.0.0/24"
+        holders = [n0.pid, n1.pid, cluster.switch_pid]
+    assert wait_until(lambda: not any(alive(p) for p in holders), 5)
+    assert wait_until(lambda: namespaces() <= before, 5)
+
+
+JOB = """
+    import socket, sys, time
+    import numpy as np
+    import ferro_backend as fb
+    import ferro_collective as fc
+    b = fb.init_from_env()
+    h = b.hierarchy
+    print("joined", b.rank, socket.gethostname(), h and h.num_nodes, h and h.local_world,
+          flush=True)
+    x = np.full(1 << 18, b.rank + 1.0, np.float32)
+    x = fc.allreduce(x, b)
+    assert (x == sum(range(1, b.world_size + 1))).all(), x[:4]
+    print("summed", b.rank, flush=True)
+    if "--then-loop" in sys.argv:
+        try:
+            for _ in range(100000):
+                fc.allreduce(x, b)
+                time.sleep(0.01)
+        except fb.DistributedError as exc:
+            print("raised", b.rank, type(exc).__name__, flush=True)
+            sys.exit(3)
+    b.close()
+"""
+
+
+def _script(tmp_path: Path) -> Path:
+    p = tmp_path / "job.py"
+    p.write_text(textwrap.dedent(JOB))
+    return p
+
+
+@needs_namespaces
+def test_job_on_two_emulated_nodes(tmp_path):
+    before = namespaces()
+    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "2", "--link-rate",
+                        "1gbit", "--timeout", "30", str(_script(tmp_path))],
+                       capture_output=True, text=True, timeout=80)
+    assert r.returncode == 0, r.stdout + r.stderr
+    joined = sorted(line.split(" joined ")[1] for line in r.stdout.splitlines()
+                    if " joined " in line)
+    assert joined == ["0 node0 2 2", "1 node0 2 2", "2 node1 2 2", "3 node1 2 2"]
+    assert r.stdout.count(" summed ") == 4
+    assert "emulating 2 nodes" in r.stderr and "1gbit" in r.stderr
+    assert wait_until(lambda: namespaces() <= before, 5)
+
+
+@needs_namespaces
+def test_cut_link_raises_a_typed_error_on_every_rank(tmp_path):
+    before = namespaces()
+    t0 = time.monotonic()
+    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--timeout", "3",
+                        "--cut-link", "1@6", "--grace", "20", str(_script(tmp_path)),
+                        "--then-loop"], capture_output=True, text=True, timeout=80)
+    took = time.monotonic() - t0
+    assert r.stdout.count(" summed ") == 2, r.stdout + r.stderr
+    raised = sorted(line.split(" raised ")[1] for line in r.stdout.splitlines()
+                    if " raised " in line)
+    assert [x.split()[0] for x in raised] == ["0", "1"], r.stdout + r.stderr
+    assert all(x.split()[1].endswith("Error") for x in raised), raised
+    assert "cut node 1's link at 6 s" in r.stderr and r.returncode == 3
+    assert took < 6 + 3 + 20, took  # the deadline, not a hang
+    assert wait_until(lambda: namespaces() <= before, 5)
+
+
+@needs_namespaces
+def test_sigkill_of_ferrorun_leaves_nothing(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, time\nprint('up', os.getpid(), flush=True)\ntime.sleep(60)\n")
+    before = namespaces()
+    p = subprocess.Popen([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        pids = []
+        while len(pids) < 2:
+            line = p.stdout.readline()
+            assert line, "ferrorun ended early"
+            if " up " in line:
+                pids.append(int(line.split()[-1]))
+        assert len(namespaces() - before) == 3
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        assert wait_until(lambda: not any(alive(q) for q in pids), 10), "orphan ranks"
+        assert wait_until(lambda: namespaces() <= before, 10), "namespaces left"
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
