@@ -181,9 +181,12 @@ def via_store(store, rank: int, world: int, node: str, requested: str | None,
 def via_master(launcher: Launcher, transport: str | None, kwargs: dict[str, Any]) -> Backend:
     """ferrorun (or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT by hand): rank 0 listens on
     MASTER_ADDR:MASTER_PORT, TCP unless FERRO_TRANSPORT (ferrorun sets it) says otherwise."""
-    backend = (ShmBackend if transport == "shm" else TcpBackend).from_env(**kwargs)
+    key = node_key(launcher.node_id)
+    # the node keys travel in the rendezvous's table: no exchange over the mesh afterwards
+    # (which would connect every pair of a lazy mesh)
+    backend = (ShmBackend if transport == "shm" else TcpBackend).from_env(**kwargs, node=key)
     if launcher.num_nodes == 1:
-        backend.nodes = (node_key(launcher.node_id),) * launcher.world_size
+        backend.nodes = (key,) * launcher.world_size
     return backend
 
 
@@ -237,9 +240,11 @@ def _via_own_port(launcher: Launcher, transport: str | None, env: Mapping[str, s
     chosen = choose_transport(transport, one_host, f"torchrun's ranks span "
                               f"{launcher.num_nodes or 'several'} nodes (GROUP_WORLD_SIZE, "
                               "LOCAL_WORLD_SIZE)")
+    key = node_key(launcher.node_id)
     backend = build(chosen, launcher.rank, launcher.world_size,
-                    address(launcher.master_addr, port), kwargs)
-    backend.nodes = tuple(exchange_nodes(backend, node_key(launcher.node_id)))
+                    address(launcher.master_addr, port), dict(kwargs, node=key))
+    if backend.nodes is None:
+        backend.nodes = tuple(exchange_nodes(backend, key))
     return backend
 
 
@@ -263,9 +268,11 @@ def via_slurm(launcher: Launcher, transport: str | None, env: Mapping[str, str],
                 f"{env.get('SLURM_STEP_ID', '?')}: the port comes from MASTER_PORT, "
                 "FERRO_MASTER_PORT or the job and step ids; set MASTER_PORT to a free port)"
             ) from exc
-    backend = build(chosen, launcher.rank, launcher.world_size, address(addr, port), kwargs,
-                    listener)
-    backend.nodes = tuple(exchange_nodes(backend, node_key(launcher.node_id)))
+    key = node_key(launcher.node_id)
+    backend = build(chosen, launcher.rank, launcher.world_size, address(addr, port),
+                    dict(kwargs, node=key), listener)
+    if backend.nodes is None:
+        backend.nodes = tuple(exchange_nodes(backend, key))
     return backend
 
 

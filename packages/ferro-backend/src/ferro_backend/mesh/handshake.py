@@ -4,7 +4,10 @@ Client and server exchange the protocol magic, version and a fresh 32-byte nonce
 knowledge of the job's token with HMAC-SHA256 over both nonces (a different role string per side,
 so neither proof can be replayed as the other). A process that does not know the token gets
 :class:`AuthenticationError`; the server refuses it and goes on accepting. After the proofs the
-client announces ``(rank, world_size, listen port, host)`` and the server answers with a status.
+client announces ``(rank, world_size, listen port, host, node)`` and the server answers with a
+status: OK, refused (:class:`RendezvousError`), or *taken* (:class:`ConnectionTaken`: a connection
+made on first use crossed one the peer made to this rank at the same moment, and the peer's is
+the one both keep).
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ import struct
 from ..errors import AuthenticationError, ProtocolError, RendezvousError
 
 MAGIC = b"FERRO\x00"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _HELLO = struct.Struct("<6sH32s")  # magic, version, nonce
 _AUTH = struct.Struct("<32s")  # HMAC-SHA256
-_INFO = struct.Struct("<IIHH")  # rank, world_size, listen port, host length
+_INFO = struct.Struct("<IIHHH")  # rank, world_size, listen port, host and node lengths
 _STATUS = struct.Struct("<BH")  # status, message length
 
-ST_OK, ST_AUTH, ST_BAD = 0, 1, 2
+ST_OK, ST_AUTH, ST_BAD, ST_TAKEN = 0, 1, 2, 3
+
+
+class ConnectionTaken(RendezvousError):
+    """The peer refused this connection because it keeps the one it made to this rank."""
 
 
 def _mac(key: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
@@ -81,6 +88,8 @@ def client_handshake(sock: socket.socket, key: bytes, info: bytes, where: str) -
         raise AuthenticationError(f"{where}: rejected: {message}")
     sock.sendall(info)
     status, message = _recv_status(sock)
+    if status == ST_TAKEN:
+        raise ConnectionTaken(f"{where}: {message}")
     if status != ST_OK:
         raise RendezvousError(f"{where}: rejected: {message}")
 
@@ -103,12 +112,13 @@ def server_handshake(sock: socket.socket, key: bytes) -> None:
     send_status(sock, ST_OK)
 
 
-def encode_info(rank: int, world_size: int, host: str, port: int) -> bytes:
-    h = host.encode()
-    return _INFO.pack(rank, world_size, port, len(h)) + h
+def encode_info(rank: int, world_size: int, host: str, port: int, node: str = "") -> bytes:
+    h, k = host.encode()[:4096], node.encode()[:4096]
+    return _INFO.pack(rank, world_size, port, len(h), len(k)) + h + k
 
 
-def decode_info(sock: socket.socket) -> tuple[int, int, str, int]:
-    """``(rank, world_size, host, listen port)`` as the client announced them."""
-    rank, world, port, n = _INFO.unpack(recv_exactly(sock, _INFO.size))
-    return rank, world, recv_exactly(sock, n).decode(), port
+def decode_info(sock: socket.socket) -> tuple[int, int, str, int, str]:
+    """``(rank, world_size, host, listen port, node)`` as the client announced them."""
+    rank, world, port, n, k = _INFO.unpack(recv_exactly(sock, _INFO.size))
+    return (rank, world, recv_exactly(sock, n).decode(), port,
+            recv_exactly(sock, k).decode(errors="replace"))

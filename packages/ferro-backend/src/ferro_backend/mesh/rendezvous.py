@@ -2,9 +2,13 @@
 
 1. Rank 0 listens on ``master_addr``. Every other rank opens a listener of its own, connects to
    rank 0 and announces ``(rank, world_size, listen port)``.
-2. Rank 0 sends everyone the address table (the address it saw each rank connect from); rank
-   ``i`` connects to each rank ``0 < j < i`` and accepts from each rank ``j > i``. The connection
-   to rank 0 is kept as the ``(0, i)`` link.
+2. Rank 0 sends everyone the table of every rank's address (the address it saw each rank
+   connect from), listen port and node key.
+3. Eager (the full mesh): rank ``i`` connects to each rank ``0 < j < i`` and accepts from each
+   rank ``j > i``; the connection to rank 0 is kept as the ``(0, i)`` link. Lazy
+   (``lazy=True``, connections on first use, :mod:`.lazy`): every rank closes its connection
+   to rank 0 and keeps its listener; rank 0 keeps the job's. Rank 0 then did O(n) handshakes and
+   no rank connects to any other until it sends to or receives from it.
 
 Every connection starts with :mod:`.handshake`. Errors name the rank, address, port and the ranks
 that never came: :class:`RendezvousError` for ports in use, peers that never came up or joined.
@@ -79,13 +83,59 @@ def listen(host: str, port: int, rank: int, world_size: int) -> socket.socket:
     return lsock
 
 
+def connect_to(host: str, port: int, deadline: float, rank: int, world: int, peer: int,
+               listen_port: int, key: bytes, node: str = "", *, retry: bool = True
+               ) -> socket.socket:
+    """A connection to rank ``peer`` at ``host:port``, handshaken (auth, then this rank's info).
+    ``retry``: a refused connection is tried again until ``deadline`` (the peer may not be up
+    yet); without it, ConnectionRefusedError goes to the caller (the peer is gone)."""
+    delay = 0.02
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RendezvousError(f"rank {rank}: rank {peer} did not come up at {host}:{port} "
+                                  f"within the connect timeout")
+        sock = socket.socket(_family(host), socket.SOCK_STREAM)
+        _tune(sock)
+        sock.settimeout(max(0.05, min(remaining, 5.0)))
+        try:
+            sock.connect((host, port))
+        except OSError:
+            sock.close()
+            if not retry:
+                raise
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+            continue
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        info = encode_info(rank, world, "", listen_port, node)
+        where = f"rank {rank} -> rank {peer} at {host}:{port}"
+        try:
+            client_handshake(sock, key, info, where)
+        except TimeoutError as exc:
+            sock.close()
+            raise RendezvousError(f"rank {rank}: handshake with rank {peer} at "
+                                  f"{host}:{port} timed out") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
 class Rendezvous:
     """One rank's side of the mesh set-up; :meth:`run` returns ``{peer: connected socket}``."""
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, key: bytes,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None, *, node: str = "",
+                 lazy: bool = False) -> None:
         self.rank, self.world = rank, world_size
         self.host, self.port, self.key = host, port, key
+        self.node, self.lazy = node, lazy
+        #: after :meth:`run`: every rank's ``(host, listen port)`` and node key (index = rank)
+        self.table: list[tuple[str, int]] = []
+        self.nodes: list[str] = []
+        #: lazy: this rank's listener, left open for the connections made on first use
+        self.kept_listener: socket.socket | None = None
         #: rank 0's listening socket when the caller bound it already (a launcher that picked a
         #: free port and told the other ranks, :mod:`.launchers`); taken over and closed here
         self.listener = listener
@@ -110,13 +160,27 @@ class Rendezvous:
         lsock = self.listener if self.listener is not None else self._listen(self.host, self.port)
         try:
             joined = self._accept(lsock, set(range(1, self.world)), deadline)
-        finally:
+        except BaseException:
             lsock.close()
-        table = {r: (h, p) for r, (_, h, p) in joined.items()}
-        payload = json.dumps({str(r): hp for r, hp in table.items()}).encode()
-        for r, (sock, _, _) in joined.items():
-            socks[r] = sock
+            raise
+        if self.lazy:
+            self.kept_listener = lsock
+        else:
+            lsock.close()
+        rows = [[self.host, self.port, self.node]] + [
+            [joined[r][1], joined[r][2], joined[r][3]] for r in range(1, self.world)]
+        self._keep_table(rows)
+        payload = json.dumps(rows).encode()
+        for r, (sock, _, _, _) in joined.items():
             sock.sendall(struct.pack("<Q", len(payload)) + payload)
+            if self.lazy:
+                sock.close()
+            else:
+                socks[r] = sock
+
+    def _keep_table(self, rows: list) -> None:
+        self.table = [(str(h), int(p)) for h, p, _ in rows]
+        self.nodes = [str(k) for _, _, k in rows]
 
     def _as_member(self, socks: dict[int, socket.socket], deadline: float) -> None:
         rank, world = self.rank, self.world
@@ -132,67 +196,45 @@ class Rendezvous:
             master.settimeout(max(0.05, deadline - time.monotonic()))
             try:
                 (n,) = struct.unpack("<Q", recv_exactly(master, 8))
-                raw = json.loads(recv_exactly(master, n))
-            except (OSError, ValueError) as exc:
+                rows = json.loads(recv_exactly(master, n))
+                if len(rows) != world:
+                    raise ValueError(f"a table of {len(rows)} ranks for a job of {world}")
+                self._keep_table(rows)
+            except (OSError, ValueError, TypeError) as exc:
                 raise RendezvousError(f"rank {rank}: no address table from rank 0 at "
                                       f"{self.host}:{self.port}: {exc}") from exc
-            table = {int(r): (h, p) for r, (h, p) in raw.items()}
+            if self.lazy:
+                socks.pop(0).close()
+                self.kept_listener, lsock = lsock, None
+                return
             for peer in range(1, rank):
-                host, pport = table[peer]
+                host, pport = self.table[peer]
                 socks[peer] = self._connect(host, pport, deadline, peer, port)
             if rank < world - 1:
                 joined = self._accept(lsock, set(range(rank + 1, world)), deadline)
-                for r, (sock, _, _) in joined.items():
+                for r, (sock, _, _, _) in joined.items():
                     socks[r] = sock
         finally:
-            lsock.close()
+            if lsock is not None:
+                lsock.close()
 
     def _listen(self, host: str, port: int) -> socket.socket:
         return listen(host, port, self.rank, self.world)
 
     def _connect(self, host: str, port: int, deadline: float, peer: int, listen_port: int
                  ) -> socket.socket:
-        delay = 0.02
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RendezvousError(
-                    f"rank {self.rank}: rank {peer} did not come up at {host}:{port} "
-                    f"within the connect timeout"
-                )
-            sock = socket.socket(_family(host), socket.SOCK_STREAM)
-            _tune(sock)
-            sock.settimeout(max(0.05, min(remaining, 5.0)))
-            try:
-                sock.connect((host, port))
-            except OSError:
-                sock.close()
-                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, 0.5)
-                continue
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
-            info = encode_info(self.rank, self.world, "", listen_port)
-            where = f"rank {self.rank} -> rank {peer} at {host}:{port}"
-            try:
-                client_handshake(sock, self.key, info, where)
-            except TimeoutError as exc:
-                sock.close()
-                raise RendezvousError(f"rank {self.rank}: handshake with rank {peer} at "
-                                      f"{host}:{port} timed out") from exc
-            except BaseException:
-                sock.close()
-                raise
-            return sock
+        return connect_to(host, port, deadline, self.rank, self.world, peer, listen_port,
+                          self.key, self.node)
 
     def _accept(self, lsock: socket.socket, expected: set[int], deadline: float
-                ) -> dict[int, tuple[socket.socket, str, int]]:
+                ) -> dict[int, tuple[socket.socket, str, int, str]]:
         """Accept authenticated connections until every rank in ``expected`` has joined.
 
         Each connection's handshake runs in a thread of its own, so a stranger that connects
         and says nothing (or a hundred of them) cannot hold up the ranks behind it; the ranks'
         claims are checked here, one at a time.
         """
-        joined: dict[int, tuple[socket.socket, str, int]] = {}
+        joined: dict[int, tuple[socket.socket, str, int, str]] = {}
         host, port = lsock.getsockname()[:2]
         arrivals: queue.SimpleQueue = queue.SimpleQueue()
         lsock.settimeout(_ACCEPT_POLL)
@@ -216,7 +258,7 @@ class Rendezvous:
                     sock, peer_addr, info = arrivals.get()
                     self._admit(sock, peer_addr, info, expected, joined)
         except BaseException:
-            for s, _, _ in joined.values():
+            for s, _, _, _ in joined.values():
                 s.close()
             raise
         return joined
@@ -230,9 +272,9 @@ class Rendezvous:
             log.warning("rank %d: refused a connection from %s: %s", self.rank, peer_addr, exc)
             sock.close()
 
-    def _admit(self, sock: socket.socket, peer_addr, info: tuple[int, int, str, int],
+    def _admit(self, sock: socket.socket, peer_addr, info: tuple[int, int, str, int, str],
                expected: set[int], joined: dict) -> None:
-        prank, pworld, phost, pport = info
+        prank, pworld, phost, pport, pnode = info
         problem = None
         if pworld != self.world:
             problem = f"world_size {pworld} differs from this job's {self.world}"
@@ -249,7 +291,7 @@ class Rendezvous:
             log.warning("rank %d: refused a connection from %s: %s", self.rank, peer_addr, exc)
             sock.close()
             return
-        joined[prank] = (sock, phost or peer_addr[0], pport)
+        joined[prank] = (sock, phost or peer_addr[0], pport, pnode)
 
 
 #: where free_port looks first: below Linux's default ephemeral range (32768-60999), so that no

@@ -19,14 +19,23 @@ from typing import Any
 from .. import settings
 from ..base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
 from ..checks import check_rank, check_world_size, timeout_from_env
-from ..errors import RendezvousError
+from ..errors import DistributedError, PeerClosedError, RendezvousError
 from ..mailbox import Mailbox
 from .framing import K_DATA, Link, read_frames
+from .lazy import Connector
 from .rendezvous import Rendezvous, parse_addr
 from .route import Route
 from .teardown import release, say_goodbye, send_abort
 
-__all__ = ["TcpBackend", "parse_addr"]
+__all__ = ["LAZY_ABOVE", "TcpBackend", "parse_addr"]
+
+#: ``connect="auto"`` (the default) makes connections on first use in jobs of more ranks than
+#: this: the full mesh's n(n-1)/2 handshakes and n - 1 reader threads per rank cost seconds
+#: beyond it (128 ranks on 2 cores: 9.1 s to form the job), and its eager failure detection
+#: matters less than getting the job up
+LAZY_ABOVE = 32
+#: seconds an aborting rank of a lazy mesh spends connecting to the peers it never talked to
+ABORT_REACH = 2.0
 
 
 class TcpBackend(FixedRanks, Backend):
@@ -51,6 +60,13 @@ class TcpBackend(FixedRanks, Backend):
         Rank 0 only: a socket already bound and listening, taken over for the rendezvous
         instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
         free port it told the other ranks about through the launcher, without a race).
+    node
+        This rank's node key (:func:`ferro_backend.launch.join.node_key`); rank 0's table
+        carries every rank's, and :attr:`nodes` holds them when every rank gave one.
+    connect
+        ``"eager"`` (every pair connected at start: the full mesh), ``"lazy"`` (a pair connects
+        when one of its ranks first sends to or receives from the other: :mod:`.lazy`) or
+        ``"auto"`` (lazy beyond :data:`LAZY_ABOVE` ranks); default ``FERRO_TCP_CONNECT``.
 
     Raises
     ------
@@ -75,13 +91,18 @@ class TcpBackend(FixedRanks, Backend):
     def __init__(self, rank: int, world_size: int, master_addr: str, *,
                  timeout: float = DEFAULT_TIMEOUT, token: str | bytes | None = None,
                  connect_timeout: float | None = None,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None, node: str | None = None,
+                 connect: str | None = None) -> None:
         check_world_size(world_size)
         check_rank(rank, world_size)
         self._rank = rank
         self._world = world_size
         self.timeout = timeout
-        connect = self.resolve_timeout(connect_timeout, "TcpBackend: connect_timeout")
+        setup = self.resolve_timeout(connect_timeout, "TcpBackend: connect_timeout")
+        mode = settings.TCP_CONNECT.parse(connect) if connect is not None else \
+            settings.TCP_CONNECT.get()
+        self.lazy = world_size > 1 and (mode == "lazy" or (mode == "auto" and
+                                                           world_size > LAZY_ABOVE))
         if token is None:
             token = settings.TOKEN.get()
         key = token.encode() if isinstance(token, str) else (token or b"")
@@ -95,18 +116,51 @@ class TcpBackend(FixedRanks, Backend):
         #: peer -> the route its messages take instead of the sockets (install_route)
         self._routes: dict[int, Route] = {}
         self._route_list: list[Route] = []
+        self._connector: Connector | None = None
         if world_size == 1 and listener is not None:
             listener.close()
         if world_size > 1:
-            socks = Rendezvous(rank, world_size, host, port, key, listener).run(
-                time.monotonic() + connect)
-            self._links = {peer: Link(rank, peer, sock) for peer, sock in socks.items()}
-            for peer, link in self._links.items():
-                t = threading.Thread(target=read_frames,
-                                     args=(link, self._box, self._may_wait_for_receive),
-                                     daemon=True, name=f"ferro-tcp-{rank}<-{peer}")
-                t.start()
-                self._readers.append(t)
+            meet = Rendezvous(rank, world_size, host, port, key, listener, node=node or "",
+                              lazy=self.lazy)
+            socks = meet.run(time.monotonic() + setup)
+            if node is not None and all(meet.nodes):
+                self.nodes = tuple(meet.nodes)
+            for peer, sock in socks.items():
+                self._add_link(peer, sock)
+            if self.lazy:
+                self._connector = Connector(rank, world_size, key, meet.kept_listener,
+                                            meet.table, node or "", self._add_link,
+                                            self._links.__contains__)
+
+    def _add_link(self, peer: int, sock: socket.socket) -> None:
+        """``sock`` (handshaken) becomes the link to ``peer``; its reader thread starts."""
+        link = Link(self._rank, peer, sock)
+        self._links[peer] = link
+        t = threading.Thread(target=read_frames, args=(link, self._box,
+                                                       self._may_wait_for_receive),
+                             daemon=True, name=f"ferro-tcp-{self._rank}<-{peer}")
+        t.start()
+        self._readers.append(t)
+
+    def _link(self, peer: int, op: str) -> Link:
+        """The link to ``peer``, connected now if this is the pair's first use (lazy)."""
+        link = self._links.get(peer)
+        if link is not None:
+            return link
+        if self._connector is None:
+            raise KeyError(peer)
+        self._fail_if_down(op, peer)
+        try:
+            self._connector.connect(peer, time.monotonic() + self.timeout)
+        except PeerClosedError as exc:
+            self._box.peer_closed(peer, str(exc))
+            raise
+        return self._links[peer]
+
+    @property
+    def connections(self) -> int:
+        """The TCP connections this rank holds to its peers (lazy: the pairs used so far)."""
+        return len(self._links)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> TcpBackend:
@@ -131,12 +185,12 @@ class TcpBackend(FixedRanks, Backend):
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
         """Payload bytes sent over the sockets and through the routes."""
-        return sum(link.sent for link in self._links.values()) + sum(
+        return sum(link.sent for link in list(self._links.values())) + sum(
             route.bytes_sent for route in self._route_list)
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
-        return sum(link.received for link in self._links.values()) + sum(
+        return sum(link.received for link in list(self._links.values())) + sum(
             route.bytes_received for route in self._route_list)
 
     # ------------------------------------------------------------------ composition
@@ -184,7 +238,7 @@ class TcpBackend(FixedRanks, Backend):
         whose reader waits on us the same way (two ranks that both send, then receive): each
         would sit out the whole wait (benchmarks/README.md, "Measurements behind the
         defaults")."""
-        return not any(link.lock.locked() for link in self._links.values())
+        return not any(link.lock.locked() for link in list(self._links.values()))
 
     # ------------------------------------------------------------------ data path
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
@@ -193,7 +247,7 @@ class TcpBackend(FixedRanks, Backend):
             return route.send(data, dst, tag)
         view = self._send_view(data, dst, tag)
         self._fail_if_down("send", dst)
-        self._links[dst].send_frame(K_DATA, tag, view, time.monotonic() + self.timeout,
+        self._link(dst, "send").send_frame(K_DATA, tag, view, time.monotonic() + self.timeout,
                                     lambda: self._fail_if_down("send", dst))
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
@@ -201,6 +255,8 @@ class TcpBackend(FixedRanks, Backend):
         route = self._routes.get(src)
         if route is not None:
             return route.irecv(view, src, tag)
+        if self._connector is not None and src not in self._links:
+            self._link(src, "recv")  # a receive is a first use too: the peer's death shows
         return self._box.post(src, tag, view)
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
@@ -223,7 +279,9 @@ class TcpBackend(FixedRanks, Backend):
         :class:`PeerAbortedError` naming this rank and ``reason``."""
         if self._box.closed:
             return
-        send_abort(self._links.values(), reason)
+        if self._connector is not None:
+            self._reach_all(ABORT_REACH)
+        send_abort(list(self._links.values()), reason)
         self._box.abort(self._rank, reason)
         self._teardown(wait=0.0)
 
@@ -231,7 +289,9 @@ class TcpBackend(FixedRanks, Backend):
         """Say goodbye to every peer and release the sockets. Idempotent."""
         if self._box.closed:
             return
-        say_goodbye(self._links.values())
+        if self._connector is not None:
+            self._connector.close()
+        say_goodbye(list(self._links.values()))
         self._teardown(wait=0.5)
 
     def _teardown(self, wait: float) -> None:
@@ -244,7 +304,23 @@ class TcpBackend(FixedRanks, Backend):
             route.close()
         for closer in self._closers:  # e.g. an engine's segment (ShmBackend, hierarchy)
             closer()
-        release(self._links.values(), self._readers, wait)
+        if self._connector is not None:
+            self._connector.close()
+        release(list(self._links.values()), self._readers, wait)
+
+    def _reach_all(self, seconds: float) -> None:
+        """Lazy mesh, before an abort: connect to the peers not connected yet, for at most
+        ``seconds`` in all, so the abort reaches every rank that is still there."""
+        end = time.monotonic() + seconds
+        for peer in range(self._world):
+            if peer == self._rank or peer in self._links or peer in self._routes:
+                continue
+            if time.monotonic() >= end:
+                break
+            try:
+                self._connector.connect(peer, min(end, time.monotonic() + 1.0))
+            except (DistributedError, OSError):
+                pass
 
     def __del__(self) -> None:
         try:

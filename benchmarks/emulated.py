@@ -1,0 +1,185 @@
+"""Collectives on emulated clusters (``ferrorun --emulate-nodes``, Linux, root): measured against
+the link bound and against the cost model, with the link rate known by construction.
+
+For each layout (nodes x ranks per node) the job runs on emulated nodes whose links are shaped to
+``--link-rate`` (tc tbf, both directions). Every rank times allreduce with each algorithm
+("auto": the hierarchy where the layout has one, the engine inside each node; the flat ring,
+recursive doubling and star over every rank) at 4 KiB-64 MiB; a call's time is the slowest
+rank's, the median of ``--reps`` (spread: (max - min) / median). Ranks 0 and L (first ranks of
+nodes 0 and 1) exchange messages both ways at once to fit the link's alpha and beta; the
+reduction kernel gives gamma. The model (``ferro_collective.costmodel``) is then asked for every
+cell with those parameters ("ping" model: nothing fitted to the collectives themselves).
+
+The bound: an allreduce of S bytes moves at least 2 (N - 1) / N * S bytes through each node's
+link in each direction (every node must send its share out and receive the others'), so no
+algorithm beats ``2 (N - 1) / N * S * 8 / rate`` seconds.
+
+    python benchmarks/emulated.py [--layouts 2x1 2x2 4x1 4x2] [--link-rate 1gbit] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZES = (4096, 65536, 1 << 20, 16 << 20, 64 << 20)
+ALGOS = ("auto", "ring", "recursive_doubling", "star")
+PING = (8, 4096, 65536, 1 << 20, 4 << 20)
+
+
+def _slowest(b, seconds: float) -> float:
+    import ferro_collective as fc
+
+    t = np.array([seconds])
+    return float(fc.allreduce(t, b, op="max")[0])
+
+
+def worker(out: Path, reps: int, sizes: list[int]) -> None:
+    import ferro_backend as fb
+    import ferro_collective as fc
+    from ferro_collective import _reduce
+    from ferro_collective.ops import OPS, ReduceOp
+
+    b = fb.init_from_env()
+    h = b.hierarchy
+    local = h.local_world if h is not None else 1
+    res: dict = {"world": b.world_size, "ranks_per_node": local, "cells": {}}
+    fc.barrier(b)
+    if b.rank in (0, local):  # first ranks of nodes 0 and 1: the link, both ways at once
+        peer = local - b.rank
+        for nbytes in PING:
+            buf, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+            times = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                req = b.irecv(inc, peer, tag=7)
+                b.send(buf, peer, tag=7)
+                req.wait(60)
+                times.append(time.perf_counter() - t0)
+            res[f"ping{nbytes}"] = statistics.median(times)
+    if b.rank == 0:
+        a, c = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)
+            times.append(time.perf_counter() - t0)
+        res["gamma"] = statistics.median(times) / a.nbytes
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        y = np.empty_like(x)
+        for algo in ALGOS:
+            if algo == "star" and nbytes > (16 << 20):
+                continue  # the root's link carries (n - 1) x S each way: minutes, no news
+            times = []
+            fc.allreduce(x, b, algorithm=algo, out=y)  # warm-up (and connections)
+            for _ in range(reps if nbytes < (16 << 20) else max(3, reps // 2)):
+                fc.barrier(b)
+                t0 = time.perf_counter()
+                fc.allreduce(x, b, algorithm=algo, out=y)
+                times.append(_slowest(b, time.perf_counter() - t0))
+            assert float(y[0]) == b.world_size, (algo, nbytes, y[:4])
+            res["cells"][f"{algo}/{nbytes}"] = times
+    if b.rank == 0:
+        out.write_text(json.dumps(res))
+    fc.barrier(b)
+    b.close()
+
+
+def run_layout(nodes: int, per_node: int, rate: str, reps: int, sizes: list[int],
+               out: Path) -> dict:
+    target = out / f"raw_{nodes}x{per_node}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "ferro_backend.launch", "--emulate-nodes", str(nodes),
+           "--nproc", str(per_node), "--link-rate", rate, "--timeout", "600", __file__,
+           "--worker", str(target), "--reps", str(reps), "--sizes", *map(str, sizes)]
+    print(f"emulated: {nodes} nodes x {per_node} ranks, links {rate}", file=sys.stderr,
+          flush=True)
+    subprocess.run(cmd, check=True, timeout=3600, env=env)
+    return json.loads(target.read_text())
+
+
+def table(results: dict[str, dict], rate: str) -> str:
+    from scale_validate import fit
+
+    from ferro_collective import costmodel as cm
+
+    bits = _rate_bits(rate)
+    lines = [f"Links shaped to {rate} (tc tbf, both directions). Time: the slowest rank's, median "
+             "(spread = (max - min) / median); model: alpha, beta from ranks 0 and L exchanging "
+             "messages across the link, gamma from the kernel; bound: 2 (N - 1) / N x S over the "
+             "link rate.", "",
+             "| layout | size | algorithm | measured | spread | model | model / measured | "
+             "bound | bound / measured |", "|---|---|---|---|---|---|---|---|---|"]
+    for layout, res in results.items():
+        n, L = res["world"], res["ranks_per_node"]
+        N = n // L
+        alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
+        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"])
+        for key, times in res["cells"].items():
+            algo, nbytes = key.split("/")
+            nbytes = int(nbytes)
+            med = statistics.median(times)
+            spread = (max(times) - min(times)) / med
+            if algo == "auto":
+                model_algo = ("hierarchical_engine" if L > 1 and cm.choose_hierarchical(
+                    "allreduce", nbytes, n, p, engine=True) else cm.auto_pick(
+                    "allreduce", nbytes, n, p if n > 4 else None))
+            else:
+                model_algo = algo
+            model = cm.predict("allreduce", model_algo, nbytes, n, p)
+            bound = 2 * (N - 1) / N * nbytes * 8 / bits
+            lines.append(f"| {layout} | {_size(nbytes)} | {algo} ({model_algo}) | "
+                         f"{_secs(med)} | {spread:.0%} | {_secs(model)} | {model / med:.2f} | "
+                         f"{_secs(bound)} | {bound / med:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rate_bits(rate: str) -> float:
+    from ferro_backend.launch.netns import rate_bits
+
+    return rate_bits(rate)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _secs(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--layouts", nargs="+", default=["2x1", "2x2", "4x1", "4x2"])
+    ap.add_argument("--link-rate", default="1gbit")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "emulated")
+    args = ap.parse_args()
+    if args.worker is not None:
+        return worker(args.worker, args.reps, args.sizes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for layout in args.layouts:
+        nodes, per_node = map(int, layout.split("x"))
+        results[layout] = run_layout(nodes, per_node, args.link_rate, args.reps, args.sizes,
+                                     args.out)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    sys.path.insert(0, str(Path(__file__).parent))
+    md = table(results, args.link_rate)
+    (args.out / "results.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
