@@ -115,31 +115,79 @@ def table(results: dict[str, dict], rate: str) -> str:
     bits = _rate_bits(rate)
     lines = [f"Links shaped to {rate} (tc tbf, both directions). Time: the slowest rank's, median "
              "(spread = (max - min) / median); model: alpha, beta from ranks 0 and L exchanging "
-             "messages across the link, gamma from the kernel; bound: 2 (N - 1) / N x S over the "
-             "link rate.", "",
+             "messages across the link, gamma from the kernel, each node's link shared by its ranks; "
+             "bound: 2 (N - 1) / N x S over the link rate.", "",
              "| layout | size | algorithm | measured | spread | model | model / measured | "
              "bound | bound / measured |", "|---|---|---|---|---|---|---|---|---|"]
     for layout, res in results.items():
         n, L = res["world"], res["ranks_per_node"]
         N = n // L
         alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
-        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"])
+        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"], shared_link=True)
         for key, times in res["cells"].items():
             algo, nbytes = key.split("/")
             nbytes = int(nbytes)
             med = statistics.median(times)
             spread = (max(times) - min(times)) / med
-            if algo == "auto":
-                model_algo = ("hierarchical_engine" if L > 1 and cm.choose_hierarchical(
-                    "allreduce", nbytes, n, p, engine=True) else cm.auto_pick(
-                    "allreduce", nbytes, n, p if n > 4 else None))
-            else:
-                model_algo = algo
+            model_algo = ran_auto(nbytes, n, L) if algo == "auto" else algo
             model = cm.predict("allreduce", model_algo, nbytes, n, p)
             bound = 2 * (N - 1) / N * nbytes * 8 / bits
             lines.append(f"| {layout} | {_size(nbytes)} | {algo} ({model_algo}) | "
                          f"{_secs(med)} | {spread:.0%} | {_secs(model)} | {model / med:.2f} | "
                          f"{_secs(bound)} | {bound / med:.0%} |")
+    return "\n".join(lines) + "\n\n" + picks(results)
+
+
+def ran_auto(nbytes: int, n: int, L: int) -> str:
+    """What algorithm="auto" ran on this layout: the hierarchy (engine inside each node) when
+    the job has one and the model on ``costmodel.params_for``'s links prefers it, else the
+    flat algorithm auto picks (the thresholds measured up to 4 ranks, the model beyond)."""
+    import dataclasses
+
+    from ferro_collective import costmodel as cm
+
+    if L > 1 and cm.choose_hierarchical("allreduce", nbytes, n, dataclasses.replace(
+            cm.DEFAULT, ranks_per_node=L), engine=True):
+        return "hierarchical_engine"
+    return cm.auto_pick("allreduce", nbytes, n, dataclasses.replace(cm.DEFAULT,
+                                                                   ranks_per_node=L))
+
+
+def picks(results: dict[str, dict]) -> str:
+    """Per cell: the measured fastest algorithm, and the model's (with the fitted link, each
+    node's link shared): is its pick the fastest, or within 10% of it?"""
+    from scale_validate import fit
+
+    from ferro_collective import costmodel as cm
+
+    lines = ["| layout | size | measured fastest | model's pick | pick / fastest | ok |",
+             "|---|---|---|---|---|---|"]
+    good = total = 0
+    for layout, res in results.items():
+        n, L = res["world"], res["ranks_per_node"]
+        alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
+        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"], shared_link=True)
+        sizes = sorted({int(k.split("/")[1]) for k in res["cells"]})
+        for nbytes in sizes:
+            measured = {}
+            for key, times in res["cells"].items():
+                algo, size = key.split("/")
+                if int(size) == nbytes:
+                    if algo == "auto" and ran_auto(nbytes, n, L) != "hierarchical_engine":
+                        continue  # auto ran one of the flat algorithms, measured on its own
+                    measured["hierarchical_engine" if algo == "auto" else algo] = \
+                        statistics.median(times)
+            model = {a: cm.predict("allreduce", a, nbytes, n, p) for a in measured}
+            pick = min(model, key=model.get)
+            fastest = min(measured, key=measured.get)
+            ratio = measured[pick] / measured[fastest]
+            ok = ratio <= 1.10
+            good += ok
+            total += 1
+            lines.append(f"| {layout} | {_size(nbytes)} | {fastest} | {pick} | {ratio:.2f} | "
+                         f"{'yes' if ok else 'no'} |")
+    lines.append(f"\nThe model's pick is the fastest or within 10% of it in {good} of {total} "
+                 "cells.")
     return "\n".join(lines) + "\n"
 
 
@@ -165,16 +213,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "emulated")
+    ap.add_argument("--retable", action="store_true",
+                    help="only the table again, from OUT/results.json (e.g. after a model change)")
     args = ap.parse_args()
     if args.worker is not None:
         return worker(args.worker, args.reps, args.sizes)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for layout in args.layouts:
-        nodes, per_node = map(int, layout.split("x"))
-        results[layout] = run_layout(nodes, per_node, args.link_rate, args.reps, args.sizes,
-                                     args.out)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.retable:
+        results = json.loads((args.out / "results.json").read_text())
+    else:
+        results = {}
+        for layout in args.layouts:
+            nodes, per_node = map(int, layout.split("x"))
+            results[layout] = run_layout(nodes, per_node, args.link_rate, args.reps,
+                                         args.sizes, args.out)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
     sys.path.insert(0, str(Path(__file__).parent))
     md = table(results, args.link_rate)
     (args.out / "results.md").write_text(md)

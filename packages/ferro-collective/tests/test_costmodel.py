@@ -6,6 +6,8 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ferro_collective as fc
 from ferro_backend import SimulatedBackend
@@ -286,3 +288,34 @@ def test_flat_times_are_linear_in_the_fitted_terms(algorithm, n):
         assert msgs >= 1 and sent >= nbytes / n and folded >= 0
         want = p.call + msgs * p.alpha + sent / p.beta + folded * p.gamma
         assert cm.predict("allreduce", algorithm, nbytes, n, p) == pytest.approx(want, rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2), (3, 4)]),
+       st.sampled_from([1 << 20, 16 << 20, 64 << 20]),
+       st.sampled_from(["ring", "recursive_doubling", "star", "hierarchical_engine",
+                        "hierarchical"]))
+def test_a_shared_node_link_never_beats_the_link_bound(layout, nbytes, algorithm):
+    """With each node's ranks sharing its link (a real NIC), no allreduce is predicted faster
+    than the bound the link sets: every node must send out, and take in, 2 (N - 1) / N of the
+    data. (Per-rank interfaces, as on the simulated network, predicted the hierarchy below it.)"""
+    nodes, per_node = layout
+    if algorithm.startswith("hierarchical") and per_node < 2:
+        return
+    beta = 125e6
+    p = cm.Params(50e-6, beta, 0.5e-6, 10e9, per_node, shared_link=True)
+    bound = 2 * (nodes - 1) / nodes * nbytes / beta
+    assert cm.predict("allreduce", algorithm, nbytes, nodes * per_node, p) \
+        >= bound * 0.999
+
+
+def test_shared_link_serializes_a_roots_incoming_messages():
+    """A star's root takes in its n - 1 messages one after another through its own link."""
+    n, nbytes, beta = 5, 1 << 20, 1e9
+    shared = cm.Params(0.0, beta, shared_link=True)
+    private = cm.Params(0.0, beta)
+    t_shared = cm.predict("allreduce", "star", nbytes, n, shared, header=False)
+    t_private = cm.predict("allreduce", "star", nbytes, n, private, header=False)
+    # gather: n - 1 messages into the root, then n - 1 out of it, each nbytes / beta
+    assert t_shared == pytest.approx(2 * (n - 1) * nbytes / beta, rel=1e-9)
+    assert t_private == pytest.approx(n * nbytes / beta, rel=1e-9)  # gathers in parallel

@@ -39,7 +39,10 @@ class Params:
     seconds per byte a rank folds into its buffer (the reduction kernel; 0: free, as in the
     simulated network); ``call`` seconds every call costs each rank outside its messages
     (argument checks, buffers, the Python around them: fitted to real runs by
-    ``benchmarks/scale_validate.py``; 0 on the simulated network)."""
+    ``benchmarks/scale_validate.py``; 0 on the simulated network). ``shared_link``: a node's
+    ranks share one link to the network (a real node's NIC: messages leaving, or entering, a
+    node one after another), where the simulated network gives every rank an interface of its
+    own (False: its rules)."""
 
     alpha: float
     beta: float
@@ -48,6 +51,7 @@ class Params:
     ranks_per_node: int = 1
     gamma: float = 0.0
     call: float = 0.0
+    shared_link: bool = False
 
     @classmethod
     def of(cls, network) -> Params:

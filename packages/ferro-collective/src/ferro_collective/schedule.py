@@ -32,9 +32,22 @@ class Schedule:
 
     def __init__(self, p: Params, clock: list[float]) -> None:
         self.p, self.clock, self.nic = p, clock[:], clock[:]
+        #: ``p.shared_link``: when each node's link is next free, leaving and entering
+        self.out: dict[int, float] = {}
+        self.into: dict[int, float] = {}
 
     def send(self, src: int, dst: int, nbytes: float) -> float:
         lat, busy = _cost(self.p, src, dst, nbytes)
+        L = self.p.ranks_per_node
+        if self.p.shared_link and src // L != dst // L:
+            # one link per node: a message waits for the node's earlier ones to leave, and
+            # for those entering the receiver's node (in the order this schedule sends them)
+            sn, dn = src // L, dst // L
+            leave = max(self.clock[src], self.nic[src], self.out.get(sn, 0.0)) + busy
+            self.nic[src] = self.out[sn] = leave
+            enter = max(leave, self.into.get(dn, 0.0) + busy)
+            self.into[dn] = enter
+            return enter + lat
         self.nic[src] = max(self.clock[src], self.nic[src]) + busy
         return self.nic[src] + lat
 
