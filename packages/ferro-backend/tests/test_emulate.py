@@ -175,19 +175,27 @@ JOB = """
     import socket, sys, time
     import numpy as np
     import ferro_backend as fb
-    import ferro_collective as fc
     b = fb.init_from_env()
     h = b.hierarchy
     print("joined", b.rank, socket.gethostname(), h and h.num_nodes, h and h.local_world,
           flush=True)
-    x = np.full(1 << 18, b.rank + 1.0, np.float32)
-    x = fc.allreduce(x, b)
-    assert (x == sum(range(1, b.world_size + 1))).all(), x[:4]
+    n = b.world_size
+
+    def ring_pass(x, tag):
+        # every rank sends to the next and receives from the one before: crosses every node
+        got = np.empty_like(x)
+        req = b.irecv(got, (b.rank - 1) % n, tag=tag)
+        b.send(x, (b.rank + 1) % n, tag=tag)
+        req.wait(b.timeout)
+        return got
+
+    x = np.full(1 << 18, float(b.rank), np.float32)
+    assert (ring_pass(x, 1) == (b.rank - 1) % n).all()
     print("summed", b.rank, flush=True)
     if "--then-loop" in sys.argv:
         try:
-            for _ in range(100000):
-                fc.allreduce(x, b)
+            for step in range(100000):
+                ring_pass(x, 2)
                 time.sleep(0.01)
         except fb.DistributedError as exc:
             print("raised", b.rank, type(exc).__name__, flush=True)
@@ -221,8 +229,8 @@ def test_job_on_two_emulated_nodes(tmp_path):
 def test_cut_link_raises_a_typed_error_on_every_rank(tmp_path):
     before = namespaces()
     t0 = time.monotonic()
-    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--timeout", "3",
-                        "--cut-link", "1@6", "--grace", "20", str(_script(tmp_path)),
+    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--timeout", "2",
+                        "--cut-link", "1@5", "--grace", "20", str(_script(tmp_path)),
                         "--then-loop"], capture_output=True, text=True, timeout=80)
     took = time.monotonic() - t0
     assert r.stdout.count(" summed ") == 2, r.stdout + r.stderr
@@ -230,8 +238,8 @@ def test_cut_link_raises_a_typed_error_on_every_rank(tmp_path):
                     if " raised " in line)
     assert [x.split()[0] for x in raised] == ["0", "1"], r.stdout + r.stderr
     assert all(x.split()[1].endswith("Error") for x in raised), raised
-    assert "cut node 1's link at 6 s" in r.stderr and r.returncode == 3
-    assert took < 6 + 3 + 20, took  # the deadline, not a hang
+    assert "cut node 1's link at 5 s" in r.stderr and r.returncode == 3
+    assert took < 5 + 2 + 20, took  # the deadline, not a hang
     assert wait_until(lambda: namespaces() <= before, 5)
 
 
@@ -258,3 +266,41 @@ def test_sigkill_of_ferrorun_leaves_nothing(tmp_path):
         p.kill()
         p.wait()
         p.stdout.close()
+
+
+@needs_namespaces
+def test_a_killed_node_gives_the_survivors_a_typed_error(tmp_path):
+    """Node 1's agent is SIGKILLed mid-job (its ranks die with it): the rank on node 0 raises a
+    ferro error within the deadline, and nothing of node 1 is left."""
+    script = _script(tmp_path)
+    before = namespaces()
+    with EmulatedCluster(2) as cluster:
+        env = dict(os.environ, FERRO_TOKEN="emulated-kill-test", PYTHONUNBUFFERED="1")
+        agents = [cluster.popen(i, [*FERRORUN, "--nnodes", "2", "--node-rank", str(i),
+                                    "--nproc", "1", "--master-addr", cluster.nodes[0].address,
+                                    "--master-port", "29500", "--timeout", "3", str(script),
+                                    "--then-loop"], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                  for i in range(2)]
+        try:
+            line = ""
+            while " summed " not in line:
+                line = agents[0].stdout.readline()
+                assert line, "node 0 ended early"
+            agents[1].kill()
+            agents[1].wait(10)
+            t0 = time.monotonic()
+            out, _ = agents[0].communicate(timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    a.kill()
+                a.wait()
+                a.stdout.close()
+        assert agents[0].returncode == 3, out
+        raised = [x for x in out.splitlines() if " raised 0 " in x]
+        assert raised and raised[0].split()[-1] in ("PeerClosedError", "CollectiveTimeoutError"), \
+            out
+        assert took < 3 + 5, took
+    assert wait_until(lambda: namespaces() <= before, 10)
