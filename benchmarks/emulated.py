@@ -232,6 +232,58 @@ def main() -> None:
     md = table(results, args.link_rate)
     (args.out / "results.md").write_text(md)
     print(md)
+    plot(results, args.link_rate, args.out / "model_vs_measured.png")
+
+
+def plot(results: dict[str, dict], rate: str, path: Path) -> None:
+    """Measured (points, min-max bars) and modelled (lines) time per algorithm against size,
+    one panel per layout, with the link's bound dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("emulated: matplotlib not installed, no plot", file=sys.stderr)
+        return
+    from scale_validate import fit
+
+    from ferro_collective import costmodel as cm
+
+    bits = _rate_bits(rate)
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
+    for ax, (layout, res) in zip(axes[0], results.items()):
+        n, L = res["world"], res["ranks_per_node"]
+        alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
+        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"], shared_link=True)
+        for i, algo in enumerate(ALGOS):
+            cells = sorted((int(k.split("/")[1]), v) for k, v in res["cells"].items()
+                           if k.split("/")[0] == algo)
+            if not cells:
+                continue
+            xs = [c[0] for c in cells]
+            med = [statistics.median(c[1]) for c in cells]
+            lo = [m - min(c[1]) for m, c in zip(med, cells)]
+            hi = [max(c[1]) - m for m, c in zip(med, cells)]
+            name = ran_auto(xs[-1], n, L) if algo == "auto" else algo
+            color = f"C{i}"
+            ax.errorbar(xs, med, yerr=[lo, hi], fmt="o", color=color, ms=4,
+                        label=f"{algo} measured")
+            ax.plot(xs, [cm.predict("allreduce", ran_auto(x, n, L) if algo == "auto" else
+                                    name, x, n, p) for x in xs], "-", color=color, lw=1,
+                    label=f"{algo} model")
+        xs = sorted({int(k.split("/")[1]) for k in res["cells"]})
+        N = n // L
+        ax.plot(xs, [2 * (N - 1) / N * x * 8 / bits for x in xs], "k--", lw=1,
+                label="link bound")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{layout} (nodes x ranks), {rate}")
+        ax.set_xlabel("allreduce size (bytes)")
+        ax.set_ylabel("seconds")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"emulated: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
