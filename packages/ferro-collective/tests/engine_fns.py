@@ -499,3 +499,45 @@ def other_threads_run_while_waiting(b) -> list[bool]:
         t.join(5)
         flags.append(count[0] > 200_000)  # held GIL: at most a switch interval (5 ms) of it
     return flags
+
+
+def compiled_gather(b) -> list[str]:
+    """A slot-sized gather runs on the compiled path for every root (one all_gather step under
+    the gather's header), with and without ``out=``; a rank on the general path (a strided
+    input, or ``out=`` passed off the root) meets the others in the same step with the same
+    bits; a gather never matches an all_gather."""
+    from ferro_collective import _fastcall as F
+    from ferro_collective.engine import group_of
+
+    g, n, bad = group_of(b), b.world_size, []
+    blocks = [np.random.default_rng(r).standard_normal((3, 2)).astype(np.float32)
+              for r in range(n)]
+    want = np.concatenate(blocks)
+    x = blocks[b.rank]
+    for root in range(n):
+        mine = b.rank == root
+        for variant in ("plain", "out", "strided", "out off the root"):
+            arg = np.asfortranarray(x) if variant == "strided" and b.rank == 0 else x
+            out = np.empty_like(want) if variant == "out" and mine or \
+                variant == "out off the root" and not mine else None
+            got = fc.gather(arg, b, root, out=out)
+            if not mine:
+                if got is not None:
+                    bad.append(f"root {root} {variant}: rank {b.rank} got {got!r}")
+                continue
+            if got is None or got.tobytes() != want.tobytes():
+                bad.append(f"root {root} {variant}: other bits")
+            if variant == "out" and got is not out:
+                bad.append(f"root {root}: out= not returned")
+        plan = g.cached(F.GATHER, x, root)
+        if plan is None or plan.name != "gather" or plan.shape != want.shape:
+            bad.append(f"root {root}: no compiled plan ({plan})")
+    try:
+        if b.rank == 0:
+            fc.gather(x, b, 0, timeout=5)
+        else:
+            fc.all_gather(x, b, timeout=5)
+        bad.append("a gather matched an all_gather")
+    except fc.CollectiveMismatchError:
+        pass
+    return bad

@@ -257,6 +257,12 @@ def test_one_call_collectives_run_compiled_and_leave_other_calls_to_the_general_
         [[]] * world
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_small_gather_runs_compiled_and_meets_the_general_path(world):
+    assert run_processes(engine_fns.compiled_gather, world, transport="shm", timeout=60) == \
+        [[]] * world
+
+
 def test_a_one_call_step_waiting_for_a_late_peer_lets_other_threads_run():
     res = run_processes(engine_fns.other_threads_run_while_waiting, 2, transport="shm",
                         timeout=60)

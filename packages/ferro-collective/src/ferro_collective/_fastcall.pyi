@@ -12,6 +12,7 @@ REDUCE_SCATTER: int
 BROADCAST: int
 ALL_GATHER: int
 BARRIER: int
+GATHER: int
 
 def register(kind: int, maker: Callable[[Any, np.ndarray, Any], FastPlan | None]) -> None: ...
 

@@ -44,14 +44,15 @@ include "_steptable.pxi"
 NOT_TAKEN = object()
 cdef object _NOT_TAKEN = NOT_TAKEN
 #: the collectives with a one-call path (the kinds of :func:`register`)
-ALLREDUCE, REDUCE_SCATTER, BROADCAST, ALL_GATHER, BARRIER = range(5)
+ALLREDUCE, REDUCE_SCATTER, BROADCAST, ALL_GATHER, BARRIER, GATHER = range(6)
 cdef enum:
     K_FOLD_FIRST = 0
     K_FOLD_LAST = 1
     K_BROADCAST = 2
     K_ALL_GATHER = 3
     K_BARRIER = 4
-    KINDS = 5
+    K_GATHER = 5
+    KINDS = 6
     CACHE = 512             # direct-mapped plan cache entries (a power of two)
     FERRO_OK = 0
 cdef list _makers = [None] * KINDS
@@ -248,15 +249,19 @@ cdef class Core:
 
     cdef object _copy_now(self, int kind, object tensor, object out, object arg,
                           Py_ssize_t key, object timeout):
+        """broadcast, all_gather, and a gather that fits a slot (one all_gather step under
+        the gather's header: only its root returns the blocks, the others None)."""
         cdef cnp.ndarray x = _array(tensor)
         cdef FastPlan p
         cdef int rc
         cdef double t, start, soft
         cdef long long seq
-        if x is None or not cnp.PyArray_IS_C_CONTIGUOUS(x):
+        cdef bint gather = kind == K_GATHER
+        cdef bint mine = not gather or self.me == key
+        if x is None or not cnp.PyArray_IS_C_CONTIGUOUS(x) or (out is not None and not mine):
             return _NOT_TAKEN
         p = self._plan(kind, x, arg, key)
-        if p is None or not p.taken:
+        if p is None or not p.taken or (gather and not p.one_step):
             return _NOT_TAKEN
         res = self._result(p, x, out)
         if res is None:
@@ -275,7 +280,7 @@ cdef class Core:
                 self._slots_keep.copy(x, res, p.root)
         finally:
             self._finish(seq)
-        return res
+        return res if mine else None
 
     cdef int _barrier_now(self, object timeout) except -1:
         """The barrier: one engine step with the barrier's header (its hash on the control
@@ -335,6 +340,10 @@ cdef object _one_call(int kind, object tensor, object backend, object arg, objec
         return c._copy_now(K_BROADCAST, tensor, out, arg, <Py_ssize_t>arg, timeout)
     if kind == K_ALL_GATHER:
         return c._copy_now(K_ALL_GATHER, tensor, out, -1, -1, timeout)
+    if kind == K_GATHER:
+        if type(arg) is not int or not 0 <= arg < c.n:
+            return _NOT_TAKEN
+        return c._copy_now(K_GATHER, tensor, out, arg, <Py_ssize_t>arg, timeout)
     c._barrier_now(timeout)
     return None
 

@@ -58,6 +58,20 @@ _fastcall.register(_fastcall.ALL_GATHER,
                    lambda group, x, arg: copy_plan(group, x, -1, "all_gather", _staged))
 
 
+def gather_plan(group: EngineGroup, x: np.ndarray, root: int) -> FastPlan | None:
+    """The one-call plan of a gather to ``root`` of ``x``'s signature: one all_gather step
+    under the gather's header (the general path's, root included) when a block fits a slot;
+    larger blocks take the general path (the root reads them straight from their owners)."""
+    if x.dtype.hasobject:
+        return None
+    header, h = one_call_header("gather", x.dtype, x.shape, None, root)
+    return FastPlan.copy("gather", header, gathered_shape(x, group.n), h, -1,
+                         x.nbytes <= group.slot_bytes, None)
+
+
+_fastcall.register(_fastcall.GATHER, gather_plan)
+
+
 def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
     """The checked plan of one all_gather (``arg`` unused)."""
     x = as_array("all_gather", tensor, backend)

@@ -38,7 +38,7 @@ ALL_GATHER = Collective("all_gather", _all_gather.prepare, _fastcall.ALL_GATHER)
 REDUCE_SCATTER = Collective("reduce_scatter", _reduce_scatter.prepare, _fastcall.REDUCE_SCATTER)
 BARRIER = Collective("barrier", _barrier.prepare, _fastcall.BARRIER)
 REDUCE = Collective("reduce", rooted.prepare_reduce)
-GATHER = Collective("gather", rooted.prepare_gather)
+GATHER = Collective("gather", rooted.prepare_gather, _fastcall.GATHER)
 SCATTER = Collective("scatter", rooted.prepare_scatter)
 
 
