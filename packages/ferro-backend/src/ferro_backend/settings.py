@@ -193,7 +193,8 @@ MASTER_PORT = _declare("FERRO_MASTER_PORT", "port", _port, None, "`init_from_env
 MASTER_ADDR = _declare("FERRO_MASTER_ADDR", "host", _text, None, "`init_from_env`",
                        "the address rank 0 advertises to the other nodes (mpirun, torchrun)")
 HIERARCHY = _declare("FERRO_HIERARCHY", "bool", _bool, True, "`init_from_env`",
-                     "`0`: a multi-node job keeps plain TCP for everything (no engine per node)")
+                     "`0`: a multi-node job keeps plain TCP (or MPI, `FERRO_TRANSPORT=mpi`) for "
+                     "everything (no engine per node)")
 TIMEOUT = _declare("FERRO_TIMEOUT", "seconds", _seconds, None,
                    "every backend made from the environment",
                    "`Backend.timeout`: the default deadline of every blocking call")

@@ -102,9 +102,9 @@ def connect(launcher: Launcher, environ: Mapping[str, str] | None = None,
         backend = via_torch_store(launcher, transport, env, kwargs)
     else:
         backend = via_slurm(launcher, transport, env, kwargs)
-    if transport is None and isinstance(backend, TcpBackend) and backend.world_size > 1 \
-            and settings.HIERARCHY.get(environ):
-        # several nodes: the engine inside each node, the mesh between them
+    if (transport is None and isinstance(backend, TcpBackend) or transport == "mpi") \
+            and backend.world_size > 1 and settings.HIERARCHY.get(environ):
+        # several nodes: the engine inside each node, the mesh (or MPI) between them
         if backend.nodes is None:
             backend.nodes = tuple(exchange_nodes(backend, node_key(launcher.node_id)))
         attach_hierarchy(backend)

@@ -56,7 +56,11 @@ def mpi_backend(launcher: Launcher, kwargs: dict[str, Any]) -> Backend:
 
     MPI = _import_mpi(launcher, "FERRO_TRANSPORT=mpi")
     _check_mpi_world(MPI, launcher)
-    return MpiBackend(timeout=kwargs.get("timeout", DEFAULT_TIMEOUT))
+    backend = MpiBackend(timeout=kwargs.get("timeout", DEFAULT_TIMEOUT))
+    # every rank's node, so that a job on several nodes gets the engine inside each node and
+    # MPI between them (init_from_env attaches the hierarchy)
+    backend.nodes = tuple(backend.comm.allgather(node_key(launcher.node_id)))
+    return backend
 
 
 def _import_mpi(launcher: Launcher, why: str):
