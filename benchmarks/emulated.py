@@ -32,7 +32,7 @@ import numpy as np
 
 SIZES = (4096, 65536, 1 << 20, 16 << 20, 64 << 20)
 ALGOS = ("auto", "ring", "recursive_doubling", "star")
-PING = (8, 4096, 65536, 1 << 20, 4 << 20)
+PING = (8, 4096, 65536, 1 << 20, 4 << 20)  # as scale_validate's (the worker pings with it)
 
 
 def _slowest(b, seconds: float) -> float:
@@ -43,10 +43,10 @@ def _slowest(b, seconds: float) -> float:
 
 
 def worker(out: Path, reps: int, sizes: list[int]) -> None:
+    from scale_validate import gamma, ping_both_ways
+
     import ferro_backend as fb
     import ferro_collective as fc
-    from ferro_collective import _reduce
-    from ferro_collective.ops import OPS, ReduceOp
 
     b = fb.init_from_env()
     h = b.hierarchy
@@ -54,25 +54,9 @@ def worker(out: Path, reps: int, sizes: list[int]) -> None:
     res: dict = {"world": b.world_size, "ranks_per_node": local, "cells": {}}
     fc.barrier(b)
     if b.rank in (0, local):  # first ranks of nodes 0 and 1: the link, both ways at once
-        peer = local - b.rank
-        for nbytes in PING:
-            buf, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-            times = []
-            for _ in range(7):
-                t0 = time.perf_counter()
-                req = b.irecv(inc, peer, tag=7)
-                b.send(buf, peer, tag=7)
-                req.wait(60)
-                times.append(time.perf_counter() - t0)
-            res[f"ping{nbytes}"] = statistics.median(times)
+        res.update(ping_both_ways(b, local - b.rank, 7))
     if b.rank == 0:
-        a, c = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)
-            times.append(time.perf_counter() - t0)
-        res["gamma"] = statistics.median(times) / a.nbytes
+        res["gamma"] = gamma()
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         y = np.empty_like(x)

@@ -34,31 +34,12 @@ PING = (8, 4096, 65536, 1 << 20, 4 << 20)
 
 def rank_fn(b, reps: int) -> dict:
     import ferro_collective as fc
-    from ferro_collective import _reduce
-    from ferro_collective.ops import OPS, ReduceOp
 
     out: dict = {}
     if b.rank < 2:  # ranks 0 and 1 exchange messages both ways at once, as the algorithms do
-        peer = 1 - b.rank
-        for nbytes in PING:
-            buf, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-            times = []
-            for _ in range(max(10, reps)):
-                t0 = time.perf_counter()
-                req = b.irecv(inc, peer, tag=7)
-                b.send(buf, peer, tag=7)
-                req.wait(30)
-                times.append(time.perf_counter() - t0)
-            out[f"ping{nbytes}"] = statistics.median(times)
+        out.update(ping_both_ways(b, 1 - b.rank, max(10, reps)))
     if b.rank == 0:  # the reduction kernel, per byte
-        a = np.ones(1 << 20, np.float32)
-        c = np.ones(1 << 20, np.float32)
-        times = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)
-            times.append(time.perf_counter() - t0)
-        out["gamma"] = statistics.median(times) / a.nbytes
+        out["gamma"] = gamma()
     fc.barrier(b)
     for nbytes in SIZES:
         x = np.ones(nbytes // 4, np.float32)
@@ -71,6 +52,37 @@ def rank_fn(b, reps: int) -> dict:
                 times.append(time.perf_counter() - t0)
             out[f"{algo}/{nbytes}"] = statistics.median(times)
     return out
+
+
+def ping_both_ways(b, peer: int, reps: int, timeout: float = 60) -> dict[str, float]:
+    """``ping<bytes>``: the median time of ``reps`` messages of each of PING's sizes sent to and
+    received from ``peer`` at once (both ranks call this)."""
+    out = {}
+    for nbytes in PING:
+        buf, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            req = b.irecv(inc, peer, tag=7)
+            b.send(buf, peer, tag=7)
+            req.wait(timeout)
+            times.append(time.perf_counter() - t0)
+        out[f"ping{nbytes}"] = statistics.median(times)
+    return out
+
+
+def gamma() -> float:
+    """Seconds per byte of the reduction kernel (float32 sum, 4 MiB, median of 20)."""
+    from ferro_collective import _reduce
+    from ferro_collective.ops import OPS, ReduceOp
+
+    a, c = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / a.nbytes
 
 
 def fit(ping: dict[int, float]) -> tuple[float, float]:

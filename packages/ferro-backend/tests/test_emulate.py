@@ -23,17 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
 
 
-def _unavailable() -> str | None:
-    try:
-        netns.check_support("1gbit")
-        with EmulatedCluster(1):
-            pass
-    except EmulationError as exc:
-        return str(exc)
-    return None
-
-
-REASON = _unavailable()
+REASON = netns.unavailable("1gbit")
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"no emulated nodes: {REASON}")
 
 

@@ -99,6 +99,18 @@ def check_support(link_rate: str | None = None) -> None:
         rate_bits(link_rate)
 
 
+def unavailable(link_rate: str | None = None) -> str | None:
+    """Why emulated nodes cannot run on this host (the checks of :func:`check_support`, then a
+    one-node cluster made and unmade), or None when they can (tests skip with the reason)."""
+    try:
+        check_support(link_rate)
+        with EmulatedCluster(1):
+            pass
+    except EmulationError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class EmulatedNode:
     """One node: its index, host name, address and the pid whose namespaces are the node's."""
