@@ -123,6 +123,24 @@ def bench_one_call_dispatch_4KiB(benchmark, impl):
     benchmark.pedantic(run, rounds=200, iterations=100, warmup_rounds=5)
 
 
+@pytest.mark.parametrize("impl", ["itertools.count", "_fastplan.SeqCounter"])
+def bench_sequence_numbers(benchmark, impl):
+    """A collective's sequence number from Python: `_fastplan.SeqCounter` (what the compiled
+    path advances without a call) against the plain Python counter it replaced."""
+    import itertools
+
+    from ferro_collective._fastplan import SeqCounter
+
+    benchmark.group = "sequence numbers (one per collective)"
+    if impl == "itertools.count":
+        benchmark.extra_info["role"] = "baseline"
+        nxt = itertools.count().__next__
+    else:
+        nxt = SeqCounter()
+        assert [nxt(), nxt()] == [0, 1]
+    benchmark.pedantic(nxt, rounds=200, iterations=1000, warmup_rounds=5)
+
+
 # ------------------------------------------------------------------ collectives, 2 processes
 WORKER = """
 import sys
