@@ -156,3 +156,88 @@ def test_dtype_is_kept(dtype):
         opt.step()
         assert p.data.dtype == dtype
         assert all(v.dtype == dtype for v in opt.state[p].values() if isinstance(v, np.ndarray))
+
+
+# ------------------------------------------------------------------------------ AdamW vs torch
+def torch_trajectory(make_torch, p0, grads):
+    import torch
+
+    p = torch.nn.Parameter(torch.from_numpy(np.array(p0, copy=True)))
+    opt = make_torch([p])
+    out = []
+    for g in grads:
+        p.grad = torch.from_numpy(np.array(g, copy=True))
+        opt.step()
+        out.append(p.detach().numpy().copy())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.0}, {"weight_decay": 0.3, "lr": 0.05},
+                                {"betas": (0.8, 0.95), "eps": 1e-4, "weight_decay": 0.1}])
+def test_adamw_matches_torch(kw, dtype):
+    import torch
+
+    grads = GRADS.astype(dtype)
+    p0 = P0.astype(dtype)
+    p = Parameter(p0.copy())
+    opt = optim.AdamW([p], **kw)
+    ours = []
+    for g in grads:
+        p.grad = g.copy()
+        opt.step()
+        ours.append(p.data.copy())
+    ref = torch_trajectory(lambda ps: torch.optim.AdamW(ps, **kw), p0, grads)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == np.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    for a, b in zip(ours, ref):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(a, b, **tol)
+    assert opt.state[p]["step"] == len(GRADS)
+
+
+def test_adamw_defaults_differ_from_adam_only_in_the_decay():
+    p, q = Parameter(P0.copy()), Parameter(P0.copy())
+    adamw = optim.AdamW([p])
+    assert adamw.defaults == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+    adam = optim.Adam([q], weight_decay=0.0)
+    adamw.param_groups[0]["weight_decay"] = 0.0   # no decay: the same update bit for bit
+    for g in GRADS:
+        p.grad, q.grad = g.copy(), g.copy()
+        adamw.step()
+        adam.step()
+    np.testing.assert_array_equal(p.data, q.data)
+    assert isinstance(adamw, optim.Adam) and adamw.array_state_keys == ("exp_avg", "exp_avg_sq")
+    with pytest.raises(ValueError, match="AdamW: invalid"):
+        optim.AdamW([p], weight_decay=-1.0)
+
+
+def test_adamw_param_groups_state_dict_and_zero_grad():
+    import torch
+
+    a, b = Parameter(P0.copy()), Parameter(P0[:3].copy())
+    groups = [{"params": [a]}, {"params": [b], "lr": 0.1, "weight_decay": 0.5}]
+    opt = optim.AdamW(groups, lr=0.01)
+    ta = torch.nn.Parameter(torch.from_numpy(P0.copy()))
+    tb = torch.nn.Parameter(torch.from_numpy(P0[:3].copy()))
+    topt = torch.optim.AdamW([{"params": [ta]}, {"params": [tb], "lr": 0.1, "weight_decay": 0.5}],
+                             lr=0.01)
+    for g in GRADS[:3]:
+        a.grad, b.grad = g.copy(), g[:3].copy()
+        ta.grad, tb.grad = torch.from_numpy(g.copy()), torch.from_numpy(g[:3].copy())
+        opt.step()
+        topt.step()
+        opt.zero_grad()
+        assert a.grad is None and b.grad is None
+    sd = opt.state_dict()
+    a2, b2 = Parameter(a.data.copy()), Parameter(b.data.copy())
+    opt2 = optim.AdamW([{"params": [a2]}, {"params": [b2]}], lr=0.01)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[1]["weight_decay"] == 0.5 and opt2.state[a2]["step"] == 3
+    for g in GRADS[3:]:
+        for p, t in ((a2, ta), (b2, tb)):
+            p.grad = g[:p.size].copy()
+            t.grad = torch.from_numpy(g[:p.size].copy())
+        opt2.step()
+        topt.step()
+    np.testing.assert_allclose(a2.data, ta.detach().numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(b2.data, tb.detach().numpy(), rtol=1e-12, atol=1e-14)

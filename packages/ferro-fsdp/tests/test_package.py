@@ -29,9 +29,10 @@ def test_public_names_are_importable():
         assert getattr(ferro_fsdp, name) is not None, name
     for name in ("Parameter", "Module", "ShardingStrategy", "FSDP", "DistributedDataParallel", "DDP"):
         assert name in ferro_fsdp.__all__
-    for name in ("Linear", "ReLU", "Sequential", "MSELoss", "CrossEntropyLoss"):
-        assert hasattr(ferro_fsdp.nn, name)
-    for name in ("SGD", "Adam"):
+    for name in ("Linear", "ReLU", "Sequential", "MSELoss", "CrossEntropyLoss", "Embedding",
+                 "LayerNorm", "GELU", "Dropout", "CausalSelfAttention", "TransformerBlock"):
+        assert name in ferro_fsdp.nn.__all__ and hasattr(ferro_fsdp.nn, name)
+    for name in ("SGD", "Adam", "AdamW"):
         assert hasattr(ferro_fsdp.optim, name)
     assert [m.name for m in ferro_fsdp.ShardingStrategy] == [
         "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]

@@ -26,3 +26,11 @@ def test_training_example_prints_a_falling_loss_on_every_rank(outputs):
 def test_state_dict_example_restores_on_another_world_size(outputs):
     out = outputs[1]
     assert "'0.weight': ((32,), 0, (11, 11, 10))" in out and "restored: True" in out, out
+
+
+def test_transformer_example_trains_one_unit_per_block(outputs):
+    out = outputs[2]
+    assert out.count("units ['', 'h.0', 'h.1']") == 2, out
+    pairs = [(float(a), float(b)) for a, b in re.findall(r"loss (\d+\.\d+) -> (\d+\.\d+)", out)]
+    assert len(pairs) == 2, out
+    assert all(last < 0.5 * first for first, last in pairs), out

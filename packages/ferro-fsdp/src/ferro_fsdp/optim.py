@@ -1,4 +1,4 @@
-"""SGD (momentum, dampening, Nesterov, weight decay) and Adam, with torch's update rules.
+"""SGD (momentum, dampening, Nesterov, weight decay), Adam and AdamW, with torch's update rules.
 
 An optimizer steps whatever Parameters it is given, in place (``p.data`` is updated, never
 replaced, so views stay views). Given a rank's FSDP shards, its state is sharded too (ZeRO);
@@ -6,7 +6,7 @@ FSDP's ``sharded_state_dict(optimizer)`` saves that state with the parameters. P
 ``.grad`` is None are skipped, as in torch.
 
 ``optimizer.state`` maps each Parameter to its state dict (``"momentum_buffer"`` for SGD;
-``"step"``, ``"exp_avg"``, ``"exp_avg_sq"`` for Adam). ``state_dict()`` / ``load_state_dict()``
+``"step"``, ``"exp_avg"``, ``"exp_avg_sq"`` for Adam and AdamW). ``state_dict()`` / ``load_state_dict()``
 use parameter indices instead, like torch.
 """
 
@@ -159,13 +159,14 @@ class Adam(Optimizer):
 
     array_state_keys = ("exp_avg", "exp_avg_sq")
     scalar_state_keys = ("step",)
+    _decoupled: ClassVar[bool] = False
 
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"Adam: invalid lr {lr}, betas {betas}, eps {eps} or "
-                             f"weight_decay {weight_decay}")
+            raise ValueError(f"{type(self).__name__}: invalid lr {lr}, betas {betas}, eps {eps} "
+                             f"or weight_decay {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
                                   "weight_decay": weight_decay})
 
@@ -177,7 +178,12 @@ class Adam(Optimizer):
             state["exp_avg_sq"] = np.zeros_like(p.data)
         state["step"] += 1
         step = state["step"]
-        d = grad + group["weight_decay"] * p.data if group["weight_decay"] else grad
+        if self._decoupled:
+            d = grad
+            if group["weight_decay"]:
+                p.data *= 1.0 - group["lr"] * group["weight_decay"]
+        else:
+            d = grad + group["weight_decay"] * p.data if group["weight_decay"] else grad
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m *= beta1
         m += (1.0 - beta1) * d
@@ -189,4 +195,16 @@ class Adam(Optimizer):
         p.data -= (group["lr"] / bias1) * (m / denom)
 
 
-__all__ = ["SGD", "Adam", "Optimizer"]
+class AdamW(Adam):
+    """torch.optim.AdamW: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the Adam
+    step on the raw gradient (no L2 term in the moments); default ``weight_decay=1e-2``."""
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]

@@ -1,0 +1,355 @@
+"""The layers of :mod:`ferro_fsdp.nn` (re-exported there): numpy forward and backward.
+
+Each ``backward(grad_output)`` adds its parameters' gradients to their ``.grad`` and returns the
+gradient wrt the input; it reads the parameters' ``.data`` again (never a copy kept from
+``forward``), which is what lets FSDP free gathered parameters between forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .module import Module
+from .parameter import Parameter
+
+
+def _rng(rng: Any) -> np.random.Generator:
+    if isinstance(rng, np.random.Generator):
+        return rng
+    return np.random.default_rng(rng)
+
+
+class Linear(Module):
+    """``y = x @ weight.T + bias`` with ``weight`` of shape ``(out_features, in_features)``.
+
+    Initialised like torch: weight and bias uniform in ``±1/sqrt(in_features)``. ``rng`` is a seed
+    or a ``numpy.random.Generator``; ``dtype`` float32 (default, as torch) or float64.
+    ``input_grad=False`` (also settable later as an attribute): ``backward`` skips the gradient
+    wrt the input and returns None, one matmul less per step; for a model's first layer, whose
+    input (the data) needs no gradient, as torch's autograd skips it on its own.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: Any = np.float32, rng: Any = None, input_grad: bool = True) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Linear: in_features {in_features} and out_features {out_features} "
+                             "must be positive")
+        dtype = np.dtype(dtype)
+        if dtype.kind != "f":
+            raise TypeError(f"Linear: dtype {dtype} is not a floating dtype")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        gen = _rng(rng)
+        bound = 1.0 / np.sqrt(in_features)
+        self.weight = Parameter(gen.uniform(-bound, bound, (out_features, in_features)).astype(dtype))
+        if bias:
+            self.bias = Parameter(gen.uniform(-bound, bound, out_features).astype(dtype))
+        else:
+            self.bias = None
+        self._x: np.ndarray | None = None
+        self.input_grad = bool(input_grad)
+
+    def forward(self, x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(f"Linear.forward: input of shape {x.shape}, expected last dimension "
+                             f"{self.in_features}")
+        self._x = x
+        y = x @ self.weight.data.T
+        if self.bias is not None:
+            y = y + self.bias.data
+        return y
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        if self._x is None:
+            raise RuntimeError("Linear.backward: called before forward")
+        g = np.asarray(grad_output)
+        x = self._x
+        if g.shape != x.shape[:-1] + (self.out_features,):
+            raise ValueError(f"Linear.backward: grad_output of shape {g.shape}, expected "
+                             f"{x.shape[:-1] + (self.out_features,)}")
+        g2 = g.reshape(-1, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        w, b = self.weight, self.bias
+        slot = w.free_grad_slot()
+        if slot is not None and g2.dtype == x2.dtype == slot.dtype:
+            w.grad = np.matmul(g2.T, x2, out=slot)  # straight into DDP's bucket: no copy
+        else:
+            w.accumulate_grad(g2.T @ x2, owned=True)
+        if b is not None:
+            slot = b.free_grad_slot()
+            if slot is not None and g2.dtype == slot.dtype:
+                b.grad = np.sum(g2, axis=0, out=slot)
+            else:
+                b.accumulate_grad(g2.sum(axis=0), owned=True)
+        return g @ w.data if self.input_grad else None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class ReLU(Module):
+    """``max(x, 0)`` as ``np.maximum`` and torch compute it: NaN stays NaN (never silently 0).
+
+    Backward is torch's ``threshold_backward``: the gradient is 0 where ``x <= 0`` (so 0 at
+    ``x == 0``, as in torch) and ``grad_output`` elsewhere, NaN inputs included; a NaN
+    ``grad_output`` stays NaN where it passes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._off: np.ndarray | None = None
+
+    def forward(self, x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        self._off = x <= 0                     # False for NaN: its gradient passes, as in torch
+        return np.maximum(x, np.zeros((), dtype=x.dtype))
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        if self._off is None:
+            raise RuntimeError("ReLU.backward: called before forward")
+        g = np.asarray(grad_output)
+        return np.where(self._off, np.zeros((), dtype=g.dtype), g)
+
+
+class Sequential(Module):
+    """Runs its modules in order; registered as attributes ``"0"``, ``"1"``, ..."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for i, m in enumerate(modules):
+            self.add_module(str(i), m)
+
+    def _layers(self) -> list[Module]:
+        return self.children()
+
+    def __len__(self) -> int:
+        return len(self._layers())
+
+    def __iter__(self):
+        return iter(self._layers())
+
+    def __getitem__(self, index: int) -> Module:
+        return self._layers()[index]
+
+    def forward(self, x: Any) -> Any:
+        for m in self._layers():
+            x = m(x)
+        return x
+
+    def backward(self, grad_output: Any) -> Any:
+        g = grad_output
+        for m in reversed(self._layers()):
+            if g is None:  # a later layer computed no input gradient (input_grad=False)
+                raise ValueError(f"Sequential.backward: {type(m).__name__} comes before a layer "
+                                 "with input_grad=False: it needs that gradient")
+            g = m.backward(g)
+        return g
+
+
+def _float_dtype(who: str, dtype: Any) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise TypeError(f"{who}: dtype {dtype} is not a floating dtype")
+    return dtype
+
+
+def _positive(who: str, **sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+            raise ValueError(f"{who}: {name} {value!r} must be a positive int")
+
+
+class Embedding(Module):
+    """``weight[indices]``: a lookup table of ``num_embeddings`` rows of ``embedding_dim``.
+
+    ``weight`` is initialised N(0, 1) like torch's. ``forward`` takes an integer array of any
+    shape and returns ``[..., embedding_dim]``; an index outside ``[0, num_embeddings)`` raises
+    ``IndexError`` naming it. ``backward`` adds each looked-up row's gradient into its row
+    (repeated indices add up) and returns None: indices have no gradient.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: Any = np.float32,
+                 rng: Any = None) -> None:
+        super().__init__()
+        _positive("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        dtype = _float_dtype("Embedding", dtype)
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.weight = Parameter(_rng(rng).standard_normal((num_embeddings, embedding_dim))
+                                .astype(dtype))
+        self._idx: np.ndarray | None = None
+
+    def forward(self, indices: Any) -> np.ndarray:
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"Embedding.forward: indices of dtype {idx.dtype}, expected integers")
+        bad = (idx < 0) | (idx >= self.num_embeddings)
+        if bad.any():
+            raise IndexError(f"Embedding.forward: index {idx[bad].flat[0]} out of range "
+                             f"[0, {self.num_embeddings})")
+        self._idx = idx
+        return self.weight.data[idx]
+
+    def backward(self, grad_output: Any) -> None:
+        if self._idx is None:
+            raise RuntimeError("Embedding.backward: called before forward")
+        g = np.asarray(grad_output)
+        expected = self._idx.shape + (self.embedding_dim,)
+        if g.shape != expected:
+            raise ValueError(f"Embedding.backward: grad_output of shape {g.shape}, expected "
+                             f"{expected}")
+        w = self.weight
+        grad = np.zeros(w.data.shape, dtype=w.data.dtype)
+        np.add.at(grad, self._idx.reshape(-1), g.reshape(-1, self.embedding_dim))
+        w.accumulate_grad(grad, owned=True)
+        return None
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LayerNorm(Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension (biased var).
+
+    ``weight`` (ones) and ``bias`` (zeros) of shape ``(normalized_shape,)`` exist only when
+    ``elementwise_affine``, as in torch.
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 *, dtype: Any = np.float32) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, tuple | list) and len(normalized_shape) == 1:
+            normalized_shape = normalized_shape[0]
+        _positive("LayerNorm", normalized_shape=normalized_shape)
+        dtype = _float_dtype("LayerNorm", dtype)
+        if not eps >= 0:
+            raise ValueError(f"LayerNorm: eps {eps} must be >= 0")
+        self.normalized_shape = int(normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        if self.elementwise_affine:
+            self.weight = Parameter(np.ones(self.normalized_shape, dtype))
+            self.bias = Parameter(np.zeros(self.normalized_shape, dtype))
+        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+
+    def forward(self, x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[-1] != self.normalized_shape:
+            raise ValueError(f"LayerNorm.forward: input of shape {x.shape}, expected last "
+                             f"dimension {self.normalized_shape}")
+        centered = x - x.mean(axis=-1, keepdims=True)
+        var = np.mean(centered * centered, axis=-1, keepdims=True)
+        rstd = 1.0 / np.sqrt(var + np.asarray(self.eps, dtype=var.dtype))
+        xhat = centered * rstd
+        self._cache = (xhat, rstd)
+        if not self.elementwise_affine:
+            return xhat
+        return xhat * self.weight.data + self.bias.data
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        if self._cache is None:
+            raise RuntimeError("LayerNorm.backward: called before forward")
+        xhat, rstd = self._cache
+        g = np.asarray(grad_output)
+        if g.shape != xhat.shape:
+            raise ValueError(f"LayerNorm.backward: grad_output of shape {g.shape}, expected "
+                             f"{xhat.shape}")
+        if self.elementwise_affine:
+            n = self.normalized_shape
+            self.weight.accumulate_grad((g * xhat).reshape(-1, n).sum(axis=0), owned=True)
+            self.bias.accumulate_grad(g.reshape(-1, n).sum(axis=0), owned=True)
+            g = g * self.weight.data
+        return rstd * (g - g.mean(axis=-1, keepdims=True)
+                       - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+
+    def extra_repr(self) -> str:
+        return (f"({self.normalized_shape},), eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)   # libm's erf, correctly rounded enough for float64
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class GELU(Module):
+    """``x * Phi(x)``: ``approximate="none"`` with the exact normal CDF (erf), ``"tanh"`` with
+    torch's tanh formula ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate {approximate!r}, expected 'none' or 'tanh'")
+        self.approximate = approximate
+        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+
+    def forward(self, x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        if self.approximate == "none":
+            cdf = (0.5 * (1.0 + _erf(x * math.sqrt(0.5)).astype(np.float64))).astype(x.dtype)
+            self._cache = (x, cdf)
+            return x * cdf
+        t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
+        self._cache = (x, t)
+        return 0.5 * x * (1.0 + t)
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        if self._cache is None:
+            raise RuntimeError("GELU.backward: called before forward")
+        x, c = self._cache
+        g = np.asarray(grad_output)
+        if self.approximate == "none":
+            pdf = np.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
+            return g * (c + x * pdf)
+        dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
+        return g * (0.5 * (1.0 + c) + 0.5 * x * (1.0 - c * c) * dinner)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class Dropout(Module):
+    """In ``train()`` mode zero each element with probability ``p`` and scale the rest by
+    ``1/(1-p)``; in ``eval()`` mode, or with ``p == 0``, the identity. ``backward`` applies the
+    mask of the last forward. ``rng``: a seed or a ``numpy.random.Generator``."""
+
+    def __init__(self, p: float = 0.5, *, rng: Any = None) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout: p {p} outside [0, 1)")
+        self.p = float(p)
+        self._gen = _rng(rng)
+        self._scale: np.ndarray | None = None
+        self._called = False
+
+    def forward(self, x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        self._called = True
+        if not self.training or self.p == 0.0:
+            self._scale = None
+            return x
+        keep = self._gen.random(x.shape) >= self.p
+        self._scale = keep * np.asarray(1.0 / (1.0 - self.p), dtype=x.dtype)
+        return x * self._scale
+
+    def backward(self, grad_output: Any) -> np.ndarray:
+        if not self._called:
+            raise RuntimeError("Dropout.backward: called before forward")
+        g = np.asarray(grad_output)
+        if self._scale is None:
+            return g
+        if g.shape != self._scale.shape:
+            raise ValueError(f"Dropout.backward: grad_output of shape {g.shape}, expected "
+                             f"{self._scale.shape}")
+        return g * self._scale
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+__all__ = ["GELU", "Dropout", "Embedding", "LayerNorm", "Linear", "ReLU", "Sequential"]
