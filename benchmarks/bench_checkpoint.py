@@ -85,8 +85,9 @@ def bench_save_256MiB(benchmark, impl, state, workdir):
     benchmark.pedantic(run, rounds=3, warmup_rounds=1)
 
 
-@pytest.mark.parametrize("impl", ["safetensors", "ferro"])
+@pytest.mark.parametrize("impl", ["safetensors", "ferro", "ferro(verify=False)"])
 def bench_load_256MiB(benchmark, impl, state, workdir):
+    """ferro verifies every tensor's crc32 by default; verify=False shows what that costs."""
     _info(benchmark, "load 256MiB")
     stn.save_file(state, str(workdir / "s.safetensors"))
     save_distributed(state, workdir / "c", 0, 1, spec(1), checkpoint_id="bench")
@@ -95,8 +96,9 @@ def bench_load_256MiB(benchmark, impl, state, workdir):
         out = benchmark.pedantic(lambda: stn.load_file(str(workdir / "s.safetensors")),
                                  rounds=3, warmup_rounds=1)
     else:
-        out = benchmark.pedantic(lambda: load_distributed(workdir / "c", 0, 1), rounds=3,
-                                 warmup_rounds=1)
+        verify = impl == "ferro"
+        out = benchmark.pedantic(lambda: load_distributed(workdir / "c", 0, 1, verify=verify),
+                                 rounds=3, warmup_rounds=1)
     np.testing.assert_array_equal(out["layer3.weight"], state["layer3.weight"])
 
 

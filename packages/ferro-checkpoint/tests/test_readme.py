@@ -36,6 +36,14 @@ def outputs(tmp_path_factory) -> list[str]:
 
 
 def test_manager_example_prints_the_kept_steps_and_the_restored_rows(outputs):
-    (out,) = outputs
+    out = outputs[0]
     assert "steps kept [100, 200, 300]" in out, out
     assert "w[:, 0] = [300.0, 300.0, 300.0, 301.0, 301.0, 301.0]" in out, out
+
+
+def test_identity_example_refuses_the_copied_shard_and_the_corrupt_tensor(outputs):
+    assert len(outputs) == 2
+    out = outputs[1]
+    assert "refused: ShardMismatchError True" in out, out
+    assert "corrupt: ChecksumMismatchError True" in out, out
+    assert "unverified load: (2, 2)" in out, out

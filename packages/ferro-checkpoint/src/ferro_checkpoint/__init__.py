@@ -10,6 +10,7 @@ from .consolidate import consolidate
 from .errors import (
     AsyncCheckpointError,
     CheckpointIOError,
+    ChecksumMismatchError,
     DistCheckpointError,
     IncompleteCheckpointError,
     InvalidArgumentError,
@@ -17,6 +18,7 @@ from .errors import (
     MissingShardError,
     MissingStepError,
     SerializationError,
+    ShardMismatchError,
     TensorError,
 )
 from .load import DistributedCheckpoint, load_distributed, open_checkpoint, reshard
@@ -39,6 +41,7 @@ __all__ = [
     "CheckpointFuture",
     "CheckpointIOError",
     "CheckpointManager",
+    "ChecksumMismatchError",
     "DistCheckpointError",
     "DistributedCheckpoint",
     "IncompleteCheckpointError",
@@ -48,6 +51,7 @@ __all__ = [
     "MissingStepError",
     "SerializationError",
     "ShardMetadata",
+    "ShardMismatchError",
     "TensorError",
     "TensorShardSpec",
     "compute_shard_sizes",

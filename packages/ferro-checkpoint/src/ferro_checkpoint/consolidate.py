@@ -5,30 +5,41 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import CheckpointIOError
+from .errors import CheckpointIOError, TensorError
 from .layout import METADATA, fsync_dir
-from .load import VerifiedShards, assemble, open_checkpoint
+from .load import VerifiedShards, assemble, open_checkpoint, resolve_verify
 from .safetensors_io import code_dtype, write_safetensors
 
 
-def consolidate(directory, output_file) -> None:
+def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     """Write every full tensor of the checkpoint in ``directory`` to ``output_file``.
 
     The result is a plain safetensors file any reader opens (``safetensors.numpy.load_file``,
     a Hugging Face loader). Tensors are assembled and written one at a time, so memory stays at
     about the largest tensor; the file appears atomically (temp file, fsync, rename).
+
+    Every shard's header (save identity, shapes, dtypes) is checked before anything is written,
+    and each tensor's crc32 unless ``verify`` is off (as :func:`load_distributed`). Raises its
+    errors (ShardMismatchError, ChecksumMismatchError...); ``output_file`` is then not created.
     """
+    verify = resolve_verify(verify, "consolidate")
     ckpt = open_checkpoint(directory)
     specs = ckpt.shard_metadata.tensor_specs
     names = sorted(specs)
-    shards = VerifiedShards(ckpt)
+    shards = VerifiedShards(ckpt, verify)
     shards.open_all()  # every header checked against metadata.json before writing anything
-    for n in names:
-        code_dtype(specs[n].dtype, f"{ckpt.checkpoint_dir / METADATA}: tensor {n!r}")
+    codes = {}
+    for n in names:  # an old metadata.json may lack dtypes: the shards' headers have them
+        found = {f.entries[n][0] for f in shards.files.values()}
+        if specs[n].dtype is None and len(found) != 1:
+            raise TensorError(f"consolidate: tensor {n!r} has dtypes {sorted(found)} in the "
+                              f"shards of {ckpt.checkpoint_dir}, expected one")
+        codes[n] = specs[n].dtype or found.pop()
+        code_dtype(codes[n], f"{ckpt.checkpoint_dir / METADATA}: tensor {n!r}")
     out = Path(output_file)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        write_safetensors(tmp, [(n, specs[n].dtype, specs[n].full_shape) for n in names],
+        write_safetensors(tmp, [(n, codes[n], specs[n].full_shape) for n in names],
                           lambda n: assemble(shards, n, 1, 0),
                           {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id})
     except BaseException:

@@ -21,6 +21,16 @@ class IncompleteCheckpointError(MetadataError):
     """Shards of different saves are mixed (a save did not commit): refused, never loaded."""
 
 
+class ShardMismatchError(IncompleteCheckpointError):
+    """A shard file belongs to another save (or another rank) than metadata.json records: its
+    header's save identity differs. The message names the file and both identities."""
+
+
+class ChecksumMismatchError(SerializationError):
+    """A tensor's bytes do not match the crc32 its shard header records (or a checksummed shard
+    lacks one). The message names the file and the tensor."""
+
+
 class MissingShardError(DistCheckpointError, FileNotFoundError):
     """A shard file the metadata names does not exist."""
 

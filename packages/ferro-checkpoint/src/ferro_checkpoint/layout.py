@@ -6,6 +6,9 @@ Files of a checkpoint directory ``D`` (``<id>``: letters, digits, ``_``, ``-``):
 
 - ``D/metadata.json``: the committed checkpoint's metadata (schema in ``metadata.py``).
 - ``D/rank_<r>.safetensors``: rank ``r``'s committed shard.
+- ``D/.rank_<r>.<id>.safetensors.part``: rank ``r``'s shard of save ``<id>`` while it is being
+  written; renamed to the ``.tmp`` name below only once complete and fsynced, so a ``.tmp``
+  shard that exists is always whole (another rank may read its header to commit the save).
 - ``D/.rank_<r>.<id>.safetensors.tmp``: rank ``r``'s shard of save ``<id>``, not yet renamed.
 - ``D/.commit.<id>.json``: the commit record of save ``<id>``: once it exists, save ``<id>`` is
   committed, and :func:`recover` finishes it.
@@ -24,6 +27,7 @@ METADATA = "metadata.json"
 CHECKPOINT_ID_RE = re.compile(r"[0-9A-Za-z_-]+")
 _SHARD_RE = re.compile(r"rank_(\d+)\.safetensors")
 _TMP_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.tmp")
+_PART_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.part")
 _COMMIT_RE = re.compile(r"\.commit\.([0-9A-Za-z_-]+)\.json")
 
 
@@ -35,6 +39,11 @@ def shard_path(directory: Path, rank: int) -> Path:
 def tmp_shard_path(directory: Path, rank: int, ckpt_id: str) -> Path:
     """``D/.rank_<rank>.<id>.safetensors.tmp``: a shard written but not yet committed."""
     return Path(directory) / f".rank_{rank}.{ckpt_id}.safetensors.tmp"
+
+
+def part_shard_path(directory: Path, rank: int, ckpt_id: str) -> Path:
+    """``D/.rank_<rank>.<id>.safetensors.part``: a shard being written."""
+    return Path(directory) / f".rank_{rank}.{ckpt_id}.safetensors.part"
 
 
 def commit_path(directory: Path, ckpt_id: str) -> Path:
@@ -67,11 +76,15 @@ def all_tmp_shards_written(directory: Path, ckpt_id: str, world_size: int) -> bo
 
 
 def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str) -> None:
-    """Delete rank ``rank``'s temp shards of saves other than ``ckpt_id`` (left by a crash
-    before their commit). Only the rank that wrote them calls this, when it saves again."""
+    """Delete rank ``rank``'s temp shards of saves other than ``ckpt_id`` and all its partly
+    written ones (left by a crash before their commit). Only the rank that wrote them calls
+    this, when it saves again."""
     for p in Path(directory).iterdir():
         m = _TMP_SHARD_RE.fullmatch(p.name)
         if m and int(m.group(1)) == rank and m.group(2) != ckpt_id:
+            p.unlink(missing_ok=True)
+        m = _PART_SHARD_RE.fullmatch(p.name)
+        if m and int(m.group(1)) == rank:
             p.unlink(missing_ok=True)
 
 

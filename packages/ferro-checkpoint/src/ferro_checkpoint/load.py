@@ -1,10 +1,18 @@
 """Loading: this rank's shard when the world size is unchanged, a memory-bounded reshard
-otherwise. Every shard used is checked against metadata.json (checkpoint id, rank, world size,
-shapes, dtypes) and its per-tensor crc32; the error names the bad file."""
+otherwise. Every shard used is checked against metadata.json (the save's identity: checkpoint
+id and shard id; rank, world size, shapes, dtypes) and, unless verification is off, each
+tensor's crc32; the error names the bad file.
+
+Verification: ``verify=None`` (the default of every loading function) reads the environment
+variable ``FERRO_CHECKPOINT_VERIFY`` (unset, ``1``/``true``/``yes``/``on``: verify;
+``0``/``false``/``no``/``off``: skip), ``verify=True``/``False`` overrides it. Skipping saves the
+crc32 pass over the tensor bytes only; the identity checks read headers and always run.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,16 +20,40 @@ import numpy as np
 
 from .along_dim import copy_slab_into
 from .errors import (
-    IncompleteCheckpointError,
     InvalidArgumentError,
     MetadataError,
     MissingShardError,
     SerializationError,
+    ShardMismatchError,
     TensorError,
 )
 from .layout import METADATA, recover, shard_path
 from .metadata import ShardMetadata, check_rank_world
-from .safetensors_io import EXTRA_KEY, SafetensorsFile, code_dtype, verify_crc32
+from .safetensors_io import (
+    CHECKPOINT_ID_KEY,
+    EXTRA_KEY,
+    SHARD_ID_KEY,
+    SafetensorsFile,
+    code_dtype,
+    verify_crc32,
+)
+
+VERIFY_ENV = "FERRO_CHECKPOINT_VERIFY"
+_ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def resolve_verify(verify: bool | None, op: str) -> bool:
+    """``verify`` itself when a bool, else the ``FERRO_CHECKPOINT_VERIFY`` setting (on if
+    unset); anything else raises InvalidArgumentError naming it."""
+    if isinstance(verify, bool):
+        return verify
+    if verify is not None:
+        raise InvalidArgumentError(f"{op}: verify {verify!r:.40} must be True, False or None")
+    value = os.environ.get(VERIFY_ENV, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise InvalidArgumentError(f"{op}: {VERIFY_ENV}={value!r:.40} must be one of "
+                               f"{_ON[1:] + _OFF}")
 
 
 @dataclass
@@ -48,8 +80,10 @@ class DistributedCheckpoint:
         """The verified shard file of ``rank``."""
         return _open_verified_shard(self, rank)
 
-    def load(self, rank: int, world_size: int) -> dict[str, np.ndarray]:
-        return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self)
+    def load(self, rank: int, world_size: int, *,
+             verify: bool | None = None) -> dict[str, np.ndarray]:
+        return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self,
+                                verify=verify)
 
     def extra(self, rank: int) -> dict | None:
         """The ``extra`` dict rank ``rank`` saved with its shard (None if it saved none)."""
@@ -98,16 +132,7 @@ def _open_verified_shard(ckpt: DistributedCheckpoint, rank: int) -> SafetensorsF
     except FileNotFoundError:
         raise MissingShardError(f"{path} is missing (checkpoint of {ckpt.num_ranks} ranks)") \
             from None
-    meta = f.metadata
-    got_id = meta.get("ferro.checkpoint_id")
-    if got_id != ckpt.checkpoint_id:
-        raise IncompleteCheckpointError(
-            f"{path} belongs to checkpoint {got_id!r}, metadata.json to {ckpt.checkpoint_id!r}: "
-            "shards of different saves are mixed (a save did not complete); refusing to load")
-    if meta.get("ferro.rank") != str(rank) or meta.get("ferro.world_size") != str(ckpt.num_ranks):
-        raise IncompleteCheckpointError(
-            f"{path} says rank {meta.get('ferro.rank')} of {meta.get('ferro.world_size')}, "
-            f"expected rank {rank} of {ckpt.num_ranks}")
+    _check_identity(ckpt.shard_metadata, f, rank)
     specs = ckpt.shard_metadata.tensor_specs
     if set(f.entries) != set(specs):
         raise TensorError(f"{path} holds tensors {sorted(f.entries)}, metadata.json names "
@@ -120,11 +145,32 @@ def _open_verified_shard(ckpt: DistributedCheckpoint, rank: int) -> SafetensorsF
     return f
 
 
-class VerifiedShards:
-    """A checkpoint's shards, each opened and each tensor's checksum verified lazily, once."""
+def _check_identity(md: ShardMetadata, f: SafetensorsFile, rank: int) -> None:
+    """ShardMismatchError unless ``f``'s header carries metadata.json's checkpoint id and shard
+    id of ``rank`` (only what a legacy checkpoint records, for one written before them)."""
+    meta, strict = f.metadata, bool(md.shard_ids)
+    got_ckpt, got_shard = meta.get(CHECKPOINT_ID_KEY, ""), meta.get(SHARD_ID_KEY)
+    want_shard = md.shard_ids[rank] if strict else None
+    if got_ckpt != md.checkpoint_id or (strict and got_shard != want_shard):
+        raise ShardMismatchError(
+            f"{f.path} belongs to save (checkpoint {got_ckpt!r}, shard {got_shard!r}), "
+            f"metadata.json records rank {rank}'s shard of save (checkpoint "
+            f"{md.checkpoint_id!r}, shard {want_shard!r}): shards of different saves are mixed "
+            "(copied in, or a save did not complete); refusing to load")
+    got_rank, got_world = meta.get("ferro.rank"), meta.get("ferro.world_size")
+    if (strict or got_rank is not None or got_world is not None) and \
+            (got_rank != str(rank) or got_world != str(md.num_ranks)):
+        raise ShardMismatchError(f"{f.path} says rank {got_rank} of {got_world}, expected rank "
+                                 f"{rank} of {md.num_ranks}")
 
-    def __init__(self, ckpt: DistributedCheckpoint) -> None:
+
+class VerifiedShards:
+    """A checkpoint's shards, each opened and identity-checked, and (if ``verify``) each
+    tensor's checksum verified lazily, once."""
+
+    def __init__(self, ckpt: DistributedCheckpoint, verify: bool = True) -> None:
         self.ckpt = ckpt
+        self.verify = verify
         self.files: dict[int, SafetensorsFile] = {}
         self.verified: set[tuple[int, str]] = set()
 
@@ -139,7 +185,7 @@ class VerifiedShards:
         if f is None:
             f = self.files[rank] = _open_verified_shard(self.ckpt, rank)
         view = f.tensor(name)
-        if (rank, name) not in self.verified:
+        if self.verify and (rank, name) not in self.verified:
             verify_crc32(f, name, view)
             self.verified.add((rank, name))
         return view
@@ -168,32 +214,43 @@ def assemble(shards: VerifiedShards, name: str, new_world: int, new_rank: int) -
 
 
 def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, *,
-            checkpoint: DistributedCheckpoint | None = None) -> dict[str, np.ndarray]:
+            checkpoint: DistributedCheckpoint | None = None,
+            verify: bool | None = None) -> dict[str, np.ndarray]:
     """Rank ``new_rank``'s tensors for a world of ``new_world_size`` from a checkpoint saved by
     ``old_world_size`` ranks. Reads only the needed rows, tensor by tensor: the extra memory is
-    about one new shard. New shard sizes: the first ``full % world`` ranks get one extra row."""
+    about one new shard. New shard sizes: the first ``full % world`` ranks get one extra row.
+    Raises as :func:`load_distributed`; ``verify`` as there (whole tensors of the shards read
+    are checksummed)."""
     check_rank_world("reshard", new_rank, new_world_size)
+    verify = resolve_verify(verify, "reshard")
     ckpt = checkpoint or open_checkpoint(directory)
     if ckpt.num_ranks != old_world_size:
         raise InvalidArgumentError(f"reshard: the checkpoint in {ckpt.checkpoint_dir} was saved "
                                    f"by {ckpt.num_ranks} ranks, not {old_world_size}")
-    shards = VerifiedShards(ckpt)
+    shards = VerifiedShards(ckpt, verify)
     return {name: assemble(shards, name, new_world_size, new_rank)
             for name in sorted(ckpt.shard_metadata.tensor_specs)}
 
 
 def load_distributed(directory, rank: int, world_size: int, *,
-                     checkpoint: DistributedCheckpoint | None = None) -> dict[str, np.ndarray]:
+                     checkpoint: DistributedCheckpoint | None = None,
+                     verify: bool | None = None) -> dict[str, np.ndarray]:
     """This rank's tensors: its own shard if ``world_size`` equals the saved one, else resharded.
 
+    ``verify`` (None: the ``FERRO_CHECKPOINT_VERIFY`` setting, on by default) checks each
+    tensor read against its crc32; the save-identity checks run either way.
+
     Raises MetadataError (no committed checkpoint), MissingShardError, SerializationError
-    (corrupt or truncated file, checksum mismatch), IncompleteCheckpointError (mixed saves),
+    (corrupt or truncated file), ChecksumMismatchError (a tensor's bytes changed: names file and
+    tensor), ShardMismatchError (a shard of another save: names the file and both identities),
     TensorError, InvalidArgumentError; each names the file.
     """
     check_rank_world("load_distributed", rank, world_size)
+    verify = resolve_verify(verify, "load_distributed")
     ckpt = checkpoint or open_checkpoint(directory)
     if world_size != ckpt.num_ranks:
-        return reshard(directory, ckpt.num_ranks, world_size, rank, checkpoint=ckpt)
-    shards = VerifiedShards(ckpt)
+        return reshard(directory, ckpt.num_ranks, world_size, rank, checkpoint=ckpt,
+                       verify=verify)
+    shards = VerifiedShards(ckpt, verify)
     return {name: np.array(shards.tensor(rank, name))
             for name in sorted(ckpt.shard_metadata.tensor_specs)}

@@ -18,6 +18,8 @@ world size changed (per-rank state cannot be mapped onto another world).
 
 Checkpoint ids: with a backend, a random id per save (collective save). Without one, every
 rank's process saves step ``n`` under the id ``step<n>``, so the last rank to write commits.
+Either way each shard also carries its own random shard id, recorded in ``metadata.json``, so a
+``step<n>`` shard of another run or another root is refused on restore (``save.py``).
 
 Deletion rule (only **rank 0** deletes; the other ranks never delete a directory):
 
@@ -59,7 +61,7 @@ import numpy as np
 from .async_save import CheckpointFuture, _RankSaves
 from .errors import CheckpointIOError, InvalidArgumentError, MissingStepError
 from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
-from .load import load_distributed, open_checkpoint
+from .load import load_distributed, open_checkpoint, resolve_verify
 from .metadata import ShardMetadata
 from .save import _checked_arrays, encode_extra, save_distributed
 
@@ -233,13 +235,17 @@ class CheckpointManager(_RankSaves):
 
     # -- restoring -------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    def restore(self, step: int | None = None, *,
+                verify: bool | None = None) -> tuple[dict[str, np.ndarray], dict]:
         """This rank's tensors of ``step`` (the newest committed one if None), resharded when
         the world size changed, and its ``extra`` (``{}`` if none was saved).
 
         Waits for this manager's pending asynchronous save first. Raises MissingStepError if
-        the step is not committed, and the load errors of :func:`load_distributed`.
+        the step is not committed, and the load errors of :func:`load_distributed`
+        (ShardMismatchError for a shard of another save, ChecksumMismatchError...);
+        ``verify`` as there.
         """
+        verify = resolve_verify(verify, "CheckpointManager.restore")
         self._wait_pending()
         if step is None:
             step = self.latest_step()
@@ -252,6 +258,7 @@ class CheckpointManager(_RankSaves):
             raise MissingStepError(f"step {step} is not a committed step in {self.root} "
                                    f"(committed: {self.steps()})")
         ckpt = open_checkpoint(directory)
-        tensors = load_distributed(directory, self.rank, self.world_size, checkpoint=ckpt)
+        tensors = load_distributed(directory, self.rank, self.world_size, checkpoint=ckpt,
+                                   verify=verify)
         source = self.rank if ckpt.num_ranks == self.world_size else 0
         return tensors, ckpt.extra(source) or {}

@@ -5,13 +5,22 @@ metadata.json schema (``format_version`` 1)::
     {
       "format": "ferro-checkpoint",
       "format_version": 1,
-      "checkpoint_id": "<32 hex digits, the same in every shard's header>",
+      "checkpoint_id": "<the save's id: the same in every shard's header>",
       "num_ranks": 4,
+      "shard_ids": ["<32 hex digits>", ...],
       "tensor_specs": {
         "<name>": {"full_shape": [10, 3], "shard_dim": 0, "shard_sizes": [3, 3, 2, 2],
                    "dtype": "F32"}
       }
     }
+
+``checkpoint_id`` is shared by the ranks of one save (random with a backend; without one the
+caller's id or a default such as ``step<n>``, so two saves can share it). ``shard_ids[r]`` is
+the random 128-bit id rank ``r`` drew for its shard of this save alone and wrote into that
+shard's header (key ``ferro.shard_id``); the committing rank copied it from the header. Together
+they are the save's identity: a shard whose header does not carry both is from another save.
+Checkpoints written before shard ids existed have no ``shard_ids`` (and possibly no
+``checkpoint_id``); they still load, checked only by what they record.
 
 Shard ``r`` of a tensor holds the rows ``[sum(shard_sizes[:r]), sum(shard_sizes[:r+1]))`` along
 ``shard_dim``; every other dimension is whole.
@@ -109,10 +118,16 @@ class ShardMetadata:
     num_ranks: int
     tensor_specs: dict[str, TensorShardSpec] = field(default_factory=dict)
     checkpoint_id: str = ""
+    shard_ids: tuple[str, ...] = ()  # per rank; empty in checkpoints older than shard ids
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
             raise InvalidArgumentError(f"ShardMetadata: num_ranks {self.num_ranks!r} must be >= 1")
+        self.shard_ids = tuple(self.shard_ids)
+        if self.shard_ids and (len(self.shard_ids) != self.num_ranks or
+                               not all(isinstance(i, str) for i in self.shard_ids)):
+            raise InvalidArgumentError(f"ShardMetadata: shard_ids must be {self.num_ranks} "
+                                       f"strings (one per rank), got {self.shard_ids!r:.120}")
         for name, spec in self.tensor_specs.items():
             if len(spec.shard_sizes) != self.num_ranks:
                 raise InvalidArgumentError(
@@ -120,11 +135,12 @@ class ShardMetadata:
                     f"expected num_ranks = {self.num_ranks}")
 
     def to_json(self) -> str:
-        return json.dumps({
-            "format": FORMAT, "format_version": FORMAT_VERSION,
-            "checkpoint_id": self.checkpoint_id, "num_ranks": self.num_ranks,
-            "tensor_specs": {k: v.to_dict() for k, v in sorted(self.tensor_specs.items())},
-        }, indent=1)
+        raw = {"format": FORMAT, "format_version": FORMAT_VERSION,
+               "checkpoint_id": self.checkpoint_id, "num_ranks": self.num_ranks}
+        if self.shard_ids:
+            raw["shard_ids"] = list(self.shard_ids)
+        raw["tensor_specs"] = {k: v.to_dict() for k, v in sorted(self.tensor_specs.items())}
+        return json.dumps(raw, indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "metadata.json") -> ShardMetadata:
@@ -153,7 +169,12 @@ class ShardMetadata:
             if not isinstance(ckpt_id, str):
                 raise MetadataError(f"{source}: malformed metadata: checkpoint_id "
                                     f"{ckpt_id!r:.80} is not a string")
-            return cls(_nonneg_int(raw["num_ranks"], "num_ranks", source), specs, ckpt_id)
+            shard_ids = raw.get("shard_ids", [])
+            if not isinstance(shard_ids, list):
+                raise MetadataError(f"{source}: malformed metadata: shard_ids "
+                                    f"{shard_ids!r:.80} is not a list")
+            return cls(_nonneg_int(raw["num_ranks"], "num_ranks", source), specs, ckpt_id,
+                       tuple(shard_ids))
         except KeyError as exc:
             raise MetadataError(f"{source}: malformed metadata: missing field {exc}") from None
         except InvalidArgumentError as exc:

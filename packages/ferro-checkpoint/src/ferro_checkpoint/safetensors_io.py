@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointIOError, SerializationError, TensorError
+from .errors import CheckpointIOError, ChecksumMismatchError, SerializationError, TensorError
 
 try:
     import ml_dtypes as _ml
@@ -39,6 +39,9 @@ if _BF16 is not None:
 _DTYPES = {v: k for k, v in _CODES.items()}
 MAX_HEADER = 100 << 20
 EXTRA_KEY = "ferro.extra"  # header ``__metadata__`` key of a rank's JSON ``extra`` (optional)
+CHECKPOINT_ID_KEY = "ferro.checkpoint_id"  # the save's id, shared by its ranks
+SHARD_ID_KEY = "ferro.shard_id"  # the random id of this shard of this save (metadata shard_ids)
+_CRC_PREFIX = "ferro.crc32."
 
 
 def dtype_code(dtype: np.dtype, name: str = "") -> str:
@@ -73,7 +76,7 @@ def crc32(a: np.ndarray) -> str:
 
 def crc32_key(name: str) -> str:
     """The header ``__metadata__`` key of tensor ``name``'s checksum."""
-    return f"ferro.crc32.{name}"
+    return f"{_CRC_PREFIX}{name}"
 
 
 def write_safetensors(path: Path, entries: Iterable[tuple[str, str, tuple[int, ...]]],
@@ -195,12 +198,22 @@ class SafetensorsFile:
                              offset=self.data_start + s).reshape(shape)
 
 
+def has_checksums(f: SafetensorsFile) -> bool:
+    """True unless ``f`` predates checksums: a shard with a shard id or any crc32 must have one
+    for every tensor; a legacy shard (neither) has none to check."""
+    return SHARD_ID_KEY in f.metadata or any(k.startswith(_CRC_PREFIX) for k in f.metadata)
+
+
 def verify_crc32(f: SafetensorsFile, name: str, view: np.ndarray) -> None:
-    """Raise SerializationError unless ``view`` (tensor ``name`` of ``f``) matches the checksum
-    its header stores."""
+    """Raise ChecksumMismatchError unless ``view`` (tensor ``name`` of ``f``) matches the
+    checksum its header stores; a legacy shard without checksums passes unchecked."""
     want = f.metadata.get(crc32_key(name))
     if want is None:
-        raise SerializationError(f"{f.path}: tensor {name!r} has no checksum")
-    if crc32(view) != want:
-        raise SerializationError(f"{f.path}: tensor {name!r} is corrupt (crc32 {crc32(view)}, "
-                                 f"expected {want})")
+        if not has_checksums(f):
+            return
+        raise ChecksumMismatchError(f"{f.path}: tensor {name!r} has no checksum, though the "
+                                    "shard records checksums")
+    got = crc32(view)
+    if got != want:
+        raise ChecksumMismatchError(f"{f.path}: tensor {name!r} is corrupt (crc32 {got}, "
+                                    f"expected {want})")

@@ -2,18 +2,29 @@
 
 Protocol for a save with id ``I`` into directory ``D``:
 
-1. Each rank writes ``D/.rank_<r>.<I>.safetensors.tmp`` (tensor by tensor), fsyncs it and the
-   directory. Its header metadata carries ``I``, the rank, the world size and a crc32 per tensor.
+1. Each rank draws a random 128-bit shard id ``S_r`` (uuid4), writes
+   ``D/.rank_<r>.<I>.safetensors.part`` (tensor by tensor), fsyncs it, renames it to
+   ``D/.rank_<r>.<I>.safetensors.tmp`` and fsyncs the directory, so a ``.tmp`` shard that
+   exists is complete. Its header metadata carries ``I``, ``S_r``, the rank, the world size and
+   a crc32 per tensor.
 2. When every shard is durable (after a barrier with a backend; without one, the rank that finds
-   all shards present), one rank writes the commit record ``D/.commit.<I>.json`` (temp file,
-   fsync, rename, directory fsync). **This is the commit point.**
+   all shards present), one rank reads ``S_r`` from every temp shard's header and writes the
+   commit record ``D/.commit.<I>.json`` (temp file, fsync, rename, directory fsync) holding them
+   as ``shard_ids``. **This is the commit point.**
 3. Roll forward (``layout.recover``): each temp shard is renamed to ``rank_<r>.safetensors``
    and the commit record to ``metadata.json``, each step idempotent. Every open of the
    checkpoint calls ``recover`` too, finishing a save that crashed after its commit point.
 
 A crash before step 2 leaves the previous checkpoint untouched; after it, the new checkpoint is
-complete and durable. Loading checks that every shard carries ``metadata.json``'s id and its
-checksums, so shards of two saves are never silently mixed.
+complete and durable. Loading checks that every shard carries ``metadata.json``'s ``I`` and its
+own ``S_r``, and its checksums, so shards of two saves are never silently mixed.
+
+Why the shard ids need no agreement: ``I`` may repeat across saves (``step<n>`` in two runs,
+``g1`` in two directories), but each ``S_r`` is drawn by the one rank that writes shard ``r``
+and is read back from that very file by the committer, so metadata.json names exactly the
+files it commits; a file of any other save carries another ``S_r`` (a 2**-128 collision
+aside). Two ranks committing at once read the same headers and write the same record; a
+committer that finds a temp shard already renamed leaves the commit to the one that did.
 
 With ``backend=`` (any ferro_backend.Backend) the save is collective: rank 0 draws a random id
 and sends it to every rank, all ranks write, barrier, rank 0 commits, barrier. Without one, pass
@@ -24,6 +35,7 @@ used otherwise; a crashed save's leftovers are then only safe once every rank sa
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from collections.abc import Mapping
@@ -31,13 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointIOError, InvalidArgumentError, TensorError
+from .errors import CheckpointIOError, InvalidArgumentError, ShardMismatchError, TensorError
 from .layout import (
     CHECKPOINT_ID_RE,
     METADATA,
     all_tmp_shards_written,
     commit_path,
     fsync_dir,
+    part_shard_path,
     recover,
     remove_stale_tmp_shards,
     tmp_shard_path,
@@ -45,7 +58,10 @@ from .layout import (
 )
 from .metadata import ShardMetadata, TensorShardSpec, check_rank_world
 from .safetensors_io import (
+    CHECKPOINT_ID_KEY,
     EXTRA_KEY,
+    SHARD_ID_KEY,
+    SafetensorsFile,
     crc32,
     crc32_key,
     dtype_code,
@@ -118,9 +134,33 @@ def _default_id(directory: Path) -> str:
     return f"g{n + 1}"
 
 
+def _tmp_shard_ids(directory: Path, ckpt_id: str, world_size: int) -> tuple[str, ...] | None:
+    """Every rank's shard id, read from its temp shard's header; None if one was already
+    renamed (another rank committed this save)."""
+    ids = []
+    for r in range(world_size):
+        path = tmp_shard_path(directory, r, ckpt_id)
+        try:
+            header = SafetensorsFile(path).metadata
+        except FileNotFoundError:
+            return None
+        got = header.get(SHARD_ID_KEY)
+        if got is None or header.get(CHECKPOINT_ID_KEY) != ckpt_id:
+            raise ShardMismatchError(
+                f"save_distributed: {path} carries checkpoint id "
+                f"{header.get(CHECKPOINT_ID_KEY)!r} and shard id {got!r}, expected "
+                f"checkpoint id {ckpt_id!r} and a shard id; not committing")
+        ids.append(got)
+    return tuple(ids)
+
+
 def _commit(directory: Path, meta: ShardMetadata) -> None:
-    """Write the commit record (the commit point), then roll the save forward."""
-    write_json_durably(commit_path(directory, meta.checkpoint_id), meta.to_json())
+    """Write the commit record with every shard's id (the commit point), then roll the save
+    forward."""
+    ids = _tmp_shard_ids(directory, meta.checkpoint_id, meta.num_ranks)
+    if ids is not None:
+        meta.shard_ids = ids
+        write_json_durably(commit_path(directory, meta.checkpoint_id), meta.to_json())
     recover(directory)
 
 
@@ -146,7 +186,8 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend.
     extra
         Optional JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
-        so it is committed atomically with the shard; read it back with :func:`read_extra`.
+        so it is committed atomically with the shard; read it back with
+        :meth:`DistributedCheckpoint.extra`.
 
     Raises
     ------
@@ -173,14 +214,21 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     remove_stale_tmp_shards(directory, rank, ckpt_id)
     names = sorted(arrays)
     le = {n: little_endian(arrays[n]) for n in names}
-    meta = {"ferro.checkpoint_id": ckpt_id, "ferro.rank": str(rank),
+    meta = {CHECKPOINT_ID_KEY: ckpt_id, SHARD_ID_KEY: uuid.uuid4().hex, "ferro.rank": str(rank),
             "ferro.world_size": str(world_size)}
     meta.update({crc32_key(n): crc32(le[n]) for n in names})
     if extra_json is not None:
         meta[EXTRA_KEY] = extra_json
-    write_safetensors(tmp_shard_path(directory, rank, ckpt_id),
-                      [(n, dtype_code(le[n].dtype, n), le[n].shape) for n in names],
-                      le.__getitem__, meta)
+    part = part_shard_path(directory, rank, ckpt_id)
+    try:
+        write_safetensors(part, [(n, dtype_code(le[n].dtype, n), le[n].shape) for n in names],
+                          le.__getitem__, meta)
+        os.replace(part, tmp_shard_path(directory, rank, ckpt_id))
+    except BaseException as exc:
+        part.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointIOError):
+            raise CheckpointIOError(f"save_distributed: cannot write {part}: {exc}") from exc
+        raise
     fsync_dir(directory)
     specs = {n: TensorShardSpec(s.full_shape, s.shard_dim, s.shard_sizes,
                                 dtype_code(arrays[n].dtype, n))
