@@ -8,6 +8,11 @@ FSDP's ``sharded_state_dict(optimizer)`` saves that state with the parameters. P
 ``optimizer.state`` maps each Parameter to its state dict (``"momentum_buffer"`` for SGD;
 ``"step"``, ``"exp_avg"``, ``"exp_avg_sq"`` for Adam and AdamW). ``state_dict()`` / ``load_state_dict()``
 use parameter indices instead, like torch.
+
+The step: when a parameter, its gradient and its state arrays are C-contiguous and of one dtype
+(float32 or float64), the compiled kernel ``_optim_step`` updates it in one pass without the
+GIL, with the same bits as the numpy step (the same operations in the same order, each rounded
+to the parameter's dtype); otherwise, or with ``fused=False``, the numpy step runs.
 """
 
 from __future__ import annotations
@@ -18,7 +23,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from . import _optim_step
 from .parameter import Parameter
+
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _flat_views(*arrays: np.ndarray) -> list[np.ndarray] | None:
+    """1-d views of ``arrays`` for the compiled step, or None when it cannot take them (not all
+    C-contiguous, or not all of one float32/float64 dtype)."""
+    dtype = arrays[0].dtype
+    if dtype not in _FUSED_DTYPES:
+        return None
+    if any(a.dtype != dtype or not a.flags.c_contiguous for a in arrays):
+        return None
+    return [a.reshape(-1) for a in arrays]
 
 
 class Optimizer:
@@ -121,7 +140,8 @@ class SGD(Optimizer):
     array_state_keys = ("momentum_buffer",)
 
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, *, dampening: float = 0.0, nesterov: bool = False) -> None:
+                 weight_decay: float = 0.0, *, dampening: float = 0.0, nesterov: bool = False,
+                 fused: bool = True) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"SGD: lr {lr}, momentum {momentum} and weight_decay {weight_decay} "
                              "must be >= 0")
@@ -130,9 +150,17 @@ class SGD(Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                                   "dampening": dampening, "nesterov": nesterov})
         self._scratch: dict[int, np.ndarray] = {}
+        self.fused = bool(fused)
 
     def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
         wd, momentum = group["weight_decay"], group["momentum"]
+        buf = state.get("momentum_buffer")
+        if self.fused and (buf is not None or not momentum):   # the first step is numpy's
+            flat = _flat_views(p.data, grad, buf if momentum else p.data)
+            if flat is not None:
+                _optim_step.sgd_step(*flat, float(group["lr"]), float(wd), float(momentum),
+                                     float(group["dampening"]), bool(group["nesterov"]))
+                return
         d = grad + wd * p.data if wd else grad
         if momentum:
             buf = state.get("momentum_buffer")
@@ -163,12 +191,13 @@ class Adam(Optimizer):
 
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, *, fused: bool = True) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"{type(self).__name__}: invalid lr {lr}, betas {betas}, eps {eps} "
                              f"or weight_decay {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
                                   "weight_decay": weight_decay})
+        self.fused = bool(fused)
 
     def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -178,19 +207,26 @@ class Adam(Optimizer):
             state["exp_avg_sq"] = np.zeros_like(p.data)
         state["step"] += 1
         step = state["step"]
+        bias1 = 1.0 - beta1 ** step
+        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        flat = _flat_views(p.data, grad, m, v) if self.fused else None
+        if flat is not None:
+            lr = float(group["lr"])
+            _optim_step.adam_step(*flat, float(beta1), float(beta2), bias2_sqrt,
+                                  float(group["eps"]), lr / bias1, float(group["weight_decay"]),
+                                  lr, self._decoupled)
+            return
         if self._decoupled:
             d = grad
             if group["weight_decay"]:
                 p.data *= 1.0 - group["lr"] * group["weight_decay"]
         else:
             d = grad + group["weight_decay"] * p.data if group["weight_decay"] else grad
-        m, v = state["exp_avg"], state["exp_avg_sq"]
         m *= beta1
         m += (1.0 - beta1) * d
         v *= beta2
         v += (1.0 - beta2) * (d * d)
-        bias1 = 1.0 - beta1 ** step
-        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
         denom = np.sqrt(v) / bias2_sqrt + group["eps"]
         p.data -= (group["lr"] / bias1) * (m / denom)
 
@@ -203,8 +239,8 @@ class AdamW(Adam):
 
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay)
+                 weight_decay: float = 1e-2, *, fused: bool = True) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused)
 
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
