@@ -3,16 +3,15 @@ otherwise. Every shard used is checked against metadata.json (the save's identit
 id and shard id; rank, world size, shapes, dtypes) and, unless verification is off, each
 tensor's crc32; the error names the bad file.
 
-Verification: ``verify=None`` (the default of every loading function) reads the environment
-variable ``FERRO_CHECKPOINT_VERIFY`` (unset, ``1``/``true``/``yes``/``on``: verify;
-``0``/``false``/``no``/``off``: skip), ``verify=True``/``False`` overrides it. Skipping saves the
-crc32 pass over the tensor bytes only; the identity checks read headers and always run.
+Verification: on by default (``verify=None`` or ``True`` on every loading function);
+``verify=False`` skips the crc32 pass over the tensor bytes only; the identity checks read
+headers and always run. (No environment variable: ferro's variables live in one table,
+``ferro_backend.settings``, which this numpy-only layer does not import.)
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,22 +37,15 @@ from .safetensors_io import (
     verify_crc32,
 )
 
-VERIFY_ENV = "FERRO_CHECKPOINT_VERIFY"
-_ON, _OFF = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
-
 
 def resolve_verify(verify: bool | None, op: str) -> bool:
-    """``verify`` itself when a bool, else the ``FERRO_CHECKPOINT_VERIFY`` setting (on if
-    unset); anything else raises InvalidArgumentError naming it."""
+    """``verify`` itself when a bool, True when None (the default); anything else raises
+    InvalidArgumentError naming it."""
+    if verify is None:
+        return True
     if isinstance(verify, bool):
         return verify
-    if verify is not None:
-        raise InvalidArgumentError(f"{op}: verify {verify!r:.40} must be True, False or None")
-    value = os.environ.get(VERIFY_ENV, "").strip().lower()
-    if value in _ON or value in _OFF:
-        return value in _ON
-    raise InvalidArgumentError(f"{op}: {VERIFY_ENV}={value!r:.40} must be one of "
-                               f"{_ON[1:] + _OFF}")
+    raise InvalidArgumentError(f"{op}: verify {verify!r:.40} must be True, False or None")
 
 
 @dataclass
@@ -237,7 +229,7 @@ def load_distributed(directory, rank: int, world_size: int, *,
                      verify: bool | None = None) -> dict[str, np.ndarray]:
     """This rank's tensors: its own shard if ``world_size`` equals the saved one, else resharded.
 
-    ``verify`` (None: the ``FERRO_CHECKPOINT_VERIFY`` setting, on by default) checks each
+    ``verify`` (None or True, the default; False skips it) checks each
     tensor read against its crc32; the save-identity checks run either way.
 
     Raises MetadataError (no committed checkpoint), MissingShardError, SerializationError
