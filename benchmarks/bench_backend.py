@@ -119,14 +119,17 @@ b.close()
 """
 
 
-def _spawn(script: str, nbytes: int, port: int, cls: str = "") -> subprocess.Popen:
+def _spawn(script: str, nbytes: int, port: int, cls: str = "", **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(nbytes),
-                             str(port), cls], env=dict(os.environ))
+                             str(port), cls], env=dict(os.environ, **env))
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-@pytest.mark.parametrize("impl", ["raw_socket", "tcp", "shm"])
-def bench_tcp_round_trip(benchmark, impl, size):
+@pytest.mark.parametrize("impl", ["raw_socket", "tcp", "tcp_threads", "shm"])
+def bench_tcp_round_trip(benchmark, impl, size, monkeypatch):
+    """A round trip between two processes. ``tcp``: TcpBackend with its receive loop (one
+    epoll thread per process); ``tcp_threads``: with a reader thread per peer
+    (FERRO_TCP_READER=threads), the 0.2 design."""
     nbytes = SIZES[size]
     benchmark.group = f"roundtrip 2 processes {size}"
     benchmark.extra_info["bytes"] = 2 * nbytes
@@ -158,7 +161,9 @@ def bench_tcp_round_trip(benchmark, impl, size):
             proc.wait(30)
     else:
         cls = ShmBackend if impl == "shm" else TcpBackend
-        proc = _spawn(FERRO_ECHO, nbytes, port, cls.__name__)
+        reader = "threads" if impl == "tcp_threads" else "loop"
+        monkeypatch.setenv("FERRO_TCP_READER", reader)
+        proc = _spawn(FERRO_ECHO, nbytes, port, cls.__name__, FERRO_TCP_READER=reader)
         b = cls(0, 2, f"127.0.0.1:{port}", timeout=120)
 
         def run():

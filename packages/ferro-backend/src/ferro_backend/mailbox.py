@@ -116,6 +116,9 @@ class Mailbox:
         #: called (no arguments, from the thread that saw it) on every failure: a peer gone,
         #: an abort, this rank's close (e.g. to wake waits that do not use this mailbox)
         self.on_failure: list[Callable[[], None]] = []
+        #: called ``(src, tag)`` after a receive is posted and left waiting (a transport's
+        #: receive loop that holds back a large frame until its receive is posted)
+        self.on_post: Callable[[int, int], None] | None = None
 
     def add_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` on every failure from now on, and at once when one has already
@@ -187,7 +190,11 @@ class Mailbox:
                 req = PostedRecv(self, src, tag, view)
                 self.posted.setdefault(key, deque()).append(req)
                 self.cond.notify_all()  # a transport may be waiting to claim it
-                return req
+        if msg is None:
+            hook = self.on_post
+            if hook is not None:
+                hook(src, tag)
+            return req
         req = PostedRecv(self, src, tag, view)
         if len(msg) != len(view):
             raise size_mismatch("recv", src, self.rank, tag, len(view), len(msg))

@@ -2,8 +2,10 @@
 
 The parts, each in its own module: :mod:`.handshake` (protocol check and mutual HMAC auth keyed by
 the job's ``token``, argument or ``FERRO_TOKEN``), :mod:`.rendezvous` (building the mesh from
-``master_addr``), :mod:`.framing` (frames and the reader thread that drains each link into the
-rank's :class:`~ferro_backend.mailbox.Mailbox`), :mod:`.teardown` (goodbyes, aborts, release).
+``master_addr``), :mod:`.framing` (frames, and the reader thread per link of
+``FERRO_TCP_READER=threads``), :mod:`.reactor` (the default: one epoll receive loop per process
+that drains every link into the rank's :class:`~ferro_backend.mailbox.Mailbox`), :mod:`.teardown`
+(goodbyes, aborts, release).
 This module puts them together behind the :class:`~ferro_backend.Backend` contract.
 """
 
@@ -23,6 +25,7 @@ from ..errors import DistributedError, PeerClosedError, RendezvousError
 from ..mailbox import Mailbox
 from .framing import K_DATA, Link, read_frames
 from .lazy import Connector
+from .reactor import Reactor
 from .rendezvous import Rendezvous, parse_addr
 from .route import Route
 from .teardown import release, say_goodbye, send_abort
@@ -117,6 +120,10 @@ class TcpBackend(FixedRanks, Backend):
         self._routes: dict[int, Route] = {}
         self._route_list: list[Route] = []
         self._connector: Connector | None = None
+        #: the receive loop (FERRO_TCP_READER=loop), else a reader thread per link
+        self._reactor: Reactor | None = None
+        if world_size > 1 and settings.TCP_READER.get() == "loop":
+            self._reactor = Reactor(rank, self._box, self._may_wait_for_receive)
         if world_size == 1 and listener is not None:
             listener.close()
         if world_size > 1:
@@ -133,9 +140,13 @@ class TcpBackend(FixedRanks, Backend):
                                             self._links.__contains__)
 
     def _add_link(self, peer: int, sock: socket.socket) -> None:
-        """``sock`` (handshaken) becomes the link to ``peer``; its reader thread starts."""
+        """``sock`` (handshaken) becomes the link to ``peer``, drained by the receive loop or
+        by a reader thread of its own."""
         link = Link(self._rank, peer, sock)
         self._links[peer] = link
+        if self._reactor is not None:
+            self._reactor.add(link)
+            return
         t = threading.Thread(target=read_frames, args=(link, self._box,
                                                        self._may_wait_for_receive),
                              daemon=True, name=f"ferro-tcp-{self._rank}<-{peer}")
@@ -306,6 +317,8 @@ class TcpBackend(FixedRanks, Backend):
             closer()
         if self._connector is not None:
             self._connector.close()
+        if self._reactor is not None:
+            self._reactor.finish(wait)
         release(list(self._links.values()), self._readers, wait)
 
     def _reach_all(self, seconds: float) -> None:

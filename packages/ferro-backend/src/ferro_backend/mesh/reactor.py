@@ -1,0 +1,281 @@
+"""One receive loop per process: every link's socket drained by a single epoll-driven thread.
+
+The thread-per-peer reader (:func:`.framing.read_frames`) costs a thread for every connected
+peer; at hundreds of ranks that is hundreds of threads per process, each waking for its own
+socket. :class:`Reactor` keeps one thread whatever the world size. It waits in ``epoll`` (the
+GIL released) for any readable link, then reads without blocking (``MSG_DONTWAIT``) as much as
+the socket holds, frame by frame, with the same delivery rules as the reader threads:
+
+* a DATA frame goes straight into the buffer of a posted receive (no copy), else into a new
+  buffer queued in the mailbox; a frame of the wrong length is refused and skipped unallocated;
+* a large frame (>= LARGE_FRAME) whose receive is not posted yet is *parked*: its link is left
+  unread for up to LARGE_FRAME_WAIT seconds (the sender's bytes wait in the kernel) until the
+  receive is posted (the mailbox's ``on_post`` wakes the loop at once), and only if no send of
+  this process is stuck (``may_wait``), as the reader threads did; the other links keep flowing;
+* ABORT, CLOSE, EOF and errors become failures on the mailbox; a peer that stops mid-frame
+  (SIGSTOP) holds up only its own link.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..checks import size_mismatch
+from ..errors import PeerClosedError, ProtocolError
+from ..mailbox import CLOSED_CLEANLY, Mailbox, PostedRecv
+from .framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME, LARGE_FRAME_WAIT, Link
+
+#: bytes read from one link before the loop looks at the others (fairness)
+_TURN = 4 << 20
+_DONTWAIT = socket.MSG_DONTWAIT
+_HEADER, _PAYLOAD, _PARKED, _DONE = 0, 1, 2, 3
+
+
+class _Incoming:
+    """The receive state of one link: the frame header being read, then its payload."""
+
+    __slots__ = ("link", "state", "header", "got", "kind", "tag", "length", "view", "req", "buf",
+                 "skip", "parked_until", "fd")
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.state = _HEADER
+        self.header = memoryview(bytearray(FRAME.size))
+        self.got = 0
+        self.kind = self.tag = self.length = 0
+        self.view: memoryview | None = None
+        self.req: PostedRecv | None = None
+        self.buf: np.ndarray | None = None
+        self.skip = False
+        self.parked_until = 0.0
+        self.fd = link.sock.fileno()
+
+
+class Reactor:
+    """The receive loop of one TcpBackend (one thread, started at once)."""
+
+    def __init__(self, rank: int, box: Mailbox, may_wait: Callable[[], bool]) -> None:
+        self.rank, self.box, self.may_wait = rank, box, may_wait
+        self._ep = select.epoll()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._ep.register(self._wake_r, select.EPOLLIN)
+        self._lock = threading.Lock()
+        self._new: list[Link] = []
+        self._live: dict[int, _Incoming] = {}  # fd -> state, links not finished yet
+        self._parked: dict[tuple[int, int], _Incoming] = {}  # (peer, tag) -> parked link
+        self._stop = False
+        self._draining = False
+        box.on_post = self._posted
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"ferro-tcp-{rank}-loop")
+        self._thread.start()
+
+    # ------------------------------------------------------------------ control
+    def add(self, link: Link) -> None:
+        """Start draining ``link`` (any thread)."""
+        with self._lock:
+            self._new.append(link)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def _posted(self, src: int, tag: int) -> None:
+        """Mailbox hook: a receive was posted; wake the loop if its frame is parked."""
+        if self._parked and (src, tag) in self._parked:
+            self._wake()
+
+    def finish(self, wait: float) -> None:
+        """Give the peers ``wait`` seconds to say goodbye (every link to end), then stop the
+        loop. Sockets stay open (the caller closes them after this returns)."""
+        self._draining = True
+        self._wake()
+        self._thread.join(max(0.0, wait))
+        self._stop = True
+        self._wake()
+        self._thread.join(1.0)
+        if self.box.on_post == self._posted:
+            self.box.on_post = None
+        if not self._thread.is_alive():
+            self._ep.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    @property
+    def threads(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        ep, live, wake_r = self._ep, self._live, self._wake_r
+        while not self._stop:
+            if self._draining and not live and not self._new:
+                return
+            timeout = -1
+            if self._parked:
+                now = time.monotonic()
+                timeout = max(0.0, min(min(p.parked_until for p in self._parked.values()) - now,
+                                       1e-3))
+            for fd, _ in ep.poll(timeout):
+                inc = live.get(fd)
+                if inc is not None:
+                    self._drain(inc)
+                elif fd == wake_r:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+            if self._new:
+                with self._lock:
+                    new, self._new = self._new, []
+                for link in new:
+                    inc = _Incoming(link)
+                    live[inc.fd] = inc
+                    ep.register(inc.fd, select.EPOLLIN)
+                    self._drain(inc)  # bytes may have arrived before registration
+            if self._parked:
+                self._unpark()
+
+    def _unpark(self) -> None:
+        now = time.monotonic()
+        can_wait = self.may_wait()
+        for key, inc in list(self._parked.items()):
+            req = self.box.claim(inc.link.peer, inc.tag)
+            if req is not None or now >= inc.parked_until or not can_wait:
+                del self._parked[key]
+                self._begin_payload(inc, req)
+                self._ep.register(inc.fd, select.EPOLLIN)
+                self._drain(inc)
+
+    def _drain(self, inc: _Incoming) -> None:
+        """Read what ``inc``'s socket holds (up to a turn), delivering complete frames. A read
+        that comes back short means the socket is empty: epoll (level-triggered) says when
+        more arrives, so no read ends in EAGAIN on the common path."""
+        recv_into = inc.link.sock.recv_into
+        budget = _TURN
+        try:
+            while budget > 0:
+                state = inc.state
+                if state == _HEADER:
+                    want = FRAME.size - inc.got
+                    k = recv_into(inc.header[inc.got:], want, _DONTWAIT)
+                    if k == 0:
+                        raise EOFError("connection closed")
+                    inc.got += k
+                    if k < want:
+                        return
+                    self._on_header(inc)
+                elif state == _PAYLOAD:
+                    rem = min(inc.length - inc.got, budget)
+                    chunk = inc.view[:min(rem, len(inc.view))] if inc.skip else \
+                        inc.view[inc.got:inc.got + rem]
+                    want = len(chunk)
+                    k = recv_into(chunk, want, _DONTWAIT)
+                    if k == 0:
+                        raise EOFError(f"connection closed with {inc.length - inc.got} bytes of "
+                                       "a frame unread")
+                    inc.got += k
+                    budget -= k
+                    if inc.got == inc.length:
+                        self._on_payload(inc)
+                        return  # back to epoll: its waiter takes the GIL now, not after a read
+                    if k < want:
+                        return
+                else:
+                    return
+        except BlockingIOError:
+            return
+        except (OSError, EOFError, ProtocolError, ValueError) as exc:
+            self._lost(inc, exc)
+
+    def _on_header(self, inc: _Incoming) -> None:
+        kind, tag, length = FRAME.unpack(inc.header)
+        inc.kind, inc.tag, inc.length = kind, tag, length
+        if kind == K_DATA:
+            req = self.box.claim(inc.link.peer, tag)
+            if req is None and length >= LARGE_FRAME and self.may_wait():
+                inc.state = _PARKED
+                inc.parked_until = time.monotonic() + LARGE_FRAME_WAIT
+                self._parked[(inc.link.peer, tag)] = inc
+                self._ep.unregister(inc.fd)
+                return
+            self._begin_payload(inc, req)
+        elif kind == K_ABORT:
+            inc.req = None
+            inc.buf = np.empty(min(length, 1 << 16), dtype=np.uint8)
+            inc.view = memoryview(inc.buf)
+            inc.skip = False
+            inc.state, inc.got, inc.length = _PAYLOAD, 0, len(inc.view)
+            if inc.length == 0:
+                self._on_payload(inc)
+        elif kind == K_CLOSE:
+            self._end(inc, CLOSED_CLEANLY)
+        else:
+            raise ProtocolError(f"frame of unknown kind {kind} from rank {inc.link.peer}")
+
+    def _begin_payload(self, inc: _Incoming, req: PostedRecv | None) -> None:
+        length = inc.length
+        inc.req, inc.skip, inc.buf = req, False, None
+        if req is None:
+            inc.buf = np.empty(length, dtype=np.uint8)  # no zero-fill
+            inc.view = memoryview(inc.buf)
+        elif len(req.view) != length:
+            inc.skip = True
+            inc.buf = np.empty(min(length, 1 << 20), dtype=np.uint8)
+            inc.view = memoryview(inc.buf)
+        else:
+            inc.view = req.view
+        inc.state, inc.got = _PAYLOAD, 0
+        if length == 0:
+            self._on_payload(inc)
+
+    def _on_payload(self, inc: _Incoming) -> None:
+        link, peer = inc.link, inc.link.peer
+        link.received += inc.length if inc.kind == K_DATA else 0
+        if inc.kind == K_ABORT:
+            self.box.abort(peer, bytes(inc.view).decode(errors="replace"))
+            self._end(inc, None)
+            return
+        req = inc.req
+        if inc.skip:
+            req.fail(size_mismatch("recv", peer, self.rank, inc.tag, len(req.view), inc.length))
+        elif req is None:
+            self.box.deliver(peer, inc.tag, inc.buf)
+        else:
+            req.complete()
+        inc.req = inc.buf = inc.view = None
+        inc.state, inc.got = _HEADER, 0
+
+    def _end(self, inc: _Incoming, why: str | None) -> None:
+        """``inc``'s link is finished (CLOSE, ABORT, EOF or an error)."""
+        inc.state = _DONE
+        self._live.pop(inc.fd, None)
+        try:
+            self._ep.unregister(inc.fd)
+        except (OSError, ValueError):
+            pass
+        if why is not None:
+            self.box.peer_closed(inc.link.peer, why)
+
+    def _lost(self, inc: _Incoming, exc: BaseException) -> None:
+        peer = inc.link.peer
+        why = "the process died or closed the connection" if isinstance(
+            exc, EOFError | ConnectionResetError) else str(exc)
+        if inc.state == _PAYLOAD and inc.req is not None and not inc.skip:
+            inc.req.fail(PeerClosedError(
+                f"recv: rank {self.rank} <- {peer}: connection lost mid-message ({why})",
+                peer=peer))
+        self._end(inc, why)
+
