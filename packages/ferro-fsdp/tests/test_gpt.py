@@ -82,3 +82,29 @@ def test_float32_gpt_learns_a_sequence():
     state, losses = single_process(30, dtype=np.float32)
     assert all(v.dtype == np.float32 for v in state.values())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_ddp_trains_the_gpt_like_one_process():
+    from ferro_fsdp import DDP
+
+    steps = 3
+    ref_state, _ = single_process(steps)
+
+    def rank(b):
+        ddp = DDP(model(), b, bucket_cap_mb=0.001)   # several buckets, allreduces overlapping
+        opt = optim.AdamW(ddp.module.parameters(), lr=1e-2, weight_decay=0.1)
+        idx, targets = data()
+        half = BATCH // b.world_size
+        mine = slice(b.rank * half, (b.rank + 1) * half)
+        loss_fn = nn.CrossEntropyLoss()
+        for _ in range(steps):
+            logits = ddp(idx[mine])
+            loss_fn(logits.reshape(-1, VOCAB), targets[mine].reshape(-1))
+            ddp.backward(loss_fn.backward().reshape(logits.shape))
+            opt.step()
+            opt.zero_grad()
+        return ddp.module.state_dict()
+
+    for state in run(rank, 2):
+        for k in ref_state:
+            assert_close_rel(state[k], ref_state[k], 1e-9)

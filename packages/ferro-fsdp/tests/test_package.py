@@ -14,8 +14,8 @@ def test_package_is_installed_not_the_source_tree():
 
 
 def test_the_flattening_kernel_is_compiled():
-    # flatten/unflatten run in ferro-backend's pack/unpack (ferro-fsdp's own kernel is the
-    # optimizer step: test_optim_step.py)
+    # flatten/unflatten run in ferro-backend's pack/unpack (ferro-fsdp's own kernels, the
+    # optimizer step and GELU's erf, are checked in test_optim_step.py and test_transformer.py)
     assert _wire.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
     import ferro_fsdp.flat as flat
     assert flat.pack is ferro_backend.pack and flat.unpack is ferro_backend.unpack

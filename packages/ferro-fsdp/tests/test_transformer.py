@@ -114,6 +114,32 @@ def test_gelu_matches_torch(approximate, dtype):
     check_against_torch(nn.GELU(approximate), torch.nn.GELU(approximate), x)
 
 
+def test_gelu_kernel_is_compiled_and_matches_libm_erf():
+    import importlib.machinery
+    import math
+
+    import ferro_fsdp.activations as activations
+    from ferro_fsdp import _gelu
+
+    assert _gelu.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert activations._gelu is _gelu
+    x = np.concatenate([np.linspace(-9, 9, 1001), [0.0, -0.0, np.inf, -np.inf]])
+    ref = np.array([v * 0.5 * (1 + math.erf(v * math.sqrt(0.5))) if np.isfinite(v)
+                    else (v if v > 0 else np.nan) for v in x])   # -inf * 0: NaN, as torch
+    y = nn.GELU()(x)
+    np.testing.assert_allclose(y, ref, rtol=4e-16, atol=1e-300)
+    assert np.isnan(nn.GELU()(np.array([np.nan]))).all()
+    # non-contiguous, integer and mixed-dtype inputs take the same kernel
+    strided = np.linspace(-3, 3, 20).reshape(4, 5)[:, ::2]
+    np.testing.assert_array_equal(nn.GELU()(strided), nn.GELU()(strided.copy()))
+    assert nn.GELU()(np.arange(3)).dtype == np.float64
+    g = nn.GELU()
+    g(np.ones(3, np.float32))
+    assert g.backward(np.ones(3)).dtype == np.float64
+    with pytest.raises(ValueError, match=r"grad_output of shape \(2,\), expected \(3,\)"):
+        g.backward(np.ones(2))
+
+
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(ValueError, match="approximate 'erf'"):
         nn.GELU("erf")

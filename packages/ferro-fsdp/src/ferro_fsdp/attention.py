@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .layers import GELU, Dropout, LayerNorm, Linear, Sequential, _positive, _rng
+from .activations import GELU
+from .layers import Dropout, LayerNorm, Linear, Sequential, _positive, _rng
 from .module import Module
 
 

@@ -7,7 +7,6 @@ gradient wrt the input; it reads the parameters' ``.data`` again (never a copy k
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -91,30 +90,6 @@ class Linear(Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
-
-
-class ReLU(Module):
-    """``max(x, 0)`` as ``np.maximum`` and torch compute it: NaN stays NaN (never silently 0).
-
-    Backward is torch's ``threshold_backward``: the gradient is 0 where ``x <= 0`` (so 0 at
-    ``x == 0``, as in torch) and ``grad_output`` elsewhere, NaN inputs included; a NaN
-    ``grad_output`` stays NaN where it passes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._off: np.ndarray | None = None
-
-    def forward(self, x: Any) -> np.ndarray:
-        x = np.asarray(x)
-        self._off = x <= 0                     # False for NaN: its gradient passes, as in torch
-        return np.maximum(x, np.zeros((), dtype=x.dtype))
-
-    def backward(self, grad_output: Any) -> np.ndarray:
-        if self._off is None:
-            raise RuntimeError("ReLU.backward: called before forward")
-        g = np.asarray(grad_output)
-        return np.where(self._off, np.zeros((), dtype=g.dtype), g)
 
 
 class Sequential(Module):
@@ -273,46 +248,6 @@ class LayerNorm(Module):
                 f"elementwise_affine={self.elementwise_affine}")
 
 
-_erf = np.frompyfunc(math.erf, 1, 1)   # libm's erf, correctly rounded enough for float64
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-class GELU(Module):
-    """``x * Phi(x)``: ``approximate="none"`` with the exact normal CDF (erf), ``"tanh"`` with
-    torch's tanh formula ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
-
-    def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"GELU: approximate {approximate!r}, expected 'none' or 'tanh'")
-        self.approximate = approximate
-        self._cache: tuple[np.ndarray, np.ndarray] | None = None
-
-    def forward(self, x: Any) -> np.ndarray:
-        x = np.asarray(x)
-        if self.approximate == "none":
-            cdf = (0.5 * (1.0 + _erf(x * math.sqrt(0.5)).astype(np.float64))).astype(x.dtype)
-            self._cache = (x, cdf)
-            return x * cdf
-        t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3))
-        self._cache = (x, t)
-        return 0.5 * x * (1.0 + t)
-
-    def backward(self, grad_output: Any) -> np.ndarray:
-        if self._cache is None:
-            raise RuntimeError("GELU.backward: called before forward")
-        x, c = self._cache
-        g = np.asarray(grad_output)
-        if self.approximate == "none":
-            pdf = np.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi))
-            return g * (c + x * pdf)
-        dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
-        return g * (0.5 * (1.0 + c) + 0.5 * x * (1.0 - c * c) * dinner)
-
-    def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
-
-
 class Dropout(Module):
     """In ``train()`` mode zero each element with probability ``p`` and scale the rest by
     ``1/(1-p)``; in ``eval()`` mode, or with ``p == 0``, the identity. ``backward`` applies the
@@ -352,4 +287,4 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
-__all__ = ["GELU", "Dropout", "Embedding", "LayerNorm", "Linear", "ReLU", "Sequential"]
+__all__ = ["Dropout", "Embedding", "LayerNorm", "Linear", "Sequential"]

@@ -5,9 +5,10 @@ parameters' gradients to their ``.grad`` (torch accumulates the same way; ``zero
 A layer reads its parameters' ``.data`` again in ``backward`` (it caches only its input), which is
 what lets FSDP free the gathered parameters between ``forward`` and ``backward``.
 
-Layers: ``Linear``, ``ReLU``, ``Sequential``, ``Embedding``, ``LayerNorm``, ``GELU``, ``Dropout``
-(:mod:`ferro_fsdp.layers`), ``CausalSelfAttention`` and the pre-LN ``TransformerBlock``
-(:mod:`ferro_fsdp.attention`): torch's names, defaults and math.
+Layers: ``Linear``, ``Sequential``, ``Embedding``, ``LayerNorm``, ``Dropout``
+(:mod:`ferro_fsdp.layers`), ``ReLU``, ``GELU`` (:mod:`ferro_fsdp.activations`),
+``CausalSelfAttention`` and the pre-LN ``TransformerBlock`` (:mod:`ferro_fsdp.attention`):
+torch's names, defaults and math.
 
 Losses are called as ``loss = loss_fn(output, target)`` (a Python float) and
 ``loss_fn.backward()`` returns d loss / d output for the last call.
@@ -19,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from .activations import GELU, ReLU
 from .attention import CausalSelfAttention, TransformerBlock
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential
+from .layers import Dropout, Embedding, LayerNorm, Linear, Sequential
 from .module import Module
 
 
