@@ -42,7 +42,7 @@ def _slowest(b, seconds: float) -> float:
     return float(fc.allreduce(t, b, op="max")[0])
 
 
-def worker(out: Path, reps: int, sizes: list[int]) -> None:
+def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
     from scale_validate import gamma, ping_both_ways
 
     import ferro_backend as fb
@@ -60,7 +60,7 @@ def worker(out: Path, reps: int, sizes: list[int]) -> None:
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         y = np.empty_like(x)
-        for algo in ALGOS:
+        for algo in algos:
             if algo == "star" and nbytes > (16 << 20):
                 continue  # the root's link carries (n - 1) x S each way: minutes, no news
             times = []
@@ -79,12 +79,13 @@ def worker(out: Path, reps: int, sizes: list[int]) -> None:
 
 
 def run_layout(nodes: int, per_node: int, rate: str, reps: int, sizes: list[int],
-               out: Path) -> dict:
+               out: Path, algos: tuple[str, ...] = ALGOS) -> dict:
     target = out / f"raw_{nodes}x{per_node}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "ferro_backend.launch", "--emulate-nodes", str(nodes),
            "--nproc", str(per_node), "--link-rate", rate, "--timeout", "600", __file__,
-           "--worker", str(target), "--reps", str(reps), "--sizes", *map(str, sizes)]
+           "--worker", str(target), "--reps", str(reps), "--sizes", *map(str, sizes),
+           "--algos", *algos]
     print(f"emulated: {nodes} nodes x {per_node} ranks, links {rate}", file=sys.stderr,
           flush=True)
     subprocess.run(cmd, check=True, timeout=3600, env=env)
@@ -196,12 +197,13 @@ def main() -> None:
     ap.add_argument("--link-rate", default="1gbit")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "emulated")
     ap.add_argument("--retable", action="store_true",
                     help="only the table again, from OUT/results.json (e.g. after a model change)")
     args = ap.parse_args()
     if args.worker is not None:
-        return worker(args.worker, args.reps, args.sizes)
+        return worker(args.worker, args.reps, args.sizes, args.algos)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.retable:
         results = json.loads((args.out / "results.json").read_text())
@@ -210,7 +212,7 @@ def main() -> None:
         for layout in args.layouts:
             nodes, per_node = map(int, layout.split("x"))
             results[layout] = run_layout(nodes, per_node, args.link_rate, args.reps,
-                                         args.sizes, args.out)
+                                         args.sizes, args.out, args.algos)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     sys.path.insert(0, str(Path(__file__).parent))
     md = table(results, args.link_rate)

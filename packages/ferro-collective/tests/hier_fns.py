@@ -16,7 +16,7 @@ from ferro_collective import (
     reduce_scatter,
 )
 
-SIZES = (0, 1, 7, 1000, 300_001)
+SIZES = (0, 1, 7, 1000, 300_001, 1_200_001)  # the last: a pipelined hierarchy (3 pieces)
 
 
 def suite(b, nodes):

@@ -8,9 +8,10 @@ Where a call runs (:mod:`.dispatch` picks):
 - **staged on the engine** (:func:`engine_allreduce`): where ranks may read each other's memory,
   a reduce-scatter that folds each rank's chunk of every rank's input straight from the peers'
   memory, piece by piece, then an all-gather of the chunks; else slot-sized pieces;
-- **hierarchical** (:func:`stages`): allreduce inside the node, local rank ``j`` allreduces
-  slice ``j`` across nodes, the node all-gathers the slices (each rank sends 1/L of the data
-  over the network); MEAN adds up in both stages and divides once;
+- **hierarchical** (:func:`stages`): reduce-scatter inside the node, local rank ``j``
+  allreduces slice ``j`` across nodes, the node all-gathers the slices (each rank sends 1/L of
+  the data over the network), pipelined in pieces when large; MEAN adds up in both stages and
+  divides once;
 - **Python**: recursive doubling (small), the ring (large), or the star (the reference).
 
 Every path fixes the order in which values are combined; the engine's paths fold in rank order,
@@ -19,19 +20,20 @@ as "star" does, so their bits equal ``algorithm="star"``'s on every rank.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _fastcall, _reduce, all_gather
+from . import _fastcall, _reduce, _state, all_gather
 from ._state import reserve
 from .checks import as_array, check_out, finish
 from .engine import EngineGroup, FastPlan, Step, one_call_header
 from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
-from .plan import Plan, choose
+from .plan import PREPARE, Plan, choose
 
 #: bytes of each peer's input read and folded at once by the large reduction
 PIECE_BYTES = 512 << 10
@@ -241,31 +243,87 @@ def _fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean: int | N
 
 
 # ----------------------------------------------------------------------------- hierarchical
+#: a hierarchical allreduce of at least PIPELINE_MIN bytes runs as a pipeline of pieces of about
+#: PIPELINE_PIECE bytes: piece k crosses the network while the node reduces piece k + 1 and
+#: gathers piece k - 1, so the node stages hide behind the link (benchmarks/emulated.py)
+PIPELINE_PIECE = 4 << 20
+PIPELINE_MIN = 2 * PIPELINE_PIECE
+
+
+def _schedule(k: int) -> list[tuple[str, int]]:
+    """The node group's calls of a k-piece pipeline, in the one order every rank issues them:
+    reduce-scatter 0, then for each piece the next reduce-scatter before its all-gather."""
+    order = [("rs", 0)]
+    for p in range(k):
+        if p + 1 < k:
+            order.append(("rs", p + 1))
+        order.append(("ag", p))
+    return order
+
+
 def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
-    """The node, cross and node stages (their sequence numbers reserved now, in issue order);
-    returns ``run(execute)``, which hands each stage's plan to the dispatcher."""
+    """Reduce-scatter inside the node, local rank ``j`` allreduces its part across nodes, the
+    node all-gathers the parts; large calls as a pipeline of pieces (PIPELINE_PIECE), each
+    piece's cross stage on the cross group's worker thread while this thread runs the next
+    piece's node stages. Sequence numbers are reserved now, in the order every rank issues
+    the calls; returns ``run(execute)``, which hands each stage's plan to the dispatcher."""
     node, cross = h.node, h.cross
-    s1, s3 = reserve(node, node)
-    (s2,) = reserve(cross)
+    n_local = node.world_size
     stage_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    nbytes = x.size * wd.itemsize
+    # on a node's engine the first stage is a reduce-scatter (one step) and large calls are
+    # pipelined; a simulated hierarchy's node stages run point-to-point, where a ring
+    # reduce-scatter costs more steps than auto's allreduce at small sizes: it keeps the
+    # allreduce, unpipelined (what costmodel.hierarchical_stages describes)
+    engine = node.engine is not None
+    k = 1 if nbytes < PIPELINE_MIN or not engine else -(-nbytes // PIPELINE_PIECE)
+    order = _schedule(k)
+    node_seq = dict(zip(order, reserve(*[node] * len(order)), strict=True))
+    cross_seq = reserve(*[cross] * k)
+    divide = node.world_size * cross.world_size if op is ReduceOp.MEAN else 0
+
+    def across(p: int, part: np.ndarray, execute) -> None:
+        execute(prepare(part, cross, stage_op, timeout, None, part, cross_seq[p]))
+        if divide:
+            np.divide(part, divide, out=part)
 
     def run(execute) -> np.ndarray:
         work = np.array(x, dtype=wd, order="C", copy=True)
-        execute(prepare(work, node, stage_op, timeout, None, work, s1))
         flat = work.reshape(-1)
-        bounds = split_bounds(flat.size, node.world_size)
-        lo, hi = bounds[node.rank]
-        piece = flat[lo:hi]
-        execute(prepare(piece, cross, stage_op, timeout, None, piece, s2))
-        if op is ReduceOp.MEAN:
-            np.divide(piece, node.world_size * cross.world_size, out=piece)
-        chunk = max(b - a for a, b in bounds)
-        send = np.zeros(chunk, wd)
-        send[:hi - lo] = piece
-        gathered = np.empty(chunk * node.world_size, wd)
-        execute(all_gather.prepare(send, node, None, timeout, None, gathered, s3))
-        for r, (a, b) in enumerate(bounds):
-            flat[a:b] = gathered[r * chunk:r * chunk + b - a]
+        pieces = split_bounds(flat.size, k)
+        parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        pending = {}
+        worker = _state.state(cross)
+        try:
+            for step, p in order:
+                a, b = pieces[p]
+                chunk = max(1, -(-(b - a) // n_local))
+                direct = b - a == chunk * n_local  # else padded: a piece of a few elements
+                if step == "rs":
+                    whole = flat[a:b] if direct else np.zeros(chunk * n_local, wd)
+                    if not direct:
+                        whole[:b - a] = flat[a:b]
+                    if engine:
+                        part = np.empty(chunk, wd)
+                        execute(PREPARE["reduce_scatter"](whole, node, stage_op, timeout, None,
+                                                          part, node_seq[step, p]))
+                    else:
+                        execute(prepare(whole, node, stage_op, timeout, None, whole,
+                                        node_seq[step, p]))
+                        me = node.rank * chunk
+                        part = whole[me:me + chunk].copy()
+                    parts[p] = (whole, part)
+                    pending[p] = worker.submit(functools.partial(across, p, part, execute))
+                else:
+                    pending.pop(p).result()
+                    whole, part = parts.pop(p)
+                    execute(all_gather.prepare(part, node, None, timeout, None, whole,
+                                               node_seq[step, p]))
+                    if not direct:
+                        flat[a:b] = whole[:b - a]
+        finally:
+            for f in pending.values():  # a failed stage: the others end by their deadlines
+                f.cancel()
         return finish(work, x.dtype, out)
 
     return run

@@ -36,6 +36,12 @@ ALGORITHMS = {
 }
 
 
+#: each collective's ``prepare`` by name, registered by its module when imported (a hierarchical
+#: stage of one collective may be another collective: allreduce's node stage is a reduce_scatter,
+#: whose module builds on allreduce's)
+PREPARE: dict[str, Callable[..., Any]] = {}
+
+
 def choose(name: str, algorithm: str | None, nbytes: int, n: int, backend=None) -> str:
     """The algorithm to run: the one asked for, or for "auto" the measured thresholds up to 4
     ranks and beyond that the cost model's best for ``backend``'s network (its simulated

@@ -25,7 +25,7 @@ from .checks import as_array, check_out
 from .engine import EngineGroup, Step
 from .ops import ReduceOp, as_op, work_dtype
 from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
-from .plan import Plan, choose
+from .plan import PREPARE, Plan, choose
 
 _fastcall.register(_fastcall.REDUCE_SCATTER,
                    lambda group, x, op: allreduce.fold_plan(group, x, op, "reduce_scatter"))
@@ -133,5 +133,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out
 
     return run
 
+
+PREPARE["reduce_scatter"] = prepare
 
 __all__ = ["IMPLEMENTATIONS", "engine_reduce_scatter", "prepare", "stages"]
