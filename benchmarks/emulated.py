@@ -20,6 +20,7 @@ algorithm beats ``2 (N - 1) / N * S * 8 / rate`` seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,7 +32,9 @@ from pathlib import Path
 import numpy as np
 
 SIZES = (4096, 65536, 1 << 20, 16 << 20, 64 << 20)
-ALGOS = ("auto", "ring", "recursive_doubling", "star")
+#: "auto": what auto runs once the job learned its network (ferro_collective.learn_network);
+#: "hierarchical": the stages, the engine inside each node (auto before learning, on L > 1)
+ALGOS = ("auto", "hierarchical", "ring", "recursive_doubling", "star")
 PING = (8, 4096, 65536, 1 << 20, 4 << 20)  # as scale_validate's (the worker pings with it)
 
 
@@ -47,6 +50,8 @@ def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
 
     import ferro_backend as fb
     import ferro_collective as fc
+    from ferro_collective import costmodel as cm
+    from ferro_collective.dispatch import auto_algorithm
 
     b = fb.init_from_env()
     h = b.hierarchy
@@ -57,19 +62,30 @@ def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
         res.update(ping_both_ways(b, local - b.rank, 7))
     if b.rank == 0:
         res["gamma"] = gamma()
+    t0 = time.perf_counter()
+    learned = fc.learn_network(b)
+    res["learn_s"] = _slowest(b, time.perf_counter() - t0)
+    res["learned"] = dataclasses.asdict(learned)
+    res["auto_picks"] = {str(s): auto_algorithm("allreduce", s, b) for s in sizes}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         y = np.empty_like(x)
         for algo in algos:
             if algo == "star" and nbytes > (16 << 20):
                 continue  # the root's link carries (n - 1) x S each way: minutes, no news
+            if algo == "hierarchical" and local == 1:
+                continue
+            if algo == "hierarchical":  # auto as before learning: the stages, always
+                cm.forget(b)
+            call = "auto" if algo == "hierarchical" else algo
             times = []
-            fc.allreduce(x, b, algorithm=algo, out=y)  # warm-up (and connections)
+            fc.allreduce(x, b, algorithm=call, out=y)  # warm-up (and connections)
             for _ in range(reps if nbytes < (16 << 20) else max(3, reps // 2)):
                 fc.barrier(b)
                 t0 = time.perf_counter()
-                fc.allreduce(x, b, algorithm=algo, out=y)
+                fc.allreduce(x, b, algorithm=call, out=y)
                 times.append(_slowest(b, time.perf_counter() - t0))
+            cm.remember(b, learned)
             assert float(y[0]) == b.world_size, (algo, nbytes, y[:4])
             res["cells"][f"{algo}/{nbytes}"] = times
     if b.rank == 0:
@@ -92,29 +108,51 @@ def run_layout(nodes: int, per_node: int, rate: str, reps: int, sizes: list[int]
     return json.loads(target.read_text())
 
 
-def table(results: dict[str, dict], rate: str) -> str:
+def model_params(res: dict):
+    """The parameters the job learned (ferro_collective.learn_network); for runs from before
+    it, alpha and beta fitted to the ping of ranks 0 and L with the kernel's gamma."""
     from scale_validate import fit
 
     from ferro_collective import costmodel as cm
 
+    if "learned" in res:
+        return cm.Params(**res["learned"])
+    alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
+    return cm.Params(alpha, beta, 0.5e-6, 10e9, res["ranks_per_node"], gamma=res["gamma"],
+                     shared_link=True)
+
+
+def ran(res: dict, algo: str, nbytes: int) -> str:
+    """The model's name for what a cell ran: auto's pick, recorded by the job (older runs:
+    what auto ran before learning), "hierarchical_engine" for the stages."""
+    if algo == "auto":
+        pick = res["auto_picks"][str(nbytes)] if "auto_picks" in res else \
+            ran_auto(nbytes, res["world"], res["ranks_per_node"])
+        return "hierarchical_engine" if pick.startswith("hierarchical") else pick
+    return "hierarchical_engine" if algo == "hierarchical" else algo
+
+
+def table(results: dict[str, dict], rate: str) -> str:
+    from ferro_collective import costmodel as cm
+
     bits = _rate_bits(rate)
     lines = [f"Links shaped to {rate} (tc tbf, both directions). Time: the slowest rank's, median "
-             "(spread = (max - min) / median); model: alpha, beta from ranks 0 and L exchanging "
-             "messages across the link, gamma from the kernel, each node's link shared by its ranks; "
+             "(spread = (max - min) / median); model: the parameters the job learned "
+             "(`ferro_collective.learn_network`: the link pinged by ranks 0 and L, a round of the "
+             "whole job, the local terms), each node's link shared by its ranks; "
              "bound: 2 (N - 1) / N x S over the link rate.", "",
              "| layout | size | algorithm | measured | spread | model | model / measured | "
              "bound | bound / measured |", "|---|---|---|---|---|---|---|---|---|"]
     for layout, res in results.items():
         n, L = res["world"], res["ranks_per_node"]
         N = n // L
-        alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
-        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"], shared_link=True)
+        p = model_params(res)
         for key, times in res["cells"].items():
             algo, nbytes = key.split("/")
             nbytes = int(nbytes)
             med = statistics.median(times)
             spread = (max(times) - min(times)) / med
-            model_algo = ran_auto(nbytes, n, L) if algo == "auto" else algo
+            model_algo = ran(res, algo, nbytes)
             model = cm.predict("allreduce", model_algo, nbytes, n, p)
             bound = 2 * (N - 1) / N * nbytes * 8 / bits
             lines.append(f"| {layout} | {_size(nbytes)} | {algo} ({model_algo}) | "
@@ -124,9 +162,9 @@ def table(results: dict[str, dict], rate: str) -> str:
 
 
 def ran_auto(nbytes: int, n: int, L: int) -> str:
-    """What algorithm="auto" ran on this layout: the hierarchy (engine inside each node) when
-    the job has one and the model on ``costmodel.params_for``'s links prefers it, else the
-    flat algorithm auto picks (the thresholds measured up to 4 ranks, the model beyond)."""
+    """What algorithm="auto" ran before the job learned its network: the hierarchy (engine
+    inside each node) when the layout has one, else the flat algorithm auto picks (the
+    thresholds measured up to 4 ranks, the model beyond)."""
     import dataclasses
 
     from ferro_collective import costmodel as cm
@@ -139,31 +177,22 @@ def ran_auto(nbytes: int, n: int, L: int) -> str:
 
 
 def picks(results: dict[str, dict]) -> str:
-    """Per cell: the measured fastest algorithm, and the model's (with the fitted link, each
-    node's link shared): is its pick the fastest, or within 10% of it?"""
-    from scale_validate import fit
-
-    from ferro_collective import costmodel as cm
-
-    lines = ["| layout | size | measured fastest | model's pick | pick / fastest | ok |",
+    """Per cell: the measured fastest algorithm, and auto's pick (on the learned parameters):
+    is it the fastest, or within 10% of it (each algorithm timed on its own)?"""
+    lines = ["| layout | size | measured fastest | auto's pick | pick / fastest | ok |",
              "|---|---|---|---|---|---|"]
     good = total = 0
     for layout, res in results.items():
-        n, L = res["world"], res["ranks_per_node"]
-        alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
-        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"], shared_link=True)
         sizes = sorted({int(k.split("/")[1]) for k in res["cells"]})
         for nbytes in sizes:
             measured = {}
             for key, times in res["cells"].items():
                 algo, size = key.split("/")
-                if int(size) == nbytes:
-                    if algo == "auto" and ran_auto(nbytes, n, L) != "hierarchical_engine":
-                        continue  # auto ran one of the flat algorithms, measured on its own
-                    measured["hierarchical_engine" if algo == "auto" else algo] = \
-                        statistics.median(times)
-            model = {a: cm.predict("allreduce", a, nbytes, n, p) for a in measured}
-            pick = min(model, key=model.get)
+                if int(size) == nbytes and algo != "auto":
+                    measured[ran(res, algo, nbytes)] = statistics.median(times)
+            pick = ran(res, "auto", nbytes)
+            if pick not in measured and f"auto/{nbytes}" in res["cells"]:
+                measured[pick] = statistics.median(res["cells"][f"auto/{nbytes}"])
             fastest = min(measured, key=measured.get)
             ratio = measured[pick] / measured[fastest]
             ok = ratio <= 1.10
@@ -171,8 +200,7 @@ def picks(results: dict[str, dict]) -> str:
             total += 1
             lines.append(f"| {layout} | {_size(nbytes)} | {fastest} | {pick} | {ratio:.2f} | "
                          f"{'yes' if ok else 'no'} |")
-    lines.append(f"\nThe model's pick is the fastest or within 10% of it in {good} of {total} "
-                 "cells.")
+    lines.append(f"\nauto's pick is the fastest or within 10% of it in {good} of {total} cells.")
     return "\n".join(lines) + "\n"
 
 
@@ -231,16 +259,13 @@ def plot(results: dict[str, dict], rate: str, path: Path) -> None:
     except ImportError:
         print("emulated: matplotlib not installed, no plot", file=sys.stderr)
         return
-    from scale_validate import fit
-
     from ferro_collective import costmodel as cm
 
     bits = _rate_bits(rate)
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
     for ax, (layout, res) in zip(axes[0], results.items()):
         n, L = res["world"], res["ranks_per_node"]
-        alpha, beta = fit({k: res[f"ping{k}"] for k in PING})
-        p = cm.Params(alpha, beta, 0.5e-6, 10e9, L, gamma=res["gamma"], shared_link=True)
+        p = model_params(res)
         for i, algo in enumerate(ALGOS):
             cells = sorted((int(k.split("/")[1]), v) for k, v in res["cells"].items()
                            if k.split("/")[0] == algo)
@@ -250,13 +275,11 @@ def plot(results: dict[str, dict], rate: str, path: Path) -> None:
             med = [statistics.median(c[1]) for c in cells]
             lo = [m - min(c[1]) for m, c in zip(med, cells)]
             hi = [max(c[1]) - m for m, c in zip(med, cells)]
-            name = ran_auto(xs[-1], n, L) if algo == "auto" else algo
             color = f"C{i}"
             ax.errorbar(xs, med, yerr=[lo, hi], fmt="o", color=color, ms=4,
                         label=f"{algo} measured")
-            ax.plot(xs, [cm.predict("allreduce", ran_auto(x, n, L) if algo == "auto" else
-                                    name, x, n, p) for x in xs], "-", color=color, lw=1,
-                    label=f"{algo} model")
+            ax.plot(xs, [cm.predict("allreduce", ran(res, algo, x), x, n, p) for x in xs], "-",
+                    color=color, lw=1, label=f"{algo} model")
         xs = sorted({int(k.split("/")[1]) for k in res["cells"]})
         N = n // L
         ax.plot(xs, [2 * (N - 1) / N * x * 8 / bits for x in xs], "k--", lw=1,

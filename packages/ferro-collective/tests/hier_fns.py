@@ -59,3 +59,29 @@ def mismatch(b, nodes):
     except DistributedError as exc:
         return type(exc).__name__
     return "no error"
+
+
+def learned(b, nodes):
+    """learn_network on two "nodes": the parameters (the same on every rank), what auto runs
+    then at a few sizes, and allreduces still right whatever auto picked."""
+    import dataclasses
+
+    from ferro_collective import learn_network
+    from ferro_collective.dispatch import auto_algorithm
+
+    attach_hierarchy(b, nodes)
+    p = learn_network(b, timeout=60)
+    sizes = (8, 1 << 16, 1 << 22)
+    picks = [auto_algorithm("allreduce", s, b) for s in sizes]
+    sums = []
+    for s in sizes:
+        x = np.full(s // 8, float(b.rank + 1))
+        sums.append(float(allreduce(x, b)[-1]))
+    return {"params": dataclasses.astuple(p), "picks": picks, "sums": sums,
+            "cross": dataclasses.astuple(learned_params(b.hierarchy.cross))}
+
+
+def learned_params(backend):
+    from ferro_collective import costmodel
+
+    return costmodel.learned(backend)

@@ -48,6 +48,7 @@ from .api_uneven import (
     broadcast_object,
 )
 from .header import set_mismatch_check
+from .learn import learn_network
 from .ops import ReduceOp
 from .p2p import set_stall_report
 from .plan import ALGORITHMS
@@ -68,6 +69,7 @@ __all__ = [
     "SizeMismatchError",
     "Work",
     "all_gather",
+    "learn_network",
     "all_gather_async",
     "all_gather_object",
     "all_gather_v",

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 from . import schedule
@@ -76,11 +77,37 @@ class Params:
 DEFAULT = Params(5e-6, 25e9 / 8, 0.5e-6, 10e9, 16)
 
 
+#: backend -> the parameters :func:`ferro_collective.learn_network` measured on it
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember(backend, p: Params) -> None:
+    """From now on "auto" plans with ``p`` on ``backend`` (what :func:`.learn.learn_network` found)."""
+    _LEARNED[backend] = p
+
+
+def forget(backend) -> Params | None:
+    """Plan on ``backend`` as if nothing had been learned (returns what was)."""
+    return _LEARNED.pop(backend, None)
+
+
+def learned(backend) -> Params | None:
+    """The parameters learned on ``backend``, if :func:`.learn.learn_network` ran on it."""
+    try:
+        return _LEARNED.get(backend)
+    except TypeError:  # a backend that cannot be weakly referenced learned nothing
+        return None
+
+
 def params_for(backend) -> Params:
-    """The link parameters "auto" plans with on ``backend``: its modelled network when it is a
+    """The link parameters "auto" plans with on ``backend``: what :func:`.learn.learn_network` measured
+    on it, if it ran; its modelled network when it is a
     :class:`~ferro_backend.SimulatedBackend` made with one; else :data:`DEFAULT`'s links with the
     backend's node layout (``backend.nodes``: consecutive ranks per node, the same number on
     each), or every link between nodes when the layout is unknown or irregular."""
+    p = learned(backend)
+    if p is not None:
+        return p
     network = getattr(backend, "network", None)
     if network is not None:
         return Params.of(network)
@@ -316,4 +343,4 @@ def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
 __all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL",
            "SMALL_MESSAGE_BYTES", "Params", "auto_pick", "best", "choose_auto",
            "choose_hierarchical", "flat_time", "hierarchical_stages", "measured_pick",
-           "params_for", "predict", "terms"]
+           "forget", "learned", "params_for", "predict", "remember", "terms"]

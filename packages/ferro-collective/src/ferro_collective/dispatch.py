@@ -28,7 +28,7 @@ import numpy as np
 from . import _fastcall, costmodel
 from ._state import state
 from .engine import group_of
-from .plan import Plan
+from .plan import Plan, choose
 from .work import Work
 
 
@@ -98,22 +98,35 @@ def usable_hierarchy(backend) -> Any:
 def prefer_hierarchical(name: str, header: tuple, backend, h) -> bool:
     """Whether "auto" runs ``name`` as the hierarchy ``h``'s stages.
 
-    Real nodes (an engine in each) always do: every rank then takes the same path whatever
-    its arguments, so a mismatched call still fails as a mismatch on every rank, and the
-    engine's cost across real nodes has not been measured yet. A simulated network's
+    Real nodes (an engine in each) always do, unless the job learned its network
+    (:func:`ferro_collective.learn_network`): every rank then takes the same path whatever
+    its arguments, so a mismatched call still fails as a mismatch on every rank. A job that
+    learned its network, and a simulated network's
     hierarchy follows the cost model (:func:`costmodel.choose_hierarchical` on its links and
     layout; a layout the model does not describe keeps the stages): the same answer on every
     rank for the same size, world size and layout (ranks that pass different sizes may then
     take different paths and time out instead of reporting the mismatch)."""
-    if h.node.engine is not None:
+    learned = costmodel.learned(backend)
+    if h.node.engine is not None and learned is None:
         return True
-    p = costmodel.params_for(backend)
+    p = learned or costmodel.params_for(backend)
     if p.ranks_per_node != h.local_world or len(h.members) * h.local_world != backend.world_size:
         return True
     dtype, shape = header[0], header[1]
     nbytes = 0 if dtype is None else int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return costmodel.choose_hierarchical(name, nbytes, backend.world_size, p)
+    return costmodel.choose_hierarchical(name, nbytes, backend.world_size, p,
+                                         engine=h.node.engine is not None)
 
 
-__all__ = ["Collective", "execute", "executor", "prefer_hierarchical", "run", "submit",
+def auto_algorithm(name: str, nbytes: int, backend) -> str:
+    """What ``algorithm="auto"`` runs for a call of ``name`` on ``nbytes`` bytes on a backend
+    without an engine of its own: "hierarchical" (the stages) or the flat algorithm."""
+    h = usable_hierarchy(backend)
+    if h is not None and name in costmodel.HIERARCHICAL and prefer_hierarchical(
+            name, (np.dtype(np.uint8), (nbytes,)), backend, h):
+        return "hierarchical"
+    return choose(name, "auto", nbytes, backend.world_size, backend)
+
+
+__all__ = ["Collective", "auto_algorithm", "execute", "executor", "prefer_hierarchical", "run", "submit",
            "usable_hierarchy"]

@@ -52,6 +52,10 @@ def choose(name: str, algorithm: str | None, nbytes: int, n: int, backend=None) 
                          f"{ALGORITHMS[name]}")
     if algorithm != "auto":
         return algorithm
+    if backend is not None and n > 1 and name in costmodel.ALGORITHMS_MODELLED:
+        p = costmodel.learned(backend)  # learned on this job: the model at every world size
+        if p is not None:
+            return costmodel.choose_auto(name, nbytes, n, p)
     params = costmodel.params_for(backend) if n > 4 and backend is not None else None
     return costmodel.auto_pick(name, nbytes, n, params)
 

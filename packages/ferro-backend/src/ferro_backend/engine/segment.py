@@ -219,17 +219,21 @@ class Engine:
                 f"slot and ring bytes {engine._map.head()}, expected "
                 f"{engine._map.expected_head()}: is FERRO_SHM_RING_BYTES the same on every rank?)")
         engine.pids = [engine._map.identity(r)[0] for r in range(n)]
-        mine = b"\x01" if all(engine._can_read(r) for r in range(n) if r != rank) else b"\x00"
-        flags = bytearray(n)
-        flags[rank] = mine[0]
-        for peer in range(n):
-            if peer != rank:
-                backend.send(mine, peer, tag=SETUP_TAG)
-        for peer in range(n):
-            if peer != rank:
-                backend.recv(memoryview(flags)[peer:peer + 1], peer, tag=SETUP_TAG,
-                             timeout=left())
-        engine.cma_ok = all(flags) and settings.SHM_CMA.get() != "never"
+        mine = all(engine._can_read(r) for r in range(n) if r != rank)
+        # every rank's verdict through rank 0 (which already talks to every rank), so a lazy
+        # mesh opens no pair for it: a star, not all pairs
+        verdict = bytearray([mine])
+        if rank == 0:
+            got = bytearray(1)
+            for peer in range(1, n):
+                backend.recv(got, peer, tag=SETUP_TAG, timeout=left())
+                verdict[0] &= got[0]
+            for peer in range(1, n):
+                backend.send(bytes(verdict), peer, tag=SETUP_TAG)
+        else:
+            backend.send(bytes(verdict), 0, tag=SETUP_TAG)
+            backend.recv(verdict, 0, tag=SETUP_TAG, timeout=left())
+        engine.cma_ok = bool(verdict[0]) and settings.SHM_CMA.get() != "never"
         backend.barrier(timeout=left())  # probes read
         return engine
 

@@ -1,0 +1,124 @@
+"""The cost model learns the job's machines and network, and "auto" plans with what it learned.
+
+:func:`learn_network` is a collective (every rank calls it, at the same point of the job, like any other
+collective). It measures, on this job's own ranks and links:
+
+- **the link** between nodes (``alpha``, ``beta``): the first ranks of nodes 0 and 1 (ranks 0
+  and 1 on one node) exchange messages of PING_SIZES bytes both ways at once; a least-squares
+  line through the medians;
+- **a round**: the time of one step of a point-to-point algorithm across the whole job (an
+  8-byte allreduce by recursive doubling, divided by its rounds), which is what a small message
+  really costs here: on an oversubscribed host it is the wait for the peer to be scheduled, far
+  above the link's own latency. The model's ``alpha`` is the larger of the two;
+- **the local terms**: ``call``, one collective's cost outside its messages (a 1-rank
+  allreduce); ``gamma``, seconds per byte of the reduction kernel; the node's engine step
+  (``intra_alpha``: a barrier on the node's engine) and its copy bandwidth (``intra_beta``).
+
+Rank 0's figures are broadcast, so every rank holds the same :class:`~.costmodel.Params` and
+"auto" picks the same algorithm everywhere. From then on :func:`.costmodel.params_for` returns
+them for this backend and its hierarchy's node and cross groups: the flat algorithm is the
+model's best at every world size (not the fixed thresholds), and on several nodes the stages
+run only where the model rates them faster than the flat call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from ferro_backend import SimulatedBackend
+
+from . import _reduce, costmodel, schedule
+from .api import allreduce, barrier, broadcast
+from .ops import OPS, ReduceOp
+
+#: message sizes the link is timed with (bytes)
+PING_SIZES = (8, 64 << 10, 1 << 20, 4 << 20)
+_TAG = 0x7E57
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _ping(backend, peer: int, reps: int, timeout: float) -> tuple[float, float]:
+    """alpha, beta of the link to ``peer`` (both ranks call this at once)."""
+    xs, ys = [], []
+    for nbytes in PING_SIZES:
+        out, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+
+        def once(out=out, inc=inc):
+            req = backend.irecv(inc, peer, tag=_TAG)
+            backend.send(out, peer, tag=_TAG)
+            req.wait(timeout)
+
+        once()
+        xs.append(nbytes)
+        ys.append(_median_time(once, reps))
+    slope, intercept = np.polyfit(np.array(xs, float), np.array(ys), 1)
+    return max(float(intercept), 1e-7), 1.0 / max(float(slope), 1e-12)
+
+
+def local_terms(reps: int = 20) -> tuple[float, float, float]:
+    """``call`` (seconds of one collective outside its messages), ``gamma`` (seconds per byte
+    folded) and the copy bandwidth (bytes/s), measured in this process."""
+    solo = SimulatedBackend.create_group(1)[0]
+    x = np.ones(1, np.float64)
+    allreduce(x, solo, algorithm="star")
+    call = _median_time(lambda: allreduce(x, solo, algorithm="star"), reps)
+    a, c = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
+    gamma = _median_time(lambda: _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel), reps)
+    copy = _median_time(lambda: np.copyto(a, c), reps)
+    return call, gamma / a.nbytes, a.nbytes / copy
+
+
+def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
+    """Measure this job (see the module docstring) and make "auto" plan with the result on
+    ``backend`` and its hierarchy's groups; returns the learned parameters (the same on every
+    rank). A collective: every rank of ``backend`` must call it. Takes under a second (0.75 s
+    on 4 ranks of 2 emulated nodes on 2 cores)."""
+    n, rank = backend.world_size, backend.rank
+    wait = backend.resolve_timeout(timeout, "learn_network: timeout")
+    h = getattr(backend, "hierarchy", None)
+    local = h.local_world if h is not None else 1
+    barrier(backend)
+    fig = np.zeros(7)
+    peer = local if h is not None and n > local else 1
+    if n > 1 and rank in (0, peer):
+        fig[0], fig[1] = _ping(backend, peer - rank, reps, wait)
+    if rank == 0:
+        fig[2], fig[3], fig[4] = local_terms()
+    if h is not None and h.node.engine is not None:
+        barrier(h.node)
+        fig[5] = _median_time(lambda: barrier(h.node), reps)
+    if n > 1:
+        x = np.zeros(1)
+        allreduce(x, backend, algorithm="recursive_doubling")
+        step = _median_time(lambda: allreduce(x, backend, algorithm="recursive_doubling"),
+                            reps)
+        rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
+        fig[6] = step / rounds
+    broadcast(fig, backend, root=0, out=fig)
+    alpha, beta, call, gamma, copy_bw, engine_step, round_cost = fig.tolist()
+    intra = local > 1 and engine_step > 0
+    p = costmodel.Params(
+        max(alpha, round_cost), beta if beta > 0 else costmodel.DEFAULT.beta,
+        engine_step if intra else None, copy_bw if intra else None,
+        local, gamma=gamma, call=call, shared_link=local > 1)
+    costmodel.remember(backend, p)
+    if h is not None:
+        costmodel.remember(h.cross, costmodel.Params(p.alpha, p.beta, gamma=gamma, call=call))
+        if intra:
+            costmodel.remember(h.node, costmodel.Params(p.intra_alpha, p.intra_beta,
+                                                        gamma=gamma, call=call))
+    return p
+
+
+__all__ = ["PING_SIZES", "learn_network", "local_terms"]

@@ -1,0 +1,74 @@
+"""learn_network: the cost model measures the job's link, rounds and local terms; every rank
+holds the same parameters and "auto" plans with them (flat picks at every world size, the
+hierarchy only where the model rates it faster)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hier_fns import learned
+
+from ferro_backend import SimulatedBackend
+from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.testing import run_processes, run_threads
+from ferro_collective import allreduce, costmodel, learn_network
+from ferro_collective.dispatch import auto_algorithm
+from ferro_collective.learn import local_terms
+from ferro_collective.plan import choose
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_local_terms_are_measured():
+    call, gamma, copy = local_terms(reps=5)
+    assert 1e-7 < call < 1e-2  # a collective's cost outside its messages, seconds
+    assert 1e-12 < gamma < 1e-8  # seconds per byte folded
+    assert 1e8 < copy < 1e12  # bytes per second copied
+
+
+def test_every_rank_learns_the_same_parameters_and_auto_uses_them():
+    group = SimulatedBackend.create_group(4)
+    before = [choose("allreduce", "auto", 1 << 16, 4, b) for b in group]
+
+    def body(b):
+        p = learn_network(b, reps=3)
+        picks = {s: choose("allreduce", "auto", s, 4, b) for s in (8, 1 << 16, 1 << 24)}
+        x = allreduce(np.full(1000, float(b.rank)), b)
+        return p, picks, float(x[0])
+
+    results = run_threads(body, group, timeout=120)
+    params = [r[0] for r in results]
+    assert all(p == params[0] for p in params)
+    p = params[0]
+    assert p.alpha > 0 and p.beta > 0 and p.gamma > 0 and p.call > 0
+    assert costmodel.params_for(group[0]) == p
+    for s, algo in results[0][1].items():  # the model's pick on the learned parameters
+        assert algo == costmodel.choose_auto("allreduce", s, 4, p)
+    assert all(r[1] == results[0][1] for r in results)
+    assert all(r[2] == 6.0 for r in results)
+    assert before == ["recursive_doubling"] * 4  # the measured thresholds, before learning
+    assert costmodel.learned(SimulatedBackend.create_group(1)[0]) is None
+
+
+@pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")
+def test_learning_on_two_nodes_sets_the_job_and_its_groups():
+    results = run_processes(learned, 4, ("a", "a", "b", "b"))
+    first = results[0]
+    assert all(r["params"] == first["params"] for r in results)
+    assert all(r["picks"] == first["picks"] for r in results)
+    p = costmodel.Params(*first["params"])
+    assert p.ranks_per_node == 2 and p.shared_link and p.intra_alpha is not None
+    cross = costmodel.Params(*first["cross"])
+    assert (cross.alpha, cross.beta) == (p.alpha, p.beta) and cross.ranks_per_node == 1
+    for s, pick in zip((8, 1 << 16, 1 << 22), first["picks"]):
+        hier = costmodel.choose_hierarchical("allreduce", s, 4, p, engine=True)
+        assert (pick == "hierarchical") == hier, (s, pick)
+    assert first["sums"] == [10.0, 10.0, 10.0]
+    assert all(r["sums"] == first["sums"] for r in results)
+
+
+def test_auto_algorithm_without_learning_follows_the_thresholds():
+    b = SimulatedBackend.create_group(2)[0]
+    assert auto_algorithm("allreduce", 1 << 10, b) == "recursive_doubling"
+    assert auto_algorithm("allreduce", 64 << 20, b) == "ring"
+    assert dataclasses.is_dataclass(costmodel.params_for(b))
