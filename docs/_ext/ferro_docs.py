@@ -1,0 +1,156 @@
+"""Sphinx extension for ferro's docs: what the site computes at build time.
+
+- ``ferro-settings-table``: the table of every ``FERRO_*`` variable, from
+  ``ferro_backend.settings.markdown_table()`` (never pasted, so it cannot go stale);
+- ``ferro-run``: runs a command from the repository root (``ferrorun`` from the Python that
+  builds the docs) and shows the command and its output; a failing command fails the build;
+- ``write_api_pages``: one API page per distribution listing every name of its ``__all__``, for
+  autosummary to document (a name added to ``__all__`` is documented without editing the docs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from docutils import nodes
+from docutils.statemachine import StringList
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+
+ROOT = Path(__file__).resolve().parents[2]
+logger = logging.getLogger(__name__)
+
+
+class SettingsTable(SphinxDirective):
+    """The generated settings table, parsed as Markdown (the page must be a MyST page)."""
+
+    def run(self) -> list[nodes.Node]:
+        from ferro_backend import settings
+
+        table = settings.markdown_table()
+        container = nodes.container(classes=["ferro-settings"])
+        self.state.nested_parse(StringList(table.splitlines(), "<ferro settings>"),
+                                self.content_offset, container)
+        return [container]
+
+
+class RunCommand(SphinxDirective):
+    """``ferro-run`` COMMAND: run it at build time (cwd: the repository root) and show
+    ``$ COMMAND`` followed by its combined output. Options: ``timeout`` (seconds, default 120)."""
+
+    required_arguments = 1
+    final_argument_whitespace = True
+    option_spec = {"timeout": float}
+
+    def run(self) -> list[nodes.Node]:
+        command = self.arguments[0]
+        argv = shlex.split(command)
+        bindir = Path(sys.executable).parent  # ferrorun of the environment building the docs
+        env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+               "PYTHONUNBUFFERED": "1"}
+        start = time.monotonic()
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=self.options.get("timeout", 120.0))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise self.error(f"ferro-run: {command!r} did not run: {exc}") from exc
+        if done.returncode != 0:
+            raise self.error(f"ferro-run: {command!r} exited {done.returncode}:\n"
+                             f"{done.stdout}{done.stderr}")
+        logger.info(f"ferro-run: {command} ({time.monotonic() - start:.1f} s)")
+        # rank lines arrive in any order: sort them so the page is the same build after build
+        lines = (done.stdout + done.stderr).splitlines()
+        ranked = sorted(ln for ln in lines if ln.startswith("[rank "))
+        other = [ln for ln in lines if not ln.startswith("[rank ")]
+        text = "\n".join([f"$ {command}", *ranked, *other])
+        block = nodes.literal_block(text, text, language="text")
+        return [block]
+
+
+def public_names(module: str) -> list[str]:
+    return list(importlib.import_module(module).__all__)
+
+
+def write_api_pages(srcdir: Path, dists: dict[str, str]) -> None:
+    """Write ``api/<import name>.rst`` for each distribution: an autosummary of every name in
+    its ``__all__`` (modules in ``__all__``, such as ``ferro_fsdp.nn``, get their own table)."""
+    outdir = srcdir / "api"
+    outdir.mkdir(exist_ok=True)
+    for dist, module in dists.items():
+        mod = importlib.import_module(module)
+        names = public_names(module)
+        submodules = [n for n in names if _is_module(getattr(mod, n))]
+        # a name another distribution documents (its __all__ has it): a link, not a 2nd page
+        home = {n: _home(getattr(mod, n), n, module, dists) for n in names}
+        constants = [n for n in names if home[n] is None and _is_constant(getattr(mod, n))]
+        plain = [n for n in names
+                 if n not in submodules and n not in constants and home[n] is None]
+        title = f"``{module}`` ({dist})"
+        lines = [title, "=" * len(title), "", f".. automodule:: {module}", "   :no-members:", "",
+                 f".. currentmodule:: {module}", "", ".. autosummary::",
+                 "   :toctree: generated", "", *[f"   {n}" for n in plain], ""]
+        if constants:
+            lines += ["Constants", "---------", ""]
+            for n in constants:
+                lines += [f".. py:data:: {n}", f"   :value: {getattr(mod, n)!r}", ""]
+                lines += [f"   {doc}" for doc in _attr_doc(module, n)] + [""]
+        again = [f":py:obj:`{module}.{n} <{home[n]}.{n}>`" for n in names if home[n]]
+        if again:
+            lines += ["Also importable from here, and documented with their own layer: "
+                      + ", ".join(again) + ".", ""]
+        for sub in submodules:
+            full = f"{module}.{sub}"
+            head = f"``{full}``"
+            lines += [head, "-" * len(head), "", f".. automodule:: {full}", "   :no-members:",
+                      "", f".. currentmodule:: {full}", "", ".. autosummary::",
+                      "   :toctree: generated", "",
+                      *[f"   {n}" for n in public_names(full)], ""]
+        text = "\n".join(lines)
+        page = outdir / f"{module}.rst"
+        if not page.exists() or page.read_text() != text:  # unchanged: no rebuild
+            page.write_text(text)
+
+
+def _home(obj: object, name: str, module: str, dists: dict[str, str]) -> str | None:
+    """The other distribution's package that documents ``obj`` (``name`` in its ``__all__``)."""
+    owner = getattr(obj, "__module__", None) or ""
+    root = owner.split(".")[0]
+    if root == module or root not in dists.values():
+        return None
+    return root if name in public_names(root) else None
+
+
+def _is_constant(obj: object) -> bool:
+    return isinstance(obj, (int, float, str, bytes, tuple, frozenset)) and not callable(obj)
+
+
+def _attr_doc(module: str, name: str) -> list[str]:
+    """The ``#:`` comment (or docstring after it) of the assignment of ``name`` in one of the
+    package's modules, empty when there is none."""
+    from sphinx.pycode import ModuleAnalyzer, PycodeError
+
+    for modname in sorted(m for m in list(sys.modules) if m == module
+                          or m.startswith(module + ".")):
+        try:
+            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
+        except PycodeError:
+            continue
+        if ("", name) in docs:
+            return [line for line in docs[("", name)] if line.strip()]
+    return []
+
+
+def _is_module(obj: object) -> bool:
+    return type(obj).__name__ == "module"
+
+
+def setup(app):
+    app.add_directive("ferro-settings-table", SettingsTable)
+    app.add_directive("ferro-run", RunCommand)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
