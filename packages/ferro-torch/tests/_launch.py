@@ -50,8 +50,9 @@ def run_launcher(cmd: list[str], timeout: float, env: dict | None = None) -> Run
         return Run([r.returncode], _collect(out_dir), r.stdout + r.stderr)
 
 
-def ferrorun(scenario: str, n: int, timeout: float = 100, args: tuple = ()) -> Run:
-    return run_launcher([str(BIN / "ferrorun"), "--nproc", str(n), *args, WORKERS, scenario],
+def ferrorun(scenario: str, n: int, timeout: float = 100, args: tuple = (),
+             script: str = WORKERS) -> Run:
+    return run_launcher([str(BIN / "ferrorun"), "--nproc", str(n), *args, script, scenario],
                         timeout)
 
 

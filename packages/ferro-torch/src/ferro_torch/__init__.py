@@ -9,7 +9,7 @@ from importlib.metadata import version as _version
 import torch.distributed as _dist
 
 from .errors import FerroTorchError
-from .process_group import ProcessGroupFerro, create_process_group
+from .process_group import ProcessGroupFerro, create_process_group, monitored_barrier
 
 __version__ = _version("ferro-torch")
 
@@ -42,4 +42,5 @@ __all__ = [
     "ProcessGroupFerro",
     "create_process_group",
     "ferro_backend",
+    "monitored_barrier",
 ]

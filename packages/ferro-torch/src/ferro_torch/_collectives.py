@@ -29,10 +29,13 @@ from torch._C._distributed_c10d import (
 )
 
 import ferro_collective as fc
+from ferro_collective import ReduceOp
 
 from ._convert import flat, readable, span, writable
 from ._group_core import GroupCore
 from ._reduce_ops import RedOpType, as_reducible, ferro_op
+from ._sparse import sparse_allreduce
+from ._work import all_of
 
 
 class Collectives(GroupCore):
@@ -63,6 +66,8 @@ class Collectives(GroupCore):
         if isinstance(opts, dist.ReduceOp | RedOpType):  # allreduce(tensors, op)
             opts, op = AllreduceOptions(), opts
             opts.reduceOp = op
+        if any(isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, opts)
         self._check("allreduce", tensors)
         op, timeout = ferro_op("allreduce", opts.reduceOp), self._timeout(opts)
 
@@ -70,6 +75,22 @@ class Collectives(GroupCore):
             for t in tensors:
                 with writable(t) as a:
                     self._reduce_into(a, op, timeout, a)
+
+        return self._run("allreduce", list(tensors), opts, run)
+
+    def _sparse_allreduce(self, tensors, opts):
+        """gloo's allreduce of sparse COO tensors (SUM only, as gloo's)."""
+        if ferro_op("allreduce", opts.reduceOp) is not ReduceOp.SUM:
+            raise ValueError("allreduce: sparse tensors are reduced with ReduceOp.SUM only")
+        for t in tensors:
+            if t.layout is not torch.sparse_coo or t.device.type != "cpu":
+                raise ValueError(f"allreduce: sparse and dense tensors in one call ({t.layout} "
+                                 f"on {t.device})")
+        timeout = self._timeout(opts)
+
+        def run() -> None:
+            for t in tensors:
+                sparse_allreduce(t, self._b, timeout)
 
         return self._run("allreduce", list(tensors), opts, run)
 
@@ -132,10 +153,24 @@ class Collectives(GroupCore):
     _allgather_base = all_gather_single
 
     def _coalesced(self, name: str, one: Callable, outputs, inputs, opts):
-        """One op per (output, input) pair, in order on this group's worker; the last Work
-        completes after all of them."""
+        """One op per (output, input) pair, in order on this group's worker; one Work over
+        all of them."""
         works = [one(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._run(name, [], opts, lambda: None)
+        if not works:
+            return self._run(name, [], opts, lambda: None)
+        return all_of(name, works, self._timeout(opts) or self._b.timeout)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        """torch's all_gather_coalesced: ``output_lists[r][i]`` gets rank r's ``inputs[i]``."""
+        opts = AllgatherOptions() if opts is None else opts
+        n = self._b.world_size
+        if len(output_lists) != n or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(f"allgather_coalesced: expected {n} output lists of "
+                             f"{len(inputs)} tensors")
+        per_input = [[outs[i] for outs in output_lists] for i in range(len(inputs))]
+        return self._coalesced("allgather_coalesced",
+                               lambda outs, inp, o: self.allgather([outs], [inp], o),
+                               per_input, inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = AllgatherOptions() if opts is None else opts

@@ -25,13 +25,22 @@ class GroupCore(dist.ProcessGroup):
         self._owns = owns_transport
         self._runner = Runner(self._name)
         self._closed = False
+        #: the Works issued since torch's ``_start_coalescing`` (None: not coalescing)
+        self._coalescing: list[FerroWork] | None = None
 
     def _run(self, name: str, outputs: list[torch.Tensor], opts, fn: Callable[[], None]
              ) -> FerroWork:
         if self._closed:
             raise RuntimeError(f"ferro {name}: process group {self._name!r} was shut down")
-        work = FerroWork(name, outputs)
-        return self._runner.submit(work, fn, inline=not getattr(opts, "asyncOp", True))
+        work = FerroWork(name, outputs, self._timeout(opts) or self._b.timeout)
+        return self._issued(self._runner.submit(work, fn,
+                                                inline=not getattr(opts, "asyncOp", True)))
+
+    def _issued(self, work: FerroWork) -> FerroWork:
+        """``work``, noted as part of the coalesced block torch has open, if any."""
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
 
     @staticmethod
     def _timeout(opts) -> float | None:

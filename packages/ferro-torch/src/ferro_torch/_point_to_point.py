@@ -30,16 +30,16 @@ class PointToPoint(GroupCore):
     def send(self, tensors, dstRank, tag=0):
         self._check("send", tensors)
         self._check_tag("send", tag)
-        work = FerroWork("send", list(tensors))
+        work = FerroWork("send", list(tensors), self._b.timeout)
         try:
             for t in tensors:
                 x = readable(t)
                 self._b.send(x.view(np.uint8), dstRank, tag=tag)
         except BaseException as exc:
-            work._finish(as_torch_error(exc, "ferro send"))
+            work._finish(as_torch_error(exc, "ferro send", self._b.timeout))
         else:
             work._finish()
-        return work
+        return self._issued(work)
 
     def recv(self, tensors, srcRank, tag=0):
         self._check("recv", tensors)
@@ -55,10 +55,13 @@ class PointToPoint(GroupCore):
                 with torch.no_grad():
                     t.copy_(staged)
 
-        return RequestWork("recv", [t], req, self._b.timeout, after)
+        return self._issued(RequestWork("recv", [t], req, self._b.timeout, after))
 
     def recv_anysource(self, tensors, tag=0):
-        raise ValueError("recv: backend 'ferro' needs a source rank (no receive from any source)")
+        # ferro_backend's protocol matches a receive to one (source, tag) stream; receiving
+        # from any source needs the transports to grow it (see the README)
+        raise RuntimeError("ferro recv: receive from any source is not supported by backend "
+                           "'ferro' yet (ferro's transports match receives by source); pass src")
 
 
 __all__ = ["TAG_LIMIT", "PointToPoint"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +35,13 @@ class FerroWork(dist.Work):
     """One operation of a ferro process group: ``wait()``, ``is_completed()``,
     ``get_future()`` (its value: the operation's output tensors), ``exception()``."""
 
-    def __init__(self, name: str, outputs: list[torch.Tensor]) -> None:
+    def __init__(self, name: str, outputs: list[torch.Tensor], timeout: float | None = None
+                 ) -> None:
         super().__init__()
         self._name = name
         self._outputs = outputs
+        #: the operation's deadline in seconds (for the words of a timeout), when known
+        self._timeout_s = timeout
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._lock = threading.Lock()
@@ -62,7 +66,8 @@ class FerroWork(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         secs = seconds(timeout)
         if not self._done.wait(secs):
-            raise FerroTorchError(f"ferro {self._name}: not complete after {secs:g}s")
+            raise FerroTorchError(f"ferro {self._name}: Timed out waiting {secs * 1000:.0f}ms "
+                                  f"for {self._name} to complete (Work.wait's timeout)")
         if self._exc is not None:
             raise self._exc
         return True
@@ -102,7 +107,7 @@ class RequestWork(FerroWork):
 
     def __init__(self, name: str, outputs: list[torch.Tensor], request, timeout: float,
                  after: Callable[[], None] | None = None) -> None:
-        super().__init__(name, outputs)
+        super().__init__(name, outputs, timeout)
         self._request = request
         self._timeout = timeout
         self._after = after
@@ -113,12 +118,13 @@ class RequestWork(FerroWork):
         with self._wait_lock:
             if self._done.is_set():
                 return
+            wait = self._timeout if secs is None else secs
             try:
-                self._request.wait(self._timeout if secs is None else secs)
+                self._request.wait(wait)
                 if self._after is not None:
                     self._after()
             except BaseException as exc:
-                self._finish(as_torch_error(exc, self._name))
+                self._finish(as_torch_error(exc, f"ferro {self._name}", wait))
             else:
                 self._finish()
 
@@ -140,6 +146,30 @@ class RequestWork(FerroWork):
         if start:
             self._waiter.start()
         return super().get_future()
+
+
+class AllDone:
+    """Works seen as one request (``wait``/``is_completed``): what a coalesced group of
+    operations completes with (:func:`all_of`)."""
+
+    def __init__(self, works: list[FerroWork]) -> None:
+        self._works = works
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self._works:
+            w.wait(None if deadline is None else max(1e-6, deadline - time.monotonic()))
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+def all_of(name: str, works: list[FerroWork], timeout: float) -> FerroWork:
+    """One Work over ``works`` (their outputs, in order): complete when all of them are, failed
+    with the first one's error; ``works[0]`` itself when there is only one."""
+    if len(works) == 1:
+        return works[0]
+    return RequestWork(name, [t for w in works for t in w._outputs], AllDone(works), timeout)
 
 
 class Runner:
@@ -179,7 +209,7 @@ class Runner:
         try:
             fn()
         except BaseException as exc:
-            work._finish(as_torch_error(exc, f"ferro {work._name}"))
+            work._finish(as_torch_error(exc, f"ferro {work._name}", work._timeout_s))
         else:
             work._finish()
 
@@ -200,4 +230,4 @@ class Runner:
                 self._thread = None
 
 
-__all__ = ["FerroWork", "RequestWork", "Runner", "seconds"]
+__all__ = ["AllDone", "FerroWork", "RequestWork", "Runner", "all_of", "seconds"]

@@ -21,13 +21,25 @@ class FerroTorchError(dist.DistBackendError):
         self.ferro_error = ferro_error
 
 
-def as_torch_error(exc: BaseException, where: str) -> BaseException:
+def as_torch_error(exc: BaseException, where: str, timeout: float | None = None
+                   ) -> BaseException:
     """``exc`` as torch should see it: ferro's errors (and lost connections) become
     :class:`FerroTorchError` naming ``where``; argument errors (TypeError, ValueError that are
-    not ferro's) and FerroTorchError itself are returned as they are."""
+    not ferro's) and FerroTorchError itself are returned as they are.
+
+    A timeout is worded as torch's backends word theirs (gloo: "Timed out waiting 1000ms for
+    recv operation to complete"), ``timeout`` (seconds) being the deadline the operation had,
+    then ferro's own detail (which rank, which round, which peers) follows in parentheses.
+    """
     if isinstance(exc, FerroTorchError):
         return exc
-    if isinstance(exc, DistributedError | ConnectionError | TimeoutError):
+    if isinstance(exc, TimeoutError):
+        waited = "" if timeout is None else f" waiting {timeout * 1000:.0f}ms"
+        err = FerroTorchError(f"{where}: Timed out{waited} for the operation to complete "
+                              f"({type(exc).__name__}: {exc})", exc)
+        err.__cause__ = exc
+        return err
+    if isinstance(exc, DistributedError | ConnectionError):
         err = FerroTorchError(f"{where}: {type(exc).__name__}: {exc}", exc)
         err.__cause__ = exc
         return err

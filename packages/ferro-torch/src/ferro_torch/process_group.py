@@ -19,11 +19,12 @@ from ferro_backend import Backend, SubBackend
 
 from ._collectives import Collectives
 from ._connect import connect
+from ._device_backend import DeviceBackend
 from ._point_to_point import TAG_LIMIT, PointToPoint
 from .errors import as_torch_error
 
 
-class ProcessGroupFerro(Collectives, PointToPoint):
+class ProcessGroupFerro(Collectives, PointToPoint, DeviceBackend):
     """A torch ProcessGroup whose operations run on a ferro :class:`~ferro_backend.Backend`.
 
     Made by ``torch.distributed.init_process_group("ferro")`` / ``new_group(backend="ferro")``
@@ -126,4 +127,26 @@ def create_process_group(opts, backend_options=None) -> ProcessGroupFerro:
     return pg
 
 
-__all__ = ["TAG_LIMIT", "ProcessGroupFerro", "create_process_group"]
+_torch_monitored_barrier = dist.monitored_barrier
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for ferro groups (and any other group).
+
+    torch's function refuses every backend but one by its name ("monitored_barrier is only
+    implemented for GLOO backend"); this is the same function without that check: on a ferro
+    group (default: the default group) it runs the group's ``monitored_barrier`` (gloo's
+    behaviour: rank 0 names the ranks that did not arrive within ``timeout``, all of them with
+    ``wait_all_ranks``), on any other group it calls torch's. A rank outside ``group`` returns.
+    """
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    pg = dist.group.WORLD if group is None else group
+    if not isinstance(pg, ProcessGroupFerro):
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=timeout)
+    return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+__all__ = ["TAG_LIMIT", "ProcessGroupFerro", "create_process_group", "monitored_barrier"]

@@ -1,0 +1,44 @@
+"""What torch builds on a group's CPU backend works on "ferro" (3 ranks under ferrorun):
+``_device_types``/``_get_backend``, all_gather_coalesced, all_reduce_coalesced, the coalescing
+manager, batch_isend_irecv, get_future, object collectives, subgroups, sparse allreduce,
+monitored_barrier in gloo's words, timeouts in torch's words."""
+
+from pathlib import Path
+
+import pytest
+from _launch import ferrorun
+
+SCRIPT = str(Path(__file__).with_name("workers_torch_api.py"))
+N = 3
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict[int, dict]:
+    run = ferrorun("torch_api", N, timeout=90, script=SCRIPT)
+    assert run.returncodes == [0], run.output[-6000:]
+    by_rank = run.by_rank()
+    assert sorted(by_rank) == list(range(N)), run.output[-3000:]
+    return by_rank
+
+
+def test_monitored_barrier_names_the_missing_ranks_within_the_timeout(ranks):
+    msg, secs = ranks[0]["monitored"]["all"]
+    assert msg.startswith("[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 500 ms")
+    assert 0.9 < secs < 3.5  # each missing rank is given the whole 0.5 s, as gloo gives it
+    msg, secs = ranks[0]["monitored"]["one"]
+    assert "Rank 2 failed to pass monitoredBarrier in 500 ms" in msg and secs < 2.5
+    assert "CollectiveTimeoutError" in msg  # ferro's own detail follows torch's words
+    msg, secs = ranks[1]["monitored"]["one"]
+    assert msg.startswith("Rank 1 successfully reached monitoredBarrier") and secs < 4.5
+    assert "Rank 0 timed out in monitoredBarrier after 0 ms" in ranks[0]["monitored"]["zero"][0]
+
+
+def test_a_timeout_is_worded_as_torch_words_it_with_ferros_detail_after(ranks):
+    t = ranks[0]["timeout"]
+    assert ": Timed out waiting 1000ms " in t["message"], t
+    assert "CollectiveTimeoutError" in t["message"] and "rank 0" in t["message"], t
+    assert 0.9 < t["seconds"] < 5, t
+
+
+def test_receive_from_any_source_is_refused_with_a_message(ranks):
+    assert "receive from any source is not supported" in ranks[1]["any_source"]

@@ -1,0 +1,160 @@
+"""Rank programs for test_torch_api.py: what torch builds on a group's CPU backend, on "ferro"
+(``python workers_torch_api.py SCENARIO`` in each rank, under ferrorun). Each rank writes its
+results to ``$TEST_RESULT_DIR/rank<r>.json``; a failed check raises (exit 1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+import ferro_torch  # noqa: E402 - registers "ferro"
+from workers import init, report  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def expect_error(fn, *words: str, kind: type = RuntimeError) -> tuple[str, float]:
+    """Run ``fn``; it must raise ``kind`` with a message holding every one of ``words``.
+    Returns the message and the seconds it took."""
+    start = time.monotonic()
+    try:
+        fn()
+    except kind as exc:
+        msg = str(exc)
+        for w in words:
+            assert w in msg, f"{w!r} not in {msg!r}"
+        return msg, time.monotonic() - start
+    raise AssertionError(f"no error; expected one naming {words}")
+
+
+def check_device_backend(n: int, me: int) -> None:
+    pg = dist.group.WORLD
+    assert pg._device_types == [CPU], pg._device_types
+    assert pg._get_backend(CPU) is pg and pg._get_backend("cpu").supports_coalescing
+    expect_error(lambda: pg._get_backend(torch.device("cuda")),
+                 "No backend type associated with device type cuda")
+    # all_gather_coalesced, async: torch returns the Work's future
+    ins = [torch.full((k + 1, 2), float(me)) for k in range(3)]
+    outs = [[torch.empty(k + 1, 2) for k in range(3)] for _ in range(n)]
+    dist.all_gather_coalesced(outs, ins, async_op=True).wait()
+    for r in range(n):
+        for k in range(3):
+            assert torch.equal(outs[r][k], torch.full((k + 1, 2), float(r))), (r, k)
+    ts = [torch.ones(2) * me, torch.ones(3)]
+    dist.all_reduce_coalesced(ts)
+    assert torch.equal(ts[0], torch.full((2,), float(sum(range(n))))) and ts[1].sum() == 3 * n
+    # torch's coalescing manager with a device: collectives and p2p in one Work
+    a, b = torch.ones(4), torch.ones(4) * 2
+    got = torch.empty(3)
+    with dist._coalescing_manager(device=CPU, async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    assert torch.equal(a, torch.full((4,), float(n))) and torch.equal(b, torch.full((4,), 2. * n))
+    right, left = (me + 1) % n, (me - 1) % n
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, left, tag=7),
+                                    dist.P2POp(dist.isend, torch.full((3,), float(me)), right,
+                                               tag=7)])
+    for w in works:
+        w.wait()
+    assert torch.equal(got, torch.full((3,), float(left)))
+    # get_future: the output tensors
+    t = torch.ones(5)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    assert torch.equal(fut.wait()[0], torch.full((5,), float(n)))
+    # object collectives (pickles over the group's CPU backend)
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": me, "tag": "x" * me})
+    assert objs == [{"rank": r, "tag": "x" * r} for r in range(n)], objs
+    lst = [("from", 0)] if me == 0 else [None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == [("from", 0)]
+    # new_subgroups_by_enumeration: ferro subgroups of the world's transport
+    sub, _ = dist.new_subgroups_by_enumeration([[0, 1], list(range(2, n))])
+    assert isinstance(sub, ferro_torch.ProcessGroupFerro), sub
+    s = torch.ones(2)
+    dist.all_reduce(s, group=sub)
+    assert s[0].item() == (2 if me < 2 else n - 2)
+
+
+def check_sparse(n: int, me: int) -> None:
+    def dense(r: int) -> torch.Tensor:
+        x = torch.zeros(n + 1, 3)
+        x[r] = r + 1.0
+        x[n] = 1.0  # an index every rank holds: summed
+        return x
+
+    s = dense(me).to_sparse()
+    dist.all_reduce(s)
+    assert s.is_sparse and s.is_coalesced()
+    want = sum(dense(r) for r in range(n))
+    assert torch.equal(s.to_dense(), want), s.to_dense()
+    expect_error(lambda: dist.all_reduce(dense(me).to_sparse(), op=dist.ReduceOp.MAX),
+                 "ReduceOp.SUM only", kind=ValueError)
+
+
+def check_monitored_barrier(n: int, me: int) -> dict:
+    out = {}
+    ferro_torch.monitored_barrier(timeout=timedelta(seconds=20))
+    ferro_torch.monitored_barrier(timeout=timedelta(seconds=20), wait_all_ranks=True)
+    dist.barrier()
+    if me == 0:  # nobody else comes: all of them named, each given the whole timeout
+        missing = ", ".join(str(r) for r in range(1, n))
+        out["all"] = expect_error(
+            lambda: ferro_torch.monitored_barrier(timeout=timedelta(seconds=0.5),
+                                                  wait_all_ranks=True),
+            f"Ranks {missing} failed to pass monitoredBarrier in 500 ms")
+    dist.barrier()
+    late = n - 1  # every rank but the last comes: rank 0 names it, the others hear of it
+    if me == 0:
+        out["one"] = expect_error(
+            lambda: ferro_torch.monitored_barrier(timeout=timedelta(seconds=0.5)),
+            f"Rank {late} failed to pass monitoredBarrier in 500 ms")
+    elif me != late:
+        out["one"] = expect_error(
+            lambda: ferro_torch.monitored_barrier(timeout=timedelta(seconds=2)),
+            f"Rank {me} successfully reached monitoredBarrier, but received errors while "
+            "waiting for send/recv from rank 0")
+    dist.barrier()
+    if me == 0:
+        out["zero"] = expect_error(
+            lambda: dist.group.WORLD.monitored_barrier(timedelta(seconds=0)),
+            "Rank 0 timed out in monitoredBarrier")
+    dist.barrier()
+    return out
+
+
+def check_timeout_words(me: int) -> dict:
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    if me != 0:
+        return {}
+    start = time.monotonic()
+    try:
+        dist.barrier(group=group)
+    except dist.DistBackendError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start}
+    raise AssertionError("a barrier rank 0 alone entered did not time out")
+
+
+def scenario_torch_api() -> None:
+    init(timeout=60)
+    n, me = dist.get_world_size(), dist.get_rank()
+    check_device_backend(n, me)
+    check_sparse(n, me)
+    monitored = check_monitored_barrier(n, me)
+    timeout = check_timeout_words(me)
+    any_source = expect_error(lambda: dist.recv(torch.empty(1)), "any source")[0] if me else ""
+    dist.barrier()
+    report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source)
+    os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
+
+
+if __name__ == "__main__":
+    globals()["scenario_" + sys.argv[1]]()
