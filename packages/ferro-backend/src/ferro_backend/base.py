@@ -31,7 +31,7 @@ BARRIER_TAG = (1 << 32) - 1
 
 
 class Request(abc.ABC):
-    """A pending point-to-point operation, as returned by :meth:`Backend.irecv`/:meth:`isend`.
+    """A pending point-to-point operation, as returned by :meth:`Backend.irecv`/:meth:`Backend.isend`.
 
     A transport implements :meth:`wait` and :meth:`is_completed`; :meth:`poll` has a default
     built on those (a transport that can block efficiently overrides it).
@@ -112,6 +112,8 @@ class Backend(abc.ABC):
 
     @property
     def timeout(self) -> float:
+        """The default deadline, in seconds, of every blocking call on this backend (p2p
+        receives, barriers, the collectives above); a per-call ``timeout=`` wins."""
         return self._timeout
 
     @timeout.setter
@@ -119,7 +121,7 @@ class Backend(abc.ABC):
         self._timeout = check_timeout(value, f"{type(self).__name__}.timeout")
 
     def resolve_timeout(self, timeout: float | None, what: str = "timeout") -> float:
-        """A per-call ``timeout`` validated, or this backend's :attr:`timeout` when None."""
+        """A per-call ``timeout`` validated, or this backend's :attr:`Backend.timeout` when None."""
         if timeout is None:
             return check_timeout(self.timeout, f"{type(self).__name__}.timeout")
         return check_timeout(timeout, what)
@@ -148,7 +150,7 @@ class Backend(abc.ABC):
 
         Raises :class:`SizeMismatchError` if the message's length differs from ``len(out)`` in
         bytes, :class:`CollectiveTimeoutError` after ``timeout`` seconds (default:
-        :attr:`timeout`), :class:`PeerClosedError`/:class:`PeerAbortedError` if ``src`` closed,
+        :attr:`Backend.timeout`), :class:`PeerClosedError`/:class:`PeerAbortedError` if ``src`` closed,
         died or aborted.
         """
 
@@ -237,7 +239,7 @@ class Backend(abc.ABC):
 
     def link_transports(self) -> tuple[str, str]:
         """How this transport moves messages ``(within a node, between nodes)``, in words;
-        transports override it for :meth:`describe`."""
+        transports override it for :meth:`Backend.describe`."""
         name = type(self).__name__
         return name, name
 

@@ -29,7 +29,7 @@ from .ops import ReduceOp
 from .work import Work
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
-"""The default :attr:`Backend.timeout` (60 s). A collective's deadline is its backend's
+"""The default :attr:`~ferro_backend.Backend.timeout` (60 s). A collective's deadline is its backend's
 ``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
 ALLREDUCE = Collective("allreduce", _allreduce.prepare, _fastcall.ALLREDUCE)
@@ -103,7 +103,7 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     """Every rank returns a copy of ``root``'s ``tensor`` (all ranks pass the same shape/dtype).
 
     Uses a binomial tree (ceil(log2 n) rounds) by default, ``algorithm="star"`` for the seed's.
-    Raises :class:`InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
+    Raises :class:`~ferro_backend.InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
     writable C-contiguous array of the input's shape and dtype to fill (may be the input).
     """
     return run(BROADCAST, tensor, backend, root, timeout, algorithm, out)
@@ -153,7 +153,7 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
 
     The barrier is the collectives' header exchange (Bruck's all-gather of a small header,
     ceil(log2 n) rounds), so a rank that calls another collective instead gets
-    :class:`CollectiveMismatchError` on every rank rather than a hang.
+    :class:`~ferro_backend.CollectiveMismatchError` on every rank rather than a hang.
     """
     run(BARRIER, None, backend, None, timeout)
 
@@ -218,7 +218,7 @@ def gather(tensor, backend: Backend, root: int = 0, *, timeout: float | None = N
     blocks, direct sends to the root for large ones; the engine on a ``ShmBackend``.
 
     Returns the gathered array on ``root``, None on the other ranks. Raises
-    :class:`InvalidRankError` for a root outside ``[0, world_size)``.
+    :class:`~ferro_backend.InvalidRankError` for a root outside ``[0, world_size)``.
 
     Examples
     --------

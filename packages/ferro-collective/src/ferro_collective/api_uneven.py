@@ -27,7 +27,7 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> l
     """Every rank's ``tensor``, in rank order; dim 0 may differ between ranks.
 
     Every rank passes the same dtype and the same shape after dim 0 (or every rank a 0-d
-    array); otherwise every rank raises :class:`CollectiveMismatchError` naming what each
+    array); otherwise every rank raises :class:`~ferro_backend.CollectiveMismatchError` naming what each
     passed. Returns a list of ``world_size`` new arrays (index ``r`` = rank ``r``'s, zero rows
     allowed), the same on every rank. A metadata round (ceil(log2 n) small messages) exchanges
     the row counts, then the ring all-gather moves the data. Inputs are not modified.
