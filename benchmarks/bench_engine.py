@@ -115,12 +115,40 @@ def bench_one_call_dispatch_4KiB(benchmark, impl):
             np.add(x, x, out=out)
     else:
         b = one_rank_engine()
-        fc.allreduce(x, b, out=out)
+        fc.allreduce(x, b, out=out)  # the general path makes the group,
+        fc.allreduce(x, b, out=out)  # the one-call path the plan
         assert b.engine.client.cached(_fastcall.ALLREDUCE, x, ReduceOp.SUM) is not None
 
         def run():
             fc.allreduce(x, b, out=out)
     benchmark.pedantic(run, rounds=200, iterations=100, warmup_rounds=5)
+
+
+@pytest.mark.parametrize("impl", ["untraced", "traced"])
+def bench_timeline_cost_4KiB(benchmark, impl, tmp_path):
+    """What the timeline costs the compiled entry: the same call untraced (one pointer check:
+    compare with bench_one_call_dispatch_4KiB's fastcall) and while ferro_backend.trace records
+    every call."""
+    import ferro_collective as fc
+    from ferro_backend import trace
+
+    x = np.ones(1024, np.float32)
+    out = np.empty_like(x)
+    benchmark.group = "timeline (allreduce 4KiB out=, one-rank engine)"
+    benchmark.extra_info["bytes"] = x.nbytes
+    b = one_rank_engine()
+    fc.allreduce(x, b, out=out)
+    fc.allreduce(x, b, out=out)
+
+    def run():
+        fc.allreduce(x, b, out=out)
+
+    if impl == "untraced":
+        benchmark.extra_info["role"] = "baseline"
+        benchmark.pedantic(run, rounds=200, iterations=100, warmup_rounds=5)
+    else:
+        with trace(tmp_path / "t.json"):
+            benchmark.pedantic(run, rounds=50, iterations=100, warmup_rounds=2)
 
 
 @pytest.mark.parametrize("impl", ["itertools.count", "_fastplan.SeqCounter"])

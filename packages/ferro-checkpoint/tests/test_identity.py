@@ -19,6 +19,7 @@ from ferro_checkpoint import (
     MetadataError,
     ShardMismatchError,
     consolidate,
+    flat_shard_metadata,
     load_distributed,
     open_checkpoint,
     reshard,
@@ -241,3 +242,29 @@ def test_malformed_shard_ids_are_a_metadata_error(tmp_path, bad):
         return
     with pytest.raises(MetadataError, match="shard_ids"):
         open_checkpoint(tmp_path)
+
+
+def test_a_save_is_a_span_on_ferro_backends_timeline_when_it_traces(tmp_path, monkeypatch):
+    """ferro-checkpoint imports nothing of ferro-backend: it reports its saves to
+    ``ferro_backend.timeline`` only when that module is loaded and tracing (a stand-in here)."""
+    import contextlib
+    import sys
+    import types
+
+    spans = []
+    fake = types.ModuleType("ferro_backend.timeline")
+    fake.active = lambda: True
+
+    @contextlib.contextmanager
+    def span(name, cat, **args):
+        spans.append((name, cat, args))
+        yield
+
+    fake.span = span
+    monkeypatch.setitem(sys.modules, "ferro_backend.timeline", fake)
+    spec = flat_shard_metadata({"w": np.zeros(4)}, 1)
+    save_distributed({"w": np.ones(4)}, tmp_path / "c", 0, 1, spec)
+    assert spans == [("checkpoint.save", "checkpoint", {"directory": str(tmp_path / "c")})]
+    fake.active = lambda: False
+    save_distributed({"w": np.ones(4)}, tmp_path / "d", 0, 1, spec)
+    assert len(spans) == 1

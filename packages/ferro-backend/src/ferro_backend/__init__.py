@@ -26,6 +26,7 @@ from .mesh.tcp import TcpBackend
 from .mpi import MpiBackend
 from .simulated import SimulatedBackend
 from .sub import SubBackend
+from .timeline import trace
 from .wire import pack, packed_nbytes, unpack
 
 __version__ = _version("ferro-backend")
@@ -59,5 +60,6 @@ __all__ = [
     "init_from_env",
     "pack",
     "packed_nbytes",
+    "trace",
     "unpack",
 ]

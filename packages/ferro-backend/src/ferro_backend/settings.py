@@ -189,6 +189,9 @@ TCP_CONNECT = _declare("FERRO_TCP_CONNECT", "eager, lazy or auto",
 TCP_READER = _declare("FERRO_TCP_READER", "loop or threads", _choice("loop", "threads"), "loop",
                       "`TcpBackend`", "`loop`: one epoll receive loop per process drains every "
                       "peer's socket; `threads`: a reader thread per connected peer")
+TRACE = _declare("FERRO_TRACE", "directory", _text, None, "`init_from_env`",
+                 "write a Chrome/Perfetto timeline of this rank to `DIR/rank_<r>.json` "
+                 "(`ferrorun --trace DIR` sets it and merges the ranks)")
 NODE_ID = _declare("FERRO_NODE_ID", "text", _text, None, "`init_from_env`, ferro-torch",
                    "this rank's node, for comparing hosts (tests: two \"nodes\" on one machine)")
 MASTER_PORT = _declare("FERRO_MASTER_PORT", "port", _port, None, "`init_from_env`",
@@ -244,7 +247,7 @@ COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferr
 #: every setting, by variable name, in the order of the README's table
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
-    TIMEOUT, RESTART_COUNT,
+    TIMEOUT, RESTART_COUNT, TRACE,
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS, SHM_RING_YIELDS,
     SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}

@@ -34,9 +34,11 @@ used otherwise; a crashed save's leftovers are then only safe once every rank sa
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -164,6 +166,23 @@ def _commit(directory: Path, meta: ShardMetadata) -> None:
     recover(directory)
 
 
+def _on_timeline(name: str):
+    """Put each call on ferro-backend's timeline (``ferro_backend.trace``) when that layer is
+    loaded and tracing; this layer imports nothing of it (it needs only numpy)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            timeline = sys.modules.get("ferro_backend.timeline")
+            if timeline is None or not timeline.active():
+                return fn(*args, **kwargs)
+            with timeline.span(name, "checkpoint", directory=str(args[1] if len(args) > 1
+                                                                   else kwargs.get("directory"))):
+                return fn(*args, **kwargs)
+        return traced
+    return wrap
+
+
+@_on_timeline("checkpoint.save")
 def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                      world_size: int, shard_spec: ShardMetadata, *, backend=None,
                      checkpoint_id: str | None = None, extra: Mapping | None = None) -> str:

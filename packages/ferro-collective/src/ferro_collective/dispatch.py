@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _fastcall, costmodel
+from . import _fastcall, costmodel, timeline
 from ._state import state
 from .engine import group_of
 from .plan import Plan, choose
@@ -60,7 +60,7 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
            out=None) -> Work:
     """One call of ``coll``, in the background (its place in the order of calls taken now)."""
     plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
-    job = executor(plan)
+    job = timeline.traced_job(plan.name, executor(plan), tensor, backend, algorithm)
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import pack
+from ferro_backend import pack, timeline
 from ferro_collective import (
     ReduceOp,
     Work,
@@ -136,7 +136,9 @@ class Unit:
         pool = self.owner._pool
         gathered = None
         try:
-            gathered = future.result()  # the collective's own deadline bounds the wait
+            with timeline.span("fsdp.gather", "fsdp", unit=self.name or "<root>",
+                               numel=self.layout.numel, prefetched=prefetched):
+                gathered = future.result()  # the collective's own deadline bounds the wait
             if prefetched and not self._unchanged(sent):
                 raise FSDPStateError(
                     f"FSDP.{op}: this rank's parameters changed after their all-gather was "
@@ -243,8 +245,10 @@ class Unit:
             out = self.result if first else pool.take(self.layout.shard_numel, self.dtype)
             group = owner._shard_group
             if group is not None and group.world_size > 1 and self.layout.numel:
-                work = reduce_scatter_async(send, group, ReduceOp.MEAN, timeout=owner._timeout,
-                                            out=out)
+                with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
+                                   numel=self.layout.numel):
+                    work = reduce_scatter_async(send, group, ReduceOp.MEAN,
+                                                timeout=owner._timeout, out=out)
                 work.future.add_done_callback(lambda _, send=send: pool.give(send))
             else:
                 out[...] = send[:self.layout.shard_numel]

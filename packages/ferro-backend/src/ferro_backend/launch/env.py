@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .. import settings
+from .. import settings, timeline
 from ..base import Backend
 from ..checks import timeout_from_env
 from ..hierarchy import attach_hierarchy
@@ -67,11 +67,15 @@ def init_from_env(**kwargs: Any) -> Backend:
     """
     launcher = detect_launcher()
     if launcher is not None:
-        return connect(launcher, **kwargs)
-    env_timeout = timeout_from_env()
-    if env_timeout is not None:
-        kwargs.setdefault("timeout", env_timeout)
-    (backend,) = SimulatedBackend.create_group(1, **kwargs)
+        backend = connect(launcher, **kwargs)
+    else:
+        env_timeout = timeout_from_env()
+        if env_timeout is not None:
+            kwargs.setdefault("timeout", env_timeout)
+        (backend,) = SimulatedBackend.create_group(1, **kwargs)
+    trace_dir = settings.TRACE.get()
+    if trace_dir is not None and not timeline.active():
+        timeline.start_from_env(backend, trace_dir)
     return backend
 
 

@@ -24,7 +24,7 @@ import sys
 from importlib.metadata import version as _version
 from pathlib import Path
 
-from .. import settings
+from .. import settings, timeline
 from ..mesh.rendezvous import free_port
 from . import emulate
 from .join import choose_transport
@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="shape every node's link to RATE each way (tc units: 1gbit, 100mbit)")
     emu.add_argument("--cut-link", action="append", default=None, metavar="NODE@SECONDS",
                      help="cut node NODE's link SECONDS after the ranks start (repeatable)")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="write each rank's timeline to DIR/rank_<r>.json (FERRO_TRACE) and merge "
+                        "them into DIR/trace.json for https://ui.perfetto.dev")
     p.add_argument("-m", dest="module", action="store_true",
                    help="run the target as a module (python -m)")
     p.add_argument("script", help="the script (or module with -m) every rank runs")
@@ -145,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ferrorun: {', '.join(sorted(caps))} set to "
                          f"{next(iter(caps.values()))} per rank ({local} local ranks); set "
                          "them yourself to choose another value\n")
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        for stale in args.trace.glob("rank_*.json"):
+            stale.unlink()
+        caps = dict(caps, **{settings.TRACE.name: str(args.trace.resolve())})
     received: list[int] = []
     current: list[Job] = []
 
@@ -169,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if args.trace is not None:
+            files = sorted(args.trace.glob("rank_*.json"))
+            if files:
+                out = timeline.merge(files, args.trace / "trace.json")
+                sys.stderr.write(f"ferrorun: timeline of {len(files)} ranks: {out} (open it in "
+                                 "https://ui.perfetto.dev)\n")
 
 
 def _local_job(args, token: str, caps: dict[str, str], restart: int) -> Job:

@@ -1,0 +1,59 @@
+"""The collectives on the timeline (``ferro_backend.trace``, ``FERRO_TRACE``, ``ferrorun
+--trace``): while a process traces, every call (blocking, through the compiled entry, and
+``*_async``, on its worker) becomes one event: the collective's name, bytes and dtype of this
+rank's input, the algorithm asked for, the transport, the caller's rank and world size (a
+process running several ranks as threads records them all, told apart by rank and thread).
+Off, the compiled entry checks one pointer (``_fastcall.set_tracer``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ferro_backend import timeline
+
+from . import _fastcall
+
+
+def _now() -> float:
+    return timeline._now_us()
+
+
+def _describe(tensor, backend, algorithm) -> dict:
+    x = tensor if isinstance(tensor, np.ndarray) else None
+    engine = getattr(backend, "engine", None) is not None
+    return {"bytes": None if x is None else int(x.nbytes),
+            "dtype": None if x is None else str(x.dtype),
+            "algorithm": algorithm or "auto",
+            "transport": "engine" if engine else type(backend).__name__,
+            "rank": backend.rank, "world": backend.world_size}
+
+
+def traced_call(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
+    """One collective, timed (the tracer :mod:`._fastcall` calls while tracing)."""
+    t0 = _now()
+    try:
+        return _fastcall.run_direct(coll, tensor, backend, arg, timeout, algorithm, out)
+    finally:
+        timeline.record(coll.name, "collective", t0, _now() - t0,
+                        **_describe(tensor, backend, algorithm))
+
+
+def traced_job(name: str, job, tensor, backend, algorithm):
+    """An ``*_async`` call's job, timed on the worker that runs it (while tracing)."""
+    if not timeline.active():
+        return job
+
+    def run():
+        t0 = _now()
+        try:
+            return job()
+        finally:
+            timeline.record(name, "collective.async", t0, _now() - t0,
+                            **_describe(tensor, backend, algorithm))
+
+    return run
+
+
+timeline.add_hook(lambda on: _fastcall.set_tracer(traced_call if on else None))
+
+__all__ = ["traced_call", "traced_job"]

@@ -1,0 +1,95 @@
+"""Collectives on the timeline: every call while tracing (the compiled entry and *_async), with
+bytes, dtype, algorithm and transport; the compiled entry's tracer cleared after; ferrorun
+--trace on the engine."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ferro_backend import SimulatedBackend, trace
+from ferro_backend.testing import run_threads
+from ferro_collective import _fastcall, allreduce, allreduce_async, barrier, broadcast
+from ferro_collective import timeline as ctl
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_collectives_are_recorded_while_tracing(tmp_path):
+    group = SimulatedBackend.create_group(2)
+    path = tmp_path / "t.json"
+
+    def body(b):
+        x = np.arange(10.0)
+        if b.rank == 0:
+            with trace(path, backend=b):
+                allreduce(x, b)
+                broadcast(x.astype(np.float32), b, root=1, algorithm="star")
+                allreduce_async(x, b).wait(10)
+                barrier(b)
+        else:
+            allreduce(x, b)
+            broadcast(x.astype(np.float32), b, root=1, algorithm="star")
+            allreduce_async(x, b).wait(10)
+            barrier(b)
+
+    run_threads(body, group, timeout=60)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    colls = [(e["name"], e["cat"]) for e in events
+             if e["cat"].startswith("collective") and e["args"]["rank"] == 0]
+    assert colls == [("allreduce", "collective"), ("broadcast", "collective"),
+                     ("allreduce", "collective.async"), ("barrier", "collective")]
+    first = next(e for e in events if e["name"] == "allreduce")
+    assert first["args"] == {"bytes": 80, "dtype": "float64", "algorithm": "auto",
+                             "transport": "SimulatedBackend", "rank": first["args"]["rank"],
+                             "world": 2}
+    assert {e["args"]["rank"] for e in events if e["cat"] == "collective"} == {0, 1}
+    bcast = next(e for e in events if e["name"] == "broadcast")
+    assert bcast["args"]["algorithm"] == "star" and bcast["args"]["dtype"] == "float32"
+    assert any(e["cat"] == "p2p" for e in events)  # the backend's messages under them
+
+
+def test_the_compiled_entry_is_untraced_outside_a_trace(tmp_path):
+    b = SimulatedBackend.create_group(1)[0]
+    with trace(tmp_path / "t.json", backend=b):
+        allreduce(np.ones(3), b)
+    # the tracer is gone: a call records nothing and costs one pointer check
+    assert ctl.traced_job("x", len, None, b, None) is len
+    allreduce(np.ones(3), b)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert sum(e["name"] == "allreduce" for e in events) == 1
+    _fastcall.set_tracer(None)
+
+
+JOB = """
+    import numpy as np
+    import ferro_backend as fb
+    import ferro_collective as fc
+    b = fb.init_from_env()
+    for _ in range(5):
+        fc.allreduce(np.ones(1024, np.float32), b)
+    fc.allreduce(np.ones(1 << 20, np.float32), b)
+    fc.barrier(b)
+    b.close()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the engine needs Linux")
+def test_ferrorun_trace_shows_the_engine_calls_of_every_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    out = tmp_path / "tl"
+    r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", "2",
+                        "--transport", "shm", "--trace", str(out), str(script)],
+                       capture_output=True, text=True, timeout=100, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank and e.get("cat") == "collective"]
+        assert [e["name"] for e in mine] == ["allreduce"] * 6 + ["barrier"]
+        assert all(e["args"]["transport"] == "engine" for e in mine)
+        assert [e["args"]["bytes"] for e in mine[:6]] == [4096] * 5 + [4 << 20]
