@@ -285,7 +285,8 @@ def bench_check(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: train on 4 ranks (FULL_SHARD) with checkpoints, resume on 2 ranks, reach
-    >= 95% held-out accuracy on digits, write the loss curve of both runs as a PNG."""
+    >= 95% held-out accuracy on digits, write the loss curve of both runs as a PNG and the
+    second run's timeline (ferrorun --trace)."""
     session.install(*[_path(d) for d in NUMPY_PACKAGES], *EXAMPLE_DEPS)
     ckpt = Path(session.create_tmp()) / "demo-ckpt"
     if ckpt.exists():
@@ -298,12 +299,17 @@ def demo(session: nox.Session) -> None:
     session.log("run 1: 4 ranks, 8 epochs, checkpoints every 25 steps")
     session.run("ferrorun", "--nproc", "4", script, "--epochs", "8", *common)
     session.log("run 2: resume on 2 ranks from the resharded checkpoint, up to 20 epochs")
-    session.run("ferrorun", "--nproc", "2", script, "--epochs", "20", "--resume",
-                "--min-accuracy", "0.95", *common)
+    session.run("ferrorun", "--nproc", "2", "--trace", str(ckpt / "timeline"), script,
+                "--epochs", "20", "--resume", "--min-accuracy", "0.95", *common)
     png = ckpt / "loss_curve.png"
     if not png.exists() or png.stat().st_size < 1000:
         session.error(f"no loss curve at {png}")
     session.log(f"loss curve of both runs: {png}")
+    timeline = ckpt / "timeline" / "trace.json"
+    if not timeline.exists():
+        session.error(f"no timeline at {timeline}")
+    session.log(f"timeline of run 2 (every collective of both ranks): {timeline}; open it in "
+                "https://ui.perfetto.dev (Open trace file)")
 
 
 @nox.session
