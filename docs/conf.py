@@ -83,8 +83,6 @@ nitpick_ignore = [
     ("py:mod", "exchange"),  # ferro_collective's module docstring
     ("py:mod", "objects"),  # ferro_collective's module docstring
     ("py:attr", "future"),  # ferro_collective.Work
-    ("py:meth", "ferro_fsdp.FSDP.sharded_state_dict"),  # ferro_fsdp.DDP (a mixin's method)
-    ("py:meth", "ferro_fsdp.FSDP.load_sharded_state_dict"),  # ferro_fsdp.DDP
     ("py:mod", "ferro_fsdp.layers"),  # ferro_fsdp.nn's module docstring
     ("py:mod", "ferro_fsdp.attention"),  # ferro_fsdp.nn's module docstring
     ("py:mod", "ferro_fsdp.activations"),  # ferro_fsdp.nn's module docstring
