@@ -63,7 +63,10 @@ def main() -> int:
     def build_wheels() -> None:
         rc = subprocess.run([args.nox, "-s", "wheels"], cwd=ROOT).returncode
         wheels_rc.append(rc)
-        marker.write_text("ok" if rc == 0 else "failed")
+        # written whole, then renamed: a session never reads a marker that exists but is empty
+        partial = marker.with_suffix(".partial")
+        partial.write_text("ok" if rc == 0 else "failed")
+        partial.replace(marker)
 
     builder = threading.Thread(target=build_wheels)
     builder.start()
