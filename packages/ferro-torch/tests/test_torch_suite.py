@@ -1,0 +1,38 @@
+"""A few of torch's own distributed tests (torch/testing/_internal/distributed/
+distributed_test.py, the fastest covering each cause issue 33 found) on "ferro" through the
+project's driver, tools/torch_suite/run_suite.py, configured as for gloo. The whole suite runs
+in ``nox -s torch_suite`` (about 15 minutes here), not in the test line."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+DRIVER = ROOT / "tools" / "torch_suite" / "run_suite.py"
+TESTS = [
+    "test_all_gather_coalesced_simple",  # a CPU backend torch can coalesce on
+    "test_monitored_barrier_gloo_subgroup",  # gloo's monitored_barrier
+    "test_sparse_all_reduce_sum",  # sparse COO allreduce
+    "test_barrier_timeout_full_group",  # timeouts in torch's words, in time
+]
+
+
+@pytest.mark.timeout(400)
+def test_torch_suite_sample_passes_on_ferro():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FERRO_TOKEN")}
+    env.update(FERRO_SUITE_BACKEND="ferro", WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               DISTRIBUTED_TESTS_DEFAULT_TIMEOUT="120")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "outcomes.json"
+        r = subprocess.run([sys.executable, str(DRIVER), "-q", "--out", str(out), *TESTS],
+                           capture_output=True, text=True, timeout=380, env=env, cwd=tmp)
+        assert out.exists(), (r.stdout + r.stderr)[-6000:]
+        tests = json.loads(out.read_text())["tests"]
+    bad = {k: v["detail"][-800:] for k, v in tests.items() if v["outcome"] != "passed"}
+    assert sorted(tests) == sorted(TESTS) and not bad, bad
