@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: seconds each session took on a 2-core machine in three lanes (CI): only used to balance them
 COST = {"collective": 227, "examples": 199, "torch": 189, "backend": 116, "checkpoint": 35,
-        "fsdp": 28, "docs": 45}
+        "fsdp": 28, "docs": 45, "wheels": 45}
 
 
 def lanes_for(sessions: list[str], n: int) -> list[list[str]]:
