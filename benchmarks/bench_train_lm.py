@@ -56,8 +56,8 @@ def write_batches(lm, cfg: dict, world: int, path: Path) -> None:
     shape [steps, world * batch, seq + 1]): workers read it, so torch's never import ferro."""
     import numpy as np
 
-    text, _ = lm.load_corpus(cfg["corpus_chars"])
-    tokens = lm.encode(text)
+    train_text, _ = lm.split_corpus(lm.read_sources(cfg["corpus_chars"]), 0.1)
+    tokens = lm.encode(train_text)
     steps, per, seq = cfg["warmup"] + cfg["steps"], cfg["batch"] * world, cfg["seq"]
     starts = [lm.batch_starts(len(tokens), seq, per, 0, s) for s in range(steps)]
     np.save(path, np.stack([tokens[st[:, None] + np.arange(seq + 1)] for st in starts]))

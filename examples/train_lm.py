@@ -7,7 +7,7 @@
 Data: the standard library's ``.py`` files of the Python that runs the script
 (``sysconfig.get_paths()["stdlib"]``, without site-packages), read in sorted order of their
 relative paths and concatenated up to ``--corpus-chars`` characters: every installation has them,
-and the selection is deterministic. The last ``--val-fraction`` of the text is held out. Tokens
+and the selection is deterministic. Every ``1 / --val-fraction``-th file is held out. Tokens
 are characters of a fixed vocabulary (tab, newline and printable ASCII, plus one "other" token
 for anything else), so a checkpoint does not depend on which text was read.
 
@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--corpus-chars", type=int, default=4_000_000,
                    help="characters of standard-library source to read")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="held-out tail of the text")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="held out: every round(1/f)-th file (the tail if there are too few)")
     p.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
     p.add_argument("--intra-node-size", type=int, default=None,
                    help="hybrid_shard: ranks per node (default: half the ranks, at least 1)")
@@ -114,19 +115,39 @@ def stdlib_sources() -> list[Path]:
     return [Path(full) for _, full in sorted(found)]
 
 
-def load_corpus(max_chars: int) -> tuple[str, int]:
-    """The first ``max_chars`` characters of the sources, one file after another; (text, files)."""
-    parts, total, used = [], 0, 0
+def read_sources(max_chars: int) -> list[str]:
+    """The sources' texts, one per file in order, the last cut so they total ``max_chars``."""
+    texts, total = [], 0
     for f in stdlib_sources():
         if total >= max_chars:
             break
         text = f.read_text(encoding="utf-8", errors="replace")
-        parts.append(text if text.endswith("\n") else text + "\n")
-        total += len(parts[-1])
-        used += 1
-    if not parts:
+        text = (text if text.endswith("\n") else text + "\n")[:max_chars - total]
+        texts.append(text)
+        total += len(text)
+    if not texts:
         raise SystemExit(f"train_lm: no .py files under {sysconfig.get_paths()['stdlib']}")
-    return "".join(parts)[:max_chars], used
+    return texts
+
+
+def load_corpus(max_chars: int) -> tuple[str, int]:
+    """The first ``max_chars`` characters of the sources, one file after another; (text, files)."""
+    texts = read_sources(max_chars)
+    return "".join(texts), len(texts)
+
+
+def split_corpus(texts: list[str], val_fraction: float) -> tuple[str, str]:
+    """(training text, held-out text): every ``round(1 / val_fraction)``-th file is held out, so
+    both halves mix the library's kinds of code (a tail of the sorted files would be mostly
+    ``encodings/`` tables)."""
+    every = max(2, round(1.0 / val_fraction)) if val_fraction > 0 else 0
+    held = [t for i, t in enumerate(texts) if every and i % every == every - 1]
+    train = [t for i, t in enumerate(texts) if not (every and i % every == every - 1)]
+    if not held:          # fewer files than `every`: hold out the tail of the text instead
+        text = "".join(texts)
+        cut = int(len(text) * (1.0 - val_fraction))
+        return text[:cut], text[cut:]
+    return "".join(train), "".join(held)
 
 
 _LUT = np.full(128, OTHER, np.int32)
@@ -276,10 +297,11 @@ def main(argv=None) -> int:
                          "check the path")
     cfg = {k: getattr(args, k) for k in MODEL_KEYS}
 
-    text, n_files = load_corpus(args.corpus_chars)
-    tokens = encode(text)
-    cut = int(len(tokens) * (1.0 - args.val_fraction))
-    train, held = tokens[:cut], tokens[cut:]
+    texts = read_sources(args.corpus_chars)
+    n_files = len(texts)
+    train_text, held_text = split_corpus(texts, args.val_fraction)
+    train, held = encode(train_text), encode(held_text)
+    tokens = np.concatenate([train, held])
     if len(train) < args.seq + 2 or len(held) < args.seq + 2:
         raise SystemExit(f"train_lm: {len(tokens)} characters are too few for --seq {args.seq}; "
                          "raise --corpus-chars")

@@ -70,6 +70,10 @@ def test_train_lm_data_is_deterministic_and_round_trips():
     text, files = lm.load_corpus(20_000)
     again, files_again = lm.load_corpus(20_000)
     assert text == again and files == files_again and len(text) == 20_000
+    texts = lm.read_sources(200_000)
+    train, held = lm.split_corpus(texts, 0.1)
+    assert len(train) + len(held) == 200_000 and "".join(texts).startswith(text)
+    assert held == "".join(texts[9::10]) and held and train.startswith(texts[0])
     tokens = lm.encode(text)
     assert tokens.min() >= 0 and tokens.max() < lm.VOCAB
     assert lm.decode(lm.encode("def f(x):\n\treturn x  # ok")) == "def f(x):\n\treturn x  # ok"
