@@ -10,8 +10,10 @@ in the wheel) configures it for gloo: BACKEND, WORLD_SIZE, TEMP_DIR (with ``barr
 ``test_dir``), file:// init, spawn start method. Under ``--backend ferro`` the suite's gates
 are read as for gloo (``BACKEND`` is "gloo" while the module is imported, so every
 ``BACKEND != "gloo"`` skip and ``require_backend_is_available({"gloo"})`` decides as it does for
-gloo), then the tests run with ``BACKEND = "ferro"``: ``init_process_group`` makes a "ferro"
-group, and every table of ``DistTestCases`` that lists gloo lists ferro too.
+gloo), then the tests run with ``BACKEND`` the string "ferro" that also compares equal to
+"gloo" (:class:`FerroAsGloo`): ``init_process_group`` makes a "ferro" group, a test body's
+``if BACKEND == "gloo":`` takes gloo's branch, and every table of ``DistTestCases`` that lists
+gloo lists ferro too.
 So a test gloo runs is never skipped on ferro for its name. The one gate torch itself keeps
 (``dist.monitored_barrier`` accepts only a backend named "gloo") is replaced by
 ``ferro_torch.monitored_barrier``, the same function without that check.
@@ -40,11 +42,26 @@ from torch.testing._internal.distributed import distributed_test as dt  # noqa: 
 torch.set_num_threads(1)
 
 
+class FerroAsGloo(str):
+    """The suite's ``BACKEND`` while the tests run on ferro: the string "ferro" (what
+    ``init_process_group(backend=BACKEND)``, ``BACKEND.lower()`` and ``dist.Backend(BACKEND)``
+    see) that compares equal to "gloo" too, so a test body's ``if BACKEND == "gloo":`` takes
+    gloo's branch on ferro."""
+
+    def __eq__(self, other: object) -> bool:
+        return other in ("gloo", "ferro") if isinstance(other, str) else NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other) if isinstance(other, str) else NotImplemented
+
+    __hash__ = str.__hash__
+
+
 def _take_gloo_gates_as_ferro() -> None:
     """Run the suite on "ferro" with every gloo gate read as passing for ferro."""
     import ferro_torch  # registers "ferro"
 
-    dt.BACKEND = "ferro"
+    dt.BACKEND = FerroAsGloo("ferro")
     # torch's own monitored_barrier refuses any backend not named "gloo" (a gate in
     # distributed_c10d.py, not in the suite): ferro_torch's is the same function without it
     dist.monitored_barrier = ferro_torch.monitored_barrier
