@@ -10,7 +10,8 @@ same parameter shapes, the same batches. One step: forward, cross entropy, backw
 sync, clip to norm 1, AdamW step (ferro: its fused compiled step; torch: its default CPU step),
 zero_grad. ferro: ``FSDP(full_shard, wrap=nn.TransformerBlock)`` and ``DDP`` under ``ferrorun``
 (same-host transport); torch: ``fully_shard`` per block plus the root (FSDP2) and
-``DistributedDataParallel(gradient_as_bucket_view=True)`` over gloo. BLAS/OpenMP: one thread per
+``DistributedDataParallel(gradient_as_bucket_view=True)`` over gloo, and torch's FSDP2 over ferro's
+transports (``torch-fsdp2-ferro``: ferro-torch's backend "ferro"). BLAS/OpenMP: one thread per
 rank on both sides. Launches are interleaved (repeat outermost, kinds innermost) so drift on a
 shared machine hits every column alike.
 
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["ferro-fsdp", "torch-fsdp2", "ferro-ddp", "torch-ddp"]
+KINDS = ["ferro-fsdp", "torch-fsdp2", "ferro-ddp", "torch-ddp", "torch-fsdp2-ferro"]
 PAIRS = [("ferro-fsdp", "torch-fsdp2"), ("ferro-ddp", "torch-ddp")]
 TARGET = 1.3   # issue 31: ferro FSDP >= 1.3x torch FSDP2 tokens/s
 
@@ -165,11 +166,16 @@ def _torch_worker(kind: str, cfg: dict) -> tuple[list[float], int]:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo")
+    if kind.endswith("-ferro"):  # torch's own FSDP2 over ferro's transports (ferro-torch)
+        import ferro_torch  # noqa: F401 - registers the backend "ferro"
+
+        dist.init_process_group("ferro")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab = cfg["vocab"]
     model = _torch_model(cfg)(vocab, cfg["seq"], cfg["dim"], cfg["heads"], cfg["layers"])
-    if kind == "torch-ddp":
+    if kind.startswith("torch-ddp"):
         model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     else:
         from torch.distributed.device_mesh import init_device_mesh
