@@ -140,6 +140,75 @@ def test_gelu_kernel_is_compiled_and_matches_libm_erf():
         g.backward(np.ones(2))
 
 
+def test_gelu_float32_kernels_match_double_precision_references():
+    """The float32 kernels use their own vectorizable exp/erf polynomials: against math.erf /
+    math.exp / math.tanh in double over the whole range (tails included), a few float ulps."""
+    import math
+
+    from ferro_fsdp import _gelu
+
+    x64 = np.concatenate([np.linspace(-16, 16, 64001), randn(4000, np.float64) * 3])
+    x = x64.astype(np.float32)
+    xd = x.astype(np.float64)
+    cdf_ref = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in xd])
+    out, cdf = np.empty_like(x), np.empty_like(x)
+    _gelu.gelu_forward(x, out, cdf)
+    np.testing.assert_allclose(cdf, cdf_ref, rtol=2e-6, atol=1e-38)   # relative in both tails
+    np.testing.assert_allclose(out, xd * cdf_ref, rtol=2e-6, atol=1e-37)
+    g = randn(x.shape, np.float32, seed=2)
+    gx = np.empty_like(x)
+    _gelu.gelu_backward(g, x, cdf, gx)
+    pdf = np.array([math.exp(-0.5 * v * v) for v in xd]) / math.sqrt(2 * math.pi)
+    ref = g * (cdf.astype(np.float64) + xd * pdf)
+    np.testing.assert_allclose(gx, ref, rtol=2e-6, atol=2e-7)   # Phi + x phi cancels near -0.75
+    tail = np.abs(xd) > 4
+    np.testing.assert_allclose(gx[tail], ref[tail], rtol=2e-6, atol=1e-36)   # 0 below ~1e-37
+    k = math.sqrt(2 / math.pi)
+    u = k * (xd + 0.044715 * xd ** 3)
+    with np.errstate(over="ignore"):   # (1 + tanh u) / 2 and (1 - tanh u) / 2, no cancellation
+        s, s1 = 1 / (1 + np.exp(-2 * u)), 1 / (1 + np.exp(2 * u))
+    # u itself is rounded to float: exp(-2 |u|) carries ~|u| ulp in the lower tail
+    _gelu.gelu_tanh_forward(x, out)
+    np.testing.assert_allclose(out, xd * s, rtol=2e-5, atol=1e-36)
+    _gelu.gelu_tanh_backward(g, x, gx)
+    ref = g * (s + 2 * xd * s * s1 * k * (1 + 3 * 0.044715 * xd * xd))
+    np.testing.assert_allclose(gx, ref, rtol=2e-6, atol=2e-7)
+    np.testing.assert_allclose(gx[tail], ref[tail], rtol=2e-5, atol=1e-33)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_is_compiled_and_keeps_special_values(dtype, monkeypatch):
+    import ferro_fsdp.activations as activations
+    from ferro_fsdp import _gelu
+
+    calls = []
+
+    def spy(name):
+        kernel = getattr(_gelu, name)
+
+        def call(*args):
+            calls.append(name)
+            return kernel(*args)
+        return call
+
+    for name in ("gelu_tanh_forward", "gelu_tanh_backward"):
+        monkeypatch.setattr(activations._gelu, name, spy(name))
+    x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, 40.0, -40.0], dtype)
+    gelu = nn.GELU("tanh")
+    y = gelu(x)
+    gx = gelu.backward(np.ones_like(x))
+    assert calls == ["gelu_tanh_forward", "gelu_tanh_backward"]
+    with np.errstate(invalid="ignore"):
+        yt = torch.nn.functional.gelu(torch.from_numpy(x), approximate="tanh").numpy()
+    np.testing.assert_array_equal(y, yt)             # -inf * 0: NaN, as torch; signed zeros
+    np.testing.assert_array_equal(np.signbit(y), np.signbit(yt))
+    np.testing.assert_array_equal(gx[[0, 1, 5, 6, 7]], [0.5, 0.5, 0.5, 1.0, 0.0])
+    assert np.isnan(gx[4])
+    strided = np.linspace(-3, 3, 20).reshape(4, 5)[:, ::2].astype(dtype)
+    np.testing.assert_array_equal(nn.GELU("tanh")(strided), nn.GELU("tanh")(strided.copy()))
+    assert nn.GELU("tanh")(np.arange(3)).dtype == np.float64
+
+
 def test_gelu_rejects_an_unknown_approximation():
     with pytest.raises(ValueError, match="approximate 'erf'"):
         nn.GELU("erf")
