@@ -139,7 +139,7 @@ def read_frames(link: Link, box: Mailbox, may_wait: Callable[[], bool] | None = 
                 return
             else:
                 raise ProtocolError(f"frame of unknown kind {kind} from rank {peer}")
-    except (OSError, EOFError, ProtocolError, ValueError) as exc:
+    except (OSError, EOFError, ProtocolError, ValueError, MemoryError) as exc:
         why = "the process died or closed the connection" if isinstance(
             exc, EOFError | ConnectionResetError) else str(exc)
         if current is not None:

@@ -120,5 +120,9 @@ def encode_info(rank: int, world_size: int, host: str, port: int, node: str = ""
 def decode_info(sock: socket.socket) -> tuple[int, int, str, int, str]:
     """``(rank, world_size, host, listen port, node)`` as the client announced them."""
     rank, world, port, n, k = _INFO.unpack(recv_exactly(sock, _INFO.size))
-    return (rank, world, recv_exactly(sock, n).decode(), port,
-            recv_exactly(sock, k).decode(errors="replace"))
+    try:
+        host = recv_exactly(sock, n).decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"rank {rank} announced a host name of {n} bytes that is not "
+                            f"UTF-8") from exc
+    return rank, world, host, port, recv_exactly(sock, k).decode(errors="replace")

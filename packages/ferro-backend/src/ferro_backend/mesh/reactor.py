@@ -38,6 +38,16 @@ _DONTWAIT = socket.MSG_DONTWAIT
 _HEADER, _PAYLOAD, _PARKED, _DONE = 0, 1, 2, 3
 
 
+def _allocate(length: int, peer: int, rank: int, tag: int) -> np.ndarray:
+    """The buffer of an unexpected frame (no zero-fill); ProtocolError if a header announces
+    more than this process can allocate (a corrupt or hostile peer: the link is dropped)."""
+    try:
+        return np.empty(length, dtype=np.uint8)
+    except (MemoryError, ValueError) as exc:
+        raise ProtocolError(f"recv: rank {rank} <- {peer} (tag {tag}): a frame of {length} "
+                            f"bytes cannot be allocated ({exc})") from exc
+
+
 class _Incoming:
     """The receive state of one link: the frame header being read, then its payload."""
 
@@ -155,7 +165,11 @@ class Reactor:
             req = self.box.claim(inc.link.peer, inc.tag)
             if req is not None or now >= inc.parked_until or not can_wait:
                 del self._parked[key]
-                self._begin_payload(inc, req)
+                try:
+                    self._begin_payload(inc, req)
+                except ProtocolError as exc:
+                    self._lost(inc, exc)
+                    continue
                 self._ep.register(inc.fd, select.EPOLLIN)
                 self._drain(inc)
 
@@ -229,7 +243,7 @@ class Reactor:
         length = inc.length
         inc.req, inc.skip, inc.buf = req, False, None
         if req is None:
-            inc.buf = np.empty(length, dtype=np.uint8)  # no zero-fill
+            inc.buf = _allocate(length, inc.link.peer, self.rank, inc.tag)
             inc.view = memoryview(inc.buf)
         elif len(req.view) != length:
             inc.skip = True

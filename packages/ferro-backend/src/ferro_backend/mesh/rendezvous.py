@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 
-from ..errors import AuthenticationError, ProtocolError, RendezvousError
+from ..errors import AuthenticationError, DistributedError, ProtocolError, RendezvousError
 from .handshake import (
     ST_BAD,
     ST_OK,
@@ -42,6 +42,9 @@ SOCKET_BUFFER = 4 << 20
 #: seconds a connection may take to complete its handshake before it is dropped
 HANDSHAKE_TIMEOUT = 10.0
 _ACCEPT_POLL = 0.05
+#: the most bytes one rank's row of the address table takes (host and node: at most 65535
+#: bytes each on the wire, JSON-escaped to at most 6 bytes per byte; port and punctuation: 64)
+_TABLE_ROW_MAX = 2 * 6 * 0xFFFF + 64
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -116,6 +119,13 @@ def connect_to(host: str, port: int, deadline: float, rank: int, world: int, pee
             sock.close()
             raise RendezvousError(f"rank {rank}: handshake with rank {peer} at "
                                   f"{host}:{port} timed out") from exc
+        except DistributedError:
+            sock.close()
+            raise
+        except OSError as exc:  # the peer hung up or reset mid-handshake
+            sock.close()
+            raise RendezvousError(f"rank {rank}: handshake with rank {peer} at {host}:{port} "
+                                  f"failed: {exc}") from exc
         except BaseException:
             sock.close()
             raise
@@ -196,6 +206,9 @@ class Rendezvous:
             master.settimeout(max(0.05, deadline - time.monotonic()))
             try:
                 (n,) = struct.unpack("<Q", recv_exactly(master, 8))
+                if n > world * _TABLE_ROW_MAX:
+                    raise ValueError(f"an address table of {n} bytes for {world} ranks, at "
+                                     f"most {world * _TABLE_ROW_MAX}")
                 rows = json.loads(recv_exactly(master, n))
                 if len(rows) != world:
                     raise ValueError(f"a table of {len(rows)} ranks for a job of {world}")
