@@ -222,14 +222,21 @@ cdef class Ring:
 
     # ------------------------------------------------------------------ consumer
     cdef ferro_ring_entry* _head_entry(self) noexcept nogil:
-        """The entry at tail (skipping padding), or NULL if the ring is empty."""
+        """The entry at tail (skipping padding), or NULL if the ring is empty. A padding entry
+        that runs past the published head (no producer writes one: the segment is corrupt) is
+        returned as it is, for the caller to refuse, rather than skipped around the ring for
+        ever."""
         cdef uint32_t t = ferro_load(&self.ctrl.tail)
+        cdef uint32_t skip
         cdef ferro_ring_entry* e
         while t != ferro_load(&self.ctrl.head):
             e = <ferro_ring_entry*>(self.data + (t & self.mask))
             if e.kind != FERRO_PAD:
                 return e
-            t += self.cap - (t & self.mask)
+            skip = self.cap - (t & self.mask)
+            if <uint32_t>(ferro_load(&self.ctrl.head) - t) < skip:
+                return e
+            t += skip
             self._publish_tail(t)
         return NULL
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..base import Request
 from ..checks import as_recv_view, check_timeout, size_mismatch
-from ..errors import CollectiveTimeoutError, PeerClosedError
+from ..errors import CollectiveTimeoutError, DistributedError, PeerClosedError, ProtocolError
 from ..mailbox import Mailbox, PostedRecv
 from . import _ring, _segment
 from .segment import Engine
@@ -30,6 +30,9 @@ WATCH_PERIOD = 1e-3
 DEGRADED_SLICE = 0.05
 #: a drain waits this long for the next chunk of a message being streamed before it moves on
 STREAM_IDLE = 0.02
+_KINDS = (_ring.EAGER, _ring.CHUNK, _ring.CMA)
+#: what the ring kernels and the buffers of unexpected messages raise on a corrupt entry
+_CORRUPT = (RuntimeError, ValueError, MemoryError, OverflowError)
 
 
 class Delivery:
@@ -44,6 +47,10 @@ class Delivery:
         self._peers = [ranks[i] for i in local]
         #: job rank -> the ring from it, and the lock its drainer holds
         self.inc = {ranks[i]: engine.ring(i, me) for i in local}
+        #: job rank -> the (head, tail) words of the ring from it (_layout.h's ferro_ring_ctrl:
+        #: head at byte 0, tail at byte 64), read to check that an entry lies within what its
+        #: producer published
+        self._words = {ranks[i]: self._ring_words(engine, i, me) for i in local}
         self.locks = {ranks[i]: threading.Lock() for i in local}
         #: src -> [request or None, buffer or None]: a chunked message being received
         self._partial: dict[int, list] = {}
@@ -76,6 +83,7 @@ class Delivery:
                         return False  # late or failing: the general path says which
                     continue
                 kind, length, got_tag, total, aux = entry
+                self._check_entry(ring, src, entry)
                 if got_tag != tag or total != nbytes:
                     return False
                 if kind == _ring.EAGER:
@@ -83,7 +91,10 @@ class Delivery:
                 elif kind == _ring.CMA:
                     self._read_into(ring, src, tag, view, aux)
                 elif kind == _ring.CHUNK and aux == 0:
-                    _rc, reached = ring.take_stream(view, tag, 0, deadline)
+                    try:
+                        _rc, reached = ring.take_stream(view, tag, 0, deadline)
+                    except RuntimeError as exc:
+                        raise self._corrupt(src, exc) from exc
                     if reached < total:  # the rest comes through the general path
                         req = PostedRecv(box, src, tag, as_recv_view(view))
                         self._partial[src] = [req, req.view]
@@ -110,7 +121,11 @@ class Delivery:
                 continue
             try:
                 while True:
-                    self._drain(src)
+                    try:
+                        self._drain(src)
+                    except ProtocolError:
+                        self.withdraw(req)
+                        raise
                     if req._done:
                         return True
                     failure = box.failure("recv", src)
@@ -152,14 +167,58 @@ class Delivery:
                 return True
         return False
 
+    @staticmethod
+    def _ring_words(engine: Engine, src: int, dst: int) -> tuple[np.ndarray, np.ndarray]:
+        lay = engine.layout
+        at = lay["ring_off"] + (dst * engine.nranks + src) * lay["ring_stride"]
+        seg = engine._view()
+        return seg[at:at + 4].view(np.uint32), seg[at + 64:at + 68].view(np.uint32)
+
+    def _corrupt(self, src: int, why: object) -> ProtocolError:
+        return ProtocolError(f"recv: rank {self.rank} <- {src}: the ring from rank {src} is "
+                             f"corrupt ({why})")
+
+    def _check_entry(self, ring: _ring.Ring, src: int, entry: tuple) -> None:
+        """ProtocolError unless ``entry`` (``peek()``'s) is one a producer can have written: a
+        known kind, a payload within the ring's limit, a chunk within its message. Checked
+        before anything is read or allocated from it."""
+        kind, length, tag, total, aux = entry
+        head, tail = self._words[src]
+        published = (int(head[0]) - int(tail[0])) & 0xFFFFFFFF
+        problem = None
+        if published > ring.cap:
+            problem = f"{published} bytes published in a ring of {ring.cap}"
+        elif kind not in _KINDS:
+            problem = f"an entry of unknown kind {kind}"
+        elif length > ring.max_payload:
+            problem = f"an entry of {length} bytes, at most {ring.max_payload}"
+        elif (32 + length + 63) & ~63 > published:
+            problem = f"an entry of {length} bytes, {published} bytes published"
+        elif kind == _ring.EAGER and total != length:
+            problem = f"an eager entry of {length} bytes for a message of {total}"
+        elif kind == _ring.CHUNK and (aux + length > total):
+            problem = f"a chunk of {length} bytes at offset {aux} of a message of {total}"
+        if problem is not None:
+            raise self._corrupt(src, f"{problem}, tag {tag}")
+
     def _drain(self, src: int) -> None:
         """Move every entry of the ring from ``src`` into its receive (or the mailbox's queue
-        of unexpected messages); the caller holds the ring's lock."""
+        of unexpected messages); the caller holds the ring's lock. ProtocolError if the ring
+        holds an entry no producer writes (the segment is corrupt)."""
+        try:
+            self._drain_entries(src)
+        except DistributedError:
+            raise
+        except _CORRUPT as exc:
+            raise self._corrupt(src, f"{type(exc).__name__}: {exc}") from exc
+
+    def _drain_entries(self, src: int) -> None:
         ring, box = self.inc[src], self.box
         while True:
             entry = ring.peek()
             if entry is None:
                 return
+            self._check_entry(ring, src, entry)
             kind, length, tag, total, aux = entry
             if kind == _ring.EAGER:
                 req = box.claim(src, tag)
@@ -176,11 +235,8 @@ class Delivery:
                 self.received += length
             elif kind == _ring.CHUNK:
                 self._chunk(ring, src, length, tag, total, aux)
-            elif kind == _ring.CMA:
-                self._read_remote(ring, src, tag, total, aux)
             else:
-                raise RuntimeError(f"ring {src} -> {self.rank}: unknown entry kind {kind} "
-                                   "(the segment is corrupt)")
+                self._read_remote(ring, src, tag, total, aux)
 
     def _chunk(self, ring: _ring.Ring, src: int, length: int, tag: int, total: int,
                offset: int) -> None:
