@@ -384,6 +384,18 @@ def slurm(session: nox.Session) -> None:
     session.run("python", script, *session.posargs)
 
 
+@nox.session
+def leaks(session: nox.Session) -> None:
+    """Long-run leak check (tools/leak_check.py): 200,000 mixed collectives on shm and tcp, then
+    100 fault cycles (a rank SIGKILLed mid-run), under ferrorun; fails if RSS, fds, threads,
+    memfds, /dev/shm or leftover processes grow. `nox -s leaks -- --collectives 2000 --cycles 5`
+    for a short run. Not part of `nox -s tests`."""
+    layers = ["ferro-backend", "ferro-collective"]
+    session.install(*_third_party(layers))
+    session.install(*map(str, _wheel(session, layers)))
+    session.run("python", str(ROOT / "tools" / "leak_check.py"), *session.posargs)
+
+
 @nox.session(name="bench_peers")
 def bench_peers(session: nox.Session) -> None:
     """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm), Intel MPI (impi-rt, in a
