@@ -37,11 +37,17 @@ def test_both_readers_pass_the_conformance_kit(reader, monkeypatch):
 
 
 def test_one_receive_thread_whatever_the_number_of_peers():
+    before = set(threading.enumerate())
     backends = group(6, connect="eager")
+    loops = {b._reactor._thread for b in backends}
     try:
+        # the mesh's threads this group started: its six receive loops, no reader per peer
+        # (other tests' backends may still be winding down: only new threads count)
+        new = {t for t in set(threading.enumerate()) - before if t.name.startswith("ferro-tcp-")}
+        assert new == loops and all(t.is_alive() for t in loops)
         for b in backends:
             assert b.connections == 5
-            assert _loop_threads(b.rank) == [f"ferro-tcp-{b.rank}-loop"]
+            assert b._reactor._thread.name == f"ferro-tcp-{b.rank}-loop"
         # every pair still works at once: each rank sends to every other and receives from all
         def everyone(b):
             bufs = {p: np.empty(3, np.int64) for p in range(6) if p != b.rank}
@@ -56,8 +62,9 @@ def test_one_receive_thread_whatever_the_number_of_peers():
         assert all(run_all(everyone, backends))
     finally:
         close_all(backends)
-    time.sleep(0.1)
-    assert not any(_loop_threads(r) for r in range(6)), "a receive loop outlived its backend"
+    for t in loops:
+        t.join(5)
+    assert not any(t.is_alive() for t in loops), "a receive loop outlived its backend"
 
 
 def test_a_peer_stalled_mid_frame_holds_up_only_its_own_link():
