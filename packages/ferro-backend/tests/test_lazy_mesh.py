@@ -208,19 +208,26 @@ JOB = """
 """
 
 
-def test_init_from_env_under_ferrorun_lazy(tmp_path):
+def _lazy_job(tmp_path, n: int, transport: str) -> list:
+    """JOB on ``n`` ranks under ferrorun with FERRO_TCP_CONNECT=lazy: each rank's row."""
+    import json
+
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
-    n = 6
     env = dict(os.environ, FERRO_TCP_CONNECT="lazy")
     r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", str(n),
-                        "--transport", "tcp", "--timeout", "30", str(script)],
-                       capture_output=True, text=True, timeout=100, env=env)
+                        "--transport", transport, "--timeout", "60", str(script)],
+                       capture_output=True, text=True, timeout=150, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    import json
     rows = sorted(json.loads(line.split("rank ", 2)[2]) for line in r.stdout.splitlines()
                   if "] rank [" in line)
-    assert [row[0] for row in rows] == list(range(n))
+    assert [row[0] for row in rows] == list(range(n)), rows
+    return rows
+
+
+def test_init_from_env_under_ferrorun_lazy(tmp_path):
+    n = 6
+    rows = _lazy_job(tmp_path, n, "tcp")
     assert all(row[1] and row[2] for row in rows), rows
     # only the peers the algorithms used, far fewer than the full mesh's n - 1 each
     assert sum(row[3] for row in rows) < n * (n - 1), rows
@@ -230,18 +237,9 @@ def test_init_from_env_under_ferrorun_lazy(tmp_path):
 def test_the_engine_setup_opens_no_pair_beyond_rank_0_and_the_barriers(tmp_path):
     """A same-host job on the lazy mesh: the engine's set-up goes through rank 0 (a star), so
     rank r > 0 holds rank 0's connection and its barrier partners', not n - 1."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB))
     n = 16
-    env = dict(os.environ, FERRO_TCP_CONNECT="lazy")
-    r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", str(n),
-                        "--transport", "shm", "--timeout", "60", str(script)],
-                       capture_output=True, text=True, timeout=150, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    import json
-    rows = sorted(json.loads(line.split("rank ", 2)[2]) for line in r.stdout.splitlines()
-                  if "] rank [" in line)
-    assert [row[0] for row in rows] == list(range(n)) and all(row[1] for row in rows), rows
+    rows = _lazy_job(tmp_path, n, "shm")
+    assert all(row[1] for row in rows), rows
     # rank 0 + the dissemination barrier's 2 log2(n) partners at most (the ring of the job
     # travels the engine's rings, not sockets)
     assert max(row[3] for row in rows[1:]) <= 1 + 2 * (n - 1).bit_length(), rows
