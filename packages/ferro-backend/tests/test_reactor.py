@@ -167,3 +167,23 @@ def test_64_tcp_ranks_keep_a_few_threads_each(tmp_path):
     # eager: 63 connections each, drained by one loop (the thread-per-peer reader had 64+)
     assert all(int(r[1]) == 63 for r in rows), rows
     assert max(int(r[0]) for r in rows) <= 4, rows
+
+
+def test_a_refused_frame_cut_off_by_its_peer_fails_its_receive_at_once():
+    """A receive posted for 4 bytes, a frame of 100 that the peer stops sending after 10 and
+    closes: the receive (claimed, its frame being skipped) fails with PeerClosedError at once,
+    not by its timeout (found by test_fuzz_protocol)."""
+    import socket
+
+    b0, b1 = group(2, connect="eager")
+    try:
+        req = b0.irecv(np.empty(4, np.uint8), 1, tag=3)
+        sock = b1._links[0].sock
+        sock.sendall(FRAME.pack(K_DATA, 3, 100) + bytes(10))
+        sock.shutdown(socket.SHUT_WR)
+        start = time.monotonic()
+        with pytest.raises(PeerClosedError, match="rank 0 <- 1: connection lost mid-message"):
+            req.wait(10)
+        assert time.monotonic() - start < 5
+    finally:
+        close_all([b0, b1])

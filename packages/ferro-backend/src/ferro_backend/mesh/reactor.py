@@ -287,7 +287,7 @@ class Reactor:
         peer = inc.link.peer
         why = "the process died or closed the connection" if isinstance(
             exc, EOFError | ConnectionResetError) else str(exc)
-        if inc.state == _PAYLOAD and inc.req is not None and not inc.skip:
+        if inc.state == _PAYLOAD and inc.req is not None:  # claimed, refused (skip) or not
             inc.req.fail(PeerClosedError(
                 f"recv: rank {self.rank} <- {peer}: connection lost mid-message ({why})",
                 peer=peer))
