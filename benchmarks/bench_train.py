@@ -141,6 +141,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_env_ranks(cmd: list[str], env: dict, world: int, what: str) -> None:
+    """``world`` processes of ``cmd`` with torchrun's variables (env:// on a free port), as
+    torch's own launcher would start them; SystemExit naming ``what`` if a rank fails."""
+    port = _free_port()
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "WORLD_SIZE": str(world),
+                                        "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": str(port)})
+             for r in range(world)]
+    for p in procs:
+        if p.wait(timeout=600):
+            raise SystemExit(f"{what}: a rank failed")
+
+
 def run_one(kind: str, dims: tuple[int, ...], world: int, tmp: Path) -> float:
     """ms per step: the slowest rank's median."""
     for old in tmp.glob(f"{kind}.*.json"):
@@ -154,14 +167,7 @@ def run_one(kind: str, dims: tuple[int, ...], world: int, tmp: Path) -> float:
         cmd = [sys.executable, "-m", "ferro_backend.launch", "--nproc", str(world), *me[1:]]
         subprocess.run(cmd, env=env, check=True, timeout=600)
     else:
-        port = _free_port()
-        procs = [subprocess.Popen(me, env={**env, "RANK": str(r), "WORLD_SIZE": str(world),
-                                           "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                                           "MASTER_PORT": str(port)})
-                 for r in range(world)]
-        for p in procs:
-            if p.wait(timeout=600):
-                raise SystemExit(f"{kind} {dims}: a rank failed")
+        launch_env_ranks(me, env, world, f"{kind} {dims}")
     medians = [statistics.median(json.loads(f.read_text())) for f in tmp.glob(f"{kind}.*.json")]
     if len(medians) != world:
         raise SystemExit(f"{kind} {dims}: {len(medians)} of {world} ranks reported")

@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_train import launch_env_ranks  # this directory: torch's ranks started as torchrun does
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["ferro-fsdp", "torch-fsdp2", "ferro-ddp", "torch-ddp", "torch-fsdp2-ferro"]
 PAIRS = [("ferro-fsdp", "torch-fsdp2"), ("ferro-ddp", "torch-ddp")]
@@ -213,14 +215,6 @@ def worker(kind: str, cfg: dict, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_one(kind: str, cfg: dict, world: int, tmp: Path) -> dict:
     """One launch: tokens/s (slowest rank's median step), step ms, peak RSS of the largest rank."""
     for old in tmp.glob(f"{kind}.*.json"):
@@ -232,14 +226,7 @@ def run_one(kind: str, cfg: dict, world: int, tmp: Path) -> dict:
         cmd = [sys.executable, "-m", "ferro_backend.launch", "--nproc", str(world), *me[1:]]
         subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
     else:
-        port = _free_port()
-        procs = [subprocess.Popen(me, env={**env, "RANK": str(r), "WORLD_SIZE": str(world),
-                                           "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                                           "MASTER_PORT": str(port)})
-                 for r in range(world)]
-        for p in procs:
-            if p.wait(timeout=600):
-                raise SystemExit(f"{kind}: a rank failed")
+        launch_env_ranks(me, env, world, kind)
     ranks = [json.loads(f.read_text()) for f in tmp.glob(f"{kind}.*.json")]
     if len(ranks) != world:
         raise SystemExit(f"{kind}: {len(ranks)} of {world} ranks reported")
