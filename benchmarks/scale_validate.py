@@ -72,17 +72,11 @@ def ping_both_ways(b, peer: int, reps: int, timeout: float = 60) -> dict[str, fl
 
 
 def gamma() -> float:
-    """Seconds per byte of the reduction kernel (float32 sum, 4 MiB, median of 20)."""
-    from ferro_collective import _reduce
-    from ferro_collective.ops import OPS, ReduceOp
+    """Seconds per byte of the reduction kernel (float32 sum, 4 MiB, median of 20): the figure
+    ``ferro_collective.learn_network`` learns, measured by the same function."""
+    from ferro_collective.learn import local_terms
 
-    a, c = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / a.nbytes
+    return local_terms(reps=20)[1]
 
 
 def fit(ping: dict[int, float]) -> tuple[float, float]:
