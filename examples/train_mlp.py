@@ -4,18 +4,19 @@
     ferrorun --nproc 2 examples/train_mlp.py --epochs 20 --checkpoint-dir ckpt --resume
 
 Data: the handwritten digits scikit-learn ships offline (``load_digits``, 1797 8x8 images, 10
-classes; 80/20 train/held-out split), or ``--dataset synthetic --params N`` for a model of about N
-parameters on generated data. Every rank trains on its own slice of each global batch (the
-batch size must be divisible by the number of ranks), so a run gives the same parameters
-whatever the number of ranks, up to floating-point summation order (exactly, in float64, for the
-tests). Checkpoints are sharded state dicts saved asynchronously with the data position;
-``--resume`` loads the newest committed step (a ferro-checkpoint ``CheckpointManager`` keeps
-``step_<n>/`` directories, the last three) on any number of ranks (resharding) and continues:
-same data order, same loss curve. Under ``ferrorun --max-restarts N`` a restarted job resumes by
-itself (``FERRO_RESTART_COUNT`` > 0), so a run killed at any step ends with the same parameters,
-bit for bit, as one that never failed (``--fail-at-step`` injects such a failure). Rank 0 shows
-a progress bar, prints held-out accuracy each epoch and a summary at the end, and writes the
-loss curve of every run in the checkpoint directory to ``loss_curve.png``.
+classes; 80/20 train/held-out split; read from scikit-learn's file without importing it), or
+``--dataset synthetic --params N`` for a model of about N parameters on generated data. Every rank
+trains on its own slice of each global batch (the batch size must be divisible by the number of
+ranks), so a run gives the same parameters whatever the number of ranks, up to floating-point
+summation order (exactly, in float64, for the tests). Checkpoints are sharded state dicts saved
+asynchronously with the data position; ``--resume`` loads the newest committed step (a
+ferro-checkpoint ``CheckpointManager`` keeps ``step_<n>/`` directories, the last three) on any
+number of ranks (resharding) and continues: same data order, same loss curve. Under ``ferrorun
+--max-restarts N`` a restarted job resumes by itself (``FERRO_RESTART_COUNT`` > 0), so a run
+killed at any step ends with the same parameters, bit for bit, as one that never failed
+(``--fail-at-step`` injects such a failure). Rank 0 shows a progress bar, prints held-out accuracy
+each epoch and a summary at the end, and writes the loss curve of every run in the checkpoint
+directory to ``loss_curve.png``.
 
 Beyond the ferro packages it needs scikit-learn (``--dataset digits``), tqdm (the progress bar)
 and matplotlib (the plot): ``pip install -r examples/requirements.txt``. Each is imported only
@@ -25,6 +26,7 @@ where it is used, so ``--help`` and ``--dataset synthetic --no-progress`` work w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -68,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-accuracy", type=float, default=None,
                    help="exit with status 3 if the final held-out accuracy is lower")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true",
+                   help="no loss_curve.png (matplotlib costs rank 0 about 2 s a run)")
     p.add_argument("--dump-params", type=Path, default=None,
                    help="write the final full parameters (rank 0) to this .npz")
     p.add_argument("--fail-at-step", type=int, default=None,
@@ -81,14 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     dtype = np.dtype(args.dtype)
     if args.dataset == "digits":
-        try:
-            from sklearn.datasets import load_digits
-        except ImportError as exc:
-            raise SystemExit("train_mlp: --dataset digits needs scikit-learn: pip install "
-                             "scikit-learn (or pip install -r examples/requirements.txt), or use "
-                             f"--dataset synthetic ({exc})") from None
-
-        x, y = load_digits(return_X_y=True)
+        x, y = load_digits()
         x = x / 16.0
         classes = 10
     else:
@@ -103,6 +100,28 @@ def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int
     mean, std = x[tr].mean(0), x[tr].std(0) + 1e-6
     x = (x - mean) / std
     return x[tr].astype(dtype), y[tr], x[te].astype(dtype), y[te], classes
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits (``load_digits(return_X_y=True)``: float64 pixels, int64 labels),
+    read from the file scikit-learn ships without importing it: importing scikit-learn costs
+    every rank about 3 s here, a run of a few steps 1 s. Falls back to ``load_digits`` where
+    the file is not where this scikit-learn keeps it."""
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except ImportError:
+        spec = None
+    if spec is None or spec.origin is None:
+        raise SystemExit("train_mlp: --dataset digits needs scikit-learn: pip install "
+                         "scikit-learn (or pip install -r examples/requirements.txt), or use "
+                         "--dataset synthetic")
+    data = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    if data.is_file():
+        table = np.loadtxt(data, delimiter=",")
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    return sklearn_digits(return_X_y=True)
 
 
 def build_model(args, features: int, classes: int) -> nn.Sequential:
@@ -351,6 +370,7 @@ def main(argv=None) -> int:
         if args.checkpoint_dir is not None:
             history_path(args).write_text(json.dumps(history))
             (args.checkpoint_dir / "summary.json").write_text(json.dumps(summary))
+        if args.checkpoint_dir is not None and not args.no_plot:
             try:
                 plot_losses(history, args.checkpoint_dir / "loss_curve.png")
                 print(f"loss curve: {args.checkpoint_dir / 'loss_curve.png'}", flush=True)

@@ -73,7 +73,7 @@ def final_params(tmp_path, name, runs, strategy, optimizer="sgd", start_from=Non
     for i, (nproc, steps) in enumerate(runs, start=start_from is not None):
         args = ["--steps", steps, "--strategy", strategy, "--optimizer", optimizer,
                 "--dtype", "float64", "--batch-size", 48, "--checkpoint-dir", ckpt,
-                "--no-progress", "--dump-params", dump]
+                "--no-progress", "--no-plot", "--dump-params", dump]
         if strategy == "hybrid_shard":
             args += ["--intra-node-size", 1]
         if i:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,3 +111,22 @@ def test_loss_plot_has_a_title_and_a_line_where_each_resume_starts(tmp_path, mon
     assert (tmp_path / "curve.png").stat().st_size > 1000
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_digits_read_from_scikit_learns_file_equal_load_digits():
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+
+    x, y = load_train_mlp().load_digits()
+    ref_x, ref_y = load_digits(return_X_y=True)
+    assert x.dtype == ref_x.dtype and y.dtype == ref_y.dtype
+    np.testing.assert_array_equal(x, ref_x)
+    np.testing.assert_array_equal(y, ref_y)
+
+
+def test_no_plot_writes_no_curve(tmp_path):
+    r = run_one_rank("--steps", 2, "--no-progress", "--no-plot", "--checkpoint-dir",
+                     tmp_path / "ckpt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "summary.json").exists()
+    assert not (tmp_path / "ckpt" / "loss_curve.png").exists() and "loss curve" not in r.stdout

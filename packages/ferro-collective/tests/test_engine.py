@@ -57,7 +57,7 @@ def _engine_cases(draw):
     return cases
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=5, deadline=None, derandomize=True)
 @given(world=st.integers(2, 5), cases=_engine_cases())
 def test_engine_equals_star_for_drawn_worlds_dtypes_ops_and_shapes(world, cases):
     """Hypothesis over real processes: the one-call and staged engine paths give the star
