@@ -76,6 +76,19 @@ SUITE = textwrap.dedent("""
     except ValueError:
         bad.append("ok")
     out["bad_timeouts"] = bad
+    # receives from any rank: rank 0 takes 3 from each, each sender's in order, sources named
+    if me == 0:
+        seen = {r: 0 for r in range(1, n)}
+        ok_any = True
+        for _ in range(3 * (n - 1)):
+            x = np.empty(1000, np.int64)
+            src = b.recv_any(x, tag=11, timeout=30)
+            ok_any &= bool((x == src * 10 + seen[src]).all())
+            seen[src] += 1
+        out["any"] = [ok_any, seen == {r: 3 for r in range(1, n)}]
+    else:
+        for i in range(3):
+            b.send(np.full(1000, me * 10 + i, np.int64), 0, tag=11)
     for _ in range(3):
         b.barrier(timeout=30)
     # abort reaches the others
@@ -116,6 +129,7 @@ def test_backend_contract_under_mpirun(tmp_path, n):
         assert res["pairs"] is True and 0.2 < res["timeout"] < 5
         assert res["bad_timeouts"] == ["ok"] * 10
     assert any(res.get("sub") == ["par", "sub"] for res in results)
+    assert [res["any"] for res in results if "any" in res] == [[True, True]]
     assert any("has 10" in res.get("mismatch", [""])[0] for res in results)
     aborted = [res["abort"] for res in results if res["abort"] != "sent"]
     assert aborted == [[n - 1, "mpi abort test"]] * (n - 1)

@@ -66,6 +66,10 @@ class Request(abc.ABC):
         """Alias of :meth:`is_completed` (MPI's name)."""
         return self.is_completed()
 
+    #: the rank a completed receive's message came from (a receive from one rank: that rank;
+    #: from any rank, :meth:`Backend.irecv_any`: the sender, once complete; else None)
+    source: int | None = None
+
 
 class _LazyRecv(Request):
     """Default ``irecv``: the receive happens in ``wait`` (enough for transports whose sends
@@ -170,6 +174,30 @@ class Backend(abc.ABC):
         """Post a receive into ``out`` and return at once; ``Request.wait`` completes it."""
         check_rank(src, self.world_size, "irecv: src")
         return _LazyRecv(self, out, src, tag)
+
+    def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
+        """Post a receive into ``out`` for the next message on ``tag`` from any other rank and
+        return at once; once complete, ``Request.source`` names the sender.
+
+        Receives match messages in the order they were posted: a message goes to the first
+        posted receive for its source or for any rank, whichever was posted first. The
+        receive fails with :class:`PeerClosedError` once every other rank is gone, with
+        :class:`PeerAbortedError` on an abort, and :class:`SizeMismatchError` if the message's
+        length differs from ``len(out)`` in bytes. Transports without it raise
+        :class:`NotImplementedError` naming themselves (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not receive from any source "
+                                  f"(irecv_any): receive from a named rank")
+
+    def recv_any(self, out: Any, *, tag: int = 0, timeout: float | None = None) -> int:
+        """Fill ``out`` with the next message on ``tag`` from any other rank; returns the
+        sender's rank. Errors as :meth:`irecv_any`, and :class:`CollectiveTimeoutError` after
+        ``timeout`` seconds (default: :attr:`Backend.timeout`)."""
+        limit = self.resolve_timeout(timeout, "recv_any: timeout")
+        req = self.irecv_any(out, tag=tag)
+        req.wait(limit)
+        assert req.source is not None, f"{type(self).__name__}: a completed irecv_any names no source"
+        return req.source
 
     def isend(self, data: Any, dst: int, *, tag: int = 0) -> Request:
         """Start a send. The default sends eagerly (ferro transports never block on receivers)."""

@@ -2,7 +2,11 @@
 
 Each rank owns one :class:`Mailbox`. A receive either finds its message already queued (an
 *unexpected* message, copied once more) or posts its buffer, so the transport writes the incoming
-bytes straight into the caller's memory. Messages match on ``(src, tag)`` in FIFO order.
+bytes straight into the caller's memory. Messages match on ``(src, tag)`` in FIFO order. A receive
+from any source (:data:`ANY_SOURCE`) matches on ``tag`` alone: it takes the oldest queued message
+on that tag, whoever sent it, or else the first message on that tag to arrive, unless a receive
+posted earlier for that message's own source claims it first (receives match in posting order,
+as MPI's do).
 
 Failures reach every waiter at once: a peer that closed or died fails the receives posted for it
 (after its queued messages are drained), and an abort fails every receive of the job. The mailbox
@@ -18,9 +22,9 @@ from collections import deque
 from collections.abc import Callable
 
 from . import _wire
-from .base import Request
-from .checks import check_timeout, size_mismatch
-from .errors import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
+from .checks import size_mismatch
+from .errors import PeerAbortedError, PeerClosedError
+from .posted import ANY_SOURCE, PostedRecv
 
 #: why a peer is gone when it said goodbye (``Backend.close``) instead of dying
 CLOSED_CLEANLY = "it closed its backend"
@@ -31,71 +35,6 @@ def copy_into(dst: memoryview, src) -> None:
     _wire.copy_bytes(src, dst)
 
 
-class PostedRecv(Request):
-    """A receive buffer waiting for its message."""
-
-    __slots__ = ("_box", "src", "tag", "view", "_done", "_error")
-
-    def __init__(self, box: Mailbox, src: int, tag: int, view: memoryview) -> None:
-        self._box = box
-        self.src = src
-        self.tag = tag
-        self.view = view
-        self._done = False
-        self._error: BaseException | None = None
-
-    # -- transport side -------------------------------------------------------------------
-    def complete(self) -> None:
-        with self._box.cond:
-            self._done = True
-            self._box.cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        with self._box.cond:
-            if not self._done:
-                self._error = error
-                self._done = True
-                self._box.cond.notify_all()
-
-    # -- caller side ----------------------------------------------------------------------
-    def is_completed(self) -> bool:
-        return self._done
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        """Wait up to ``timeout`` seconds without giving up the receive: True once complete
-        (then :meth:`wait` returns or raises at once), False if still pending. Raises the
-        peer's failure, if any."""
-        box = self._box
-        deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
-        with box.cond:
-            while not self._done:
-                failure = box.failure("recv", self.src)
-                if failure is not None and self in box.posted.get((self.src, self.tag), ()):
-                    box.posted[(self.src, self.tag)].remove(self)
-                    raise failure
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                box.cond.wait(min(remaining, 1.0))
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        box = self._box
-        limit = box.timeout() if timeout is None else check_timeout(timeout, "recv: timeout")
-        if not self.poll(limit):
-            with box.cond:
-                if not self._done:  # withdraw: a later message goes to a later receive
-                    queue = box.posted.get((self.src, self.tag))
-                    if queue is not None and self in queue:
-                        queue.remove(self)
-                    raise CollectiveTimeoutError(
-                        f"recv: rank {box.rank} waited {limit:g}s for a message from rank "
-                        f"{self.src} (tag {self.tag}, {len(self.view)} bytes)"
-                    )
-        if self._error is not None:
-            raise self._error
-
-
 class Mailbox:
     """The receive side of one rank: posted receives, queued (unexpected) messages, and the
     failures known to this rank (an abort, its own close, peers that are gone).
@@ -104,12 +43,21 @@ class Mailbox:
     ``Backend.timeout`` reaches receives that are already posted).
     """
 
-    def __init__(self, rank: int, timeout: Callable[[], float]) -> None:
+    def __init__(self, rank: int, timeout: Callable[[], float],
+                 world_size: int | None = None) -> None:
         self.rank = rank
         self.timeout = timeout
+        #: the ranks that may send here (known: a receive from any rank fails once all are gone)
+        self.world_size = world_size
         self.cond = threading.Condition(threading.Lock())
         self.posted: dict[tuple[int, int], deque[PostedRecv]] = {}
         self.unexpected: dict[tuple[int, int], deque] = {}
+        #: tag -> receives from any rank, in posting order
+        self.posted_any: dict[int, deque[PostedRecv]] = {}
+        #: tag -> the sources of that tag's queued messages, in arrival order (what a receive
+        #: from any rank takes first)
+        self.arrivals: dict[int, deque[int]] = {}
+        self._order = 0
         self.closed_peers: dict[int, str] = {}
         self.aborted: tuple[int, str] | None = None
         self.closed = False
@@ -143,6 +91,14 @@ class Mailbox:
                                     reason=reason)
         if self.closed:
             return PeerClosedError(f"{op}: rank {self.rank}'s backend is closed", peer=self.rank)
+        if peer == ANY_SOURCE:
+            others = None if self.world_size is None else self.world_size - 1
+            if others and len(self.closed_peers) >= others:
+                return PeerClosedError(f"{op}: rank {self.rank} waits for a message from any "
+                                       f"rank, and every other rank is gone", peer=None,
+                                       clean=all(w == CLOSED_CLEANLY
+                                                 for w in self.closed_peers.values()))
+            return None
         why = self.closed_peers.get(peer)
         if why is not None:
             return PeerClosedError(f"{op}: rank {self.rank} <-> {peer}: peer rank {peer} is gone "
@@ -183,11 +139,13 @@ class Mailbox:
         with self.cond:
             if self.aborted is not None or self.closed:
                 raise self.failure("recv", src)
-            msg = self._pop(self.unexpected, key)
+            msg = self._pop_unexpected(src, tag)
             if msg is None:
                 if check:
                     self.check("recv", src)
                 req = PostedRecv(self, src, tag, view)
+                self._order += 1
+                req.order = self._order
                 self.posted.setdefault(key, deque()).append(req)
                 self.cond.notify_all()  # a transport may be waiting to claim it
         if msg is None:
@@ -202,11 +160,73 @@ class Mailbox:
         req._done = True
         return req
 
+    def post_any(self, tag: int, view: memoryview) -> PostedRecv:
+        """Post ``view`` for the next message on ``tag`` from any rank (completed at once from
+        the oldest queued one); the request's ``source`` names the sender once it is done."""
+        with self.cond:
+            failure = self.failure("recv", ANY_SOURCE)
+            if failure is not None:
+                raise failure
+            arrived = self.arrivals.get(tag)
+            src = arrived[0] if arrived else None
+            req = PostedRecv(self, ANY_SOURCE, tag, view)
+            if src is None:
+                self._order += 1
+                req.order = self._order
+                self.posted_any.setdefault(tag, deque()).append(req)
+                self.cond.notify_all()
+                return req
+            msg = self._pop_unexpected(src, tag)
+        req.source = src
+        if len(msg) != len(view):
+            raise size_mismatch("recv", src, self.rank, tag, len(view), len(msg))
+        copy_into(view, msg)
+        req._done = True
+        return req
+
+    def withdraw(self, req: PostedRecv) -> bool:
+        """Take a pending receive back (a timeout, a failure); False if a transport already
+        claimed it (it completes shortly)."""
+        with self.cond:
+            return self._withdraw(req)
+
+    def _withdraw(self, req: PostedRecv) -> bool:
+        """:meth:`withdraw`, the caller holding the lock."""
+        queue = (self.posted_any.get(req.tag) if req.src == ANY_SOURCE
+                 else self.posted.get((req.src, req.tag)))
+        if queue is not None and req in queue:
+            queue.remove(req)
+            return True
+        return False
+
     def take_unexpected(self, src: int, tag: int):
         """The oldest queued message from ``src`` on ``tag``, or None (for transports that
         receive by polling, like MPI's)."""
         with self.cond:
-            return self._pop(self.unexpected, (src, tag))
+            return self._pop_unexpected(src, tag)
+
+    def _pop_unexpected(self, src: int, tag: int):
+        """The oldest queued message from ``src`` on ``tag`` (caller holds the lock), or None."""
+        msg = self._pop(self.unexpected, (src, tag))
+        if msg is not None:
+            arrived = self.arrivals[tag]
+            arrived.remove(src)  # its first occurrence: this message's
+            if not arrived:
+                del self.arrivals[tag]
+        return msg
+
+    def _pop_posted(self, src: int, tag: int) -> PostedRecv | None:
+        """The receive a message from ``src`` on ``tag`` goes to (caller holds the lock): the
+        earlier posted of the first one for ``(src, tag)`` and the first one from any rank."""
+        mine = self.posted.get((src, tag))
+        anyone = self.posted_any.get(tag)
+        if anyone and (not mine or anyone[0].order < mine[0].order):
+            req = anyone.popleft()
+            if not anyone:
+                del self.posted_any[tag]
+            req.source = src
+            return req
+        return self._pop(self.posted, (src, tag))
 
     @staticmethod
     def _pop(table: dict, key: tuple[int, int]):
@@ -223,12 +243,16 @@ class Mailbox:
     def claim(self, src: int, tag: int) -> PostedRecv | None:
         """Take the first receive posted for ``(src, tag)``; the transport then fills it."""
         with self.cond:
-            return self._pop(self.posted, (src, tag))
+            return self._pop_posted(src, tag)
 
     def repost_front(self, req: PostedRecv) -> None:
         """Give a claimed receive back, first in line (its message will come another way)."""
         with self.cond:
-            self.posted.setdefault((req.src, req.tag), deque()).appendleft(req)
+            if req.src == ANY_SOURCE:
+                req.source = None
+                self.posted_any.setdefault(req.tag, deque()).appendleft(req)
+            else:
+                self.posted.setdefault((req.src, req.tag), deque()).appendleft(req)
             self.cond.notify_all()
 
     def claim_wait(self, src: int, tag: int, timeout: float,
@@ -237,11 +261,10 @@ class Mailbox:
         frame that is about to be asked for is worth a short wait: no buffer, no extra copy).
         With ``may_wait``, the wait also ends (None) as soon as that says no, checked at least
         every millisecond."""
-        key = (src, tag)
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                req = self._pop(self.posted, key)
+                req = self._pop_posted(src, tag)
                 if req is not None:
                     return req
                 remaining = deadline - time.monotonic()
@@ -258,16 +281,21 @@ class Mailbox:
         """Hand over a complete message: into a receive posted meanwhile, else into the queue."""
         key = (src, tag)
         with self.cond:
-            req = self._pop(self.posted, key)
+            req = self._pop_posted(src, tag)
             if req is None:
                 self.unexpected.setdefault(key, deque()).append(data)
+                self.arrivals.setdefault(tag, deque()).append(src)
                 self.cond.notify_all()
                 return
         self.fill(req, data)
 
     def fill(self, req: PostedRecv, data) -> None:
         if len(data) != len(req.view):
-            req.fail(size_mismatch("recv", req.src, self.rank, req.tag, len(req.view), len(data)))
+            req.fail(size_mismatch("recv", req.source, self.rank, req.tag, len(req.view),
+                                   len(data)))
             return
         copy_into(req.view, data)
         req.complete()
+
+
+__all__ = ["ANY_SOURCE", "CLOSED_CLEANLY", "Mailbox", "PostedRecv", "copy_into"]

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
-from .checks import check_timeout, size_mismatch
+from .checks import as_recv_view, check_tag, check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError
-from .mailbox import Mailbox
+from .mailbox import ANY_SOURCE, Mailbox
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
 
@@ -48,7 +48,7 @@ class MpiBackend(FixedRanks, Backend):
         self._abort_tag = int(ub)
         self._tag_space = int(ub)  # data tags in [0, ub)
         # messages that arrived under a folded tag before their receive, and the failures
-        self._box = Mailbox(self._rank, lambda: self.timeout)
+        self._box = Mailbox(self._rank, lambda: self.timeout, self._world)
         # a header and its payload are taken together: one receiving thread at a time
         self._recv_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -131,14 +131,32 @@ class MpiBackend(FixedRanks, Backend):
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
 
-    def _progress(self, src: int, tag: int, view: memoryview) -> bool:
-        """Try once to complete a receive; True when done (raises its errors)."""
+    def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
+        check_tag(tag)
+        return _MpiRecv(self, as_recv_view(out), ANY_SOURCE, tag)
+
+    def _progress(self, src: int, tag: int, view: memoryview) -> int | None:
+        """Try once to complete a receive; the sender's rank when done, else None (raises
+        its errors). ``src`` may be ANY_SOURCE."""
         self._progress_sends()
         with self._recv_lock:
-            return self._progress_locked(src, tag, view)
+            if src == ANY_SOURCE:  # the oldest message queued on the tag, else MPI's
+                with self._box.cond:
+                    arrived = self._box.arrivals.get(tag)
+                    queued = arrived[0] if arrived else None
+                if queued is not None:
+                    return queued if self._progress_locked(queued, tag, view) else None
+                MPI = self._MPI
+                st = MPI.Status()
+                probe = self._comm.improbe(MPI.ANY_SOURCE, self._mpi_tag(tag), status=st)
+                if probe is None:
+                    return None
+                src = st.Get_source()
+                return src if self._progress_locked(src, tag, view, probe) else None
+            return src if self._progress_locked(src, tag, view) else None
 
-    def _progress_locked(self, src: int, tag: int, view: memoryview) -> bool:
-        msg = self._box.take_unexpected(src, tag)
+    def _progress_locked(self, src: int, tag: int, view: memoryview, probe: Any = None) -> bool:
+        msg = self._box.take_unexpected(src, tag) if probe is None else None
         if msg is not None:
             if len(msg) != len(view):
                 raise size_mismatch("recv", src, self._rank, tag, len(view), len(msg))
@@ -146,7 +164,7 @@ class MpiBackend(FixedRanks, Backend):
             return True
         MPI = self._MPI
         mtag = self._mpi_tag(tag)
-        probe = self._comm.improbe(src, mtag)
+        probe = self._comm.improbe(src, mtag) if probe is None else probe
         if probe is None:
             return False
         hdr = bytearray(_HDR.size)
@@ -200,10 +218,12 @@ class _MpiRecv(Request):
     def __init__(self, backend: MpiBackend, view: memoryview, src: int, tag: int) -> None:
         self._b, self._view, self._src, self._tag = backend, view, src, tag
         self._done = False
+        self.source: int | None = None
 
     def is_completed(self) -> bool:
         if not self._done:
-            self._done = self._b._progress(self._src, self._tag, self._view)
+            self.source = self._b._progress(self._src, self._tag, self._view)
+            self._done = self.source is not None
         return self._done
 
     def poll(self, timeout: float = 0.0) -> bool:
@@ -220,6 +240,7 @@ class _MpiRecv(Request):
     def wait(self, timeout: float | None = None) -> None:
         limit = self._b.resolve_timeout(timeout, "recv: timeout")
         if not self.poll(limit):
+            who = "any rank" if self._src == ANY_SOURCE else f"rank {self._src}"
             raise CollectiveTimeoutError(
-                f"recv: rank {self._b.rank} waited {limit:g}s for a message from rank "
-                f"{self._src} (tag {self._tag}, {len(self._view)} bytes)")
+                f"recv: rank {self._b.rank} waited {limit:g}s for a message from {who} (tag "
+                f"{self._tag}, {len(self._view)} bytes)")

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
-from .checks import check_timeout, check_world_size
+from .checks import as_recv_view, check_tag, check_timeout, check_world_size
 from .errors import CollectiveTimeoutError, PeerClosedError
 from .mailbox import Mailbox
 from .netsim import Network, TimedRequest, VirtualTime
@@ -52,7 +52,7 @@ class SimulatedBackend(FixedRanks, Backend):
         check_world_size(world_size)
         timeout = check_timeout(timeout, "SimulatedBackend.create_group: timeout")
         ranks: list[SimulatedBackend] = []
-        boxes = [Mailbox(r, lambda r=r: ranks[r].timeout) for r in range(world_size)]
+        boxes = [Mailbox(r, lambda r=r: ranks[r].timeout, world_size) for r in range(world_size)]
         vt = VirtualTime(network, world_size) if network is not None else None
         ranks.extend(cls(boxes, r, timeout, vt) for r in range(world_size))
         if network is not None:
@@ -144,6 +144,13 @@ class SimulatedBackend(FixedRanks, Backend):
 
     def recv(self, out: Any, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
+
+    def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
+        if self._vt is not None:  # virtual time pairs each receive with its sender's message
+            raise NotImplementedError("SimulatedBackend with a network model does not receive "
+                                      "from any source (irecv_any): receive from a named rank")
+        check_tag(tag)
+        return self._box.post_any(tag, as_recv_view(out))
 
     def link_transports(self) -> tuple[str, str]:
         return "in-process (threads, one copy per message)", "none (one process)"

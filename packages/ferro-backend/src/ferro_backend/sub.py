@@ -110,6 +110,11 @@ class SubBackend(FixedRanks, Backend):
         g, t = self._route("irecv", src, tag)
         return self._root.irecv(out, g, tag=t)
 
+    def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
+        """From any member: the subgroup's tags are its own, so only members' messages match."""
+        check_tag(tag, (1 << GROUP_TAG_SHIFT) - 1)
+        return _LocalSource(self._root.irecv_any(out, tag=self._tag_base | tag), self.to_local)
+
     def isend(self, data: Any, dst: int, *, tag: int = 0) -> Request:
         g, t = self._route("isend", dst, tag)
         return self._root.isend(data, g, tag=t)
@@ -124,3 +129,26 @@ class SubBackend(FixedRanks, Backend):
     def __repr__(self) -> str:
         return (f"<SubBackend rank={self.rank} world_size={self.world_size} "
                 f"members={self._members}>")
+
+
+class _LocalSource(Request):
+    """A parent's receive from any rank, its ``source`` told as the subgroup's rank."""
+
+    __slots__ = ("_req", "_to_local")
+
+    def __init__(self, req: Request, to_local) -> None:
+        self._req, self._to_local = req, to_local
+
+    @property
+    def source(self) -> int | None:
+        g = self._req.source
+        return None if g is None else self._to_local(g)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._req.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._req.is_completed()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._req.poll(timeout)

@@ -42,26 +42,33 @@ class PointToPoint(GroupCore):
         return self._issued(work)
 
     def recv(self, tensors, srcRank, tag=0):
-        self._check("recv", tensors)
-        self._check_tag("recv", tag)
+        return self._recv("recv", tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        """``dist.recv``/``irecv`` without ``src``: ferro's receive from any rank
+        (``Backend.irecv_any``); the work's ``_source_rank()`` names the sender."""
+        return self._recv("recv", tensors, None, tag)
+
+    def _recv(self, name: str, tensors, src: int | None, tag: int):
+        self._check(name, tensors)
+        self._check_tag(name, tag)
         if len(tensors) != 1:
-            raise ValueError(f"recv: {len(tensors)} tensors, expected 1")
+            raise ValueError(f"{name}: {len(tensors)} tensors, expected 1")
         (t,) = tensors
         staged = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-        req = self._b.irecv(flat(staged).view(np.uint8), srcRank, tag=tag)
+        out = flat(staged).view(np.uint8)
+        try:
+            req = (self._b.irecv_any(out, tag=tag) if src is None
+                   else self._b.irecv(out, src, tag=tag))
+        except NotImplementedError as exc:  # a transport without receives from any rank
+            raise RuntimeError(f"ferro recv: {exc}") from None
 
         def after() -> None:
             if staged is not t:
                 with torch.no_grad():
                     t.copy_(staged)
 
-        return self._issued(RequestWork("recv", [t], req, self._b.timeout, after))
-
-    def recv_anysource(self, tensors, tag=0):
-        # ferro_backend's protocol matches a receive to one (source, tag) stream; receiving
-        # from any source needs the transports to grow it (see the README)
-        raise RuntimeError("ferro recv: receive from any source is not supported by backend "
-                           "'ferro' yet (ferro's transports match receives by source); pass src")
+        return self._issued(RequestWork(name, [t], req, self._b.timeout, after))
 
 
 __all__ = ["TAG_LIMIT", "PointToPoint"]

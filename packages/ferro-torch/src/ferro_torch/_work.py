@@ -132,6 +132,16 @@ class RequestWork(FerroWork):
         self._settle(seconds(timeout))
         return super().wait()
 
+    def _source_rank(self) -> int:
+        """The sender of a completed receive (torch asks after ``recv`` without ``src``)."""
+        source = getattr(self._request, "source", None)
+        if source is None:
+            raise RuntimeError(f"ferro {self._name}: no source rank before the receive "
+                               "completes")
+        return int(source)
+
+    source_rank = _source_rank
+
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._request.is_completed():
             self._settle(None)

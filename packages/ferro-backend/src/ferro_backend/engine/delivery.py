@@ -73,8 +73,8 @@ class Delivery:
             return False
         try:
             box, key = self.box, (src, tag)
-            if box.unexpected.get(key) or box.posted.get(key):
-                return False
+            if box.unexpected.get(key) or box.posted.get(key) or box.posted_any.get(tag):
+                return False  # queued, or a receive posted earlier may take the message
             ring = self.inc[src]
             while True:
                 entry = ring.peek()
@@ -159,13 +159,7 @@ class Delivery:
     def withdraw(self, req: PostedRecv) -> bool:
         """Take a pending receive back from the mailbox; False if a drain already claimed it
         (it completes shortly)."""
-        box = self.box
-        with box.cond:
-            queue = box.posted.get((req.src, req.tag))
-            if queue is not None and req in queue:
-                queue.remove(req)
-                return True
-        return False
+        return self.box.withdraw(req)
 
     @staticmethod
     def _ring_words(engine: Engine, src: int, dst: int) -> tuple[np.ndarray, np.ndarray]:

@@ -221,6 +221,10 @@ class RingMesh(Route):
         req = self.box.post(src, tag, view, check=False) if done is False else done
         RingRecv(delivery, req, self.timeout).wait_until(deadline, limit)
 
+    def pump(self) -> None:
+        for src in self.peers:
+            self.delivery.try_progress(src)
+
     def close(self) -> None:
         """Stop the watch thread (the rings stay mapped while the engine lives)."""
         self.delivery.close()

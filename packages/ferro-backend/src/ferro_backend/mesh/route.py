@@ -42,6 +42,11 @@ class Route(abc.ABC):
         """Post a receive into ``view`` (validated by the backend) for ``src``'s next message on
         ``tag``."""
 
+    def pump(self) -> None:  # noqa: B027 (optional: most routes deliver by themselves)
+        """Move what has arrived from :attr:`peers` into the mailbox without waiting (a receive
+        from any rank calls it while it waits). The default does nothing: for a route whose
+        own threads deliver every message."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release what the route holds (its threads); the backend calls it at its teardown."""

@@ -20,9 +20,10 @@ from typing import Any
 
 from .. import settings
 from ..base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
-from ..checks import check_rank, check_world_size, timeout_from_env
+from ..checks import as_recv_view, check_rank, check_tag, check_world_size, timeout_from_env
 from ..errors import DistributedError, PeerClosedError, RendezvousError
 from ..mailbox import Mailbox
+from ..posted import PumpedRecv
 from .framing import K_DATA, Link, read_frames
 from .lazy import Connector
 from .reactor import Reactor
@@ -111,7 +112,7 @@ class TcpBackend(FixedRanks, Backend):
         key = token.encode() if isinstance(token, str) else (token or b"")
         self.master_addr = master_addr
         host, port = parse_addr(master_addr)
-        self._box = Mailbox(rank, lambda: self.timeout)
+        self._box = Mailbox(rank, lambda: self.timeout, world_size)
         self._state_lock = threading.Lock()
         self._links: dict[int, Link] = {}
         self._readers: list[threading.Thread] = []
@@ -275,6 +276,19 @@ class TcpBackend(FixedRanks, Backend):
         if route is not None:
             return route.recv(out, src, tag, timeout)
         self.irecv(out, src, tag=tag).wait(self.resolve_timeout(timeout, "recv: timeout"))
+
+    def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
+        check_tag(tag)
+        view = as_recv_view(out)
+        if self._connector is not None:  # a use of every socket pair: their failures show
+            for peer in range(self._world):
+                if peer != self._rank and peer not in self._routes and peer not in self._links:
+                    self._link(peer, "recv")
+        req = self._box.post_any(tag, view)
+        routes = {id(r): r for r in self._routes.values()}
+        if req.is_completed() or not routes:
+            return req  # the sockets' receive loop delivers by itself
+        return PumpedRecv(req, [r.pump for r in routes.values()])
 
     # ------------------------------------------------------------------ teardown
     def link_transports(self) -> tuple[str, str]:

@@ -15,13 +15,15 @@ Real processes on 127.0.0.1 (every package's multi-process tests use these two, 
 
 Both reap every process they started, on success, failure and timeout alike.
 :func:`free_port` finds a free TCP port on 127.0.0.1. :func:`check_backend` (from
-:mod:`.conformance`) checks a transport written outside ferro against the Backend contract.
+:mod:`.conformance`) checks a transport written outside ferro against the Backend contract,
+:func:`check_any_source` its receives from any rank.
 """
 
 from ..mesh.rendezvous import free_port
+from .any_source import check_any_source
 from .conformance import check_backend
 from .processes import Job, RankResult, run_job, run_processes
 from .threads import RankFailure, run_ranks, run_threads
 
-__all__ = ["Job", "RankFailure", "RankResult", "check_backend", "free_port", "run_job",
-           "run_processes", "run_ranks", "run_threads"]
+__all__ = ["Job", "RankFailure", "RankResult", "check_any_source", "check_backend", "free_port",
+           "run_job", "run_processes", "run_ranks", "run_threads"]

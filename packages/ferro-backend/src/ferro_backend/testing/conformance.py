@@ -138,23 +138,31 @@ def check_backend(make_group: Callable[[int], list[Backend]],
     >>> from ferro_backend import SimulatedBackend
     >>> check_backend(SimulatedBackend.create_group)
     """
+    run_promises("check_backend", make_group, world_sizes, PROMISES)
+
+
+def run_promises(kit: str, make_group: Callable[[int], list[Backend]],
+                 world_sizes: Sequence[int],
+                 promises: Sequence[tuple[str, Callable[[Backend], None]]]) -> None:
+    """Run each ``(promise, check)`` on every rank (threads) of a fresh group of each size;
+    AssertionError naming the kit, the world size, the promise and what happened."""
     for n in world_sizes:
         group = make_group(n)
         for i, b in enumerate(group):
             assert (b.rank, b.world_size) == (i, n), (
-                f"check_backend({n} ranks): backend {i} says rank {b.rank} of {b.world_size}")
+                f"{kit}({n} ranks): backend {i} says rank {b.rank} of {b.world_size}")
         _close_all(group)
-        for promise, check in PROMISES:
+        for promise, check in promises:
             group = make_group(n)
             try:
                 run_threads(check, group, timeout=60, abort_on_error=False, raise_first=False)
             except RankFailure as exc:
                 rank = min(exc.errors)
                 err = exc.errors[rank]
-                raise AssertionError(f"check_backend({n} ranks): {promise}: rank {rank} raised "
+                raise AssertionError(f"{kit}({n} ranks): {promise}: rank {rank} raised "
                                      f"{type(err).__name__}: {err}") from err
             except CollectiveTimeoutError as exc:
-                raise AssertionError(f"check_backend({n} ranks): {promise}: {exc} (a rank "
+                raise AssertionError(f"{kit}({n} ranks): {promise}: {exc} (a rank "
                                      "blocked)") from exc
             finally:
                 _close_all(group)
