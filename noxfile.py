@@ -57,6 +57,9 @@ def _install(session: nox.Session, *args: str) -> None:
 
 
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
+#: the order the wheels are built in, two at a time: what the longest test sessions need first
+BUILD_ORDER = ["ferro-backend", "ferro-collective", "ferro-torch", "ferro-fsdp",
+               "ferro-checkpoint"]
 BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.0", "numpy>=2.0"]
 _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the sessions
 
@@ -64,20 +67,22 @@ _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the s
 def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
     """The wheels of ``dists`` from this run's wheelhouse, built (once per nox run, from the
     working tree) where missing: every session installs the same wheels, each in its own venv."""
-    if os.environ.get("FERRO_REUSE_WHEELHOUSE") == "1":  # tools/parallel_tests.py built them
-        _wait_for_wheelhouse(session)
+    if os.environ.get("FERRO_REUSE_WHEELHOUSE") == "1":  # tools/parallel_tests.py builds them
+        _wait_for_wheelhouse(session, dists)
         for d in dists:
             found = sorted(WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl"))
             if d not in _built and len(found) == 1:
                 _built[d] = found[0]
-    todo = [d for d in dists if d not in _built]
+    todo = sorted((d for d in dists if d not in _built), key=BUILD_ORDER.index)
     if todo:
         WHEELHOUSE.mkdir(parents=True, exist_ok=True)
         for old in WHEELHOUSE.glob("*.whl"):
             if any(old.name.startswith(d.replace("-", "_") + "-") for d in todo):
                 old.unlink()
         _install(session, *BUILD_DEPS)
-        session.run("python", str(ROOT / "tools" / "build_wheels.py"), str(WHEELHOUSE),
+        markers = os.environ.get("FERRO_WHEEL_MARKERS")  # tools/parallel_tests.py's
+        extra = ["--jobs", "2", "--ready-dir", markers] if markers else []
+        session.run("python", str(ROOT / "tools" / "build_wheels.py"), *extra, str(WHEELHOUSE),
                     *[_path(d) for d in todo])
         for d in todo:
             (found,) = WHEELHOUSE.glob(d.replace("-", "_") + "-*.whl")
@@ -85,19 +90,27 @@ def _wheel(session: nox.Session, dists: list[str]) -> list[Path]:
     return [_built[d] for d in dists]
 
 
-def _wait_for_wheelhouse(session: nox.Session) -> None:
-    """Under tools/parallel_tests.py the wheels are built while the lanes install their other
-    requirements: wait for its marker (``ok``, or ``failed``: this session cannot run)."""
+def _wait_for_wheelhouse(session: nox.Session, dists: list[str]) -> None:
+    """Under tools/parallel_tests.py the wheels are built (two at a time, lowest layers first)
+    while the lanes install their other requirements: wait for the markers of ``dists``
+    (``ok``, or ``failed``: this session cannot run); ``ALL`` marks the end of the build."""
     marker = os.environ.get("FERRO_WHEELHOUSE_READY")
     if not marker:
         return
-    path, deadline = Path(marker), time.monotonic() + 1200
-    while not path.exists():
-        if time.monotonic() > deadline:
-            session.error(f"the wheelhouse was never ready ({marker} missing after 20 min)")
-        time.sleep(0.5)
-    if path.read_text().strip() != "ok":
-        session.error("building the wheels failed (see the wheels session's output)")
+    ready, deadline = Path(marker), time.monotonic() + 1200
+    for dist in dists:
+        path = ready / dist
+        while not path.exists():
+            if (ready / "ALL").exists() and not path.exists():
+                session.error(f"the wheels were built without {dist} (see the wheels "
+                              "session's output)")
+            if time.monotonic() > deadline:
+                session.error(f"the wheel of {dist} was never ready ({path} missing after "
+                              "20 min)")
+            time.sleep(0.5)
+        if path.read_text().strip() != "ok":
+            session.error(f"building the wheel of {dist} failed (see the wheels session's "
+                          "output)")
 
 
 def _third_party(dists: list[str], extras: str = "") -> list[str]:

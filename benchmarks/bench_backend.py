@@ -236,6 +236,27 @@ def bench_unpack_100_arrays_64MiB(benchmark, impl):
     np.testing.assert_array_equal(outs[-1], arrays[-1])
 
 
+@pytest.mark.parametrize("size", ["1MiB", "8MiB", "32MiB"])
+@pytest.mark.parametrize("impl", ["memcpy", "_wire.stream_copy"])
+def bench_stream_copy(benchmark, impl, size):
+    """Non-temporal stores against memcpy (_wire.copy_bytes): the own block of a large
+    all_gather (here: 32 MiB 3.1 ms against 5.1 ms)."""
+    from ferro_backend import _wire
+
+    nbytes = {"1MiB": 1 << 20, "8MiB": 8 << 20, "32MiB": 32 << 20}[size]
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty(nbytes, np.uint8)
+    benchmark.group = f"stream copy {size}"
+    benchmark.extra_info["bytes"] = nbytes
+    if impl == "memcpy":
+        benchmark.extra_info["role"] = "baseline"
+        copy = _wire.copy_bytes
+    else:
+        copy = _wire.stream_copy
+    benchmark.pedantic(copy, args=(src, dst), rounds=20, warmup_rounds=2)
+    assert dst[-1] == 1
+
+
 @pytest.mark.parametrize("size", ["64KiB", "1MiB", "16MiB"])
 @pytest.mark.parametrize("impl", ["copyto", "_segment.cma_read", "_segment.cma_write"])
 def bench_cross_memory_copy(benchmark, impl, size):

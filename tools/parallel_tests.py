@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -23,21 +24,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: seconds each session took on a 2-core machine in three lanes (CI, stop 36): only used to
+#: seconds each session took on a 2-core machine in three lanes (CI, stop 37): only used to
 #: balance them
-COST = {"collective": 323, "torch": 278, "examples": 272, "backend": 162, "fsdp": 70,
-        "docs": 44, "checkpoint": 38, "wheels": 11}
+COST = {"collective": 373, "torch": 289, "examples": 237, "backend": 235, "fsdp": 103,
+        "docs": 80, "checkpoint": 64, "wheels": 14}
+#: sessions whose wheels are built first (the lowest layers: noxfile.BUILD_ORDER) start their
+#: lane, so no lane waits for wheels another could have used
+EARLY = {"backend": 0, "collective": 1, "torch": 2}
 
 
 def lanes_for(sessions: list[str], n: int) -> list[list[str]]:
-    """Longest session first into the lane that ends soonest."""
+    """Longest session first into the lane that ends soonest; in each lane, the sessions
+    whose wheels are ready first go first."""
     lanes: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
     for s in sorted(sessions, key=lambda s: -COST.get(s, 60)):
         k = load.index(min(load))
         lanes[k].append(s)
         load[k] += COST.get(s, 60)
-    return [lane for lane in lanes if lane]
+    return [sorted(lane, key=lambda s: EARLY.get(s, len(EARLY))) for lane in lanes if lane]
 
 
 def main() -> int:
@@ -57,21 +62,22 @@ def main() -> int:
     # install what they need from outside ferro; each session waits for the marker
     logs = ROOT / ".nox"
     logs.mkdir(exist_ok=True)
-    marker = logs / "wheelhouse.ready"
-    marker.unlink(missing_ok=True)
+    # one marker per wheel as it is built (tools/build_wheels.py, lowest layers first, two at
+    # a time), and ALL when the wheels session ends: a session waits only for its own layers
+    markers = logs / "wheels-ready"
+    shutil.rmtree(markers, ignore_errors=True)
+    markers.mkdir()
     wheels_rc: list[int] = []
 
     def build_wheels() -> None:
-        rc = subprocess.run([args.nox, "-s", "wheels"], cwd=ROOT).returncode
+        rc = subprocess.run([args.nox, "-s", "wheels"], cwd=ROOT,
+                            env={**os.environ, "FERRO_WHEEL_MARKERS": str(markers)}).returncode
         wheels_rc.append(rc)
-        # written whole, then renamed: a session never reads a marker that exists but is empty
-        partial = marker.with_suffix(".partial")
-        partial.write_text("ok" if rc == 0 else "failed")
-        partial.replace(marker)
+        (markers / "ALL").write_text("ok" if rc == 0 else "failed")
 
     builder = threading.Thread(target=build_wheels)
     builder.start()
-    env = {**os.environ, "FERRO_REUSE_WHEELHOUSE": "1", "FERRO_WHEELHOUSE_READY": str(marker)}
+    env = {**os.environ, "FERRO_REUSE_WHEELHOUSE": "1", "FERRO_WHEELHOUSE_READY": str(markers)}
     failed: list[str] = []
     lock = threading.Lock()
 

@@ -19,12 +19,18 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ferro_backend import _wire
+
 from . import _fastcall
 from ._state import reserve
 from .checks import as_array, check_out
 from .engine import EngineGroup, FastPlan, Step, one_call_header
 from .p2p import Ctx, all_gather_ring_into
 from .plan import Plan, choose
+
+#: an own block at least this large is copied with non-temporal stores (well past the cache:
+#: 8 MiB copies in 0.45 ms instead of 0.51, 32 MiB in 3.1 instead of 5.1, one process here)
+STREAM_COPY_BYTES = 4 << 20
 
 
 def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
@@ -139,8 +145,13 @@ def engine_all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarr
             out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,
                                                                           block.dtype)
     elif g.cma_ok:
-        # this rank's own block first: while the peers arrive, and from a hot source
-        out[g.me * size:(g.me + 1) * size] = block
+        # this rank's own block first: while the peers arrive, and from a hot source; a block
+        # far larger than the cache with non-temporal stores (no read of the lines it writes)
+        mine = out[g.me * size:(g.me + 1) * size]
+        if size >= STREAM_COPY_BYTES:
+            _wire.stream_copy(block, mine)
+        else:
+            mine[...] = block
         g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
         extras = g.extras()
         for r in range(g.n):
