@@ -1,15 +1,16 @@
 """``./dev tests``: every ``tests(...)`` nox session, in parallel lanes, on wheels built once
 (while the lanes set up their venvs).
 
-The sessions are independent (each installs its own wheels in its own venv) and spend most of
-their time waiting on the processes their tests start (or on timeouts they provoke), so three
-lanes on a 2-core machine keep both cores busy: measured on the same day, 6 min 11 s against
-6 min 40 s with two lanes. Lanes are balanced by measured session times (the longest first);
+The sessions are independent (each installs its own wheels in its own venv) and spend much of
+their time waiting on the processes their tests start (or on timeouts they provoke), so more
+lanes than cores keep both cores of a 2-core machine busy: measured on the same day, 6 min 11 s
+with three lanes against 6 min 40 s with two (stop 36); four lanes since stop 37 (the two
+longest sessions each alone). Lanes are balanced by measured session times (the longest first);
 each lane runs its sessions one after the other. Every session's output goes to
 ``.nox/<session>.log`` and is printed, whole, when the session ends; the exit status is non-zero
 if any session failed.
 
-    python tools/parallel_tests.py NOX [--lanes 3]
+    python tools/parallel_tests.py NOX [--lanes 4]
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: seconds each session took on a 2-core machine in three lanes (CI, stop 37): only used to
 #: balance them
-COST = {"collective": 373, "torch": 289, "examples": 237, "backend": 235, "fsdp": 103,
-        "docs": 80, "checkpoint": 64, "wheels": 14}
+COST = {"backend": 315, "collective": 312, "torch": 251, "examples": 150, "fsdp": 70,
+        "checkpoint": 50, "docs": 47, "wheels": 14}
 #: sessions whose wheels are built first (the lowest layers: noxfile.BUILD_ORDER) start their
 #: lane, so no lane waits for wheels another could have used
 EARLY = {"backend": 0, "collective": 1, "torch": 2}
@@ -48,7 +49,7 @@ def lanes_for(sessions: list[str], n: int) -> list[list[str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("nox")
-    ap.add_argument("--lanes", type=int, default=int(os.environ.get("FERRO_TEST_LANES", "3")))
+    ap.add_argument("--lanes", type=int, default=int(os.environ.get("FERRO_TEST_LANES", "4")))
     args = ap.parse_args()
     start = time.monotonic()
     listed = subprocess.run([args.nox, "-l", "-s", "tests"], cwd=ROOT, capture_output=True,
