@@ -20,6 +20,15 @@ from ferro_backend.launch import emulate, netns
 from ferro_backend.launch.netns import EmulatedCluster, EmulationError
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(autouse=True)
+def _one_emulation_at_a_time():
+    """Another test session's emulated nodes would count as this test's (see the module)."""
+    from ferro_backend.testing.exclusive import one_emulation_at_a_time
+
+    with one_emulation_at_a_time():
+        yield
 FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
 
 
