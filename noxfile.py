@@ -202,6 +202,7 @@ def tests(session: nox.Session, package: str) -> None:
         str(PACKAGES_DIR / package / "tests"),
         "-p",
         "no:cacheprovider",
+        "--durations=12",  # the slowest tests in the log: what to look at when the line grows
         *session.posargs,
         env={"FERRO_INSTALLED_LAYERS": ",".join(expected)},
     )

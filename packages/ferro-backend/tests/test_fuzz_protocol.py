@@ -577,7 +577,8 @@ class RingMachine(RuleBasedStateMachine):
         tail = int(self.tail[0])
         pos = tail & (self.cap - 1)
         entry = struct.pack("<IIQQQ", kind, length, tag, total, aux)
-        self.data[pos:pos + 32] = np.frombuffer(entry, np.uint8)
+        room = min(32, self.cap - pos)  # a tail moved off the 64-byte grid (hostile_tail...)
+        self.data[pos:pos + room] = np.frombuffer(entry, np.uint8)[:room]
         self.head[0] = (tail + 64) & 0xFFFFFFFF  # published, as a producer does
         self.corrupt = True
         self._receive_something(5, size)
@@ -688,3 +689,36 @@ class SlotMachine(RuleBasedStateMachine):
 TestSlots = SlotMachine.TestCase
 TestSlots.settings = settings(max_examples=15, stateful_step_count=8, deadline=None,
                               suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_later_chunk_longer_than_what_its_producer_published_is_refused():
+    """Every chunk of a streamed message is checked against the bytes its producer published,
+    not only the first: a second chunk whose length (within the message) runs past the
+    published head and the ring's end was copied from beyond the ring and the message
+    delivered. ProtocolError."""
+    from ferro_backend.engine import _ring
+
+    b = _shm_pair()
+    try:
+        eng = b[0].engine
+        cap = eng.ring_bytes
+        at = eng.layout["ring_off"] + (0 * 2 + 1) * eng.layout["ring_stride"]  # ring 1 -> 0
+        seg = eng._bytes
+        head = seg[at:at + 4].view(np.uint32)
+        tail = seg[at + 64:at + 68].view(np.uint32)
+        data = seg[at + 128:at + 128 + cap]
+        total = 32 + cap  # the second chunk completes the message: unchecked, it "arrives"
+        t = int(tail[0])
+        pos = t & (cap - 1)
+        assert pos + 128 <= cap  # a fresh ring: both entries fit before its end
+        first = struct.pack("<IIQQQ", _ring.CHUNK, 32, 5, total, 0) + bytes(range(32))
+        second = struct.pack("<IIQQQ", _ring.CHUNK, cap, 5, total, 32)
+        data[pos:pos + 64] = np.frombuffer(first, np.uint8)
+        data[pos + 64:pos + 96] = np.frombuffer(second, np.uint8)
+        head[0] = (t + 128) & 0xFFFFFFFF  # two 64-byte entries published, not cap bytes more
+        start = time.monotonic()
+        with pytest.raises(ProtocolError, match="corrupt"):
+            b[0].recv(np.empty(total, np.uint8), 1, tag=5, timeout=2)
+        assert time.monotonic() - start < PROMPT
+    finally:
+        close_all(b)

@@ -243,6 +243,15 @@ cdef class Ring:
     cdef void _publish_tail(self, uint32_t pos) noexcept nogil:
         ferro_publish(&self.ctrl.tail, pos, &self.ctrl.tail_sleepers)
 
+    cdef bint _published(self, ferro_ring_entry* e) noexcept nogil:
+        """Whether the entry at tail, header and payload, lies within what its producer
+        published and within the data area (a producer pads rather than wrap an entry): a
+        payload length no producer wrote must not be copied out of the ring."""
+        cdef uint32_t t = ferro_load(&self.ctrl.tail)
+        cdef uint64_t size = 32 + <uint64_t>e.len
+        return (size <= <uint32_t>(ferro_load(&self.ctrl.head) - t)
+                and size <= self.cap - (t & self.mask))
+
     cdef void _consume(self, ferro_ring_entry* e) noexcept nogil:
         self._publish_tail(ferro_load(&self.ctrl.tail) + _entry_bytes(e.len))
 
@@ -293,7 +302,8 @@ cdef class Ring:
                             break
                         continue
                     if (e.kind != FERRO_CHUNK or e.tag != tag or e.aux != offset
-                            or e.total != total or offset + e.len > total):
+                            or e.total != total or offset + e.len > total
+                            or not self._published(e)):
                         stray = True
                         break
                     memcpy(<unsigned char*>buf.buf + offset, <unsigned char*>e + 32, e.len)
