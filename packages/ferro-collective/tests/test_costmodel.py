@@ -199,7 +199,7 @@ def test_auto_with_a_layout_is_never_more_than_1_2x_the_models_best(label, L):
         p = dataclasses.replace(p, ranks_per_node=L)
     L = p.ranks_per_node
     backend = SimpleNamespace(params=p)
-    for n in (2 * L, 4 * L, 8 * L, 16 * L, 256):
+    for n in sorted({2 * L, 4 * L, 8 * L, 16 * L, 256}):
         for nbytes in (8, 4096, 65536, 1 << 20, 16 << 20, 64 << 20):
             for name in cm.HIERARCHICAL:
                 hier = cm.predict(name, "hierarchical", nbytes, n, p)

@@ -73,9 +73,14 @@ class PostedRecv(Request):
         return True
 
     def wait(self, timeout: float | None = None) -> None:
+        self.settle(self.poll, timeout)
+
+    def settle(self, poll: Callable[[float], bool], timeout: float | None) -> None:
+        """:meth:`wait` with ``poll`` (this request's, or that of a wrapper that drives the
+        transport while it waits)."""
         limit = self._box.timeout() if timeout is None else check_timeout(timeout,
                                                                           "recv: timeout")
-        if not self.poll(limit):
+        if not poll(limit):
             self.expire(limit)
         if self._error is not None:
             raise self._error
@@ -131,13 +136,7 @@ class PumpedRecv(Request):
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        req = self._req
-        limit = req._box.timeout() if timeout is None else check_timeout(timeout,
-                                                                          "recv: timeout")
-        if not self.poll(limit):
-            req.expire(limit)
-        if req._error is not None:
-            raise req._error
+        self._req.settle(self.poll, timeout)
 
 
 __all__ = ["ANY_SOURCE", "PostedRecv", "PumpedRecv"]

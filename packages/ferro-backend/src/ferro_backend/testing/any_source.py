@@ -88,19 +88,25 @@ def _queued_first(b: Backend) -> None:
         b.send(b"q", 0, tag=GO)
 
 
+def _raises(call: Callable[[], object], error: type[BaseException], what: str) -> BaseException:
+    """``call()`` must raise ``error`` (returned); AssertionError saying ``what`` if not."""
+    try:
+        call()
+    except error as exc:
+        return exc
+    raise AssertionError(what)
+
+
 def _timeout_then_later_message(b: Backend) -> None:
     """A receive from any rank times out at its deadline and is withdrawn: the message sent
     after goes to the next receive."""
     if b.rank == 0:
         start = time.monotonic()
-        try:
-            b.recv_any(bytearray(4), tag=6, timeout=0.3)
-        except CollectiveTimeoutError as exc:
-            took = time.monotonic() - start
-            assert 0.25 <= took < 5, f"recv_any(timeout=0.3) raised after {took:.2f}s"
-            assert "any rank" in str(exc), f"the timeout does not say 'any rank': {exc}"
-        else:
-            raise AssertionError("recv_any with nothing sent did not time out")
+        exc = _raises(lambda: b.recv_any(bytearray(4), tag=6, timeout=0.3),
+                      CollectiveTimeoutError, "recv_any with nothing sent did not time out")
+        took = time.monotonic() - start
+        assert 0.25 <= took < 5, f"recv_any(timeout=0.3) raised after {took:.2f}s"
+        assert "any rank" in str(exc), f"the timeout does not say 'any rank': {exc}"
         b.send(b"g", 1, tag=GO)
         out = bytearray(4)
         src = b.recv_any(out, tag=6, timeout=20)
@@ -112,12 +118,9 @@ def _timeout_then_later_message(b: Backend) -> None:
 
 def _size_mismatch(b: Backend) -> None:
     if b.rank == 0:
-        try:
-            b.recv_any(bytearray(4), tag=2, timeout=20)
-        except SizeMismatchError as exc:
-            assert "8" in str(exc) and "4" in str(exc), f"sizes not named: {exc}"
-        else:
-            raise AssertionError("an 8-byte message into 4 bytes did not raise SizeMismatchError")
+        exc = _raises(lambda: b.recv_any(bytearray(4), tag=2, timeout=20), SizeMismatchError,
+                      "an 8-byte message into 4 bytes did not raise SizeMismatchError")
+        assert "8" in str(exc) and "4" in str(exc), f"sizes not named: {exc}"
         out = bytearray(2)
         assert (b.recv_any(out, tag=2, timeout=20), bytes(out)) == (1, b"ok")
     elif b.rank == 1:
@@ -127,12 +130,9 @@ def _size_mismatch(b: Backend) -> None:
 
 def _abort(b: Backend) -> None:
     if b.rank == 0:
-        try:
-            b.recv_any(bytearray(1), tag=1, timeout=20)
-        except PeerAbortedError as exc:
-            assert "rank 1" in str(exc) and "gave up" in str(exc), exc
-        else:
-            raise AssertionError("recv_any after an abort returned")
+        exc = _raises(lambda: b.recv_any(bytearray(1), tag=1, timeout=20), PeerAbortedError,
+                      "recv_any after an abort returned")
+        assert "rank 1" in str(exc) and "gave up" in str(exc), exc
     elif b.rank == 1:
         time.sleep(0.1)
         b.abort("gave up")
@@ -143,12 +143,9 @@ def _everyone_gone(b: Backend) -> None:
     timeout)."""
     if b.rank == 0:
         start = time.monotonic()
-        try:
-            b.recv_any(bytearray(1), tag=1, timeout=20)
-        except PeerClosedError:
-            assert time.monotonic() - start < 15, "PeerClosedError only near the timeout"
-        else:
-            raise AssertionError("recv_any with every other rank closed returned")
+        _raises(lambda: b.recv_any(bytearray(1), tag=1, timeout=20), PeerClosedError,
+                "recv_any with every other rank closed returned")
+        assert time.monotonic() - start < 15, "PeerClosedError only near the timeout"
     else:
         time.sleep(0.1)
         b.close()
