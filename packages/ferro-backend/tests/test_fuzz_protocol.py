@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -96,9 +97,10 @@ clients = st.fixed_dictionaries({
 })
 
 
-def _play_client(sock: socket.socket, plan: dict) -> None:
-    """The hostile client's side (raises OSError when the server hangs up on it)."""
-    budget = plan["cut"]
+def _cut_sender(sock: socket.socket, cut: int | None) -> Callable[[bytes], bool]:
+    """A send that stops for good after ``cut`` bytes in all (None: never); it returns
+    whether the whole of its data went out."""
+    budget = cut
 
     def send(data: bytes) -> bool:
         nonlocal budget
@@ -109,6 +111,13 @@ def _play_client(sock: socket.socket, plan: dict) -> None:
         sock.sendall(data[:k])
         budget -= k
         return k == len(data)
+
+    return send
+
+
+def _play_client(sock: socket.socket, plan: dict) -> None:
+    """The hostile client's side (raises OSError when the server hangs up on it)."""
+    send = _cut_sender(sock, plan["cut"])
 
     if plan["garbage"] is not None:
         send(plan["garbage"])
@@ -188,17 +197,7 @@ def _play_server(lsock: socket.socket, plan: dict) -> None:
     except OSError:
         return
     sock.settimeout(2)
-    budget = plan["cut"]
-
-    def send(data: bytes) -> bool:
-        nonlocal budget
-        if budget is None:
-            sock.sendall(data)
-            return True
-        k = min(len(data), budget)
-        sock.sendall(data[:k])
-        budget -= k
-        return k == len(data)
+    send = _cut_sender(sock, plan["cut"])
 
     try:
         _, _, nonce_c = handshake._HELLO.unpack(
