@@ -46,12 +46,16 @@ def test_a_subgroup_names_its_own_ranks_and_never_takes_the_parents_messages():
                 got.append((req.source, bytes(out)))
             parent = bytearray(6)
             b.recv(parent, 0, tag=4, timeout=20)
-            return sorted(got), bytes(parent)
+            named = sub.irecv(bytearray(3), 1, tag=5)
+            named.wait(20)
+            return sorted(got), bytes(parent), named.source
+        if sub.rank == 1:
+            sub.send(b"abc", 0, tag=5)
         sub.send(bytes([sub.rank]) * 3, 0, tag=4)
         return None
 
     res = run_threads(body, SimulatedBackend.create_group(4), timeout=60)
-    assert res[1] == ([(1, b"\x01" * 3), (2, b"\x02" * 3)], b"parent")
+    assert res[1] == ([(1, b"\x01" * 3), (2, b"\x02" * 3)], b"parent", 1)
 
 
 def test_transports_without_it_say_so():
@@ -138,3 +142,23 @@ def test_posted_first_matches_first_and_every_sender_stays_in_order(world, data)
                 named_first.append(len(named_first))
         mine = [v % 1000 for kind, source, v in got if kind == "from" and source == s]
         assert mine[:len(named_first)] == named_first
+
+
+@pytest.mark.parametrize("cls", [SimulatedBackend, TcpBackend, ShmBackend])
+def test_a_receive_from_a_named_rank_names_it_too(cls):
+    make = SimulatedBackend.create_group if cls is SimulatedBackend else _socket_group(cls)
+
+    def body(b):
+        if b.rank == 1:
+            b.send(b"x", 0, tag=2)
+            return None
+        req = b.irecv(bytearray(1), 1, tag=2)
+        req.wait(20)
+        return req.source
+
+    group = make(2)
+    try:
+        assert run_threads(body, group, timeout=60)[0] == 1
+    finally:
+        for b in group:
+            b.close()

@@ -78,6 +78,7 @@ class _LazyRecv(Request):
     def __init__(self, backend: Backend, out: Any, src: int, tag: int) -> None:
         self._args = (backend, out, src, tag)
         self._done = False
+        self.source = src
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._done:

@@ -135,6 +135,7 @@ class TimedRequest(Request):
                  ticket: int) -> None:
         self._inner, self._vt, self._key, self._ticket = inner, vt, key, ticket
         self._counted = False
+        self.source = inner.source
 
     def _count(self) -> None:
         if not self._counted:

@@ -108,7 +108,7 @@ class SubBackend(FixedRanks, Backend):
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         g, t = self._route("irecv", src, tag)
-        return self._root.irecv(out, g, tag=t)
+        return _LocalSource(self._root.irecv(out, g, tag=t), self.to_local)
 
     def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
         """From any member: the subgroup's tags are its own, so only members' messages match."""

@@ -324,6 +324,10 @@ class RingRecv(Request):
     def __init__(self, delivery: Delivery, req: PostedRecv, timeout: Callable[[], float]) -> None:
         self._delivery, self._req, self._timeout = delivery, req, timeout
 
+    @property
+    def source(self) -> int | None:
+        return self._req.source
+
     def is_completed(self) -> bool:
         if not self._req._done:
             self._delivery.try_progress(self._req.src)
