@@ -164,13 +164,15 @@ class Mailbox:
         """Post ``view`` for the next message on ``tag`` from any rank (completed at once from
         the oldest queued one); the request's ``source`` names the sender once it is done."""
         with self.cond:
-            failure = self.failure("recv", ANY_SOURCE)
-            if failure is not None:
-                raise failure
+            if self.aborted is not None or self.closed:
+                raise self.failure("recv", ANY_SOURCE)
             arrived = self.arrivals.get(tag)
             src = arrived[0] if arrived else None
             req = PostedRecv(self, ANY_SOURCE, tag, view)
-            if src is None:
+            if src is None:  # nothing queued: every other rank gone fails it now
+                failure = self.failure("recv", ANY_SOURCE)
+                if failure is not None:
+                    raise failure
                 self._order += 1
                 req.order = self._order
                 self.posted_any.setdefault(tag, deque()).append(req)

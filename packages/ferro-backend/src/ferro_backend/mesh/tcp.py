@@ -284,8 +284,10 @@ class TcpBackend(FixedRanks, Backend):
             for peer in range(self._world):
                 if peer != self._rank and peer not in self._routes and peer not in self._links:
                     self._link(peer, "recv")
-        req = self._box.post_any(tag, view)
         routes = {id(r): r for r in self._routes.values()}
+        for route in routes.values():  # what sits in a ring is queued before the post looks
+            route.pump()
+        req = self._box.post_any(tag, view)
         if req.is_completed() or not routes:
             return req  # the sockets' receive loop delivers by itself
         return PumpedRecv(req, [r.pump for r in routes.values()])

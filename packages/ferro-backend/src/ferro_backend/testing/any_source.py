@@ -139,15 +139,20 @@ def _abort(b: Backend) -> None:
 
 
 def _everyone_gone(b: Backend) -> None:
-    """Once every other rank has closed, a receive from any rank fails (no wait for the
-    timeout)."""
+    """Messages sent before their senders closed are still received; then, every other rank
+    gone, a receive from any rank fails (no wait for the timeout)."""
     if b.rank == 0:
+        time.sleep(0.3)  # the others have sent and closed by now
+        for _ in range(b.world_size - 1):
+            out = bytearray(1)
+            src = b.recv_any(out, tag=1, timeout=20)
+            assert bytes(out) == bytes([src]), f"last message of rank {src}: {bytes(out)!r}"
         start = time.monotonic()
         _raises(lambda: b.recv_any(bytearray(1), tag=1, timeout=20), PeerClosedError,
                 "recv_any with every other rank closed returned")
         assert time.monotonic() - start < 15, "PeerClosedError only near the timeout"
     else:
-        time.sleep(0.1)
+        b.send(bytes([b.rank]), 0, tag=1)
         b.close()
 
 
@@ -158,7 +163,7 @@ PROMISES: list[tuple[str, Callable[[Backend], None]]] = [
     ("a timeout names 'any rank' and withdraws the receive", _timeout_then_later_message),
     ("a wrong-size message gives SizeMismatchError", _size_mismatch),
     ("an abort gives PeerAbortedError", _abort),
-    ("every other rank closed gives PeerClosedError", _everyone_gone),
+    ("queued messages outlive their closed senders, then PeerClosedError", _everyone_gone),
 ]
 
 
