@@ -206,6 +206,11 @@ TIMEOUT = _declare("FERRO_TIMEOUT", "seconds", _seconds, None,
                    "`Backend.timeout`: the default deadline of every blocking call")
 RESTART_COUNT = _declare("FERRO_RESTART_COUNT", "count", _count(0), 0, "your script",
                          "how many times ferrorun restarted the job (set by ferrorun)")
+ELASTIC = _declare("FERRO_ELASTIC", "host:port", _text, None, "`ferro_backend.elastic.join`",
+                   "the elastic job's coordinator (set by `ferrorun --nproc MIN:MAX`)")
+ELASTIC_TIMEOUT = _declare("FERRO_ELASTIC_TIMEOUT", "seconds", _seconds, 120.0,
+                           "`ferro_backend.elastic`", "how long a rank waits for the "
+                           "coordinator to form the next generation")
 LOG_LEVEL = _declare("FERRO_LOG_LEVEL", "debug, info, warning or error",
                      _choice("debug", "info", "warning", "error"), None, "`import ferro_backend`",
                      "level of the `ferro_backend`, `ferro_collective`, `ferro_fsdp` and "
@@ -247,7 +252,7 @@ COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferr
 #: every setting, by variable name, in the order of the README's table
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
-    TIMEOUT, RESTART_COUNT, TRACE,
+    TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS, SHM_RING_YIELDS,
     SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}

@@ -87,6 +87,7 @@ class DistributedDataParallel(ModuleWrapper):
         self._bucket_of: dict[int, int] = {}
         if backend.world_size > 1:
             self._make_buckets()
+        self._overlap_asked = bool(overlap)
         self._overlap = bool(overlap) and backend.world_size > 1 and bool(self._buckets)
         self._hook_handles: list = []
         self._owners: dict[int, int] = {}
@@ -167,6 +168,20 @@ class DistributedDataParallel(ModuleWrapper):
 
     def forward(self, x: Any) -> Any:
         return self._module.forward(x)
+
+    def rebind(self, backend: Backend) -> None:
+        """Continue on ``backend`` (an elastic job's next generation, see
+        ``ferro_collective.elastic``): in-flight bucket work of the old one is dropped, the
+        gradients are cleared and the buckets rebuilt for the new world; the parameters stay as
+        they are (the elastic state copy has made them equal). Not collective."""
+        for handle in self._hook_handles:
+            handle.remove()
+        for p in self._params:
+            p.set_grad_slot(None)
+            p.grad = None
+        self.__init__(self._module, backend, bucket_cap_mb=self._cap / (1 << 20),
+                      broadcast_parameters=False, timeout=self._timeout,
+                      overlap=self._overlap_asked)
 
     def backward(self, grad_output: Any) -> Any:
         """``module.backward(grad_output)``, then ``sync_gradients()`` unless in ``no_sync()``.

@@ -27,6 +27,7 @@ from pathlib import Path
 from .. import settings, timeline
 from ..mesh.rendezvous import free_port
 from . import emulate
+from .elastic_run import ElasticRun, parse_range
 from .join import choose_transport
 from .netns import EmulationError
 from .supervisor import Job, supervise
@@ -36,6 +37,7 @@ _EPILOG = """examples:
   ferrorun --nproc 4 train.py --epochs 3
   ferrorun --nproc 2 -m mypackage.train
   ferrorun --nproc 2 --max-restarts 3 train.py        # restart the job when a rank fails
+  ferrorun --nproc 2:4 --max-restarts 2 train.py      # elastic: goes on while 2 ranks live
   ferrorun --nnodes 2 --node-rank 0 --nproc 8 --master-addr 10.0.0.1 --master-port 29500 \\
            --token $SECRET train.py
   ferrorun --emulate-nodes 2 --nproc 2 --link-rate 1gbit train.py   # rehearse 2 nodes (root)
@@ -49,9 +51,11 @@ rank fails the others are stopped and ferrorun exits with its code (or restarts 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferrorun", description=_DESCRIPTION, epilog=_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, dest="nproc",
-                   help="ranks to start on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--nproc", "--nproc-per-node", default="1", dest="nproc",
+                   help="ranks to start on this node (default 1); MIN:MAX makes the job "
+                        "elastic: it goes on while MIN ranks live (ferro_backend.elastic)")
+    p.add_argument("--nnodes", default="1", help="number of nodes (default 1); MIN:MAX: an "
+                   "elastic job that goes on while MIN nodes live")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    help="rank 0's host (default: MASTER_ADDR, else 127.0.0.1)")
@@ -70,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="on a rank's failure, stop every rank and start the whole job again, up "
                         "to this many times (each rank sees FERRO_RESTART_COUNT; default 0)")
+    p.add_argument("--settle", type=float, default=10.0,
+                   help="elastic jobs: seconds a silent (stopped, cut off) rank may delay a new "
+                        "membership before it is excluded (default 10)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
@@ -128,6 +135,14 @@ def _default_transport(nnodes: int) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        nproc, nnodes = parse_range(args.nproc, "--nproc"), parse_range(args.nnodes, "--nnodes")
+    except ValueError as exc:
+        _parser().error(str(exc))
+    elastic = ":" in args.nproc or ":" in args.nnodes   # MIN:MAX, even MIN == MAX
+    args.nproc, args.nnodes = nproc[1], nnodes[1]
+    if elastic and args.emulate_nodes is not None:
+        _parser().error("--emulate-nodes runs fixed-size jobs: give --nproc N, not MIN:MAX")
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         _parser().error(f"--nproc {args.nproc}, --nnodes {args.nnodes}, --node-rank "
                         f"{args.node_rank}: need nproc >= 1 and 0 <= node-rank < nnodes")
@@ -173,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             except EmulationError as exc:
                 sys.stderr.write(f"ferrorun: {exc}\n")
                 return 2
+        if elastic:
+            target = ["-m", args.script] if args.module else [args.script]
+            cmd = [sys.executable, "-u", "-m", "ferro_backend.launch._rank_main",
+                   str(os.getpid()), *target, *args.args]
+            job = ElasticRun(args, token, caps, cmd, nproc, nnodes, args.settle)
+            current.append(job)
+            return job.wait(received)
         return run(lambda restart: _local_job(args, token, caps, restart))
     finally:
         for s, h in old.items():

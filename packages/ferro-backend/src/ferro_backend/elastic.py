@@ -1,0 +1,274 @@
+"""Elastic jobs: keep training while ranks come and go, without restarting anyone.
+
+Under ``ferrorun --nproc MIN:MAX`` (or ``--nnodes MIN:MAX``) each rank calls :func:`join`
+instead of ``init_from_env``; the :class:`ElasticJob` it returns holds this rank's membership
+in the job's current *generation* (ranks, world size, a backend) as the job's coordinator
+(:mod:`ferro_backend.launch.coordinator`) decided it:
+
+* when a collective fails because a rank died (``PeerClosedError``, ``PeerAbortedError``,
+  ``CollectiveTimeoutError``), every survivor calls :meth:`ElasticJob.rebuild` with the last
+  step it completed; once every living member has, the coordinator forms the next generation
+  from them (a quorum of the living, never a timeout guess) and each gets a fresh backend;
+* a replacement rank (ferrorun starts one per failure, up to ``--max-restarts``) joins by
+  calling :func:`join`; the members see :meth:`ElasticJob.pending` and, agreeing on it at a
+  step boundary, rebuild to take it in;
+* the new generation says which rank holds the most advanced state (:attr:`source`, at
+  :attr:`step`): the others copy it from that rank (``ferro_collective.elastic.ElasticState``
+  does the agreement and the copy).
+
+What it guarantees: no process restarts and no checkpoint is read while at least MIN members
+live; every rank of a generation continues from the same step with the same state. What it
+does not: a job whose coordinator's node (ferrorun's node 0) dies ends; a rank that is fenced
+(silent past the settle time, e.g. stopped) cannot come back into the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import time
+from typing import Any
+
+from . import settings
+from .base import Backend
+from .errors import LauncherError, RendezvousError
+from .launch.coordinator import MAX_LINE, mac, send_line
+from .launch.join import build, choose_transport, node_key
+from .mesh.rendezvous import listen
+
+
+class ElasticError(LauncherError):
+    """The elastic job cannot go on: fewer members than its minimum, this rank was fenced, or
+    the coordinator is gone or refused this rank."""
+
+
+class JobFinishedError(ElasticError):
+    """This rank (a replacement) arrived after the job finished: nothing is left to do."""
+
+
+class ElasticJob:
+    """This rank's membership of an elastic job (made by :func:`join`).
+
+    Attributes
+    ----------
+    backend : Backend
+        The current generation's backend (a new object after every :meth:`rebuild`).
+    generation : int
+        The generation's number (0 for the first).
+    member_id : int
+        This rank's id for the whole job (ranks change between generations, ids do not).
+    step : int
+        The step the generation continues from: the highest one a member completed (-1: no
+        member holds state, load a checkpoint).
+    source : int or None
+        The rank (in this generation) that holds the state at :attr:`step`.
+    history : list of dict
+        Every generation this rank saw: ``generation``, ``world_size``, ``step``, ``reason``.
+    """
+
+    def __init__(self, address: str, token: str, *, node: str | None = None,
+                 timeout: float = 120.0, **backend_kwargs: Any) -> None:
+        host, _, port = address.rpartition(":")
+        self._host = host.strip("[]")
+        self._timeout = timeout
+        self._kwargs = backend_kwargs
+        self._node = node or node_key(settings.NODE_ID.get())
+        self._buf = b""
+        self._pending = False
+        self.backend: Backend | None = None
+        self.generation = -1
+        self.step = -1
+        self.source: int | None = None
+        self.history: list[dict[str, Any]] = []
+        try:
+            self._sock = socket.create_connection((self._host, int(port)), timeout=timeout)
+        except OSError as exc:
+            raise ElasticError(f"elastic: cannot reach the job's coordinator at {address}: "
+                               f"{exc}") from exc
+        self._sock.settimeout(None)
+        challenge = self._read("challenge")
+        listener, addr = self._listener()
+        send_line(self._sock, {"op": "hello", "mac": mac(token, challenge["nonce"]),
+                               "node": self._node, "pid": os.getpid(), "addr": addr})
+        self.member_id = int(self._read("welcome")["id"])
+        self._enter(listener)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def rank(self) -> int:
+        return self.backend.rank if self.backend is not None else -1
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size if self.backend is not None else 0
+
+    def pending(self) -> bool:
+        """True when a newcomer waits to be taken in (this rank's view, without blocking): the
+        members must agree on it at one step boundary (``ElasticState.should_rebuild``) and
+        then all call :meth:`rebuild`."""
+        if not self._pending:
+            ready, _, _ = select.select([self._sock], [], [], 0)
+            if ready:
+                self._pending = self._drain()
+        return self._pending
+
+    def rebuild(self, step: int, reason: str | None = None) -> None:
+        """Leave this generation and join the next one: ``step`` is the last step this rank
+        completed (-1 if it holds no state). ``reason`` (the error that ended the generation)
+        makes this rank abort its old backend, so peers still blocked in it wake at once.
+
+        Raises :class:`ElasticError` when the job cannot go on."""
+        old, self.backend = self.backend, None
+        if old is not None:
+            try:
+                old.abort(reason) if reason is not None else old.close()
+            except Exception:  # a backend already broken by the failure: nothing to release
+                pass
+        listener, addr = self._listener()
+        try:
+            send_line(self._sock, {"op": "ready", "step": int(step), "addr": addr})
+        except OSError as exc:
+            listener.close()
+            raise ElasticError(f"elastic: member {self.member_id}: the coordinator is gone "
+                               f"({exc})") from exc
+        self._pending = False
+        self._enter(listener)
+
+    def close(self) -> None:
+        """This rank is done (the job finished): tell the coordinator, release the backend."""
+        try:
+            send_line(self._sock, {"op": "done"})
+        except OSError:
+            pass
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        self._sock.close()
+
+    def __enter__(self) -> ElasticJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _listener(self) -> tuple[socket.socket, str]:
+        """A fresh listener for the next generation's rendezvous (used if this rank becomes its
+        rank 0): loopback when the coordinator is on loopback, else every interface."""
+        loop = self._host.startswith("127.") or self._host in ("localhost", "::1")
+        lsock = listen("127.0.0.1" if loop else "0.0.0.0", 0, 0, 1024)
+        ip = "127.0.0.1" if loop else self._sock.getsockname()[0]
+        return lsock, f"{ip}:{lsock.getsockname()[1]}"
+
+    def _enter(self, listener: socket.socket) -> None:
+        """Wait for the coordinator's next generation and build its backend."""
+        try:
+            msg = self._read("generation")
+            rank, world = int(msg["rank"]), int(msg["world"])
+            nodes = [str(n) for n in msg["nodes"]]
+            transport = choose_transport(settings.TRANSPORT.get(), len(set(nodes)) == 1,
+                                         f"generation {msg['generation']} spans "
+                                         f"{len(set(nodes))} nodes")
+            if rank != 0:
+                listener.close()
+            backend = build(transport, rank, world, msg["addr"], dict(self._kwargs),
+                            listener if rank == 0 else None)
+        except BaseException:
+            listener.close()
+            raise
+        backend.nodes = tuple(nodes)
+        if transport == "tcp" and len(set(nodes)) > 1 and settings.HIERARCHY.get():
+            from .hierarchy import attach_hierarchy
+            attach_hierarchy(backend)
+        self.backend = backend
+        self._pending = False  # a newcomer announced before this generation is in it now
+        self.generation, self.step = int(msg["generation"]), int(msg["step"])
+        self.source = None if msg["source"] is None else int(msg["source"])
+        self.history.append({"generation": self.generation, "world_size": world,
+                             "step": self.step, "reason": msg["reason"]})
+
+    def _read(self, want: str) -> dict[str, Any]:
+        """The next message other than ``pending``; ElasticError for failed/fenced/refused."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([self._sock], [], [], max(0.0, left))
+                if not ready:
+                    raise ElasticError(f"elastic: member {getattr(self, 'member_id', '?')}: "
+                                       f"no {want!r} from the coordinator in {self._timeout} s")
+                if not self._recv():
+                    raise ElasticError("elastic: the job's coordinator closed the connection "
+                                       "(ferrorun ended or its node is gone)")
+            line, self._buf = self._buf.split(b"\n", 1)
+            msg = json.loads(line)
+            op = msg.get("op")
+            if op == "pending":
+                self._pending = True
+                continue
+            if op == "refused" and msg.get("finished"):
+                raise JobFinishedError(f"elastic: {msg.get('why')}: this rank has nothing to do")
+            if op in ("failed", "fenced", "refused"):
+                why = msg.get("why", "this rank was silent past the settle time and was "
+                                     "excluded")
+                raise ElasticError(f"elastic: member {getattr(self, 'member_id', '?')}: the "
+                                   f"coordinator says {op}: {why}")
+            if op != want:
+                raise RendezvousError(f"elastic: expected {want!r} from the coordinator, got "
+                                      f"{op!r}")
+            return msg
+
+    def _recv(self) -> bool:
+        chunk = self._sock.recv(65536)
+        self._buf += chunk
+        if len(self._buf) > MAX_LINE:
+            raise RendezvousError("elastic: the coordinator sent an over-long line")
+        return bool(chunk)
+
+    def _drain(self) -> bool:
+        """Read what arrived without blocking: True if it includes ``pending``."""
+        if not self._recv():
+            raise ElasticError("elastic: the job's coordinator closed the connection")
+        seen = False
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            op = json.loads(line).get("op")
+            if op == "pending":
+                seen = True
+            elif op in ("fenced", "failed"):
+                raise ElasticError(f"elastic: member {self.member_id}: the coordinator says "
+                                   f"{op}")
+        return seen
+
+
+def join(**backend_kwargs: Any) -> ElasticJob:
+    """Join the elastic job ferrorun started this rank in (``FERRO_ELASTIC`` names its
+    coordinator, ``FERRO_TOKEN`` the secret); blocks until this rank is in a generation.
+    Keyword arguments go to each generation's backend constructor.
+
+    Raises
+    ------
+    ElasticError
+        Not started by ``ferrorun --nproc MIN:MAX`` / ``--nnodes MIN:MAX``, the coordinator is
+        unreachable, or the job cannot go on.
+
+    Example
+    -------
+    >>> job = join()                       # doctest: +SKIP
+    >>> job.backend.rank, job.world_size   # doctest: +SKIP
+    (0, 4)
+    """
+    address = settings.ELASTIC.get()
+    token = settings.TOKEN.get()
+    if address is None or token is None:
+        raise ElasticError("elastic.join: FERRO_ELASTIC and FERRO_TOKEN are unset: start the "
+                           "job with ferrorun --nproc MIN:MAX (or --nnodes MIN:MAX)")
+    timeout = settings.TIMEOUT.get()
+    if timeout is not None:
+        backend_kwargs.setdefault("timeout", timeout)
+    return ElasticJob(address, token, timeout=settings.ELASTIC_TIMEOUT.get(), **backend_kwargs)
+
+
+__all__ = ["ElasticError", "ElasticJob", "JobFinishedError", "join"]

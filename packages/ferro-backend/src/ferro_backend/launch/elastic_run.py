@@ -1,0 +1,143 @@
+"""``ferrorun --nproc MIN:MAX`` / ``--nnodes MIN:MAX``: an elastic job.
+
+Node 0's ferrorun runs the job's :class:`~.coordinator.Coordinator` (on ``--master-addr``:
+``--master-port``, or loopback on one node); every rank gets ``FERRO_ELASTIC`` (where it is)
+and joins with :func:`ferro_backend.elastic.join`. A rank that fails does not stop the others:
+the survivors form the next generation among themselves (``ferro_collective.elastic``), and
+ferrorun starts a replacement for it, up to ``--max-restarts`` times, which the survivors take
+in at a step boundary. The job fails when fewer than MIN nodes x MIN ranks remain.
+
+Exit code: 0 when the job finished (a member said it was done) and no member still ran then
+failed; else the last failure's code (1 when the coordinator ended the job).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .. import settings
+from .coordinator import Coordinator
+from .supervisor import Job, _describe
+
+
+def parse_range(raw: str, what: str) -> tuple[int, int]:
+    """``"4"`` -> (4, 4), ``"2:4"`` -> (2, 4); ValueError naming ``what`` otherwise."""
+    lo, sep, hi = raw.partition(":")
+    try:
+        low, high = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(f"{what} {raw!r}: expected N or MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"{what} {raw!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+class ElasticRun:
+    """Run this node's ranks of an elastic job until it ends; :meth:`wait` returns the code."""
+
+    def __init__(self, args, token: str, caps: dict[str, str], cmd: list[str],
+                 nproc: tuple[int, int], nnodes: tuple[int, int], settle: float) -> None:
+        self.args, self.cmd, self.grace = args, cmd, args.grace
+        self.coordinator: Coordinator | None = None
+        if args.node_rank == 0:
+            host = "127.0.0.1" if nnodes[1] == 1 else ("::" if ":" in args.master_addr
+                                                       else "0.0.0.0")
+            self.coordinator = Coordinator(token, nnodes[0] * nproc[0], nnodes[1] * nproc[1],
+                                           nnodes[1] * nproc[1], host=host,
+                                           port=args.master_port or 0, settle=settle,
+                                           last_call=settle)
+            port = self.coordinator.address.rpartition(":")[2]
+            where = f"127.0.0.1:{port}" if nnodes[1] == 1 else f"{args.master_addr}:{port}"
+        else:
+            where = f"{args.master_addr}:{args.master_port}"
+        base = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR=args.master_addr,
+                    LOCAL_WORLD_SIZE=str(nproc[1]), WORLD_SIZE=str(nnodes[1] * nproc[1]),
+                    GROUP_RANK=str(args.node_rank), **caps)
+        base[settings.ELASTIC.name] = where
+        base[settings.TOKEN.name] = token
+        for name, value in ((settings.TRANSPORT.name, args.transport),
+                            (settings.TIMEOUT.name, args.timeout),
+                            (settings.LOG_LEVEL.name, args.log_level)):
+            if value is not None:
+                base[name] = str(value)
+        for var in ("RANK", "MASTER_PORT"):   # ranks come from the coordinator, not from here
+            base.pop(var, None)
+        self.base = base
+        self.replacements_left = args.max_restarts
+        self.jobs: list[Job] = []
+        self.local_of: list[int] = []   # each process's LOCAL_RANK (a replacement takes it over)
+        self.started = 0
+        for local in range(nproc[1]):
+            self._start(local)
+
+    def _start(self, local: int) -> None:
+        env = dict(self.base, LOCAL_RANK=str(local))
+        label = self.args.node_rank * 1000 + self.started  # a fresh number per process
+        self.started += 1
+        self.local_of.append(local)
+        self.jobs.append(Job([self.cmd], [env], [label], self.grace, not self.args.no_prefix,
+                             self.args.log_dir))
+
+    def signal_all(self, sig: int) -> None:
+        for job in self.jobs:
+            job.signal_all(sig)
+
+    def wait(self, received: list[int]) -> int:
+        last_failure = 0
+        done: set[int] = set()
+        ok = 0
+        while True:
+            state = self.coordinator.snapshot() if self.coordinator else None
+            if state and state["failed"]:
+                sys.stderr.write(f"ferrorun: the elastic job cannot go on: {state['failed']}\n")
+                self._stop()
+                return last_failure or 1
+            running = 0
+            for i, job in enumerate(self.jobs):
+                code = job.procs[0].poll()
+                if code is None:
+                    running += 1
+                    continue
+                if i in done:
+                    continue
+                done.add(i)
+                if code == 0:
+                    ok += 1
+                    continue
+                last_failure = code if code > 0 else 128 - code
+                finished = state is not None and state["finished"]
+                more = self.replacements_left > 0 and not received and not finished
+                sys.stderr.write(f"ferrorun: process {job.ranks[0]} {_describe(code)}; the "
+                                 f"elastic job goes on without it"
+                                 f"{' and starts a replacement' if more else ''}\n")
+                if more:
+                    self.replacements_left -= 1
+                    self._start(self.local_of[i])
+            if not running and len(done) == len(self.jobs):
+                for job in self.jobs:
+                    job.finish_output()
+                if received:
+                    return 128 + received[0]
+                if self.coordinator is not None:
+                    self._report()
+                return 0 if ok and (state is None or state["finished"]) else (last_failure or 1)
+            time.sleep(0.05)
+
+    def _stop(self) -> None:
+        for job in self.jobs:
+            if job.procs[0].poll() is None:
+                job.stop_all()
+        for job in self.jobs:
+            job.finish_output()
+
+    def _report(self) -> None:
+        history = self.coordinator.snapshot()["history"]
+        for g in history[1:]:
+            sys.stderr.write(f"ferrorun: generation {g['generation']}: {g['world_size']} ranks "
+                             f"from step {g['step']} ({g['reason']})\n")
+        self.coordinator.close()
+
+
+__all__ = ["ElasticRun", "parse_range"]

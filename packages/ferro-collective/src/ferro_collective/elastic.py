@@ -1,0 +1,190 @@
+"""The training state of an elastic job, kept equal on every member across membership changes.
+
+:class:`ElasticState` sits on a :class:`ferro_backend.elastic.ElasticJob`. The training loop
+calls :meth:`~ElasticState.commit` after each optimizer step and
+:meth:`~ElasticState.recover` when a collective failed because a member is gone:
+
+    job = ferro_backend.elastic.join()
+    state = ElasticState(job, capture=lambda: {...arrays...}, restore=load_them)
+    state.sync()                                   # every member starts from one state
+    while state.step < total:
+        try:
+            train_one_step(job.backend)            # forward, backward, optimizer step
+            changed = state.commit(state.step + 1) # right after the optimizer step
+        except RECOVERABLE as exc:
+            state.recover(exc)                     # next generation, state copied in
+            changed = True
+        if changed:
+            rebuild_what_holds_the_old_backend(job.backend)
+
+* ``commit`` records the completed step and asks every member, with one 4-byte allreduce,
+  whether a newcomer waits; if any member saw one, all of them move to the next generation at
+  this same step and the newcomer receives the state;
+* ``recover`` leaves the broken generation (aborting its backend, so blocked peers wake),
+  waits for the coordinator's next one and copies the state from the member with the most
+  advanced step (``job.source``): the survivors continue from their memory, nobody restarts,
+  no checkpoint is read. It retries while members keep failing during the change itself.
+
+The state is whatever ``capture()`` returns: nested dicts, lists and tuples of numpy arrays
+and picklable scalars (a model's parameters, an optimizer's ``state_dict()``); ``restore``
+receives the copy. Arrays travel as one broadcast per dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ferro_backend import CollectiveTimeoutError, PeerClosedError
+from ferro_backend.elastic import ElasticError, ElasticJob
+
+from .api import allreduce, broadcast
+from .api_uneven import broadcast_object
+from .ops import ReduceOp
+
+#: the errors that end a generation (a member died, aborted, or went silent): ``recover``
+RECOVERABLE = (PeerClosedError, CollectiveTimeoutError)
+
+
+class _Slot:
+    """Where an array of the captured state sits in the skeleton that travels as an object."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self):
+        return (_Slot, (self.index,))
+
+
+def _split(tree: Any, arrays: list[np.ndarray]) -> Any:
+    """The skeleton of ``tree`` with each array replaced by a :class:`_Slot` (appended to
+    ``arrays``)."""
+    if isinstance(tree, np.ndarray):
+        arrays.append(np.ascontiguousarray(tree))
+        return _Slot(len(arrays) - 1)
+    if isinstance(tree, dict):
+        return {k: _split(v, arrays) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        parts = [_split(v, arrays) for v in tree]
+        return parts if isinstance(tree, list) else tuple(parts)
+    return tree
+
+
+def _fill(skeleton: Any, arrays: list[np.ndarray]) -> Any:
+    if isinstance(skeleton, _Slot):
+        return arrays[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, arrays) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        parts = [_fill(v, arrays) for v in skeleton]
+        return parts if isinstance(skeleton, list) else tuple(parts)
+    return skeleton
+
+
+class ElasticState:
+    """The state every member of an elastic job holds, and the step it stands at.
+
+    Parameters
+    ----------
+    job : ferro_backend.elastic.ElasticJob
+        This rank's membership (``ferro_backend.elastic.join()``).
+    capture : callable
+        Returns the state: nested dicts/lists/tuples of numpy arrays and picklable values.
+    restore : callable
+        Takes such a state (copied from another member) and installs it.
+    step : int
+        The step this rank stands at (0 for a fresh start).
+
+    Attributes
+    ----------
+    step : int
+        The last step every member of the current generation completed.
+    changes : list of dict
+        One entry per membership change this rank lived through: ``step`` (where the new
+        generation continued), ``world_size``, ``generation``, ``reason``, ``seconds`` (from
+        the failure, or the agreement, to the state being in place).
+    """
+
+    def __init__(self, job: ElasticJob, capture: Callable[[], Any],
+                 restore: Callable[[Any], None], *, step: int = 0) -> None:
+        self.job = job
+        self._capture, self._restore = capture, restore
+        # a replacement that joined a running job holds no state until the first sync
+        self._has_state = not job.history or job.history[-1]["reason"] == "start"
+        self.step = step if self._has_state else -1
+        self.changes: list[dict[str, Any]] = []
+
+    @property
+    def backend(self):
+        """The current generation's backend."""
+        return self.job.backend
+
+    def sync(self) -> None:
+        """Copy the state from the generation's source (``job.source``; rank 0 of a fresh job)
+        to every member. Collective over the current generation."""
+        backend = self.job.backend
+        source = self.job.source if self.job.source is not None else 0
+        arrays: list[np.ndarray] = []
+        head = None
+        if backend.rank == source:
+            skeleton = _split(self._capture(), arrays)
+            head = (self.step, skeleton, [(a.shape, a.dtype.str) for a in arrays])
+        step, skeleton, specs = broadcast_object(head, backend, source)
+        if backend.rank != source:
+            arrays = [np.empty(shape, np.dtype(dt)) for shape, dt in specs]
+        for dt in sorted({dt for _, dt in specs}):
+            members = [i for i, (_, d) in enumerate(specs) if d == dt]
+            flat = np.empty(sum(arrays[i].size for i in members), np.dtype(dt))
+            if backend.rank == source:
+                np.concatenate([arrays[i].ravel() for i in members], out=flat)
+            if flat.size:
+                broadcast(flat, backend, source, out=flat)
+            if backend.rank != source:
+                offset = 0
+                for i in members:
+                    n = arrays[i].size
+                    arrays[i][...] = flat[offset:offset + n].reshape(arrays[i].shape)
+                    offset += n
+        if backend.rank != source:
+            self._restore(_fill(skeleton, arrays))
+        self.step, self._has_state = int(step), True
+
+    def commit(self, step: int) -> bool:
+        """Record ``step`` as completed (call right after the optimizer step, before any other
+        collective); True when the members agreed to take a waiting newcomer in, in which case
+        every member is now in the next generation with the state in place. Collective."""
+        self.step = step
+        flag = np.array([1 if self.job.pending() else 0], np.int32)
+        if not allreduce(flag, self.job.backend, ReduceOp.MAX)[0]:
+            return False
+        self._change(None)
+        return True
+
+    def recover(self, error: BaseException) -> None:
+        """After ``error`` (one of :data:`RECOVERABLE`) ended the generation: move to the
+        next one and copy the state in. Raises :class:`ferro_backend.elastic.ElasticError`
+        when the job cannot go on (fewer members than its minimum)."""
+        self._change(error)
+
+    def _change(self, error: BaseException | None) -> None:
+        t0 = time.perf_counter()
+        reason = None if error is None else f"{type(error).__name__}: {error}"
+        while True:
+            self.job.rebuild(self.step if self._has_state else -1, reason)
+            try:
+                self.sync()
+                break
+            except RECOVERABLE as exc:  # another member failed during the change
+                reason = f"{type(exc).__name__}: {exc}"
+        last = self.job.history[-1]
+        self.changes.append({"step": self.step, "world_size": self.job.world_size,
+                             "generation": self.job.generation, "reason": last["reason"],
+                             "seconds": time.perf_counter() - t0})
+
+
+__all__ = ["RECOVERABLE", "ElasticError", "ElasticState"]
