@@ -98,10 +98,12 @@ class ElasticJob:
     # ------------------------------------------------------------------ public
     @property
     def rank(self) -> int:
+        """This rank in the current generation (-1 between generations)."""
         return self.backend.rank if self.backend is not None else -1
 
     @property
     def world_size(self) -> int:
+        """The current generation's number of ranks (0 between generations)."""
         return self.backend.world_size if self.backend is not None else 0
 
     def pending(self) -> bool:
@@ -254,8 +256,8 @@ def join(**backend_kwargs: Any) -> ElasticJob:
         Not started by ``ferrorun --nproc MIN:MAX`` / ``--nnodes MIN:MAX``, the coordinator is
         unreachable, or the job cannot go on.
 
-    Example
-    -------
+    Examples
+    --------
     >>> job = join()                       # doctest: +SKIP
     >>> job.backend.rank, job.world_size   # doctest: +SKIP
     (0, 4)

@@ -1,0 +1,203 @@
+"""Elastic membership: the coordinator's quorum, fencing, newcomers and refusals, with members
+as threads over TCP (the ferrorun end to end test is examples/tests/test_train_elastic.py)."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from ferro_backend.elastic import ElasticError, ElasticJob, JobFinishedError, join
+from ferro_backend.launch.coordinator import MAX_LINE, Coordinator
+from ferro_backend.launch.elastic_run import parse_range
+
+TOKEN = "elastic-test-token"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _tcp(monkeypatch):
+    monkeypatch.setenv("FERRO_TRANSPORT", "tcp")
+
+
+@pytest.fixture
+def coordinator():
+    made = []
+
+    def make(min_members, max_members, expected, **kw):
+        c = Coordinator(TOKEN, min_members, max_members, expected, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def in_threads(fn, args_list, timeout=60):
+    """Run ``fn(*args)`` for each args in threads; their results (or raised errors)."""
+    out = [None] * len(args_list)
+
+    def run(i, args):
+        try:
+            out[i] = fn(*args)
+        except BaseException as exc:  # the test inspects it
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a member thread hung"
+    return out
+
+
+def members(c, n):
+    jobs = in_threads(lambda: ElasticJob(c.address, TOKEN, timeout=20), [()] * n)
+    for j in jobs:
+        assert isinstance(j, ElasticJob), j
+    return sorted(jobs, key=lambda j: j.member_id)
+
+
+def close_all(jobs):
+    for j in jobs:
+        j.close()
+
+
+def test_the_first_generation_forms_when_everyone_expected_is_here(coordinator):
+    c = coordinator(2, 3, 3)
+    jobs = members(c, 3)
+    assert [(j.rank, j.world_size, j.generation) for j in jobs] == [(0, 3, 0), (1, 3, 0),
+                                                                    (2, 3, 0)]
+    assert all(j.step == -1 and j.source is None for j in jobs)
+    assert c.snapshot()["history"][0]["reason"] == "start"
+    close_all(jobs)
+
+
+def test_last_call_forms_with_the_minimum_when_the_rest_never_come(coordinator):
+    c = coordinator(2, 4, 4, last_call=0.5)
+    t0 = time.monotonic()
+    jobs = members(c, 2)
+    assert 0.4 < time.monotonic() - t0 < 10
+    assert [j.world_size for j in jobs] == [2, 2]
+    close_all(jobs)
+
+
+def test_survivors_form_the_next_generation_from_the_most_advanced_step(coordinator):
+    c = coordinator(2, 3, 3)
+    jobs = members(c, 3)
+    victim = jobs[1]
+    victim._sock.close()   # what a SIGKILL does to its connection
+    victim.backend.abort("killed by the test")
+    survivors = [jobs[0], jobs[2]]
+    steps = {jobs[0].member_id: 6, jobs[2].member_id: 7}
+    out = in_threads(lambda j: j.rebuild(steps[j.member_id], "a peer died"),
+                     [(j,) for j in survivors])
+    assert out == [None, None], out
+    assert [(j.rank, j.world_size, j.generation) for j in survivors] == [(0, 2, 1), (1, 2, 1)]
+    assert all(j.step == 7 and j.source == 1 for j in survivors)
+    # the new backend works
+    survivors[0].backend.send(b"hi", 1)
+    buf = bytearray(2)
+    survivors[1].backend.recv(buf, 0, timeout=10)
+    assert bytes(buf) == b"hi"
+    assert c.snapshot()["history"][-1]["reason"] == "a member failed"
+    close_all(survivors)
+
+
+def test_a_newcomer_is_announced_then_taken_in_with_the_state_source(coordinator):
+    c = coordinator(1, 3, 2)
+    jobs = members(c, 2)
+    joined = []
+    t = threading.Thread(target=lambda: joined.append(ElasticJob(c.address, TOKEN, timeout=20)))
+    t.start()
+    deadline = time.monotonic() + 20
+    while not all(j.pending() for j in jobs):
+        assert time.monotonic() < deadline, "the members never heard of the newcomer"
+        time.sleep(0.01)
+    assert in_threads(lambda j: j.rebuild(42), [(j,) for j in jobs]) == [None, None]
+    t.join(20)
+    (new,) = joined
+    assert [j.world_size for j in (*jobs, new)] == [3, 3, 3]
+    assert new.rank == 2 and new.step == 42 and new.source == 0
+    assert not any(j.pending() for j in jobs)   # the announcement is consumed
+    close_all([*jobs, new])
+
+
+def test_a_silent_member_is_fenced_after_the_settle_time(coordinator):
+    c = coordinator(1, 3, 3, settle=0.5)
+    jobs = members(c, 3)
+    silent = jobs[2]   # stopped: its connection stays open, it never reports
+    t0 = time.monotonic()
+    assert in_threads(lambda j: j.rebuild(3, "timed out"), [(j,) for j in jobs[:2]]) == [None,
+                                                                                        None]
+    assert 0.4 < time.monotonic() - t0 < 15
+    assert [j.world_size for j in jobs[:2]] == [2, 2]
+    with pytest.raises(ElasticError, match="fenced"):
+        silent.rebuild(3)
+    close_all(jobs)
+
+
+def test_fewer_than_the_minimum_fails_every_survivor(coordinator):
+    c = coordinator(3, 3, 3)
+    jobs = members(c, 3)
+    jobs[0]._sock.close()
+    jobs[0].backend.abort("killed")
+    out = in_threads(lambda j: j.rebuild(1, "peer died"), [(j,) for j in jobs[1:]])
+    assert all(isinstance(e, ElasticError) and "fewer than the minimum 3" in str(e)
+               for e in out), out
+    assert "fewer than the minimum" in c.snapshot()["failed"]
+
+
+def test_a_wrong_token_is_refused(coordinator):
+    c = coordinator(1, 1, 1)
+    with pytest.raises(ElasticError, match="authentication failed"):
+        ElasticJob(c.address, "not the token", timeout=10)
+
+
+def test_a_newcomer_after_the_job_finished_has_nothing_to_do(coordinator):
+    c = coordinator(1, 2, 1)
+    (job,) = members(c, 1)
+    job.close()
+    with pytest.raises(JobFinishedError, match="finished"):
+        ElasticJob(c.address, TOKEN, timeout=10)
+
+
+def test_an_over_long_line_costs_the_sender_its_connection(coordinator):
+    c = coordinator(1, 1, 1)
+    with socket.create_connection(c.address.rsplit(":", 1)) as s:  # type: ignore[arg-type]
+        s.settimeout(10)
+        s.recv(1024)   # the challenge
+        try:
+            s.sendall(b"x" * (MAX_LINE + 10))
+        except OSError:
+            pass
+        assert s.recv(1024) == b""   # closed by the coordinator
+    (job,) = members(c, 1)   # and the coordinator still serves
+    job.close()
+
+
+def test_join_outside_an_elastic_job_says_how_to_start_one(monkeypatch):
+    monkeypatch.delenv("FERRO_ELASTIC", raising=False)
+    with pytest.raises(ElasticError, match="ferrorun --nproc MIN:MAX"):
+        join()
+
+
+def test_unreachable_coordinator_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ElasticError, match="cannot reach"):
+        ElasticJob(f"127.0.0.1:{port}", TOKEN, timeout=2)
+
+
+@pytest.mark.parametrize("raw, expected", [("4", (4, 4)), ("2:4", (2, 4)), ("3:3", (3, 3))])
+def test_parse_range(raw, expected):
+    assert parse_range(raw, "--nproc") == expected
+
+
+@pytest.mark.parametrize("raw", ["0", "4:2", "a:b", "1:", ""])
+def test_parse_range_rejects(raw):
+    with pytest.raises(ValueError, match="--nproc"):
+        parse_range(raw, "--nproc")
