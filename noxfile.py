@@ -423,6 +423,17 @@ def leaks(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "leak_check.py"), *session.posargs)
 
 
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Chaos soak (tools/soak.py): training under random SIGKILL and SIGSTOP/SIGCONT of ranks,
+    elastic (examples/train_elastic.py, checked against a reference run with the same
+    membership history) and restart mode (examples/train_mlp.py, checked bit-identical to an
+    unbroken run); prints the table of faults and time lost. `nox -s soak -- --minutes N`.
+    Not part of `nox -s tests`."""
+    _install(session, *[_path(d) for d in NUMPY_PACKAGES], *EXAMPLE_DEPS)
+    session.run("python", str(ROOT / "tools" / "soak.py"), *session.posargs)
+
+
 @nox.session(name="bench_peers")
 def bench_peers(session: nox.Session) -> None:
     """ferro (shm engine, TCP) vs mpi4py/Open MPI (default and coll/sm), Intel MPI (impi-rt, in a

@@ -2,7 +2,10 @@
 
 from importlib.metadata import version as _version
 
-from . import _wire  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
+from . import (
+    _wire,  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
+    elastic,
+)
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
 from .engine.shm import ShmBackend
 from .errors import (
@@ -57,6 +60,7 @@ __all__ = [
     "SubBackend",
     "TcpBackend",
     "detect_launcher",
+    "elastic",
     "init_from_env",
     "pack",
     "packed_nbytes",

@@ -3,7 +3,7 @@
 Under ``ferrorun --nproc MIN:MAX`` (or ``--nnodes MIN:MAX``) each rank calls :func:`join`
 instead of ``init_from_env``; the :class:`ElasticJob` it returns holds this rank's membership
 in the job's current *generation* (ranks, world size, a backend) as the job's coordinator
-(:mod:`ferro_backend.launch.coordinator`) decided it:
+(``ferro_backend.launch.coordinator``) decided it:
 
 * when a collective fails because a rank died (``PeerClosedError``, ``PeerAbortedError``,
   ``CollectiveTimeoutError``), every survivor calls :meth:`ElasticJob.rebuild` with the last
@@ -12,8 +12,8 @@ in the job's current *generation* (ranks, world size, a backend) as the job's co
 * a replacement rank (ferrorun starts one per failure, up to ``--max-restarts``) joins by
   calling :func:`join`; the members see :meth:`ElasticJob.pending` and, agreeing on it at a
   step boundary, rebuild to take it in;
-* the new generation says which rank holds the most advanced state (:attr:`source`, at
-  :attr:`step`): the others copy it from that rank (``ferro_collective.elastic.ElasticState``
+* the new generation says which rank holds the most advanced state (``ElasticJob.source``, at
+  ``ElasticJob.step``): the others copy it from that rank (``ferro_collective.elastic.ElasticState``
   does the agreement and the copy).
 
 What it guarantees: no process restarts and no checkpoint is read while at least MIN members
@@ -63,7 +63,7 @@ class ElasticJob:
         The step the generation continues from: the highest one a member completed (-1: no
         member holds state, load a checkpoint).
     source : int or None
-        The rank (in this generation) that holds the state at :attr:`step`.
+        The rank (in this generation) that holds the state at ``step``.
     history : list of dict
         Every generation this rank saw: ``generation``, ``world_size``, ``step``, ``reason``.
     """

@@ -18,7 +18,10 @@ from ferro_backend import (
     SizeMismatchError,
 )
 
-from . import _reduce  # noqa: F401 - the compiled kernel, imported unconditionally
+from . import (
+    _reduce,  # noqa: F401 - the compiled kernel, imported unconditionally
+    elastic,
+)
 from .api import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     all_gather,
@@ -84,6 +87,7 @@ __all__ = [
     "broadcast",
     "broadcast_async",
     "broadcast_object",
+    "elastic",
     "gather",
     "gather_async",
     "reduce",

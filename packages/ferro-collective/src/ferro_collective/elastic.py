@@ -2,7 +2,7 @@
 
 :class:`ElasticState` sits on a :class:`ferro_backend.elastic.ElasticJob`. The training loop
 calls :meth:`~ElasticState.commit` after each optimizer step and
-:meth:`~ElasticState.recover` when a collective failed because a member is gone:
+:meth:`~ElasticState.recover` when a collective failed because a member is gone::
 
     job = ferro_backend.elastic.join()
     state = ElasticState(job, capture=lambda: {...arrays...}, restore=load_them)
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import CollectiveTimeoutError, PeerClosedError
-from ferro_backend.elastic import ElasticError, ElasticJob
+from ferro_backend.elastic import ElasticJob
 
 from .api import allreduce, broadcast
 from .api_uneven import broadcast_object
@@ -187,4 +187,4 @@ class ElasticState:
                              "seconds": time.perf_counter() - t0})
 
 
-__all__ = ["RECOVERABLE", "ElasticError", "ElasticState"]
+__all__ = ["RECOVERABLE", "ElasticState"]
