@@ -72,3 +72,39 @@ def test_below_the_minimum_the_job_fails_with_a_clear_message(tmp_path):
                        timeout=240, cwd=ROOT)
     assert r.returncode != 0
     assert "cannot go on" in r.stderr and "fewer than the minimum 3" in r.stderr, r.stderr[-3000:]
+
+
+def test_an_elastic_job_on_two_nodes_loses_a_node_and_goes_on(tmp_path):
+    """`--nnodes 1:2`: two ferrorun agents (two "nodes" of this host, FERRO_NODE_ID), 2 ranks
+    each; node 1's agent is SIGKILLed (its ranks die with it); node 0's ranks go on alone."""
+    import os
+    import signal
+    import time
+
+    from ferro_backend.mesh.rendezvous import free_port
+
+    port, history = free_port(), tmp_path / "history.json"
+    agents = []
+    for node in (0, 1):
+        env = dict(os.environ, FERRO_NODE_ID=f"node{node}")
+        cmd = [*FERRORUN, "--nnodes", "1:2", "--node-rank", str(node), "--nproc", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--token", "t0k",
+               "--settle", "5", "--timeout", "5", str(SCRIPT), *COMMON, "--steps", "4000",
+               "--history", str(history)]
+        agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True))
+    try:
+        time.sleep(6)
+        assert agents[1].poll() is None, agents[1].communicate()
+        os.kill(agents[1].pid, signal.SIGKILL)
+        out, err = agents[0].communicate(timeout=200)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+            a.communicate()
+    assert agents[0].returncode == 0, (out[-2000:], err[-3000:])
+    changes = json.loads(history.read_text())["changes"]
+    assert [(c["world_size"], c["reason"]) for c in changes] == [(2, "a member failed")], changes
+    assert "done: 4000 steps on 2 ranks" in out

@@ -54,7 +54,7 @@ def in_threads(fn, args_list, timeout=60):
 
 
 def members(c, n):
-    jobs = in_threads(lambda: ElasticJob(c.address, TOKEN, timeout=20), [()] * n)
+    jobs = in_threads(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
     for j in jobs:
         assert isinstance(j, ElasticJob), j
     return sorted(jobs, key=lambda j: j.member_id)
@@ -110,7 +110,7 @@ def test_a_newcomer_is_announced_then_taken_in_with_the_state_source(coordinator
     c = coordinator(1, 3, 2)
     jobs = members(c, 2)
     joined = []
-    t = threading.Thread(target=lambda: joined.append(ElasticJob(c.address, TOKEN, timeout=20)))
+    t = threading.Thread(target=lambda: joined.append(ElasticJob(c.address, TOKEN, join_timeout=20)))
     t.start()
     deadline = time.monotonic() + 20
     while not all(j.pending() for j in jobs):
@@ -153,7 +153,7 @@ def test_fewer_than_the_minimum_fails_every_survivor(coordinator):
 def test_a_wrong_token_is_refused(coordinator):
     c = coordinator(1, 1, 1)
     with pytest.raises(ElasticError, match="authentication failed"):
-        ElasticJob(c.address, "not the token", timeout=10)
+        ElasticJob(c.address, "not the token", join_timeout=10)
 
 
 def test_a_newcomer_after_the_job_finished_has_nothing_to_do(coordinator):
@@ -161,7 +161,7 @@ def test_a_newcomer_after_the_job_finished_has_nothing_to_do(coordinator):
     (job,) = members(c, 1)
     job.close()
     with pytest.raises(JobFinishedError, match="finished"):
-        ElasticJob(c.address, TOKEN, timeout=10)
+        ElasticJob(c.address, TOKEN, join_timeout=10)
 
 
 def test_an_over_long_line_costs_the_sender_its_connection(coordinator):
@@ -189,7 +189,7 @@ def test_unreachable_coordinator_is_a_clear_error():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ElasticError, match="cannot reach"):
-        ElasticJob(f"127.0.0.1:{port}", TOKEN, timeout=2)
+        ElasticJob(f"127.0.0.1:{port}", TOKEN, join_timeout=2)
 
 
 @pytest.mark.parametrize("raw, expected", [("4", (4, 4)), ("2:4", (2, 4)), ("3:3", (3, 3))])
@@ -201,3 +201,16 @@ def test_parse_range(raw, expected):
 def test_parse_range_rejects(raw):
     with pytest.raises(ValueError, match="--nproc"):
         parse_range(raw, "--nproc")
+
+
+def test_join_from_the_environment_with_a_backend_timeout(coordinator, monkeypatch):
+    c = coordinator(1, 1, 1)
+    monkeypatch.setenv("FERRO_ELASTIC", c.address)
+    monkeypatch.setenv("FERRO_TOKEN", TOKEN)
+    monkeypatch.setenv("FERRO_TIMEOUT", "5")   # the backends' deadline, not the join's
+    monkeypatch.setenv("FERRO_ELASTIC_TIMEOUT", "20")
+    job = join()
+    try:
+        assert job.world_size == 1 and job.backend.timeout == 5.0
+    finally:
+        job.close()

@@ -67,7 +67,7 @@ def assert_same(a, b):
 
 def start(n, min_members=1, max_members=None):
     c = Coordinator(TOKEN, min_members, max_members or n + 1, n, settle=5)
-    jobs = threads(lambda: ElasticJob(c.address, TOKEN, timeout=20), [()] * n)
+    jobs = threads(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
     jobs.sort(key=lambda j: j.member_id)
     holders = [Holder(seed=j.rank + 10) for j in jobs]
     states = [ElasticState(j, h.capture, h.restore) for j, h in zip(jobs, holders)]
@@ -116,7 +116,7 @@ def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
         made = []
 
         def newcomer():
-            job = ElasticJob(c.address, TOKEN, timeout=20)
+            job = ElasticJob(c.address, TOKEN, join_timeout=20)
             h = Holder(seed=77)
             s = ElasticState(job, h.capture, h.restore)
             assert s.step == -1          # holds nothing until it syncs

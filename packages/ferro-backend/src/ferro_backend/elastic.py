@@ -69,10 +69,10 @@ class ElasticJob:
     """
 
     def __init__(self, address: str, token: str, *, node: str | None = None,
-                 timeout: float = 120.0, **backend_kwargs: Any) -> None:
+                 join_timeout: float = 120.0, **backend_kwargs: Any) -> None:
         host, _, port = address.rpartition(":")
         self._host = host.strip("[]")
-        self._timeout = timeout
+        self._timeout = join_timeout
         self._kwargs = backend_kwargs
         self._node = node or node_key(settings.NODE_ID.get())
         self._buf = b""
@@ -83,7 +83,8 @@ class ElasticJob:
         self.source: int | None = None
         self.history: list[dict[str, Any]] = []
         try:
-            self._sock = socket.create_connection((self._host, int(port)), timeout=timeout)
+            self._sock = socket.create_connection((self._host, int(port)),
+                                                  timeout=join_timeout)
         except OSError as exc:
             raise ElasticError(f"elastic: cannot reach the job's coordinator at {address}: "
                                f"{exc}") from exc
@@ -270,7 +271,8 @@ def join(**backend_kwargs: Any) -> ElasticJob:
     timeout = settings.TIMEOUT.get()
     if timeout is not None:
         backend_kwargs.setdefault("timeout", timeout)
-    return ElasticJob(address, token, timeout=settings.ELASTIC_TIMEOUT.get(), **backend_kwargs)
+    return ElasticJob(address, token, join_timeout=settings.ELASTIC_TIMEOUT.get(),
+                      **backend_kwargs)
 
 
 __all__ = ["ElasticError", "ElasticJob", "JobFinishedError", "join"]
