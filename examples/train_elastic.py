@@ -34,9 +34,10 @@ from train_mlp import build_model, load_data
 from train_mlp import parse_args as mlp_args
 
 from ferro_backend import elastic, init_from_env
-from ferro_collective import ReduceOp, allreduce
+from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
+from ferro_collective import ReduceOp, allreduce, broadcast
 from ferro_collective.elastic import RECOVERABLE, ElasticState
-from ferro_fsdp import DDP, nn, optim
+from ferro_fsdp import DDP, FSDP, nn, optim
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="write the loss curve (PNG)")
     p.add_argument("--save-state", type=Path, default=None, help="rank 0 saves the final state")
     p.add_argument("--load-state", type=Path, default=None, help="start from a saved state")
+    p.add_argument("--strategy", choices=["ddp", "full_shard", "shard_grad_op"], default="ddp",
+                   help="ddp: survivors continue from memory; a sharded strategy reloads the "
+                        "newest checkpoint (a lost rank's shard lives only there)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="fixed-size runs: continue from the newest checkpoint")
     return p.parse_args(argv)
 
 
@@ -89,33 +97,96 @@ def plot(history: dict, path: Path) -> None:
     plt.close(fig)
 
 
+class Trainer:
+    """The model, its wrapper and optimizer for one backend. DDP keeps them across generations
+    (rebound to the new backend, the state copied from the most advanced member); a sharded
+    strategy builds them again and loads the newest committed checkpoint, resharded."""
+
+    def __init__(self, args, mlp, features: int, classes: int) -> None:
+        self.args, self.mlp, self.shape = args, mlp, (features, classes)
+        self.model = build_model(mlp, features, classes)
+        self.opt = optim.Adam(self.model.parameters(), lr=args.lr)
+        self.manager = self.wrapper = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.args.strategy != "ddp"
+
+    def wrap(self, backend) -> None:
+        if self.sharded:
+            self.model = build_model(self.mlp, *self.shape)   # fresh: FSDP shards it
+            self.wrapper = FSDP(self.model, backend, self.args.strategy, sync_module_states=True)
+            self.opt = optim.Adam(self.wrapper.module.parameters(), lr=self.args.lr)
+        else:   # the model and optimizer stay (their state is what the members copy)
+            self.wrapper = DDP(self.model, backend, broadcast_parameters=False)
+        if self.args.checkpoint_dir is not None:
+            self.manager = CheckpointManager(self.args.checkpoint_dir, backend.rank,
+                                             backend.world_size, backend=backend)
+
+    def rebind(self, backend, fallback: int) -> int:
+        """Continue on ``backend``; the step to continue from (``fallback`` for DDP)."""
+        if not self.sharded:
+            self.wrapper.rebind(backend)
+            return fallback
+        self.wrap(backend)
+        return self.resume(backend)
+
+    def resume(self, backend) -> int:
+        """Load the newest committed checkpoint (as rank 0 sees it); its step, 0 if none."""
+        mine = self.manager.latest_step() if self.manager is not None else None
+        step = int(broadcast(np.array([-1 if mine is None else mine], np.int64), backend)[0])
+        if step < 0:
+            return 0
+        tensors, _ = self.manager.restore(step)
+        self.wrapper.load_sharded_state_dict(tensors, self.opt)
+        return step
+
+    def save(self, step: int, backend) -> None:
+        tensors, specs = self.wrapper.sharded_state_dict(self.opt)
+        meta = ShardMetadata(backend.world_size, {k: TensorShardSpec(*v)
+                                                  for k, v in specs.items()})
+        self.manager.save(step, tensors, meta, extra={"step": step}, blocking=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.strategy != "ddp" and args.checkpoint_dir is None:
+        raise SystemExit(f"train_elastic: --strategy {args.strategy} needs --checkpoint-dir "
+                         "(a lost rank's shard comes back from the last checkpoint)")
     mlp = mlp_args(["--dtype", args.dtype, "--seed", str(args.seed)])
     x_tr, y_tr, _, _, classes = load_data(mlp)
-    model = build_model(mlp, x_tr.shape[1], classes)
-    opt = optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
-    if args.load_state is not None:
-        with np.load(args.load_state, allow_pickle=True) as saved:
-            restore(model, opt, saved["state"].item())
     if os.environ.get("FERRO_ELASTIC"):
         try:
             job = elastic.join()
         except elastic.JobFinishedError as exc:  # a replacement that came too late
             print(exc, flush=True)
             return 0
-        state = ElasticState(job, lambda: capture(model, opt), lambda s: restore(model, opt, s),
-                             step=args.start)
-        state.sync()   # a fresh job: rank 0's state; a replacement: its peers'
+        backend = job.backend
     else:
-        job, state = None, None
-    backend = job.backend if job is not None else init_from_env()
-    wrapper = DDP(model, backend, broadcast_parameters=False)
+        job, backend = None, init_from_env()
+    t = Trainer(args, mlp, x_tr.shape[1], classes)
+    if args.load_state is not None:
+        with np.load(args.load_state, allow_pickle=True) as saved:
+            restore(t.model, t.opt, saved["state"].item())
+    state = None
+    if job is not None:
+        sharded = t.sharded
+        state = ElasticState(
+            job, lambda: {} if sharded else capture(t.model, t.opt),
+            lambda s: None if sharded else restore(t.model, t.opt, s), step=args.start,
+            # a sharded job saves before taking a newcomer in: no step is lost
+            before_join=(lambda b: t.save(state.step, b)) if sharded else None)
+        state.sync()   # a fresh job: rank 0's state; a replacement: its peers'
+    t.wrap(backend)    # after the sync: the members of a new generation wrap in this order
+    if state is not None and t.sharded and job.history[-1]["reason"] != "start":
+        state.step = t.resume(backend)   # a replacement: the checkpoint the others load
+    step = state.step if state is not None else args.start
+    if args.resume:
+        step = t.resume(backend)
     kill = tuple(int(v) for v in args.kill.split("@")) if args.kill else None
     steps_per_epoch = len(x_tr) // args.batch_size
     history = {"losses": [], "changes": []}
-    step = state.step if state is not None else args.start
     while step < args.steps:
         rank, world = backend.rank, backend.world_size
         epoch, k = divmod(step, steps_per_epoch)
@@ -123,22 +194,29 @@ def main(argv=None) -> int:
         batch = order[k * args.batch_size:(k + 1) * args.batch_size]
         lo, hi = rank * len(batch) // world, (rank + 1) * len(batch) // world
         try:
-            loss = loss_fn(wrapper(x_tr[batch[lo:hi]]), y_tr[batch[lo:hi]])
-            # DDP averages over ranks: weight this rank's mean by its share of the batch
+            loss = loss_fn(t.wrapper(x_tr[batch[lo:hi]]), y_tr[batch[lo:hi]])
+            # the wrappers average over ranks: weight this rank's mean by its share
             grad = loss_fn.backward()
             share = (hi - lo) * world / len(batch)
-            wrapper.backward(grad if share == 1.0 else grad * grad.dtype.type(share))
+            t.wrapper.backward(grad if share == 1.0 else grad * grad.dtype.type(share))
+            if t.sharded:
+                t.wrapper.sync_gradients()
             # every collective of the step comes before the optimizer step: a failure leaves
-            # this rank's state at the step it has committed
+            # this rank's state at the step it has committed (DDP continues from it)
             global_loss = float(allreduce(np.array([loss * share]), backend, ReduceOp.MEAN)[0])
-            opt.step()
-            opt.zero_grad()
+            t.opt.step()
+            t.opt.zero_grad()
+            if t.sharded:
+                t.wrapper.broadcast_updated_params()
             if kill is not None and job is not None and job.generation == 0 and \
                     job.member_id == kill[0] and step + 1 == kill[1]:
                 os.kill(os.getpid(), signal.SIGKILL)   # fault injection (--kill)
             changed = state.commit(step + 1) if state is not None else False
             step += 1
             history["losses"].append((step, global_loss))
+            if not changed and t.manager is not None and args.checkpoint_every and \
+                    step % args.checkpoint_every == 0:
+                t.save(step, backend)
         except RECOVERABLE as exc:
             if state is None:
                 raise
@@ -146,13 +224,15 @@ def main(argv=None) -> int:
             step, changed = state.step, True
         if changed:
             backend = job.backend
-            wrapper.rebind(backend)
-            change = dict(state.changes[-1])
+            step = state.step = t.rebind(backend, state.step)
+            change = dict(state.changes[-1], step=step)
             history["changes"].append(change)
             if backend.rank == 0:
                 print(f"membership change at step {change['step']}: {change['world_size']} "
                       f"ranks, generation {change['generation']} ({change['reason']}; "
                       f"{change['seconds'] * 1e3:.0f} ms)", flush=True)
+    if t.manager is not None and step not in (t.manager.latest_step(), None):
+        t.save(step, backend)   # where a following run (--resume) continues
     if backend.rank == 0:
         last = history["losses"][-1][1] if history["losses"] else float("nan")
         print(f"done: {step} steps on {backend.world_size} ranks, loss {last:.4f}", flush=True)
@@ -160,8 +240,13 @@ def main(argv=None) -> int:
             args.history.write_text(json.dumps(history))
         if args.plot is not None:
             plot(history, args.plot)
-        if args.save_state is not None:
-            np.savez(args.save_state, state=np.array(capture(model, opt), dtype=object))
+    if args.save_state is not None:
+        full = t.wrapper.full_state_dict() if t.sharded else None   # collective
+        if backend.rank == 0:
+            params = [full[n] for n in sorted(full)] if t.sharded else None
+            np.savez(args.save_state, state=np.array(
+                {"params": params, "optim": {"state": {}}} if t.sharded
+                else capture(t.model, t.opt), dtype=object))
     if job is not None:
         job.close()
     else:

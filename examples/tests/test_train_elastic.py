@@ -108,3 +108,33 @@ def test_an_elastic_job_on_two_nodes_loses_a_node_and_goes_on(tmp_path):
     changes = json.loads(history.read_text())["changes"]
     assert [(c["world_size"], c["reason"]) for c in changes] == [(2, "a member failed")], changes
     assert "done: 4000 steps on 2 ranks" in out
+
+
+def full_params(path: Path) -> list:
+    with np.load(path, allow_pickle=True) as f:
+        return f["state"].item()["params"]
+
+
+def test_a_sharded_job_reloads_the_lost_shard_from_its_checkpoint_without_restarting(tmp_path):
+    """FULL_SHARD: a rank's shard lives only with it, so the survivors (and then the
+    replacement) continue from the newest checkpoint, in the same processes; the newcomer is
+    taken in after a checkpoint at the boundary (no step lost). The model equals the reference
+    with the same membership history (fixed-size runs resuming from each other's checkpoint)."""
+    history, final = tmp_path / "history.json", tmp_path / "elastic.npz"
+    sharded = ["--strategy", "full_shard", "--checkpoint-every", "10"]
+    r = ferrorun("2:3", "--steps", 700, "--kill", "1@25", "--history", history, "--save-state",
+                 final, *sharded, "--checkpoint-dir", tmp_path / "ckpt",
+                 extra=["--max-restarts", "1", "--settle", "5"])
+    changes = json.loads(history.read_text())["changes"]
+    assert changes[0]["step"] == 20 and changes[0]["world_size"] == 2, (changes, r.stderr[-2000:])
+    assert [c["world_size"] for c in changes] == [2, 3], (changes, r.stderr[-2000:])
+    bounds = [(0, 3)] + [(c["step"], c["world_size"]) for c in changes]
+    ref = tmp_path / "ref"
+    for i, ((_start, world), end) in enumerate(zip(bounds, [s for s, _ in bounds[1:]] + [700])):
+        args = ["--steps", end, *sharded, "--checkpoint-dir", ref]
+        if i:
+            args.append("--resume")
+        ferrorun(str(world), *args, *(["--save-state", tmp_path / "ref.npz"]
+                                     if end == 700 else []))
+    for a, b in zip(full_params(final), full_params(tmp_path / "ref.npz"), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -319,3 +319,29 @@ def test_shared_link_serializes_a_roots_incoming_messages():
     # gather: n - 1 messages into the root, then n - 1 out of it, each nbytes / beta
     assert t_shared == pytest.approx(2 * (n - 1) * nbytes / beta, rel=1e-9)
     assert t_private == pytest.approx(n * nbytes / beta, rel=1e-9)  # gathers in parallel
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(16, 80), nbytes=st.integers(1, 1 << 26), net=st.sampled_from(list(NETWORKS)),
+       L=st.sampled_from([None, 2, 4]), seed=st.integers(0, 1000),
+       case=st.sampled_from([("allreduce", "ring"), ("all_gather", "ring"),
+                             ("reduce_scatter", "ring")]))
+def test_ring_as_arrays_times_every_rank_as_the_rounds_do(n, nbytes, net, L, seed, case):
+    """The array form of a ring's rounds (from RING_ARRAYS_FROM ranks) gives every rank's
+    clock and interface time equal, to the bit, to playing the rounds message by message."""
+    from ferro_collective import schedule as sch
+
+    p = cm.Params.of(NETWORKS[net])
+    if L is not None:
+        p = dataclasses.replace(p, ranks_per_node=L)
+    start = list(np.random.default_rng(seed).random(n) * 1e-6)
+    fast = sch.Schedule(p, start)
+    sch.run(fast, *case, nbytes)
+    slow = sch.Schedule(p, start)
+    old = sch.RING_ARRAYS_FROM
+    sch.RING_ARRAYS_FROM = 1 << 30
+    try:
+        sch.run(slow, *case, nbytes)
+    finally:
+        sch.RING_ARRAYS_FROM = old
+    assert fast.clock == slow.clock and fast.nic == slow.nic

@@ -99,6 +99,10 @@ class ElasticState:
         Takes such a state (copied from another member) and installs it.
     step : int
         The step this rank stands at (0 for a fresh start).
+    before_join : callable, optional
+        Called with the old generation's backend on every member (collectively) when the
+        members have agreed to take a newcomer in, before they leave it: a sharded (FSDP) job
+        saves its checkpoint there, so taking a newcomer in loses no step.
 
     Attributes
     ----------
@@ -111,8 +115,10 @@ class ElasticState:
     """
 
     def __init__(self, job: ElasticJob, capture: Callable[[], Any],
-                 restore: Callable[[Any], None], *, step: int = 0) -> None:
+                 restore: Callable[[Any], None], *, step: int = 0,
+                 before_join: Callable[[Any], None] | None = None) -> None:
         self.job = job
+        self._before_join = before_join
         self._capture, self._restore = capture, restore
         # a replacement that joined a running job holds no state until the first sync
         self._has_state = not job.history or job.history[-1]["reason"] == "start"
@@ -162,6 +168,8 @@ class ElasticState:
         flag = np.array([1 if self.job.pending() else 0], np.int32)
         if not allreduce(flag, self.job.backend, ReduceOp.MAX)[0]:
             return False
+        if self._before_join is not None:
+            self._before_join(self.job.backend)
         self._change(None)
         return True
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .header import HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -130,11 +132,39 @@ def header_time(p: Params, n: int) -> float:
     return max(header_clocks(p, n)) if n > 1 else 0.0
 
 
+#: from this many ranks a ring's rounds run as array arithmetic (:func:`_ring_rounds`)
+RING_ARRAYS_FROM = 16
+
+
 def _ring(s: Schedule, steps: int, nbytes: float, folds: int = 0) -> None:
     """``steps`` ring steps, the first ``folds`` of them reducing what arrives."""
     n = len(s.clock)
+    if n >= RING_ARRAYS_FROM and type(s) is Schedule and not s.p.shared_link:
+        _ring_rounds(s, folds, nbytes, True)
+        _ring_rounds(s, steps - folds, nbytes, False)
+        return
     s.rounds([(lambda me: (me + 1) % n, nbytes)] * folds, fold=True)
     s.rounds([(lambda me: (me + 1) % n, nbytes)] * (steps - folds))
+
+
+def _ring_rounds(s: Schedule, count: int, nbytes: float, fold: bool) -> None:
+    """``count`` rounds of :meth:`Schedule.rounds` in which rank ``me`` sends to ``me + 1``,
+    as array arithmetic: each element goes through the same float operations in the same
+    order (so the times are equal to the bit), in O(n) array steps per round instead of n
+    Python calls (a 256-rank allreduce: 130,000 calls)."""
+    if count <= 0:
+        return
+    n = len(s.clock)
+    lat = np.empty(n)
+    busy = np.empty(n)
+    for me in range(n):
+        lat[me], busy[me] = _cost(s.p, me, (me + 1) % n, nbytes)
+    clock, nic = np.array(s.clock, np.float64), np.array(s.nic, np.float64)
+    work = s.p.gamma * nbytes if fold else 0.0
+    for _ in range(count):
+        nic = np.maximum(clock, nic) + busy
+        clock = np.maximum(clock, np.roll(nic + lat, 1)) + work
+    s.clock, s.nic = clock.tolist(), nic.tolist()
 
 
 def _recursive_doubling(s: Schedule, nbytes: float) -> None:
