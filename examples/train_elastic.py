@@ -15,9 +15,14 @@ run equals one that had the same ranks at the same steps. Rank 0 prints each mem
 and writes the loss curve, with a vertical line at each change (``--plot``), and the history
 as JSON (``--history``).
 
+``--strategy full_shard`` (or ``shard_grad_op``) with ``--checkpoint-dir`` trains FSDP: a lost
+rank's shard lives only with it, so every member rebuilds its wrapper for the new world and
+loads the newest committed checkpoint (resharded), in the same process; a newcomer is taken in
+after a save at the agreed boundary, so it costs no step.
+
 Without ``FERRO_ELASTIC`` (plain ``ferrorun --nproc N``) the same script trains on a fixed world:
-``--load-state`` / ``--save-state`` carry the state between such runs (the tests build the
-reference run of an elastic one this way).
+``--load-state`` / ``--save-state`` (DDP) or ``--resume`` (FSDP) carry the state between such
+runs (the tests build the reference run of an elastic one this way).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ injector sends random faults to random rank processes (the children of ferrorun)
   SIGKILL, or SIGSTOP then SIGCONT (shorter than ``--settle``: the job must wait and go on
   unchanged; longer: the rank is fenced and replaced). The run must end with the model of a
   reference run with the same membership history (fixed-size runs chained through states,
-  built from the run's own history), bit for bit.
+  built from the run's own history), bit for bit. Every other elastic cycle trains FULL_SHARD
+  (checkpoints every 10 steps: a lost shard comes back from the newest one, in place).
 * **restart** (``ferrorun --nproc 3 --max-restarts 3``, ``examples/train_mlp.py`` with
   checkpoints every 5 steps): SIGKILL. The run must end bit-identical to an unbroken run.
 
@@ -93,20 +94,24 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def elastic_cycle(tmp: Path, rng: random.Random, steps: int) -> dict:
+def elastic_cycle(tmp: Path, rng: random.Random, steps: int, strategy: str) -> dict:
     history, final = tmp / "history.json", tmp / "elastic.npz"
-    common = ["--dtype", "float64", "--batch-size", "96"]
+    common = ["--dtype", "float64", "--batch-size", "96", "--strategy", strategy]
+    if strategy != "ddp":   # a lost shard comes back from the newest checkpoint
+        common += ["--checkpoint-every", "10"]
+        steps = min(steps, 1500)
     settle = 3.0
     proc = subprocess.Popen([*FERRORUN, "--nproc", "2:3", "--max-restarts", "2", "--settle",
                              str(settle), "--timeout", "2", str(ELASTIC), *common, "--steps",
-                             str(steps), "--history", str(history), "--save-state", str(final)],
+                             str(steps), "--history", str(history), "--save-state", str(final),
+                             *sharded_dir(strategy, tmp / "ckpt")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     inj = Injector(proc, rng.randint(1, 2), (1.5, 5.0), ["kill", "stop-short", "stop-long"],
                    settle, rng)
     inj.start()
     out, err = proc.communicate(timeout=600)
     inj.join(60)
-    result = {"mode": "elastic", "faults": inj.done, "ok": False, "lost": []}
+    result = {"mode": f"elastic {strategy}", "faults": inj.done, "ok": False, "lost": []}
     if proc.returncode != 0 or not history.exists():
         result["why"] = f"ferrorun exited {proc.returncode}: {err[-800:]}"
         return result
@@ -119,9 +124,10 @@ def elastic_cycle(tmp: Path, rng: random.Random, steps: int) -> dict:
             continue
         state = tmp / f"ref_{start}_{world}.npz"
         args = [*FERRORUN, "--nproc", str(world), str(ELASTIC), *common, "--start", str(start),
-                "--steps", str(end), "--save-state", str(state)]
+                "--steps", str(end), "--save-state", str(state),
+                *sharded_dir(strategy, tmp / "ref-ckpt")]
         if previous is not None:
-            args += ["--load-state", str(previous)]
+            args += ["--load-state", str(previous)] if strategy == "ddp" else ["--resume"]
         r = run(args, 600)
         if r.returncode != 0:
             result["why"] = f"reference run failed: {r.stderr[-800:]}"
@@ -131,6 +137,10 @@ def elastic_cycle(tmp: Path, rng: random.Random, steps: int) -> dict:
     if not result["ok"]:
         result["why"] = f"the model differs from the reference (changes {changes})"
     return result
+
+
+def sharded_dir(strategy: str, path: Path) -> list[str]:
+    return [] if strategy == "ddp" else ["--checkpoint-dir", str(path)]
 
 
 def same_state(a: Path, b: Path) -> bool:
@@ -170,7 +180,7 @@ def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
 def table(results: list[dict]) -> str:
     rows = ["| mode | fault | injected | runs | runs ended right | time lost per fault (median, "
             "min-max) |", "|---|---|---|---|---|---|"]
-    for mode in ("elastic", "restart"):
+    for mode in ("elastic ddp", "elastic full_shard", "restart"):
         mine = [r for r in results if r["mode"] == mode]
         kinds = sorted({k for r in mine for k in r["faults"]})
         lost = [x for r in mine for x in r["lost"]]
@@ -208,7 +218,8 @@ def main(argv=None) -> int:
             work = tmp / f"cycle_{cycle}"
             work.mkdir()
             if cycle % 2:
-                res = elastic_cycle(work, rng, args.steps)
+                strategy = "ddp" if cycle % 4 == 1 else "full_shard"
+                res = elastic_cycle(work, rng, args.steps, strategy)
             else:
                 res = restart_cycle(work, rng, 300, ref, unbroken)
             results.append(res)

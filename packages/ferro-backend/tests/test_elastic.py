@@ -140,7 +140,7 @@ def test_a_silent_member_is_fenced_after_the_settle_time(coordinator):
 
 
 def test_fewer_than_the_minimum_fails_every_survivor(coordinator):
-    c = coordinator(3, 3, 3)
+    c = coordinator(3, 3, 3, settle=0.5)
     jobs = members(c, 3)
     jobs[0]._sock.close()
     jobs[0].backend.abort("killed")
@@ -148,6 +148,24 @@ def test_fewer_than_the_minimum_fails_every_survivor(coordinator):
     assert all(isinstance(e, ElasticError) and "fewer than the minimum 3" in str(e)
                for e in out), out
     assert "fewer than the minimum" in c.snapshot()["failed"]
+
+
+def test_below_the_minimum_a_replacement_within_the_settle_time_saves_the_job(coordinator):
+    c = coordinator(3, 3, 3, settle=10)
+    jobs = members(c, 3)
+    jobs[0]._sock.close()
+    jobs[0].backend.abort("killed")
+    out = []
+    survivors = threading.Thread(target=lambda: out.extend(
+        in_threads(lambda j: j.rebuild(4, "peer died"), [(j,) for j in jobs[1:]])))
+    survivors.start()
+    time.sleep(0.5)   # the survivors wait: 2 < 3, but a replacement comes
+    new = ElasticJob(c.address, TOKEN, join_timeout=20)
+    survivors.join(30)
+    assert out == [None, None], out
+    assert [j.world_size for j in (*jobs[1:], new)] == [3, 3, 3]
+    assert new.rank == 2 and new.step == 4 and new.source == 0
+    close_all([*jobs[1:], new])
 
 
 def test_a_wrong_token_is_refused(coordinator):

@@ -65,8 +65,8 @@ def assert_same(a, b):
     assert a["optim"]["lr"] == b["optim"]["lr"] and a["optim"]["pair"][1] == "tag"
 
 
-def start(n, min_members=1, max_members=None):
-    c = Coordinator(TOKEN, min_members, max_members or n + 1, n, settle=5)
+def start(n, min_members=1, max_members=None, settle=5.0):
+    c = Coordinator(TOKEN, min_members, max_members or n + 1, n, settle=settle)
     jobs = threads(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
     jobs.sort(key=lambda j: j.member_id)
     holders = [Holder(seed=j.rank + 10) for j in jobs]
@@ -152,7 +152,7 @@ def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
 
 
 def test_below_the_minimum_recover_raises():
-    c, jobs, holders, states = start(2, min_members=2, max_members=2)
+    c, jobs, holders, states = start(2, min_members=2, max_members=2, settle=0.5)
     try:
         threads(lambda s: s.sync(), [(s,) for s in states])
         jobs[0]._sock.close()

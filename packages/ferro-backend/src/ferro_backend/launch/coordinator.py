@@ -15,7 +15,8 @@ only by a quorum of the living, never by a timeout guess:
   closed their connections); a member that stays silent past ``settle`` seconds (stopped, or
   cut off from the network) is fenced: excluded, and told so if it ever speaks again;
 * the new generation is the ready members in their old order, then waiting newcomers (up to
-  ``max_members``); fewer than ``min_members`` ends the job for all (``failed``). Its step is
+  ``max_members``); while they are fewer than ``min_members`` the coordinator waits up to
+  ``settle`` seconds for newcomers (replacements), then ends the job for all (``failed``). Its step is
   the highest step a member completed, and its ``source`` the first rank holding it: the
   state every other rank copies from (``ferro_collective.elastic``).
 
@@ -242,15 +243,18 @@ class Coordinator:
                 self._fail(f"every member of generation {self.generation} is gone")
             return
         silent = [m for m in living if m.status == "active"]
+        oldest = min(m.since for m in ready)
         if silent:
-            oldest = min(m.since for m in ready)
             if now - oldest <= self.settle:
                 return
             for m in silent:   # stopped or cut off: excluded, and told if it ever reads
                 self._tell(m, {"op": "fenced", "generation": self.generation})
                 m.status = "gone"
         reason = "a member failed" if lost or silent else "members joined"
-        self._form(ready + newcomers[:max(0, self.max - len(ready))], reason)
+        members = ready + newcomers[:max(0, self.max - len(ready))]
+        if len(members) < self.min and now - oldest <= self.settle:
+            return   # too few for now: a replacement may be on its way (ferrorun starts one)
+        self._form(members, reason)
 
     def _form(self, members: list[_Member], reason: str) -> None:
         if len(members) < self.min:
