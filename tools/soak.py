@@ -10,6 +10,8 @@ injector sends random faults to random rank processes (the children of ferrorun)
   reference run with the same membership history (fixed-size runs chained through states,
   built from the run's own history), bit for bit. Every other elastic cycle trains FULL_SHARD
   (checkpoints every 10 steps: a lost shard comes back from the newest one, in place).
+* **link cut** (root, every 6th cycle: ``--emulate-nodes 2 --nnodes 1:2``): node 1's link is
+  cut at a random moment; node 0 must fence it and finish alone.
 * **restart** (``ferrorun --nproc 3 --max-restarts 3``, ``examples/train_mlp.py`` with
   checkpoints every 5 steps): SIGKILL. The run must end bit-identical to an unbroken run.
 
@@ -139,6 +141,29 @@ def elastic_cycle(tmp: Path, rng: random.Random, steps: int, strategy: str) -> d
     return result
 
 
+def cut_cycle(tmp: Path, rng: random.Random) -> dict:
+    """Two emulated nodes (``--emulate-nodes 2 --nnodes 1:2``), node 1's link cut at a random
+    moment: node 0 must fence it and train to the end alone (the membership is checked; the
+    reference is not rebuilt: a cross-node TCP pair and one host's differ in algorithm)."""
+    history = tmp / "history.json"
+    at = rng.uniform(5.0, 8.0)
+    t0 = time.monotonic()
+    r = run([*FERRORUN, "--emulate-nodes", "2", "--nnodes", "1:2", "--nproc", "1",
+             "--cut-link", f"1@{at:.1f}", "--timeout", "2", "--settle", "2", str(ELASTIC),
+             "--dtype", "float64", "--steps", "8000", "--history", str(history)], 600)
+    result = {"mode": "elastic, emulated nodes", "faults": ["link cut"], "ok": False, "lost": []}
+    if r.returncode != 0 or not history.exists():
+        result["why"] = f"ferrorun exited {r.returncode} after {time.monotonic() - t0:.0f} s: " \
+                        f"{r.stderr[-800:]}"
+        return result
+    changes = json.loads(history.read_text())["changes"]
+    result["lost"] = [c["seconds"] + 2.0 for c in changes]   # + the deadline that detected it
+    result["ok"] = [(c["world_size"], c["reason"]) for c in changes] == [(1, "a member failed")]
+    if not result["ok"]:
+        result["why"] = f"membership {changes}"
+    return result
+
+
 def sharded_dir(strategy: str, path: Path) -> list[str]:
     return [] if strategy == "ddp" else ["--checkpoint-dir", str(path)]
 
@@ -180,7 +205,7 @@ def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
 def table(results: list[dict]) -> str:
     rows = ["| mode | fault | injected | runs | runs ended right | time lost per fault (median, "
             "min-max) |", "|---|---|---|---|---|---|"]
-    for mode in ("elastic ddp", "elastic full_shard", "restart"):
+    for mode in ("elastic ddp", "elastic full_shard", "elastic, emulated nodes", "restart"):
         mine = [r for r in results if r["mode"] == mode]
         kinds = sorted({k for r in mine for k in r["faults"]})
         lost = [x for r in mine for x in r["lost"]]
@@ -200,6 +225,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3000, help="steps per elastic run")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
+    from ferro_backend.launch.netns import unavailable
+
+    why = unavailable(None)
+    emulation = why is None
+    if not emulation:
+        print(f"soak: no emulated nodes here ({why}): no link cuts", flush=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ferro-soak-") as d:
         tmp = Path(d)
@@ -220,6 +251,8 @@ def main(argv=None) -> int:
             if cycle % 2:
                 strategy = "ddp" if cycle % 4 == 1 else "full_shard"
                 res = elastic_cycle(work, rng, args.steps, strategy)
+            elif cycle % 6 == 0 and emulation:
+                res = cut_cycle(work, rng)
             else:
                 res = restart_cycle(work, rng, 300, ref, unbroken)
             results.append(res)

@@ -10,6 +10,7 @@ import pytest
 from ferro_backend.elastic import ElasticError, ElasticJob, JobFinishedError, join
 from ferro_backend.launch.coordinator import MAX_LINE, Coordinator
 from ferro_backend.launch.elastic_run import parse_range
+from ferro_backend.testing import outcomes
 
 TOKEN = "elastic-test-token"
 pytestmark = pytest.mark.timeout(120)
@@ -34,27 +35,8 @@ def coordinator():
         c.close()
 
 
-def in_threads(fn, args_list, timeout=60):
-    """Run ``fn(*args)`` for each args in threads; their results (or raised errors)."""
-    out = [None] * len(args_list)
-
-    def run(i, args):
-        try:
-            out[i] = fn(*args)
-        except BaseException as exc:  # the test inspects it
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a member thread hung"
-    return out
-
-
 def members(c, n):
-    jobs = in_threads(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
+    jobs = outcomes(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
     for j in jobs:
         assert isinstance(j, ElasticJob), j
     return sorted(jobs, key=lambda j: j.member_id)
@@ -92,7 +74,7 @@ def test_survivors_form_the_next_generation_from_the_most_advanced_step(coordina
     victim.backend.abort("killed by the test")
     survivors = [jobs[0], jobs[2]]
     steps = {jobs[0].member_id: 6, jobs[2].member_id: 7}
-    out = in_threads(lambda j: j.rebuild(steps[j.member_id], "a peer died"),
+    out = outcomes(lambda j: j.rebuild(steps[j.member_id], "a peer died"),
                      [(j,) for j in survivors])
     assert out == [None, None], out
     assert [(j.rank, j.world_size, j.generation) for j in survivors] == [(0, 2, 1), (1, 2, 1)]
@@ -116,7 +98,7 @@ def test_a_newcomer_is_announced_then_taken_in_with_the_state_source(coordinator
     while not all(j.pending() for j in jobs):
         assert time.monotonic() < deadline, "the members never heard of the newcomer"
         time.sleep(0.01)
-    assert in_threads(lambda j: j.rebuild(42), [(j,) for j in jobs]) == [None, None]
+    assert outcomes(lambda j: j.rebuild(42), [(j,) for j in jobs]) == [None, None]
     t.join(20)
     (new,) = joined
     assert [j.world_size for j in (*jobs, new)] == [3, 3, 3]
@@ -130,7 +112,7 @@ def test_a_silent_member_is_fenced_after_the_settle_time(coordinator):
     jobs = members(c, 3)
     silent = jobs[2]   # stopped: its connection stays open, it never reports
     t0 = time.monotonic()
-    assert in_threads(lambda j: j.rebuild(3, "timed out"), [(j,) for j in jobs[:2]]) == [None,
+    assert outcomes(lambda j: j.rebuild(3, "timed out"), [(j,) for j in jobs[:2]]) == [None,
                                                                                         None]
     assert 0.4 < time.monotonic() - t0 < 15
     assert [j.world_size for j in jobs[:2]] == [2, 2]
@@ -144,7 +126,7 @@ def test_fewer_than_the_minimum_fails_every_survivor(coordinator):
     jobs = members(c, 3)
     jobs[0]._sock.close()
     jobs[0].backend.abort("killed")
-    out = in_threads(lambda j: j.rebuild(1, "peer died"), [(j,) for j in jobs[1:]])
+    out = outcomes(lambda j: j.rebuild(1, "peer died"), [(j,) for j in jobs[1:]])
     assert all(isinstance(e, ElasticError) and "fewer than the minimum 3" in str(e)
                for e in out), out
     assert "fewer than the minimum" in c.snapshot()["failed"]
@@ -157,7 +139,7 @@ def test_below_the_minimum_a_replacement_within_the_settle_time_saves_the_job(co
     jobs[0].backend.abort("killed")
     out = []
     survivors = threading.Thread(target=lambda: out.extend(
-        in_threads(lambda j: j.rebuild(4, "peer died"), [(j,) for j in jobs[1:]])))
+        outcomes(lambda j: j.rebuild(4, "peer died"), [(j,) for j in jobs[1:]])))
     survivors.start()
     time.sleep(0.5)   # the survivors wait: 2 < 3, but a replacement comes
     new = ElasticJob(c.address, TOKEN, join_timeout=20)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ferro_backend.elastic import ElasticError, ElasticJob
 from ferro_backend.launch.coordinator import Coordinator
+from ferro_backend.testing import outcomes
 from ferro_collective.elastic import RECOVERABLE, ElasticState
 
 TOKEN = "state-test"
@@ -20,24 +21,6 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(autouse=True)
 def _tcp(monkeypatch):
     monkeypatch.setenv("FERRO_TRANSPORT", "tcp")
-
-
-def threads(fn, args_list, timeout=60):
-    out = [None] * len(args_list)
-
-    def run(i, args):
-        try:
-            out[i] = fn(*args)
-        except BaseException as exc:  # inspected by the test
-            out[i] = exc
-
-    ts = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout)
-        assert not t.is_alive(), "a member hung"
-    return out
 
 
 class Holder:
@@ -67,7 +50,7 @@ def assert_same(a, b):
 
 def start(n, min_members=1, max_members=None, settle=5.0):
     c = Coordinator(TOKEN, min_members, max_members or n + 1, n, settle=settle)
-    jobs = threads(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
+    jobs = outcomes(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
     jobs.sort(key=lambda j: j.member_id)
     holders = [Holder(seed=j.rank + 10) for j in jobs]
     states = [ElasticState(j, h.capture, h.restore) for j, h in zip(jobs, holders)]
@@ -77,7 +60,7 @@ def start(n, min_members=1, max_members=None, settle=5.0):
 def test_sync_at_start_gives_everyone_rank_zeros_state():
     c, jobs, holders, states = start(3)
     try:
-        assert threads(lambda s: s.sync(), [(s,) for s in states]) == [None] * 3
+        assert outcomes(lambda s: s.sync(), [(s,) for s in states]) == [None] * 3
         for h in holders[1:]:
             assert_same(h.state, holders[0].state)
         assert all(s.step == 0 for s in states)
@@ -90,13 +73,13 @@ def test_sync_at_start_gives_everyone_rank_zeros_state():
 def test_recover_after_a_member_dies_continues_from_the_most_advanced_survivor():
     c, jobs, holders, states = start(3)
     try:
-        threads(lambda s: s.sync(), [(s,) for s in states])
+        outcomes(lambda s: s.sync(), [(s,) for s in states])
         jobs[0]._sock.close()            # member 0 dies (its connection closes)
         jobs[0].backend.abort("killed")
         states[1].step, states[2].step = 4, 5   # member 2 completed one more step
         holders[2].state["optim"]["count"][0] = 99
         err = RECOVERABLE[0]("rank 0 closed")
-        assert threads(lambda s: s.recover(err), [(s,) for s in states[1:]]) == [None, None]
+        assert outcomes(lambda s: s.recover(err), [(s,) for s in states[1:]]) == [None, None]
         assert [s.step for s in states[1:]] == [5, 5]
         assert_same(holders[1].state, holders[2].state)
         assert holders[1].state["optim"]["count"][0] == 99
@@ -112,7 +95,7 @@ def test_recover_after_a_member_dies_continues_from_the_most_advanced_survivor()
 def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
     c, jobs, holders, states = start(2)
     try:
-        threads(lambda s: s.sync(), [(s,) for s in states])
+        outcomes(lambda s: s.sync(), [(s,) for s in states])
         made = []
 
         def newcomer():
@@ -136,7 +119,7 @@ def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
             return changed_at
 
         # the members commit steps until they agree on the newcomer (same step on both)
-        out = threads(train, [(s, 100000) for s in states])
+        out = outcomes(train, [(s, 100000) for s in states])
         t.join(30)
         assert out[0] == out[1] and len(out[0]) == 1, out
         (job, h, s) = made[0]
@@ -154,10 +137,10 @@ def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
 def test_below_the_minimum_recover_raises():
     c, jobs, holders, states = start(2, min_members=2, max_members=2, settle=0.5)
     try:
-        threads(lambda s: s.sync(), [(s,) for s in states])
+        outcomes(lambda s: s.sync(), [(s,) for s in states])
         jobs[0]._sock.close()
         jobs[0].backend.abort("killed")
-        (out,) = threads(lambda s: s.recover(RECOVERABLE[0]("gone")), [(states[1],)])
+        (out,) = outcomes(lambda s: s.recover(RECOVERABLE[0]("gone")), [(states[1],)])
         assert isinstance(out, ElasticError) and "minimum 2" in str(out)
     finally:
         c.close()
@@ -172,7 +155,7 @@ def test_sync_carries_any_shapes(shapes):
         holders[0].state["params"] = [np.arange(a * b, dtype=np.float32).reshape(a, b)
                                       for a, b in shapes]
         holders[1].state["params"] = []
-        assert threads(lambda s: s.sync(), [(s,) for s in states]) == [None, None]
+        assert outcomes(lambda s: s.sync(), [(s,) for s in states]) == [None, None]
         assert_same(holders[1].state, holders[0].state)
     finally:
         for j in jobs:

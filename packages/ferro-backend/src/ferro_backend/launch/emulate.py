@@ -54,9 +54,10 @@ class Cut:
 def validate(args) -> list[Cut]:
     """Check the options of an emulated job (before anything is made); returns the cuts."""
     n = args.emulate_nodes
-    if args.nnodes != 1 or args.node_rank != 0:
-        raise EmulationError("--emulate-nodes makes the nodes itself: leave out --nnodes and "
-                             "--node-rank")
+    elastic = getattr(args, "min_nodes", None) is not None
+    if (args.nnodes != (n if elastic else 1)) or args.node_rank != 0:
+        raise EmulationError(f"--emulate-nodes makes the nodes itself: leave out --node-rank, "
+                             f"and --nnodes (or give MIN:{n} for an elastic job)")
     if args.transport == "shm" and n > 1:
         raise EmulationError(f"--transport shm needs every rank on one host; --emulate-nodes {n}"
                              " makes separate hosts (use tcp, or leave the default: the engine "
@@ -71,9 +72,12 @@ def validate(args) -> list[Cut]:
 
 def agent_command(args, node: int, nodes: int, addr: str, port: int) -> list[str]:
     """The ferrorun command line of node ``node``'s agent (its token travels in the env)."""
+    elastic = getattr(args, "min_nodes", None)
     cmd = [sys.executable, "-u", "-m", "ferro_backend.launch", "--nproc", str(args.nproc),
-           "--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", addr,
-           "--master-port", str(port), "--grace", str(args.grace)]
+           "--nnodes", f"{elastic}:{nodes}" if elastic else str(nodes), "--node-rank", str(node),
+           "--master-addr", addr, "--master-port", str(port), "--grace", str(args.grace)]
+    if elastic:
+        cmd += ["--settle", str(args.settle), "--max-restarts", str(args.max_restarts)]
     for flag, value in (("--transport", args.transport), ("--timeout", args.timeout),
                         ("--log-level", args.log_level), ("--log-dir", args.log_dir)):
         if value is not None:
@@ -131,6 +135,27 @@ def run(args, caps: dict[str, str], supervise) -> int:
             return job
 
         try:
+            if getattr(args, "min_nodes", None) is not None:
+                return _elastic(make_job(0))
             return supervise(make_job)
         finally:
             stop.set()
+
+
+def _elastic(job: Job) -> int:
+    """An elastic job's agents: node 0's (it holds the coordinator) decides the exit code; a
+    node that fails or is cut off does not stop the others; when node 0's agent ends, any
+    agent left (a cut-off node waiting for a coordinator it cannot reach) is stopped."""
+    reported: set[int] = set()
+    while job.procs[0].poll() is None:
+        for i, p in enumerate(job.procs[1:], 1):
+            code = p.poll()
+            if code not in (None, 0) and i not in reported:
+                reported.add(i)
+                sys.stderr.write(f"ferrorun: node {i}'s agent ended with {code}; the elastic "
+                                 "job goes on without it\n")
+        time.sleep(0.05)
+    code = job.procs[0].returncode
+    job.stop_all()
+    job.finish_output()
+    return code if code >= 0 else 128 - code

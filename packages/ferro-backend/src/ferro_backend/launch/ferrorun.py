@@ -140,19 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         _parser().error(str(exc))
     elastic = ":" in args.nproc or ":" in args.nnodes   # MIN:MAX, even MIN == MAX
+    args_nproc = args.nproc
     args.nproc, args.nnodes = nproc[1], nnodes[1]
-    if elastic and args.emulate_nodes is not None:
-        _parser().error("--emulate-nodes runs fixed-size jobs: give --nproc N, not MIN:MAX")
+    if elastic and args.emulate_nodes is not None and ":" in args_nproc:
+        _parser().error("--emulate-nodes: an elastic job loses nodes (--nnodes MIN:N), not "
+                        "ranks (give --nproc N)")
+    args.min_nodes = nnodes[0] if elastic and args.emulate_nodes is not None else None
     if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         _parser().error(f"--nproc {args.nproc}, --nnodes {args.nnodes}, --node-rank "
                         f"{args.node_rank}: need nproc >= 1 and 0 <= node-rank < nnodes")
     if args.emulate_nodes is None and (args.link_rate or args.cut_link):
         _parser().error("--link-rate and --cut-link shape the links of --emulate-nodes")
-    if args.nnodes > 1 and args.master_port is None:
+    if args.nnodes > 1 and args.master_port is None and args.emulate_nodes is None:
         _parser().error("--master-port is required with --nnodes > 1")
     token = args.token or settings.TOKEN.get()
     if token is None:
-        if args.nnodes > 1:
+        if args.nnodes > 1 and args.emulate_nodes is None:
             _parser().error("multi-node jobs need a shared secret: --token or FERRO_TOKEN")
         token = secrets.token_hex(16)
     if args.log_dir is not None:
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             except EmulationError as exc:
                 sys.stderr.write(f"ferrorun: {exc}\n")
                 return 2
-        if elastic:
+        if elastic and args.emulate_nodes is None:
             target = ["-m", args.script] if args.module else [args.script]
             cmd = [sys.executable, "-u", "-m", "ferro_backend.launch._rank_main",
                    str(os.getpid()), *target, *args.args]

@@ -23,7 +23,7 @@ from ..mesh.rendezvous import free_port
 from .any_source import check_any_source
 from .conformance import check_backend
 from .processes import Job, RankResult, run_job, run_processes
-from .threads import RankFailure, run_ranks, run_threads
+from .threads import RankFailure, outcomes, run_ranks, run_threads
 
 __all__ = ["Job", "RankFailure", "RankResult", "check_any_source", "check_backend", "free_port",
-           "run_job", "run_processes", "run_ranks", "run_threads"]
+           "outcomes", "run_job", "run_processes", "run_ranks", "run_threads"]

@@ -71,6 +71,31 @@ def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
     return results
 
 
+def outcomes(fn: Callable[..., T], calls: Sequence[tuple], *, timeout: float = 60.0
+             ) -> list[T | BaseException]:
+    """Run ``fn(*args)`` for each ``args`` of ``calls`` in its own thread; each call's result,
+    or the exception it raised (returned, not raised: tests of failures inspect every one).
+    A thread still running after ``timeout`` is a :class:`CollectiveTimeoutError`."""
+    out: list[Any] = [None] * len(calls)
+
+    def body(i: int, args: tuple) -> None:
+        try:
+            out[i] = fn(*args)
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i, a), daemon=True, name=f"ferro-call-{i}")
+               for i, a in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        raise CollectiveTimeoutError(f"outcomes: calls {stuck} did not finish in {timeout:g}s")
+    return out
+
+
 def run_ranks(fn: Callable[[Backend], T], world_size: int, *, timeout: float = 60.0,
               backend_timeout: float | None = None, **kwargs: Any) -> list[T]:
     """Create a simulated group of ``world_size`` and run ``fn(backend)`` on every rank.
