@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: seconds each session took on a 2-core machine in three lanes (CI, stop 37): only used to
 #: balance them
-COST = {"backend": 315, "collective": 312, "torch": 251, "examples": 180, "fsdp": 70,
+COST = {"backend": 330, "collective": 300, "torch": 251, "examples": 190, "fsdp": 70,
         "checkpoint": 50, "docs": 47, "wheels": 14}
 #: sessions whose wheels are built first (the lowest layers: noxfile.BUILD_ORDER) start their
 #: lane, so no lane waits for wheels another could have used

@@ -67,7 +67,7 @@ def test_a_killed_rank_is_survived_and_replaced_and_the_model_equals_the_referen
 
 
 def test_below_the_minimum_the_job_fails_with_a_clear_message(tmp_path):
-    r = subprocess.run([*FERRORUN, "--nproc", "3:3", "--settle", "2", str(SCRIPT), *COMMON,
+    r = subprocess.run([*FERRORUN, "--nproc", "3:3", "--settle", "1", str(SCRIPT), *COMMON,
                         "--steps", "400", "--kill", "0@5"], capture_output=True, text=True,
                        timeout=240, cwd=ROOT)
     assert r.returncode != 0
@@ -89,13 +89,13 @@ def test_an_elastic_job_on_two_nodes_loses_a_node_and_goes_on(tmp_path):
         env = dict(os.environ, FERRO_NODE_ID=f"node{node}")
         cmd = [*FERRORUN, "--nnodes", "1:2", "--node-rank", str(node), "--nproc", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port), "--token", "t0k",
-               "--settle", "5", "--timeout", "5", str(SCRIPT), *COMMON, "--steps", "4000",
+               "--settle", "5", "--timeout", "5", str(SCRIPT), *COMMON, "--steps", "3000",
                "--history", str(history)]
         agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True,
                                        start_new_session=True))
     try:
-        time.sleep(6)
+        time.sleep(5)
         assert agents[1].poll() is None, agents[1].communicate()
         os.kill(agents[1].pid, signal.SIGKILL)
         out, err = agents[0].communicate(timeout=200)
@@ -107,7 +107,7 @@ def test_an_elastic_job_on_two_nodes_loses_a_node_and_goes_on(tmp_path):
     assert agents[0].returncode == 0, (out[-2000:], err[-3000:])
     changes = json.loads(history.read_text())["changes"]
     assert [(c["world_size"], c["reason"]) for c in changes] == [(2, "a member failed")], changes
-    assert "done: 4000 steps on 2 ranks" in out
+    assert "done: 3000 steps on 2 ranks" in out
 
 
 def full_params(path: Path) -> list:
@@ -116,25 +116,22 @@ def full_params(path: Path) -> list:
 
 
 def test_a_sharded_job_reloads_the_lost_shard_from_its_checkpoint_without_restarting(tmp_path):
-    """FULL_SHARD: a rank's shard lives only with it, so the survivors (and then the
-    replacement) continue from the newest checkpoint, in the same processes; the newcomer is
-    taken in after a checkpoint at the boundary (no step lost). The model equals the reference
-    with the same membership history (fixed-size runs resuming from each other's checkpoint)."""
+    """FULL_SHARD: a rank's shard lives only with it, so the survivors continue, in the same
+    processes, from the newest checkpoint (step 20 for a kill after step 25, saves every 10).
+    The model equals the reference with the same membership history: 3 ranks to step 20, then
+    2 ranks resuming from that checkpoint. (Taking a newcomer in after a save at the boundary,
+    ``before_join``, is tested in ferro-collective's test_elastic_state and by the soak.)"""
     history, final = tmp_path / "history.json", tmp_path / "elastic.npz"
     sharded = ["--strategy", "full_shard", "--checkpoint-every", "10"]
-    r = ferrorun("2:3", "--steps", 700, "--kill", "1@25", "--history", history, "--save-state",
+    r = ferrorun("2:3", "--steps", 80, "--kill", "1@25", "--history", history, "--save-state",
                  final, *sharded, "--checkpoint-dir", tmp_path / "ckpt",
-                 extra=["--max-restarts", "1", "--settle", "5"])
+                 extra=["--settle", "5"])
     changes = json.loads(history.read_text())["changes"]
-    assert changes[0]["step"] == 20 and changes[0]["world_size"] == 2, (changes, r.stderr[-2000:])
-    assert [c["world_size"] for c in changes] == [2, 3], (changes, r.stderr[-2000:])
-    bounds = [(0, 3)] + [(c["step"], c["world_size"]) for c in changes]
+    assert [(c["step"], c["world_size"], c["reason"]) for c in changes] == \
+        [(20, 2, "a member failed")], (changes, r.stderr[-2000:])
     ref = tmp_path / "ref"
-    for i, ((_start, world), end) in enumerate(zip(bounds, [s for s, _ in bounds[1:]] + [700])):
-        args = ["--steps", end, *sharded, "--checkpoint-dir", ref]
-        if i:
-            args.append("--resume")
-        ferrorun(str(world), *args, *(["--save-state", tmp_path / "ref.npz"]
-                                     if end == 700 else []))
+    ferrorun("3", "--steps", 20, *sharded, "--checkpoint-dir", ref)
+    ferrorun("2", "--steps", 80, *sharded, "--checkpoint-dir", ref, "--resume", "--save-state",
+             tmp_path / "ref.npz")
     for a, b in zip(full_params(final), full_params(tmp_path / "ref.npz"), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -121,6 +121,13 @@ def test_bad_options_named(kw, match):
         emulate.validate(_args(**kw))
 
 
+def test_an_elastic_job_gives_its_agents_the_node_range():
+    args = _args(nnodes=2, min_nodes=1, settle=2.0, max_restarts=1)
+    assert emulate.validate(args) == []
+    line = " ".join(emulate.agent_command(args, 1, 2, "10.213.0.1", 29500))
+    assert "--nnodes 1:2 --node-rank 1" in line and "--settle 2.0 --max-restarts 1" in line
+
+
 def test_agent_command_is_a_node_of_a_multi_node_job():
     cmd = emulate.agent_command(_args(timeout=7.0), 1, 2, "10.213.0.1", 29500)
     line = " ".join(cmd)

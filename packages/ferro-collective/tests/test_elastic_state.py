@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ferro_backend.elastic import ElasticError, ElasticJob
 from ferro_backend.launch.coordinator import Coordinator
 from ferro_backend.testing import outcomes
+from ferro_collective import allreduce
 from ferro_collective.elastic import RECOVERABLE, ElasticState
 
 TOKEN = "state-test"
@@ -48,12 +49,13 @@ def assert_same(a, b):
     assert a["optim"]["lr"] == b["optim"]["lr"] and a["optim"]["pair"][1] == "tag"
 
 
-def start(n, min_members=1, max_members=None, settle=5.0):
+def start(n, min_members=1, max_members=None, settle=5.0, before_join=None):
     c = Coordinator(TOKEN, min_members, max_members or n + 1, n, settle=settle)
     jobs = outcomes(lambda: ElasticJob(c.address, TOKEN, join_timeout=20), [()] * n)
     jobs.sort(key=lambda j: j.member_id)
     holders = [Holder(seed=j.rank + 10) for j in jobs]
-    states = [ElasticState(j, h.capture, h.restore) for j, h in zip(jobs, holders)]
+    states = [ElasticState(j, h.capture, h.restore, before_join=before_join)
+              for j, h in zip(jobs, holders)]
     return c, jobs, holders, states
 
 
@@ -93,7 +95,9 @@ def test_recover_after_a_member_dies_continues_from_the_most_advanced_survivor()
 
 
 def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
-    c, jobs, holders, states = start(2)
+    saves = []   # before_join: on every member, over the old generation, before it is left
+    c, jobs, holders, states = start(2, before_join=lambda b: saves.append(
+        (b.rank, b.world_size, allreduce(np.ones(1), b)[0])))
     try:
         outcomes(lambda s: s.sync(), [(s,) for s in states])
         made = []
@@ -126,6 +130,7 @@ def test_a_newcomer_is_taken_in_at_the_same_step_on_every_member():
         assert s.step == states[0].step == out[0][0]
         assert_same(h.state, holders[0].state)
         assert [j.world_size for j in (*jobs, job)] == [3, 3, 3]
+        assert sorted(saves) == [(0, 2, 2.0), (1, 2, 2.0)]   # a collective of the old two
     finally:
         for j in jobs:
             j.close()

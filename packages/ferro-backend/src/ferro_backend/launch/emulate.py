@@ -56,8 +56,8 @@ def validate(args) -> list[Cut]:
     n = args.emulate_nodes
     elastic = getattr(args, "min_nodes", None) is not None
     if (args.nnodes != (n if elastic else 1)) or args.node_rank != 0:
-        raise EmulationError(f"--emulate-nodes makes the nodes itself: leave out --node-rank, "
-                             f"and --nnodes (or give MIN:{n} for an elastic job)")
+        raise EmulationError(f"--emulate-nodes makes the nodes itself: leave out --nnodes (or "
+                             f"give MIN:{n} for an elastic job) and --node-rank")
     if args.transport == "shm" and n > 1:
         raise EmulationError(f"--transport shm needs every rank on one host; --emulate-nodes {n}"
                              " makes separate hosts (use tcp, or leave the default: the engine "
