@@ -61,29 +61,30 @@ class _Slot:
         return (_Slot, (self.index,))
 
 
-def _split(tree: Any, arrays: list[np.ndarray]) -> Any:
-    """The skeleton of ``tree`` with each array replaced by a :class:`_Slot` (appended to
-    ``arrays``)."""
-    if isinstance(tree, np.ndarray):
-        arrays.append(np.ascontiguousarray(tree))
-        return _Slot(len(arrays) - 1)
+def _walk(tree: Any, is_leaf: Callable[[Any], bool], leaf: Callable[[Any], Any]) -> Any:
+    """``tree`` with each leaf replaced by ``leaf(it)``, through dicts, lists and tuples."""
+    if is_leaf(tree):
+        return leaf(tree)
     if isinstance(tree, dict):
-        return {k: _split(v, arrays) for k, v in tree.items()}
+        return {k: _walk(v, is_leaf, leaf) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        parts = [_split(v, arrays) for v in tree]
+        parts = [_walk(v, is_leaf, leaf) for v in tree]
         return parts if isinstance(tree, list) else tuple(parts)
     return tree
 
 
+def _split(tree: Any, arrays: list[np.ndarray]) -> Any:
+    """The skeleton of ``tree`` with each array replaced by a :class:`_Slot` (appended to
+    ``arrays``)."""
+    def slot(a: np.ndarray) -> _Slot:
+        arrays.append(np.ascontiguousarray(a))
+        return _Slot(len(arrays) - 1)
+
+    return _walk(tree, lambda x: isinstance(x, np.ndarray), slot)
+
+
 def _fill(skeleton: Any, arrays: list[np.ndarray]) -> Any:
-    if isinstance(skeleton, _Slot):
-        return arrays[skeleton.index]
-    if isinstance(skeleton, dict):
-        return {k: _fill(v, arrays) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        parts = [_fill(v, arrays) for v in skeleton]
-        return parts if isinstance(skeleton, list) else tuple(parts)
-    return skeleton
+    return _walk(skeleton, lambda x: isinstance(x, _Slot), lambda s: arrays[s.index])
 
 
 class ElasticState:

@@ -24,6 +24,19 @@ class RankFailure(RuntimeError):
         self.errors = errors
 
 
+def _start_and_join(body: Callable[[int, Any], None], items: Sequence[Any], timeout: float,
+                    name: str) -> list[int]:
+    """``body(i, item)`` for each item in a daemon thread of its own, each joined with
+    ``timeout``; the indices of the threads still running."""
+    threads = [threading.Thread(target=body, args=(i, x), name=f"{name}-{i}", daemon=True)
+               for i, x in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [i for i, t in enumerate(threads) if t.is_alive()]
+
+
 def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
                 timeout: float = 60.0, abort_on_error: bool = True,
                 raise_first: bool = True) -> list[T]:
@@ -47,13 +60,7 @@ def run_threads(fn: Callable[[Backend], T], backends: Sequence[Backend], *,
                 except Exception:
                     pass
 
-    threads = [threading.Thread(target=body, args=(i, b), name=f"ferro-rank-{i}", daemon=True)
-               for i, b in enumerate(backends)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    stuck = _start_and_join(body, backends, timeout, "ferro-rank")
     if stuck:
         for b in backends:
             try:
@@ -84,13 +91,7 @@ def outcomes(fn: Callable[..., T], calls: Sequence[tuple], *, timeout: float = 6
         except BaseException as exc:
             out[i] = exc
 
-    threads = [threading.Thread(target=body, args=(i, a), daemon=True, name=f"ferro-call-{i}")
-               for i, a in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    stuck = _start_and_join(body, calls, timeout, "ferro-call")
     if stuck:
         raise CollectiveTimeoutError(f"outcomes: calls {stuck} did not finish in {timeout:g}s")
     return out
