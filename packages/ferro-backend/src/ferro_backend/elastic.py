@@ -114,7 +114,7 @@ class ElasticJob:
         if not self._pending:
             ready, _, _ = select.select([self._sock], [], [], 0)
             if ready:
-                self._pending = self._drain()
+                self._drain()
         return self._pending
 
     def rebuild(self, step: int, reason: str | None = None) -> None:
@@ -193,7 +193,7 @@ class ElasticJob:
                              "step": self.step, "reason": msg["reason"]})
 
     def _read(self, want: str) -> dict[str, Any]:
-        """The next message other than ``pending``; ElasticError for failed/fenced/refused."""
+        """The next message other than ``pending``, which must be ``want``."""
         deadline = time.monotonic() + self._timeout
         while True:
             while b"\n" not in self._buf:
@@ -202,48 +202,50 @@ class ElasticJob:
                 if not ready:
                     raise ElasticError(f"elastic: member {getattr(self, 'member_id', '?')}: "
                                        f"no {want!r} from the coordinator in {self._timeout} s")
-                if not self._recv():
-                    raise ElasticError("elastic: the job's coordinator closed the connection "
-                                       "(ferrorun ended or its node is gone)")
-            line, self._buf = self._buf.split(b"\n", 1)
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "pending":
-                self._pending = True
+                self._recv()
+            msg = self._take()
+            if msg is None:
                 continue
-            if op == "refused" and msg.get("finished"):
-                raise JobFinishedError(f"elastic: {msg.get('why')}: this rank has nothing to do")
-            if op in ("failed", "fenced", "refused"):
-                why = msg.get("why", "this rank was silent past the settle time and was "
-                                     "excluded")
-                raise ElasticError(f"elastic: member {getattr(self, 'member_id', '?')}: the "
-                                   f"coordinator says {op}: {why}")
-            if op != want:
+            if msg.get("op") != want:
                 raise RendezvousError(f"elastic: expected {want!r} from the coordinator, got "
-                                      f"{op!r}")
+                                      f"{msg.get('op')!r}")
             return msg
 
-    def _recv(self) -> bool:
+    def _recv(self) -> None:
         chunk = self._sock.recv(65536)
+        if not chunk:
+            raise ElasticError("elastic: the job's coordinator closed the connection (ferrorun "
+                               "ended or its node is gone)")
         self._buf += chunk
         if len(self._buf) > MAX_LINE:
             raise RendezvousError("elastic: the coordinator sent an over-long line")
-        return bool(chunk)
 
-    def _drain(self) -> bool:
-        """Read what arrived without blocking: True if it includes ``pending``."""
-        if not self._recv():
-            raise ElasticError("elastic: the job's coordinator closed the connection")
-        seen = False
+    def _take(self) -> dict[str, Any] | None:
+        """The next line's message; None for ``pending`` (noted); the coordinator's verdicts
+        (failed, fenced, refused) raised as errors."""
+        line, self._buf = self._buf.split(b"\n", 1)
+        msg = json.loads(line)
+        op = msg.get("op")
+        if op == "pending":
+            self._pending = True
+            return None
+        if op == "refused" and msg.get("finished"):
+            raise JobFinishedError(f"elastic: {msg.get('why')}: this rank has nothing to do")
+        if op in ("failed", "fenced", "refused"):
+            why = msg.get("why", "this rank was silent past the settle time and was excluded")
+            raise ElasticError(f"elastic: member {getattr(self, 'member_id', '?')}: the "
+                               f"coordinator says {op}: {why}")
+        return msg
+
+    def _drain(self) -> None:
+        """Take what arrived, without blocking (between generations only verdicts and
+        ``pending`` come)."""
+        self._recv()
         while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            op = json.loads(line).get("op")
-            if op == "pending":
-                seen = True
-            elif op in ("fenced", "failed"):
-                raise ElasticError(f"elastic: member {self.member_id}: the coordinator says "
-                                   f"{op}")
-        return seen
+            msg = self._take()
+            if msg is not None:
+                raise RendezvousError(f"elastic: unexpected {msg.get('op')!r} from the "
+                                      "coordinator during a generation")
 
 
 def join(**backend_kwargs: Any) -> ElasticJob:

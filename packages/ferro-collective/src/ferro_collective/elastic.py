@@ -159,7 +159,8 @@ class ElasticState:
                     offset += n
         if backend.rank != source:
             self._restore(_fill(skeleton, arrays))
-        self.step, self._has_state = int(step), True
+        # step -1: no member held state (every one was lost): rank 0's initial state, step 0
+        self.step, self._has_state = max(int(step), 0), True
 
     def commit(self, step: int) -> bool:
         """Record ``step`` as completed (call right after the optimizer step, before any other

@@ -160,10 +160,7 @@ class Coordinator:
 
     def _drop(self, m: _Member) -> None:
         """The connection closed: a member that had not said ``done`` is gone."""
-        if m.sock in self._members:
-            self._sel.unregister(m.sock)
-            del self._members[m.sock]
-        m.sock.close()
+        self._close(m)
         with self._lock:
             if m.status != "done":
                 m.status = "gone"
@@ -182,13 +179,13 @@ class Coordinator:
                                                          mac(self.token, m.nonce)):
                 self._tell(m, {"op": "refused", "why": "authentication failed (FERRO_TOKEN)"})
                 m.status = "done"
-                self._close_later(m)
+                self._close(m)
                 return
             if self.failed or self.finished:
                 self._tell(m, {"op": "refused", "why": self.failed or "the job has finished",
                                "finished": self.failed is None})
                 m.status = "done"
-                self._close_later(m)
+                self._close(m)
                 return
             m.id, self._next_id = self._next_id, self._next_id + 1
             m.node, m.pid = str(msg.get("node", "")), int(msg.get("pid", 0))
@@ -212,9 +209,10 @@ class Coordinator:
                 if other.status == "active":
                     self._tell(other, {"op": "pending"})
 
-    def _close_later(self, m: _Member) -> None:
-        self._sel.unregister(m.sock)
-        del self._members[m.sock]
+    def _close(self, m: _Member) -> None:
+        if m.sock in self._members:
+            self._sel.unregister(m.sock)
+            del self._members[m.sock]
         m.sock.close()
 
     # ------------------------------------------------------------------ decisions
