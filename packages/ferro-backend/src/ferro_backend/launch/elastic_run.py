@@ -85,6 +85,15 @@ class ElasticRun:
             job.signal_all(sig)
 
     def wait(self, received: list[int]) -> int:
+        """Watch the ranks until the job ends (``received``: signals ferrorun was sent); the
+        exit code (module docstring)."""
+        try:
+            return self._watch(received)
+        finally:
+            if self.coordinator is not None:
+                self.coordinator.close()
+
+    def _watch(self, received: list[int]) -> int:
         last_failure = 0
         done: set[int] = set()
         ok = 0
@@ -137,7 +146,6 @@ class ElasticRun:
         for g in history[1:]:
             sys.stderr.write(f"ferrorun: generation {g['generation']}: {g['world_size']} ranks "
                              f"from step {g['step']} ({g['reason']})\n")
-        self.coordinator.close()
 
 
 __all__ = ["ElasticRun", "parse_range"]
