@@ -25,7 +25,9 @@ calls :meth:`~ElasticState.commit` after each optimizer step and
   advanced step (``job.source``): the survivors continue from their memory, nobody restarts,
   no checkpoint is read. It retries while members keep failing during the change itself.
 
-The state is whatever ``capture()`` returns: nested dicts, lists and tuples of numpy arrays
+Every collective of a step must come before its optimizer step (gradients, the loss for
+logging): a failure then leaves each rank's state at the step it last committed, which is what
+it reports. The state is whatever ``capture()`` returns: nested dicts, lists and tuples of numpy arrays
 and picklable scalars (a model's parameters, an optimizer's ``state_dict()``); ``restore``
 receives the copy. Arrays travel as one broadcast per dtype.
 """
