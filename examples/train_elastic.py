@@ -35,12 +35,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from train_mlp import build_model, load_data
+from train_mlp import build_model, load_data, newest_step, resume
 from train_mlp import parse_args as mlp_args
 
 from ferro_backend import elastic, init_from_env
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
-from ferro_collective import ReduceOp, allreduce, broadcast
+from ferro_collective import ReduceOp, allreduce
 from ferro_collective.elastic import RECOVERABLE, ElasticState
 from ferro_fsdp import DDP, FSDP, nn, optim
 
@@ -124,6 +124,9 @@ class Trainer:
             self.opt = optim.Adam(self.wrapper.module.parameters(), lr=self.args.lr)
         else:   # the model and optimizer stay (their state is what the members copy)
             self.wrapper = DDP(self.model, backend, broadcast_parameters=False)
+        self.bind_manager(backend)
+
+    def bind_manager(self, backend) -> None:
         if self.args.checkpoint_dir is not None:
             self.manager = CheckpointManager(self.args.checkpoint_dir, backend.rank,
                                              backend.world_size, backend=backend)
@@ -132,19 +135,15 @@ class Trainer:
         """Continue on ``backend``; the step to continue from (``fallback`` for DDP)."""
         if not self.sharded:
             self.wrapper.rebind(backend)
+            self.bind_manager(backend)   # the checkpoints' ranks are the new generation's
             return fallback
         self.wrap(backend)
         return self.resume(backend)
 
     def resume(self, backend) -> int:
         """Load the newest committed checkpoint (as rank 0 sees it); its step, 0 if none."""
-        mine = self.manager.latest_step() if self.manager is not None else None
-        step = int(broadcast(np.array([-1 if mine is None else mine], np.int64), backend)[0])
-        if step < 0:
-            return 0
-        tensors, _ = self.manager.restore(step)
-        self.wrapper.load_sharded_state_dict(tensors, self.opt)
-        return step
+        step = newest_step(self.manager, backend) if self.manager is not None else None
+        return 0 if step is None else resume(self.manager, step, self.wrapper, self.opt)
 
     def save(self, step: int, backend) -> None:
         tensors, specs = self.wrapper.sharded_state_dict(self.opt)
