@@ -60,7 +60,7 @@ WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 #: the order the wheels are built in, two at a time: what the longest test sessions need first
 BUILD_ORDER = ["ferro-backend", "ferro-collective", "ferro-torch", "ferro-fsdp",
                "ferro-checkpoint"]
-BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.0", "numpy>=2.0"]
+BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.1", "numpy>=2.0"]
 _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the sessions
 
 

@@ -60,3 +60,14 @@ def test_only_expected_layers_installed():
     for name in ("ferro_collective", "ferro_fsdp", "ferro_checkpoint"):
         dist = name.replace("_", "-")
         assert (importlib.util.find_spec(name) is not None) == (dist in layers.split(","))
+
+
+def test_the_kernels_share_one_compiled_cython_utility_module():
+    """Cython's utility code (memoryviews) is built once per distribution and imported by each
+    kernel as it loads, not compiled into every kernel."""
+    import sys
+
+    import ferro_backend._wire  # noqa: F401
+
+    util = sys.modules["ferro_backend._cyutility"]
+    assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

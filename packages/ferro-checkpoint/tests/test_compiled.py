@@ -54,3 +54,14 @@ def test_safetensors_library_is_not_imported(tmp_path):
         assert "safetensors" not in sys.modules, "safetensors was imported"
     """)
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+
+
+def test_the_kernels_share_one_compiled_cython_utility_module():
+    """Cython's utility code (memoryviews) is built once per distribution and imported by each
+    kernel as it loads, not compiled into every kernel."""
+    import sys
+
+    import ferro_checkpoint._along_dim  # noqa: F401
+
+    util = sys.modules["ferro_checkpoint._cyutility"]
+    assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

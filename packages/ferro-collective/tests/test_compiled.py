@@ -14,3 +14,14 @@ def test_public_names():
         assert getattr(ferro_collective, name) is not None
     assert ferro_collective.DEFAULT_COLLECTIVE_TIMEOUT == 60.0
     assert ferro_collective.__version__ == "0.1.0"
+
+
+def test_the_kernels_share_one_compiled_cython_utility_module():
+    """Cython's utility code (memoryviews) is built once per distribution and imported by each
+    kernel as it loads, not compiled into every kernel."""
+    import sys
+
+    import ferro_collective._reduce  # noqa: F401
+
+    util = sys.modules["ferro_collective._cyutility"]
+    assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

@@ -141,3 +141,14 @@ def test_fused_step_bits_with_nan_inf_and_signed_zeros(kind, kw, dtype):
     with np.errstate(all="ignore"):
         assert_same_bits(trajectory(kind, kw, p0, grads, True)[0],
                          trajectory(kind, kw, p0, grads, False)[0])
+
+
+def test_the_kernels_share_one_compiled_cython_utility_module():
+    """Cython's utility code (memoryviews) is built once per distribution and imported by each
+    kernel as it loads, not compiled into every kernel."""
+    import sys
+
+    import ferro_fsdp._gelu  # noqa: F401
+
+    util = sys.modules["ferro_fsdp._cyutility"]
+    assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
