@@ -3,7 +3,9 @@
  * Every kernel that waits on a word of the shared segment (a collective step, a ring's head or
  * tail, a doorbell) waits through ferro_wait: a bounded spin with a CPU pause; when the ranks
  * outnumber the cores (no spin), a bounded run of sched_yield, which hands the core to a peer
- * that needs it; then a futex sleep that the writer wakes. A sleep lasts at most FERRO_SLICE
+ * that needs it, for at most FERRO_YIELD_WINDOW seconds (on a host busy with other work, each
+ * yield can give a whole time slice away: 1000 of them cost seconds); then a futex sleep that
+ * the writer wakes. A sleep lasts at most FERRO_SLICE
  * seconds: across processes a dead peer never wakes anyone, so every slice re-checks the
  * deadline and this process's failure flag (raised when a peer dies, closes or aborts). The
  * words live in a MAP_SHARED mapping, so the futex calls are the shared (not _PRIVATE) ones.
@@ -22,6 +24,8 @@
 
 /* the longest a wait sleeps before it looks at its deadline and the failure flag again */
 #define FERRO_SLICE 0.05
+/* the longest a wait yields its core before it sleeps */
+#define FERRO_YIELD_WINDOW 0.001
 
 /* how a wait (or a collective step) ended: MISMATCH when the ranks' step headers disagree */
 enum { FERRO_OK = 0, FERRO_TIMEOUT = 1, FERRO_FAILED = 2, FERRO_MISMATCH = 3 };
@@ -90,7 +94,7 @@ static inline int ferro_wait(const ferro_policy* pol, uint32_t* word, uint32_t t
                              uint32_t* bell, double busy_until) {
     int spins = 0, k;
     uint32_t seen;
-    double now, slice;
+    double now, slice, yield_until = 0.0;
     while (!ferro_arrived(ferro_load(word), target, mode)) {
         if (spins < pol->spin) {
             ferro_pause();
@@ -105,9 +109,13 @@ static inline int ferro_wait(const ferro_policy* pol, uint32_t* word, uint32_t t
         }
         if (failed != NULL && ferro_load(failed) != 0) return FERRO_FAILED;
         if (spins < pol->spin + pol->yields) {
-            sched_yield();
-            spins++;
-            continue;
+            if (yield_until == 0.0) yield_until = now + FERRO_YIELD_WINDOW;
+            if (now < yield_until) {
+                sched_yield();
+                spins++;
+                continue;
+            }
+            spins = pol->spin + pol->yields;  /* the window is over: sleep from now on */
         }
         ferro_add(sleepers, 1);
         seen = ferro_load(word);
