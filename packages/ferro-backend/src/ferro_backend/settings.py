@@ -231,11 +231,11 @@ SHM_CMA = _declare("FERRO_SHM_CMA", "auto, always or never",
                    "messages by descriptor only when the ranks outnumber the cores), `always` "
                    "(also from 64 KiB with a core per rank), `never`")
 SHM_YIELDS = _declare("FERRO_SHM_YIELDS", "count", _count(0), 100, "ferro-collective",
-                      "when the ranks outnumber the cores: `sched_yield` calls before a "
-                      "collective step's wait sleeps")
+                      "when the ranks outnumber the cores: `sched_yield` calls (for 1 ms at "
+                      "most) before a collective step's wait sleeps")
 SHM_RING_YIELDS = _declare("FERRO_SHM_RING_YIELDS", "count", _count(0), 1000, "`ShmBackend`",
-                           "when the ranks outnumber the cores: `sched_yield` calls before a "
-                           "ring wait sleeps")
+                           "when the ranks outnumber the cores: `sched_yield` calls (for 1 ms at "
+                           "most) before a ring wait sleeps")
 SHM_DIRECT_COPY_BYTES = _declare("FERRO_SHM_DIRECT_COPY_BYTES", "bytes", _bytes, 1 << 62,
                                  "ferro-collective",
                                  "all_gather blocks from this size are read straight from the "
