@@ -1,6 +1,5 @@
 """ferro-backend: point-to-point transports for distributed training on numpy arrays."""
 
-from importlib.metadata import version as _version
 
 from . import (
     _wire,  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
@@ -32,7 +31,6 @@ from .sub import SubBackend
 from .timeline import trace
 from .wire import pack, packed_nbytes, unpack
 
-__version__ = _version("ferro-backend")
 configure_logging()
 
 __all__ = [
@@ -67,3 +65,14 @@ __all__ = [
     "trace",
     "unpack",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, from the installed metadata when first asked for (importing
+    importlib.metadata costs every process that imports ferro_backend about 60 ms)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        globals()["__version__"] = value = version("ferro-backend")
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,6 @@
 """ferro-checkpoint: sharded safetensors checkpoints that reshard, save asynchronously and
 never lose data. Needs numpy only (see the package README)."""
 
-from importlib.metadata import version as _version
 
 from . import _along_dim  # noqa: F401 - the compiled kernel, imported unconditionally
 from .along_dim import concat_along_dim, slice_along_dim
@@ -31,8 +30,6 @@ from .metadata import (
     flat_shard_metadata,
 )
 from .save import save_distributed
-
-__version__ = _version("ferro-checkpoint")
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,3 +61,14 @@ __all__ = [
     "save_distributed",
     "slice_along_dim",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, from the installed metadata when first asked for (importing
+    importlib.metadata costs every process that imports ferro_checkpoint about 60 ms)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        globals()["__version__"] = value = version("ferro-checkpoint")
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

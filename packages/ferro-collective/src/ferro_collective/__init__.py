@@ -6,7 +6,6 @@ scatter (:mod:`.rooted`); the uneven all_gather_v, all_to_all and all_to_all_sin
 (:mod:`.objects`); the ``*_async`` forms returning :class:`Work`.
 """
 
-from importlib.metadata import version as _version
 
 from ferro_backend import (
     CollectiveMismatchError,
@@ -57,8 +56,6 @@ from .p2p import set_stall_report
 from .plan import ALGORITHMS
 from .work import Work
 
-__version__ = _version("ferro-collective")
-
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_COLLECTIVE_TIMEOUT",
@@ -99,3 +96,14 @@ __all__ = [
     "set_mismatch_check",
     "set_stall_report",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, from the installed metadata when first asked for (importing
+    importlib.metadata costs every process that imports ferro_collective about 60 ms)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        globals()["__version__"] = value = version("ferro-collective")
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

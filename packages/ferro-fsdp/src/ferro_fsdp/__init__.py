@@ -5,7 +5,6 @@
 strategies, padding and state-dict format.
 """
 
-from importlib.metadata import version as _version
 
 from ferro_backend.partition import split_sizes, split_starts
 
@@ -17,8 +16,6 @@ from .fsdp import FSDP
 from .module import Module
 from .parameter import Parameter
 from .strategy import ShardingStrategy, StrategySpec
-
-__version__ = _version("ferro-fsdp")
 
 __all__ = [
     "DDP",
@@ -35,3 +32,14 @@ __all__ = [
     "split_sizes",
     "split_starts",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, from the installed metadata when first asked for (importing
+    importlib.metadata costs every process that imports ferro_fsdp about 60 ms)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        globals()["__version__"] = value = version("ferro-fsdp")
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

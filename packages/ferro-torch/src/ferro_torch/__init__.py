@@ -4,14 +4,11 @@
 under ferrorun or torchrun runs torch's collectives, DDP and FSDP2 on ferro.
 """
 
-from importlib.metadata import version as _version
 
 import torch.distributed as _dist
 
 from .errors import FerroTorchError
 from .process_group import ProcessGroupFerro, create_process_group, monitored_barrier
-
-__version__ = _version("ferro-torch")
 
 #: the name the backend is registered under
 BACKEND_NAME = "ferro"
@@ -44,3 +41,14 @@ __all__ = [
     "ferro_backend",
     "monitored_barrier",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, from the installed metadata when first asked for (importing
+    importlib.metadata costs every process that imports ferro_torch about 60 ms)."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        globals()["__version__"] = value = version("ferro-torch")
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

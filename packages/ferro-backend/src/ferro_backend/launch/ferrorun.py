@@ -21,7 +21,6 @@ import os
 import secrets
 import signal
 import sys
-from importlib.metadata import version as _version
 from pathlib import Path
 
 from .. import settings, timeline
@@ -48,6 +47,17 @@ the job; BLAS/OpenMP threads are capped per rank unless OMP_NUM_THREADS etc. are
 rank fails the others are stopped and ferrorun exits with its code (or restarts the job)."""
 
 
+
+class _Version(argparse.Action):
+    """``--version``: reads the installed metadata only when asked (importlib.metadata costs
+    every launch about 60 ms)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        print(f"ferrorun (ferro-backend {version('ferro-backend')})")
+        parser.exit()
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferrorun", description=_DESCRIPTION, epilog=_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,8 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                    "one for a single-node job)")
     p.add_argument("--timeout", type=float, default=None,
                    help="default timeout of blocking calls in the ranks, seconds (FERRO_TIMEOUT)")
-    p.add_argument("--version", action="version",
-                   version=f"ferrorun (ferro-backend {_version('ferro-backend')})")
+    p.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="on a rank's failure, stop every rank and start the whole job again, up "
                         "to this many times (each rank sees FERRO_RESTART_COUNT; default 0)")

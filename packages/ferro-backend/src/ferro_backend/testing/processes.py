@@ -37,7 +37,16 @@ def _backend_class(transport: str):
     raise ValueError(f"transport {transport!r} is not 'tcp' or 'shm'")
 
 
-def _process_main(fn, rank, world, addr, transport, backend_timeout, args, results) -> None:
+def _process_main(fn, rank, world, addr, transport, backend_timeout, args, results,
+                  environ, cwd) -> None:
+    # a spawned rank would start with the caller's environment and directory as they are now
+    # (a test's monkeypatch.setenv included): the fork server's are those of its start
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    from ..launch.env import configure_logging
+
+    configure_logging()
     try:
         cls = _backend_class(transport)
         with cls(rank, world, addr, timeout=backend_timeout) as backend:
@@ -46,20 +55,40 @@ def _process_main(fn, rank, world, addr, transport, backend_timeout, args, resul
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+#: what the ranks of run_processes import before they fork (see _rank_context); absent ones
+#: are skipped
+_PRELOAD = ["numpy", "ferro_backend", "ferro_collective", "ferro_fsdp", "pytest", "hypothesis"]
+
+
+def _rank_context():
+    """Ranks fork from multiprocessing's fork server, which imports :data:`_PRELOAD` once: a
+    spawned rank re-imports numpy, ferro and the test module's imports, about 0.5 s of CPU each
+    on a 2-core machine (most of a test's own time), a forked one a few milliseconds. The fork
+    server is a fresh interpreter, not a fork of the caller (no threads, no locks held); where
+    it does not exist, the ranks are spawned."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_processes(fn: Callable[..., T], world_size: int, *args: Any, transport: str = "tcp",
                   timeout: float = 60.0, backend_timeout: float = 30.0) -> list[T]:
     """Run ``fn(backend, *args)`` as every rank of a real job; return the results by rank.
 
-    Each rank is a spawned process with its own ``transport`` backend (``"tcp"`` or ``"shm"``)
-    on 127.0.0.1 and a free port. ``fn`` must be importable (a module-level function) and its
+    Each rank is a process (forked from a fork server, :func:`_rank_context`, with the
+    caller's environment and directory) with its own ``transport`` backend (``"tcp"`` or
+    ``"shm"``) on 127.0.0.1 and a free port. ``fn`` must be importable (a module-level function) and its
     result picklable. Raises AssertionError naming each failed rank and its traceback, or the
     ranks that did not report within ``timeout`` seconds. Every process is joined or killed.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_process_main, daemon=True,
-                         args=(fn, r, world_size, addr, transport, backend_timeout, args, results))
+                         args=(fn, r, world_size, addr, transport, backend_timeout, args, results,
+                               dict(os.environ), os.getcwd()))
              for r in range(world_size)]
     for p in procs:
         p.start()
