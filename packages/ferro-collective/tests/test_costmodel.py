@@ -58,8 +58,11 @@ def _simulate(net, n, name, algorithm, nbytes, staged=None):
         return max(run_threads(run, group, timeout=120)), x.nbytes
 
 
+# 64 ranks: latency-bound (4 KiB) where the nodes matter most, bandwidth-bound on every network
 CASES = [(label, n, nbytes) for label in NETWORKS for n in (8, 12, 64)
-         for nbytes in (4096, 1 << 18 if n == 64 else 1 << 20)] + [("16 ranks/node", 256, 4096)]
+         for nbytes in (4096, 1 << 18 if n == 64 else 1 << 20)
+         if not (n == 64 and nbytes == 4096 and label != "16 ranks/node")]
+CASES += [("16 ranks/node", 256, 4096)]
 
 
 @pytest.mark.parametrize("label,n,nbytes", CASES)

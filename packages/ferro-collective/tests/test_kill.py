@@ -14,7 +14,7 @@ from ferro_backend.testing import Job
 pytestmark = pytest.mark.timeout(300)
 
 #: instants per transport (FERRO_KILL_TRIALS=20 for the full measurement)
-TRIALS = int(os.environ.get("FERRO_KILL_TRIALS", "4"))
+TRIALS = int(os.environ.get("FERRO_KILL_TRIALS", "2"))
 
 BODY = """
 import ferro_collective as fc
