@@ -69,5 +69,5 @@ class LauncherError(DistributedError):
 
 
 class SettingError(LauncherError, ValueError):
-    """A ``FERRO_*`` variable has a value ferro cannot use (:mod:`ferro_backend.settings`);
+    """A ``FERRO_*`` variable has a value ferro cannot use (``ferro_backend.settings``);
     the message names the variable, the value and what was expected."""

@@ -17,7 +17,7 @@ from .netsim import Network, TimedRequest, VirtualTime
 
 
 class SimulatedBackend(FixedRanks, Backend):
-    """One rank of an in-process group made by :meth:`create_group`."""
+    """One rank of an in-process group made by :meth:`~ferro_backend.SimulatedBackend.create_group`."""
 
     def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float,
                  vt: VirtualTime | None = None) -> None:

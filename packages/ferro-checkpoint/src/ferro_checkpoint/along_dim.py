@@ -46,7 +46,31 @@ def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
                      out: np.ndarray | None = None) -> np.ndarray:
     """``np.concatenate(arrays, axis=dim)``, written into ``out`` if given (any dtype).
 
-    Raises TensorError if dtypes or the shapes outside ``dim`` differ.
+    Parameters
+    ----------
+    arrays : sequence of numpy.ndarray
+        The arrays to join, in order: one dtype, the same shape outside ``dim``.
+    dim : int
+        The dimension to join along (negative counts from the end).
+    out : numpy.ndarray, optional
+        A C-contiguous array of the result's shape and dtype to write into (default: a new one).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out`` if given, else a new C-contiguous array.
+
+    Raises
+    ------
+    InvalidArgumentError
+        No arrays, or ``dim`` out of range.
+    TensorError
+        The dtypes or the shapes outside ``dim`` differ, or ``out`` does not fit.
+
+    Examples
+    --------
+    >>> concat_along_dim([np.zeros((2, 3)), np.ones((1, 3))], 0).shape
+    (3, 3)
     """
     arrays = [np.ascontiguousarray(a) for a in arrays]
     if not arrays:
@@ -76,7 +100,33 @@ def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
 
 
 def slice_along_dim(array: np.ndarray, dim: int, start: int, stop: int) -> np.ndarray:
-    """A new C-contiguous copy of ``array[start:stop]`` along ``dim`` (any dtype)."""
+    """A new C-contiguous copy of ``array[start:stop]`` along ``dim`` (any dtype).
+
+    Parameters
+    ----------
+    array : numpy.ndarray
+        The array to slice.
+    dim : int
+        The dimension to slice along (negative counts from the end).
+    start, stop : int
+        The half-open range ``[start, stop)`` of ``dim`` to copy,
+        ``0 <= start <= stop <= array.shape[dim]``.
+
+    Returns
+    -------
+    numpy.ndarray
+        A new C-contiguous array, ``stop - start`` long along ``dim``.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``dim`` or the range is out of bounds.
+
+    Examples
+    --------
+    >>> slice_along_dim(np.arange(12).reshape(3, 4), 1, 1, 3).tolist()
+    [[1, 2], [5, 6], [9, 10]]
+    """
     array = np.ascontiguousarray(array)
     dim = _check_dim("slice_along_dim", array.ndim, dim)
     if not 0 <= start <= stop <= array.shape[dim]:

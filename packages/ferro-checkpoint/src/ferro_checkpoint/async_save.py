@@ -39,7 +39,17 @@ def _run_in_background(fn: Callable[[], str], name: str) -> concurrent.futures.F
 
 class CheckpointFuture:
     """The pending result of :meth:`AsyncCheckpointer.save_async` (a ``concurrent.futures``
-    future underneath, whose result is the checkpoint id)."""
+    future underneath, whose result is the checkpoint id).
+
+    Made by :class:`AsyncCheckpointer` and :class:`CheckpointManager`, not by users.
+
+    Parameters
+    ----------
+    directory : pathlib.Path
+        The checkpoint directory being saved (named by errors).
+    future : concurrent.futures.Future
+        The background save; its result is the checkpoint id.
+    """
 
     def __init__(self, directory: Path, future: concurrent.futures.Future) -> None:
         self.directory = directory
@@ -52,12 +62,29 @@ class CheckpointFuture:
         return f.result() if f.done() and f.exception() is None else None
 
     def is_done(self) -> bool:
-        """True once the background write finished, successfully or not."""
+        """True once the background write finished, successfully or not.
+
+        Returns
+        -------
+        bool
+            Whether the save finished (never blocks).
+        """
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is committed. Idempotent; raises AsyncCheckpointError (the
-        cause chained) every time if the save failed."""
+        cause chained) every time if the save failed.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most; None (the default) waits as long as the save takes.
+
+        Raises
+        ------
+        AsyncCheckpointError
+            The save failed (its error is the ``__cause__``), or is not done after ``timeout``.
+        """
         concurrent.futures.wait([self._future], timeout)
         if not self._future.done():
             raise AsyncCheckpointError(f"save to {self.directory} not done after {timeout}s")
@@ -95,6 +122,30 @@ class AsyncCheckpointer(_RankSaves):
     is in flight raises :class:`AsyncCheckpointError`. With ``backend=`` the save is collective
     (see :func:`save_distributed`); its messages travel on a private subgroup, so they never mix
     with the training's collectives running meanwhile.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The checkpoint directory every save writes (see :func:`save_distributed`).
+    rank, world_size : int
+        This rank and the number of ranks saving.
+    shard_spec : ShardMetadata
+        The default shard spec of the saves; ``shard_spec.num_ranks`` must be ``world_size``.
+    backend : ferro_backend.Backend, optional
+        Makes every save collective (default: None, each rank saves alone).
+
+    Raises
+    ------
+    InvalidArgumentError
+        A bad ``rank`` or ``world_size``, or a ``shard_spec`` of another world size.
+
+    Examples
+    --------
+    >>> state = {"w": np.zeros(4, np.float32)}
+    >>> saver = AsyncCheckpointer("ckpt", 0, 1, flat_shard_metadata(state, 1))
+    >>> future = saver.save_async(state, extra={"step": 1})
+    >>> state["w"] += 1  # training goes on: the save wrote a copy
+    >>> future.wait()  # committed, or AsyncCheckpointError
     """
 
     def __init__(self, directory, rank: int, world_size: int, shard_spec: ShardMetadata, *,
@@ -108,6 +159,7 @@ class AsyncCheckpointer(_RankSaves):
 
     @property
     def dir(self) -> Path:
+        """The checkpoint directory (``directory``)."""
         return self.directory
 
     @property
@@ -116,7 +168,13 @@ class AsyncCheckpointer(_RankSaves):
         return self._pending
 
     def wait(self) -> None:
-        """Wait for the last save (if any); raises AsyncCheckpointError if it failed."""
+        """Wait for the last save (if any); raises AsyncCheckpointError if it failed.
+
+        Raises
+        ------
+        AsyncCheckpointError
+            The last save failed (its error is the ``__cause__``).
+        """
         if self._pending is not None:
             self._pending.wait()
 
@@ -124,7 +182,31 @@ class AsyncCheckpointer(_RankSaves):
                    shard_spec: ShardMetadata | None = None,
                    checkpoint_id: str | None = None,
                    extra: Mapping | None = None) -> CheckpointFuture:
-        """Copy ``state_dict`` (and serialize ``extra``) now, save it in the background."""
+        """Copy ``state_dict`` (and serialize ``extra``) now, save it in the background.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to numpy.ndarray
+            This rank's tensors, as for :func:`save_distributed`; copied before this returns.
+        shard_spec : ShardMetadata, optional
+            This save's shard spec (default: the checkpointer's).
+        checkpoint_id : str, optional
+            As for :func:`save_distributed` (default: None).
+        extra : mapping, optional
+            A JSON-serializable dict saved with this rank's shard (default: None).
+
+        Returns
+        -------
+        CheckpointFuture
+            The save's future: ``wait()`` returns once it is committed.
+
+        Raises
+        ------
+        AsyncCheckpointError
+            The previous save is still in flight.
+        InvalidArgumentError
+            ``extra`` is not a JSON-serializable dict.
+        """
         if self._pending is not None and not self._pending.is_done():
             raise AsyncCheckpointError(f"a save to {self.directory} is still in flight; wait() "
                                        "for it before starting another")

@@ -21,6 +21,40 @@ def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     Every shard's header (save identity, shapes, dtypes) is checked before anything is written,
     and each tensor's crc32 unless ``verify`` is off (as :func:`load_distributed`). Raises its
     errors (ShardMismatchError, ChecksumMismatchError...); ``output_file`` is then not created.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The checkpoint directory (any world size).
+    output_file : str or os.PathLike
+        The safetensors file to write (replaced if it exists); its directory must exist.
+    verify : bool, optional
+        Check each tensor's crc32: None (the default) or True; False skips it.
+
+    Raises
+    ------
+    MetadataError
+        No committed checkpoint in ``directory``, or a malformed metadata.json.
+    MissingShardError
+        ``directory`` or a shard file does not exist.
+    ShardMismatchError
+        A shard of another save (names the file and both identities).
+    SerializationError
+        A corrupt or truncated shard.
+    ChecksumMismatchError
+        A tensor's bytes do not match their crc32 (names the file and the tensor).
+    TensorError
+        A shard's tensors, shapes or dtypes differ from metadata.json's.
+    InvalidArgumentError
+        ``verify`` is not True, False or None.
+    CheckpointIOError
+        A shard cannot be read, or ``output_file`` cannot be written.
+
+    Examples
+    --------
+    >>> consolidate("ckpt/step_100", "model.safetensors")
+    >>> from safetensors.numpy import load_file
+    >>> full = load_file("model.safetensors")  # every tensor whole
     """
     verify = resolve_verify(verify, "consolidate")
     ckpt = open_checkpoint(directory)

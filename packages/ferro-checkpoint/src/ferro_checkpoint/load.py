@@ -1,12 +1,8 @@
 """Loading: this rank's shard when the world size is unchanged, a memory-bounded reshard
 otherwise. Every shard used is checked against metadata.json (the save's identity: checkpoint
-id and shard id; rank, world size, shapes, dtypes) and, unless verification is off, each
-tensor's crc32; the error names the bad file.
-
-Verification: on by default (``verify=None`` or ``True`` on every loading function);
-``verify=False`` skips the crc32 pass over the tensor bytes only; the identity checks read
-headers and always run. (No environment variable: ferro's variables live in one table,
-``ferro_backend.settings``, which this numpy-only layer does not import.)
+id and shard id; rank, world size, shapes, dtypes) and, unless ``verify=False``, each tensor's
+crc32; the error names the bad file. (No environment variable turns verification off: ferro's
+live in one table, ``ferro_backend.settings``, which this numpy-only layer does not import.)
 """
 
 from __future__ import annotations
@@ -50,14 +46,33 @@ def resolve_verify(verify: bool | None, op: str) -> bool:
 
 @dataclass
 class DistributedCheckpoint:
-    """A committed checkpoint directory and its metadata (see :meth:`open`)."""
+    """A committed checkpoint directory and its metadata (see :func:`open_checkpoint`).
+
+    Parameters
+    ----------
+    checkpoint_dir : pathlib.Path
+        The checkpoint directory.
+    shard_metadata : ShardMetadata
+        Its metadata.json, parsed.
+    """
 
     checkpoint_dir: Path
     shard_metadata: ShardMetadata
 
     @classmethod
     def open(cls, directory) -> DistributedCheckpoint:
-        """Open a committed checkpoint; see :func:`open_checkpoint` (it may rename files)."""
+        """Open a committed checkpoint; see :func:`open_checkpoint` (it may rename files).
+
+        Parameters
+        ----------
+        directory : str or os.PathLike
+            The checkpoint directory.
+
+        Returns
+        -------
+        DistributedCheckpoint
+            The checkpoint; raises as :func:`open_checkpoint`.
+        """
         return open_checkpoint(directory)
 
     @property
@@ -69,7 +84,18 @@ class DistributedCheckpoint:
         return self.shard_metadata.checkpoint_id
 
     def shard(self, rank: int) -> SafetensorsFile:
-        """The verified shard file of ``rank``."""
+        """The verified shard file of ``rank``.
+
+        Parameters
+        ----------
+        rank : int
+            A rank of the saving world, ``0 <= rank < num_ranks``.
+
+        Returns
+        -------
+        SafetensorsFile
+            Its shard file, checked against metadata.json (identity, tensors, shapes, dtypes).
+        """
         return _open_verified_shard(self, rank)
 
     def load(self, rank: int, world_size: int, *,
@@ -78,7 +104,23 @@ class DistributedCheckpoint:
                                 verify=verify)
 
     def extra(self, rank: int) -> dict | None:
-        """The ``extra`` dict rank ``rank`` saved with its shard (None if it saved none)."""
+        """The ``extra`` dict rank ``rank`` saved with its shard (None if it saved none).
+
+        Parameters
+        ----------
+        rank : int
+            A rank of the saving world, ``0 <= rank < num_ranks``.
+
+        Returns
+        -------
+        dict or None
+            The ``extra`` of :func:`save_distributed`, or None.
+
+        Raises
+        ------
+        InvalidArgumentError, SerializationError
+            ``rank`` is out of range; the stored ``extra`` (or the shard) is corrupt.
+        """
         if not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             raise InvalidArgumentError(f"extra: rank {rank!r} is out of range for a checkpoint "
                                        f"of {self.num_ranks} ranks")
@@ -98,10 +140,30 @@ class DistributedCheckpoint:
 def open_checkpoint(directory) -> DistributedCheckpoint:
     """The committed checkpoint in ``directory``.
 
-    Opening is not read-only: it first calls :func:`ferro_checkpoint.layout.recover`, which
+    Opening is not read-only: it first calls ``ferro_checkpoint.layout.recover``, which
     finishes a save that crashed after its commit point (renames its temp shards and commit
     record into place, deletes shards of a larger old world). Without such a leftover it
     changes nothing.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The checkpoint directory.
+
+    Returns
+    -------
+    DistributedCheckpoint
+        The checkpoint: its directory and metadata (shards are opened when read).
+
+    Raises
+    ------
+    MissingShardError, MetadataError
+        No ``directory``; no committed checkpoint in it, or a malformed or unsupported one.
+
+    Examples
+    --------
+    >>> open_checkpoint("ckpt").num_ranks  # the world size that saved it
+    4
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -211,8 +273,35 @@ def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, 
     """Rank ``new_rank``'s tensors for a world of ``new_world_size`` from a checkpoint saved by
     ``old_world_size`` ranks. Reads only the needed rows, tensor by tensor: the extra memory is
     about one new shard. New shard sizes: the first ``full % world`` ranks get one extra row.
-    Raises as :func:`load_distributed`; ``verify`` as there (whole tensors of the shards read
-    are checksummed)."""
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The checkpoint directory.
+    old_world_size, new_world_size, new_rank : int
+        The saving world's size (checked), the new one, and the rank whose tensors to return.
+    checkpoint : DistributedCheckpoint, optional
+        The checkpoint already opened (default: ``open_checkpoint(directory)``).
+    verify : bool, optional
+        As :func:`load_distributed` (whole tensors of the shards read are checksummed).
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        Every tensor's shard of rank ``new_rank`` in a world of ``new_world_size``.
+
+    Raises
+    ------
+    InvalidArgumentError
+        A bad ``new_rank`` or ``new_world_size``, or ``old_world_size`` is not the saved one.
+    MetadataError, MissingShardError, SerializationError, ShardMismatchError, TensorError
+        As :func:`load_distributed` (and ChecksumMismatchError, CheckpointIOError).
+
+    Examples
+    --------
+    >>> reshard("ckpt", 4, 2, 1)["weight"].shape  # rows 5..9 of a (10, 3) tensor
+    (5, 3)
+    """
     check_rank_world("reshard", new_rank, new_world_size)
     verify = resolve_verify(verify, "reshard")
     ckpt = checkpoint or open_checkpoint(directory)
@@ -229,13 +318,35 @@ def load_distributed(directory, rank: int, world_size: int, *,
                      verify: bool | None = None) -> dict[str, np.ndarray]:
     """This rank's tensors: its own shard if ``world_size`` equals the saved one, else resharded.
 
-    ``verify`` (None or True, the default; False skips it) checks each
-    tensor read against its crc32; the save-identity checks run either way.
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The checkpoint directory (saved by any number of ranks).
+    rank, world_size : int
+        This rank and the loading world's size.
+    checkpoint : DistributedCheckpoint, optional
+        The checkpoint already opened (default: ``open_checkpoint(directory)``).
+    verify : bool, optional
+        None or True (the default) checks each tensor's crc32, False not (identity always).
 
-    Raises MetadataError (no committed checkpoint), MissingShardError, SerializationError
-    (corrupt or truncated file), ChecksumMismatchError (a tensor's bytes changed: names file and
-    tensor), ShardMismatchError (a shard of another save: names the file and both identities),
-    TensorError, InvalidArgumentError; each names the file.
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        This rank's shard of every tensor, by name (new arrays).
+
+    Raises
+    ------
+    MetadataError, MissingShardError
+        No committed checkpoint (or a malformed metadata.json); a missing directory or shard.
+    SerializationError, ChecksumMismatchError, ShardMismatchError
+        A corrupt or truncated file; a tensor whose bytes changed; a shard of another save.
+    TensorError, InvalidArgumentError, CheckpointIOError
+        Tensors unlike metadata.json's; a bad argument; an unreadable file. Each names the file.
+
+    Examples
+    --------
+    >>> sorted(load_distributed("ckpt", rank=0, world_size=2))
+    ['bias', 'weight']
     """
     check_rank_world("load_distributed", rank, world_size)
     verify = resolve_verify(verify, "load_distributed")

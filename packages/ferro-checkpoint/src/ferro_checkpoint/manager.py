@@ -83,6 +83,31 @@ class CheckpointManager(_RankSaves):
     with the step, and which rank deletes what. ``backend`` (a ferro_backend.Backend) makes
     every save collective. Blocking waits (for a previous asynchronous save) are bounded by
     ``wait_timeout_s`` (an attribute, in seconds).
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        The directory of the steps (created if needed).
+    rank, world_size : int
+        This rank and the number of ranks.
+    keep_last : int, optional
+        How many committed steps rank 0 keeps, >= 1 (default: 3).
+    backend : ferro_backend.Backend, optional
+        Makes every save collective; its rank and world size must be the manager's.
+
+    Raises
+    ------
+    InvalidArgumentError
+        A bad ``rank``, ``world_size`` or ``keep_last``, or a backend of another rank or world.
+    CheckpointIOError
+        ``root`` cannot be created or listed.
+
+    Examples
+    --------
+    >>> state = {"w": np.zeros(4, np.float32)}
+    >>> manager = CheckpointManager("run", rank=0, world_size=1, keep_last=2)
+    >>> manager.save(100, state, flat_shard_metadata(state, 1), extra={"lr": 0.1}).wait()
+    >>> tensors, extra = manager.restore()  # step 100: ({"w": ...}, {"lr": 0.1})
     """
 
     wait_timeout_s: float = 3600.0
@@ -117,7 +142,18 @@ class CheckpointManager(_RankSaves):
     # -- listing ---------------------------------------------------------------------------
 
     def step_dir(self, step: int) -> Path:
-        """``root/step_<step>``, committed or not."""
+        """``root/step_<step>``, committed or not.
+
+        Parameters
+        ----------
+        step : int
+            A step number, >= 0.
+
+        Returns
+        -------
+        pathlib.Path
+            The step's checkpoint directory (InvalidArgumentError for a bad ``step``).
+        """
         return self.root / f"step_{_check_step('step_dir', step)}"
 
     def _step_dirs(self) -> dict[int, Path]:
@@ -139,11 +175,23 @@ class CheckpointManager(_RankSaves):
             return False  # deleted meanwhile
 
     def steps(self) -> list[int]:
-        """The committed steps, ascending."""
+        """The committed steps, ascending.
+
+        Returns
+        -------
+        list of int
+            The committed steps (finishing saves committed before a crash first).
+        """
         return sorted(s for s, d in self._step_dirs().items() if self._committed(d))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step, or None.
+
+        Returns
+        -------
+        int or None
+            The last of :meth:`steps`, None if there is none.
+        """
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -169,8 +217,32 @@ class CheckpointManager(_RankSaves):
         now and writes in the background; the returned future's ``wait(timeout)`` reports
         the result. Afterwards rank 0 prunes (module docstring).
 
-        Raises InvalidArgumentError (bad step, spec or extra), TensorError, CheckpointIOError,
-        AsyncCheckpointError.
+        Parameters
+        ----------
+        step : int
+            The step number, >= 0.
+        state_dict : mapping of str to numpy.ndarray
+            This rank's tensors, as for :func:`save_distributed`.
+        shard_spec : ShardMetadata
+            How every tensor is sharded; ``shard_spec.num_ranks`` must be ``world_size``.
+        extra : dict, optional
+            JSON-serializable state (RNG, data position...) committed with the step.
+        blocking : bool, optional
+            False saves in the background (default: True, saved when this returns).
+
+        Returns
+        -------
+        CheckpointFuture
+            The save's future (already done when ``blocking``).
+
+        Raises
+        ------
+        InvalidArgumentError
+            A bad step, spec or extra.
+        TensorError, CheckpointIOError
+            As :func:`save_distributed`.
+        AsyncCheckpointError
+            The previous asynchronous save failed.
         """
         step = _check_step("CheckpointManager.save", step)
         if shard_spec.num_ranks != self.world_size:
@@ -244,6 +316,29 @@ class CheckpointManager(_RankSaves):
         the step is not committed, and the load errors of :func:`load_distributed`
         (ShardMismatchError for a shard of another save, ChecksumMismatchError...);
         ``verify`` as there.
+
+        Parameters
+        ----------
+        step : int, optional
+            The step to restore (default: None, the newest committed one).
+        verify : bool, optional
+            Check each tensor's crc32: None (the default) or True; False skips it.
+
+        Returns
+        -------
+        tensors : dict of str to numpy.ndarray
+            This rank's shard of every tensor.
+        extra : dict
+            The ``extra`` saved with the step (``{}`` if none).
+
+        Raises
+        ------
+        MissingStepError
+            The step is not committed, or no step is.
+        InvalidArgumentError, AsyncCheckpointError
+            A bad ``step`` or ``verify``; the pending asynchronous save failed.
+        ShardMismatchError, ChecksumMismatchError, MetadataError, SerializationError
+            And the other errors of :func:`load_distributed`.
         """
         verify = resolve_verify(verify, "CheckpointManager.restore")
         self._wait_pending()

@@ -54,6 +54,28 @@ def compute_shard_sizes(full: int, world_size: int) -> tuple[int, ...]:
 
     The same rule as ``ferro_backend.partition.split_sizes``, its single home; this copy exists
     because ferro-checkpoint does not depend on ferro-backend, and a test checks they agree.
+
+    Parameters
+    ----------
+    full : int
+        The number of rows to split.
+    world_size : int
+        The number of ranks, >= 1.
+
+    Returns
+    -------
+    tuple of int
+        ``world_size`` sizes summing to ``full``, the larger ones first.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``world_size`` is below 1.
+
+    Examples
+    --------
+    >>> compute_shard_sizes(10, 4)
+    (3, 3, 2, 2)
     """
     if world_size < 1:
         raise InvalidArgumentError(f"world_size {world_size} must be >= 1")
@@ -63,7 +85,24 @@ def compute_shard_sizes(full: int, world_size: int) -> tuple[int, ...]:
 
 @dataclass
 class TensorShardSpec:
-    """How one tensor is split: ``shard_sizes[r]`` rows of ``shard_dim`` live on rank ``r``."""
+    """How one tensor is split: ``shard_sizes[r]`` rows of ``shard_dim`` live on rank ``r``.
+
+    Parameters
+    ----------
+    full_shape : tuple of int
+        The whole tensor's shape (at least one dimension).
+    shard_dim : int
+        The dimension split over the ranks, ``0 <= shard_dim < len(full_shape)``.
+    shard_sizes : tuple of int
+        Each rank's number of rows of ``shard_dim``; they sum to ``full_shape[shard_dim]``.
+    dtype : str, optional
+        The safetensors dtype code (``"F32"``...), filled in by the save (default: None).
+
+    Raises
+    ------
+    InvalidArgumentError
+        An empty or negative shape, a ``shard_dim`` out of range, or sizes that do not add up.
+    """
 
     full_shape: tuple[int, ...]
     shard_dim: int
@@ -91,14 +130,50 @@ class TensorShardSpec:
                 f", expected full_shape[{self.shard_dim}] = {self.full_shape[self.shard_dim]}")
 
     def start(self, rank: int) -> int:
+        """The first row of ``shard_dim`` that rank ``rank`` holds.
+
+        Parameters
+        ----------
+        rank : int
+            A rank, ``0 <= rank < len(shard_sizes)``.
+
+        Returns
+        -------
+        int
+            ``sum(shard_sizes[:rank])``.
+        """
         return sum(self.shard_sizes[:rank])
 
     def shard_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape of rank ``rank``'s shard.
+
+        Parameters
+        ----------
+        rank : int
+            A rank, ``0 <= rank < len(shard_sizes)``.
+
+        Returns
+        -------
+        tuple of int
+            ``full_shape`` with ``shard_sizes[rank]`` rows along ``shard_dim``.
+        """
         shape = list(self.full_shape)
         shape[self.shard_dim] = self.shard_sizes[rank]
         return tuple(shape)
 
     def resharded(self, world_size: int) -> TensorShardSpec:
+        """This tensor split over ``world_size`` ranks instead (:func:`compute_shard_sizes`).
+
+        Parameters
+        ----------
+        world_size : int
+            The new number of ranks, >= 1.
+
+        Returns
+        -------
+        TensorShardSpec
+            A new spec of the same shape, dim and dtype.
+        """
         return TensorShardSpec(self.full_shape, self.shard_dim,
                                compute_shard_sizes(self.full_shape[self.shard_dim], world_size),
                                self.dtype)
@@ -113,7 +188,24 @@ class TensorShardSpec:
 
 @dataclass
 class ShardMetadata:
-    """How many ranks wrote a checkpoint and how each tensor is sharded."""
+    """How many ranks wrote a checkpoint and how each tensor is sharded.
+
+    Parameters
+    ----------
+    num_ranks : int
+        The number of ranks (and shards), >= 1.
+    tensor_specs : dict of str to TensorShardSpec, optional
+        Each tensor's split over ``num_ranks`` ranks, by name (default: none).
+    checkpoint_id : str, optional
+        The save's id, filled in by the save (default: ``""``).
+    shard_ids : tuple of str, optional
+        Each rank's shard id, filled in by the commit (default: none).
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``num_ranks`` below 1, or ``shard_ids`` or a spec's sizes not one per rank.
+    """
 
     num_ranks: int
     tensor_specs: dict[str, TensorShardSpec] = field(default_factory=dict)
@@ -135,6 +227,13 @@ class ShardMetadata:
                     f"expected num_ranks = {self.num_ranks}")
 
     def to_json(self) -> str:
+        """This metadata as the text of metadata.json (the schema of the module docstring).
+
+        Returns
+        -------
+        str
+            The JSON text, tensors sorted by name.
+        """
         raw = {"format": FORMAT, "format_version": FORMAT_VERSION,
                "checkpoint_id": self.checkpoint_id, "num_ranks": self.num_ranks}
         if self.shard_ids:
@@ -145,7 +244,25 @@ class ShardMetadata:
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "metadata.json") -> ShardMetadata:
         """Parse and check metadata.json; anything malformed raises MetadataError naming
-        ``source`` (never KeyError/TypeError/ValueError)."""
+        ``source`` (never KeyError/TypeError/ValueError).
+
+        Parameters
+        ----------
+        text : str or bytes
+            The content of a metadata.json.
+        source : str, optional
+            What the errors call it (default: ``"metadata.json"``).
+
+        Returns
+        -------
+        ShardMetadata
+            The parsed metadata.
+
+        Raises
+        ------
+        MetadataError
+            Not JSON, another format or format version, or a missing or malformed field.
+        """
         try:
             raw = json.loads(text)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -208,7 +325,30 @@ def _spec_from_dict(name: str, v, source: str) -> TensorShardSpec:
 
 def flat_shard_metadata(state_dict: Mapping[str, np.ndarray], world_size: int) -> ShardMetadata:
     """Spec for FSDP-style flat shards: each rank's tensor is its flat chunk of a 1-d tensor of
-    ``numel * world_size`` elements, equal chunks, sharded along dim 0 (the seed's helper)."""
+    ``numel * world_size`` elements, equal chunks, sharded along dim 0 (the seed's helper).
+
+    Parameters
+    ----------
+    state_dict : mapping of str to numpy.ndarray
+        This rank's flat chunks (every rank's chunk of a tensor has the same size).
+    world_size : int
+        The number of ranks, >= 1.
+
+    Returns
+    -------
+    ShardMetadata
+        The spec of every tensor of ``state_dict``, to pass to :func:`save_distributed`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``world_size`` is below 1.
+
+    Examples
+    --------
+    >>> flat_shard_metadata({"w": np.zeros(4)}, world_size=2).tensor_specs["w"].full_shape
+    (8,)
+    """
     if world_size < 1:
         raise InvalidArgumentError(f"flat_shard_metadata: world_size {world_size} must be >= 1")
     specs = {}

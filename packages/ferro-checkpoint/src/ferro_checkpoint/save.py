@@ -190,27 +190,48 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
 
     Parameters
     ----------
-    state_dict
+    state_dict : mapping of str to numpy.ndarray
         This rank's tensors, each of shape ``shard_spec.tensor_specs[name].shard_shape(rank)``;
         any mix of float16/32/64, int8..int64, uint8..uint64, bool (and bfloat16 with ml_dtypes).
-    directory
+    directory : str or os.PathLike
         Created if needed. Holds ``rank_<r>.safetensors`` and ``metadata.json`` once committed.
-    rank, world_size
+    rank, world_size : int
         This rank and the number of ranks saving (``shard_spec.num_ranks``).
-    shard_spec
+    shard_spec : ShardMetadata
         How every tensor is sharded (e.g. :func:`flat_shard_metadata`).
-    backend
-        Optional ferro_backend.Backend: makes the save collective and crash-safe across ranks.
-    checkpoint_id
-        Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend.
-    extra
-        Optional JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
+    backend : ferro_backend.Backend, optional
+        Makes the save collective and crash-safe across ranks.
+    checkpoint_id : str, optional
+        Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend
+        (default: ``g<N+1>`` after the directory's committed ``g<N>``).
+    extra : mapping, optional
+        A JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
         so it is committed atomically with the shard; read it back with
         :meth:`DistributedCheckpoint.extra`.
 
+    Returns
+    -------
+    str
+        The checkpoint id (the random one agreed with a backend).
+
     Raises
     ------
-    InvalidArgumentError, TensorError, CheckpointIOError
+    InvalidArgumentError
+        A bad rank, world size, ``checkpoint_id`` or ``extra``, or a spec of another world size.
+    TensorError
+        The state dict's names, shapes or dtypes do not match ``shard_spec``.
+    CheckpointIOError
+        The directory or the shard cannot be written.
+    ShardMismatchError
+        The committing rank found a temp shard of another save.
+
+    Examples
+    --------
+    >>> state = {"w": np.arange(4, dtype=np.float32)}  # this rank's flat shard
+    >>> spec = flat_shard_metadata(state, world_size=2)
+    >>> save_distributed(state, "ckpt", rank=0, world_size=2, shard_spec=spec,
+    ...                  checkpoint_id="step100")  # committed once rank 1 saved too
+    'step100'
     """
     check_rank_world("save_distributed", rank, world_size)
     if shard_spec.num_ranks != world_size:

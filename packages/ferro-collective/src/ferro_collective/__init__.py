@@ -1,9 +1,9 @@
 """ferro-collective: collectives on numpy arrays over any ferro_backend.Backend.
 
 allreduce, broadcast, all_gather, reduce_scatter and barrier; the rooted reduce, gather and
-scatter (:mod:`.rooted`); the uneven all_gather_v, all_to_all and all_to_all_single
-(:mod:`.exchange`); broadcast_object and all_gather_object on picklable objects
-(:mod:`.objects`); the ``*_async`` forms returning :class:`Work`.
+scatter (``ferro_collective.rooted``); the uneven all_gather_v, all_to_all and all_to_all_single
+(``ferro_collective.exchange``); broadcast_object and all_gather_object on picklable objects
+(``ferro_collective.objects``); the ``*_async`` forms returning :class:`Work`.
 """
 
 

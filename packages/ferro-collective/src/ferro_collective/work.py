@@ -14,7 +14,7 @@ class Work:
     """A collective running in the background (torch's name for it).
 
     ``wait(timeout)`` returns its result (a new array) or raises what the collective raised;
-    ``is_completed()`` tells without blocking; :attr:`future` is the underlying
+    ``is_completed()`` tells without blocking; its attribute ``future`` is the underlying
     :class:`concurrent.futures.Future` (for ``add_done_callback``, ``as_completed``...). Several
     may be in flight on one backend at once; their messages never mix with each other or with
     synchronous calls.

@@ -6,8 +6,8 @@ A layer reads its parameters' ``.data`` again in ``backward`` (it caches only it
 what lets FSDP free the gathered parameters between ``forward`` and ``backward``.
 
 Layers: ``Linear``, ``Sequential``, ``Embedding``, ``LayerNorm``, ``Dropout``
-(:mod:`ferro_fsdp.layers`), ``ReLU``, ``GELU`` (:mod:`ferro_fsdp.activations`),
-``CausalSelfAttention`` and the pre-LN ``TransformerBlock`` (:mod:`ferro_fsdp.attention`):
+(``ferro_fsdp.layers``), ``ReLU``, ``GELU`` (``ferro_fsdp.activations``),
+``CausalSelfAttention`` and the pre-LN ``TransformerBlock`` (``ferro_fsdp.attention``):
 torch's names, defaults and math.
 
 Losses are called as ``loss = loss_fn(output, target)`` (a Python float) and

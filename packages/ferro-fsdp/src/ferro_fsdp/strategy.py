@@ -42,7 +42,7 @@ class ShardingStrategy(enum.Enum):
 
     @property
     def spec(self) -> StrategySpec:
-        """What this strategy does, as data (the table :data:`SPECS`)."""
+        """What this strategy does, as data (the table ``ferro_fsdp.strategy.SPECS``)."""
         return SPECS[self]
 
     @property

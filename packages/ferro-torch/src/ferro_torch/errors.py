@@ -13,7 +13,7 @@ class FerroTorchError(dist.DistBackendError):
     A subclass of ``torch.distributed.DistBackendError`` (so of ``DistError`` and
     ``RuntimeError``) carrying ferro's message; the ferro exception (a dead peer's
     ``PeerClosedError``, ``CollectiveMismatchError``, ``CollectiveTimeoutError``,
-    ``AuthenticationError``...) is its ``__cause__`` and :attr:`ferro_error`.
+    ``AuthenticationError``...) is its ``__cause__`` and its attribute ``ferro_error``.
     """
 
     def __init__(self, message: str, ferro_error: BaseException | None = None) -> None:

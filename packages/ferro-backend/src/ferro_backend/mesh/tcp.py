@@ -65,12 +65,12 @@ class TcpBackend(FixedRanks, Backend):
         instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
         free port it told the other ranks about through the launcher, without a race).
     node
-        This rank's node key (:func:`ferro_backend.launch.join.node_key`); rank 0's table
-        carries every rank's, and :attr:`nodes` holds them when every rank gave one.
+        This rank's node key (``ferro_backend.launch.join.node_key``); rank 0's table carries
+        every rank's, and :attr:`~ferro_backend.TcpBackend.nodes` holds them when all gave one.
     connect
         ``"eager"`` (every pair connected at start: the full mesh), ``"lazy"`` (a pair connects
-        when one of its ranks first sends to or receives from the other: :mod:`.lazy`) or
-        ``"auto"`` (lazy beyond :data:`LAZY_ABOVE` ranks); default ``FERRO_TCP_CONNECT``.
+        when one of its ranks first sends to or receives from the other: ``mesh/lazy.py``) or
+        ``"auto"`` (lazy beyond ``mesh.tcp.LAZY_ABOVE`` ranks); default ``FERRO_TCP_CONNECT``.
 
     Raises
     ------
@@ -214,7 +214,7 @@ class TcpBackend(FixedRanks, Backend):
 
     def install_route(self, route: Route) -> None:
         """Send to and receive from ``route.peers`` through ``route`` instead of the sockets
-        (the same-host engine's rings: :mod:`ferro_backend.engine`); the route is closed with
+        (the same-host engine's rings: ``ferro_backend.engine``); the route is closed with
         this backend. Install routes before any message to those peers (at set-up)."""
         taken = sorted(set(route.peers) & set(self._routes))
         if taken or self.rank in route.peers:
