@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: seconds each session took on a 2-core machine in three lanes (CI, stop 37): only used to
+#: seconds each session took on a 2-core machine in three lanes (CI, stop 39): only used to
 #: balance them
-COST = {"backend": 330, "collective": 300, "torch": 251, "examples": 190, "fsdp": 70,
-        "checkpoint": 50, "docs": 47, "wheels": 14}
+COST = {"backend": 314, "collective": 266, "torch": 275, "examples": 153, "fsdp": 88,
+        "checkpoint": 51, "docs": 63, "wheels": 25}
 #: sessions whose wheels are built first (the lowest layers: noxfile.BUILD_ORDER) start their
 #: lane, so no lane waits for wheels another could have used
 EARLY = {"backend": 0, "collective": 1, "torch": 2}
