@@ -73,6 +73,9 @@ JOB = """
     for _ in range(5):
         fc.allreduce(np.ones(1024, np.float32), b)
     fc.allreduce(np.ones(1 << 20, np.float32), b)
+    if b.rank == 1:
+        import time
+        time.sleep(0.3)  # rank 0's barrier waits for it
     fc.barrier(b)
     b.close()
 """
@@ -93,3 +96,8 @@ def test_ferrorun_trace_shows_the_engine_calls_of_every_rank(tmp_path):
         assert [e["name"] for e in mine] == ["allreduce"] * 6 + ["barrier"]
         assert all(e["args"]["transport"] == "engine" for e in mine)
         assert [e["args"]["bytes"] for e in mine[:6]] == [4096] * 5 + [4 << 20]
+        # how long each call's engine steps waited for the peer
+        assert all(0 <= e["args"]["wait_us"] <= e["dur"] + 1 for e in mine)
+    barrier_wait = {e["pid"]: e["args"]["wait_us"] for e in events
+                    if e.get("cat") == "collective" and e["name"] == "barrier"}
+    assert barrier_wait[0] > 250_000 and barrier_wait[1] < 100_000, barrier_wait

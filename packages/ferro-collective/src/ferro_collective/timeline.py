@@ -3,7 +3,10 @@
 ``*_async``, on its worker) becomes one event: the collective's name, bytes and dtype of this
 rank's input, the algorithm asked for, the transport, the caller's rank and world size (a
 process running several ranks as threads records them all, told apart by rank and thread).
-Off, the compiled entry checks one pointer (``_fastcall.set_tracer``)."""
+On the same-host engine it also gives ``wait_us``: how long the call's engine steps waited for
+their peers (the engine times its waits only while a call is traced); over the other transports
+the backend's ``recv.wait`` events under the call show it. Off, the compiled entry checks one
+pointer (``_fastcall.set_tracer``)."""
 
 from __future__ import annotations
 
@@ -28,14 +31,32 @@ def _describe(tensor, backend, algorithm) -> dict:
             "rank": backend.rank, "world": backend.world_size}
 
 
+class _EngineWaits:
+    """The seconds ``backend``'s engine steps wait for their peers during one call (its
+    SlotEngine's clock on for the call); nothing for a backend without the engine."""
+
+    def __init__(self, backend) -> None:
+        engine = getattr(backend, "engine", None)
+        self.slots = None if engine is None else engine.slots
+        if self.slots is not None:
+            self.was_on, self.slots.clock = self.slots.clock, True
+            self.start = self.slots.waited
+
+    def args(self) -> dict:
+        if self.slots is None:
+            return {}
+        self.slots.clock = self.was_on
+        return {"wait_us": round((self.slots.waited - self.start) * 1e6, 1)}
+
+
 def traced_call(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
     """One collective, timed (the tracer :mod:`._fastcall` calls while tracing)."""
-    t0 = _now()
+    t0, waits = _now(), _EngineWaits(backend)
     try:
         return _fastcall.run_direct(coll, tensor, backend, arg, timeout, algorithm, out)
     finally:
         timeline.record(coll.name, "collective", t0, _now() - t0,
-                        **_describe(tensor, backend, algorithm))
+                        **_describe(tensor, backend, algorithm), **waits.args())
 
 
 def traced_job(name: str, job, tensor, backend, algorithm):
@@ -44,12 +65,12 @@ def traced_job(name: str, job, tensor, backend, algorithm):
         return job
 
     def run():
-        t0 = _now()
+        t0, waits = _now(), _EngineWaits(backend)
         try:
             return job()
         finally:
             timeline.record(name, "collective.async", t0, _now() - t0,
-                            **_describe(tensor, backend, algorithm))
+                            **_describe(tensor, backend, algorithm), **waits.args())
 
     return run
 

@@ -18,6 +18,8 @@ class SlotEngine:
     me: int
     step: int
     sent: int
+    waited: float
+    clock: bool
     slot_bytes: int
     def __init__(self, segment: npt.NDArray[np.uint8], nranks: int, rank: int, slot_bytes: int,
                  ring_bytes: int, failed_addr: int, spin: int, yields: int) -> None: ...

@@ -38,6 +38,8 @@ cdef extern from "_steps.h" nogil:
         ferro_policy pol
         uint32_t* failed
         ferro_fold_fn fold
+        int clock
+        double waited
     ctypedef struct ferro_slots_api:
         pass
     uint32_t FERRO_SEQ_OFF
@@ -125,6 +127,21 @@ cdef class SlotEngine:
     @property
     def sent(self) -> int:
         return self.s.sent
+
+    @property
+    def waited(self) -> float:
+        """Seconds this rank's steps have waited for their peers while :attr:`clock` was on
+        (a timeline's ``wait_us``)."""
+        return self.s.waited
+
+    @property
+    def clock(self) -> bool:
+        """Whether the steps time their waits for peers (off: not even a clock read)."""
+        return self.s.clock != 0
+
+    @clock.setter
+    def clock(self, bint on):
+        self.s.clock = on
 
     @property
     def slot_bytes(self) -> int:

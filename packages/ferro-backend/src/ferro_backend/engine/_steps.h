@@ -46,6 +46,8 @@ typedef struct {
     ferro_policy pol;
     uint32_t* failed;          /* this process's failure flag */
     ferro_fold_fn fold;        /* set once by the collectives (NULL: no one-call folds) */
+    int clock;                 /* time the waits for peers (a timeline is on) */
+    double waited;             /* seconds this rank's steps waited for their peers (clock on) */
 } ferro_slots;
 
 /* What other extensions call: the one-call steps on ctx (a ferro_slots), called with the GIL
@@ -96,16 +98,17 @@ static inline void ferro_slots_publish(ferro_slots* s, uint32_t step) {
 }
 
 static inline int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double deadline) {
-    int j, rc;
+    int j, rc = FERRO_OK;
     ferro_ctrl* c;
-    for (j = 0; j < s->n; j++) {
+    double t0 = s->clock ? ferro_now() : 0.0;
+    for (j = 0; j < s->n && rc == FERRO_OK; j++) {
         if (j == s->me) continue;
         c = ferro_ctrl_of(s->base, &s->L, j);
         rc = ferro_wait(&s->pol, &c->step, step, FERRO_UNTIL_REACHED, &c->sleepers, deadline,
                         s->failed, NULL, 0.0);
-        if (rc != FERRO_OK) return rc;
     }
-    return FERRO_OK;
+    if (s->clock) s->waited += ferro_now() - t0;
+    return rc;
 }
 
 /* ferro_slots_wait_all for a caller holding the GIL (gil = 1): a short spin first, then the
