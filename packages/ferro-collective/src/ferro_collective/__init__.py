@@ -24,19 +24,21 @@ from . import (
 from .api import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     all_gather,
-    all_gather_async,
     allreduce,
-    allreduce_async,
     barrier,
     broadcast,
-    broadcast_async,
     gather,
-    gather_async,
     reduce,
-    reduce_async,
     reduce_scatter,
-    reduce_scatter_async,
     scatter,
+)
+from .api_async import (
+    all_gather_async,
+    allreduce_async,
+    broadcast_async,
+    gather_async,
+    reduce_async,
+    reduce_scatter_async,
     scatter_async,
 )
 from .api_uneven import (

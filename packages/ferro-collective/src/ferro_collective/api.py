@@ -1,5 +1,6 @@
 """The collectives' public entry points: allreduce, broadcast, all_gather, reduce_scatter,
-barrier, and the rooted reduce, gather and scatter, with their async forms.
+barrier, and the rooted reduce, gather and scatter (their ``*_async`` forms:
+:mod:`.api_async`).
 
 All ranks of a backend must call the same collectives in the same order (as in torch.distributed).
 Inputs are never modified; results are new arrays of the input's dtype (or ``out=``), and every
@@ -24,9 +25,8 @@ from . import allreduce as _allreduce
 from . import barrier as _barrier
 from . import broadcast as _broadcast
 from . import reduce_scatter as _reduce_scatter
-from .dispatch import Collective, run, submit
+from .dispatch import Collective, run
 from .ops import ReduceOp
-from .work import Work
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`~ferro_backend.Backend.timeout` (60 s). A collective's deadline is its backend's
@@ -77,6 +77,9 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     ------
     TypeError
         An unsupported dtype, MEAN on integers, or a bitwise op on floats.
+    ValueError
+        An unknown ``algorithm``; ``out`` not writable and C-contiguous (SizeMismatchError: of
+        another shape or dtype).
     CollectiveMismatchError
         Ranks called different collectives or shapes/dtypes/ops.
     CollectiveTimeoutError, PeerClosedError
@@ -91,28 +94,40 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
-def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
-                    timeout: float | None = None, algorithm: str | None = None,
-                    out: np.ndarray | None = None) -> Work:
-    """:func:`allreduce` in the background; ``Work.wait()`` returns its result."""
-    return submit(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
-
-
 def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
               algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Every rank returns a copy of ``root``'s ``tensor`` (all ranks pass the same shape/dtype).
 
     Uses a binomial tree (ceil(log2 n) rounds) by default, ``algorithm="star"`` for the seed's.
-    Raises :class:`~ferro_backend.InvalidRankError` for a root outside ``[0, world_size)``. ``out=``: a
-    writable C-contiguous array of the input's shape and dtype to fill (may be the input).
+
+    Parameters
+    ----------
+    tensor : array_like
+        On ``root`` the array to send; elsewhere one of its shape and dtype. Not modified.
+    backend : ferro_backend.Backend
+    root : int, default 0
+        The rank whose ``tensor`` every rank returns.
+    timeout, algorithm, out
+        As for :func:`allreduce` (``algorithm``: "auto", "tree" or "star").
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out`` (may be the input), or a new array: ``root``'s ``tensor``.
+
+    Raises
+    ------
+    InvalidRankError
+        ``root`` is not in ``[0, world_size)``.
+    TypeError, ValueError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for :func:`allreduce`.
+
+    Examples
+    --------
+    >>> run_ranks(lambda b: broadcast(np.array([b.rank]), b, root=1).tolist(), 2)
+    [[1], [1]]
     """
     return run(BROADCAST, tensor, backend, root, timeout, algorithm, out)
-
-
-def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-                    algorithm: str | None = None, out: np.ndarray | None = None) -> Work:
-    """:func:`broadcast` in the background."""
-    return submit(BROADCAST, tensor, backend, root, timeout, algorithm, out)
 
 
 def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
@@ -122,14 +137,31 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     Every rank passes the same shape and dtype. The result's dim 0 is ``world_size`` times the
     input's; a 0-d input gathers to shape ``[world_size]``; zero-size inputs keep their shape
     (dim 0 multiplied). Ring algorithm by default (bandwidth-optimal), ``"star"`` for the seed's.
+
+    Parameters
+    ----------
+    tensor : array_like
+        This rank's block. Not modified.
+    backend : ferro_backend.Backend
+    timeout, algorithm, out
+        As for :func:`allreduce` (``algorithm``: "auto", "ring" or "star").
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``, or a new array: the blocks concatenated, the same on every rank.
+
+    Raises
+    ------
+    TypeError, ValueError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for :func:`allreduce`.
+
+    Examples
+    --------
+    >>> run_ranks(lambda b: all_gather(np.array([b.rank]), b).tolist(), 2)
+    [[0, 1], [0, 1]]
     """
     return run(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
-
-
-def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
-                     algorithm: str | None = None, out: np.ndarray | None = None) -> Work:
-    """:func:`all_gather` in the background."""
-    return submit(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
@@ -137,15 +169,35 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
                    out: np.ndarray | None = None) -> np.ndarray:
     """Reduce across ranks, then rank ``r`` keeps the ``r``-th of ``world_size`` equal slices
     along dim 0 (dim 0 must be divisible by the world size: else SizeMismatchError).
-    ``out=``: a writable C-contiguous array of the slice's shape and dtype to fill."""
+
+    Parameters
+    ----------
+    tensor : array_like
+        This rank's contribution (not 0-d). Not modified.
+    backend : ferro_backend.Backend
+    op, timeout, algorithm
+        As for :func:`allreduce` (``algorithm``: "auto", "ring" or "star").
+    out : numpy.ndarray, optional
+        A writable C-contiguous array of the slice's shape and dtype to fill and return.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``, or a new array: this rank's slice of the reduction.
+
+    Raises
+    ------
+    SizeMismatchError (a ValueError)
+        Dim 0 not divisible by the world size, or a 0-d ``tensor``.
+    TypeError, ValueError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for :func:`allreduce`.
+
+    Examples
+    --------
+    >>> run_ranks(lambda b: reduce_scatter(np.arange(4) * (b.rank + 1), b).tolist(), 2)
+    [[0, 3], [6, 9]]
+    """
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
-
-
-def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
-                         timeout: float | None = None, algorithm: str | None = None,
-                         out: np.ndarray | None = None) -> Work:
-    """:func:`reduce_scatter` in the background."""
-    return submit(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 
 def barrier(backend: Backend, *, timeout: float | None = None) -> None:
@@ -154,6 +206,20 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     The barrier is the collectives' header exchange (Bruck's all-gather of a small header,
     ceil(log2 n) rounds), so a rank that calls another collective instead gets
     :class:`~ferro_backend.CollectiveMismatchError` on every rank rather than a hang.
+
+    Parameters
+    ----------
+    backend, timeout
+        As for :func:`allreduce`.
+
+    Raises
+    ------
+    TypeError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for :func:`allreduce`.
+
+    Examples
+    --------
+    >>> barrier(backend)  # every rank of backend's group calls it
     """
     run(BARRIER, None, backend, None, timeout)
 
@@ -167,9 +233,9 @@ def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM,
     tensor : array_like
         This rank's contribution; every rank passes the same shape and dtype. Not modified.
     backend : ferro_backend.Backend
-    root : int
+    root : int, default 0
         The rank that receives the result.
-    op : ReduceOp
+    op : ReduceOp, default ReduceOp.SUM
         As for :func:`allreduce`: SUM, MEAN (floats), MAX, MIN, PRODUCT, BAND/BOR/BXOR
         (integers and bool).
     timeout : float, optional
@@ -202,12 +268,6 @@ def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM,
     return run(REDUCE, tensor, backend, (root, op), timeout, None, out)
 
 
-def reduce_async(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM, *,
-                 timeout: float | None = None, out: np.ndarray | None = None) -> Work:
-    """:func:`reduce` in the background; ``Work.wait()`` returns its result (None off root)."""
-    return submit(REDUCE, tensor, backend, (root, op), timeout, None, out)
-
-
 def gather(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
            out: np.ndarray | None = None) -> np.ndarray | None:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order, on ``root`` only.
@@ -217,8 +277,22 @@ def gather(tensor, backend: Backend, root: int = 0, *, timeout: float | None = N
     array of the result's shape and dtype to fill (ignored elsewhere). Binomial tree for small
     blocks, direct sends to the root for large ones; the engine on a ``ShmBackend``.
 
-    Returns the gathered array on ``root``, None on the other ranks. Raises
-    :class:`~ferro_backend.InvalidRankError` for a root outside ``[0, world_size)``.
+    Parameters
+    ----------
+    tensor, backend, timeout, out
+        As for :func:`all_gather` (``out``: on the root only).
+    root : int, default 0
+        The rank that receives the result.
+
+    Returns
+    -------
+    numpy.ndarray or None
+        The gathered array on ``root``, None on the other ranks.
+
+    Raises
+    ------
+    InvalidRankError, TypeError, ValueError, CollectiveMismatchError, CollectiveTimeoutError
+        As for :func:`broadcast`.
 
     Examples
     --------
@@ -227,12 +301,6 @@ def gather(tensor, backend: Backend, root: int = 0, *, timeout: float | None = N
     [array([ 0,  0,  1, 10]), None]
     """
     return run(GATHER, tensor, backend, root, timeout, None, out)
-
-
-def gather_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-                 out: np.ndarray | None = None) -> Work:
-    """:func:`gather` in the background."""
-    return submit(GATHER, tensor, backend, root, timeout, None, out)
 
 
 def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
@@ -246,10 +314,17 @@ def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = 
         On ``root``: the array to split (dim 0 divisible by the world size, as for
         :func:`reduce_scatter`). The other ranks pass None (anything they pass is ignored).
     backend : ferro_backend.Backend
-    root : int
+    root : int, default 0
+        The rank whose ``tensor`` is split.
     timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     out : numpy.ndarray, optional
         A writable C-contiguous array of the chunk's shape and dtype to fill and return.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``, or a new array: chunk ``r`` on rank ``r``.
 
     Raises
     ------
@@ -272,13 +347,5 @@ def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = 
     return run(SCATTER, tensor, backend, root, timeout, None, out)
 
 
-def scatter_async(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
-                  out: np.ndarray | None = None) -> Work:
-    """:func:`scatter` in the background."""
-    return submit(SCATTER, tensor, backend, root, timeout, None, out)
-
-
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "all_gather", "all_gather_async", "allreduce",
-           "allreduce_async", "barrier", "broadcast", "broadcast_async", "gather",
-           "gather_async", "reduce", "reduce_async", "reduce_scatter", "reduce_scatter_async",
-           "scatter", "scatter_async"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "all_gather", "allreduce", "barrier", "broadcast",
+           "gather", "reduce", "reduce_scatter", "scatter"]

@@ -32,6 +32,27 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> l
     allowed), the same on every rank. A metadata round (ceil(log2 n) small messages) exchanges
     the row counts, then the ring all-gather moves the data. Inputs are not modified.
 
+    Parameters
+    ----------
+    tensor : array_like
+        This rank's rows (any dim 0, zero included). Not modified.
+    backend : ferro_backend.Backend
+    timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+
+    Returns
+    -------
+    list of numpy.ndarray
+        ``world_size`` new arrays, entry ``r`` rank ``r``'s ``tensor``; equal on every rank.
+
+    Raises
+    ------
+    TypeError
+        An unsupported dtype.
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
+        (CollectiveMismatchError: another dtype or trailing shape than a peer's.)
+
     Examples
     --------
     >>> from ferro_backend.testing import run_ranks
@@ -43,7 +64,18 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> l
 
 
 def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None) -> Work:
-    """:func:`all_gather_v` in the background; ``Work.wait()`` returns the list."""
+    """:func:`all_gather_v` in the background; ``Work.wait()`` returns the list.
+
+    Parameters
+    ----------
+    tensor, backend, timeout
+        As for :func:`all_gather_v`.
+
+    Returns
+    -------
+    Work
+        Its :meth:`~Work.wait` returns the list, or raises its error.
+    """
     return submit(ALL_GATHER_V, tensor, backend, None, timeout)
 
 
@@ -56,6 +88,29 @@ def all_to_all(tensors: Sequence, backend: Backend, *,
     (else CollectiveMismatchError on every rank). A list of the wrong length or mixed dtypes is
     a ValueError on that rank and a CollectiveMismatchError on the others. Pairwise exchange
     after a metadata round that exchanges the row counts. Inputs are not modified.
+
+    Parameters
+    ----------
+    tensors : sequence of array_like
+        ``world_size`` arrays, ``tensors[r]`` for rank ``r``. Not modified.
+    backend : ferro_backend.Backend
+    timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+
+    Returns
+    -------
+    list of numpy.ndarray
+        ``world_size`` new arrays, entry ``r`` what rank ``r`` sent to this rank.
+
+    Raises
+    ------
+    TypeError
+        ``tensors`` is not a list or tuple, or an unsupported dtype.
+    ValueError
+        Not ``world_size`` tensors, or mixed dtypes or trailing shapes: on this rank (the
+        others get CollectiveMismatchError).
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
 
     Examples
     --------
@@ -70,7 +125,18 @@ def all_to_all(tensors: Sequence, backend: Backend, *,
 
 def all_to_all_async(tensors: Sequence, backend: Backend, *,
                      timeout: float | None = None) -> Work:
-    """:func:`all_to_all` in the background."""
+    """:func:`all_to_all` in the background.
+
+    Parameters
+    ----------
+    tensors, backend, timeout
+        As for :func:`all_to_all`.
+
+    Returns
+    -------
+    Work
+        Its :meth:`~Work.wait` returns the list, or raises its error.
+    """
     return submit(ALL_TO_ALL, tensors, backend, None, timeout)
 
 
@@ -87,6 +153,34 @@ def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits
     (else CollectiveMismatchError). ``out=``: a writable C-contiguous array of the result's
     shape and dtype to fill and return. Inputs are not modified.
 
+    Parameters
+    ----------
+    tensor : array_like
+        The rows to send (not 0-d). Not modified.
+    backend : ferro_backend.Backend
+    send_splits, recv_splits : sequence of int, optional
+        ``world_size`` non-negative row counts sent to / received from each rank (default
+        None: dim 0 split equally, which must then be divisible by the world size).
+    timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+    out : numpy.ndarray, optional
+        A writable C-contiguous array of the result's shape and dtype to fill and return.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``out``, or a new array: the received rows, concatenated in rank order.
+
+    Raises
+    ------
+    SizeMismatchError (a ValueError)
+        Splits that do not add up to dim 0 or disagree between ranks, a 0-d ``tensor``, or
+        dim 0 not divisible when splits are None: on every rank.
+    ValueError, TypeError
+        Splits that are not ``world_size`` integers or are negative; ``out`` not a numpy array.
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective.
+
     Examples
     --------
     >>> from ferro_backend.testing import run_ranks
@@ -99,7 +193,18 @@ def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits
 
 def all_to_all_single_async(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
                             timeout: float | None = None, out: np.ndarray | None = None) -> Work:
-    """:func:`all_to_all_single` in the background."""
+    """:func:`all_to_all_single` in the background.
+
+    Parameters
+    ----------
+    tensor, backend, send_splits, recv_splits, timeout, out
+        As for :func:`all_to_all_single`.
+
+    Returns
+    -------
+    Work
+        Its :meth:`~Work.wait` returns the array, or raises its error.
+    """
     return submit(ALL_TO_ALL_SINGLE, tensor, backend, (send_splits, recv_splits), timeout,
                   None, out)
 
@@ -112,6 +217,21 @@ def broadcast_object(obj, backend: Backend, root: int = 0, *,
     returns a new object unpickled from the root's bytes (a binomial-tree broadcast after a
     small metadata round carrying the size). **Unpickling runs code chosen by the root: use
     this only among authenticated ranks.**
+
+    Parameters
+    ----------
+    obj : object
+        On ``root``: any picklable object. Ignored on the other ranks.
+    backend : ferro_backend.Backend
+    root : int, default 0
+        The rank whose ``obj`` every rank returns.
+    timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+
+    Returns
+    -------
+    object
+        ``obj`` itself on the root, an unpickled copy of it elsewhere.
 
     Raises
     ------
@@ -140,6 +260,19 @@ def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) ->
     Pickles of any size per rank (a metadata round exchanges the sizes, then the ring
     all-gather moves the bytes). **Unpickling runs code chosen by the sending rank: use this
     only among authenticated ranks.**
+
+    Parameters
+    ----------
+    obj : object
+        This rank's picklable object.
+    backend : ferro_backend.Backend
+    timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+
+    Returns
+    -------
+    list
+        ``world_size`` objects, entry ``r`` rank ``r``'s ``obj`` (unpickled anew).
 
     Raises
     ------

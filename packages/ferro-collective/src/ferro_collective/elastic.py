@@ -167,7 +167,18 @@ class ElasticState:
     def commit(self, step: int) -> bool:
         """Record ``step`` as completed (call right after the optimizer step, before any other
         collective); True when the members agreed to take a waiting newcomer in, in which case
-        every member is now in the next generation with the state in place. Collective."""
+        every member is now in the next generation with the state in place. Collective.
+
+        Parameters
+        ----------
+        step : int
+            The training step just completed (a newcomer resumes after it).
+
+        Returns
+        -------
+        bool
+            True when a newcomer joined (the generation changed), False otherwise.
+        """
         self.step = step
         flag = np.array([1 if self.job.pending() else 0], np.int32)
         if not allreduce(flag, self.job.backend, ReduceOp.MAX)[0]:
@@ -180,7 +191,13 @@ class ElasticState:
     def recover(self, error: BaseException) -> None:
         """After ``error`` (one of :data:`RECOVERABLE`) ended the generation: move to the
         next one and copy the state in. Raises :class:`ferro_backend.elastic.ElasticError`
-        when the job cannot go on (fewer members than its minimum)."""
+        when the job cannot go on (fewer members than its minimum).
+
+        Parameters
+        ----------
+        error : BaseException
+            The error that ended the generation (PeerClosedError, CollectiveTimeoutError...).
+        """
         self._change(error)
 
     def _change(self, error: BaseException | None) -> None:

@@ -38,6 +38,12 @@ def set_mismatch_check(enabled: bool) -> None:
 
     It must be set the same way on every rank. Off saves ceil(log2 n) small-message rounds per
     call; a mismatched call then fails with a size error or a timeout instead.
+
+    Parameters
+    ----------
+    enabled : bool
+        True checks every call's collective, dtype, shape, op and root against the peers'
+        (the default, from ``FERRO_COLLECTIVE_CHECK``); False skips the check.
     """
     global _check
     _check = bool(enabled)

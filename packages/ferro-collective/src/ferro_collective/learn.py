@@ -83,7 +83,31 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     """Measure this job (see the module docstring) and make "auto" plan with the result on
     ``backend`` and its hierarchy's groups; returns the learned parameters (the same on every
     rank). A collective: every rank of ``backend`` must call it. Takes under a second (0.75 s
-    on 4 ranks of 2 emulated nodes on 2 cores)."""
+    on 4 ranks of 2 emulated nodes on 2 cores).
+
+    Parameters
+    ----------
+    backend : ferro_backend.Backend
+        The group to measure (and its hierarchy's node and cross groups, if it has one).
+    reps : int, default 7
+        Timed repetitions per figure (their median is used).
+    timeout : float, optional
+        Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+
+    Returns
+    -------
+    ferro_collective.costmodel.Params
+        The latency, bandwidth and per-call figures "auto" now plans with.
+
+    Raises
+    ------
+    CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+        As for every collective (it runs barriers, allreduces and a broadcast).
+
+    Examples
+    --------
+    >>> params = learn_network(backend)  # once, after the backend is up, on every rank
+    """
     n, rank = backend.world_size, backend.rank
     wait = backend.resolve_timeout(timeout, "learn_network: timeout")
     h = getattr(backend, "hierarchy", None)

@@ -18,7 +18,18 @@ except ImportError:  # pragma: no cover - exercised only without ml_dtypes
 
 
 class ReduceOp(enum.Enum):
-    """Element-wise reduction of a collective."""
+    """Element-wise reduction of a collective.
+
+    Passed as ``op`` to :func:`allreduce`, :func:`reduce_scatter` and :func:`reduce`; MEAN
+    takes float dtypes only, BAND/BOR/BXOR integer and bool dtypes only.
+
+    Parameters
+    ----------
+    value : str or ReduceOp
+        ``ReduceOp("sum")`` is ``ReduceOp.SUM`` (ValueError for an unknown value).
+    names, module, qualname, type, start, boundary
+        :class:`enum.Enum`'s functional API; not used by ferro.
+    """
 
     SUM = "sum"
     MEAN = "mean"

@@ -35,7 +35,18 @@ STALL_FRACTION = 0.5
 
 
 def set_stall_report(fraction: float) -> None:
-    """Log a stall report once a collective has waited ``fraction`` of its timeout (0 < f <= 1)."""
+    """Log a stall report once a collective has waited ``fraction`` of its timeout (0 < f <= 1).
+
+    Parameters
+    ----------
+    fraction : float
+        The share of the timeout after which a waiting collective logs what it waits for.
+
+    Raises
+    ------
+    ValueError
+        ``fraction`` is not in ``(0, 1]``.
+    """
     global STALL_FRACTION
     if not 0 < fraction <= 1:
         raise ValueError(f"stall report fraction {fraction} is not in (0, 1]")

@@ -32,21 +32,19 @@ def _describe(tensor, backend, algorithm) -> dict:
 
 
 class _EngineWaits:
-    """The seconds ``backend``'s engine steps wait for their peers during one call (its
-    SlotEngine's clock on for the call); nothing for a backend without the engine."""
+    """The seconds ``backend``'s engine steps wait for their peers during one call (their
+    waits timed for the call); nothing for a backend without the engine."""
 
     def __init__(self, backend) -> None:
         engine = getattr(backend, "engine", None)
         self.slots = None if engine is None else engine.slots
         if self.slots is not None:
-            self.was_on, self.slots.clock = self.slots.clock, True
-            self.start = self.slots.waited
+            self.start = self.slots.timed_waits(True)
 
     def args(self) -> dict:
         if self.slots is None:
             return {}
-        self.slots.clock = self.was_on
-        return {"wait_us": round((self.slots.waited - self.start) * 1e6, 1)}
+        return {"wait_us": round((self.slots.timed_waits(False) - self.start) * 1e6, 1)}
 
 
 def traced_call(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):

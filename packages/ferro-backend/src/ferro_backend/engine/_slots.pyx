@@ -87,8 +87,7 @@ HEADER_SEQ_OFFSET = FERRO_SEQ_OFF
 def header_hash(const unsigned char[::1] header) -> int:
     """The hash a rank publishes with a step's ``header``, without its sequence number (what
     the :meth:`SlotEngine.api` steps take, computed once per call signature)."""
-    return ferro_header_hash(&header[0], header.shape[0]) if header.shape[0] else \
-        ferro_header_hash(NULL, 0)
+    return ferro_header_hash(&header[0] if header.shape[0] else NULL, header.shape[0])
 
 
 cdef class SlotEngine:
@@ -128,20 +127,10 @@ cdef class SlotEngine:
     def sent(self) -> int:
         return self.s.sent
 
-    @property
-    def waited(self) -> float:
-        """Seconds this rank's steps have waited for their peers while :attr:`clock` was on
-        (a timeline's ``wait_us``)."""
-        return self.s.waited
-
-    @property
-    def clock(self) -> bool:
-        """Whether the steps time their waits for peers (off: not even a clock read)."""
-        return self.s.clock != 0
-
-    @clock.setter
-    def clock(self, bint on):
+    def timed_waits(self, bint on) -> float:
+        """Time the steps' waits for peers (``on``) or not; the seconds waited while timed."""
         self.s.clock = on
+        return self.s.waited
 
     @property
     def slot_bytes(self) -> int:
