@@ -40,7 +40,12 @@ class Request(abc.ABC):
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete (at most ``timeout`` seconds; None: the backend's timeout) and
-        raise what the operation raised; :class:`CollectiveTimeoutError` when time runs out."""
+        raise what the operation raised; :class:`CollectiveTimeoutError` when time runs out.
+
+        Parameters
+        ----------
+        timeout : float, optional
+        """
 
     @abc.abstractmethod
     def is_completed(self) -> bool:
@@ -147,6 +152,11 @@ class Backend(abc.ABC):
 
         Returns once ``data`` may be reused. Raises :class:`InvalidRankError` for a bad ``dst``
         (or ``dst == rank``), :class:`PeerClosedError` if ``dst`` is gone.
+
+        Parameters
+        ----------
+        data, dst, tag
+            A buffer-protocol object (bytes, C-contiguous array...); a rank; an int, default 0.
         """
 
     @abc.abstractmethod
@@ -157,6 +167,11 @@ class Backend(abc.ABC):
         bytes, :class:`CollectiveTimeoutError` after ``timeout`` seconds (default:
         :attr:`Backend.timeout`), :class:`PeerClosedError`/:class:`PeerAbortedError` if ``src`` closed,
         died or aborted.
+
+        Parameters
+        ----------
+        out, src, tag, timeout
+            A writable buffer; a rank; an int, default 0; seconds (float), optional.
         """
 
     def _send_view(self, data: Any, dst: int, tag: int) -> memoryview:
@@ -206,7 +221,12 @@ class Backend(abc.ABC):
         return _DoneRequest()
 
     def barrier(self, *, timeout: float | None = None) -> None:
-        """Block until every rank has entered the barrier (dissemination: ceil(log2 n) rounds)."""
+        """Block until every rank has entered the barrier (dissemination: ceil(log2 n) rounds).
+
+        Parameters
+        ----------
+        timeout : float, optional
+        """
         n, me = self.world_size, self.rank
         deadline = time.monotonic() + self.resolve_timeout(timeout, "barrier: timeout")
         step, round_ = 1, 0
@@ -228,7 +248,12 @@ class Backend(abc.ABC):
             round_ += 1
 
     def abort(self, reason: str) -> None:  # noqa: B027 - optional for foreign transports
-        """Tell every peer that this rank failed; their blocked calls raise PeerAbortedError."""
+        """Tell every peer that this rank failed; their blocked calls raise PeerAbortedError.
+
+        Parameters
+        ----------
+        reason : str
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -315,7 +340,6 @@ def rank_ranges(ranks: list[int]) -> str:
             start = r
         prev = r
     return ", ".join(parts)
-
 
 
 class FixedRanks:

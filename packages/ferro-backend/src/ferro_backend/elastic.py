@@ -51,6 +51,19 @@ class JobFinishedError(ElasticError):
 class ElasticJob:
     """This rank's membership of an elastic job (made by :func:`join`).
 
+    Parameters
+    ----------
+    address : str
+        ``"host:port"`` of the job's coordinator (``FERRO_ELASTIC``).
+    token : str
+        The job's secret (``FERRO_TOKEN``).
+    node : str, optional
+        This rank's node key.
+    join_timeout : float, default 120.0
+        Seconds to wait to be taken into a generation.
+    **backend_kwargs
+        Keyword arguments of each generation's backend constructor.
+
     Attributes
     ----------
     backend : Backend
@@ -110,7 +123,12 @@ class ElasticJob:
     def pending(self) -> bool:
         """True when a newcomer waits to be taken in (this rank's view, without blocking): the
         members must agree on it at one step boundary (``ElasticState.should_rebuild``) and
-        then all call :meth:`rebuild`."""
+        then all call :meth:`rebuild`.
+
+        Returns
+        -------
+        bool
+        """
         if not self._pending:
             ready, _, _ = select.select([self._sock], [], [], 0)
             if ready:
@@ -122,7 +140,16 @@ class ElasticJob:
         completed (-1 if it holds no state). ``reason`` (the error that ended the generation)
         makes this rank abort its old backend, so peers still blocked in it wake at once.
 
-        Raises :class:`ElasticError` when the job cannot go on."""
+        Parameters
+        ----------
+        step : int
+        reason : str, optional
+
+        Raises
+        ------
+        ElasticError
+            The job cannot go on.
+        """
         old, self.backend = self.backend, None
         if old is not None:
             try:
@@ -252,6 +279,15 @@ def join(**backend_kwargs: Any) -> ElasticJob:
     """Join the elastic job ferrorun started this rank in (``FERRO_ELASTIC`` names its
     coordinator, ``FERRO_TOKEN`` the secret); blocks until this rank is in a generation.
     Keyword arguments go to each generation's backend constructor.
+
+    Parameters
+    ----------
+    **backend_kwargs
+        Keyword arguments of each generation's backend constructor.
+
+    Returns
+    -------
+    ElasticJob
 
     Raises
     ------

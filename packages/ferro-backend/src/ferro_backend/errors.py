@@ -30,7 +30,17 @@ class CollectiveTimeoutError(DistributedError, TimeoutError):
 
 class PeerClosedError(DistributedError, ConnectionError):
     """A peer closed its end or died while this rank was talking to it. ``clean``: the peer
-    closed its backend in order (often after an error of its own), rather than dying."""
+    closed its backend in order (often after an error of its own), rather than dying.
+
+    Parameters
+    ----------
+    message : str
+        The error message (names the ranks and the operation).
+    peer : int, optional
+        The peer's rank, kept as the ``peer`` attribute (None: not known).
+    clean : bool, default False
+        Kept as the ``clean`` attribute.
+    """
 
     def __init__(self, message: str, *, peer: int | None = None, clean: bool = False) -> None:
         super().__init__(message)
@@ -39,7 +49,17 @@ class PeerClosedError(DistributedError, ConnectionError):
 
 
 class PeerAbortedError(PeerClosedError):
-    """A peer called ``Backend.abort(reason)``: the job is failing, stop waiting."""
+    """A peer called ``Backend.abort(reason)``: the job is failing, stop waiting.
+
+    Parameters
+    ----------
+    message : str
+        The error message.
+    peer : int, optional
+        The aborting rank, kept as the ``peer`` attribute.
+    reason : str, default ""
+        The ``reason`` the peer gave, kept as the ``reason`` attribute.
+    """
 
     def __init__(self, message: str, *, peer: int | None = None, reason: str = "") -> None:
         super().__init__(message, peer=peer)

@@ -34,7 +34,23 @@ _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
 
 
 class MpiBackend(FixedRanks, Backend):
-    """A ferro ``Backend`` over an MPI communicator (default: a duplicate of COMM_WORLD)."""
+    """A ferro ``Backend`` over an MPI communicator (default: a duplicate of COMM_WORLD).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm, optional
+        The communicator to duplicate (default ``MPI.COMM_WORLD``); collective over its ranks.
+    timeout : float, default 60.0
+        :attr:`Backend.timeout`: the default deadline, in seconds, of receives, barriers and
+        collectives on this backend.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        mpi4py is not installed.
+    ValueError
+        A timeout that is negative, NaN or not a number.
+    """
 
     def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         from mpi4py import MPI
@@ -57,7 +73,17 @@ class MpiBackend(FixedRanks, Backend):
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> MpiBackend:
-        """The job's COMM_WORLD (the launcher, mpirun or srun, sets the ranks)."""
+        """The job's COMM_WORLD (the launcher, mpirun or srun, sets the ranks).
+
+        Parameters
+        ----------
+        **kwargs
+            The constructor's keyword arguments (``timeout``).
+
+        Returns
+        -------
+        MpiBackend
+        """
         return cls(**kwargs)
 
     @property
@@ -70,18 +96,36 @@ class MpiBackend(FixedRanks, Backend):
         return self._box
 
     def on_failure(self, callback) -> None:
-        """Call ``callback()`` on every failure this rank learns of (an abort, this close)."""
+        """Call ``callback()`` on every failure this rank learns of (an abort, this close).
+
+        Parameters
+        ----------
+        callback : callable
+            Called with no arguments.
+        """
         self._box.add_failure_callback(callback)
 
     def on_close(self, callback) -> None:
-        """Call ``callback()`` when this backend closes (e.g. a node's engine)."""
+        """Call ``callback()`` when this backend closes (e.g. a node's engine).
+
+        Parameters
+        ----------
+        callback : callable
+            Called with no arguments.
+        """
         self._closers.append(callback)
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         return self._box.failure(op, peer)
 
     def routes(self) -> list:
-        """No routes: every message of this backend travels over MPI."""
+        """No routes: every message of this backend travels over MPI.
+
+        Returns
+        -------
+        list
+            Empty.
+        """
         return []
 
     def _mpi_tag(self, tag: int) -> int:
@@ -188,7 +232,13 @@ class MpiBackend(FixedRanks, Backend):
         return f"MPI ({lib})", f"MPI ({lib})"
 
     def abort(self, reason: str) -> None:
-        """Tell every peer that this rank failed (their receives raise PeerAbortedError)."""
+        """Tell every peer that this rank failed (their receives raise PeerAbortedError).
+
+        Parameters
+        ----------
+        reason : str
+            Why (peers' errors carry it).
+        """
         if self._box.closed:
             return
         data = reason.encode()[:60000]

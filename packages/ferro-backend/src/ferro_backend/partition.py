@@ -12,6 +12,25 @@ from __future__ import annotations
 def split_sizes(n: int, parts: int) -> tuple[int, ...]:
     """Sizes of ``parts`` contiguous pieces of ``n`` items; the first ``n % parts`` get one more.
 
+    Parameters
+    ----------
+    n : int
+        The number of items (0 or more).
+    parts : int
+        The number of pieces (1 or more): one per rank.
+
+    Returns
+    -------
+    tuple of int
+        ``parts`` sizes, in rank order, summing to ``n``.
+
+    Raises
+    ------
+    ValueError
+        ``n`` is negative or ``parts`` is less than 1 (names both).
+
+    Examples
+    --------
     >>> split_sizes(10, 4)
     (3, 3, 2, 2)
     """
@@ -36,7 +55,28 @@ def split_bounds(n: int, parts: int) -> tuple[tuple[int, int], ...]:
 
 
 def split_starts(n: int, parts: int) -> tuple[int, ...]:
-    """The start offset of each piece of :func:`split_sizes`."""
+    """The start offset of each piece of :func:`split_sizes`.
+
+    Parameters
+    ----------
+    n, parts : int
+        As for :func:`split_sizes`.
+
+    Returns
+    -------
+    tuple of int
+        ``parts`` offsets, in rank order (the first is 0).
+
+    Raises
+    ------
+    ValueError
+        As :func:`split_sizes`.
+
+    Examples
+    --------
+    >>> split_starts(10, 4)
+    (0, 3, 6, 8)
+    """
     return tuple(s for s, _ in split_bounds(n, parts))
 
 

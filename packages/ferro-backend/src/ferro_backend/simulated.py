@@ -17,7 +17,21 @@ from .netsim import Network, TimedRequest, VirtualTime
 
 
 class SimulatedBackend(FixedRanks, Backend):
-    """One rank of an in-process group made by :meth:`~ferro_backend.SimulatedBackend.create_group`."""
+    """One rank of an in-process group made by :meth:`~ferro_backend.SimulatedBackend.create_group`.
+
+    Build groups with :meth:`create_group`; the constructor is its building block.
+
+    Parameters
+    ----------
+    mailboxes : list of ferro_backend.mailbox.Mailbox
+        Every rank's receive side, index = rank (the group's size is their number).
+    rank : int
+        This rank's index in ``mailboxes``.
+    timeout : float
+        :attr:`Backend.timeout`, in seconds.
+    vt : ferro_backend.netsim.VirtualTime, optional
+        The group's virtual clocks when it runs on a modelled network.
+    """
 
     def __init__(self, mailboxes: list[Mailbox], rank: int, timeout: float,
                  vt: VirtualTime | None = None) -> None:
@@ -37,17 +51,45 @@ class SimulatedBackend(FixedRanks, Backend):
                      hierarchical: bool = False) -> list[SimulatedBackend]:
         """Create ``world_size`` connected backends; index ``i`` is rank ``i``.
 
-        ``timeout`` is every rank's :attr:`Backend.timeout`: the default deadline of its
-        receives, barriers and collectives. ``network``: a :class:`~ferro_backend.netsim.Network`
-        whose links every message is charged to in virtual time (``backend.clock``).
-        ``hierarchical``: give every rank a simulated :class:`~ferro_backend.hierarchy.Hierarchy`
-        from ``network``'s node layout (``backend.hierarchy``; needs ``network``, at least 2
-        ranks per node and 2 nodes), so ferro-collective's hierarchical collectives run on it
-        (their node stages over the intra-node links, in virtual time).
+        Parameters
+        ----------
+        world_size : int
+            The number of ranks (at least 1).
+        timeout : float, default 60.0
+            Every rank's :attr:`Backend.timeout`: the default deadline of its receives,
+            barriers and collectives.
+        network : ferro_backend.netsim.Network, optional
+            A :class:`~ferro_backend.netsim.Network` whose links every message is charged to in
+            virtual time (``backend.clock``).
+        hierarchical : bool, default False
+            Give every rank a simulated :class:`~ferro_backend.hierarchy.Hierarchy` from
+            ``network``'s node layout (``backend.hierarchy``; needs ``network``, at least 2
+            ranks per node and 2 nodes), so ferro-collective's hierarchical collectives run on
+            it (their node stages over the intra-node links, in virtual time).
 
-        Raises :class:`InvalidWorldSizeError` for ``world_size < 1``, ValueError for a
-        timeout that is negative, NaN or not a number, or ``hierarchical`` without a network
-        of several nodes.
+        Returns
+        -------
+        list of SimulatedBackend
+            The group's ranks, index ``i`` being rank ``i``; run each in a thread.
+
+        Raises
+        ------
+        InvalidWorldSizeError
+            ``world_size < 1``.
+        ValueError
+            A timeout that is negative, NaN or not a number, or ``hierarchical`` without a
+            network of several nodes.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from ferro_backend import SimulatedBackend
+        >>> a, b = SimulatedBackend.create_group(2, timeout=5.0)
+        >>> a.send(np.arange(3.0), dst=1)
+        >>> out = np.empty(3)
+        >>> b.recv(out, src=0)
+        >>> out.tolist()
+        [0.0, 1.0, 2.0]
         """
         check_world_size(world_size)
         timeout = check_timeout(timeout, "SimulatedBackend.create_group: timeout")
@@ -91,6 +133,19 @@ class SimulatedBackend(FixedRanks, Backend):
         - ``"delay"``: each message is delivered ``delay`` seconds late (a slow rank).
 
         Example: ``group[1].inject(after_messages=5, fault="kill")``.
+
+        Parameters
+        ----------
+        after_messages : int, default 0
+            Sends of this rank that still go through before the fault.
+        fault : {"kill", "freeze", "delay"}, default "kill"
+        delay : float, default 0.1
+            Seconds each message is late (``fault="delay"``).
+
+        Raises
+        ------
+        ValueError
+            An unknown ``fault``, ``after_messages`` not an int >= 0, or a bad ``delay``.
         """
         if fault not in ("kill", "freeze", "delay"):
             raise ValueError(f"inject: fault {fault!r} is not 'kill', 'freeze' or 'delay'")

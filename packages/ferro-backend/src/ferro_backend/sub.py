@@ -18,7 +18,32 @@ from .errors import InvalidRankError, InvalidWorldSizeError
 
 
 class SubBackend(FixedRanks, Backend):
-    """A subgroup of ``parent``'s ranks; ``parent`` may itself be a :class:`SubBackend`."""
+    """A subgroup of ``parent``'s ranks; ``parent`` may itself be a :class:`SubBackend`.
+
+    Every member constructs it with the same ``members`` and ``name``; a non-member cannot.
+
+    Parameters
+    ----------
+    parent : Backend
+        The backend whose ranks the subgroup takes (it keeps owning the transport).
+    members : iterable of int
+        The parent ranks of the subgroup (duplicates ignored); local rank ``i`` is the
+        ``i``-th smallest. Must include ``parent.rank``.
+    name : str, default ""
+        Tells apart subgroups of the same members (it enters the subgroup's tag id).
+
+    Raises
+    ------
+    InvalidWorldSizeError
+        ``members`` is empty.
+    InvalidRankError
+        A member out of the parent's range, or this rank is not a member.
+
+    Examples
+    --------
+    >>> evens = SubBackend(backend, range(0, backend.world_size, 2))  # on the even ranks
+    >>> evens.barrier()
+    """
 
     def __init__(self, parent: Backend, members: Iterable[int], *, name: str = "") -> None:
         members = list(members)
@@ -77,16 +102,51 @@ class SubBackend(FixedRanks, Backend):
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         """The root transport's failure for local rank ``peer``'s rank (see
-        :meth:`Backend.peer_failure`)."""
+        :meth:`Backend.peer_failure`).
+
+        Parameters
+        ----------
+        op : str
+            The operation that asks (named in the error).
+        peer : int
+            A local rank.
+
+        Returns
+        -------
+        BaseException or None
+        """
         return self._root.peer_failure(op, self._global[peer])
 
     def to_global(self, local: int) -> int:
-        """The parent rank of local rank ``local`` (InvalidRankError if out of range)."""
+        """The parent rank of local rank ``local`` (InvalidRankError if out of range).
+
+        Parameters
+        ----------
+        local : int
+
+        Returns
+        -------
+        int
+
+        Raises
+        ------
+        InvalidRankError
+            ``local`` is not in ``[0, world_size)``.
+        """
         check_rank(local, len(self._members), "SubBackend.to_global: local rank")
         return self._members[local]
 
     def to_local(self, global_rank: int) -> int | None:
-        """The local rank of parent rank ``global_rank``, or None if it is not a member."""
+        """The local rank of parent rank ``global_rank``, or None if it is not a member.
+
+        Parameters
+        ----------
+        global_rank : int
+
+        Returns
+        -------
+        int or None
+        """
         try:
             return self._members.index(global_rank)
         except ValueError:
@@ -111,7 +171,18 @@ class SubBackend(FixedRanks, Backend):
         return _LocalSource(self._root.irecv(out, g, tag=t), self.to_local)
 
     def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
-        """From any member: the subgroup's tags are its own, so only members' messages match."""
+        """From any member: the subgroup's tags are its own, so only members' messages match.
+
+        Parameters
+        ----------
+        out : writable buffer
+        tag : int, default 0
+
+        Returns
+        -------
+        Request
+            Once complete, its ``source`` is the sender's local rank.
+        """
         check_tag(tag, (1 << GROUP_TAG_SHIFT) - 1)
         return _LocalSource(self._root.irecv_any(out, tag=self._tag_base | tag), self.to_local)
 
@@ -120,7 +191,13 @@ class SubBackend(FixedRanks, Backend):
         return self._root.isend(data, g, tag=t)
 
     def abort(self, reason: str) -> None:
-        """Aborts the whole job: a failing rank fails every group it is in."""
+        """Aborts the whole job: a failing rank fails every group it is in.
+
+        Parameters
+        ----------
+        reason : str
+            Why (peers' :class:`PeerAbortedError` carries it).
+        """
         self._root.abort(reason)
 
     def close(self) -> None:

@@ -153,8 +153,32 @@ def _wrap_p2p(backend) -> Callable[[], None]:
 @contextlib.contextmanager
 def trace(path, *, backend=None, rank: int | None = None) -> Iterator[None]:
     """Trace this process inside the block and write ``path`` (trace-event JSON) at its end.
-    ``backend``: also trace its point-to-point calls (and name the file's process after its
-    rank); ``rank``: the process's number in the file when no backend is given."""
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The trace-event JSON file written when the block ends (open it in Perfetto or
+        ``chrome://tracing``).
+    backend : ferro_backend.Backend, optional
+        Also trace its point-to-point calls (and name the file's process after its rank).
+    rank : int, optional
+        The process's number in the file when no backend is given (default 0).
+
+    Yields
+    ------
+    None
+        The block runs traced.
+
+    Raises
+    ------
+    RuntimeError
+        This process is already tracing.
+
+    Examples
+    --------
+    >>> with trace("rank0.json", backend=backend):
+    ...     allreduce(x, backend)
+    """
     who = rank if rank is not None else (backend.rank if backend is not None else 0)
     _start(who)
     undo = _wrap_p2p(backend) if backend is not None else (lambda: None)

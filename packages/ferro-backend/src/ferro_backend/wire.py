@@ -49,7 +49,23 @@ def _byte_view(op: str, index: int, arr: np.ndarray, *, writable: bool) -> memor
 
 
 def packed_nbytes(arrays: Sequence[np.ndarray]) -> int:
-    """Bytes that :func:`pack` writes for ``arrays``."""
+    """Bytes that :func:`pack` writes for ``arrays``.
+
+    Parameters
+    ----------
+    arrays : sequence of array_like
+        The arrays to pack (any shape and supported dtype).
+
+    Returns
+    -------
+    int
+        The sum of the arrays' ``nbytes``: the size of :func:`pack`'s buffer.
+
+    Examples
+    --------
+    >>> packed_nbytes([np.zeros(3, np.float32), np.zeros(2, np.int8)])
+    14
+    """
     return sum(np.asarray(a).nbytes for a in arrays)
 
 
@@ -59,10 +75,13 @@ def pack(arrays: Sequence[np.ndarray], out: np.ndarray | None = None, *,
 
     Parameters
     ----------
-    arrays
+    arrays : sequence of numpy.ndarray
         C-contiguous numpy arrays (any shape) of numeric or bool dtype.
-    out
+    out : numpy.ndarray, optional
         Optional writable ``uint8`` buffer of exactly :func:`packed_nbytes` bytes.
+    native_is_wire : bool, default: this host is little-endian
+        Whether native-order arrays are already in wire (little-endian) order; for tests of
+        the byte-swapping path.
 
     Returns
     -------
@@ -75,6 +94,12 @@ def pack(arrays: Sequence[np.ndarray], out: np.ndarray | None = None, *,
         ``out`` has the wrong number of bytes.
     ValueError, TypeError
         A non-contiguous array or an unsupported dtype.
+
+    Examples
+    --------
+    >>> buf = pack([np.arange(3, dtype=np.float32), np.array([7], np.int64)])
+    >>> buf.dtype, buf.nbytes
+    (dtype('uint8'), 20)
     """
     arrays = [np.asarray(a) for a in arrays]
     total = 0
@@ -99,12 +124,30 @@ def unpack(buffer, outs: Sequence[np.ndarray], *,
            native_is_wire: bool = _NATIVE_IS_WIRE) -> None:
     """Fill each array of ``outs`` from consecutive bytes of the wire ``buffer``.
 
+    Parameters
+    ----------
+    buffer : buffer-like
+        The wire bytes (:func:`pack`'s result, or any buffer: ``bytes``, ``memoryview``, numpy
+        array).
+    outs : sequence of numpy.ndarray
+        Writable C-contiguous destinations, in :func:`pack`'s order; their total ``nbytes``
+        must equal the buffer's length.
+    native_is_wire : bool, default: this host is little-endian
+        As for :func:`pack`.
+
     Raises
     ------
     SizeMismatchError
         The arrays' total size differs from the buffer's length.
     ValueError, TypeError
         A destination that is read-only, not contiguous, or of an unsupported dtype.
+
+    Examples
+    --------
+    >>> a, b = np.empty(3, np.float32), np.empty(1, np.int64)
+    >>> unpack(pack([np.arange(3, dtype=np.float32), np.array([7], np.int64)]), [a, b])
+    >>> a.tolist(), b.tolist()
+    ([0.0, 1.0, 2.0], [7])
     """
     src = memoryview(buffer).cast("B") if not isinstance(buffer, np.ndarray) else memoryview(
         np.ascontiguousarray(buffer).reshape(-1).view(np.uint8))

@@ -232,7 +232,13 @@ class ShardedStateDicts:
     """FSDP's whole-model views and sharded state dicts (a mixin of :class:`~ferro_fsdp.FSDP`)."""
 
     def full_state_dict(self) -> dict[str, np.ndarray]:
-        """``{name: full parameter}`` on every rank (copies). Collective for sharded strategies."""
+        """``{name: full parameter}`` on every rank (copies). Collective for sharded strategies.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            In ``named_parameters`` order.
+        """
         if self._spec.shards_params:
             full = self._gather()
         else:
@@ -252,6 +258,29 @@ class ShardedStateDicts:
         FULL_SHARD / SHARD_GRAD_OP / NO_SHARD save ferro-checkpoint's own split
         (``sizes[r] = n // W + (r < n % W)``); HYBRID_SHARD saves the first node's chunks and
         empty pieces elsewhere. No communication.
+
+        Parameters
+        ----------
+        optimizer : ferro_fsdp.optim.Optimizer, optional
+            An optimizer built on ``module.parameters()``: its state is saved too.
+
+        Returns
+        -------
+        tensors : dict of str to numpy.ndarray
+            This rank's 1-d piece of each tensor.
+        specs : dict of str to tuple
+            ``(full_shape, shard_dim, shard_sizes)`` of each tensor.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``optimizer`` has no ``.state``, or does not hold the module's parameters.
+
+        Examples
+        --------
+        >>> tensors, specs = fsdp.sharded_state_dict(opt)
+        >>> meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
+        >>> save_distributed(tensors, "ckpt", rank, world, meta)  # ferro_checkpoint
         """
         return save(self._state_plan(), optimizer)
 
@@ -264,10 +293,24 @@ class ShardedStateDicts:
         state is loaded into ``optimizer`` (built on ``module.parameters()``); keys it does not
         find start fresh. Collective: every rank must call it.
 
+        Parameters
+        ----------
+        tensors : dict of str to array_like
+            This rank's piece of every parameter (and optimizer state) key, or the full tensors.
+        optimizer : ferro_fsdp.optim.Optimizer, optional
+            Receives the saved optimizer state.
+
         Raises
         ------
         ValueError
             Missing parameter keys, unexpected keys, or pieces that do not add up (same on all ranks).
+        TypeError
+            ``optimizer`` has no ``.state``.
+
+        Examples
+        --------
+        >>> tensors = load_distributed("ckpt", rank, world)  # ferro_checkpoint, any world size
+        >>> fsdp.load_sharded_state_dict(tensors, opt)
         """
         load(self._state_plan(), tensors, optimizer)
 

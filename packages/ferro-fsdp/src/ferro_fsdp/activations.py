@@ -47,6 +47,16 @@ class GELU(Module):
     except the float64 exact forward, which keeps libm's scalar erf (7-10x numpy's exact
     GELU, 0.8-1x numpy's cheaper tanh approximation). There is no faster numpy path to pick.
     The erf forward keeps ``Phi(x)`` for the backward; the tanh backward recomputes from ``x``.
+
+    Parameters
+    ----------
+    approximate : {"none", "tanh"}, default "none"
+        The exact erf form or torch's tanh approximation.
+
+    Raises
+    ------
+    ValueError
+        Another ``approximate``.
     """
 
     def __init__(self, approximate: str = "none") -> None:

@@ -31,6 +31,22 @@ class CausalSelfAttention(Module):
     num_heads``) and computes ``softmax(q k^T / sqrt(d) + causal mask) v``; the heads are
     concatenated in order and projected by ``proj``. ``embed_dim`` not divisible by
     ``num_heads`` raises ``ValueError``.
+
+    Parameters
+    ----------
+    embed_dim, num_heads : int
+        Model width and number of heads (positive; ``embed_dim % num_heads == 0``).
+    bias : bool, default True
+        Whether ``qkv`` and ``proj`` have biases.
+    dtype : numpy dtype, default numpy.float32
+        The parameters' floating dtype.
+    rng : int, numpy.random.Generator or None, default None
+        Seed or generator of the initialisation.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A size that is not a positive int or not divisible; a dtype that is not floating.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, *,
@@ -100,6 +116,35 @@ class TransformerBlock(Module):
     and ``drop = Dropout(dropout)`` (no parameters: torch's equivalent is ``nn.LayerNorm``,
     ``nn.Linear``, ``nn.GELU`` and ``nn.Dropout`` in the same places). ``x [..., seq,
     embed_dim] -> same shape``; ``backward`` returns the gradient wrt ``x``.
+
+    Parameters
+    ----------
+    embed_dim, num_heads : int
+        As for :class:`CausalSelfAttention`.
+    mlp_ratio : int, default 4
+        The MLP's hidden width is ``mlp_ratio * embed_dim``.
+    dropout : float, default 0.0
+        Probability of both Dropouts.
+    bias : bool, default True
+        Whether the Linear layers have biases.
+    approximate : {"none", "tanh"}, default "none"
+        The GELU's form.
+    eps : float, default 1e-5
+        The LayerNorms' ``eps``.
+    dtype : numpy dtype, default numpy.float32
+        The parameters' floating dtype.
+    rng : int, numpy.random.Generator or None, default None
+        Seed or generator of the initialisation (shared by the children, in order).
+
+    Raises
+    ------
+    ValueError, TypeError
+        As the children raise for these arguments (sizes, ``dropout``, ``approximate``, dtype).
+
+    Examples
+    --------
+    >>> block = TransformerBlock(64, 4, rng=0)
+    >>> y = block(np.zeros((2, 16, 64), np.float32))  # same shape
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, mlp_ratio: int = 4,

@@ -34,27 +34,36 @@ from .wrapper import ModuleWrapper
 class DistributedDataParallel(ModuleWrapper):
     """Data parallel training of ``module`` over ``backend`` (every rank holds the full model).
 
-    Parameters
-    ----------
-    module
-        The model; every rank passes one with the same parameter shapes.
-    backend
-        The ranks.
-    bucket_cap_mb
-        Largest bucket, in MiB (torch's default, 25).
-    broadcast_parameters
-        Broadcast rank 0's parameters at construction (default True).
-    timeout
-        Passed to every collective; None (the default) leaves each collective the
-        backend's own ``backend.timeout``.
-    overlap
-        Start each bucket's allreduce during ``backward`` as soon as its gradients are written
-        (default True). With False every bucket starts after the backward.
-
     ``backward(grad_output)`` runs ``module.backward`` and then ``sync_gradients()`` (unless
     inside ``no_sync()``); a model trained without ``backward`` calls ``sync_gradients()``
     itself. After the sync every rank's ``.grad`` is the mean over ranks, bit-identical, and a
     view into its bucket (it stays one across steps; ``zero_grad`` may set it to None).
+
+    Parameters
+    ----------
+    module : Module
+        The model; every rank passes one with the same parameter shapes.
+    backend : ferro_backend.Backend
+    bucket_cap_mb : float, default 25.0
+        Largest bucket, in MiB (torch's default, 25).
+    broadcast_parameters : bool, default True
+        Broadcast rank 0's parameters at construction (default True).
+    timeout : float, optional
+        Passed to every collective; None (the default) leaves each collective the
+        backend's own ``backend.timeout``.
+    overlap : bool, default True
+        Start each bucket's allreduce during ``backward`` as soon as its gradients are written
+        (default True). With False every bucket starts after the backward.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``module`` is not a Module; ``bucket_cap_mb`` is not a number > 0.
+
+    Examples
+    --------
+    >>> ddp = DDP(model, backend); loss = loss_fn(ddp(x), y)
+    >>> ddp.backward(loss_fn.backward()); opt.step()  # .grad: the mean over ranks
     """
 
     def __init__(self, module: Module, backend: Backend, *, bucket_cap_mb: float = 25.0,
@@ -173,7 +182,12 @@ class DistributedDataParallel(ModuleWrapper):
         """Continue on ``backend`` (an elastic job's next generation, see
         ``ferro_collective.elastic``): in-flight bucket work of the old one is dropped, the
         gradients are cleared and the buckets rebuilt for the new world; the parameters stay as
-        they are (the elastic state copy has made them equal). Not collective."""
+        they are (the elastic state copy has made them equal). Not collective.
+
+        Parameters
+        ----------
+        backend : ferro_backend.Backend
+        """
         for handle in self._hook_handles:
             handle.remove()
         for p in self._params:
@@ -187,7 +201,16 @@ class DistributedDataParallel(ModuleWrapper):
         """``module.backward(grad_output)``, then ``sync_gradients()`` unless in ``no_sync()``.
 
         Outside ``no_sync()`` each bucket's allreduce starts inside the backward, as soon as its
-        gradients are complete (``overlap=True``)."""
+        gradients are complete (``overlap=True``).
+
+        Parameters
+        ----------
+        grad_output : array_like
+
+        Returns
+        -------
+        object
+        """
         self._armed = self._sync and self._overlap
         try:
             out = self._module.backward(grad_output)
@@ -268,7 +291,17 @@ class DistributedDataParallel(ModuleWrapper):
     def clip_grad_norm_(self, max_norm: float) -> float:
         """After the gradients are synced: clip them to a global L2 norm of at most
         ``max_norm`` (every rank holds the same averaged gradients, so no communication) and
-        return the norm before clipping."""
+        return the norm before clipping.
+
+        Parameters
+        ----------
+        max_norm : float
+            The largest global L2 norm (> 0, else ValueError).
+
+        Returns
+        -------
+        float
+        """
         return self._clip(max_norm, "DDP.clip_grad_norm_", None)
 
     def sync_gradients(self) -> None:
@@ -299,11 +332,26 @@ class DistributedDataParallel(ModuleWrapper):
 
     def sharded_state_dict(self, optimizer: Any = None
                            ) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
-        """As :meth:`ferro_fsdp.FSDP.sharded_state_dict`: each rank saves its split of the replicas."""
+        """As :meth:`ferro_fsdp.FSDP.sharded_state_dict`: each rank saves its split of the replicas.
+
+        Parameters
+        ----------
+        optimizer : ferro_fsdp.optim.Optimizer, optional
+
+        Returns
+        -------
+        tensors, specs : dict of str to numpy.ndarray, dict of str to tuple
+        """
         return _state.save(self._state_plan(), optimizer)
 
     def load_sharded_state_dict(self, tensors: dict[str, Any], optimizer: Any = None) -> None:
-        """As :meth:`ferro_fsdp.FSDP.load_sharded_state_dict` (gathers the full tensors). Collective."""
+        """As :meth:`ferro_fsdp.FSDP.load_sharded_state_dict` (gathers the full tensors). Collective.
+
+        Parameters
+        ----------
+        tensors : dict of str to array_like
+        optimizer : ferro_fsdp.optim.Optimizer, optional
+        """
         _state.load(self._state_plan(), tensors, optimizer)
 
 

@@ -28,7 +28,28 @@ from ferro_backend.partition import split_bounds
 
 
 class FlatLayout:
-    """Shapes, offsets and padding of a list of same-dtype parameters sharded over ``world`` ranks."""
+    """Shapes, offsets and padding of a list of same-dtype parameters sharded over ``world`` ranks.
+
+    Parameters
+    ----------
+    shapes : sequence of sequence of int
+        Each parameter's shape, in order.
+    dtype : numpy dtype
+        The parameters' (and buffers') dtype.
+    world : int
+        Number of shards (>= 1).
+
+    Raises
+    ------
+    ValueError
+        ``world`` < 1.
+
+    Examples
+    --------
+    >>> layout = FlatLayout([(3, 2), (5,)], np.float32, 4)
+    >>> layout.chunks, layout.shard_numel, layout.padded_numel
+    ((2, 2), 4, 16)
+    """
 
     def __init__(self, shapes: Sequence[Sequence[int]], dtype: np.dtype, world: int) -> None:
         if world < 1:
@@ -52,12 +73,42 @@ class FlatLayout:
 
     # -- one parameter ------------------------------------------------------------------------
     def region(self, i: int, r: int) -> tuple[int, int]:
-        """``(start, length)`` of parameter ``i``'s real elements on rank ``r``."""
+        """``(start, length)`` of parameter ``i``'s real elements on rank ``r``.
+
+        Parameters
+        ----------
+        i, r : int
+            Parameter index and rank.
+
+        Returns
+        -------
+        (int, int)
+            Offset into the flattened parameter and number of elements (no padding).
+        """
         start, end = split_bounds(self.numels[i], self.world)[r]
         return start, end - start
 
     def shard_of(self, i: int, full: np.ndarray, r: int) -> np.ndarray:
-        """Rank ``r``'s padded chunk of parameter ``i`` (a new ``(chunk,)`` array)."""
+        """Rank ``r``'s padded chunk of parameter ``i`` (a new ``(chunk,)`` array).
+
+        Parameters
+        ----------
+        i : int
+            Parameter index.
+        full : array_like
+            The full parameter (``numels[i]`` elements).
+        r : int
+            The rank.
+
+        Returns
+        -------
+        numpy.ndarray
+
+        Raises
+        ------
+        ValueError
+            ``full`` has another number of elements.
+        """
         flat = np.asarray(full, dtype=self.dtype).reshape(-1)
         if flat.size != self.numels[i]:
             raise ValueError(f"FlatLayout.shard_of: parameter {i} has {flat.size} elements, "
@@ -77,7 +128,24 @@ class FlatLayout:
                                  f"expected {self.chunks[i]} of {self.dtype} (was .data replaced?)")
 
     def pack_shards(self, shards: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
-        """The rank's flat shard: ``shards`` back to back in one ``(shard_numel,)`` array."""
+        """The rank's flat shard: ``shards`` back to back in one ``(shard_numel,)`` array.
+
+        Parameters
+        ----------
+        shards : sequence of numpy.ndarray
+            One chunk per parameter, of ``chunks[i]`` elements of ``dtype``.
+        out : numpy.ndarray, optional
+            A contiguous ``(shard_numel,)`` array to fill and return.
+
+        Returns
+        -------
+        numpy.ndarray
+
+        Raises
+        ------
+        ValueError
+            Another number of shards, or a shard of another size or dtype.
+        """
         self.check_shards("FlatLayout.pack_shards", shards)
         if out is None:
             out = np.empty(self.shard_numel, dtype=self.dtype)
@@ -85,11 +153,29 @@ class FlatLayout:
         return out
 
     def shard_views(self, flat_shard: np.ndarray) -> list[np.ndarray]:
-        """Views of each parameter's chunk in a ``(shard_numel,)`` flat shard."""
+        """Views of each parameter's chunk in a ``(shard_numel,)`` flat shard.
+
+        Parameters
+        ----------
+        flat_shard : numpy.ndarray
+            A ``(shard_numel,)`` array.
+
+        Returns
+        -------
+        list of numpy.ndarray
+        """
         return [flat_shard[o:o + c] for o, c in zip(self.shard_offsets, self.chunks)]
 
     def unpack_shards(self, flat_shard: np.ndarray, outs: Sequence[np.ndarray]) -> None:
-        """Copy a flat shard into the per-parameter chunk arrays ``outs`` (contiguous, writable)."""
+        """Copy a flat shard into the per-parameter chunk arrays ``outs`` (contiguous, writable).
+
+        Parameters
+        ----------
+        flat_shard : array_like
+            A ``(shard_numel,)`` flat shard.
+        outs : sequence of numpy.ndarray
+            One chunk array per parameter.
+        """
         unpack(np.ascontiguousarray(flat_shard, dtype=self.dtype), outs)
 
     def gathered_to_full(self, gathered: np.ndarray, outs: Sequence[np.ndarray] | None = None
@@ -97,6 +183,23 @@ class FlatLayout:
         """Full parameters from the all-gathered flat shards (``world * shard_numel`` elements).
 
         Without ``outs`` the parameters are views into one new buffer of ``numel`` elements.
+
+        Parameters
+        ----------
+        gathered : array_like
+            The all-gathered flat shards, rank after rank.
+        outs : sequence of numpy.ndarray, optional
+            Contiguous arrays of the parameters' shapes to fill.
+
+        Returns
+        -------
+        list of numpy.ndarray
+            ``outs``, or the new views, one per parameter.
+
+        Raises
+        ------
+        ValueError
+            A destination is not contiguous.
         """
         g2 = np.asarray(gathered).reshape(self.world, self.shard_numel)
         if outs is None:
@@ -122,6 +225,23 @@ class FlatLayout:
         """The reduce-scatter input: row ``r`` of ``(world, shard_numel)`` is rank ``r``'s chunks.
 
         ``None`` stands for zeros; padding is zero.
+
+        Parameters
+        ----------
+        fulls : sequence of (array_like or None)
+            One full array per parameter.
+        out : numpy.ndarray, optional
+            A contiguous ``(padded_numel,)`` array to fill and return.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``padded_numel`` elements.
+
+        Raises
+        ------
+        ValueError
+            An array of another number of elements.
         """
         if out is None:
             out = np.empty(self.padded_numel, dtype=self.dtype)

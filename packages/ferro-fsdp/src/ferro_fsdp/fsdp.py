@@ -51,15 +51,15 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
 
     Parameters
     ----------
-    module
+    module : Module
         A :class:`~ferro_fsdp.Module`; all its parameters must share one floating dtype. Every
         rank must pass a module with the same parameter shapes (use ``sync_module_states=True``
         when their values may differ).
-    backend
+    backend : ferro_backend.Backend
         The ranks to shard over (any ``ferro_backend.Backend``).
-    strategy
+    strategy : ShardingStrategy or str, default ShardingStrategy.FULL_SHARD
         A :class:`ShardingStrategy` (or its name, ``"full_shard"``...).
-    wrap
+    wrap : None, Module subclass, tuple of them, or int, default None
         None: the whole module is one unit. A Module subclass (or a tuple of them): every
         submodule of those types is its own unit. An int: submodules whose parameters (not
         already in a deeper unit) add up to at least that many elements are units, in module
@@ -68,16 +68,16 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         An FSDP built on a submodule beforehand (same backend and strategy) may also sit inside
         ``module``: it stays its own unit, and this FSDP's ``sync_gradients``, state dicts and
         ``clip_grad_norm_`` cover its parameters too.
-    intra_node_size
+    intra_node_size : int, optional
         HYBRID_SHARD only: ranks per node; the world size must be a positive multiple of it.
-    reshard_after_forward
+    reshard_after_forward : bool or dict of str to bool, optional
         Free each unit's gathered parameters after its ``forward`` (FULL_SHARD / HYBRID_SHARD;
         default True, as torch); its ``backward`` then gathers them again. With False they stay
         until the unit's backward. A dict ``{unit name: bool}`` sets it per unit (unit names
         are dotted module paths, ``""`` for the root unit; others keep the default).
-    sync_module_states
+    sync_module_states : bool, default False
         Broadcast rank 0's parameters before sharding.
-    timeout
+    timeout : float, optional
         Passed to every collective; None (the default) leaves each collective the
         backend's own ``backend.timeout``.
 
@@ -90,6 +90,15 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         another backend or strategy, an unknown unit name in ``reshard_after_forward``.
     TypeError
         Not a Module, parameters of mixed or non-floating dtypes, a ``wrap`` of another kind.
+
+    Examples
+    --------
+    >>> model = nn.Sequential(nn.Linear(8, 32, rng=0), nn.ReLU(), nn.Linear(32, 2, rng=1))
+    >>> fsdp = FSDP(model, backend, "full_shard")
+    >>> opt = optim.AdamW(fsdp.parameters(), lr=1e-3)  # this rank's shards
+    >>> loss = loss_fn(fsdp(x), y)
+    >>> fsdp.backward(loss_fn.backward()); fsdp.sync_gradients()
+    >>> opt.step(); opt.zero_grad()
     """
 
     def __init__(self, module: Module, backend: Backend,
@@ -273,7 +282,12 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         return any(u.pending is not None for u in self._units)
 
     def local_param_bytes(self) -> int:
-        """Bytes of parameter data this rank holds now (its shards, plus full parameters if held)."""
+        """Bytes of parameter data this rank holds now (its shards, plus full parameters if held).
+
+        Returns
+        -------
+        int
+        """
         held = {id(_root(p.data)): _root(p.data).nbytes for p in self._params}
         for u in self._units:
             for fp in u.fps or ():

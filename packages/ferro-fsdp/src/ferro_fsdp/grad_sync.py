@@ -82,6 +82,21 @@ class GradientSync:
         of HYBRID_SHARD) add their squared sums over the sharding group; full ones (NO_SHARD)
         are the same on every rank. Every rank gets the same norm and scales the same way.
         Collective for the sharded strategies.
+
+        Parameters
+        ----------
+        max_norm : float
+            The largest global L2 norm (> 0).
+
+        Returns
+        -------
+        float
+            The global norm before clipping, the same on every rank.
+
+        Raises
+        ------
+        ValueError
+            ``max_norm`` is not a number > 0.
         """
         group = None if self._spec.grad_form == "full" else self._shard_group
         return self._clip(max_norm, "FSDP.clip_grad_norm_", group)
@@ -107,6 +122,11 @@ class GradientSync:
 
         ``flat`` holds ``sum(p.data.size)`` elements in ``named_parameters`` order (for
         FULL_SHARD the padded chunks back to back, ``layout.shard_numel`` elements).
+
+        Parameters
+        ----------
+        flat : array_like
+            The new values (any shape; flattened, cast to the parameters' dtype).
 
         Raises
         ------

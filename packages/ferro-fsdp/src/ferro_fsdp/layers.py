@@ -29,6 +29,30 @@ class Linear(Module):
     ``input_grad=False`` (also settable later as an attribute): ``backward`` skips the gradient
     wrt the input and returns None, one matmul less per step; for a model's first layer, whose
     input (the data) needs no gradient, as torch's autograd skips it on its own.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Sizes of the input's last dimension and of the output's (positive).
+    bias : bool, default True
+        Add a learned ``bias`` of shape ``(out_features,)``.
+    dtype : numpy dtype, default numpy.float32
+        The parameters' floating dtype.
+    rng : int, numpy.random.Generator or None, default None
+        Seed or generator of the initialisation (None: fresh entropy).
+    input_grad : bool, default True
+        Whether ``backward`` computes the gradient wrt the input.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A size that is not positive; a dtype that is not floating.
+
+    Examples
+    --------
+    >>> layer = Linear(4, 2, rng=0)
+    >>> y = layer(np.ones((3, 4), np.float32))  # shape (3, 2)
+    >>> gx = layer.backward(np.ones_like(y))    # adds to weight.grad and bias.grad
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -93,7 +117,13 @@ class Linear(Module):
 
 
 class Sequential(Module):
-    """Runs its modules in order; registered as attributes ``"0"``, ``"1"``, ..."""
+    """Runs its modules in order; registered as attributes ``"0"``, ``"1"``, ...
+
+    Parameters
+    ----------
+    *modules : Module
+        The layers, first to last (TypeError for anything else).
+    """
 
     def __init__(self, *modules: Module) -> None:
         super().__init__()
@@ -147,6 +177,20 @@ class Embedding(Module):
     shape and returns ``[..., embedding_dim]``; an index outside ``[0, num_embeddings)`` raises
     ``IndexError`` naming it. ``backward`` adds each looked-up row's gradient into its row
     (repeated indices add up) and returns None: indices have no gradient.
+
+    Parameters
+    ----------
+    num_embeddings, embedding_dim : int
+        Rows of the table and the size of each (positive).
+    dtype : numpy dtype, default numpy.float32
+        The weight's floating dtype.
+    rng : int, numpy.random.Generator or None, default None
+        Seed or generator of the initialisation.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A size that is not a positive int; a dtype that is not floating.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: Any = np.float32,
@@ -194,6 +238,22 @@ class LayerNorm(Module):
 
     ``weight`` (ones) and ``bias`` (zeros) of shape ``(normalized_shape,)`` exist only when
     ``elementwise_affine``, as in torch.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of one int
+        Size of the last dimension.
+    eps : float, default 1e-5
+        Added to the variance (>= 0).
+    elementwise_affine : bool, default True
+        Learn ``weight`` and ``bias``.
+    dtype : numpy dtype, default numpy.float32
+        The parameters' floating dtype.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A size that is not a positive int or a negative ``eps``; a dtype that is not floating.
     """
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True,
@@ -251,7 +311,15 @@ class LayerNorm(Module):
 class Dropout(Module):
     """In ``train()`` mode zero each element with probability ``p`` and scale the rest by
     ``1/(1-p)``; in ``eval()`` mode, or with ``p == 0``, the identity. ``backward`` applies the
-    mask of the last forward. ``rng``: a seed or a ``numpy.random.Generator``."""
+    mask of the last forward. ``rng``: a seed or a ``numpy.random.Generator``.
+
+    Parameters
+    ----------
+    p : float, default 0.5
+        Probability of zeroing an element, in ``[0, 1)`` (else ValueError).
+    rng : int, numpy.random.Generator or None, default None
+        Seed or generator of the masks.
+    """
 
     def __init__(self, p: float = 0.5, *, rng: Any = None) -> None:
         super().__init__()

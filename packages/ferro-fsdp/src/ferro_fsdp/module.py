@@ -70,7 +70,7 @@ class Module:
     """Base class of models: attributes that are Parameters or Modules register themselves, in order.
 
     Subclasses implement ``forward(x)`` and, to be trained with ferro, ``backward(grad_output)``.
-    Calling ``super().__init__()`` is recommended but not required.
+    Calling ``super().__init__()`` is recommended but not required. Takes no parameters.
     """
 
     training: bool
@@ -108,13 +108,35 @@ class Module:
         object.__delattr__(self, name)
 
     def register_parameter(self, name: str, param: Parameter) -> None:
-        """``setattr(self, name, param)``, for names that are not identifiers."""
+        """``setattr(self, name, param)``, for names that are not identifiers.
+
+        Parameters
+        ----------
+        name : str
+        param : Parameter
+
+        Raises
+        ------
+        TypeError
+            ``param`` is not a Parameter.
+        """
         if not isinstance(param, Parameter):
             raise TypeError(f"register_parameter: {name!r} is a {type(param).__name__}, not a Parameter")
         setattr(self, name, param)
 
     def add_module(self, name: str, module: Module) -> None:
-        """``setattr(self, name, module)``, for names like ``"0"``."""
+        """``setattr(self, name, module)``, for names like ``"0"``.
+
+        Parameters
+        ----------
+        name : str
+        module : Module
+
+        Raises
+        ------
+        TypeError
+            ``module`` is not a Module.
+        """
         if not isinstance(module, Module):
             raise TypeError(f"add_module: {name!r} is a {type(module).__name__}, not a Module")
         setattr(self, name, module)
@@ -131,21 +153,62 @@ class Module:
         return RemovableHandle(hooks[kind], hook)
 
     def register_forward_pre_hook(self, hook: Callable) -> RemovableHandle:
-        """``hook(module, args)`` before every ``forward``."""
+        """``hook(module, args)`` before every ``forward``.
+
+        Parameters
+        ----------
+        hook : callable
+
+        Returns
+        -------
+        RemovableHandle
+
+        Raises
+        ------
+        TypeError
+            ``hook`` is not callable (as for every ``register_*_hook``).
+        """
         return self._add_hook("forward_pre", hook)
 
     def register_forward_hook(self, hook: Callable) -> RemovableHandle:
         """``hook(module, args, output)`` after every ``forward`` that returned (not after one
-        that raised)."""
+        that raised).
+
+        Parameters
+        ----------
+        hook : callable
+
+        Returns
+        -------
+        RemovableHandle
+        """
         return self._add_hook("forward", hook)
 
     def register_backward_pre_hook(self, hook: Callable) -> RemovableHandle:
-        """``hook(module, (grad_output,))`` before every ``backward``."""
+        """``hook(module, (grad_output,))`` before every ``backward``.
+
+        Parameters
+        ----------
+        hook : callable
+
+        Returns
+        -------
+        RemovableHandle
+        """
         return self._add_hook("backward_pre", hook)
 
     def register_backward_hook(self, hook: Callable) -> RemovableHandle:
         """``hook(module, (grad_output,), grad_input)`` after every ``backward``: this module's
-        parameters then hold this backward's gradients."""
+        parameters then hold this backward's gradients.
+
+        Parameters
+        ----------
+        hook : callable
+
+        Returns
+        -------
+        RemovableHandle
+        """
         return self._add_hook("backward", hook)
 
     def _items(self) -> Iterator[tuple[str, Parameter | Module]]:
@@ -154,7 +217,19 @@ class Module:
 
     # -- traversal ------------------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> list[tuple[str, Parameter]]:
-        """``(dotted name, Parameter)`` in registration order, depth first; shared ones once."""
+        """``(dotted name, Parameter)`` in registration order, depth first; shared ones once.
+
+        Parameters
+        ----------
+        prefix : str, default ""
+            Prepended to every name.
+        recurse : bool, default True
+            Include the submodules' parameters (False: this module's own only).
+
+        Returns
+        -------
+        list of (str, Parameter)
+        """
         out: list[tuple[str, Parameter]] = []
         seen: set[int] = set()
         self._collect(prefix, recurse, out, seen)
@@ -180,7 +255,16 @@ class Module:
         return [m for _, m in self.named_children()]
 
     def named_modules(self, prefix: str = "") -> list[tuple[str, Module]]:
-        """This module (name ``prefix``) and every submodule, depth first."""
+        """This module (name ``prefix``) and every submodule, depth first.
+
+        Parameters
+        ----------
+        prefix : str, default ""
+
+        Returns
+        -------
+        list of (str, Module)
+        """
         out = [(prefix, self)]
         for name, child in self.named_children():
             out.extend(child.named_modules(f"{prefix}.{name}" if prefix else name))
@@ -194,7 +278,17 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__}.forward is not implemented")
 
     def backward(self, grad_output: Any) -> Any:
-        """Optional: set ``.grad`` on this module's parameters and return the gradient wrt its input."""
+        """Optional: set ``.grad`` on this module's parameters and return the gradient wrt its input.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the output of the last ``forward``.
+
+        Returns
+        -------
+        numpy.ndarray or None
+        """
         raise NotImplementedError(f"{type(self).__name__}.backward is not implemented")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -215,11 +309,27 @@ class Module:
             p.grad = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """``{dotted name: copy of .data}`` in ``named_parameters`` order."""
+        """``{dotted name: copy of .data}`` in ``named_parameters`` order.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+        """
         return {name: np.array(p.data, copy=True) for name, p in self.named_parameters()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Copy ``state``'s arrays into the parameters (same names and shapes, every name once)."""
+        """Copy ``state``'s arrays into the parameters (same names and shapes, every name once).
+
+        Parameters
+        ----------
+        state : dict of str to array_like
+            As :meth:`state_dict` returns; values are cast to each parameter's dtype.
+
+        Raises
+        ------
+        KeyError, ValueError
+            Missing or unexpected names; an array of another shape.
+        """
         named = dict(self.named_parameters())
         missing = [n for n in named if n not in state]
         unexpected = [n for n in state if n not in named]

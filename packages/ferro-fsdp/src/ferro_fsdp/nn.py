@@ -35,7 +35,23 @@ class _Loss(Module):
         self._grad: np.ndarray | None = None
 
     def backward(self, grad_output: Any = 1.0) -> np.ndarray:
-        """d loss / d output of the last call, times ``grad_output`` (default 1)."""
+        """d loss / d output of the last call, times ``grad_output`` (default 1).
+
+        Parameters
+        ----------
+        grad_output : float or array_like, default 1.0
+            The gradient wrt the loss (broadcast against the output).
+
+        Returns
+        -------
+        numpy.ndarray
+            Of the output's shape and dtype.
+
+        Raises
+        ------
+        RuntimeError
+            No loss was computed yet.
+        """
         if self._grad is None:
             raise RuntimeError(f"{type(self).__name__}.backward: called before the loss was computed")
         if np.isscalar(grad_output) and grad_output == 1.0:
@@ -44,7 +60,21 @@ class _Loss(Module):
 
 
 class MSELoss(_Loss):
-    """``mean((output - target) ** 2)`` over every element (``reduction="sum"``: the sum)."""
+    """``mean((output - target) ** 2)`` over every element (``reduction="sum"``: the sum).
+
+    ``loss_fn(output, target)`` returns a float; ``target`` must have the output's shape, the
+    output a floating dtype (else ValueError / TypeError).
+
+    Parameters
+    ----------
+    reduction : {"mean", "sum"}, default "mean"
+        Average or sum the squared errors.
+
+    Raises
+    ------
+    ValueError
+        Another ``reduction``.
+    """
 
     def forward(self, output: Any, target: Any) -> float:
         o = np.asarray(output)
@@ -60,7 +90,27 @@ class MSELoss(_Loss):
 
 
 class CrossEntropyLoss(_Loss):
-    """Softmax cross entropy of logits ``(N, C)`` vs class indices ``(N,)`` or probabilities ``(N, C)``."""
+    """Softmax cross entropy of logits ``(N, C)`` vs class indices ``(N,)`` or probabilities ``(N, C)``.
+
+    ``loss_fn(output, target)`` returns a float; a non-floating output raises TypeError, a class
+    index outside ``[0, C)`` or a target of another shape ValueError.
+
+    Parameters
+    ----------
+    reduction : {"mean", "sum"}, default "mean"
+        Average or sum the per-sample losses.
+
+    Raises
+    ------
+    ValueError
+        Another ``reduction``.
+
+    Examples
+    --------
+    >>> loss_fn = CrossEntropyLoss()
+    >>> loss = loss_fn(np.zeros((2, 4), np.float32), np.array([0, 3]))  # log(4)
+    >>> grad = loss_fn.backward()  # d loss / d logits, shape (2, 4)
+    """
 
     def forward(self, output: Any, target: Any) -> float:
         z = np.asarray(output)

@@ -41,7 +41,23 @@ def _flat_views(*arrays: np.ndarray) -> list[np.ndarray] | None:
 
 
 class Optimizer:
-    """Parameter groups, per-parameter state, ``zero_grad``, ``state_dict``."""
+    """Parameter groups, per-parameter state, ``zero_grad``, ``state_dict``.
+
+    Parameters
+    ----------
+    params : iterable of Parameter, or iterable of dict
+        The Parameters to step, or parameter groups: dicts with a ``"params"`` list and
+        per-group options overriding ``defaults``.
+    defaults : dict
+        The options of every group (``lr``...), set by the subclass.
+
+    Raises
+    ------
+    ValueError
+        An empty parameter list, or a Parameter listed twice.
+    TypeError
+        Something that is not a Parameter.
+    """
 
     #: state entries that are arrays shaped like the parameter
     array_state_keys: ClassVar[tuple[str, ...]] = ()
@@ -109,7 +125,13 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {index: {...}}, "param_groups": [...]}`` with parameters as indices (copies)."""
+        """``{"state": {index: {...}}, "param_groups": [...]}`` with parameters as indices (copies).
+
+        Returns
+        -------
+        dict
+            What ``load_state_dict`` takes.
+        """
         index = {id(p): i for i, p in enumerate(self.params)}
         state = {index[id(p)]: {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
                                 for k, v in s.items()}
@@ -135,7 +157,29 @@ class Optimizer:
 
 class SGD(Optimizer):
     """torch.optim.SGD: ``g = grad + wd*p``; ``buf = momentum*buf + (1-dampening)*g`` (``buf = g``
-    on the first step); ``g = g + momentum*buf`` if nesterov else ``buf``; ``p -= lr*g``."""
+    on the first step); ``g = g + momentum*buf`` if nesterov else ``buf``; ``p -= lr*g``.
+
+    Parameters
+    ----------
+    params : iterable of Parameter, or iterable of dict
+        As for :class:`Optimizer`.
+    lr : float
+        Learning rate (>= 0).
+    momentum, weight_decay : float, default 0.0
+        Momentum factor and L2 penalty (>= 0).
+    dampening : float, default 0.0
+        Dampening of the momentum.
+    nesterov : bool, default False
+        Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+    fused : bool, default True
+        Use the compiled step where it applies (the same bits as the numpy step).
+
+    Raises
+    ------
+    ValueError, TypeError
+        A negative ``lr``, ``momentum`` or ``weight_decay``, an invalid ``nesterov``; else as
+        :class:`Optimizer`.
+    """
 
     array_state_keys = ("momentum_buffer",)
 
@@ -183,7 +227,28 @@ class SGD(Optimizer):
 
 
 class Adam(Optimizer):
-    """torch.optim.Adam (L2 weight decay added to the gradient, bias-corrected moments)."""
+    """torch.optim.Adam (L2 weight decay added to the gradient, bias-corrected moments).
+
+    Parameters
+    ----------
+    params : iterable of Parameter, or iterable of dict
+        As for :class:`Optimizer`.
+    lr : float, default 1e-3
+        Learning rate (>= 0).
+    betas : (float, float), default (0.9, 0.999)
+        Decay rates of the first and second moments, each in ``[0, 1)``.
+    eps : float, default 1e-8
+        Added to the denominator (>= 0).
+    weight_decay : float, default 0.0
+        L2 penalty (>= 0).
+    fused : bool, default True
+        Use the compiled step where it applies (the same bits as the numpy step).
+
+    Raises
+    ------
+    ValueError, TypeError
+        An out-of-range ``lr``, ``betas``, ``eps`` or ``weight_decay``; else as :class:`Optimizer`.
+    """
 
     array_state_keys = ("exp_avg", "exp_avg_sq")
     scalar_state_keys = ("step",)
@@ -233,7 +298,27 @@ class Adam(Optimizer):
 
 class AdamW(Adam):
     """torch.optim.AdamW: decoupled weight decay, ``p *= 1 - lr * weight_decay`` before the Adam
-    step on the raw gradient (no L2 term in the moments); default ``weight_decay=1e-2``."""
+    step on the raw gradient (no L2 term in the moments); default ``weight_decay=1e-2``.
+
+    Parameters
+    ----------
+    params, lr, betas, eps, fused
+        As for :class:`Adam`.
+    weight_decay : float, default 1e-2
+        Decoupled weight decay (>= 0).
+
+    Raises
+    ------
+    ValueError, TypeError
+        As for :class:`Adam`.
+
+    Examples
+    --------
+    >>> fsdp = FSDP(model, backend)
+    >>> opt = AdamW(fsdp.parameters(), lr=3e-4)  # this rank's shards: ZeRO state
+    >>> fsdp.backward(loss_fn.backward()); fsdp.sync_gradients()
+    >>> opt.step(); opt.zero_grad()
+    """
 
     _decoupled = True
 

@@ -18,6 +18,19 @@ class Parameter:
 
     The array is not copied. Distributed wrappers swap ``data`` and ``grad`` but never replace the
     Parameter object, so an optimizer built on it stays valid for the whole run.
+
+    Parameters
+    ----------
+    data : array_like
+        The values (``numpy.asarray(data)``).
+    requires_grad : bool, default True
+        False: backward passes and optimizers leave this parameter alone.
+
+    Examples
+    --------
+    >>> w = Parameter(np.zeros((2, 3), np.float32))
+    >>> w.accumulate_grad(np.ones((2, 3))); float(w.grad.sum())
+    6.0
     """
 
     __slots__ = ("__weakref__", "_slot", "data", "grad", "requires_grad")
@@ -34,6 +47,16 @@ class Parameter:
         While a slot is set, a backward that finds no gradient writes the new one into the slot
         (``.grad`` becomes the slot itself) and later backwards add to it in place, so the
         bucket never needs packing.
+
+        Parameters
+        ----------
+        slot : numpy.ndarray or None
+            A writable array of the parameter's shape; None removes the slot.
+
+        Raises
+        ------
+        ValueError
+            A slot of another shape, or read-only.
         """
         if slot is not None and (slot.shape != self.data.shape or not slot.flags.writeable):
             raise ValueError(f"Parameter.set_grad_slot: slot of shape {slot.shape} "
@@ -44,7 +67,12 @@ class Parameter:
     def free_grad_slot(self) -> np.ndarray | None:
         """The slot a layer may write a fresh gradient straight into (``np.matmul(...,
         out=slot)``, then ``.grad = slot``): only while there is no gradient yet and the
-        parameter has a slot of its dtype; else None (use :meth:`accumulate_grad`)."""
+        parameter has a slot of its dtype; else None (use :meth:`accumulate_grad`).
+
+        Returns
+        -------
+        numpy.ndarray or None
+        """
         if self.grad is None and self.requires_grad:
             return self._slot
         return None
@@ -66,6 +94,18 @@ class Parameter:
 
         ``owned=True`` hands over a fresh array that nobody else references (a layer's own
         result): it becomes ``.grad`` without a copy.
+
+        Parameters
+        ----------
+        grad : array_like
+            A gradient of the parameter's shape (cast to its dtype).
+        owned : bool, default False
+            The caller hands ``grad`` over (no copy).
+
+        Raises
+        ------
+        ValueError
+            ``grad`` has another shape.
         """
         if not self.requires_grad:
             return

@@ -128,6 +128,22 @@ class UnitSchedule(Module):
 
         Collective for FULL_SHARD / HYBRID_SHARD: every rank of the sharding group must call it.
         A pending prefetch is consumed (and waited for) here.
+
+        Parameters
+        ----------
+        x : object
+            The module's input.
+
+        Returns
+        -------
+        object
+            The module's output.
+
+        Raises
+        ------
+        FSDPStateError
+            Called inside this FSDP's own forward or backward, or a prefetch found the shards
+            changed since it started.
         """
         for unit in self._units:
             unit.ensure_fps()
@@ -158,6 +174,21 @@ class UnitSchedule(Module):
         there) and, outside ``no_sync()``, each unit's reduction starts as soon as its backward
         is done; the module's own ``.grad`` is untouched until ``sync_gradients``. Returns the
         module's return value.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the output of the last ``forward``.
+
+        Returns
+        -------
+        object
+            What ``module.backward`` returns (the gradient wrt the input).
+
+        Raises
+        ------
+        FSDPStateError
+            No forward since the last ``sync_gradients``, or called inside forward/backward.
         """
         if self._root.fps is None:
             raise FSDPStateError("FSDP.backward: no forward() since the last sync_gradients()")

@@ -21,6 +21,14 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD
         FULL_SHARD inside a node of ``intra_node_size`` ranks, replicated across nodes: intra-node
         all-gather / reduce-scatter, then an inter-node allreduce of the gradient shard.
+
+    Parameters
+    ----------
+    value : str or ShardingStrategy
+        ``ShardingStrategy("full_shard")`` is ``ShardingStrategy.FULL_SHARD`` (ValueError for an
+        unknown value; :meth:`coerce` also takes names in any case).
+    names, module, qualname, type, start, boundary
+        :class:`enum.Enum`'s functional API; not used by ferro.
     """
 
     FULL_SHARD = "full_shard"
@@ -30,7 +38,22 @@ class ShardingStrategy(enum.Enum):
 
     @classmethod
     def coerce(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        """A member, or its name / value in any case (``"full_shard"``, ``"FULL_SHARD"``)."""
+        """A member, or its name / value in any case (``"full_shard"``, ``"FULL_SHARD"``).
+
+        Parameters
+        ----------
+        value : ShardingStrategy or str
+            A member, or a name or value (``-`` read as ``_``).
+
+        Returns
+        -------
+        ShardingStrategy
+
+        Raises
+        ------
+        ValueError
+            Not a strategy.
+        """
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -55,22 +78,24 @@ class ShardingStrategy(enum.Enum):
 class StrategySpec:
     """Everything :class:`~ferro_fsdp.FSDP` does differently per strategy, in one place.
 
-    shards_params
+    Parameters
+    ----------
+    shards_params : bool
         A rank keeps only its chunk of each parameter between steps (gathered to run, then
         freed: torch's reshard_after_forward).
-    shard_group
+    shard_group : {"world", "intra"} or None
         The ranks a parameter's chunks are spread over: ``"world"``, ``"intra"`` (the ranks of
         this rank's node, HYBRID_SHARD) or None (no chunks: full parameters everywhere).
-    grad_reduce
+    grad_reduce : {"reduce_scatter", "allreduce"}
         How ``sync_gradients`` averages the flat gradient over ``shard_group``:
         ``"reduce_scatter"`` (each rank gets its chunk) or ``"allreduce"`` (everyone gets all).
-    replicate_group
+    replicate_group : {"inter"} or None
         A group the gradient chunk is then mean-allreduced over (``"inter"``: the ranks with the
         same chunk on other nodes), or None.
-    grad_form
+    grad_form : {"chunk", "scattered", "full"}
         ``module.<p>.grad`` after the sync: ``"chunk"`` (this rank's padded chunk), ``"scattered"``
         (full shape, zero outside this rank's chunk) or ``"full"``.
-    regather_after_step
+    regather_after_step : bool
         Parameters stay full but were updated chunk-wise: ``broadcast_updated_params`` all-gathers
         them after the optimizer step.
     """

@@ -35,7 +35,12 @@ class ModuleWrapper:
 
     def parameters(self) -> list[Parameter]:
         """``module.parameters()``: the Parameters an optimizer should step (under a sharding
-        strategy, this rank's shards)."""
+        strategy, this rank's shards).
+
+        Returns
+        -------
+        list of Parameter
+        """
         return self._module.parameters()
 
     def named_parameters(self) -> list[tuple[str, Parameter]]:

@@ -24,7 +24,27 @@ def _register() -> None:
 def ferro_backend(group=None):
     """The ferro transport (a :class:`ferro_backend.Backend`) under ``group`` (default: the
     default group), to run ferro's own collectives next to torch's on the same ranks.
-    TypeError if the group is not a ferro group."""
+    TypeError if the group is not a ferro group.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        A ferro group (default: the default group).
+
+    Returns
+    -------
+    ferro_backend.Backend
+
+    Raises
+    ------
+    TypeError
+        ``group`` is not a ferro group.
+
+    Examples
+    --------
+    >>> from ferro_collective import allreduce
+    >>> allreduce(np.ones(4), ferro_backend())  # on the default group's ranks
+    """
     pg = _dist.group.WORLD if group is None else group
     if not isinstance(pg, ProcessGroupFerro):
         raise TypeError(f"ferro_backend: {pg!r} is not a 'ferro' process group")

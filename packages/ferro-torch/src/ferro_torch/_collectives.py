@@ -161,7 +161,18 @@ class Collectives(GroupCore):
         return all_of(name, works, self._timeout(opts) or self._b.timeout)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        """torch's all_gather_coalesced: ``output_lists[r][i]`` gets rank r's ``inputs[i]``."""
+        """torch's all_gather_coalesced: ``output_lists[r][i]`` gets rank r's ``inputs[i]``.
+
+        Parameters
+        ----------
+        output_lists : list of list of torch.Tensor
+        inputs : list of torch.Tensor
+        opts : torch.distributed.AllgatherOptions, optional
+
+        Returns
+        -------
+        torch.distributed.Work
+        """
         opts = AllgatherOptions() if opts is None else opts
         n = self._b.world_size
         if len(output_lists) != n or any(len(outs) != len(inputs) for outs in output_lists):

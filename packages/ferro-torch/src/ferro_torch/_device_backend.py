@@ -65,7 +65,18 @@ class DeviceBackend(GroupCore):
     # -- monitored_barrier ---------------------------------------------------------------------
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
         """gloo's ``monitored_barrier``: rank 0 names the rank(s) that did not arrive within
-        ``timeout`` (default: the group's timeout); ``wait_all_ranks`` names all of them."""
+        ``timeout`` (default: the group's timeout); ``wait_all_ranks`` names all of them.
+
+        Parameters
+        ----------
+        timeout : datetime.timedelta or float, optional
+        wait_all_ranks : bool, default False
+
+        Raises
+        ------
+        FerroTorchError
+            A rank did not arrive in time, or rank 0 did not release this one.
+        """
         if timeout is None:
             secs = self._b.timeout
         elif isinstance(timeout, datetime.timedelta):

@@ -46,7 +46,18 @@ class PointToPoint(GroupCore):
 
     def recv_anysource(self, tensors, tag=0):
         """``dist.recv``/``irecv`` without ``src``: ferro's receive from any rank
-        (``Backend.irecv_any``); the work's ``_source_rank()`` names the sender."""
+        (``Backend.irecv_any``); the work's ``_source_rank()`` names the sender.
+
+        Parameters
+        ----------
+        tensors : list of torch.Tensor
+            One CPU tensor to fill.
+        tag : int, default 0
+
+        Returns
+        -------
+        torch.distributed.Work
+        """
         return self._recv("recv", tensors, None, tag)
 
     def _recv(self, name: str, tensors, src: int | None, tag: int):

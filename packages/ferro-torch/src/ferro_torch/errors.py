@@ -14,6 +14,13 @@ class FerroTorchError(dist.DistBackendError):
     ``RuntimeError``) carrying ferro's message; the ferro exception (a dead peer's
     ``PeerClosedError``, ``CollectiveMismatchError``, ``CollectiveTimeoutError``,
     ``AuthenticationError``...) is its ``__cause__`` and its attribute ``ferro_error``.
+
+    Parameters
+    ----------
+    message : str
+        The error message (what failed, where, then ferro's message).
+    ferro_error : BaseException, optional
+        The ferro exception, kept as the ``ferro_error`` attribute.
     """
 
     def __init__(self, message: str, ferro_error: BaseException | None = None) -> None:

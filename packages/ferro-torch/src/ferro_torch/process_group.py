@@ -29,6 +29,16 @@ class ProcessGroupFerro(Collectives, PointToPoint, DeviceBackend):
 
     Made by ``torch.distributed.init_process_group("ferro")`` / ``new_group(backend="ferro")``
     through :func:`ferro_torch.create_process_group`, not by hand.
+
+    Parameters
+    ----------
+    backend : ferro_backend.Backend
+        The ferro transport the group's operations run on (its rank and size are the group's).
+    group_name : str
+        torch's name of the group (``DeviceMesh`` resolves groups by it).
+    owns_transport : bool
+        Whether shutting the group down closes ``backend`` (False for a
+        :class:`~ferro_backend.SubBackend` of the default group's transport).
     """
 
     # -- identity ---------------------------------------------------------------------------
@@ -102,6 +112,33 @@ def create_process_group(opts, backend_options=None) -> ProcessGroupFerro:
     The default group builds the job's ferro transport through torch's store; a subgroup of a
     ferro default group is a :class:`~ferro_backend.SubBackend` of it (no new connections); a
     ferro group under another default backend builds a transport of its own.
+
+    Parameters
+    ----------
+    opts : torch.distributed.Backend.Options
+        torch's options of the new group (``store``, ``group_rank``, ``group_size``,
+        ``timeout``, ``group_id``, ``global_ranks_in_group``).
+    backend_options : object, optional
+        The ``pg_options`` given to ``init_process_group``/``new_group``; ignored.
+
+    Returns
+    -------
+    ProcessGroupFerro
+
+    Raises
+    ------
+    FerroTorchError
+        The ranks could not join the group (the ferro error, e.g. ``RendezvousError``, is its
+        ``__cause__``).
+    RuntimeError
+        torch's and ferro's rank numbering of a subgroup disagree.
+
+    Examples
+    --------
+    >>> import torch.distributed as dist
+    >>> import ferro_torch  # registers "ferro", whose creator this is
+    >>> dist.init_process_group("ferro")  # under ferrorun or torchrun
+    >>> sub = dist.new_group([0, 1], backend="ferro")
     """
     global _root
     timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, timedelta) else float(
@@ -138,6 +175,25 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     group (default: the default group) it runs the group's ``monitored_barrier`` (gloo's
     behaviour: rank 0 names the ranks that did not arrive within ``timeout``, all of them with
     ``wait_all_ranks``), on any other group it calls torch's. A rank outside ``group`` returns.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        Default: the default group.
+    timeout : datetime.timedelta or float, optional
+        Seconds (or a timedelta) rank 0 waits for the others (default: the group's timeout).
+    wait_all_ranks : bool, default False
+        Name every rank that did not arrive, not only the first.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    FerroTorchError
+        A rank did not arrive within ``timeout`` (on rank 0), or rank 0 did not release this
+        rank (on the others).
     """
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return

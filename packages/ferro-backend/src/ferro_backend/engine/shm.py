@@ -23,15 +23,40 @@ from ..mesh.tcp import TcpBackend
 
 
 class ShmBackend(TcpBackend):
-    """One rank of a job whose ranks share a host. Arguments as :class:`TcpBackend`, plus:
+    """One rank of a job whose ranks share a host. Arguments as :class:`TcpBackend`, plus
+    ``engine`` and ``slot_bytes``.
 
-    engine
+    Parameters
+    ----------
+    rank, world_size : int
+        This process's rank and the number of processes.
+    master_addr : str
+        ``"host:port"`` where rank 0 listens for the rendezvous (loopback).
+    engine : bool, optional
         Map the job's engine (:class:`ferro_backend.engine.Engine`), on which ferro-collective
         runs its collectives and point-to-point messages travel (default: on,
         ``FERRO_SHM_ENGINE=0`` turns it off).
-    slot_bytes
+    slot_bytes : int, optional
         Data bytes per rank and slot of the engine (default 1 MiB, ``FERRO_SHM_SLOT_BYTES``):
         collectives up to this size take one step.
+    **kwargs
+        The keyword arguments of :class:`TcpBackend`: ``timeout``, ``token``,
+        ``connect_timeout``, ``listener``, ``node``, ``connect``.
+
+    Raises
+    ------
+    RuntimeError
+        Not on Linux (the engine needs ``process_vm_readv``, ``memfd`` and futexes).
+    InvalidRankError, InvalidWorldSizeError, ValueError, RendezvousError, AuthenticationError
+        As for :class:`TcpBackend`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ferro_backend import ShmBackend
+    >>> # in each of 2 processes on one host, rank = 0 or 1:
+    >>> with ShmBackend(rank, 2, "127.0.0.1:29500", timeout=30.0) as backend:
+    ...     backend.barrier()
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str, *,

@@ -52,6 +52,17 @@ class Launcher:
     where only the host name tells; ``master_addr``/``master_port`` are where rank 0 listens,
     None where the rendezvous finds them (MPI, torchrun's store); ``num_nodes`` is None where
     the launcher does not say; ``seen`` lists the variables read, ``NAME=value``.
+
+    Parameters
+    ----------
+    source : {"ferrorun", "torchrun", "openmpi", "mpich", "slurm"}
+    rank, world_size, local_rank : int
+        This process's rank, the job's size, and the rank's index on its node.
+    node_id : str, optional
+    master_addr : str, optional
+    master_port : int, optional
+    num_nodes : int, optional
+    seen : tuple of str, default ()
     """
 
     source: str  # "ferrorun", "torchrun", "openmpi", "mpich" or "slurm"
@@ -162,12 +173,27 @@ def _check_agreement(primary: _Claim, claims: dict[str, _Claim]) -> None:
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None:
     """The launcher that started this process, from its environment; None outside a launcher.
 
+    Parameters
+    ----------
+    environ : mapping of str to str, optional
+        The environment to read (default: ``os.environ``).
+
+    Returns
+    -------
+    Launcher or None
+
     Raises
     ------
     LauncherError
         Variables that are not numbers, a rank outside the world, launchers' variables that
         disagree (``RANK`` vs ``SLURM_PROCID``, ``WORLD_SIZE`` vs ``OMPI_COMM_WORLD_SIZE``...),
         or ``RANK``/``WORLD_SIZE`` of a multi-rank job without ``MASTER_ADDR``/``MASTER_PORT``.
+
+    Examples
+    --------
+    >>> detect_launcher({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+    ...                  "MASTER_PORT": "29500"}).source
+    'ferrorun'
     """
     env = os.environ if environ is None else environ
     claims = _claims(env)

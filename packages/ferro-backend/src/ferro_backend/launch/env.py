@@ -56,6 +56,19 @@ def init_from_env(**kwargs: Any) -> Backend:
     --timeout``) sets :attr:`Backend.timeout`, the deadline of p2p calls and collectives alike,
     unless ``timeout=`` is given.
 
+    Parameters
+    ----------
+    **kwargs
+        Keyword arguments of the chosen backend's constructor (``timeout``, ``token``,
+        ``connect``... of :class:`TcpBackend`/:class:`ShmBackend`), or of
+        :meth:`SimulatedBackend.create_group` outside any launcher.
+
+    Returns
+    -------
+    Backend
+        This rank's backend (:class:`ShmBackend`, :class:`TcpBackend`, :class:`MpiBackend`, or a
+        one-rank :class:`SimulatedBackend` outside any launcher); use it as a context manager.
+
     Raises
     ------
     LauncherError
@@ -64,6 +77,19 @@ def init_from_env(**kwargs: Any) -> Backend:
         it saw and what to install. Never a silent one-rank run.
     RendezvousError, AuthenticationError
         The ranks could not meet (as :class:`TcpBackend`).
+    SettingError
+        A ``FERRO_*`` variable with an invalid value (``FERRO_TIMEOUT``, ``FERRO_TRANSPORT``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ferro_backend import init_from_env
+    >>> with init_from_env() as backend:  # under ferrorun -n 2 / torchrun
+    ...     if backend.rank == 0:
+    ...         backend.send(np.arange(4.0), dst=1)
+    ...     else:
+    ...         out = np.empty(4)
+    ...         backend.recv(out, src=0)
     """
     launcher = detect_launcher()
     if launcher is not None:

@@ -47,27 +47,27 @@ class TcpBackend(FixedRanks, Backend):
 
     Parameters
     ----------
-    rank, world_size
+    rank, world_size : int
         This process's rank and the number of processes.
-    master_addr
+    master_addr : str
         ``"host:port"`` where rank 0 listens for the rendezvous.
-    timeout
+    timeout : float, default 60.0
         :attr:`Backend.timeout`: the default deadline, in seconds, of receives, barriers and
         collectives on this backend, and of the rendezvous.
-    token
+    token : str or bytes, optional
         Shared secret; every connection proves knowledge of it (HMAC challenge). Defaults to
         the ``FERRO_TOKEN`` environment variable; without one, connections are checked for the
         protocol magic and version only.
-    connect_timeout
+    connect_timeout : float, optional
         Seconds the rendezvous may take (default: ``timeout``).
-    listener
+    listener : socket.socket, optional
         Rank 0 only: a socket already bound and listening, taken over for the rendezvous
         instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
         free port it told the other ranks about through the launcher, without a race).
-    node
+    node : str, optional
         This rank's node key (``ferro_backend.launch.join.node_key``); rank 0's table carries
         every rank's, and :attr:`~ferro_backend.TcpBackend.nodes` holds them when all gave one.
-    connect
+    connect : {"auto", "eager", "lazy"}, optional
         ``"eager"`` (every pair connected at start: the full mesh), ``"lazy"`` (a pair connects
         when one of its ranks first sends to or receives from the other: ``mesh/lazy.py``) or
         ``"auto"`` (lazy beyond ``mesh.tcp.LAZY_ABOVE`` ranks); default ``FERRO_TCP_CONNECT``.
