@@ -5,6 +5,7 @@ from . import (
     _wire,  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
     elastic,
 )
+from ._version import version_getattr
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
 from .engine.shm import ShmBackend
 from .errors import (
@@ -67,12 +68,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> str:
-    """``__version__``, from the installed metadata when first asked for (importing
-    importlib.metadata costs every process that imports ferro_backend about 60 ms)."""
-    if name == "__version__":
-        from importlib.metadata import version
-
-        globals()["__version__"] = value = version("ferro-backend")
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = version_getattr(__name__, "ferro-backend")  # __version__, read when asked

@@ -16,6 +16,7 @@ from ferro_backend import (
     PeerClosedError,
     SizeMismatchError,
 )
+from ferro_backend._version import version_getattr
 
 from . import (
     _reduce,  # noqa: F401 - the compiled kernel, imported unconditionally
@@ -100,12 +101,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> str:
-    """``__version__``, from the installed metadata when first asked for (importing
-    importlib.metadata costs every process that imports ferro_collective about 60 ms)."""
-    if name == "__version__":
-        from importlib.metadata import version
-
-        globals()["__version__"] = value = version("ferro-collective")
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = version_getattr(__name__, "ferro-collective")  # __version__, read when asked

@@ -6,6 +6,7 @@ strategies, padding and state-dict format.
 """
 
 
+from ferro_backend._version import version_getattr
 from ferro_backend.partition import split_sizes, split_starts
 
 from . import nn, optim
@@ -34,12 +35,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> str:
-    """``__version__``, from the installed metadata when first asked for (importing
-    importlib.metadata costs every process that imports ferro_fsdp about 60 ms)."""
-    if name == "__version__":
-        from importlib.metadata import version
-
-        globals()["__version__"] = value = version("ferro-fsdp")
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = version_getattr(__name__, "ferro-fsdp")  # __version__, read when asked

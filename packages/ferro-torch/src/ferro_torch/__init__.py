@@ -7,6 +7,8 @@ under ferrorun or torchrun runs torch's collectives, DDP and FSDP2 on ferro.
 
 import torch.distributed as _dist
 
+from ferro_backend._version import version_getattr
+
 from .errors import FerroTorchError
 from .process_group import ProcessGroupFerro, create_process_group, monitored_barrier
 
@@ -63,12 +65,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> str:
-    """``__version__``, from the installed metadata when first asked for (importing
-    importlib.metadata costs every process that imports ferro_torch about 60 ms)."""
-    if name == "__version__":
-        from importlib.metadata import version
-
-        globals()["__version__"] = value = version("ferro-torch")
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = version_getattr(__name__, "ferro-torch")  # __version__, read when asked
