@@ -18,6 +18,8 @@ from typing import Any
 
 from .checks import as_recv_view, as_send_view, check_peer, check_rank, check_tag, check_timeout
 from .errors import CollectiveTimeoutError, SizeMismatchError
+from .ranks import FixedRanks, describe_topology  # noqa: F401 - FixedRanks: re-exported
+from .request import Request, _DoneRequest, _LazyRecv
 
 DEFAULT_TIMEOUT: float = 60.0
 """Seconds a blocking call waits before :class:`CollectiveTimeoutError` (per backend, overridable)."""
@@ -28,79 +30,6 @@ GROUP_TAG_SHIFT = 32
 """Subgroup ids live in the bits above this one (see :class:`SubBackend`)."""
 BARRIER_TAG = (1 << 32) - 1
 """The tag the default :meth:`Backend.barrier` uses."""
-
-
-class Request(abc.ABC):
-    """A pending point-to-point operation, as returned by :meth:`Backend.irecv`/:meth:`Backend.isend`.
-
-    A transport implements :meth:`wait` and :meth:`is_completed`; :meth:`poll` has a default
-    built on those (a transport that can block efficiently overrides it).
-    """
-
-    @abc.abstractmethod
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until complete (at most ``timeout`` seconds; None: the backend's timeout) and
-        raise what the operation raised; :class:`CollectiveTimeoutError` when time runs out.
-
-        Parameters
-        ----------
-        timeout : float, optional
-        """
-
-    @abc.abstractmethod
-    def is_completed(self) -> bool:
-        """True once complete, successfully or not (then :meth:`wait` returns or raises at once)."""
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        """Wait up to ``timeout`` seconds for completion without giving the operation up.
-
-        True once complete, False if still pending; never raises a timeout (it may raise the
-        operation's own failure, e.g. a peer that is gone).
-        """
-        deadline = time.monotonic() + check_timeout(timeout)
-        pause = 1e-5
-        while not self.is_completed():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 2, 1e-3)
-        return True
-
-    def test(self) -> bool:
-        """Alias of :meth:`is_completed` (MPI's name)."""
-        return self.is_completed()
-
-    #: the rank a completed receive's message came from (a receive from one rank: that rank;
-    #: from any rank, :meth:`Backend.irecv_any`: the sender, once complete; else None)
-    source: int | None = None
-
-
-class _LazyRecv(Request):
-    """Default ``irecv``: the receive happens in ``wait`` (enough for transports whose sends
-    never block on the receiver, like every ferro transport)."""
-
-    def __init__(self, backend: Backend, out: Any, src: int, tag: int) -> None:
-        self._args = (backend, out, src, tag)
-        self._done = False
-        self.source = src
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self._done:
-            backend, out, src, tag = self._args
-            backend.recv(out, src, tag=tag, timeout=timeout)
-            self._done = True
-
-    def is_completed(self) -> bool:
-        return self._done
-
-
-class _DoneRequest(Request):
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class Backend(abc.ABC):
@@ -131,7 +60,25 @@ class Backend(abc.ABC):
         self._timeout = check_timeout(value, f"{type(self).__name__}.timeout")
 
     def resolve_timeout(self, timeout: float | None, what: str = "timeout") -> float:
-        """A per-call ``timeout`` validated, or this backend's :attr:`Backend.timeout` when None."""
+        """A per-call ``timeout`` validated, or this backend's :attr:`Backend.timeout` when None.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds (positive and finite), or None for :attr:`Backend.timeout`.
+        what : str, default "timeout"
+            How the error names the value (e.g. ``"recv: timeout"``).
+
+        Returns
+        -------
+        float
+            The deadline's length in seconds.
+
+        Raises
+        ------
+        ValueError
+            ``timeout`` is not a positive finite number (named by ``what``).
+        """
         if timeout is None:
             return check_timeout(self.timeout, f"{type(self).__name__}.timeout")
         return check_timeout(timeout, what)
@@ -187,7 +134,27 @@ class Backend(abc.ABC):
         return as_recv_view(out)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
-        """Post a receive into ``out`` and return at once; ``Request.wait`` completes it."""
+        """Post a receive into ``out`` and return at once; ``Request.wait`` completes it.
+
+        Parameters
+        ----------
+        out : writable buffer
+            Filled with the message; its length must equal the message's.
+        src : int
+            The sending rank.
+        tag : int, default 0
+            The stream the message travels on.
+
+        Returns
+        -------
+        Request
+            Its ``wait`` raises what :meth:`recv` would (``SizeMismatchError``, a timeout...).
+
+        Raises
+        ------
+        InvalidRankError
+            ``src`` is not a rank of this job.
+        """
         check_rank(src, self.world_size, "irecv: src")
         return _LazyRecv(self, out, src, tag)
 
@@ -201,14 +168,49 @@ class Backend(abc.ABC):
         :class:`PeerAbortedError` on an abort, and :class:`SizeMismatchError` if the message's
         length differs from ``len(out)`` in bytes. Transports without it raise
         :class:`NotImplementedError` naming themselves (the default).
+
+        Parameters
+        ----------
+        out : writable buffer
+            Filled with the message.
+        tag : int, default 0
+            The stream to receive from.
+
+        Returns
+        -------
+        Request
+            Once complete, its ``source`` is the sender's rank.
+
+        Raises
+        ------
+        NotImplementedError
+            The transport does not receive from any source.
         """
         raise NotImplementedError(f"{type(self).__name__} does not receive from any source "
                                   f"(irecv_any): receive from a named rank")
 
     def recv_any(self, out: Any, *, tag: int = 0, timeout: float | None = None) -> int:
-        """Fill ``out`` with the next message on ``tag`` from any other rank; returns the
-        sender's rank. Errors as :meth:`irecv_any`, and :class:`CollectiveTimeoutError` after
-        ``timeout`` seconds (default: :attr:`Backend.timeout`)."""
+        """Fill ``out`` with the next message on ``tag`` from any other rank.
+
+        Parameters
+        ----------
+        out : writable buffer
+            Filled with the message.
+        tag : int, default 0
+            The stream to receive from.
+        timeout : float, optional
+            Seconds to wait (default: :attr:`Backend.timeout`).
+
+        Returns
+        -------
+        int
+            The sender's rank.
+
+        Raises
+        ------
+        CollectiveTimeoutError
+            No message within ``timeout``; otherwise as :meth:`irecv_any`.
+        """
         limit = self.resolve_timeout(timeout, "recv_any: timeout")
         req = self.irecv_any(out, tag=tag)
         req.wait(limit)
@@ -216,7 +218,22 @@ class Backend(abc.ABC):
         return req.source
 
     def isend(self, data: Any, dst: int, *, tag: int = 0) -> Request:
-        """Start a send. The default sends eagerly (ferro transports never block on receivers)."""
+        """Start a send. The default sends eagerly (ferro transports never block on receivers).
+
+        Parameters
+        ----------
+        data : buffer
+            What to send (bytes, memoryview, a C-contiguous numpy array...).
+        dst : int
+            The receiving rank.
+        tag : int, default 0
+            The stream the message travels on.
+
+        Returns
+        -------
+        Request
+            Complete once ``data`` may be reused; ``wait`` raises the send's error.
+        """
         self.send(data, dst, tag=tag)
         return _DoneRequest()
 
@@ -288,12 +305,31 @@ class Backend(abc.ABC):
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         """The error an ``op`` involving ``peer`` must raise now (the job aborted, this backend
-        closed, or ``peer`` is gone), or None. Transports that track failures override it."""
+        closed, or ``peer`` is gone), or None. Transports that track failures override it.
+
+        Parameters
+        ----------
+        op : str
+            The operation, for the error's message (e.g. ``"recv"``).
+        peer : int
+            The rank it involves.
+
+        Returns
+        -------
+        BaseException or None
+            The error to raise (not raised here), or None when ``peer`` may be used.
+        """
         return None
 
     def link_transports(self) -> tuple[str, str]:
-        """How this transport moves messages ``(within a node, between nodes)``, in words;
-        transports override it for :meth:`Backend.describe`."""
+        """How this transport moves messages, in words; transports override it for
+        :meth:`Backend.describe`.
+
+        Returns
+        -------
+        tuple of str
+            ``(within a node, between nodes)``.
+        """
         name = type(self).__name__
         return name, name
 
@@ -301,6 +337,11 @@ class Backend(abc.ABC):
         """The job's topology as this rank sees it: ranks per node and the transport of each
         kind of link (within a node, between nodes). ``init_from_env`` logs it once at INFO
         on rank 0.
+
+        Returns
+        -------
+        str
+            Several lines: the ranks per node and the transport of each kind of link.
 
         Examples
         --------
@@ -310,49 +351,4 @@ class Backend(abc.ABC):
           node 'this process': ranks 0-1
           links within a node: in-process (threads, one copy per message)
         """
-        n = self.world_size
-        head = f"{type(self).__name__}: {n} rank{'s' * (n != 1)}"
-        within, between = self.link_transports()
-        if self.nodes is None:
-            return "\n".join([f"{head}, nodes not known (this is rank {self.rank})",
-                              f"  links: {within} within a node, {between} between nodes"])
-        by_node: dict[str, list[int]] = {}
-        for r, node in enumerate(self.nodes):
-            by_node.setdefault(node, []).append(r)
-        k = len(by_node)
-        lines = [f"{head} on {k} node{'s' * (k != 1)} (this is rank {self.rank})"]
-        lines += [f"  node {node!r}: ranks {rank_ranges(ranks)}" for node, ranks in by_node.items()]
-        lines.append(f"  links within a node: {within}")
-        if k > 1:
-            lines.append(f"  links between nodes: {between}")
-        return "\n".join(lines)
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    parts: list[str] = []
-    start = prev = None
-    for r in [*sorted(ranks), None]:
-        if start is not None and (r is None or r != prev + 1):
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = None
-        if r is not None and start is None:
-            start = r
-        prev = r
-    return ", ".join(parts)
-
-
-class FixedRanks:
-    """Mixin for transports whose rank and world size are fixed at construction: they set
-    ``self._rank`` and ``self._world``; this provides :attr:`Backend.rank`/``world_size``."""
-
-    _rank: int
-    _world: int
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
+        return describe_topology(self)
