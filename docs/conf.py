@@ -60,13 +60,8 @@ numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
 # numpydoc validation, warnings hence errors: every parameter documented (PR01), no unknown
 # one (PR02), a Returns section where the call returns something (RT01), for every public
-# name of every package but six methods of TcpBackend (and ShmBackend, which inherits them):
-# mesh/tcp.py has no room left under the 360-line limit for their sections, next to do
+# name of every package
 numpydoc_validation_checks = {"PR01", "PR02", "RT01"}
-numpydoc_validation_exclude = {
-    r"^ferro_backend\.(Tcp|Shm)Backend\.(abort|from_env|install_route|on_close|on_failure"
-    r"|routes)$",
-}
 
 # a reference in a docstring that leads nowhere is a warning, hence an error: except to what
 # this offline build cannot link (the standard library, torch: no intersphinx) and to the

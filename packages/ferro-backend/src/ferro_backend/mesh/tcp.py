@@ -24,6 +24,7 @@ from ..checks import as_recv_view, check_rank, check_tag, check_world_size, time
 from ..errors import DistributedError, PeerClosedError, RendezvousError
 from ..mailbox import Mailbox
 from ..posted import PumpedRecv
+from .compose import Composable
 from .framing import K_DATA, Link, read_frames
 from .lazy import Connector
 from .reactor import Reactor
@@ -42,7 +43,7 @@ LAZY_ABOVE = 32
 ABORT_REACH = 2.0
 
 
-class TcpBackend(FixedRanks, Backend):
+class TcpBackend(FixedRanks, Composable, Backend):
     """One rank of a multi-process job over TCP (full mesh).
 
     Parameters
@@ -177,7 +178,23 @@ class TcpBackend(FixedRanks, Backend):
     @classmethod
     def from_env(cls, **kwargs: Any) -> TcpBackend:
         """Build from the torchrun variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        (and FERRO_TOKEN, FERRO_TIMEOUT when set); keyword arguments override."""
+        (and FERRO_TOKEN, FERRO_TIMEOUT when set); keyword arguments override.
+
+        Parameters
+        ----------
+        **kwargs
+            The constructor's arguments (``rank``, ``world_size``, ``master_addr`` included).
+
+        Returns
+        -------
+        TcpBackend
+            This rank's backend, the job formed.
+
+        Raises
+        ------
+        RendezvousError
+            A variable is unset (names them), or the job does not form.
+        """
         env = os.environ
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing and not {"rank", "world_size", "master_addr"} <= kwargs.keys():
@@ -204,37 +221,6 @@ class TcpBackend(FixedRanks, Backend):
     def bytes_received(self) -> int:  # type: ignore[override]
         return sum(link.received for link in list(self._links.values())) + sum(
             route.bytes_received for route in self._route_list)
-
-    # ------------------------------------------------------------------ composition
-    @property
-    def mailbox(self) -> Mailbox:
-        """This rank's receive side (posted receives, queued messages, known failures): routes
-        deliver into it, and every failure the mesh learns of is recorded there."""
-        return self._box
-
-    def install_route(self, route: Route) -> None:
-        """Send to and receive from ``route.peers`` through ``route`` instead of the sockets
-        (the same-host engine's rings: ``ferro_backend.engine``); the route is closed with
-        this backend. Install routes before any message to those peers (at set-up)."""
-        taken = sorted(set(route.peers) & set(self._routes))
-        if taken or self.rank in route.peers:
-            raise ValueError(f"install_route: peers {taken or [self.rank]} already have a route "
-                             "(or are this rank)")
-        self._route_list.append(route)
-        self._routes.update(dict.fromkeys(route.peers, route))
-
-    def routes(self) -> list[Route]:
-        """The routes installed on this backend."""
-        return list(self._route_list)
-
-    def on_failure(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` on every failure this rank learns of (a peer gone, an abort,
-        this backend closing), from the thread that saw it; at once if one happened already."""
-        self._box.add_failure_callback(callback)
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` when this backend tears down (after its mailbox is closed)."""
-        self._closers.append(callback)
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         return self._box.failure(op, peer)
@@ -303,7 +289,13 @@ class TcpBackend(FixedRanks, Backend):
 
     def abort(self, reason: str) -> None:
         """Tell every peer that this rank failed, then close. Peers' blocked calls raise
-        :class:`PeerAbortedError` naming this rank and ``reason``."""
+        :class:`PeerAbortedError` naming this rank and ``reason``.
+
+        Parameters
+        ----------
+        reason : str
+            Why, in words: the peers' errors carry it.
+        """
         if self._box.closed:
             return
         if self._connector is not None:
