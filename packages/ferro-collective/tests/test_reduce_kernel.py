@@ -147,3 +147,46 @@ def test_bitwise_ops_refuse_non_integer_dtypes(op, dt):
     with pytest.raises(TypeError, match=f"ReduceOp.{op.name} needs an integer or bool dtype, "
                                         f"got {np.dtype(dt)}"):
         work_dtype("allreduce", np.dtype(dt), op)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(KERNEL_DTYPES), st.integers(2, 4), st.integers(1, 5000),
+       st.sampled_from(list(UFUNCS) + [ReduceOp.MEAN]), st.integers(0, 1), st.data())
+def test_fold_into_one_of_its_inputs_equals_numpy(dt, count, size, op, into, data):
+    """The fold's first pass combines two inputs in one sweep (three streams): the output may
+    be either of them (an in-place allreduce folds into the caller's own input)."""
+    if op is ReduceOp.MEAN and np.dtype(dt).kind != "f":
+        return
+    inputs = [data.draw(hnp.arrays(dt, size)) for _ in range(count)]
+    ufunc = np.add if op is ReduceOp.MEAN else UFUNCS[op]
+    with np.errstate(all="ignore"):
+        expected = inputs[0].copy()
+        for x in inputs[1:]:
+            expected = ufunc(expected, x)
+        if op is ReduceOp.MEAN:
+            expected = np.divide(expected, count).astype(dt)
+        out = inputs[into]
+        fold(out, inputs, op, count if op is ReduceOp.MEAN else None)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_the_float_loops_run_the_clone_this_cpu_supports():
+    # the AVX2 clone of the float SUM/MEAN loops is compiled in and picked where the CPU has
+    # AVX2 (Linux x86-64 with GCC); its results are numpy's, tails (sizes not a multiple of
+    # the vector width) included
+    import platform
+    import sys
+
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        with open("/proc/cpuinfo") as f:
+            avx2 = " avx2" in f.read()
+        assert _reduce.SIMD_AVX2 == avx2
+    rng = np.random.default_rng(1)
+    for dt in (np.float32, np.float64):
+        for size in (1, 7, 8, 9, 31, 4097, 10_001):
+            a, b = rng.standard_normal(size).astype(dt), rng.standard_normal(size).astype(dt)
+            got = np.empty_like(a)
+            fold(got, [a, b], ReduceOp.SUM)
+            np.testing.assert_array_equal(got, a + b)
+            fold(got, [a, b], ReduceOp.MEAN, 2)
+            np.testing.assert_array_equal(got, (a + b) / dt(2))

@@ -220,6 +220,10 @@ SHM_ENGINE = _declare("FERRO_SHM_ENGINE", "bool", _bool, True, "`ShmBackend`",
 SHM_SLOT_BYTES = _declare("FERRO_SHM_SLOT_BYTES", "bytes", _min_bytes(64), 1 << 20, "`ShmBackend`",
                           "data bytes per rank and slot: collectives up to this size take one "
                           "engine step")
+SHM_SPLIT_BYTES = _declare("FERRO_SHM_SPLIT_BYTES", "bytes", _bytes, 32 << 10, "`ShmBackend`",
+                           "allreduces from this size (within a slot) run split: each rank "
+                           "folds one part, pipelined in chunks (rank 0's value holds; 0: "
+                           "never)")
 SHM_RING_BYTES = _declare("FERRO_SHM_RING_BYTES", "bytes, a power of two >= 4096",
                           _power_of_two_bytes, None, "`ShmBackend`",
                           "bytes of each point-to-point ring (default 256 KiB up to 8 ranks, "
@@ -253,8 +257,8 @@ COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferr
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
     TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
-    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS, SHM_RING_YIELDS,
-    SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK)}
+    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS,
+    SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}
 
 

@@ -233,16 +233,25 @@ cdef class Core:
         self._enter(p.name, timeout, &t, &seq, &start)
         try:
             soft = start + t * <double>_p2p["STALL_FRACTION"]
-            rc = self.api.fold(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
-                               cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
-                               cnp.PyArray_DATA(<cnp.ndarray>res), p.offset, p.count, p.code,
-                               p.kernel, p.div, soft)
+            if kind == K_FOLD_FIRST:  # allreduce: split beyond the engine's threshold
+                rc = self.api.allreduce(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
+                                        cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
+                                        cnp.PyArray_DATA(<cnp.ndarray>res), p.count, p.code,
+                                        p.kernel, p.div, soft)
+            else:
+                rc = self.api.fold(self.api.ctx, p.hptr, p.hlen, p.hash, <uint32_t>seq,
+                                   cnp.PyArray_DATA(x), cnp.PyArray_NBYTES(x),
+                                   cnp.PyArray_DATA(<cnp.ndarray>res), p.offset, p.count,
+                                   p.code, p.kernel, p.div, soft)
             if rc == -1:
                 raise ValueError(f"{p.name}: the fold has no kernel for dtype code {p.code}")
             if rc != FERRO_OK:
                 self._recover(rc, p.name, seq, t, start)
-                self._slots_keep.fold(res, cnp.PyArray_NBYTES(x), p.offset, p.count,
-                                      cnp.PyArray_ITEMSIZE(x), p.code, p.kernel, p.div)
+                rc = self._slots_keep.fold(res, cnp.PyArray_NBYTES(x), p.offset, p.count,
+                                           cnp.PyArray_ITEMSIZE(x), p.code, p.kernel, p.div,
+                                           start + t)
+                if rc != FERRO_OK:  # a split allreduce whose resumed pipeline did not end
+                    self._late(rc, p.name, seq, t, start)
         finally:
             self._finish(seq)
         return res

@@ -23,23 +23,32 @@ ctypedef int (*copy_step)(void* ctx, const unsigned char* header, size_t hlen, u
 ctypedef int (*barrier_step)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                              uint32_t seq, double deadline) noexcept
 
+ctypedef int (*allreduce_step)(void* ctx, const unsigned char* header, size_t hlen,
+                               uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
+                               void* out, Py_ssize_t count, int code, int op,
+                               double mean_divisor, double deadline) noexcept
+
 ctypedef struct slots_api:  # the layout API_SIGNATURE names
     void* ctx
     fold_step fold
     copy_step copy
     barrier_step barrier
+    allreduce_step allreduce
 
 #: the step table this module calls: ferro-backend's ``engine.API_SIGNATURE`` (a test holds the
 #: two equal; the capsule is refused under any other name)
 API_SIGNATURE = (
-    "ferro_slots_api 2 (GIL held) {void *ctx; "
+    "ferro_slots_api 3 (GIL held) {void *ctx; "
     "int (*fold)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
     "uint32_t seq, const void *src, size_t nbytes, void *out, size_t offset, Py_ssize_t count, "
     "int code, int op, double mean_divisor, double deadline); "
     "int (*copy)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
     "uint32_t seq, const void *src, size_t nbytes, void *out, int root, double deadline); "
     "int (*barrier)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
-    "uint32_t seq, double deadline);}")
+    "uint32_t seq, double deadline); "
+    "int (*allreduce)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
+    "uint32_t seq, const void *src, size_t nbytes, void *out, Py_ssize_t count, int code, "
+    "int op, double mean_divisor, double deadline);}")
 cdef bytes _API_NAME = API_SIGNATURE.encode()
 
 

@@ -30,7 +30,7 @@ from ferro_backend.partition import split_bounds
 from . import _fastcall, _reduce, _state, all_gather
 from ._state import reserve
 from .checks import as_array, check_out, finish
-from .engine import EngineGroup, FastPlan, Step, one_call_header
+from .engine import OK, EngineGroup, FastPlan, Step, one_call_header
 from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
 from .plan import PREPARE, Plan, choose
@@ -159,7 +159,18 @@ def engine_allreduce(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, o
                      wd: np.dtype, op: ReduceOp) -> None:
     """``out`` (1-d, x's dtype) = the rank-order fold of every rank's ``x`` (1-d)."""
     mean = g.n if op is ReduceOp.MEAN else None
-    if x.size * wd.itemsize <= g.slot_bytes:
+    if x.dtype == wd and x.dtype in CODES and x.size and x.nbytes <= g.slot_bytes:
+        # the compiled path's step (split from the engine's threshold): whichever path a rank
+        # takes for this call, its peers must find the same protocol
+        rc = g.slots.step_allreduce(header, call.seq & 0xFFFFFFFF, x, out, x.size, CODES[x.dtype],
+                                    OPS[op].kernel, float(mean or 0), call.soft)
+        if rc != OK:
+            g._recover(rc, call.name, call.seq, call.timeout, call.start)
+            rc = g.slots.fold(out, x.nbytes, 0, x.size, x.itemsize, CODES[x.dtype],
+                              OPS[op].kernel, float(mean or 0), call.hard)
+            if rc != OK:
+                g._late(rc, call.name, call.seq, call.timeout, call.start)
+    elif x.size * wd.itemsize <= g.slot_bytes:
         fold_through_slots(g, call, header, x, out, wd, op, mean)
     elif g.cma_ok:
         bounds = split_bounds(x.size, g.n)

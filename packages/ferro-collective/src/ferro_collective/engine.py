@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 if host_engine.AVAILABLE:
     from ferro_backend.engine import FAILED, MISMATCH, OK, TIMEOUT, header_hash
+else:  # no engine: no step runs, but the paths that would name its results still import
+    OK = 0
 
 log = logging.getLogger("ferro_collective")
 
@@ -242,6 +244,20 @@ class EngineGroup(Core):
         hard deadline, or the error (which breaks the group for a timeout or a dead peer)."""
         try:
             self._settle(rc, Step(name, seq, timeout, start))
+        except (CollectiveTimeoutError, PeerClosedError) as exc:
+            self.broken = exc
+            raise
+
+    def _late(self, rc: int, name: str, seq: int, timeout: float, start: float) -> None:
+        """A split allreduce's pipeline that did not end by the hard deadline (after the
+        stall report): the error, which breaks the group."""
+        call = Step(name, seq, timeout, start)
+        try:
+            if rc == FAILED:
+                raise self._failure(call, self.slots.missing())
+            raise CollectiveTimeoutError(
+                f"{name} (seq {seq}) on rank {self.me}: timed out after {timeout:g}s waiting "
+                "for the peers' parts of a split allreduce (shared-memory engine)")
         except (CollectiveTimeoutError, PeerClosedError) as exc:
             self.broken = exc
             raise

@@ -15,7 +15,7 @@ cdef extern from "_layout.h" nogil:
 
     ctypedef struct ferro_seg_head:
         uint32_t magic, version, nranks
-        uint64_t slot_bytes, ring_bytes
+        uint64_t slot_bytes, ring_bytes, split_bytes
 
     ctypedef struct ferro_ctrl:
         uint32_t step, sleepers

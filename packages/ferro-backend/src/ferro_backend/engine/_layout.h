@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_VERSION 4u
+#define FERRO_VERSION 5u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u
@@ -29,7 +29,8 @@
 typedef struct {               /* the segment's first 128 bytes, written by rank 0 */
     uint32_t magic, version, nranks, reserved;
     uint64_t slot_bytes, ring_bytes;
-    uint8_t pad[96];
+    uint64_t split_bytes;      /* the split allreduce's threshold (rank 0's setting holds) */
+    uint8_t pad[88];
 } ferro_seg_head;
 
 typedef struct {               /* one per rank */
@@ -41,13 +42,18 @@ typedef struct {               /* one per rank */
     uint32_t bell;             /* point-to-point doorbell: producers about to sleep ring it */
     uint32_t reserved2;
     uint64_t head_hash[2];     /* the hash of this rank's collective header, by step parity */
-    uint8_t pad[72];
+    uint8_t pad[8];
+    /* the split reduction's progress (_split.h), on the second line: chunks ever copied in,
+     * chunks ever folded (mod 2**32), and their futex sleepers */
+    uint32_t inprog, in_sleepers, outprog, out_sleepers;
+    uint8_t pad2[48];
 } ferro_ctrl;
 
 typedef struct {               /* the start of each slot; slot_bytes of data follow */
     uint8_t header[FERRO_HEADER_ROOM];  /* the step's collective header (the consumer's) */
     uint64_t pid, in_addr, out_addr;    /* where peers may read this rank's buffers */
-    uint8_t pad[104];
+    uint32_t in_base, out_base;         /* a split step's progress counters at its start */
+    uint8_t pad[96];
 } ferro_slot_head;
 
 typedef struct {               /* a single-producer, single-consumer ring's control block */
@@ -72,6 +78,7 @@ _Static_assert(sizeof(ferro_seg_head) == 128, "the segment header is 128 bytes")
 _Static_assert(sizeof(ferro_ctrl) == 128, "a control line is two cache lines");
 _Static_assert(offsetof(ferro_ctrl, bell) == 32, "the doorbell sits at byte 32");
 _Static_assert(offsetof(ferro_ctrl, head_hash) == 40, "header hashes on the step's line");
+_Static_assert(offsetof(ferro_ctrl, inprog) == 64, "split progress on the second line");
 _Static_assert(sizeof(ferro_slot_head) == 256, "a slot head is 256 bytes");
 _Static_assert(sizeof(ferro_ring_ctrl) == 128, "a ring's control block is 128 bytes");
 _Static_assert(offsetof(ferro_ring_ctrl, tail) == 64, "head and tail on their own lines");

@@ -68,11 +68,17 @@ cdef class SegmentMap:
         self.rank = rank
         self.failed = <uint32_t*>failed_addr
 
-    def write_head(self):
-        """Rank 0: stamp the segment with its magic, version and sizes."""
+    def write_head(self, uint64_t split_bytes=0):
+        """Rank 0: stamp the segment with its magic, version and sizes, and the group's split
+        allreduce threshold (:meth:`split_bytes`)."""
         cdef ferro_seg_head* h = ferro_head_of(self.base)
         h.magic, h.version, h.nranks = FERRO_MAGIC, FERRO_VERSION, self.L.nranks
         h.slot_bytes, h.ring_bytes = self.L.slot_bytes, self.L.ring_bytes
+        h.split_bytes = split_bytes
+
+    def split_bytes(self) -> int:
+        """The split allreduce threshold rank 0 stamped (every rank must use the same)."""
+        return ferro_head_of(self.base).split_bytes
 
     def head(self) -> tuple:
         """``(magic, version, nranks, slot_bytes, ring_bytes)`` as stamped by rank 0."""

@@ -22,62 +22,11 @@ Validation of what the callers pass (sizes, addresses) is theirs.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
+from libc.stdlib cimport calloc, free
 
 include "_engine.pxi"
+include "_steps.pxi"
 
-cdef extern from "_steps.h" nogil:
-    ctypedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_t count,
-                                  Py_ssize_t n, int op, double mean_divisor)
-    ctypedef struct ferro_slots:
-        unsigned char* base
-        ferro_layout L
-        int n, me
-        uint32_t step
-        unsigned long long sent
-        size_t hlen
-        ferro_policy pol
-        uint32_t* failed
-        ferro_fold_fn fold
-        int clock
-        double waited
-    ctypedef struct ferro_slots_api:
-        pass
-    uint32_t FERRO_SEQ_OFF
-    uint64_t ferro_header_hash(const unsigned char* h, size_t len)
-    ferro_slot_head* ferro_slots_slot(ferro_slots* s, int rank, uint32_t step)
-    void ferro_slots_publish(ferro_slots* s, uint32_t step)
-    int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double deadline)
-    int ferro_slots_agree(ferro_slots* s)
-    int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen, int patch,
-                             uint64_t hash, uint32_t seq, const unsigned char* src,
-                             size_t nbytes, double deadline)
-    int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_ssize_t count, int code,
-                         int op, double mean_divisor)
-    void ferro_slots_copy(ferro_slots* s, void* out, const void* src, size_t nbytes, int root)
-    int ferro_slots_sync(ferro_slots* s, double deadline)
-    void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s)
-
-#: the capsule name (the C signature) of the fold :meth:`SlotEngine.set_fold` takes: ``out`` =
-#: the rank-order fold of ``count`` inputs of ``n`` items of dtype ``code`` with op ``op``
-#: (MEAN's divide fused when ``mean_divisor`` > 0); 0, or -1 for an unknown dtype code
-FOLD_SIGNATURE = ("int (int code, void *out, const void **inputs, Py_ssize_t count, "
-                  "Py_ssize_t n, int op, double mean_divisor)")
-cdef bytes _FOLD_NAME = FOLD_SIGNATURE.encode()
-#: the capsule name of :meth:`SlotEngine.api`: the layout of the table it holds (``ctx`` is
-#: passed back to each function; ``hash`` is :func:`header_hash` of the header with sequence
-#: number 0, ``seq`` is patched in; each returns OK, TIMEOUT, FAILED, MISMATCH, or -1 for a
-#: dtype code the fold has no kernel for; nothing is folded or copied unless OK). The functions
-#: are called with the GIL held and release it while they wait beyond a short spin.
-API_SIGNATURE = (
-    "ferro_slots_api 2 (GIL held) {void *ctx; "
-    "int (*fold)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
-    "uint32_t seq, const void *src, size_t nbytes, void *out, size_t offset, Py_ssize_t count, "
-    "int code, int op, double mean_divisor, double deadline); "
-    "int (*copy)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
-    "uint32_t seq, const void *src, size_t nbytes, void *out, int root, double deadline); "
-    "int (*barrier)(void *ctx, const unsigned char *header, size_t hlen, uint64_t hash, "
-    "uint32_t seq, double deadline);}")
-cdef bytes _API_NAME = API_SIGNATURE.encode()
 #: step results: the wait ended well, timed out, saw the failure flag, or headers disagree
 OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH
 #: where a collective header holds its 32-bit little-endian sequence number
@@ -109,7 +58,13 @@ cdef class SlotEngine:
         self.s.n, self.s.me = nranks, rank
         self.s.pol.spin, self.s.pol.yields = spin, yields
         self.s.failed = <uint32_t*>failed_addr
+        self.s.split.bases = <uint32_t*>calloc(2 * nranks, sizeof(uint32_t))
+        if self.s.split.bases == NULL:
+            raise MemoryError()
         ferro_slots_api_init(&self.table, &self.s)
+
+    def __dealloc__(self):
+        free(self.s.split.bases)
 
     @property
     def n(self) -> int:
@@ -135,6 +90,16 @@ cdef class SlotEngine:
     @property
     def slot_bytes(self) -> int:
         return self.s.L.slot_bytes
+
+    @property
+    def split_bytes(self) -> int:
+        """One-call allreduces of at least this many bytes (within a slot) run split: each
+        rank folds one part, pipelined in chunks (``_split.h``); 0: never."""
+        return self.s.split_min
+
+    @split_bytes.setter
+    def split_bytes(self, size_t value):
+        self.s.split_min = value
 
     def set_fold(self, capsule):
         """Take the fold kernel the one-call reductions use: a capsule named
@@ -278,11 +243,42 @@ cdef class SlotEngine:
             raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
         return rc
 
+    def step_allreduce(self, bytes header not None, uint32_t seq, object src, object out,
+                       Py_ssize_t count, int code, int op, double mean_divisor,
+                       double deadline):
+        """A whole allreduce of ``count`` items (dtype ``code``) as the compiled path runs it
+        (split from :attr:`split_bytes`, else :meth:`step_fold`): every rank must take the
+        same path for a call, whichever layer makes it. As :meth:`step_fold` returns."""
+        cdef Py_buffer b, o
+        cdef int rc
+        cdef const unsigned char* h = header
+        cdef size_t hlen = self._header_len(header)
+        self._buffers(src, out, &b, &o)
+        try:
+            self._check_fold(b.len, o.len, 0, count, b.len // count if count else 1)
+            rc = self.table.allreduce(&self.s, h, hlen, ferro_header_hash(h, hlen), seq, b.buf,
+                                      b.len, o.buf, count, code, op, mean_divisor, deadline)
+        finally:
+            PyBuffer_Release(&b)
+            PyBuffer_Release(&o)
+        if rc == -1:
+            raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
+        return rc
+
     def fold(self, object out, size_t nbytes, size_t offset, Py_ssize_t count,
-             size_t itemsize, int code, int op, double mean_divisor):
-        """:meth:`step_fold`'s fold alone, on this step's slot data of ``nbytes``."""
+             size_t itemsize, int code, int op, double mean_divisor,
+             double deadline=float("inf")):
+        """:meth:`step_fold`'s fold alone, on this step's slot data of ``nbytes``; or the rest
+        of a split allreduce whose wait ended early (its own buffers; waits until
+        ``deadline``): OK, or how its wait ended."""
         cdef Py_buffer o
         cdef int rc
+        if self.s.split.active:
+            with nogil:
+                rc = ferro_split_run(&self.s, deadline)
+            if rc == -1:
+                raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
+            return rc
         PyObject_GetBuffer(out, &o, PyBUF_WRITABLE)
         try:
             self._check_fold(nbytes, o.len, offset, count, itemsize)
@@ -292,6 +288,7 @@ cdef class SlotEngine:
             PyBuffer_Release(&o)
         if rc != 0:
             raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
+        return FERRO_OK
 
     cdef int _check_fold(self, Py_ssize_t nbytes, Py_ssize_t out_len, size_t offset,
                          Py_ssize_t count, size_t itemsize) except -1:

@@ -36,6 +36,20 @@
 typedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_t count,
                              Py_ssize_t n, int op, double mean_divisor);
 
+/* A split reduction under way (_split.h): its buffers and kernel, and the next action of its
+ * pipeline, so that a step whose waits ended at the soft deadline resumes where it stopped. */
+typedef struct {
+    int active;                /* a split step is under way (its last wait ended early) */
+    const unsigned char* src;
+    unsigned char* out;
+    size_t itemsize, chunk;    /* chunk: bytes of a part moved and folded at once */
+    Py_ssize_t count;          /* items of the whole reduction */
+    int code, op, nchunks, next;
+    double mean_divisor;
+    uint32_t step;             /* the call's first step (its inputs' slots; results: step + 1) */
+    uint32_t* bases;           /* every rank's in_base and out_base, read at the start (2n) */
+} ferro_split;
+
 typedef struct {
     unsigned char* base;
     ferro_layout L;
@@ -48,6 +62,8 @@ typedef struct {
     ferro_fold_fn fold;        /* set once by the collectives (NULL: no one-call folds) */
     int clock;                 /* time the waits for peers (a timeline is on) */
     double waited;             /* seconds this rank's steps waited for their peers (clock on) */
+    size_t split_min;          /* whole reductions of at least this many bytes split (0: never) */
+    ferro_split split;
 } ferro_slots;
 
 /* What other extensions call: the one-call steps on ctx (a ferro_slots), called with the GIL
@@ -66,6 +82,11 @@ typedef struct {
                 const void* src, size_t nbytes, void* out, int root, double deadline);
     int (*barrier)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                    uint32_t seq, double deadline);
+    /* a whole allreduce (out = the fold of count items of every rank's src): split
+     * (_split.h) from the engine's split_min bytes, else fold */
+    int (*allreduce)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
+                     uint32_t seq, const void* src, size_t nbytes, void* out, Py_ssize_t count,
+                     int code, int op, double mean_divisor, double deadline);
 } ferro_slots_api;
 
 static inline ferro_slot_head* ferro_slots_slot(ferro_slots* s, int rank, uint32_t step) {
@@ -158,6 +179,7 @@ static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, 
     uint32_t step = s->step + 1;
     ferro_slot_head* mine = ferro_slots_slot(s, s->me, step);
     int rc;
+    s->split.active = 0;
     memcpy(mine->header, header, hlen);
     if (patch && hlen >= FERRO_SEQ_OFF + 4u) {
         mine->header[FERRO_SEQ_OFF] = seq & 0xFF;
@@ -234,6 +256,8 @@ static inline int ferro_slots_sync(ferro_slots* s, double deadline) {
     return ferro_slots_wait_all(s, s->step, deadline);
 }
 
+#include "_split.h"
+
 /* ---- the exported one-call steps (ferro_slots_api), called with the GIL held ---- */
 
 static int ferro_api_fold(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
@@ -270,11 +294,29 @@ static int ferro_api_barrier(void* ctx, const unsigned char* header, size_t hlen
                             1);
 }
 
+static int ferro_api_allreduce(void* ctx, const unsigned char* header, size_t hlen,
+                               uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
+                               void* out, Py_ssize_t count, int code, int op,
+                               double mean_divisor, double deadline) {
+    ferro_slots* s = (ferro_slots*)ctx;
+    int rc;
+    PyThreadState* st;
+    if (!ferro_split_fits(s, nbytes, count))
+        return ferro_api_fold(ctx, header, hlen, hash, seq, src, nbytes, out, 0, count, code, op,
+                              mean_divisor, deadline);
+    st = PyEval_SaveThread();
+    rc = ferro_split_start(s, header, hlen, hash, seq, src, nbytes, out, count, code, op,
+                           mean_divisor, deadline);
+    PyEval_RestoreThread(st);
+    return rc;
+}
+
 static inline void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s) {
     api->ctx = s;
     api->fold = ferro_api_fold;
     api->copy = ferro_api_copy;
     api->barrier = ferro_api_barrier;
+    api->allreduce = ferro_api_allreduce;
 }
 
 #endif

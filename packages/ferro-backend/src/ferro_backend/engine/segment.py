@@ -207,7 +207,7 @@ class Engine:
                 os.close(fd)
         engine = cls(rank, n, mem, slot_bytes, ring_bytes)
         if rank == 0:
-            engine._map.write_head()
+            engine._map.write_head(settings.SHM_SPLIT_BYTES.get())
         # every rank's pid and a probe word, for the cross-memory-read check below
         probe = np.array([0xC0FFEE00 + rank], dtype=np.uint64)
         engine._map.set_identity(os.getpid(), probe.ctypes.data)
@@ -219,6 +219,7 @@ class Engine:
                 f"slot and ring bytes {engine._map.head()}, expected "
                 f"{engine._map.expected_head()}: is FERRO_SHM_RING_BYTES the same on every rank?)")
         engine.pids = [engine._map.identity(r)[0] for r in range(n)]
+        engine.slots.split_bytes = engine._map.split_bytes()  # rank 0's: the same everywhere
         mine = all(engine._can_read(r) for r in range(n) if r != rank)
         # every rank's verdict through rank 0 (which already talks to every rank), so a lazy
         # mesh opens no pair for it: a star, not all pairs

@@ -1,0 +1,52 @@
+"""Rank functions for the split allreduce tests (spawned processes import them)."""
+
+import time
+
+import numpy as np
+
+import ferro_collective as fc
+from ferro_collective import ReduceOp
+from ferro_collective.engine import group_of
+
+
+def equals_star(b, cases: list) -> list[str]:
+    """Each (dtype, item count, op) allreduce on the split path against the star algorithm, bit
+    for bit: new result, ``out=``, in place, and one rank on the general path (a strided input)
+    while the others take the compiled one; returns the failures (empty: all equal)."""
+    g = group_of(b) or (fc.barrier(b) or group_of(b))
+    bad = [] if g.slots.split_bytes > 0 else ["the split path is off"]
+    rng = np.random.default_rng(b.rank)
+    for dtype, count, op_name in cases:
+        dt, op = np.dtype(dtype), ReduceOp[op_name]
+        x = ((rng.standard_normal(count) * 3).astype(dt) if dt.kind == "f"
+             else rng.integers(0, 50, count).astype(dt))
+        label = f"{dtype}[{count}] {op_name}"
+        with np.errstate(all="ignore"):
+            ref = fc.allreduce(x, b, op, algorithm="star").tobytes()
+            got = fc.allreduce(x, b, op)
+            out = np.empty_like(x)
+            fc.allreduce(x, b, op, out=out)
+            inplace = x.copy()
+            fc.allreduce(inplace, b, op, out=inplace)
+            wide = np.repeat(x, 2)  # rank 1 passes a strided view: the general path
+            mixed = fc.allreduce(wide[::2] if b.rank == 1 else x, b, op)
+        for name, res in (("new", got), ("out=", out), ("in place", inplace), ("mixed", mixed)):
+            if res.tobytes() != ref:
+                bad.append(f"{label} {name}")
+    return bad
+
+
+def late_in_split(b, count: int) -> list:
+    """Rank 1 starts each split allreduce after rank 0's stall report (at half its 1.6 s
+    deadline), before the deadline: rank 0's call waits on and returns the right result, on
+    the compiled path and on the general path."""
+    got = []
+    x = np.arange(count, dtype=np.float32) + b.rank
+    expected = sum(np.arange(count, dtype=np.float32) + r for r in range(b.world_size))
+    for strided in (False, True):
+        if b.rank == 1:
+            time.sleep(1.0)
+        arg = np.repeat(x, 2)[::2] if strided else x
+        got.append(bool((fc.allreduce(arg, b, timeout=1.6) == expected).all()))
+    fc.barrier(b, timeout=10)
+    return got

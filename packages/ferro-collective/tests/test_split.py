@@ -1,0 +1,52 @@
+"""The split allreduce (ferro_backend/engine/_split.h): every rank folds one part, pipelined in
+chunks. Real processes on the same-host engine: the star algorithm's bits for drawn world sizes,
+dtypes, ops and item counts (parts and chunks of unequal sizes), whichever path each rank takes,
+and a late peer's call resumed after the stall report."""
+
+import os
+from unittest import mock
+
+import pytest
+import split_fns
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferro_backend.testing import run_processes
+
+pytestmark = pytest.mark.timeout(180)
+
+_KINDS = {"float32": ["SUM", "MEAN", "MAX", "MIN", "PRODUCT"],
+          "float64": ["SUM", "MEAN", "MIN"],
+          "int32": ["SUM", "MAX", "BXOR"],
+          "uint8": ["SUM", "BOR"],
+          "int64": ["PRODUCT", "BAND"]}
+
+
+@st.composite
+def _cases(draw):
+    cases = []
+    for _ in range(draw(st.integers(1, 4))):
+        dtype = draw(st.sampled_from(sorted(_KINDS)))
+        # from a few items per rank to several chunks per part (a slot of 64 KiB holds 8192
+        # float64s); odd counts split into parts of unequal size
+        count = draw(st.one_of(st.integers(5, 64), st.integers(1000, 8000)))
+        cases.append((dtype, count, draw(st.sampled_from(_KINDS[dtype]))))
+    return cases
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(world=st.integers(2, 5), cases=_cases())
+def test_split_allreduce_equals_star_for_drawn_worlds_dtypes_ops_and_counts(world, cases):
+    # split from 16 bytes on, in 64 KiB slots: the smallest calls split too, and a part has
+    # up to 8 chunks (4 KiB each)
+    env = {"FERRO_SHM_SPLIT_BYTES": "16", "FERRO_SHM_SLOT_BYTES": "65536"}
+    with mock.patch.dict(os.environ, env):  # the ranks take the caller's environment
+        results = run_processes(split_fns.equals_star, world, cases, transport="shm",
+                                timeout=150)
+    assert results == [[]] * world
+
+
+def test_a_split_allreduce_waits_past_the_stall_report_for_a_late_peer():
+    for flags in run_processes(split_fns.late_in_split, 2, 100_000, transport="shm",
+                               timeout=60):
+        assert flags == [True, True]
