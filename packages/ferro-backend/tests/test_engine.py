@@ -45,7 +45,7 @@ def test_slot_engine_refuses_a_mapping_smaller_than_its_layout_and_foreign_folds
         eng_.set_fold(object())
     x = np.ones(4, np.float32)
     with pytest.raises(RuntimeError, match="no fold kernel"):
-        eng_.step_fold(b"h" * 8, 0, x, np.empty_like(x), 0, 4, 4, 0, 0, 0.0, 0.0)
+        eng_.step_allreduce(b"h" * 8, 0, x, np.empty_like(x), 4, 0, 0, 0.0, 0.0)
 
 
 def _two_slot_engines():

@@ -50,3 +50,30 @@ def late_in_split(b, count: int) -> list:
         got.append(bool((fc.allreduce(arg, b, timeout=1.6) == expected).all()))
     fc.barrier(b, timeout=10)
     return got
+
+
+def gathers_equal_star(b, sizes: list) -> list[str]:
+    """all_gather of blocks beyond a slot (streamed through the slots, the ring of chunks
+    wrapping many times) against the star algorithm, bit for bit: new result, ``out=``, and
+    one rank on the general path while the others take the compiled one."""
+    bad = []
+    rng = np.random.default_rng(b.rank)
+    for size in sizes:
+        x = rng.integers(0, 1 << 16, size, dtype=np.uint16)
+        ref = fc.all_gather(x, b, algorithm="star").tobytes()
+        out = np.empty(size * b.world_size, np.uint16)
+        results = {"new": fc.all_gather(x, b), "out=": fc.all_gather(x, b, out=out),
+                   "mixed": fc.all_gather(np.repeat(x, 2)[::2] if b.rank == 1 else x, b)}
+        bad += [f"all_gather {size} {name}" for name, res in results.items()
+                if res.tobytes() != ref]
+    return bad
+
+
+def late_in_stream(b, size: int) -> bool:
+    """Rank 1 starts a streamed all_gather after rank 0's stall report, before its deadline."""
+    if b.rank == 1:
+        time.sleep(1.0)
+    x = np.full(size, b.rank, np.float32)
+    got = fc.all_gather(x, b, timeout=1.6)
+    fc.barrier(b, timeout=10)
+    return bool((got == np.repeat(np.arange(b.world_size, dtype=np.float32), size)).all())

@@ -1,7 +1,8 @@
-"""The split allreduce (ferro_backend/engine/_split.h): every rank folds one part, pipelined in
-chunks. Real processes on the same-host engine: the star algorithm's bits for drawn world sizes,
-dtypes, ops and item counts (parts and chunks of unequal sizes), whichever path each rank takes,
-and a late peer's call resumed after the stall report."""
+"""The engine's pipelined steps: the split allreduce (ferro_backend/engine/_split.h: every rank
+folds one part, in chunks) and the streamed all_gather (_stream.h: blocks beyond a slot through a
+ring of chunks). Real processes on the same-host engine: the star algorithm's bits for drawn
+world sizes, dtypes, ops and item counts (parts and chunks of unequal sizes), whichever path each
+rank takes, and a late peer's call resumed after the stall report."""
 
 import os
 from unittest import mock
@@ -50,3 +51,18 @@ def test_a_split_allreduce_waits_past_the_stall_report_for_a_late_peer():
     for flags in run_processes(split_fns.late_in_split, 2, 100_000, transport="shm",
                                timeout=60):
         assert flags == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_streamed_all_gather_equals_star(world):
+    # 4 KiB slots: 1 KiB chunks in a ring of 8, blocks of up to 120 KB wrap it many times;
+    # odd sizes end in a short chunk
+    with mock.patch.dict(os.environ, {"FERRO_SHM_SLOT_BYTES": "4096"}):
+        results = run_processes(split_fns.gathers_equal_star, world, [2049, 7777, 60_001],
+                                transport="shm", timeout=150)
+    assert results == [[]] * world
+
+
+def test_a_streamed_all_gather_waits_past_the_stall_report_for_a_late_peer():
+    assert run_processes(split_fns.late_in_stream, 2, 1_000_000, transport="shm",
+                         timeout=60) == [True, True]

@@ -64,44 +64,8 @@ def copy_bytes(const unsigned char[::1] src, unsigned char[::1] dst):
         memcpy(&dst[0], &src[0], n)
 
 
-cdef extern from *:
-    """
-    #include <stddef.h>
-    #include <string.h>
-    #if defined(__SSE2__)
-    #include <emmintrin.h>
-    /* Copy with non-temporal stores: the destination's lines are written without being read
-       into the cache first (no read-for-ownership), the right copy for blocks far larger than
-       the cache that nobody reads next. */
-    static void ferro_stream_copy(unsigned char *dst, const unsigned char *src, size_t n) {
-        size_t head = (16 - ((size_t)dst & 15)) & 15, i, blocks;
-        if (head > n) head = n;
-        memcpy(dst, src, head);
-        dst += head; src += head; n -= head;
-        blocks = n / 64;
-        for (i = 0; i < blocks; i++) {
-            __m128i a = _mm_loadu_si128((const __m128i *)src);
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-            _mm_stream_si128((__m128i *)dst, a);
-            _mm_stream_si128((__m128i *)(dst + 16), b);
-            _mm_stream_si128((__m128i *)(dst + 32), c);
-            _mm_stream_si128((__m128i *)(dst + 48), d);
-            src += 64; dst += 64;
-        }
-        memcpy(dst, src, n - blocks * 64);
-        _mm_sfence();
-    }
-    static const int FERRO_STREAM_STORES = 1;
-    #else
-    static void ferro_stream_copy(unsigned char *dst, const unsigned char *src, size_t n) {
-        memcpy(dst, src, n);
-    }
-    static const int FERRO_STREAM_STORES = 0;
-    #endif
-    """
-    void ferro_stream_copy(unsigned char* dst, const unsigned char* src, size_t n) noexcept nogil
+cdef extern from "engine/_copy.h" nogil:
+    void ferro_stream_copy(unsigned char* dst, const unsigned char* src, size_t n)
     const int FERRO_STREAM_STORES
 
 

@@ -243,7 +243,8 @@ SHM_RING_YIELDS = _declare("FERRO_SHM_RING_YIELDS", "count", _count(0), 1000, "`
 SHM_DIRECT_COPY_BYTES = _declare("FERRO_SHM_DIRECT_COPY_BYTES", "bytes", _bytes, 1 << 62,
                                  "ferro-collective",
                                  "all_gather blocks from this size are read straight from the "
-                                 "peers' memory even when they fit a slot (default: never)")
+                                 "peers' memory (default: never; beyond a slot they stream "
+                                 "through the slots)")
 SHM_BROADCAST_DIRECT_BYTES = _declare("FERRO_SHM_BROADCAST_DIRECT_BYTES", "bytes", _bytes,
                                       1 << 62, "ferro-collective",
                                       "broadcasts from this size move by cross-memory copies "

@@ -4,9 +4,10 @@ Where a call runs (:mod:`.dispatch` picks):
 
 - **one engine call** (:func:`copy_plan`, run by the compiled path) when a block fits a slot:
   every rank copies every rank's slot into its result;
-- **staged on the engine** (:func:`engine_all_gather`): blocks beyond a slot (or from
-  ``FERRO_SHM_DIRECT_COPY_BYTES``) are read straight from their owners' memory where ranks may
-  read each other's, else they go through the slots in slot-sized pieces;
+- **staged on the engine** (:func:`engine_all_gather`): blocks beyond a slot stream through the
+  slots, pipelined in chunks (two plain copies on two cores at once beat one cross-memory read,
+  which pins the owner's pages one by one); from ``FERRO_SHM_DIRECT_COPY_BYTES`` they are read
+  straight from their owners' memory instead, where ranks may read each other's;
 - **hierarchical** (:func:`stages`): all_gather inside the node, then across nodes (blocks
   put back in rank order);
 - **Python**: the ring (bandwidth-optimal) or the star.
@@ -24,7 +25,7 @@ from ferro_backend import _wire
 from . import _fastcall
 from ._state import reserve
 from .checks import as_array, check_out
-from .engine import EngineGroup, FastPlan, Step, one_call_header
+from .engine import OK, EngineGroup, FastPlan, Step, one_call_header
 from .p2p import Ctx, all_gather_ring_into
 from .plan import Plan, choose
 
@@ -139,12 +140,20 @@ def engine_all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarr
                       out: np.ndarray) -> None:
     """``out`` (1-d bytes) = every rank's ``block`` (1-d bytes), in rank order."""
     size = block.size
-    if size <= g.slot_bytes and not (g.cma_ok and size >= g.direct_copy_bytes):
+    direct = g.cma_ok and size >= g.direct_copy_bytes
+    if size <= g.slot_bytes and not direct:
         step = g.exchange(call, header, block)
         for r in range(g.n):
             out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,
                                                                           block.dtype)
-    elif g.cma_ok:
+    elif not direct:  # beyond a slot: streamed through the slots, pipelined (_stream.h)
+        rc = g.slots.step_gather(header, call.seq & 0xFFFFFFFF, block, out, call.soft)
+        if rc != OK:
+            g._settle(rc, call)
+            rc = g.slots.resume(call.hard)
+            if rc != OK:
+                g._late(rc, call.name, call.seq, call.timeout, call.start)
+    else:
         # this rank's own block first: while the peers arrive, and from a hot source; a block
         # far larger than the cache with non-temporal stores (no read of the lines it writes)
         mine = out[g.me * size:(g.me + 1) * size]
@@ -158,13 +167,6 @@ def engine_all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarr
             if r != g.me:
                 g.read(r, extras[r][1], out[r * size:(r + 1) * size])
         g.sync(call)
-    else:
-        gathered = out.reshape(g.n, size)
-        for s in range(0, size, g.slot_bytes):
-            e = min(size, s + g.slot_bytes)
-            piece = g.scratch("all_gather", np.dtype(np.uint8), g.n * (e - s))
-            engine_all_gather(g, call, header, block[s:e], piece)
-            gathered[:, s:e] = piece.reshape(g.n, e - s)
 
 
 # ----------------------------------------------------------------------------- hierarchical

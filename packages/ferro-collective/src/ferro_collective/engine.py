@@ -249,15 +249,15 @@ class EngineGroup(Core):
             raise
 
     def _late(self, rc: int, name: str, seq: int, timeout: float, start: float) -> None:
-        """A split allreduce's pipeline that did not end by the hard deadline (after the
-        stall report): the error, which breaks the group."""
+        """A pipelined step's rest (split allreduce, streamed all_gather) that did not end by
+        the hard deadline (after the stall report): the error, which breaks the group."""
         call = Step(name, seq, timeout, start)
         try:
             if rc == FAILED:
                 raise self._failure(call, self.slots.missing())
             raise CollectiveTimeoutError(
                 f"{name} (seq {seq}) on rank {self.me}: timed out after {timeout:g}s waiting "
-                "for the peers' parts of a split allreduce (shared-memory engine)")
+                "for the peers' chunks of a pipelined step (shared-memory engine)")
         except (CollectiveTimeoutError, PeerClosedError) as exc:
             self.broken = exc
             raise

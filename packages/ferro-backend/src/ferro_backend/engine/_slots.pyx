@@ -8,8 +8,8 @@ publishes ``s + 1`` only after reading everyone's step-``s`` slots. The protocol
 ``_steps.h`` (waits are ``_sync.h``'s); :class:`SlotEngine` keeps this rank's step counter (its
 users do no step arithmetic) and offers the steps to Python.
 
-The one-call steps (:meth:`SlotEngine.step_fold`, :meth:`SlotEngine.step_copy`,
-:meth:`SlotEngine.step_barrier`) run a whole small collective in one call without the GIL: header
+The one-call steps (:meth:`SlotEngine.step_allreduce`, :meth:`SlotEngine.step_gather`,
+:meth:`SlotEngine.step_barrier`) run a whole collective in one call without the GIL: header
 (with the call's sequence number patched in) and data into the slot, publish (with the header's
 hash on the rank's control line), wait, compare headers, then fold or copy every rank's slot data
 straight from the segment. Other extensions call the same steps with no Python in between
@@ -214,41 +214,14 @@ cdef class SlotEngine:
         return len(header)
 
     # ------------------------------------------------------------------ one-call steps
-    def step_fold(self, bytes header not None, uint32_t seq, object src, object out,
-                  size_t offset, Py_ssize_t count, size_t itemsize, int code, int op,
-                  double mean_divisor, double deadline):
-        """A whole reduction step: ``header`` with ``seq`` patched in and the bytes of ``src``
-        (C-contiguous) through the slots; then, when every rank arrived with the same header,
-        ``out``'s first ``count`` items (``itemsize`` bytes, dtype ``code``) become the
-        rank-order fold of every rank's slot data from byte ``offset``. OK, TIMEOUT, FAILED or
-        MISMATCH (``out`` untouched unless OK: :meth:`fold` finishes a step whose wait ended
-        later)."""
-        cdef Py_buffer b, o
-        cdef int rc
-        cdef const unsigned char* h = header
-        cdef size_t hlen = self._header_len(header)
-        cdef uint64_t hash = ferro_header_hash(h, hlen)
-        self._buffers(src, out, &b, &o)
-        try:
-            self._check_fold(b.len, o.len, offset, count, itemsize)
-            with nogil:
-                rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq,
-                                          <const unsigned char*>b.buf, b.len, deadline)
-                if rc == FERRO_OK and count > 0:
-                    rc = ferro_slots_fold(&self.s, o.buf, offset, count, code, op, mean_divisor)
-        finally:
-            PyBuffer_Release(&b)
-            PyBuffer_Release(&o)
-        if rc == -1:
-            raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
-        return rc
-
     def step_allreduce(self, bytes header not None, uint32_t seq, object src, object out,
                        Py_ssize_t count, int code, int op, double mean_divisor,
                        double deadline):
         """A whole allreduce of ``count`` items (dtype ``code``) as the compiled path runs it
-        (split from :attr:`split_bytes`, else :meth:`step_fold`): every rank must take the
-        same path for a call, whichever layer makes it. As :meth:`step_fold` returns."""
+        (split from :attr:`split_bytes`, else one step): every rank must take the same path
+        for a call, whichever layer makes it. OK, TIMEOUT, FAILED or MISMATCH (``out`` is
+        complete only when OK: :meth:`resume` or :meth:`fold` finishes a step whose wait ended
+        early)."""
         cdef Py_buffer b, o
         cdef int rc
         cdef const unsigned char* h = header
@@ -265,20 +238,47 @@ cdef class SlotEngine:
             raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
         return rc
 
+    def step_gather(self, bytes header not None, uint32_t seq, object src, object out,
+                    double deadline):
+        """A whole all_gather of blocks of ``len(src)`` bytes, streamed through the slots
+        (``_stream.h``); as :meth:`step_allreduce` returns."""
+        cdef Py_buffer b, o
+        cdef int rc
+        cdef const unsigned char* h = header
+        cdef size_t hlen = self._header_len(header)
+        self._buffers(src, out, &b, &o)
+        try:
+            if o.len != b.len * self.s.n:
+                raise ValueError(f"step_gather: {b.len}-byte blocks do not fill {o.len} bytes")
+            with nogil:
+                rc = ferro_stream_start(&self.s, h, hlen, ferro_header_hash(h, hlen), seq,
+                                        b.buf, b.len, o.buf, deadline)
+        finally:
+            PyBuffer_Release(&b)
+            PyBuffer_Release(&o)
+        return rc
+
+    def resume(self, double deadline):
+        """The rest of a split or streamed step whose wait ended early (its buffers are the
+        ones it started with): OK, or how its wait ended; OK when none is under way."""
+        cdef int rc = FERRO_OK
+        if self.s.split.active:
+            with nogil:
+                rc = ferro_split_resume(&self.s, deadline)
+        if rc == -1:
+            raise ValueError("resume: the fold has no kernel for the dtype (or no memory)")
+        return rc
+
     def fold(self, object out, size_t nbytes, size_t offset, Py_ssize_t count,
              size_t itemsize, int code, int op, double mean_divisor,
              double deadline=float("inf")):
-        """:meth:`step_fold`'s fold alone, on this step's slot data of ``nbytes``; or the rest
+        """A one-step fold's fold alone, on this step's slot data of ``nbytes``; or the rest
         of a split allreduce whose wait ended early (its own buffers; waits until
         ``deadline``): OK, or how its wait ended."""
         cdef Py_buffer o
         cdef int rc
         if self.s.split.active:
-            with nogil:
-                rc = ferro_split_run(&self.s, deadline)
-            if rc == -1:
-                raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
-            return rc
+            return self.resume(deadline)
         PyObject_GetBuffer(out, &o, PyBUF_WRITABLE)
         try:
             self._check_fold(nbytes, o.len, offset, count, itemsize)
@@ -310,33 +310,9 @@ cdef class SlotEngine:
             raise
         return 0
 
-    def step_copy(self, bytes header not None, uint32_t seq, object src, object out, int root,
-                  double deadline):
-        """A whole broadcast (``root`` >= 0: every rank copies ``len(src)`` bytes from
-        ``root``'s slot into ``out``; only the root sends data) or all_gather (``root`` = -1:
-        block ``r`` of ``out`` comes from rank ``r``'s slot, this rank's own from ``src``)
-        step; OK, TIMEOUT, FAILED or MISMATCH (nothing copied unless OK: :meth:`copy`)."""
-        cdef Py_buffer b, o
-        cdef int rc
-        cdef const unsigned char* h = header
-        cdef size_t hlen = self._header_len(header)
-        cdef uint64_t hash = ferro_header_hash(h, hlen)
-        self._buffers(src, out, &b, &o)
-        try:
-            self._check_copy(b.len, o.len, root)
-            with nogil:
-                rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq,
-                                          <const unsigned char*>b.buf,
-                                          b.len if root < 0 or root == self.s.me else 0, deadline)
-                if rc == FERRO_OK:
-                    ferro_slots_copy(&self.s, o.buf, b.buf, b.len, root)
-        finally:
-            PyBuffer_Release(&b)
-            PyBuffer_Release(&o)
-        return rc
-
     def copy(self, object src, object out, int root):
-        """The copies of :meth:`step_copy` alone, for a step whose wait ended later."""
+        """The copies of a one-step broadcast (``root`` >= 0) or all_gather (-1) alone, for a
+        step whose wait ended later."""
         cdef Py_buffer b, o
         self._buffers(src, out, &b, &o)
         try:

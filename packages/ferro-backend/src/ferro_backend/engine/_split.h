@@ -33,6 +33,10 @@
 #ifndef FERRO_SPLIT_H
 #define FERRO_SPLIT_H
 
+enum { FERRO_KIND_SPLIT = 0, FERRO_KIND_STREAM = 1 };
+
+static inline int ferro_stream_run(ferro_slots* s, double deadline);
+
 /* chunk bytes: a part in about FERRO_SPLIT_CHUNKS chunks, within these bounds */
 #define FERRO_SPLIT_CHUNK_MIN 4096u
 #define FERRO_SPLIT_CHUNK_MAX 65536u
@@ -157,10 +161,6 @@ static inline int ferro_split_run(ferro_slots* s, double deadline) {
     const void* few[64];
     const void** ptrs = few;
     int rc = FERRO_OK, k, t, K = sp->nchunks;
-    if (sp->active == 2) {  /* the start's wait ended late: the peers' bases are there now */
-        ferro_split_bases(s);
-        sp->active = 1;
-    }
     if (s->n > 64) {
         ptrs = (const void**)malloc((size_t)s->n * sizeof(void*));
         if (ptrs == NULL) return -1;
@@ -193,19 +193,51 @@ static inline int ferro_split_run(ferro_slots* s, double deadline) {
     return FERRO_OK;
 }
 
+/* The start step of a split or streamed call: this rank's progress counters (the bases) and
+ * the header into its slot, publish, wait, compare headers; the call's first step is kept. */
+static inline int ferro_split_begin(ferro_slots* s, const unsigned char* header, size_t hlen,
+                                    uint64_t hash, uint32_t seq, double deadline) {
+    ferro_ctrl* c = ferro_ctrl_of(s->base, &s->L, s->me);
+    ferro_slot_head* mine = ferro_slots_slot(s, s->me, s->step + 1);
+    int rc;
+    mine->in_base = c->inprog;
+    mine->out_base = c->outprog;
+    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, NULL, 0, deadline, 0);
+    s->split.step = s->step;
+    return rc;
+}
+
+/* The rest of a split or streamed call from its next action (after a wait that ended early:
+ * what SlotEngine.resume runs); as ferro_split_run returns. */
+static inline int ferro_split_resume(ferro_slots* s, double deadline) {
+    if (s->split.active == 2) {  /* the start's wait ended late: the bases are there now */
+        ferro_split_bases(s);
+        s->split.active = 1;
+    }
+    return s->split.kind == FERRO_KIND_STREAM ? ferro_stream_run(s, deadline)
+                                              : ferro_split_run(s, deadline);
+}
+
+/* After the start step (its result rc): the pipeline, or the start's wait kept to resume. */
+static inline int ferro_split_go(ferro_slots* s, int rc, double deadline) {
+    s->split.next = 0;
+    if (rc != FERRO_OK) {  /* resumed once the wait ends (not after a mismatch or failure) */
+        s->split.active = rc == FERRO_TIMEOUT ? 2 : 0;
+        return rc;
+    }
+    s->split.active = 2;
+    return ferro_split_resume(s, deadline);
+}
+
 /* A whole split allreduce (called without the GIL): the start step, then the pipeline. */
 static inline int ferro_split_start(ferro_slots* s, const unsigned char* header, size_t hlen,
                                     uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
                                     void* out, Py_ssize_t count, int code, int op,
                                     double mean_divisor, double deadline) {
     ferro_split* sp = &s->split;
-    ferro_ctrl* c = ferro_ctrl_of(s->base, &s->L, s->me);
-    ferro_slot_head* mine = ferro_slots_slot(s, s->me, s->step + 1);
     size_t part, chunk;
-    int rc;
-    mine->in_base = c->inprog;
-    mine->out_base = c->outprog;
-    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, NULL, 0, deadline, 0);
+    int rc = ferro_split_begin(s, header, hlen, hash, seq, deadline);
+    sp->kind = FERRO_KIND_SPLIT;
     sp->src = (const unsigned char*)src;
     sp->out = (unsigned char*)out;
     sp->count = count;
@@ -213,7 +245,6 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     sp->code = code;
     sp->op = op;
     sp->mean_divisor = mean_divisor;
-    sp->step = s->step;
     part = ((size_t)count + (size_t)s->n - 1) / (size_t)s->n * sp->itemsize;
     chunk = part / FERRO_SPLIT_CHUNKS;
     if (chunk < FERRO_SPLIT_CHUNK_MIN) chunk = FERRO_SPLIT_CHUNK_MIN;
@@ -222,14 +253,7 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     chunk = (chunk + sp->itemsize - 1) / sp->itemsize * sp->itemsize;  /* whole items */
     sp->chunk = chunk;
     sp->nchunks = (int)((part + chunk - 1) / chunk);
-    sp->next = 0;
-    if (rc != FERRO_OK) {  /* resumed by ferro_split_run once the wait ends (not a mismatch) */
-        sp->active = rc == FERRO_TIMEOUT ? 2 : 0;
-        return rc;
-    }
-    ferro_split_bases(s);
-    sp->active = 1;
-    return ferro_split_run(s, deadline);
+    return ferro_split_go(s, rc, deadline);
 }
 
 #endif

@@ -39,7 +39,8 @@ typedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_
 /* A split reduction under way (_split.h): its buffers and kernel, and the next action of its
  * pipeline, so that a step whose waits ended at the soft deadline resumes where it stopped. */
 typedef struct {
-    int active;                /* a split step is under way (its last wait ended early) */
+    int kind;                  /* FERRO_KIND_SPLIT (allreduce) or FERRO_KIND_STREAM (all_gather) */
+    int active;                /* under way: its last wait ended early (2: the start's wait) */
     const unsigned char* src;
     unsigned char* out;
     size_t itemsize, chunk;    /* chunk: bytes of a part moved and folded at once */
@@ -257,6 +258,7 @@ static inline int ferro_slots_sync(ferro_slots* s, double deadline) {
 }
 
 #include "_split.h"
+#include "_stream.h"
 
 /* ---- the exported one-call steps (ferro_slots_api), called with the GIL held ---- */
 

@@ -41,7 +41,10 @@ cdef extern from "_steps.h" nogil:
     void ferro_slots_copy(ferro_slots* s, void* out, const void* src, size_t nbytes, int root)
     int ferro_slots_sync(ferro_slots* s, double deadline)
     void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s)
-    int ferro_split_run(ferro_slots* s, double deadline)
+    int ferro_split_resume(ferro_slots* s, double deadline)
+    int ferro_stream_start(ferro_slots* s, const unsigned char* header, size_t hlen,
+                           uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
+                           void* out, double deadline)
 
 #: the capsule name (the C signature) of the fold :meth:`SlotEngine.set_fold` takes: ``out`` =
 #: the rank-order fold of ``count`` inputs of ``n`` items of dtype ``code`` with op ``op``
