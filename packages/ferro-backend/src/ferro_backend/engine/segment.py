@@ -50,6 +50,20 @@ _SECRET_BYTES = 32
 SPIN = 4000
 
 
+#: a segment up to this size is mapped with its pages populated (MAP_POPULATE)
+POPULATE_BYTES = 64 << 20
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """The segment, shared; up to POPULATE_BYTES with every page populated at once: a page's
+    first touch (the writer's fault that allocates it, each reader's that maps it) otherwise
+    falls inside a collective (a first 1 MiB split allreduce took 1.8 ms instead of 0.1)."""
+    flags = mmap.MAP_SHARED
+    if size <= POPULATE_BYTES:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags)
+
+
 def default_ring_bytes(nranks: int) -> int:
     """Bytes of each point-to-point ring: ``FERRO_SHM_RING_BYTES``, else 256 KiB up to 8 ranks,
     then less (a power of two, at least 4 KiB) so the n*n rings stay within 16 MiB. (A ring's
@@ -196,13 +210,13 @@ class Engine:
             try:
                 os.ftruncate(fd, size)
                 _serve_fd(backend, fd, deadline)
-                mem = mmap.mmap(fd, size)
+                mem = _map(fd, size)
             finally:
                 os.close(fd)
         else:
             fd = _fetch_fd(backend, deadline)
             try:
-                mem = mmap.mmap(fd, size)
+                mem = _map(fd, size)
             finally:
                 os.close(fd)
         engine = cls(rank, n, mem, slot_bytes, ring_bytes)
