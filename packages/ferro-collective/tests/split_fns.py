@@ -77,3 +77,21 @@ def late_in_stream(b, size: int) -> bool:
     got = fc.all_gather(x, b, timeout=1.6)
     fc.barrier(b, timeout=10)
     return bool((got == np.repeat(np.arange(b.world_size, dtype=np.float32), size)).all())
+
+
+def stream_then_one_step(b, rounds: int) -> list[str]:
+    """Streamed all_gathers each followed at once by a one-step allreduce that fills a slot
+    (4 KiB slots, blocks of 12 KiB: the ring wraps and its last chunks sit in the slot the next
+    step writes): a rank done first must not overwrite chunks a peer has still to read."""
+    bad = []
+    n = b.world_size
+    out = np.empty(3072 * n, np.float32)
+    for k in range(rounds):
+        x = np.full(3072, k * n + b.rank, np.float32)
+        fc.all_gather(x, b, out=out)
+        y = fc.allreduce(np.full(1024, float(-k - b.rank), np.float32), b)
+        if not (out == np.repeat(np.arange(k * n, k * n + n, dtype=np.float32), 3072)).all():
+            bad.append(f"all_gather of round {k}")
+        if not (y == -float(k * n + n * (n - 1) // 2)).all():
+            bad.append(f"allreduce of round {k}")
+    return bad

@@ -66,3 +66,13 @@ def test_streamed_all_gather_equals_star(world):
 def test_a_streamed_all_gather_waits_past_the_stall_report_for_a_late_peer():
     assert run_processes(split_fns.late_in_stream, 2, 1_000_000, transport="shm",
                          timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_streamed_all_gather_then_a_one_step_call_keeps_every_chunk(world):
+    # a one-step call writes its slot before it waits for anyone: the streamed call must not
+    # end on a rank before its peers have read the chunks in that slot
+    with mock.patch.dict(os.environ, {"FERRO_SHM_SLOT_BYTES": "4096"}):
+        results = run_processes(split_fns.stream_then_one_step, world, 300, transport="shm",
+                                timeout=150)
+    assert results == [[]] * world

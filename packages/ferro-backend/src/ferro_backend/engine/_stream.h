@@ -15,8 +15,9 @@
  *          of every other rank's block into out; publish outprog = out_base + i + 1.
  *
  * Stage t runs W t and R t - 1 (a rank's own block is copied into out first, while its peers
- * arrive). The ring is free again when the call ends for every rank: its slots are next written
- * at steps s + 2 and s + 3, after every rank has published s + 2.
+ * arrive). A rank ends the call only when every peer has read the last of its chunks in slot
+ * s % 2, which its next call may write at once (a one-step call writes before it waits); slot
+ * (s + 1) % 2 is next written at step s + 3, after every rank has published s + 2.
  */
 #ifndef FERRO_STREAM_H
 #define FERRO_STREAM_H
@@ -71,6 +72,18 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
         }
     }
     if (rc != FERRO_OK) return rc;
+    /* This rank's next call may take one step, and a one-step call writes its slot, (s + 2)
+     * % 2 = s % 2, before it waits for anyone: every peer must have read the chunks of this
+     * rank's block that sit there first (the last of them is enough: chunks are read in
+     * order). Chunks in slot (s + 1) % 2 are next written at step s + 3, after every rank has
+     * published s + 2, so after this call. Kept as the last action, so a wait that ends at
+     * the soft deadline is resumed here. */
+    if (K > 0) {
+        i = K - 1;
+        while (i % FERRO_STREAM_RING >= FERRO_STREAM_RING / 2) i--;
+        rc = ferro_split_wait(s, 1, i, deadline);
+        if (rc != FERRO_OK) return rc;
+    }
     sp->active = 0;
     s->step = sp->step + 1;
     ferro_slots_publish(s, s->step);
