@@ -4,6 +4,8 @@
   ``ferro_backend.settings.markdown_table()`` (never pasted, so it cannot go stale);
 - ``ferro-run``: runs a command from the repository root (``ferrorun`` from the Python that
   builds the docs) and shows the command and its output; a failing command fails the build;
+  ``{tmp}`` in the command is a scratch directory of the page (the runs of one page share it),
+  and ``:figure:`` shows a PNG the command wrote there (a plot made by this build);
 - ``write_api_pages``: one API page per distribution listing every name of its ``__all__``, for
   autosummary to document (a name added to ``__all__`` is documented without editing the docs).
 """
@@ -12,9 +14,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +29,11 @@ from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
 ROOT = Path(__file__).resolve().parents[2]
+#: where the figures the examples draw at build time go (gitignored; Sphinx copies them out)
+FIGURES = "_figures"
 logger = logging.getLogger(__name__)
+#: each page's scratch directory for ``{tmp}`` (removed when the build ends)
+_SCRATCH: dict[str, Path] = {}
 
 
 class SettingsTable(SphinxDirective):
@@ -42,18 +51,24 @@ class SettingsTable(SphinxDirective):
 
 class RunCommand(SphinxDirective):
     """``ferro-run`` COMMAND: run it at build time (cwd: the repository root) and show
-    ``$ COMMAND`` followed by its combined output. Options: ``timeout`` (seconds, default 120)."""
+    ``$ COMMAND`` followed by its combined output. ``{tmp}`` in COMMAND is the page's scratch
+    directory. Options: ``timeout`` (seconds, default 120); ``figure`` (a PNG the command
+    writes, ``{tmp}`` allowed: shown after the output, a missing or empty file fails the build)
+    and ``alt`` (its text)."""
 
     required_arguments = 1
     final_argument_whitespace = True
-    option_spec = {"timeout": float}
+    option_spec = {"timeout": float, "figure": str, "alt": str}
 
     def run(self) -> list[nodes.Node]:
         command = self.arguments[0]
-        argv = shlex.split(command)
+        tmp = _SCRATCH.get(self.env.docname)
+        if tmp is None:
+            tmp = _SCRATCH[self.env.docname] = Path(tempfile.mkdtemp(prefix="ferro-docs-"))
+        argv = [arg.replace("{tmp}", str(tmp)) for arg in shlex.split(command)]
         bindir = Path(sys.executable).parent  # ferrorun of the environment building the docs
         env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
         start = time.monotonic()
         try:
             done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -65,12 +80,36 @@ class RunCommand(SphinxDirective):
                              f"{done.stdout}{done.stderr}")
         logger.info(f"ferro-run: {command} ({time.monotonic() - start:.1f} s)")
         # rank lines arrive in any order: sort them so the page is the same build after build
-        lines = (done.stdout + done.stderr).splitlines()
-        ranked = sorted(ln for ln in lines if ln.startswith("[rank "))
+        # (stable: one rank's lines keep their order); the scratch path reads as {tmp}
+        lines = (done.stdout + done.stderr).replace(str(tmp), "{tmp}").splitlines()
+        ranked = sorted((ln for ln in lines if ln.startswith("[rank ")), key=lambda ln: ln[:9])
         other = [ln for ln in lines if not ln.startswith("[rank ")]
         text = "\n".join([f"$ {command}", *ranked, *other])
-        block = nodes.literal_block(text, text, language="text")
-        return [block]
+        result: list[nodes.Node] = [nodes.literal_block(text, text, language="text")]
+        if "figure" in self.options:
+            result.append(self._figure(self.options["figure"].replace("{tmp}", str(tmp)),
+                                       command))
+        return result
+
+    def _figure(self, made: str, command: str) -> nodes.Node:
+        """The PNG the command wrote, copied under the docs' source (Sphinx copies it out)."""
+        path = Path(made) if Path(made).is_absolute() else ROOT / made
+        if not path.is_file() or path.stat().st_size == 0:
+            raise self.error(f"ferro-run: {command!r} wrote no figure at {made}")
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.env.docname).strip("-")
+        name = f"{slug}-{self.env.new_serialno('ferro-run-figure')}{path.suffix}"
+        target = Path(self.env.srcdir) / FIGURES / name
+        target.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, target)
+        self.env.note_dependency(str(target))
+        return nodes.image(uri=f"/{FIGURES}/{name}", alt=self.options.get("alt", command),
+                           classes=["ferro-figure"])
+
+
+def _remove_scratch(app, exception) -> None:
+    for path in _SCRATCH.values():
+        shutil.rmtree(path, ignore_errors=True)
+    _SCRATCH.clear()
 
 
 def public_names(module: str) -> list[str]:
@@ -153,4 +192,5 @@ def _is_module(obj: object) -> bool:
 def setup(app):
     app.add_directive("ferro-settings-table", SettingsTable)
     app.add_directive("ferro-run", RunCommand)
+    app.connect("build-finished", _remove_scratch)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

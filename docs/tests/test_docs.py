@@ -57,6 +57,24 @@ def test_quickstart_ran_on_two_ranks(site: Path) -> None:
     assert "model_vs_measured.png" in page
 
 
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_examples_ran_and_drew_their_figures(site: Path) -> None:
+    """The examples page's runs happened at build time (train, resume on another world size,
+    the language model, the bus bandwidth sweep) and each figure is a plot of that build."""
+    page = (site / "examples.html").read_text()
+    assert "resumed from step 140 of {tmp}/ckpt on 2 ranks" in page
+    assert "held-out accuracy" in page and "held-out loss" in page
+    assert "bus bandwidth, GB/s: 2 ranks" in page
+    figures = sorted((site / "_images").glob("examples-*.png"))
+    assert [f.name for f in figures] == ["examples-0.png", "examples-1.png", "examples-2.png"]
+    for fig in figures:
+        data = fig.read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000, fig
+        assert f'src="_images/{fig.name}"' in page
+
+
 def test_settings_table_is_generated(site: Path) -> None:
     from ferro_backend import settings
 

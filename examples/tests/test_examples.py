@@ -178,3 +178,17 @@ def test_resume_from_a_mistyped_directory_is_refused(tmp_path):
     assert r.returncode != 0
     said = r.stderr + r.stdout
     assert "--resume" in said and "no-such-ckpt" in said and "check the path" in said
+
+
+def test_bus_bandwidth_sweeps_sizes_and_refuses_an_empty_range():
+    r = ferrorun(2, EXAMPLES / "bus_bandwidth.py", "--min-bytes", "4096", "--max-bytes", "65536",
+                 "--seconds", "0.01")
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("[rank 0] | ") and "KiB" in ln]
+    assert [row.split("|")[1].strip() for row in rows] == ["4 KiB", "16 KiB", "64 KiB"], r.stdout
+    for row in rows:  # four positive bus bandwidths per size
+        values = [float(v) for v in row.split("|")[2:-1]]
+        assert len(values) == 4 and all(v > 0 for v in values), row
+    bad = subprocess.run([sys.executable, str(EXAMPLES / "bus_bandwidth.py"), "--min-bytes",
+                          "8192", "--max-bytes", "4096"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--min-bytes (8192) <= --max-bytes (4096)" in bad.stderr
