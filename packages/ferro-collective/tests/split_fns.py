@@ -95,3 +95,31 @@ def stream_then_one_step(b, rounds: int) -> list[str]:
         if not (y == -float(k * n + n * (n - 1) // 2)).all():
             bad.append(f"allreduce of round {k}")
     return bad
+
+
+def scatters_equal_star(b, cases: list) -> list[str]:
+    """Each (dtype, items per rank, op) reduce_scatter on the split path (beyond a slot) against
+    the star algorithm, bit for bit: new result, ``out=``, and one rank on the general path (a
+    strided input) while the others take the same step; returns the failures."""
+    n = b.world_size
+    g = group_of(b) or (fc.barrier(b) or group_of(b))
+    bad = [] if g.slots.split_bytes > 0 else ["the split path is off"]
+    rng = np.random.default_rng(b.rank)
+    for dtype, per, op_name in cases:
+        dt, op = np.dtype(dtype), ReduceOp[op_name]
+        x = ((rng.standard_normal(n * per) * 3).astype(dt) if dt.kind == "f"
+             else rng.integers(0, 50, n * per).astype(dt))
+        label = f"{dtype}[{n}x{per}] {op_name}"
+        if not g.slots.split_fits(x.nbytes, x.size) or x.nbytes <= g.slot_bytes:
+            bad.append(f"{label}: not split beyond a slot")
+        with np.errstate(all="ignore"):
+            ref = fc.reduce_scatter(x, b, op, algorithm="star").tobytes()
+            got = fc.reduce_scatter(x, b, op)
+            out = np.empty(per, dt)
+            fc.reduce_scatter(x, b, op, out=out)
+            wide = np.repeat(x, 2)
+            mixed = fc.reduce_scatter(wide[::2] if b.rank == 1 else x, b, op)
+        for name, res in (("new", got), ("out=", out), ("mixed", mixed)):
+            if res.tobytes() != ref:
+                bad.append(f"{label} {name}")
+    return bad

@@ -47,8 +47,9 @@ def test_split_allreduce_equals_star_for_drawn_worlds_dtypes_ops_and_counts(worl
     assert results == [[]] * world
 
 
-def test_a_split_allreduce_waits_past_the_stall_report_for_a_late_peer():
-    for flags in run_processes(split_fns.late_in_split, 2, 100_000, transport="shm",
+@pytest.mark.parametrize("count", [100_000, 600_000])  # within a slot; beyond (rings)
+def test_a_split_allreduce_waits_past_the_stall_report_for_a_late_peer(count):
+    for flags in run_processes(split_fns.late_in_split, 2, count, transport="shm",
                                timeout=60):
         assert flags == [True, True]
 
@@ -74,5 +75,32 @@ def test_a_streamed_all_gather_then_a_one_step_call_keeps_every_chunk(world):
     # end on a rank before its peers have read the chunks in that slot
     with mock.patch.dict(os.environ, {"FERRO_SHM_SLOT_BYTES": "4096"}):
         results = run_processes(split_fns.stream_then_one_step, world, 300, transport="shm",
+                                timeout=150)
+    assert results == [[]] * world
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(world=st.integers(2, 5), cases=_cases())
+def test_split_beyond_a_slot_equals_star_for_drawn_worlds_dtypes_ops_and_counts(world, cases):
+    # 4 KiB slots: every drawn allreduce of 1000-8000 items is beyond a slot, so its input
+    # sub-rings (a few hundred bytes per rank) and result ring wrap many times; the small
+    # counts stay within a slot (the one-call split)
+    env = {"FERRO_SHM_SPLIT_BYTES": "16", "FERRO_SHM_SLOT_BYTES": "4096"}
+    with mock.patch.dict(os.environ, env):
+        results = run_processes(split_fns.equals_star, world, cases, transport="shm",
+                                timeout=150)
+    assert results == [[]] * world
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(world=st.integers(2, 5), cases=_cases())
+def test_split_reduce_scatter_beyond_a_slot_equals_star(world, cases):
+    import numpy as np
+
+    # items per rank: world * items beyond a 4 KiB slot
+    cases = [(dtype, max(count, 4096 // (world * np.dtype(dtype).itemsize) + 1), op)
+             for dtype, count, op in cases]
+    with mock.patch.dict(os.environ, {"FERRO_SHM_SLOT_BYTES": "4096"}):
+        results = run_processes(split_fns.scatters_equal_star, world, cases, transport="shm",
                                 timeout=150)
     assert results == [[]] * world

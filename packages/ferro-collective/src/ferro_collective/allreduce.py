@@ -5,8 +5,11 @@ Where a call runs (:mod:`.dispatch` picks):
 - **one engine call** (:func:`fold_plan`, run by the compiled path) when the data fits a slot:
   every rank writes its slot, then folds every rank's slot in rank order (the fold kernel of
   ``_reduce``, run by the engine);
-- **staged on the engine** (:func:`engine_allreduce`): where ranks may read each other's memory,
-  a reduce-scatter that folds each rank's chunk of every rank's input straight from the peers'
+- **staged on the engine** (:func:`engine_allreduce`): beyond a slot the split allreduce
+  through rings that wrap (every rank folds one part from the others' input rings and gathers
+  the others' parts from their result rings, pipelined in chunks: ``_split.h``); without the
+  split (``FERRO_SHM_SPLIT_BYTES=0``), where ranks may read each other's memory, a
+  reduce-scatter that folds each rank's chunk of every rank's input straight from the peers'
   memory, piece by piece, then an all-gather of the chunks; else slot-sized pieces;
 - **hierarchical** (:func:`stages`): reduce-scatter inside the node, local rank ``j``
   allreduces slice ``j`` across nodes, the node all-gathers the slices (each rank sends 1/L of
@@ -159,11 +162,12 @@ def engine_allreduce(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, o
                      wd: np.dtype, op: ReduceOp) -> None:
     """``out`` (1-d, x's dtype) = the rank-order fold of every rank's ``x`` (1-d)."""
     mean = g.n if op is ReduceOp.MEAN else None
-    if x.dtype == wd and x.dtype in CODES and x.size and x.nbytes <= g.slot_bytes:
-        # the compiled path's step (split from the engine's threshold): whichever path a rank
-        # takes for a call, its peers must find the same protocol. (Beyond a slot, split steps
-        # window by window measured no faster than the cross-memory path below: 16 MiB
-        # 4.4-6.4 ms against 4.7-5.0, 64 MiB 17-26 against 19.)
+    if x.dtype == wd and x.dtype in CODES and x.size and (
+            x.nbytes <= g.slot_bytes or g.slots.split_fits(x.nbytes, x.size)):
+        # the compiled path's step within a slot (split from the engine's threshold):
+        # whichever path a rank takes for a call, its peers must find the same protocol; beyond
+        # a slot, split through rings that wrap (2 ranks, 8 MiB: 1.5-1.7 ms by cross-memory
+        # reads before)
         split_step(g, call, header, x, out, op, mean)
     elif x.size * wd.itemsize <= g.slot_bytes:
         fold_through_slots(g, call, header, x, out, wd, op, mean)
@@ -186,12 +190,13 @@ def engine_allreduce(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, o
 
 
 def split_step(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
-               op: ReduceOp, mean: int | None) -> None:
-    """One engine allreduce step of ``x`` (within a slot) as the compiled path runs it:
-    split from the engine's threshold (``SlotEngine.step_allreduce``)."""
+               op: ReduceOp, mean: int | None, scatter: bool = False) -> None:
+    """One engine allreduce call of ``x`` as the compiled path runs it within a slot (split
+    from the engine's threshold), split through rings beyond (``SlotEngine.step_allreduce``);
+    ``scatter``: a split reduce_scatter (``out``: this rank's part)."""
     code, kernel, div = CODES[x.dtype], OPS[op].kernel, float(mean or 0)
     rc = g.slots.step_allreduce(header, call.seq & 0xFFFFFFFF, x, out, x.size, code, kernel,
-                                div, call.soft)
+                                div, call.soft, scatter)
     if rc != OK:
         g._recover(rc, call.name, call.seq, call.timeout, call.start)
         rc = g.slots.fold(out, x.nbytes, 0, x.size, x.itemsize, code, kernel, div, call.hard)

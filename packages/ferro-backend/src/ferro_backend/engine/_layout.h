@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_VERSION 5u
+#define FERRO_VERSION 6u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u
@@ -44,16 +44,16 @@ typedef struct {               /* one per rank */
     uint64_t head_hash[2];     /* the hash of this rank's collective header, by step parity */
     uint8_t pad[8];
     /* the split reduction's progress (_split.h), on the second line: chunks ever copied in,
-     * chunks ever folded (mod 2**32), and their futex sleepers */
-    uint32_t inprog, in_sleepers, outprog, out_sleepers;
-    uint8_t pad2[48];
+     * chunks ever folded, chunks ever gathered (mod 2**32), and their futex sleepers */
+    uint32_t inprog, in_sleepers, outprog, out_sleepers, gprog, g_sleepers;
+    uint8_t pad2[40];
 } ferro_ctrl;
 
 typedef struct {               /* the start of each slot; slot_bytes of data follow */
     uint8_t header[FERRO_HEADER_ROOM];  /* the step's collective header (the consumer's) */
     uint64_t pid, in_addr, out_addr;    /* where peers may read this rank's buffers */
-    uint32_t in_base, out_base;         /* a split step's progress counters at its start */
-    uint8_t pad[96];
+    uint32_t in_base, out_base, g_base; /* a split step's progress counters at its start */
+    uint8_t pad[92];
 } ferro_slot_head;
 
 typedef struct {               /* a single-producer, single-consumer ring's control block */

@@ -58,7 +58,7 @@ cdef class SlotEngine:
         self.s.n, self.s.me = nranks, rank
         self.s.pol.spin, self.s.pol.yields = spin, yields
         self.s.failed = <uint32_t*>failed_addr
-        self.s.split.bases = <uint32_t*>calloc(2 * nranks, sizeof(uint32_t))
+        self.s.split.bases = <uint32_t*>calloc(3 * nranks, sizeof(uint32_t))
         if self.s.split.bases == NULL:
             raise MemoryError()
         ferro_slots_api_init(&self.table, &self.s)
@@ -214,29 +214,55 @@ cdef class SlotEngine:
         return len(header)
 
     # ------------------------------------------------------------------ one-call steps
+    def split_fits(self, size_t nbytes, Py_ssize_t count) -> bool:
+        """Whether :meth:`step_allreduce` runs a reduction of ``count`` items in ``nbytes``
+        beyond a slot (split through rings that wrap: :attr:`split_bytes` > 0, at least one
+        item per rank, items no larger than a quarter of a slot's share per rank). The same on
+        every rank of the group."""
+        return self.s.split_min > 0 and ferro_split_can(&self.s, nbytes, count)
+
     def step_allreduce(self, bytes header not None, uint32_t seq, object src, object out,
                        Py_ssize_t count, int code, int op, double mean_divisor,
-                       double deadline):
+                       double deadline, bint scatter=False):
         """A whole allreduce of ``count`` items (dtype ``code``) as the compiled path runs it
-        (split from :attr:`split_bytes`, else one step): every rank must take the same path
-        for a call, whichever layer makes it. OK, TIMEOUT, FAILED or MISMATCH (``out`` is
-        complete only when OK: :meth:`resume` or :meth:`fold` finishes a step whose wait ended
-        early)."""
+        (split from :attr:`split_bytes`, else one step), or beyond a slot split through rings
+        (:meth:`split_fits`): every rank must take the same path for a call, whichever layer
+        makes it. ``scatter``: a reduce_scatter instead, always split (``out`` holds this
+        rank's ``count / n`` items). OK, TIMEOUT, FAILED or MISMATCH (``out`` is complete only
+        when OK: :meth:`resume` or :meth:`fold` finishes a step whose wait ended early)."""
         cdef Py_buffer b, o
         cdef int rc
         cdef const unsigned char* h = header
         cdef size_t hlen = self._header_len(header)
         self._buffers(src, out, &b, &o)
         try:
-            self._check_fold(b.len, o.len, 0, count, b.len // count if count else 1)
-            rc = self.table.allreduce(&self.s, h, hlen, ferro_header_hash(h, hlen), seq, b.buf,
-                                      b.len, o.buf, count, code, op, mean_divisor, deadline)
+            if scatter or <size_t>b.len > self.s.L.slot_bytes:
+                self._check_split(b.len, o.len, count, scatter)
+                with nogil:
+                    rc = ferro_split_start(&self.s, h, hlen, ferro_header_hash(h, hlen), seq,
+                                           b.buf, b.len, o.buf, count, code, op, mean_divisor,
+                                           not scatter, deadline)
+            else:
+                self._check_fold(b.len, o.len, 0, count, b.len // count if count else 1)
+                rc = self.table.allreduce(&self.s, h, hlen, ferro_header_hash(h, hlen), seq,
+                                          b.buf, b.len, o.buf, count, code, op, mean_divisor,
+                                          deadline)
         finally:
             PyBuffer_Release(&b)
             PyBuffer_Release(&o)
         if rc == -1:
             raise ValueError(f"fold: unknown dtype code {code} (or no memory)")
         return rc
+
+    cdef int _check_split(self, Py_ssize_t nbytes, Py_ssize_t out_len, Py_ssize_t count,
+                          bint scatter) except -1:
+        if not (count > 0 and ferro_split_can(&self.s, nbytes, count)
+                and (not scatter or count % self.s.n == 0)):
+            raise ValueError(f"split: {count} items in {nbytes} bytes cannot run split on "
+                             f"{self.s.n} ranks with {self.s.L.slot_bytes}-byte slots")
+        if out_len != (nbytes // self.s.n if scatter else nbytes):
+            raise ValueError(f"split: {out_len} bytes of output for {nbytes} bytes of input")
+        return 0
 
     def step_gather(self, bytes header not None, uint32_t seq, object src, object out,
                     double deadline):

@@ -39,16 +39,20 @@ typedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_
 /* A split reduction under way (_split.h): its buffers and kernel, and the next action of its
  * pipeline, so that a step whose waits ended at the soft deadline resumes where it stopped. */
 typedef struct {
-    int kind;                  /* FERRO_KIND_SPLIT (allreduce) or FERRO_KIND_STREAM (all_gather) */
+    int kind;                  /* FERRO_KIND_SPLIT (reductions) or FERRO_KIND_STREAM (all_gather) */
     int active;                /* under way: its last wait ended early (2: the start's wait) */
+    int gather;                /* split: an allreduce (1) or a reduce_scatter (0) */
     const unsigned char* src;
     unsigned char* out;
+    size_t out_shift;          /* a reduce_scatter's out holds the data from this byte on */
     size_t itemsize, chunk;    /* chunk: bytes of a part moved and folded at once */
+    size_t in_stride;          /* bytes of a part's input sub-ring (in_ring chunks) */
     Py_ssize_t count;          /* items of the whole reduction */
     int code, op, nchunks, next;
+    int in_ring, out_ring;     /* positions of the input sub-rings and of the result ring */
     double mean_divisor;
     uint32_t step;             /* the call's first step (its inputs' slots; results: step + 1) */
-    uint32_t* bases;           /* every rank's in_base and out_base, read at the start (2n) */
+    uint32_t* bases;           /* every rank's in_base, out_base, g_base, read at the start (3n) */
 } ferro_split;
 
 typedef struct {
@@ -308,7 +312,7 @@ static int ferro_api_allreduce(void* ctx, const unsigned char* header, size_t hl
                               mean_divisor, deadline);
     st = PyEval_SaveThread();
     rc = ferro_split_start(s, header, hlen, hash, seq, src, nbytes, out, count, code, op,
-                           mean_divisor, deadline);
+                           mean_divisor, 1, deadline);
     PyEval_RestoreThread(st);
     return rc;
 }

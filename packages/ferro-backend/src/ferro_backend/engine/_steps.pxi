@@ -42,6 +42,11 @@ cdef extern from "_steps.h" nogil:
     int ferro_slots_sync(ferro_slots* s, double deadline)
     void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s)
     int ferro_split_resume(ferro_slots* s, double deadline)
+    int ferro_split_can(const ferro_slots* s, size_t nbytes, Py_ssize_t count)
+    int ferro_split_start(ferro_slots* s, const unsigned char* header, size_t hlen,
+                          uint64_t hash, uint32_t seq, const void* src, size_t nbytes, void* out,
+                          Py_ssize_t count, int code, int op, double mean_divisor, int gather,
+                          double deadline)
     int ferro_stream_start(ferro_slots* s, const unsigned char* header, size_t hlen,
                            uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
                            void* out, double deadline)

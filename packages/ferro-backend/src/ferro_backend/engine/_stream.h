@@ -51,7 +51,7 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
         if (sp->next % 2 == 0) {  /* W i */
             if (i >= K) continue;
             if (i >= FERRO_STREAM_RING) {
-                rc = ferro_split_wait(s, 1, i - FERRO_STREAM_RING, deadline);
+                rc = ferro_split_wait(s, FERRO_PROG_OUT, i - FERRO_STREAM_RING, deadline);
                 if (rc != FERRO_OK) break;
             }
             len = ferro_stream_len(sp, i);
@@ -61,7 +61,7 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
         } else {  /* R i - 1 */
             i -= 1;
             if (i < 0 || i >= K) continue;
-            rc = ferro_split_wait(s, 0, i, deadline);
+            rc = ferro_split_wait(s, FERRO_PROG_IN, i, deadline);
             if (rc != FERRO_OK) break;
             len = ferro_stream_len(sp, i);
             for (r = 0; r < s->n; r++)  /* out is read by nobody soon: no read-for-ownership */
@@ -81,7 +81,7 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
     if (K > 0) {
         i = K - 1;
         while (i % FERRO_STREAM_RING >= FERRO_STREAM_RING / 2) i--;
-        rc = ferro_split_wait(s, 1, i, deadline);
+        rc = ferro_split_wait(s, FERRO_PROG_OUT, i, deadline);
         if (rc != FERRO_OK) return rc;
     }
     sp->active = 0;
