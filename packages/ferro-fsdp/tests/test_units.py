@@ -120,7 +120,9 @@ def test_reduce_scatter_of_a_unit_starts_before_the_first_unit_backward(monkeypa
     for r in range(2):
         kinds = [k for rank, k in events if rank == r]
         assert kinds.index("reduce_scatter") < kinds.index("first backward")
-        assert kinds.count("reduce_scatter") == 4  # 4 Linear units; the empty root sends nothing
+        # 4 Linear units, weight and bias each reduced in place (both split evenly over 2
+        # ranks: Unit.direct); the empty root sends nothing
+        assert kinds.count("reduce_scatter") == 8
 
 
 class Block(Module):
@@ -267,3 +269,33 @@ def test_clip_grad_norm_with_units_equals_one_unit(world, strategy):
         assert n1 == n2
         for k in s1:
             np.testing.assert_array_equal(s1[k], s2[k])
+
+
+EVEN = (8, 12, 16, 4)  # every weight and bias splits evenly over 2 and 4 ranks
+
+
+def train_even(b, strategy, direct, intra=None):
+    x, y = make_data(12 * b.world_size, dims=EVEN)
+    f = FSDP(make_mlp(EVEN, seed=7), b, strategy, wrap=nn.Linear, intra_node_size=intra)
+    assert all(u.direct for u in f._units)
+    for u in f._units:
+        u.direct = direct
+    o = make_opt("adam", f.module.parameters())
+    lo = slice(12 * b.rank, 12 * b.rank + 12)
+    losses = train_steps(f, o, nn.CrossEntropyLoss(), x[lo], y[lo], 3)
+    return losses, f.full_state_dict(), [u.full_buf is None for u in f._units]
+
+
+@pytest.mark.parametrize("strategy,world,intra", [(FS, 2, None), (FS, 4, None), (SGO, 2, None),
+                                                  (HS, 4, 2)])
+def test_per_parameter_gathers_and_reductions_give_the_packed_bits(strategy, world, intra):
+    # Unit.direct: one all-gather and one reduce-scatter per parameter, in place, against the
+    # packed flat shard of the unit (pack, gather, copy out; copy in, reduce-scatter)
+    packed = run(lambda b: train_even(b, strategy, False, intra), world)
+    direct = run(lambda b: train_even(b, strategy, True, intra), world)
+    for (lp, sp, _), (ld, sd, freed_after) in zip(packed, direct):
+        assert lp == ld
+        assert sp.keys() == sd.keys()
+        for k in sp:
+            np.testing.assert_array_equal(sp[k], sd[k])
+        assert all(freed_after) or strategy is SGO  # gathered buffers went back to the pool

@@ -2,7 +2,9 @@
 
 An :class:`~ferro_fsdp.FSDP` holds a root unit (the parameters no other unit claims) and, with
 ``wrap=``, one unit per wrapped submodule. A unit's parameters share one :class:`FlatLayout`, so
-gathering it is one all-gather and reducing its gradients one reduce-scatter (or allreduce).
+gathering it is one all-gather and reducing its gradients one reduce-scatter (or allreduce);
+where every parameter splits evenly over the sharding group, one all-gather and one
+reduce-scatter per parameter instead, in place (``Unit.direct``: no packing, no copy out).
 Every parameter is split by the same rule whatever unit it is in, so a rank's shards, and the
 order in which each element's contributions are added, do not depend on how the model is
 wrapped: ``wrap=`` changes when bytes move, never the results.
@@ -41,6 +43,23 @@ def freed(dtype: np.dtype) -> np.ndarray:
     return out
 
 
+class _Works:
+    """Collectives started together, one per parameter, waited for as one: ``wait`` (or
+    ``result``) returns ``value``, the buffer they all write into."""
+
+    def __init__(self, works: list[Work], value: np.ndarray) -> None:
+        self.works = works
+        self.value = value
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        for work in self.works:
+            work.wait(timeout)
+        return self.value
+
+    def result(self) -> np.ndarray:
+        return self.wait()
+
+
 def _ready(value: np.ndarray) -> concurrent.futures.Future:
     """A finished all-gather (a group of one) as a future like an async one's."""
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -63,9 +82,16 @@ class Unit:
         self.dtype = owner._layout.dtype
         self.layout = FlatLayout(shapes, self.dtype, owner._layout.world)
         self.full_layout = FlatLayout(shapes, self.dtype, 1)
+        # every parameter splits evenly: rank r's chunk of parameter i is its r-th slice, so
+        # the unit gathers and reduces parameter by parameter, straight from the shards into
+        # the full buffer and from the full gradients into the result (no packing, no copy out)
+        self.direct = self.layout.world > 1 and all(n % self.layout.world == 0
+                                                    for n in self.layout.numels)
         self.reshard = reshard
         self.fps: list[Parameter] | None = None      # full parameters since the last forward
-        self.pending: tuple[concurrent.futures.Future, np.ndarray] | None = None
+        # the pending gather: a future (or the per-parameter gathers) and what it sent (None:
+        # gathered in place, nothing to give back)
+        self.pending: tuple[Any, np.ndarray | None] | None = None
         self.reductions: list[Work] = []               # started, not yet waited for
         self.swapped: list[tuple[np.ndarray, Any]] | None = None
         self.checked = False  # the pending gather was the user's prefetch
@@ -95,8 +121,20 @@ class Unit:
         if self.pending is not None or not self.owner._spec.shards_params or self.is_full():
             return
         pool = self.owner._pool
-        flat = self.layout.pack_shards([p.data for p in self.params],
-                                       out=pool.take(self.layout.shard_numel, self.dtype))
+        shards = [p.data for p in self.params]
+        if self.direct and not checked and self.layout.numel and all(
+                isinstance(d, np.ndarray) and d.dtype == self.dtype and d.size == c
+                and d.flags.c_contiguous for d, c in zip(shards, self.layout.chunks)):
+            full, works, acc = pool.take(self.layout.numel, self.dtype), [], 0
+            for d, n in zip(shards, self.layout.numels):
+                works.append(all_gather_async(d.reshape(-1), self.owner._shard_group,
+                                              timeout=self.owner._timeout,
+                                              out=full[acc:acc + n]))
+                acc += n
+            self.pending = _Works(works, full), None  # nothing sent to give back
+            self.checked = False
+            return
+        flat = self.layout.pack_shards(shards, out=pool.take(self.layout.shard_numel, self.dtype))
         out = pool.take(self.layout.padded_numel, self.dtype)
         if self.layout.world == 1 or not self.layout.numel:
             out[...] = flat
@@ -145,12 +183,17 @@ class Unit:
                     "started (an optimizer step or update_shards after prefetch_forward_params()?)"
                     "; the prefetched parameters are stale. Prefetch after the update.")
             self.give_full()
-            self.full_buf = pool.take(self.layout.numel, self.dtype)
+            direct, self.full_buf = sent is None, gathered if sent is None else pool.take(
+                self.layout.numel, self.dtype)
             outs, acc = [], 0
             for n, shape in zip(self.layout.numels, self.layout.shapes):
                 outs.append(self.full_buf[acc:acc + n].reshape(shape))
                 acc += n
-            for fp, arr in zip(fps, self.layout.gathered_to_full(gathered, outs)):
+            if direct:  # gathered in place: the full buffer is this unit's now
+                gathered = None
+            else:
+                self.layout.gathered_to_full(gathered, outs)
+            for fp, arr in zip(fps, outs):
                 fp.data = arr
         finally:
             pool.give(gathered)
@@ -238,12 +281,28 @@ class Unit:
             else:
                 work = _done_work(flat)
         else:
-            send = self.layout.full_to_scatter(
-                grads, out=pool.take(self.layout.padded_numel, self.dtype))
             if first and self.result is None:
                 self.result = np.empty(self.layout.shard_numel, self.dtype)
             out = self.result if first else pool.take(self.layout.shard_numel, self.dtype)
             group = owner._shard_group
+            if self.direct and self.layout.numel and all(
+                    g is not None and g.flags.c_contiguous for g in grads):
+                with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
+                                   numel=self.layout.numel):
+                    works = [reduce_scatter_async(g.reshape(-1), group, ReduceOp.MEAN,
+                                                  timeout=owner._timeout, out=view)
+                             for g, view in zip(grads, self.layout.shard_views(out))]
+                # the reductions read the full gradients: their buffer goes back after the
+                # last (a backend runs its calls in order)
+                works[-1].future.add_done_callback(
+                    lambda _, buf=self.grad_buf: pool.give(buf))
+                self.grad_buf = None
+                self.reductions.append(_Works(works, out))
+                for fp in self.fps:
+                    fp.grad = None
+                return
+            send = self.layout.full_to_scatter(
+                grads, out=pool.take(self.layout.padded_numel, self.dtype))
             if group is not None and group.world_size > 1 and self.layout.numel:
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
