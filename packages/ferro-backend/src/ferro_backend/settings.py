@@ -253,13 +253,21 @@ ASYNC_WORKERS = _declare("FERRO_ASYNC_WORKERS", "count", _count(1), 4, "ferro-co
                          "threads running the `*_async` collectives")
 COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferro-collective",
                             "`0` turns the mismatch header off on the point-to-point path")
+BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
+                      _choice("auto", "on", "off", aliases={"1": "on", "0": "off"}), "auto",
+                      "ferro-fsdp",
+                      "where `DDP` and `FSDP` run their collectives: `on` on the background "
+                      "thread while the model computes, `off` in the training thread at the same "
+                      "points (where the data is hot), `auto` in the background only when this "
+                      "host has a core to spare beyond its ranks")
 
 #: every setting, by variable name, in the order of the README's table
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
     TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS,
-    SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK)}
+    SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK,
+    BACKGROUND)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}
 
 

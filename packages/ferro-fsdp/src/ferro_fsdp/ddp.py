@@ -9,9 +9,10 @@ gradients straight into the bucket, nothing is packed per step, and the allreduc
 
 Overlap: during ``DDP.backward`` a hook on every module that owns parameters marks them ready when
 the module's backward returns; as soon as a bucket's last gradient is written its allreduce starts
-in the background while the rest of the backward runs. Buckets start in bucket order on every
-rank (a ready bucket waits for the ones before it), so all ranks issue the same collectives in
-the same order.
+in the background while the rest of the backward runs (or, when no core is free for it, runs
+there in the training thread, on gradients still in the cache: ``ferro_fsdp.background``).
+Buckets start in bucket order on every rank (a ready bucket waits for the ones before it), so all
+ranks issue the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend, pack, unpack
-from ferro_collective import ReduceOp, Work, allreduce_async, broadcast
+from ferro_backend import Backend
+from ferro_collective import ReduceOp, Work, allreduce, allreduce_async, broadcast
 
 from . import _state
+from .background import runs_in_background, start
 from .flat import FlatLayout
 from .module import Module
 from .wrapper import ModuleWrapper
@@ -54,6 +56,12 @@ class DistributedDataParallel(ModuleWrapper):
     overlap : bool, default True
         Start each bucket's allreduce during ``backward`` as soon as its gradients are written
         (default True). With False every bucket starts after the backward.
+    background : bool, optional
+        Run the bucket allreduces on the collectives' background thread while the backward
+        goes on (True), or in the training thread where each bucket starts, on gradients still
+        in the cache (False; the same bits). None (the default) follows ``FERRO_BACKGROUND``
+        (auto: in the background only when this host has a core to spare beyond its ranks;
+        ``ferro_fsdp.background``).
 
     Raises
     ------
@@ -68,7 +76,7 @@ class DistributedDataParallel(ModuleWrapper):
 
     def __init__(self, module: Module, backend: Backend, *, bucket_cap_mb: float = 25.0,
                  broadcast_parameters: bool = True, timeout: float | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, background: bool | None = None) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"DDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
@@ -77,6 +85,8 @@ class DistributedDataParallel(ModuleWrapper):
         self._module = module
         self._backend = backend
         self._timeout = timeout
+        self._background_asked = background
+        self._background = runs_in_background(backend, background)
         self._cap = int(bucket_cap_mb * (1 << 20))
         self._sync = True
         named = module.named_parameters()
@@ -86,11 +96,16 @@ class DistributedDataParallel(ModuleWrapper):
                                             if self._params[i].requires_grad])
         if broadcast_parameters and backend.world_size > 1:
             every = self._plan_buckets(list(reversed(range(len(named)))))
-            for bucket in every:
-                arrays = [self._params[i].data for i in bucket]
-                flat = self._pack(arrays)
-                flat = broadcast(flat, backend, 0, timeout=timeout)
-                self._unpack_into(flat, bucket, "data")
+            for bucket in every:  # one fused broadcast per bucket, into the arrays in place
+                params = [self._params[i] for i in bucket]
+                layout = FlatLayout([p.data.shape for p in params], params[0].data.dtype, 1)
+                flat = broadcast(layout.pack_shards([np.ravel(p.data) for p in params]),
+                                 backend, 0, timeout=timeout)
+                for p, value in zip(params, layout.gathered_to_full(flat)):
+                    if p.data.flags.writeable:
+                        np.copyto(p.data, value)
+                    else:
+                        p.data = value
         self._flats: list[np.ndarray] = []
         self._slots: dict[int, np.ndarray] = {}
         self._bucket_of: dict[int, int] = {}
@@ -195,7 +210,7 @@ class DistributedDataParallel(ModuleWrapper):
             p.grad = None
         self.__init__(self._module, backend, bucket_cap_mb=self._cap / (1 << 20),
                       broadcast_parameters=False, timeout=self._timeout,
-                      overlap=self._overlap_asked)
+                      overlap=self._overlap_asked, background=self._background_asked)
 
     def backward(self, grad_output: Any) -> Any:
         """``module.backward(grad_output)``, then ``sync_gradients()`` unless in ``no_sync()``.
@@ -266,27 +281,9 @@ class DistributedDataParallel(ModuleWrapper):
                 np.copyto(slot, p.grad)
             p.grad = slot
         flat = self._flats[b]
-        self._works[b] = allreduce_async(flat, self._backend, ReduceOp.MEAN,
-                                         timeout=self._timeout, out=flat)
+        self._works[b] = start(self._background, allreduce_async, allreduce, flat,
+                               self._backend, ReduceOp.MEAN, timeout=self._timeout, out=flat)
         self._next = b + 1
-
-    def _pack(self, arrays: list[np.ndarray]) -> np.ndarray:
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        out = np.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype)
-        pack(arrays, out=out.view(np.uint8))
-        return out
-
-    def _unpack_into(self, flat: np.ndarray, bucket: list[int], attr: str) -> None:
-        outs = []
-        for i in bucket:
-            p = self._params[i]
-            cur = getattr(p, attr)
-            if not (isinstance(cur, np.ndarray) and cur.shape == p.data.shape and cur.dtype == flat.dtype
-                    and cur.flags.c_contiguous and cur.flags.writeable):
-                cur = np.empty(p.data.shape, flat.dtype)
-                setattr(p, attr, cur)
-            outs.append(cur)
-        unpack(flat, outs)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """After the gradients are synced: clip them to a global L2 norm of at most

@@ -34,6 +34,7 @@ from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
 from ferro_collective import all_gather, broadcast
 
 from ._state import ShardedStateDicts
+from .background import runs_in_background
 from .buffer_pool import BufferPool
 from .flat import FlatLayout
 from .grad_sync import GradientSync
@@ -80,6 +81,11 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
     timeout : float, optional
         Passed to every collective; None (the default) leaves each collective the
         backend's own ``backend.timeout``.
+    background : bool, optional
+        Run the gathers and reductions on the collectives' background thread while the model
+        computes (True), or in the training thread at the same points (False; the same bits).
+        None (the default) follows ``FERRO_BACKGROUND`` (auto: in the background only when
+        this host has a core to spare beyond its ranks; ``ferro_fsdp.background``).
 
     Raises
     ------
@@ -105,7 +111,8 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
                  strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
                  wrap: Any = None, intra_node_size: int | None = None,
                  reshard_after_forward: bool | dict[str, bool] | None = None,
-                 sync_module_states: bool = False, timeout: float | None = None) -> None:
+                 sync_module_states: bool = False, timeout: float | None = None,
+                 background: bool | None = None) -> None:
         Module.__init__(self)
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
@@ -114,6 +121,7 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         self._backend = backend
         self._strategy = strategy
         self._timeout = timeout
+        self._background = runs_in_background(backend, background)
         spec = strategy.spec
         self._spec = spec
         world, rank = backend.world_size, backend.rank

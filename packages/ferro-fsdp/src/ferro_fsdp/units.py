@@ -25,12 +25,15 @@ from ferro_backend import pack, timeline
 from ferro_collective import (
     ReduceOp,
     Work,
+    all_gather,
     all_gather_async,
     allreduce,
     allreduce_async,
+    reduce_scatter,
     reduce_scatter_async,
 )
 
+from .background import start
 from .flat import FlatLayout
 from .module import Module
 from .parameter import Parameter
@@ -127,9 +130,9 @@ class Unit:
                 and d.flags.c_contiguous for d, c in zip(shards, self.layout.chunks)):
             full, works, acc = pool.take(self.layout.numel, self.dtype), [], 0
             for d, n in zip(shards, self.layout.numels):
-                works.append(all_gather_async(d.reshape(-1), self.owner._shard_group,
-                                              timeout=self.owner._timeout,
-                                              out=full[acc:acc + n]))
+                works.append(start(self.owner._background, all_gather_async, all_gather,
+                                   d.reshape(-1), self.owner._shard_group,
+                                   timeout=self.owner._timeout, out=full[acc:acc + n]))
                 acc += n
             self.pending = _Works(works, full), None  # nothing sent to give back
             self.checked = False
@@ -141,8 +144,8 @@ class Unit:
             self.pending = _ready(out), flat
             self.checked = checked
         else:
-            work = all_gather_async(flat, self.owner._shard_group, timeout=self.owner._timeout,
-                                    out=out)
+            work = start(self.owner._background, all_gather_async, all_gather, flat,
+                         self.owner._shard_group, timeout=self.owner._timeout, out=out)
             self.pending = work.future, flat
             self.checked = checked
 
@@ -276,8 +279,8 @@ class Unit:
                       for g, s in zip(grads, self.layout.shapes)], out=flat.view(np.uint8))
             group = owner._backend
             if group.world_size > 1 and numel:
-                work = allreduce_async(flat, group, ReduceOp.MEAN, timeout=owner._timeout,
-                                       out=flat)
+                work = start(owner._background, allreduce_async, allreduce, flat, group,
+                             ReduceOp.MEAN, timeout=owner._timeout, out=flat)
             else:
                 work = _done_work(flat)
         else:
@@ -289,8 +292,9 @@ class Unit:
                     g is not None and g.flags.c_contiguous for g in grads):
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
-                    works = [reduce_scatter_async(g.reshape(-1), group, ReduceOp.MEAN,
-                                                  timeout=owner._timeout, out=view)
+                    works = [start(owner._background, reduce_scatter_async, reduce_scatter,
+                                   g.reshape(-1), group, ReduceOp.MEAN, timeout=owner._timeout,
+                                   out=view)
                              for g, view in zip(grads, self.layout.shard_views(out))]
                 # the reductions read the full gradients: their buffer goes back after the
                 # last (a backend runs its calls in order)
@@ -306,8 +310,8 @@ class Unit:
             if group is not None and group.world_size > 1 and self.layout.numel:
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
-                    work = reduce_scatter_async(send, group, ReduceOp.MEAN,
-                                                timeout=owner._timeout, out=out)
+                    work = start(owner._background, reduce_scatter_async, reduce_scatter,
+                                 send, group, ReduceOp.MEAN, timeout=owner._timeout, out=out)
                 work.future.add_done_callback(lambda _, send=send: pool.give(send))
             else:
                 out[...] = send[:self.layout.shard_numel]

@@ -1,0 +1,107 @@
+"""Where DDP's and FSDP's collectives run: in the background or in the training thread.
+
+Both wrappers start their collectives at fixed points of a step (a DDP bucket once its last
+gradient is written, an FSDP unit's gather one unit ahead and its reduce-scatter once its
+backward is done). In the **background** (the collectives' ``*_async`` forms) such a collective
+runs on another thread while the model computes: a gain when a core is free for that thread.
+When the ranks of this host already fill its cores, that thread takes its core from the
+model's own computation, and the two time-slice one core (measured here, 2 ranks on 2 cores,
+8.4 M parameters: FSDP 1.38x of the compute step in the background against 1.21x in the
+training thread; DDP 1.13x against 1.09x). Then the collective runs **in the training thread**
+at the same point: the same calls in the same order (so the same bits), on data the step has
+just written (a bucket's gradients are still in the cache).
+
+``background=None`` (the wrappers' default) follows ``FERRO_BACKGROUND``: ``on``, ``off``, or
+``auto`` (in the background only when this host has a core to spare beyond its ranks).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any
+
+from ferro_backend import settings
+from ferro_collective import Work
+
+
+def ranks_on_this_host(backend: Any) -> int | None:
+    """How many ranks of ``backend``'s job run on this host, where the backend can tell (its
+    node's share of a multi-node job, the ranks of its shared-memory engine, or the launcher's
+    ``LOCAL_WORLD_SIZE``); None where it cannot (a simulated network's threads)."""
+    root = backend
+    while getattr(root, "parent", None) is not None:  # a subgroup: its whole job counts
+        root = root.parent
+    hierarchy = getattr(root, "hierarchy", None)
+    if hierarchy is not None:
+        return int(hierarchy.local_world)
+    engine = getattr(root, "engine", None)
+    if engine is not None:
+        return int(engine.nranks)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(local) if local.isdigit() and int(local) > 0 else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def runs_in_background(backend: Any, background: bool | None) -> bool:
+    """Whether a wrapper on ``backend`` starts its collectives in the background:
+    ``background`` when given, else ``FERRO_BACKGROUND`` (auto: unless the ranks on this host
+    fill its cores).
+
+    Parameters
+    ----------
+    backend : ferro_backend.Backend
+    background : bool or None
+
+    Returns
+    -------
+    bool
+
+    Raises
+    ------
+    TypeError
+        ``background`` is neither a bool nor None.
+    """
+    if background is not None:
+        if not isinstance(background, bool):
+            raise TypeError(f"background={background!r}: expected True, False or None")
+        return background
+    mode = settings.BACKGROUND.get()
+    if mode != "auto":
+        return mode == "on"
+    local = ranks_on_this_host(backend)
+    return local is None or local < usable_cores()
+
+
+def start(background: bool, in_background, now, *args: Any, **kwargs: Any) -> Work:
+    """``in_background(*args, **kwargs)`` (an ``*_async`` collective), or ``now(*args,
+    **kwargs)`` (its blocking form, its error raised here) as a finished
+    :class:`~ferro_collective.Work`.
+
+    Parameters
+    ----------
+    background : bool
+        Where it runs (:func:`runs_in_background`).
+    in_background, now : callable
+        The ``*_async`` collective and its blocking form.
+    *args, **kwargs
+        Their arguments.
+
+    Returns
+    -------
+    ferro_collective.Work
+    """
+    if background:
+        return in_background(*args, **kwargs)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(now(*args, **kwargs))
+    return Work(getattr(now, "__name__", "collective"), -1, future)
+
+
+__all__ = ["ranks_on_this_host", "runs_in_background", "start", "usable_cores"]
