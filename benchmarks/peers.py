@@ -16,6 +16,9 @@ Intel MPI (``impi``) runs from a virtualenv of its own holding ``impi-rt``, ``mp
 row, the fastest of Open MPI's default, Open MPI with ``--mca coll_sm_priority 100`` and Intel MPI.
     python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all --out benchmarks/peers_2core_rooted
 
+``--impls ... limit`` adds the machine's limit per row (:func:`_limit_ops`): the numpy copy and
+add of the same data on every rank at once, in the same run.
+
 ``--fresh``: before every call each rank writes one byte in every 64-byte line of its input
 (a counter), as a backward pass or an optimizer step writes the data a real collective sends;
 the time is that of the writes and the call together, for every implementation alike (a
@@ -249,6 +252,32 @@ def _gloo_ops():
     return rank, world, ops, dist.barrier, ones, dist.destroy_process_group
 
 
+def _limit_ops():
+    """The machine's limit for each collective, as the issue of record defines it for a 2-rank
+    allreduce (``one copy plus one add of the data``): every rank, at the same time as the
+    others (their barrier is ferro's), copies and adds the collective's data in its own memory
+    with numpy, no communication. allreduce: a copy and an add of S; all_gather and broadcast:
+    a copy of S; reduce_scatter: an add of S; barrier: nothing (reported as 0)."""
+    rank, world, _, barrier, ones, close = _ferro_ops("shm")
+    outs = _Outputs(lambda n: np.empty(n, np.float32))
+
+    def copy_add(x):
+        tmp, out = outs.get("tmp", x.size), outs.get("out", x.size)
+        np.copyto(tmp, x)
+        np.add(tmp, x, out=out)
+
+    def copy(x):
+        np.copyto(outs.get("out", x.size), x)
+
+    def add(x):
+        np.add(x, x, out=outs.get("out", x.size))
+
+    ops = {"allreduce": copy_add, "all_gather": copy, "broadcast": copy, "reduce_scatter": add,
+           "gather": copy, "scatter": copy, "all_to_all": copy, "barrier": lambda x: None,
+           "pingpong": copy}
+    return rank, world, ops, barrier, ones, close
+
+
 def _toucher(x):
     """A function writing one byte (a counter) into every 64-byte line of ``x`` (a numpy array
     or a torch tensor)."""
@@ -274,6 +303,8 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
         rank, world, ops, barrier, ones, close = _mpi_ops()
     elif impl == "gloo":
         rank, world, ops, barrier, ones, close = _gloo_ops()
+    elif impl == "limit":
+        rank, world, ops, barrier, ones, close = _limit_ops()
     else:
         rank, world, ops, barrier, ones, close = _ferro_ops(impl.split("-")[1])
     rows = []
@@ -339,7 +370,7 @@ def available(impl: str) -> str | None:
                 return "mpirun not found"
         elif impl == "gloo":
             import torch.distributed  # noqa: F401
-        elif impl == "ferro-shm":
+        elif impl in ("ferro-shm", "limit"):
             import ferro_backend
 
             if not hasattr(ferro_backend, "ShmBackend"):
@@ -399,15 +430,19 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
     lines = ["Median of the repeats; `spread` = (max - min) / median of ferro-shm's runs. "
              "`mpi-best` is the fastest of Open MPI's default, Open MPI with `--mca "
              "coll_sm_priority 100` and Intel MPI (`I_MPI_FABRICS=shm`) per row. BLAS/OpenMP "
-             "capped to one thread per rank for everyone."]
+             "capped to one thread per rank for everyone. `limit` (where run): every rank at "
+             "once copies and adds the data in its own memory, no communication (allreduce: a "
+             "copy and an add of S; all_gather, broadcast: a copy of S; reduce_scatter: an add "
+             "of S), shown as the bus bandwidth that time would give; `ferro-shm / limit` < 1 "
+             "is how far ferro is from it (0.5: twice the limit's time)."]
     for world in worlds:
         present = [i for i in impls if f"{i}/{world}" in results]
         if not present:
             continue
         lines.append(f"\n#### {world} processes: bus bandwidth, GB/s (barrier: latency, us)\n")
         lines.append("| op | size | " + " | ".join(present) + " | ferro-shm spread | ferro-shm / "
-                     "mpi-best | ferro-shm / gloo | ferro-tcp / gloo |")
-        lines.append("|---" * (len(present) + 6) + "|")
+                     "mpi-best | ferro-shm / gloo | ferro-tcp / gloo | ferro-shm / limit |")
+        lines.append("|---" * (len(present) + 7) + "|")
         rows = results[f"{present[0]}/{world}"]
         for i, row in enumerate(rows):
             cells, vals = [], {}
@@ -418,7 +453,8 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
                 cells.append(f"{v:.1f}" if r["op"] == "barrier" else f"{v:.3f}")
 
             def ratio(a, b, row=row, vals=vals):
-                if a not in vals or b not in vals or not vals[a] or not vals[b]:
+                if a not in vals or b not in vals or not vals[a] or not vals[b] or (
+                        b == "limit" and row["op"] == "barrier"):  # a barrier moves nothing
                     return "-"
                 q = vals[b] / vals[a] if row["op"] == "barrier" else vals[a] / vals[b]
                 return f"{q:.2f}x"
@@ -428,7 +464,7 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
             size = "-" if row["op"] == "barrier" else _human(row["bytes"])
             lines.append(f"| {row['op']} | {size} | " + " | ".join(cells) + f" | {spread} | "
                          f"{ratio('ferro-shm', 'mpi-best')} | {ratio('ferro-shm', 'gloo')} | "
-                         f"{ratio('ferro-tcp', 'gloo')} |")
+                         f"{ratio('ferro-tcp', 'gloo')} | {ratio('ferro-shm', 'limit')} |")
     return "\n".join(lines) + "\n"
 
 
