@@ -119,7 +119,20 @@ def scatters_equal_star(b, cases: list) -> list[str]:
             fc.reduce_scatter(x, b, op, out=out)
             wide = np.repeat(x, 2)
             mixed = fc.reduce_scatter(wide[::2] if b.rank == 1 else x, b, op)
-        for name, res in (("new", got), ("out=", out), ("mixed", mixed)):
+            inplace = x.copy()  # out is this rank's part of the input itself
+            mine = inplace[b.rank * per:(b.rank + 1) * per]
+            fc.reduce_scatter(inplace, b, op, out=mine)
+        for name, res in (("new", got), ("out=", out), ("mixed", mixed), ("in place", mine)):
             if res.tobytes() != ref:
                 bad.append(f"{label} {name}")
     return bad
+
+
+def equals_star_streaming(b, cases: list, small_bytes: int, slow_factor: float) -> list[str]:
+    """equals_star with this rank's copies into the segment set by ``SlotEngine.set_put``
+    (``small_bytes=0, slow_factor=0``: every large call counts as slow and streams, every
+    64th re-tries plain stores); also returns the rate it calibrated, ns per KiB."""
+    g = group_of(b) or (fc.barrier(b) or group_of(b))
+    rate = g.slots.set_put(small_bytes, slow_factor)
+    bad = equals_star(b, cases)
+    return bad + ([] if rate >= 0 else [f"calibrated rate {rate}"])

@@ -104,3 +104,13 @@ def test_split_reduce_scatter_beyond_a_slot_equals_star(world, cases):
         results = run_processes(split_fns.scatters_equal_star, world, cases, transport="shm",
                                 timeout=150)
     assert results == [[]] * world
+
+
+@pytest.mark.parametrize("small_bytes,slow_factor", [(0, 0.0), (1 << 30, 12.0), (0, 1e9)])
+def test_every_way_into_the_segment_gives_the_bits_of_the_star(small_bytes, slow_factor):
+    # streaming stores for every call, for the large ones only while plain copies are slow
+    # (factor 0: always, with a plain re-try every 64 calls), or plain stores only (factor 1e9)
+    cases = [("float32", 70_000, "SUM"), ("float64", 9_000, "MEAN"), ("int32", 300_000, "MAX")]
+    results = run_processes(split_fns.equals_star_streaming, 2, cases, small_bytes, slow_factor,
+                            transport="shm", timeout=120)
+    assert results == [[], []]

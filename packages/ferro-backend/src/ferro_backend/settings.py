@@ -224,6 +224,10 @@ SHM_SPLIT_BYTES = _declare("FERRO_SHM_SPLIT_BYTES", "bytes", _bytes, 32 << 10, "
                            "allreduces from this size (within a slot) run split: each rank "
                            "folds one part, pipelined in chunks (rank 0's value holds; 0: "
                            "never)")
+SHM_STREAM_BYTES = _declare("FERRO_SHM_STREAM_BYTES", "bytes", _bytes, 256 << 10, "`ShmBackend`",
+                            "collectives of at most this size copy into the shared segment with "
+                            "non-temporal stores; larger ones only while plain copies there run "
+                            "12 times slower than between private buffers (measured as they go)")
 SHM_RING_BYTES = _declare("FERRO_SHM_RING_BYTES", "bytes, a power of two >= 4096",
                           _power_of_two_bytes, None, "`ShmBackend`",
                           "bytes of each point-to-point ring (default 256 KiB up to 8 ranks, "
@@ -265,7 +269,8 @@ BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
     TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
-    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_RING_BYTES, SHM_CMA, SHM_YIELDS,
+    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_RING_BYTES,
+    SHM_CMA, SHM_YIELDS,
     SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK,
     BACKGROUND)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}

@@ -1,4 +1,4 @@
-/* Copies shared by the wire helpers (_wire.pyx) and the engine (_stream.h): one definition.
+/* Copies shared by the wire helpers (_wire.pyx) and the engine (_steps.h): one definition.
  *
  * ferro_stream_copy copies with non-temporal stores where SSE2 is there (every x86-64): the
  * destination's lines are written without being read into the cache first (no
@@ -39,5 +39,23 @@ static inline void ferro_stream_copy(unsigned char *dst, const unsigned char *sr
 }
 static const int FERRO_STREAM_STORES = 0;
 #endif
+
+/* ns per KiB of a plain copy of 64 KiB between two private buffers in the cache (best of 8): the
+ * engine's yardstick for its copies into shared memory */
+static inline double ferro_copy_ns_per_kib(double (*now)(void)) {
+    static unsigned char a[65536], b[65536];
+    double best = 1e30, t0, dt;
+    int i;
+    memset(a, 1, sizeof a);
+    memset(b, 2, sizeof b);
+    for (i = 0; i < 8; i++) {
+        t0 = now();
+        memcpy(b, a, sizeof a);
+        __asm__ __volatile__("" : : "r"(b) : "memory");
+        dt = now() - t0;
+        if (dt < best) best = dt;
+    }
+    return best * 1e9 / 64.0;
+}
 
 #endif

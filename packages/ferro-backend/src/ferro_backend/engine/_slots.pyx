@@ -3,21 +3,15 @@
 
 A rank takes part in step ``s`` by writing its slot ``s % 2`` (a collective header, optional
 cross-memory addresses and data), then publishing ``step = s`` (release); it waits until every
-rank has published ``s`` (acquire). Slot ``s % 2`` is free again at step ``s + 2``: a rank
-publishes ``s + 1`` only after reading everyone's step-``s`` slots. The protocol is C, in
-``_steps.h`` (waits are ``_sync.h``'s); :class:`SlotEngine` keeps this rank's step counter (its
-users do no step arithmetic) and offers the steps to Python.
+rank has published ``s`` (acquire). The protocol is C, in ``_steps.h`` (waits: ``_sync.h``);
+:class:`SlotEngine` keeps this rank's step counter and offers the steps to Python.
 
-The one-call steps (:meth:`SlotEngine.step_allreduce`, :meth:`SlotEngine.step_gather`,
-:meth:`SlotEngine.step_barrier`) run a whole collective in one call without the GIL: header
-(with the call's sequence number patched in) and data into the slot, publish (with the header's
-hash on the rank's control line), wait, compare headers, then fold or copy every rank's slot data
-straight from the segment. Other extensions call the same steps with no Python in between
-through :meth:`SlotEngine.api`: a capsule, named by its C layout (:data:`API_SIGNATURE`), holding
-a table of function pointers. The fold is the collective layer's: it hands its kernel over once,
-as a C function pointer in a capsule whose name is the signature (:data:`FOLD_SIGNATURE`, as
-scipy's LowLevelCallable does), so the two distributions share no C code and no link.
-Validation of what the callers pass (sizes, addresses) is theirs.
+The one-call steps (``step_allreduce``, ``step_gather``, ``step_barrier``) run a whole
+collective in one call without the GIL. Other extensions call them with no Python in between
+through :meth:`SlotEngine.api`: a capsule named by its C layout (:data:`API_SIGNATURE`) holding
+a table of function pointers. The fold is the collective layer's, handed over once as a C
+function pointer in a capsule named by its signature (:data:`FOLD_SIGNATURE`, as scipy's
+LowLevelCallable): the two distributions share no C code and no link. Callers validate sizes.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -59,12 +53,14 @@ cdef class SlotEngine:
         self.s.pol.spin, self.s.pol.yields = spin, yields
         self.s.failed = <uint32_t*>failed_addr
         self.s.split.bases = <uint32_t*>calloc(3 * nranks, sizeof(uint32_t))
-        if self.s.split.bases == NULL:
+        self.s.split.scratch = <unsigned char*>calloc(FERRO_SPLIT_CHUNK_MAX + 256, 1)
+        if self.s.split.bases == NULL or self.s.split.scratch == NULL:
             raise MemoryError()
         ferro_slots_api_init(&self.table, &self.s)
 
     def __dealloc__(self):
         free(self.s.split.bases)
+        free(self.s.split.scratch)
 
     @property
     def n(self) -> int:
@@ -100,6 +96,14 @@ cdef class SlotEngine:
     @split_bytes.setter
     def split_bytes(self, size_t value):
         self.s.split_min = value
+
+    def set_put(self, size_t small_bytes, double slow_factor):
+        """Calls of at most ``small_bytes`` copy into shared memory with non-temporal stores,
+        larger ones while plain copies there run ``slow_factor`` times slower than between
+        private buffers (``_steps.h``); returns that rate (ns per KiB)."""
+        self.s.put.small_bytes = small_bytes
+        self.s.put.slow_ns = slow_factor * ferro_copy_ns_per_kib(ferro_now)
+        return self.s.put.slow_ns
 
     def set_fold(self, capsule):
         """Take the fold kernel the one-call reductions use: a capsule named
@@ -150,8 +154,7 @@ cdef class SlotEngine:
         return rc
 
     def step_barrier(self, bytes header not None, uint32_t seq, double deadline):
-        """A step with no data (the barrier): ``header`` with ``seq`` patched in; OK,
-        TIMEOUT, FAILED or MISMATCH."""
+        """A step with no data (``header``, ``seq`` patched in): OK, TIMEOUT, FAILED, MISMATCH."""
         cdef int rc
         cdef const unsigned char* h = header
         cdef size_t hlen = self._header_len(header)
@@ -161,8 +164,7 @@ cdef class SlotEngine:
         return rc
 
     def sync(self, double deadline):
-        """A step without slot writes: nobody goes on before everyone has finished the last
-        one. OK, TIMEOUT or FAILED."""
+        """A step without slot writes (all finished the last one): OK, TIMEOUT or FAILED."""
         cdef int rc
         with nogil:
             rc = ferro_slots_sync(&self.s, deadline)
@@ -216,9 +218,8 @@ cdef class SlotEngine:
     # ------------------------------------------------------------------ one-call steps
     def split_fits(self, size_t nbytes, Py_ssize_t count) -> bool:
         """Whether :meth:`step_allreduce` runs a reduction of ``count`` items in ``nbytes``
-        beyond a slot (split through rings that wrap: :attr:`split_bytes` > 0, at least one
-        item per rank, items no larger than a quarter of a slot's share per rank). The same on
-        every rank of the group."""
+        beyond a slot (split through rings that wrap: :attr:`split_bytes` > 0, an item per rank
+        at least, items within half a slot's share per rank); the same on every rank."""
         return self.s.split_min > 0 and ferro_split_can(&self.s, nbytes, count)
 
     def step_allreduce(self, bytes header not None, uint32_t seq, object src, object out,

@@ -162,7 +162,7 @@ static inline int ferro_split_copy_in(ferro_slots* s, int k, double deadline) {
             rc = ferro_split_wait_one(s, r, FERRO_PROG_OUT, k - sp->in_ring, deadline);
             if (rc != FERRO_OK) return rc;  /* resumed here: a chunk copied twice is harmless */
         }
-        memcpy(ferro_split_in_at(s, s->me, r, k), sp->src + off, len);
+        ferro_put_copy(&s->put, ferro_split_in_at(s, s->me, r, k), sp->src + off, len);
         s->sent += len;
     }
     ferro_publish(&c->inprog, c->inprog + 1u, &c->in_sleepers);
@@ -185,11 +185,15 @@ static inline int ferro_split_fold(ferro_slots* s, int k, const void** ptrs, dou
         }
         for (j = 0; j < s->n; j++)
             ptrs[j] = j == s->me ? sp->src + off : ferro_split_in_at(s, j, s->me, k);
-        res = sp->gather ? ferro_split_out_at(s, s->me, k) : sp->out + off - sp->out_shift;
+        /* into the scratch chunk (never an input: an in-place call's out is one), then out
+         * and, for the gather, the result ring; a reduce_scatter whose out is not its input
+         * folds straight into out */
+        res = sp->gather || sp->aliased ? sp->scratch : sp->out + off - sp->out_shift;
         if (s->fold(sp->code, res, ptrs, s->n, (Py_ssize_t)(len / sp->itemsize), sp->op,
                     sp->mean_divisor) != 0)
             return -1;
-        if (sp->gather) memcpy(sp->out + off, res, len);
+        if (sp->gather) ferro_put_copy(&s->put, ferro_split_out_at(s, s->me, k), res, len);
+        if (res == sp->scratch) memcpy(sp->out + off - sp->out_shift, res, len);
     }
     ferro_publish(&c->outprog, c->outprog + 1u, &c->out_sleepers);
     return FERRO_OK;
@@ -308,6 +312,8 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     sp->mean_divisor = mean_divisor;
     ferro_split_part(sp, s->n, s->me, &first, &len);
     sp->out_shift = gather ? 0 : (size_t)first * sp->itemsize;
+    sp->aliased = (const unsigned char*)out < sp->src + nbytes
+        && sp->src < (const unsigned char*)out + (gather ? nbytes : (size_t)len * sp->itemsize);
     part = ((size_t)count + (size_t)s->n - 1) / (size_t)s->n * sp->itemsize;
     chunk = part / FERRO_SPLIT_CHUNKS;
     if (chunk < FERRO_SPLIT_CHUNK_MIN) chunk = FERRO_SPLIT_CHUNK_MIN;
@@ -320,6 +326,7 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     if (chunk > room / 2) chunk = room / 2 / sp->itemsize * sp->itemsize;
     sp->chunk = chunk;
     sp->nchunks = (int)((part + chunk - 1) / chunk);
+    ferro_put_choose(&s->put, nbytes);
     sp->in_ring = (int)(room / chunk);
     sp->in_stride = (size_t)sp->in_ring * chunk;
     sp->out_ring = (int)(s->L.slot_bytes / chunk);

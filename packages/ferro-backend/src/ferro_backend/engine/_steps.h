@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "_layout.h"
+#include "_put.h"
 #include "_sync.h"
 
 /* where a collective header holds its 32-bit little-endian sequence number */
@@ -42,6 +43,7 @@ typedef struct {
     int kind;                  /* FERRO_KIND_SPLIT (reductions) or FERRO_KIND_STREAM (all_gather) */
     int active;                /* under way: its last wait ended early (2: the start's wait) */
     int gather;                /* split: an allreduce (1) or a reduce_scatter (0) */
+    int aliased;               /* out overlaps src (an in-place call) */
     const unsigned char* src;
     unsigned char* out;
     size_t out_shift;          /* a reduce_scatter's out holds the data from this byte on */
@@ -53,6 +55,7 @@ typedef struct {
     double mean_divisor;
     uint32_t step;             /* the call's first step (its inputs' slots; results: step + 1) */
     uint32_t* bases;           /* every rank's in_base, out_base, g_base, read at the start (3n) */
+    unsigned char* scratch;    /* a chunk (FERRO_SPLIT_CHUNK_MAX + 256 bytes) folded first */
 } ferro_split;
 
 typedef struct {
@@ -68,6 +71,7 @@ typedef struct {
     int clock;                 /* time the waits for peers (a timeline is on) */
     double waited;             /* seconds this rank's steps waited for their peers (clock on) */
     size_t split_min;          /* whole reductions of at least this many bytes split (0: never) */
+    ferro_put put;             /* how data goes into shared memory (_put.h) */
     ferro_split split;
 } ferro_slots;
 
@@ -195,7 +199,10 @@ static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, 
         hash = ferro_header_hash(header, hlen);
         seq = ferro_read_seq(header, hlen);
     }
-    if (nbytes) memcpy(ferro_slot_data(mine), src, nbytes);
+    if (nbytes) {
+        ferro_put_choose(&s->put, nbytes);
+        ferro_put_copy(&s->put, ferro_slot_data(mine), src, nbytes);
+    }
     s->step = step;
     s->hlen = hlen;
     s->sent += nbytes;

@@ -8,6 +8,12 @@ cdef extern from "_steps.h" nogil:
     ctypedef struct ferro_split:
         int active
         uint32_t* bases
+        unsigned char* scratch
+    size_t FERRO_SPLIT_CHUNK_MAX
+    ctypedef struct ferro_put:
+        size_t small_bytes
+        double slow_ns
+    double ferro_copy_ns_per_kib(double (*now)() noexcept nogil)
     ctypedef struct ferro_slots:
         unsigned char* base
         ferro_layout L
@@ -21,6 +27,7 @@ cdef extern from "_steps.h" nogil:
         int clock
         double waited
         size_t split_min
+        ferro_put put
         ferro_split split
     ctypedef struct ferro_slots_api:
         int (*allreduce)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,

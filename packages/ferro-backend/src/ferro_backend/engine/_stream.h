@@ -22,7 +22,6 @@
 #ifndef FERRO_STREAM_H
 #define FERRO_STREAM_H
 
-#include "_copy.h"
 
 /* chunks in the ring (both slots); a chunk is slot_bytes / (FERRO_STREAM_RING / 2) */
 #define FERRO_STREAM_RING 8
@@ -55,7 +54,8 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
                 if (rc != FERRO_OK) break;
             }
             len = ferro_stream_len(sp, i);
-            memcpy(ferro_stream_at(s, s->me, i), sp->src + (size_t)i * sp->chunk, len);
+            ferro_put_copy(&s->put, ferro_stream_at(s, s->me, i), sp->src + (size_t)i * sp->chunk,
+                               len);
             s->sent += len;
             ferro_publish(&c->inprog, c->inprog + 1u, &c->in_sleepers);
         } else {  /* R i - 1 */
@@ -107,6 +107,7 @@ static inline int ferro_stream_start(ferro_slots* s, const unsigned char* header
     sp->chunk = s->L.slot_bytes / (FERRO_STREAM_RING / 2);
     if (sp->chunk >= 64u) sp->chunk = sp->chunk / 64u * 64u;  /* whole cache lines */
     sp->nchunks = (int)((nbytes + sp->chunk - 1) / sp->chunk);
+    ferro_put_choose(&s->put, nbytes * (size_t)s->n);
     return ferro_split_go(s, rc, deadline);
 }
 

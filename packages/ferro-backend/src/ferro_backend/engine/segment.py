@@ -77,6 +77,11 @@ def default_ring_bytes(nranks: int) -> int:
     return size
 
 
+#: plain copies into the segment this many times slower than between private buffers make
+#: the engine stream its large calls too (``_steps.h``: ferro_slots_put)
+SLOW_COPY = 12.0
+
+
 def oversubscribed(nranks: int) -> bool:
     """Whether the ranks outnumber this host's cores (then waits yield instead of spinning)."""
     return nranks > (os.cpu_count() or 1)
@@ -234,6 +239,7 @@ class Engine:
                 f"{engine._map.expected_head()}: is FERRO_SHM_RING_BYTES the same on every rank?)")
         engine.pids = [engine._map.identity(r)[0] for r in range(n)]
         engine.slots.split_bytes = engine._map.split_bytes()  # rank 0's: the same everywhere
+        engine.slots.set_put(settings.SHM_STREAM_BYTES.get(), SLOW_COPY)
         mine = all(engine._can_read(r) for r in range(n) if r != rank)
         # every rank's verdict through rank 0 (which already talks to every rank), so a lazy
         # mesh opens no pair for it: a star, not all pairs
