@@ -211,7 +211,8 @@ def main() -> None:
                     results[f"{world} ranks, {size}"][kind] = \
                         results[f"{worlds[0]} ranks, {size}"][kind]
     lines = ["| ranks, params | " + " | ".join(kinds) + " | ferro DDP / torch DDP | ferro FSDP / "
-             "torch FSDP2 |", "|---" * (len(kinds) + 3) + "|"]
+             "torch FSDP2 | ferro DDP / compute | ferro FSDP / compute |",
+             "|---" * (len(kinds) + 5) + "|"]
     for size, row in results.items():
         cells = []
         for kind in kinds:
@@ -221,6 +222,12 @@ def main() -> None:
         for mine, theirs in (("ferro-ddp", "torch-ddp"), ("ferro-fsdp", "torch-fsdp2")):
             if mine in row and theirs in row:  # > 1: ferro is faster
                 speed.append(f"{statistics.median(row[theirs]) / statistics.median(row[mine]):.2f}x")
+            else:
+                speed.append("-")
+        for mine in ("ferro-ddp", "ferro-fsdp"):  # issue 27's measure: the step over compute
+            if mine in row and "ferro-compute" in row:
+                over = [m / statistics.median(row["ferro-compute"]) for m in row[mine]]
+                speed.append(f"{statistics.median(over):.3f}x ({min(over):.3f}-{max(over):.3f})")
             else:
                 speed.append("-")
         lines.append(f"| {size} | " + " | ".join(cells) + " | " + " | ".join(speed) + " |")
