@@ -213,6 +213,14 @@ static inline void ferro_split_gather(ferro_slots* s, int k) {
     ferro_publish(&c->gprog, c->gprog + 1u, &c->g_sleepers);
 }
 
+/* A split or streamed call is over on this rank: its second step is published. */
+static inline int ferro_split_end(ferro_slots* s) {
+    s->split.active = 0;
+    s->step = s->split.step + 1;
+    ferro_slots_publish(s, s->step);
+    return FERRO_OK;
+}
+
 /* The pipeline from action split.next on (action a: stage t = a / 3 runs C t, F t - 1 and
  * G t - 2, those that exist; the last action waits, for a reduce_scatter, until every rank has
  * folded everything); FERRO_OK when the call is done (then step s + 1 is published), else what
@@ -246,11 +254,7 @@ static inline int ferro_split_run(ferro_slots* s, double deadline) {
         if (rc != FERRO_OK) break;
     }
     if (ptrs != few) free(ptrs);
-    if (rc != FERRO_OK) return rc;
-    sp->active = 0;
-    s->step = sp->step + 1;
-    ferro_slots_publish(s, s->step);
-    return FERRO_OK;
+    return rc != FERRO_OK ? rc : ferro_split_end(s);
 }
 
 /* The start step of a split or streamed call: this rank's progress counters (the bases) and

@@ -84,10 +84,7 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
         rc = ferro_split_wait(s, FERRO_PROG_OUT, i, deadline);
         if (rc != FERRO_OK) return rc;
     }
-    sp->active = 0;
-    s->step = sp->step + 1;
-    ferro_slots_publish(s, s->step);
-    return FERRO_OK;
+    return ferro_split_end(s);
 }
 
 /* A whole streamed all_gather of blocks of nbytes (called without the GIL): out = every rank's
