@@ -225,9 +225,10 @@ SHM_SPLIT_BYTES = _declare("FERRO_SHM_SPLIT_BYTES", "bytes", _bytes, 32 << 10, "
                            "folds one part, pipelined in chunks (rank 0's value holds; 0: "
                            "never)")
 SHM_STREAM_BYTES = _declare("FERRO_SHM_STREAM_BYTES", "bytes", _bytes, 256 << 10, "`ShmBackend`",
-                            "collectives of at most this size copy into the shared segment with "
-                            "non-temporal stores; larger ones only while plain copies there run "
-                            "12 times slower than between private buffers (measured as they go)")
+                            "collectives from 16 KiB up to this size copy into the shared "
+                            "segment with non-temporal stores; larger ones only while plain "
+                            "copies there run 12 times slower than between private buffers "
+                            "(measured as they go)")
 SHM_RING_BYTES = _declare("FERRO_SHM_RING_BYTES", "bytes, a power of two >= 4096",
                           _power_of_two_bytes, None, "`ShmBackend`",
                           "bytes of each point-to-point ring (default 256 KiB up to 8 ranks, "

@@ -23,25 +23,27 @@ typedef struct {               /* how this rank copies data into shared memory *
  * cores' caches sometimes talk fast and sometimes (for minutes) four times slower, 2 ranks: a
  * plain copy of 32 KiB into lines the peer had read took 3.6 us or 14 us, a streaming one
  * 0.8-1.2 us either way; 64 KiB allreduce 10.8 / 37.9 us plain, 11.4 / 11.3 streaming; 1 MiB
- * 73 / 407-516 plain, 132-146 / 112-139 streaming. So calls of up to small_bytes always stream
- * (from FERRO_PUT_MIN bytes a copy), and larger calls stream only while plain copies into
- * shared memory run slower than slow_ns per KiB (calibrated at start: a multiple of a plain
- * copy between two private buffers), re-trying plain ones every FERRO_PUT_PROBE calls. */
+ * 73 / 407-516 plain, 132-146 / 112-139 streaming. So calls from FERRO_PUT_MIN up to
+ * small_bytes always stream (every copy of theirs, a split's chunks of a few KiB included; a
+ * smaller call's single copy stays plain: its latency is the call's), and larger calls stream
+ * only while plain copies into shared memory run slower than slow_ns per KiB (calibrated at
+ * start: a multiple of a plain copy between two private buffers), re-trying plain ones every
+ * FERRO_PUT_PROBE calls. */
 #define FERRO_PUT_MIN 16384u
 #define FERRO_PUT_PROBE 64u
 
 static inline void ferro_put_choose(ferro_put* p, size_t total) {
-    p->stream = total <= p->small_bytes
-        || (p->ewma_ns > p->slow_ns && (++p->calls % FERRO_PUT_PROBE) != 0);
+    p->stream = total >= FERRO_PUT_MIN && (total <= p->small_bytes
+        || (p->ewma_ns > p->slow_ns && (++p->calls % FERRO_PUT_PROBE) != 0));
 }
 
 static inline void ferro_put_copy(ferro_put* p, unsigned char* dst, const unsigned char* src,
                                   size_t n) {
     double t0;
-    if (n < FERRO_PUT_MIN) {
-        memcpy(dst, src, n);
-    } else if (p->stream) {
+    if (p->stream) {
         ferro_stream_copy(dst, src, n);
+    } else if (n < FERRO_PUT_MIN) {  /* too short to time */
+        memcpy(dst, src, n);
     } else {
         t0 = ferro_now();
         memcpy(dst, src, n);
