@@ -308,12 +308,11 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
     else:
         rank, world, ops, barrier, ones, close = _ferro_ops(impl.split("-")[1])
     rows = []
-    # settle: barriers for a quarter second before the first cell, for every implementation
-    # alike (a process's background threads finish starting up meanwhile: without it ferro's
-    # first cell ran at 100 us per call in 2 of 3 runs, the next cells did not)
-    settle = time.perf_counter() + 0.25
-    while time.perf_counter() < settle:
-        barrier()
+    # settle: a quarter second idle before the first cell, for every implementation alike (a
+    # process's background threads finish starting up meanwhile: without it ferro's first cell
+    # ran at 100 us per call in 2 of 3 runs, the next cells did not), then one barrier
+    time.sleep(0.25)
+    barrier()
     for op in ops_filter:
         for nbytes in (sizes if op != "barrier" else [0]):
             x = ones(max(nbytes // 4, world), dtype=np.float32)
