@@ -1,7 +1,7 @@
 """Side by side: ferro (TCP, shared memory) against mpi4py/Open MPI and torch.distributed (gloo).
 
 Every implementation runs with the same process layout (N processes on this machine) and the
-same measurement: a barrier, a warm-up call, then K calls timed on every rank; a call's time is
+same measurement: a barrier, three warm-up calls, then K calls timed on every rank; a call's time is
 the slowest rank's mean. Bus bandwidth follows nccl-tests: allreduce = S * 2(n-1)/n / t,
 all_gather, reduce_scatter, gather, scatter and all_to_all = S * (n-1)/n / t (S the
 gathered/reduced/scattered total, for all_to_all one rank's send buffer), broadcast = S / t.
@@ -317,7 +317,8 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
         for nbytes in (sizes if op != "barrier" else [0]):
             x = ones(max(nbytes // 4, world), dtype=np.float32)
             k = iters_for(nbytes) if op != "barrier" else 200
-            ops[op](x)  # warm-up
+            for _ in range(3):  # warm-up: ferro's first calls make its group and its plan
+                ops[op](x)
             if fresh and op != "barrier":
                 touch, run = _toucher(x), ops[op]
 
