@@ -229,6 +229,11 @@ SHM_STREAM_BYTES = _declare("FERRO_SHM_STREAM_BYTES", "bytes", _bytes, 256 << 10
                             "segment with non-temporal stores; larger ones only while plain "
                             "copies there run 12 times slower than between private buffers "
                             "(measured as they go)")
+SHM_BIND = _declare("FERRO_SHM_BIND", "auto, cores or off", _choice("auto", "cores", "off"),
+                    "auto", "`ShmBackend`",
+                    "bind each rank of a same-host engine to a core of its own, as MPI does: "
+                    "`auto` when the ranks are exactly as many as the usable cores, `cores` "
+                    "whenever there are enough (one job per host), `off` never")
 SHM_RING_BYTES = _declare("FERRO_SHM_RING_BYTES", "bytes, a power of two >= 4096",
                           _power_of_two_bytes, None, "`ShmBackend`",
                           "bytes of each point-to-point ring (default 256 KiB up to 8 ranks, "
@@ -270,7 +275,8 @@ BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
     TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
-    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_RING_BYTES,
+    LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_BIND,
+    SHM_RING_BYTES,
     SHM_CMA, SHM_YIELDS,
     SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK,
     BACKGROUND)}

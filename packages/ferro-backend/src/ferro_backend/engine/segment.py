@@ -28,6 +28,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ import numpy as np
 from .. import settings
 from ..errors import PeerClosedError, RendezvousError
 from ..mesh.handshake import recv_exactly
-from . import _ring, _segment, _slots, _watch
+from . import _ring, _segment, _slots, _watch, binding
 
 if TYPE_CHECKING:
     from ..base import Backend
@@ -119,6 +120,8 @@ class Engine:
         self._cma_sent = self._cma_received = self._filled = 0
         #: the state of the layer that runs collectives on this engine (ferro-collective's)
         self.client: Any = None
+        #: the thread ``binding.bind`` bound at the join, and the cores it had before
+        self._bound: tuple[int | None, frozenset[int] | None] = (None, None)
 
     # ------------------------------------------------------------------ what users call
     def slot_data(self, rank: int, step: int) -> np.ndarray:
@@ -188,6 +191,8 @@ class Engine:
         """Wake every wait and let the mapping go: it is unmapped once nothing holds it (the
         kernels hold the segment's bytes, so none of them can touch freed memory)."""
         self.mark_failed()
+        if self._bound[0] == threading.get_ident():  # the thread it bound: its cores back
+            binding.unbind(self._bound[1])
         self._bytes = None
         self._data = []
         try:
@@ -256,6 +261,7 @@ class Engine:
             backend.recv(verdict, 0, tag=SETUP_TAG, timeout=left())
         engine.cma_ok = bool(verdict[0]) and settings.SHM_CMA.get() != "never"
         backend.barrier(timeout=left())  # probes read
+        engine._bound = (threading.get_ident(), binding.bind(rank, n))
         return engine
 
     def _can_read(self, peer: int) -> bool:

@@ -1,0 +1,59 @@
+"""Binding an engine's ranks to cores of their own (``FERRO_SHM_BIND``), as MPI does by default.
+
+The engine's waits spin while every rank has a core of its own. Linux does not know that: it
+often starts two freshly woken ranks of a job on one core (it places a task woken by another
+near its waker), and there each spin keeps the peer it waits for from running. Measured here
+(2 ranks on 2 cores, 4 KiB allreduce, a timed cell of 200 calls right after the job formed):
+1.8-2.3 us per call in most runs, 100-117 us in some (the whole spin, then a sleep, per call),
+until the scheduler moved one rank away. Bound, each rank keeps its core from the start.
+
+``auto`` (the default) binds when the engine's ranks are exactly as many as the cores this
+process may use (every core runs a rank anyway); ``cores`` binds whenever there are at least as
+many cores as ranks (two jobs on one host then share cores: set it only for one job per host);
+``off`` never binds. The calling thread (the rank's) is bound, to the ``rank``-th of the usable
+cores in order; :func:`unbind` gives it its earlier set back.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import settings
+
+
+def usable_cores() -> list[int]:
+    """The cores this thread may run on, in order (empty where the platform cannot tell)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    return sorted(os.sched_getaffinity(0))
+
+
+def bind(rank: int, nranks: int) -> frozenset[int] | None:
+    """Bind the calling thread to a core of its own per ``FERRO_SHM_BIND``; returns the set it
+    had before (for :func:`unbind`), or None when it did not bind."""
+    mode = settings.SHM_BIND.get()
+    cores = usable_cores()
+    if mode == "off" or not cores or not 0 <= rank < nranks:
+        return None
+    if len(cores) < nranks or (mode == "auto" and len(cores) != nranks):
+        return None
+    before = frozenset(cores)
+    try:
+        os.sched_setaffinity(0, {cores[rank]})
+    except OSError:  # a cgroup or seccomp policy may refuse it: run unbound
+        return None
+    return before
+
+
+def unbind(before: frozenset[int] | None) -> None:
+    """Give the calling thread back the cores :func:`bind` took from it (nothing if it did not
+    bind)."""
+    if before is None:
+        return
+    try:
+        os.sched_setaffinity(0, before)
+    except OSError:
+        pass
+
+
+__all__ = ["bind", "unbind", "usable_cores"]

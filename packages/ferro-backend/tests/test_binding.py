@@ -1,0 +1,67 @@
+"""FERRO_SHM_BIND: a same-host engine's ranks on cores of their own (engine/binding.py), chosen
+per mode, given back when the backend closes."""
+
+import os
+from unittest import mock
+
+import pytest
+
+from ferro_backend import settings
+from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.engine import binding
+from ferro_backend.testing import run_processes
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")]
+CORES = binding.usable_cores()
+
+
+def test_the_modes_decide_from_the_usable_cores():
+    n = len(CORES)
+    if n == 0:
+        pytest.skip("this platform does not tell the usable cores")
+    before = frozenset(os.sched_getaffinity(0))
+    try:
+        with settings.override(SHM_BIND="off"):
+            assert binding.bind(0, 1) is None
+        with settings.override(SHM_BIND="auto"):
+            assert binding.bind(0, n + 1) is None  # more ranks than cores
+            if n > 1:
+                assert binding.bind(0, n - 1) is None  # a core to spare: auto leaves it
+        with settings.override(SHM_BIND="cores"):
+            assert binding.bind(n, n) is None  # no such rank
+            assert binding.bind(0, 1) == before
+            assert os.sched_getaffinity(0) == {CORES[0]}
+    finally:
+        binding.unbind(before)
+    assert frozenset(os.sched_getaffinity(0)) == before
+
+
+def test_a_bad_mode_names_the_variable():
+    with mock.patch.dict(os.environ, {"FERRO_SHM_BIND": "sometimes"}), \
+            pytest.raises(Exception, match="FERRO_SHM_BIND"):
+        settings.SHM_BIND.get()
+
+
+def _cores_while_open(backend) -> list:
+    """This rank's cores with its engine open (main thread), and after it closed."""
+    import numpy as np
+
+    from ferro_backend.engine import binding as b
+
+    backend.barrier(timeout=30)
+    inside = sorted(os.sched_getaffinity(0))
+    backend.send(np.zeros(1), 1 - backend.rank)
+    backend.recv(np.zeros(1), 1 - backend.rank, timeout=30)
+    backend.close()
+    return [inside, sorted(os.sched_getaffinity(0)), b.usable_cores()]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="binding two ranks needs two usable cores")
+@pytest.mark.parametrize("mode", ["cores", "off"])
+def test_each_rank_runs_on_a_core_of_its_own_until_it_closes(mode):
+    with mock.patch.dict(os.environ, {"FERRO_SHM_BIND": mode}):
+        got = run_processes(_cores_while_open, 2, transport="shm")
+    for rank, (inside, after, usable) in enumerate(got):
+        assert after == CORES and usable == CORES  # given back
+        assert inside == ([CORES[rank]] if mode == "cores" else CORES)
