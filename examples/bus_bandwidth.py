@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         print(f"bus bandwidth, GB/s: {backend.world_size} ranks, {where}")
         print("| size | " + " | ".join(table) + " |")
         for i, nbytes in enumerate(byte_sizes):
-            print(f"| {human(nbytes)} | " + " | ".join(f"{table[op][i]:.2f}" for op in table)
+            print(f"| {human(nbytes)} | " + " | ".join(f"{table[op][i]:.3g}" for op in table)
                   + " |")
         if args.plot is not None:
             plot(table, byte_sizes, f"{backend.world_size} ranks, {where}", args.plot)
