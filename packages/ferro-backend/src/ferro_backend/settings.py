@@ -265,11 +265,12 @@ COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferr
                             "`0` turns the mismatch header off on the point-to-point path")
 BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
                       _choice("auto", "on", "off", aliases={"1": "on", "0": "off"}), "auto",
-                      "ferro-fsdp",
-                      "where `DDP` and `FSDP` run their collectives: `on` on the background "
-                      "thread while the model computes, `off` in the training thread at the same "
-                      "points (where the data is hot), `auto` in the background only when this "
-                      "host has a core to spare beyond its ranks")
+                      "ferro-fsdp, ferro-torch",
+                      "where `DDP` and `FSDP` run their collectives, and ferro-torch its "
+                      "asynchronous ones: `on` on a background thread while the model computes, "
+                      "`off` in the calling thread at the same points (where the data is hot), "
+                      "`auto` in the background only when this host has a core to spare beyond "
+                      "its ranks")
 
 #: every setting, by variable name, in the order of the README's table
 SETTINGS: dict[str, Setting] = {s.name: s for s in (

@@ -12,71 +12,17 @@ at the same point: the same calls in the same order (so the same bits), on data 
 just written (a bucket's gradients are still in the cache).
 
 ``background=None`` (the wrappers' default) follows ``FERRO_BACKGROUND``: ``on``, ``off``, or
-``auto`` (in the background only when this host has a core to spare beyond its ranks).
+``auto`` (in the background only when this host has a core to spare beyond its ranks; the
+choice, ``runs_in_background``, is ferro-collective's, which ferro-torch shares).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from typing import Any
 
-from ferro_backend import settings
 from ferro_collective import Work
-
-
-def ranks_on_this_host(backend: Any) -> int | None:
-    """How many ranks of ``backend``'s job run on this host, where the backend can tell (its
-    node's share of a multi-node job, the ranks of its shared-memory engine, or the launcher's
-    ``LOCAL_WORLD_SIZE``); None where it cannot (a simulated network's threads)."""
-    root = backend
-    while getattr(root, "parent", None) is not None:  # a subgroup: its whole job counts
-        root = root.parent
-    hierarchy = getattr(root, "hierarchy", None)
-    if hierarchy is not None:
-        return int(hierarchy.local_world)
-    engine = getattr(root, "engine", None)
-    if engine is not None:
-        return int(engine.nranks)
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(local) if local.isdigit() and int(local) > 0 else None
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def runs_in_background(backend: Any, background: bool | None) -> bool:
-    """Whether a wrapper on ``backend`` starts its collectives in the background:
-    ``background`` when given, else ``FERRO_BACKGROUND`` (auto: unless the ranks on this host
-    fill its cores).
-
-    Parameters
-    ----------
-    backend : ferro_backend.Backend
-    background : bool or None
-
-    Returns
-    -------
-    bool
-
-    Raises
-    ------
-    TypeError
-        ``background`` is neither a bool nor None.
-    """
-    if background is not None:
-        if not isinstance(background, bool):
-            raise TypeError(f"background={background!r}: expected True, False or None")
-        return background
-    mode = settings.BACKGROUND.get()
-    if mode != "auto":
-        return mode == "on"
-    local = ranks_on_this_host(backend)
-    return local is None or local < usable_cores()
+from ferro_collective.background import ranks_on_this_host, runs_in_background, usable_cores
 
 
 def start(background: bool, in_background, now, *args: Any, **kwargs: Any) -> Work:
