@@ -33,6 +33,14 @@ def test_monitored_barrier_names_the_missing_ranks_within_the_timeout(ranks):
     assert "Rank 0 timed out in monitoredBarrier after 0 ms" in ranks[0]["monitored"]["zero"][0]
 
 
+def test_synchronous_calls_run_in_the_callers_thread(ranks):
+    for r in range(N):  # the group's worker thread is made by its first async call only
+        sync = ranks[r]["sync"]
+        assert sync["workers_before_async"] == [], sync
+        # FERRO_BACKGROUND=auto: async calls in the issuing thread when the ranks fill the cores
+        assert sync["inline_async"] == (N >= sync["cores"]), sync
+
+
 def test_a_timeout_is_worded_as_torch_words_it_with_ferros_detail_after(ranks):
     t = ranks[0]["timeout"]
     assert ": Timed out waiting 1000ms " in t["message"], t

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -82,6 +83,44 @@ def check_device_backend(n: int, me: int) -> None:
     s = torch.ones(2)
     dist.all_reduce(s, group=sub)
     assert s[0].item() == (2 if me < 2 else n - 2)
+
+
+def check_synchronous_calls(n: int, me: int) -> dict:
+    """async_op=False with nothing pending runs in the caller's thread and returns a completed
+    Work (no worker thread for a group used only so); behind a pending async call it waits its
+    turn; its errors raise from the call."""
+    sub = dist.new_group(list(range(n)))
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    t = torch.full((6,), float(me))
+    work = sub.allreduce([t], opts)  # torch's group API, as a framework calls it
+    total = float(sum(range(n)))
+    assert work.is_completed() and work.wait() and work.exception() is None, work
+    assert work.get_future().value()[0] is t and torch.equal(t, torch.full((6,), total)), t
+    grid = torch.arange(16.0).reshape(4, 4) * (me + 1)
+    dist.all_reduce(grid.t()[1], group=sub)  # a non-contiguous row: staged and written back
+    assert torch.equal(grid[:, 1], torch.arange(1.0, 16.0, 4) * sum(range(1, n + 1))), grid
+    dist.barrier(group=sub)
+    mine = f"ferro-torch-{sub._name}"  # the name of this group's worker thread, once made
+    workers = [th.name for th in threading.enumerate() if th.name == mine]
+    a, b = torch.ones(1 << 16), torch.full((3,), float(me))
+    pending = dist.all_reduce(a, async_op=True, group=sub)
+    dist.all_reduce(b, group=sub)  # behind the pending one, on the group's worker
+    assert torch.equal(b, torch.full((3,), total)), b
+    issued_done = pending.is_completed()
+    pending.wait()
+    assert torch.equal(a, torch.full((1 << 16,), float(n))), a[:4]
+    made = mine in [th.name for th in threading.enumerate()]
+    # where the ranks fill the cores (FERRO_BACKGROUND=auto) an async call runs at once in the
+    # issuing thread too; else on the group's worker, which it makes
+    assert made != sub._inline_async and (issued_done or not sub._inline_async), (made,
+                                                                                   issued_done)
+    flags = torch.ones(3, dtype=torch.bool)
+    expect_error(lambda: dist.all_reduce(flags, op=dist.ReduceOp.AVG, group=sub),
+                 "ReduceOp.AVG is not defined on bool tensors", kind=TypeError)
+    dist.destroy_process_group(sub)
+    return {"workers_before_async": workers, "inline_async": sub._inline_async,
+            "cores": len(os.sched_getaffinity(0))}
 
 
 def check_sparse(n: int, me: int) -> None:
@@ -166,12 +205,13 @@ def scenario_torch_api() -> None:
     init(timeout=60)
     n, me = dist.get_world_size(), dist.get_rank()
     check_device_backend(n, me)
+    sync = check_synchronous_calls(n, me)
     check_sparse(n, me)
     monitored = check_monitored_barrier(n, me)
     timeout = check_timeout_words(me)
     any_source = check_any_source(n, me)
     dist.barrier()
-    report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source)
+    report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync)
     os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
 
 

@@ -31,11 +31,14 @@ from torch._C._distributed_c10d import (
 import ferro_collective as fc
 from ferro_collective import ReduceOp
 
-from ._convert import flat, readable, span, writable
+from ._convert import flat, readable, span, update, writable
 from ._group_core import GroupCore
 from ._reduce_ops import RedOpType, as_reducible, ferro_op
 from ._sparse import sparse_allreduce
 from ._work import all_of
+
+#: what ``allreduce(tensors, op)`` may pass in place of options
+_OP_TYPES = (dist.ReduceOp, RedOpType)
 
 
 class Collectives(GroupCore):
@@ -62,19 +65,20 @@ class Collectives(GroupCore):
 
     # -- allreduce ----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        opts = AllreduceOptions() if opts is None else opts
-        if isinstance(opts, dist.ReduceOp | RedOpType):  # allreduce(tensors, op)
+        if opts is None:
+            opts = AllreduceOptions()
+        elif isinstance(opts, _OP_TYPES):  # allreduce(tensors, op)
             opts, op = AllreduceOptions(), opts
             opts.reduceOp = op
-        if any(isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo for t in tensors):
-            return self._sparse_allreduce(tensors, opts)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo:
+                return self._sparse_allreduce(tensors, opts)
         self._check("allreduce", tensors)
         op, timeout = ferro_op("allreduce", opts.reduceOp), self._timeout(opts)
 
         def run() -> None:
             for t in tensors:
-                with writable(t) as a:
-                    self._reduce_into(a, op, timeout, a)
+                update(t, lambda a: self._reduce_into(a, op, timeout, a))
 
         return self._run("allreduce", list(tensors), opts, run)
 
@@ -106,8 +110,7 @@ class Collectives(GroupCore):
 
         def run() -> None:
             for t in tensors:
-                with writable(t) as a:
-                    fc.broadcast(a, self._b, root, timeout=timeout, out=a)
+                update(t, lambda a: fc.broadcast(a, self._b, root, timeout=timeout, out=a))
 
         return self._run("broadcast", list(tensors), opts, run)
 
@@ -145,8 +148,8 @@ class Collectives(GroupCore):
         timeout = self._timeout(opts)
 
         def run() -> None:
-            with writable(output) as out:
-                fc.all_gather(readable(input), self._b, timeout=timeout, out=out)
+            update(output, lambda out: fc.all_gather(readable(input), self._b, timeout=timeout,
+                                                     out=out))
 
         return self._run("all_gather_into_tensor", [output], opts, run)
 
@@ -222,8 +225,8 @@ class Collectives(GroupCore):
         op, timeout = ferro_op("reduce_scatter_tensor", opts.reduceOp), self._timeout(opts)
 
         def run() -> None:
-            with writable(output) as out:
-                self._reduce_scatter_into(readable(input), op, timeout, out)
+            update(output, lambda out: self._reduce_scatter_into(readable(input), op, timeout,
+                                                                 out))
 
         return self._run("reduce_scatter_tensor", [output], opts, run)
 

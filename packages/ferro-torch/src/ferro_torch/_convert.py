@@ -6,8 +6,7 @@ in float32 and rounds once), bool tensors as bool arrays (reductions see them as
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +16,8 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def check_cpu(name: str, t: torch.Tensor) -> None:
+    if isinstance(t, torch.Tensor) and t.is_cpu and t.layout is torch.strided:
+        return  # the common case, in three cheap checks
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -36,20 +37,52 @@ def as_array(t: torch.Tensor) -> np.ndarray:
 
 def flat(t: torch.Tensor) -> np.ndarray:
     """:func:`as_array` of the contiguous ``t``, 1-d."""
+    if t.dtype is not torch.bfloat16:
+        try:  # the common case: no grad, no conjugate or negative bit (1 us, not 3)
+            return t.numpy().reshape(-1)
+        except RuntimeError:
+            pass
     return as_array(t).reshape(-1)
 
 
-@contextlib.contextmanager
-def writable(t: torch.Tensor) -> Iterator[np.ndarray]:
-    """A 1-d array to write ``t``'s new contents into: ``t``'s own memory when it is
-    contiguous, else a contiguous copy that is written back into ``t`` on success."""
+class _Writable:
+    """:func:`writable`'s context (a class: a generator-based one costs 2 us a call)."""
+
+    __slots__ = ("_t", "_tmp")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+        self._tmp: torch.Tensor | None = None
+
+    def __enter__(self) -> np.ndarray:
+        if self._t.is_contiguous():
+            return flat(self._t)
+        self._tmp = self._t.contiguous()
+        return flat(self._tmp)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._tmp is not None and exc_type is None:
+            with torch.no_grad():
+                self._t.copy_(self._tmp)
+        return False
+
+
+def writable(t: torch.Tensor) -> _Writable:
+    """A context giving a 1-d array to write ``t``'s new contents into: ``t``'s own memory
+    when it is contiguous, else a contiguous copy that is written back into ``t`` on
+    success."""
+    return _Writable(t)
+
+
+def update(t: torch.Tensor, fill: Callable[[np.ndarray], None]) -> None:
+    """``fill(a)`` with ``a`` a 1-d array that becomes ``t``'s contents: ``t``'s own memory
+    when it is contiguous (the common case, without a context's cost), else as
+    :func:`writable`."""
     if t.is_contiguous():
-        yield flat(t)
+        fill(flat(t))
         return
-    tmp = t.contiguous()
-    yield flat(tmp)
-    with torch.no_grad():
-        t.copy_(tmp)
+    with writable(t) as a:
+        fill(a)
 
 
 def readable(t: torch.Tensor) -> np.ndarray:
@@ -74,4 +107,4 @@ def span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((n * len(tensors),), (1,), first.storage_offset())
 
 
-__all__ = ["BFLOAT16", "as_array", "check_cpu", "flat", "readable", "span", "writable"]
+__all__ = ["BFLOAT16", "as_array", "check_cpu", "flat", "readable", "span", "update", "writable"]

@@ -9,9 +9,11 @@ import torch
 import torch.distributed as dist
 
 from ferro_backend import Backend
+from ferro_collective.background import runs_in_background
 
 from ._convert import check_cpu
-from ._work import FerroWork, Runner, seconds
+from ._work import DoneWork, FerroWork, Runner, seconds
+from .errors import as_torch_error
 
 
 class GroupCore(dist.ProcessGroup):
@@ -24,17 +26,36 @@ class GroupCore(dist.ProcessGroup):
         self._name = str(group_name)
         self._owns = owns_transport
         self._runner = Runner(self._name)
+        #: asynchronous collectives run at once in the issuing thread too (FERRO_BACKGROUND:
+        #: auto does so when this host's ranks fill its cores, where a worker thread would
+        #: time-slice the caller's core; their Works still complete or fail at wait())
+        self._inline_async = not runs_in_background(backend, None)
+        #: the Work of every synchronous operation without outputs that ran at once
+        self._done = DoneWork("operation", [])
         self._closed = False
         #: the Works issued since torch's ``_start_coalescing`` (None: not coalescing)
         self._coalescing: list[FerroWork] | None = None
 
     def _run(self, name: str, outputs: list[torch.Tensor], opts, fn: Callable[[], None]
-             ) -> FerroWork:
+             ) -> FerroWork | DoneWork:
         if self._closed:
             raise RuntimeError(f"ferro {name}: process group {self._name!r} was shut down")
+        if (self._coalescing is None and not getattr(opts, "asyncOp", True)
+                and self._runner.claim()):  # synchronous, nothing pending: run it here, now
+            try:
+                fn()
+            except BaseException as exc:
+                err = as_torch_error(exc, f"ferro {name}", self._timeout(opts) or self._b.timeout)
+                if err is exc:
+                    raise
+                raise err from exc
+            finally:
+                self._runner.release()
+            # torch's wait() has nothing left to do (one shared Work where there is no output)
+            return DoneWork(name, outputs) if outputs else self._done
         work = FerroWork(name, outputs, self._timeout(opts) or self._b.timeout)
-        return self._issued(self._runner.submit(work, fn,
-                                                inline=not getattr(opts, "asyncOp", True)))
+        inline = self._inline_async or not getattr(opts, "asyncOp", True)
+        return self._issued(self._runner.submit(work, fn, inline=inline))
 
     def _issued(self, work: FerroWork) -> FerroWork:
         """``work``, noted as part of the coalesced block torch has open, if any."""

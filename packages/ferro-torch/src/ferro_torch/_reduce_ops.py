@@ -20,6 +20,7 @@ _OPS: dict = {
     RedOpType.BOR: ReduceOp.BOR,
     RedOpType.BXOR: ReduceOp.BXOR,
 }
+_SUM = dist.ReduceOp.SUM
 #: torch reduces bool tensors as logical or/and for SUM/PRODUCT: on bytes, MAX/MIN
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}
 
@@ -27,6 +28,8 @@ _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}
 def ferro_op(name: str, op) -> ReduceOp | str:
     """ferro's op for torch's ``op`` (a ``ReduceOp`` or its ``RedOpType``); ValueError naming
     the call ``name`` for an op ferro does not have."""
+    if op == _SUM:  # the common case without the enum's slow hash (0.2 us, not 1.8)
+        return ReduceOp.SUM
     kind = getattr(op, "op", op)
     try:
         return _OPS[kind]

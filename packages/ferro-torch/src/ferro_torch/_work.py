@@ -3,8 +3,9 @@
 Each process group runs its collectives one at a time in the order they were issued, which is
 the order every rank issues them in (torch's rule), so every rank's ferro calls line up. A
 call issued with ``async_op=False`` while nothing of its group is pending runs at once in the
-caller's thread; anything else goes to the group's worker thread, so DDP's gradient
-allreduces run while autograd computes.
+caller's thread; so does an asynchronous one where this host's ranks fill its cores
+(``FERRO_BACKGROUND``, as ferro-fsdp's wrappers). Anything else goes to the group's worker
+thread, so DDP's gradient allreduces run while autograd computes.
 """
 
 from __future__ import annotations
@@ -101,6 +102,45 @@ class FerroWork(dist.Work):
         return f"<FerroWork {self._name} {state}>"
 
 
+class DoneWork(dist.Work):
+    """A synchronous operation that already ran in the caller's thread (``async_op=False``,
+    nothing of its group pending): a Work with nothing left to wait for, made without the
+    event and lock a pending one needs."""
+
+    _exc = None
+    _future: torch.futures.Future | None = None
+
+    def __init__(self, name: str, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._name = name
+        self._outputs = outputs
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            fut = torch.futures.Future()
+            fut.set_result(self._outputs)
+            self._future = fut
+        return self._future
+
+    def __repr__(self) -> str:
+        return f"<FerroWork {self._name} done>"
+
+
 class RequestWork(FerroWork):
     """A point-to-point receive: completes when ferro's ``Request`` does (then ``after()``,
     which copies a staged receive into a non-contiguous tensor)."""
@@ -193,6 +233,21 @@ class Runner:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
+    def claim(self) -> bool:
+        """True, and the group's turn taken, if nothing of this group is pending: the caller
+        then runs its operation at once in its own thread and calls :meth:`release` after it.
+        False: submit it instead."""
+        with self._lock:
+            if self._pending:
+                return False
+            self._pending = 1  # the worker runs nothing while this is 1: no need of _running
+            return True
+
+    def release(self) -> None:
+        """The end of an operation run after :meth:`claim`."""
+        with self._lock:
+            self._pending -= 1
+
     def submit(self, work: FerroWork, fn: Callable[[], None], inline: bool) -> FerroWork:
         with self._lock:
             self._pending += 1
@@ -240,4 +295,4 @@ class Runner:
                 self._thread = None
 
 
-__all__ = ["AllDone", "FerroWork", "RequestWork", "Runner", "all_of", "seconds"]
+__all__ = ["AllDone", "DoneWork", "FerroWork", "RequestWork", "Runner", "all_of", "seconds"]
