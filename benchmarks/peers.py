@@ -16,6 +16,13 @@ Intel MPI (``impi``) runs from a virtualenv of its own holding ``impi-rt``, ``mp
 row, the fastest of Open MPI's default, Open MPI with ``--mca coll_sm_priority 100`` and Intel MPI.
     python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all --out benchmarks/peers_2core_rooted
 
+``--impls ferro-shm torch-ferro gloo`` measures torch's layer: torch.distributed's collectives
+on ferro-torch's backend "ferro" (over the same engine) against the same call on ferro directly
+and on gloo, in a table of its own (us per call). torch's ranks run with
+``THP_MEM_ALLOC_ENABLE=1``: torch's allocator then backs large tensors with huge pages, as
+numpy backs arrays from 4 MiB (without it torch's 16 MiB broadcast took 2x ferro's on numpy
+arrays here, for the pages alone).
+
 ``--impls ... limit`` adds the machine's limit per row (:func:`_limit_ops`): the numpy copy and
 add of the same data on every rank at once, in the same run.
 
@@ -192,32 +199,40 @@ def _mpi_ops():
     return rank, world, ops, comm.Barrier, np.ones, lambda: None
 
 
-def _gloo_ops():
+def _torch_ops(backend: str):
+    """torch.distributed's collectives on ``backend``: "gloo", or "ferro" (ferro-torch's
+    backend, here over the same-host engine as ferro-shm, so the difference to ferro-shm is
+    the cost of torch's layer). all_reduce and broadcast work in place on the input, as DDP
+    and a user call them; the others into preallocated outputs."""
     import torch
     import torch.distributed as dist
 
+    if backend == "ferro":
+        import ferro_torch  # noqa: F401 - registers the backend "ferro"
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
                                         f"{os.environ['MASTER_PORT']}")
 
     outs = _Outputs(lambda n: torch.empty(n, dtype=torch.float32))
+    # torch 2.13 names them *_single and warns on every call of the old names
+    gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter_from = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
     def allreduce(x):
-        y = outs.get("ar", x.numel())  # all_reduce is in place: copy the input in, as a user must
-        y.copy_(x)
-        dist.all_reduce(y)
-        return y
+        dist.all_reduce(x)
+        return x
 
     def all_gather(x):
         part = x[: x.numel() // world]
         out = outs.get("ag", part.numel() * world)
-        dist.all_gather_into_tensor(out, part)
+        gather_into(out, part)
         return out
 
     def reduce_scatter(x):
         out = outs.get("rs", x.numel() // world)
-        dist.reduce_scatter_tensor(out, x)
+        scatter_from(out, x)
         return out
 
     def broadcast(x):
@@ -301,8 +316,8 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
            fresh: bool = False) -> None:
     if impl in MPI_IMPLS:
         rank, world, ops, barrier, ones, close = _mpi_ops()
-    elif impl == "gloo":
-        rank, world, ops, barrier, ones, close = _gloo_ops()
+    elif impl in TORCH_IMPLS:
+        rank, world, ops, barrier, ones, close = _torch_ops(TORCH_IMPLS[impl])
     elif impl == "limit":
         rank, world, ops, barrier, ones, close = _limit_ops()
     else:
@@ -353,6 +368,8 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
 # --------------------------------------------------------------------------- driver
 #: the MPI implementations (every one runs the mpi4py worker): Open MPI default and coll/sm, Intel
 MPI_IMPLS = ("mpi", "mpi-sm", "impi")
+#: torch.distributed on a backend: gloo, and ferro-torch's "ferro" (torch's layer over ferro)
+TORCH_IMPLS = {"gloo": "gloo", "torch-ferro": "ferro"}
 #: Intel MPI's own virtualenv (--impi-venv)
 IMPI_VENV: Path | None = None
 
@@ -376,6 +393,8 @@ def available(impl: str) -> str | None:
                 return "mpirun not found"
         elif impl == "gloo":
             import torch.distributed  # noqa: F401
+        elif impl == "torch-ferro":
+            import ferro_torch  # noqa: F401
         elif impl in ("ferro-shm", "limit"):
             import ferro_backend
 
@@ -408,6 +427,8 @@ def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int
         procs = [subprocess.Popen([mpirun, "-n", str(world), "--oversubscribe", *extra,
                                    sys.executable, *args], env=env)]
     else:
+        if impl in TORCH_IMPLS:  # torch's allocator with huge pages, as numpy has them from 4
+            env["THP_MEM_ALLOC_ENABLE"] = "1"  # MiB (4 KiB pages: torch's 16 MiB broadcast 2x)
         procs = [subprocess.Popen([sys.executable, *args], env=dict(env, RANK=str(r),
                                                                     LOCAL_RANK=str(r)))
                  for r in range(world)]
@@ -472,6 +493,35 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
                          f"{ratio('ferro-shm', 'mpi-best')} | {ratio('ferro-shm', 'gloo')} | "
                          f"{ratio('ferro-tcp', 'gloo')} | {ratio('ferro-shm', 'limit')} |")
     return "\n".join(lines) + "\n"
+
+
+def torch_markdown(results: dict, worlds: list[int]) -> str:
+    """The cost of torch's layer: torch's collectives on "ferro" against the same call on
+    ferro directly (ferro-shm) and torch's on gloo, as time per call (us)."""
+    lines = []
+    for world in worlds:
+        layer = results.get(f"torch-ferro/{world}")
+        if layer is None:
+            continue
+        direct, gloo = results.get(f"ferro-shm/{world}"), results.get(f"gloo/{world}")
+        lines.append(f"\n#### {world} processes: through torch, us per call (median of the "
+                     "runs; spread = (max - min) / median)\n")
+        lines.append("| op | size | torch-ferro | spread | ferro-shm | gloo | torch-ferro / "
+                     "ferro-shm | gloo / torch-ferro |")
+        lines.append("|---" * 8 + "|")
+        for i, row in enumerate(layer):
+            us = row["seconds"] * 1e6
+
+            def other(rows, i=i):
+                return rows[i]["seconds"] * 1e6 if rows else None
+
+            d, g = other(direct), other(gloo)
+            size = "-" if row["op"] == "barrier" else _human(row["bytes"])
+            lines.append(f"| {row['op']} | {size} | {us:.1f} | {row['spread'] * 100:.0f}% | "
+                         + (f"{d:.1f}" if d else "-") + " | " + (f"{g:.1f}" if g else "-")
+                         + " | " + (f"{us / d:.2f}x" if d else "-") + " | "
+                         + (f"{g / us:.1f}x" if g else "-") + " |")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def _human(n: int) -> str:
@@ -573,7 +623,8 @@ def main(argv=None) -> int:
         if mpi is not None:
             results[f"mpi-best/{world}"] = mpi
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    md = markdown(results, args.worlds, impls + ["mpi-best"])
+    md = markdown(results, args.worlds, impls + ["mpi-best"]) + torch_markdown(results,
+                                                                                 args.worlds)
     (out / "results.md").write_text(md)
     print(md)
     try:

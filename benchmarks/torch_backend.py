@@ -7,8 +7,11 @@ Each rank: one BLAS thread (torch.set_num_threads(1), OMP_NUM_THREADS=1), float3
 64-128-10 (9.6 k params), 784-1024-1024-10 (1.9 M) and 1024-2048-2048-1024-10 (8.4 M), batch
 128 per rank, cross-entropy, SGD with momentum. For every (model, wrapper) the two backends
 alternate, ``--repeats`` times each: a fresh model, 2 warm-up steps, then K timed steps; a
-measurement is the slowest rank's steps/s. Prints a markdown table: median steps/s and the
-spread (min-max) over the repeats, and the ratio of the medians.
+measurement is the slowest rank's steps/s. torch's single-rank step (the same model and step,
+unwrapped, on rank 0 while the others wait in gloo) is measured at the start of every repeat,
+and each wrapper's step is held against the one of its own repeat. Prints a markdown table:
+median steps/s and the spread (min-max) over the repeats, the ratio of the medians, and each
+wrapper's step time over the single-rank step's (DDP with ``gradient_as_bucket_view=True``).
 Needs ferro-torch (and so torch, ferro-collective, ferro-backend) installed.
 """
 
@@ -41,23 +44,11 @@ def mlp(sizes, torch):
     return torch.nn.Sequential(*layers[:-1])
 
 
-def measure(wrapper: str, sizes, group, steps: int, torch, dist) -> float:
-    """Steps/s of one fresh model on ``group`` (the slowest rank's)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = mlp(sizes, torch)
-    if wrapper == "DDP":
-        model = DDP(model, process_group=group)
-    else:
-        mesh = DeviceMesh.from_group(group, "cpu")
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+def training_step(model, sizes, seed: int, torch):
+    """One SGD-with-momentum step of ``model`` on a fixed batch drawn from ``seed``, as a
+    function; it has run twice (warm-up) when returned."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    g = torch.Generator().manual_seed(dist.get_rank())
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH, sizes[0], generator=g)
     y = torch.randint(0, sizes[-1], (BATCH,), generator=g)
 
@@ -69,6 +60,25 @@ def measure(wrapper: str, sizes, group, steps: int, torch, dist) -> float:
 
     for _ in range(2):
         step()
+    return step
+
+
+def measure(wrapper: str, sizes, group, steps: int, torch, dist) -> float:
+    """Steps/s of one fresh model on ``group`` (the slowest rank's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = mlp(sizes, torch)
+    if wrapper == "DDP":
+        model = DDP(model, process_group=group, gradient_as_bucket_view=True)
+    else:
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    step = training_step(model, sizes, dist.get_rank(), torch)
     dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(steps):
@@ -77,6 +87,16 @@ def measure(wrapper: str, sizes, group, steps: int, torch, dist) -> float:
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, dist.ReduceOp.MAX, group=group)
     return steps / elapsed.item()
+
+
+def compute_only(sizes, steps: int, torch) -> float:
+    """Steps/s of the same model and step on this rank alone: no wrapper, no communication
+    (torch's single-rank step, what a data-parallel step is held against)."""
+    step = training_step(mlp(sizes, torch), sizes, 0, torch)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps / (time.perf_counter() - start)
 
 
 def rank_main(args) -> None:
@@ -93,13 +113,18 @@ def rank_main(args) -> None:
     for size in args.sizes:
         sizes = SIZES[size]
         params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+        steps = max(2, int(STEPS[size] * args.scale))
         for wrapper in args.wrappers:
-            got: dict[str, list[float]] = {"ferro": [], "gloo": []}
+            got: dict[str, list[float]] = {"ferro": [], "gloo": [], "alone": []}
             for rep in range(args.repeats):
+                # the single-rank step in the same minutes: rank 0 alone, the others waiting
+                # in gloo (a socket wait, no spinning)
+                got["alone"].append(compute_only(sizes, steps, torch) if dist.get_rank() == 0
+                                    else 0.0)
+                dist.barrier(group=groups["gloo"])
                 order = ("ferro", "gloo") if rep % 2 == 0 else ("gloo", "ferro")
                 for name in order:
-                    got[name].append(measure(wrapper, sizes, groups[name],
-                                             max(2, int(STEPS[size] * args.scale)), torch, dist))
+                    got[name].append(measure(wrapper, sizes, groups[name], steps, torch, dist))
             rows.append((size, params, wrapper, got))
             if dist.get_rank() == 0:
                 print(f"  {wrapper} {size}: ferro {got['ferro']}, gloo {got['gloo']}",
@@ -110,14 +135,20 @@ def rank_main(args) -> None:
               f"1 thread per rank, torch {torch.__version__}, ferro transport {transport}, "
               f"batch {BATCH}/rank, float32, SGD momentum; median steps/s over {args.repeats} "
               f"repeats (min-max)\n")
-        print("| model | params | wrapper | ferro steps/s | gloo steps/s | ferro / gloo |")
-        print("|---|---:|---|---:|---:|---:|")
+        print("| model | params | wrapper | ferro steps/s | gloo steps/s | ferro / gloo | "
+              "single-rank steps/s | ferro step / single-rank | gloo step / single-rank |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
         for size, params, wrapper, got in rows:
             f, g = (statistics.median(got[k]) for k in ("ferro", "gloo"))
-            cells = [f"{statistics.median(got[k]):.1f} ({min(got[k]):.1f}-{max(got[k]):.1f})"
-                     for k in ("ferro", "gloo")]
+            cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+                     for v in (got["ferro"], got["gloo"], got["alone"])]
+            # a step's time over the single-rank step's of the same repeat: median (min-max)
+            over = []
+            for k in ("ferro", "gloo"):
+                r = [a / x for a, x in zip(got["alone"], got[k])]
+                over.append(f"{statistics.median(r):.3f}x ({min(r):.3f}-{max(r):.3f})")
             print(f"| {'-'.join(map(str, SIZES[size]))} | {params:,} | {wrapper} | {cells[0]} | "
-                  f"{cells[1]} | {f / g:.2f}x |")
+                  f"{cells[1]} | {f / g:.2f}x | {cells[2]} | {over[0]} | {over[1]} |")
     dist.barrier()
     dist.destroy_process_group()
 
