@@ -13,7 +13,6 @@ from ferro_collective.background import runs_in_background
 
 from ._convert import check_cpu
 from ._work import DoneWork, FerroWork, Runner, seconds
-from .errors import as_torch_error
 
 
 class GroupCore(dist.ProcessGroup):
@@ -41,16 +40,8 @@ class GroupCore(dist.ProcessGroup):
         if self._closed:
             raise RuntimeError(f"ferro {name}: process group {self._name!r} was shut down")
         if (self._coalescing is None and not getattr(opts, "asyncOp", True)
-                and self._runner.claim()):  # synchronous, nothing pending: run it here, now
-            try:
-                fn()
-            except BaseException as exc:
-                err = as_torch_error(exc, f"ferro {name}", self._timeout(opts) or self._b.timeout)
-                if err is exc:
-                    raise
-                raise err from exc
-            finally:
-                self._runner.release()
+                and self._runner.run_now(fn, name,  # synchronous, nothing pending: ran here
+                                         lambda: self._timeout(opts) or self._b.timeout)):
             # torch's wait() has nothing left to do (one shared Work where there is no output)
             return DoneWork(name, outputs) if outputs else self._done
         work = FerroWork(name, outputs, self._timeout(opts) or self._b.timeout)

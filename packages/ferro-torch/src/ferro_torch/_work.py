@@ -233,20 +233,26 @@ class Runner:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def claim(self) -> bool:
-        """True, and the group's turn taken, if nothing of this group is pending: the caller
-        then runs its operation at once in its own thread and calls :meth:`release` after it.
-        False: submit it instead."""
+    def run_now(self, fn: Callable[[], None], name: str,
+                timeout: Callable[[], float | None]) -> bool:
+        """Run ``fn`` at once in the caller's thread if nothing of this group is pending (True;
+        its error raised here, in torch's words, ``timeout()`` the deadline they name), else
+        leave it to :meth:`submit` (False)."""
         with self._lock:
             if self._pending:
                 return False
             self._pending = 1  # the worker runs nothing while this is 1: no need of _running
-            return True
-
-    def release(self) -> None:
-        """The end of an operation run after :meth:`claim`."""
-        with self._lock:
-            self._pending -= 1
+        try:
+            fn()
+        except BaseException as exc:
+            err = as_torch_error(exc, f"ferro {name}", timeout())
+            if err is exc:
+                raise
+            raise err from exc
+        finally:
+            with self._lock:
+                self._pending -= 1
+        return True
 
     def submit(self, work: FerroWork, fn: Callable[[], None], inline: bool) -> FerroWork:
         with self._lock:
