@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ferro_backend import settings
+from ferro_backend.engine import binding
 
 
 def ranks_on_this_host(backend: Any) -> int | None:
@@ -33,10 +34,9 @@ def ranks_on_this_host(backend: Any) -> int | None:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """How many cores this process may run on (the engine's binding's list where the platform
+    tells, else the machine's count)."""
+    return len(binding.usable_cores()) or os.cpu_count() or 1
 
 
 def runs_in_background(backend: Any, background: bool | None) -> bool:

@@ -39,14 +39,19 @@ class GroupCore(dist.ProcessGroup):
              ) -> FerroWork | DoneWork:
         if self._closed:
             raise RuntimeError(f"ferro {name}: process group {self._name!r} was shut down")
-        if (self._coalescing is None and not getattr(opts, "asyncOp", True)
-                and self._runner.run_now(fn, name,  # synchronous, nothing pending: ran here
-                                         lambda: self._timeout(opts) or self._b.timeout)):
+        synchronous = not getattr(opts, "asyncOp", True)
+        if (synchronous and self._coalescing is None
+                and self._runner.run_now(fn, name,  # nothing pending: it ran here, now
+                                         lambda: self._deadline(opts))):
             # torch's wait() has nothing left to do (one shared Work where there is no output)
             return DoneWork(name, outputs) if outputs else self._done
-        work = FerroWork(name, outputs, self._timeout(opts) or self._b.timeout)
-        inline = self._inline_async or not getattr(opts, "asyncOp", True)
+        work = FerroWork(name, outputs, self._deadline(opts))
+        inline = synchronous or self._inline_async
         return self._issued(self._runner.submit(work, fn, inline=inline))
+
+    def _deadline(self, opts) -> float:
+        """An operation's deadline in seconds: its options' timeout, else the transport's."""
+        return self._timeout(opts) or self._b.timeout
 
     def _issued(self, work: FerroWork) -> FerroWork:
         """``work``, noted as part of the coalesced block torch has open, if any."""
