@@ -194,6 +194,20 @@ def test_max_restarts_restarts_the_whole_job_and_names_the_failed_rank(tmp_path)
     assert len({next(iter(v)) for v in attempts.values()}) == 3
 
 
+def test_a_killed_rank_is_named_before_the_peer_that_exited_after_it():
+    from ferro_backend.launch.supervisor import Job
+
+    # rank 1 is killed; rank 0 then exits with an error, as a rank that lost its peer does
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    victim = [sys.executable, "-c", "raise SystemExit(1)"]
+    job = Job([victim, killed], [dict(os.environ)] * 2, [0, 1], grace=1.0, prefix=False)
+    for p in job.procs:  # both have ended before the supervisor's first look
+        p.wait(timeout=30)
+    assert job.wait() == 128 + signal.SIGKILL
+    assert job.failure == (1, -signal.SIGKILL)
+    job.finish_output()
+
+
 def test_restarts_run_out_with_the_last_failures_code(tmp_path):
     script = write(tmp_path, "bad.py", """
         import os, sys

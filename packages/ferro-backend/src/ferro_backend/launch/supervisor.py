@@ -109,10 +109,14 @@ class Job:
 
     def wait(self) -> int:
         """Wait for every rank; on the first failure stop the rest. Returns the exit code
-        (128 + N for a rank killed by signal N); :attr:`failure` names the failed rank."""
+        (128 + N for a rank killed by signal N); :attr:`failure` names the failed rank (among
+        ranks found ended at once, one killed by a signal)."""
         while True:
             codes = [p.poll() for p in self.procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            # a rank killed by a signal first: when one is killed, its peers soon exit with an
+            # error of their own (a peer gone), and one poll can find both ended
+            failed = sorted(((i, c) for i, c in enumerate(codes) if c not in (None, 0)),
+                            key=lambda f: f[1] > 0)
             if failed:
                 i, code = failed[0]
                 self.failure = (self.ranks[i], code)
