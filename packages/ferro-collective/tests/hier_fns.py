@@ -29,6 +29,16 @@ def suite(b, nodes):
         x = np.random.default_rng(100 + r).standard_normal(size)
         out[f"sum{size}"] = allreduce(x, b).tobytes()
         out[f"mean{size}"] = allreduce(x.astype(np.float32), b, ReduceOp.MEAN).tobytes()
+    # the pipelined stages read the input and write straight into out=, in place or apart,
+    # or into a new array; the input is never written
+    x = np.random.default_rng(100 + r).standard_normal(SIZES[-1])
+    keep = x.copy()
+    into = np.empty_like(x)
+    allreduce(x, b, out=into)
+    fresh = allreduce(x, b)
+    same = x.copy()
+    allreduce(same, b, out=same)
+    out["out="] = [into.tobytes(), fresh.tobytes(), same.tobytes(), x.tobytes() == keep.tobytes()]
     out["int"] = allreduce(np.arange(10, dtype=np.int64) * (r + 1), b).tolist()
     out["max"] = allreduce(np.array([r, -r], np.int32), b, ReduceOp.MAX).tolist()
     out["half"] = allreduce(np.full(5, 0.1 * (r + 1), np.float16), b).tobytes()

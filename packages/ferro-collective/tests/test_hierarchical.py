@@ -38,6 +38,7 @@ def test_hierarchical_collectives(layout):
                                    rtol=1e-12, atol=1e-12)
         mean = np.frombuffer(first[f"mean{size}"], np.float32)
         np.testing.assert_allclose(mean, np.mean(np.float32(xs), axis=0), rtol=1e-5, atol=1e-6)
+    assert first["out="] == [first[f"sum{SIZES[-1]}"]] * 3 + [True]
     assert first["int"] == (np.arange(10) * sum(range(1, world + 1))).tolist()
     assert first["max"] == [world - 1, 0]
     half = np.frombuffer(first["half"], np.float16)

@@ -129,6 +129,39 @@ def test_ring_uneven_chunks_any_numel(n, numel, seed):
     np.testing.assert_allclose(results[0], reference(xs, ReduceOp.SUM), rtol=1e-12)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 6), numel=st.integers(0, 60), seed=st.integers(0, 1000),
+       seg_items=st.integers(1, 9), dtype=st.sampled_from([np.float32, np.float64, np.int32]),
+       op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX]))
+def test_segmented_ring_has_the_unsegmented_bits(n, numel, seed, seg_items, dtype, op):
+    """Ring steps sent in segments (each one forwarded as soon as it arrived and was folded)
+    give the bits of the one-message steps: allreduce, reduce_scatter and all_gather."""
+    from ferro_collective import p2p
+
+    dtype = np.dtype(dtype)
+    if op is ReduceOp.MEAN and dtype.kind == "i":
+        op = ReduceOp.SUM
+    xs = inputs(np.random.default_rng(seed), dtype, (numel * n,), n)
+
+    def fn(b):
+        return (allreduce(xs[b.rank], b, op, algorithm="ring"),
+                reduce_scatter(xs[b.rank], b, op, algorithm="ring"),
+                all_gather(xs[b.rank][:numel], b, algorithm="ring"))
+
+    whole = run_ranks(fn, n, timeout=30)
+    saved = p2p.SEGMENT_BYTES, p2p.MAX_SEGMENTS
+    p2p.SEGMENT_BYTES, p2p.MAX_SEGMENTS = seg_items * dtype.itemsize, 64
+    try:
+        assert p2p.ring_segments(n, numel * dtype.itemsize) > 1 or numel < 2 * seg_items
+        parts = run_ranks(fn, n, timeout=30)
+    finally:
+        p2p.SEGMENT_BYTES, p2p.MAX_SEGMENTS = saved
+    for a, b in zip(whole, parts):
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    np.testing.assert_allclose(parts[0][0], reference(xs, op), rtol=1e-5)
+
+
 def test_inputs_are_never_modified():
     xs = [np.arange(6.0) + r for r in range(3)]
     copies = [x.copy() for x in xs]

@@ -36,6 +36,7 @@ from .checks import as_array, check_out, finish
 from .engine import OK, EngineGroup, FastPlan, Step, one_call_header
 from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
+from .pipeline import PIPELINE_MIN, PIPELINE_PIECE, schedule, writable_into
 from .plan import PREPARE, Plan, choose
 
 #: bytes of each peer's input read and folded at once by the large reduction
@@ -268,24 +269,6 @@ def _fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean: int | N
 
 
 # ----------------------------------------------------------------------------- hierarchical
-#: a hierarchical allreduce of at least PIPELINE_MIN bytes runs as a pipeline of pieces of about
-#: PIPELINE_PIECE bytes: piece k crosses the network while the node reduces piece k + 1 and
-#: gathers piece k - 1, so the node stages hide behind the link (benchmarks/emulated.py)
-PIPELINE_PIECE = 4 << 20
-PIPELINE_MIN = 2 * PIPELINE_PIECE
-
-
-def _schedule(k: int) -> list[tuple[str, int]]:
-    """The node group's calls of a k-piece pipeline, in the one order every rank issues them:
-    reduce-scatter 0, then for each piece the next reduce-scatter before its all-gather."""
-    order = [("rs", 0)]
-    for p in range(k):
-        if p + 1 < k:
-            order.append(("rs", p + 1))
-        order.append(("ag", p))
-    return order
-
-
 def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
     """Reduce-scatter inside the node, local rank ``j`` allreduces its part across nodes, the
     node all-gathers the parts; large calls as a pipeline of pieces (PIPELINE_PIECE), each
@@ -302,7 +285,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
     # allreduce, unpipelined (what costmodel.hierarchical_stages describes)
     engine = node.engine is not None
     k = 1 if nbytes < PIPELINE_MIN or not engine else -(-nbytes // PIPELINE_PIECE)
-    order = _schedule(k)
+    order = schedule(k)
     node_seq = dict(zip(order, reserve(*[node] * len(order)), strict=True))
     cross_seq = reserve(*[cross] * k)
     divide = node.world_size * cross.world_size if op is ReduceOp.MEAN else 0
@@ -313,9 +296,17 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
             np.divide(part, divide, out=part)
 
     def run(execute) -> np.ndarray:
-        work = np.array(x, dtype=wd, order="C", copy=True)
-        flat = work.reshape(-1)
-        pieces = split_bounds(flat.size, k)
+        # on an engine the stages read x and write the result where it goes when no dtype
+        # conversion is due: no copy in and out of a working array (4 nodes x 2 ranks, 64 MiB:
+        # two passes over fresh pages on an oversubscribed host)
+        if engine and wd == x.dtype:
+            src = np.ascontiguousarray(x).reshape(-1)
+            result = out if writable_into(out, x) else np.empty(x.shape, x.dtype)
+            dst = result.reshape(-1)
+        else:
+            result = np.array(x, dtype=wd, order="C", copy=True)
+            src = dst = result.reshape(-1)
+        pieces = split_bounds(src.size, k)
         parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         pending = {}
         worker = _state.state(cross)
@@ -325,13 +316,14 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
                 chunk = max(1, -(-(b - a) // n_local))
                 direct = b - a == chunk * n_local  # else padded: a piece of a few elements
                 if step == "rs":
-                    whole = flat[a:b] if direct else np.zeros(chunk * n_local, wd)
+                    whole = src[a:b] if direct else np.zeros(chunk * n_local, wd)
                     if not direct:
-                        whole[:b - a] = flat[a:b]
+                        whole[:b - a] = src[a:b]
                     if engine:
                         part = np.empty(chunk, wd)
                         execute(PREPARE["reduce_scatter"](whole, node, stage_op, timeout, None,
                                                           part, node_seq[step, p]))
+                        whole = dst[a:b] if direct else whole
                     else:
                         execute(prepare(whole, node, stage_op, timeout, None, whole,
                                         node_seq[step, p]))
@@ -345,11 +337,11 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
                     execute(all_gather.prepare(part, node, None, timeout, None, whole,
                                                node_seq[step, p]))
                     if not direct:
-                        flat[a:b] = whole[:b - a]
+                        dst[a:b] = whole[:b - a]
         finally:
             for f in pending.values():  # a failed stage: the others end by their deadlines
                 f.cancel()
-        return finish(work, x.dtype, out)
+        return finish(result, x.dtype, out)
 
     return run
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ferro_backend import CollectiveTimeoutError
+from ferro_backend.partition import split_bounds
 
 from ._state import STEPS_PER_CALL
 from .header import HEADER_SIZE, check_all
@@ -137,6 +138,69 @@ def header_exchange(ctx: Ctx, header: bytes) -> None:
 
 
 # ----------------------------------------------------------------------------- ring and star
+#: a ring step's chunk travels in segments of at least SEGMENT_BYTES, at most MAX_SEGMENTS of
+#: them: segment g of step s + 1 leaves as soon as segment g of step s has arrived (and been
+#: folded), so the folds and each step's wait overlap the link instead of adding to it
+#: (benchmarks/emulated.py: the 4-node ring of 64 MiB on 1 Gbit/s links)
+SEGMENT_BYTES = 128 << 10
+MAX_SEGMENTS = 8
+
+
+def ring_segments(n: int, largest_bytes: int) -> int:
+    """How many segments each ring step's chunk travels in (every rank computes the same from
+    the largest chunk): within the call's tags for the 2 (n - 1) steps of an allreduce."""
+    budget = (STEPS_PER_CALL - 64) // (2 * max(1, n - 1))
+    return max(1, min(MAX_SEGMENTS, largest_bytes // SEGMENT_BYTES, budget))
+
+
+def _ring(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]], first: int,
+          op: ReduceOp | None, mean: int | None, what: str) -> None:
+    """``n - 1`` ring steps: at step s this rank sends chunk ``first - s`` to the right and
+    receives chunk ``first - s - 1`` from the left (the one it sends at step s + 1), in place,
+    or, with ``op``, through scratch and folded into ``buf`` (MEAN's divide in the last
+    step). Segmented (:func:`ring_segments`); every step's receives are posted before the
+    previous step's segments are waited for, so they land straight in their destination."""
+    n, steps = ctx.n, ctx.n - 1
+    if steps < 1:
+        return
+    right, left = (ctx.rank + 1) % n, (ctx.rank - 1) % n
+    largest = max(e - s for s, e in bounds)
+    count = ring_segments(n, largest * buf.itemsize)
+    segs = [[(s + a, s + b) for a, b in split_bounds(e - s, count)] for s, e in bounds]
+    tags = [[ctx.next_tag() for _ in range(count)] for _ in range(steps)]
+    scratch = [np.empty(largest, buf.dtype) for _ in range(min(2, steps))] if op else []
+
+    def post(s: int) -> list:
+        c, base = (first - s - 1) % n, bounds[(first - s - 1) % n][0]
+        return [None if a == b else
+                ctx.irecv(scratch[s % 2][a - base:b - base] if op else buf[a:b], left,
+                          tags[s][g])
+                for g, (a, b) in enumerate(segs[c])]
+
+    def send(s: int, g: int) -> None:
+        a, b = segs[(first - s) % n][g]
+        if a < b:
+            ctx.send(buf[a:b], right, tags[s][g])
+
+    reqs = post(0)
+    for g in range(count):
+        send(0, g)
+    for s in range(steps):
+        following = post(s + 1) if s + 1 < steps else None
+        c = (first - s - 1) % n
+        base = bounds[c][0]
+        for g, req in enumerate(reqs):
+            if req is not None:
+                ctx.wait(req, left, f"chunk {c} ({what} step {s})")
+                if op is not None:
+                    a, b = segs[c][g]
+                    accumulate(buf[a:b], scratch[s % 2][a - base:b - base], op,
+                               mean if s == steps - 1 else None)
+            if following is not None:
+                send(s + 1, g)
+        reqs = following
+
+
 def reduce_scatter_ring_into(ctx: Ctx, buf: np.ndarray, op: ReduceOp,
                              bounds: Sequence[tuple[int, int]], mean: int | None) -> int:
     """Ring reduce-scatter in place; returns the chunk index this rank owns (fully reduced).
@@ -144,38 +208,14 @@ def reduce_scatter_ring_into(ctx: Ctx, buf: np.ndarray, op: ReduceOp,
     At step s rank r sends chunk (r - s - 1) mod n and folds chunk (r - s - 2) mod n; after n-1
     steps rank r owns chunk r. The MEAN divide is fused into the last fold.
     """
-    n, me = ctx.n, ctx.rank
-    right, left = (me + 1) % n, (me - 1) % n
-    largest = max(e - s for s, e in bounds)
-    scratch = np.empty(largest, dtype=buf.dtype)
-    for s in range(n - 1):
-        send_c = (me - s - 1) % n
-        recv_c = (me - s - 2) % n
-        rs, re = bounds[recv_c]
-        incoming = scratch[: re - rs]
-        tag = ctx.next_tag()
-        req = ctx.irecv(incoming, left, tag)
-        ss, se = bounds[send_c]
-        ctx.send(buf[ss:se], right, tag)
-        ctx.wait(req, left, f"chunk {recv_c} (reduce-scatter step {s})")
-        accumulate(buf[rs:re], incoming, op, mean if s == n - 2 else None)
-    return me
+    _ring(ctx, buf, bounds, ctx.rank - 1, op, mean, "reduce-scatter")
+    return ctx.rank
 
 
 def all_gather_ring_into(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]],
                          owned: int) -> None:
     """Ring all-gather in place: rank r starts with chunk ``owned`` filled, ends with all."""
-    n, me = ctx.n, ctx.rank
-    right, left = (me + 1) % n, (me - 1) % n
-    for s in range(n - 1):
-        send_c = (owned - s) % n
-        recv_c = (owned - s - 1) % n
-        tag = ctx.next_tag()
-        rs, re = bounds[recv_c]
-        req = ctx.irecv(buf[rs:re], left, tag)
-        ss, se = bounds[send_c]
-        ctx.send(buf[ss:se], right, tag)
-        ctx.wait(req, left, f"chunk {recv_c} (all-gather step {s})")
+    _ring(ctx, buf, bounds, owned, None, None, "all-gather")
 
 
 def fold_at_root(ctx: Ctx, buf: np.ndarray, op: ReduceOp, tag: int) -> None:
@@ -190,5 +230,6 @@ def fold_at_root(ctx: Ctx, buf: np.ndarray, op: ReduceOp, tag: int) -> None:
         accumulate(buf, parts[r - 1], op, mean if r == n - 1 else None)
 
 
-__all__ = ["STALL_FRACTION", "Ctx", "all_gather_ring_into", "bruck_all_gather", "fold_at_root",
-           "header_exchange", "reduce_scatter_ring_into", "set_stall_report"]
+__all__ = ["MAX_SEGMENTS", "SEGMENT_BYTES", "STALL_FRACTION", "Ctx", "all_gather_ring_into",
+           "bruck_all_gather", "fold_at_root", "header_exchange", "reduce_scatter_ring_into",
+           "ring_segments", "set_stall_report"]
