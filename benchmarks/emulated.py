@@ -5,7 +5,9 @@ For each layout (nodes x ranks per node) the job runs on emulated nodes whose li
 ``--link-rate`` (tc tbf, both directions). Every rank times allreduce with each algorithm
 ("auto": the hierarchy where the layout has one, the engine inside each node; the flat ring,
 recursive doubling and star over every rank) at 4 KiB-64 MiB; a call's time is the slowest
-rank's, the median of ``--reps`` (spread: (max - min) / median). Ranks 0 and L (first ranks of
+rank's, the median of its rounds (spread: (max - min) / median): the algorithms take turns call
+by call, ``4 x --reps`` rounds up to 64 KiB, ``2 x`` at 1 MiB, ``--reps`` at 16 MiB, half at
+64 MiB. Ranks 0 and L (first ranks of
 nodes 0 and 1) exchange messages both ways at once to fit the link's alpha and beta; the
 reduction kernel gives gamma. The model (``ferro_collective.costmodel``) is then asked for every
 cell with those parameters ("ping" model: nothing fitted to the collectives themselves).
@@ -70,24 +72,29 @@ def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         y = np.empty_like(x)
-        for algo in algos:
-            if algo == "star" and nbytes > (16 << 20):
-                continue  # the root's link carries (n - 1) x S each way: minutes, no news
-            if algo == "hierarchical" and local == 1:
-                continue
-            if algo == "hierarchical":  # auto as before learning: the stages, always
-                cm.forget(b)
-            call = "auto" if algo == "hierarchical" else algo
-            times = []
-            fc.allreduce(x, b, algorithm=call, out=y)  # warm-up (and connections)
-            for _ in range(reps if nbytes < (16 << 20) else max(3, reps // 2)):
+        run = [a for a in algos if not (a == "star" and nbytes > (16 << 20))  # minutes, no news
+               and not (a == "hierarchical" and local == 1)]
+        times: dict[str, list[float]] = {a: [] for a in run}
+        # the algorithms take turns, call by call (the order turning each round), so a slow
+        # minute of the host weighs on all of them alike; small calls get more rounds
+        rounds = reps * (4 if nbytes <= (64 << 10) else 2 if nbytes <= (1 << 20) else 1)
+        rounds = rounds if nbytes < (64 << 20) else max(3, reps // 2)
+        for i in range(-1, rounds):  # round -1: a warm-up call each (and the connections)
+            for j in range(len(run)):
+                algo = run[(i + j) % len(run)]
+                if algo == "hierarchical":  # auto as before learning: the stages, always
+                    cm.forget(b)
+                call = "auto" if algo == "hierarchical" else algo
                 fc.barrier(b)
                 t0 = time.perf_counter()
                 fc.allreduce(x, b, algorithm=call, out=y)
-                times.append(_slowest(b, time.perf_counter() - t0))
-            cm.remember(b, learned)
-            assert float(y[0]) == b.world_size, (algo, nbytes, y[:4])
-            res["cells"][f"{algo}/{nbytes}"] = times
+                took = _slowest(b, time.perf_counter() - t0)
+                cm.remember(b, learned)
+                assert float(y[0]) == b.world_size, (algo, nbytes, y[:4])
+                if i >= 0:
+                    times[algo].append(took)
+        for algo, ts in times.items():
+            res["cells"][f"{algo}/{nbytes}"] = ts
     if b.rank == 0:
         out.write_text(json.dumps(res))
     fc.barrier(b)

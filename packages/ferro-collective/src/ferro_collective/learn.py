@@ -7,9 +7,10 @@ collective). It measures, on this job's own ranks and links:
   and 1 on one node) exchange messages of PING_SIZES bytes both ways at once; a least-squares
   line through the medians;
 - **a round**: the time of one step of a point-to-point algorithm across the whole job (an
-  8-byte allreduce by recursive doubling, divided by its rounds), which is what a small message
-  really costs here: on an oversubscribed host it is the wait for the peer to be scheduled, far
-  above the link's own latency. The model's ``alpha`` is the larger of the two;
+  8-byte allreduce by recursive doubling, the median of ``3 x reps`` after 3 warm-up calls,
+  divided by its rounds), which is what a small message really costs here: on an
+  oversubscribed host it is the wait for the peer to be scheduled, far above the link's own
+  latency. The model's ``alpha`` is the larger of the two;
 - **the local terms**: ``call``, one collective's cost outside its messages (a 1-rank
   allreduce); ``gamma``, seconds per byte of the reduction kernel; the node's engine step
   (``intra_alpha``: a barrier on the node's engine) and its copy bandwidth (``intra_beta``).
@@ -124,9 +125,13 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         fig[5] = _median_time(lambda: barrier(h.node), reps)
     if n > 1:
         x = np.zeros(1)
-        allreduce(x, backend, algorithm="recursive_doubling")
+        # the median of 3 x reps calls after 3 warm-up calls: a noisy moment weighs less (2
+        # emulated nodes: one job learned 0.35 ms a round from 7 calls, where later jobs
+        # measured 0.12-0.15 ms)
+        for _ in range(3):
+            allreduce(x, backend, algorithm="recursive_doubling")
         step = _median_time(lambda: allreduce(x, backend, algorithm="recursive_doubling"),
-                            reps)
+                            3 * reps)
         rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
         fig[6] = step / rounds
     broadcast(fig, backend, root=0, out=fig)
