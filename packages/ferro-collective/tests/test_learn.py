@@ -10,6 +10,7 @@ from hier_fns import learned
 
 from ferro_backend import SimulatedBackend
 from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
 from ferro_collective import allreduce, costmodel, learn_network
 from ferro_collective.dispatch import auto_algorithm
@@ -46,6 +47,12 @@ def test_every_rank_learns_the_same_parameters_and_auto_uses_them():
         assert algo == costmodel.choose_auto("allreduce", s, 4, p)
     assert all(r[1] == results[0][1] for r in results)
     assert all(r[2] == 6.0 for r in results)
+    # a transport without a modelled network: each rank's link takes its messages in turn
+    # (a star's root, its peers' messages); the same transport with netsim's rules does not
+    assert p.ranks_per_node == 1 and p.shared_link
+    net = SimulatedBackend.create_group(2, network=Network.cluster(gbit=25, latency_us=5))
+    modelled = run_threads(lambda b: learn_network(b, reps=1), net, timeout=60)
+    assert not modelled[0].shared_link
     assert before == ["recursive_doubling"] * 4  # the measured thresholds, before learning
     assert costmodel.learned(SimulatedBackend.create_group(1)[0]) is None
 
