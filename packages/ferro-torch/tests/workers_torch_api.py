@@ -100,6 +100,21 @@ def check_synchronous_calls(n: int, me: int) -> dict:
     grid = torch.arange(16.0).reshape(4, 4) * (me + 1)
     dist.all_reduce(grid.t()[1], group=sub)  # a non-contiguous row: staged and written back
     assert torch.equal(grid[:, 1], torch.arange(1.0, 16.0, 4) * sum(range(1, n + 1))), grid
+    # one contiguous tensor of a plain dtype: the one-frame path (not the general one), any
+    # op, a tensor that requires grad included; behind a pending call: the general path
+    general = []
+    whole = sub._allreduce
+    sub._allreduce = lambda *args: general.append(args) or whole(*args)
+    ints = torch.arange(5, dtype=torch.int64) * (me + 1)
+    dist.all_reduce(ints, op=dist.ReduceOp.MAX, group=sub)
+    assert torch.equal(ints, torch.arange(5) * n), ints
+    avg = torch.full((4,), float(me))
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=sub)
+    assert torch.equal(avg, torch.full((4,), total / n)), avg
+    leaf = torch.full((3,), float(me), requires_grad=True)
+    dist.all_reduce(leaf, group=sub)
+    assert torch.equal(leaf.detach(), torch.full((3,), total)), leaf
+    assert not general, general
     dist.barrier(group=sub)
     mine = f"ferro-torch-{sub._name}"  # the name of this group's worker thread, once made
     workers = [th.name for th in threading.enumerate() if th.name == mine]
@@ -107,6 +122,8 @@ def check_synchronous_calls(n: int, me: int) -> dict:
     pending = dist.all_reduce(a, async_op=True, group=sub)
     dist.all_reduce(b, group=sub)  # behind the pending one, on the group's worker
     assert torch.equal(b, torch.full((3,), total)), b
+    # the asynchronous call goes the general way; the one behind it too while it is pending
+    assert general and general[0][1].asyncOp and len(general) <= 2, general
     issued_done = pending.is_completed()
     pending.wait()
     assert torch.equal(a, torch.full((1 << 16,), float(n))), a[:4]

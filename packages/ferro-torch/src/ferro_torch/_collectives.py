@@ -35,10 +35,14 @@ from ._convert import flat, readable, span, update, writable
 from ._group_core import GroupCore
 from ._reduce_ops import RedOpType, as_reducible, ferro_op
 from ._sparse import sparse_allreduce
-from ._work import all_of
+from ._work import DoneWork, all_of, seconds
 
 #: what ``allreduce(tensors, op)`` may pass in place of options
 _OP_TYPES = (dist.ReduceOp, RedOpType)
+_STRIDED = torch.strided
+#: the dtypes whose tensors are their numpy arrays as they are (no bool bytes, no bfloat16 view)
+_PLAIN = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8,
+                    torch.int16, torch.int32, torch.int64})
 
 
 class Collectives(GroupCore):
@@ -65,6 +69,33 @@ class Collectives(GroupCore):
 
     # -- allreduce ----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if (type(opts) is AllreduceOptions and not getattr(opts, "asyncOp", True)
+                and len(tensors) == 1
+                and self._coalescing is None and not self._closed):
+            t = tensors[0]
+            if (isinstance(t, torch.Tensor) and t.is_cpu and t.layout is _STRIDED
+                    and t.dtype in _PLAIN and t.is_contiguous()):
+                done = self._allreduce_now(t, tensors, opts)
+                if done is not None:
+                    return done
+        return self._allreduce(tensors, opts)
+
+    def _allreduce_now(self, t: torch.Tensor, tensors, opts) -> DoneWork | None:
+        """torch's common call (``dist.all_reduce`` of one contiguous CPU tensor of a plain
+        dtype, synchronous) in one frame, at once in this thread; None when something of the
+        group is pending (then :meth:`_allreduce` queues it behind)."""
+        op, timeout = ferro_op("allreduce", opts.reduceOp), seconds(opts.timeout)
+        try:
+            a = t.numpy().reshape(-1)
+        except RuntimeError:  # a tensor that requires grad, or with a conjugate/negative bit
+            a = flat(t)
+        if not self._runner.run_now("allreduce", lambda: timeout or self._b.timeout,
+                                    lambda: fc.allreduce(a, self._b, op, timeout=timeout,
+                                                         out=a)):
+            return None
+        return DoneWork("allreduce", tensors)
+
+    def _allreduce(self, tensors, opts):
         if opts is None:
             opts = AllreduceOptions()
         elif isinstance(opts, _OP_TYPES):  # allreduce(tensors, op)

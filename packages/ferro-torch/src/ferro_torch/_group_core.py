@@ -41,8 +41,8 @@ class GroupCore(dist.ProcessGroup):
             raise RuntimeError(f"ferro {name}: process group {self._name!r} was shut down")
         synchronous = not getattr(opts, "asyncOp", True)
         if (synchronous and self._coalescing is None
-                and self._runner.run_now(fn, name,  # nothing pending: it ran here, now
-                                         lambda: self._deadline(opts))):
+                and self._runner.run_now(name,  # nothing pending: it ran here, now
+                                         lambda: self._deadline(opts), fn)):
             # torch's wait() has nothing left to do (one shared Work where there is no output)
             return DoneWork(name, outputs) if outputs else self._done
         work = FerroWork(name, outputs, self._deadline(opts))

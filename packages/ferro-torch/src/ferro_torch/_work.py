@@ -26,9 +26,13 @@ from .errors import FerroTorchError, as_torch_error
 def seconds(timeout: Any) -> float | None:
     """A torch timeout (timedelta, seconds or None) in seconds; None for "none given"
     (torch's unset timeouts are zero or negative)."""
-    if timeout is None:
+    if type(timeout) is datetime.timedelta:  # what torch's options hold
+        secs = timeout.total_seconds()
+    elif timeout is None:
         return None
-    secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    else:
+        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
+            else float(timeout)
     return secs if secs > 0 else None
 
 
@@ -233,11 +237,11 @@ class Runner:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def run_now(self, fn: Callable[[], None], name: str,
-                timeout: Callable[[], float | None]) -> bool:
-        """Run ``fn`` at once in the caller's thread if nothing of this group is pending (True;
-        its error raised here, in torch's words, ``timeout()`` the deadline they name), else
-        leave it to :meth:`submit` (False)."""
+    def run_now(self, name: str, deadline: Callable[[], float | None],
+                fn: Callable[[], Any]) -> bool:
+        """Run ``fn()`` at once in the caller's thread if nothing of this group is pending
+        (True; its error raised here, in torch's words, ``deadline()`` the seconds they name),
+        else leave it to :meth:`submit` (False)."""
         with self._lock:
             if self._pending:
                 return False
@@ -245,7 +249,7 @@ class Runner:
         try:
             fn()
         except BaseException as exc:
-            err = as_torch_error(exc, f"ferro {name}", timeout())
+            err = as_torch_error(exc, f"ferro {name}", deadline())
             if err is exc:
                 raise
             raise err from exc
