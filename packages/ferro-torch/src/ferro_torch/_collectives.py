@@ -1,6 +1,6 @@
-"""The collectives of a ferro process group: torch's all_reduce, broadcast, all_gather,
-reduce_scatter, all_to_all, barrier, reduce, gather and scatter (and their coalesced forms) on
-ferro-collective.
+"""The collectives of a ferro process group: torch's broadcast, all_gather, reduce_scatter,
+all_to_all, barrier, reduce, gather and scatter (and their coalesced forms) on
+ferro-collective, beside all_reduce (:mod:`._allreduce`).
 
 Every collective hands torch's CPU tensors to ferro-collective as numpy views of their memory
 (no copy) and has results written straight into torch's output tensors (``out=``); a staging
@@ -14,11 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
-    AllreduceCoalescedOptions,
-    AllreduceOptions,
     AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
@@ -29,31 +26,17 @@ from torch._C._distributed_c10d import (
 )
 
 import ferro_collective as fc
-from ferro_collective import ReduceOp
 
+from ._allreduce import Allreduce
 from ._convert import flat, readable, span, update, writable
-from ._group_core import GroupCore
-from ._reduce_ops import RedOpType, as_reducible, ferro_op
-from ._sparse import sparse_allreduce
-from ._work import DoneWork, all_of, seconds
-
-#: what ``allreduce(tensors, op)`` may pass in place of options
-_OP_TYPES = (dist.ReduceOp, RedOpType)
-_STRIDED = torch.strided
-#: the dtypes whose tensors are their numpy arrays as they are (no bool bytes, no bfloat16 view)
-_PLAIN = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8,
-                    torch.int16, torch.int32, torch.int64})
+from ._reduce_ops import as_reducible, ferro_op
+from ._work import all_of
 
 
-class Collectives(GroupCore):
+class Collectives(Allreduce):
     """The collectives of :class:`~ferro_torch.ProcessGroupFerro`, each run in issue order by
     the group's runner (at once in the caller's thread when synchronous and nothing is
     pending)."""
-
-    def _reduce_into(self, a: np.ndarray, op, timeout, out: np.ndarray) -> None:
-        """allreduce of the 1-d ``a`` into ``out`` (may be ``a``)."""
-        a, op, out = as_reducible("allreduce", a, op, out)
-        fc.allreduce(a, self._b, op, timeout=timeout, out=out)
 
     def _check_single(self, name: str, output: torch.Tensor, input: torch.Tensor, *,
                       whole: str) -> None:
@@ -66,72 +49,6 @@ class Collectives(GroupCore):
         if big.numel() != n * part.numel() or big.dtype != part.dtype:
             raise ValueError(f"{name}: {whole} {big.dtype}{list(big.shape)}, "
                              f"expected {n} x {part.dtype}{list(part.shape)}")
-
-    # -- allreduce ----------------------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
-        if (type(opts) is AllreduceOptions and not getattr(opts, "asyncOp", True)
-                and len(tensors) == 1
-                and self._coalescing is None and not self._closed):
-            t = tensors[0]
-            if (isinstance(t, torch.Tensor) and t.is_cpu and t.layout is _STRIDED
-                    and t.dtype in _PLAIN and t.is_contiguous()):
-                done = self._allreduce_now(t, tensors, opts)
-                if done is not None:
-                    return done
-        return self._allreduce(tensors, opts)
-
-    def _allreduce_now(self, t: torch.Tensor, tensors, opts) -> DoneWork | None:
-        """torch's common call (``dist.all_reduce`` of one contiguous CPU tensor of a plain
-        dtype, synchronous) in one frame, at once in this thread; None when something of the
-        group is pending (then :meth:`_allreduce` queues it behind)."""
-        op, timeout = ferro_op("allreduce", opts.reduceOp), seconds(opts.timeout)
-        try:
-            a = t.numpy().reshape(-1)
-        except RuntimeError:  # a tensor that requires grad, or with a conjugate/negative bit
-            a = flat(t)
-        if not self._runner.run_now("allreduce", lambda: timeout or self._b.timeout,
-                                    lambda: fc.allreduce(a, self._b, op, timeout=timeout,
-                                                         out=a)):
-            return None
-        return DoneWork("allreduce", tensors)
-
-    def _allreduce(self, tensors, opts):
-        if opts is None:
-            opts = AllreduceOptions()
-        elif isinstance(opts, _OP_TYPES):  # allreduce(tensors, op)
-            opts, op = AllreduceOptions(), opts
-            opts.reduceOp = op
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo:
-                return self._sparse_allreduce(tensors, opts)
-        self._check("allreduce", tensors)
-        op, timeout = ferro_op("allreduce", opts.reduceOp), self._timeout(opts)
-
-        def run() -> None:
-            for t in tensors:
-                update(t, lambda a: self._reduce_into(a, op, timeout, a))
-
-        return self._run("allreduce", list(tensors), opts, run)
-
-    def _sparse_allreduce(self, tensors, opts):
-        """gloo's allreduce of sparse COO tensors (SUM only, as gloo's)."""
-        if ferro_op("allreduce", opts.reduceOp) is not ReduceOp.SUM:
-            raise ValueError("allreduce: sparse tensors are reduced with ReduceOp.SUM only")
-        for t in tensors:
-            if t.layout is not torch.sparse_coo or t.device.type != "cpu":
-                raise ValueError(f"allreduce: sparse and dense tensors in one call ({t.layout} "
-                                 f"on {t.device})")
-        timeout = self._timeout(opts)
-
-        def run() -> None:
-            for t in tensors:
-                sparse_allreduce(t, self._b, timeout)
-
-        return self._run("allreduce", list(tensors), opts, run)
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        opts = AllreduceCoalescedOptions() if opts is None else opts
-        return self.allreduce(tensors, opts)
 
     # -- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
