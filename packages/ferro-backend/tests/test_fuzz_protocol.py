@@ -721,3 +721,33 @@ def test_a_later_chunk_longer_than_what_its_producer_published_is_refused():
         assert time.monotonic() - start < PROMPT
     finally:
         close_all(b)
+
+
+@pytest.mark.parametrize("total", [0, 64])
+def test_an_empty_chunk_is_refused_not_delivered_forever(total):
+    """A CHUNK entry of 0 bytes (which no producer writes) was taken by a copy loop that had
+    nothing to copy, so the entry was never consumed: a message of 0 bytes was delivered, the
+    same entry read again, without end (CI: the ring machine's draw, 1.5 GB of queued
+    deliveries and no end). ProtocolError, promptly."""
+    from ferro_backend.engine import _ring
+
+    b = _shm_pair()
+    try:
+        eng = b[0].engine
+        cap = eng.ring_bytes
+        at = eng.layout["ring_off"] + (0 * 2 + 1) * eng.layout["ring_stride"]  # ring 1 -> 0
+        seg = eng._bytes
+        head = seg[at:at + 4].view(np.uint32)
+        tail = seg[at + 64:at + 68].view(np.uint32)
+        data = seg[at + 128:at + 128 + cap]
+        t = int(tail[0])
+        pos = t & (cap - 1)
+        entry = struct.pack("<IIQQQ", _ring.CHUNK, 0, 5, total, 0)
+        data[pos:pos + 32] = np.frombuffer(entry, np.uint8)
+        head[0] = (t + 64) & 0xFFFFFFFF
+        start = time.monotonic()
+        with pytest.raises(ProtocolError, match="corrupt"):
+            b[0].recv(np.empty(4, np.uint8), 1, tag=6, timeout=2)
+        assert time.monotonic() - start < PROMPT
+    finally:
+        close_all(b)

@@ -190,7 +190,9 @@ class Delivery:
             problem = f"an entry of {length} bytes, {published} bytes published"
         elif kind == _ring.EAGER and total != length:
             problem = f"an eager entry of {length} bytes for a message of {total}"
-        elif kind == _ring.CHUNK and (aux + length > total):
+        elif kind == _ring.CHUNK and (length == 0 or aux + length > total):
+            # no producer streams an empty chunk (nor a message of 0 bytes: it goes eager);
+            # taken, one would be consumed by nothing and delivered again and again
             problem = f"a chunk of {length} bytes at offset {aux} of a message of {total}"
         if problem is not None:
             raise self._corrupt(src, f"{problem}, tag {tag}")
