@@ -171,7 +171,8 @@ def _ring(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]], first: i
     scratch = [np.empty(largest, buf.dtype) for _ in range(min(2, steps))] if op else []
 
     def post(s: int) -> list:
-        c, base = (first - s - 1) % n, bounds[(first - s - 1) % n][0]
+        c = (first - s - 1) % n
+        base = bounds[c][0]
         return [None if a == b else
                 ctx.irecv(scratch[s % 2][a - base:b - base] if op else buf[a:b], left,
                           tags[s][g])
