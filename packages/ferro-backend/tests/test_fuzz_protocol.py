@@ -515,6 +515,17 @@ def _shm_pair() -> list:
     return pair
 
 
+def _ring_1_to_0(pair: list) -> tuple:
+    """The ring rank 1 sends into rank 0 by, in the pair's segment: its capacity, its head
+    (producer) and tail (consumer) words and its data bytes, as views to write garbage into."""
+    eng = pair[0].engine
+    cap = eng.ring_bytes
+    at = eng.layout["ring_off"] + (0 * 2 + 1) * eng.layout["ring_stride"]
+    seg = eng._bytes
+    return (cap, seg[at:at + 4].view(np.uint32), seg[at + 64:at + 68].view(np.uint32),
+            seg[at + 128:at + 128 + cap])
+
+
 class RingMachine(RuleBasedStateMachine):
     """Two ShmBackend ranks of this process share a segment; rank 1 sends valid messages of
     every size through the ring to rank 0 (eager, streamed) on several tags, and the test
@@ -526,13 +537,7 @@ class RingMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.b = _shm_pair()
-        eng = self.b[0].engine
-        self.cap = eng.ring_bytes
-        at = eng.layout["ring_off"] + (0 * 2 + 1) * eng.layout["ring_stride"]  # ring 1 -> 0
-        seg = eng._bytes
-        self.head = seg[at:at + 4].view(np.uint32)
-        self.tail = seg[at + 64:at + 68].view(np.uint32)
-        self.data = seg[at + 128:at + 128 + self.cap]
+        self.cap, self.head, self.tail, self.data = _ring_1_to_0(self.b)
         self.corrupt = False
         self.rss0 = _rss()
 
@@ -699,13 +704,7 @@ def test_a_later_chunk_longer_than_what_its_producer_published_is_refused():
 
     b = _shm_pair()
     try:
-        eng = b[0].engine
-        cap = eng.ring_bytes
-        at = eng.layout["ring_off"] + (0 * 2 + 1) * eng.layout["ring_stride"]  # ring 1 -> 0
-        seg = eng._bytes
-        head = seg[at:at + 4].view(np.uint32)
-        tail = seg[at + 64:at + 68].view(np.uint32)
-        data = seg[at + 128:at + 128 + cap]
+        cap, head, tail, data = _ring_1_to_0(b)
         total = 32 + cap  # the second chunk completes the message: unchecked, it "arrives"
         t = int(tail[0])
         pos = t & (cap - 1)
@@ -733,13 +732,7 @@ def test_an_empty_chunk_is_refused_not_delivered_forever(total):
 
     b = _shm_pair()
     try:
-        eng = b[0].engine
-        cap = eng.ring_bytes
-        at = eng.layout["ring_off"] + (0 * 2 + 1) * eng.layout["ring_stride"]  # ring 1 -> 0
-        seg = eng._bytes
-        head = seg[at:at + 4].view(np.uint32)
-        tail = seg[at + 64:at + 68].view(np.uint32)
-        data = seg[at + 128:at + 128 + cap]
+        cap, head, tail, data = _ring_1_to_0(b)
         t = int(tail[0])
         pos = t & (cap - 1)
         entry = struct.pack("<IIQQQ", _ring.CHUNK, 0, 5, total, 0)
