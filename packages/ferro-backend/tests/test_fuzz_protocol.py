@@ -744,3 +744,25 @@ def test_an_empty_chunk_is_refused_not_delivered_forever(total):
         assert time.monotonic() - start < PROMPT
     finally:
         close_all(b)
+
+
+def test_a_descriptor_naming_memory_the_live_sender_lacks_is_corrupt():
+    """A descriptor entry whose address the sender's process does not map (EFAULT; CI's
+    ring-machine draw: kind 4, total 4, address 0) read as "the peer is gone" (PeerClosedError)
+    while the sender was alive: no producer writes one, so it is ProtocolError, promptly."""
+    from ferro_backend.engine import _ring
+
+    b = _shm_pair()
+    try:
+        cap, head, tail, data = _ring_1_to_0(b)
+        t = int(tail[0])
+        pos = t & (cap - 1)
+        entry = struct.pack("<IIQQQ", _ring.CMA, 0, 5, 4, 0)
+        data[pos:pos + 32] = np.frombuffer(entry, np.uint8)
+        head[0] = (t + 64) & 0xFFFFFFFF
+        start = time.monotonic()
+        with pytest.raises(ProtocolError, match="corrupt.*rank 1|rank 1.*corrupt"):
+            b[0].recv(np.empty(4, np.uint8), 1, tag=5, timeout=2)
+        assert time.monotonic() - start < PROMPT
+    finally:
+        close_all(b)

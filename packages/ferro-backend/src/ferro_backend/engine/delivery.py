@@ -11,6 +11,7 @@ A receive first drains what its peer sent before the peer went away, then raises
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -296,6 +297,8 @@ class Delivery:
             _segment.cma_read(self.pids[src], address, buf)
         except OSError as exc:
             ring.skip(exc.errno or 5)  # the sender (if alive) learns why
+            if exc.errno == errno.EFAULT:  # memory the sender's process does not map
+                raise self._corrupt(src, f"tag {tag}, address {address:#x}: {exc}") from exc
             raise PeerClosedError(f"recv: rank {self.rank} <- {src} (tag {tag}): cannot read "
                                   f"the sender's memory ({exc})", peer=src) from exc
         ring.skip(0)
