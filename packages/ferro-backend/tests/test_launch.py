@@ -303,8 +303,15 @@ def test_log_dir_log_level_and_master_port_from_the_environment(tmp_path):
 
 
 def test_ctrl_c_gives_one_line_per_rank_and_names_the_signal(tmp_path):
+    # rank 1 takes a second over its Ctrl-C: rank 0's earlier exit must not cut it short (CI
+    # saw a slow rank killed by the SIGTERM meant for ranks that ignore the signal)
     script = write(tmp_path, "wait.py", """
-        import time
+        import os, signal, time
+        def slow(*_):
+            time.sleep(1.0)
+            raise KeyboardInterrupt
+        if os.environ["RANK"] == "1":
+            signal.signal(signal.SIGINT, slow)
         print("up", flush=True)
         time.sleep(60)
     """)

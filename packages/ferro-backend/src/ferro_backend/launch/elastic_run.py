@@ -80,9 +80,9 @@ class ElasticRun:
         self.jobs.append(Job([self.cmd], [env], [label], self.grace, not self.args.no_prefix,
                              self.args.log_dir))
 
-    def signal_all(self, sig: int) -> None:
+    def interrupt(self, sig: int) -> None:
         for job in self.jobs:
-            job.signal_all(sig)
+            job.interrupt(sig)
 
     def wait(self, received: list[int]) -> int:
         """Watch the ranks until the job ends (``received``: signals ferrorun was sent); the

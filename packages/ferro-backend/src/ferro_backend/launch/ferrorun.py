@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     def forward(signum, frame):
         received.append(signum)
         if current:
-            current[-1].signal_all(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+            current[-1].interrupt(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
 

@@ -73,6 +73,7 @@ class Job:
         self.grace = grace
         self.label = label
         self.failure: tuple[int, int] | None = None  # (rank, return code) of the first failure
+        self.interrupted = False  # ferrorun passed a SIGINT/SIGTERM on to every process
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.logs: list = []
@@ -98,11 +99,23 @@ class Job:
             except ProcessLookupError:
                 pass
 
-    def stop_all(self) -> None:
-        self.signal_all(signal.SIGTERM)
+    def interrupt(self, sig: int) -> None:
+        """Pass ``sig`` (sent to ferrorun) on to every process; each gets the grace period to
+        end on its own before :meth:`stop_all` (one that ends first must not cut the others'
+        own handling short)."""
+        self.interrupted = True
+        self.signal_all(sig)
+
+    def _await_all(self) -> None:
         end = time.monotonic() + self.grace
         while time.monotonic() < end and any(p.poll() is None for p in self.procs):
             time.sleep(0.05)
+
+    def stop_all(self) -> None:
+        if self.interrupted:
+            self._await_all()
+        self.signal_all(signal.SIGTERM)
+        self._await_all()
         self.signal_all(signal.SIGKILL)
         for p in self.procs:
             p.wait()
