@@ -47,6 +47,16 @@ def _slowest(b, seconds: float) -> float:
     return float(fc.allreduce(t, b, op="max")[0])
 
 
+def _last_entry_to_last_exit(b, start: float, end: float) -> float:
+    """The call from the moment its last rank entered to the moment its last rank left (the
+    ranks share this host's monotonic clock): the barrier's exit skew, which ``_slowest``
+    counts, left out."""
+    import ferro_collective as fc
+
+    t = fc.allreduce(np.array([start, end]), b, op="max")
+    return float(t[1] - t[0])
+
+
 def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
     from scale_validate import gamma, ping_both_ways
 
@@ -75,6 +85,7 @@ def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
         run = [a for a in algos if not (a == "star" and nbytes > (16 << 20))  # minutes, no news
                and not (a == "hierarchical" and local == 1)]
         times: dict[str, list[float]] = {a: [] for a in run}
+        aligned: dict[str, list[float]] = {a: [] for a in run}
         # the algorithms take turns, call by call (the order turning each round), so a slow
         # minute of the host weighs on all of them alike; small calls get more rounds
         rounds = reps * (4 if nbytes <= (64 << 10) else 2 if nbytes <= (1 << 20) else 1)
@@ -88,13 +99,17 @@ def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
                 fc.barrier(b)
                 t0 = time.perf_counter()
                 fc.allreduce(x, b, algorithm=call, out=y)
-                took = _slowest(b, time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                took = _slowest(b, t1 - t0)
+                from_last = _last_entry_to_last_exit(b, t0, t1)
                 cm.remember(b, learned)
                 assert float(y[0]) == b.world_size, (algo, nbytes, y[:4])
                 if i >= 0:
                     times[algo].append(took)
+                    aligned[algo].append(from_last)
         for algo, ts in times.items():
             res["cells"][f"{algo}/{nbytes}"] = ts
+            res.setdefault("cells_from_last_entry", {})[f"{algo}/{nbytes}"] = aligned[algo]
     if b.rank == 0:
         out.write_text(json.dumps(res))
     fc.barrier(b)

@@ -312,6 +312,56 @@ def test_a_shared_node_link_never_beats_the_link_bound(layout, nbytes, algorithm
         >= bound * 0.999
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]),
+       st.sampled_from([4 << 10, 64 << 10, 1 << 20, 16 << 20]),
+       st.sampled_from(["ring", "recursive_doubling", "star", "hierarchical_engine"]),
+       st.sampled_from([16e3, 125e3, 1e6]))
+def test_a_token_bucket_saves_at_most_its_bursts(layout, nbytes, algorithm, burst):
+    """A shaped link's burst (a token bucket, full when the call starts) makes no call slower
+    and none faster than links that carry bytes in no time; a burst that holds every byte a
+    link carries in the call makes it exactly that fast."""
+    nodes, per_node = layout
+    if algorithm.startswith("hierarchical") and per_node < 2:
+        return
+    beta = 125e6
+    plain = cm.Params(50e-6, beta, 0.5e-6, 10e9, per_node, shared_link=True)
+    shaped = dataclasses.replace(plain, burst=burst)
+    n = nodes * per_node
+    t_plain = cm.predict("allreduce", algorithm, nbytes, n, plain)
+    t_shaped = cm.predict("allreduce", algorithm, nbytes, n, shaped)
+    instant = dataclasses.replace(plain, beta=1e30)
+    t_instant = cm.predict("allreduce", algorithm, nbytes, n, instant)
+    assert t_instant * (1 - 1e-12) <= t_shaped <= t_plain * (1 + 1e-12)
+    every_byte = dataclasses.replace(plain, burst=4.0 * nbytes * n)
+    assert cm.predict("allreduce", algorithm, nbytes, n, every_byte) == \
+        pytest.approx(t_instant, rel=1e-9)
+
+
+def test_a_message_the_bucket_holds_costs_only_its_latency():
+    """2 nodes, one exchange (recursive doubling, no header): after rest, a message within the
+    burst pays the latency alone; a larger one pays its bytes beyond the burst at the rate."""
+    alpha, beta = 1e-4, 125e6
+    for burst, nbytes, want in ((128e3, 64 << 10, alpha),
+                                (32e3, 64 << 10, alpha + ((64 << 10) - 32e3) / beta),
+                                (0.0, 64 << 10, alpha + (64 << 10) / beta)):
+        p = cm.Params(alpha, beta, shared_link=True, burst=burst)
+        got = cm.predict("allreduce", "recursive_doubling", nbytes, 2, p, header=False)
+        assert got == pytest.approx(want, rel=1e-9), burst
+
+
+def test_the_engine_step_prices_each_node_stage():
+    """A staged allreduce on nodes with engines has two node steps: pricing the engine step
+    apart from the intra-node messages' latency moves the call by twice the difference."""
+    p = cm.Params(2e-4, 125e6, 1e-6, 5e9, 2, shared_link=True)
+    slow = dataclasses.replace(p, engine_step=3e-4)
+    same = dataclasses.replace(p, engine_step=1e-6)
+    base = cm.predict("allreduce", "hierarchical_engine", 4096, 8, p)
+    assert cm.predict("allreduce", "hierarchical_engine", 4096, 8, same) == base
+    assert cm.predict("allreduce", "hierarchical_engine", 4096, 8, slow) == \
+        pytest.approx(base + 2 * (3e-4 - 1e-6), rel=1e-9)
+
+
 def test_shared_link_serializes_a_roots_incoming_messages():
     """A star's root takes in its n - 1 messages one after another through its own link."""
     n, nbytes, beta = 5, 1 << 20, 1e9

@@ -7,6 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 from hier_fns import learned
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferro_backend import SimulatedBackend
 from ferro_backend._platform import SAME_HOST_ENGINE
@@ -14,7 +16,7 @@ from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
 from ferro_collective import allreduce, costmodel, learn_network
 from ferro_collective.dispatch import auto_algorithm
-from ferro_collective.learn import local_terms
+from ferro_collective.learn import PING_SIZES, fit_link, local_terms
 from ferro_collective.plan import choose
 
 pytestmark = pytest.mark.timeout(180)
@@ -65,6 +67,8 @@ def test_learning_on_two_nodes_sets_the_job_and_its_groups():
     assert all(r["picks"] == first["picks"] for r in results)
     p = costmodel.Params(*first["params"])
     assert p.ranks_per_node == 2 and p.shared_link and p.intra_alpha is not None
+    # the engine step as a staged call meets it, never below a barrier on the engine alone
+    assert p.engine_step is not None and 0 < p.engine_step < 0.1
     cross = costmodel.Params(*first["cross"])
     assert (cross.alpha, cross.beta) == (p.alpha, p.beta) and cross.ranks_per_node == 1
     for s, pick in zip((8, 1 << 16, 1 << 22), first["picks"]):
@@ -79,3 +83,16 @@ def test_auto_algorithm_without_learning_follows_the_thresholds():
     assert auto_algorithm("allreduce", 1 << 10, b) == "recursive_doubling"
     assert auto_algorithm("allreduce", 64 << 20, b) == "ring"
     assert dataclasses.is_dataclass(costmodel.params_for(b))
+
+
+@settings(max_examples=50, deadline=None)
+@given(alpha=st.floats(1e-6, 1e-3), beta=st.floats(1e7, 1e10),
+       burst=st.sampled_from([0.0, 16e3, 125e3, 512e3]))
+def test_the_link_fit_recovers_a_token_bucket_and_finds_none_on_a_plain_link(alpha, beta,
+                                                                                burst):
+    """Pings after rest on a link that passes ``burst`` bytes at once and the rest at ``beta``:
+    the fit gives back alpha, beta and the burst (0 on a plain link)."""
+    times = [alpha + max(0.0, b - burst) / beta for b in PING_SIZES]
+    a, bw, b = fit_link(PING_SIZES, times)
+    assert a == pytest.approx(times[0]) and bw == pytest.approx(beta, rel=1e-6)
+    assert b == pytest.approx(burst, abs=16)

@@ -43,7 +43,10 @@ class Params:
     ``benchmarks/scale_validate.py``; 0 on the simulated network). ``shared_link``: a node's
     ranks share one link to the network (a real node's NIC: messages leaving, or entering, a
     node one after another), where the simulated network gives every rank an interface of its
-    own (False: its rules)."""
+    own (False: its rules). ``burst``: bytes a shared link passes at once after it has rested,
+    the rest at ``beta`` (a token bucket, as ``tc``'s tbf shapes an emulated node's link; 0: a
+    plain link); every call starts on rested links. ``engine_step``: seconds of a node stage's
+    step through the node's shared-memory engine within a staged call (None: ``intra_alpha``)."""
 
     alpha: float
     beta: float
@@ -53,6 +56,8 @@ class Params:
     gamma: float = 0.0
     call: float = 0.0
     shared_link: bool = False
+    burst: float = 0.0
+    engine_step: float | None = None
 
     @classmethod
     def of(cls, network) -> Params:
@@ -252,12 +257,13 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
     pieces = split_sizes(int(nbytes), L)  # allreduce's slices (bytes; the call splits elements)
     ia, ib = p.link(False)
     xa, xb = p.link(True)
+    step = ia if p.engine_step is None else p.engine_step
     for group, stage, algorithm, size in hierarchical_stages(name, nbytes, n, p):
         if group == "node" and engine:
             # one step through the node's segment: everyone arrives, then copies the stage's
             # bytes over the intra-node link (the engine checks headers in the same step)
             for members in nodes:
-                t = max(s.clock[m] for m in members) + ia + size / ib
+                t = max(s.clock[m] for m in members) + step + size / ib
                 for m in members:
                     s.clock[m] = t
             continue

@@ -3,9 +3,9 @@
 :func:`learn_network` is a collective (every rank calls it, at the same point of the job, like any other
 collective). It measures, on this job's own ranks and links:
 
-- **the link** between nodes (``alpha``, ``beta``): the first ranks of nodes 0 and 1 (ranks 0
-  and 1 on one node) exchange messages of PING_SIZES bytes both ways at once; a least-squares
-  line through the medians;
+- **the link** between nodes (``alpha``, ``beta``, ``burst``): the first ranks of nodes 0 and
+  1 (ranks 0 and 1 on one node) exchange messages of PING_SIZES bytes both ways at once, each
+  after the link has rested (:func:`_ping`);
 - **a round**: the time of one step of a point-to-point algorithm across the whole job (an
   8-byte allreduce by recursive doubling, the median of ``3 x reps`` after 3 warm-up calls,
   divided by its rounds), which is what a small message really costs here: on an
@@ -49,22 +49,55 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _ping(backend, peer: int, reps: int, timeout: float) -> tuple[float, float]:
-    """alpha, beta of the link to ``peer`` (both ranks call this at once)."""
-    xs, ys = [], []
+#: seconds the link rests before each timed ping, so a token-bucket link (a shaped one, as
+#: ``ferrorun --emulate-nodes`` makes: a millisecond of traffic) is full again
+REST_S = 0.004
+
+
+def fit_link(sizes, times) -> tuple[float, float, float]:
+    """alpha, beta and burst from pings of ``sizes`` bytes (ascending) after the link rested,
+    taking ``times`` seconds: alpha, the smallest ping's time; beta, the slope between the two
+    largest; burst, the bytes the link passed for free, where the large pings' line meets
+    alpha (0 on a plain link, whose line starts at alpha; at most the second-largest size)."""
+    (small, *_, b1, b2), (t0, *_, t1, t2) = sizes, times
+    beta = (b2 - b1) / max(t2 - t1, 1e-12)
+    alpha = max(t0, 1e-7)
+    burst = min(max(0.0, (alpha - (t1 - (b1 - small) / beta)) * beta), float(b1))
+    return alpha, beta, burst
+
+
+def _settled(fn, reps: int) -> float:
+    """The median of ``3 x reps`` calls after 3 warm-up calls: a noisy moment weighs less (2
+    emulated nodes: one job learned 0.35 ms a round from 7 calls, where later jobs measured
+    0.12-0.15 ms)."""
+    for _ in range(3):
+        fn()
+    return _median_time(fn, 3 * reps)
+
+
+def _ping(backend, peer: int, reps: int, timeout: float) -> tuple[float, float, float]:
+    """alpha, beta and burst of the link to ``peer`` (both ranks call this at once; each ping
+    after the link has rested; :func:`fit_link`)."""
+    def exchange(out, inc):
+        req = backend.irecv(inc, peer, tag=_TAG)
+        backend.send(out, peer, tag=_TAG)
+        req.wait(timeout)
+
+    wake = np.zeros(1, np.uint8), np.empty(1, np.uint8)
+    times = []
     for nbytes in PING_SIZES:
         out, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
 
         def once(out=out, inc=inc):
-            req = backend.irecv(inc, peer, tag=_TAG)
-            backend.send(out, peer, tag=_TAG)
-            req.wait(timeout)
+            time.sleep(REST_S)
+            exchange(*wake)  # both awake and together again (a byte: the bucket stays full)
+            t0 = time.perf_counter()
+            exchange(out, inc)
+            return time.perf_counter() - t0
 
         once()
-        xs.append(nbytes)
-        ys.append(_median_time(once, reps))
-    slope, intercept = np.polyfit(np.array(xs, float), np.array(ys), 1)
-    return max(float(intercept), 1e-7), 1.0 / max(float(slope), 1e-12)
+        times.append(statistics.median(once() for _ in range(reps)))
+    return fit_link(PING_SIZES, times)
 
 
 def local_terms(reps: int = 20) -> tuple[float, float, float]:
@@ -114,45 +147,50 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     h = getattr(backend, "hierarchy", None)
     local = h.local_world if h is not None else 1
     barrier(backend)
-    fig = np.zeros(7)
+    fig = np.zeros(9)
     peer = local if h is not None and n > local else 1
     if n > 1 and rank in (0, peer):
-        fig[0], fig[1] = _ping(backend, peer - rank, reps, wait)
+        fig[0], fig[1], fig[7] = _ping(backend, peer - rank, reps, wait)
     if rank == 0:
         fig[2], fig[3], fig[4] = local_terms()
-    if h is not None and h.node.engine is not None:
+    if h is not None and h.node.engine is not None and n > local:
         barrier(h.node)
         fig[5] = _median_time(lambda: barrier(h.node), reps)
+        # an engine step as the stages meet it: a staged allreduce of an element per local
+        # rank, less its cross stage, is two node steps. After the cross stage the node's
+        # ranks come back apart, and an oversubscribed host must schedule them again (2
+        # emulated nodes x 2 ranks on 2 cores: a barrier alone 1 us, a step in the call ~0.2 ms)
+        costmodel.forget(backend)  # "auto" runs the stages
+        y = np.zeros(local)
+        staged = _settled(lambda: allreduce(y, backend), reps)
+        cross = _settled(lambda: allreduce(y[:1], h.cross, algorithm="recursive_doubling"),
+                         reps)
+        fig[8] = max(fig[5], (staged - cross) / 2)
     if n > 1:
         x = np.zeros(1)
-        # the median of 3 x reps calls after 3 warm-up calls: a noisy moment weighs less (2
-        # emulated nodes: one job learned 0.35 ms a round from 7 calls, where later jobs
-        # measured 0.12-0.15 ms)
-        for _ in range(3):
-            allreduce(x, backend, algorithm="recursive_doubling")
-        step = _median_time(lambda: allreduce(x, backend, algorithm="recursive_doubling"),
-                            3 * reps)
+        step = _settled(lambda: allreduce(x, backend, algorithm="recursive_doubling"), reps)
         rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
         fig[6] = step / rounds
     broadcast(fig, backend, root=0, out=fig)
-    alpha, beta, call, gamma, copy_bw, engine_step, round_cost = fig.tolist()
-    intra = local > 1 and engine_step > 0
+    alpha, beta, call, gamma, copy_bw, barrier_s, round_cost, burst, engine_step = fig.tolist()
+    intra = local > 1 and barrier_s > 0
     p = costmodel.Params(
         max(alpha, round_cost), beta if beta > 0 else costmodel.DEFAULT.beta,
-        engine_step if intra else None, copy_bw if intra else None,
-        local, gamma=gamma, call=call,
+        # a message between a node's ranks waits for its peer like any other: the round
+        max(barrier_s, round_cost) if intra else None, copy_bw if intra else None,
+        local, gamma=gamma, call=call, engine_step=engine_step if intra else None,
         # a real node's link carries its messages in and out one after another, one rank per
         # node or several (a star's root takes its peers' messages in turn: 4 emulated nodes,
         # 16 MiB, 564 ms modelled against 853 ms measured before); a modelled network gives
         # each rank an interface of its own (netsim's rules)
-        shared_link=local > 1 or getattr(backend, "network", None) is None)
+        shared_link=local > 1 or getattr(backend, "network", None) is None, burst=burst)
     costmodel.remember(backend, p)
     if h is not None:
         costmodel.remember(h.cross, costmodel.Params(p.alpha, p.beta, gamma=gamma, call=call))
         if intra:
-            costmodel.remember(h.node, costmodel.Params(p.intra_alpha, p.intra_beta,
+            costmodel.remember(h.node, costmodel.Params(p.engine_step, p.intra_beta,
                                                         gamma=gamma, call=call))
     return p
 
 
-__all__ = ["PING_SIZES", "learn_network", "local_terms"]
+__all__ = ["PING_SIZES", "fit_link", "learn_network", "local_terms"]

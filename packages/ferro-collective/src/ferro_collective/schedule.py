@@ -34,9 +34,11 @@ class Schedule:
 
     def __init__(self, p: Params, clock: list[float]) -> None:
         self.p, self.clock, self.nic = p, clock[:], clock[:]
-        #: ``p.shared_link``: when each node's link is next free, leaving and entering
+        #: ``p.shared_link``: when each node's link is next free, leaving and entering, and
+        #: its token bucket (``p.burst``) as (bytes, at time)
         self.out: dict[int, float] = {}
         self.into: dict[int, float] = {}
+        self.tokens: dict[tuple[str, int], tuple[float, float]] = {}
 
     def send(self, src: int, dst: int, nbytes: float) -> float:
         lat, busy = _cost(self.p, src, dst, nbytes)
@@ -45,13 +47,29 @@ class Schedule:
             # one link per node: a message waits for the node's earlier ones to leave, and
             # for those entering the receiver's node (in the order this schedule sends them)
             sn, dn = src // L, dst // L
-            leave = max(self.clock[src], self.nic[src], self.out.get(sn, 0.0)) + busy
+            start = max(self.clock[src], self.nic[src], self.out.get(sn, 0.0))
+            leave = start + self._shaped("out", sn, start, nbytes, busy)
             self.nic[src] = self.out[sn] = leave
-            enter = max(leave, self.into.get(dn, 0.0) + busy)
+            start_in = max(start, self.into.get(dn, 0.0))
+            enter = max(leave, start_in + self._shaped("in", dn, start_in, nbytes, busy))
             self.into[dn] = enter
             return enter + lat
         self.nic[src] = max(self.clock[src], self.nic[src]) + busy
         return self.nic[src] + lat
+
+    def _shaped(self, way: str, node: int, start: float, nbytes: float, busy: float) -> float:
+        """Seconds ``nbytes`` occupy a node's link from ``start`` (``busy`` at the link's
+        rate): the bytes its token bucket holds pass at once, the rest at the rate. The bucket
+        is full at a link's first message and refills at the rate while the link rests."""
+        burst = self.p.burst
+        if burst <= 0 or nbytes <= 0:
+            return busy
+        have, since = self.tokens.get((way, node), (burst, start))
+        have = min(burst, have + (start - since) * self.p.beta)
+        used = min(have, nbytes)
+        busy *= (nbytes - used) / nbytes
+        self.tokens[way, node] = (have - used, start + busy)
+        return busy
 
     def rounds(self, rounds, fold: bool = False) -> None:
         """Rounds in which every rank sends one message, then waits for one: ``rounds`` yields
