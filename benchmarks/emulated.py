@@ -160,8 +160,9 @@ def table(results: dict[str, dict], rate: str) -> str:
     bits = _rate_bits(rate)
     lines = [f"Links shaped to {rate} (tc tbf, both directions). Time: the slowest rank's, median "
              "(spread = (max - min) / median); model: the parameters the job learned "
-             "(`ferro_collective.learn_network`: the link pinged by ranks 0 and L, a round of the "
-             "whole job, the local terms), each node's link shared by its ranks; "
+             "(`ferro_collective.learn_network`: the link pinged by ranks 0 and L after it "
+             "rested, with its token bucket's burst; a round of the whole job; the engine step "
+             "inside a staged call; the local terms), each node's link shared by its ranks; "
              "bound: 2 (N - 1) / N x S over the link rate.", "",
              "| layout | size | algorithm | measured | spread | model | model / measured | "
              "bound | bound / measured |", "|---|---|---|---|---|---|---|---|---|"]

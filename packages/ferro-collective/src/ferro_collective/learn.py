@@ -36,7 +36,7 @@ from .api import allreduce, barrier, broadcast
 from .ops import OPS, ReduceOp
 
 #: message sizes the link is timed with (bytes)
-PING_SIZES = (8, 64 << 10, 1 << 20, 4 << 20)
+PING_SIZES = (8, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _TAG = 0x7E57
 
 
@@ -57,12 +57,18 @@ REST_S = 0.004
 def fit_link(sizes, times) -> tuple[float, float, float]:
     """alpha, beta and burst from pings of ``sizes`` bytes (ascending) after the link rested,
     taking ``times`` seconds: alpha, the smallest ping's time; beta, the slope between the two
-    largest; burst, the bytes the link passed for free, where the large pings' line meets
-    alpha (0 on a plain link, whose line starts at alpha; at most the second-largest size)."""
-    (small, *_, b1, b2), (t0, *_, t1, t2) = sizes, times
+    largest; burst, the bytes the link passed for free in the smallest ping that clearly paid
+    for some of its bytes at the rate (0 on a plain link; a small paying ping keeps the
+    estimate's error small: an error in beta or jitter weighs on the bytes paid for)."""
+    (_, *_, b1, b2), (t0, *_, t1, t2) = sizes, times
     beta = (b2 - b1) / max(t2 - t1, 1e-12)
     alpha = max(t0, 1e-7)
-    burst = min(max(0.0, (alpha - (t1 - (b1 - small) / beta)) * beta), float(b1))
+    burst = float(b1)
+    for size, t in zip(sizes[1:], times[1:]):
+        free = size - (t - alpha) * beta
+        if free < 0.9 * size:
+            burst = min(max(0.0, free), float(b1))
+            break
     return alpha, beta, burst
 
 
