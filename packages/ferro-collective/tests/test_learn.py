@@ -16,7 +16,7 @@ from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
 from ferro_collective import allreduce, costmodel, learn_network
 from ferro_collective.dispatch import auto_algorithm
-from ferro_collective.learn import PING_SIZES, fit_link, local_terms
+from ferro_collective.learn import BURST_SIZES, PING_SIZES, fit_link, local_terms
 from ferro_collective.plan import choose
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,3 +96,8 @@ def test_the_link_fit_recovers_a_token_bucket_and_finds_none_on_a_plain_link(alp
     a, bw, b = fit_link(PING_SIZES, times)
     assert a == pytest.approx(times[0]) and bw == pytest.approx(beta, rel=1e-6)
     assert b == pytest.approx(burst, abs=16)
+    # one way (answered by a byte, a round trip more), the bucket a little fuller
+    one_way = [2 * alpha + max(0.0, b - 1.05 * burst) / beta for b in BURST_SIZES]
+    a, bw, b = fit_link(PING_SIZES, times, BURST_SIZES, one_way)
+    assert a == pytest.approx(times[0]) and bw == pytest.approx(beta, rel=1e-6)
+    assert b == pytest.approx(1.05 * burst, abs=16)
