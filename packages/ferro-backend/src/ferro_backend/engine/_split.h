@@ -185,10 +185,13 @@ static inline int ferro_split_fold(ferro_slots* s, int k, const void** ptrs, dou
         }
         for (j = 0; j < s->n; j++)
             ptrs[j] = j == s->me ? sp->src + off : ferro_split_in_at(s, j, s->me, k);
-        /* into the scratch chunk (never an input: an in-place call's out is one), then out
-         * and, for the gather, the result ring; a reduce_scatter whose out is not its input
-         * folds straight into out */
-        res = sp->gather || sp->aliased ? sp->scratch : sp->out + off - sp->out_shift;
+        /* straight into out, then (allreduce) out into the result ring: one pass fewer
+         * than through the scratch chunk. Where out overlaps the inputs (an in-place call),
+         * the fold writes out only where it is this rank's own input item for item and that
+         * input is the first or second folded (the fold combines those two in one pass
+         * before it reads any other); else into the scratch chunk, then out (and the ring) */
+        res = !sp->aliased || (sp->out == sp->src && s->me < 2) ? sp->out + off - sp->out_shift
+                                                                 : sp->scratch;
         if (s->fold(sp->code, res, ptrs, s->n, (Py_ssize_t)(len / sp->itemsize), sp->op,
                     sp->mean_divisor) != 0)
             return -1;
