@@ -150,8 +150,8 @@ def local_terms(reps: int = 20) -> tuple[float, float, float]:
 def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
     """Measure this job (see the module docstring) and make "auto" plan with the result on
     ``backend`` and its hierarchy's groups; returns the learned parameters (the same on every
-    rank). A collective: every rank of ``backend`` must call it. Takes under a second (0.75 s
-    on 4 ranks of 2 emulated nodes on 2 cores).
+    rank). A collective: every rank of ``backend`` must call it. Takes about a second (0.7-1.4 s
+    on 2-8 ranks of 2-4 emulated nodes on 2 cores).
 
     Parameters
     ----------
