@@ -61,11 +61,12 @@ def fit_link(sizes, times, burst_sizes=None, burst_times=None) -> tuple[float, f
     ways at once taking ``times`` seconds (alpha, the smallest one's time; beta, the slope
     between the two largest) and ``burst_sizes`` one way, answered by a byte, taking
     ``burst_times`` (default: the pings both ways). Burst: the bytes the link passed for free
-    in the smallest ping that clearly paid for some of its bytes at the rate (0 on a plain
-    link; a small paying ping keeps the estimate's error small: an error in beta or jitter
-    weighs on the bytes paid for). One way, because a link's bucket also pays for the acks of
-    the traffic coming the other way (2 emulated nodes: 115-122 KB of a 125 KB bucket one way,
-    81-91 KB both ways at once)."""
+    in the smallest ping that paid for at least half its bytes at the rate (0 on a plain link;
+    a bucket of half the largest ping or more reads as that ping). A small paying ping keeps
+    the error small: an error in beta weighs on the bytes paid for, and a ping that paid for
+    less could be jitter alone (a 64 KiB ping's 60-100 us of it read as 50-59 KB of a 125 KB
+    bucket). One way, because a link's bucket also pays for the acks of the traffic coming the
+    other way (2 emulated nodes: 115-122 KB of a 125 KB bucket one way, 81-91 KB both ways)."""
     (_, *_, b1, b2), (t0, *_, t1, t2) = sizes, times
     beta = (b2 - b1) / max(t2 - t1, 1e-12)
     alpha = max(t0, 1e-7)
@@ -75,10 +76,20 @@ def fit_link(sizes, times, burst_sizes=None, burst_times=None) -> tuple[float, f
     burst = cap
     for size, t in zip(burst_sizes[1:], burst_times[1:]):
         free = size - (t - base) * beta
-        if free < 0.9 * size:
+        if free < 0.5 * size:
             burst = min(max(0.0, free), cap)
             break
     return alpha, beta, burst
+
+
+def _after_barrier(backend, fn) -> float:
+    """Seconds of ``fn()`` started as a job's calls start: the ranks leave a barrier, no rank
+    spinning in the call before it (back to back, a round cost 0.10-0.14 ms on 2 emulated
+    nodes, where calls after a barrier met 0.16-0.26 ms)."""
+    barrier(backend)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _settled(fn, reps: int) -> float:
@@ -202,7 +213,13 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         fig[8] = max(fig[5], (staged - cross) / 2)
     if n > 1:
         x = np.zeros(1)
-        step = _settled(lambda: allreduce(x, backend, algorithm="recursive_doubling"), reps)
+
+        def call():
+            allreduce(x, backend, algorithm="recursive_doubling")
+
+        for _ in range(3):  # warm-up calls
+            call()
+        step = statistics.median(_after_barrier(backend, call) for _ in range(3 * reps))
         rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
         fig[6] = step / rounds
     broadcast(fig, backend, root=0, out=fig)
