@@ -730,17 +730,25 @@ def test_an_empty_chunk_is_refused_not_delivered_forever(total):
     deliveries and no end). ProtocolError, promptly."""
     from ferro_backend.engine import _ring
 
+    _one_entry_is_refused_promptly(_ring.CHUNK, 0, total, recv_tag=6, match="corrupt")
+
+
+def _one_entry_is_refused_promptly(kind: int, length: int, total: int, *, recv_tag: int,
+                                   match: str) -> None:
+    """Ring 1 -> 0 of a same-host pair holds one entry (tag 5, aux 0) that no producer writes:
+    rank 0's receive of 4 bytes from rank 1 with ``recv_tag`` raises ProtocolError matching
+    ``match``, promptly."""
     b = _shm_pair()
     try:
         cap, head, tail, data = _ring_1_to_0(b)
         t = int(tail[0])
         pos = t & (cap - 1)
-        entry = struct.pack("<IIQQQ", _ring.CHUNK, 0, 5, total, 0)
+        entry = struct.pack("<IIQQQ", kind, length, 5, total, 0)
         data[pos:pos + 32] = np.frombuffer(entry, np.uint8)
         head[0] = (t + 64) & 0xFFFFFFFF
         start = time.monotonic()
-        with pytest.raises(ProtocolError, match="corrupt"):
-            b[0].recv(np.empty(4, np.uint8), 1, tag=6, timeout=2)
+        with pytest.raises(ProtocolError, match=match):
+            b[0].recv(np.empty(4, np.uint8), 1, tag=recv_tag, timeout=2)
         assert time.monotonic() - start < PROMPT
     finally:
         close_all(b)
@@ -752,17 +760,5 @@ def test_a_descriptor_naming_memory_the_live_sender_lacks_is_corrupt():
     while the sender was alive: no producer writes one, so it is ProtocolError, promptly."""
     from ferro_backend.engine import _ring
 
-    b = _shm_pair()
-    try:
-        cap, head, tail, data = _ring_1_to_0(b)
-        t = int(tail[0])
-        pos = t & (cap - 1)
-        entry = struct.pack("<IIQQQ", _ring.CMA, 0, 5, 4, 0)
-        data[pos:pos + 32] = np.frombuffer(entry, np.uint8)
-        head[0] = (t + 64) & 0xFFFFFFFF
-        start = time.monotonic()
-        with pytest.raises(ProtocolError, match="corrupt.*rank 1|rank 1.*corrupt"):
-            b[0].recv(np.empty(4, np.uint8), 1, tag=5, timeout=2)
-        assert time.monotonic() - start < PROMPT
-    finally:
-        close_all(b)
+    _one_entry_is_refused_promptly(_ring.CMA, 0, 4, recv_tag=5,
+                                   match="corrupt.*rank 1|rank 1.*corrupt")
