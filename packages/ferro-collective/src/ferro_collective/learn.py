@@ -7,13 +7,15 @@ collective). It measures, on this job's own ranks and links:
   1 (ranks 0 and 1 on one node) exchange messages of PING_SIZES bytes both ways at once, each
   after the link has rested (:func:`_ping`);
 - **a round**: the time of one step of a point-to-point algorithm across the whole job (an
-  8-byte allreduce by recursive doubling, the median of ``3 x reps`` after 3 warm-up calls,
-  divided by its rounds), which is what a small message really costs here: on an
-  oversubscribed host it is the wait for the peer to be scheduled, far above the link's own
-  latency. The model's ``alpha`` is the larger of the two;
+  8-byte allreduce by recursive doubling, each call after a barrier as a job's calls start, the
+  median of ``3 x reps`` after 3 warm-up calls, divided by its rounds), which is what a small
+  message really costs here: on an oversubscribed host it is the wait for the peer to be
+  scheduled, far above the link's own latency. The model's ``alpha`` is the larger of the two,
+  and a message between a node's ranks (``intra_alpha``) costs at least the round too;
 - **the local terms**: ``call``, one collective's cost outside its messages (a 1-rank
-  allreduce); ``gamma``, seconds per byte of the reduction kernel; the node's engine step
-  (``intra_alpha``: a barrier on the node's engine) and its copy bandwidth (``intra_beta``).
+  allreduce); ``gamma``, seconds per byte of the reduction kernel; the node engine's step as a
+  staged call meets it (``engine_step``: a staged allreduce less its cross stage, halved; at
+  least a barrier on the node's engine) and its copy bandwidth (``intra_beta``).
 
 Rank 0's figures are broadcast, so every rank holds the same :class:`~.costmodel.Params` and
 "auto" picks the same algorithm everywhere. From then on :func:`.costmodel.params_for` returns
@@ -110,39 +112,33 @@ def _ping(backend, peer: int, reps: int, timeout: float) -> tuple[float, float, 
         req.wait(timeout)
 
     wake = np.zeros(1, np.uint8), np.empty(1, np.uint8)
-    times = []
-    for nbytes in PING_SIZES:
-        out, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
 
-        def once(out=out, inc=inc):
-            time.sleep(REST_S)
-            exchange(*wake)  # both awake and together again (a byte: the bucket stays full)
-            t0 = time.perf_counter()
-            exchange(out, inc)
-            return time.perf_counter() - t0
+    def one_way(out, inc):  # the lower rank's bytes, then the peer's one-byte answer
+        if backend.rank < peer:
+            backend.send(out, peer, tag=_TAG)
+            backend.recv(wake[1], peer, tag=_TAG, timeout=timeout)
+        else:
+            backend.recv(inc, peer, tag=_TAG, timeout=timeout)
+            backend.send(wake[0], peer, tag=_TAG)
 
-        once()
-        times.append(statistics.median(once() for _ in range(reps)))
-    sender = backend.rank < peer
-    one_way = []
-    for nbytes in BURST_SIZES:
-        out, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    def rested(ping, sizes) -> list[float]:
+        """The median time of ``ping(out, inc)`` at each size, each after the link rested and
+        both ranks met again (a byte each way: the bucket stays full); one untimed first."""
+        medians = []
+        for nbytes in sizes:
+            out, inc = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+            times = []
+            for _ in range(reps + 1):
+                time.sleep(REST_S)
+                exchange(*wake)
+                t0 = time.perf_counter()
+                ping(out, inc)
+                times.append(time.perf_counter() - t0)
+            medians.append(statistics.median(times[1:]))
+        return medians
 
-        def sent(out=out, inc=inc):
-            time.sleep(REST_S)
-            exchange(*wake)
-            t0 = time.perf_counter()
-            if sender:  # the bytes, then the peer's one-byte answer
-                backend.send(out, peer, tag=_TAG)
-                backend.recv(wake[1], peer, tag=_TAG, timeout=timeout)
-            else:
-                backend.recv(inc, peer, tag=_TAG, timeout=timeout)
-                backend.send(wake[0], peer, tag=_TAG)
-            return time.perf_counter() - t0
-
-        sent()
-        one_way.append(statistics.median(sent() for _ in range(reps)))
-    return fit_link(PING_SIZES, times, BURST_SIZES, one_way)
+    return fit_link(PING_SIZES, rested(exchange, PING_SIZES), BURST_SIZES,
+                    rested(one_way, BURST_SIZES))
 
 
 def local_terms(reps: int = 20) -> tuple[float, float, float]:
@@ -198,9 +194,10 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         fig[0], fig[1], fig[7] = _ping(backend, peer - rank, reps, wait)
     if rank == 0:
         fig[2], fig[3], fig[4] = local_terms()
-    if h is not None and h.node.engine is not None and n > local:
+    if h is not None and h.node.engine is not None:
         barrier(h.node)
         fig[5] = _median_time(lambda: barrier(h.node), reps)
+    if h is not None and h.node.engine is not None and n > local:
         # an engine step as the stages meet it: a staged allreduce of an element per local
         # rank, less its cross stage, is two node steps. After the cross stage the node's
         # ranks come back apart, and an oversubscribed host must schedule them again (2
@@ -214,12 +211,13 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     if n > 1:
         x = np.zeros(1)
 
-        def call():
+        def one_round_trip():
             allreduce(x, backend, algorithm="recursive_doubling")
 
         for _ in range(3):  # warm-up calls
-            call()
-        step = statistics.median(_after_barrier(backend, call) for _ in range(3 * reps))
+            one_round_trip()
+        step = statistics.median(_after_barrier(backend, one_round_trip)
+                                 for _ in range(3 * reps))
         rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
         fig[6] = step / rounds
     broadcast(fig, backend, root=0, out=fig)
@@ -229,7 +227,8 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         max(alpha, round_cost), beta if beta > 0 else costmodel.DEFAULT.beta,
         # a message between a node's ranks waits for its peer like any other: the round
         max(barrier_s, round_cost) if intra else None, copy_bw if intra else None,
-        local, gamma=gamma, call=call, engine_step=engine_step if intra else None,
+        local, gamma=gamma, call=call,
+        engine_step=engine_step if intra and engine_step > 0 else None,
         # a real node's link carries its messages in and out one after another, one rank per
         # node or several (a star's root takes its peers' messages in turn: 4 emulated nodes,
         # 16 MiB, 564 ms modelled against 853 ms measured before); a modelled network gives
