@@ -26,13 +26,9 @@ from .errors import FerroTorchError, as_torch_error
 def seconds(timeout: Any) -> float | None:
     """A torch timeout (timedelta, seconds or None) in seconds; None for "none given"
     (torch's unset timeouts are zero or negative)."""
-    if type(timeout) is datetime.timedelta:  # what torch's options hold
-        secs = timeout.total_seconds()
-    elif timeout is None:
+    if timeout is None:
         return None
-    else:
-        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
-            else float(timeout)
+    secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
     return secs if secs > 0 else None
 
 
