@@ -177,17 +177,14 @@ static inline int ferro_slots_agree(ferro_slots* s) {
     return 1;
 }
 
-/* The next step: header (seq patched in at FERRO_SEQ_OFF when patch; hash: its hash without
- * the number) and nbytes at src into this rank's slot; publish (with the header's hash), wait
- * for every rank until deadline (gil: the caller holds the GIL, see ferro_slots_wait_gil),
- * compare headers. */
-static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, size_t hlen,
-                                   int patch, uint64_t hash, uint32_t seq,
-                                   const unsigned char* src, size_t nbytes, double deadline,
-                                   int gil) {
+/* The next step's first half: header (seq patched in at FERRO_SEQ_OFF when patch; hash: its
+ * hash without the number) and nbytes at src into this rank's slot; publish (with the
+ * header's hash). ferro_slots_meet ends it. */
+static inline void ferro_slots_post(ferro_slots* s, const unsigned char* header, size_t hlen,
+                                    int patch, uint64_t hash, uint32_t seq,
+                                    const unsigned char* src, size_t nbytes) {
     uint32_t step = s->step + 1;
     ferro_slot_head* mine = ferro_slots_slot(s, s->me, step);
-    int rc;
     s->split.active = 0;
     memcpy(mine->header, header, hlen);
     if (patch && hlen >= FERRO_SEQ_OFF + 4u) {
@@ -209,9 +206,23 @@ static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, 
     __atomic_store_n(&ferro_ctrl_of(s->base, &s->L, s->me)->head_hash[step & 1u],
                      ferro_header_seq(hash, seq), __ATOMIC_RELAXED);
     ferro_slots_publish(s, step);
-    rc = ferro_slots_wait_gil(s, step, deadline, gil);
+}
+
+/* The posted step's second half: wait for every rank until deadline (gil: the caller holds the
+ * GIL, see ferro_slots_wait_gil), compare headers. */
+static inline int ferro_slots_meet(ferro_slots* s, double deadline, int gil) {
+    int rc = ferro_slots_wait_gil(s, s->step, deadline, gil);
     if (rc == FERRO_OK && !ferro_slots_agree(s)) return FERRO_MISMATCH;
     return rc;
+}
+
+/* The next step whole: ferro_slots_post, then ferro_slots_meet. */
+static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, size_t hlen,
+                                   int patch, uint64_t hash, uint32_t seq,
+                                   const unsigned char* src, size_t nbytes, double deadline,
+                                   int gil) {
+    ferro_slots_post(s, header, hlen, patch, hash, seq, src, nbytes);
+    return ferro_slots_meet(s, deadline, gil);
 }
 
 /* ferro_slots_step for a caller without the GIL */
@@ -240,25 +251,35 @@ static inline int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_
     return rc;
 }
 
-/* A broadcast (root >= 0: every rank copies nbytes from root's slot) or all_gather (root = -1:
- * block r of out from rank r's slot, this rank's own from src) of this step. */
-static inline void ferro_slots_copy(ferro_slots* s, void* out_, const void* src_, size_t nbytes,
-                                    int root) {
+/* The part of ferro_slots_copy that comes from this rank's own src (nothing where it is a
+ * broadcast's non-root or out already holds it): a caller may run it before the wait. */
+static inline void ferro_slots_copy_own(ferro_slots* s, void* out_, const void* src,
+                                        size_t nbytes, int root) {
+    unsigned char* own = (unsigned char*)out_ + (root >= 0 ? 0 : (size_t)s->me * nbytes);
+    if ((root < 0 || root == s->me) && own != (const unsigned char*)src)
+        memcpy(own, src, nbytes);
+}
+
+/* The peers' part of it (what comes from their slots). */
+static inline void ferro_slots_copy_peers(ferro_slots* s, void* out_, size_t nbytes, int root) {
     unsigned char* out = (unsigned char*)out_;
-    const unsigned char* src = (const unsigned char*)src_;
     int j;
     if (root >= 0) {
         if (root != s->me) memcpy(out, ferro_slot_data(ferro_slots_slot(s, root, s->step)), nbytes);
-        else if (out != src) memcpy(out, src, nbytes);
         return;
     }
-    for (j = 0; j < s->n; j++) {
+    for (j = 0; j < s->n; j++)
         if (j != s->me)
             memcpy(out + (size_t)j * nbytes, ferro_slot_data(ferro_slots_slot(s, j, s->step)),
                    nbytes);
-        else if (out + (size_t)j * nbytes != src)
-            memcpy(out + (size_t)j * nbytes, src, nbytes);
-    }
+}
+
+/* A broadcast (root >= 0: every rank copies nbytes from root's slot) or all_gather (root = -1:
+ * block r of out from rank r's slot, this rank's own from src) of this step. */
+static inline void ferro_slots_copy(ferro_slots* s, void* out, const void* src, size_t nbytes,
+                                    int root) {
+    ferro_slots_copy_own(s, out, src, nbytes, root);
+    ferro_slots_copy_peers(s, out, nbytes, root);
 }
 
 /* A step without slot writes (every rank has finished the last one). */
@@ -294,9 +315,11 @@ static int ferro_api_copy(void* ctx, const unsigned char* header, size_t hlen, u
     ferro_slots* s = (ferro_slots*)ctx;
     int rc, big = nbytes > FERRO_GIL_BYTES;
     PyThreadState* st = big ? PyEval_SaveThread() : NULL;
-    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
-                          root < 0 || root == s->me ? nbytes : 0, deadline, !big);
-    if (rc == FERRO_OK) ferro_slots_copy(s, out, src, nbytes, root);
+    ferro_slots_post(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
+                     root < 0 || root == s->me ? nbytes : 0);
+    ferro_slots_copy_own(s, out, src, nbytes, root);  /* while the peers arrive */
+    rc = ferro_slots_meet(s, deadline, !big);
+    if (rc == FERRO_OK) ferro_slots_copy_peers(s, out, nbytes, root);
     if (big) PyEval_RestoreThread(st);
     return rc;
 }
