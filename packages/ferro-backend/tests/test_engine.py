@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferro_backend import RendezvousError, ShmBackend
 from ferro_backend.engine import _segment, _slots
@@ -46,6 +48,23 @@ def test_slot_engine_refuses_a_mapping_smaller_than_its_layout_and_foreign_folds
     x = np.ones(4, np.float32)
     with pytest.raises(RuntimeError, match="no fold kernel"):
         eng_.step_allreduce(b"h" * 8, 0, x, np.empty_like(x), 4, 0, 0, 0.0, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(slot=st.sampled_from([4096, 65536, 1 << 20]), span=st.integers(0, 1 << 20),
+       step=st.integers(0, (1 << 32) - 3))
+def test_a_steps_data_moves_through_its_slot_in_whole_pages_and_stays_inside(slot, span, step):
+    need = _segment.layout(2, slot, 4096)["size"]
+    failed = np.zeros(1, np.uint32)
+    e = _slots.SlotEngine(np.zeros(need, np.uint8), 2, 0, slot, 4096, failed.ctypes.data, 0, 0)
+    at, stride = e.rot(step, span), -(-span // 4096) * 4096
+    assert at % 4096 == 0 and at + span <= max(slot, span)
+    if span < 8192 or slot < 2 * stride:
+        assert at == 0  # small calls, and calls of over half a slot, stay put
+    else:
+        # both steps of a parity pair share a place; the next pair takes the next one
+        assert e.rot(step ^ 1, span) == at
+        assert e.rot(step + 2, span) in (at + stride, 0)
 
 
 def _two_slot_engines():

@@ -541,3 +541,34 @@ def compiled_gather(b) -> list[str]:
     except fc.CollectiveMismatchError:
         pass
     return bad
+
+
+def moving_slot_data(b, counts: list, calls: int) -> list[str]:
+    """One-step calls whose data moves through the slot from call to call (8 KiB per rank and
+    up: _onestep.h): ``calls`` calls in a row of each collective and size, new data each time,
+    against the star algorithm bit for bit, with rank 1 on the general path (a strided input)
+    every third call, so that both paths must place each step's data alike."""
+    bad = []
+    for count in counts:
+        for i in range(calls):
+            x = np.random.default_rng([b.rank, count, i]).standard_normal(count).astype(
+                np.float32)
+            arg = np.repeat(x, 2)[::2] if b.rank == 1 and i % 3 == 2 else x
+            cases = {"allreduce": lambda a, **k: fc.allreduce(a, b, **k),
+                     "reduce_scatter": lambda a, **k: fc.reduce_scatter(a, b, **k),
+                     "all_gather": lambda a, **k: fc.all_gather(a, b, **k),
+                     "broadcast": lambda a, root=i % b.world_size, **k: fc.broadcast(
+                         a.copy() if a.flags.c_contiguous else np.repeat(a, 2)[::2], b, root,
+                         **k),  # into a copy, strided or not
+                     "gather": lambda a, **k: fc.gather(a, b, 0, **k)}
+            for name, fn in cases.items():
+                if name == "gather":  # star's all_gather, kept on the root
+                    ref = fc.all_gather(x, b, algorithm="star")
+                    ref = ref if b.rank == 0 else None
+                else:
+                    ref = fn(x, algorithm="star")
+                got = fn(arg)
+                if (ref is None) != (got is None) or \
+                        ref is not None and ref.tobytes() != got.tobytes():
+                    bad.append(f"{name} of {count} items, call {i}: other bits than star")
+    return bad

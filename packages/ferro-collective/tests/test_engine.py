@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from unittest import mock
 
 import engine_fns
 import numpy as np
@@ -273,6 +274,17 @@ def test_one_call_collectives_run_compiled_and_leave_other_calls_to_the_general_
 def test_a_small_gather_runs_compiled_and_meets_the_general_path(world):
     assert run_processes(engine_fns.compiled_gather, world, transport="shm", timeout=60) == \
         [[]] * world
+
+
+def test_one_step_data_moving_through_the_slot_is_found_by_both_paths():
+    # 64 KiB slots: 8 KiB per rank moves through 8 places, 16 KiB through 4, 32 KiB through
+    # 2 (each many times in 20 calls); 4 KiB stays at the start. The allreduce folds in one
+    # step below 32 KiB and splits from there (its rings move on likewise)
+    env = {"FERRO_SHM_SLOT_BYTES": "65536"}
+    with mock.patch.dict(os.environ, env):  # the ranks take the caller's environment
+        res = run_processes(engine_fns.moving_slot_data, 2, [1024, 2048, 4096, 8192], 20,
+                            transport="shm", timeout=120)
+    assert res == [[], []]
 
 
 def test_a_one_call_step_waiting_for_a_late_peer_lets_other_threads_run():

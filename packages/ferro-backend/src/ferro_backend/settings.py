@@ -225,10 +225,11 @@ SHM_SPLIT_BYTES = _declare("FERRO_SHM_SPLIT_BYTES", "bytes", _bytes, 32 << 10, "
                            "folds one part, pipelined in chunks (rank 0's value holds; 0: "
                            "never)")
 SHM_STREAM_BYTES = _declare("FERRO_SHM_STREAM_BYTES", "bytes", _bytes, 256 << 10, "`ShmBackend`",
-                            "collectives from 16 KiB up to this size copy into the shared "
-                            "segment with non-temporal stores; larger ones only while plain "
-                            "copies there run 12 times slower than between private buffers "
-                            "(measured as they go)")
+                            "collectives from 16 KiB up to this size whose data stays put in "
+                            "the slot (over half a slot per rank) copy into the shared segment "
+                            "with non-temporal stores; others only while plain copies there "
+                            "run 12 times slower than between private buffers (measured as "
+                            "they go)")
 SHM_BIND = _declare("FERRO_SHM_BIND", "auto, cores or off", _choice("auto", "cores", "off"),
                     "auto", "`ShmBackend`",
                     "bind each rank of a same-host engine to a core of its own, as MPI does: "

@@ -142,10 +142,10 @@ def engine_all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarr
     size = block.size
     direct = g.cma_ok and size >= g.direct_copy_bytes
     if size <= g.slot_bytes and not direct:
-        step = g.exchange(call, header, block)
+        step = g.exchange(call, header, block, span=size)  # placed as the compiled path's
         for r in range(g.n):
             out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,
-                                                                          block.dtype)
+                                                                          block.dtype, size)
     elif not direct:  # beyond a slot: streamed through the slots, pipelined (_stream.h)
         rc = g.slots.step_gather(header, call.seq & 0xFFFFFFFF, block, out, call.soft)
         if rc != OK:

@@ -210,13 +210,14 @@ def fold_through_slots(g: EngineGroup, call: Step, header: bytes, x: np.ndarray,
                        part: tuple[int, int] | None = None) -> None:
     """One step: every rank's ``x`` through its slot, then ``out`` = the fold of ``[s:e]``
     (``part``; default all) of every slot."""
+    span = x.size * wd.itemsize  # placed as the compiled path places it
     if x.dtype == wd:
-        step = g.exchange(call, header, x)
+        step = g.exchange(call, header, x, span=span)
     else:  # widened: the slot holds the work dtype, so peers need not convert
-        np.copyto(g.slot_for_writing(x.size * wd.itemsize, wd), x, casting="unsafe")
-        step = g.exchange(call, header, prefilled=x.size * wd.itemsize)
+        np.copyto(g.slot_for_writing(span, wd, span), x, casting="unsafe")
+        step = g.exchange(call, header, prefilled=span, span=span)
     s, e = part if part is not None else (0, x.size)
-    inputs = [g.data(r, step, x.size * wd.itemsize, wd)[s:e] for r in range(g.n)]
+    inputs = [g.data(r, step, span, wd, span)[s:e] for r in range(g.n)]
     if out.dtype == wd:
         _fold(out, inputs, op, mean)
     else:

@@ -115,9 +115,9 @@ def engine_broadcast(g: EngineGroup, call: Step, header: bytes, buf: np.ndarray,
     step without data keeps every buffer alive until nobody copies from it any more."""
     size = buf.size
     if size <= g.slot_bytes and not (g.cma_ok and size >= g.broadcast_direct_bytes):
-        step = g.exchange(call, header, buf if g.me == root else None)
-        if g.me != root:
-            buf[...] = g.data(root, step, size, buf.dtype)
+        step = g.exchange(call, header, buf if g.me == root else None, span=size)
+        if g.me != root:  # placed as the compiled path places it
+            buf[...] = g.data(root, step, size, buf.dtype, size)
     elif g.cma_ok:
         g.exchange(call, header, extra=(os.getpid(), buf.ctypes.data, buf.ctypes.data))
         extras = g.extras()

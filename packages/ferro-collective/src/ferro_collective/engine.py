@@ -150,12 +150,15 @@ class EngineGroup(Core):
 
     # ------------------------------------------------------------------ steps
     def exchange(self, call: Step, header: bytes, src: np.ndarray | None = None,
-                 extra: tuple[int, int, int] | None = None, prefilled: int = 0) -> int:
+                 extra: tuple[int, int, int] | None = None, prefilled: int = 0,
+                 span: int = 0) -> int:
         """One step: ``header``, optional slot data (``src``, C-contiguous, at most a slot, or
         ``prefilled`` bytes already written into :meth:`slot_for_writing`) and this rank's
-        cross-memory addresses ``extra`` (pid, input, output); returns the step."""
+        cross-memory addresses ``extra`` (pid, input, output); returns the step. ``span``: the
+        call's bytes per rank, where the compiled path runs the same call (its data then moves
+        through the slot from call to call, and :meth:`data` must be given the same span)."""
         rc = self.slots.exchange(header, src, prefilled, extra,
-                                 call.hard if call.reported else call.soft)
+                                 call.hard if call.reported else call.soft, span)
         if rc != OK:
             self._settle(rc, call)
         return self.slots.step
@@ -173,13 +176,16 @@ class EngineGroup(Core):
                 self.slots.withdraw()
                 raise
 
-    def data(self, rank: int, step: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
-        """``rank``'s slot data of ``step``: its first ``nbytes`` as ``dtype``."""
-        return self.engine.slot_data(rank, step)[:nbytes].view(dtype)
+    def data(self, rank: int, step: int, nbytes: int, dtype: np.dtype,
+             span: int = 0) -> np.ndarray:
+        """``rank``'s slot data of ``step`` (of a call of ``span`` bytes per rank, as given to
+        :meth:`exchange`): ``nbytes`` as ``dtype``."""
+        at = self.slots.rot(step, span) if span else 0
+        return self.engine.slot_data(rank, step)[at:at + nbytes].view(dtype)
 
-    def slot_for_writing(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
+    def slot_for_writing(self, nbytes: int, dtype: np.dtype, span: int = 0) -> np.ndarray:
         """This rank's slot data for the next step (to fill before :meth:`exchange`)."""
-        return self.data(self.me, self.step + 1, nbytes, dtype)
+        return self.data(self.me, self.step + 1, nbytes, dtype, span)
 
     def extras(self) -> list[tuple[int, int, int]]:
         """Every rank's (pid, input address, output address) of the last step."""

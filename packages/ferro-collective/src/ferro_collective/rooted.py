@@ -163,11 +163,11 @@ def _gather_engine(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
     straight from its owner's memory (or, without cross-memory reads, slot-sized pieces)."""
     size = block.size
     if size <= g.slot_bytes:
-        step = g.exchange(call, header, block)
+        step = g.exchange(call, header, block, span=size)  # placed as the compiled path's
         if g.me == root:
             for r in range(g.n):
                 out[r * size:(r + 1) * size] = block if r == root else g.data(r, step, size,
-                                                                              block.dtype)
+                                                                              block.dtype, size)
     elif g.cma_ok:
         g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
         if g.me == root:

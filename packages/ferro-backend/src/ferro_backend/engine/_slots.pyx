@@ -7,9 +7,8 @@ rank has published ``s`` (acquire). The protocol is C, in ``_steps.h`` (waits: `
 :class:`SlotEngine` keeps this rank's step counter and offers the steps to Python.
 
 The one-call steps (``step_allreduce``, ``step_gather``, ``step_barrier``) run a whole
-collective in one call without the GIL. Other extensions call them with no Python in between
-through :meth:`SlotEngine.api`: a capsule named by its C layout (:data:`API_SIGNATURE`) holding
-a table of function pointers. The fold is the collective layer's, handed over once as a C
+collective without the GIL; other extensions call them with no Python in between through
+:meth:`SlotEngine.api` (a table of function pointers in a capsule named :data:`API_SIGNATURE`). The fold is the collective layer's, handed over once as a C
 function pointer in a capsule named by its signature (:data:`FOLD_SIGNATURE`, as scipy's
 LowLevelCallable): the two distributions share no C code and no link. Callers validate sizes.
 """
@@ -98,9 +97,9 @@ cdef class SlotEngine:
         self.s.split_min = value
 
     def set_put(self, size_t small_bytes, double slow_factor):
-        """Calls of at most ``small_bytes`` copy into shared memory with non-temporal stores,
-        larger ones while plain copies there run ``slow_factor`` times slower than between
-        private buffers (``_steps.h``); returns that rate (ns per KiB)."""
+        """Calls of at most ``small_bytes`` whose data stays put copy into shared memory with
+        non-temporal stores, others while plain copies run ``slow_factor`` times slower than
+        between private buffers (``_put.h``); returns that rate (ns per KiB)."""
         self.s.put.small_bytes = small_bytes
         self.s.put.slow_ns = slow_factor * ferro_copy_ns_per_kib(ferro_now)
         return self.s.put.slow_ns
@@ -120,13 +119,13 @@ cdef class SlotEngine:
 
     # ------------------------------------------------------------------ steps
     def exchange(self, bytes header not None, object src, size_t prefilled, object extra,
-                 double deadline):
+                 double deadline, size_t span=0):
         """The next step: ``header``, this rank's cross-memory addresses ``extra`` (``(pid,
-        input address, output address)`` or None) and the bytes of ``src`` (a C-contiguous
-        buffer of at most a slot, or None; ``prefilled``: bytes already written into
-        :meth:`data` for this step) into this rank's slot; publish and wait (until
-        ``deadline``, a ``time.monotonic()`` value) for every rank; compare the headers.
-        Returns OK, TIMEOUT, FAILED or MISMATCH."""
+        input address, output address)`` or None) and the bytes of ``src`` (C-contiguous, at
+        most a slot, or None; ``prefilled``: bytes already written for this step) into this
+        rank's slot, at :meth:`rot` of ``span``; publish, wait (until ``deadline``, a
+        ``time.monotonic()`` value) for every rank, compare the headers: OK, TIMEOUT, FAILED or
+        MISMATCH."""
         cdef Py_buffer b
         cdef int rc
         cdef const unsigned char* h = header
@@ -146,7 +145,7 @@ cdef class SlotEngine:
             with nogil:
                 rc = ferro_slots_exchange(&self.s, h, hlen, 0, 0, 0,
                                           <const unsigned char*>b.buf if have else NULL,
-                                          <size_t>b.len if have else 0, deadline)
+                                          <size_t>b.len if have else 0, span, deadline)
             self.s.sent += prefilled
         finally:
             if have:
@@ -160,8 +159,12 @@ cdef class SlotEngine:
         cdef size_t hlen = self._header_len(header)
         cdef uint64_t hash = ferro_header_hash(h, hlen)
         with nogil:
-            rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq, NULL, 0, deadline)
+            rc = ferro_slots_exchange(&self.s, h, hlen, 1, hash, seq, NULL, 0, 0, deadline)
         return rc
+
+    def rot(self, uint32_t step, size_t span) -> int:
+        """Where ``step``'s data starts in each slot, ``span`` bytes per rank (_onestep.h)."""
+        return ferro_slots_rot(&self.s, step, span)
 
     def sync(self, double deadline):
         """A step without slot writes (all finished the last one): OK, TIMEOUT or FAILED."""
@@ -178,8 +181,7 @@ cdef class SlotEngine:
         return rc
 
     def withdraw(self):
-        """Publish the step before this one: a rank that gives up on a step must not look
-        arrived to a peer still reading its buffers."""
+        """Publish the step before this one (who gives up on a step must not look arrived)."""
         ferro_slots_publish(&self.s, self.s.step - 1)
 
     def headers_agree(self) -> bool:
@@ -217,20 +219,18 @@ cdef class SlotEngine:
 
     # ------------------------------------------------------------------ one-call steps
     def split_fits(self, size_t nbytes, Py_ssize_t count) -> bool:
-        """Whether :meth:`step_allreduce` runs a reduction of ``count`` items in ``nbytes``
-        beyond a slot (split through rings that wrap: :attr:`split_bytes` > 0, an item per rank
-        at least, items within half a slot's share per rank); the same on every rank."""
+        """Whether :meth:`step_allreduce` splits ``count`` items in ``nbytes`` beyond a slot
+        (:attr:`split_bytes` > 0, and ``ferro_split_can``); the same on every rank."""
         return self.s.split_min > 0 and ferro_split_can(&self.s, nbytes, count)
 
     def step_allreduce(self, bytes header not None, uint32_t seq, object src, object out,
                        Py_ssize_t count, int code, int op, double mean_divisor,
                        double deadline, bint scatter=False):
         """A whole allreduce of ``count`` items (dtype ``code``) as the compiled path runs it
-        (split from :attr:`split_bytes`, else one step), or beyond a slot split through rings
-        (:meth:`split_fits`): every rank must take the same path for a call, whichever layer
-        makes it. ``scatter``: a reduce_scatter instead, always split (``out`` holds this
-        rank's ``count / n`` items). OK, TIMEOUT, FAILED or MISMATCH (``out`` is complete only
-        when OK: :meth:`resume` or :meth:`fold` finishes a step whose wait ended early)."""
+        (split from :attr:`split_bytes`, else one step; beyond a slot split through rings:
+        :meth:`split_fits`), whichever layer calls. ``scatter``: a reduce_scatter, always split
+        (``out``: this rank's ``count / n`` items). OK, TIMEOUT, FAILED or MISMATCH (``out`` is
+        complete only when OK: :meth:`resume` or :meth:`fold` finishes a late step)."""
         cdef Py_buffer b, o
         cdef int rc
         cdef const unsigned char* h = header

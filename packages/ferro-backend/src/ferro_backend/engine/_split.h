@@ -133,18 +133,20 @@ static inline int ferro_split_wait(ferro_slots* s, int which, int k, double dead
     return rc;
 }
 
-/* where chunk k of part r sits in rank j's input ring */
+/* where chunk k of part r sits in rank j's input ring: the rings go on where j's last call
+ * left them (from its progress counter at the start, which every rank has read), so that a
+ * call writes the positions its peers read longest ago (see ferro_slots_rot) */
 static inline unsigned char* ferro_split_in_at(ferro_slots* s, int j, int r, int k) {
     const ferro_split* sp = &s->split;
     return ferro_slot_data(ferro_slots_slot(s, j, sp->step)) + (size_t)r * sp->in_stride
-        + (size_t)(k % sp->in_ring) * sp->chunk;
+        + (size_t)((sp->bases[3 * j] + (uint32_t)k) % (uint32_t)sp->in_ring) * sp->chunk;
 }
 
-/* where chunk k of rank j's folded part sits in its result ring */
+/* where chunk k of rank j's folded part sits in its result ring (going on likewise) */
 static inline unsigned char* ferro_split_out_at(ferro_slots* s, int j, int k) {
     const ferro_split* sp = &s->split;
     return ferro_slot_data(ferro_slots_slot(s, j, sp->step + 1))
-        + (size_t)(k % sp->out_ring) * sp->chunk;
+        + (size_t)((sp->bases[3 * j + 1] + (uint32_t)k) % (uint32_t)sp->out_ring) * sp->chunk;
 }
 
 /* C k: this rank's input chunk k of every other part into that part's sub-ring, each position
@@ -333,7 +335,7 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     if (chunk > room / 2) chunk = room / 2 / sp->itemsize * sp->itemsize;
     sp->chunk = chunk;
     sp->nchunks = (int)((part + chunk - 1) / chunk);
-    ferro_put_choose(&s->put, nbytes);
+    ferro_put_choose(&s->put, nbytes, 1);
     sp->in_ring = (int)(room / chunk);
     sp->in_stride = (size_t)sp->in_ring * chunk;
     sp->out_ring = (int)(s->L.slot_bytes / chunk);

@@ -72,6 +72,7 @@ typedef struct {
     double waited;             /* seconds this rank's steps waited for their peers (clock on) */
     size_t split_min;          /* whole reductions of at least this many bytes split (0: never) */
     ferro_put put;             /* how data goes into shared memory (_put.h) */
+    size_t rot;                /* where the last step's data starts in every rank's slot data */
     ferro_split split;
 } ferro_slots;
 
@@ -177,15 +178,19 @@ static inline int ferro_slots_agree(ferro_slots* s) {
     return 1;
 }
 
+#include "_onestep.h"
+
 /* The next step's first half: header (seq patched in at FERRO_SEQ_OFF when patch; hash: its
- * hash without the number) and nbytes at src into this rank's slot; publish (with the
- * header's hash). ferro_slots_meet ends it. */
+ * hash without the number) and nbytes at src into this rank's slot, at ferro_slots_rot of
+ * span (the call's bytes per rank; 0: at the start of the slot, as exchange's callers expect);
+ * publish (with the header's hash). ferro_slots_meet ends it. */
 static inline void ferro_slots_post(ferro_slots* s, const unsigned char* header, size_t hlen,
                                     int patch, uint64_t hash, uint32_t seq,
-                                    const unsigned char* src, size_t nbytes) {
+                                    const unsigned char* src, size_t nbytes, size_t span) {
     uint32_t step = s->step + 1;
     ferro_slot_head* mine = ferro_slots_slot(s, s->me, step);
     s->split.active = 0;
+    s->rot = ferro_slots_rot(s, step, span);
     memcpy(mine->header, header, hlen);
     if (patch && hlen >= FERRO_SEQ_OFF + 4u) {
         mine->header[FERRO_SEQ_OFF] = seq & 0xFF;
@@ -197,8 +202,8 @@ static inline void ferro_slots_post(ferro_slots* s, const unsigned char* header,
         seq = ferro_read_seq(header, hlen);
     }
     if (nbytes) {
-        ferro_put_choose(&s->put, nbytes);
-        ferro_put_copy(&s->put, ferro_slot_data(mine), src, nbytes);
+        ferro_put_choose(&s->put, nbytes, ferro_slots_places(s, span) > 1);
+        ferro_put_copy(&s->put, ferro_slot_data(mine) + s->rot, src, nbytes);
     }
     s->step = step;
     s->hlen = hlen;
@@ -216,75 +221,30 @@ static inline int ferro_slots_meet(ferro_slots* s, double deadline, int gil) {
     return rc;
 }
 
-/* The next step whole: ferro_slots_post, then ferro_slots_meet. */
+/* The next step whole: ferro_slots_post (data at the start of the slot), then
+ * ferro_slots_meet. */
 static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, size_t hlen,
                                    int patch, uint64_t hash, uint32_t seq,
                                    const unsigned char* src, size_t nbytes, double deadline,
                                    int gil) {
-    ferro_slots_post(s, header, hlen, patch, hash, seq, src, nbytes);
+    ferro_slots_post(s, header, hlen, patch, hash, seq, src, nbytes, 0);
     return ferro_slots_meet(s, deadline, gil);
 }
 
-/* ferro_slots_step for a caller without the GIL */
+/* ferro_slots_step for a caller without the GIL, its data placed for span (as
+ * ferro_slots_post places it: a general-path call places it as the compiled path's twin) */
 static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen,
                                        int patch, uint64_t hash, uint32_t seq,
-                                       const unsigned char* src, size_t nbytes, double deadline) {
-    return ferro_slots_step(s, header, hlen, patch, hash, seq, src, nbytes, deadline, 0);
-}
-
-/* out = the rank-order fold of count items at byte offset of every rank's slot data of this
- * step; -1 for an unknown dtype code, no memory, or no fold kernel. */
-static inline int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_ssize_t count,
-                                   int code, int op, double mean_divisor) {
-    const void* few[64];
-    const void** ptrs = few;
-    int j, rc;
-    if (s->fold == NULL) return -1;
-    if (s->n > 64) {
-        ptrs = (const void**)malloc((size_t)s->n * sizeof(void*));
-        if (ptrs == NULL) return -1;
-    }
-    for (j = 0; j < s->n; j++)
-        ptrs[j] = ferro_slot_data(ferro_slots_slot(s, j, s->step)) + offset;
-    rc = s->fold(code, out, ptrs, s->n, count, op, mean_divisor);
-    if (ptrs != few) free(ptrs);
-    return rc;
-}
-
-/* The part of ferro_slots_copy that comes from this rank's own src (nothing where it is a
- * broadcast's non-root or out already holds it): a caller may run it before the wait. */
-static inline void ferro_slots_copy_own(ferro_slots* s, void* out_, const void* src,
-                                        size_t nbytes, int root) {
-    unsigned char* own = (unsigned char*)out_ + (root >= 0 ? 0 : (size_t)s->me * nbytes);
-    if ((root < 0 || root == s->me) && own != (const unsigned char*)src)
-        memcpy(own, src, nbytes);
-}
-
-/* The peers' part of it (what comes from their slots). */
-static inline void ferro_slots_copy_peers(ferro_slots* s, void* out_, size_t nbytes, int root) {
-    unsigned char* out = (unsigned char*)out_;
-    int j;
-    if (root >= 0) {
-        if (root != s->me) memcpy(out, ferro_slot_data(ferro_slots_slot(s, root, s->step)), nbytes);
-        return;
-    }
-    for (j = 0; j < s->n; j++)
-        if (j != s->me)
-            memcpy(out + (size_t)j * nbytes, ferro_slot_data(ferro_slots_slot(s, j, s->step)),
-                   nbytes);
-}
-
-/* A broadcast (root >= 0: every rank copies nbytes from root's slot) or all_gather (root = -1:
- * block r of out from rank r's slot, this rank's own from src) of this step. */
-static inline void ferro_slots_copy(ferro_slots* s, void* out, const void* src, size_t nbytes,
-                                    int root) {
-    ferro_slots_copy_own(s, out, src, nbytes, root);
-    ferro_slots_copy_peers(s, out, nbytes, root);
+                                       const unsigned char* src, size_t nbytes, size_t span,
+                                       double deadline) {
+    ferro_slots_post(s, header, hlen, patch, hash, seq, src, nbytes, span);
+    return ferro_slots_meet(s, deadline, 0);
 }
 
 /* A step without slot writes (every rank has finished the last one). */
 static inline int ferro_slots_sync(ferro_slots* s, double deadline) {
     s->step += 1;
+    s->rot = 0;
     ferro_slots_publish(s, s->step);
     return ferro_slots_wait_all(s, s->step, deadline);
 }
@@ -301,8 +261,8 @@ static int ferro_api_fold(void* ctx, const unsigned char* header, size_t hlen, u
     ferro_slots* s = (ferro_slots*)ctx;
     int rc, big = nbytes > FERRO_GIL_BYTES;
     PyThreadState* st = big ? PyEval_SaveThread() : NULL;
-    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, (const unsigned char*)src, nbytes,
-                          deadline, !big);
+    ferro_slots_post(s, header, hlen, 1, hash, seq, (const unsigned char*)src, nbytes, nbytes);
+    rc = ferro_slots_meet(s, deadline, !big);
     if (rc == FERRO_OK && count > 0) rc = ferro_slots_fold(s, out, offset, count, code, op,
                                                           mean_divisor);
     if (big) PyEval_RestoreThread(st);
@@ -316,7 +276,7 @@ static int ferro_api_copy(void* ctx, const unsigned char* header, size_t hlen, u
     int rc, big = nbytes > FERRO_GIL_BYTES;
     PyThreadState* st = big ? PyEval_SaveThread() : NULL;
     ferro_slots_post(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
-                     root < 0 || root == s->me ? nbytes : 0);
+                     root < 0 || root == s->me ? nbytes : 0, nbytes);
     ferro_slots_copy_own(s, out, src, nbytes, root);  /* while the peers arrive */
     rc = ferro_slots_meet(s, deadline, !big);
     if (rc == FERRO_OK) ferro_slots_copy_peers(s, out, nbytes, root);

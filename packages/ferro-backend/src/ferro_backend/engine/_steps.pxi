@@ -42,7 +42,8 @@ cdef extern from "_steps.h" nogil:
     int ferro_slots_agree(ferro_slots* s)
     int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen, int patch,
                              uint64_t hash, uint32_t seq, const unsigned char* src,
-                             size_t nbytes, double deadline)
+                             size_t nbytes, size_t span, double deadline)
+    size_t ferro_slots_rot(const ferro_slots* s, uint32_t step, size_t span)
     int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_ssize_t count, int code,
                          int op, double mean_divisor)
     void ferro_slots_copy(ferro_slots* s, void* out, const void* src, size_t nbytes, int root)

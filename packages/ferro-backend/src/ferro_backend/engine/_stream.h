@@ -104,7 +104,7 @@ static inline int ferro_stream_start(ferro_slots* s, const unsigned char* header
     sp->chunk = s->L.slot_bytes / (FERRO_STREAM_RING / 2);
     if (sp->chunk >= 64u) sp->chunk = sp->chunk / 64u * 64u;  /* whole cache lines */
     sp->nchunks = (int)((nbytes + sp->chunk - 1) / sp->chunk);
-    ferro_put_choose(&s->put, nbytes * (size_t)s->n);
+    ferro_put_choose(&s->put, nbytes * (size_t)s->n, 0);
     return ferro_split_go(s, rc, deadline);
 }
 
