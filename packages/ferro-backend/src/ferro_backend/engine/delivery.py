@@ -241,8 +241,8 @@ class Delivery:
         part = self._partial.get(src)
         if part is None:
             req = box.claim(src, tag)
-            if req is None:
-                part = [None, bytearray(total)]
+            if req is None:  # unexpected: not zero-filled first (the chunks fill it all)
+                part = [None, np.empty(total, dtype=np.uint8)]
             elif len(req.view) != total:
                 part = [req, None]  # a size mismatch: the chunks are skipped
             else:
