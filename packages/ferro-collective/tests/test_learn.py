@@ -60,6 +60,20 @@ def test_every_rank_learns_the_same_parameters_and_auto_uses_them():
 
 
 @pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")
+def test_the_round_is_the_slowest_ranks(monkeypatch):
+    # a call's time is the slowest rank's: here rank 1's calls seem to take a second each, rank
+    # 0's as long as they take; the job learns rank 1's round (rank 0's broadcast would not)
+    from ferro_collective import learn
+
+    real = learn._after_barrier
+    monkeypatch.setattr(learn, "_after_barrier",
+                        lambda b, fn: real(b, fn) + (1.0 if b.rank == 1 else 0.0))
+    params = run_threads(lambda b: learn_network(b, reps=1), SimulatedBackend.create_group(2),
+                         timeout=60)
+    assert params[0] == params[1]
+    assert params[0].alpha > 0.1  # a second over the call's few rounds
+
+
 def test_learning_on_two_nodes_sets_the_job_and_its_groups():
     results = run_processes(learned, 4, ("a", "a", "b", "b"))
     first = results[0]

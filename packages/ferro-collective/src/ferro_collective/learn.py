@@ -8,7 +8,8 @@ collective). It measures, on this job's own ranks and links:
   after the link has rested (:func:`_ping`);
 - **a round**: the time of one step of a point-to-point algorithm across the whole job (an
   8-byte allreduce by recursive doubling, each call after a barrier as a job's calls start, the
-  median of ``3 x reps`` after 3 warm-up calls, divided by its rounds), which is what a small
+  median of ``3 x reps`` after 3 warm-up calls, divided by its rounds, the slowest rank's
+  median), which is what a small
   message really costs here: on an oversubscribed host it is the wait for the peer to be
   scheduled, far above the link's own latency. The model's ``alpha`` is the larger of the two,
   and a message between a node's ranks (``intra_alpha``) costs at least the round too;
@@ -219,7 +220,9 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         step = statistics.median(_after_barrier(backend, one_round_trip)
                                  for _ in range(3 * reps))
         rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
-        fig[6] = step / rounds
+        # the slowest rank's, as a call's time is taken: the last rank out of the barrier
+        # waits least in the call, its peers wait for it
+        fig[6] = allreduce(np.array([step / rounds]), backend, ReduceOp.MAX)[0]
     broadcast(fig, backend, root=0, out=fig)
     alpha, beta, call, gamma, copy_bw, barrier_s, round_cost, burst, engine_step = fig.tolist()
     intra = local > 1 and barrier_s > 0
