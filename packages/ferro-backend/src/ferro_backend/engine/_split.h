@@ -272,7 +272,7 @@ static inline int ferro_split_begin(ferro_slots* s, const unsigned char* header,
     mine->in_base = c->inprog;
     mine->out_base = c->outprog;
     mine->g_base = c->gprog;
-    rc = ferro_slots_step(s, header, hlen, 1, hash, seq, NULL, 0, deadline, 0);
+    rc = ferro_slots_exchange(s, header, hlen, 1, hash, seq, NULL, 0, 0, deadline);
     s->split.step = s->step;
     return rc;
 }

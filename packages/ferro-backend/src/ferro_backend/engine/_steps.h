@@ -221,18 +221,8 @@ static inline int ferro_slots_meet(ferro_slots* s, double deadline, int gil) {
     return rc;
 }
 
-/* The next step whole: ferro_slots_post (data at the start of the slot), then
- * ferro_slots_meet. */
-static inline int ferro_slots_step(ferro_slots* s, const unsigned char* header, size_t hlen,
-                                   int patch, uint64_t hash, uint32_t seq,
-                                   const unsigned char* src, size_t nbytes, double deadline,
-                                   int gil) {
-    ferro_slots_post(s, header, hlen, patch, hash, seq, src, nbytes, 0);
-    return ferro_slots_meet(s, deadline, gil);
-}
-
-/* ferro_slots_step for a caller without the GIL, its data placed for span (as
- * ferro_slots_post places it: a general-path call places it as the compiled path's twin) */
+/* A whole step for a caller without the GIL: ferro_slots_post (a general-path call places its
+ * data for span as its compiled twin does), then ferro_slots_meet. */
 static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* header, size_t hlen,
                                        int patch, uint64_t hash, uint32_t seq,
                                        const unsigned char* src, size_t nbytes, size_t span,
@@ -286,8 +276,8 @@ static int ferro_api_copy(void* ctx, const unsigned char* header, size_t hlen, u
 
 static int ferro_api_barrier(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
                              uint32_t seq, double deadline) {
-    return ferro_slots_step((ferro_slots*)ctx, header, hlen, 1, hash, seq, NULL, 0, deadline,
-                            1);
+    ferro_slots_post((ferro_slots*)ctx, header, hlen, 1, hash, seq, NULL, 0, 0);
+    return ferro_slots_meet((ferro_slots*)ctx, deadline, 1);
 }
 
 static int ferro_api_allreduce(void* ctx, const unsigned char* header, size_t hlen,
