@@ -144,9 +144,8 @@ def allreduce_recursive_doubling(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> Non
         ctx.wait(req, partner, f"the round-{distance.bit_length()} partial result")
         last = distance * 2 >= p
         # Combine lower-rank operand first on both partners: identical bits on both sides.
-        if partner < me:  # the partner's data is the lower operand: fold into it, copy back
-            accumulate(incoming, buf, op, mean if last else None)
-            buf[...] = incoming
+        if partner < me:  # the partner's data is the lower operand: first, folded into buf
+            _fold(buf, [incoming, buf], op, mean if last else None)  # (no copy back)
         else:
             accumulate(buf, incoming, op, mean if last else None)
         distance *= 2
