@@ -25,8 +25,10 @@ static inline size_t ferro_slots_stride(size_t span) {
 
 /* the places a call of span bytes per rank moves through (1: it stays at the start) */
 static inline size_t ferro_slots_places(const ferro_slots* s, size_t span) {
-    size_t places = s->L.slot_bytes / ferro_slots_stride(span);
-    return span < FERRO_ROTATE_MIN || places < 1 ? 1 : places;
+    size_t places;
+    if (span < FERRO_ROTATE_MIN) return 1;  /* before the division: a span of 0 has no pages */
+    places = s->L.slot_bytes / ferro_slots_stride(span);
+    return places < 1 ? 1 : places;
 }
 
 /* where step's data starts (steps of one parity share a slot, so a place per two steps) */
