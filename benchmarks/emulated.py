@@ -162,7 +162,8 @@ def table(results: dict[str, dict], rate: str) -> str:
              "(spread = (max - min) / median); model: the parameters the job learned "
              "(`ferro_collective.learn_network`: the link pinged by ranks 0 and L after it "
              "rested, with its token bucket's burst; a round of the whole job; the engine step "
-             "inside a staged call; the local terms), each node's link shared by its ranks; "
+             "inside a staged call; the route between a node's ranks; the local terms, in "
+             "the cache and beyond it), each node's link shared by its ranks; "
              "bound: 2 (N - 1) / N x S over the link rate.", "",
              "| layout | size | algorithm | measured | spread | model | model / measured | "
              "bound | bound / measured |", "|---|---|---|---|---|---|---|---|---|"]

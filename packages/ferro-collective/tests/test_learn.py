@@ -85,11 +85,39 @@ def test_learning_on_two_nodes_sets_the_job_and_its_groups():
     assert p.engine_step is not None and 0 < p.engine_step < 0.1
     cross = costmodel.Params(*first["cross"])
     assert (cross.alpha, cross.beta) == (p.alpha, p.beta) and cross.ranks_per_node == 1
+    # the host's rates: a copy within a rank's memory, and beyond the cache (slower or equal,
+    # as timed; at least 1 MiB of cache), and the route between a node's ranks (a message is
+    # copied into the engine's rings and out again: slower than one copy)
+    assert 1e8 < p.copy_beta_mem < 1e12 and 1e8 < p.copy_beta < 1e12
+    assert 1e-12 < p.gamma_mem < 1e-8 and p.cache_bytes >= 1 << 20
+    assert 1e7 < p.intra_beta < p.copy_beta
+    assert (cross.gamma_mem, cross.copy_beta) == (p.gamma_mem, p.copy_beta)
     for s, pick in zip((8, 1 << 16, 1 << 22), first["picks"]):
         hier = costmodel.choose_hierarchical("allreduce", s, 4, p, engine=True)
         assert (pick == "hierarchical") == hier, (s, pick)
     assert first["sums"] == [10.0, 10.0, 10.0]
     assert all(r["sums"] == first["sums"] for r in results)
+
+
+@settings(max_examples=50, deadline=None)
+@given(nbytes=st.integers(1, 1 << 30), cache=st.integers(1, 1 << 28),
+       learned_rates=st.booleans())
+def test_local_work_costs_the_cache_rate_up_to_cache_bytes_then_the_memory_rate(
+        nbytes, cache, learned_rates):
+    p = costmodel.Params(1e-5, 1e9, gamma=1e-11, **(dict(
+        copy_beta=4e10, gamma_mem=1e-10, copy_beta_mem=1e10, cache_bytes=cache)
+        if learned_rates else {}))
+    if not learned_rates:  # as before it learned them: folds at gamma, copies free
+        assert p.fold(nbytes) == 1e-11 * nbytes and p.copy(nbytes) == 0.0
+        return
+    beyond = nbytes > cache
+    assert p.fold(nbytes) == (1e-10 if beyond else 1e-11) * nbytes
+    assert p.copy(nbytes) == nbytes / (1e10 if beyond else 4e10)
+    # an allreduce's flat model pays its input's copy once; the simulated network's nothing
+    base = costmodel.predict("allreduce", "ring", nbytes, 4, dataclasses.replace(
+        p, copy_beta=None))
+    assert costmodel.predict("allreduce", "ring", nbytes, 4, p) == pytest.approx(
+        base + p.copy(nbytes))
 
 
 def test_auto_algorithm_without_learning_follows_the_thresholds():

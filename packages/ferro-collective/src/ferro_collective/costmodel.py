@@ -4,8 +4,9 @@ A message of ``b`` bytes on a link costs ``alpha + b / beta`` (latency, bandwidt
 interface sends one message at a time; ranks on one node (``ranks_per_node`` consecutive ranks)
 use the faster intra-node link, and a step in which any message crosses nodes costs what the
 slower link costs (the steps of a ring or a tree wait for their slowest message). Local work
-(copies, reductions) is left out: :class:`ferro_backend.netsim.Network`'s virtual time counts
-the same, and the tests hold the model to the simulated network within 10% at 8-256 ranks.
+costs what :class:`~.costparams.Params` says (free on a simulated network, whose virtual time
+counts the same: the tests hold the model to it within 10% at 8-256 ranks; what
+:func:`.learn.learn_network` measured on a real job).
 
 Every collective first exchanges its header (mismatch detection, Bruck's all-gather:
 ``ceil(log2 n)`` rounds of growing blocks of ``HEADER_SIZE`` bytes); the model includes it.
@@ -28,59 +29,9 @@ import functools
 import itertools
 import math
 import weakref
-from dataclasses import dataclass
 
 from . import schedule
-
-
-@dataclass(frozen=True)
-class Params:
-    """``alpha`` seconds and ``beta`` bytes/s between nodes; ``intra_alpha``/``intra_beta``
-    within a node of ``ranks_per_node`` consecutive ranks (None: one link kind); ``gamma``
-    seconds per byte a rank folds into its buffer (the reduction kernel; 0: free, as in the
-    simulated network); ``call`` seconds every call costs each rank outside its messages
-    (argument checks, buffers, the Python around them: fitted to real runs by
-    ``benchmarks/scale_validate.py``; 0 on the simulated network). ``shared_link``: a node's
-    ranks share one link to the network (a real node's NIC: messages leaving, or entering, a
-    node one after another), where the simulated network gives every rank an interface of its
-    own (False: its rules). ``burst``: bytes a shared link passes at once after it has rested,
-    the rest at ``beta`` (a token bucket, as ``tc``'s tbf shapes an emulated node's link; 0: a
-    plain link); every call starts on rested links. ``engine_step``: seconds of a node stage's
-    step through the node's shared-memory engine within a staged call (None: ``intra_alpha``)."""
-
-    alpha: float
-    beta: float
-    intra_alpha: float | None = None
-    intra_beta: float | None = None
-    ranks_per_node: int = 1
-    gamma: float = 0.0
-    call: float = 0.0
-    shared_link: bool = False
-    burst: float = 0.0
-    engine_step: float | None = None
-
-    @classmethod
-    def of(cls, network) -> Params:
-        """The parameters of a :class:`ferro_backend.netsim.Network`."""
-        intra = network.intra
-        return cls(network.inter.latency, network.inter.bandwidth,
-                   intra.latency if intra is not None else None,
-                   intra.bandwidth if intra is not None else None, network.ranks_per_node)
-
-    def link(self, crosses: bool) -> tuple[float, float]:
-        if crosses or self.intra_alpha is None:
-            return self.alpha, self.beta
-        return self.intra_alpha, self.intra_beta
-
-    def msg(self, nbytes: float, crosses: bool) -> float:
-        a, b = self.link(crosses)
-        return a + nbytes / b
-
-
-#: a 25 Gb/s, 5 us cluster of 16-rank nodes with a 10 GB/s, 0.5 us shared-memory link: what
-#: "auto" assumes beyond the sizes its thresholds were measured at
-DEFAULT = Params(5e-6, 25e9 / 8, 0.5e-6, 10e9, 16)
-
+from .costparams import DEFAULT, Params
 
 #: backend -> the parameters :func:`ferro_collective.learn_network` measured on it
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -159,7 +110,8 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
         return schedule.header_time(p, n) + p.call
     s = schedule.Schedule(p, schedule.header_clocks(p, n) if header else [0.0] * n)
     schedule.run(s, name, algorithm, nbytes)
-    return max(s.clock) + p.call
+    # an allreduce first copies its input into the buffer it folds in (every rank alike)
+    return max(s.clock) + p.call + (p.copy(nbytes) if name == "allreduce" else 0.0)
 
 
 def terms(name: str, algorithm: str, nbytes: int, n: int) -> tuple[float, float, float]:
@@ -263,7 +215,8 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
             # one step through the node's segment: everyone arrives, then copies the stage's
             # bytes over the intra-node link (the engine checks headers in the same step)
             for members in nodes:
-                t = max(s.clock[m] for m in members) + step + size / ib
+                t = max(s.clock[m] for m in members) + step + (
+                    size / ib if p.copy_beta is None else p.copy(size))
                 for m in members:
                     s.clock[m] = t
             continue

@@ -16,7 +16,15 @@ collective). It measures, on this job's own ranks and links:
 - **the local terms**: ``call``, one collective's cost outside its messages (a 1-rank
   allreduce); ``gamma``, seconds per byte of the reduction kernel; the node engine's step as a
   staged call meets it (``engine_step``: a staged allreduce less its cross stage, halved; at
-  least a barrier on the node's engine) and its copy bandwidth (``intra_beta``).
+  least a barrier on the node's engine) and its copy bandwidth (``copy_beta``);
+- **the local rates beyond the cache** (``gamma_mem``, ``copy_beta_mem``, on arrays that
+  stream from memory; ``cache_bytes`` from the host's caches), timed by node 0's ranks at once,
+  as a call's ranks fold at once (the slowest rank's): a 64 MiB fold ran at 8-16 GB/s where
+  4 MiB ones ran at 40, and recursive doubling on 2 emulated nodes x 2 ranks was modelled
+  7-14% short of its 64 MiB calls with the cache's rates;
+- **the route inside a node** (``intra_beta``): ranks 0 and 1 of node 0 exchange 1 and 8 MiB
+  both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64 MiB
+  on 2 emulated nodes, where one copy runs at 10-40).
 
 Rank 0's figures are broadcast, so every rank holds the same :class:`~.costmodel.Params` and
 "auto" picks the same algorithm everywhere. From then on :func:`.costmodel.params_for` returns
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -155,6 +164,49 @@ def local_terms(reps: int = 20) -> tuple[float, float, float]:
     return call, gamma / a.nbytes, a.nbytes / copy
 
 
+def cache_bytes() -> float:
+    """The largest array a rank's fold or copy keeps in this host's caches: half its largest
+    cache (a copy or a fold streams two arrays through it), from sysfs; 16 MiB where the host
+    does not say."""
+    largest = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            largest = max(largest, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(
+                text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return float(largest // 2) if largest else float(16 << 20)
+
+
+def memory_rates(reps: int = 5) -> tuple[float, float]:
+    """``gamma_mem`` (seconds per byte folded) and the copy bandwidth (bytes/s) on arrays four
+    times :func:`cache_bytes` (32-256 MiB), which stream from memory, measured in this process."""
+    size = int(min(max(4 * cache_bytes(), 32 << 20), 256 << 20)) // 4
+    a, c = np.ones(size, np.float32), np.ones(size, np.float32)
+    _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)  # every page touched before timing
+    gamma = _median_time(lambda: _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel), reps)
+    copy = _median_time(lambda: np.copyto(a, c), reps)
+    return gamma / a.nbytes, a.nbytes / copy
+
+
+def _route_beta(backend, peer: int, reps: int, timeout: float) -> float:
+    """Bytes/s of messages between two ranks of one node (their route: the engine's rings on a
+    multi-node job), both ways at once, from 1 and 8 MiB exchanges (both ranks call this)."""
+    medians = []
+    for nbytes in (1 << 20, 8 << 20):
+        out, inc = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+
+        def exchange(out=out, inc=inc):
+            req = backend.irecv(inc, peer, tag=_TAG)
+            backend.send(out, peer, tag=_TAG)
+            req.wait(timeout)
+
+        exchange()
+        medians.append(_median_time(exchange, reps))
+    return (7 << 20) / max(medians[1] - medians[0], 1e-9)
+
+
 def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
     """Measure this job (see the module docstring) and make "auto" plan with the result on
     ``backend`` and its hierarchy's groups; returns the learned parameters (the same on every
@@ -189,12 +241,23 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     h = getattr(backend, "hierarchy", None)
     local = h.local_world if h is not None else 1
     barrier(backend)
-    fig = np.zeros(9)
+    fig = np.zeros(11)
     peer = local if h is not None and n > local else 1
     if n > 1 and rank in (0, peer):
         fig[0], fig[1], fig[7] = _ping(backend, peer - rank, reps, wait)
     if rank == 0:
         fig[2], fig[3], fig[4] = local_terms()
+        fig[10] = cache_bytes()
+    mem = np.zeros(2)  # node 0's ranks at once, as a call's ranks fold at once: the slowest
+    if h is not None and local > 1 and rank < local:
+        barrier(h.node)
+        if rank < 2:
+            fig[9] = _route_beta(backend, 1 - rank, reps, wait)
+        barrier(h.node)
+    if rank < local:
+        mem[0], copy_mem = memory_rates()
+        mem[1] = 1.0 / copy_mem
+    mem = allreduce(mem, backend, ReduceOp.MAX)
     if h is not None and h.node.engine is not None:
         barrier(h.node)
         fig[5] = _median_time(lambda: barrier(h.node), reps)
@@ -224,13 +287,18 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         # waits least in the call, its peers wait for it
         fig[6] = allreduce(np.array([step / rounds]), backend, ReduceOp.MAX)[0]
     broadcast(fig, backend, root=0, out=fig)
-    alpha, beta, call, gamma, copy_bw, barrier_s, round_cost, burst, engine_step = fig.tolist()
+    (alpha, beta, call, gamma, copy_bw, barrier_s, round_cost, burst, engine_step, route_bw,
+     cache) = fig.tolist()
+    rates = dict(copy_beta=copy_bw, gamma_mem=float(mem[0]), copy_beta_mem=1.0 / mem[1],
+                 cache_bytes=cache)
     intra = local > 1 and barrier_s > 0
     p = costmodel.Params(
         max(alpha, round_cost), beta if beta > 0 else costmodel.DEFAULT.beta,
-        # a message between a node's ranks waits for its peer like any other: the round
-        max(barrier_s, round_cost) if intra else None, copy_bw if intra else None,
-        local, gamma=gamma, call=call,
+        # a message between a node's ranks waits for its peer like any other: the round; it
+        # moves at its route's rate (the engine's rings: copied in, then out)
+        max(barrier_s, round_cost) if intra else None,
+        (route_bw if route_bw > 0 else copy_bw) if intra else None,
+        local, gamma=gamma, call=call, **rates,
         engine_step=engine_step if intra and engine_step > 0 else None,
         # a real node's link carries its messages in and out one after another, one rank per
         # node or several (a star's root takes its peers' messages in turn: 4 emulated nodes,
@@ -239,11 +307,13 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         shared_link=local > 1 or getattr(backend, "network", None) is None, burst=burst)
     costmodel.remember(backend, p)
     if h is not None:
-        costmodel.remember(h.cross, costmodel.Params(p.alpha, p.beta, gamma=gamma, call=call))
+        costmodel.remember(h.cross, costmodel.Params(p.alpha, p.beta, gamma=gamma, call=call,
+                                                     **rates))
         if intra:
-            costmodel.remember(h.node, costmodel.Params(p.engine_step, p.intra_beta,
-                                                        gamma=gamma, call=call))
+            costmodel.remember(h.node, costmodel.Params(p.engine_step, copy_bw, gamma=gamma,
+                                                        call=call, **rates))
     return p
 
 
-__all__ = ["BURST_SIZES", "PING_SIZES", "fit_link", "learn_network", "local_terms"]
+__all__ = ["BURST_SIZES", "PING_SIZES", "cache_bytes", "fit_link", "learn_network",
+           "local_terms", "memory_rates"]

@@ -16,7 +16,7 @@ import numpy as np
 from .header import HEADER_SIZE
 
 if TYPE_CHECKING:
-    from .costmodel import Params
+    from .costparams import Params
 
 
 def _cost(p: Params, src: int, dst: int, nbytes: float) -> tuple[float, float]:
@@ -82,7 +82,7 @@ class Schedule:
                 dst = dst_of(me)
                 if dst is not None:
                     arrivals[dst] = max(arrivals[dst] or 0.0, self.send(me, dst, nbytes))
-            work = self.p.gamma * nbytes if fold else 0.0
+            work = self.p.fold(nbytes) if fold else 0.0
             self.clock = [c if a is None else max(c, a) + work
                           for c, a in zip(self.clock, arrivals)]
 
@@ -178,7 +178,7 @@ def _ring_rounds(s: Schedule, count: int, nbytes: float, fold: bool) -> None:
     for me in range(n):
         lat[me], busy[me] = _cost(s.p, me, (me + 1) % n, nbytes)
     clock, nic = np.array(s.clock, np.float64), np.array(s.nic, np.float64)
-    work = s.p.gamma * nbytes if fold else 0.0
+    work = s.p.fold(nbytes) if fold else 0.0
     for _ in range(count):
         nic = np.maximum(clock, nic) + busy
         clock = np.maximum(clock, np.roll(nic + lat, 1)) + work
@@ -190,7 +190,7 @@ def _recursive_doubling(s: Schedule, nbytes: float) -> None:
     q = 1 << (n.bit_length() - 1)
     for me in range(q, n):  # fold into me - q
         s.clock[me - q] = max(s.clock[me - q], s.send(me, me - q, nbytes)) \
-            + s.p.gamma * nbytes
+            + s.p.fold(nbytes)
     d = 1
     while d < q:
         s.rounds([(lambda me, d=d: (me ^ d) if me < q else None, nbytes)], fold=True)
@@ -204,7 +204,7 @@ def _gather_to_root(s: Schedule, nbytes: float, fold: bool = False) -> None:
     for r in range(1, n):
         s.clock[0] = max(s.clock[0], s.send(r, 0, nbytes))
     if fold:
-        s.clock[0] += s.p.gamma * nbytes * (n - 1)
+        s.clock[0] += s.p.fold(nbytes) * (n - 1)
 
 
 def _from_root(s: Schedule, nbytes: float) -> None:

@@ -1,0 +1,87 @@
+"""The cost model's parameters: the links a job's messages cross, and the local work its ranks
+do on the way (folds, copies), at the rates this host gives them in its caches and beyond.
+
+:class:`Params` is what :mod:`.costmodel` plans with and :func:`.learn.learn_network` learns;
+:data:`DEFAULT` is what "auto" assumes before it has learned anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Params:
+    """``alpha`` seconds and ``beta`` bytes/s between nodes; ``intra_alpha``/``intra_beta``
+    within a node of ``ranks_per_node`` consecutive ranks (None: one link kind); ``gamma``
+    seconds per byte a rank folds into its buffer (the reduction kernel; 0: free, as in the
+    simulated network); ``call`` seconds every call costs each rank outside its messages
+    (argument checks, buffers, the Python around them: fitted to real runs by
+    ``benchmarks/scale_validate.py``; 0 on the simulated network). ``shared_link``: a node's
+    ranks share one link to the network (a real node's NIC: messages leaving, or entering, a
+    node one after another), where the simulated network gives every rank an interface of its
+    own (False: its rules). ``burst``: bytes a shared link passes at once after it has rested,
+    the rest at ``beta`` (a token bucket, as ``tc``'s tbf shapes an emulated node's link; 0: a
+    plain link); every call starts on rested links. ``engine_step``: seconds of a node stage's
+    step through the node's shared-memory engine within a staged call (None: ``intra_alpha``).
+
+    The host's local rates (None where not learned: folds cost ``gamma`` a byte at any size,
+    copies nothing; a node stage's bytes move at ``intra_beta``): ``copy_beta``, bytes/s a rank
+    copies within its own memory (the node engine's copies, a call's copy of its input);
+    ``gamma_mem`` and ``copy_beta_mem``, the same once an array is larger than
+    ``cache_bytes``, where the data streams from memory, not the cache (2 cores, 32 MiB L3,
+    one rank: 40 GB/s folded at 4 MiB, 8-16 GB/s at 64 MiB)."""
+
+    alpha: float
+    beta: float
+    intra_alpha: float | None = None
+    intra_beta: float | None = None
+    ranks_per_node: int = 1
+    gamma: float = 0.0
+    call: float = 0.0
+    shared_link: bool = False
+    burst: float = 0.0
+    engine_step: float | None = None
+    copy_beta: float | None = None
+    gamma_mem: float | None = None
+    copy_beta_mem: float | None = None
+    cache_bytes: float = math.inf
+
+    @classmethod
+    def of(cls, network) -> Params:
+        """The parameters of a :class:`ferro_backend.netsim.Network`."""
+        intra = network.intra
+        return cls(network.inter.latency, network.inter.bandwidth,
+                   intra.latency if intra is not None else None,
+                   intra.bandwidth if intra is not None else None, network.ranks_per_node)
+
+    def link(self, crosses: bool) -> tuple[float, float]:
+        if crosses or self.intra_alpha is None:
+            return self.alpha, self.beta
+        return self.intra_alpha, self.intra_beta
+
+    def msg(self, nbytes: float, crosses: bool) -> float:
+        a, b = self.link(crosses)
+        return a + nbytes / b
+
+    def fold(self, nbytes: float) -> float:
+        """Seconds a rank takes to fold ``nbytes`` into its buffer."""
+        if self.gamma_mem is not None and nbytes > self.cache_bytes:
+            return self.gamma_mem * nbytes
+        return self.gamma * nbytes
+
+    def copy(self, nbytes: float) -> float:
+        """Seconds a rank takes to copy ``nbytes`` within its memory (0 where not learned)."""
+        if self.copy_beta is None or nbytes <= 0:
+            return 0.0
+        if self.copy_beta_mem is not None and nbytes > self.cache_bytes:
+            return nbytes / self.copy_beta_mem
+        return nbytes / self.copy_beta
+
+
+#: a 25 Gb/s, 5 us cluster of 16-rank nodes with a 10 GB/s, 0.5 us shared-memory link: what
+#: "auto" assumes beyond the sizes its thresholds were measured at
+DEFAULT = Params(5e-6, 25e9 / 8, 0.5e-6, 10e9, 16)
+
+__all__ = ["DEFAULT", "Params"]
