@@ -1,6 +1,6 @@
 """The benchmark regression gate: same-run ratios against a committed baseline.
 
-    python tools/bench_check.py RESULTS.json [--baseline benchmarks/baseline.json]
+    python tools/bench_check.py RESULTS.json [MORE.json ...] [--baseline benchmarks/baseline.json]
         [--margin 0.35] [--rerun "python -m pytest benchmarks ..."] [--update]
 
 ``RESULTS.json`` is a pytest-benchmark ``--benchmark-json`` file whose ferro entries carry
@@ -8,8 +8,11 @@
 run: see benchmarks/conftest.py), so the gate is robust to how fast the machine is. A benchmark
 fails when its ratio falls more than ``margin`` (a fraction) below the committed one. A suspect
 benchmark is measured again (``--rerun``, up to two more times, best ratio kept) before it fails,
-since these machines are noisy. ``--update`` writes the current ratios as the new baseline
-(do it on purpose, after an improvement or a deliberate trade-off, and commit the file).
+since these machines are noisy; several result files count each benchmark's best ratio.
+``--update`` writes the new baseline (do it on purpose, after an improvement or a deliberate
+trade-off, and commit the file): from one file, its ratios; from several runs, each ratio's
+median over the runs and the committed baseline, so a change must show in most runs to move
+the gate, and one slow or lucky run does not.
 Exit status 1 names each regression with both figures.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,14 +51,22 @@ def rerun(command: str, names: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", type=Path)
+    p.add_argument("results", type=Path, nargs="+")
     p.add_argument("--baseline", type=Path, default=Path("benchmarks/baseline.json"))
     p.add_argument("--margin", type=float, default=0.35)
     p.add_argument("--rerun", default=None, help="command that re-runs benchmarks (pytest)")
     p.add_argument("--update", action="store_true")
     args = p.parse_args(argv)
-    current = ratios(args.results)
+    runs = [ratios(path) for path in args.results]
+    current = {name: max(run[name] for run in runs if name in run)
+               for name in set().union(*runs)}
     if args.update:
+        if len(runs) > 1:
+            old = json.loads(args.baseline.read_text())["ratios"] \
+                if args.baseline.exists() else {}
+            current = {name: statistics.median([run[name] for run in runs if name in run]
+                                               + ([old[name]] if name in old else []))
+                       for name in current}
         args.baseline.write_text(json.dumps({"margin": args.margin, "ratios": current},
                                             indent=1, sort_keys=True) + "\n")
         print(f"bench_check: wrote {len(current)} ratios to {args.baseline}")

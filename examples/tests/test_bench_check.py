@@ -39,3 +39,20 @@ def test_committed_baseline_covers_the_engine_and_the_kernels():
     ratios = json.loads((ROOT / "benchmarks" / "baseline.json").read_text())["ratios"]
     assert any(name.startswith("bench_engine.py::bench_engine_2_ranks") for name in ratios)
     assert any("fold" in name for name in ratios)
+
+
+def test_an_update_from_several_runs_takes_each_ratios_median_with_the_baseline(tmp_path):
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"margin": 0.35, "ratios": {"b.py::x": 1.0, "b.py::y": 2.0}}))
+    runs = [_results(tmp_path / f"r{i}.json", r) for i, r in enumerate((
+        {"b.py::x": 3.0, "b.py::y": 0.5, "b.py::new": 4.0},  # x better in both runs
+        {"b.py::x": 2.5, "b.py::y": 2.2, "b.py::new": 5.0}))]  # y slow in one run only
+    r = subprocess.run([*GATE, *map(str, runs), "--baseline", str(base), "--update"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(base.read_text())["ratios"] == {"b.py::x": 2.5, "b.py::y": 2.0,
+                                                      "b.py::new": 4.5}
+    # checking several runs counts each benchmark's best: y's slow run is no regression
+    r = subprocess.run([*GATE, *map(str, runs), "--baseline", str(base)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout
