@@ -14,10 +14,11 @@
  *   R i    wait until every rank wrote chunk i (inprog reached in_base + i + 1); copy chunk i
  *          of every other rank's block into out; publish outprog = out_base + i + 1.
  *
- * Stage t runs W t and R t - 1 (a rank's own block is copied into out first, while its peers
- * arrive). A rank ends the call only when every peer has read the last of its chunks in slot
- * s % 2, which its next call may write at once (a one-step call writes before it waits); slot
- * (s + 1) % 2 is next written at step s + 3, after every rank has published s + 2.
+ * Stage t runs W t and R t - 1; W t also copies chunk t of this rank's own block into out,
+ * after publishing it. A rank ends the call only when every peer has read the last of its
+ * chunks in slot s % 2, which its next call may write at once (a one-step call writes before
+ * it waits); slot (s + 1) % 2 is next written at step s + 3, after every rank has published
+ * s + 2.
  */
 #ifndef FERRO_STREAM_H
 #define FERRO_STREAM_H
@@ -43,7 +44,8 @@ static inline size_t ferro_stream_len(const ferro_split* sp, int i) {
 static inline int ferro_stream_run(ferro_slots* s, double deadline) {
     ferro_split* sp = &s->split;
     ferro_ctrl* c = ferro_ctrl_of(s->base, &s->L, s->me);
-    size_t block = sp->itemsize, len;
+    size_t block = sp->itemsize, len, at;
+    unsigned char* mine = sp->out + (size_t)s->me * block;
     int rc = FERRO_OK, i, r, K = sp->nchunks;
     for (; sp->next < 2 * (K + 1); sp->next++) {
         i = sp->next / 2;
@@ -54,10 +56,12 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
                 if (rc != FERRO_OK) break;
             }
             len = ferro_stream_len(sp, i);
-            ferro_put_copy(&s->put, ferro_stream_at(s, s->me, i), sp->src + (size_t)i * sp->chunk,
-                               len);
+            at = (size_t)i * sp->chunk;
+            ferro_put_copy(&s->put, ferro_stream_at(s, s->me, i), sp->src + at, len);
             s->sent += len;
             ferro_publish(&c->inprog, c->inprog + 1u, &c->in_sleepers);
+            /* the same chunk of this rank's own block into out, read again from the cache */
+            if (mine != sp->src) ferro_stream_copy(mine + at, sp->src + at, len);
         } else {  /* R i - 1 */
             i -= 1;
             if (i < 0 || i >= K) continue;
@@ -88,15 +92,13 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline) {
 }
 
 /* A whole streamed all_gather of blocks of nbytes (called without the GIL): out = every rank's
- * block in rank order, this rank's own copied first. */
+ * block in rank order, this rank's own chunk by chunk right after each is published (read
+ * again from the cache, not memory). */
 static inline int ferro_stream_start(ferro_slots* s, const unsigned char* header, size_t hlen,
                                      uint64_t hash, uint32_t seq, const void* src,
                                      size_t nbytes, void* out, double deadline) {
     ferro_split* sp = &s->split;
-    unsigned char* mine = (unsigned char*)out + (size_t)s->me * nbytes;
-    int rc;
-    if (mine != (const unsigned char*)src) ferro_stream_copy(mine, (const unsigned char*)src, nbytes);
-    rc = ferro_split_begin(s, header, hlen, hash, seq, deadline);
+    int rc = ferro_split_begin(s, header, hlen, hash, seq, deadline);
     sp->kind = FERRO_KIND_STREAM;
     sp->src = (const unsigned char*)src;
     sp->out = (unsigned char*)out;
