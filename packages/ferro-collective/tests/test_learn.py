@@ -16,7 +16,7 @@ from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
 from ferro_collective import allreduce, costmodel, learn_network
 from ferro_collective.dispatch import auto_algorithm
-from ferro_collective.learn import BURST_SIZES, PING_SIZES, fit_link, local_terms
+from ferro_collective.learn import BURST_SIZES, PING_SIZES, cache_bytes, fit_link, local_terms, memory_rates
 from ferro_collective.plan import choose
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,6 +27,10 @@ def test_local_terms_are_measured():
     assert 1e-7 < call < 1e-2  # a collective's cost outside its messages, seconds
     assert 1e-12 < gamma < 1e-8  # seconds per byte folded
     assert 1e8 < copy < 1e12  # bytes per second copied
+    # beyond the cache: the ranks of a node share it; a rank's arrays stream from memory
+    assert cache_bytes(4) == cache_bytes(1) // 4 and cache_bytes(1) >= 1 << 16
+    gamma_mem, copy_mem = memory_rates(ranks=4, reps=3)
+    assert 1e-12 < gamma_mem < 1e-8 and 1e8 < copy_mem < 1e12
 
 
 def test_every_rank_learns_the_same_parameters_and_auto_uses_them():

@@ -18,11 +18,11 @@ collective). It measures, on this job's own ranks and links:
   staged call meets it (``engine_step``: a staged allreduce less its cross stage, halved; at
   least a barrier on the node's engine) and its copy bandwidth (``copy_beta``);
 - **the local rates beyond the cache** (``gamma_mem``, ``copy_beta_mem``, on arrays that
-  stream from memory; ``cache_bytes`` from the host's caches), timed by node 0's ranks at once,
-  as a call's ranks fold at once (the slowest rank's): a 64 MiB fold ran at 8-16 GB/s where
-  4 MiB ones ran at 40, and recursive doubling on 2 emulated nodes x 2 ranks was modelled
-  7-14% short of its 64 MiB calls with the cache's rates;
-- **the route inside a node** (``intra_beta``): ranks 0 and 1 of node 0 exchange 1 and 8 MiB
+  stream from memory; ``cache_bytes``, a rank's share of the host's caches), timed by node 0's
+  ranks at once, as a call's ranks fold at once (the slowest rank's): a 64 MiB fold ran at
+  8-16 GB/s where 4 MiB ones ran at 40, and recursive doubling on 2 emulated nodes x 2 ranks
+  was modelled 7-14% short of its 64 MiB calls with the cache's rates;
+- **the route inside a node** (``intra_beta``): ranks 0 and 1 of node 0 exchange 1 and 16 MiB
   both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64 MiB
   on 2 emulated nodes, where one copy runs at 10-40).
 
@@ -164,10 +164,10 @@ def local_terms(reps: int = 20) -> tuple[float, float, float]:
     return call, gamma / a.nbytes, a.nbytes / copy
 
 
-def cache_bytes() -> float:
-    """The largest array a rank's fold or copy keeps in this host's caches: half its largest
-    cache (a copy or a fold streams two arrays through it), from sysfs; 16 MiB where the host
-    does not say."""
+def cache_bytes(ranks: int = 1) -> float:
+    """The largest array each of ``ranks`` ranks working at once keeps in this host's caches:
+    their share of its largest cache, halved (a copy or a fold streams two arrays through it),
+    from sysfs; a 32 MiB cache where the host does not say."""
     largest = 0
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -176,13 +176,15 @@ def cache_bytes() -> float:
                 text[-1:], 0))
         except (OSError, ValueError):
             continue
-    return float(largest // 2) if largest else float(16 << 20)
+    return float((largest or 32 << 20) // (2 * max(1, ranks)))
 
 
-def memory_rates(reps: int = 5) -> tuple[float, float]:
+def memory_rates(ranks: int = 1, reps: int = 5) -> tuple[float, float]:
     """``gamma_mem`` (seconds per byte folded) and the copy bandwidth (bytes/s) on arrays four
-    times :func:`cache_bytes` (32-256 MiB), which stream from memory, measured in this process."""
-    size = int(min(max(4 * cache_bytes(), 32 << 20), 256 << 20)) // 4
+    times :func:`cache_bytes` of ``ranks`` (4-256 MiB; ``ranks`` of a node measuring at once
+    stream some 128 MiB through a 32 MiB cache, whatever their number), measured in this
+    process."""
+    size = int(min(max(4 * cache_bytes(ranks), 4 << 20), 256 << 20)) // 4
     a, c = np.ones(size, np.float32), np.ones(size, np.float32)
     _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)  # every page touched before timing
     gamma = _median_time(lambda: _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel), reps)
@@ -192,9 +194,9 @@ def memory_rates(reps: int = 5) -> tuple[float, float]:
 
 def _route_beta(backend, peer: int, reps: int, timeout: float) -> float:
     """Bytes/s of messages between two ranks of one node (their route: the engine's rings on a
-    multi-node job), both ways at once, from 1 and 8 MiB exchanges (both ranks call this)."""
+    multi-node job), both ways at once, from 1 and 16 MiB exchanges (both ranks call this)."""
     medians = []
-    for nbytes in (1 << 20, 8 << 20):
+    for nbytes in (1 << 20, 16 << 20):
         out, inc = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
 
         def exchange(out=out, inc=inc):
@@ -204,7 +206,7 @@ def _route_beta(backend, peer: int, reps: int, timeout: float) -> float:
 
         exchange()
         medians.append(_median_time(exchange, reps))
-    return (7 << 20) / max(medians[1] - medians[0], 1e-9)
+    return (15 << 20) / max(medians[1] - medians[0], 1e-9)
 
 
 def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
@@ -247,7 +249,7 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         fig[0], fig[1], fig[7] = _ping(backend, peer - rank, reps, wait)
     if rank == 0:
         fig[2], fig[3], fig[4] = local_terms()
-        fig[10] = cache_bytes()
+        fig[10] = cache_bytes(local)
     mem = np.zeros(2)  # node 0's ranks at once, as a call's ranks fold at once: the slowest
     if h is not None and local > 1 and rank < local:
         barrier(h.node)
@@ -255,7 +257,7 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
             fig[9] = _route_beta(backend, 1 - rank, reps, wait)
         barrier(h.node)
     if rank < local:
-        mem[0], copy_mem = memory_rates()
+        mem[0], copy_mem = memory_rates(local)
         mem[1] = 1.0 / copy_mem
     mem = allreduce(mem, backend, ReduceOp.MAX)
     if h is not None and h.node.engine is not None:
