@@ -124,6 +124,17 @@ def test_local_work_costs_the_cache_rate_up_to_cache_bytes_then_the_memory_rate(
         base + p.copy(nbytes))
 
 
+def test_learning_where_a_node_holds_ranks_far_apart():
+    # nodes a = {0, 2}, b = {1, 3}: node 0's ranks (not ranks 0 and 1) time the route and the
+    # memory together, and the link is pinged between the first ranks of the two nodes
+    results = run_processes(learned, 4, ("a", "b", "a", "b"))
+    first = results[0]
+    assert all(r["params"] == first["params"] for r in results)
+    p = costmodel.Params(*first["params"])
+    assert 1e7 < p.intra_beta < p.copy_beta and 1e-12 < p.gamma_mem < 1e-8
+    assert all(r["sums"] == [10.0, 10.0, 10.0] for r in results)
+
+
 def test_auto_algorithm_without_learning_follows_the_thresholds():
     b = SimulatedBackend.create_group(2)[0]
     assert auto_algorithm("allreduce", 1 << 10, b) == "recursive_doubling"

@@ -22,9 +22,9 @@ collective). It measures, on this job's own ranks and links:
   ranks at once, as a call's ranks fold at once (the slowest rank's): a 64 MiB fold ran at
   8-16 GB/s where 4 MiB ones ran at 40, and recursive doubling on 2 emulated nodes x 2 ranks
   was modelled 7-14% short of its 64 MiB calls with the cache's rates;
-- **the route inside a node** (``intra_beta``): ranks 0 and 1 of node 0 exchange 1 and 16 MiB
-  both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64 MiB
-  on 2 emulated nodes, where one copy runs at 10-40).
+- **the route inside a node** (``intra_beta``): the first two ranks of node 0 exchange 1 and
+  16 MiB both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64
+  MiB on 2 emulated nodes, where one copy runs at 10-40).
 
 Rank 0's figures are broadcast, so every rank holds the same :class:`~.costmodel.Params` and
 "auto" picks the same algorithm everywhere. From then on :func:`.costmodel.params_for` returns
@@ -244,20 +244,21 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     local = h.local_world if h is not None else 1
     barrier(backend)
     fig = np.zeros(11)
-    peer = local if h is not None and n > local else 1
+    node0 = h.members[0] if h is not None else (0,)  # rank 0's node, whatever the layout
+    peer = h.members[1][0] if h is not None and n > local else 1
     if n > 1 and rank in (0, peer):
-        fig[0], fig[1], fig[7] = _ping(backend, peer - rank, reps, wait)
+        fig[0], fig[1], fig[7] = _ping(backend, peer if rank == 0 else 0, reps, wait)
     if rank == 0:
         fig[2], fig[3], fig[4] = local_terms()
         fig[10] = cache_bytes(local)
     mem = np.zeros(2)  # node 0's ranks at once, as a call's ranks fold at once: the slowest
-    if h is not None and local > 1 and rank < local:
-        barrier(h.node)
-        if rank < 2:
-            fig[9] = _route_beta(backend, 1 - rank, reps, wait)
-        barrier(h.node)
-    if rank < local:
-        mem[0], copy_mem = memory_rates(local)
+    if rank in node0:
+        if len(node0) > 1:
+            barrier(h.node)
+            if rank in node0[:2]:
+                fig[9] = _route_beta(backend, node0[1] if rank == 0 else 0, reps, wait)
+            barrier(h.node)
+        mem[0], copy_mem = memory_rates(len(node0))
         mem[1] = 1.0 / copy_mem
     mem = allreduce(mem, backend, ReduceOp.MAX)
     if h is not None and h.node.engine is not None:
