@@ -313,6 +313,30 @@ def test_a_shared_node_link_never_beats_the_link_bound(layout, nbytes, algorithm
 
 
 @settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(2, 2), (4, 2), (2, 4), (3, 2)]),
+       st.sampled_from([4 << 10, 1 << 20, 64 << 20]),
+       st.sampled_from(["ring", "recursive_doubling", "star", "hierarchical_engine",
+                        "hierarchical"]), st.booleans())
+def test_a_layout_whose_nodes_hold_ranks_far_apart(layout, nbytes, algorithm, shared):
+    """``node_of`` places the ranks: naming the consecutive layout changes nothing; dealing the
+    ranks out node by node (rank r on node r % N) leaves the stages' time as it was (the same
+    groups under other names) and makes every hop of the ring cross nodes."""
+    nodes, per_node = layout
+    n = nodes * per_node
+    p = cm.Params(50e-6, 125e6, 0.5e-6, 10e9, per_node, shared_link=shared, gamma=1e-10)
+    named = dataclasses.replace(p, node_of=tuple(r // per_node for r in range(n)))
+    dealt = dataclasses.replace(p, node_of=tuple(r % nodes for r in range(n)))
+    assert dealt.members(n) == [tuple(range(k, n, nodes)) for k in range(nodes)]
+    t = cm.predict("allreduce", algorithm, nbytes, n, p)
+    assert cm.predict("allreduce", algorithm, nbytes, n, named) == t
+    if algorithm.startswith("hierarchical"):
+        assert cm.predict("allreduce", algorithm, nbytes, n, dealt) == pytest.approx(t)
+    elif algorithm == "ring" and shared and nbytes >= 1 << 20:
+        # each node's link now carries every one of its ranks' hops, not one of them
+        assert cm.predict("allreduce", "ring", nbytes, n, dealt) > 1.5 * t
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]),
        st.sampled_from([4 << 10, 64 << 10, 1 << 20, 16 << 20]),
        st.sampled_from(["ring", "recursive_doubling", "star", "hierarchical_engine"]),

@@ -85,6 +85,7 @@ def test_learning_on_two_nodes_sets_the_job_and_its_groups():
     assert all(r["picks"] == first["picks"] for r in results)
     p = costmodel.Params(*first["params"])
     assert p.ranks_per_node == 2 and p.shared_link and p.intra_alpha is not None
+    assert p.node_of is None  # consecutive nodes: rank // ranks_per_node
     # the engine step as a staged call meets it, never below a barrier on the engine alone
     assert p.engine_step is not None and 0 < p.engine_step < 0.1
     cross = costmodel.Params(*first["cross"])
@@ -132,6 +133,7 @@ def test_learning_where_a_node_holds_ranks_far_apart():
     assert all(r["params"] == first["params"] for r in results)
     p = costmodel.Params(*first["params"])
     assert 1e7 < p.intra_beta < p.copy_beta and 1e-12 < p.gamma_mem < 1e-8
+    assert p.node_of == (0, 1, 0, 1)  # the model places the ranks where they are
     assert all(r["sums"] == [10.0, 10.0, 10.0] for r in results)
 
 

@@ -1,12 +1,12 @@
 """An alpha-beta cost model of every point-to-point algorithm of the collectives.
 
 A message of ``b`` bytes on a link costs ``alpha + b / beta`` (latency, bandwidth); a rank's
-interface sends one message at a time; ranks on one node (``ranks_per_node`` consecutive ranks)
-use the faster intra-node link, and a step in which any message crosses nodes costs what the
-slower link costs (the steps of a ring or a tree wait for their slowest message). Local work
-costs what :class:`~.costparams.Params` says (free on a simulated network, whose virtual time
-counts the same: the tests hold the model to it within 10% at 8-256 ranks; what
-:func:`.learn.learn_network` measured on a real job).
+interface sends one message at a time; ranks on one node (``ranks_per_node`` consecutive ranks,
+or as ``Params.node_of`` places them) use the faster intra-node link, and a step in which any
+message crosses nodes costs what the slower link costs (the steps of a ring or a tree wait for
+their slowest message). Local work costs what :class:`~.costparams.Params` says (free on a
+simulated network, whose virtual time counts the same: the tests hold the model to it within
+10% at 8-256 ranks; what :func:`.learn.learn_network` measured on a real job).
 
 Every collective first exchanges its header (mismatch detection, Bruck's all-gather:
 ``ceil(log2 n)`` rounds of growing blocks of ``HEADER_SIZE`` bytes); the model includes it.
@@ -128,7 +128,7 @@ def terms(name: str, algorithm: str, nbytes: int, n: int) -> tuple[float, float,
 
 def _layout(n: int, p: Params) -> tuple[int, int]:
     L = p.ranks_per_node
-    if L < 2 or n % L or n // L < 2:
+    if L < 2 or n % L or n // L < 2 or any(len(m) != L for m in p.members(n)):
         raise ValueError(f"costmodel: {n} ranks at {L} per node have no hierarchy (it needs "
                          "at least 2 nodes of at least 2 ranks)")
     return L, n // L
@@ -203,8 +203,8 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
     from ferro_backend.partition import split_sizes
 
     L, N = _layout(n, p)
-    nodes = [tuple(range(k * L, (k + 1) * L)) for k in range(N)]
-    crosses = [tuple(range(j, n, L)) for j in range(L)]
+    nodes = p.members(n)  # node k's ranks (consecutive ones unless p.node_of says otherwise)
+    crosses = [tuple(members[j] for members in nodes) for j in range(L)]
     s = schedule.Schedule(p, [0.0] * n)
     pieces = split_sizes(int(nbytes), L)  # allreduce's slices (bytes; the call splits elements)
     ia, ib = p.link(False)

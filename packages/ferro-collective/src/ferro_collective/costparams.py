@@ -31,7 +31,9 @@ class Params:
     copies within its own memory (the node engine's copies, a call's copy of its input);
     ``gamma_mem`` and ``copy_beta_mem``, the same once an array is larger than
     ``cache_bytes``, where the data streams from memory, not the cache (2 cores, 32 MiB L3,
-    one rank: 40 GB/s folded at 4 MiB, 8-16 GB/s at 64 MiB)."""
+    one rank: 40 GB/s folded at 4 MiB, 8-16 GB/s at 64 MiB). ``node_of``: each rank's node
+    where the nodes do not hold consecutive ranks (``srun --distribution=cyclic``, ``mpirun
+    --map-by node``); None: rank ``r`` is on node ``r // ranks_per_node``."""
 
     alpha: float
     beta: float
@@ -47,6 +49,7 @@ class Params:
     gamma_mem: float | None = None
     copy_beta_mem: float | None = None
     cache_bytes: float = math.inf
+    node_of: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, network) -> Params:
@@ -64,6 +67,17 @@ class Params:
     def msg(self, nbytes: float, crosses: bool) -> float:
         a, b = self.link(crosses)
         return a + nbytes / b
+
+    def node(self, rank: int) -> int:
+        """The node of ``rank``."""
+        return self.node_of[rank] if self.node_of is not None else rank // self.ranks_per_node
+
+    def members(self, n: int) -> list[tuple[int, ...]]:
+        """The ranks of each node of an ``n``-rank job, in node order."""
+        by_node: dict[int, list[int]] = {}
+        for rank in range(n):
+            by_node.setdefault(self.node(rank), []).append(rank)
+        return [tuple(by_node[k]) for k in sorted(by_node)]
 
     def fold(self, nbytes: float) -> float:
         """Seconds a rank takes to fold ``nbytes`` into its buffer."""

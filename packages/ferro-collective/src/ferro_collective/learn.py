@@ -26,11 +26,13 @@ collective). It measures, on this job's own ranks and links:
   16 MiB both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64
   MiB on 2 emulated nodes, where one copy runs at 10-40).
 
-Rank 0's figures are broadcast, so every rank holds the same :class:`~.costmodel.Params` and
-"auto" picks the same algorithm everywhere. From then on :func:`.costmodel.params_for` returns
-them for this backend and its hierarchy's node and cross groups: the flat algorithm is the
-model's best at every world size (not the fixed thresholds), and on several nodes the stages
-run only where the model rates them faster than the flat call.
+The parameters place each rank on its node as the job's hierarchy has it (``node_of``, where
+the nodes do not hold consecutive ranks). Rank 0's figures are broadcast, so every rank holds
+the same :class:`~.costmodel.Params` and "auto" picks the same algorithm everywhere. From then
+on :func:`.costmodel.params_for` returns them for this backend and its hierarchy's node and
+cross groups: the flat algorithm is the model's best at every world size (not the fixed
+thresholds), and on several nodes the stages run only where the model rates them faster than
+the flat call.
 """
 
 from __future__ import annotations
@@ -209,6 +211,19 @@ def _route_beta(backend, peer: int, reps: int, timeout: float) -> float:
     return (15 << 20) / max(medians[1] - medians[0], 1e-9)
 
 
+def _node_of(h, n: int) -> tuple[int, ...] | None:
+    """Each rank's node, where the nodes do not hold consecutive ranks (None where they do,
+    or there is no hierarchy)."""
+    if h is None:
+        return None
+    node_of = [0] * n
+    for k, members in enumerate(h.members):
+        for rank in members:
+            node_of[rank] = k
+    L = h.local_world
+    return None if all(k == rank // L for rank, k in enumerate(node_of)) else tuple(node_of)
+
+
 def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
     """Measure this job (see the module docstring) and make "auto" plan with the result on
     ``backend`` and its hierarchy's groups; returns the learned parameters (the same on every
@@ -307,7 +322,8 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         # node or several (a star's root takes its peers' messages in turn: 4 emulated nodes,
         # 16 MiB, 564 ms modelled against 853 ms measured before); a modelled network gives
         # each rank an interface of its own (netsim's rules)
-        shared_link=local > 1 or getattr(backend, "network", None) is None, burst=burst)
+        shared_link=local > 1 or getattr(backend, "network", None) is None, burst=burst,
+        node_of=_node_of(h, n))
     costmodel.remember(backend, p)
     if h is not None:
         costmodel.remember(h.cross, costmodel.Params(p.alpha, p.beta, gamma=gamma, call=call,

@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 def _cost(p: Params, src: int, dst: int, nbytes: float) -> tuple[float, float]:
     """(latency, seconds on the sender's interface) of one message ``src -> dst``."""
-    L = p.ranks_per_node if p.intra_alpha is not None else 0
-    same = L > 0 and src // L == dst // L
+    same = p.intra_alpha is not None and p.node(src) == p.node(dst)
     a, b = p.link(not same)
     return a, nbytes / b
 
@@ -42,11 +41,10 @@ class Schedule:
 
     def send(self, src: int, dst: int, nbytes: float) -> float:
         lat, busy = _cost(self.p, src, dst, nbytes)
-        L = self.p.ranks_per_node
-        if self.p.shared_link and src // L != dst // L:
+        sn, dn = self.p.node(src), self.p.node(dst)
+        if self.p.shared_link and sn != dn:
             # one link per node: a message waits for the node's earlier ones to leave, and
             # for those entering the receiver's node (in the order this schedule sends them)
-            sn, dn = src // L, dst // L
             start = max(self.clock[src], self.nic[src], self.out.get(sn, 0.0))
             leave = start + self._shaped("out", sn, start, nbytes, busy)
             self.nic[src] = self.out[sn] = leave
