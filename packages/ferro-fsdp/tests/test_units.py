@@ -299,3 +299,28 @@ def test_per_parameter_gathers_and_reductions_give_the_packed_bits(strategy, wor
         for k in sp:
             np.testing.assert_array_equal(sp[k], sd[k])
         assert all(freed_after) or strategy is SGO  # gathered buffers went back to the pool
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda n: st.tuples(st.permutations(range(n)),
+                                                      st.integers(0, n))))
+def test_a_pooled_buffer_goes_back_only_once_every_reduction_reading_it_is_done(case):
+    """A unit's per-parameter reductions read its full-gradient buffer; a backend's async
+    workers run them side by side, so they may end in any order (the last started first: the
+    buffer went back early, another unit of the same size took it and wrote its gradients into
+    it while a reduction still read it). ``already`` of them are done before the hand-off."""
+    from concurrent.futures import Future
+
+    from ferro_fsdp.buffer_pool import BufferPool
+    from ferro_fsdp.inflight import give_when_done
+
+    order, already = case
+    pool, buf = BufferPool(), np.zeros(8)
+    futures = [Future() for _ in order]
+    for i in order[:already]:
+        futures[i].set_result(None)
+    give_when_done(futures, pool, buf)
+    for i in order[already:]:
+        assert pool.held_bytes() == 0
+        futures[i].set_result(None)
+    assert pool.take(8, buf.dtype) is buf

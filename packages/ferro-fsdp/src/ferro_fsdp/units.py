@@ -16,7 +16,6 @@ unit works in come from the FSDP's :class:`~ferro_fsdp.buffer_pool.BufferPool`.
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ from ferro_collective import (
 
 from .background import start
 from .flat import FlatLayout
+from .inflight import DoneWork, Works, give_when_done, ready
 from .module import Module
 from .parameter import Parameter
 
@@ -44,30 +44,6 @@ def freed(dtype: np.dtype) -> np.ndarray:
     out = np.empty(0, dtype=dtype)
     out.flags.writeable = False
     return out
-
-
-class _Works:
-    """Collectives started together, one per parameter, waited for as one: ``wait`` (or
-    ``result``) returns ``value``, the buffer they all write into."""
-
-    def __init__(self, works: list[Work], value: np.ndarray) -> None:
-        self.works = works
-        self.value = value
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        for work in self.works:
-            work.wait(timeout)
-        return self.value
-
-    def result(self) -> np.ndarray:
-        return self.wait()
-
-
-def _ready(value: np.ndarray) -> concurrent.futures.Future:
-    """A finished all-gather (a group of one) as a future like an async one's."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
 
 
 class Unit:
@@ -134,14 +110,14 @@ class Unit:
                                    d.reshape(-1), self.owner._shard_group,
                                    timeout=self.owner._timeout, out=full[acc:acc + n]))
                 acc += n
-            self.pending = _Works(works, full), None  # nothing sent to give back
+            self.pending = Works(works, full), None  # nothing sent to give back
             self.checked = False
             return
         flat = self.layout.pack_shards(shards, out=pool.take(self.layout.shard_numel, self.dtype))
         out = pool.take(self.layout.padded_numel, self.dtype)
         if self.layout.world == 1 or not self.layout.numel:
             out[...] = flat
-            self.pending = _ready(out), flat
+            self.pending = ready(out), flat
             self.checked = checked
         else:
             work = start(self.owner._background, all_gather_async, all_gather, flat,
@@ -282,7 +258,7 @@ class Unit:
                 work = start(owner._background, allreduce_async, allreduce, flat, group,
                              ReduceOp.MEAN, timeout=owner._timeout, out=flat)
             else:
-                work = _done_work(flat)
+                work = DoneWork(flat)
         else:
             if first and self.result is None:
                 self.result = np.empty(self.layout.shard_numel, self.dtype)
@@ -296,12 +272,12 @@ class Unit:
                                    g.reshape(-1), group, ReduceOp.MEAN, timeout=owner._timeout,
                                    out=view)
                              for g, view in zip(grads, self.layout.shard_views(out))]
-                # the reductions read the full gradients: their buffer goes back after the
-                # last (a backend runs its calls in order)
-                works[-1].future.add_done_callback(
-                    lambda _, buf=self.grad_buf: pool.give(buf))
+                # the reductions read the full gradients: their buffer goes back once every
+                # one of them is done (a backend's workers run its calls side by side, so the
+                # last started may end first)
+                give_when_done([w.future for w in works], pool, self.grad_buf)
                 self.grad_buf = None
-                self.reductions.append(_Works(works, out))
+                self.reductions.append(Works(works, out))
                 for fp in self.fps:
                     fp.grad = None
                 return
@@ -316,7 +292,7 @@ class Unit:
             else:
                 out[...] = send[:self.layout.shard_numel]
                 pool.give(send)
-                work = _done_work(out)
+                work = DoneWork(out)
         self.reductions.append(work)
         for fp in self.fps:
             fp.grad = None
@@ -342,16 +318,6 @@ class Unit:
         if group is not None and group.world_size > 1 and self.layout.numel:
             total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout, out=total)
         return total
-
-
-class _done_work:
-    """A reduction that needed no communication (a group of one), shaped like a Work."""
-
-    def __init__(self, value: np.ndarray) -> None:
-        self.value = value
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        return self.value
 
 
 __all__ = ["Unit", "freed"]
