@@ -37,6 +37,7 @@ the flat call.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -115,13 +116,18 @@ def _settled(fn, reps: int) -> float:
     return _median_time(fn, 3 * reps)
 
 
+def _exchange(backend, peer: int, out: np.ndarray, inc: np.ndarray, timeout: float) -> None:
+    """``out`` to ``peer`` and ``inc`` from it, both ways at once (both ranks call this)."""
+    req = backend.irecv(inc, peer, tag=_TAG)
+    backend.send(out, peer, tag=_TAG)
+    req.wait(timeout)
+
+
 def _ping(backend, peer: int, reps: int, timeout: float) -> tuple[float, float, float]:
     """alpha, beta and burst of the link to ``peer`` (both ranks call this at once; each ping
     after the link has rested; :func:`fit_link`)."""
     def exchange(out, inc):
-        req = backend.irecv(inc, peer, tag=_TAG)
-        backend.send(out, peer, tag=_TAG)
-        req.wait(timeout)
+        _exchange(backend, peer, out, inc, timeout)
 
     wake = np.zeros(1, np.uint8), np.empty(1, np.uint8)
 
@@ -200,13 +206,8 @@ def _route_beta(backend, peer: int, reps: int, timeout: float) -> float:
     medians = []
     for nbytes in (1 << 20, 16 << 20):
         out, inc = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-
-        def exchange(out=out, inc=inc):
-            req = backend.irecv(inc, peer, tag=_TAG)
-            backend.send(out, peer, tag=_TAG)
-            req.wait(timeout)
-
-        exchange()
+        exchange = functools.partial(_exchange, backend, peer, out, inc, timeout)
+        exchange()  # untimed first
         medians.append(_median_time(exchange, reps))
     return (15 << 20) / max(medians[1] - medians[0], 1e-9)
 
