@@ -123,8 +123,30 @@ def test_params_follow_the_backends_layout():
     (sim,) = SimulatedBackend.create_group(1, network=net)
     assert cm.params_for(sim) == cm.Params.of(net)
     assert cm.params_for(SimpleNamespace(nodes=("a", "a", "b", "b"))).ranks_per_node == 2
-    irregular = cm.params_for(SimpleNamespace(nodes=("a", "b", "a", "b")))
-    assert irregular.intra_alpha is None  # every link counted as between nodes
+    dealt = cm.params_for(SimpleNamespace(nodes=("a", "b", "a", "b")))  # srun's cyclic
+    assert (dealt.ranks_per_node, dealt.node_of) == (2, (0, 1, 0, 1))
+    assert dealt.intra_alpha == cm.DEFAULT.intra_alpha
+    uneven = cm.params_for(SimpleNamespace(nodes=("a", "a", "a", "b")))
+    assert uneven.intra_alpha is None  # every link counted as between nodes
+
+
+def test_a_dealt_out_layout_is_planned_as_its_nodes_hold_it():
+    """Without learning, ``auto`` plans a cyclic layout (ranks 0, 2, ... on one node) with
+    those nodes: the same predictions as the consecutive layout with the ranks renamed, not
+    those of a job whose every link crosses nodes."""
+    n = 8
+    dealt = cm.params_for(SimpleNamespace(nodes=tuple("abcd"[r % 4] for r in range(n))))
+    consecutive = dataclasses.replace(dealt, node_of=None)
+    assert dealt.members(n) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    for size in (4096, 1 << 20, 64 << 20):
+        staged = cm.predict("allreduce", "hierarchical", size, n, dealt)
+        assert staged == pytest.approx(
+            cm.predict("allreduce", "hierarchical", size, n, consecutive), rel=1e-9)
+        assert cm.choose_hierarchical("allreduce", size, n, dealt) == \
+            cm.choose_hierarchical("allreduce", size, n, consecutive)
+        # the flat ring's every hop crosses nodes here, not one in two
+        assert cm.predict("allreduce", "ring", size, n, dealt) > \
+            cm.predict("allreduce", "ring", size, n, consecutive)
 
 
 def test_model_errors():
@@ -273,10 +295,17 @@ def test_real_multi_node_jobs_always_run_the_stages():
                 for name in ("allreduce", "broadcast", "all_gather", "reduce_scatter"):
                     assert prefer_hierarchical(
                         name, (np.dtype(np.float32), (nbytes // 4,)), real, h)
-    h = SimpleNamespace(local_world=2, members=((0, 2), (1, 3)), node=SimpleNamespace(engine=None))
-    interleaved = SimpleNamespace(nodes=("a", "b", "a", "b"), world_size=4)
-    assert all(prefer_hierarchical(name, (np.dtype(np.float32), (1 << 20,)), interleaved, h)
-               for name in ("allreduce", "reduce_scatter", "all_gather"))
+    # without an engine the model decides, for nodes that hold ranks far apart as for the same
+    # layout with the ranks renamed (consecutive)
+    for nbytes in (4096, 1 << 20, 64 << 20):
+        header = (np.dtype(np.float32), (nbytes // 4,))
+        for name in ("allreduce", "reduce_scatter", "all_gather"):
+            answers = {prefer_hierarchical(name, header, SimpleNamespace(
+                nodes=nodes, world_size=8), SimpleNamespace(
+                local_world=2, members=members, node=SimpleNamespace(engine=None)))
+                for nodes, members in ((tuple("aabbccdd"), ((0, 1), (2, 3), (4, 5), (6, 7))),
+                                       (tuple("abcdabcd"), ((0, 4), (1, 5), (2, 6), (3, 7))))}
+            assert len(answers) == 1, (name, nbytes)
     assert not cm.choose_hierarchical("allreduce", 1 << 20, 16, cm.DEFAULT)  # one node
 
 

@@ -59,8 +59,9 @@ def params_for(backend) -> Params:
     """The link parameters "auto" plans with on ``backend``: what :func:`.learn.learn_network` measured
     on it, if it ran; its modelled network when it is a
     :class:`~ferro_backend.SimulatedBackend` made with one; else :data:`DEFAULT`'s links with the
-    backend's node layout (``backend.nodes``: consecutive ranks per node, the same number on
-    each), or every link between nodes when the layout is unknown or irregular."""
+    backend's node layout (``backend.nodes``: the same number of ranks on each node, consecutive
+    or, with ``Params.node_of``, dealt out as ``srun --distribution=cyclic`` does), or every
+    link between nodes when the layout is unknown or the nodes hold different numbers."""
     p = learned(backend)
     if p is not None:
         return p
@@ -69,9 +70,14 @@ def params_for(backend) -> Params:
         return Params.of(network)
     nodes = getattr(backend, "nodes", None)
     if nodes:
-        runs = [len(list(g)) for _, g in itertools.groupby(nodes)]
-        if len(set(runs)) == 1 and len(runs) == len(set(nodes)):
-            return dataclasses.replace(DEFAULT, ranks_per_node=runs[0])
+        index = {name: k for k, name in enumerate(dict.fromkeys(nodes))}
+        counts = {len(list(g)) for _, g in itertools.groupby(sorted(index[v] for v in nodes))}
+        if len(counts) == 1:
+            node_of = tuple(index[v] for v in nodes)
+            per_node = counts.pop()
+            consecutive = node_of == tuple(r // per_node for r in range(len(nodes)))
+            return dataclasses.replace(DEFAULT, ranks_per_node=per_node,
+                                       node_of=None if consecutive else node_of)
     return Params(DEFAULT.alpha, DEFAULT.beta)
 
 
