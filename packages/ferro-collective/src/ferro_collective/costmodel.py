@@ -24,14 +24,14 @@ is how "auto" decides between them and the flat algorithm on a backend with a no
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-import itertools
 import math
 import weakref
 
 from . import schedule
-from .costparams import DEFAULT, Params
+from .costparams import DEFAULT, Params, placement
 
 #: backend -> the parameters :func:`ferro_collective.learn_network` measured on it
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -71,13 +71,12 @@ def params_for(backend) -> Params:
     nodes = getattr(backend, "nodes", None)
     if nodes:
         index = {name: k for k, name in enumerate(dict.fromkeys(nodes))}
-        counts = {len(list(g)) for _, g in itertools.groupby(sorted(index[v] for v in nodes))}
+        node_of = tuple(index[v] for v in nodes)
+        counts = set(collections.Counter(node_of).values())
         if len(counts) == 1:
-            node_of = tuple(index[v] for v in nodes)
             per_node = counts.pop()
-            consecutive = node_of == tuple(r // per_node for r in range(len(nodes)))
             return dataclasses.replace(DEFAULT, ranks_per_node=per_node,
-                                       node_of=None if consecutive else node_of)
+                                       node_of=placement(node_of, per_node))
     return Params(DEFAULT.alpha, DEFAULT.beta)
 
 

@@ -94,8 +94,15 @@ class Params:
         return nbytes / self.copy_beta
 
 
+def placement(node_of: tuple[int, ...], per_node: int) -> tuple[int, ...] | None:
+    """``Params.node_of`` for ranks on nodes ``node_of``: None where the nodes hold
+    consecutive ranks, ``per_node`` each (rank ``r`` on node ``r // per_node``)."""
+    consecutive = all(k == rank // per_node for rank, k in enumerate(node_of))
+    return None if consecutive else tuple(node_of)
+
+
 #: a 25 Gb/s, 5 us cluster of 16-rank nodes with a 10 GB/s, 0.5 us shared-memory link: what
 #: "auto" assumes beyond the sizes its thresholds were measured at
 DEFAULT = Params(5e-6, 25e9 / 8, 0.5e-6, 10e9, 16)
 
-__all__ = ["DEFAULT", "Params"]
+__all__ = ["DEFAULT", "Params", "placement"]

@@ -46,7 +46,7 @@ import numpy as np
 
 from ferro_backend import SimulatedBackend
 
-from . import _reduce, costmodel, schedule
+from . import _reduce, costmodel, costparams, schedule
 from .api import allreduce, barrier, broadcast
 from .ops import OPS, ReduceOp
 
@@ -221,8 +221,7 @@ def _node_of(h, n: int) -> tuple[int, ...] | None:
     for k, members in enumerate(h.members):
         for rank in members:
             node_of[rank] = k
-    L = h.local_world
-    return None if all(k == rank // L for rank, k in enumerate(node_of)) else tuple(node_of)
+    return costparams.placement(tuple(node_of), h.local_world)
 
 
 def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
