@@ -37,6 +37,32 @@ def test_the_modes_decide_from_the_usable_cores():
     assert frozenset(os.sched_getaffinity(0)) == before
 
 
+def test_ranks_of_other_nodes_on_this_host_stop_every_binding_and_make_waits_yield():
+    # emulated nodes (FERRO_HOST_RANKS, which ferrorun --emulate-nodes sets) share this host's
+    # cores: each node's engine would bind its ranks to the same cores, and spin on cores the
+    # other nodes' ranks need
+    from ferro_backend.engine.segment import oversubscribed
+
+    n = max(1, len(CORES))
+    before = frozenset(os.sched_getaffinity(0))
+    assert binding.host_ranks(n) == n and not oversubscribed(n)
+    with settings.override(HOST_RANKS=4 * n):
+        assert binding.host_ranks(n) == 4 * n and binding.host_ranks(8 * n) == 8 * n
+        assert oversubscribed(n) and oversubscribed(1)
+        for mode in ("auto", "cores"):
+            with settings.override(SHM_BIND=mode):
+                assert binding.bind(0, n) is None
+    with settings.override(HOST_RANKS=n, SHM_BIND="cores"):  # this node's ranks alone
+        try:
+            assert binding.bind(0, n) in (None, before)  # bound where the platform lets it
+        finally:
+            binding.unbind(before)
+    assert frozenset(os.sched_getaffinity(0)) == before
+    with mock.patch.dict(os.environ, {"FERRO_HOST_RANKS": "0"}), \
+            pytest.raises(Exception, match="FERRO_HOST_RANKS"):
+        settings.HOST_RANKS.get()
+
+
 def test_a_bad_mode_names_the_variable():
     with mock.patch.dict(os.environ, {"FERRO_SHM_BIND": "sometimes"}), \
             pytest.raises(Exception, match="FERRO_SHM_BIND"):

@@ -28,6 +28,9 @@ def test_the_ranks_on_this_host_come_from_the_hierarchy_the_engine_or_the_launch
         assert ranks_on_this_host(SimpleNamespace()) == 5
     with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": ""}):
         assert ranks_on_this_host(SimpleNamespace()) is None
+    with settings.override(HOST_RANKS=8):  # emulated nodes sharing this host
+        assert ranks_on_this_host(engine) == 8 and ranks_on_this_host(multi) == 8
+        assert runs_in_background(multi, None) is (usable_cores() > 8)
 
 
 def test_auto_runs_in_background_only_with_a_core_to_spare():

@@ -194,6 +194,12 @@ TRACE = _declare("FERRO_TRACE", "directory", _text, None, "`init_from_env`",
                  "(`ferrorun --trace DIR` sets it and merges the ranks)")
 NODE_ID = _declare("FERRO_NODE_ID", "text", _text, None, "`init_from_env`, ferro-torch",
                    "this rank's node, for comparing hosts (tests: two \"nodes\" on one machine)")
+HOST_RANKS = _declare("FERRO_HOST_RANKS", "count", _count(1), None,
+                      "`ShmBackend`, ferro-collective",
+                      "ranks of the job on this host where its node holds fewer (`ferrorun "
+                      "--emulate-nodes` sets it: the emulated nodes share this host's cores): "
+                      "engine waits then yield as on an oversubscribed host, no rank is bound "
+                      "to a core, and `FERRO_BACKGROUND=auto` counts them")
 MASTER_PORT = _declare("FERRO_MASTER_PORT", "port", _port, None, "`init_from_env`",
                        "rank 0's port for ferro's own rendezvous (any launcher)")
 MASTER_ADDR = _declare("FERRO_MASTER_ADDR", "host", _text, None, "`init_from_env`",
@@ -275,7 +281,7 @@ BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
 
 #: every setting, by variable name, in the order of the README's table
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, MASTER_PORT, MASTER_ADDR, HIERARCHY,
+    TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, HOST_RANKS, MASTER_PORT, MASTER_ADDR, HIERARCHY,
     TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_BIND,
     SHM_RING_BYTES,

@@ -19,16 +19,17 @@ from ferro_backend.engine import binding
 def ranks_on_this_host(backend: Any) -> int | None:
     """How many ranks of ``backend``'s job run on this host, where the backend can tell (its
     node's share of a multi-node job, the ranks of its shared-memory engine, or the launcher's
-    ``LOCAL_WORLD_SIZE``); None where it cannot (a simulated network's threads)."""
+    ``LOCAL_WORLD_SIZE``; more where emulated nodes share the host: ``FERRO_HOST_RANKS``);
+    None where it cannot (a simulated network's threads)."""
     root = backend
     while getattr(root, "parent", None) is not None:  # a subgroup: its whole job counts
         root = root.parent
     hierarchy = getattr(root, "hierarchy", None)
     if hierarchy is not None:
-        return int(hierarchy.local_world)
+        return binding.host_ranks(int(hierarchy.local_world))
     engine = getattr(root, "engine", None)
     if engine is not None:
-        return int(engine.nranks)
+        return binding.host_ranks(int(engine.nranks))
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(local) if local.isdigit() and int(local) > 0 else None
 

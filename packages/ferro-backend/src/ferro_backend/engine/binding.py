@@ -10,8 +10,10 @@ until the scheduler moved one rank away. Bound, each rank keeps its core from th
 ``auto`` (the default) binds when the engine's ranks are exactly as many as the cores this
 process may use (every core runs a rank anyway); ``cores`` binds whenever there are at least as
 many cores as ranks (two jobs on one host then share cores: set it only for one job per host);
-``off`` never binds. The calling thread (the rank's) is bound, to the ``rank``-th of the usable
-cores in order; :func:`unbind` gives it its earlier set back.
+``off`` never binds; nor does any mode where ranks of other nodes share the host
+(``FERRO_HOST_RANKS``: emulated nodes), which would be bound to the same cores. The calling
+thread (the rank's) is bound, to the ``rank``-th of the usable cores in order; :func:`unbind`
+gives it its earlier set back.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from __future__ import annotations
 import os
 
 from .. import settings
+
+
+def host_ranks(nranks: int) -> int:
+    """The ranks running on this host: an engine's ``nranks``, or more where other nodes of the
+    job share the host (``FERRO_HOST_RANKS``, which ``ferrorun --emulate-nodes`` sets)."""
+    return max(nranks, settings.HOST_RANKS.get() or 0)
 
 
 def usable_cores() -> list[int]:
@@ -33,8 +41,8 @@ def bind(rank: int, nranks: int) -> frozenset[int] | None:
     had before (for :func:`unbind`), or None when it did not bind."""
     mode = settings.SHM_BIND.get()
     cores = usable_cores()
-    if mode == "off" or not cores or not 0 <= rank < nranks:
-        return None
+    if mode == "off" or not cores or not 0 <= rank < nranks or host_ranks(nranks) > nranks:
+        return None  # (ranks of other nodes on this host would be bound to the same cores)
     if len(cores) < nranks or (mode == "auto" and len(cores) != nranks):
         return None
     before = frozenset(cores)
@@ -56,4 +64,4 @@ def unbind(before: frozenset[int] | None) -> None:
         pass
 
 
-__all__ = ["bind", "unbind", "usable_cores"]
+__all__ = ["bind", "host_ranks", "unbind", "usable_cores"]

@@ -84,8 +84,10 @@ SLOW_COPY = 12.0
 
 
 def oversubscribed(nranks: int) -> bool:
-    """Whether the ranks outnumber this host's cores (then waits yield instead of spinning)."""
-    return nranks > (os.cpu_count() or 1)
+    """Whether the ranks on this host (an engine's ``nranks``, or all of the emulated nodes'
+    sharing it: ``binding.host_ranks``) outnumber its cores (then waits yield instead of
+    spinning)."""
+    return binding.host_ranks(nranks) > (os.cpu_count() or 1)
 
 
 class Engine:
