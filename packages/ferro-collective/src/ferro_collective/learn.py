@@ -227,7 +227,7 @@ def _node_of(h, n: int) -> tuple[int, ...] | None:
 def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> costmodel.Params:
     """Measure this job (see the module docstring) and make "auto" plan with the result on
     ``backend`` and its hierarchy's groups; returns the learned parameters (the same on every
-    rank). A collective: every rank of ``backend`` must call it. Takes about a second (0.7-1.4 s
+    rank). A collective: every rank of ``backend`` must call it. Takes about a second (0.85-1.75 s
     on 2-8 ranks of 2-4 emulated nodes on 2 cores).
 
     Parameters
