@@ -78,6 +78,44 @@ def test_the_round_is_the_slowest_ranks(monkeypatch):
     assert params[0].alpha > 0.1  # a second over the call's few rounds
 
 
+@settings(max_examples=100, deadline=None)
+@given(cores=st.integers(1, 64), host=st.integers(1, 512), timed_by=st.integers(1, 512))
+def test_crowding_is_the_ranks_per_core_at_work_against_when_timed(cores, host, timed_by):
+    from ferro_collective.learn import crowding
+
+    timed_by = min(timed_by, host)
+    c = crowding(host, cores, timed_by)
+    assert c >= 1.0
+    if host <= cores:  # real nodes: every rank has a core of its own, timed or at work
+        assert c == 1.0
+    assert c == pytest.approx(max(1, host / cores) / max(1, timed_by / cores))
+    assert crowding(host, cores, 1) >= c  # fewer ranks timing it, more to scale
+
+
+def test_learning_on_a_host_other_nodes_share_scales_the_local_rates(monkeypatch):
+    # emulated nodes: 8 ranks of the job on 2 cores (FERRO_HOST_RANKS), where rank 0 alone
+    # timed the fold and the copy and node 0's ranks (here rank 0) the rates beyond the cache
+    from ferro_backend import settings as fsettings
+    from ferro_collective import learn
+
+    monkeypatch.setattr(learn, "local_terms", lambda reps=20: (1e-5, 1e-11, 4e10))
+    monkeypatch.setattr(learn, "memory_rates", lambda ranks=1, reps=5: (1e-10, 1e10))
+    monkeypatch.setattr(learn, "usable_cores", lambda: 2)
+
+    def rates():
+        p = run_threads(lambda b: learn_network(b, reps=1), SimulatedBackend.create_group(2),
+                        timeout=60)[0]
+        return p.gamma, p.copy_beta, p.gamma_mem, p.copy_beta_mem
+
+    alone = rates()
+    assert alone == pytest.approx((1e-11, 4e10, 1e-10, 1e10))
+    with fsettings.override(HOST_RANKS=8):
+        shared = rates()
+    assert shared == pytest.approx((4e-11, 1e10, 4e-10, 2.5e9))  # 4 ranks a core, not 1
+    with fsettings.override(HOST_RANKS=2):  # the host's own ranks within its cores
+        assert rates() == pytest.approx(alone)
+
+
 def test_learning_on_two_nodes_sets_the_job_and_its_groups():
     results = run_processes(learned, 4, ("a", "a", "b", "b"))
     first = results[0]

@@ -26,6 +26,11 @@ collective). It measures, on this job's own ranks and links:
   16 MiB both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64
   MiB on 2 emulated nodes, where one copy runs at 10-40).
 
+Where other nodes share this host (emulated nodes: ``FERRO_HOST_RANKS``) and its ranks
+outnumber the cores, a call's ranks all work at once on them: each local rate is scaled to a
+rank's share of the cores then against its share when timed (:func:`crowding`; 4 emulated
+nodes x 2 ranks on 2 cores: 4x). On real nodes (ranks within their cores) nothing changes.
+
 The parameters place each rank on its node as the job's hierarchy has it (``node_of``, where
 the nodes do not hold consecutive ranks). Rank 0's figures are broadcast, so every rank holds
 the same :class:`~.costmodel.Params` and "auto" picks the same algorithm everywhere. From then
@@ -45,9 +50,11 @@ from pathlib import Path
 import numpy as np
 
 from ferro_backend import SimulatedBackend
+from ferro_backend.engine import binding
 
 from . import _reduce, costmodel, costparams, schedule
 from .api import allreduce, barrier, broadcast
+from .background import usable_cores
 from .ops import OPS, ReduceOp
 
 #: message sizes the link is timed with (bytes)
@@ -200,6 +207,13 @@ def memory_rates(ranks: int = 1, reps: int = 5) -> tuple[float, float]:
     return gamma / a.nbytes, a.nbytes / copy
 
 
+def crowding(host_ranks: int, cores: int, timed_by: int) -> float:
+    """How many times slower a local rate runs with the ``host_ranks`` ranks of this host all at
+    work on its ``cores`` than with the ``timed_by`` that timed it (ranks per core, at least 1)."""
+    cores = max(1, cores)
+    return max(1.0, host_ranks / cores) / max(1.0, timed_by / cores)
+
+
 def _route_beta(backend, peer: int, reps: int, timeout: float) -> float:
     """Bytes/s of messages between two ranks of one node (their route: the engine's rings on a
     multi-node job), both ways at once, from 1 and 16 MiB exchanges (both ranks call this)."""
@@ -258,7 +272,7 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     h = getattr(backend, "hierarchy", None)
     local = h.local_world if h is not None else 1
     barrier(backend)
-    fig = np.zeros(11)
+    fig = np.zeros(13)
     node0 = h.members[0] if h is not None else (0,)  # rank 0's node, whatever the layout
     peer = h.members[1][0] if h is not None and n > local else 1
     if n > 1 and rank in (0, peer):
@@ -266,6 +280,7 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     if rank == 0:
         fig[2], fig[3], fig[4] = local_terms()
         fig[10] = cache_bytes(local)
+        fig[11], fig[12] = binding.host_ranks(local), usable_cores()  # rank 0's, for all
     mem = np.zeros(2)  # node 0's ranks at once, as a call's ranks fold at once: the slowest
     if rank in node0:
         if len(node0) > 1:
@@ -306,7 +321,10 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         fig[6] = allreduce(np.array([step / rounds]), backend, ReduceOp.MAX)[0]
     broadcast(fig, backend, root=0, out=fig)
     (alpha, beta, call, gamma, copy_bw, barrier_s, round_cost, burst, engine_step, route_bw,
-     cache) = fig.tolist()
+     cache, host, cores) = fig.tolist()
+    alone, node, pair = (crowding(int(host), int(cores), k) for k in (1, len(node0), 2))
+    gamma, copy_bw, route_bw = gamma * alone, copy_bw / alone, route_bw / pair
+    mem *= node  # seconds per byte folded, and per byte copied
     rates = dict(copy_beta=copy_bw, gamma_mem=float(mem[0]), copy_beta_mem=1.0 / mem[1],
                  cache_bytes=cache)
     intra = local > 1 and barrier_s > 0
@@ -334,5 +352,5 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
     return p
 
 
-__all__ = ["BURST_SIZES", "PING_SIZES", "cache_bytes", "fit_link", "learn_network",
+__all__ = ["BURST_SIZES", "PING_SIZES", "cache_bytes", "crowding", "fit_link", "learn_network",
            "local_terms", "memory_rates"]
