@@ -26,10 +26,10 @@ collective). It measures, on this job's own ranks and links:
   16 MiB both ways at once (the engine's rings copy a message in and out: 1-1.6 GB/s for 64
   MiB on 2 emulated nodes, where one copy runs at 10-40).
 
-Where other nodes share this host (emulated nodes: ``FERRO_HOST_RANKS``) and its ranks
-outnumber the cores, a call's ranks all work at once on them: each local rate is scaled to a
-rank's share of the cores then against its share when timed (:func:`crowding`; 4 emulated
-nodes x 2 ranks on 2 cores: 4x). On real nodes (ranks within their cores) nothing changes.
+Where the host's ranks (its node's, or all of those of the emulated nodes sharing it:
+``FERRO_HOST_RANKS``) outnumber its cores, a call's ranks all work at once on them: each local
+rate is scaled to a rank's share of the cores then against its share when timed
+(:func:`crowding`; 4 emulated nodes x 2 ranks on 2 cores: 4x). Ranks within the cores: as timed.
 
 The parameters place each rank on its node as the job's hierarchy has it (``node_of``, where
 the nodes do not hold consecutive ranks). Rank 0's figures are broadcast, so every rank holds
