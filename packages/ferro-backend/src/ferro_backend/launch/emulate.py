@@ -124,8 +124,6 @@ def run(args, caps: dict[str, str], supervise) -> int:
             cmds = [agent_command(args, i, n, addr, port) for i in range(n)]
             env = dict(os.environ, **caps, PYTHONUNBUFFERED="1")
             env[settings.TOKEN.name] = token
-            # every node's ranks run on this host's cores: the engines count them all
-            env.setdefault(settings.HOST_RANKS.name, str(n * args.nproc))
             env.pop("MASTER_ADDR", None)
             env.pop("MASTER_PORT", None)
             job = Job(cmds, [env] * n, list(range(n)), args.grace, False, None,

@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ferrorun: {', '.join(sorted(caps))} set to "
                          f"{next(iter(caps.values()))} per rank ({local} local ranks); set "
                          "them yourself to choose another value\n")
+    if args.emulate_nodes is not None and settings.HOST_RANKS.name not in os.environ:
+        # every emulated node's ranks run on this machine's cores: the engines count them all
+        caps = dict(caps, **{settings.HOST_RANKS.name: str(local)})
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
         for stale in args.trace.glob("rank_*.json"):
