@@ -67,6 +67,9 @@ class Mailbox:
         #: called ``(src, tag)`` after a receive is posted and left waiting (a transport's
         #: receive loop that holds back a large frame until its receive is posted)
         self.on_post: Callable[[int, int], None] | None = None
+        #: the transport's receive loop, if a waiting thread may run it itself (its
+        #: ``drive(req, seconds)``: the TCP mesh's :class:`~ferro_backend.mesh.reactor.Reactor`)
+        self.driver = None
 
     def add_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` on every failure from now on, and at once when one has already

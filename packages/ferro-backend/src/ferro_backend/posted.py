@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 #: the ``src`` of a receive posted for a message from any rank (``Backend.irecv_any``)
 ANY_SOURCE = -1
+#: seconds a waiting receive sleeps (or reads the sockets) before it looks at failures again
+WAIT_SLICE_S = 1.0
 
 
 class PostedRecv(Request):
@@ -40,16 +42,22 @@ class PostedRecv(Request):
 
     # -- transport side -------------------------------------------------------------------
     def complete(self) -> None:
-        with self._box.cond:
+        box = self._box
+        with box.cond:
             self._done = True
-            self._box.cond.notify_all()
+            box.cond.notify_all()
+        if box.driver is not None:  # a waiter reading the sockets looks up
+            box.driver.nudge()
 
     def fail(self, error: BaseException) -> None:
-        with self._box.cond:
+        box = self._box
+        with box.cond:
             if not self._done:
                 self._error = error
                 self._done = True
-                self._box.cond.notify_all()
+                box.cond.notify_all()
+        if box.driver is not None:
+            box.driver.nudge()
 
     # -- caller side ----------------------------------------------------------------------
     def is_completed(self) -> bool:
@@ -61,6 +69,9 @@ class PostedRecv(Request):
         peer's failure, if any."""
         box = self._box
         deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
+        driver = box.driver
+        if driver is not None and not self._done:
+            driver.drive(self, 0.0)  # one look at the sockets, if no other thread reads them
         with box.cond:
             while not self._done:
                 failure = box.failure("recv", self.src)
@@ -69,7 +80,14 @@ class PostedRecv(Request):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                box.cond.wait(min(remaining, 1.0))
+                if driver is None:
+                    box.cond.wait(min(remaining, WAIT_SLICE_S))
+                    continue
+                box.cond.release()  # this thread reads the sockets while it waits
+                try:
+                    driver.drive(self, min(remaining, WAIT_SLICE_S))
+                finally:
+                    box.cond.acquire()
         return True
 
     def wait(self, timeout: float | None = None) -> None:

@@ -33,6 +33,7 @@ K_DATA, K_ABORT, K_CLOSE = 1, 2, 3
 LARGE_FRAME = 256 << 10
 LARGE_FRAME_WAIT = 0.05
 _CHUNK = 1 << 30
+_NOW = socket.MSG_DONTWAIT
 SEND_POLL = 0.25  # seconds a blocked send waits before re-checking timeouts and aborts
 
 
@@ -49,9 +50,12 @@ class Link:
                         struct.pack("ll", int(SEND_POLL), int(SEND_POLL % 1 * 1e6)))
 
     def send_frame(self, kind: int, tag: int, view: memoryview, deadline: float | None,
-                   still_ok: Callable[[], None] = lambda: None) -> None:
+                   still_ok: Callable[[], None] = lambda: None,
+                   on_block: Callable[[], None] | None = None) -> None:
         """Send one frame, holding the link's lock. While the socket is full, ``still_ok()`` is
-        called every SEND_POLL seconds (it raises to give up) and the deadline is checked."""
+        called every SEND_POLL seconds (it raises to give up) and the deadline is checked.
+        ``on_block()``, if given, is called once before the send waits for room in the socket
+        (the first attempt does not wait)."""
         header = FRAME.pack(kind, tag, len(view))
         total = len(header) + len(view)
         sent = 0
@@ -62,8 +66,8 @@ class Link:
                 else:
                     off = sent - len(header)
                     bufs = [view[off:off + _CHUNK]]
-                try:
-                    n = self.sock.sendmsg(bufs)
+                try:  # with on_block, what fits at once first; the rest after on_block()
+                    n = self.sock.sendmsg(bufs, (), 0 if on_block is None else _NOW)
                 except BlockingIOError:
                     n = 0
                 except OSError as exc:
@@ -71,6 +75,10 @@ class Link:
                         f"send: rank {self.rank} -> {self.peer} (tag {tag}): connection lost "
                         f"({exc.strerror or exc})", peer=self.peer) from exc
                 sent += n
+                if on_block is not None:
+                    if sent < total:
+                        on_block()
+                    on_block = None
                 if n == 0:
                     still_ok()
                     if deadline is not None and time.monotonic() > deadline:

@@ -14,6 +14,9 @@ the socket holds, frame by frame, with the same delivery rules as the reader thr
   this process is stuck (``may_wait``), as the reader threads did; the other links keep flowing;
 * ABORT, CLOSE, EOF and errors become failures on the mailbox; a peer that stops mid-frame
   (SIGSTOP) holds up only its own link.
+
+A thread that waits for a receive reads the sockets itself while the loop thread steps aside
+(:mod:`.lead`: one trip through the scheduler per message instead of two).
 """
 
 from __future__ import annotations
@@ -31,44 +34,16 @@ from ..checks import size_mismatch
 from ..errors import PeerClosedError, ProtocolError
 from ..mailbox import CLOSED_CLEANLY, Mailbox, PostedRecv
 from .framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME, LARGE_FRAME_WAIT, Link
+from .incoming import DONE, HEADER, PARKED, PAYLOAD, Incoming, allocate
+from .lead import HAND_BACK_S, Lead
 
 #: bytes read from one link before the loop looks at the others (fairness)
 _TURN = 4 << 20
 _DONTWAIT = socket.MSG_DONTWAIT
-_HEADER, _PAYLOAD, _PARKED, _DONE = 0, 1, 2, 3
 
 
-def _allocate(length: int, peer: int, rank: int, tag: int) -> np.ndarray:
-    """The buffer of an unexpected frame (no zero-fill); ProtocolError if a header announces
-    more than this process can allocate (a corrupt or hostile peer: the link is dropped)."""
-    try:
-        return np.empty(length, dtype=np.uint8)
-    except (MemoryError, ValueError) as exc:
-        raise ProtocolError(f"recv: rank {rank} <- {peer} (tag {tag}): a frame of {length} "
-                            f"bytes cannot be allocated ({exc})") from exc
 
-
-class _Incoming:
-    """The receive state of one link: the frame header being read, then its payload."""
-
-    __slots__ = ("link", "state", "header", "got", "kind", "tag", "length", "view", "req", "buf",
-                 "skip", "parked_until", "fd")
-
-    def __init__(self, link: Link) -> None:
-        self.link = link
-        self.state = _HEADER
-        self.header = memoryview(bytearray(FRAME.size))
-        self.got = 0
-        self.kind = self.tag = self.length = 0
-        self.view: memoryview | None = None
-        self.req: PostedRecv | None = None
-        self.buf: np.ndarray | None = None
-        self.skip = False
-        self.parked_until = 0.0
-        self.fd = link.sock.fileno()
-
-
-class Reactor:
+class Reactor(Lead):
     """The receive loop of one TcpBackend (one thread, started at once)."""
 
     def __init__(self, rank: int, box: Mailbox, may_wait: Callable[[], bool]) -> None:
@@ -80,11 +55,14 @@ class Reactor:
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._lock = threading.Lock()
         self._new: list[Link] = []
-        self._live: dict[int, _Incoming] = {}  # fd -> state, links not finished yet
-        self._parked: dict[tuple[int, int], _Incoming] = {}  # (peer, tag) -> parked link
+        self._live: dict[int, Incoming] = {}  # fd -> state, links not finished yet
+        self._parked: dict[tuple[int, int], Incoming] = {}  # (peer, tag) -> parked link
         self._stop = False
         self._draining = False
+        Lead.__init__(self, box, self._lock)
         box.on_post = self._posted
+        box.driver = self
+        box.add_failure_callback(self._wake)  # a leading waiter out of epoll at once
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"ferro-tcp-{rank}-loop")
         self._thread.start()
@@ -97,6 +75,8 @@ class Reactor:
         self._wake()
 
     def _wake(self) -> None:
+        if self._wake_w < 0:
+            return  # finished
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -111,52 +91,75 @@ class Reactor:
         """Give the peers ``wait`` seconds to say goodbye (every link to end), then stop the
         loop. Sockets stay open (the caller closes them after this returns)."""
         self._draining = True
-        self._wake()
+        self._rouse()
         self._thread.join(max(0.0, wait))
         self._stop = True
-        self._wake()
+        self._rouse()
         self._thread.join(1.0)
         if self.box.on_post == self._posted:
             self.box.on_post = None
-        if not self._thread.is_alive():
-            self._ep.close()
+        if self.box.driver is self:
+            self.box.driver = None
+        if not self._thread.is_alive() and self._lead.acquire(timeout=1.0):
+            self._ep.close()  # no waiting thread reads any more (they see _stop)
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
+            self._wake_w = -1
 
-    @property
-    def threads(self) -> int:
-        return 1
+    def _rouse(self) -> None:  # the loop thread, from epoll or its rest
+        self._wake()
+        with self._lock:
+            self._rest.notify_all()
+
+    threads = 1  # whatever the world size
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
-        ep, live, wake_r = self._ep, self._live, self._wake_r
         while not self._stop:
-            if self._draining and not live and not self._new:
+            if self._draining and not self._live and not self._new:
                 return
-            timeout = -1
-            if self._parked:
-                now = time.monotonic()
-                timeout = max(0.0, min(min(p.parked_until for p in self._parked.values()) - now,
-                                       1e-3))
-            for fd, _ in ep.poll(timeout):
-                inc = live.get(fd)
-                if inc is not None:
-                    self._drain(inc)
-                elif fd == wake_r:
-                    try:
-                        os.read(wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-            if self._new:
+            if self._stands_aside():
                 with self._lock:
-                    new, self._new = self._new, []
-                for link in new:
-                    inc = _Incoming(link)
-                    live[inc.fd] = inc
-                    ep.register(inc.fd, select.EPOLLIN)
-                    self._drain(inc)  # bytes may have arrived before registration
-            if self._parked:
-                self._unpark()
+                    if not self._stop:
+                        self._rest.wait(HAND_BACK_S)
+                continue
+            with self._lead:
+                if self._stands_aside():
+                    continue  # a waiting thread led meanwhile
+                self._loop_leads = True
+                try:
+                    self._turn(None)
+                finally:
+                    self._loop_leads = False
+
+    def _turn(self, cap: float | None) -> None:
+        """One turn of the loop (the lead held): wait up to ``cap`` seconds (None: until
+        something happens) for a readable link, then read what the links hold."""
+        ep, live, wake_r = self._ep, self._live, self._wake_r
+        timeout = -1.0 if cap is None else max(0.0, cap)
+        if self._parked:
+            now = time.monotonic()
+            park = max(0.0, min(min(p.parked_until for p in self._parked.values()) - now, 1e-3))
+            timeout = park if timeout < 0 else min(timeout, park)
+        for fd, _ in ep.poll(timeout):
+            inc = live.get(fd)
+            if inc is not None:
+                self._drain(inc)
+            elif fd == wake_r:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+        if self._new:
+            with self._lock:
+                new, self._new = self._new, []
+            for link in new:
+                inc = Incoming(link)
+                live[inc.fd] = inc
+                ep.register(inc.fd, select.EPOLLIN)
+                self._drain(inc)  # bytes may have arrived before registration
+        if self._parked:
+            self._unpark()
 
     def _unpark(self) -> None:
         now = time.monotonic()
@@ -173,7 +176,7 @@ class Reactor:
                 self._ep.register(inc.fd, select.EPOLLIN)
                 self._drain(inc)
 
-    def _drain(self, inc: _Incoming) -> None:
+    def _drain(self, inc: Incoming) -> None:
         """Read what ``inc``'s socket holds (up to a turn), delivering complete frames. A read
         that comes back short means the socket is empty: epoll (level-triggered) says when
         more arrives, so no read ends in EAGAIN on the common path."""
@@ -182,7 +185,7 @@ class Reactor:
         try:
             while budget > 0:
                 state = inc.state
-                if state == _HEADER:
+                if state == HEADER:
                     want = FRAME.size - inc.got
                     k = recv_into(inc.header[inc.got:], want, _DONTWAIT)
                     if k == 0:
@@ -191,7 +194,7 @@ class Reactor:
                     if k < want:
                         return
                     self._on_header(inc)
-                elif state == _PAYLOAD:
+                elif state == PAYLOAD:
                     rem = min(inc.length - inc.got, budget)
                     chunk = inc.view[:min(rem, len(inc.view))] if inc.skip else \
                         inc.view[inc.got:inc.got + rem]
@@ -214,13 +217,13 @@ class Reactor:
         except (OSError, EOFError, ProtocolError, ValueError) as exc:
             self._lost(inc, exc)
 
-    def _on_header(self, inc: _Incoming) -> None:
+    def _on_header(self, inc: Incoming) -> None:
         kind, tag, length = FRAME.unpack(inc.header)
         inc.kind, inc.tag, inc.length = kind, tag, length
         if kind == K_DATA:
             req = self.box.claim(inc.link.peer, tag)
             if req is None and length >= LARGE_FRAME and self.may_wait():
-                inc.state = _PARKED
+                inc.state = PARKED
                 inc.parked_until = time.monotonic() + LARGE_FRAME_WAIT
                 self._parked[(inc.link.peer, tag)] = inc
                 self._ep.unregister(inc.fd)
@@ -231,7 +234,7 @@ class Reactor:
             inc.buf = np.empty(min(length, 1 << 16), dtype=np.uint8)
             inc.view = memoryview(inc.buf)
             inc.skip = False
-            inc.state, inc.got, inc.length = _PAYLOAD, 0, len(inc.view)
+            inc.state, inc.got, inc.length = PAYLOAD, 0, len(inc.view)
             if inc.length == 0:
                 self._on_payload(inc)
         elif kind == K_CLOSE:
@@ -239,11 +242,11 @@ class Reactor:
         else:
             raise ProtocolError(f"frame of unknown kind {kind} from rank {inc.link.peer}")
 
-    def _begin_payload(self, inc: _Incoming, req: PostedRecv | None) -> None:
+    def _begin_payload(self, inc: Incoming, req: PostedRecv | None) -> None:
         length = inc.length
         inc.req, inc.skip, inc.buf = req, False, None
         if req is None:
-            inc.buf = _allocate(length, inc.link.peer, self.rank, inc.tag)
+            inc.buf = allocate(length, inc.link.peer, self.rank, inc.tag)
             inc.view = memoryview(inc.buf)
         elif len(req.view) != length:
             inc.skip = True
@@ -251,11 +254,11 @@ class Reactor:
             inc.view = memoryview(inc.buf)
         else:
             inc.view = req.view
-        inc.state, inc.got = _PAYLOAD, 0
+        inc.state, inc.got = PAYLOAD, 0
         if length == 0:
             self._on_payload(inc)
 
-    def _on_payload(self, inc: _Incoming) -> None:
+    def _on_payload(self, inc: Incoming) -> None:
         link, peer = inc.link, inc.link.peer
         link.received += inc.length if inc.kind == K_DATA else 0
         if inc.kind == K_ABORT:
@@ -270,11 +273,11 @@ class Reactor:
         else:
             req.complete()
         inc.req = inc.buf = inc.view = None
-        inc.state, inc.got = _HEADER, 0
+        inc.state, inc.got = HEADER, 0
 
-    def _end(self, inc: _Incoming, why: str | None) -> None:
+    def _end(self, inc: Incoming, why: str | None) -> None:
         """``inc``'s link is finished (CLOSE, ABORT, EOF or an error)."""
-        inc.state = _DONE
+        inc.state = DONE
         self._live.pop(inc.fd, None)
         try:
             self._ep.unregister(inc.fd)
@@ -283,11 +286,11 @@ class Reactor:
         if why is not None:
             self.box.peer_closed(inc.link.peer, why)
 
-    def _lost(self, inc: _Incoming, exc: BaseException) -> None:
+    def _lost(self, inc: Incoming, exc: BaseException) -> None:
         peer = inc.link.peer
         why = "the process died or closed the connection" if isinstance(
             exc, EOFError | ConnectionResetError) else str(exc)
-        if inc.state == _PAYLOAD and inc.req is not None:  # claimed, refused (skip) or not
+        if inc.state == PAYLOAD and inc.req is not None:  # claimed, refused (skip) or not
             inc.req.fail(PeerClosedError(
                 f"recv: rank {self.rank} <- {peer}: connection lost mid-message ({why})",
                 peer=peer))

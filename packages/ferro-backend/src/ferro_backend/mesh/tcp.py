@@ -245,8 +245,10 @@ class TcpBackend(FixedRanks, Composable, Backend):
             return route.send(data, dst, tag)
         view = self._send_view(data, dst, tag)
         self._fail_if_down("send", dst)
+        # a send that must wait for room in the socket: the receive loop reads meanwhile
         self._link(dst, "send").send_frame(K_DATA, tag, view, time.monotonic() + self.timeout,
-                                    lambda: self._fail_if_down("send", dst))
+                                           lambda: self._fail_if_down("send", dst),
+                                           None if self._reactor is None else self._reactor.resume)
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         view = self._recv_view(out, src, tag)

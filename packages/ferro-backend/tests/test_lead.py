@@ -1,0 +1,157 @@
+"""Who reads the TCP mesh's sockets (ferro_backend.mesh.lead): a thread that waits for a receive
+reads its frame itself, the receive loop's thread reads when nobody waits, several waiting
+threads share the lead, a receive completed another way wakes the thread that leads, and a send
+that may block hands the sockets back to the loop thread at once."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from test_lazy_mesh import close_all, group, run_all
+
+from ferro_backend import posted
+from ferro_backend.mesh import lead, reactor
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _record_readers(b) -> list[int]:
+    """The threads that finish reading each frame on ``b`` (in order)."""
+    readers: list[int] = []
+    loop = b._reactor
+    on_payload = loop._on_payload
+
+    def recorded(inc):
+        readers.append(threading.get_ident())
+        on_payload(inc)
+
+    loop._on_payload = recorded
+    return readers
+
+
+def test_a_waiting_thread_reads_its_own_frame():
+    b0, b1 = group(2, connect="eager")
+    try:
+        readers = _record_readers(b1)
+        got = np.empty(4)
+        sender = threading.Timer(0.05, lambda: b0.send(np.arange(4.0), 1, tag=3))
+        sender.start()
+        b1.recv(got, 0, tag=3, timeout=10)
+        sender.join(10)
+        assert list(got) == [0.0, 1.0, 2.0, 3.0]
+        assert readers == [threading.get_ident()], "the loop thread read the frame"
+    finally:
+        close_all([b0, b1])
+
+
+def test_the_loop_thread_reads_while_nobody_waits():
+    b0, b1 = group(2, connect="eager")
+    try:
+        readers = _record_readers(b1)
+        b0.send(np.array([5.0]), 1, tag=4)  # nobody waits on rank 1: queued by its loop
+        end = time.monotonic() + 10
+        while not b1.mailbox.unexpected.get((0, 4)) and time.monotonic() < end:
+            time.sleep(0.005)
+        assert b1.mailbox.unexpected.get((0, 4)), "the message was not read within 10 s"
+        assert readers == [b1._reactor._thread.ident]
+        got = np.empty(1)
+        b1.recv(got, 0, tag=4, timeout=10)
+        assert got[0] == 5.0
+    finally:
+        close_all([b0, b1])
+
+
+def test_several_waiting_threads_share_the_lead():
+    b0, b1 = group(2, connect="eager")
+    loop = b1._reactor
+    turn, inside, most = loop._turn, [0], [0]
+    guard = threading.Lock()
+
+    def counted(cap):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            turn(cap)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    loop._turn = counted
+    try:
+        got = {tag: np.empty(2) for tag in range(6)}
+        errors: list = []
+
+        def wait(tag):
+            try:
+                b1.recv(got[tag], 0, tag=tag, timeout=20)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        waiters = [threading.Thread(target=wait, args=(tag,)) for tag in got]
+        for t in waiters:
+            t.start()
+        time.sleep(0.05)
+        for tag in reversed(got):  # the last waiter's frame first
+            b0.send(np.array([tag, tag + 0.5]), 1, tag=tag)
+        for t in waiters:
+            t.join(30)
+        assert not errors and not any(t.is_alive() for t in waiters), errors
+        assert all(list(got[tag]) == [tag, tag + 0.5] for tag in got)
+        assert most[0] == 1, "two threads read the sockets at once"
+    finally:
+        loop._turn = turn
+        close_all([b0, b1])
+
+
+def test_a_receive_completed_another_way_wakes_the_thread_that_leads(monkeypatch):
+    # a leader that were not woken would sit 30 s in epoll
+    monkeypatch.setattr(lead, "TURN_S", 30.0)
+    monkeypatch.setattr(posted, "WAIT_SLICE_S", 30.0)
+    b0, b1 = group(2, connect="eager")
+    try:
+        got = np.empty(3)
+        # a route's delivery (the engine's rings) fills the posted receive from another thread
+        filler = threading.Timer(0.1, lambda: b1.mailbox.deliver(0, 9, np.arange(3.0).tobytes()))
+        filler.start()
+        t0 = time.monotonic()
+        b1.recv(got, 0, tag=9, timeout=60)
+        took = time.monotonic() - t0
+        filler.join(10)
+        assert list(got) == [0.0, 1.0, 2.0]
+        assert took < 10, f"the leading thread saw its receive after {took:.1f} s"
+    finally:
+        close_all([b0, b1])
+
+
+def test_ranks_that_both_send_large_messages_before_waiting_are_drained(monkeypatch):
+    # the loop threads would stand aside for 30 s after a wait: only resume() drains meanwhile
+    monkeypatch.setattr(lead, "HAND_BACK_S", 30.0)
+    monkeypatch.setattr(reactor, "HAND_BACK_S", 30.0)
+    backends = group(2, connect="eager")
+    try:
+        def exchange(b):
+            peer = 1 - b.rank
+            small = np.empty(1)
+            for _ in range(50):  # ping-pongs until both ranks read a frame while waiting
+                if b.rank == 0:
+                    b.send(small, peer, tag=1)
+                b.recv(small, peer, tag=1, timeout=10)
+                if b.rank == 1:
+                    b.send(small, peer, tag=1)
+                if all(time.monotonic() - x._reactor._led_at < 20 for x in backends):
+                    break
+            else:
+                raise AssertionError("no rank read its frame while waiting")
+            # the loop threads now stand aside for 30 s
+            out = np.full(8 << 20, b.rank, np.float32)  # 32 MiB: more than the sockets hold
+            inc = np.empty_like(out)
+            req = b.irecv(inc, peer, tag=2)
+            b.send(out, peer, tag=2)
+            req.wait(20)
+            return bool((inc == peer).all())
+
+        assert run_all(exchange, backends, timeout=60) == [True, True]
+    finally:
+        close_all(backends)
