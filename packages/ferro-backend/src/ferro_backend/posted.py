@@ -61,6 +61,8 @@ class PostedRecv(Request):
 
     # -- caller side ----------------------------------------------------------------------
     def is_completed(self) -> bool:
+        if not self._done and self._box.driver is not None:
+            self._box.driver.drive(self, 0.0)  # one look at the sockets (a polling loop reads)
         return self._done
 
     def poll(self, timeout: float = 0.0) -> bool:

@@ -35,7 +35,7 @@ from ..errors import PeerClosedError, ProtocolError
 from ..mailbox import CLOSED_CLEANLY, Mailbox, PostedRecv
 from .framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME, LARGE_FRAME_WAIT, Link
 from .incoming import DONE, HEADER, PARKED, PAYLOAD, Incoming, allocate
-from .lead import HAND_BACK_S, Lead
+from .lead import Lead
 
 #: bytes read from one link before the loop looks at the others (fairness)
 _TURN = 4 << 20
@@ -118,13 +118,14 @@ class Reactor(Lead):
         while not self._stop:
             if self._draining and not self._live and not self._new:
                 return
-            if self._stands_aside():
-                with self._lock:
+            aside = self._aside_for()
+            if aside is not None:
+                with self._rest:
                     if not self._stop:
-                        self._rest.wait(HAND_BACK_S)
+                        self._rest.wait(aside)
                 continue
             with self._lead:
-                if self._stands_aside():
+                if self._aside_for() is not None:
                     continue  # a waiting thread led meanwhile
                 self._loop_leads = True
                 try:
