@@ -11,8 +11,10 @@ collective). It measures, on this job's own ranks and links:
   median of ``3 x reps`` after 3 warm-up calls, divided by its rounds, the slowest rank's
   median), which is what a small
   message really costs here: on an oversubscribed host it is the wait for the peer to be
-  scheduled, far above the link's own latency. The model's ``alpha`` is the larger of the two,
-  and a message between a node's ranks (``intra_alpha``) costs at least the round too;
+  scheduled, far above the link's own latency. The model's ``alpha`` is the round (the ping's
+  8-byte exchange meets a peer asleep after the link's rest: 0.11-0.21 ms on 2 emulated nodes
+  where a call's round took 0.05-0.1), and a message between a node's ranks (``intra_alpha``)
+  costs at least the round too;
 - **the local terms**: ``call``, one collective's cost outside its messages (a 1-rank
   allreduce); ``gamma``, seconds per byte of the reduction kernel; the node engine's step as a
   staged call meets it (``engine_step``: a staged allreduce less its cross stage, halved; at
@@ -329,7 +331,7 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
                  cache_bytes=cache)
     intra = local > 1 and barrier_s > 0
     p = costmodel.Params(
-        max(alpha, round_cost), beta if beta > 0 else costmodel.DEFAULT.beta,
+        round_cost or alpha, beta if beta > 0 else costmodel.DEFAULT.beta,
         # a message between a node's ranks waits for its peer like any other: the round; it
         # moves at its route's rate (the engine's rings: copied in, then out)
         max(barrier_s, round_cost) if intra else None,
