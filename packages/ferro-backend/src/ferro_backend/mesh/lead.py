@@ -24,11 +24,17 @@ from ..mailbox import Mailbox, PostedRecv
 #: seconds the loop thread leaves the sockets to the threads that wait on them after the last
 #: such wait (a job's next call mostly starts within it)
 HAND_BACK_S = 2e-3
-#: seconds the loop thread sleeps at a time while a thread waits (it looks up rarely: each look
-#: takes the GIL, and a 64 MiB exchange of 4 emulated nodes ran 1.2-1.7 s against 1.2 s while
-#: it looked every 2 ms)
-REST_S = 0.02
-TURN_S = 0.05  # seconds of a waiting thread's turn at most (then: failures, deadline)
+#: seconds the loop thread sleeps at a time while a thread waits. It looks up rarely: each look
+#: takes the GIL (a 64 MiB exchange of 4 emulated nodes ran 1.2-1.7 s against 1.2 s while it
+#: looked every 2 ms) and a core (256 ranks on 2 cores: 3 allreduces and a barrier took 56 s
+#: while each looked every 20 ms, 32-37 s with the loop thread reading). After the last wait it
+#: may sleep this long before it reads: unexpected messages and failures then wait for it, or
+#: for the next wait, which reads at once.
+REST_S = 0.25
+#: seconds of a waiting thread's turn at most. Whatever ends a wait early wakes it: a failure
+#: (the mailbox's callbacks), a receive completed another way (:meth:`Lead.nudge`), a new
+#: link or a posted receive of a parked frame (the reactor's wake-up), the loop's stop.
+TURN_S = 1.0
 
 
 class Lead:
@@ -72,12 +78,13 @@ class Lead:
                 return
             self._leader = threading.get_ident()
             try:
-                left = limit
-                while True:
-                    self._turn(min(left, TURN_S))
+                looked = False  # the receive may have completed while the lead changed hands
+                while not (req._done or self._stop or self.box.failure("recv", req.src)):
                     left = end - time.monotonic()
-                    if req._done or left <= 0 or self._stop or self.box.failure("recv", req.src):
+                    if left <= 0 and looked:
                         return
+                    self._turn(max(0.0, min(left, TURN_S)))
+                    looked = True
             finally:
                 self._led_at = time.monotonic()
                 self._leader = 0
