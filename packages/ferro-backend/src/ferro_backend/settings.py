@@ -188,7 +188,8 @@ TCP_CONNECT = _declare("FERRO_TCP_CONNECT", "eager, lazy or auto",
                        "32 ranks")
 TCP_READER = _declare("FERRO_TCP_READER", "loop or threads", _choice("loop", "threads"), "loop",
                       "`TcpBackend`", "`loop`: one epoll receive loop per process drains every "
-                      "peer's socket; `threads`: a reader thread per connected peer")
+                      "peer's socket (a waiting thread reads them itself); `threads`: a reader "
+                      "thread per connected peer")
 TRACE = _declare("FERRO_TRACE", "directory", _text, None, "`init_from_env`",
                  "write a Chrome/Perfetto timeline of this rank to `DIR/rank_<r>.json` "
                  "(`ferrorun --trace DIR` sets it and merges the ranks)")
