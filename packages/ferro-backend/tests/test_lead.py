@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_lazy_mesh import close_all, group, run_all
 
 from ferro_backend import posted
@@ -164,5 +166,41 @@ def test_a_receive_done_before_the_lead_is_taken_ends_the_wait_at_once(monkeypat
         t0 = time.monotonic()
         b1._reactor.drive(req, 20.0)
         assert req.is_completed() and time.monotonic() - t0 < 10
+    finally:
+        close_all([b0, b1])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.sampled_from([0, 8, 4096, 65536, 300_000, 1 << 20]), min_size=1,
+                      max_size=6),
+       order=st.randoms(use_true_random=False), threads=st.integers(1, 3))
+def test_any_mix_of_sizes_and_waiting_threads_delivers_every_message(sizes, order, threads):
+    # receives of small and large frames (parked or not) posted by several threads at once, the
+    # messages sent in any order: each lands in its own buffer, whoever reads the sockets
+    b0, b1 = group(2, connect="eager")
+    try:
+        tags = list(range(len(sizes)))
+        got = {t: np.empty(sizes[t], np.uint8) for t in tags}
+        errors: list = []
+
+        def waiter(mine):
+            try:
+                for t in mine:
+                    b1.recv(got[t], 0, tag=t, timeout=30)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=waiter, args=(tags[k::threads],))
+                   for k in range(threads)]
+        for w in workers:
+            w.start()
+        sent = tags[:]
+        order.shuffle(sent)
+        for t in sent:
+            b0.send(np.full(sizes[t], t + 1, np.uint8), 1, tag=t)
+        for w in workers:
+            w.join(60)
+        assert not errors and not any(w.is_alive() for w in workers), errors
+        assert all((got[t] == t + 1).all() for t in tags)
     finally:
         close_all([b0, b1])
