@@ -72,24 +72,24 @@ class PostedRecv(Request):
         box = self._box
         deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
         driver = box.driver
-        if driver is not None and not self._done:
-            driver.drive(self, 0.0)  # one look at the sockets, if no other thread reads them
+        looked = driver is None  # with a driver, one look at the sockets even for poll(0)
         with box.cond:
             while not self._done:
                 failure = box.failure("recv", self.src)
                 if failure is not None and box._withdraw(self):
                     raise failure
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 and looked:
                     return False
                 if driver is None:
                     box.cond.wait(min(remaining, WAIT_SLICE_S))
                     continue
                 box.cond.release()  # this thread reads the sockets while it waits
                 try:
-                    driver.drive(self, min(remaining, WAIT_SLICE_S))
+                    driver.drive(self, max(0.0, min(remaining, WAIT_SLICE_S)))
                 finally:
                     box.cond.acquire()
+                looked = True
         return True
 
     def wait(self, timeout: float | None = None) -> None:

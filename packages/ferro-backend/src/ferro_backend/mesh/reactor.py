@@ -42,7 +42,6 @@ _TURN = 4 << 20
 _DONTWAIT = socket.MSG_DONTWAIT
 
 
-
 class Reactor(Lead):
     """The receive loop of one TcpBackend (one thread, started at once)."""
 
