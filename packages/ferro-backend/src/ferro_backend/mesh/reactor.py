@@ -46,7 +46,7 @@ class Reactor(Lead):
     """The receive loop of one TcpBackend (one thread, started at once)."""
 
     def __init__(self, rank: int, box: Mailbox, may_wait: Callable[[], bool]) -> None:
-        self.rank, self.box, self.may_wait = rank, box, may_wait
+        self.rank, self.may_wait = rank, may_wait  # the mailbox: Lead's self.box
         self._ep = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -107,7 +107,7 @@ class Reactor(Lead):
 
     def _rouse(self) -> None:  # the loop thread, from epoll or its rest
         self._wake()
-        with self._lock:
+        with self._rest:
             self._rest.notify_all()
 
     threads = 1  # whatever the world size
