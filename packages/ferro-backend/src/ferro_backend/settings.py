@@ -269,6 +269,9 @@ SHM_BROADCAST_DIRECT_BYTES = _declare("FERRO_SHM_BROADCAST_DIRECT_BYTES", "bytes
                                       "even when they fit a slot (default: never)")
 ASYNC_WORKERS = _declare("FERRO_ASYNC_WORKERS", "count", _count(1), 4, "ferro-collective",
                          "threads running the `*_async` collectives")
+SCRATCH_BYTES = _declare("FERRO_SCRATCH_BYTES", "bytes", _bytes, 256 << 20, "ferro-collective",
+                         "working buffers of the point-to-point algorithms kept for reuse between "
+                         "calls, per process (`0`: none; fresh pages cost a fault each)")
 COLLECTIVE_CHECK = _declare("FERRO_COLLECTIVE_CHECK", "bool", _bool, True, "ferro-collective",
                             "`0` turns the mismatch header off on the point-to-point path")
 BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
@@ -287,8 +290,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_BIND,
     SHM_RING_BYTES,
     SHM_CMA, SHM_YIELDS,
-    SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, COLLECTIVE_CHECK,
-    BACKGROUND)}
+    SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, SCRATCH_BYTES,
+    COLLECTIVE_CHECK, BACKGROUND)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}
 
 

@@ -109,7 +109,7 @@ def allreduce_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> None:
             ctx.send(buf, r, tag_down)
     else:
         req = ctx.irecv(buf, 0, tag_down)
-        ctx.send(buf.copy(), 0, tag_up)
+        ctx.send(ctx.copy(buf), 0, tag_up)
         ctx.wait(req, 0, "the result")
 
 
@@ -127,10 +127,10 @@ def allreduce_recursive_doubling(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> Non
     tag_fold, tag_unfold = ctx.next_tag(), ctx.next_tag()
     if me >= p:  # fold into partner me - p, wait for the result
         req = ctx.irecv(buf, me - p, tag_unfold)
-        ctx.send(buf.copy(), me - p, tag_fold)
+        ctx.send(ctx.copy(buf), me - p, tag_fold)
         ctx.wait(req, me - p, "the result")
         return
-    incoming = np.empty_like(buf)
+    incoming = ctx.take(buf.size, buf.dtype)
     if me + p < n:
         req = ctx.irecv(incoming, me + p, tag_fold)
         ctx.wait(req, me + p, "its contribution")

@@ -200,7 +200,9 @@ class MetaPlan(Plan):
         return _STATUS.pack(INVALID if self.invalid is not None else 0) + self.meta
 
     def _finish(self, ctx: Ctx, blocks: list[bytes]):
-        return self.python(ctx, self._metas(blocks))
+        result = self.python(ctx, self._metas(blocks))
+        ctx.release()
+        return result
 
     def _metas(self, blocks: list[bytes]) -> list[bytes]:
         """Every rank's metadata, or this rank's own argument error, or a mismatch naming the

@@ -28,6 +28,7 @@ from ferro_backend.partition import split_bounds
 from ._state import STEPS_PER_CALL
 from .header import HEADER_SIZE, check_all
 from .ops import ReduceOp, accumulate
+from .scratch import POOL
 
 log = logging.getLogger("ferro_collective")
 
@@ -70,6 +71,27 @@ class Ctx:
         self.soft_deadline = self.start + timeout * STALL_FRACTION
         self.reported = False
         self.step = 1  # tag offset 0 is the header exchange
+        self._borrowed: list[np.ndarray] = []
+
+    def take(self, count: int, dtype) -> np.ndarray:
+        """A 1-d working array of ``count`` items (contents undefined), borrowed from the
+        scratch pool (:mod:`.scratch`) until :meth:`release`."""
+        arr = POOL.take(count, dtype)
+        self._borrowed.append(arr)
+        return arr
+
+    def copy(self, buf: np.ndarray) -> np.ndarray:
+        """A borrowed copy of ``buf`` (1-d)."""
+        mine = self.take(buf.size, buf.dtype)
+        mine[...] = buf
+        return mine
+
+    def release(self) -> None:
+        """Give the call's working arrays back to the pool, once the call has succeeded (after
+        a failure a receive posted into one may still land: they are not given back)."""
+        if self._borrowed:
+            POOL.give(*self._borrowed)
+            self._borrowed.clear()
 
     def next_tag(self) -> int:
         tag = self.tag_base + self.step
@@ -168,7 +190,7 @@ def _ring(ctx: Ctx, buf: np.ndarray, bounds: Sequence[tuple[int, int]], first: i
     count = ring_segments(n, largest * buf.itemsize)
     segs = [[(s + a, s + b) for a, b in split_bounds(e - s, count)] for s, e in bounds]
     tags = [[ctx.next_tag() for _ in range(count)] for _ in range(steps)]
-    scratch = [np.empty(largest, buf.dtype) for _ in range(min(2, steps))] if op else []
+    scratch = [ctx.take(largest, buf.dtype) for _ in range(min(2, steps))] if op else []
 
     def post(s: int) -> list:
         c = (first - s - 1) % n
@@ -223,7 +245,7 @@ def fold_at_root(ctx: Ctx, buf: np.ndarray, op: ReduceOp, tag: int) -> None:
     """Rank 0 folds every rank's contribution into ``buf`` in rank order (MEAN fused last)."""
     n = ctx.n
     mean = n if op is ReduceOp.MEAN else None
-    parts = [np.empty_like(buf) for _ in range(n - 1)]
+    parts = [ctx.take(buf.size, buf.dtype).reshape(buf.shape) for _ in range(n - 1)]
     reqs = [ctx.irecv(parts[r - 1], r, tag) for r in range(1, n)]
     for r in range(1, n):
         ctx.wait(reqs[r - 1], r, "its contribution",

@@ -96,7 +96,9 @@ class Plan:
         ctx = self.context()
         if ctx.n > 1 and (mismatch_check_enabled() or self.name == "barrier"):
             header_exchange(ctx, self.encoded())
-        return self.python(ctx)
+        result = self.python(ctx)
+        ctx.release()  # its working arrays, for the next call (not after a failure)
+        return result
 
     def run_engine(self, group, call) -> Any:
         """On the engine, in its issue order: the engine body, or the Python one where there

@@ -60,7 +60,7 @@ def reduce_tree(ctx: Ctx, buf: np.ndarray, op: ReduceOp, root: int) -> bool:
     v = (ctx.rank - root) % n
     kids, _ = _children(v, n)
     tag = ctx.next_tag()
-    parts = [np.empty_like(buf) for _ in kids]
+    parts = [ctx.take(buf.size, buf.dtype).reshape(buf.shape) for _ in kids]
     reqs = [ctx.irecv(p, (c + root) % n, tag) for p, c in zip(parts, kids)]
     for i, (c, p, req) in enumerate(zip(kids, parts, reqs)):
         ctx.wait(req, (c + root) % n, f"the partial result of its subtree (tree rank {c})")
@@ -99,7 +99,7 @@ def gather_tree(ctx: Ctx, block: np.ndarray, out: np.ndarray | None, root: int) 
     if v == 0 and root == 0:
         buf = out
     else:
-        buf = block if not kids else np.empty(span * size, np.uint8)
+        buf = block if not kids else ctx.take(span * size, np.uint8)
     if buf is not block:
         buf[:size] = block
     reqs = [(c, ctx.irecv(buf[(c - v) * size:(c - v + _span(c, n)) * size], (c + root) % n, tag))
@@ -136,7 +136,7 @@ def scatter_tree(ctx: Ctx, data: np.ndarray | None, mine: np.ndarray, root: int)
     if v == 0:
         buf = data if root == 0 else np.concatenate([data[root * size:], data[:root * size]])
     else:
-        buf = mine if not kids else np.empty(span * size, np.uint8)
+        buf = mine if not kids else ctx.take(span * size, np.uint8)
         parent = (v - (v & -v) + root) % n
         ctx.wait(ctx.irecv(buf, parent, tag), parent, "its blocks")
     for c in reversed(kids):  # the largest subtree first: it has the most rounds ahead
