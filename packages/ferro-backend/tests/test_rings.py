@@ -224,6 +224,29 @@ def test_every_path_keeps_fifo_per_tag_and_bypasses_the_sockets(cma):
     assert received >= 2 * sum(sizes)
 
 
+EXCHANGE = """
+import ferro_backend.engine.delivery as delivery
+delivery.WATCH_PERIOD = 10.0  # the watch thread out of the way (after the first exchange)
+peer, times = 1 - b.rank, []
+for i in range(4):
+    out = np.empty(1 << 20, np.uint8)
+    t0 = time.monotonic()
+    req = b.irecv(out, peer, tag=40 + i)
+    b.send(np.full(1 << 20, b.rank + i, np.uint8), peer, tag=40 + i)
+    req.wait(30)
+    times.append(time.monotonic() - t0)
+    assert (out == peer + i).all()
+result = max(times[1:])
+"""
+
+
+def test_two_ranks_sending_each_other_descriptors_take_them_without_the_watch_thread():
+    # both send, then receive: the later sender takes the earlier one's message right after
+    # putting its own, so neither waits for a watch thread
+    slowest = run_job(EXCHANGE, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "always"})
+    assert max(slowest) < 2.0
+
+
 IRECV = """
 if b.rank == 0:
     time.sleep(0.2)

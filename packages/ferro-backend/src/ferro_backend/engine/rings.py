@@ -159,6 +159,10 @@ class RingMesh(Route):
         arr = np.frombuffer(view, dtype=np.uint8)  # keeps `view` alive; its address
         start, end = self._put(ring, _ring.CMA, tag, nbytes, arr.ctypes.data, None, deadline,
                                dst, late)
+        # two ranks that send to each other, then receive (an exchange): the later one finds
+        # the earlier one's message here and takes it now, instead of both waiting for their
+        # watch threads (4 emulated nodes x 2 ranks on 2 cores, 1 MiB: 3-6 ms a round)
+        self.delivery.try_progress(dst)
         busy = time.monotonic() + nbytes / CMA_BYTES_PER_S + 30e-6  # the peer's copy
         self._await(lambda until, w: ring.wait_consumed(end, until, w, busy), deadline, "send",
                     dst, late)
