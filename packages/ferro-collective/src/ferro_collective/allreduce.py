@@ -38,6 +38,7 @@ from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
 from .pipeline import PIPELINE_MIN, PIPELINE_PIECE, schedule, writable_into
 from .plan import PREPARE, Plan, choose
+from .scratch import POOL
 
 #: bytes of each peer's input read and folded at once by the large reduction
 PIECE_BYTES = 512 << 10
@@ -308,7 +309,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
             src = dst = result.reshape(-1)
         pieces = split_bounds(src.size, k)
         parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        pending = {}
+        pending, borrowed = {}, []  # the parts: from the scratch pool, given back at the end
         worker = _state.state(cross)
         try:
             for step, p in order:
@@ -320,7 +321,8 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
                     if not direct:
                         whole[:b - a] = src[a:b]
                     if engine:
-                        part = np.empty(chunk, wd)
+                        part = POOL.take(chunk, wd)
+                        borrowed.append(part)
                         execute(PREPARE["reduce_scatter"](whole, node, stage_op, timeout, None,
                                                           part, node_seq[step, p]))
                         whole = dst[a:b] if direct else whole
@@ -338,6 +340,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
                                                node_seq[step, p]))
                     if not direct:
                         dst[a:b] = whole[:b - a]
+            POOL.give(*borrowed)  # every stage done (after a failure one may still write)
         finally:
             for f in pending.values():  # a failed stage: the others end by their deadlines
                 f.cancel()
