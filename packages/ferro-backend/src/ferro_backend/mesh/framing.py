@@ -35,6 +35,10 @@ LARGE_FRAME_WAIT = 0.05
 _CHUNK = 1 << 30
 _NOW = socket.MSG_DONTWAIT
 SEND_POLL = 0.25  # seconds a blocked send waits before re-checking timeouts and aborts
+#: a payload this large goes in calls of its own after the header: the kernel copies one
+#: buffer per call at twice the speed of a header-and-payload pair (64 MiB over 127.0.0.1:
+#: 17-30 ms against 32-53 ms)
+HEADER_APART_FROM = 64 << 10
 
 
 class Link:
@@ -55,18 +59,20 @@ class Link:
         """Send one frame, holding the link's lock. While the socket is full, ``still_ok()`` is
         called every SEND_POLL seconds (it raises to give up) and the deadline is checked.
         ``on_block()``, if given, is called once before the send waits for room in the socket
-        (the first attempt does not wait)."""
+        (until then every attempt returns at once with what fits)."""
         header = FRAME.pack(kind, tag, len(view))
         total = len(header) + len(view)
+        apart = len(view) >= HEADER_APART_FROM
         sent = 0
         with self.lock:
             while sent < total:
                 if sent < len(header):
-                    bufs = [memoryview(header)[sent:], view[:_CHUNK]]
+                    bufs = [memoryview(header)[sent:]] if apart else \
+                        [memoryview(header)[sent:], view[:_CHUNK]]
                 else:
                     off = sent - len(header)
                     bufs = [view[off:off + _CHUNK]]
-                try:  # with on_block, what fits at once first; the rest after on_block()
+                try:
                     n = self.sock.sendmsg(bufs, (), 0 if on_block is None else _NOW)
                 except BlockingIOError:
                     n = 0
@@ -75,9 +81,8 @@ class Link:
                         f"send: rank {self.rank} -> {self.peer} (tag {tag}): connection lost "
                         f"({exc.strerror or exc})", peer=self.peer) from exc
                 sent += n
-                if on_block is not None:
-                    if sent < total:
-                        on_block()
+                if on_block is not None and n < sum(map(len, bufs)):  # the socket is full
+                    on_block()
                     on_block = None
                 if n == 0:
                     still_ok()
