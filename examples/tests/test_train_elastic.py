@@ -41,22 +41,27 @@ def states_equal(a: Path, b: Path) -> None:
 def test_a_killed_rank_is_survived_and_replaced_and_the_model_equals_the_reference(tmp_path):
     history = tmp_path / "history.json"
     elastic = tmp_path / "elastic.npz"
-    r = ferrorun("2:3", "--steps", 1200, "--kill", "1@30", "--history", history,
+    # long enough that the replacement (a new process: ~1 s to start) joins while the job runs:
+    # with 1200 steps it joined at steps 980-1270 here, or came after the job had finished
+    steps = 4000
+    r = ferrorun("2:3", "--steps", steps, "--kill", "1@30", "--history", history,
                  "--save-state", elastic, extra=["--max-restarts", "1", "--settle", "5"])
     changes = json.loads(history.read_text())["changes"]
     assert "killed by SIGKILL" in r.stderr and "starts a replacement" in r.stderr
-    assert changes[0]["step"] == 30 and changes[0]["world_size"] == 2, changes
-    assert changes[0]["reason"] == "a member failed"
-    # the replacement joins while the job runs (it takes ~1 s to start), at a step boundary
-    assert [c["world_size"] for c in changes] == [2, 3], (changes, r.stderr[-2000:])
-    assert changes[1]["reason"] == "members joined" and 30 < changes[1]["step"] < 1200
+    assert changes[0]["step"] == 30 and changes[0]["reason"] == "a member failed", changes
+    # the replacement joins at a later step boundary, or (a loaded host, the survivors slow to
+    # meet again) in the very generation that follows the failure
+    worlds = [c["world_size"] for c in changes]
+    assert worlds in ([2, 3], [3]), (changes, r.stderr[-2000:])
+    if worlds == [2, 3]:
+        assert changes[1]["reason"] == "members joined" and 30 < changes[1]["step"] < steps
     # time lost per change: failure to state in place (generous on a loaded 2-core machine)
     assert all(c["seconds"] < 5 for c in changes), changes
 
     # the reference: fixed-size runs with the same membership history, chained by state files
     bounds = [(0, 3)] + [(c["step"], c["world_size"]) for c in changes]
     previous = None
-    for (start, world), end in zip(bounds, [s for s, _ in bounds[1:]] + [1200]):
+    for (start, world), end in zip(bounds, [s for s, _ in bounds[1:]] + [steps]):
         out = tmp_path / f"ref_{start}.npz"
         args = ["--start", start, "--steps", end, "--save-state", out]
         if previous is not None:
