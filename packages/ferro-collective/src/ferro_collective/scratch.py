@@ -55,12 +55,13 @@ class ScratchPool:
                 return arr
         return np.empty(key[0], dtype)
 
-    def give(self, *arrays: np.ndarray) -> None:
-        """Keep ``arrays`` (each as :meth:`take` made it) for reuse, within the pool's bytes."""
+    def give(self, *arrays: np.ndarray | None) -> None:
+        """Keep ``arrays`` (each as :meth:`take` made it; None: nothing) for reuse, within the
+        pool's bytes."""
         keep = self.keep_bytes()
         with self._lock:
             for arr in arrays:
-                if arr.nbytes > keep or id(arr) in self._free:
+                if arr is None or arr.nbytes > keep or id(arr) in self._free:
                     continue
                 key = (arr.size, arr.dtype.str)
                 self._free[id(arr)] = (key, arr)
