@@ -134,13 +134,19 @@ def test_ranks_that_both_send_large_messages_before_waiting_are_drained(monkeypa
     try:
         def exchange(b):
             peer = 1 - b.rank
-            small = np.empty(1)
-            for _ in range(20):  # ping-pongs: each rank reads a frame while it waits
-                if b.rank == 0:
+            small, theirs = np.empty(1), np.empty(1)
+            for _ in range(500):  # ping-pongs until each rank has read a frame while it waited
+                if b.rank == 0:  # (on a loaded host the loop thread may read them all at first)
                     b.send(small, peer, tag=1)
                 b.recv(small, peer, tag=1, timeout=10)
                 if b.rank == 1:
                     b.send(small, peer, tag=1)
+                mine = np.array([float(time.monotonic() - b._reactor._led_at < 20)])
+                req = b.irecv(theirs, peer, tag=3)
+                b.send(mine, peer, tag=3)
+                req.wait(10)
+                if mine[0] and theirs[0]:  # both ranks see both flags: they stop together
+                    break
             assert time.monotonic() - b._reactor._led_at < 20, "no frame read while waiting"
             # the loop threads now stand aside for 30 s
             out = np.full(8 << 20, b.rank, np.float32)  # 32 MiB: more than the sockets hold
