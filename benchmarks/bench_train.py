@@ -4,7 +4,9 @@ float32 MLPs (9.6 k, 1.9 M and 8.4 M parameters), batch 128 per rank, forward + 
 gradient sync + SGD momentum step. ferro runs under ``ferrorun`` (same-host engine); torch over
 gloo with ``gradient_as_bucket_view=True`` (DDP) and ``fully_shard`` per Linear plus the root
 (FSDP2). BLAS/OpenMP are capped to one thread per rank on both sides. "compute only" is the same
-step on one rank's batch without any communication. Figures: ms per step, the slowest rank's
+step on one rank's batch without any communication; "ferro-barrier" every rank computing that
+step at once with one barrier a step and no gradient sync (the floor the ranks sharing the
+host set for DDP: a DDP step is it plus the bucket allreduces). Figures: ms per step, the slowest rank's
 median over the timed steps; each configuration is run ``--repeat`` times and the table gives
 the median of those and their spread (min-max).
 
@@ -28,7 +30,8 @@ SIZES = {"9.6 k": (64, 128, 10), "1.9 M": (784, 1024, 1024, 10),
          "8.4 M": (1024, 2048, 2048, 1024, 10)}
 BATCH = 128
 WARMUP = 3
-KINDS = ["ferro-compute", "torch-compute", "ferro-ddp", "torch-ddp", "ferro-fsdp", "torch-fsdp2"]
+KINDS = ["ferro-compute", "torch-compute", "ferro-barrier", "ferro-ddp", "torch-ddp",
+         "ferro-fsdp", "torch-fsdp2"]
 
 
 def _steps(dims: tuple[int, ...]) -> int:
@@ -41,6 +44,7 @@ def _ferro_worker(kind: str, dims: tuple[int, ...]) -> list[float]:
     import numpy as np
 
     from ferro_backend import init_from_env
+    from ferro_collective import barrier
     from ferro_fsdp import DDP, FSDP, nn, optim
 
     backend = init_from_env()
@@ -68,13 +72,13 @@ def _ferro_worker(kind: str, dims: tuple[int, ...]) -> list[float]:
         model.backward(loss_fn.backward())
         if kind == "ferro-fsdp":
             model.sync_gradients()
+        elif kind == "ferro-barrier" and backend.world_size > 1:
+            barrier(backend)  # where DDP would sync: the ranks meet, nothing moves
         opt.step()
         opt.zero_grad()
         if s >= WARMUP:
             times.append(time.perf_counter() - t0)
     if backend.world_size > 1:
-        from ferro_collective import barrier
-
         barrier(backend)
     return times
 
@@ -211,8 +215,9 @@ def main() -> None:
                     results[f"{world} ranks, {size}"][kind] = \
                         results[f"{worlds[0]} ranks, {size}"][kind]
     lines = ["| ranks, params | " + " | ".join(kinds) + " | ferro DDP / torch DDP | ferro FSDP / "
-             "torch FSDP2 | ferro DDP / compute | ferro FSDP / compute |",
-             "|---" * (len(kinds) + 5) + "|"]
+             "torch FSDP2 | ferro barrier-only / compute | ferro DDP / compute | ferro FSDP / "
+             "compute |",
+             "|---" * (len(kinds) + 6) + "|"]
     for size, row in results.items():
         cells = []
         for kind in kinds:
@@ -224,7 +229,7 @@ def main() -> None:
                 speed.append(f"{statistics.median(row[theirs]) / statistics.median(row[mine]):.2f}x")
             else:
                 speed.append("-")
-        for mine in ("ferro-ddp", "ferro-fsdp"):  # issue 27's measure: the step over compute
+        for mine in ("ferro-barrier", "ferro-ddp", "ferro-fsdp"):  # issue 27's: over compute
             if mine in row and "ferro-compute" in row:
                 over = [m / statistics.median(row["ferro-compute"]) for m in row[mine]]
                 speed.append(f"{statistics.median(over):.3f}x ({min(over):.3f}-{max(over):.3f})")
