@@ -1,7 +1,8 @@
 """Shared benchmark plumbing: every group pairs ferro with a baseline measured in the same run.
 
 A benchmark marks its role with ``benchmark.extra_info["role"] = "baseline"`` (or "ferro", the
-default). After the run, each group's ferro entries get ``ratio_vs_baseline`` in the saved JSON:
+default; "context": timed and saved, but given no ratio, so the gate ignores it). After the
+run, each group's ferro entries get ``ratio_vs_baseline`` in the saved JSON:
 baseline median time / ferro median time, so 1.0 means as fast as the baseline and 2.0 twice as
 fast. The terminal summary prints the same ratios, and ``--ratios-md FILE`` writes them as a
 Markdown table (the figures in benchmarks/README.md come from there).
@@ -47,7 +48,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
             continue
         base = baselines[0]
         for bench in benches:
-            if bench is base:
+            if bench is base or _role(bench) == "context":
                 continue
             ratio = _median(base) / _median(bench)
             bench.setdefault("extra_info", {})["ratio_vs_baseline"] = ratio
