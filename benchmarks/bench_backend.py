@@ -1,4 +1,5 @@
-"""ferro-backend: send/recv round trips (simulated, TCP, shm) and the `_wire` pack/unpack kernel.
+"""ferro-backend: send/recv round trips (simulated, TCP, shm), one frame through the mesh's
+compiled socket calls (`_sockio`) and the `_wire` pack/unpack kernel.
 
 ShmBackend's messages move through the `_ring` kernel (point-to-point rings in the engine
 segment) and, when large, the `_shm` kernel (a single cross-memory copy); its round trips are
@@ -177,6 +178,58 @@ def bench_tcp_round_trip(benchmark, impl, size, monkeypatch):
             b.close()
             proc.wait(30)
     np.testing.assert_array_equal(back, a)
+
+
+# ---------------------------------------------------------------- _sockio: one frame through a socket
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the compiled mesh calls: Linux")
+@pytest.mark.parametrize("size", ["16B", "4KiB", "32KiB"])
+@pytest.mark.parametrize("impl", ["raw_socket", "_sockio"])
+def bench_frame_through_a_socket(benchmark, impl, size):
+    """One frame (24-byte header + payload) sent and received over a connected TCP pair on
+    127.0.0.1 with the mesh's socket options, in one thread: ``_sockio.send_frame`` +
+    ``peek_frame`` + ``take_frame`` (what the mesh runs for a waiting receive) against the
+    socket module's ``sendmsg`` of header and payload and two ``recv_into`` (header, then
+    payload): the same bytes and system calls."""
+    from ferro_backend.mesh import _sockio
+    from ferro_backend.mesh.framing import FRAME, K_DATA
+
+    nbytes = {"16B": 16, "4KiB": 4 << 10, "32KiB": 32 << 10}[size]
+    benchmark.group = f"one frame through a socket {size}"
+    benchmark.extra_info["bytes"] = nbytes
+    from ferro_backend.mesh.rendezvous import _tune
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    _tune(lsock)  # the mesh's socket options (no delay, its buffer sizes), inherited on accept
+    a = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    _tune(a)
+    a.connect(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
+    for s in (a, b):
+        s.settimeout(10)
+    payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    out = np.empty_like(payload)
+    header, pv, ov = bytearray(FRAME.size), memoryview(payload), memoryview(out)
+    if impl == "raw_socket":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            a.sendmsg([FRAME.pack(K_DATA, 7, nbytes), pv])
+            b.recv_into(header, FRAME.size, socket.MSG_WAITALL)
+            b.recv_into(ov, nbytes, socket.MSG_WAITALL)
+    else:
+        def run():
+            assert _sockio.send_frame(a.fileno(), K_DATA, 7, pv) == FRAME.size + nbytes
+            assert _sockio.peek_frame(b.fileno(), -1, header, 10.0) == _sockio.PEEKED
+            got = _sockio.take_frame(b.fileno(), ov)
+            while got < nbytes:  # a frame may come in pieces
+                got += b.recv_into(ov[got:], nbytes - got)
+    try:
+        benchmark.pedantic(run, rounds=300, iterations=5, warmup_rounds=5)
+        assert np.array_equal(out, payload)
+    finally:
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------- _wire pack / unpack

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ferro_backend.mesh import framing
 from ferro_backend.mesh.framing import FRAME, HEADER_APART_FROM, K_DATA, Link
 
 
@@ -20,6 +21,9 @@ class FakeSocket:
 
     def settimeout(self, _t):
         pass
+
+    def fileno(self):
+        return -1
 
     def setsockopt(self, *_a):
         pass
@@ -40,10 +44,15 @@ class FakeSocket:
 
 
 def send(room: int, payload: bytes) -> tuple[FakeSocket, int]:
+    """The Python send loop on a fake socket (no descriptor: the compiled first call is off)."""
     sock = FakeSocket(room)
     blocked = []
-    Link(0, 1, sock).send_frame(K_DATA, 5, memoryview(payload), None,
-                                on_block=lambda: blocked.append(len(sock.data)))
+    saved, framing._sockio = framing._sockio, None
+    try:
+        Link(0, 1, sock).send_frame(K_DATA, 5, memoryview(payload), None,
+                                    on_block=lambda: blocked.append(len(sock.data)))
+    finally:
+        framing._sockio = saved
     return sock, len(blocked)
 
 

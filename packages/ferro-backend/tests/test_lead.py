@@ -32,7 +32,15 @@ def _record_readers(b) -> list[int]:
     return readers
 
 
-def test_a_waiting_thread_reads_its_own_frame():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_waiting_thread_reads_its_own_frame(compiled, monkeypatch):
+    """Compiled (Linux): straight into the receive (``Reactor._serve``, which only a waiting
+    thread runs), never through the general path's payload step; without it, the general
+    path, in the waiting thread too."""
+    from ferro_backend.mesh import reactor
+
+    if not compiled:
+        monkeypatch.setattr(reactor, "_sockio", None)
     b0, b1 = group(2, connect="eager")
     try:
         readers = _record_readers(b1)
@@ -42,7 +50,11 @@ def test_a_waiting_thread_reads_its_own_frame():
         b1.recv(got, 0, tag=3, timeout=10)
         sender.join(10)
         assert list(got) == [0.0, 1.0, 2.0, 3.0]
-        assert readers == [threading.get_ident()], "the loop thread read the frame"
+        if compiled:
+            assert readers == [] and b1._reactor.direct_frames == 1
+        else:
+            assert readers == [threading.get_ident()], "the loop thread read the frame"
+            assert b1._reactor.direct_frames == 0
     finally:
         close_all([b0, b1])
 

@@ -250,6 +250,23 @@ class Mailbox:
         with self.cond:
             return self._pop_posted(src, tag)
 
+    def claim_first(self, req: PostedRecv) -> bool:
+        """Take ``req`` out of the posted receives if the next message from its rank on its
+        tag goes to it (first in line for the pair, and no earlier receive from any rank on
+        the tag waits); False leaves everything as it was."""
+        key = (req.src, req.tag)
+        with self.cond:
+            mine = self.posted.get(key)
+            if not mine or mine[0] is not req:
+                return False
+            anyone = self.posted_any.get(req.tag)
+            if anyone and anyone[0].order < req.order:
+                return False
+            mine.popleft()
+            if not mine:
+                del self.posted[key]
+            return True
+
     def repost_front(self, req: PostedRecv) -> None:
         """Give a claimed receive back, first in line (its message will come another way)."""
         with self.cond:

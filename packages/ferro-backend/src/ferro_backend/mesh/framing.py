@@ -13,8 +13,10 @@ peer's socket reaches EOF, which fails every receive waiting for it at once.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +26,11 @@ import numpy as np
 from ..checks import size_mismatch
 from ..errors import CollectiveTimeoutError, PeerClosedError, ProtocolError
 from ..mailbox import CLOSED_CLEANLY, Mailbox
+
+if sys.platform.startswith("linux"):  # the compiled system calls (a broken build fails loudly)
+    from . import _sockio
+else:  # pragma: no cover - elsewhere the Python path alone
+    _sockio = None
 
 FRAME = struct.Struct("<B7xQQ")  # kind, tag, length
 K_DATA, K_ABORT, K_CLOSE = 1, 2, 3
@@ -47,6 +54,7 @@ class Link:
     def __init__(self, rank: int, peer: int, sock: socket.socket) -> None:
         self.rank, self.peer, self.sock = rank, peer, sock
         self.lock = threading.Lock()
+        self.fd = sock.fileno()
         self.sent = 0  # payload bytes of DATA frames (and of messages sent other ways)
         self.received = 0
         sock.settimeout(None)
@@ -65,6 +73,12 @@ class Link:
         apart = len(view) >= HEADER_APART_FROM
         sent = 0
         with self.lock:
+            if _sockio is not None and not apart:  # one compiled sendmsg; the loop sends the rest
+                sent = _sockio.send_frame(self.fd, kind, tag, view)
+                if sent < 0:
+                    raise PeerClosedError(
+                        f"send: rank {self.rank} -> {self.peer} (tag {tag}): connection lost "
+                        f"({os.strerror(-sent)})", peer=self.peer)
             while sent < total:
                 if sent < len(header):
                     bufs = [memoryview(header)[sent:]] if apart else \

@@ -40,11 +40,13 @@ TURN_S = 1.0
 class Lead:
     """The lead of one receive loop: :class:`~.reactor.Reactor` provides ``_turn(cap)`` (one
     turn of the loop: wait up to ``cap`` seconds, None: until something happens, then read),
-    ``_wake()`` (out of ``epoll`` now) and ``_stop``, ``_draining``."""
+    ``_serve(req, cap)`` (a turn for a thread that waits for ``req``), ``_wake()`` (out of
+    ``epoll`` now) and ``_stop``, ``_draining``."""
 
     _stop: bool
     _draining: bool
     _turn: Callable[[float | None], None]
+    _serve: Callable[[PostedRecv, float], None]
     _wake: Callable[[], None]
 
     def __init__(self, box: Mailbox, lock: threading.Lock) -> None:
@@ -83,7 +85,7 @@ class Lead:
                     left = end - time.monotonic()
                     if left <= 0 and looked:
                         return
-                    self._turn(max(0.0, min(left, TURN_S)))
+                    self._serve(req, max(0.0, min(left, TURN_S)))
                     looked = True
             finally:
                 self._led_at = time.monotonic()

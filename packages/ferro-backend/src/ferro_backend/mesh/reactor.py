@@ -33,7 +33,7 @@ import numpy as np
 from ..checks import size_mismatch
 from ..errors import PeerClosedError, ProtocolError
 from ..mailbox import CLOSED_CLEANLY, Mailbox, PostedRecv
-from .framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME, LARGE_FRAME_WAIT, Link
+from .framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME, LARGE_FRAME_WAIT, Link, _sockio
 from .incoming import DONE, HEADER, PARKED, PAYLOAD, Incoming, allocate
 from .lead import Lead
 
@@ -52,9 +52,13 @@ class Reactor(Lead):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._ep.register(self._wake_r, select.EPOLLIN)
+        self._ep_fd = self._ep.fileno()
         self._lock = threading.Lock()
         self._new: list[Link] = []
         self._live: dict[int, Incoming] = {}  # fd -> state, links not finished yet
+        self._by_peer: dict[int, Incoming] = {}  # peer -> the same states
+        #: frames a waiting thread read straight into its receive (:meth:`_serve`)
+        self.direct_frames = 0
         self._parked: dict[tuple[int, int], Incoming] = {}  # (peer, tag) -> parked link
         self._stop = False
         self._draining = False
@@ -156,10 +160,44 @@ class Reactor(Lead):
             for link in new:
                 inc = Incoming(link)
                 live[inc.fd] = inc
+                self._by_peer[link.peer] = inc
                 ep.register(inc.fd, select.EPOLLIN)
                 self._drain(inc)  # bytes may have arrived before registration
         if self._parked:
             self._unpark()
+
+    def _serve(self, req: PostedRecv, cap: float) -> None:
+        """One turn for a thread that waits for ``req`` (the lead held): when nothing else is
+        pending, wait on ``req``'s peer alone (and on epoll, for the other links and wake-ups)
+        and, if its next frame is ``req``'s, read it straight into ``req`` (compiled: about a
+        quarter of the general path's time a small message); else the general turn."""
+        inc = self._by_peer.get(req.src) if _sockio is not None else None
+        if inc is None or inc.state != HEADER or inc.got or self._parked or self._new \
+                or len(req.view) >= LARGE_FRAME:
+            self._turn(cap)
+            return
+        answer = _sockio.peek_frame(inc.fd, self._ep_fd, inc.header, cap)
+        if answer == _sockio.TIMEOUT:
+            return
+        if answer == _sockio.PEEKED:
+            kind, tag, length = FRAME.unpack(inc.header)
+            if kind == K_DATA and tag == req.tag and length == len(req.view) \
+                    and self.box.claim_first(req):
+                got = _sockio.take_frame(inc.fd, req.view)
+                if got == length:
+                    inc.link.received += length
+                    self.direct_frames += 1
+                    req.complete()
+                    return
+                # the rest is on its way (or the link ended): the general path goes on
+                inc.kind, inc.tag, inc.length = K_DATA, tag, length
+                inc.req, inc.skip, inc.buf, inc.view = req, False, None, req.view
+                inc.state, inc.got = PAYLOAD, max(got, 0)
+                if got < 0:
+                    self._lost(inc, ProtocolError(f"recv: rank {self.rank} <- {req.src}: a "
+                                                  "frame header read by two readers"))
+                return
+        self._turn(0.0)  # another link, a wake-up, a frame for someone else: the general path
 
     def _unpark(self) -> None:
         now = time.monotonic()
@@ -279,6 +317,8 @@ class Reactor(Lead):
         """``inc``'s link is finished (CLOSE, ABORT, EOF or an error)."""
         inc.state = DONE
         self._live.pop(inc.fd, None)
+        if self._by_peer.get(inc.link.peer) is inc:
+            del self._by_peer[inc.link.peer]
         try:
             self._ep.unregister(inc.fd)
         except (OSError, ValueError):
