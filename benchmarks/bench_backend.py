@@ -221,7 +221,7 @@ def bench_frame_through_a_socket(benchmark, impl, size):
         def run():
             assert _sockio.send_frame(a.fileno(), K_DATA, 7, pv) == FRAME.size + nbytes
             assert _sockio.peek_frame(b.fileno(), -1, header, 10.0) == _sockio.PEEKED
-            got = _sockio.take_frame(b.fileno(), ov)
+            got = _sockio.take_frame(b.fileno(), -1, ov, 0.0)
             while got < nbytes:  # a frame may come in pieces
                 got += b.recv_into(ov[got:], nbytes - got)
     try:

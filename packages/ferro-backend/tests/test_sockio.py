@@ -108,13 +108,38 @@ def test_take_frame_reads_what_has_arrived_and_leaves_the_rest():
         a.sendall(FRAME.pack(K_DATA, 4, 200) + payload[:70])
         assert _sockio.peek_frame(b.fileno(), -1, header, 5.0) == _sockio.PEEKED
         out = bytearray(200)
-        assert _sockio.take_frame(b.fileno(), out) == 70
+        assert _sockio.take_frame(b.fileno(), -1, out, 0.0) == 70  # no wait: what is there
         assert bytes(out[:70]) == payload[:70]
         a.sendall(payload[70:] + b"next")
         assert _read(b, 130 + 4) == payload[70:] + b"next"
     finally:
         a.close()
         b.close()
+
+
+def test_take_frame_waits_for_the_rest_while_nothing_else_is_readable():
+    a, b = _pair()
+    r, w = socket.socketpair()
+    try:
+        payload = bytes(range(200)) * 5
+        header, out = bytearray(FRAME.size), bytearray(1000)
+        a.sendall(FRAME.pack(K_DATA, 4, 1000) + payload[:300])
+        assert _sockio.peek_frame(b.fileno(), r.fileno(), header, 5.0) == _sockio.PEEKED
+        rest = threading.Timer(0.05, lambda: a.sendall(payload[300:]))
+        rest.start()
+        assert _sockio.take_frame(b.fileno(), r.fileno(), out, 5.0) == 1000
+        assert bytes(out) == payload
+        rest.join(5)
+        # the other descriptor readable: the call gives up the wait at once, with what it has
+        a.sendall(FRAME.pack(K_DATA, 4, 1000) + payload[:300])
+        assert _sockio.peek_frame(b.fileno(), r.fileno(), header, 5.0) == _sockio.PEEKED
+        threading.Timer(0.05, lambda: w.send(b"x")).start()
+        t0 = time.monotonic()
+        assert _sockio.take_frame(b.fileno(), r.fileno(), out, 5.0) == 300
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        for s in (a, b, r, w):
+            s.close()
 
 
 def test_a_send_the_compiled_call_started_is_finished_by_the_loop_in_order():
@@ -147,8 +172,8 @@ class TakeSpy:
     def __getattr__(self, name):
         return getattr(_sockio, name)
 
-    def take_frame(self, fd, out):
-        got = _sockio.take_frame(fd, out)
+    def take_frame(self, fd, other, out, timeout):
+        got = _sockio.take_frame(fd, other, out, timeout)
         self.takes.append(got)
         return got
 
@@ -181,7 +206,7 @@ def test_frames_of_other_tags_and_any_source_receives_keep_their_order():
         close_all([b0, b1])
 
 
-def test_a_payload_still_on_its_way_is_finished_by_the_general_path(monkeypatch):
+def test_a_payload_in_pieces_is_read_by_the_waiting_thread_while_all_else_is_quiet(monkeypatch):
     spy = TakeSpy()
     monkeypatch.setattr(reactor, "_sockio", spy)
     b0, b1 = group(2, connect="eager")
@@ -199,14 +224,41 @@ def test_a_payload_still_on_its_way_is_finished_by_the_general_path(monkeypatch)
         req.wait(10)
         first.join(10)
         later.join(10)
-        assert np.array_equal(got, payload) and b0._reactor.direct_frames == direct
-        assert spy.takes == [300]  # the direct path took the header and what had come
-        b1.send(np.array([3.0]), 0, tag=6)  # the link goes on
-        one = np.empty(1)
-        b0.recv(one, 1, tag=6, timeout=10)
-        assert one[0] == 3.0
+        assert np.array_equal(got, payload) and b0._reactor.direct_frames == direct + 1
+        assert spy.takes == [1000]
     finally:
         close_all([b0, b1])
+
+
+def test_a_payload_on_its_way_goes_to_the_general_path_when_another_link_speaks(monkeypatch):
+    spy = TakeSpy()
+    monkeypatch.setattr(reactor, "_sockio", spy)
+    b0, b1, b2 = group(3, connect="eager")
+    try:
+        payload = np.arange(1000, dtype=np.uint8) % 251
+        raw = b1._links[0].sock
+        got = np.empty(1000, np.uint8)
+        direct = b0._reactor.direct_frames
+        req = b0.irecv(got, 1, tag=5)
+        timers = [threading.Timer(0.05, lambda: raw.sendall(FRAME.pack(K_DATA, 5, 1000)
+                                                            + payload[:300].tobytes())),
+                  threading.Timer(0.2, lambda: b2.send(np.array([2.0]), 0, tag=6)),
+                  threading.Timer(0.4, lambda: raw.sendall(payload[300:].tobytes()))]
+        for t in timers:
+            t.start()
+        req.wait(10)
+        for t in timers:
+            t.join(10)
+        assert np.array_equal(got, payload) and b0._reactor.direct_frames == direct
+        assert spy.takes == [300]  # rank 2's frame ended the wait: the general path went on
+        two = np.empty(1)
+        b0.recv(two, 2, tag=6, timeout=10)
+        assert two[0] == 2.0
+        b1.send(np.array([3.0]), 0, tag=6)  # the link goes on
+        b0.recv(two, 1, tag=6, timeout=10)
+        assert two[0] == 3.0
+    finally:
+        close_all([b0, b1, b2])
 
 
 def test_a_peer_that_ends_mid_frame_fails_the_receive(monkeypatch):

@@ -10,7 +10,8 @@ thread that waits for one peer's next message, and of a small send:
 - :func:`peek_frame`: wait for a whole header on one socket (left in it: peeked) or for another
   descriptor (the receive loop's epoll: any other link, a wake-up) to become readable;
 - :func:`take_frame`: consume the peeked header and what the socket holds of the payload into
-  the receive's buffer in one ``recvmsg``, without waiting;
+  the receive's buffer in one ``recvmsg``, then the rest as it arrives while nothing else
+  needs the loop;
 - :func:`send_frame`: header and payload in one ``sendmsg``, without waiting.
 
 Whatever they leave (a foreign frame, a partial header, a payload still on its way, an end of
@@ -102,15 +103,21 @@ def peek_frame(int fd, int other, unsigned char[::1] header not None, double tim
     return answer
 
 
-def take_frame(int fd, unsigned char[::1] out not None) -> int:
+def take_frame(int fd, int other, unsigned char[::1] out not None, double timeout) -> int:
     """Consume the header :func:`peek_frame` saw and, in the same call, what ``fd`` holds of
-    the payload, into ``out`` (its length: the frame's), without waiting; then read on while
-    bytes are there. Returns the payload bytes read (``len(out)``: the frame is done; fewer:
-    the rest is on its way, or the connection ended or failed, which the next read of the
-    general path finds); -1 if the header was not there whole (a second reader: a bug)."""
+    the payload, into ``out`` (its length: the frame's); then wait for the rest on ``fd`` for
+    up to ``timeout`` seconds while ``other`` (>= 0: the loop's epoll) stays quiet, so a frame
+    that arrives in pieces is still read here, and another link that needs the loop is not
+    kept waiting. Returns the payload bytes read (``len(out)``: the frame is done; fewer: the
+    rest is still on its way, another link needs the loop, or the connection ended or failed,
+    which the next read of the general path finds); -1 if the header was not there whole (a
+    second reader: a bug)."""
     cdef unsigned char head[24]
     cdef iovec iov[2]
     cdef msghdr msg
+    cdef pollfd fds[2]
+    cdef int nfds = 2 if other >= 0 else 1
+    cdef int ms = _millis(timeout)
     cdef Py_ssize_t want = out.shape[0], got = 0
     cdef ssize_t k
     memset(&msg, 0, sizeof(msg))
@@ -134,8 +141,19 @@ def take_frame(int fd, unsigned char[::1] out not None) -> int:
             k = recv(fd, &out[got], <size_t>(want - got), MSG_DONTWAIT)
             if k > 0:
                 got += k
-            elif not (k < 0 and errno == EINTR):
-                break
+                continue
+            if k == 0 or errno != EAGAIN:
+                if k < 0 and errno == EINTR:
+                    continue
+                break  # its end or an error: the general path's next read finds it
+            fds[0].fd = fd
+            fds[0].events = POLLIN
+            fds[0].revents = 0
+            fds[1].fd = other
+            fds[1].events = POLLIN
+            fds[1].revents = 0
+            if ms <= 0 or poll(fds, nfds, ms) <= 0 or not fds[0].revents:
+                break  # the time is up, or only another descriptor is readable
     return got
 
 

@@ -183,7 +183,7 @@ class Reactor(Lead):
             kind, tag, length = FRAME.unpack(inc.header)
             if kind == K_DATA and tag == req.tag and length == len(req.view) \
                     and self.box.claim_first(req):
-                got = _sockio.take_frame(inc.fd, req.view)
+                got = _sockio.take_frame(inc.fd, self._ep_fd, req.view, cap)
                 if got == length:
                     inc.link.received += length
                     self.direct_frames += 1
