@@ -169,8 +169,9 @@ class Reactor(Lead):
     def _serve(self, req: PostedRecv, cap: float) -> None:
         """One turn for a thread that waits for ``req`` (the lead held): when nothing else is
         pending, wait on ``req``'s peer alone (and on epoll, for the other links and wake-ups)
-        and, if its next frame is ``req``'s, read it straight into ``req`` (compiled: about a
-        quarter of the general path's time a small message); else the general turn."""
+        and, if its next frame is ``req``'s, read it straight into ``req`` (compiled: 12-13 us
+        from a readable socket to the receive's return here, 20 through the general turn);
+        else the general turn."""
         inc = self._by_peer.get(req.src) if _sockio is not None else None
         if inc is None or inc.state != HEADER or inc.got or self._parked or self._new \
                 or len(req.view) >= LARGE_FRAME:
