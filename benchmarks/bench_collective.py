@@ -1,4 +1,5 @@
-"""ferro-collective: the `_reduce` kernels (arithmetic and bitwise) against numpy, and the
+"""ferro-collective: ferro-backend's reduction kernel (`kernels._fold`: arithmetic, bitwise and
+half precision) through ``ferro_collective.ops`` against numpy, and the
 collectives over the simulated and TCP backends, with bus bandwidth as nccl-tests defines it.
 
 busbw: allreduce = size * 2(n-1)/n / time; all_gather, reduce_scatter = total size * (n-1)/n /
@@ -49,7 +50,7 @@ def _rounds(nbytes: int) -> int:
 
 
 # ------------------------------------------------------------------ kernels vs numpy
-@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
+@pytest.mark.parametrize("impl", ["numpy", "_fold"])
 def bench_sum_kernel_16MiB(benchmark, impl):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(4 << 20, dtype=np.float32), rng.standard_normal(4 << 20,
@@ -67,7 +68,7 @@ def bench_sum_kernel_16MiB(benchmark, impl):
     np.testing.assert_array_equal(check, a + b)
 
 
-@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
+@pytest.mark.parametrize("impl", ["numpy", "_fold"])
 def bench_mean_kernel_16MiB(benchmark, impl):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(4 << 20, dtype=np.float32), rng.standard_normal(4 << 20,
@@ -92,7 +93,7 @@ def bench_mean_kernel_16MiB(benchmark, impl):
 
 
 @pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
-@pytest.mark.parametrize("impl", ["numpy", "_reduce"])
+@pytest.mark.parametrize("impl", ["numpy", "_fold"])
 def bench_bitwise_kernel_16MiB(benchmark, impl, op):
     rng = np.random.default_rng(0)
     a = rng.integers(0, 2**32, 4 << 20, dtype=np.uint32)
@@ -110,6 +111,41 @@ def bench_bitwise_kernel_16MiB(benchmark, impl, op):
     check = a.copy()
     accumulate(check, b, rop)
     np.testing.assert_array_equal(check, ufunc(a, b))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("impl", ["numpy", "_fold"])
+def bench_half_fold_kernel_16MiB(benchmark, impl, dtype):
+    """A 4-input SUM of 16 MiB float16/bfloat16 arrays, widened to float32, folded in rank
+    order and rounded once: the engine's fold against numpy doing the same in three passes."""
+    import ml_dtypes
+
+    from ferro_collective.ops import fold
+
+    dt = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(8 << 20, dtype=np.float32).astype(dt) for _ in range(4)]
+    out = np.empty_like(inputs[0])
+    benchmark.group = f"kernel SUM of 4 {dtype} 16MiB"
+    benchmark.extra_info["bytes"] = out.nbytes
+    wide = [np.empty(out.size, np.float32) for _ in range(2)]
+
+    def numpy_fold():
+        np.copyto(wide[0], inputs[0])
+        for x in inputs[1:]:
+            np.copyto(wide[1], x)
+            np.add(wide[0], wide[1], out=wide[0])
+        np.copyto(out, wide[0], casting="unsafe")
+
+    if impl == "numpy":
+        benchmark.extra_info["role"] = "baseline"
+        benchmark.pedantic(numpy_fold, rounds=10, warmup_rounds=2)
+    else:
+        benchmark.pedantic(lambda: fold(out, inputs, ReduceOp.SUM), rounds=10, warmup_rounds=2)
+    fold(out, inputs, ReduceOp.SUM)
+    got = out.copy()
+    numpy_fold()
+    np.testing.assert_array_equal(got.view(np.uint16), out.view(np.uint16))
 
 
 # ------------------------------------------------------------------ simulated

@@ -1,12 +1,12 @@
-"""The same-host engine (ferro-backend's ``engine._slots`` with ferro-collective's
-``_reduce.fold``) against its baselines.
+"""The same-host engine (ferro-backend's door, ``engine._comm``, its steps ``engine._steps`` and
+its reduction kernel ``kernels._fold``) against its baselines.
 
 - ``fold``: the N-way rank-order reduction kernel against numpy's ``np.add`` chain (same work).
 - ``one call``: ferro-collective's compiled dispatch (``_fastcall``: plan cache, ``out=`` checks,
-  order, the engine's step through its C table) on a one-rank engine, so nothing but the call's
+  then the engine's door: its order, header and step) on a one-rank engine, so nothing but the call's
   own cost is timed, against ``np.copyto`` of the same 4 KiB (the least a one-rank allreduce
   into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``.
-- collectives on 2 real processes: ``ShmBackend`` with the engine (``_slots``, ``_segment``,
+- collectives on 2 real processes: ``ShmBackend`` with the engine (``_comm``, ``_segment``,
   ``_watch``) against ``np.copyto`` of the same bytes in this process (the baseline: a yardstick
   outside the project, so the gated ratio moves only with the engine and the machine), and the
   Python algorithms over the same transport with the engine off (ferro 0.1's path over TCP
@@ -86,15 +86,18 @@ def bench_fold_4_inputs_4MiB(benchmark, impl):
 # ------------------------------------------------------------------ the compiled one-call path
 def one_rank_engine():
     """A backend of one rank with an engine of its own (a world of one makes none)."""
-    import mmap
-
     from ferro_backend import SimulatedBackend
     from ferro_backend.engine import Engine, _segment
 
     (b,) = SimulatedBackend.create_group(1)
     slot, ring = 1 << 20, 4096
-    mem = mmap.mmap(-1, _segment.layout(1, slot, ring)["size"])
-    b.engine = Engine(0, 1, mem, slot, ring)
+    size = _segment.layout(1, slot, ring)["size"]
+    fd = os.memfd_create("ferro-bench", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        b.engine = Engine(0, 1, fd, size, slot, ring, b.timeout)
+    finally:
+        os.close(fd)
     return b
 
 

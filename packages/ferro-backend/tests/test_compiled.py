@@ -7,8 +7,11 @@ import ferro_backend
 from ferro_backend import _wire
 
 
-def test_wire_kernel_is_an_extension_module():
-    assert _wire.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+def test_wire_and_reduction_kernels_are_extension_modules():
+    from ferro_backend.kernels import _fold
+
+    for kernel in (_wire, _fold):
+        assert kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
 def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
@@ -19,10 +22,10 @@ def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
     from ferro_backend.launch import ferrorun, join
 
     if sys.platform.startswith("linux"):
-        from ferro_backend.engine import _ring, _segment, _slots, _watch
+        from ferro_backend.engine import _comm, _ring, _segment, _steps, _watch
 
         assert _platform.SAME_HOST_ENGINE
-        for kernel in (_segment, _slots, _ring, _watch):
+        for kernel in (_segment, _comm, _steps, _ring, _watch):
             assert kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
         assert ferrorun._default_transport(1) == "shm"
     # where the kernel does not exist, ShmBackend says so (simulated here) and TCP is the default

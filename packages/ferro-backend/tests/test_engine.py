@@ -1,19 +1,18 @@
 """The engine's shared segment: how it is made, shared, authenticated and released."""
 
-import ctypes
 import os
 import socket
 import struct
 import threading
 import time
 
-import numpy as np
 import pytest
+from _comms import comms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferro_backend import RendezvousError, ShmBackend
-from ferro_backend.engine import _segment, _slots
+from ferro_backend.engine import _comm, _segment, _steps
 from ferro_backend.engine import segment as eng
 from ferro_backend.testing import run_job
 
@@ -35,28 +34,24 @@ def test_layout_is_aligned_and_holds_every_slot():
     assert lay["size"] == lay["ring_off"] + 5 * 5 * lay["ring_stride"]
 
 
-def test_slot_engine_refuses_a_mapping_smaller_than_its_layout_and_foreign_folds():
+def test_a_communicator_refuses_a_segment_smaller_than_its_layout_and_a_bad_rank():
     need = _segment.layout(2, 4096, 4096)["size"]
-    failed = np.zeros(1, np.uint32)
-    with pytest.raises(ValueError, match="the layout needs"):
-        _slots.SlotEngine(np.zeros(need - 1, np.uint8), 2, 0, 4096, 4096, failed.ctypes.data,
-                          0, 0)
-    eng_ = _slots.SlotEngine(np.zeros(need, np.uint8), 2, 0, 4096, 4096, failed.ctypes.data,
-                             0, 0)
-    with pytest.raises(TypeError, match="expected a capsule named"):
-        eng_.set_fold(object())
-    x = np.ones(4, np.float32)
-    with pytest.raises(RuntimeError, match="no fold kernel"):
-        eng_.step_allreduce(b"h" * 8, 0, x, np.empty_like(x), 4, 0, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="smaller than its layout"):
+        comms(2, size=need - 1)
+    fd = os.memfd_create("ferro-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, need)
+        with pytest.raises(ValueError, match="rank 2 is not one of 2 ranks"):
+            _comm.Comm(fd, need, 2, 2, 4096, 4096, 0, 0, 1.0)
+    finally:
+        os.close(fd)
 
 
 @settings(max_examples=60, deadline=None)
 @given(slot=st.sampled_from([4096, 65536, 1 << 20]), span=st.integers(0, 1 << 20),
        step=st.integers(0, (1 << 32) - 3))
 def test_a_steps_data_moves_through_its_slot_in_whole_pages_and_stays_inside(slot, span, step):
-    need = _segment.layout(2, slot, 4096)["size"]
-    failed = np.zeros(1, np.uint32)
-    e = _slots.SlotEngine(np.zeros(need, np.uint8), 2, 0, slot, 4096, failed.ctypes.data, 0, 0)
+    e = _comms_by_slot(slot)
     at, stride = e.rot(step, span), -(-span // 4096) * 4096
     assert at % 4096 == 0 and at + span <= max(slot, span)
     if span < 8192 or slot < 2 * stride:
@@ -67,11 +62,18 @@ def test_a_steps_data_moves_through_its_slot_in_whole_pages_and_stays_inside(slo
         assert e.rot(step + 2, span) in (at + stride, 0)
 
 
+_BY_SLOT: dict = {}
+
+
+def _comms_by_slot(slot: int):
+    """Rank 0's communicator with ``slot``-byte slots (made once per size)."""
+    if slot not in _BY_SLOT:
+        _BY_SLOT[slot] = _steps.Steps(comms(2, slot)[0])
+    return _BY_SLOT[slot]
+
+
 def _two_slot_engines():
-    need = _segment.layout(2, 4096, 4096)["size"]
-    seg, failed = np.zeros(need, np.uint8), np.zeros(1, np.uint32)
-    return [_slots.SlotEngine(seg, 2, r, 4096, 4096, failed.ctypes.data, 100, 10)
-            for r in range(2)]
+    return [_steps.Steps(c) for c in comms(2)]
 
 
 def _both(fn0, fn1):
@@ -89,7 +91,7 @@ def _header(tag: bytes, seq: int) -> bytes:
 
 
 def test_header_hash_leaves_out_the_sequence_number_and_sees_every_other_byte():
-    h = _slots.header_hash
+    h = _steps.header_hash
     assert h(_header(b"a", 0)) == h(_header(b"a", 77)) != h(_header(b"b", 0))
     assert h(_header(b"a", 0) + b"x") != h(_header(b"a", 0) + b"y")
     assert h(b"") == h(memoryview(b""))
@@ -101,26 +103,17 @@ def test_steps_agree_on_equal_headers_however_they_were_published_and_catch_any_
     # the Python step (its header carries the number) and the one-call step (patched in)
     rc = _both(lambda: a.exchange(_header(b"x", 5), None, 0, None, deadline),
                lambda: b.step_barrier(_header(b"x", 0), 5, deadline))
-    assert rc == [_slots.OK, _slots.OK] and a.step == b.step == 1
+    assert rc == [_comm.OK, _comm.OK] and a.step == b.step == 1
     # another sequence number is a mismatch, on both ranks
     rc = _both(lambda: a.step_barrier(_header(b"x", 0), 6, deadline),
                lambda: b.step_barrier(_header(b"x", 0), 7, deadline))
-    assert rc == [_slots.MISMATCH, _slots.MISMATCH]
+    assert rc == [_comm.MISMATCH, _comm.MISMATCH]
     assert [x[24] for x in a.headers()] == [6, 7]
     rc = _both(lambda: a.step_barrier(_header(b"x", 0), 8, deadline),
                lambda: b.step_barrier(_header(b"y", 0), 8, deadline))
-    assert rc == [_slots.MISMATCH, _slots.MISMATCH]
+    assert rc == [_comm.MISMATCH, _comm.MISMATCH]
     rc = _both(lambda: a.sync(deadline), lambda: b.sync(deadline))
-    assert rc == [_slots.OK, _slots.OK]
-
-
-def test_the_step_table_capsule_is_named_by_its_layout():
-    a, _ = _two_slot_engines()
-    cap = a.api()
-    get = ctypes.pythonapi.PyCapsule_IsValid
-    get.restype, get.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
-    assert get(cap, _slots.API_SIGNATURE.encode()) == 1
-    assert get(cap, b"something else") == 0
+    assert rc == [_comm.OK, _comm.OK]
 
 
 @pytest.mark.parametrize("n", [2, 16, 17, 64, 256])

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from _comms import comms
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -39,7 +40,7 @@ from ferro_backend import (
     SizeMismatchError,
     TcpBackend,
 )
-from ferro_backend.engine import _segment, _slots
+from ferro_backend.engine import _segment, _steps
 from ferro_backend.mesh import handshake, rendezvous
 from ferro_backend.mesh.framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME
 from ferro_backend.testing import free_port
@@ -633,10 +634,9 @@ class SlotMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.layout = _segment.layout(2, 4096, 4096)
-        self.seg = np.zeros(self.layout["size"], np.uint8)
-        self.failed = np.zeros(1, np.uint32)
-        self.e = [_slots.SlotEngine(self.seg, 2, r, 4096, 4096, self.failed.ctypes.data, 100, 10)
-                  for r in range(2)]
+        self.comms = comms(2)
+        self.e = [_steps.Steps(c) for c in self.comms]
+        self.seg = np.frombuffer(self.comms[0], np.uint8)
         self.clean = True
 
     def _both(self, fn0, fn1, wait: float = 0.5) -> list[int]:
@@ -646,7 +646,7 @@ class SlotMachine(RuleBasedStateMachine):
         out[0] = fn0(time.monotonic() + wait)
         t.join(wait + PROMPT)
         assert not t.is_alive(), "a step outlived its deadline"
-        codes = {_slots.OK, _slots.TIMEOUT, _slots.FAILED, _slots.MISMATCH}
+        codes = {_steps.OK, _steps.TIMEOUT, _steps.FAILED, _steps.MISMATCH}
         assert set(out) <= codes, out
         return out
 
@@ -663,15 +663,15 @@ class SlotMachine(RuleBasedStateMachine):
                         lambda d: b.step_barrier(self._header(tag1, 0), seq1, d))
         if self.clean and in_step:
             same = tag0 == tag1 and seq0 == seq1
-            assert rc == ([_slots.OK] * 2 if same else [_slots.MISMATCH] * 2)
+            assert rc == ([_steps.OK] * 2 if same else [_steps.MISMATCH] * 2)
 
     @rule(who=st.integers(0, 1), data=st.booleans())
     def one_rank_alone(self, who, data):
         eng = self.e[who]
         d = time.monotonic() + 0.05
         rc = eng.exchange(self._header(b"alone", 0), b"x" * 64 if data else None, 0, None, d)
-        assert rc in (_slots.TIMEOUT, _slots.OK, _slots.MISMATCH)
-        if rc == _slots.TIMEOUT:
+        assert rc in (_steps.TIMEOUT, _steps.OK, _steps.MISMATCH)
+        if rc == _steps.TIMEOUT:
             eng.withdraw()
         self.clean = False  # the two are out of step from now on
 

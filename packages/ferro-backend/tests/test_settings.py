@@ -55,13 +55,13 @@ def test_every_setting_is_declared_once_with_a_doc():
 @pytest.mark.parametrize("raw, value", [("4096", 4096), ("64k", 64 << 10), ("1M", 1 << 20),
                                         ("2MiB", 2 << 20), (" 1g ", 1 << 30), ("inf", 1 << 62)])
 def test_byte_counts(raw, value):
-    assert settings.SHM_DIRECT_COPY_BYTES.parse(raw) == value
+    assert settings.SHM_SPLIT_BYTES.parse(raw) == value
 
 
 @given(st.integers(0, 1 << 40), st.sampled_from(["", "k", "K", "m", "M", "g"]))
 def test_byte_counts_any_number_and_unit(number, unit):
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit.lower()]
-    assert settings.SHM_DIRECT_COPY_BYTES.parse(f"{number}{unit}") == number * scale
+    assert settings.SHM_SPLIT_BYTES.parse(f"{number}{unit}") == number * scale
 
 
 @pytest.mark.parametrize("setting, raw, expected", [

@@ -447,7 +447,7 @@ def compiled_path(b) -> list[str]:
         ref = fn(x, b, *args, algorithm="star")
         got = fn(x, b, *args)
         plan = g.cached(kind, x, arg)
-        if plan is None or plan.shape != shape:
+        if plan is None or plan.out_shape != shape:
             bad.append(f"{fn.__name__}: no plan ({plan})")
         out = np.empty(shape, np.float32)
         again = fn(x, b, *args, out=out)
@@ -530,7 +530,7 @@ def compiled_gather(b) -> list[str]:
             if variant == "out" and got is not out:
                 bad.append(f"root {root}: out= not returned")
         plan = g.cached(F.GATHER, x, root)
-        if plan is None or plan.name != "gather" or plan.shape != want.shape:
+        if plan is None or plan.name != "gather" or plan.out_shape != want.shape:
             bad.append(f"root {root}: no compiled plan ({plan})")
     try:
         if b.rank == 0:
@@ -571,4 +571,78 @@ def moving_slot_data(b, counts: list, calls: int) -> list[str]:
                 if (ref is None) != (got is None) or \
                         ref is not None and ref.tobytes() != got.tobytes():
                     bad.append(f"{name} of {count} items, call {i}: other bits than star")
+    return bad
+
+
+def door_headers(b) -> list[str]:
+    """Every door call publishes the header ``header.encode`` packs for it (collective, dtype
+    as numpy names it, shape, op, root; a shape of more than six dims hashed alike), so a rank
+    on either path meets the other's header."""
+    from ferro_collective.engine import group_of
+    from ferro_collective.header import _SEQ_OFFSET, encode
+
+    n, bad = b.world_size, []
+    big = np.ones((1, 2, 1, 1, 1, 3, 2, 1), np.float32)
+    cases = [
+        ("allreduce", lambda: fc.allreduce(np.ones((4, 3), np.float32), b),
+         (np.float32, (4, 3), ReduceOp.SUM, -1)),
+        ("allreduce", lambda: fc.allreduce(np.ones(5, np.float16), b, ReduceOp.MEAN),
+         (np.float16, (5,), ReduceOp.MEAN, -1)),
+        ("allreduce", lambda: fc.allreduce(np.ones(2, np.int8), b, ReduceOp.BXOR),
+         (np.int8, (2,), ReduceOp.BXOR, -1)),
+        ("allreduce", lambda: fc.allreduce(np.ones(3, bool), b, ReduceOp.BOR),
+         (bool, (3,), ReduceOp.BOR, -1)),
+        ("reduce_scatter", lambda: fc.reduce_scatter(np.ones((2 * n, 2), np.float64), b,
+                                                     ReduceOp.MIN),
+         (np.float64, (2 * n, 2), ReduceOp.MIN, -1)),
+        ("broadcast", lambda: fc.broadcast(np.ones(3, np.complex64), b, n - 1),
+         (np.complex64, (3,), None, n - 1)),
+        ("all_gather", lambda: fc.all_gather(np.float64(2.0), b), (np.float64, (), None, -1)),
+        ("gather", lambda: fc.gather(big, b, 0), (np.float32, big.shape, None, 0)),
+        ("reduce", lambda: fc.reduce(np.ones(4, np.uint16), b, n - 1, ReduceOp.PRODUCT),
+         (np.uint16, (4,), ReduceOp.PRODUCT, n - 1)),
+        ("barrier", lambda: fc.barrier(b), (None, (), None, -1)),
+    ]
+    if BF16 is not None:
+        cases.append(("allreduce", lambda: fc.allreduce(np.ones(4, BF16), b, ReduceOp.MAX),
+                      (BF16, (4,), ReduceOp.MAX, -1)))
+    for name, call, (dt, shape, op, root) in cases:
+        call()
+        got = group_of(b).steps.headers()[b.rank]
+        seq = int.from_bytes(got[_SEQ_OFFSET:_SEQ_OFFSET + 4], "little")
+        want = encode(name, None if dt is None else np.dtype(dt), shape, op, root, seq)
+        if got != want:
+            bad.append(f"{name} {dt} {shape}: the door published {got.hex()}, "
+                       f"header.encode packs {want.hex()}")
+    return bad
+
+
+def through_the_door(b) -> list[str]:
+    """The collectives run through the engine's door: each call takes one ticket (the door's
+    order, shared with its other clients), float16 and bfloat16 reductions on the engine equal
+    the star algorithm's bits (folded in float32, rounded once), at one step and split; a
+    closed backend's door refuses at once."""
+    from ferro_collective.engine import group_of
+
+    bad = []
+    fc.barrier(b)
+    comm = group_of(b).comm
+    before = comm.reserve()
+    comm.skip(before)  # (a reserved ticket holds every later call until it runs or is skipped)
+    fc.allreduce(np.ones(8, np.float32), b)
+    fc.allreduce(np.ones((3, 3), np.float32)[:, :2], b)  # strided: the general path
+    fc.broadcast(np.ones(4), b, 0)
+    after = comm.reserve()
+    comm.skip(after)
+    if after - before != 4:
+        bad.append(f"tickets {before} -> {after}: the calls did not take one each")
+    dts = [np.float16] + ([BF16] if BF16 is not None else [])
+    for dt in dts:
+        for count in (1000, 300_000):  # one step, split
+            x = (np.random.default_rng([b.rank, count]).standard_normal(count) * 4).astype(dt)
+            for op in (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX):
+                got = fc.allreduce(x, b, op)
+                ref = fc.allreduce(x, b, op, algorithm="star")
+                if got.tobytes() != ref.tobytes():
+                    bad.append(f"{np.dtype(dt)} {op.name} of {count}: other bits than star")
     return bad

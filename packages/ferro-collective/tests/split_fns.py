@@ -14,7 +14,7 @@ def equals_star(b, cases: list) -> list[str]:
     for bit: new result, ``out=``, in place, and one rank on the general path (a strided input)
     while the others take the compiled one; returns the failures (empty: all equal)."""
     g = group_of(b) or (fc.barrier(b) or group_of(b))
-    bad = [] if g.slots.split_bytes > 0 else ["the split path is off"]
+    bad = [] if g.steps.split_bytes > 0 else ["the split path is off"]
     rng = np.random.default_rng(b.rank)
     for dtype, count, op_name in cases:
         dt, op = np.dtype(dtype), ReduceOp[op_name]
@@ -103,14 +103,14 @@ def scatters_equal_star(b, cases: list) -> list[str]:
     strided input) while the others take the same step; returns the failures."""
     n = b.world_size
     g = group_of(b) or (fc.barrier(b) or group_of(b))
-    bad = [] if g.slots.split_bytes > 0 else ["the split path is off"]
+    bad = [] if g.steps.split_bytes > 0 else ["the split path is off"]
     rng = np.random.default_rng(b.rank)
     for dtype, per, op_name in cases:
         dt, op = np.dtype(dtype), ReduceOp[op_name]
         x = ((rng.standard_normal(n * per) * 3).astype(dt) if dt.kind == "f"
              else rng.integers(0, 50, n * per).astype(dt))
         label = f"{dtype}[{n}x{per}] {op_name}"
-        if not g.slots.split_fits(x.nbytes, x.size) or x.nbytes <= g.slot_bytes:
+        if x.nbytes <= g.slot_bytes:  # (the door splits every reduction beyond a slot)
             bad.append(f"{label}: not split beyond a slot")
         with np.errstate(all="ignore"):
             ref = fc.reduce_scatter(x, b, op, algorithm="star").tobytes()
@@ -129,10 +129,10 @@ def scatters_equal_star(b, cases: list) -> list[str]:
 
 
 def equals_star_streaming(b, cases: list, small_bytes: int, slow_factor: float) -> list[str]:
-    """equals_star with this rank's copies into the segment set by ``SlotEngine.set_put``
+    """equals_star with this rank's copies into the segment set by ``Steps.set_put``
     (``small_bytes=0, slow_factor=0``: every large call counts as slow and streams, every
     64th re-tries plain stores); also returns the rate it calibrated, ns per KiB."""
     g = group_of(b) or (fc.barrier(b) or group_of(b))
-    rate = g.slots.set_put(small_bytes, slow_factor)
+    rate = g.steps.set_put(small_bytes, slow_factor)
     bad = equals_star(b, cases)
     return bad + ([] if rate >= 0 else [f"calibrated rate {rate}"])

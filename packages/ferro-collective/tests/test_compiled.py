@@ -1,11 +1,11 @@
 import importlib.machinery
 
 import ferro_collective
-from ferro_collective import _fastcall, _reduce
+from ferro_collective import _fastcall, _fastplan
 
 
-def test_reduce_kernel_and_the_one_call_paths_are_extension_modules():
-    for mod in (_reduce, _fastcall):
+def test_the_one_call_paths_are_extension_modules():
+    for mod in (_fastplan, _fastcall):
         assert mod.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), mod
 
 
@@ -21,7 +21,7 @@ def test_the_kernels_share_one_compiled_cython_utility_module():
     kernel as it loads, not compiled into every kernel."""
     import sys
 
-    import ferro_collective._reduce  # noqa: F401
+    import ferro_collective._fastcall  # noqa: F401
 
     util = sys.modules["ferro_collective._cyutility"]
     assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

@@ -18,7 +18,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ferro_collective as fc
 from ferro_backend.testing import Job, run_processes
 
 pytestmark = pytest.mark.timeout(180)
@@ -250,18 +249,10 @@ def test_one_call_collectives_wait_past_the_stall_report_for_a_late_peer():
         assert flags == [True] * 5
 
 
-def test_the_engine_patches_the_sequence_number_where_the_header_holds_it():
-    from ferro_backend.engine import _slots
-    from ferro_collective import _reduce
-    from ferro_collective.header import _SEQ_OFFSET, encode
-
-    assert _slots.HEADER_SEQ_OFFSET == _SEQ_OFFSET
-    # and the engine takes the collectives' fold kernel by its signature
-    assert _reduce.FOLD_SIGNATURE == _slots.FOLD_SIGNATURE
-    a, b = encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0x01020304), \
-        encode("allreduce", np.dtype("f4"), (3,), fc.ReduceOp.SUM, -1, 0)
-    assert a[_SEQ_OFFSET:_SEQ_OFFSET + 4] == bytes([4, 3, 2, 1])
-    assert a[:_SEQ_OFFSET] == b[:_SEQ_OFFSET] and a[_SEQ_OFFSET + 4:] == b[_SEQ_OFFSET + 4:]
+def test_the_doors_headers_are_the_ones_the_python_steps_pack():
+    # every call of the door publishes the header header.encode packs for it (collective,
+    # dtype, shape, op, root, sequence number): a mismatch is found whichever path a rank took
+    assert run_processes(engine_fns.door_headers, 2, transport="shm", timeout=60) == [[]] * 2
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -293,13 +284,13 @@ def test_a_one_call_step_waiting_for_a_late_peer_lets_other_threads_run():
     assert res[0] == [True, True, True] and res[1] == []
 
 
-def test_the_compiled_path_calls_the_step_table_the_engine_exports():
-    from ferro_backend.engine import API_SIGNATURE
+def test_the_collectives_run_on_the_engines_door():
     from ferro_collective import _fastcall
     from ferro_collective.engine import EngineGroup
 
-    assert _fastcall.API_SIGNATURE == API_SIGNATURE
     assert issubclass(EngineGroup, _fastcall.Core)
+    assert run_processes(engine_fns.through_the_door, 2, transport="shm", timeout=60) == \
+        [[]] * 2
 
 
 def test_a_bad_timeout_on_the_engine_raises_and_takes_no_sequence_number():

@@ -1,4 +1,4 @@
-"""The `_reduce` kernels against numpy's ufuncs."""
+"""ferro_collective.ops' folds (ferro-backend's reduction kernel) against numpy's ufuncs."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ferro_collective import ReduceOp, _reduce
+from ferro_backend.kernels import _fold
+from ferro_collective import ReduceOp
 from ferro_collective.ops import OPS, accumulate, fold
 
 KERNEL_DTYPES = [np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
@@ -56,10 +57,10 @@ def test_integer_sum_wraps_exactly_like_numpy():
 
 def test_op_codes_have_one_definition():
     # the kernel defines its codes; the op table reads them; header codes are distinct
-    assert {OPS[op].kernel for op in ReduceOp} == {_reduce.OP_SUM, _reduce.OP_PROD,
-                                                   _reduce.OP_MAX, _reduce.OP_MIN,
-                                                   _reduce.OP_BAND, _reduce.OP_BOR,
-                                                   _reduce.OP_BXOR}
+    assert {OPS[op].kernel for op in ReduceOp} == {_fold.OP_SUM, _fold.OP_PROD,
+                                                   _fold.OP_MAX, _fold.OP_MIN,
+                                                   _fold.OP_BAND, _fold.OP_BOR,
+                                                   _fold.OP_BXOR}
     assert len({spec.wire for spec in OPS.values()}) == len(ReduceOp)
     assert 0 not in {spec.wire for spec in OPS.values()}
 
@@ -70,11 +71,11 @@ def test_lengths_are_checked_once_in_python_and_read_only_accumulators_refused()
     ro = np.zeros(4)
     ro.flags.writeable = False
     with pytest.raises(ValueError):
-        _reduce.accumulate(ro, np.zeros(4), _reduce.OP_SUM)
+        _fold.accumulate(ro, np.zeros(4), _fold.DTYPE_CODES["float64"], _fold.OP_SUM)
     # read-only *inputs* are fine (const memoryviews)
     x = np.frombuffer(np.ones(4).tobytes())
     acc = np.zeros(4)
-    _reduce.accumulate(acc, x, _reduce.OP_SUM)
+    _fold.accumulate(acc, x, _fold.DTYPE_CODES["float64"], _fold.OP_SUM)
     assert acc.sum() == 4
 
 
@@ -180,7 +181,7 @@ def test_the_float_loops_run_the_clone_this_cpu_supports():
     if sys.platform == "linux" and platform.machine() == "x86_64":
         with open("/proc/cpuinfo") as f:
             avx2 = " avx2" in f.read()
-        assert _reduce.SIMD_AVX2 == avx2
+        assert _fold.SIMD_AVX2 == avx2
     rng = np.random.default_rng(1)
     for dt in (np.float32, np.float64):
         for size in (1, 7, 8, 9, 31, 4097, 10_001):

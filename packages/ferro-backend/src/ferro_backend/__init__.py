@@ -1,9 +1,12 @@
 """ferro-backend: point-to-point transports for distributed training on numpy arrays."""
 
 
+import os as _os
+
 from . import (
     _wire,  # noqa: F401 - the compiled kernel, imported unconditionally: no Python fallback
     elastic,
+    kernels,  # noqa: F401 - the reduction kernel, compiled on every platform
 )
 from ._version import version_getattr
 from .base import DEFAULT_TIMEOUT, USER_TAG_LIMIT, Backend, Request
@@ -34,6 +37,22 @@ from .wire import pack, packed_nbytes, unpack
 
 configure_logging()
 
+
+def get_include() -> str:
+    """The directory of ferro-backend's C headers and Cython declarations: ``ferro/engine.h``
+    (the door into the same-host engine: a versioned C interface, callable without the GIL),
+    ``ferro/engine_python.h`` (a communicator from the capsule
+    :func:`ferro_backend.engine.comm_capsule` returns) and ``ferro/engine.pxd``; pass it to the
+    compiler as ``-I``, as ``numpy.get_include()``.
+
+    Returns
+    -------
+    str
+        An absolute path inside the installed package.
+    """
+    return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
+
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "USER_TAG_LIMIT",
@@ -60,6 +79,7 @@ __all__ = [
     "TcpBackend",
     "detect_launcher",
     "elastic",
+    "get_include",
     "init_from_env",
     "pack",
     "packed_nbytes",

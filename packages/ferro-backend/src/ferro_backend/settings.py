@@ -258,15 +258,6 @@ SHM_YIELDS = _declare("FERRO_SHM_YIELDS", "count", _count(0), 100, "ferro-collec
 SHM_RING_YIELDS = _declare("FERRO_SHM_RING_YIELDS", "count", _count(0), 1000, "`ShmBackend`",
                            "when the ranks outnumber the cores: `sched_yield` calls (for 1 ms at "
                            "most) before a ring wait sleeps")
-SHM_DIRECT_COPY_BYTES = _declare("FERRO_SHM_DIRECT_COPY_BYTES", "bytes", _bytes, 1 << 62,
-                                 "ferro-collective",
-                                 "all_gather blocks from this size are read straight from the "
-                                 "peers' memory (default: never; beyond a slot they stream "
-                                 "through the slots)")
-SHM_BROADCAST_DIRECT_BYTES = _declare("FERRO_SHM_BROADCAST_DIRECT_BYTES", "bytes", _bytes,
-                                      1 << 62, "ferro-collective",
-                                      "broadcasts from this size move by cross-memory copies "
-                                      "even when they fit a slot (default: never)")
 ASYNC_WORKERS = _declare("FERRO_ASYNC_WORKERS", "count", _count(1), 4, "ferro-collective",
                          "threads running the `*_async` collectives")
 SCRATCH_BYTES = _declare("FERRO_SCRATCH_BYTES", "bytes", _bytes, 256 << 20, "ferro-collective",
@@ -290,7 +281,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_BIND,
     SHM_RING_BYTES,
     SHM_CMA, SHM_YIELDS,
-    SHM_RING_YIELDS, SHM_DIRECT_COPY_BYTES, SHM_BROADCAST_DIRECT_BYTES, ASYNC_WORKERS, SCRATCH_BYTES,
+    SHM_RING_YIELDS, ASYNC_WORKERS, SCRATCH_BYTES,
     COLLECTIVE_CHECK, BACKGROUND)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}
 

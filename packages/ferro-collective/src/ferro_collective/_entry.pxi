@@ -45,7 +45,7 @@ cdef object _run(coll, tensor, backend, arg, timeout, algorithm, out):
 
 cdef object _one_call(int kind, object tensor, object backend, object arg, object timeout,
                       object out):
-    """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine, or
+    """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine door, or
     :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
     engine = getattr(backend, "engine", None)
     if engine is None:
@@ -54,7 +54,7 @@ cdef object _one_call(int kind, object tensor, object backend, object arg, objec
     if not isinstance(client, Core):
         return _NOT_TAKEN
     cdef Core c = <Core>client
-    if kind <= K_FOLD_LAST:
+    if kind <= K_REDUCE_SCATTER:
         return c._fold_now(kind, tensor, out, arg, timeout)
     if kind == K_BROADCAST:
         if type(arg) is not int or not 0 <= arg < c.n:

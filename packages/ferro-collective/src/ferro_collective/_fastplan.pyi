@@ -1,18 +1,14 @@
-from collections.abc import Callable
+from typing import Any
 
 class FastPlan:
     name: str
-    header: bytes
     shape: tuple[int, ...]
-    root: int
-    staged: Callable[..., None] | None
-    def __init__(self, name: str, header: bytes, shape: tuple[int, ...], hash: int) -> None: ...
+    call: Any
+    out_shape: tuple[int, ...]
+    def __init__(self, name: str, shape: tuple[int, ...], out_shape: tuple[int, ...],
+                 call: Any) -> None: ...
     @staticmethod
-    def fold(name: str, header: bytes, shape: tuple[int, ...], hash: int, code: int,
-             kernel: int, div: float, offset: int, count: int) -> FastPlan: ...
-    @staticmethod
-    def copy(name: str, header: bytes, shape: tuple[int, ...], hash: int, root: int,
-             one_step: bool, staged: Callable[..., None]) -> FastPlan: ...
+    def not_taken() -> FastPlan: ...
 
 class SeqCounter:
     value: int

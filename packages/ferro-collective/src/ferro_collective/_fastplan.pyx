@@ -1,48 +1,40 @@
 # cython: language_level=3
-"""The one-call plans the compiled dispatcher (:mod:`._fastcall`) runs: one per call signature,
-made by the collectives' modules (the makers registered with ``_fastcall.register``); and the
-sequence counter it advances in C."""
-
-from libc.stdint cimport uint64_t
+"""The one-call plans the compiled dispatcher (:mod:`._fastcall`) runs: one per call signature;
+and the sequence counter of a backend without an engine (an engine's tickets are its door's)."""
 
 
 cdef class FastPlan:
-    """One signature's one-call plan: the header (sequence number 0) and its hash, the
-    result's shape, and what the step does (a fold: dtype code, kernel op, MEAN divisor, the
-    byte offset and item count of this rank's part; a copy: the root (-1: all_gather), whether
-    one step carries it, else the Python ``staged(group, call, header, x, out, root)``)."""
+    """One signature's one-call plan: the engine door's call of it (``call``, a
+    ``ferro_backend.engine._calls.Call``: the collective, its dtype, op or root, the shape its
+    header names), the input's and the result's shapes; ``taken`` False for a signature the
+    door cannot run (the general path then checks the call)."""
 
-    def __init__(self, str name, bytes header, tuple shape, uint64_t hash):
-        if len(shape) > MAX_DIMS or len(header) > 128:
-            raise ValueError(f"FastPlan: a {len(shape)}-d result (at most {MAX_DIMS}) or a "
-                             f"{len(header)}-byte header (at most 128)")
-        self.name, self.header, self.shape, self.hash = name, header, shape, hash
-        self.hptr, self.hlen = header, len(header)
-        self.out_ndim = len(shape)
-        for i, d in enumerate(shape):
+    def __init__(self, str name, tuple shape, tuple out_shape, object call):
+        if len(shape) > MAX_DIMS or len(out_shape) > MAX_DIMS:
+            raise ValueError(f"FastPlan: a {max(len(shape), len(out_shape))}-d input or result "
+                             f"(at most {MAX_DIMS})")
+        self.name, self.shape, self.call = name, shape, call
+        self.run_at = None if call is None else call.run_at
+        self.out_ndim = len(out_shape)
+        for i, d in enumerate(out_shape):
             self.out_dims[i] = d
-        self.taken, self.root = True, -1
+        self.taken = True
 
     @staticmethod
-    def fold(str name, bytes header, tuple shape, uint64_t hash, int code, int kernel,
-             double div, size_t offset, Py_ssize_t count):
-        """A reduction: ``out`` = the fold of ``count`` items at ``offset`` of every slot."""
-        p = FastPlan(name, header, shape, hash)
-        p.code, p.kernel, p.div, p.offset, p.count = code, kernel, div, offset, count
+    def not_taken():
+        """The plan of a signature no one-call path runs."""
+        p = FastPlan("", (), (), None)
+        p.taken = False
         return p
 
-    @staticmethod
-    def copy(str name, bytes header, tuple shape, uint64_t hash, int root, bint one_step,
-             staged):
-        """A broadcast (``root`` >= 0) or all_gather (-1), in one step or ``staged``."""
-        p = FastPlan(name, header, shape, hash)
-        p.root, p.one_step, p.staged = root, one_step, staged
-        return p
+    @property
+    def out_shape(self) -> tuple:
+        return tuple(self.out_dims[i] for i in range(self.out_ndim))
 
 
 cdef class SeqCounter:
     """A backend's collective sequence numbers: ``counter()`` is the next (atomic under the
-    GIL); the compiled paths take theirs without a call."""
+    GIL)."""
 
     def __call__(self):
         self.value += 1

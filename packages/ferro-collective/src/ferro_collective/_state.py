@@ -2,7 +2,10 @@
 
 All ranks must call collectives on a backend in the same order (as in torch.distributed); the
 sequence number each call takes is then the same on every rank, and every message of that call
-travels on tags derived from it, so calls in flight at once never mix.
+travels on tags derived from it, so calls in flight at once never mix. On a backend with a
+same-host engine the numbers are the engine door's tickets (``Comm.reserve``), shared with every
+other client of that engine (a compiled torch backend, a JAX handler), so all their calls keep
+one order.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ SEQ_SLOTS = (1 << 19) - 1
 
 
 class BackendState:
-    def __init__(self) -> None:
-        #: the next sequence number (``counter()``; atomic under the GIL)
-        self.counter = SeqCounter()
+    def __init__(self, backend) -> None:
+        engine = getattr(backend, "engine", None)
+        #: the next sequence number (``counter()``): the engine door's next ticket, else this
+        #: backend's own count (atomic under the GIL)
+        self.counter = engine.comm.reserve if engine is not None else SeqCounter()
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -56,7 +61,7 @@ def state(backend) -> BackendState:
         with _states_lock:
             st = _states.get(backend)
             if st is None:
-                st = _states[backend] = BackendState()
+                st = _states[backend] = BackendState(backend)
     return st
 
 

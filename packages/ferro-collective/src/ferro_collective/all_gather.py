@@ -2,12 +2,10 @@
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`copy_plan`, run by the compiled path) when a block fits a slot:
-  every rank copies every rank's slot into its result;
-- **staged on the engine** (:func:`engine_all_gather`): blocks beyond a slot stream through the
-  slots, pipelined in chunks (two plain copies on two cores at once beat one cross-memory read,
-  which pins the owner's pages one by one); from ``FERRO_SHM_DIRECT_COPY_BYTES`` they are read
-  straight from their owners' memory instead, where ranks may read each other's;
+- **the engine's door** (``ferro/engine.h``, from the compiled one-call path or the plan's
+  engine body): a block up to a slot in one step (every rank copies every rank's slot into its
+  result); larger blocks stream through the slots, pipelined in chunks (two plain copies on two
+  cores at once beat one cross-memory read, which pins the owner's pages one by one);
 - **hierarchical** (:func:`stages`): all_gather inside the node, then across nodes (blocks
   put back in rank order);
 - **Python**: the ring (bandwidth-optimal) or the star.
@@ -15,23 +13,14 @@ Where a call runs (:mod:`.dispatch` picks):
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-
 import numpy as np
 
-from ferro_backend import _wire
-
-from . import _fastcall
 from ._state import reserve
 from .checks import as_array, check_out
-from .engine import OK, EngineGroup, FastPlan, Step, one_call_header
+from .engine import EngineGroup, Step, door_calls
+from .ops import CODES
 from .p2p import Ctx, all_gather_ring_into
 from .plan import Plan, choose
-
-#: an own block at least this large is copied with non-temporal stores (well past the cache:
-#: 8 MiB copies in 0.45 ms instead of 0.51, 32 MiB in 3.1 instead of 5.1, one process here)
-STREAM_COPY_BYTES = 4 << 20
 
 
 def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
@@ -39,44 +28,20 @@ def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
     return (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
 
 
-def copy_plan(group: EngineGroup, x: np.ndarray, root: int, name: str,
-              staged: Callable[..., None]) -> FastPlan | None:
-    """The one-call plan of a broadcast (``root`` >= 0) or all_gather (-1) of ``x``'s
-    signature, made once per signature by the compiled path: one engine step when the data fits
-    a slot (and is not better read straight from the peer), else ``staged`` (the staged engine
-    path); None for object arrays (the general path refuses them)."""
-    if x.dtype.hasobject:
-        return None
-    nbytes = x.nbytes
-    direct = group.broadcast_direct_bytes if root >= 0 else group.direct_copy_bytes
-    one_step = nbytes <= group.slot_bytes and not (group.cma_ok and nbytes >= direct)
-    header, h = one_call_header(name, x.dtype, x.shape, None, root)
-    shape = x.shape if root >= 0 else gathered_shape(x, group.n)
-    return FastPlan.copy(name, header, shape, h, root, one_step, staged)
-
-
-def _staged(group: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
-            root: int = -1) -> None:
-    engine_all_gather(group, call, header, x.reshape(-1).view(np.uint8),
-                      out.reshape(-1).view(np.uint8))
-
-
-_fastcall.register(_fastcall.ALL_GATHER,
-                   lambda group, x, arg: copy_plan(group, x, -1, "all_gather", _staged))
-
-
-def gather_plan(group: EngineGroup, x: np.ndarray, root: int) -> FastPlan | None:
-    """The one-call plan of a gather to ``root`` of ``x``'s signature: one all_gather step
-    under the gather's header (the general path's, root included) when a block fits a slot;
-    larger blocks take the general path (the root reads them straight from their owners)."""
-    if x.dtype.hasobject:
-        return None
-    header, h = one_call_header("gather", x.dtype, x.shape, None, root)
-    return FastPlan.copy("gather", header, gathered_shape(x, group.n), h, -1,
-                         x.nbytes <= group.slot_bytes, None)
-
-
-_fastcall.register(_fastcall.GATHER, gather_plan)
+def door_bytes(group: EngineGroup, call: Step, kind: int, x: np.ndarray, out: np.ndarray | None,
+               root: int = 0, send: bool = True) -> None:
+    """A copy collective of ``x`` (all_gather, gather, broadcast: ``kind``) through the
+    engine's door: in its dtype where the door knows it, else as its bytes naming the dtype
+    (``send``: this rank's input is read; ``out`` None: this rank gets nothing)."""
+    block = np.ascontiguousarray(x)
+    code = CODES.get(x.dtype)
+    name = None if code is not None else x.dtype.str.encode()
+    if code is None:
+        code = CODES[np.dtype(np.uint8)]
+        block = block.reshape(-1).view(np.uint8)
+        out = None if out is None else out.reshape(-1).view(np.uint8)
+    group.door(call, kind, block if send else None, out, code, root=root, shape=x.shape,
+               type_name=name)
 
 
 def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -99,7 +64,7 @@ def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = Non
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
         result = np.empty(shape, dtype=x.dtype) if out is None else out
-        _staged(group, call, header, np.ascontiguousarray(x), result)
+        door_bytes(group, call, door_calls.ALL_GATHER, x, result)
         return result
 
     return Plan("all_gather", backend, timeout, (x.dtype, x.shape, None, -1), python, engine,
@@ -135,40 +100,6 @@ def all_gather_ring(ctx: Ctx, block: np.ndarray, out: np.ndarray) -> None:
 IMPLEMENTATIONS = {"ring": all_gather_ring, "star": all_gather_star}
 
 
-# ----------------------------------------------------------------------------- engine
-def engine_all_gather(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
-                      out: np.ndarray) -> None:
-    """``out`` (1-d bytes) = every rank's ``block`` (1-d bytes), in rank order."""
-    size = block.size
-    direct = g.cma_ok and size >= g.direct_copy_bytes
-    if size <= g.slot_bytes and not direct:
-        step = g.exchange(call, header, block, span=size)  # placed as the compiled path's
-        for r in range(g.n):
-            out[r * size:(r + 1) * size] = block if r == g.me else g.data(r, step, size,
-                                                                          block.dtype, size)
-    elif not direct:  # beyond a slot: streamed through the slots, pipelined (_stream.h)
-        rc = g.slots.step_gather(header, call.seq & 0xFFFFFFFF, block, out, call.soft)
-        if rc != OK:
-            g._settle(rc, call)
-            rc = g.slots.resume(call.hard)
-            if rc != OK:
-                g._late(rc, call.name, call.seq, call.timeout, call.start)
-    else:
-        # this rank's own block first: while the peers arrive, and from a hot source; a block
-        # far larger than the cache with non-temporal stores (no read of the lines it writes)
-        mine = out[g.me * size:(g.me + 1) * size]
-        if size >= STREAM_COPY_BYTES:
-            _wire.stream_copy(block, mine)
-        else:
-            mine[...] = block
-        g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
-        extras = g.extras()
-        for r in range(g.n):
-            if r != g.me:
-                g.read(r, extras[r][1], out[r * size:(r + 1) * size])
-        g.sync(call)
-
-
 # ----------------------------------------------------------------------------- hierarchical
 def stages(h, x: np.ndarray, shape: tuple[int, ...], timeout, out):
     """Inside the node, then across nodes; returns ``run(execute)``."""
@@ -193,5 +124,4 @@ def stages(h, x: np.ndarray, shape: tuple[int, ...], timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "copy_plan", "engine_all_gather", "gathered_shape",
-           "prepare", "stages"]
+__all__ = ["IMPLEMENTATIONS", "door_bytes", "gathered_shape", "prepare", "stages"]

@@ -2,15 +2,12 @@
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`fold_plan`, run by the compiled path) when the data fits a slot:
-  every rank writes its slot, then folds every rank's slot in rank order (the fold kernel of
-  ``_reduce``, run by the engine);
-- **staged on the engine** (:func:`engine_allreduce`): beyond a slot the split allreduce
-  through rings that wrap (every rank folds one part from the others' input rings and gathers
-  the others' parts from their result rings, pipelined in chunks: ``_split.h``); without the
-  split (``FERRO_SHM_SPLIT_BYTES=0``), where ranks may read each other's memory, a
-  reduce-scatter that folds each rank's chunk of every rank's input straight from the peers'
-  memory, piece by piece, then an all-gather of the chunks; else slot-sized pieces;
+- **the engine's door** (``ferro/engine.h``, from the compiled one-call path or the plan's
+  engine body on a contiguous copy): up to a slot one step (every rank writes its slot, then
+  folds every rank's slot in rank order); from ``FERRO_SHM_SPLIT_BYTES``, and always beyond a
+  slot, the split allreduce through rings that wrap (every rank folds one part from the others'
+  input rings and gathers the others' parts from their result rings, pipelined in chunks:
+  ``_split.h``); float16 and bfloat16 folded in float32 and rounded once;
 - **hierarchical** (:func:`stages`): reduce-scatter inside the node, local rank ``j``
   allreduces slice ``j`` across nodes, the node all-gathers the slices (each rank sends 1/L of
   the data over the network), pipelined in pieces when large; MEAN adds up in both stages and
@@ -24,51 +21,20 @@ as "star" does, so their bits equal ``algorithm="star"``'s on every rank.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _fastcall, _reduce, _state, all_gather
+from . import _state, all_gather
 from ._state import reserve
 from .checks import as_array, check_out, finish
-from .engine import OK, EngineGroup, FastPlan, Step, one_call_header
-from .ops import BITWISE, OPS, ReduceOp, accumulate, as_op, work_dtype
+from .engine import EngineGroup, Step, door_calls
+from .ops import CODES, OPS, ReduceOp, accumulate, as_op, fold, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
 from .pipeline import PIPELINE_MIN, PIPELINE_PIECE, schedule, writable_into
 from .plan import PREPARE, Plan, choose
 from .scratch import POOL
-
-#: bytes of each peer's input read and folded at once by the large reduction
-PIECE_BYTES = 512 << 10
-#: kernel dtype -> the fold kernel's dtype code (float codes first, then the integers)
-CODES = {np.dtype(name): code for name, code in _reduce.DTYPE_CODES.items()}
-_FIRST_INT_CODE = _reduce.DTYPE_CODES["int8"]
-
-
-def fold_plan(group: EngineGroup, x: np.ndarray, op: ReduceOp,
-              name: str = "allreduce") -> FastPlan | None:
-    """The one-call plan of a reduction (``name``: allreduce or reduce_scatter) of ``x``'s
-    signature, made once per signature by the compiled path, or None when one engine step
-    cannot run it (the general path then checks the call)."""
-    code, n = CODES.get(x.dtype), group.n
-    if (code is None or x.nbytes > group.slot_bytes
-            or (op is ReduceOp.MEAN and code >= _FIRST_INT_CODE)
-            or (op in BITWISE and code < _FIRST_INT_CODE)):
-        return None
-    div = float(n) if op is ReduceOp.MEAN else 0.0
-    header, h = one_call_header(name, x.dtype, x.shape, op)
-    if name == "allreduce":
-        return FastPlan.fold(name, header, x.shape, h, code, OPS[op].kernel, div, 0, x.size)
-    if x.ndim and x.shape[0] % n == 0:  # reduce_scatter: this rank's part of every slot
-        part = x.size // n
-        return FastPlan.fold(name, header, (x.shape[0] // n, *x.shape[1:]), h, code,
-                             OPS[op].kernel, div, group.me * part * x.itemsize, part)
-    return None
-
-
-_fastcall.register(_fastcall.ALLREDUCE, fold_plan)
 
 
 def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -93,8 +59,8 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
         result = np.empty(x.shape, x.dtype) if out is None else out
-        engine_allreduce(group, call, header, np.ascontiguousarray(x).reshape(-1),
-                         result.reshape(-1), wd, op)
+        group.door(call, door_calls.ALLREDUCE, np.ascontiguousarray(x), result, CODES[x.dtype],
+                   OPS[op].door, shape=x.shape)
         return result
 
     return Plan("allreduce", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
@@ -146,7 +112,7 @@ def allreduce_recursive_doubling(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> Non
         last = distance * 2 >= p
         # Combine lower-rank operand first on both partners: identical bits on both sides.
         if partner < me:  # the partner's data is the lower operand: first, folded into buf
-            _fold(buf, [incoming, buf], op, mean if last else None)  # (no copy back)
+            fold(buf, [incoming, buf], op, mean if last else None)  # (no copy back)
         else:
             accumulate(buf, incoming, op, mean if last else None)
         distance *= 2
@@ -156,117 +122,6 @@ def allreduce_recursive_doubling(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> Non
 
 IMPLEMENTATIONS = {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
               "star": allreduce_star}
-
-
-# ----------------------------------------------------------------------------- engine
-def engine_allreduce(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
-                     wd: np.dtype, op: ReduceOp) -> None:
-    """``out`` (1-d, x's dtype) = the rank-order fold of every rank's ``x`` (1-d)."""
-    mean = g.n if op is ReduceOp.MEAN else None
-    if x.dtype == wd and x.dtype in CODES and x.size and (
-            x.nbytes <= g.slot_bytes or g.slots.split_fits(x.nbytes, x.size)):
-        # the compiled path's step within a slot (split from the engine's threshold):
-        # whichever path a rank takes for a call, its peers must find the same protocol; beyond
-        # a slot, split through rings that wrap (2 ranks, 8 MiB: 1.5-1.7 ms by cross-memory
-        # reads before)
-        split_step(g, call, header, x, out, op, mean)
-    elif x.size * wd.itemsize <= g.slot_bytes:
-        fold_through_slots(g, call, header, x, out, wd, op, mean)
-    elif g.cma_ok:
-        bounds = split_bounds(x.size, g.n)
-        g.exchange(call, header, extra=(os.getpid(), x.ctypes.data, out.ctypes.data))
-        extras = g.extras()
-        s, e = bounds[g.me]
-        fold_from_peers(g, x, out[s:e], wd, op, mean, extras, s, e)
-        g.sync(call)  # every chunk is reduced
-        for r, (rs, re) in enumerate(bounds):
-            if r != g.me and re > rs:
-                g.read(r, extras[r][2] + rs * out.itemsize, out[rs:re])
-        g.sync(call)  # nobody reads our buffers any more
-    else:
-        per = max(1, g.slot_bytes // wd.itemsize)
-        for s in range(0, x.size, per):
-            e = min(x.size, s + per)
-            fold_through_slots(g, call, header, x[s:e], out[s:e], wd, op, mean)
-
-
-def split_step(g: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
-               op: ReduceOp, mean: int | None, scatter: bool = False) -> None:
-    """One engine allreduce call of ``x`` as the compiled path runs it within a slot (split
-    from the engine's threshold), split through rings beyond (``SlotEngine.step_allreduce``);
-    ``scatter``: a split reduce_scatter (``out``: this rank's part)."""
-    code, kernel, div = CODES[x.dtype], OPS[op].kernel, float(mean or 0)
-    rc = g.slots.step_allreduce(header, call.seq & 0xFFFFFFFF, x, out, x.size, code, kernel,
-                                div, call.soft, scatter)
-    if rc != OK:
-        g._recover(rc, call.name, call.seq, call.timeout, call.start)
-        rc = g.slots.fold(out, x.nbytes, 0, x.size, x.itemsize, code, kernel, div, call.hard)
-        if rc != OK:
-            g._late(rc, call.name, call.seq, call.timeout, call.start)
-
-
-def fold_through_slots(g: EngineGroup, call: Step, header: bytes, x: np.ndarray,
-                       out: np.ndarray, wd: np.dtype, op: ReduceOp, mean: int | None,
-                       part: tuple[int, int] | None = None) -> None:
-    """One step: every rank's ``x`` through its slot, then ``out`` = the fold of ``[s:e]``
-    (``part``; default all) of every slot."""
-    span = x.size * wd.itemsize  # placed as the compiled path places it
-    if x.dtype == wd:
-        step = g.exchange(call, header, x, span=span)
-    else:  # widened: the slot holds the work dtype, so peers need not convert
-        np.copyto(g.slot_for_writing(span, wd, span), x, casting="unsafe")
-        step = g.exchange(call, header, prefilled=span, span=span)
-    s, e = part if part is not None else (0, x.size)
-    inputs = [g.data(r, step, span, wd, span)[s:e] for r in range(g.n)]
-    if out.dtype == wd:
-        _fold(out, inputs, op, mean)
-    else:
-        acc = g.scratch("fold", wd, e - s)
-        _fold(acc, inputs, op, mean)
-        np.copyto(out, acc, casting="unsafe")
-
-
-def fold_from_peers(g: EngineGroup, x: np.ndarray, target: np.ndarray, wd: np.dtype,
-                    op: ReduceOp, mean: int | None, extras: list[tuple[int, int, int]],
-                    s: int, e: int) -> None:
-    """``target`` (``e - s`` items) = the rank-order fold of every rank's ``x[s:e]``, read piece
-    by piece from the peers' memory (``extras``: their input addresses). ``target`` may be
-    ``x[s:e]`` itself (an in-place allreduce): this rank's piece is then copied first."""
-    per = max(1, PIECE_BYTES // max(x.itemsize, wd.itemsize))
-    count = min(per, e - s)
-    aliased = np.may_share_memory(x, target)
-    bufs = [g.scratch(f"piece{r}", x.dtype, count) for r in range(g.n)]
-    convert = wd != x.dtype
-    conv = [g.scratch(f"conv{r}", wd, count) for r in range(g.n)] if convert else None
-    acc = g.scratch("acc", wd, count) if wd != target.dtype else None
-    for ps in range(s, e, per):
-        pe = min(e, ps + per)
-        k = pe - ps
-        inputs = []
-        for r in range(g.n):
-            if r != g.me:
-                piece = bufs[r][:k]
-                g.read(r, extras[r][1] + ps * x.itemsize, piece)
-            elif aliased and not convert:
-                piece = bufs[r][:k]
-                piece[...] = x[ps:pe]
-            else:
-                piece = x[ps:pe]
-            if conv is not None:
-                np.copyto(conv[r][:k], piece, casting="unsafe")
-                piece = conv[r][:k]
-            inputs.append(piece)
-        dest = target[ps - s:pe - s]
-        if acc is None:
-            _fold(dest, inputs, op, mean)
-        else:
-            _fold(acc[:k], inputs, op, mean)
-            np.copyto(dest, acc[:k], casting="unsafe")
-
-
-def _fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean: int | None) -> None:
-    """``ops.fold`` without its checks: every view here is built with out's dtype and length."""
-    _reduce.fold(out, inputs, OPS[op].kernel, float(mean or 0))
 
 
 # ----------------------------------------------------------------------------- hierarchical
@@ -349,5 +204,4 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "engine_allreduce", "fold_from_peers", "fold_plan",
-           "fold_through_slots", "prepare", "stages"]
+__all__ = ["IMPLEMENTATIONS", "prepare", "stages"]

@@ -2,7 +2,7 @@
 
 The barrier is the collectives' header exchange with the barrier's header, so a rank that calls
 another collective instead gets CollectiveMismatchError on every rank rather than a hang: one
-engine step on a backend with an engine (the compiled ``barrier_now``), Bruck's all-gather of the headers
+engine step on a backend with an engine (the door's barrier), Bruck's all-gather of the headers
 (``ceil(log2 n)`` rounds) over point-to-point messages, or node, cross and node barriers on a
 multi-node job (:func:`stages`).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ._state import reserve
 from .checks import check_backend
-from .engine import EngineGroup, Step
+from .engine import EngineGroup, Step, door_calls
 from .p2p import Ctx
 from .plan import Plan
 
@@ -24,7 +24,7 @@ def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = Non
         return None
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> None:
-        group.exchange(call, header)
+        group.door(call, door_calls.BARRIER, None, None, 0)
 
     return Plan("barrier", backend, timeout, (None, ()), python, engine,
                 lambda h: stages(h, timeout), algorithm, seq)

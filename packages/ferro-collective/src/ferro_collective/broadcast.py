@@ -2,12 +2,10 @@
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`.all_gather.copy_plan`, run by the compiled path) when the data
-  fits a slot: the root writes its slot, every other rank copies it out;
-- **staged on the engine** (:func:`engine_broadcast`): larger data (or from
-  ``FERRO_SHM_BROADCAST_DIRECT_BYTES``) by cross-memory copies with the work shared: every
-  reader pulls the first ``(n-1)/n`` of the buffer from the root while the root pushes the
-  last ``1/n`` into each reader; without cross-memory copies, slot-sized pieces;
+- **the engine's door** (``ferro/engine.h``, from the compiled one-call path or the plan's
+  engine body): one step per slot of data (the root writes its slot, every other rank copies
+  it out; a large broadcast's steps pipelined two deep, the root filling one slot while the
+  others read the other);
 - **hierarchical** (:func:`stages`): across nodes from the root's node, then inside every node
   from the root's local index;
 - **Python**: a binomial tree (:func:`broadcast_tree`, ``ceil(log2 n)`` rounds) or the star.
@@ -15,31 +13,16 @@ Where a call runs (:mod:`.dispatch` picks):
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ferro_backend import InvalidRankError
 
-from . import _fastcall
 from ._state import reserve
-from .all_gather import copy_plan
+from .all_gather import door_bytes
 from .checks import as_array, check_out
-from .engine import EngineGroup, Step
+from .engine import EngineGroup, Step, door_calls
 from .p2p import Ctx
 from .plan import Plan, choose
-
-
-def _staged(group: EngineGroup, call: Step, header: bytes, x: np.ndarray, out: np.ndarray,
-            root: int) -> None:
-    src, dst = x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
-    if group.me == root and not np.may_share_memory(dst, src):
-        dst[...] = src
-    engine_broadcast(group, call, header, dst, root)
-
-
-_fastcall.register(_fastcall.BROADCAST,
-                   lambda group, x, root: copy_plan(group, x, root, "broadcast", _staged))
 
 
 def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -66,9 +49,8 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
         return buf
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
-        buf = result() if backend.rank == root else (np.empty(x.shape, x.dtype) if out is None
-                                                      else out)
-        engine_broadcast(group, call, header, buf.reshape(-1).view(np.uint8), root)
+        buf = np.empty(x.shape, x.dtype) if out is None else out
+        door_bytes(group, call, door_calls.BROADCAST, x, buf, root, send=backend.rank == root)
         return buf
 
     return Plan("broadcast", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
@@ -108,32 +90,6 @@ def broadcast_tree(ctx: Ctx, buf: np.ndarray, root: int) -> None:
 IMPLEMENTATIONS = {"tree": broadcast_tree, "star": broadcast_star}
 
 
-# ----------------------------------------------------------------------------- engine
-def engine_broadcast(g: EngineGroup, call: Step, header: bytes, buf: np.ndarray,
-                     root: int) -> None:
-    """Every rank's ``buf`` (1-d bytes) becomes ``root``'s (see the module docstring); a last
-    step without data keeps every buffer alive until nobody copies from it any more."""
-    size = buf.size
-    if size <= g.slot_bytes and not (g.cma_ok and size >= g.broadcast_direct_bytes):
-        step = g.exchange(call, header, buf if g.me == root else None, span=size)
-        if g.me != root:  # placed as the compiled path places it
-            buf[...] = g.data(root, step, size, buf.dtype, size)
-    elif g.cma_ok:
-        g.exchange(call, header, extra=(os.getpid(), buf.ctypes.data, buf.ctypes.data))
-        extras = g.extras()
-        cut = size - (size // g.n) // 64 * 64  # the readers pull [0, cut), the root pushes
-        if g.me == root:
-            for r in range(g.n):
-                if r != root:
-                    g.write(r, extras[r][2] + cut, buf[cut:])
-        else:
-            g.read(root, extras[root][1], buf[:cut])
-        g.sync(call)
-    else:
-        for s in range(0, buf.size, g.slot_bytes):
-            engine_broadcast(g, call, header, buf[s:s + g.slot_bytes], root)
-
-
 # ----------------------------------------------------------------------------- hierarchical
 def stages(h, x: np.ndarray, root: int, timeout, out):
     """Across nodes from the root's node (its cross group only), then inside every node;
@@ -157,5 +113,4 @@ def stages(h, x: np.ndarray, root: int, timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "broadcast_tree", "engine_broadcast", "prepare",
-           "stages"]
+__all__ = ["IMPLEMENTATIONS", "broadcast_tree", "prepare", "stages"]

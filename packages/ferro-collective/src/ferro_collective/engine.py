@@ -1,48 +1,59 @@
-"""ferro-collective's side of the same-host engine: call order, deadlines, errors, scratch.
+"""ferro-collective's side of the same-host engine: the door's calls, its errors, Python's steps.
 
-The engine itself (its segment, the step protocol, the waits) is ferro-backend's
-(:class:`ferro_backend.engine.Engine`); :class:`EngineGroup` is what the collectives keep with
-each engine (as ``engine.client``): calls run one at a time in the order they were issued (the
-same order on every rank, as the collectives require), async calls queue behind earlier ones;
-each step's status becomes ferro's error (a mismatch naming what every rank called, a timeout
-naming the ranks not arrived, a dead peer's failure), with a stall report half-way; scratch
-buffers and the one-call paths' plans persist between calls. The collectives' engine paths
-(each in its collective's module) run their steps through it. After a timeout or a dead peer
-the group refuses further calls: the steps of the ranks no longer agree.
+The engine is ferro-backend's (:class:`ferro_backend.engine.Engine`); its door
+(``ferro/engine.h``, :attr:`Engine.comm`, a ``_comm.Comm``) runs whole collectives and keeps
+the order of calls: every call takes a ticket (its sequence number, the same on every rank) and
+runs when every earlier ticket's call has finished, whichever thread or client (a C++ torch
+backend, a JAX handler) made it. :class:`EngineGroup` is what the collectives keep with each
+engine (as ``engine.client``):
 
-The one-call paths (``allreduce_now``, ``reduce_scatter_now``, ``broadcast_now``,
-``all_gather_now``, ``barrier_now``) are compiled (:mod:`._fastcall`, the group's base class):
-a whole small collective as one engine call with no Python in between for the common case, on
-plans the collectives' modules make once per call signature. They answer :data:`NOT_TAKEN`
-(nothing taken, no sequence number used) for a call that is not their case, so that the general
-path runs it and raises whatever its arguments deserve; a step that does not end well comes
-back here (:meth:`EngineGroup._recover`).
+- the collectives the door has (allreduce, reduce_scatter, all_gather, broadcast, barrier,
+  reduce, gather) go through it, from the compiled one-call paths (:mod:`._fastcall`, the
+  group's base class) or from their plan's engine body (:meth:`door`), which hands it a
+  contiguous copy where the call's arrays are not;
+- the collectives only ferro's Python has (uneven sizes, objects, the scatter whose non-roots
+  pass nothing) run as Python steps (:meth:`exchange`, :meth:`sync`...) inside their ticket's
+  turn (:meth:`run`);
+- a refusal becomes ferro's error (a mismatch naming what every rank called, a timeout naming
+  the ranks not arrived, a dead peer's failure); after a timeout or a dead peer the group refuses
+  further calls: the steps of the ranks no longer agree. A stall is logged once half a call's
+  timeout has passed (the door reports it while it waits).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ferro_backend import CollectiveTimeoutError, PeerClosedError, settings
+from ferro_backend import CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
 from ferro_backend import engine as host_engine
 
-from . import _reduce, p2p
+from . import p2p
 from ._fastcall import NOT_TAKEN, Core
-from ._fastplan import FastPlan
-from ._state import state
-from .header import check_all, encode
+from .header import check_all
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 if host_engine.AVAILABLE:
-    from ferro_backend.engine import FAILED, MISMATCH, OK, TIMEOUT, header_hash
+    from ferro_backend.engine import _calls as door_calls
+    from ferro_backend.engine._comm import (
+        BUSY,
+        CLOSED,
+        FAILED,
+        INVALID,
+        MISMATCH,
+        OK,
+        TIMEOUT,
+        UNSUPPORTED,
+        last_error,
+        status_name,
+    )
 else:  # no engine: no step runs, but the paths that would name its results still import
+    door_calls = None
     OK = 0
 
 log = logging.getLogger("ferro_collective")
@@ -76,29 +87,25 @@ def group_of(backend: Any) -> EngineGroup | None:
 
 
 class EngineGroup(Core):
-    """The collectives' state for one backend's engine (see the module docstring); the call
-    order and the one-call paths are its compiled base's (:class:`._fastcall.Core`)."""
+    """The collectives' state for one backend's engine (see the module docstring); the
+    one-call paths are its compiled base's (:class:`._fastcall.Core`)."""
 
     def __init__(self, backend: Any, engine: Any) -> None:
         self.backend, self.engine = backend, engine
-        self.slots = engine.slots
-        self.slots.set_fold(_reduce.FOLD)
-        self.n, self.me = engine.nranks, engine.rank
+        #: the engine's door (``_comm.Comm``): collectives, the order of calls
+        self.comm = engine.comm
+        #: this rank's steps one by one (``_steps.Steps``), for the collectives only Python runs
+        self.steps = engine.steps
         self.slot_bytes = engine.slot_bytes
         self.cma_ok = engine.cma_ok
-        #: all_gather blocks / broadcasts of at least these many bytes move by cross-memory
-        #: copies (where those work) even when they fit a slot (default: only beyond a slot)
-        self.direct_copy_bytes = settings.SHM_DIRECT_COPY_BYTES.get()
-        self.broadcast_direct_bytes = settings.SHM_BROADCAST_DIRECT_BYTES.get()
-        self._cond = threading.Condition()
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
-        barrier = encode("barrier", None, (), seq=0)
-        self._bind(backend, self.slots, state(backend).counter, barrier, header_hash(barrier))
+        self._bind(backend, self.comm)
+        self.comm.set_stall_report(_log_stall)
         engine.client = self
 
     @property
     def step(self) -> int:
-        return self.slots.step
+        return self.steps.step
 
     def scratch(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """A persistent 1-d buffer of at least ``count`` items (no allocation per call)."""
@@ -109,63 +116,77 @@ class EngineGroup(Core):
 
     # ------------------------------------------------------------------ running a call
     def run(self, plan: Plan) -> Any:
-        """Run ``plan`` (its sequence number taken) on the engine, after every earlier call."""
+        """Run ``plan`` (its ticket taken) on the engine in its ticket's turn."""
         call = Step(plan.name, plan.seq, plan.timeout)
-        if self._next_seq != plan.seq:
-            self._wait_turn(call)
         try:
             if self.broken is not None:
                 raise self.broken
+            rc = self.comm.begin(plan.seq, plan.timeout, plan.name)
+            if rc != OK:
+                self._raise(rc, plan.name, plan.seq, plan.timeout)
             return plan.run_engine(self, call)
         except (CollectiveTimeoutError, PeerClosedError) as exc:
             self.broken = exc
             raise
         finally:
-            self._done(plan.seq)
+            self.comm.end(plan.seq)  # nothing if the door ended its turn already
 
-    def _wait_turn(self, call: Step) -> None:
-        """Block until every call issued before ``call`` has finished (calls run in order)."""
-        with self._cond:
-            if self._next_seq < 0:
-                self._next_seq = call.seq
-            self._waiting += 1
-            try:
-                while self._next_seq != call.seq:
-                    left = call.hard - _monotonic()
-                    if left <= 0:
-                        raise CollectiveTimeoutError(
-                            f"{call.name} (seq {call.seq}) on rank {self.me}: timed out after "
-                            f"{call.timeout:g}s waiting for earlier collectives on this backend")
-                    # short slices: a finishing call notifies without the lock when nobody
-                    # was waiting yet, so a waiter that just arrived re-checks soon
-                    self._cond.wait(min(left, 0.005))
-            finally:
-                self._waiting -= 1
+    def door(self, call: Step, kind: int, send: Any, recv: Any, code: int, op: int = 0,
+             root: int = 0, shape: tuple[int, ...] | None = None,
+             type_name: bytes | None = None) -> None:
+        """One of the door's collectives (``kind``: ``_comm.ALLREDUCE``...) as ``call``, on
+        contiguous arrays (``send``/``recv`` None where a rank passes nothing); ``shape``: the
+        one its header names (every rank's must agree)."""
+        rc = door_calls.Call(self.comm, kind, code, op, root, shape, type_name).run(
+            send, recv, call.seq, call.timeout)
+        if rc != OK:
+            self._raise(rc, call.name, call.seq, call.timeout)
 
     def _resolve(self, timeout: float | None, name: str) -> float:
-        """The call's timeout, checked before it takes a sequence number."""
+        """The call's timeout, checked before it takes a ticket."""
         if timeout is None:
             return self.backend.timeout
         return self.backend.resolve_timeout(timeout, f"{name}: timeout")
 
-    # ------------------------------------------------------------------ steps
+    def _raise(self, rc: int, name: str, seq: int, timeout: float) -> None:
+        """The error of a door call that returned ``rc`` (its message is this thread's last);
+        a timeout or a dead peer breaks the group."""
+        msg = last_error()
+        if rc == MISMATCH:
+            raise CollectiveMismatchError(msg)
+        if rc == TIMEOUT or rc == FAILED:
+            exc: BaseException = (CollectiveTimeoutError(msg) if rc == TIMEOUT else
+                                  self._failure(Step(name, seq, timeout), self.steps.missing()))
+            self.broken = exc
+            raise exc
+        if rc == CLOSED:
+            raise PeerClosedError(msg, peer=self.me)
+        if rc == INVALID:
+            raise ValueError(msg)
+        if rc == UNSUPPORTED:
+            raise TypeError(msg)
+        if rc == BUSY:
+            raise RuntimeError(msg)
+        raise RuntimeError(f"{name} (seq {seq}): {status_name(rc)}: {msg}")
+
+    # ------------------------------------------------------------------ Python's steps
     def exchange(self, call: Step, header: bytes, src: np.ndarray | None = None,
                  extra: tuple[int, int, int] | None = None, prefilled: int = 0,
                  span: int = 0) -> int:
         """One step: ``header``, optional slot data (``src``, C-contiguous, at most a slot, or
         ``prefilled`` bytes already written into :meth:`slot_for_writing`) and this rank's
         cross-memory addresses ``extra`` (pid, input, output); returns the step. ``span``: the
-        call's bytes per rank, where the compiled path runs the same call (its data then moves
-        through the slot from call to call, and :meth:`data` must be given the same span)."""
-        rc = self.slots.exchange(header, src, prefilled, extra,
-                                 call.hard if call.reported else call.soft, span)
+        call's bytes per rank (its data then moves through the slot from call to call, and
+        :meth:`data` must be given the same span)."""
+        rc = self.steps.exchange(header, src, prefilled, extra,
+                                call.hard if call.reported else call.soft, span)
         if rc != OK:
             self._settle(rc, call)
-        return self.slots.step
+        return self.comm.step
 
     def sync(self, call: Step) -> None:
         """A step without data: nobody goes on before everyone has finished the last one."""
-        rc = self.slots.sync(call.hard if call.reported else call.soft)
+        rc = self.steps.sync(call.hard if call.reported else call.soft)
         if rc != OK:
             try:
                 self._settle(rc, call)
@@ -173,14 +194,14 @@ class EngineGroup(Core):
                 # Withdraw this step before giving up: a peer still copying from our buffers
                 # must not find us arrived once we return and the caller may free them; it
                 # waits for a step that never comes and raises instead.
-                self.slots.withdraw()
+                self.steps.withdraw()
                 raise
 
     def data(self, rank: int, step: int, nbytes: int, dtype: np.dtype,
              span: int = 0) -> np.ndarray:
         """``rank``'s slot data of ``step`` (of a call of ``span`` bytes per rank, as given to
         :meth:`exchange`): ``nbytes`` as ``dtype``."""
-        at = self.slots.rot(step, span) if span else 0
+        at = self.steps.rot(step, span) if span else 0
         return self.engine.slot_data(rank, step)[at:at + nbytes].view(dtype)
 
     def slot_for_writing(self, nbytes: int, dtype: np.dtype, span: int = 0) -> np.ndarray:
@@ -189,7 +210,7 @@ class EngineGroup(Core):
 
     def extras(self) -> list[tuple[int, int, int]]:
         """Every rank's (pid, input address, output address) of the last step."""
-        return self.slots.extras()
+        return self.steps.extras()
 
     def read(self, rank: int, addr: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes at ``addr`` in ``rank``'s memory into ``out``."""
@@ -199,36 +220,36 @@ class EngineGroup(Core):
         """Copy ``data`` to ``addr`` in ``rank``'s memory."""
         self.engine.write(rank, addr, data)
 
-    # ------------------------------------------------------------------ errors
+    # ------------------------------------------------------------------ Python steps' errors
     def _settle(self, rc: int, call: Step) -> None:
-        """After a first wait that did not end well: the stall report and the wait up to the
-        hard deadline (then the header check), or the error."""
+        """After a step's first wait that did not end well: the stall report and the wait up
+        to the hard deadline (then the header check), or the error."""
         if rc == TIMEOUT and not call.reported:
-            self._stall_report(call)
-            rc = self.slots.wait(call.hard)
-            if rc == OK and not self.slots.headers_agree():
+            call.reported = True
+            log.warning("%s (seq %d) on rank %d: still waiting for ranks %s after %.1fs "
+                        "(shared-memory engine, step %d)", call.name, call.seq, self.me,
+                        self.steps.missing(), _monotonic() - call.start, self.step)
+            rc = self.steps.wait(call.hard)
+            if rc == OK and not self.steps.headers_agree():
                 rc = MISMATCH
         if rc == MISMATCH:
-            check_all(call.name, self.me, self.slots.headers())
+            check_all(call.name, self.me, self.steps.headers())
         elif rc == FAILED:
-            raise self._failure(call, self.slots.missing())
+            raise self._failure(call, self.steps.missing())
         elif rc != OK:
             raise CollectiveTimeoutError(
                 f"{call.name} (seq {call.seq}) on rank {self.me}: timed out after "
-                f"{call.timeout:g}s waiting for ranks {self.slots.missing()} (shared-memory "
+                f"{call.timeout:g}s waiting for ranks {self.steps.missing()} (shared-memory "
                 "engine)")
-
-    def _stall_report(self, call: Step) -> None:
-        call.reported = True
-        log.warning("%s (seq %d) on rank %d: still waiting for ranks %s after %.1fs "
-                    "(shared-memory engine, step %d)", call.name, call.seq, self.me,
-                    self.slots.missing(), _monotonic() - call.start, self.step)
 
     def _failure(self, call: Step, missing: list[int]) -> BaseException:
         """The error for a step the failure flag ended: the failure of a peer that died (or
         aborted) in preference to one that closed its backend in order, which is usually a
         peer giving up because of the same death; a close alone is reported after a short
         grace for this process to learn of a death its peers saw first."""
+        if self.comm.closed:
+            return PeerClosedError(f"{call.name} (seq {call.seq}) on rank {self.me}: this "
+                                   "backend was closed", peer=self.me)
         order = missing + [r for r in range(self.n) if r != self.me and r not in missing]
         grace = _monotonic() + CLEAN_CLOSE_GRACE
         while True:
@@ -245,55 +266,10 @@ class EngineGroup(Core):
         return PeerClosedError(f"{call.name} (seq {call.seq}) on rank {self.me}: the engine "
                                "was shut down")
 
-    def _recover(self, rc: int, name: str, seq: int, timeout: float, start: float) -> None:
-        """After a one-call step that did not end OK: the stall report and the wait up to the
-        hard deadline, or the error (which breaks the group for a timeout or a dead peer)."""
-        try:
-            self._settle(rc, Step(name, seq, timeout, start))
-        except (CollectiveTimeoutError, PeerClosedError) as exc:
-            self.broken = exc
-            raise
 
-    def _late(self, rc: int, name: str, seq: int, timeout: float, start: float) -> None:
-        """A pipelined step's rest (split allreduce, streamed all_gather) that did not end by
-        the hard deadline (after the stall report): the error, which breaks the group."""
-        call = Step(name, seq, timeout, start)
-        try:
-            if rc == FAILED:
-                raise self._failure(call, self.slots.missing())
-            raise CollectiveTimeoutError(
-                f"{name} (seq {seq}) on rank {self.me}: timed out after {timeout:g}s waiting "
-                "for the peers' chunks of a pipelined step (shared-memory engine)")
-        except (CollectiveTimeoutError, PeerClosedError) as exc:
-            self.broken = exc
-            raise
-
-    # ------------------------------------------------------------------ one-call paths
-    def _wait_turn_for(self, name: str, seq: int, timeout: float, start: float) -> None:
-        self._wait_turn(Step(name, seq, timeout, start))
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def _staged(self, plan: FastPlan, x: np.ndarray, out: np.ndarray, seq: int, timeout: float,
-                start: float) -> None:
-        """A one-call copy beyond one step: the plan's staged engine path, without the general
-        path's checks (the compiled path made them)."""
-        call = Step(plan.name, seq, timeout, start)
-        try:
-            plan.staged(self, call, encode(plan.name, x.dtype, x.shape, None, plan.root, seq),
-                        x, out, plan.root)
-        except (CollectiveTimeoutError, PeerClosedError) as exc:
-            self.broken = exc
-            raise
+def _log_stall(message: str) -> None:
+    """The door's stall report (once per call, from the thread that waits)."""
+    log.warning("%s", message)
 
 
-def one_call_header(name: str, dtype: np.dtype, shape: tuple[int, ...], op=None,
-                    root: int = -1) -> tuple[bytes, int]:
-    """A one-call plan's header (sequence number 0) and the hash the engine publishes with it."""
-    header = encode(name, dtype, shape, op, root, 0)
-    return header, header_hash(header)
-
-
-__all__ = ["NOT_TAKEN", "EngineGroup", "FastPlan", "Step", "group_of", "one_call_header"]
+__all__ = ["NOT_TAKEN", "EngineGroup", "Step", "door_calls", "group_of"]

@@ -1,6 +1,7 @@
 """Mismatch detection: every collective starts by all-gathering a small header.
 
-The header names the collective, its dtype, shape, reduce op and root (a negative dim, printed
+The header names the collective, its dtype, shape, reduce op and root (the engine's door,
+``ferro/engine.h``, packs the same bytes for its calls in C: ``_header.h``) (a negative dim, printed
 ``*``, is one that may differ between ranks, as dim 0 of ``all_gather_v``; ``INVALID`` marks a
 rank whose own arguments were wrong, so that its peers fail at once instead of waiting). The
 exchange uses Bruck's all-gather (ceil(log2 n) rounds of small messages), so every rank learns
@@ -74,11 +75,21 @@ def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
         template[_SEQ_OFFSET + 4:]
 
 
+def _tail_hash(dims: tuple[int, ...]) -> int:
+    """The sixth dim of a header whose shape has more than six: FNV-1a (64 bits) over the
+    little-endian bytes of dims 5.., masked to 63 bits (the engine's door computes the same)."""
+    x = 14695981039346656037
+    for d in dims:
+        for byte in (d & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"):
+            x = ((x ^ byte) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
 def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
             redop: ReduceOp | None, root: int, seq: int, flags: int = 0) -> bytes:
     dims = list(shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     if len(shape) > _MAX_DIMS:
-        dims[-1] = hash(tuple(shape[_MAX_DIMS - 1:])) & 0x7FFFFFFFFFFFFFFF
+        dims[-1] = _tail_hash(tuple(shape[_MAX_DIMS - 1:]))
     dstr = (np.dtype(dtype).str if dtype is not None else "").encode()[:8]
     wire_op = 0 if redop is None else OPS[redop].wire
     return _HEADER.pack(b"FC", COLLECTIVES[op], wire_op, min(len(shape), 255), flags,

@@ -53,10 +53,10 @@ import numpy as np
 from ferro_backend import SimulatedBackend
 from ferro_backend.engine import binding
 
-from . import _reduce, costmodel, costparams, schedule
+from . import costmodel, costparams, schedule
 from .api import allreduce, barrier, broadcast
 from .background import usable_cores
-from .ops import OPS, ReduceOp
+from .ops import ReduceOp, accumulate
 
 #: message sizes the link is timed with (bytes)
 PING_SIZES = (8, 64 << 10, 1 << 20, 4 << 20)
@@ -178,7 +178,7 @@ def local_terms(reps: int = 20) -> tuple[float, float, float]:
     allreduce(x, solo, algorithm="star")
     call = _median_time(lambda: allreduce(x, solo, algorithm="star"), reps)
     a, c = np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)
-    gamma = _median_time(lambda: _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel), reps)
+    gamma = _median_time(lambda: accumulate(a, c, ReduceOp.SUM), reps)
     copy = _median_time(lambda: np.copyto(a, c), reps)
     return call, gamma / a.nbytes, a.nbytes / copy
 
@@ -205,8 +205,8 @@ def memory_rates(ranks: int = 1, reps: int = 5) -> tuple[float, float]:
     process."""
     size = int(min(max(4 * cache_bytes(ranks), 4 << 20), 256 << 20)) // 4
     a, c = np.ones(size, np.float32), np.ones(size, np.float32)
-    _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel)  # every page touched before timing
-    gamma = _median_time(lambda: _reduce.accumulate(a, c, OPS[ReduceOp.SUM].kernel), reps)
+    accumulate(a, c, ReduceOp.SUM)  # every page touched before timing
+    gamma = _median_time(lambda: accumulate(a, c, ReduceOp.SUM), reps)
     copy = _median_time(lambda: np.copyto(a, c), reps)
     return gamma / a.nbytes, a.nbytes / copy
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _reduce
+from ferro_backend.kernels import _fold
 
 try:  # bfloat16 is optional
     import ml_dtypes as _ml_dtypes
@@ -45,24 +45,26 @@ class ReduceOp(enum.Enum):
 class OpSpec:
     """Everything ferro knows about one reduce op, in one place.
 
-    ``kernel``: the ``_reduce`` kernel's op code (the kernel exports its codes, so they are
-    defined once); ``wire``: the op's code in a collective header (never 0, which means "no
-    op").
+    ``kernel``: the reduction kernel's op code for folds over messages (MEAN: a SUM whose
+    last step divides); ``door``: the op of the engine's door (``ferro/engine.h``: MEAN is
+    AVG); ``wire``: the op's code in a collective header (never 0, which means "no op"). The
+    kernel exports its codes, so they are defined once.
     """
 
     kernel: int
+    door: int
     wire: int
 
 
 OPS: dict[ReduceOp, OpSpec] = {
-    ReduceOp.SUM: OpSpec(_reduce.OP_SUM, 1),
-    ReduceOp.MEAN: OpSpec(_reduce.OP_SUM, 2),  # a SUM with the divide fused into the last pass
-    ReduceOp.MAX: OpSpec(_reduce.OP_MAX, 3),
-    ReduceOp.MIN: OpSpec(_reduce.OP_MIN, 4),
-    ReduceOp.PRODUCT: OpSpec(_reduce.OP_PROD, 5),
-    ReduceOp.BAND: OpSpec(_reduce.OP_BAND, 6),
-    ReduceOp.BOR: OpSpec(_reduce.OP_BOR, 7),
-    ReduceOp.BXOR: OpSpec(_reduce.OP_BXOR, 8),
+    ReduceOp.SUM: OpSpec(_fold.OP_SUM, _fold.OP_SUM, 1),
+    ReduceOp.MEAN: OpSpec(_fold.OP_SUM, _fold.OP_AVG, 2),  # a SUM whose last pass divides
+    ReduceOp.MAX: OpSpec(_fold.OP_MAX, _fold.OP_MAX, 3),
+    ReduceOp.MIN: OpSpec(_fold.OP_MIN, _fold.OP_MIN, 4),
+    ReduceOp.PRODUCT: OpSpec(_fold.OP_PROD, _fold.OP_PROD, 5),
+    ReduceOp.BAND: OpSpec(_fold.OP_BAND, _fold.OP_BAND, 6),
+    ReduceOp.BOR: OpSpec(_fold.OP_BOR, _fold.OP_BOR, 7),
+    ReduceOp.BXOR: OpSpec(_fold.OP_BXOR, _fold.OP_BXOR, 8),
 }
 #: the bitwise ops: integer and bool dtypes only (bool reduces as its uint8 view)
 BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
@@ -75,6 +77,10 @@ KERNEL_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8,
 WIDENED = {np.dtype(np.float16): np.dtype(np.float32)}
 if BFLOAT16 is not None:
     WIDENED[BFLOAT16] = np.dtype(np.float32)
+#: numpy dtype -> the kernel's (and the engine door's) dtype code, for every dtype it takes
+CODES = {np.dtype(name): code for name, code in _fold.DTYPE_CODES.items() if name != "bfloat16"}
+if BFLOAT16 is not None:
+    CODES[BFLOAT16] = _fold.DTYPE_CODES["bfloat16"]
 
 
 def as_op(op) -> ReduceOp:
@@ -119,9 +125,9 @@ def accumulate(acc: np.ndarray, x: np.ndarray, op: ReduceOp, mean_divisor: int |
     if acc.shape != x.shape:
         raise ValueError(f"accumulate: accumulator has {acc.size} elements, input {x.size}")
     if mean_divisor is not None:
-        _reduce.accumulate_mean(acc, x, float(mean_divisor))
+        _fold.accumulate_mean(acc, x, CODES[acc.dtype], float(mean_divisor))
     else:
-        _reduce.accumulate(acc, x, OPS[op].kernel)
+        _fold.accumulate(acc, x, CODES[acc.dtype], OPS[op].kernel)
 
 
 def fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean_divisor: int | None = None
@@ -136,4 +142,4 @@ def fold(out: np.ndarray, inputs: list[np.ndarray], op: ReduceOp, mean_divisor: 
         if x.shape != out.shape or x.dtype != out.dtype:
             raise ValueError(f"fold: input {i} is {x.dtype}[{x.size}], expected "
                              f"{out.dtype}[{out.size}]")
-    _reduce.fold(out, inputs, OPS[op].kernel, float(mean_divisor or 0))
+    _fold.fold(out, inputs, CODES[out.dtype], OPS[op].kernel, float(mean_divisor or 0))

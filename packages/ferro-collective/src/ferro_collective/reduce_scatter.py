@@ -3,33 +3,26 @@ equal slices along dim 0 (dim 0 must be divisible by the world size).
 
 Where a call runs (:mod:`.dispatch` picks):
 
-- **one engine call** (:func:`.allreduce.fold_plan`, run by the compiled path) when the data
-  fits a slot: every rank folds its part of every rank's slot, in rank order;
-- **staged on the engine** (:func:`engine_reduce_scatter`): beyond a slot each rank folds its
-  part of every rank's input from their input rings, pipelined in chunks (``_split.h``);
-  without the split (``FERRO_SHM_SPLIT_BYTES=0``), straight from the peers' memory where ranks
-  may read each other's, else an allreduce through the slots and this rank's slice of it;
+- **the engine's door** (``ferro/engine.h``, from the compiled one-call path or the plan's
+  engine body): up to a slot one step (every rank folds its part of every rank's slot, in rank
+  order); beyond a slot each rank folds its part of every rank's input from their input rings,
+  pipelined in chunks (``_split.h``);
 - **hierarchical** (:func:`stages`): the hierarchical allreduce, then this rank's slice;
 - **Python**: the ring or the star.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ferro_backend import SizeMismatchError
 
-from . import _fastcall, allreduce
+from . import allreduce
 from .checks import as_array, check_out
-from .engine import EngineGroup, Step
-from .ops import ReduceOp, as_op, work_dtype
+from .engine import EngineGroup, Step, door_calls
+from .ops import CODES, OPS, ReduceOp, as_op, work_dtype
 from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
 from .plan import PREPARE, Plan, choose
-
-_fastcall.register(_fastcall.REDUCE_SCATTER,
-                   lambda group, x, op: allreduce.fold_plan(group, x, op, "reduce_scatter"))
 
 
 def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -60,8 +53,8 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
         result = np.empty(out_shape, x.dtype) if out is None else out
-        engine_reduce_scatter(group, call, header, np.ascontiguousarray(x).reshape(-1),
-                              result.reshape(-1), wd, op)
+        group.door(call, door_calls.REDUCE_SCATTER, np.ascontiguousarray(x), result,
+                   CODES[x.dtype], OPS[op].door, shape=x.shape)
         return result
 
     return Plan("reduce_scatter", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
@@ -99,29 +92,6 @@ def reduce_scatter_star(ctx: Ctx, buf: np.ndarray, op: ReduceOp) -> np.ndarray:
 IMPLEMENTATIONS = {"ring": reduce_scatter_ring, "star": reduce_scatter_star}
 
 
-# ----------------------------------------------------------------------------- engine
-def engine_reduce_scatter(g: EngineGroup, call: Step, header: bytes, x: np.ndarray,
-                          out: np.ndarray, wd: np.dtype, op: ReduceOp) -> None:
-    """``out`` = this rank's ``1/n`` of the rank-order fold of every rank's ``x``."""
-    mean = g.n if op is ReduceOp.MEAN else None
-    size = x.size // g.n
-    s, e = g.me * size, (g.me + 1) * size
-    if x.size * wd.itemsize <= g.slot_bytes:
-        allreduce.fold_through_slots(g, call, header, x, out, wd, op, mean, (s, e))
-    elif x.dtype == wd and x.dtype in allreduce.CODES and g.slots.split_fits(x.nbytes, x.size):
-        # each rank folds its part from the others' input rings, pipelined in chunks (2 ranks,
-        # 8 MiB: 0.9-1.2 ms by cross-memory reads before)
-        allreduce.split_step(g, call, header, x, out, op, mean, scatter=True)
-    elif g.cma_ok:
-        g.exchange(call, header, extra=(os.getpid(), x.ctypes.data, 0))
-        allreduce.fold_from_peers(g, x, out, wd, op, mean, g.extras(), s, e)
-        g.sync(call)
-    else:
-        full = g.scratch("reduce_scatter", out.dtype, x.size)
-        allreduce.engine_allreduce(g, call, header, x, full, wd, op)
-        out[...] = full[s:e]
-
-
 # ----------------------------------------------------------------------------- hierarchical
 def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out, rank: int):
     """The hierarchical allreduce, then this rank's slice; returns ``run(execute)``."""
@@ -141,4 +111,4 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out
 
 PREPARE["reduce_scatter"] = prepare
 
-__all__ = ["IMPLEMENTATIONS", "engine_reduce_scatter", "prepare", "stages"]
+__all__ = ["IMPLEMENTATIONS", "prepare", "stages"]

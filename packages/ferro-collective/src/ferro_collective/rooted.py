@@ -13,27 +13,25 @@ tree):
   sends its reduced chunk to the root (bandwidth-optimal).
 - ``star`` (gather/scatter, large blocks): the root receives from / sends to every rank directly.
 
-``auto`` picks by message size (:func:`.plan.choose`). On the same-host engine reduce runs as
-the engine's allreduce (the rank-order fold of ``algorithm="star"``, read straight from the
-peers' memory when large) with the result kept on the root, gather through the slots or read
-straight from every rank's memory, and scatter after its metadata step (the root's blocks ride
-in it when small; else every rank reads its block from the root's memory).
+``auto`` picks by message size (:func:`.plan.choose`). On the same-host engine reduce and
+gather run through the engine's door (``ferro/engine.h``: a step per slot of data, the root
+folding every rank's slot in rank order, the fold of ``algorithm="star"``, or copying it), and
+scatter after its metadata step (the root's blocks ride in it when small; else every rank
+reads its block from the root's memory).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
 from ferro_backend import Backend, SizeMismatchError
 from ferro_backend.partition import split_bounds
 
-from .allreduce import engine_allreduce
+from .all_gather import door_bytes
 from .checks import as_array, check_backend, check_out, check_root, finish
-from .engine import EngineGroup, Step
+from .engine import EngineGroup, Step, door_calls
 from .metadata import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
-from .ops import ReduceOp, accumulate, as_op, work_dtype
+from .ops import CODES, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, reduce_scatter_ring_into
 from .plan import Plan, choose
 
@@ -156,38 +154,6 @@ def scatter_star(ctx: Ctx, data: np.ndarray | None, mine: np.ndarray, root: int)
     mine[...] = data[root * size:(root + 1) * size]
 
 
-# ----------------------------------------------------------------------------- engine paths
-def _gather_engine(g: EngineGroup, call: Step, header: bytes, block: np.ndarray,
-                   out: np.ndarray | None, root: int) -> None:
-    """gather on the same-host engine: slots when small, else the root reads every block
-    straight from its owner's memory (or, without cross-memory reads, slot-sized pieces)."""
-    size = block.size
-    if size <= g.slot_bytes:
-        step = g.exchange(call, header, block, span=size)  # placed as the compiled path's
-        if g.me == root:
-            for r in range(g.n):
-                out[r * size:(r + 1) * size] = block if r == root else g.data(r, step, size,
-                                                                              block.dtype, size)
-    elif g.cma_ok:
-        g.exchange(call, header, extra=(os.getpid(), block.ctypes.data, 0))
-        if g.me == root:
-            extras = g.extras()
-            for r in range(g.n):
-                if r == root:
-                    out[r * size:(r + 1) * size] = block
-                else:
-                    g.read(r, extras[r][1], out[r * size:(r + 1) * size])
-        g.sync(call)  # nobody's block is read any more
-    else:
-        for s in range(0, size, g.slot_bytes):
-            e = min(size, s + g.slot_bytes)
-            piece = g.scratch("gather", np.dtype(np.uint8), g.n * (e - s)) if g.me == root \
-                else None
-            _gather_engine(g, call, header, block[s:e], piece, root)
-            if piece is not None:
-                out.reshape(g.n, size)[:, s:e] = piece.reshape(g.n, e - s)
-
-
 # ----------------------------------------------------------------------------- reduce
 def prepare_reduce(tensor, backend: Backend, arg, timeout, algorithm, out,
                    seq: int | None = None) -> Plan:
@@ -216,12 +182,11 @@ def prepare_reduce(tensor, backend: Backend, arg, timeout, algorithm, out,
         return finish(buf.reshape(x.shape), x.dtype, out)
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray | None:
-        mine = group.me == root
-        result = (np.empty(x.shape, x.dtype) if out is None else out) if mine else \
-            group.scratch("reduce", x.dtype, x.size).reshape(x.shape)
-        engine_allreduce(group, call, header, np.ascontiguousarray(x).reshape(-1),
-                         result.reshape(-1), wd, op)
-        return result if mine else None
+        result = (np.empty(x.shape, x.dtype) if out is None else out) if group.me == root \
+            else None
+        group.door(call, door_calls.REDUCE, np.ascontiguousarray(x), result, CODES[x.dtype],
+                   OPS[op].door, root, shape=x.shape)
+        return result
 
     return Plan("reduce", backend, timeout, (x.dtype, x.shape, op, root), python, engine,
                 algorithm=algorithm, seq=seq)
@@ -254,10 +219,8 @@ def prepare_gather(tensor, backend: Backend, root, timeout, algorithm, out,
         return res
 
     def engine(group: EngineGroup, call: Step, header: bytes) -> np.ndarray | None:
-        block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
         res = result() if mine else None
-        _gather_engine(group, call, header, block,
-                       res.reshape(-1).view(np.uint8) if mine else None, root)
+        door_bytes(group, call, door_calls.GATHER, x, res, root)
         return res
 
     return Plan("gather", backend, timeout, (x.dtype, x.shape, None, root), python, engine,

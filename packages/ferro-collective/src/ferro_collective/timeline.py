@@ -37,14 +37,14 @@ class _EngineWaits:
 
     def __init__(self, backend) -> None:
         engine = getattr(backend, "engine", None)
-        self.slots = None if engine is None else engine.slots
-        if self.slots is not None:
-            self.start = self.slots.timed_waits(True)
+        self.steps = None if engine is None else engine.steps
+        if self.steps is not None:
+            self.start = self.steps.timed_waits(True)
 
     def args(self) -> dict:
-        if self.slots is None:
+        if self.steps is None:
             return {}
-        return {"wait_us": round((self.slots.timed_waits(False) - self.start) * 1e6, 1)}
+        return {"wait_us": round((self.steps.timed_waits(False) - self.start) * 1e6, 1)}
 
 
 def traced_call(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):

@@ -4,9 +4,12 @@
 
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 
+# the statuses every wait and step returns: the door's (ferro/engine.h)
+from ferro.engine cimport FERRO_FAILED, FERRO_MISMATCH, FERRO_OK, FERRO_TIMEOUT
+
 cdef extern from "_layout.h" nogil:
     uint32_t FERRO_MAGIC
-    uint32_t FERRO_VERSION
+    uint32_t FERRO_SEGMENT_VERSION
     uint32_t FERRO_HEADER_ROOM
     int FERRO_PAD
     int FERRO_EAGER
@@ -49,10 +52,6 @@ cdef extern from "_layout.h" nogil:
 
 cdef extern from "_sync.h" nogil:
     double FERRO_SLICE
-    int FERRO_OK
-    int FERRO_TIMEOUT
-    int FERRO_FAILED
-    int FERRO_MISMATCH
     int FERRO_UNTIL_CHANGED
     int FERRO_UNTIL_REACHED
 

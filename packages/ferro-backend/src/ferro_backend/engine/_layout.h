@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_VERSION 6u
+#define FERRO_SEGMENT_VERSION 7u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u

@@ -37,20 +37,19 @@ static inline size_t ferro_slots_rot(const ferro_slots* s, uint32_t step, size_t
 }
 
 /* out = the rank-order fold of count items at byte offset of every rank's data of this step
- * (from s->rot); -1 for an unknown dtype code, no memory, or no fold kernel. */
-static inline int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, Py_ssize_t count,
+ * (from s->rot); -1 for a dtype/op pair the kernel does not fold, or no memory. */
+static inline int ferro_slots_fold(ferro_slots* s, void* out, size_t offset, ptrdiff_t count,
                                    int code, int op, double mean_divisor) {
     const void* few[64];
     const void** ptrs = few;
     int j, rc;
-    if (s->fold == NULL) return -1;
     if (s->n > 64) {
         ptrs = (const void**)malloc((size_t)s->n * sizeof(void*));
         if (ptrs == NULL) return -1;
     }
     for (j = 0; j < s->n; j++)
         ptrs[j] = ferro_slot_data(ferro_slots_slot(s, j, s->step)) + s->rot + offset;
-    rc = s->fold(code, out, ptrs, s->n, count, op, mean_divisor);
+    rc = ferro_fold(code, out, (const void* const*)ptrs, s->n, count, op, mean_divisor);
     if (ptrs != few) free(ptrs);
     return rc;
 }

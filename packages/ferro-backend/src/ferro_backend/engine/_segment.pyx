@@ -3,8 +3,8 @@
 
 :class:`SegmentMap` is this rank's view of a mapped segment by address: the layout of
 ``_layout.h`` (:meth:`SegmentMap.layout`, the offsets Python may use), the segment header,
-every rank's identity (pid and probe address) and :meth:`SegmentMap.mark_failed`, which raises
-this process's failure flag and wakes every wait on the segment. ``cma_read``/``cma_write``
+every rank's identity (pid and probe address); the failure flag and its wake-ups are the door's
+(``door.c``: ferro_comm_mark_failed). ``cma_read``/``cma_write``
 copy between this process's memory and a peer's with one kernel copy (``process_vm_readv`` /
 ``process_vm_writev``, the GIL released), as Open MPI and MPICH move large messages between
 the processes of one host. Validation lives in ``segment.py``.
@@ -32,7 +32,7 @@ cdef extern from "<sys/prctl.h>" nogil:
               unsigned long arg5)
     int PR_SET_PTRACER
 
-MAGIC, VERSION = FERRO_MAGIC, FERRO_VERSION
+MAGIC, VERSION = FERRO_MAGIC, FERRO_SEGMENT_VERSION
 #: the room of a collective header at the start of each slot
 HEADER_ROOM = FERRO_HEADER_ROOM
 
@@ -72,7 +72,7 @@ cdef class SegmentMap:
         """Rank 0: stamp the segment with its magic, version and sizes, and the group's split
         allreduce threshold (:meth:`split_bytes`)."""
         cdef ferro_seg_head* h = ferro_head_of(self.base)
-        h.magic, h.version, h.nranks = FERRO_MAGIC, FERRO_VERSION, self.L.nranks
+        h.magic, h.version, h.nranks = FERRO_MAGIC, FERRO_SEGMENT_VERSION, self.L.nranks
         h.slot_bytes, h.ring_bytes = self.L.slot_bytes, self.L.ring_bytes
         h.split_bytes = split_bytes
 
@@ -87,7 +87,7 @@ cdef class SegmentMap:
 
     def expected_head(self) -> tuple:
         """The :meth:`head` this rank expects."""
-        return (FERRO_MAGIC, FERRO_VERSION, self.L.nranks, self.L.slot_bytes,
+        return (FERRO_MAGIC, FERRO_SEGMENT_VERSION, self.L.nranks, self.L.slot_bytes,
                 self.L.ring_bytes)
 
     def set_identity(self, uint64_t pid, uint64_t probe):
@@ -100,22 +100,6 @@ cdef class SegmentMap:
         self._check_rank(rank)
         cdef ferro_ctrl* c = ferro_ctrl_of(self.base, &self.L, rank)
         return c.pid, c.probe
-
-    def mark_failed(self):
-        """Raise the failure flag, then wake every wait on this segment: every rank's step word,
-        and this rank's ends of its rings (receives on the incoming heads, sends on the
-        outgoing tails), so nobody sleeps out a slice before it sees the flag."""
-        cdef int r
-        cdef ferro_ring_ctrl* ring
-        self.failed[0] = 1
-        with nogil:
-            for r in range(self.L.nranks):
-                ferro_futex_wake(&ferro_ctrl_of(self.base, &self.L, r).step)
-                if r != self.rank:
-                    ring = ferro_ring_of(self.base, &self.L, r, self.rank)
-                    ferro_futex_wake(&ring.head)
-                    ring = ferro_ring_of(self.base, &self.L, self.rank, r)
-                    ferro_futex_wake(&ring.tail)
 
     cdef int _check_rank(self, int rank) except -1:
         if not 0 <= rank < self.L.nranks:

@@ -61,17 +61,17 @@ static inline int ferro_stream_run(ferro_slots* s, double deadline);
 #define FERRO_SPLIT_CHUNKS 4u
 
 /* rank r's part: its first item and its item count */
-static inline void ferro_split_part(const ferro_split* sp, int n, int r, Py_ssize_t* first,
-                                    Py_ssize_t* len) {
-    Py_ssize_t q = sp->count / n, m = sp->count % n;
-    *first = (Py_ssize_t)r * q + (r < m ? r : m);
+static inline void ferro_split_part(const ferro_split* sp, int n, int r, ptrdiff_t* first,
+                                    ptrdiff_t* len) {
+    ptrdiff_t q = sp->count / n, m = sp->count % n;
+    *first = (ptrdiff_t)r * q + (r < m ? r : m);
     *len = q + (r < m ? 1 : 0);
 }
 
 /* the bytes [*off, *off + return value) of the data that chunk k of rank r's part holds (0
  * bytes: past its end) */
 static inline size_t ferro_split_chunk(const ferro_split* sp, int n, int r, int k, size_t* off) {
-    Py_ssize_t first, len;
+    ptrdiff_t first, len;
     size_t start, end, at;
     ferro_split_part(sp, n, r, &first, &len);
     start = (size_t)first * sp->itemsize;
@@ -84,13 +84,13 @@ static inline size_t ferro_split_chunk(const ferro_split* sp, int n, int r, int 
 
 /* Whether the split path can take a whole reduction of count items in nbytes (any size: the
  * rings wrap), whatever split_min says. */
-static inline int ferro_split_can(const ferro_slots* s, size_t nbytes, Py_ssize_t count) {
+static inline int ferro_split_can(const ferro_slots* s, size_t nbytes, ptrdiff_t count) {
     return s->split.bases != NULL && s->n > 1 && count >= s->n && nbytes % (size_t)count == 0
-        && s->L.slot_bytes / (2u * (size_t)s->n) >= nbytes / (size_t)count && s->fold != NULL;
+        && s->L.slot_bytes / (2u * (size_t)s->n) >= nbytes / (size_t)count;
 }
 
 /* Whether the one-call allreduce (within a slot) runs split: from split_min bytes. */
-static inline int ferro_split_fits(const ferro_slots* s, size_t nbytes, Py_ssize_t count) {
+static inline int ferro_split_fits(const ferro_slots* s, size_t nbytes, ptrdiff_t count) {
     return s->split_min > 0 && nbytes >= s->split_min && nbytes <= s->L.slot_bytes
         && ferro_split_can(s, nbytes, count);
 }
@@ -119,8 +119,7 @@ static inline int ferro_split_wait_one(ferro_slots* s, int j, int which, int k,
                          : which == FERRO_PROG_OUT ? &c->out_sleepers : &c->g_sleepers;
     int rc;
     double t0 = s->clock ? ferro_now() : 0.0;
-    rc = ferro_wait(&s->pol, word, target, FERRO_UNTIL_REACHED, sleepers, deadline, s->failed,
-                    NULL, 0.0);
+    rc = ferro_slots_wait_word(s, word, target, sleepers, deadline);
     if (s->clock) s->waited += ferro_now() - t0;
     return rc;
 }
@@ -194,7 +193,7 @@ static inline int ferro_split_fold(ferro_slots* s, int k, const void** ptrs, dou
          * before it reads any other); else into the scratch chunk, then out (and the ring) */
         res = !sp->aliased || (sp->out == sp->src && s->me < 2) ? sp->out + off - sp->out_shift
                                                                  : sp->scratch;
-        if (s->fold(sp->code, res, ptrs, s->n, (Py_ssize_t)(len / sp->itemsize), sp->op,
+        if (ferro_fold(sp->code, res, (const void* const*)ptrs, s->n, (ptrdiff_t)(len / sp->itemsize), sp->op,
                     sp->mean_divisor) != 0)
             return -1;
         if (sp->gather) ferro_put_copy(&s->put, ferro_split_out_at(s, s->me, k), res, len);
@@ -304,11 +303,11 @@ static inline int ferro_split_go(ferro_slots* s, int rc, double deadline) {
  * rank's part, count / n items; count a multiple of n). */
 static inline int ferro_split_start(ferro_slots* s, const unsigned char* header, size_t hlen,
                                     uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
-                                    void* out, Py_ssize_t count, int code, int op,
+                                    void* out, ptrdiff_t count, int code, int op,
                                     double mean_divisor, int gather, double deadline) {
     ferro_split* sp = &s->split;
     size_t part, chunk, room = s->L.slot_bytes / (size_t)s->n;
-    Py_ssize_t first, len;
+    ptrdiff_t first, len;
     int rc = ferro_split_begin(s, header, hlen, hash, seq, deadline);
     sp->kind = FERRO_KIND_SPLIT;
     sp->gather = gather;

@@ -9,33 +9,22 @@
  * the one cache line it waited on, and the slots' headers only when a hash differs. A barrier
  * thus moves one cache line each way.
  *
- * _slots.pyx wraps these for Python (SlotEngine) and exports the one-call steps to other
- * extensions as a table of C functions in a capsule (ferro_slots_api): ferro-collective's
- * compiled dispatcher calls them with no Python object in between. Callers validate sizes;
- * these functions trust them.
+ * The door (door.c, ferro/engine.h) runs whole collectives on these steps; _comm.pyx offers
+ * the steps one by one to Python (the collectives that only ferro's Python runs). Callers
+ * validate sizes; these functions trust them. No Python: callable from any thread.
  */
 #ifndef FERRO_STEPS_H
 #define FERRO_STEPS_H
 
-#include <Python.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "_fold.h"
+#include "_header.h"
 #include "_layout.h"
 #include "_put.h"
 #include "_sync.h"
-
-/* where a collective header holds its 32-bit little-endian sequence number */
-#define FERRO_SEQ_OFF 24u
-/* the one-call steps' GIL: checks of the peers' step words before it is released, and the data
- * size from which a step runs without it from the start */
-#define FERRO_GIL_SPINS 48
-#define FERRO_GIL_BYTES 65536u
-
-/* out = the rank-order fold of count inputs of n items of dtype code with op (MEAN's divide
- * fused when mean_divisor > 0); 0, or -1 for an unknown dtype code. The collectives' kernel. */
-typedef int (*ferro_fold_fn)(int code, void* out, const void** inputs, Py_ssize_t count,
-                             Py_ssize_t n, int op, double mean_divisor);
 
 /* A split reduction under way (_split.h): its buffers and kernel, and the next action of its
  * pipeline, so that a step whose waits ended at the soft deadline resumes where it stopped. */
@@ -49,7 +38,7 @@ typedef struct {
     size_t out_shift;          /* a reduce_scatter's out holds the data from this byte on */
     size_t itemsize, chunk;    /* chunk: bytes of a part moved and folded at once */
     size_t in_stride;          /* bytes of a part's input sub-ring (in_ring chunks) */
-    Py_ssize_t count;          /* items of the whole reduction */
+    ptrdiff_t count;          /* items of the whole reduction */
     int code, op, nchunks, next;
     int in_ring, out_ring;     /* positions of the input sub-rings and of the result ring */
     double mean_divisor;
@@ -58,7 +47,11 @@ typedef struct {
     unsigned char* scratch;    /* a chunk (FERRO_SPLIT_CHUNK_MAX + 256 bytes) folded first */
 } ferro_split;
 
-typedef struct {
+typedef struct ferro_slots ferro_slots;
+/* a report while a step waits (the door's: half of a call's timeout passed) */
+typedef void (*ferro_slots_stall_fn)(ferro_slots* s);
+
+struct ferro_slots {
     unsigned char* base;
     ferro_layout L;
     int n, me;
@@ -67,37 +60,27 @@ typedef struct {
     size_t hlen;               /* the header length of the last step */
     ferro_policy pol;
     uint32_t* failed;          /* this process's failure flag */
-    ferro_fold_fn fold;        /* set once by the collectives (NULL: no one-call folds) */
     int clock;                 /* time the waits for peers (a timeline is on) */
     double waited;             /* seconds this rank's steps waited for their peers (clock on) */
     size_t split_min;          /* whole reductions of at least this many bytes split (0: never) */
     ferro_put put;             /* how data goes into shared memory (_put.h) */
     size_t rot;                /* where the last step's data starts in every rank's slot data */
     ferro_split split;
-} ferro_slots;
+    /* the stall report of the call under way: before `soft`, waits end there, report (once),
+     * then wait on until their own deadline; none while stall is NULL */
+    ferro_slots_stall_fn stall;
+    double soft;
+    int reported;
+    /* the wait hook of the call under way (ferro/engine.h): called with 1 once a wait goes
+     * beyond FERRO_HOOK_SPINS checks (hooked then), with 0 by the door as the call ends */
+    void (*hook)(void* ctx, int waiting);
+    void* hook_ctx;
+    int hooked;
+};
 
-/* What other extensions call: the one-call steps on ctx (a ferro_slots), called with the GIL
- * held: they release it while they wait beyond a short spin (FERRO_GIL_SPINS checks of the
- * peers' step words: a peer that arrives within about a microsecond costs no GIL round trip)
- * and for the whole step beyond FERRO_GIL_BYTES of data. Each returns FERRO_OK, FERRO_TIMEOUT,
- * FERRO_FAILED or FERRO_MISMATCH (nothing folded or copied unless OK), or -1 when the fold has
- * no kernel for the dtype code. hash: ferro_header_hash of the header with sequence number 0;
- * seq is patched into the header at FERRO_SEQ_OFF. */
-typedef struct {
-    void* ctx;
-    int (*fold)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash, uint32_t seq,
-                const void* src, size_t nbytes, void* out, size_t offset, Py_ssize_t count,
-                int code, int op, double mean_divisor, double deadline);
-    int (*copy)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash, uint32_t seq,
-                const void* src, size_t nbytes, void* out, int root, double deadline);
-    int (*barrier)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
-                   uint32_t seq, double deadline);
-    /* a whole allreduce (out = the fold of count items of every rank's src): split
-     * (_split.h) from the engine's split_min bytes, else fold */
-    int (*allreduce)(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
-                     uint32_t seq, const void* src, size_t nbytes, void* out, Py_ssize_t count,
-                     int code, int op, double mean_divisor, double deadline);
-} ferro_slots_api;
+/* checks of a word before a wait calls its hook (a peer that arrives within about a
+ * microsecond costs no hook round trip) */
+#define FERRO_HOOK_SPINS 48
 
 static inline ferro_slot_head* ferro_slots_slot(ferro_slots* s, int rank, uint32_t step) {
     return ferro_slot_of(s->base, &s->L, rank, step);
@@ -128,6 +111,30 @@ static inline void ferro_slots_publish(ferro_slots* s, uint32_t step) {
     ferro_publish(&c->step, step, &c->sleepers);
 }
 
+/* Wait until *word has reached target (a peer's step or progress word), until deadline; with a
+ * stall report set (the door's calls), first until s->soft, then report once and wait on. */
+static inline int ferro_slots_wait_word(ferro_slots* s, uint32_t* word, uint32_t target,
+                                        uint32_t* sleepers, double deadline) {
+    int rc, k;
+    if (s->hook != NULL && !s->hooked) {
+        for (k = 0; k < FERRO_HOOK_SPINS; k++) {
+            if (ferro_arrived(ferro_load(word), target, FERRO_UNTIL_REACHED)) return FERRO_OK;
+            ferro_pause();
+        }
+        s->hooked = 1;
+        s->hook(s->hook_ctx, 1);
+    }
+    if (s->stall != NULL && !s->reported && s->soft < deadline) {
+        rc = ferro_wait(&s->pol, word, target, FERRO_UNTIL_REACHED, sleepers, s->soft,
+                        s->failed, NULL, 0.0);
+        if (rc != FERRO_TIMEOUT) return rc;
+        s->reported = 1;
+        s->stall(s);
+    }
+    return ferro_wait(&s->pol, word, target, FERRO_UNTIL_REACHED, sleepers, deadline, s->failed,
+                      NULL, 0.0);
+}
+
 static inline int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double deadline) {
     int j, rc = FERRO_OK;
     ferro_ctrl* c;
@@ -135,29 +142,9 @@ static inline int ferro_slots_wait_all(ferro_slots* s, uint32_t step, double dea
     for (j = 0; j < s->n && rc == FERRO_OK; j++) {
         if (j == s->me) continue;
         c = ferro_ctrl_of(s->base, &s->L, j);
-        rc = ferro_wait(&s->pol, &c->step, step, FERRO_UNTIL_REACHED, &c->sleepers, deadline,
-                        s->failed, NULL, 0.0);
+        rc = ferro_slots_wait_word(s, &c->step, step, &c->sleepers, deadline);
     }
     if (s->clock) s->waited += ferro_now() - t0;
-    return rc;
-}
-
-/* ferro_slots_wait_all for a caller holding the GIL (gil = 1): a short spin first, then the
- * wait without it. */
-static inline int ferro_slots_wait_gil(ferro_slots* s, uint32_t step, double deadline, int gil) {
-    int j, k, rc;
-    PyThreadState* st;
-    if (!gil) return ferro_slots_wait_all(s, step, deadline);
-    for (k = 0, j = 0; k < FERRO_GIL_SPINS; k++) {
-        while (j < s->n && (j == s->me || (int32_t)(ferro_load(
-                   &ferro_ctrl_of(s->base, &s->L, j)->step) - step) >= 0))
-            j++;
-        if (j == s->n) return FERRO_OK;
-        ferro_pause();
-    }
-    st = PyEval_SaveThread();
-    rc = ferro_slots_wait_all(s, step, deadline);
-    PyEval_RestoreThread(st);
     return rc;
 }
 
@@ -213,10 +200,9 @@ static inline void ferro_slots_post(ferro_slots* s, const unsigned char* header,
     ferro_slots_publish(s, step);
 }
 
-/* The posted step's second half: wait for every rank until deadline (gil: the caller holds the
- * GIL, see ferro_slots_wait_gil), compare headers. */
-static inline int ferro_slots_meet(ferro_slots* s, double deadline, int gil) {
-    int rc = ferro_slots_wait_gil(s, s->step, deadline, gil);
+/* The posted step's second half: wait for every rank until deadline, compare headers. */
+static inline int ferro_slots_meet(ferro_slots* s, double deadline) {
+    int rc = ferro_slots_wait_all(s, s->step, deadline);
     if (rc == FERRO_OK && !ferro_slots_agree(s)) return FERRO_MISMATCH;
     return rc;
 }
@@ -228,7 +214,7 @@ static inline int ferro_slots_exchange(ferro_slots* s, const unsigned char* head
                                        const unsigned char* src, size_t nbytes, size_t span,
                                        double deadline) {
     ferro_slots_post(s, header, hlen, patch, hash, seq, src, nbytes, span);
-    return ferro_slots_meet(s, deadline, 0);
+    return ferro_slots_meet(s, deadline);
 }
 
 /* A step without slot writes (every rank has finished the last one). */
@@ -241,68 +227,5 @@ static inline int ferro_slots_sync(ferro_slots* s, double deadline) {
 
 #include "_split.h"
 #include "_stream.h"
-
-/* ---- the exported one-call steps (ferro_slots_api), called with the GIL held ---- */
-
-static int ferro_api_fold(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
-                          uint32_t seq, const void* src, size_t nbytes, void* out, size_t offset,
-                          Py_ssize_t count, int code, int op, double mean_divisor,
-                          double deadline) {
-    ferro_slots* s = (ferro_slots*)ctx;
-    int rc, big = nbytes > FERRO_GIL_BYTES;
-    PyThreadState* st = big ? PyEval_SaveThread() : NULL;
-    ferro_slots_post(s, header, hlen, 1, hash, seq, (const unsigned char*)src, nbytes, nbytes);
-    rc = ferro_slots_meet(s, deadline, !big);
-    if (rc == FERRO_OK && count > 0) rc = ferro_slots_fold(s, out, offset, count, code, op,
-                                                          mean_divisor);
-    if (big) PyEval_RestoreThread(st);
-    return rc;
-}
-
-static int ferro_api_copy(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
-                          uint32_t seq, const void* src, size_t nbytes, void* out, int root,
-                          double deadline) {
-    ferro_slots* s = (ferro_slots*)ctx;
-    int rc, big = nbytes > FERRO_GIL_BYTES;
-    PyThreadState* st = big ? PyEval_SaveThread() : NULL;
-    ferro_slots_post(s, header, hlen, 1, hash, seq, (const unsigned char*)src,
-                     root < 0 || root == s->me ? nbytes : 0, nbytes);
-    ferro_slots_copy_own(s, out, src, nbytes, root);  /* while the peers arrive */
-    rc = ferro_slots_meet(s, deadline, !big);
-    if (rc == FERRO_OK) ferro_slots_copy_peers(s, out, nbytes, root);
-    if (big) PyEval_RestoreThread(st);
-    return rc;
-}
-
-static int ferro_api_barrier(void* ctx, const unsigned char* header, size_t hlen, uint64_t hash,
-                             uint32_t seq, double deadline) {
-    ferro_slots_post((ferro_slots*)ctx, header, hlen, 1, hash, seq, NULL, 0, 0);
-    return ferro_slots_meet((ferro_slots*)ctx, deadline, 1);
-}
-
-static int ferro_api_allreduce(void* ctx, const unsigned char* header, size_t hlen,
-                               uint64_t hash, uint32_t seq, const void* src, size_t nbytes,
-                               void* out, Py_ssize_t count, int code, int op,
-                               double mean_divisor, double deadline) {
-    ferro_slots* s = (ferro_slots*)ctx;
-    int rc;
-    PyThreadState* st;
-    if (!ferro_split_fits(s, nbytes, count))
-        return ferro_api_fold(ctx, header, hlen, hash, seq, src, nbytes, out, 0, count, code, op,
-                              mean_divisor, deadline);
-    st = PyEval_SaveThread();
-    rc = ferro_split_start(s, header, hlen, hash, seq, src, nbytes, out, count, code, op,
-                           mean_divisor, 1, deadline);
-    PyEval_RestoreThread(st);
-    return rc;
-}
-
-static inline void ferro_slots_api_init(ferro_slots_api* api, ferro_slots* s) {
-    api->ctx = s;
-    api->fold = ferro_api_fold;
-    api->copy = ferro_api_copy;
-    api->barrier = ferro_api_barrier;
-    api->allreduce = ferro_api_allreduce;
-}
 
 #endif

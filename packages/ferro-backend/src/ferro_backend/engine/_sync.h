@@ -22,13 +22,15 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
+#include "ferro/engine.h"
+
 /* the longest a wait sleeps before it looks at its deadline and the failure flag again */
 #define FERRO_SLICE 0.05
 /* the longest a wait yields its core before it sleeps */
 #define FERRO_YIELD_WINDOW 0.001
 
-/* how a wait (or a collective step) ended: MISMATCH when the ranks' step headers disagree */
-enum { FERRO_OK = 0, FERRO_TIMEOUT = 1, FERRO_FAILED = 2, FERRO_MISMATCH = 3 };
+/* how a wait (or a collective step) ended: FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, or (a step)
+ * FERRO_MISMATCH when the ranks' headers disagree: the door's statuses (ferro/engine.h) */
 /* what a wait waits for: the word to differ from the target, or to reach it (mod 2**32) */
 enum { FERRO_UNTIL_CHANGED = 0, FERRO_UNTIL_REACHED = 1 };
 

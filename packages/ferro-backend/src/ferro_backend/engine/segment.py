@@ -12,7 +12,10 @@ The segment's layout is declared once, in C (``_layout.h``); this module reads i
 compiled ``_segment.layout``. What the engine offers its users (ferro-collective's collectives,
 :mod:`.rings`' point-to-point messages):
 
-* :attr:`Engine.slots`: the collective steps (``_slots.SlotEngine``), with :meth:`slot_data`;
+* :attr:`Engine.comm`: the door's communicator (``_comm.Comm``): the collectives C clients
+  call too (``ferro/engine.h``) and the order of calls; :meth:`Engine.capsule` hands it to a
+  C client; :attr:`Engine.steps`: the steps one by one for ferro's Python (``_steps.Steps``),
+  with :meth:`slot_data`;
 * :meth:`Engine.ring` / :meth:`Engine.watch`: the point-to-point rings;
 * :meth:`Engine.read` / :meth:`Engine.write`: single copies from and to a peer's memory;
 * :meth:`Engine.mark_failed`: a peer died, closed or aborted: every wait gives up now;
@@ -23,7 +26,6 @@ compiled ``_segment.layout``. What the engine offers its users (ferro-collective
 from __future__ import annotations
 
 import hmac
-import mmap
 import os
 import secrets
 import socket
@@ -37,7 +39,7 @@ import numpy as np
 from .. import settings
 from ..errors import PeerClosedError, RendezvousError
 from ..mesh.handshake import recv_exactly
-from . import _ring, _segment, _slots, _watch, binding
+from . import _comm, _ring, _segment, _steps, _watch, binding
 
 if TYPE_CHECKING:
     from ..base import Backend
@@ -49,20 +51,6 @@ _NAME_BYTES = len(_NAME_PREFIX) + 32
 _SECRET_BYTES = 32
 #: the spin of a wait while every rank has a core of its own (none when they outnumber them)
 SPIN = 4000
-
-
-#: a segment up to this size is mapped with its pages populated (MAP_POPULATE)
-POPULATE_BYTES = 64 << 20
-
-
-def _map(fd: int, size: int) -> mmap.mmap:
-    """The segment, shared; up to POPULATE_BYTES with every page populated at once: a page's
-    first touch (the writer's fault that allocates it, each reader's that maps it) otherwise
-    falls inside a collective (a first 1 MiB split allreduce took 1.8 ms instead of 0.1)."""
-    flags = mmap.MAP_SHARED
-    if size <= POPULATE_BYTES:
-        flags |= getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags)
 
 
 def default_ring_bytes(nranks: int) -> int:
@@ -93,24 +81,25 @@ def oversubscribed(nranks: int) -> bool:
 class Engine:
     """This rank's mapping of a group's segment; made with :meth:`join` (collective)."""
 
-    def __init__(self, rank: int, nranks: int, mem: mmap.mmap, slot_bytes: int,
-                 ring_bytes: int) -> None:
+    def __init__(self, rank: int, nranks: int, fd: int, size: int, slot_bytes: int,
+                 ring_bytes: int, timeout: float) -> None:
         self.rank, self.nranks = rank, nranks
         self.slot_bytes, self.ring_bytes = slot_bytes, ring_bytes
         #: the segment's layout, from its C declaration (offsets and strides in bytes)
         self.layout = _segment.layout(nranks, slot_bytes, ring_bytes)
-        self._mem = mem
-        self._bytes: np.ndarray | None = np.frombuffer(mem, dtype=np.uint8)
-        self.address = self._bytes.ctypes.data
-        #: process-local failure flag (u32) that every wait on the segment polls
-        self._failed = np.zeros(1, dtype=np.uint32)
-        self._map = _segment.SegmentMap(self._bytes, nranks, rank, slot_bytes, ring_bytes,
-                                        self._failed.ctypes.data)
         busy = not oversubscribed(nranks)
-        #: the collective steps of this rank (ferro-collective drives them)
-        self.slots = _slots.SlotEngine(self._bytes, nranks, rank, slot_bytes, ring_bytes,
-                                       self._failed.ctypes.data, SPIN if busy else 0,
-                                       0 if busy else settings.SHM_YIELDS.get())
+        #: this rank's communicator (the door, ``ferro/engine.h``): it maps the segment (with
+        #: every page populated up to 64 MiB: a page's first touch would otherwise fall inside
+        #: a collective) and runs the collectives; ferro-collective drives it
+        self.comm = _comm.Comm(fd, size, nranks, rank, slot_bytes, ring_bytes,
+                               SPIN if busy else 0, 0 if busy else settings.SHM_YIELDS.get(),
+                               timeout)
+        #: this rank's steps one by one, for the collectives only ferro's Python runs
+        self.steps = _steps.Steps(self.comm)
+        self._bytes: np.ndarray | None = np.frombuffer(self.comm, dtype=np.uint8)
+        self.address = self._bytes.ctypes.data
+        self._map = _segment.SegmentMap(self._bytes, nranks, rank, slot_bytes, ring_bytes,
+                                        self.comm.failed_address)
         self._ring_policy = (SPIN, 0) if busy else (0, settings.SHM_RING_YIELDS.get())
         lay = self.layout
         self._data = [[self._bytes[a + lay["head_bytes"]:a + lay["head_bytes"] + slot_bytes]
@@ -134,7 +123,7 @@ class Engine:
     def ring(self, src: int, dst: int) -> _ring.Ring:
         """The ring from ``src`` to ``dst`` (segment ranks), with this engine's wait policy."""
         return _ring.Ring(self._view(), self.nranks, self.slot_bytes, self.ring_bytes, src, dst,
-                          self._failed.ctypes.data, *self._ring_policy)
+                          self.comm.failed_address, *self._ring_policy)
 
     def watch(self, peers: list[int], stop_word: np.ndarray) -> _watch.Watch:
         """The backstop of this rank's incoming rings from ``peers`` (see ``_watch.pyx``)."""
@@ -172,7 +161,7 @@ class Engine:
     @property
     def bytes_sent(self) -> int:
         """Payload bytes this rank wrote into the segment or into peers' memory."""
-        return self.slots.sent + self._cma_sent + self._filled
+        return self.comm.sent + self._cma_sent + self._filled
 
     @property
     def bytes_received(self) -> int:
@@ -181,26 +170,26 @@ class Engine:
 
     @property
     def failed(self) -> bool:
-        return bool(self._failed[0])
+        return self.comm.failed
 
-    def mark_failed(self) -> None:
-        """A peer died, closed or aborted (or this rank closed): every wait on the segment
-        gives up now."""
-        if self._bytes is not None:
-            self._map.mark_failed()
+    def mark_failed(self, reason: str = "") -> None:
+        """A peer died, closed or aborted (``reason``, if known), or this rank closed: every
+        wait on the segment gives up now, and the door's calls say why."""
+        self.comm.mark_failed(reason)
+
+    def capsule(self) -> Any:
+        """This rank's communicator for a C or C++ client: a capsule named
+        ``ferro_backend.engine.comm`` (``ferro/engine.h``), holding a reference of its own."""
+        return self.comm.capsule()
 
     def close(self) -> None:
-        """Wake every wait and let the mapping go: it is unmapped once nothing holds it (the
-        kernels hold the segment's bytes, so none of them can touch freed memory)."""
-        self.mark_failed()
+        """Close the communicator (every later call: closed) and let the mapping go: it is
+        unmapped once nothing holds it (this engine's views, a C client's reference)."""
+        self.comm.close()
         if self._bound[0] == threading.get_ident():  # the thread it bound: its cores back
             binding.unbind(self._bound[1])
         self._bytes = None
         self._data = []
-        try:
-            self._mem.close()
-        except BufferError:  # views still alive (the kernels, a call in flight): the GC unmaps
-            pass
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -222,16 +211,15 @@ class Engine:
             try:
                 os.ftruncate(fd, size)
                 _serve_fd(backend, fd, deadline)
-                mem = _map(fd, size)
+                engine = cls(rank, n, fd, size, slot_bytes, ring_bytes, backend.timeout)
             finally:
                 os.close(fd)
         else:
             fd = _fetch_fd(backend, deadline)
             try:
-                mem = _map(fd, size)
+                engine = cls(rank, n, fd, size, slot_bytes, ring_bytes, backend.timeout)
             finally:
                 os.close(fd)
-        engine = cls(rank, n, mem, slot_bytes, ring_bytes)
         if rank == 0:
             engine._map.write_head(settings.SHM_SPLIT_BYTES.get())
         # every rank's pid and a probe word, for the cross-memory-read check below
@@ -245,8 +233,8 @@ class Engine:
                 f"slot and ring bytes {engine._map.head()}, expected "
                 f"{engine._map.expected_head()}: is FERRO_SHM_RING_BYTES the same on every rank?)")
         engine.pids = [engine._map.identity(r)[0] for r in range(n)]
-        engine.slots.split_bytes = engine._map.split_bytes()  # rank 0's: the same everywhere
-        engine.slots.set_put(settings.SHM_STREAM_BYTES.get(), SLOW_COPY)
+        engine.steps.split_bytes = engine._map.split_bytes()  # rank 0's: the same everywhere
+        engine.steps.set_put(settings.SHM_STREAM_BYTES.get(), SLOW_COPY)
         mine = all(engine._can_read(r) for r in range(n) if r != rank)
         # every rank's verdict through rank 0 (which already talks to every rank), so a lazy
         # mesh opens no pair for it: a star, not all pairs

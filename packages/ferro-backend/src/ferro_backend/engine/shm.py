@@ -76,9 +76,17 @@ class ShmBackend(TcpBackend):
             except BaseException:
                 self.abort("the engine segment could not be set up")
                 raise
-            self.on_failure(self.engine.mark_failed)
+            self.on_failure(lambda: self.engine.mark_failed(self._failure_reason()))
             self.install_route(RingMesh(self.engine, self.mailbox, lambda: self.timeout))
             self.on_close(self.engine.close)
+
+    def _failure_reason(self) -> str:
+        """What the engine's door says when a peer's failure ends its waits: the first peer
+        that died or aborted (else closed), in rank order."""
+        failures = [f for f in (self.peer_failure("engine", p) for p in range(self.world_size)
+                                if p != self.rank) if f is not None]
+        dead = [f for f in failures if not getattr(f, "clean", False)]
+        return str((dead or failures)[0]) if failures else ""
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]

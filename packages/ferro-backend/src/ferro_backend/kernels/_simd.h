@@ -1,4 +1,4 @@
-/* The reductions' hot loops for float32/float64 SUM (and MEAN's fused divide), compiled twice:
+/* The reductions' hot loops for float32/float64 SUM (and AVG's fused divide), compiled twice:
  * for the x86-64 baseline (SSE2) and for AVX2, the one to run picked when the module loads
  * (GCC's target_clones, an ifunc). Where that is not available (another compiler or
  * architecture) they are plain loops the compiler vectorizes for its baseline.
@@ -33,7 +33,7 @@ FERRO_SIMD_LOOPS(float, f32)
 FERRO_SIMD_LOOPS(double, f64)
 
 /* whether the AVX2 clone runs here (for the benchmark's record and a test) */
-static int ferro_simd_avx2(void) {
+static inline int ferro_simd_avx2(void) {
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2");

@@ -1,0 +1,155 @@
+# cython: language_level=3
+"""The door's collectives for Python: one :class:`Call` per call signature, prepared once.
+
+A :class:`Call` is a collective of ``ferro/engine.h`` with its dtype, op, root and the shape its
+header names fixed (as mpi4py's persistent requests fix theirs): each run is the door's call
+through its public table (``ferro_engine_api``, the one C and C++ clients call), on raw
+addresses (:meth:`Call.run_at`: ferro-collective's compiled path, which holds the arrays) or on
+buffers (:meth:`Call.run`). A run holds the GIL until the door is about to wait or move much
+(its wait hook lets it go there and takes it back), so a call whose peers have arrived costs no
+GIL round trip, and other Python threads run while one waits. Ticket :data:`RESERVE` takes the
+call's ticket as it is made, under the GIL, so that calls from Python threads keep the order
+they were made in (:attr:`Call.ticket` gives it back).
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport int64_t
+from libc.string cimport memcpy
+
+from ferro.engine cimport *
+
+import sys
+
+cdef extern from *:
+    """
+    /* the GIL's wait hook (ferro/engine.h's opts.wait_hook) for a door call made with it held:
+     * let it go when the call waits or moves much, take it back before the call returns */
+    static __thread PyThreadState* ferro_gil_saved;
+    static void ferro_gil_hook(void* ctx, int waiting) {
+        (void)ctx;
+        if (waiting) ferro_gil_saved = PyEval_SaveThread();
+        else PyEval_RestoreThread(ferro_gil_saved);
+    }
+    """
+    void ferro_gil_hook(void* ctx, int waiting) noexcept nogil
+
+cdef enum:
+    K_BARRIER, K_ALLREDUCE, K_REDUCE, K_REDUCE_SCATTER, K_ALL_GATHER, K_GATHER, K_SCATTER, \
+        K_BROADCAST, K_ALL_TO_ALL
+#: the door's collectives (a :class:`Call`'s ``kind``)
+BARRIER, ALLREDUCE, REDUCE, REDUCE_SCATTER = K_BARRIER, K_ALLREDUCE, K_REDUCE, K_REDUCE_SCATTER
+ALL_GATHER, GATHER, SCATTER = K_ALL_GATHER, K_GATHER, K_SCATTER
+BROADCAST, ALL_TO_ALL = K_BROADCAST, K_ALL_TO_ALL
+#: a run's ticket: reserve one as the call is made
+RESERVE = -2
+cdef size_t[13] _ITEM_BYTES = [4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 2, 2, 1]  # by ferro_dtype
+
+
+cdef class Call:
+    """A collective of ``comm`` (a ``_comm.Comm``, kept alive while this is) of one signature:
+    ``kind`` (:data:`ALLREDUCE`...), ``dtype`` (ferro/engine.h's code), ``op``, ``root``, the
+    ``shape`` its header names (a sequence of ints; None: the count) and ``type_name`` (the
+    header's element type, numpy's ``dtype.str``, for bytes of a dtype the door does not know;
+    None: ``dtype``'s)."""
+
+    cdef ferro_comm* c
+    cdef const ferro_engine_api* api
+    cdef readonly object comm
+    cdef int kind, dtype, op, root, n
+    cdef size_t item
+    cdef bytes _dims, _type_name
+    cdef ferro_opts base
+    #: the ticket of the last run made with :data:`RESERVE`
+    cdef readonly int64_t ticket
+
+    def __init__(self, comm, int kind, int dtype, int op=0, int root=0, shape=None,
+                 bytes type_name=None):
+        if not 0 <= kind <= K_ALL_TO_ALL:
+            raise ValueError(f"Call: kind {kind} is not one of the door's")
+        if not 0 <= dtype < FERRO_DTYPE_COUNT:
+            raise ValueError(f"Call: dtype code {dtype} is not one of the door's")
+        self.comm, self.c = comm, <ferro_comm*><size_t>comm.comm_address
+        self.api = ferro_api(self.c)  # the table, from the communicator (as any client)
+        self.kind, self.dtype, self.op, self.root = kind, dtype, op, root
+        self.n, self.item = comm.n, _ITEM_BYTES[dtype]
+        self._type_name = type_name
+        self.base.size = sizeof(ferro_opts)
+        self.base.flags = 0
+        self.base.timeout = 0.0
+        self.base.ticket = FERRO_TICKET_NOW
+        self.base.ndim = 0
+        self.base.dims = NULL
+        self.base.type_name = NULL if type_name is None else <const char*>self._type_name
+        self.base.wait_hook = ferro_gil_hook
+        self.base.wait_ctx = NULL
+        if shape is not None:  # (a scalar's: no dims, but a shape all the same)
+            self._dims = b"".join(int(d).to_bytes(8, sys.byteorder, signed=True)
+                                  for d in shape)
+            self.base.ndim = len(shape)
+            self.base.dims = <const int64_t*><const char*>self._dims
+
+    def run_at(self, size_t send, size_t send_bytes, size_t recv, size_t recv_bytes,
+               double timeout) -> int:
+        """Run on raw addresses (0: NULL) of ``send_bytes`` and ``recv_bytes``, with a ticket
+        reserved now (:attr:`ticket`) and ``timeout`` seconds (0: the communicator's
+        default): OK, or a status whose message ``_comm.last_error()`` gives."""
+        self.ticket = self.api.reserve(self.c)
+        return self._run(<const void*>send, send_bytes, <void*>recv, recv_bytes, self.ticket,
+                         timeout)
+
+    def run(self, object send, object recv, int64_t ticket=RESERVE, double timeout=0.0) -> int:
+        """Run on buffers (None where a rank passes NULL) with ``ticket`` (:data:`RESERVE`:
+        one reserved now; -1: FERRO_TICKET_NOW); as :meth:`run_at` returns."""
+        cdef Py_buffer b, o
+        cdef bint have_b = send is not None, have_o = recv is not None
+        if ticket == RESERVE:
+            ticket = self.ticket = self.api.reserve(self.c)
+        if have_b:
+            PyObject_GetBuffer(send, &b, PyBUF_SIMPLE)
+        try:
+            if have_o:
+                PyObject_GetBuffer(recv, &o, PyBUF_WRITABLE)
+            try:
+                return self._run(b.buf if have_b else NULL, b.len if have_b else 0,
+                                 o.buf if have_o else NULL, o.len if have_o else 0, ticket,
+                                 timeout)
+            finally:
+                if have_o:
+                    PyBuffer_Release(&o)
+        finally:
+            if have_b:
+                PyBuffer_Release(&b)
+
+    cdef int _run(self, const void* sp, size_t blen, void* rp, size_t olen, int64_t ticket,
+                  double timeout) noexcept:
+        """The door call (counts from the byte counts, as ferro/engine.h defines them)."""
+        cdef ferro_opts opts
+        cdef size_t count
+        cdef int kind = self.kind, dtype = self.dtype
+        memcpy(&opts, &self.base, sizeof(ferro_opts))
+        opts.timeout = timeout
+        opts.ticket = ticket
+        if kind == K_ALLREDUCE or kind == K_REDUCE or kind == K_GATHER or kind == K_ALL_GATHER:
+            count = blen // self.item
+        elif kind == K_ALL_TO_ALL:
+            count = blen // (self.item * self.n)
+        else:
+            count = olen // self.item
+        # the GIL held until the call waits or moves much (its wait hook lets it go)
+        if kind == K_BARRIER:
+            return self.api.barrier(self.c, &opts)
+        if kind == K_ALLREDUCE:
+            return self.api.allreduce(self.c, sp, rp, count, dtype, self.op, &opts)
+        if kind == K_REDUCE:
+            return self.api.reduce(self.c, sp, rp, count, dtype, self.op, self.root, &opts)
+        if kind == K_REDUCE_SCATTER:
+            return self.api.reduce_scatter(self.c, sp, rp, count, dtype, self.op, &opts)
+        if kind == K_ALL_GATHER:
+            return self.api.all_gather(self.c, sp, rp, count, dtype, &opts)
+        if kind == K_GATHER:
+            return self.api.gather(self.c, sp, rp, count, dtype, self.root, &opts)
+        if kind == K_SCATTER:
+            return self.api.scatter(self.c, sp, rp, count, dtype, self.root, &opts)
+        if kind == K_BROADCAST:
+            return self.api.broadcast(self.c, sp, rp, count, dtype, self.root, &opts)
+        return self.api.all_to_all(self.c, sp, rp, count, dtype, &opts)

@@ -1,0 +1,173 @@
+/* A collective's header: what a rank publishes with a call's first step, so that every rank
+ * can check that all called the same thing (collective, dtype, shape, op, root) before any data
+ * is used, and name what each called when they did not.
+ *
+ * 76 bytes, little-endian, the layout ferro-collective's header.py packs ("<2sBBBBH8sqI6q"):
+ *   0  "FC"                 8  dtype, numpy's dtype.str, NUL-padded ("<f4", "|b1", "<V2")
+ *   2  collective code      16 root (int64; -1: none)
+ *   3  op code (0: none)    24 sequence number (uint32: the call's ticket)
+ *   4  ndim (<= 255)        28 six dims (int64); with ndim > 6 the sixth is a hash of dims 6..
+ *   5  flags (1: INVALID)
+ * No Python: the door encodes its calls' headers here, and describes them in its messages.
+ */
+#ifndef FERRO_HEADER_H
+#define FERRO_HEADER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ferro/engine.h"
+
+#define FERRO_HEADER_BYTES 76u
+#define FERRO_HEADER_DIMS 6
+/* where a header holds its sequence number */
+#define FERRO_SEQ_OFF 24u
+/* header flag: this rank's arguments were invalid */
+#define FERRO_HEADER_INVALID 1u
+
+/* the collectives' codes (header.py's COLLECTIVES) */
+enum {
+    FERRO_COLL_BARRIER = 1, FERRO_COLL_ALLREDUCE = 2, FERRO_COLL_BROADCAST = 3,
+    FERRO_COLL_ALL_GATHER = 4, FERRO_COLL_REDUCE_SCATTER = 5, FERRO_COLL_REDUCE = 6,
+    FERRO_COLL_GATHER = 7, FERRO_COLL_SCATTER = 8, FERRO_COLL_ALL_GATHER_V = 9,
+    FERRO_COLL_ALL_TO_ALL = 10, FERRO_COLL_ALL_TO_ALL_SINGLE = 11,
+    FERRO_COLL_BROADCAST_OBJECT = 12, FERRO_COLL_ALL_GATHER_OBJECT = 13, FERRO_COLL_COUNT = 14
+};
+
+static const char* const FERRO_COLL_NAMES[FERRO_COLL_COUNT] = {
+    NULL, "barrier", "allreduce", "broadcast", "all_gather", "reduce_scatter", "reduce",
+    "gather", "scatter", "all_gather_v", "all_to_all", "all_to_all_single", "broadcast_object",
+    "all_gather_object"};
+
+/* an op's code in a header (never 0, which means "no op"), and its name there */
+static const uint8_t FERRO_OP_WIRE[FERRO_OP_COUNT] = {1, 5, 3, 4, 6, 7, 8, 2};
+static const char* const FERRO_WIRE_OP_NAMES[9] = {NULL, "SUM", "MEAN", "MAX", "MIN", "PRODUCT",
+                                                   "BAND", "BOR", "BXOR"};
+
+/* numpy's dtype.str of each ferro_dtype on a little-endian host, and its name */
+static const char* const FERRO_DTYPE_STR[FERRO_DTYPE_COUNT] = {
+    "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<V2", "|b1"};
+static const char* const FERRO_DTYPE_NAMES[FERRO_DTYPE_COUNT] = {
+    "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+    "uint64", "float16", "bfloat16", "bool"};
+
+static inline void ferro_put_u32(unsigned char* p, uint32_t v) {
+    int i;
+    for (i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline void ferro_put_i64(unsigned char* p, int64_t v) {
+    uint64_t u = (uint64_t)v;
+    int i;
+    for (i = 0; i < 8; i++) p[i] = (unsigned char)(u >> (8 * i));
+}
+
+static inline uint32_t ferro_get_u32(const unsigned char* p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline int64_t ferro_get_i64(const unsigned char* p) {
+    uint64_t u = 0;
+    int i;
+    for (i = 7; i >= 0; i--) u = (u << 8) | p[i];
+    return (int64_t)u;
+}
+
+/* the sixth dim of a header whose shape has more than six: FNV-1a (64 bits) over the
+ * little-endian bytes of dims 5.., masked to 63 bits (header.py computes the same) */
+static inline int64_t ferro_dims_tail_hash(const int64_t* dims, int ndim) {
+    uint64_t x = 14695981039346656037ull, u;
+    int d, i;
+    for (d = FERRO_HEADER_DIMS - 1; d < ndim; d++) {
+        u = (uint64_t)dims[d];
+        for (i = 0; i < 8; i++) x = (x ^ ((u >> (8 * i)) & 0xFFu)) * 1099511628211ull;
+    }
+    return (int64_t)(x & 0x7FFFFFFFFFFFFFFFull);
+}
+
+/* The header of a call: collective coll, dtype (-1: none, as a barrier; type_name, if not NULL,
+ * names another), shape (ndim dims), op (-1: none), root (-1: none), sequence number seq. */
+static inline void ferro_header_encode(unsigned char* h, int coll, int dtype,
+                                       const char* type_name, int ndim, const int64_t* dims,
+                                       int op, int64_t root, uint32_t seq, unsigned flags) {
+    int d;
+    memset(h, 0, FERRO_HEADER_BYTES);
+    h[0] = 'F';
+    h[1] = 'C';
+    h[2] = (unsigned char)coll;
+    h[3] = op >= 0 && op < FERRO_OP_COUNT ? FERRO_OP_WIRE[op] : 0;
+    h[4] = (unsigned char)(ndim > 255 ? 255 : ndim);
+    h[5] = (unsigned char)flags;
+    if (type_name != NULL && dtype >= 0)
+        memcpy(h + 8, type_name, strnlen(type_name, 8));
+    else if (dtype >= 0 && dtype < FERRO_DTYPE_COUNT)
+        memcpy(h + 8, FERRO_DTYPE_STR[dtype], strlen(FERRO_DTYPE_STR[dtype]));
+    ferro_put_i64(h + 16, root);
+    ferro_put_u32(h + FERRO_SEQ_OFF, seq);
+    for (d = 0; d < ndim && d < FERRO_HEADER_DIMS; d++) ferro_put_i64(h + 28 + 8 * d, dims[d]);
+    if (ndim > FERRO_HEADER_DIMS)
+        ferro_put_i64(h + 28 + 8 * (FERRO_HEADER_DIMS - 1), ferro_dims_tail_hash(dims, ndim));
+}
+
+/* out (len bytes) = what the header says its rank called, as header.py's describe says it:
+ * "allreduce(float32[4, 8], SUM) (seq 3)" */
+static inline void ferro_header_describe(const unsigned char* h, size_t hlen, char* out,
+                                         size_t len) {
+    char dt[9], args[400];
+    const char* name;
+    size_t at = 0;
+    int coll, d, ndim, k;
+    int64_t root;
+    uint32_t seq;
+    if (len == 0) return;
+    out[0] = '\0';
+    if (hlen < FERRO_HEADER_BYTES || h[0] != 'F' || h[1] != 'C') {
+        snprintf(out, len, "<not a ferro collective header>");
+        return;
+    }
+    coll = h[2];
+    seq = ferro_get_u32(h + FERRO_SEQ_OFF);
+    name = coll > 0 && coll < FERRO_COLL_COUNT ? FERRO_COLL_NAMES[coll] : NULL;
+    if (coll == FERRO_COLL_BARRIER) {
+        snprintf(out, len, "barrier (seq %u)", seq);
+        return;
+    }
+    if (h[5] & FERRO_HEADER_INVALID) {
+        snprintf(out, len, "%s(<invalid arguments, see that rank's error>) (seq %u)",
+                 name ? name : "op#?", seq);
+        return;
+    }
+    memcpy(dt, h + 8, 8);
+    dt[8] = '\0';
+    args[0] = '\0';
+    if (dt[0] != '\0') {
+        const char* dname = dt;
+        for (k = 0; k < FERRO_DTYPE_COUNT; k++)
+            if (strcmp(dt, FERRO_DTYPE_STR[k]) == 0) dname = FERRO_DTYPE_NAMES[k];
+        at += (size_t)snprintf(args + at, sizeof args - at, "%s[", dname);
+        ndim = h[4] < FERRO_HEADER_DIMS ? h[4] : FERRO_HEADER_DIMS;
+        for (d = 0; d < ndim && at < sizeof args; d++) {
+            int64_t v = ferro_get_i64(h + 28 + 8 * d);
+            if (v >= 0)
+                at += (size_t)snprintf(args + at, sizeof args - at, "%s%lld", d ? ", " : "",
+                                       (long long)v);
+            else
+                at += (size_t)snprintf(args + at, sizeof args - at, "%s*", d ? ", " : "");
+        }
+        if (at < sizeof args) at += (size_t)snprintf(args + at, sizeof args - at, "]");
+    }
+    if (h[3] != 0 && at < sizeof args)
+        at += (size_t)snprintf(args + at, sizeof args - at, "%s%s", at ? ", " : "",
+                               h[3] < 9 ? FERRO_WIRE_OP_NAMES[h[3]] : "op#?");
+    root = ferro_get_i64(h + 16);
+    if (root >= 0 && at < sizeof args)
+        snprintf(args + at, sizeof args - at, "%sroot=%lld", at ? ", " : "", (long long)root);
+    if (name != NULL)
+        snprintf(out, len, "%s(%s) (seq %u)", name, args, seq);
+    else
+        snprintf(out, len, "op#%d(%s) (seq %u)", coll, args, seq);
+}
+
+#endif

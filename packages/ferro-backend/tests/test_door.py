@@ -1,0 +1,467 @@
+"""The engine's door (ferro/engine.h) from C and C++: a client compiled at test time against the
+installed headers, driven with ctypes from threads (one per rank, on one segment), against
+numpy's reference; and what it refuses: a deadline, a mismatch, a dead peer, a closed
+communicator, the thread rule, bad arguments, another ABI."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _comms import comms
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ferro_backend
+from ferro_backend.engine import _calls, _comm
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux engine")]
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - in the test extra
+    BF16 = None
+
+SHIM = Path(__file__).with_name("door_shim.c")
+HEADERS = ["ferro/engine.h", "ferro/engine_python.h"]
+#: ferro/engine.h's codes
+DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int8): 2,
+          np.dtype(np.int16): 3, np.dtype(np.int32): 4, np.dtype(np.int64): 5,
+          np.dtype(np.uint8): 6, np.dtype(np.uint16): 7, np.dtype(np.uint32): 8,
+          np.dtype(np.uint64): 9, np.dtype(np.float16): 10, np.dtype(np.bool_): 12}
+if BF16 is not None:
+    DTYPES[BF16] = 11
+OPS = {"SUM": 0, "PROD": 1, "MAX": 2, "MIN": 3, "BAND": 4, "BOR": 5, "BXOR": 6, "AVG": 7}
+UFUNC = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
+         "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor, "AVG": np.add}
+BARRIER, ALLREDUCE, REDUCE, REDUCE_SCATTER, ALL_GATHER, GATHER, SCATTER, BROADCAST, \
+    ALL_TO_ALL = range(9)
+OK, TIMEOUT, FAILED, MISMATCH, INVALID, CLOSED, BUSY = range(7)
+
+
+# ------------------------------------------------------------------ the headers and the client
+def _compiler(cpp: bool) -> str:
+    name = "g++" if cpp else "gcc"
+    path = shutil.which(name) or shutil.which("c++" if cpp else "cc")
+    if path is None:
+        pytest.skip(f"no {name} on this machine")
+    return path
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["C", "C++"])
+@pytest.mark.parametrize("header", HEADERS)
+def test_every_public_header_compiles_alone(header, cpp, tmp_path):
+    src = tmp_path / ("one.cpp" if cpp else "one.c")
+    src.write_text(f'#include "{header}"\nint main(void) {{ return 0; }}\n')
+    std = "-std=c++17" if cpp else "-std=c11"
+    r = subprocess.run([_compiler(cpp), std, "-Wall", "-Wextra", "-Werror", "-pedantic",
+                        "-fsyntax-only", "-I", ferro_backend.get_include(), "-I",
+                        sysconfig.get_paths()["include"], str(src)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_get_include_holds_the_headers_and_the_cython_declarations():
+    inc = Path(ferro_backend.get_include())
+    assert inc.is_absolute() and (inc / "ferro" / "engine.pxd").is_file()
+    for header in HEADERS:
+        assert (inc / header).is_file()
+    assert _comm.ABI_VERSION == (1, 0) and _comm.CAPSULE_NAME == "ferro_backend.engine.comm"
+
+
+def _build(tmp: Path, cpp: bool, include: str) -> ctypes.CDLL:
+    out = tmp / ("shim_cpp.so" if cpp else "shim_c.so")
+    cmd = [_compiler(cpp), "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-I",
+           include, "-o", str(out)]
+    cmd += ["-x", "c++", "-std=c++17"] if cpp else ["-std=c11"]
+    r = subprocess.run(cmd + [str(SHIM)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(out))
+    lib.shim_attach.restype = ctypes.c_void_p
+    lib.shim_attach.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    for name in ("shim_release", "shim_close", "shim_rank", "shim_size", "shim_reserve",
+                 "shim_error"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    lib.shim_reserve.restype = ctypes.c_longlong
+    lib.shim_error.restype = ctypes.c_char_p
+    lib.shim_skip.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
+    lib.shim_call.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_double, ctypes.c_longlong]
+    return lib
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["C", "C++"])
+def shim(request, tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("shim"), request.param, ferro_backend.get_include())
+
+
+_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_pointer.restype, _pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+class Rank:
+    """One rank's attachment through the compiled client: calls on numpy arrays."""
+
+    def __init__(self, lib: ctypes.CDLL, comm: _comm.Comm) -> None:
+        why = ctypes.create_string_buffer(256)
+        self.lib, self.comm = lib, comm
+        self.c = lib.shim_attach(_pointer(comm.capsule(), _comm.CAPSULE_NAME.encode()), why, 256)
+        assert self.c, why.value
+
+    def __call__(self, kind, send=None, recv=None, count=0, dtype=np.float32, op="SUM", root=0,
+                 timeout=0.0, ticket=-1) -> int:
+        return self.lib.shim_call(self.c, kind, _addr(send), _addr(recv), count,
+                                  DTYPES[np.dtype(dtype)], OPS[op], root, timeout, ticket)
+
+    def error(self) -> str:
+        return self.lib.shim_error(self.c).decode()
+
+    def release(self) -> None:
+        self.lib.shim_release(self.c)
+
+
+def _addr(a) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def ranks_of(lib, n: int, slot: int = 4096, **kw) -> list[Rank]:
+    return [Rank(lib, c) for c in comms(n, slot, **kw)]
+
+
+def in_threads(fns, timeout: float = 60.0) -> list:
+    """Run fns[r]() in a thread each; their results (an exception is re-raised)."""
+    out: list = [None] * len(fns)
+
+    def run(r):
+        try:
+            out[r] = fns[r]()
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank outlived its time"
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
+
+
+# ------------------------------------------------------------------ every call against numpy
+def reference(op: str, dtype: np.dtype, inputs: list[np.ndarray]) -> np.ndarray:
+    """The rank-order fold numpy computes: float16/bfloat16 in float32, rounded once; AVG's
+    divide in the last step."""
+    wide = dtype in (np.dtype(np.float16), BF16)
+    work = [x.astype(np.float32) for x in inputs] if wide else inputs
+    acc = work[0].copy()
+    with np.errstate(all="ignore"):
+        for x in work[1:]:
+            acc = UFUNC[op](acc, x)
+        if op == "AVG" and len(work) > 1:
+            acc = np.divide(acc, len(work)).astype(acc.dtype)
+    return acc.astype(dtype) if wide else acc
+
+
+def _data(rng, dtype: np.dtype, count: int) -> np.ndarray:
+    if dtype == np.bool_:
+        return rng.integers(0, 2, count).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    x = (rng.standard_normal(count) * 8).astype(dtype)
+    if count > 3:
+        x[rng.integers(0, count)] = np.nan
+    return x
+
+
+def _ops_for(dtype: np.dtype) -> list[str]:
+    if dtype == np.bool_:
+        return ["BAND", "BOR", "BXOR"]
+    if dtype.kind in "iu":
+        return ["SUM", "PROD", "MAX", "MIN", "BAND", "BOR", "BXOR"]
+    return ["SUM", "PROD", "MAX", "MIN", "AVG"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 3), dtype=st.sampled_from(sorted(DTYPES, key=str)),
+       count=st.sampled_from([0, 1, 7, 300, 1500, 5000]), root=st.integers(0, 2),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_every_call_equals_numpys_reference(shim, n, dtype, count, root, seed, data):
+    """Every collective through the compiled client, on 4 KiB slots (so a call of a few KiB
+    runs one step, split, streamed or in pieces), every dtype and op, against numpy, with the
+    same bits on every rank."""
+    op = data.draw(st.sampled_from(_ops_for(dtype)))
+    root %= n
+    ranks = ranks_of(shim, n)
+    inputs = [_data(np.random.default_rng([seed, r]), dtype, count * n) for r in range(n)]
+    want = reference(op, dtype, inputs)
+
+    def rank(r):
+        me, x, c = ranks[r], inputs[r], count * n
+        got = {}
+        out = np.empty(c, dtype)
+        assert me(ALLREDUCE, x, out, c, dtype, op) == OK, me.error()
+        got["allreduce"] = out
+        part = np.empty(count, dtype)
+        assert me(REDUCE_SCATTER, x, part, count, dtype, op) == OK, me.error()
+        got["reduce_scatter"] = part
+        red = np.empty(c, dtype) if r == root else None
+        assert me(REDUCE, x, red, c, dtype, op, root) == OK, me.error()
+        got["reduce"] = red
+        every = np.empty(c * n, dtype)
+        assert me(ALL_GATHER, x, every, c, dtype) == OK, me.error()
+        got["all_gather"] = every
+        gathered = np.empty(c * n, dtype) if r == root else None
+        assert me(GATHER, x, gathered, c, dtype, root=root) == OK, me.error()
+        got["gather"] = gathered
+        mine = np.empty(count, dtype)
+        assert me(SCATTER, x if r == root else None, mine, count, dtype, root=root) == OK
+        got["scatter"] = mine
+        bc = x.copy()
+        assert me(BROADCAST, bc, bc, c, dtype, root=root) == OK, me.error()
+        got["broadcast"] = bc
+        swapped = np.empty(c, dtype)
+        assert me(ALL_TO_ALL, x, swapped, count, dtype) == OK, me.error()
+        got["all_to_all"] = swapped
+        assert me(BARRIER) == OK
+        me.release()
+        return got
+
+    got = in_threads([lambda r=r: rank(r) for r in range(n)])
+    concat = np.concatenate(inputs)
+    for r in range(n):
+        same = lambda a, b: a.tobytes() == np.ascontiguousarray(b).tobytes()
+        assert same(got[r]["allreduce"], want), (r, op)
+        assert same(got[r]["reduce_scatter"], want[r * count:(r + 1) * count])
+        assert (got[r]["reduce"] is None) == (r != root)
+        assert r != root or same(got[r]["reduce"], want)
+        assert same(got[r]["all_gather"], concat)
+        assert r != root or same(got[r]["gather"], concat)
+        assert same(got[r]["scatter"], inputs[root][r * count:(r + 1) * count])
+        assert same(got[r]["broadcast"], inputs[root])
+        blocks = [inputs[s][r * count:(r + 1) * count] for s in range(n)]
+        assert same(got[r]["all_to_all"], np.concatenate(blocks))
+
+
+def test_in_place_calls_and_large_data_on_a_real_slot(shim):
+    """In-place allreduce, reduce_scatter and all_gather at 3 MiB on 1 MiB slots (split,
+    streamed, broadcast in pieces), float32 and bfloat16."""
+    ranks = ranks_of(shim, 2, 1 << 20, ring_bytes=4096)
+    count = 3 << 18
+    for dtype in [np.dtype(np.float32)] + ([BF16] if BF16 is not None else []):
+        xs = [_data(np.random.default_rng(r), dtype, count) for r in range(2)]
+        want = reference("SUM", dtype, xs)
+
+        def rank(r, xs=xs, dtype=dtype):
+            me = ranks[r]
+            buf = xs[r].copy()
+            assert me(ALLREDUCE, buf, buf, count, dtype) == OK, me.error()
+            whole = xs[r].copy()
+            mine = whole[r * count // 2:(r + 1) * count // 2]
+            assert me(REDUCE_SCATTER, whole, mine, count // 2, dtype) == OK, me.error()
+            gathered = np.empty(2 * count, dtype)
+            gathered[r * count:(r + 1) * count] = xs[r]
+            assert me(ALL_GATHER, gathered[r * count:(r + 1) * count], gathered, count,
+                      dtype) == OK, me.error()
+            return buf, mine.copy(), gathered
+
+        for r, (buf, mine, gathered) in enumerate(in_threads([lambda r=r: rank(r)
+                                                               for r in range(2)])):
+            assert buf.tobytes() == want.tobytes()
+            assert mine.tobytes() == want[r * count // 2:(r + 1) * count // 2].tobytes()
+            assert gathered.tobytes() == np.concatenate(xs).tobytes()
+    for me in ranks:
+        me.release()
+
+
+# ------------------------------------------------------------------ what the door refuses
+def test_a_deadline_names_the_ranks_not_arrived_and_breaks_the_communicator(shim):
+    ranks = ranks_of(shim, 3)
+    x = np.ones(4, np.float32)
+    t0 = time.monotonic()
+    rc = ranks[0](ALLREDUCE, x, x.copy(), 4, timeout=0.3)
+    assert rc == TIMEOUT and 0.25 < time.monotonic() - t0 < 5
+    msg = ranks[0].error()
+    assert "allreduce (seq 0) on rank 0: timed out after 0.3s waiting for ranks [1, 2]" in msg
+    t0 = time.monotonic()
+    assert ranks[0](BARRIER) == TIMEOUT and time.monotonic() - t0 < 0.1  # broken: at once
+    assert ranks[0].error() == msg
+
+
+def test_a_mismatch_names_what_every_rank_called_on_every_rank_and_the_calls_go_on(shim):
+    ranks = ranks_of(shim, 2)
+    xs = [np.ones(4, np.float32), np.ones(4, np.int32)]
+
+    def rank(r):
+        me = ranks[r]
+        rc = me(ALLREDUCE, xs[r], xs[r].copy(), 4, xs[r].dtype)
+        msg = me.error()
+        after = me(ALLREDUCE, xs[0], xs[0].copy(), 4)  # the next call runs
+        return rc, msg, after
+
+    for rc, msg, after in in_threads([lambda r=r: rank(r) for r in range(2)]):
+        assert rc == MISMATCH and after == OK
+        assert msg == ("allreduce: ranks disagree on the collective: ranks [0] called "
+                       "allreduce(float32[4], SUM) (seq 0); ranks [1] called "
+                       "allreduce(int32[4], SUM) (seq 0)")
+
+
+def test_a_peers_failure_ends_the_wait_with_its_reason(shim):
+    ranks = ranks_of(shim, 2)
+    threading.Timer(0.2, lambda: ranks[0].comm.mark_failed("rank 1 is gone (test)")).start()
+    t0 = time.monotonic()
+    assert ranks[0](BARRIER, timeout=30.0) == FAILED and time.monotonic() - t0 < 5
+    assert ranks[0].error() == "barrier (seq 0) on rank 0: rank 1 is gone (test)"
+    assert ranks[0](BARRIER) == FAILED  # broken
+
+
+def test_a_closed_communicator_refuses_at_once_and_ends_calls_in_flight(shim):
+    ranks = ranks_of(shim, 2)
+    threading.Timer(0.2, ranks[0].comm.close).start()
+    assert ranks[0](BARRIER, timeout=30.0) == CLOSED
+    assert "the engine was closed" in ranks[0].error()
+    assert ranks[0](ALLREDUCE, np.ones(2, np.float32), np.ones(2, np.float32), 2) == CLOSED
+    assert ranks[0].error() == "allreduce on rank 0: the engine is closed"
+
+
+def test_two_threads_breaking_the_thread_rule_get_busy_and_reserved_tickets_work(shim):
+    ranks = ranks_of(shim, 2)
+    got = {}
+
+    def first():  # rank 0, thread A: an unreserved call that waits for rank 1
+        got["a"] = ranks[0](BARRIER, timeout=10.0)
+
+    a = threading.Thread(target=first)
+    a.start()
+    time.sleep(0.2)
+    rc = ranks[0](ALLREDUCE, np.ones(2, np.float32), np.ones(2, np.float32), 2)  # thread B
+    assert rc == BUSY
+    assert "another thread is in an unreserved call (barrier)" in ranks[0].error()
+    assert ranks[1](BARRIER) == OK
+    a.join(10)
+    assert got["a"] == OK
+    # reserved in the same order on every rank, two threads per rank may call at once
+    tickets = [[shim.shim_reserve(me.c) for _ in range(2)] for me in ranks]
+    x = [np.full(3, r + 1.0, np.float32) for r in range(2)]
+    outs = [[np.empty(3, np.float32) for _ in range(2)] for _ in range(2)]
+    calls = [lambda r=r, k=k: ranks[r](ALLREDUCE, x[r], outs[r][k], 3, ticket=tickets[r][k])
+             for r in range(2) for k in (1, 0)]  # the later ticket's thread first
+    assert in_threads(calls) == [OK] * 4
+    assert all(o.tolist() == [3.0] * 3 for pair in outs for o in pair)
+    # a ticket run twice, or never reserved, is refused
+    assert ranks[0](BARRIER, ticket=tickets[0][0]) == INVALID
+    assert "already used" in ranks[0].error()
+    assert ranks[0](BARRIER, ticket=10**6) == INVALID
+    assert "was never reserved" in ranks[0].error()
+
+
+def test_bad_arguments_are_refused_on_the_calling_rank_with_nothing_published(shim):
+    (me, other) = ranks_of(shim, 2)
+    x = np.ones(4, np.int32)
+    cases = [((ALLREDUCE, x, x.copy(), 4, np.int32, "AVG"), "AVG does not reduce int32"),
+             ((ALLREDUCE, None, x, 4), "send is NULL for 16 bytes"),
+             ((BROADCAST, x, x, 4, np.int32, "SUM", 5), "root 5 is not a rank of 2"),
+             ((ALLREDUCE, x, x[1:], 3, np.int32), "overlap"),
+             ((ALLREDUCE, x, x.copy(), 4, np.bool_, "SUM"), "SUM does not reduce bool")]
+    for args, words in cases:
+        assert me(*args) == INVALID and words in me.error(), (words, me.error())
+    # nothing was published: the next call meets the peer's first one
+    assert in_threads([lambda: me(BARRIER), lambda: other(BARRIER)]) == [OK, OK]
+
+
+def test_a_stall_is_reported_once_with_the_ranks_not_arrived():
+    """(from Python, through ``_calls.Call``: the GIL held until the call waits, then let go,
+    and taken again for the report)"""
+    (a, b) = comms(2)
+    reports = []
+    a.set_stall_report(reports.append)
+    barrier = [_calls.Call(c, _calls.BARRIER, 0) for c in (a, b)]
+    threading.Timer(0.6, lambda: barrier[1].run(None, None, -1, 5.0)).start()
+    assert barrier[0].run(None, None, -1, 1.0) == _comm.OK
+    assert len(reports) == 1 and "still waiting for ranks [1] after 0.5s" in reports[0]
+
+
+def test_a_client_built_against_another_abi_is_refused_with_a_message(tmp_path):
+    inc = tmp_path / "include"
+    shutil.copytree(ferro_backend.get_include(), inc)
+    header = inc / "ferro" / "engine.h"
+    header.write_text(header.read_text().replace("#define FERRO_ENGINE_ABI_MAJOR 1u",
+                                                 "#define FERRO_ENGINE_ABI_MAJOR 2u"))
+    lib = _build(tmp_path, False, str(inc))
+    (c, _) = comms(2)
+    why = ctypes.create_string_buffer(256)
+    assert not lib.shim_attach(_pointer(c.capsule(), _comm.CAPSULE_NAME.encode()), why, 256)
+    assert b"another version of ferro's engine header" in why.value
+    assert b"(engine ABI 1.0, this client 2.0)" in why.value
+    assert not lib.shim_attach(ctypes.c_void_p(id(why)), why, 256)  # not a communicator
+    assert b"not a ferro engine communicator" in why.value
+
+
+def test_a_client_keeps_the_communicator_alive_after_python_lets_it_go(shim):
+    """The segment stays mapped while a client holds its reference: released last, it is
+    unmapped then (no call touches freed memory)."""
+    (a, b) = comms(2)
+    ra, rb = Rank(shim, a), Rank(shim, b)
+    del a, b
+    import gc
+
+    gc.collect()
+    x = [np.full(2, r + 1.0, np.float32) for r in range(2)]
+    res = in_threads([lambda: ra(ALLREDUCE, x[0], x[0], 2), lambda: rb(ALLREDUCE, x[1], x[1], 2)])
+    assert res == [OK, OK] and x[0].tolist() == [3.0, 3.0]
+    ra.release()
+    rb.release()
+
+
+_PEER_DIES = """
+import ctypes, os, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.shim_attach.restype = ctypes.c_void_p
+lib.shim_attach.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+lib.shim_error.restype, lib.shim_error.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+lib.shim_call.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_double, ctypes.c_longlong]
+get = ctypes.pythonapi.PyCapsule_GetPointer
+get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+from ferro_backend.engine import CAPSULE_NAME, comm_capsule
+why = ctypes.create_string_buffer(256)
+c = lib.shim_attach(get(comm_capsule(b), CAPSULE_NAME.encode()), why, 256)
+x = np.full(4, b.rank + 1.0, np.float32)
+first = lib.shim_call(c, 1, x.ctypes.data, x.ctypes.data, 4, 0, 0, 0, 0.0, -1)
+if b.rank == 1:
+    os._exit(3)  # gone without a word, while rank 0 waits in its next call
+t0 = time.monotonic()
+rc = lib.shim_call(c, 0, None, None, 0, 0, 0, 0, 30.0, -1)
+result = [first, x.tolist(), rc, lib.shim_error(c).decode(), time.monotonic() - t0]
+"""
+
+
+def test_a_dead_peer_process_ends_a_c_clients_wait_naming_it(tmp_path):
+    from ferro_backend.testing import Job
+
+    lib = tmp_path / "shim_c.so"
+    _build(tmp_path, False, ferro_backend.get_include())
+    job = Job("import time\n" + _PEER_DIES, 2, backend="ShmBackend", args=[str(lib)])
+    results = job.finish(timeout=90)
+    assert results[1].returncode == 3
+    assert results[0].returncode == 0, results[0].stderr
+    first, summed, rc, msg, waited = results[0].result
+    assert first == OK and summed == [3.0] * 4
+    assert rc == FAILED and waited < 10, (rc, msg, waited)
+    assert msg.startswith("barrier (seq 1) on rank 0: ") and "rank 1" in msg, msg
