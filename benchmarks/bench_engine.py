@@ -129,6 +129,45 @@ def bench_one_call_dispatch_4KiB(benchmark, impl):
     benchmark.pedantic(run, rounds=200, iterations=100, warmup_rounds=5)
 
 
+@pytest.mark.parametrize("impl", ["np.copyto", "_calls.Call.run_at", "_steps.Steps.exchange"])
+def bench_door_call_4KiB(benchmark, impl):
+    """The engine's door on a one-rank engine (``_comm.Comm``): a prepared allreduce of 4 KiB
+    through its public table (``_calls.Call.run_at``: ticket, turn, header, step, fold), and one
+    step of ferro's Python steps (``_steps.Steps.exchange``: header and data into the slot,
+    publish, wait), against ``np.copyto`` of the same 4 KiB. With bench_one_call_dispatch_4KiB:
+    the door's own part of a call, and the rest ferro-collective's."""
+    import time
+
+    from ferro_backend.engine import _calls
+
+    x = np.ones(1024, np.float32)
+    out = np.empty_like(x)
+    benchmark.group = "door call (allreduce 4KiB, one-rank engine)"
+    benchmark.extra_info["bytes"] = x.nbytes
+    if impl == "np.copyto":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            np.copyto(out, x)
+    elif impl == "_calls.Call.run_at":
+        comm = one_rank_engine().engine.comm
+        call = _calls.Call(comm, _calls.ALLREDUCE, 0, 0, 0, x.shape)
+        src, dst = x.ctypes.data, out.ctypes.data
+        assert call.run_at(src, x.nbytes, dst, out.nbytes, 0.0) == 0
+
+        def run():
+            call.run_at(src, 4096, dst, 4096, 0.0)
+    else:
+        steps = one_rank_engine().engine.steps
+        header = b"h" * 76
+
+        def run():
+            steps.exchange(header, x, 0, None, time.monotonic() + 60.0, 4096)
+    benchmark.pedantic(run, rounds=200, iterations=100, warmup_rounds=5)
+    if impl == "_calls.Call.run_at":
+        assert out.tolist() == x.tolist()
+
+
 @pytest.mark.parametrize("impl", ["untraced", "traced"])
 def bench_timeline_cost_4KiB(benchmark, impl, tmp_path):
     """What the timeline costs the compiled entry: the same call untraced (one pointer check:

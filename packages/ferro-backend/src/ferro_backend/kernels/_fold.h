@@ -13,7 +13,8 @@
  * - Integers: SUM and PROD wrap (computed in unsigned arithmetic: no undefined overflow);
  *   BAND, BOR, BXOR; bool is folded as its bytes (0 or 1) with the bitwise ops.
  *
- * out may be one of the inputs, element for element (in place), never shifted against one.
+ * out may be the first or the second input, element for element (in place: the first pass
+ * combines those two before any other is read), never a later one or shifted against one.
  * No Python, no allocation: callable from any thread.
  */
 #ifndef FERRO_FOLD_H
