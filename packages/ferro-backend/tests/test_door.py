@@ -467,3 +467,33 @@ def test_a_dead_peer_process_ends_a_c_clients_wait_naming_it(tmp_path):
     assert first == OK and summed == [3.0] * 4
     assert rc == FAILED and waited < 10, (rc, msg, waited)
     assert msg.startswith("barrier (seq 1) on rank 0: ") and "rank 1" in msg, msg
+
+
+_SUBGROUP = """
+from ferro_backend.engine import _calls, attach_engine, comm_capsule
+result = None
+if b.rank != 1:
+    sub = SubBackend(b, [0, 2])
+    try:
+        comm_capsule(sub)
+        plain = "a capsule"
+    except RuntimeError as exc:
+        plain = str(exc)
+    engine = attach_engine(sub)
+    comm_capsule(sub)  # a C client may attach now
+    x = np.full(4, b.rank + 1.0, np.float32)
+    rc = _calls.Call(engine.comm, _calls.ALLREDUCE, 0).run(x, x)
+    result = [plain, rc, x.tolist(), engine.nranks, sub.engine is engine]
+b.barrier()
+"""
+
+
+def test_a_subgroup_of_a_same_host_job_gets_an_engine_of_its_own():
+    from ferro_backend.testing import run_job
+
+    res = run_job(_SUBGROUP, 3, backend="ShmBackend")
+    assert res[1] is None
+    for r in (0, 2):
+        plain, rc, summed, nranks, kept = res[r]
+        assert "SubBackend (rank" in plain and "has no same-host engine" in plain
+        assert rc == OK and summed == [4.0] * 4 and nranks == 2 and kept

@@ -87,28 +87,21 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
     sizes = {len(m) for m in members}
     if len(members) < 2 or len(sizes) != 1 or sizes == {1}:
         return None
+    from .engine import attach_engine
     from .engine.rings import RingMesh
-    from .engine.segment import Engine
 
     mine = next(m for m in members if backend.rank in m)
     local = mine.index(backend.rank)
     node = SubBackend(backend, mine, name="ferro-node")
     cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}")
-    node.engine = engine = Engine.join(node, slot_bytes=slot_bytes)
-
-    def on_failure() -> None:
-        # wake the node's engine waits on an abort, this rank's close, or a node peer gone;
-        # a rank of another node that finished and closed must not break this node's calls
-        # (the cross stages see that rank's failures on the mesh)
-        if any(backend.peer_failure("engine", p) is not None for p in mine):
-            engine.mark_failed()
-
-    backend.on_failure(on_failure)
+    # the node's engine: its waits end on an abort, this rank's close, or a node peer gone (a
+    # rank of another node that finished and closed does not break this node's calls: the
+    # cross stages see that rank's failures on the mesh)
+    engine = attach_engine(node, slot_bytes=slot_bytes)
     if hasattr(backend, "install_route") and not backend.routes():
         # the node's ranks talk through the engine's rings too (TCP meshes; MPI keeps its own)
         backend.install_route(RingMesh(engine, backend.mailbox, lambda: backend.timeout,
                                        ranks=mine))
-    backend.on_close(engine.close)
     hierarchy = Hierarchy(node, cross, members)
     backend.hierarchy = hierarchy
     log.debug("rank %d: node %s (local rank %d of %d), cross group %s", backend.rank, mine,

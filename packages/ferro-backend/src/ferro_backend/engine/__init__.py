@@ -10,6 +10,8 @@ the compiled kernels (:mod:`.segment`, :mod:`.rings`, :mod:`.delivery`) import o
 :mod:`.shm` imports everywhere and refuses to run elsewhere.
 """
 
+from __future__ import annotations
+
 from typing import Any
 
 from .._platform import SAME_HOST_ENGINE
@@ -24,6 +26,48 @@ if AVAILABLE:
     from .segment import Engine
 
 
+def attach_engine(group: Any, slot_bytes: int | None = None) -> Engine:
+    """Give ``group`` (a :class:`~ferro_backend.SubBackend` whose members share a host: a
+    subgroup of a :class:`~ferro_backend.ShmBackend`, or of one node of a multi-node job) an
+    engine of its own, as ``group.engine``, and return it: ferro-collective's collectives on the
+    group then run on it, and :func:`comm_capsule` hands it to a C or C++ client (a torch
+    subgroup, a JAX handler). Collective over ``group``: every member calls it. Its waits end
+    when one of the members fails; it closes with the root transport.
+
+    Raises
+    ------
+    ValueError
+        The members are on several hosts (``root.nodes`` says so).
+    RuntimeError
+        A platform without the engine.
+    RendezvousError
+        Setting up the segment failed (naming the rank and why).
+    """
+    if not AVAILABLE:
+        raise RuntimeError("attach_engine: this platform has no same-host engine (Linux only)")
+    root = getattr(group, "root", group)
+    members = getattr(group, "global_ranks", tuple(range(group.world_size)))
+    nodes = getattr(root, "nodes", None)
+    if nodes is not None and len({nodes[r] for r in members}) > 1:
+        raise ValueError(f"attach_engine: the members {list(members)} are on several hosts "
+                         f"({sorted({nodes[r] for r in members})})")
+    engine = group.engine = Engine.join(group, slot_bytes=slot_bytes)
+
+    def on_failure() -> None:
+        # a member gone, an abort, this rank closing: every wait ends now; a rank outside the
+        # group that finished and closed does not break the group's calls
+        failures = [f for f in (root.peer_failure("engine", p) for p in members)
+                    if f is not None]
+        if failures:
+            engine.mark_failed(str(failures[0]))
+
+    if hasattr(root, "on_failure"):
+        root.on_failure(on_failure)
+    if hasattr(root, "on_close"):
+        root.on_close(engine.close)
+    return engine
+
+
 def comm_capsule(backend: Any) -> Any:
     """``backend``'s engine communicator for a C or C++ client: a capsule named
     ``ferro_backend.engine.comm`` whose pointer is a ``ferro_comm*`` (``ferro/engine.h``, under
@@ -33,7 +77,8 @@ def comm_capsule(backend: Any) -> Any:
     ------
     RuntimeError
         ``backend`` has no engine: not a :class:`~ferro_backend.ShmBackend` (or one with the
-        engine off), or a platform without one.
+        engine off), nor a subgroup given one (:func:`attach_engine`), or a platform without
+        one.
     """
     engine = getattr(backend, "engine", None)
     if engine is None:
@@ -44,4 +89,4 @@ def comm_capsule(backend: Any) -> Any:
 
 
 __all__ = ["ABI_VERSION", "AVAILABLE", "CAPSULE_NAME", "CLOSED", "FAILED", "INVALID", "MISMATCH",
-           "OK", "TIMEOUT", "Engine", "RingMesh", "comm_capsule", "header_hash"]
+           "OK", "TIMEOUT", "Engine", "RingMesh", "attach_engine", "comm_capsule", "header_hash"]
