@@ -63,3 +63,21 @@ SHIM int shim_call(void* cv, int kind, const void* send, void* recv, size_t coun
     default: return -1;
     }
 }
+
+SHIM int shim_send(void* cv, const void* buf, size_t nbytes, int dst, unsigned long long tag,
+                   double timeout) {
+    ferro_comm* c = (ferro_comm*)cv;
+    ferro_opts o = FERRO_OPTS_INIT;
+    o.timeout = timeout;
+    return ferro_api(c)->send(c, buf, nbytes, dst, (uint64_t)tag, &o);
+}
+
+/* src -1: FERRO_ANY_SOURCE; the sender into *source */
+SHIM int shim_recv(void* cv, void* buf, size_t nbytes, int src, unsigned long long tag,
+                   double timeout, int* source) {
+    ferro_comm* c = (ferro_comm*)cv;
+    ferro_opts o = FERRO_OPTS_INIT;
+    o.timeout = timeout;
+    return ferro_api(c)->recv(c, buf, nbytes, src == -1 ? FERRO_ANY_SOURCE : src, (uint64_t)tag,
+                              source, &o);
+}

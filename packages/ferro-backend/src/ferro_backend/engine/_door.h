@@ -18,6 +18,8 @@
 /* the longest message a call leaves */
 #define FERRO_MSG 1024
 
+typedef struct ferro_p2p ferro_p2p;
+
 struct ferro_comm {
     ferro_comm_head head;        /* magic, ABI, table: what clients read (ferro/engine.h) */
     uint32_t refs;               /* references; the last release unmaps and frees */
@@ -51,6 +53,7 @@ struct ferro_comm {
     unsigned char last_header[FERRO_HEADER_BYTES];  /* the last door call's header (seq 0) */
     uint64_t last_hash;          /*   and its hash */
     ferro_slots s;               /* the steps (one call at a time: the turn's holder's) */
+    ferro_p2p* p2p;              /* the point-to-point calls' state (door_p2p.c) */
 };
 
 /* A communicator over the segment in fd (size bytes, the layout of nranks ranks with these slot
@@ -73,5 +76,16 @@ void ferro_comm_end(ferro_comm* c, int64_t ticket);
 void ferro_comm_break(ferro_comm* c, int status, const char* message);
 /* ranks that have not published this rank's step yet, into out (at most n); their count */
 int ferro_comm_missing(ferro_comm* c, int* out);
+
+/* (between door.c and door_p2p.c) this thread's message for status, printf-style; a call's
+ * options checked (its timeout into *timeout); the point-to-point state and calls */
+int ferro_door_say(int status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+int ferro_door_check_opts(const ferro_opts* o, const char* name, double* timeout);
+int ferro_p2p_init(ferro_comm* c);
+void ferro_p2p_free(ferro_comm* c);
+int ferro_door_send(ferro_comm* c, const void* buf, size_t nbytes, int dst, uint64_t tag,
+                    const ferro_opts* o);
+int ferro_door_recv(ferro_comm* c, void* buf, size_t nbytes, int src, uint64_t tag,
+                    int* source, const ferro_opts* o);
 
 #endif

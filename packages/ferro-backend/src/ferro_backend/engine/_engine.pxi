@@ -39,7 +39,8 @@ cdef extern from "_layout.h" nogil:
     ctypedef struct ferro_layout:
         int nranks
         size_t slot_bytes, ring_bytes
-        size_t ctrl_off, slot_off, slot_stride, parity_stride, ring_off, ring_stride, size
+        size_t ctrl_off, slot_off, slot_stride, parity_stride, ring_off, ring_stride
+        size_t door_ring_off, size
 
     void ferro_layout_init(ferro_layout* L, int n, size_t slot_bytes, size_t ring_bytes)
     ferro_seg_head* ferro_head_of(unsigned char* base)

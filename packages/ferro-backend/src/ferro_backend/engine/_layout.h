@@ -11,6 +11,9 @@
  *   ring_off + (d*n + s) * ring_stride
  *                                  the point-to-point ring from s to d: a ferro_ring_ctrl, then
  *                                  ring_bytes of ferro_ring_entry records and their payloads
+ *                                  (ferro's Python messages: rings.py)
+ *   door_ring_off + (d*n + s) * ring_stride
+ *                                  the same for the door's point-to-point calls (door_p2p.c)
  *
  * Control lines, slots and rings start on page boundaries where it matters.
  */
@@ -21,7 +24,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_SEGMENT_VERSION 7u
+#define FERRO_SEGMENT_VERSION 8u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u
@@ -87,7 +90,8 @@ _Static_assert(sizeof(ferro_ring_entry) == 32, "a ring entry's header is 32 byte
 typedef struct {
     int nranks;
     size_t slot_bytes, ring_bytes;
-    size_t ctrl_off, slot_off, slot_stride, parity_stride, ring_off, ring_stride, size;
+    size_t ctrl_off, slot_off, slot_stride, parity_stride, ring_off, ring_stride, door_ring_off;
+    size_t size;
 } ferro_layout;
 
 static inline size_t ferro_align(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -103,7 +107,8 @@ static inline void ferro_layout_init(ferro_layout* L, int n, size_t slot_bytes,
     L->slot_stride = 2 * L->parity_stride;
     L->ring_off = L->slot_off + (size_t)n * L->slot_stride;
     L->ring_stride = ferro_align(sizeof(ferro_ring_ctrl) + ring_bytes, FERRO_PAGE);
-    L->size = L->ring_off + (size_t)n * (size_t)n * L->ring_stride;
+    L->door_ring_off = L->ring_off + (size_t)n * (size_t)n * L->ring_stride;
+    L->size = L->door_ring_off + (size_t)n * (size_t)n * L->ring_stride;
 }
 
 static inline ferro_seg_head* ferro_head_of(unsigned char* base) {
@@ -127,6 +132,13 @@ static inline unsigned char* ferro_slot_data(ferro_slot_head* slot) {
 static inline ferro_ring_ctrl* ferro_ring_of(unsigned char* base, const ferro_layout* L,
                                              int src, int dst) {
     return (ferro_ring_ctrl*)(base + L->ring_off
+                              + ((size_t)dst * (size_t)L->nranks + (size_t)src) * L->ring_stride);
+}
+
+/* the door's point-to-point ring from src to dst */
+static inline ferro_ring_ctrl* ferro_door_ring_of(unsigned char* base, const ferro_layout* L,
+                                                  int src, int dst) {
+    return (ferro_ring_ctrl*)(base + L->door_ring_off
                               + ((size_t)dst * (size_t)L->nranks + (size_t)src) * L->ring_stride);
 }
 

@@ -25,22 +25,32 @@ PAD, EAGER, CHUNK, CMA = FERRO_PAD, FERRO_EAGER, FERRO_CHUNK, FERRO_CMA
 READY, TIME_UP, FAILED = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED
 
 
-cdef inline uint32_t _entry_bytes(uint32_t payload) noexcept nogil:
-    return (32 + payload + 63) & ~(<uint32_t>63)
+cdef extern from "_ringio.h" nogil:
+    ctypedef struct ferro_ring_io:
+        ferro_ring_ctrl* ctrl
+        unsigned char* data
+        uint32_t cap
+    uint32_t ferro_entry_bytes(uint32_t n)
+    void ferro_ring_io_init(ferro_ring_io* io, ferro_ring_ctrl* ctrl, uint32_t cap,
+                            uint32_t* bell, uint32_t* failed, int spin, int yields)
+    int ferro_ring_wait(ferro_ring_io* io, int on_tail, uint32_t seen, double until,
+                        int watch_failed, double busy_until)
+    void ferro_ring_publish_tail(ferro_ring_io* io, uint32_t pos)
+    int ferro_ring_put(ferro_ring_io* io, uint32_t kind, uint64_t tag, uint64_t total,
+                       uint64_t aux, const unsigned char* src, uint32_t n, double until,
+                       int watch_failed, uint32_t* start)
+    ferro_ring_entry* ferro_ring_head(ferro_ring_io* io)
+    int ferro_ring_published(ferro_ring_io* io, const ferro_ring_entry* e)
+    void ferro_ring_consume(ferro_ring_io* io, const ferro_ring_entry* e)
 
 
 cdef class Ring:
     """The ring from ``src`` to ``dst`` of the mapped ``segment`` (its bytes: holding them keeps
     the mapping alive), with this process's failure flag at ``failed_addr`` and the wait policy
-    ``spin``/``yields``."""
+    ``spin``/``yields``. The moves are ``_ringio.h``'s."""
 
-    cdef ferro_ring_ctrl* ctrl
-    cdef unsigned char* data
-    cdef uint32_t* failed
-    cdef uint32_t* bell
+    cdef ferro_ring_io io
     cdef readonly uint32_t cap
-    cdef uint32_t mask
-    cdef ferro_policy pol
     cdef object _keep
 
     def __init__(self, unsigned char[::1] segment, int nranks, size_t slot_bytes,
@@ -57,12 +67,10 @@ cdef class Ring:
         if <size_t>segment.shape[0] < L.size:
             raise ValueError(f"Ring: {segment.shape[0]} bytes, the layout needs {L.size}")
         self._keep = segment
-        self.ctrl = ferro_ring_of(base, &L, src, dst)
-        self.data = ferro_ring_data(self.ctrl)
-        self.bell = &ferro_ctrl_of(base, &L, dst).bell
-        self.cap, self.mask = <uint32_t>ring_bytes, <uint32_t>ring_bytes - 1
-        self.failed = <uint32_t*>failed_addr
-        self.pol.spin, self.pol.yields = spin, yields
+        self.cap = <uint32_t>ring_bytes
+        ferro_ring_io_init(&self.io, ferro_ring_of(base, &L, src, dst), self.cap,
+                           &ferro_ctrl_of(base, &L, dst).bell, <uint32_t*>failed_addr, spin,
+                           yields)
 
     @property
     def max_payload(self) -> int:
@@ -72,27 +80,16 @@ cdef class Ring:
     @property
     def control_address(self) -> int:
         """The address of this ring's control block (for :class:`Watch`)."""
-        return <size_t>self.ctrl
+        return <size_t>self.io.ctrl
 
     # ------------------------------------------------------------------ waiting
-    cdef inline int _wait(self, bint on_tail, uint32_t seen, double until, bint watch_failed,
-                          double busy_until=0.0) noexcept nogil:
-        """Wait for the tail (a producer: it rings the doorbell before it sleeps) or the
-        head (a consumer) to move from ``seen``."""
-        if on_tail:
-            return ferro_wait(&self.pol, &self.ctrl.tail, seen, FERRO_UNTIL_CHANGED,
-                              &self.ctrl.tail_sleepers, until,
-                              self.failed if watch_failed else NULL, self.bell, busy_until)
-        return ferro_wait(&self.pol, &self.ctrl.head, seen, FERRO_UNTIL_CHANGED,
-                          &self.ctrl.head_sleepers, until, self.failed if watch_failed else NULL,
-                          NULL, 0.0)
-
     def wait_data(self, double until, bint watch_failed=True) -> int:
         """Consumer: wait for an entry (READY), until the monotonic time ``until`` (TIME_UP),
         or for the failure flag (FAILED)."""
         cdef int rc
         with nogil:
-            rc = self._wait(False, ferro_load(&self.ctrl.tail), until, watch_failed)
+            rc = ferro_ring_wait(&self.io, 0, ferro_load(&self.io.ctrl.tail), until,
+                                 watch_failed, 0.0)
         return rc
 
     def wait_consumed(self, uint32_t end, double until, bint watch_failed=True,
@@ -103,63 +100,19 @@ cdef class Ring:
         cdef int rc = FERRO_OK
         with nogil:
             while True:
-                t = ferro_load(&self.ctrl.tail)
+                t = ferro_load(&self.io.ctrl.tail)
                 if <int32_t>(t - end) >= 0:
                     break
-                rc = self._wait(True, t, until, watch_failed, busy_until)
+                rc = ferro_ring_wait(&self.io, 1, t, until, watch_failed, busy_until)
                 if rc != FERRO_OK:
                     break
         return rc
 
     def pending(self) -> bool:
         """True if an entry is waiting to be consumed."""
-        return ferro_load(&self.ctrl.head) != ferro_load(&self.ctrl.tail)
+        return ferro_load(&self.io.ctrl.head) != ferro_load(&self.io.ctrl.tail)
 
     # ------------------------------------------------------------------ producer
-    cdef void _publish_head(self, uint32_t pos) noexcept nogil:
-        ferro_publish(&self.ctrl.head, pos, &self.ctrl.head_sleepers)
-
-    cdef int _wait_space(self, uint32_t pos, uint32_t need, double until,
-                         bint watch_failed) noexcept nogil:
-        cdef uint32_t t
-        cdef int rc
-        while True:
-            t = ferro_load(&self.ctrl.tail)
-            if pos + need - t <= self.cap:
-                return FERRO_OK
-            rc = self._wait(True, t, until, watch_failed)
-            if rc != FERRO_OK:
-                return rc
-
-    cdef int _put_entry(self, uint32_t kind, uint64_t tag, uint64_t total, uint64_t aux,
-                        const unsigned char* src, uint32_t n, double until, bint watch_failed,
-                        uint32_t* start) noexcept nogil:
-        """Append one entry of ``n <= cap/4 - 32`` payload bytes, waiting for space; its ring
-        position goes to ``start``."""
-        cdef uint32_t need = _entry_bytes(n), pos, room
-        cdef int rc
-        cdef ferro_ring_entry* e
-        pos = ferro_load(&self.ctrl.head)
-        room = self.cap - (pos & self.mask)
-        if room < need:  # the entry would wrap: pad the end of the data area
-            rc = self._wait_space(pos, room, until, watch_failed)
-            if rc != FERRO_OK:
-                return rc
-            e = <ferro_ring_entry*>(self.data + (pos & self.mask))
-            e.kind, e.len = FERRO_PAD, room - 32
-            pos += room
-            self._publish_head(pos)
-        rc = self._wait_space(pos, need, until, watch_failed)
-        if rc != FERRO_OK:
-            return rc
-        e = <ferro_ring_entry*>(self.data + (pos & self.mask))
-        e.kind, e.len, e.tag, e.total, e.aux = kind, n, tag, total, aux
-        if n:
-            memcpy(<unsigned char*>e + 32, src, n)
-        start[0] = pos
-        self._publish_head(pos + need)
-        return FERRO_OK
-
     def put(self, uint32_t kind, uint64_t tag, uint64_t total, uint64_t aux, object payload,
             double until, bint watch_failed=True):
         """Producer: append one entry (``payload`` a buffer of at most :attr:`max_payload`
@@ -178,15 +131,15 @@ cdef class Ring:
             n = <uint32_t>buf.len
         try:
             with nogil:
-                rc = self._put_entry(kind, tag, total, aux,
-                                     <const unsigned char*>buf.buf if have else NULL, n, until,
-                                     watch_failed, &start)
+                rc = ferro_ring_put(&self.io, kind, tag, total, aux,
+                                    <const unsigned char*>buf.buf if have else NULL, n, until,
+                                    watch_failed, &start)
         finally:
             if have:
                 PyBuffer_Release(&buf)
         if rc != FERRO_OK:
             return rc, 0, 0
-        return rc, start, start + _entry_bytes(n)
+        return rc, start, start + ferro_entry_bytes(n)
 
     def put_stream(self, uint64_t tag, object payload, size_t offset, uint32_t step,
                    double until, bint watch_failed=True):
@@ -205,9 +158,9 @@ cdef class Ring:
             with nogil:
                 while offset < total:
                     n = <uint32_t>min(<size_t>step, total - offset)
-                    rc = self._put_entry(FERRO_CHUNK, tag, total, offset,
-                                         <const unsigned char*>buf.buf + offset, n, until,
-                                         watch_failed, &start)
+                    rc = ferro_ring_put(&self.io, FERRO_CHUNK, tag, total, offset,
+                                        <const unsigned char*>buf.buf + offset, n, until,
+                                        watch_failed, &start)
                     if rc != FERRO_OK:
                         break
                     offset += n
@@ -218,46 +171,12 @@ cdef class Ring:
     def status_at(self, uint32_t start) -> int:
         """Producer: the status the consumer wrote into the (consumed) CMA entry at ``start``
         (the producer still holds its ring lock: nothing has reused the space)."""
-        return (<ferro_ring_entry*>(self.data + (start & self.mask))).len
+        return (<ferro_ring_entry*>(self.io.data + (start & (self.cap - 1)))).len
 
     # ------------------------------------------------------------------ consumer
-    cdef ferro_ring_entry* _head_entry(self) noexcept nogil:
-        """The entry at tail (skipping padding), or NULL if the ring is empty. A padding entry
-        that runs past the published head (no producer writes one: the segment is corrupt) is
-        returned as it is, for the caller to refuse, rather than skipped around the ring for
-        ever."""
-        cdef uint32_t t = ferro_load(&self.ctrl.tail)
-        cdef uint32_t skip
-        cdef ferro_ring_entry* e
-        while t != ferro_load(&self.ctrl.head):
-            e = <ferro_ring_entry*>(self.data + (t & self.mask))
-            if e.kind != FERRO_PAD:
-                return e
-            skip = self.cap - (t & self.mask)
-            if <uint32_t>(ferro_load(&self.ctrl.head) - t) < skip:
-                return e
-            t += skip
-            self._publish_tail(t)
-        return NULL
-
-    cdef void _publish_tail(self, uint32_t pos) noexcept nogil:
-        ferro_publish(&self.ctrl.tail, pos, &self.ctrl.tail_sleepers)
-
-    cdef bint _published(self, ferro_ring_entry* e) noexcept nogil:
-        """Whether the entry at tail, header and payload, lies within what its producer
-        published and within the data area (a producer pads rather than wrap an entry): a
-        payload length no producer wrote must not be copied out of the ring."""
-        cdef uint32_t t = ferro_load(&self.ctrl.tail)
-        cdef uint64_t size = 32 + <uint64_t>e.len
-        return (size <= <uint32_t>(ferro_load(&self.ctrl.head) - t)
-                and size <= self.cap - (t & self.mask))
-
-    cdef void _consume(self, ferro_ring_entry* e) noexcept nogil:
-        self._publish_tail(ferro_load(&self.ctrl.tail) + _entry_bytes(e.len))
-
     def peek(self):
         """Consumer: ``(kind, len, tag, total, aux)`` of the next entry, or None."""
-        cdef ferro_ring_entry* e = self._head_entry()
+        cdef ferro_ring_entry* e = ferro_ring_head(&self.io)
         if e == NULL:
             return None
         return e.kind, e.len, e.tag, e.total, e.aux
@@ -265,7 +184,7 @@ cdef class Ring:
     def take(self, object out, size_t offset=0):
         """Consumer: copy the next entry's payload into ``out[offset:]`` and consume it."""
         cdef Py_buffer buf
-        cdef ferro_ring_entry* e = self._head_entry()
+        cdef ferro_ring_entry* e = ferro_ring_head(&self.io)
         if e == NULL:
             raise RuntimeError("ring: take() on an empty ring")
         PyObject_GetBuffer(out, &buf, PyBUF_WRITABLE)
@@ -275,7 +194,7 @@ cdef class Ring:
                                  f"of a {buf.len}-byte buffer")
             with nogil:
                 memcpy(<unsigned char*>buf.buf + offset, <unsigned char*>e + 32, e.len)
-                self._consume(e)
+                ferro_ring_consume(&self.io, e)
         finally:
             PyBuffer_Release(&buf)
 
@@ -295,20 +214,21 @@ cdef class Ring:
         try:
             with nogil:
                 while offset < total:
-                    e = self._head_entry()
+                    e = ferro_ring_head(&self.io)
                     if e == NULL:
-                        rc = self._wait(False, ferro_load(&self.ctrl.tail), until, watch_failed)
+                        rc = ferro_ring_wait(&self.io, 0, ferro_load(&self.io.ctrl.tail), until,
+                                             watch_failed, 0.0)
                         if rc != FERRO_OK:
                             break
                         continue
                     if (e.kind != FERRO_CHUNK or e.tag != tag or e.aux != offset
                             or e.total != total or offset + e.len > total
-                            or not self._published(e)):
+                            or not ferro_ring_published(&self.io, e)):
                         stray = True
                         break
                     memcpy(<unsigned char*>buf.buf + offset, <unsigned char*>e + 32, e.len)
                     offset += e.len
-                    self._consume(e)
+                    ferro_ring_consume(&self.io, e)
         finally:
             PyBuffer_Release(&buf)
         if stray:
@@ -319,11 +239,11 @@ cdef class Ring:
     def skip(self, int status=-1):
         """Consumer: consume the next entry without reading its payload; ``status >= 0`` is
         written back into a CMA entry's ``len`` for its producer first."""
-        cdef ferro_ring_entry* e = self._head_entry()
+        cdef ferro_ring_entry* e = ferro_ring_head(&self.io)
         cdef uint32_t size
         if e == NULL:
             raise RuntimeError("ring: skip() on an empty ring")
-        size = _entry_bytes(e.len)
+        size = ferro_entry_bytes(e.len)
         if status >= 0:
             e.len = <uint32_t>status
-        self._publish_tail(ferro_load(&self.ctrl.tail) + size)
+        ferro_ring_publish_tail(&self.io, ferro_load(&self.io.ctrl.tail) + size)

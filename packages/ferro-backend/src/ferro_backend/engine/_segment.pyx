@@ -44,7 +44,7 @@ def layout(int nranks, size_t slot_bytes, size_t ring_bytes) -> dict:
     return {"ctrl_off": L.ctrl_off, "slot_off": L.slot_off, "slot_stride": L.slot_stride,
             "parity_stride": L.parity_stride, "head_bytes": sizeof(ferro_slot_head),
             "slot_bytes": slot_bytes, "ring_off": L.ring_off, "ring_stride": L.ring_stride,
-            "ring_bytes": ring_bytes, "size": L.size}
+            "ring_bytes": ring_bytes, "door_ring_off": L.door_ring_off, "size": L.size}
 
 
 cdef class SegmentMap:

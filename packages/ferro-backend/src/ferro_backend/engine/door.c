@@ -37,7 +37,7 @@ static _Thread_local char last_msg[FERRO_MSG];
 
 static uintptr_t self_thread(void) { return (uintptr_t)pthread_self(); }
 
-static int say(int status, const char* fmt, ...) {
+int ferro_door_say(int status, const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(last_msg, sizeof last_msg, fmt, ap);
@@ -45,12 +45,15 @@ static int say(int status, const char* fmt, ...) {
     return status;
 }
 
+#define say ferro_door_say
+
 static ferro_comm* comm_of(ferro_slots* s) {
     return (ferro_comm*)(void*)((char*)s - offsetof(ferro_comm, s));
 }
 
 /* ------------------------------------------------------------------ the communicator */
 static const ferro_engine_api TABLE;
+static void api_release(ferro_comm* c);
 
 ferro_comm* ferro_comm_create(int fd, size_t size, int nranks, int rank, size_t slot_bytes,
                               size_t ring_bytes, int spin, int yields, double timeout,
@@ -107,6 +110,11 @@ ferro_comm* ferro_comm_create(int fd, size_t size, int nranks, int rank, size_t 
     c->s.pol.spin = spin;
     c->s.pol.yields = yields;
     c->s.failed = &c->failed;
+    if (ferro_p2p_init(c) != 0) {
+        api_release(c);
+        snprintf(why, why_len, "no memory for a communicator");
+        return NULL;
+    }
     return c;
 }
 
@@ -120,6 +128,7 @@ static void api_retain(ferro_comm* c) { __atomic_add_fetch(&c->refs, 1u, __ATOMI
 
 static void api_release(ferro_comm* c) {
     if (c == NULL || __atomic_sub_fetch(&c->refs, 1u, __ATOMIC_ACQ_REL) != 0) return;
+    ferro_p2p_free(c);
     munmap(c->base, c->size);
     pthread_mutex_destroy(&c->lock);
     free(c->skipped);
@@ -357,7 +366,7 @@ static void report_stall(ferro_slots* s) {
     c->stall(c->stall_ctx, msg);
 }
 
-static int check_opts(const ferro_opts* o, const char* name, double* timeout) {
+int ferro_door_check_opts(const ferro_opts* o, const char* name, double* timeout) {
     if (o == NULL) return FERRO_OK;
     if (o->size < sizeof(ferro_opts))
         return say(FERRO_INVALID, "%s: opts of %u bytes (fill them with FERRO_OPTS_INIT)", name,
@@ -657,7 +666,7 @@ static int api_barrier(ferro_comm* c, const ferro_opts* o) {
     door_call k;
     double timeout = c->timeout;
     int rc;
-    CHECK(check_opts(o, "barrier", &timeout));
+    CHECK(ferro_door_check_opts(o, "barrier", &timeout));
     rc = begin(&k, c, "barrier", FERRO_COLL_BARRIER, o, timeout, -1, 0, -1, -1, 0);
     if (rc != FERRO_OK) return rc;
     return finish(&k, step(&k, NULL, 0, 0));
@@ -670,7 +679,7 @@ static int api_allreduce(ferro_comm* c, const void* send, void* recv, size_t cou
     size_t item = ferro_dtype_size(dtype), nbytes;
     int rc;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "allreduce", &timeout));
+    CHECK(ferro_door_check_opts(o, "allreduce", &timeout));
     CHECK(check_op("allreduce", dtype, op));
     CHECK(check_count("allreduce", count, item, 1));
     nbytes = count * item;
@@ -700,7 +709,7 @@ static int api_reduce_scatter(ferro_comm* c, const void* send, void* recv, size_
     size_t item = ferro_dtype_size(dtype), part, nbytes, count;
     int rc;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "reduce_scatter", &timeout));
+    CHECK(ferro_door_check_opts(o, "reduce_scatter", &timeout));
     CHECK(check_op("reduce_scatter", dtype, op));
     CHECK(check_count("reduce_scatter", recv_count, item, (size_t)s->n));
     part = recv_count * item;
@@ -733,7 +742,7 @@ static int api_all_gather(ferro_comm* c, const void* send, void* recv, size_t se
     size_t item = ferro_dtype_size(dtype), block;
     int rc;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "all_gather", &timeout));
+    CHECK(ferro_door_check_opts(o, "all_gather", &timeout));
     CHECK(check_dtype("all_gather", dtype));
     CHECK(check_count("all_gather", send_count, item, (size_t)s->n));
     block = send_count * item;
@@ -762,7 +771,7 @@ static int api_broadcast(ferro_comm* c, const void* send, void* recv, size_t cou
     size_t item = ferro_dtype_size(dtype), nbytes, off, len, chunk;
     int rc, mine;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "broadcast", &timeout));
+    CHECK(ferro_door_check_opts(o, "broadcast", &timeout));
     CHECK(check_dtype("broadcast", dtype));
     CHECK(check_root(c, "broadcast", root));
     CHECK(check_count("broadcast", count, item, 1));
@@ -795,7 +804,7 @@ static int api_reduce(ferro_comm* c, const void* send, void* recv, size_t count,
     size_t item = ferro_dtype_size(dtype), nbytes, off, len, chunk;
     int rc, mine;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "reduce", &timeout));
+    CHECK(ferro_door_check_opts(o, "reduce", &timeout));
     CHECK(check_op("reduce", dtype, op));
     CHECK(check_root(c, "reduce", root));
     CHECK(check_count("reduce", count, item, 1));
@@ -826,7 +835,7 @@ static int api_gather(ferro_comm* c, const void* send, void* recv, size_t send_c
     size_t item = ferro_dtype_size(dtype), block, off, len, chunk;
     int rc, mine, r;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "gather", &timeout));
+    CHECK(ferro_door_check_opts(o, "gather", &timeout));
     CHECK(check_dtype("gather", dtype));
     CHECK(check_root(c, "gather", root));
     CHECK(check_count("gather", send_count, item, (size_t)s->n));
@@ -889,7 +898,7 @@ static int api_scatter(ferro_comm* c, const void* send, void* recv, size_t recv_
     size_t item = ferro_dtype_size(dtype), block, off, len, chunk;
     int rc, mine;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "scatter", &timeout));
+    CHECK(ferro_door_check_opts(o, "scatter", &timeout));
     CHECK(check_dtype("scatter", dtype));
     CHECK(check_root(c, "scatter", root));
     CHECK(check_count("scatter", recv_count, item, (size_t)s->n));
@@ -931,7 +940,7 @@ static int api_all_to_all(ferro_comm* c, const void* send, void* recv, size_t co
     size_t item = ferro_dtype_size(dtype), block, off, len, chunk;
     int rc, r;
     ferro_slots* s = &c->s;
-    CHECK(check_opts(o, "all_to_all", &timeout));
+    CHECK(ferro_door_check_opts(o, "all_to_all", &timeout));
     CHECK(check_dtype("all_to_all", dtype));
     CHECK(check_count("all_to_all", count, item, (size_t)s->n));
     block = count * item;
@@ -979,5 +988,6 @@ static const ferro_engine_api TABLE = {
     api_reserve, api_skip, api_set_stall_report,
     api_barrier, api_allreduce, api_reduce, api_reduce_scatter, api_all_gather, api_gather,
     api_scatter, api_broadcast, api_all_to_all,
+    ferro_door_send, ferro_door_recv,
     api_last_error, api_status_name,
 };

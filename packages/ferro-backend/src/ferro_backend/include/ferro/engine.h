@@ -25,8 +25,8 @@
  * message, never a crash). FERRO_ENGINE_ABI_MINOR grows when calls are appended to the table;
  * a client needs an engine whose minor version is at least its own.
  *
- * THE THREAD RULE. A communicator runs one call at a time, collectives and point-to-point
- * alike, in the order of their tickets; every rank must make the same calls in the same order.
+ * THE THREAD RULE. A communicator runs one collective at a time, in the order of their
+ * tickets; every rank must make the same collectives in the same order.
  *   - A call takes its ticket when it is made (FERRO_TICKET_NOW), or runs on one reserved
  *     earlier with reserve() (opts->ticket), and waits until every call of an earlier ticket has
  *     finished (waiting counts against its own timeout).
@@ -36,6 +36,9 @@
  *     once, naming both (nothing published, no ticket taken).
  *   - Every reserved ticket must be run (or given back with skip()), once: the calls behind it
  *     wait for it. A ticket used twice, or never reserved, is FERRO_INVALID.
+ *   - send() and recv() take no ticket: they may run at once with collectives and with each
+ *     other, from any thread. Messages from one rank to another on one tag arrive in the order
+ *     they were sent.
  *   - rank(), world_size(), default_timeout(), last_error(), status_name(), retain() and
  *     release() may run at any time from any thread. close() may too: calls in flight on other
  *     threads then end with FERRO_CLOSED.
@@ -114,6 +117,8 @@ typedef enum ferro_op {
 
 /* opts->ticket: take the next ticket when the call is made */
 #define FERRO_TICKET_NOW (-1)
+/* recv's src: a message from any rank */
+#define FERRO_ANY_SOURCE (-1)
 
 /* opts->wait_hook: called as hook(ctx, 1) once a call is about to wait (beyond a short spin)
  * or to move more than 64 KiB, and as hook(ctx, 0) before it returns if it was called with 1;
@@ -193,6 +198,17 @@ typedef struct ferro_engine_api {
      * block r from rank r */
     int (*all_to_all)(ferro_comm* c, const void* send, void* recv, size_t count, int dtype,
                       const ferro_opts* o);
+
+    /* ---- point-to-point (no ticket; see THE THREAD RULE) */
+    /* nbytes of buf to rank dst on tag: returns once the message is in dst's ring (a message
+     * larger than the room left waits for dst to take its pieces) */
+    int (*send)(ferro_comm* c, const void* buf, size_t nbytes, int dst, uint64_t tag,
+                const ferro_opts* o);
+    /* the first message on tag from rank src (FERRO_ANY_SOURCE: from any rank) into buf,
+     * which must hold exactly its nbytes (else FERRO_INVALID, the message dropped); *source
+     * (may be NULL) = the sender */
+    int (*recv)(ferro_comm* c, void* buf, size_t nbytes, int src, uint64_t tag, int* source,
+                const ferro_opts* o);
 
     /* ---- errors */
     const char* (*last_error)(void);               /* this thread's last failed call's message */

@@ -2,13 +2,14 @@
 # include path: `from ferro.engine cimport *`; C compiles the calls against the header itself,
 # so a declaration here that drifted from it fails to compile.
 
-from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 cdef extern from "ferro/engine.h" nogil:
     unsigned FERRO_ENGINE_ABI_MAJOR
     unsigned FERRO_ENGINE_ABI_MINOR
     const char* FERRO_ENGINE_CAPSULE
     int64_t FERRO_TICKET_NOW
+    int FERRO_ANY_SOURCE
 
     ctypedef enum ferro_status:
         FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH, FERRO_INVALID, FERRO_CLOSED,
@@ -70,6 +71,10 @@ cdef extern from "ferro/engine.h" nogil:
                          int root, const ferro_opts* o) noexcept nogil
         int (*all_to_all)(ferro_comm* c, const void* send, void* recv, size_t count, int dtype,
                           const ferro_opts* o) noexcept nogil
+        int (*send)(ferro_comm* c, const void* buf, size_t nbytes, int dst, uint64_t tag,
+                    const ferro_opts* o) noexcept nogil
+        int (*recv)(ferro_comm* c, void* buf, size_t nbytes, int src, uint64_t tag,
+                    int* source, const ferro_opts* o) noexcept nogil
         const char* (*last_error)() noexcept nogil
         const char* (*status_name)(int status) noexcept nogil
 
