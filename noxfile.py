@@ -1,4 +1,4 @@
-"""Task runner for the ferro monorepo: build, test, lint and benchmark the four distributions.
+"""Task runner for the ferro monorepo: build, test, lint and benchmark the distributions.
 
 Every session installs ferro's own distributions from their local paths, as regular (non-editable)
 wheels, lower layers first, so what is tested is what users get.
@@ -33,9 +33,11 @@ PACKAGES: dict[str, list[str]] = {
     "ferro-checkpoint": [],
     # the torch.distributed backend; its test extra pins torch to the CPU wheel that installs here
     "ferro-torch": ["ferro-backend", "ferro-collective"],
+    # ferro's collectives inside jax.jit (XLA FFI handlers built at first use); jax, never torch
+    "ferro-jax": ["ferro-backend", "ferro-collective"],
 }
-#: the numpy-only distributions: what the sessions that do not test torch install
-NUMPY_PACKAGES = [p for p in PACKAGES if p != "ferro-torch"]
+#: the numpy-only distributions: what the sessions that do not test torch or jax install
+NUMPY_PACKAGES = [p for p in PACKAGES if p not in ("ferro-torch", "ferro-jax")]
 IMPORT_NAMES = {dist: dist.replace("-", "_") for dist in PACKAGES}
 
 
@@ -58,7 +60,7 @@ def _install(session: nox.Session, *args: str) -> None:
 
 WHEELHOUSE = ROOT / ".nox" / "wheelhouse"
 #: the order the wheels are built in, two at a time: what the longest test sessions need first
-BUILD_ORDER = ["ferro-backend", "ferro-collective", "ferro-torch", "ferro-fsdp",
+BUILD_ORDER = ["ferro-backend", "ferro-collective", "ferro-torch", "ferro-jax", "ferro-fsdp",
                "ferro-checkpoint"]
 BUILD_DEPS = ["meson-python>=0.15", "meson>=1.1", "ninja", "Cython>=3.1", "numpy>=2.0"]
 _built: dict[str, Path] = {}  # this nox run's wheels, built once whatever the sessions
@@ -288,7 +290,7 @@ def _portable_check(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build wheels and sdists for all five distributions into dist/, and check each wheel."""
+    """Build wheels and sdists for all six distributions into dist/, and check each wheel."""
     _install(session, "build")
     out = ROOT / "dist"
     for dist in PACKAGES:

@@ -23,6 +23,7 @@ DISTRIBUTIONS = {
     "ferro-fsdp": "ferro_fsdp",
     "ferro-checkpoint": "ferro_checkpoint",
     "ferro-torch": "ferro_torch",
+    "ferro-jax": "ferro_jax",
 }
 #: ferro-torch is documented without torch installed (a 200 MB wheel the docs do not need)
 autodoc_mock_imports = ["torch"]

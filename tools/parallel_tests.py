@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: seconds each session took on a 2-core machine in three lanes (CI, stop 39): only used to
 #: balance them
 COST = {"backend": 314, "collective": 266, "torch": 275, "examples": 153, "fsdp": 88,
-        "checkpoint": 51, "docs": 63, "wheels": 25}
+        "checkpoint": 51, "docs": 63, "wheels": 25, "jax": 90}  # jax: an estimate (new)
 #: sessions whose wheels are built first (the lowest layers: noxfile.BUILD_ORDER) start their
 #: lane, so no lane waits for wheels another could have used
 EARLY = {"backend": 0, "collective": 1, "torch": 2}

@@ -13,7 +13,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = ["ferro_backend", "ferro_collective", "ferro_fsdp", "ferro_checkpoint",
-                 "ferro_torch"]
+                 "ferro_torch", "ferro_jax"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,164 @@
+"""The primitive every ferro_jax call binds: ``ferro``, with an ordered effect.
+
+Each call is one ``ferro`` equation (``kind``: allreduce, reduce, reduce_scatter, all_gather,
+broadcast, all_to_all, barrier, send, recv, sendrecv). Its effect, :data:`EFFECT`, is an
+*ordered* effect: JAX threads one token through every ``ferro`` equation of a computation (and
+from one computation to the next at run time), and the lowering passes that token into the FFI
+call and takes the call's token back, so XLA runs a rank's calls in program order, never
+reordered nor concurrent. Two ranks whose programs send and receive in matching order therefore
+never deadlock, without tokens by hand.
+
+Lowering: a call the engine's door runs (a collective on a backend with an engine, on an element
+type it knows) becomes the FFI target ``ferro_jax_door`` (or ``ferro_jax_barrier``) with the
+communicator's slot and the call's signature as attributes; anything else becomes
+``ferro_jax_py``, which calls back into Python (:mod:`._pypath`).
+
+Batching (``vmap``): the collectives are batched exactly (the mapped axis moved to just after
+dim 0, where the calls that split or join along dim 0 leave it alone); point-to-point calls
+under ``vmap`` raise NotImplementedError. Differentiation: :mod:`._ad`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core, dispatch, effects
+from jax._src.interpreters import batching, mlir
+
+from . import _lib, _pypath
+
+#: the door's kinds (_handlers.cc) and ops (ferro/engine.h)
+DOOR_KINDS = {"allreduce": 1, "reduce": 2, "reduce_scatter": 3, "all_gather": 4,
+              "broadcast": 5, "all_to_all": 6}
+DOOR_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "band": 4, "bor": 5, "bxor": 6, "mean": 7}
+KINDS = (*DOOR_KINDS, "barrier", "send", "recv", "sendrecv")
+_REDUCING = ("allreduce", "reduce", "reduce_scatter")
+#: element types the door reduces (others move as bytes, or take the Python path)
+_DOOR_REDUCES = {np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                       np.uint16, np.uint32, np.uint64, np.float16, np.float32,
+                                       np.float64, np.complex64, np.complex128,
+                                       jax.numpy.bfloat16)}
+
+
+class FerroEffect(effects.Effect):
+    """ferro's calls: ordered (one token through them all, program order on every rank)."""
+
+    def __str__(self) -> str:
+        return "ferro"
+
+
+EFFECT = FerroEffect()
+for _set in (effects.lowerable_effects, effects.ordered_effects,
+             effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
+             effects.remat_allowed_effects):
+    _set.add_type(FerroEffect)
+
+ferro_p = core.Primitive("ferro")
+ferro_p.multiple_results = True
+ferro_p.def_impl(functools.partial(dispatch.apply_primitive, ferro_p))
+
+
+def bind(*args: Any, kind: str, comm: _lib.Comm, op: str = "sum", root: int = 0,
+         src: int = -1, dst: int = -1, tag: int = 0, timeout: float = 0.0,
+         like: core.ShapedArray | None = None) -> list[Any]:
+    """One ``ferro`` equation; its outputs (a list: empty for barrier and send)."""
+    return ferro_p.bind(*args, kind=kind, comm=comm, op=op, root=root, src=src, dst=dst,
+                        tag=tag, timeout=float(timeout), like=like)
+
+
+def out_avals(avals, kind: str, comm: _lib.Comm, like) -> list[core.ShapedArray]:
+    """What a call of ``kind`` returns, from its inputs' avals (ValueError if it cannot run)."""
+    n = comm.world_size
+    if kind in ("barrier", "send"):
+        return []
+    if kind == "recv":
+        return [like]
+    (x,) = avals
+    if kind == "sendrecv":
+        return [like if like is not None else x.update(weak_type=False)]
+    if kind == "all_gather":
+        shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
+        return [core.ShapedArray(shape, x.dtype)]
+    if kind in ("reduce_scatter", "all_to_all"):
+        if x.ndim == 0 or x.shape[0] % n:
+            raise ValueError(f"ferro_jax.{kind}: dim 0 of shape {x.shape} is not divisible by "
+                             f"the world size {n}")
+        if kind == "reduce_scatter":
+            return [core.ShapedArray((x.shape[0] // n, *x.shape[1:]), x.dtype)]
+    return [core.ShapedArray(x.shape, x.dtype)]
+
+
+@ferro_p.def_effectful_abstract_eval
+def _abstract_eval(*avals, kind, comm, like, **_):
+    return out_avals(avals, kind, comm, like), {EFFECT}
+
+
+# ---------------------------------------------------------------- lowering
+def _door_runs(kind: str, comm: _lib.Comm, avals) -> bool:
+    if not comm.door or kind not in DOOR_KINDS:
+        return False
+    return kind not in _REDUCING or np.dtype(avals[0].dtype) in _DOOR_REDUCES
+
+
+def _python_call(kind, comm, avals_in, avals_out, params) -> int:
+    timeout = params["timeout"] or None
+    extra = {k: params[k] for k in ("op", "root", "src", "dst", "tag")}
+
+    def call(ins: list[int], outs: list[int]) -> None:
+        x = _pypath.view(ins[0], avals_in[0].shape, avals_in[0].dtype) if ins else None
+        y = _pypath.view(outs[0], avals_out[0].shape, avals_out[0].dtype) if outs else None
+        _pypath.run(kind, comm.backend, x, y, timeout=timeout, **extra)
+
+    return _pypath.register(call)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeout, **params):
+    token = ctx.tokens_in.get(EFFECT)
+    if kind == "barrier" and comm.door:
+        target, attrs = _lib.BARRIER, {"slot": np.int64(comm.slot),
+                                       "timeout": np.float64(timeout)}
+    elif _door_runs(kind, comm, ctx.avals_in):
+        target, attrs = _lib.DOOR, {"slot": np.int64(comm.slot),
+                                    "kind": np.int32(DOOR_KINDS[kind]),
+                                    "op": np.int32(DOOR_OPS[op]), "root": np.int32(root),
+                                    "timeout": np.float64(timeout)}
+    else:
+        call = _python_call(kind, comm, ctx.avals_in, ctx.avals_out,
+                            dict(op=op, root=root, timeout=timeout, **params))
+        target, attrs = _lib.PYTHON, {"call": np.int64(call)}
+    sub = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
+                              avals_out=[core.abstract_token, *ctx.avals_out])
+    result = jax.ffi.build_ffi_lowering_function(target, has_side_effect=True)(
+        sub, token, *args, **attrs)
+    token, *outs = result.results
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
+    return outs
+
+
+mlir.register_lowering(ferro_p, _lowering, platform="cpu")
+
+
+# ---------------------------------------------------------------- vmap
+def _batching(args, dims, *, kind, **params):
+    if kind in ("send", "recv", "sendrecv", "barrier"):
+        raise NotImplementedError(
+            f"ferro_jax.{kind} under jax.vmap: a point-to-point call has no batched form "
+            "(call it on the whole batch outside vmap)")
+    (x,), (d,) = args, dims
+    if kind in ("allreduce", "reduce", "broadcast"):  # element-wise: any axis stays put
+        return bind(x, kind=kind, **params), [d]
+    # all_gather, reduce_scatter, all_to_all join or split dim 0: the batch goes after it
+    if x.ndim == 1:  # a batch of 0-d values
+        if kind != "all_gather":
+            raise ValueError(f"ferro_jax.{kind}: a 0-d input has no dim 0 to split")
+        (y,) = bind(x, kind=kind, **params)  # (n * B,): rank r's B values at r * B
+        return [y.reshape(params["comm"].world_size, x.shape[0])], [1]
+    x = batching.moveaxis(x, d, 1)
+    return bind(x, kind=kind, **params), [1]
+
+
+batching.primitive_batchers[ferro_p] = _batching

@@ -1,0 +1,130 @@
+"""The Python path: the calls the engine's door does not run, made from inside XLA.
+
+The FFI target ``ferro_jax_py`` (``_handlers.cc``) calls :data:`TRAMPOLINE`, a ctypes callback
+(ctypes takes the GIL), with the addresses of the buffers XLA hands over; the call registered
+under the call's number (:func:`register`, at lowering) runs on numpy views of them: ferro's
+point-to-point calls (send, recv, sendrecv on every backend: the door has none), and every
+collective on a backend without an engine (TCP, MPI, several nodes), through ferro-collective
+with ``out=`` the output buffer (no copy of ours). An exception becomes the FFI call's error:
+``[ferro <its class>] <its message>`` with an XLA error code (:func:`code_for`), which
+:mod:`ferro_jax.errors` turns back into the class.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+import ferro_collective as fc
+from ferro_backend import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerClosedError,
+)
+
+_calls: list[Callable[[list[int], list[int]], None]] = []
+_lock = threading.Lock()
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64,
+                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int64)
+
+
+def register(fn: Callable[[list[int], list[int]], None]) -> int:
+    """Give ``fn(in_addresses, out_addresses)`` a number for the FFI call's ``call`` attribute."""
+    with _lock:
+        _calls.append(fn)
+        return len(_calls) - 1
+
+
+def code_for(exc: BaseException) -> int:
+    """The XLA error code (``XLA_FFI_Error_Code``) an exception travels as."""
+    if isinstance(exc, CollectiveTimeoutError):
+        return 4  # DEADLINE_EXCEEDED
+    if isinstance(exc, PeerClosedError):
+        return 14  # UNAVAILABLE
+    if isinstance(exc, CollectiveMismatchError):
+        return 9  # FAILED_PRECONDITION
+    if isinstance(exc, (ValueError, TypeError)):
+        return 3  # INVALID_ARGUMENT
+    return 13  # INTERNAL
+
+
+def _trampoline(call, n_in, ins, n_out, outs, err, err_len):
+    try:
+        _calls[call]([ins[i] for i in range(n_in)], [outs[i] for i in range(n_out)])
+        return 0
+    except BaseException as exc:
+        text = f"[ferro {type(exc).__name__}] {exc}".encode(errors="replace")[:err_len - 1]
+        ctypes.memmove(err, text + b"\0", len(text) + 1)
+        return code_for(exc)
+
+
+#: the C function pointer ``ferro_jax_py`` calls (kept alive here for the process's life)
+TRAMPOLINE = _CALLBACK(_trampoline)
+
+
+def view(address: int | None, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """A writable numpy view of XLA's buffer at ``address`` (no copy)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0 or not address:
+        return np.empty(shape, dtype)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- what runs there, per kind
+_OPS = {"sum": fc.ReduceOp.SUM, "mean": fc.ReduceOp.MEAN, "max": fc.ReduceOp.MAX,
+        "min": fc.ReduceOp.MIN, "prod": fc.ReduceOp.PRODUCT, "band": fc.ReduceOp.BAND,
+        "bor": fc.ReduceOp.BOR, "bxor": fc.ReduceOp.BXOR}
+
+
+def _as_native(a: np.ndarray, reduces: bool) -> np.ndarray:
+    """A view ferro-collective takes: complex as pairs of floats; for calls that only move
+    data, a type it does not know (float8...) as its bytes."""
+    if a.dtype.kind == "c":
+        return a.view(a.dtype.type(0).real.dtype).reshape(*a.shape, 2)
+    if not reduces and a.dtype.kind not in "biuf":
+        return a.view(np.uint8).reshape(*a.shape, a.dtype.itemsize)
+    return a
+
+
+def run(kind: str, backend, x: np.ndarray | None, y: np.ndarray | None, *, op: str = "sum",
+        root: int = 0, src: int = -1, dst: int = -1, tag: int = 0,
+        timeout: float | None = None) -> None:
+    """One call of ``kind`` on numpy views: ``x`` the input, ``y`` the output XLA gave."""
+    reduces = kind in ("allreduce", "reduce", "reduce_scatter")
+    if kind == "all_gather" and x is not None and x.ndim == 0:  # gathers to (world_size,)
+        x, y = x.reshape(1), y
+    xs = None if x is None else _as_native(x, reduces)
+    ys = None if y is None else _as_native(y, reduces)
+    if kind == "allreduce":
+        fc.allreduce(xs, backend, _OPS[op], timeout=timeout, out=ys)
+    elif kind == "reduce":
+        mine = backend.rank == root
+        fc.reduce(xs, backend, root, _OPS[op], timeout=timeout, out=ys if mine else None)
+        if not mine:
+            ys[...] = 0
+    elif kind == "reduce_scatter":
+        fc.reduce_scatter(xs, backend, _OPS[op], timeout=timeout, out=ys)
+    elif kind == "all_gather":
+        fc.all_gather(xs, backend, timeout=timeout, out=ys)
+    elif kind == "broadcast":
+        fc.broadcast(xs, backend, root, timeout=timeout, out=ys)
+    elif kind == "all_to_all":
+        fc.all_to_all_single(xs, backend, timeout=timeout, out=ys)
+    elif kind == "barrier":
+        fc.barrier(backend, timeout=timeout)
+    elif kind == "send":
+        backend.send(np.ascontiguousarray(xs), dst, tag=tag)
+    elif kind == "recv":
+        backend.recv(ys, src, tag=tag, timeout=timeout)
+    elif kind == "sendrecv":
+        request = backend.irecv(ys, src, tag=tag)
+        backend.send(np.ascontiguousarray(xs), dst, tag=tag)
+        request.wait(timeout)
+    else:  # pragma: no cover - the primitive checks kinds
+        raise ValueError(f"ferro_jax: unknown call {kind!r}")

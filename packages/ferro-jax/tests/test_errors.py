@@ -1,0 +1,100 @@
+"""ferro's guarantees through JAX: a mismatch found on every rank with ferro's message, a peer
+that dies inside a jitted step is a typed error within seconds (not a hang), errors of the
+Python path keep their class."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import workers
+
+from ferro_backend.testing import Job, run_processes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux engine")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_mismatched_shapes_give_the_mismatch_error_on_every_rank(transport):
+    for msg in run_processes(workers.mismatch, 2, transport=transport, timeout=120):
+        assert msg.startswith("CollectiveMismatchError"), msg
+        assert "[4]" in msg and "[5]" in msg, msg  # what each rank called
+
+
+_PEER_DIES = """
+import jax, jax.numpy as jnp, ferro_jax as fj
+fj.init(b)
+step = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda i, v: fj.allreduce(v) * 0.5, x))
+x = jnp.ones(4096)
+step(x).block_until_ready()
+print("READY", flush=True)
+if b.rank == 1:
+    time.sleep(0.5)
+    os._exit(7)  # dies between two steps of rank 0's jitted loop
+start = time.monotonic()
+try:
+    with fj.typed_errors():
+        for _ in range(100000):
+            x = step(x)
+        x.block_until_ready()
+    result = ["no error", 0]
+except Exception as exc:
+    result = [type(exc).__name__ + ": " + str(exc), time.monotonic() - start,
+              type(exc.__cause__).__name__]
+"""
+
+
+def test_a_peer_that_dies_inside_a_jitted_step_is_a_typed_error_within_seconds():
+    with Job(_PEER_DIES, 2, backend="ShmBackend", timeout=60.0) as job:
+        for r in range(2):
+            job.wait_for_line(r, "READY", timeout=60)
+        r0, r1 = job.finish(timeout=60)
+    assert r1.returncode == 7
+    msg, seconds, cause = r0.result
+    assert msg.startswith("PeerClosedError") and "rank 1" in msg and "gone" in msg, msg
+    assert cause == "JaxRuntimeError"
+    assert seconds < 10, f"the error took {seconds:.1f}s"
+
+
+_TIMEOUT = """
+import jax, jax.numpy as jnp, ferro_jax as fj
+fj.init(b)
+if b.rank == 0:
+    start = time.monotonic()
+    try:
+        with fj.typed_errors():
+            jax.jit(lambda x: fj.allreduce(x, timeout=1.0))(jnp.ones(3)).block_until_ready()
+        result = "no error"
+    except Exception as exc:
+        result = [type(exc).__name__, str(exc), time.monotonic() - start]
+else:
+    time.sleep(4)
+    result = None
+"""
+
+
+def test_a_deadline_inside_jit_is_the_timeout_error():
+    r0, _ = [r.result for r in Job(_TIMEOUT, 2, backend="ShmBackend", timeout=30.0).finish(60)]
+    name, msg, seconds = r0
+    assert name == "CollectiveTimeoutError", msg
+    assert 0.9 < seconds < 4, seconds
+
+
+def test_outside_jit_the_error_is_ferros_own():
+    start = time.monotonic()
+    out = run_processes(_eager_mismatch, 2, transport="shm", timeout=60)
+    assert out == ["CollectiveMismatchError"] * 2
+    assert time.monotonic() - start < 30
+
+
+def _eager_mismatch(backend):
+    import ferro_jax as fj
+    import jax.numpy as jnp
+
+    fj.init(backend)
+    try:
+        fj.all_gather(jnp.ones(3 + backend.rank))
+    except Exception as exc:
+        return type(exc).__name__
+    return "no error"

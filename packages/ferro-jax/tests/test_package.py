@@ -1,0 +1,137 @@
+"""One process: the build cache (one build when every rank builds at once), the calls on one
+rank, the effect that orders them, argument checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ferro_jax as fj
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ferro_jax import _build
+
+from ferro_backend import InvalidRankError, SimulatedBackend
+
+
+@pytest.fixture(scope="module")
+def one():
+    backend = SimulatedBackend.create_group(1)[0]
+    fj.init(backend)
+    return backend
+
+
+def test_the_handlers_build_once_when_every_rank_builds_at_once(tmp_path):
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cxx.sh"
+    real = _build.compiler()
+    wrapper.write_text(f"#!/bin/sh\necho x >> {log}\nexec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    code = textwrap.dedent(f"""
+        from ferro_jax import _build
+        _build.set_cache_dir({str(tmp_path / "cache")!r})
+        lib = _build.load()
+        print(lib.ferro_jax_attach is not None)
+    """)
+    env = dict(os.environ, CXX=str(wrapper))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert log.read_text().count("x") == 1
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len([f for f in files if f.endswith(".so")]) == 1, files
+    assert not [f for f in files if f.startswith(".build-")], files
+
+
+def test_the_cache_key_names_what_the_binary_depends_on(monkeypatch, tmp_path):
+    before = _build.key()
+    monkeypatch.setattr(_build, "SOURCE", tmp_path / "other.cc")
+    (tmp_path / "other.cc").write_text("int x;\n")
+    assert _build.key() != before
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    _build.set_cache_dir(tmp_path)
+    try:
+        monkeypatch.setattr(_build, "SOURCE", tmp_path / "broken.cc")
+        (tmp_path / "broken.cc").write_text("this is not C++\n")
+        with pytest.raises(_build.BuildError, match="failed"):
+            _build.build()
+    finally:
+        _build.set_cache_dir(None)
+
+
+def test_every_call_on_one_rank_in_and_out_of_jit(one):
+    x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+
+    def calls(x):
+        return [fj.allreduce(x), fj.allreduce(x, "mean"), fj.reduce_scatter(x), fj.all_gather(x),
+                fj.broadcast(x), fj.all_to_all(x), fj.reduce(x), fj.allreduce(x, "max")]
+
+    for got in (calls(x), jax.jit(calls)(x)):
+        for y in got:
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    assert fj.barrier() is None
+    assert "Python path" in repr(fj.comm())
+
+
+def test_the_calls_carry_an_ordered_effect_and_thread_its_token(one):
+    f = jax.jit(lambda x: fj.allreduce(fj.allreduce(x)) + fj.all_gather(x))
+    assert fj.EFFECT in jax.make_jaxpr(f)(jnp.ones(2)).effects
+    text = f.lower(jnp.ones(2)).as_text()
+    assert text.count("custom_call @ferro_jax_py(%arg0") == 1  # the first takes the entry token
+    assert "!stablehlo.token" in text
+
+
+def test_tokens_by_hand_are_accepted_and_returned(one):
+    token = fj.create_token()
+    y, token = fj.allreduce(jnp.ones(3), token=token)
+    token = fj.barrier(token=token)
+    z, token = jax.jit(lambda x, t: fj.broadcast(x, token=t))(y, token)
+    np.testing.assert_array_equal(np.asarray(z), np.ones(3))
+
+
+def test_gradients_on_one_rank(one):
+    from jax.test_util import check_grads
+
+    x = jnp.arange(4.0, dtype=jnp.float32)
+    check_grads(lambda x: fj.allreduce(x) ** 2, (x,), order=2, modes=["fwd", "rev"], rtol=2e-2)
+    check_grads(lambda x: fj.all_gather(x) * 3, (x,), order=1, modes=["fwd", "rev"])
+    g = jax.grad(lambda x: fj.reduce_scatter(x * x).sum())(x)
+    np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(x))
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.grad(lambda x: fj.allreduce(x, "max").sum())(x)
+
+
+@pytest.mark.parametrize("call, match, exc", [
+    (lambda: fj.allreduce(jnp.ones(2), "median"), "unknown op", ValueError),
+    (lambda: fj.allreduce(jnp.ones(2), "band"), "bitwise", TypeError),
+    (lambda: fj.allreduce(jnp.ones(2, jnp.int32), "mean"), "mean", TypeError),
+    (lambda: fj.allreduce(jnp.ones(2, bool), "sum"), "bool", TypeError),
+    (lambda: fj.broadcast(jnp.ones(2), root=3), "rank 3", InvalidRankError),
+    (lambda: fj.reduce_scatter(jnp.ones(())), "divisible", ValueError),
+    (lambda: fj.allreduce(jnp.ones(2), timeout=-1), "timeout", ValueError),
+])
+def test_bad_arguments_are_refused_before_any_call(one, call, match, exc):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_no_backend_is_a_clear_error(monkeypatch):
+    from ferro_jax import _api
+
+    monkeypatch.setattr(_api, "_default", None)
+    with pytest.raises(RuntimeError, match="init"):
+        fj.allreduce(jnp.ones(2))
+
+
+def test_the_package_ships_the_handlers_source():
+    here = Path(fj.__file__).parent
+    assert (here / "_handlers.cc").is_file()
+    assert fj.__version__

@@ -1,0 +1,260 @@
+"""What the ranks of the multi-process tests run (module-level: run_processes imports them).
+
+Each rank regenerates every rank's input from the rank's number, so it computes numpy's
+reference of every call by itself; a rank returns its results' bytes' digest too, so the test
+checks that every rank got the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import jax
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+import ferro_jax as fj  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+WIDE = (np.dtype(np.float16), BF16)
+UFUNC = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+         "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor, "mean": np.add}
+
+
+def ops_for(dtype: np.dtype) -> list[str]:
+    if dtype == np.bool_:
+        return ["band", "bor", "bxor"]
+    if dtype.kind in "iu":
+        return ["sum", "prod", "max", "min", "band", "bor", "bxor"]
+    if dtype.kind == "c":
+        return ["sum", "mean"]
+    return ["sum", "prod", "max", "min", "mean"]
+
+
+def data(rank: int, dtype: np.dtype, shape: tuple[int, ...], salt: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + salt)
+    count = int(np.prod(shape))
+    if dtype == np.bool_:
+        x = rng.integers(0, 2, count).astype(bool)
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        x = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    elif dtype.kind == "c":
+        x = (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dtype)
+    else:
+        x = (rng.standard_normal(count) * 8).astype(dtype)
+    return x.reshape(shape)
+
+
+def fold(op: str, dtype: np.dtype, inputs: list[np.ndarray]) -> np.ndarray:
+    """The engine's fold: rank order; float16/bfloat16 in float32, rounded once; mean's
+    divide last (complex: as pairs of floats)."""
+    if dtype.kind == "c":
+        pairs = [x.view(x.real.dtype) for x in inputs]
+        return fold(op, pairs[0].dtype, pairs).view(dtype)
+    work = [x.astype(np.float32) for x in inputs] if dtype in WIDE else inputs
+    acc = work[0].copy()
+    with np.errstate(all="ignore"):
+        for x in work[1:]:
+            acc = UFUNC[op](acc, x)
+        if op == "mean" and len(work) > 1:
+            acc = np.divide(acc, len(work)).astype(acc.dtype)
+    return acc.astype(dtype) if dtype in WIDE else acc
+
+
+def expected(dtype: np.dtype, n: int, rank: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    xs = [data(r, dtype, shape) for r in range(n)]
+    k = shape[0] // n
+    out = {}
+    for op in ops_for(dtype):
+        full = fold(op, dtype, xs)
+        out[f"allreduce_{op}"] = full
+        out[f"reduce_scatter_{op}"] = full[rank * k:(rank + 1) * k]
+        if op in ("sum", "bxor"):
+            out[f"reduce_{op}"] = full if rank == n - 1 else np.zeros_like(full)
+    out["all_gather"] = np.concatenate(xs)
+    out["broadcast"] = xs[n - 1]
+    out["all_to_all"] = np.concatenate([xs[r][rank * k:(rank + 1) * k] for r in range(n)])
+    return out
+
+
+def calls(x, dtype: np.dtype, n: int) -> dict:
+    """Every collective on ``x``: what :func:`expected` names."""
+    out = {}
+    for op in ops_for(dtype):
+        out[f"allreduce_{op}"] = fj.allreduce(x, op)
+        out[f"reduce_scatter_{op}"] = fj.reduce_scatter(x, op)
+        if op in ("sum", "bxor"):
+            out[f"reduce_{op}"] = fj.reduce(x, n - 1, op)
+    out["all_gather"] = fj.all_gather(x)
+    out["broadcast"] = fj.broadcast(x, root=n - 1)
+    out["all_to_all"] = fj.all_to_all(x)
+    return out
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def every_call(backend, dtype_names: list[str], eager_names: list[str]) -> dict:
+    """Every call on every dtype in ``dtype_names`` inside jit (one jitted function per dtype)
+    and, for ``eager_names``, outside jit; compared with numpy bit for bit. Returns the digest
+    of every result and the names that differed."""
+    fj.init(backend)
+    n, rank = backend.world_size, backend.rank
+    shape = (2 * n, 3)
+    bad, digest = [], hashlib.sha256()
+    for name in dtype_names:
+        dtype = BF16 if name == "bfloat16" else np.dtype(name)
+        want = expected(dtype, n, rank, shape)
+        x = jnp.asarray(data(rank, dtype, shape))
+        runs = [("jit", jax.jit(lambda x, dt=dtype: calls(x, dt, n))(x))]
+        if name in eager_names:
+            runs.append(("eager", calls(x, dtype, n)))
+        for how, got in runs:
+            for key, value in got.items():
+                value = np.asarray(value)
+                if key.startswith(("allreduce", "all_gather", "broadcast")):  # every rank's
+                    digest.update(_bits(value))
+                if value.dtype != want[key].dtype or _bits(value) != _bits(want[key]):
+                    bad.append(f"{name} {how} {key}")
+    return {"bad": bad, "digest": digest.hexdigest(), "comm": repr(fj.comm())}
+
+
+def scalars_and_barrier(backend) -> list:
+    """0-d inputs, barrier, a zero-size array."""
+    fj.init(backend)
+    n, rank = backend.world_size, backend.rank
+    f = jax.jit(lambda s: (fj.all_gather(s), fj.allreduce(s), fj.broadcast(s, 0),
+                           fj.allreduce(jnp.zeros((0, 2))), fj.barrier()))
+    g, s, b, z, _ = f(jnp.float32(rank + 1))
+    fj.barrier()
+    return [np.asarray(g).tolist(), float(s), float(b), list(z.shape), n]
+
+
+def ordering(backend, rounds: int) -> list:
+    """Send and receive inside one jitted function, in an order XLA could reorder (no data
+    dependence between the send and the receive), many times over."""
+    fj.init(backend)
+    rank, peer = backend.rank, 1 - backend.rank
+    x = jnp.arange(1000.0) + rank
+
+    @jax.jit
+    def step(x):
+        if rank == 0:
+            fj.send(x, peer, tag=1)
+            fj.send(x * 2, peer, tag=2)
+            y = fj.recv(x, peer, tag=3)
+            z = fj.allreduce(x)
+        else:
+            a = fj.recv(x, peer, tag=1)
+            b = fj.recv(x, peer, tag=2)
+            fj.send(a + b, peer, tag=3)
+            y = a
+            z = fj.allreduce(x)
+        return y, z
+
+    for _ in range(rounds):
+        y, z = step(x)
+    ys = [float(v) for v in (y[0], y[999], z[0])]
+    swapped = jax.jit(lambda x: fj.sendrecv(x, peer, peer, tag=4))(x)
+    t = fj.create_token()
+    a, t = fj.allreduce(x, token=t)
+    t = fj.barrier(token=t)
+    return ys + [float(swapped[0]), float(a[0])]
+
+
+def grads(backend) -> dict:
+    """Forward-mode checks (jax.test_util.check_grads, fwd) of every differentiable call, and the
+    reverse mode against the transpose's identity summed over the ranks:
+    sum_r <ct_r, (J t)_r> == sum_r <(J^T ct)_r, t_r>."""
+    from jax.test_util import check_grads
+
+    fj.init(backend)
+    n, rank = backend.world_size, backend.rank
+    peer_up, peer_down = (rank + 1) % n, (rank - 1) % n
+    fns = {
+        "allreduce_sum": lambda x: fj.allreduce(x) * 3,
+        "allreduce_mean": lambda x: fj.allreduce(x, "mean") ** 2,
+        "all_gather": lambda x: fj.all_gather(x) * 2,
+        "reduce_scatter": lambda x: fj.reduce_scatter(x),
+        "reduce_scatter_mean": lambda x: fj.reduce_scatter(x, "mean"),
+        "broadcast": lambda x: fj.broadcast(x, root=n - 1) * 2,
+        "reduce": lambda x: fj.reduce(x, root=0),
+        "all_to_all": lambda x: fj.all_to_all(x),
+        "sendrecv": lambda x: fj.sendrecv(jnp.sin(x), peer_up, peer_down),
+    }
+    x = jnp.asarray(data(rank, np.dtype(np.float64), (2 * n, 2)))
+    out = {}
+    for name, f in fns.items():
+        check_grads(f, (x,), order=2 if name == "allreduce_mean" else 1, modes=["fwd"])
+        t = jnp.asarray(data(rank, np.dtype(np.float64), x.shape, salt=1))
+        y, jt = jax.jvp(f, (x,), (t,))
+        ct = jnp.asarray(data(rank, np.dtype(np.float64), y.shape, salt=2))
+        _, vjp = jax.vjp(f, x)
+        (jtct,) = jax.jit(vjp)(ct)
+        lhs = fj.allreduce(jnp.vdot(ct, jt))
+        rhs = fj.allreduce(jnp.vdot(jtct, t))
+        out[name] = [float(lhs), float(rhs)]
+    # data parallel: the gradient of the mean loss, averaged inside jit, equals numpy's
+    w = jnp.ones(3)
+    xs = jnp.asarray(data(rank, np.dtype(np.float64), (5, 3), salt=3))
+
+    @jax.jit
+    def grad_step(w):
+        g = jax.grad(lambda w: jnp.mean((xs @ w) ** 2))(w)
+        return fj.allreduce(g, "mean")
+
+    everyone = [data(r, np.dtype(np.float64), (5, 3), salt=3) for r in range(n)]
+    want = np.mean([2 * a.T @ (a @ np.ones(3)) / 5 for a in everyone], axis=0)
+    out["dp"] = bool(np.allclose(np.asarray(grad_step(w)), want, rtol=1e-12))
+    return out
+
+
+def mismatch(backend) -> str:
+    """Ranks call allreduce on different shapes inside jit: every rank gets the mismatch."""
+    fj.init(backend)
+    shape = (4,) if backend.rank == 0 else (5,)
+    try:
+        with fj.typed_errors():
+            jax.jit(fj.allreduce)(jnp.ones(shape)).block_until_ready()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def vmapped(backend) -> list:
+    """vmap: the collectives batched exactly, point-to-point refused."""
+    fj.init(backend)
+    n, rank = backend.world_size, backend.rank
+    xb = jnp.asarray(data(rank, np.dtype(np.float32), (3, 2 * n, 2)))  # batch of 3
+    got = {"allreduce": jax.vmap(fj.allreduce)(xb), "all_gather": jax.vmap(fj.all_gather)(xb),
+           "reduce_scatter": jax.vmap(fj.reduce_scatter)(xb),
+           "all_to_all": jax.vmap(fj.all_to_all)(xb),
+           "gather_scalars": jax.vmap(fj.all_gather)(xb[:, 0, 0])}
+    want = {k: jnp.stack([f(xb[i]) for i in range(3)]) for k, f in
+            [("allreduce", fj.allreduce), ("all_gather", fj.all_gather),
+             ("reduce_scatter", fj.reduce_scatter), ("all_to_all", fj.all_to_all),
+             ("gather_scalars", lambda v: fj.all_gather(v[0, 0]))]}
+    same = [k for k in got if np.array_equal(np.asarray(got[k]), np.asarray(want[k]))]
+    try:
+        jax.vmap(lambda v: fj.send(v, (rank + 1) % n))(xb)
+        refused = "no error"
+    except NotImplementedError as exc:
+        refused = str(exc)
+    return [sorted(same), refused]
+
+
+def overhead(backend, count: int, calls: int) -> float:
+    """Seconds per allreduce of ``count`` float32 inside a jitted loop."""
+    fj.init(backend)
+    x = jnp.ones(count, jnp.float32)
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, calls, lambda i, v: fj.allreduce(v) * 0.5, x))
+    loop(x).block_until_ready()
+    t = time.perf_counter()
+    loop(x).block_until_ready()
+    return (time.perf_counter() - t) / calls
