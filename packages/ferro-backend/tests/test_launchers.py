@@ -184,10 +184,30 @@ def test_detect(env, expected):
 
 @pytest.mark.parametrize("env", [
     {}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "1"},  # an sbatch script
-    {"RANK": "0", "WORLD_SIZE": "1"}, {"OMPI_COMM_WORLD_RANK": "0"},
+    {"RANK": "0", "WORLD_SIZE": "1"},
 ])
 def test_no_launcher(env):
     assert detect_launcher(env) is None
+
+
+@pytest.mark.parametrize("env, have, missing", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2", "RANK"),
+    ({"RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=1", "WORLD_SIZE"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE"),
+    ({"PMI_SIZE": "4"}, "PMI_SIZE=4", "PMI_RANK"),
+])
+def test_half_a_launchers_environment_is_refused_naming_what_is_missing(env, have, missing):
+    # torch's env:// raises too; running alone as rank 0 of 1 would hide the mistake
+    with pytest.raises(LauncherError, match=f"{have} is set but {missing} is not"):
+        detect_launcher(env)
+
+
+def test_a_script_started_with_half_a_launchers_environment_stops_at_init():
+    code = "from ferro_backend import init_from_env; init_from_env()"
+    r = subprocess.run([sys.executable, "-c", code], env=clean_env(WORLD_SIZE="2"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "LauncherError: init_from_env: WORLD_SIZE=2 is set but RANK is not" in r.stderr
 
 
 @pytest.mark.parametrize("env, names", [

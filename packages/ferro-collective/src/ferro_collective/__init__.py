@@ -25,6 +25,7 @@ from . import (
 from .api import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     all_gather,
+    all_reduce,
     allreduce,
     barrier,
     broadcast,
@@ -77,6 +78,7 @@ __all__ = [
     "all_gather_object",
     "all_gather_v",
     "all_gather_v_async",
+    "all_reduce",
     "all_to_all",
     "all_to_all_async",
     "all_to_all_single",

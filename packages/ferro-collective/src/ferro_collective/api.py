@@ -94,6 +94,10 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
+#: torch.distributed's name for :func:`allreduce`: the same function
+all_reduce = allreduce
+
+
 def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
               algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Every rank returns a copy of ``root``'s ``tensor`` (all ranks pass the same shape/dtype).
@@ -265,6 +269,9 @@ def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM,
     >>> run_ranks(lambda b: reduce(np.array([b.rank + 1]), b, root=1), 3)
     [None, array([6]), None]
     """
+    if isinstance(root, ReduceOp):
+        raise TypeError(f"reduce: {root!r} was passed where the root rank goes; pass the op as "
+                        f"op={root!r} (reduce(tensor, backend, root=0, op=...))")
     return run(REDUCE, tensor, backend, (root, op), timeout, None, out)
 
 

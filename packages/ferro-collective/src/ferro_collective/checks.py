@@ -54,9 +54,13 @@ def check_root(name: str, root, n: int) -> int:
 
 
 def check_backend(name: str, backend) -> None:
+    """A real backend, not closed or aborted (closed means closed: nothing is published)."""
     if not isinstance(backend, Backend):
         raise TypeError(f"{name}: backend must be a ferro_backend.Backend, got "
                         f"{type(backend).__name__}")
+    failure = backend.peer_failure(name, backend.rank)
+    if failure is not None:
+        raise failure
 
 
 def finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:

@@ -33,6 +33,7 @@ class ReduceOp(enum.Enum):
 
     SUM = "sum"
     MEAN = "mean"
+    AVG = "mean"  #: torch's name for MEAN: the same member (``ReduceOp.AVG is ReduceOp.MEAN``)
     MAX = "max"
     MIN = "min"
     PRODUCT = "product"

@@ -126,7 +126,21 @@ def slurm_step(env: Mapping[str, str]) -> bool:
         env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "")).strip())
 
 
+#: the variables a launcher sets together: one of a pair alone is half a launcher's environment
+_PAIRS = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+          ("PMI_RANK", "PMI_SIZE"))
+
+
 def _claims(env: Mapping[str, str]) -> dict[str, _Claim]:
+    for pair in _PAIRS:
+        present = [k for k in pair if k in env]
+        if len(present) == 1:
+            (have,) = present
+            (missing,) = [k for k in pair if k not in env]
+            raise LauncherError(
+                f"init_from_env: {have}={env[have]} is set but {missing} is not: half a "
+                f"launcher's environment (set both, unset {have}, or start the job with "
+                "ferrorun, torchrun, mpirun or srun)")
     claims: dict[str, _Claim] = {}
     if "RANK" in env and "WORLD_SIZE" in env:
         claims["env"] = _Claim("env", _int(env, "RANK"), _int(env, "WORLD_SIZE"),
@@ -187,7 +201,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
     LauncherError
         Variables that are not numbers, a rank outside the world, launchers' variables that
         disagree (``RANK`` vs ``SLURM_PROCID``, ``WORLD_SIZE`` vs ``OMPI_COMM_WORLD_SIZE``...),
-        or ``RANK``/``WORLD_SIZE`` of a multi-rank job without ``MASTER_ADDR``/``MASTER_PORT``.
+        half a launcher's pair (``RANK`` without ``WORLD_SIZE`` or the other way round, the same
+        for Open MPI's and PMI's), or ``RANK``/``WORLD_SIZE`` of a multi-rank job without
+        ``MASTER_ADDR``/``MASTER_PORT``.
 
     Examples
     --------
