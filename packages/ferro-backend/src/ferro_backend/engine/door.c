@@ -151,10 +151,14 @@ void ferro_comm_mark_failed(ferro_comm* c, const char* reason) {
         ferro_futex_wake(&ctrl->inprog);
         ferro_futex_wake(&ctrl->outprog);
         ferro_futex_wake(&ctrl->gprog);
-        if (r != c->s.me && c->s.L.ring_bytes > 0) {
+        if (c->s.L.ring_bytes > 0) {  /* Python's messages' rings, and the door's own */
             ring = ferro_ring_of(c->base, &c->s.L, r, c->s.me);
             ferro_futex_wake(&ring->head);
             ring = ferro_ring_of(c->base, &c->s.L, c->s.me, r);
+            ferro_futex_wake(&ring->tail);
+            ring = ferro_door_ring_of(c->base, &c->s.L, r, c->s.me);
+            ferro_futex_wake(&ring->head);
+            ring = ferro_door_ring_of(c->base, &c->s.L, c->s.me, r);
             ferro_futex_wake(&ring->tail);
         }
     }
