@@ -1,18 +1,23 @@
 """ferro_jax inside jax.jit against JAX's own multi-process CPU collectives (gloo), and the
 per-call cost of a ferro_jax call inside jit against the engine's door called from C.
 
-    ferrorun --nproc 2 benchmarks/jax_collectives.py [--repeats 3] [--max-mib 16] [--no-gloo]
+    ferrorun --nproc 2 benchmarks/jax_collectives.py [--repeats 3] [--max-mib 64] [--no-gloo]
 
 Every rank runs, in one process: ferro_jax.allreduce / all_gather / reduce_scatter on float32
 arrays of 4 KiB .. --max-mib MiB inside a jitted ``fori_loop`` (one dispatch, many calls: the
 time of the calls, not of JAX's dispatch), and the same sizes through ``jax.distributed`` +
 ``shard_map`` with ``psum`` / ``all_gather`` / ``psum_scatter`` across the processes (gloo),
-interleaved, ``--repeats`` times; rank 0 prints the medians (us per call) and the ratio
-gloo / ferro (> 1: ferro faster). Then the 4 KiB allreduce as one door call from C in a loop
-(``ferro_jax_c_allreduce``, the handlers' library) against the same call inside jit, and the
-cost of one jitted call with a ferro_jax call in it, dispatch included (JAX's ordered-effect
-path) against the same jitted function without it. Not a pytest-benchmark file (jax is not in
-the bench sessions).
+interleaved, ``--repeats`` times; rank 0 prints the medians (us per call), min-max, and the
+ratio gloo / ferro (> 1: ferro faster). Then the 4 KiB allreduce as one door call from C in a
+loop (``ferro_jax_c_allreduce``, the handlers' library) against the same call inside jit, and
+one jitted call with a ferro_jax call in it against the same jitted function without it: the
+time to dispatch it (the call returns; JAX dispatches asynchronously) and the time per call of
+2000 calls in a row, run included. ``jax.distributed.initialize`` runs before ``ferro_jax.init``
+here, so XLA's threads exist before ferro binds the rank to its core: ferro_jax pins the XLA
+threads that run its handlers to the rank's core (without that, a 64 KiB allreduce took about
+600 us instead of 10-40: the two ranks' spinning waits on one core). ``FERRO_JAX_RUNTIME_TOKENS=1``
+measures the earlier dispatch (a runtime token per computation: JAX's Python path). Not a
+pytest-benchmark file (jax is not in the bench sessions).
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def gloo_cells(size: int, n: int, calls: int, mesh) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-mib", type=int, default=16)
+    ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--no-gloo", action="store_true")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -139,20 +144,39 @@ def overhead(backend, rank: int) -> None:
     with_call = jax.jit(lambda v: fj.allreduce(v) * 2)
     without = jax.jit(lambda v: v * 2)
     d = {}
-    for name, f in (("with", with_call), ("without", without)):
-        f(xs).block_until_ready()
-        start = time.perf_counter()
-        for _ in range(2000):
-            out = f(xs)
-        out.block_until_ready()
-        d[name] = (time.perf_counter() - start) / 2000
+    for _ in range(3):  # interleaved: dispatch only (returns), and 2000 in a row, run included
+        for name, f in (("with", with_call), ("without", without)):
+            f(xs).block_until_ready()
+            fj.barrier()
+            runs = []
+            for _ in range(20):
+                start = time.perf_counter()
+                out = f(xs)
+                runs.append(time.perf_counter() - start)
+                out.block_until_ready()
+            d.setdefault((name, "dispatch"), []).append(np.median(runs))
+            start = time.perf_counter()
+            for _ in range(2000):
+                out = f(xs)
+            out.block_until_ready()
+            d.setdefault((name, "row"), []).append((time.perf_counter() - start) / 2000)
     if rank == 0:
         c, j = np.median(c_times) * 1e6, np.median(jit_times) * 1e6
         print(f"4 KiB allreduce: door from C {c:.2f} us, inside jit {j:.2f} us "
               f"(+{j - c:.2f} us; runs {', '.join(f'{t * 1e6:.2f}' for t in jit_times)} vs "
               f"{', '.join(f'{t * 1e6:.2f}' for t in c_times)})")
-        print(f"one jitted call, dispatch included: {d['with'] * 1e6:.1f} us with a ferro_jax "
-              f"allreduce in it, {d['without'] * 1e6:.1f} us without (JAX's ordered-effect path)")
+        from ferro_jax import _dispatch
+
+        how = "no runtime token" if _dispatch.ACTIVE else "runtime tokens"
+
+        def cell(key):
+            v = np.array(d[key]) * 1e6
+            return f"{np.median(v):.1f} ({v.min():.1f}-{v.max():.1f})"
+
+        print(f"one jitted call ({how}), us: dispatch {cell(('with', 'dispatch'))} with a "
+              f"ferro_jax allreduce in it, {cell(('without', 'dispatch'))} without; "
+              f"2000 in a row, run included: {cell(('with', 'row'))} with, "
+              f"{cell(('without', 'row'))} without")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,14 @@ def _cores_while_open(backend) -> list:
 
     backend.barrier(timeout=30)
     inside = sorted(os.sched_getaffinity(0))
+    told = backend.engine.bound_cores()  # what a client giving its own threads the cores reads
+    assert told is None if os.environ["FERRO_SHM_BIND"] == "off" else sorted(told) == inside
+    import threading
+    elsewhere = []
+    t = threading.Thread(target=lambda: elsewhere.append(backend.engine.bound_cores()))
+    t.start()
+    t.join(30)
+    assert elsewhere == [None]  # another thread was not the one bound
     backend.send(np.zeros(1), 1 - backend.rank)
     backend.recv(np.zeros(1), 1 - backend.rank, timeout=30)
     backend.close()

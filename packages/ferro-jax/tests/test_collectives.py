@@ -56,6 +56,11 @@ def test_send_and_recv_inside_jit_never_deadlock():
     assert r1 == [0.0, 999.0, 1.0, 0.0, 1.0]
 
 
+def test_the_chain_inside_and_the_order_between_computations():
+    for res in run_processes(workers.chained, 2, 20, transport="shm", timeout=120):
+        assert res == {"many": True, "nested": [True] * 4, "p2p": True}
+
+
 def test_gradients():
     for res in run_processes(workers.grads, 2, transport="shm", timeout=180):
         assert res.pop("dp") is True

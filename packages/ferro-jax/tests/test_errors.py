@@ -35,8 +35,10 @@ if b.rank == 1:
 start = time.monotonic()
 try:
     with fj.typed_errors():
-        for _ in range(100000):
+        for i in range(100000):
             x = step(x)
+            if i % 10 == 9:  # as a loop reading its loss: a jitted step is dispatched
+                x.block_until_ready()  # asynchronously, its error surfaces where it is waited on
         x.block_until_ready()
     result = ["no error", 0]
 except Exception as exc:

@@ -4,6 +4,7 @@ rank, the effect that orders them, argument checks."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -81,12 +82,39 @@ def test_every_call_on_one_rank_in_and_out_of_jit(one):
     assert "Python path" in repr(fj.comm())
 
 
+def _main_signature(text: str) -> str:
+    return next(line for line in text.splitlines() if "func.func public @main" in line)
+
+
 def test_the_calls_carry_an_ordered_effect_and_thread_its_token(one):
     f = jax.jit(lambda x: fj.allreduce(fj.allreduce(x)) + fj.all_gather(x))
     assert fj.EFFECT in jax.make_jaxpr(f)(jnp.ones(2)).effects
     text = f.lower(jnp.ones(2)).as_text()
-    assert text.count("custom_call @ferro_jax_py(%arg0") == 1  # the first takes the entry token
-    assert "!stablehlo.token" in text
+    # the token starts inside the computation (no token argument or result: JAX's fast path)
+    assert "token" not in _main_signature(text)
+    created = re.findall(r"(%\w+) = stablehlo.create_token", text)
+    assert len(created) == 1, text
+    calls = re.findall(r"(%\w+):2 = stablehlo.custom_call @ferro_jax_py\((%[\w#]+),", text)
+    assert len(calls) == 3, text
+    # a chain: the first call takes the created token, each next one the previous one's
+    assert calls[0][1] == created[0]
+    for (prev, _), (_, tok) in zip(calls, calls[1:]):
+        assert tok == prev + "#0", (prev, tok)
+
+
+def test_a_jitted_call_has_no_runtime_token_and_takes_the_fast_path(one):
+    from ferro_jax import _dispatch
+
+    assert _dispatch.ACTIVE
+    f = jax.jit(lambda x: fj.allreduce(x) * 2)
+    call = f.lower(jnp.ones(2)).compile()._executable.unsafe_call
+    assert not call.ordered_effects and not call.has_unordered_effects
+    np.testing.assert_array_equal(np.asarray(f(jnp.ones(2))), np.full(2, 2.0))
+    # loops, conds and nested jits thread the same token (they carry the effect inside)
+    g = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, v: jax.jit(fj.allreduce)(v) + 1,
+                                            fj.barrier(token=x)[1]))
+    assert "token" not in _main_signature(g.lower(jnp.ones(2)).as_text())
+    np.testing.assert_array_equal(np.asarray(g(jnp.ones(2))), np.full(2, 4.0))
 
 
 def test_tokens_by_hand_are_accepted_and_returned(one):

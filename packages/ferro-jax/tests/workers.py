@@ -168,6 +168,59 @@ def ordering(backend, rounds: int) -> list:
     return ys + [float(swapped[0]), float(a[0])]
 
 
+def chained(backend, rounds: int) -> dict:
+    """The token chain inside a computation and the order between computations: many
+    independent door calls in one jitted function (XLA:CPU's thunk executor runs independent
+    custom calls concurrently: the chain must keep them one at a time, or the door refuses the
+    second as busy); calls around a loop and a cond of calls on independent data; jitted calls
+    dispatched back to back with no wait between them (no runtime token: the CPU client runs
+    them in dispatch order), send and recv in opposite program orders on the two ranks."""
+    fj.init(backend)
+    n, rank = backend.world_size, backend.rank
+    peer = (rank + 1) % n
+    xs = [jnp.full(1024, float(100 * rank + i), jnp.float32) for i in range(12)]
+    many = jax.jit(lambda xs: [fj.allreduce(x) for x in xs])
+    for _ in range(rounds):
+        outs = many(xs)
+    many_ok = [float(np.asarray(o)[0]) for o in outs] == [
+        float(sum(100 * r + i for r in range(n))) for i in range(12)]
+
+    @jax.jit
+    def nested(x, y):
+        a = fj.allreduce(x)
+        b = jax.lax.fori_loop(0, 3, lambda i, v: fj.allreduce(v) / n, y)
+        c = jax.lax.cond(y[0] > -1, fj.all_gather, lambda v: fj.all_gather(v * 0), y)
+        d = fj.broadcast(y * 2, root=n - 1)
+        return a, b, c, d
+
+    x, y = jnp.arange(2048.0) + rank, jnp.ones(2048) * (rank + 1)
+    for _ in range(rounds):
+        a, b, c, d = nested(x, y)
+    mean_y = sum(range(1, n + 1)) / n
+    nested_ok = [bool(np.array_equal(np.asarray(a), sum(np.arange(2048.0) + r for r in range(n)))),
+                 bool(np.allclose(np.asarray(b), mean_y)),
+                 bool(np.array_equal(np.asarray(c), np.concatenate(
+                     [np.ones(2048) * (r + 1) for r in range(n)]))),
+                 bool(np.array_equal(np.asarray(d), np.ones(2048) * 2 * n))]
+
+    send = jax.jit(lambda v: fj.send(v, peer, tag=7))
+    recv = jax.jit(lambda v: fj.recv(v, (rank - 1) % n, tag=7))
+    got = []
+    for i in range(rounds):  # no wait between the dispatches
+        v = jnp.full(256, float(1000 * rank + i))
+        if rank % 2 == 0:
+            send(v)
+            got.append(recv(v))
+        else:
+            got.append(recv(v))
+            send(v)
+    src = (rank - 1) % n
+    p2p_ok = [float(np.asarray(g)[0]) for g in got] == [float(1000 * src + i)
+                                                        for i in range(rounds)]
+    fj.barrier()
+    return {"many": many_ok, "nested": nested_ok, "p2p": p2p_ok}
+
+
 def grads(backend) -> dict:
     """Forward-mode checks (jax.test_util.check_grads, fwd) of every differentiable call, and the
     reverse mode against the transpose's identity summed over the ranks:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax._src import ad_util
 from jax._src.interpreters import ad
 
-from ._primitive import bind, ferro_p
+from ._primitive import SIDE_ONLY, bind, ferro_p
 
 _LINEAR_OPS = ("sum", "mean")
 
@@ -41,12 +41,12 @@ def _differentiable(kind: str, op: str) -> bool:
 
 def _jvp(primals, tangents, *, kind, **params):
     outs = ferro_p.bind(*primals, kind=kind, **params)
-    if not outs:
+    zeros = [ad_util.p2tz(o) for o in outs]
+    if kind in SIDE_ONLY:  # barrier, send: only the internal done flag comes out
         if any(type(t) is not ad.Zero for t in tangents):
             raise TypeError(f"ferro_jax.{kind} is not differentiable (a tangent reached it); "
                             "sendrecv is: it exchanges with both peers")
-        return outs, []
-    zeros = [ad_util.p2tz(o) for o in outs]
+        return outs, zeros
     if not jnp.issubdtype(outs[0].dtype, jnp.inexact):
         return outs, zeros
     if not _differentiable(kind, params["op"]) or (kind == "sendrecv" and

@@ -19,7 +19,7 @@ import ferro_backend
 from ferro_backend import USER_TAG_LIMIT, InvalidRankError
 
 from . import _lib, errors
-from ._primitive import bind
+from ._primitive import SIDE_ONLY, bind
 
 _default: Any = None
 _OP_NAMES = {"sum": "sum", "add": "sum", "mean": "mean", "avg": "mean", "average": "mean",
@@ -147,18 +147,16 @@ def _timeout(timeout: float | None) -> float:
 
 def _run(kind: str, args: tuple, token: Any, **params: Any) -> Any:
     """Bind one call; the user's token (if any) orders its inputs after it and is returned
-    after its outputs; outside jit, wait for the result (ferro's exceptions)."""
+    after its outputs; outside jit, wait for the result (ferro's exceptions). barrier and send
+    return None (their internal done flag is what a call outside jit waits for, and what a
+    returned token is tied to)."""
     if token is not None:
         args, token = lax.optimization_barrier((args, token))
     with errors.typed_errors():  # outside jit, the call runs (and fails) here
         outs = bind(*args, kind=kind, **params)
-        if outs and not isinstance(outs[0], core.Tracer):
+        if not isinstance(outs[0], core.Tracer):
             jax.block_until_ready(outs)
-        elif not outs and not any(isinstance(a, core.Tracer) for a in args):
-            jax.effects_barrier()
-    result = outs[0] if outs else None
-    if token is None:
-        return result
-    if outs:
-        result, token = lax.optimization_barrier((result, token))
-    return result, token
+    if token is not None:
+        outs[0], token = lax.optimization_barrier((outs[0], token))
+    result = None if kind in SIDE_ONLY else outs[0]
+    return result if token is None else (result, token)

@@ -6,8 +6,8 @@ installed jaxlib's FFI headers (:func:`jax.ffi.include_dir`) and ferro-backend's
 depends on: jax and jaxlib versions, the door's ABI, the source and the compiler command. Every
 rank of a job may build at once: one builds under a file lock, the others wait for it and load
 its result; the library is written to a temporary name and renamed into place, so a reader never
-sees half a file. Cache directory: ``$FERRO_JAX_CACHE``, else ``$XDG_CACHE_HOME/ferro-jax``, else
-``~/.cache/ferro-jax``.
+sees half a file. Cache directory: :func:`set_cache_dir`'s, else ``$XDG_CACHE_HOME/ferro-jax``,
+else ``~/.cache/ferro-jax``.
 """
 
 from __future__ import annotations

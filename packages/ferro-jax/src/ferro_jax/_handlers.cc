@@ -10,8 +10,13 @@
 //                    Python through the function ferro_jax_set_python registered (a ctypes
 //                    callback, which takes the GIL), on the same buffers (no copy).
 //
-// Both take an XLA token first and return one first: ferro_jax's primitive threads its ordered
-// effect's token through them, so XLA keeps every rank's calls in program order.
+// All take an XLA token first and return one first: ferro_jax's primitive threads its ordered
+// effect's token through them, so XLA keeps every rank's calls in program order, one at a time
+// (XLA:CPU's thunk executor orders thunks linked by a token; without one it runs independent
+// custom calls concurrently). barrier (and send, on the Python path) return a uint8 "done" flag.
+#include <pthread.h>
+#include <sched.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -105,9 +110,27 @@ ffi::Error comm_of(int64_t slot, ferro_comm** out) {
   return ffi::Error::Success();
 }
 
+// ---- the rank's cores for XLA's threads. ferro binds a rank's thread to a core of its own when
+// the ranks are as many as the cores (FERRO_SHM_BIND), and the engine's waits spin there. XLA runs
+// these handlers on its own threads (the CPU client's pool, made when JAX first needed it: before
+// the binding if jax.distributed.initialize or a computation came first, and then free to run on
+// the peer's core, where a spin keeps the peer it waits for from running). So each thread that
+// runs a handler takes the rank's cores once (ferro_jax_pin_threads; nothing when not bound).
+cpu_set_t g_pin_set;
+std::atomic<int> g_pin_generation{0};
+thread_local int t_pinned_generation = 0;
+
+inline void pin_this_thread() {
+  int generation = g_pin_generation.load(std::memory_order_acquire);
+  if (generation == t_pinned_generation) return;
+  t_pinned_generation = generation;
+  pthread_setaffinity_np(pthread_self(), sizeof g_pin_set, &g_pin_set);  // best effort
+}
+
 ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t slot, int32_t kind, int32_t op,
                     int32_t root, double timeout) {
+  pin_this_thread();
   ferro_comm* c = nullptr;
   if (ffi::Error e = comm_of(slot, &c); e.failure()) return e;
   const ferro_engine_api* f = ferro_api(c);
@@ -162,13 +185,16 @@ ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   return ffi::Error::Success();
 }
 
-ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, int64_t slot, double timeout) {
+ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> done,
+                       int64_t slot, double timeout) {
+  pin_this_thread();
   ferro_comm* c = nullptr;
   if (ffi::Error e = comm_of(slot, &c); e.failure()) return e;
   ferro_opts o = FERRO_OPTS_INIT;
   o.timeout = timeout;
   int rc = ferro_api(c)->barrier(c, &o);
   if (rc != FERRO_OK) return door_error(c, rc);
+  std::memset(done->untyped_data(), 1, done->size_bytes());
   return ffi::Error::Success();
 }
 
@@ -178,6 +204,7 @@ std::atomic<PyFn> g_python{nullptr};
 
 ffi::Error PyImpl(ffi::Token, ffi::RemainingArgs args, ffi::Result<ffi::Token>,
                   ffi::RemainingRets rets, int64_t call) {
+  pin_this_thread();
   PyFn fn = g_python.load(std::memory_order_acquire);
   if (fn == nullptr) {
     return ffi::Error::Internal("[ferro FERRO_INVALID] ferro_jax: no Python function set");
@@ -222,6 +249,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ferro_jax_barrier, BarrierImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Token>()
                                   .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()  // done (uint8), for waiting on it
                                   .Attr<int64_t>("slot")
                                   .Attr<double>("timeout"));
 
@@ -262,6 +290,18 @@ FJ_EXPORT int ferro_jax_world_size(int64_t slot) {
 }
 
 FJ_EXPORT void ferro_jax_set_python(PyFn fn) { g_python.store(fn, std::memory_order_release); }
+
+// every thread that runs a handler from now on takes these cores (once per thread); n = 0: none
+FJ_EXPORT void ferro_jax_pin_threads(const int* cores, int n) {
+  if (n <= 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int i = 0; i < n; ++i) {
+    if (cores[i] >= 0 && cores[i] < CPU_SETSIZE) CPU_SET(cores[i], &set);
+  }
+  g_pin_set = set;  // under the GIL, before the generation that publishes it
+  g_pin_generation.fetch_add(1, std::memory_order_acq_rel);
+}
 
 // one door allreduce on raw buffers, from C: the yardstick of the per-call overhead
 FJ_EXPORT int ferro_jax_c_allreduce(int64_t slot, const void* send, void* recv, size_t count, int dtype,

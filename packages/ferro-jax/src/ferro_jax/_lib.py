@@ -58,6 +58,23 @@ class Comm:
                 f"{self.world_size}, {path}>")
 
 
+def bound_cores(backend: Any) -> list[int]:
+    """The cores ferro bound this rank's thread to (``FERRO_SHM_BIND``), where this thread is
+    the one it bound; empty otherwise."""
+    engine = getattr(backend, "engine", None)
+    cores = engine.bound_cores() if hasattr(engine, "bound_cores") else None
+    return sorted(cores) if cores else []
+
+
+def pin_xla_threads(backend: Any, lib: ctypes.CDLL) -> None:
+    """Where ferro bound this rank to cores of its own, every XLA thread that runs one of the
+    handlers takes them too (``_handlers.cc``: the engine's waits spin there, and XLA's threads
+    made before the binding could run on the peer's core)."""
+    cores = bound_cores(backend)
+    if cores:
+        lib.ferro_jax_pin_threads((ctypes.c_int * len(cores))(*cores), len(cores))
+
+
 def comm_for(backend: Any, door: bool = True) -> Comm:
     """``backend``'s :class:`Comm`, made on first use: its engine's communicator is attached to
     the library (a reference held for the life of the process, since compiled executables name
@@ -76,5 +93,6 @@ def comm_for(backend: Any, door: bool = True) -> Comm:
         slot = lib.ferro_jax_attach(_pointer(capsule, CAPSULE_NAME.encode()), why, 512)
         if slot < 0:
             raise RuntimeError(why.value.decode(errors="replace"))
+        pin_xla_threads(backend, lib)
     comm = _comms[key] = Comm(backend, slot)  # type: ignore[index]
     return comm

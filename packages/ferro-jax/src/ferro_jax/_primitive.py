@@ -2,16 +2,20 @@
 
 Each call is one ``ferro`` equation (``kind``: allreduce, reduce, reduce_scatter, all_gather,
 broadcast, all_to_all, barrier, send, recv, sendrecv). Its effect, :data:`EFFECT`, is an
-*ordered* effect: JAX threads one token through every ``ferro`` equation of a computation (and
-from one computation to the next at run time), and the lowering passes that token into the FFI
-call and takes the call's token back, so XLA runs a rank's calls in program order, never
-reordered nor concurrent. Two ranks whose programs send and receive in matching order therefore
-never deadlock, without tokens by hand.
+*ordered* effect: JAX threads one token through every ``ferro`` equation of a computation
+(through ``scan``, ``while``, ``cond``, nested ``jit``, ``remat``), and the lowering passes that
+token into the FFI call and takes the call's token back, so XLA runs a rank's calls in program
+order, never reordered nor concurrent. Two ranks whose programs send and receive in matching
+order therefore never deadlock, without tokens by hand. Between computations no token is passed
+(:mod:`._dispatch`: the token starts inside each computation, so JAX dispatches it on its C++
+fast path; the CPU client runs one device's executions in dispatch order).
 
 Lowering: a call the engine's door runs (a collective on a backend with an engine, on an element
 type it knows) becomes the FFI target ``ferro_jax_door`` (or ``ferro_jax_barrier``) with the
 communicator's slot and the call's signature as attributes; anything else becomes
-``ferro_jax_py``, which calls back into Python (:mod:`._pypath`).
+``ferro_jax_py``, which calls back into Python (:mod:`._pypath`). barrier and send have one
+internal output, a uint8 "done" flag the handler writes (the public calls drop it): a call
+outside jit waits for it, and a token passed by hand is tied to it.
 
 Batching (``vmap``): the collectives are batched exactly (the mapped axis moved to just after
 dim 0, where the calls that split or join along dim 0 leave it alone); point-to-point calls
@@ -29,13 +33,16 @@ import numpy as np
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import batching, mlir
 
-from . import _lib, _pypath
+from . import _dispatch, _lib, _pypath
 
 #: the door's kinds (_handlers.cc) and ops (ferro/engine.h)
 DOOR_KINDS = {"allreduce": 1, "reduce": 2, "reduce_scatter": 3, "all_gather": 4,
               "broadcast": 5, "all_to_all": 6}
 DOOR_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "band": 4, "bor": 5, "bxor": 6, "mean": 7}
 KINDS = (*DOOR_KINDS, "barrier", "send", "recv", "sendrecv")
+#: the kinds whose only output is the internal "done" flag
+SIDE_ONLY = ("barrier", "send")
+DONE = core.ShapedArray((), np.dtype(np.uint8))
 _REDUCING = ("allreduce", "reduce", "reduce_scatter")
 #: element types the door reduces (others move as bytes, or take the Python path)
 _DOOR_REDUCES = {np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
@@ -56,6 +63,7 @@ for _set in (effects.lowerable_effects, effects.ordered_effects,
              effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
              effects.remat_allowed_effects):
     _set.add_type(FerroEffect)
+_dispatch.install(FerroEffect)  # no runtime token between computations (JAX's fast path)
 
 ferro_p = core.Primitive("ferro")
 ferro_p.multiple_results = True
@@ -71,10 +79,11 @@ def bind(*args: Any, kind: str, comm: _lib.Comm, op: str = "sum", root: int = 0,
 
 
 def out_avals(avals, kind: str, comm: _lib.Comm, like) -> list[core.ShapedArray]:
-    """What a call of ``kind`` returns, from its inputs' avals (ValueError if it cannot run)."""
+    """What a call of ``kind`` returns, from its inputs' avals (ValueError if it cannot run);
+    barrier and send: the internal done flag."""
     n = comm.world_size
-    if kind in ("barrier", "send"):
-        return []
+    if kind in SIDE_ONLY:
+        return [DONE]
     if kind == "recv":
         return [like]
     (x,) = avals
@@ -110,8 +119,11 @@ def _python_call(kind, comm, avals_in, avals_out, params) -> int:
 
     def call(ins: list[int], outs: list[int]) -> None:
         x = _pypath.view(ins[0], avals_in[0].shape, avals_in[0].dtype) if ins else None
-        y = _pypath.view(outs[0], avals_out[0].shape, avals_out[0].dtype) if outs else None
-        _pypath.run(kind, comm.backend, x, y, timeout=timeout, **extra)
+        y = _pypath.view(outs[0], avals_out[0].shape, avals_out[0].dtype)
+        _pypath.run(kind, comm.backend, x, None if kind in SIDE_ONLY else y, timeout=timeout,
+                    **extra)
+        if kind in SIDE_ONLY:
+            y[...] = 1  # done
 
     return _pypath.register(call)
 

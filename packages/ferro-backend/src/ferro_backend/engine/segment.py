@@ -182,6 +182,15 @@ class Engine:
         ``ferro_backend.engine.comm`` (``ferro/engine.h``), holding a reference of its own."""
         return self.comm.capsule()
 
+    def bound_cores(self) -> frozenset[int] | None:
+        """The cores this rank runs on where the join bound the calling thread to a core of its
+        own (``FERRO_SHM_BIND``): a client running engine calls on threads of its own (XLA's,
+        say) gives them these too, since the engine's waits spin. None where the join bound
+        nothing or bound another thread."""
+        if self._bound[1] is None or self._bound[0] != threading.get_ident():
+            return None
+        return frozenset(os.sched_getaffinity(0))
+
     def close(self) -> None:
         """Close the communicator (every later call: closed) and let the mapping go: it is
         unmapped once nothing holds it (this engine's views, a C client's reference)."""
