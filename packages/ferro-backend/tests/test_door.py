@@ -179,7 +179,9 @@ def in_threads(fns, timeout: float = 60.0) -> list:
 def reference(op: str, dtype: np.dtype, inputs: list[np.ndarray]) -> np.ndarray:
     """The rank-order fold numpy computes: float16/bfloat16 in float32, rounded once; AVG's
     divide in the last step."""
-    wide = dtype in (np.dtype(np.float16), BF16)
+    # not ``dtype in (float16, BF16)``: without ml_dtypes BF16 is None, and numpy's
+    # ``dtype == None`` is float64's test
+    wide = dtype == np.float16 or (BF16 is not None and dtype == BF16)
     work = [x.astype(np.float32) for x in inputs] if wide else inputs
     acc = work[0].copy()
     with np.errstate(all="ignore"):
