@@ -9,9 +9,11 @@ Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MAST
 FERRO_TOKEN (fresh per single-node job) and FERRO_TRANSPORT, so ``ferro_backend.init_from_env()``
 joins the job, and OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS = max(1, cores //
 local ranks) unless they are set already. Every line a rank prints is prefixed with
-``[rank N]``. When a rank fails, the others are stopped (SIGTERM, then SIGKILL after
-``--grace`` seconds; each rank runs in its own process group, so its children go too) and
-ferrorun exits with that rank's exit code. SIGINT and SIGTERM sent to ferrorun reach every rank.
+``[rank N]`` (once; a progress bar redrawn with ``\\r`` animates on a terminal and is written
+once, as it last read, to a file or pipe: :mod:`.output`). When a rank fails, the others are
+stopped (SIGTERM, then SIGKILL after ``--grace`` seconds; each rank runs in its own process
+group, so its children go too) and ferrorun exits with that rank's exit code. SIGINT and
+SIGTERM sent to ferrorun reach every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from . import emulate
 from .elastic_run import ElasticRun, parse_range
 from .join import choose_transport
 from .netns import EmulationError
+from .output import LogDirError, prepare_log_dir
 from .supervisor import Job, supervise
 
 _DESCRIPTION = "Start the ranks of a ferro job on this machine, in the spirit of torchrun."
@@ -90,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument("--log-dir", type=Path, default=None,
-                   help="also write each rank's output to LOG_DIR/rank_<N>.log")
+                   help="also write each rank's output, unprefixed, to LOG_DIR/rank_<N>.log "
+                        "(stdout and stderr as they came), LOG_DIR/rank_<N>.stdout and "
+                        "LOG_DIR/rank_<N>.stderr (made if missing, emptied by each run, "
+                        "appended by restarts; progress bars as their last state)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
                    help="level of ferro's loggers in the ranks (FERRO_LOG_LEVEL)")
     emu = p.add_argument_group("emulated nodes (Linux, root): rehearse a multi-node job here")
@@ -168,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             _parser().error("multi-node jobs need a shared secret: --token or FERRO_TOKEN")
         token = secrets.token_hex(16)
     if args.log_dir is not None:
-        args.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            prepare_log_dir(args.log_dir)
+        except LogDirError as exc:
+            sys.stderr.write(f"ferrorun: {exc}\n")
+            return 2
     local = args.nproc * (args.emulate_nodes or 1)  # ranks sharing this machine's cores
     caps = thread_caps(local)
     if caps:
@@ -211,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             current.append(job)
             return job.wait(received)
         return run(lambda restart: _local_job(args, token, caps, restart))
+    except LogDirError as exc:   # a rank's log file that cannot be written: no rank started
+        sys.stderr.write(f"ferrorun: {exc}\n")
+        return 2
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -251,7 +264,8 @@ def _local_job(args, token: str, caps: dict[str, str], restart: int) -> Job:
             env[settings.LOG_LEVEL.name] = args.log_level
         envs.append(env)
         ranks.append(rank)
-    return Job([cmd] * args.nproc, envs, ranks, args.grace, not args.no_prefix, args.log_dir)
+    return Job([cmd] * args.nproc, envs, ranks, args.grace, not args.no_prefix, args.log_dir,
+               append=restart > 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,11 +1,10 @@
 """How ``ferrorun`` watches the processes it starts (ranks, or one agent per emulated node): their
-output copied line by line with a prefix, the first failure stopping the rest (SIGTERM, then
-SIGKILL after a grace period, each process group whole), and the restart loop."""
+output copied line by line with a prefix (:mod:`.output`), the first failure stopping the rest
+(SIGTERM, then SIGKILL after a grace period, each process group whole), and the restart loop."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,38 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-_OUTPUT_LOCK = threading.Lock()
-
-
-def _pump(stream, out, prefix: str, log=None) -> None:
-    """Copy a rank's output whole line by whole line, each prefixed; a carriage return
-    (a redrawn progress bar) ends a line too, so the bar keeps its prefix. ``log``: a binary
-    file that also gets the rank's output, unprefixed."""
-    tag = prefix.encode()
-    pending = b""
-    while True:
-        chunk = stream.read1(65536)
-        if chunk:
-            pending += chunk
-            cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
-            if not cut:
-                continue
-            ready, pending = pending[:cut], pending[cut:]
-        else:
-            ready, pending = pending, b""
-        if ready and log is not None:
-            log.write(ready)
-            log.flush()
-        if ready:
-            if tag:
-                ready = b"".join(tag + part for part in re.split(rb"(?<=[\r\n])", ready)
-                                 if part)
-            with _OUTPUT_LOCK:
-                out.buffer.write(ready)
-                out.buffer.flush()
-        if not chunk:
-            break
-    stream.close()
+from .output import Sink, open_logs, pump
 
 
 def _describe(code: int) -> str:
@@ -69,26 +37,36 @@ class Job:
 
     def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], ranks: list[int],
                  grace: float, prefix: bool, log_dir: Path | None = None, *,
-                 spawn: Spawn | None = None, label: str = "rank") -> None:
+                 spawn: Spawn | None = None, label: str = "rank", append: bool = False) -> None:
         self.grace = grace
         self.label = label
         self.failure: tuple[int, int] | None = None  # (rank, return code) of the first failure
         self.interrupted = False  # ferrorun passed a SIGINT/SIGTERM on to every process
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
+        self.stop_pumps = threading.Event()
         self.logs: list = []
         self.ranks = ranks
         spawn = spawn or (lambda i, cmd, env: subprocess.Popen(cmd, env=env, **Job.PIPES))
+        # log files first: one that cannot be written (LogDirError) starts no process
+        files: list[dict] = []
+        try:
+            for rank in ranks:
+                files.append(open_logs(log_dir, rank, append) if log_dir is not None else {})
+                self.logs += files[-1].values()
+        except OSError:
+            for log in self.logs:
+                log.close()
+            raise
+        sinks = {"stdout": Sink(sys.stdout), "stderr": Sink(sys.stderr)}
         for i, (cmd, env, rank) in enumerate(zip(cmds, envs, ranks)):
             p = spawn(i, cmd, env)
             self.procs.append(p)
             tag = f"[rank {rank}] " if prefix else ""
-            log = None
-            if log_dir is not None:
-                log = open(log_dir / f"rank_{rank}.log", "ab")
-                self.logs.append(log)
-            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, tag, log), daemon=True)
+            for name, stream in (("stdout", p.stdout), ("stderr", p.stderr)):
+                logs = [files[i][k] for k in ("log", name) if k in files[i]]
+                t = threading.Thread(target=pump, name=f"ferrorun-{name}-{rank}", daemon=True,
+                                     args=(stream, sinks[name], tag, logs, self.stop_pumps))
                 t.start()
                 self.pumps.append(t)
 
@@ -143,9 +121,16 @@ class Job:
                 return 0
             time.sleep(0.05)
 
-    def finish_output(self) -> None:
+    def finish_output(self, timeout: float = 5.0) -> None:
+        """Let the pumps copy what the processes left in their pipes (``timeout`` seconds in
+        all: a child that outlives its rank may hold a pipe open), then stop them; each writes
+        its unfinished line."""
+        end = time.monotonic() + timeout
         for t in self.pumps:
-            t.join(5)
+            t.join(max(0.0, end - time.monotonic()))
+        self.stop_pumps.set()
+        for t in self.pumps:
+            t.join(1.0)
         for log in self.logs:
             log.close()
 
