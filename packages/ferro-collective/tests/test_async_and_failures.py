@@ -1,6 +1,7 @@
 """Async handles interleaved with sync calls, mismatch detection, timeouts and stall reports."""
 
 import logging
+import re
 import time
 
 import numpy as np
@@ -204,11 +205,14 @@ def test_collectives_on_subgroups_and_parent_concurrently():
 
 
 def test_unknown_algorithm_and_op():
-    g = SimulatedBackend.create_group(2)
-    with pytest.raises(ValueError, match="unknown algorithm 'bogus'"):
-        allreduce(np.ones(2), g[0], algorithm="bogus")
-    with pytest.raises(ValueError, match="unknown reduce op"):
-        allreduce(np.ones(2), g[0], op="median")
+    # every rank makes the bad call (one rank's argument error reaches its peers in the call:
+    # test_habits.py), and every rank raises at once
+    for kwargs, match in [({"algorithm": "bogus"}, "unknown algorithm 'bogus'"),
+                          ({"op": "median"}, "unknown reduce op")]:
+        errors = run_ranks_collect(lambda b, kw=kwargs: allreduce(np.ones(2), b, **kw), 2)
+        assert sorted(errors) == [0, 1]
+        for exc in errors.values():
+            assert isinstance(exc, ValueError) and re.search(match, str(exc)), exc
     with pytest.raises(TypeError, match="backend must be"):
         allreduce(np.ones(2), "not a backend")
 

@@ -44,3 +44,172 @@ def test_every_call_on_a_closed_backend_raises_on_every_rank(transport):
     else:
         res = run_processes(_after_close, 2, transport=transport, timeout=60)
     assert res == [[("closed", True)] * 3] * 2
+
+
+# ----------------------------------------------------------------------------- one rank's error
+def _one_rank_refuses(b, kind):
+    """Rank 1 makes an argument error; every rank reports what it got and how long it took,
+    then both run a good call (the order of calls is intact)."""
+    import time
+
+    bad = b.rank == 1
+    x = np.ones(4, np.float32)
+    calls = {
+        "dtype": lambda: fc.allreduce(x.astype(np.complex64) if bad else x, b),
+        "out": lambda: fc.all_gather(x, b, out=np.empty(3, np.float32) if bad else None),
+        "root": lambda: fc.broadcast(x, b, root=7 if bad else 0),
+        "algorithm": lambda: fc.reduce_scatter(x, b, algorithm="bogus" if bad else None),
+        "async": lambda: fc.allreduce_async(x.astype(np.complex64) if bad else x, b).wait(30),
+    }
+    t0 = time.monotonic()
+    try:
+        calls[kind]()
+        got = ("returned",)
+    except Exception as exc:  # what each rank raised is the test
+        got = (type(exc).__name__, str(exc))
+    took = time.monotonic() - t0
+    after = fc.allreduce(np.array([b.rank + 1.0]), b, timeout=30).tolist()
+    return got, took, after
+
+
+@pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])
+@pytest.mark.parametrize("kind", ["dtype", "out", "root", "algorithm", "async"])
+def test_an_argument_error_on_one_rank_reaches_its_peers_in_the_same_call(transport, kind):
+    if transport == "threads":
+        res = run_ranks(lambda b: _one_rank_refuses(b, kind), 2)
+    else:
+        res = run_processes(_one_rank_refuses, 2, kind, transport=transport, timeout=90,
+                            backend_timeout=60)
+    (peer, peer_took, after0), (own, _, after1) = res
+    assert own[0] in ("TypeError", "ValueError", "SizeMismatchError", "InvalidRankError"), own
+    assert peer[0] == "CollectiveMismatchError", peer
+    assert "rank 1 refused the call" in peer[1] and own[0] in peer[1], peer[1]
+    assert peer_took < 5.0  # not the 60 s deadline (within a second on a quiet machine)
+    assert after0 == after1 == [3.0]
+
+
+def test_ranks_that_all_refuse_each_raise_their_own_error_and_go_on():
+    def body(b):
+        with pytest.raises(TypeError, match="complex64"):
+            fc.allreduce(np.ones(2, np.complex64), b)
+        return fc.allreduce(np.ones(1), b).tolist()
+
+    assert run_ranks(body, 3) == [[3.0]] * 3
+
+
+# ----------------------------------------------------------------------------- broadcast(None)
+def _broadcast_from_root(b, shape, dtype):
+    x = (np.arange(int(np.prod(shape))).reshape(shape) + 1).astype(dtype)
+    got = fc.broadcast(x if b.rank == 0 else None, b, root=0, timeout=30)
+    mixed = fc.broadcast(x if b.rank != 1 else None, b, root=0, timeout=30)  # some pass arrays
+    return [(g.dtype.str, g.shape, g.tobytes() == x.tobytes()) for g in (got, mixed)]
+
+
+@pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])
+def test_non_roots_may_pass_none_to_broadcast(transport):
+    cases = [((3, 4), "float32"), ((2, 1, 3), "int16"), ((300_000,), "float64"), ((), "int64")]
+    for shape, dtype in cases:
+        if transport == "threads":
+            res = run_ranks(lambda b, s=shape, d=dtype: _broadcast_from_root(b, s, d), 3)
+        else:
+            res = run_processes(_broadcast_from_root, 3, shape, dtype, transport=transport,
+                                timeout=90)
+        want = (np.dtype(dtype).str, shape, True)
+        assert res == [[want, want]] * 3, (shape, dtype, res)
+
+
+def test_broadcast_none_takes_bfloat16_and_a_given_out():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    x = np.arange(5).astype(bf)
+
+    def body(b):
+        out = np.zeros(5, bf)
+        got = fc.broadcast(x if b.rank == 0 else None, b, out=None if b.rank == 0 else out)
+        return got.dtype == bf and (got == x).all() and (b.rank == 0 or got is out)
+
+    assert run_ranks(body, 2) == [True, True]
+
+
+def _broadcast_none_errors(b):
+    out = []
+    try:  # the root passing None: a refusal, every rank raises at once
+        fc.broadcast(None, b, root=0, timeout=30)
+    except Exception as exc:
+        out.append(type(exc).__name__)
+    try:  # the root calls something else
+        if b.rank == 0:
+            fc.allreduce(np.ones(2), b, timeout=30)
+        else:
+            fc.broadcast(None, b, root=0, timeout=30)
+    except Exception as exc:
+        out.append((type(exc).__name__, "broadcast(None, root=0)" in str(exc)))
+    try:  # more dims than the root's header names
+        fc.broadcast(np.ones((1,) * 7) if b.rank == 0 else None, b, timeout=30)
+    except Exception as exc:
+        out.append(type(exc).__name__)
+    out.append(fc.allreduce(np.ones(1), b, timeout=30).tolist())
+    return out
+
+
+@pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])
+def test_broadcast_none_errors_reach_every_rank(transport):
+    if transport == "threads":
+        res = run_ranks(_broadcast_none_errors, 2)
+    else:
+        res = run_processes(_broadcast_none_errors, 2, transport=transport, timeout=90)
+    root, other = res
+    assert root[0] == "ValueError" and other[0] == "CollectiveMismatchError"
+    assert root[1] == other[1] == ("CollectiveMismatchError", True)
+    assert root[2] == other[2] == "CollectiveMismatchError"
+    assert root[3] == other[3] == [2.0]
+
+
+def test_broadcast_none_needs_the_header_exchange_off_the_engine():
+    (b,) = SimulatedBackend.create_group(1)
+    fc.set_mismatch_check(False)
+    try:
+        with pytest.raises(ValueError, match="mismatch check"):
+            fc.broadcast(None, SimulatedBackend.create_group(2)[1])
+    finally:
+        fc.set_mismatch_check(True)
+    assert fc.broadcast(np.ones(2), b).tolist() == [1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- tracebacks
+def _frames_of_a_mismatch(b):
+    import traceback
+
+    try:
+        fc.allreduce(np.ones(3, np.float64 if b.rank else np.float32), b, timeout=30)
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        ours = [f for f in frames if "ferro" in f.filename or f.filename.endswith(".pxi")]
+        return type(exc).__name__, len(ours), frames[0].name
+    return None
+
+
+@pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])
+def test_an_error_shows_at_most_three_ferro_frames(transport):
+    if transport == "threads":
+        res = run_ranks(_frames_of_a_mismatch, 2)
+    else:
+        res = run_processes(_frames_of_a_mismatch, 2, transport=transport, timeout=90)
+    for name, ours, first in res:
+        assert name == "CollectiveMismatchError" and 1 <= ours <= 3 and \
+            first == "_frames_of_a_mismatch"
+
+
+def test_ferro_traceback_full_keeps_every_frame():
+    import traceback
+
+    from ferro_backend import settings
+
+    g = SimulatedBackend.create_group(1)
+    with settings.override(TRACEBACK="full"):
+        with pytest.raises(TypeError) as info:
+            fc.allreduce(np.ones(2, np.complex64), g[0])
+    assert len(traceback.extract_tb(info.value.__traceback__)) > 4
+    with pytest.raises(TypeError) as info:
+        fc.allreduce(np.ones(2, np.complex64), g[0])
+    assert len(traceback.extract_tb(info.value.__traceback__)) <= 4

@@ -273,6 +273,10 @@ BACKGROUND = _declare("FERRO_BACKGROUND", "auto, on or off",
                       "`off` in the calling thread at the same points (where the data is hot), "
                       "`auto` in the background only when this host has a core to spare beyond "
                       "its ranks")
+TRACEBACK = _declare("FERRO_TRACEBACK", "short or full", _choice("short", "full"), "short",
+                      "ferro-collective",
+                      "`short`: a collective's error shows the frames down to the public call "
+                      "(and one for each error it came from); `full`: every frame inside ferro")
 JAX_RUNTIME_TOKENS = _declare("FERRO_JAX_RUNTIME_TOKENS", "bool", _bool, False, "ferro-jax",
                                "`1` keeps JAX's runtime tokens on jitted computations with ferro's "
                                "calls (JAX's own dispatch, about 350 us a call) instead of "
@@ -286,7 +290,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     SHM_RING_BYTES,
     SHM_CMA, SHM_YIELDS,
     SHM_RING_YIELDS, ASYNC_WORKERS, SCRATCH_BYTES,
-    COLLECTIVE_CHECK, BACKGROUND, JAX_RUNTIME_TOKENS)}
+    COLLECTIVE_CHECK, BACKGROUND, TRACEBACK, JAX_RUNTIME_TOKENS)}
 _BY_ATTR = {key: value for key, value in globals().items() if isinstance(value, Setting)}
 
 

@@ -22,9 +22,12 @@ def set_tracer(tracer) -> None:
 def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
     """One call of ``coll`` (a ``dispatch.Collective``), now: its one-call path where it has one
     and the call is its case, else the general path (:func:`set_general`); its result."""
-    if _tracer is not None:
-        return _tracer(coll, tensor, backend, arg, timeout, algorithm, out)
-    return _run(coll, tensor, backend, arg, timeout, algorithm, out)
+    try:
+        if _tracer is not None:
+            return _tracer(coll, tensor, backend, arg, timeout, algorithm, out)
+        return _run(coll, tensor, backend, arg, timeout, algorithm, out)
+    except Exception as exc:  # its traceback ends here (ferro_backend.tracebacks.user_facing)
+        raise _user_facing(exc)
 
 
 def run_direct(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):

@@ -28,6 +28,7 @@ from .ops import CODES, OPS, ReduceOp
 
 from ferro_backend import Backend as _Backend
 from ferro_backend import engine as _engine
+from ferro_backend.tracebacks import user_facing as _user_facing
 from ferro_backend.kernels import _fold
 
 from ._fastplan cimport MAX_DIMS, FastPlan

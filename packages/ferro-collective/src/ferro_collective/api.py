@@ -6,7 +6,9 @@ All ranks of a backend must call the same collectives in the same order (as in t
 Inputs are never modified; results are new arrays of the input's dtype (or ``out=``), and every
 rank returns the same bits. A rank that calls another collective, or the same one with another
 dtype, shape, op or root, than its peers gets :class:`CollectiveMismatchError` on every rank,
-naming what each called.
+naming what each called; a rank whose own arguments are wrong tells its peers the same way
+(they raise in the same call, naming it and its error). An error's traceback ends at the public
+call (``FERRO_TRACEBACK=full`` keeps the frames inside ferro).
 
 Each function hands its call to the dispatcher (:mod:`.dispatch`), which runs it with the
 collective's module (:mod:`.allreduce`, :mod:`.broadcast`, ...): the engine's one-call path, the
@@ -81,9 +83,20 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         An unknown ``algorithm``; ``out`` not writable and C-contiguous (SizeMismatchError: of
         another shape or dtype).
     CollectiveMismatchError
-        Ranks called different collectives or shapes/dtypes/ops.
+        Ranks called different collectives or shapes/dtypes/ops, or a peer refused the call
+        (its own arguments were wrong: its message names that rank and its error).
     CollectiveTimeoutError, PeerClosedError
         A peer did not arrive in time, or is gone.
+
+    Notes
+    -----
+    A rank whose own arguments are wrong (the TypeError and ValueError above) still takes the
+    call's place in the order and tells its peers, who raise CollectiveMismatchError in the
+    same call instead of waiting for their deadline; it raises its own error once they have
+    arrived (the ``*_async`` forms raise it at once and tell the peers in the background).
+    The order of calls stays intact: the next call on every rank is the next call. Not on a
+    multi-node job's stages without an engine, nor with the mismatch check off away from the
+    engine (no header to tell them by): there, the peers wait for their deadline.
 
     Examples
     --------
@@ -100,14 +113,17 @@ all_reduce = allreduce
 
 def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None = None,
               algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """Every rank returns a copy of ``root``'s ``tensor`` (all ranks pass the same shape/dtype).
+    """Every rank returns a copy of ``root``'s ``tensor``.
 
     Uses a binomial tree (ceil(log2 n) rounds) by default, ``algorithm="star"`` for the seed's.
 
     Parameters
     ----------
-    tensor : array_like
-        On ``root`` the array to send; elsewhere one of its shape and dtype. Not modified.
+    tensor : array_like or None
+        On ``root`` the array to send; elsewhere one of its shape and dtype, or None (mpi4py's
+        ``bcast`` habit): the root's header gives the shape and dtype (arrays of at most six
+        dims; on a multi-node job's stages, and with the mismatch check off away from the
+        engine, non-roots pass arrays). Not modified.
     backend : ferro_backend.Backend
     root : int, default 0
         The rank whose ``tensor`` every rank returns.
@@ -123,13 +139,17 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     ------
     InvalidRankError
         ``root`` is not in ``[0, world_size)``.
-    TypeError, ValueError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+    ValueError
+        None on the root.
+    TypeError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for :func:`allreduce`.
 
     Examples
     --------
     >>> run_ranks(lambda b: broadcast(np.array([b.rank]), b, root=1).tolist(), 2)
     [[1], [1]]
+    >>> run_ranks(lambda b: broadcast(np.arange(3) if b.rank == 0 else None, b).tolist(), 2)
+    [[0, 1, 2], [0, 1, 2]]
     """
     return run(BROADCAST, tensor, backend, root, timeout, algorithm, out)
 

@@ -1,4 +1,5 @@
-"""broadcast: every rank returns a copy of the root's array (all ranks pass its shape/dtype).
+"""broadcast: every rank returns a copy of the root's array (the others pass its shape and dtype,
+or None: :class:`FromRoot`).
 
 Where a call runs (:mod:`.dispatch` picks):
 
@@ -15,23 +16,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from ferro_backend import InvalidRankError
+from ferro_backend import CollectiveMismatchError, InvalidRankError
 
 from ._state import reserve
 from .all_gather import door_bytes
-from .checks import as_array, check_out
-from .engine import EngineGroup, Step, door_calls
-from .p2p import Ctx
+from .checks import as_array, check_backend, check_out
+from .engine import OK, EngineGroup, Step, door_calls
+from .header import check_all, decode_array, mismatch_check_enabled, unknown
+from .p2p import Ctx, header_exchange
 from .plan import Plan, choose
 
 
 def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = None) -> Plan:
     """The checked plan of one broadcast."""
-    x = as_array("broadcast", tensor, backend)
-    n = backend.world_size
-    if not isinstance(root, int | np.integer) or not 0 <= root < n:
+    n = getattr(backend, "world_size", 0)
+    if isinstance(root, bool) or not isinstance(root, int | np.integer) or not 0 <= root < n:
+        check_backend("broadcast", backend)
         raise InvalidRankError(f"broadcast: root {root!r} is out of range for world_size {n}")
     root = int(root)
+    if tensor is None:
+        check_backend("broadcast", backend)
+        if backend.rank == root:
+            raise ValueError(f"broadcast: the root (rank {root}) must pass an array, got None")
+        return FromRoot(backend, timeout, root, algorithm, out, seq)
+    x = as_array("broadcast", tensor, backend)
     algo = choose("broadcast", algorithm, x.nbytes, n, backend)
     out = check_out("broadcast", out, x.shape, x.dtype)
 
@@ -55,6 +63,69 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
 
     return Plan("broadcast", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
                 lambda h: stages(h, x, root, timeout, out), algorithm, seq)
+
+
+class FromRoot(Plan):
+    """A broadcast on a non-root that passed None (mpi4py's ``bcast`` habit): it publishes a
+    header without dtype or shape (:func:`.header.unknown`) and takes the root's, then
+    receives as a rank that passed an array of them. On the engine it reads the root's header
+    of the call's first step before posting its own (``Steps.peek``), then runs the door's
+    broadcast; over point-to-point messages, the header exchange gives it every rank's header.
+    The root's header names its shape whole up to six dims; beyond, every rank raises a
+    mismatch saying so. Needs the header exchange (the mismatch check on) off the engine."""
+
+    __slots__ = ("root", "algorithm", "out")
+
+    def __init__(self, backend, timeout, root: int, algorithm, out, seq: int | None) -> None:
+        if getattr(backend, "engine", None) is None and getattr(backend, "hierarchy", None):
+            raise ValueError("broadcast: a non-root may pass None on a single node's engine or "
+                             "a flat job, not on a multi-node job's stages: pass an array of "
+                             "the root's shape and dtype")
+        if getattr(backend, "engine", None) is None and not mismatch_check_enabled():
+            raise ValueError("broadcast: a non-root may pass None only with the mismatch check "
+                             "on (the root's header gives the shape; set_mismatch_check(False) "
+                             "skips it): pass an array of the root's shape and dtype")
+        if out is not None and not isinstance(out, np.ndarray):
+            raise TypeError(f"broadcast: out must be a numpy array, got {type(out).__name__}")
+        super().__init__("broadcast", backend, timeout, (None, (), None, root),
+                         lambda ctx: None, self._engine, None, algorithm, seq)
+        self.root, self.algorithm, self.out = root, algorithm, out
+
+    def encoded(self) -> bytes:
+        return unknown("broadcast", self.root, self.seq)
+
+    def _plan(self, header: bytes) -> Plan | None:
+        """The broadcast of the root's ``header`` (as this rank would have called it), or
+        None where that header does not name one this rank can receive."""
+        found = decode_array(header)
+        if found is None or header[2] != self.encoded()[2] or header[16:28] != \
+                self.encoded()[16:28]:
+            return None
+        dtype, shape = found
+        buf = self.out if self.out is not None else np.empty(shape, dtype)
+        check_out("broadcast", buf, shape, dtype)
+        return prepare(buf, self.backend, self.root, self.timeout, self.algorithm, buf, self.seq)
+
+    def run_python(self) -> np.ndarray:
+        ctx = self.context()
+        headers = header_exchange(ctx, self.encoded())  # raises on every rank if no root's
+        plan = self._plan(headers[self.root])
+        assert plan is not None  # (header_exchange checked it)
+        result = plan.python(ctx)
+        ctx.release()
+        return result
+
+    def _engine(self, group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
+        rc, theirs = group.steps.peek(self.root, call.hard)
+        if rc != OK:
+            group.exchange(call, header)  # the step's own error (a timeout, a dead peer)
+        plan = self._plan(theirs)
+        if plan is None:  # publish ours: every rank then raises the mismatch
+            group.exchange(call, header)
+            check_all("broadcast", group.me, group.steps.headers())
+            raise CollectiveMismatchError(f"broadcast (seq {self.seq}): the root's header "
+                                          "does not name an array this rank can receive")
+        return plan.engine(group, call, plan.encoded())
 
 
 # ----------------------------------------------------------------------------- Python
@@ -113,4 +184,4 @@ def stages(h, x: np.ndarray, root: int, timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "broadcast_tree", "prepare", "stages"]
+__all__ = ["IMPLEMENTATIONS", "FromRoot", "broadcast_tree", "prepare", "stages"]

@@ -15,6 +15,12 @@ order of calls):
 
 The stages of a hierarchical call are plans of their own, on the node and cross groups, which
 the stages hand back to :func:`execute`: a collective's module never calls back up.
+
+A call whose own arguments are wrong (``prepare`` raised TypeError or ValueError) is refused
+(:class:`Refusal`): the rank still takes the call's place in the order and publishes a header
+saying so, with its reason, where its peers compare headers, so that they raise at once
+(:class:`~ferro_backend.CollectiveMismatchError` naming the rank and the reason) instead of
+waiting for their deadline; then it raises its own error.
 """
 
 from __future__ import annotations
@@ -25,11 +31,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ferro_backend import Backend, DistributedError
+from ferro_backend.tracebacks import user_facing
+
 from . import _fastcall, costmodel, timeline
 from ._state import state
 from .engine import group_of
+from .header import mismatch_check_enabled, refusal
+from .p2p import header_exchange
 from .plan import Plan, choose
 from .work import Work
+
+#: a call's own argument errors: the rank that makes one refuses the call (:class:`Refusal`)
+ARGUMENT_ERRORS = (TypeError, ValueError)
 
 
 class Collective(NamedTuple):
@@ -45,8 +59,17 @@ class Collective(NamedTuple):
 
 
 def _general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
-    """A call the one-call path did not take: its plan, on the executor chosen now."""
-    return executor(coll.prepare(tensor, backend, arg, timeout, algorithm, out))()
+    """A call the one-call path did not take: its plan, on the executor chosen now (a refusal
+    where its arguments are wrong)."""
+    try:
+        plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
+    except ARGUMENT_ERRORS as exc:
+        refused = Refusal.of(coll.name, backend, timeout, exc)
+        if refused is None:
+            raise
+        refused.publish(executor(refused))
+        raise
+    return executor(plan)()
 
 
 _fastcall.set_general(_general)
@@ -59,9 +82,71 @@ run = _fastcall.run
 def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,
            out=None) -> Work:
     """One call of ``coll``, in the background (its place in the order of calls taken now)."""
-    plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
+    try:
+        plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
+    except ARGUMENT_ERRORS as exc:
+        refused = Refusal.of(coll.name, backend, timeout, exc)
+        if refused is not None:
+            # the refusal keeps the call's place in the order (published in the background);
+            # the caller has its error now
+            state(backend).submit(functools.partial(refused.publish, executor(refused)))
+        raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
+    except Exception as exc:
+        raise user_facing(exc)  # noqa: B904
     job = timeline.traced_job(plan.name, executor(plan), tensor, backend, algorithm)
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
+
+
+class Refusal(Plan):
+    """A call this rank refused because its arguments were wrong (``exc``): it takes the
+    call's place in the order and publishes, where the call's header would be, a header saying
+    so with ``exc``'s type and message (:func:`.header.refusal`); its peers' header check then
+    raises :class:`~ferro_backend.CollectiveMismatchError` naming this rank and the reason, in
+    the same call."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, name: str, backend: Backend, timeout: float | None,
+                 exc: BaseException) -> None:
+        super().__init__(name, backend, timeout, (None, (), None, -1), lambda ctx: None)
+        self.exc = exc
+
+    @classmethod
+    def of(cls, name: str, backend, timeout, exc: BaseException) -> Refusal | None:
+        """The refusal of a call of ``name`` on ``backend`` that raised ``exc``, or None where
+        the peers could not learn of it: no backend (or one rank), a closed one (closed means
+        closed: nothing is published), no header exchange (the mismatch check off without an
+        engine), or a multi-node job's stages (its peers' first messages are in node groups)."""
+        if not isinstance(backend, Backend) or backend.world_size < 2 or \
+                backend.peer_failure(name, backend.rank) is not None:
+            return None
+        if group_of(backend) is None and (usable_hierarchy(backend) is not None
+                                          or not mismatch_check_enabled()):
+            return None
+        try:
+            return cls(name, backend, timeout, exc)
+        except ARGUMENT_ERRORS:  # the timeout was the wrong argument: the backend's
+            return cls(name, backend, None, exc)
+
+    def encoded(self) -> bytes:
+        return refusal(self.name, self.seq, self.exc)
+
+    def run_python(self) -> None:
+        ctx = self.context()
+        header_exchange(ctx, self.encoded())
+
+    def run_engine(self, group, call) -> None:
+        group.exchange(call, self.encoded())
+
+    @staticmethod
+    def publish(run: Callable[[], Any]) -> None:
+        """Run the refusal (``executor(refusal)``): the peers' error is the header check's;
+        this rank's own stays the argument error its caller raises (a mismatch, a timeout or a
+        closed peer here changes nothing for it)."""
+        try:
+            run()
+        except DistributedError:
+            pass
 
 
 def execute(plan: Plan) -> Any:
@@ -128,5 +213,5 @@ def auto_algorithm(name: str, nbytes: int, backend) -> str:
     return choose(name, "auto", nbytes, backend.world_size, backend)
 
 
-__all__ = ["Collective", "auto_algorithm", "execute", "executor", "prefer_hierarchical", "run", "submit",
-           "usable_hierarchy"]
+__all__ = ["ARGUMENT_ERRORS", "Collective", "Refusal", "auto_algorithm", "execute", "executor",
+           "prefer_hierarchical", "run", "submit", "usable_hierarchy"]

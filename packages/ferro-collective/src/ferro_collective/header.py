@@ -3,7 +3,9 @@
 The header names the collective, its dtype, shape, reduce op and root (the engine's door,
 ``ferro/engine.h``, packs the same bytes for its calls in C: ``_header.h``) (a negative dim, printed
 ``*``, is one that may differ between ranks, as dim 0 of ``all_gather_v``; ``INVALID`` marks a
-rank whose own arguments were wrong, so that its peers fail at once instead of waiting). The
+rank whose own arguments were wrong, so that its peers fail at once instead of waiting: a
+refusal, :func:`refusal`, carries that rank's reason; ``UNKNOWN`` a broadcast's non-root that
+passed None, which takes the root's dtype and shape from the root's header). The
 exchange uses Bruck's all-gather (ceil(log2 n) rounds of small messages), so every rank learns
 every rank's header, and either all ranks proceed or all raise :class:`CollectiveMismatchError`
 naming what each rank called — never a hang, never garbage. The same exchange is the barrier.
@@ -30,6 +32,11 @@ _COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVES.items()}
 _REDOP_NAMES = {spec.wire: op.name for op, spec in OPS.items()}
 #: header flag: this rank's arguments were invalid (it raises its own error; peers a mismatch)
 INVALID = 1
+#: header flag: a broadcast's non-root that passed None (no dtype or shape: the root's header's)
+UNKNOWN = 2
+#: a refusal's reason: bytes 8..24 (dtype and root) and 28..76 (the dims) of its header
+_REASON = ((8, 24), (28, 28 + 8 * _MAX_DIMS))
+REASON_BYTES = sum(b - a for a, b in _REASON)
 
 _check: bool | None = None  # None: FERRO_COLLECTIVE_CHECK decides, at the first call
 
@@ -96,6 +103,52 @@ def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
                         0, dstr, root, seq & 0xFFFFFFFF, *dims)
 
 
+def refusal(op: str, seq: int, exc: BaseException) -> bytes:
+    """The header of a call this rank refused (its arguments were wrong): ``op``'s code, the
+    INVALID flag and the first :data:`REASON_BYTES` bytes of ``"TypeName: message"`` (the door's
+    messages describe it the same way, ``_header.h``)."""
+    text = f"{type(exc).__name__}: {str(exc).removeprefix(op + ': ')}".encode(errors="replace")
+    if len(text) > REASON_BYTES:
+        text = text[:REASON_BYTES - 3] + b"..."
+    text = text.ljust(REASON_BYTES, b"\0")
+    h = bytearray(_encode(op, None, (), None, -1, seq, INVALID))
+    at = 0
+    for a, b in _REASON:
+        h[a:b] = text[at:at + b - a]
+        at += b - a
+    return bytes(h)
+
+
+def reason(header: bytes) -> str:
+    """A refusal's reason (:func:`refusal`)."""
+    return b"".join(header[a:b] for a, b in _REASON).rstrip(b"\0").decode(errors="replace")
+
+
+def unknown(op: str, root: int, seq: int) -> bytes:
+    """The header of a broadcast's non-root that passed None (its dtype and shape: the
+    root's)."""
+    return _encode(op, None, (), None, root, seq, UNKNOWN)
+
+
+def decode_array(header: bytes) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The dtype and shape a header names, where it names them whole (a header of an array of
+    at most six dims; None otherwise)."""
+    magic, _, _, ndim, flags, _, dstr, _, _, *dims = _HEADER.unpack(header)
+    dstr = dstr.rstrip(b"\0")
+    if magic != b"FC" or flags or not dstr or ndim > _MAX_DIMS or any(d < 0 for d in dims):
+        return None
+    return dtype_of(dstr.decode()), tuple(dims[:ndim])
+
+
+def dtype_of(dstr: str) -> np.dtype:
+    """The numpy dtype of a header's dtype string (bfloat16's is ``<V2``: ml_dtypes')."""
+    if dstr == "<V2":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dstr)
+
+
 def describe(header: bytes) -> str:
     magic, op, redop, ndim, flags, _, dstr, root, seq, *dims = _HEADER.unpack(header)
     if magic != b"FC":
@@ -104,7 +157,9 @@ def describe(header: bytes) -> str:
     if name == "barrier":
         return f"barrier (seq {seq})"
     if flags & INVALID:
-        return f"{name}(<invalid arguments, see that rank's error>) (seq {seq})"
+        return f"{name}(<refused: {reason(header)}>) (seq {seq})"
+    if flags & UNKNOWN:
+        return f"{name}(None, root={root}) (seq {seq})"
     args = []
     if dstr.rstrip(b"\x00"):  # collectives whose data only some ranks know name no dtype
         dtype = np.dtype(dstr.rstrip(b"\x00").decode())
@@ -117,10 +172,48 @@ def describe(header: bytes) -> str:
     return f"{name}({', '.join(args)}) (seq {seq})"
 
 
+def resolve_unknown(headers: list[bytes]) -> list[bytes]:
+    """``headers`` with each broadcast non-root's that passed None (:data:`UNKNOWN`) replaced
+    by its root's header, where that root called the same broadcast with an array whose dtype
+    and shape its header names whole."""
+    out = list(headers)
+    for r, h in enumerate(headers):
+        if h[5] & UNKNOWN:
+            root = _HEADER.unpack(h)[7]
+            if 0 <= root < len(headers):
+                theirs = headers[root]
+                if theirs[2] == h[2] and theirs[16:28] == h[16:28] and \
+                        decode_array(theirs) is not None:
+                    out[r] = theirs
+    return out
+
+
 def check_all(name: str, rank: int, headers: list[bytes]) -> None:
+    """Raise :class:`CollectiveMismatchError` on every rank when the ranks' ``headers`` (one per
+    rank, in rank order) disagree, naming what each rank called, and first the ranks that
+    refused the call and why. A broadcast's non-root that passed None agrees with its root
+    (:func:`resolve_unknown`)."""
+    headers = resolve_unknown(headers)
     mine = headers[rank]
     if all(h == mine for h in headers):
         return
+    blind = [r for r, h in enumerate(headers) if h[5] & UNKNOWN]
+    if blind:
+        root = _HEADER.unpack(headers[blind[0]])[7]
+        theirs = headers[root] if 0 <= root < len(headers) else b""
+        if theirs[:3] == headers[blind[0]][:3] and theirs[4] > _MAX_DIMS:
+            raise CollectiveMismatchError(
+                f"{name}: ranks {blind} passed None to a broadcast whose root (rank {root}) "
+                f"passes an array of {theirs[4]} dims; its header names at most {_MAX_DIMS}: "
+                "pass an array of the root's shape and dtype there")
+    refused = [(r, h) for r, h in enumerate(headers) if h[5] & INVALID]
+    if refused and len(refused) < len(headers):
+        r, h = refused[0]
+        seq = _HEADER.unpack(h)[8]
+        others = [f"rank {r2} refused it ({reason(h2)})" for r2, h2 in refused[1:]]
+        raise CollectiveMismatchError(
+            f"{name} (seq {seq}): rank {r} refused the call ({reason(h)})"
+            + "".join(f"; {o}" for o in others) + "; every rank raises, none waits for it")
     groups: dict[bytes, list[int]] = {}
     for r, h in enumerate(headers):
         groups.setdefault(h, []).append(r)

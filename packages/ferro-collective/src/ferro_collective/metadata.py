@@ -38,7 +38,7 @@ import numpy as np
 
 from ferro_backend import Backend, CollectiveMismatchError
 
-from .header import INVALID, encode, mismatch_check_enabled
+from .header import INVALID, encode, mismatch_check_enabled, refusal
 from .p2p import Ctx, bruck_all_gather, header_exchange
 from .plan import Plan
 
@@ -187,8 +187,11 @@ class MetaPlan(Plan):
         return path[1](g, call, done, off, metas, lambda: self.python(self._ctx(), metas))
 
     def encoded(self) -> bytes:
-        return encode(self.name, *self.header, seq=self.seq,
-                      flags=INVALID if self.invalid is not None else 0)
+        """The header every rank compares: a refusal naming this rank's argument error where
+        it has one (its peers' mismatch then gives the reason)."""
+        if self.invalid is not None:
+            return refusal(self.name, self.seq, self.invalid)
+        return encode(self.name, *self.header, seq=self.seq)
 
     def _ctx(self) -> Ctx:
         """The point-to-point context of this call (made once, when needed)."""

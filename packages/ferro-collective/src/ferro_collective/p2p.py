@@ -150,13 +150,14 @@ def bruck_all_gather(ctx: Ctx, block: bytes, tag: int, what: str) -> list[bytes]
     return blocks
 
 
-def header_exchange(ctx: Ctx, header: bytes) -> None:
+def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
     """Bruck all-gather of every rank's header (on the call's first tag); raises
-    CollectiveMismatchError on every rank when they disagree. Doubles as the barrier: nobody
-    leaves before every rank has arrived."""
+    CollectiveMismatchError on every rank when they disagree, else returns them in rank order.
+    Doubles as the barrier: nobody leaves before every rank has arrived."""
     assert len(header) == HEADER_SIZE
-    check_all(ctx.name, ctx.rank, bruck_all_gather(ctx, header, ctx.tag_base,
-                                                   "the collective header"))
+    headers = bruck_all_gather(ctx, header, ctx.tag_base, "the collective header")
+    check_all(ctx.name, ctx.rank, headers)
+    return headers
 
 
 # ----------------------------------------------------------------------------- ring and star

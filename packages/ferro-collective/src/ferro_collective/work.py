@@ -8,6 +8,7 @@ import numpy as np
 
 from ferro_backend import CollectiveTimeoutError
 from ferro_backend.checks import check_timeout
+from ferro_backend.tracebacks import user_facing
 
 
 class Work:
@@ -88,6 +89,9 @@ class Work:
         if not done:
             raise CollectiveTimeoutError(
                 f"Work.wait: {self.name} (seq {self.seq}) not complete after {timeout:g}s")
+        error = self.future.exception()
+        if error is not None:
+            raise user_facing(error)  # its traceback ends here, not in the worker thread
         return self.future.result()
 
     def __repr__(self) -> str:

@@ -7,7 +7,9 @@
  *   2  collective code      16 root (int64; -1: none)
  *   3  op code (0: none)    24 sequence number (uint32: the call's ticket)
  *   4  ndim (<= 255)        28 six dims (int64); with ndim > 6 the sixth is a hash of dims 6..
- *   5  flags (1: INVALID)
+ *   5  flags (1: INVALID, a refusal: its rank's arguments were wrong, and its reason's text in
+ *      bytes 8..24 and 28..76 in place of dtype, root and dims; 2: UNKNOWN, a broadcast's
+ *      non-root that passed no array: no dtype or shape, the root's)
  * No Python: the door encodes its calls' headers here, and describes them in its messages.
  */
 #ifndef FERRO_HEADER_H
@@ -24,8 +26,12 @@
 #define FERRO_HEADER_DIMS 6
 /* where a header holds its sequence number */
 #define FERRO_SEQ_OFF 24u
-/* header flag: this rank's arguments were invalid */
+/* header flag: this rank's arguments were invalid (a refusal, with its reason) */
 #define FERRO_HEADER_INVALID 1u
+/* header flag: a broadcast's non-root that passed no array (no dtype, no shape) */
+#define FERRO_HEADER_UNKNOWN 2u
+/* bytes of a refusal's reason: 8..24 and 28..76 */
+#define FERRO_REASON_BYTES 64u
 
 /* the collectives' codes (header.py's COLLECTIVES) */
 enum {
@@ -111,6 +117,15 @@ static inline void ferro_header_encode(unsigned char* h, int coll, int dtype,
         ferro_put_i64(h + 28 + 8 * (FERRO_HEADER_DIMS - 1), ferro_dims_tail_hash(dims, ndim));
 }
 
+/* out (len bytes) = a refusal's reason (NUL-terminated; at most FERRO_REASON_BYTES chars) */
+static inline void ferro_header_reason(const unsigned char* h, char* out, size_t len) {
+    char text[FERRO_REASON_BYTES + 1];
+    memcpy(text, h + 8, 16);
+    memcpy(text + 16, h + 28, FERRO_REASON_BYTES - 16);
+    text[FERRO_REASON_BYTES] = '\0';
+    snprintf(out, len, "%s", text);
+}
+
 /* out (len bytes) = what the header says its rank called, as header.py's describe says it:
  * "allreduce(float32[4, 8], SUM) (seq 3)" */
 static inline void ferro_header_describe(const unsigned char* h, size_t hlen, char* out,
@@ -135,8 +150,13 @@ static inline void ferro_header_describe(const unsigned char* h, size_t hlen, ch
         return;
     }
     if (h[5] & FERRO_HEADER_INVALID) {
-        snprintf(out, len, "%s(<invalid arguments, see that rank's error>) (seq %u)",
-                 name ? name : "op#?", seq);
+        ferro_header_reason(h, args, sizeof args);
+        snprintf(out, len, "%s(<refused: %s>) (seq %u)", name ? name : "op#?", args, seq);
+        return;
+    }
+    if (h[5] & FERRO_HEADER_UNKNOWN) {
+        snprintf(out, len, "%s(None, root=%lld) (seq %u)", name ? name : "op#?",
+                 (long long)ferro_get_i64(h + 16), seq);
         return;
     }
     memcpy(dt, h + 8, 8);

@@ -41,6 +41,9 @@ cdef extern from "_door.h" nogil:
                              size_t nbytes, size_t span, double deadline)
     size_t ferro_slots_rot(const ferro_slots* s, uint32_t step, size_t span)
     int ferro_slots_sync(ferro_slots* s, double deadline)
+    int ferro_slots_wait_word(ferro_slots* s, uint32_t* word, uint32_t target,
+                              uint32_t* sleepers, double deadline)
+    size_t FERRO_HEADER_BYTES
 
 #: step results (ferro/engine.h's statuses)
 OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH
@@ -185,6 +188,22 @@ cdef class Steps:
         return [j for j in range(self.s.n) if j != self.s.me and
                 <int32_t>(ferro_load(&ferro_ctrl_of(self.s.base, &self.s.L, j).step)
                           - self.s.step) < 0]
+
+    def peek(self, int rank, double deadline):
+        """``(status, header)``: wait until ``rank`` has posted the next step (OK, TIMEOUT or
+        FAILED) and read its header there, before this rank posts its own (a broadcast's
+        non-root that passed no array learns the root's dtype and shape this way). Its slot
+        stays put until this rank has posted and met that step."""
+        cdef int rc
+        if not 0 <= rank < self.s.n or rank == self.s.me:
+            raise ValueError(f"Steps.peek: rank {rank} is not a peer of rank {self.s.me}")
+        cdef ferro_ctrl* c = ferro_ctrl_of(self.s.base, &self.s.L, rank)
+        cdef uint32_t target = self.s.step + 1
+        with nogil:
+            rc = ferro_slots_wait_word(self.s, &c.step, target, &c.sleepers, deadline)
+        if rc != FERRO_OK:
+            return rc, b""
+        return rc, bytes(ferro_slots_slot(self.s, rank, target).header[:FERRO_HEADER_BYTES])
 
     def published(self, int rank) -> int:
         """The last step ``rank`` published."""

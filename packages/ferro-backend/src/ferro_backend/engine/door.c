@@ -505,6 +505,22 @@ static int finish(door_call* k, int rc) {
             h[j] = ferro_slots_slot(&c->s, j, c->s.step)->header;
             seen[j] = 0;
         }
+        for (j = 0; j < n && !(h[j][5] & FERRO_HEADER_INVALID); j++) {}
+        if (j < n && !(h[c->s.me][5] & FERRO_HEADER_INVALID)) {
+            /* a rank refused the call (its arguments were wrong): its reason first */
+            ferro_header_reason(h[j], other, sizeof other);
+            len = (size_t)snprintf(msg, sizeof msg, "%s (seq %lld): rank %d refused the call "
+                                   "(%s)", k->name, (long long)k->ticket, j, other);
+            for (g = j + 1; g < n && len < sizeof msg; g++) {
+                if (!(h[g][5] & FERRO_HEADER_INVALID)) continue;
+                ferro_header_reason(h[g], other, sizeof other);
+                len += (size_t)snprintf(msg + len, sizeof msg - len, "; rank %d refused it (%s)",
+                                        g, other);
+            }
+            if (len < sizeof msg)
+                snprintf(msg + len, sizeof msg - len, "; every rank raises, none waits for it");
+            n = 0;  /* (described) */
+        }
         for (j = 0; j < n && len < sizeof msg; j++) {
             if (seen[j]) continue;
             ferro_header_describe(h[j], FERRO_HEADER_BYTES, other, sizeof other);
