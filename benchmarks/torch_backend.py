@@ -1,7 +1,8 @@
 """torch's own DDP and FSDP2 (``fully_shard``) training steps/s over the backend "ferro" vs
 "gloo", measured in the same run by the same 2 processes.
 
-    python benchmarks/torch_backend.py [--repeats 3] [--world 2]
+    python benchmarks/torch_backend.py [--repeats 3] [--world 2] [--kind compiled|python]
+    python benchmarks/torch_backend.py --calls [--repeats 3]   # per-call times, both kinds
 
 Each rank: one BLAS thread (torch.set_num_threads(1), OMP_NUM_THREADS=1), float32 MLPs
 64-128-10 (9.6 k params), 784-1024-1024-10 (1.9 M) and 1024-2048-2048-1024-10 (8.4 M), batch
@@ -12,7 +13,18 @@ unwrapped, on rank 0 while the others wait in gloo) is measured at the start of 
 and each wrapper's step is held against the one of its own repeat. Prints a markdown table:
 median steps/s and the spread (min-max) over the repeats, the ratio of the medians, and each
 wrapper's step time over the single-rank step's (DDP with ``gradient_as_bucket_view=True``).
-Needs ferro-torch (and so torch, ferro-collective, ferro-backend) installed.
+Needs ferro-torch (and so torch, ferro-collective, ferro-backend) installed. ``--kind`` sets
+``FERRO_TORCH_BACKEND`` for the ranks (default: as the environment says; the header names the
+kind that ran).
+
+``--calls``: the time of one ``dist.barrier`` and one ``dist.all_reduce`` of 4 KiB, 64 KiB and
+1 MiB (float32, in place, synchronous) on "ferro", of the same call on torch's CPU backend of
+the group itself (``group._get_backend(cpu).barrier(opts).wait()``: the compiled FerroBackend,
+or the Python group; torch's Python function and ProcessGroup dispatch left out), and on ferro
+directly (ferro-collective on the group's transport, numpy arrays), for each backend kind: one
+job per kind and repeat, the kinds alternating; each cell the slowest rank's mean over 2000
+calls (200 at 1 MiB), then the median (min-max) over the repeats (ferro directly: over the
+jobs of both kinds).
 """
 
 from __future__ import annotations
@@ -34,6 +46,11 @@ SIZES = {
 STEPS = {"9.6k": 200, "1.9M": 12, "8.4M": 4}
 BATCH = 128
 ENV_ROLE = "FERRO_TORCH_BENCH_RANK"
+ENV_OUT = "FERRO_TORCH_BENCH_OUT"
+KIND = "FERRO_TORCH_BACKEND"
+#: --calls: (name, bytes, calls per measurement)
+CALLS = [("barrier", 0, 2000), ("all_reduce", 4 << 10, 2000), ("all_reduce", 64 << 10, 2000),
+         ("all_reduce", 1 << 20, 200)]
 
 
 def mlp(sizes, torch):
@@ -107,8 +124,11 @@ def rank_main(args) -> None:
     import ferro_torch
 
     dist.init_process_group("ferro")
+    if args.calls:
+        return calls_main(torch, dist, ferro_torch)
     groups = {"ferro": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    transport = type(ferro_torch.ferro_backend()).__name__
+    transport = (f"{type(ferro_torch.ferro_backend()).__name__}, "
+                 f"{ferro_torch.backend_kind()} backend")
     rows = []
     for size in args.sizes:
         sizes = SIZES[size]
@@ -153,17 +173,46 @@ def rank_main(args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    p.add_argument("--wrappers", nargs="+", default=["DDP", "FSDP2"], choices=["DDP", "FSDP2"])
-    p.add_argument("--scale", type=float, default=1.0, help="multiply the timed steps")
-    args = p.parse_args()
-    if ENV_ROLE in os.environ:
-        rank_main(args)
-        return 0
+def calls_main(torch, dist, ferro_torch) -> None:
+    """One job of --calls: each call's mean time (the slowest rank's), written by rank 0 as a
+    JSON object to $FERRO_TORCH_BENCH_OUT."""
+    import json
+
+    import ferro_collective as fc
+
+    b = ferro_torch.ferro_backend()
+    out = {"kind": ferro_torch.backend_kind()}
+    # torch's CPU backend of the group: the compiled FerroBackend, or the Python group itself
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    bo, ao = dist.BarrierOptions(), dist.AllreduceOptions()
+    bo.asyncOp = ao.asyncOp = False
+    for name, nbytes, n in CALLS:
+        x = torch.ones(max(1, nbytes // 4))
+        a = x.numpy()
+        ways = {"torch": (lambda: dist.barrier()) if name == "barrier" else
+                (lambda x=x: dist.all_reduce(x)),
+                "backend": (lambda: be.barrier(bo).wait()) if name == "barrier" else
+                (lambda x=x: be.allreduce([x], ao).wait()),
+                "direct": (lambda: fc.barrier(b)) if name == "barrier" else
+                (lambda a=a: fc.allreduce(a, b, out=a))}
+        for way, fn in ways.items():
+            for _ in range(n // 10):  # warm
+                fn()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            t = torch.tensor([(time.perf_counter() - start) / n * 1e6], dtype=torch.float64)
+            dist.all_reduce(t, dist.ReduceOp.MAX)
+            out[f"{name} {nbytes >> 10} KiB {way}" if nbytes else f"{name} {way}"] = t.item()
+    if dist.get_rank() == 0:
+        with open(os.environ[ENV_OUT], "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_job(args, extra_env: dict) -> int:
     from ferro_backend.testing import free_port
 
     port = free_port()
@@ -172,7 +221,8 @@ def main() -> int:
         env = {**os.environ, ENV_ROLE: str(r), "RANK": str(r), "LOCAL_RANK": str(r),
                "WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "FERRO_TOKEN": os.environ.get("FERRO_TOKEN", "bench"),
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               **extra_env}
         procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
     codes = []
     try:
@@ -182,6 +232,65 @@ def main() -> int:
             if proc.poll() is None:
                 proc.kill()
     return max(codes, default=1)
+
+
+def calls_table(args) -> int:
+    """--calls: one job per kind and repeat, alternating; a table of medians (min-max)."""
+    import json
+    import tempfile
+
+    got: dict[str, dict[str, list[float]]] = {"compiled": {}, "python": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for kind in (("compiled", "python") if rep % 2 == 0 else ("python", "compiled")):
+                out = os.path.join(tmp, f"{kind}{rep}.json")
+                if run_job(args, {KIND: kind, ENV_OUT: out}) != 0:
+                    return 1
+                result = json.load(open(out))
+                assert result.pop("kind") == kind, (kind, result)
+                for key, us in result.items():
+                    got[kind].setdefault(key, []).append(us)
+    import torch
+
+    print(f"\n{args.world} ranks on {os.cpu_count()} cores, torch {torch.__version__}; "
+          f"us per call, the slowest rank's mean; median (min-max) of {args.repeats} jobs per "
+          "kind, alternating\n")
+    print("| call | compiled: dist.* | Python: dist.* | compiled / Python | compiled: "
+          "backend's own call | Python: group's own call | ferro directly |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for key in got["compiled"]:
+        if not key.endswith(" torch"):
+            continue
+        call = key[:-6]
+        c, p = got["compiled"][key], got["python"][key]
+        cb, pb = got["compiled"][call + " backend"], got["python"][call + " backend"]
+        d = got["compiled"][call + " direct"] + got["python"][call + " direct"]
+        cell = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+                for v in (c, p, cb, pb, d)]
+        print(f"| {call} | {cell[0]} | {cell[1]} | "
+              f"{statistics.median(c) / statistics.median(p):.2f}x | {cell[2]} | {cell[3]} | "
+              f"{cell[4]} |")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--wrappers", nargs="+", default=["DDP", "FSDP2"], choices=["DDP", "FSDP2"])
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the timed steps")
+    p.add_argument("--kind", choices=["compiled", "python"],
+                   help="FERRO_TORCH_BACKEND for the ranks (default: the environment's)")
+    p.add_argument("--calls", action="store_true",
+                   help="per-call times of barrier and all_reduce on both kinds instead")
+    args = p.parse_args()
+    if ENV_ROLE in os.environ:
+        rank_main(args)
+        return 0
+    if args.calls:
+        return calls_table(args)
+    return run_job(args, {KIND: args.kind} if args.kind else {})
 
 
 if __name__ == "__main__":

@@ -51,9 +51,9 @@ def run_launcher(cmd: list[str], timeout: float, env: dict | None = None) -> Run
 
 
 def ferrorun(scenario: str, n: int, timeout: float = 100, args: tuple = (),
-             script: str = WORKERS) -> Run:
+             script: str = WORKERS, env: dict | None = None) -> Run:
     return run_launcher([str(BIN / "ferrorun"), "--nproc", str(n), *args, script, scenario],
-                        timeout)
+                        timeout, env)
 
 
 def torchrun(scenario: str, n: int, timeout: float = 100, env: dict | None = None) -> Run:

@@ -1,4 +1,5 @@
-"""What torch builds on a group's CPU backend works on "ferro" (3 ranks under ferrorun):
+"""What torch builds on a group's CPU backend works on "ferro" (3 ranks under ferrorun, on the
+compiled backend and on the Python one):
 ``_device_types``/``_get_backend``, all_gather_coalesced, all_reduce_coalesced, the coalescing
 manager, batch_isend_irecv, get_future, object collectives, subgroups, sparse allreduce,
 monitored_barrier in gloo's words, timeouts in torch's words."""
@@ -7,14 +8,16 @@ from pathlib import Path
 
 import pytest
 from _launch import ferrorun
+from ferro_torch._compiled import BACKEND
 
 SCRIPT = str(Path(__file__).with_name("workers_torch_api.py"))
 N = 3
 
 
-@pytest.fixture(scope="module")
-def ranks() -> dict[int, dict]:
-    run = ferrorun("torch_api", N, timeout=90, script=SCRIPT)
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def ranks(request) -> dict[int, dict]:
+    run = ferrorun("torch_api", N, timeout=90, script=SCRIPT,
+                   env={BACKEND.name: request.param, "TEST_KIND": request.param})
     assert run.returncodes == [0], run.output[-6000:]
     by_rank = run.by_rank()
     assert sorted(by_rank) == list(range(N)), run.output[-3000:]
@@ -34,7 +37,10 @@ def test_monitored_barrier_names_the_missing_ranks_within_the_timeout(ranks):
 
 
 def test_synchronous_calls_run_in_the_callers_thread(ranks):
-    for r in range(N):  # the group's worker thread is made by its first async call only
+    for r in range(N):
+        if ranks[r]["kind"] == "compiled":  # (its own checks ran in the rank)
+            assert ranks[r]["sync"]["inline_async"] == (N >= ranks[r]["sync"]["cores"])
+            continue  # the group's worker thread is made by its first async call only
         sync = ranks[r]["sync"]
         assert sync["workers_before_async"] == [], sync
         # FERRO_BACKGROUND=auto: async calls in the issuing thread when the ranks fill the cores
@@ -44,7 +50,9 @@ def test_synchronous_calls_run_in_the_callers_thread(ranks):
 def test_a_timeout_is_worded_as_torch_words_it_with_ferros_detail_after(ranks):
     t = ranks[0]["timeout"]
     assert ": Timed out waiting 1000ms " in t["message"], t
-    assert "CollectiveTimeoutError" in t["message"] and "rank 0" in t["message"], t
+    # ferro's detail: the Python backend's exception, the door's status and message
+    assert "CollectiveTimeoutError" in t["message"] or "FERRO_TIMEOUT" in t["message"], t
+    assert "rank 0" in t["message"], t
     assert 0.9 < t["seconds"] < 5, t
 
 

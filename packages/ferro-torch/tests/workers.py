@@ -30,10 +30,17 @@ def report(**kw) -> None:
     print(f"rank {kw['rank']} done", flush=True)
 
 
-def init(timeout: float = 60.0, **kw) -> None:
+def init(timeout: float = 60.0, **kw) -> str:
+    """init_process_group("ferro"); the kind of backend it runs ("compiled" or "python")."""
     dist.init_process_group("ferro", timeout=timedelta(seconds=timeout), **kw)
     assert dist.get_backend() == "ferro", dist.get_backend()
-    assert isinstance(dist.group.WORLD, ferro_torch.ProcessGroupFerro)
+    kind = ferro_torch.backend_kind()
+    world = dist.group.WORLD
+    if kind == "python":
+        assert isinstance(world, ferro_torch.ProcessGroupFerro), world
+    else:
+        assert type(world._get_backend(torch.device("cpu"))).__name__ == "FerroBackend", world
+    return kind
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -366,7 +373,7 @@ def check_mesh_2d() -> dict:
 
 # ----------------------------------------------------------------------------- scenarios
 def scenario_suite() -> None:
-    init()
+    kind = init()
     gloo = dist.new_group(backend="gloo")
     sources = check_collectives(dist.group.WORLD, gloo)
     check_async_and_p2p(dist.group.WORLD)
@@ -375,11 +382,11 @@ def scenario_suite() -> None:
     transport = type(ferro_torch.ferro_backend()).__name__
     dist.barrier()
     dist.destroy_process_group()
-    report(rank=RANK, sources=sources, transport=transport, **losses, **extra)
+    report(rank=RANK, sources=sources, transport=transport, kind=kind, **losses, **extra)
 
 
 def scenario_dead_peer() -> None:
-    init(timeout=60)
+    kind = init(timeout=60)
     n = dist.get_world_size()
     t = torch.ones(3)
     dist.all_reduce(t)
@@ -391,11 +398,66 @@ def scenario_dead_peer() -> None:
             dist.all_reduce(torch.ones(1000))
             time.sleep(0.05)
     except dist.DistError as exc:
-        report(rank=RANK, error=type(exc).__name__, message=str(exc),
+        report(rank=RANK, error=type(exc).__name__, message=str(exc), kind=kind,
                is_ferro=isinstance(exc, ferro_torch.FerroTorchError),
+               is_backend_error=isinstance(exc, dist.DistBackendError),
                seconds=time.monotonic() - start)
         os._exit(0)
     raise AssertionError("the collective did not fail after the peer died")
+
+
+def scenario_kind() -> None:
+    """Which backend init_process_group("ferro") chose, and the warnings it gave (or its
+    error): for the fallback and FERRO_TORCH_BACKEND tests."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            kind = init(timeout=30)
+        except Exception as exc:
+            report(rank=RANK, error=f"{type(exc).__name__}: {exc}")
+            os._exit(0)
+        t = torch.full((3,), RANK + 1.0)
+        dist.all_reduce(t)
+        n = dist.get_world_size()
+        sub = dist.new_group(list(range(n)))
+        dist.all_reduce(t, group=sub)
+        sub_kind = ferro_torch.backend_kind(sub)
+    lines = [str(w.message) for w in caught if "ferro-torch" in str(w.message)]
+    report(rank=RANK, kind=kind, sub_kind=sub_kind, warnings=lines, value=t.tolist())
+    dist.destroy_process_group()
+
+
+def scenario_background() -> None:
+    """Asynchronous calls on the compiled backend's worker thread (FERRO_BACKGROUND=on): in
+    issue order with the synchronous ones, futures, p2p beside them, DDP equal to gloo's."""
+    kind = init()
+    gloo = dist.new_group(backend="gloo")
+    check_async_and_p2p(dist.group.WORLD)
+    n, me = dist.get_world_size(), dist.get_rank()
+    xs = [torch.full((1 << 14,), float(me + k)) for k in range(6)]  # async, sync, async...
+    works = [dist.all_reduce(x, async_op=k % 2 == 0) for k, x in enumerate(xs)]
+    for w in works:
+        if w is not None:
+            w.wait()
+    assert all(torch.equal(x, torch.full_like(x, float(sum(range(n)) + n * k)))
+               for k, x in enumerate(xs)), [x[0].item() for x in xs]
+    # a future's callback that issues a collective and waits for it (PowerSGD's hook does):
+    # the futures complete off the worker thread, which stays free to run it
+    def then(fut):
+        u = torch.full((4,), float(me))
+        dist.all_reduce(u, async_op=True).wait()
+        return fut.value()[0] + u
+
+    first = torch.ones(4)
+    chained = dist.all_reduce(first, async_op=True).get_future().then(then)
+    assert torch.equal(chained.wait(), torch.full((4,), n + float(sum(range(n)))))
+    lf, lg = ddp_losses(dist.group.WORLD), ddp_losses(gloo)
+    assert lf == lg, (lf, lg)
+    inline = dist.group.WORLD._get_backend(torch.device("cpu")).inline_async
+    report(rank=RANK, kind=kind, inline_async=inline, ddp=lf)
+    dist.destroy_process_group()
 
 
 def scenario_token() -> None:

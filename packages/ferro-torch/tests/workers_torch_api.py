@@ -35,12 +35,18 @@ def expect_error(fn, *words: str, kind: type = RuntimeError) -> tuple[str, float
     raise AssertionError(f"no error; expected one naming {words}")
 
 
-def check_device_backend(n: int, me: int) -> None:
+def check_device_backend(n: int, me: int, kind: str) -> None:
     pg = dist.group.WORLD
     assert pg._device_types == [CPU], pg._device_types
-    assert pg._get_backend(CPU) is pg and pg._get_backend("cpu").supports_coalescing
-    expect_error(lambda: pg._get_backend(torch.device("cuda")),
-                 "No backend type associated with device type cuda")
+    if kind == "python":
+        assert pg._get_backend(CPU) is pg and pg._get_backend("cpu").supports_coalescing
+        expect_error(lambda: pg._get_backend(torch.device("cuda")),
+                     "No backend type associated with device type cuda")
+    else:  # torch's group around the compiled backend, torch's CPU backend
+        backend = pg._get_backend(CPU)
+        assert type(backend).__name__ == "FerroBackend" and backend.supports_coalescing, backend
+        assert isinstance(backend.python_group, ferro_torch.ProcessGroupFerro), backend
+        expect_error(lambda: pg._get_backend(torch.device("cuda")), "cuda")
     # all_gather_coalesced, async: torch returns the Work's future
     ins = [torch.full((k + 1, 2), float(me)) for k in range(3)]
     outs = [[torch.empty(k + 1, 2) for k in range(3)] for _ in range(n)]
@@ -79,10 +85,53 @@ def check_device_backend(n: int, me: int) -> None:
     assert lst == [("from", 0)]
     # new_subgroups_by_enumeration: ferro subgroups of the world's transport
     sub, _ = dist.new_subgroups_by_enumeration([[0, 1], list(range(2, n))])
-    assert isinstance(sub, ferro_torch.ProcessGroupFerro), sub
+    # a subgroup of several ranks has an engine of its own (and the compiled backend); a group
+    # of one rank has nothing to communicate, and the Python backend
+    assert ferro_torch.backend_kind(sub) == (kind if sub.size() > 1 else "python"), sub
+    assert isinstance(ferro_torch.ferro_backend(sub), __import__("ferro_backend").SubBackend)
     s = torch.ones(2)
     dist.all_reduce(s, group=sub)
     assert s[0].item() == (2 if me < 2 else n - 2)
+
+
+def check_synchronous_calls_compiled(n: int, me: int) -> dict:
+    """The compiled backend: async_op=False runs in the caller's thread and returns a completed
+    Work; behind a pending async call it waits its turn (the door's tickets); non-contiguous
+    tensors are staged and written back; its errors raise from the call."""
+    sub = dist.new_group(list(range(n)))
+    assert ferro_torch.backend_kind(sub) == "compiled"
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    t = torch.full((6,), float(me))
+    work = sub.allreduce([t], opts)
+    total = float(sum(range(n)))
+    assert work.is_completed() and work.wait() and work.exception() is None, work
+    assert work.get_future().value()[0] is t and torch.equal(t, torch.full((6,), total)), t
+    grid = torch.arange(16.0).reshape(4, 4) * (me + 1)
+    dist.all_reduce(grid.t()[1], group=sub)
+    assert torch.equal(grid[:, 1], torch.arange(1.0, 16.0, 4) * sum(range(1, n + 1))), grid
+    ints = torch.arange(5, dtype=torch.int64) * (me + 1)
+    dist.all_reduce(ints, op=dist.ReduceOp.MAX, group=sub)
+    assert torch.equal(ints, torch.arange(5) * n), ints
+    avg = torch.full((4,), float(me))
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG, group=sub)
+    assert torch.equal(avg, torch.full((4,), total / n)), avg
+    leaf = torch.full((3,), float(me), requires_grad=True)
+    dist.all_reduce(leaf, group=sub)
+    assert torch.equal(leaf.detach(), torch.full((3,), total)), leaf
+    a, b = torch.ones(1 << 16), torch.full((3,), float(me))
+    pending = [dist.all_reduce(a, async_op=True, group=sub) for _ in range(3)]
+    dist.all_reduce(b, group=sub)  # behind the pending ones
+    assert torch.equal(b, torch.full((3,), total)), b
+    for w in pending:
+        w.wait()
+    assert torch.equal(a, torch.full((1 << 16,), float(n ** 3))), a[:4]
+    flags = torch.ones(3, dtype=torch.bool)
+    expect_error(lambda: dist.all_reduce(flags, op=dist.ReduceOp.AVG, group=sub),
+                 "ReduceOp.AVG is not defined on bool tensors", kind=TypeError)
+    inline = sub._get_backend(CPU).inline_async
+    dist.destroy_process_group(sub)
+    return {"inline_async": inline, "cores": len(os.sched_getaffinity(0))}
 
 
 def check_synchronous_calls(n: int, me: int) -> dict:
@@ -219,16 +268,19 @@ def check_any_source(n: int, me: int) -> list | None:
 
 
 def scenario_torch_api() -> None:
-    init(timeout=60)
+    kind = init(timeout=60)
+    assert kind == os.environ["TEST_KIND"], (kind, os.environ["TEST_KIND"])
     n, me = dist.get_world_size(), dist.get_rank()
-    check_device_backend(n, me)
-    sync = check_synchronous_calls(n, me)
+    check_device_backend(n, me, kind)
+    sync = (check_synchronous_calls if kind == "python" else check_synchronous_calls_compiled)(
+        n, me)
     check_sparse(n, me)
     monitored = check_monitored_barrier(n, me)
     timeout = check_timeout_words(me)
     any_source = check_any_source(n, me)
     dist.barrier()
-    report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync)
+    report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync,
+           kind=kind)
     os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
 
 

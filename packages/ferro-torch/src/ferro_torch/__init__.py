@@ -1,7 +1,9 @@
 """ferro-torch: the torch.distributed backend "ferro" (CPU tensors over ferro's transports).
 
 ``import ferro_torch`` registers it; then ``torch.distributed.init_process_group("ferro")``
-under ferrorun or torchrun runs torch's collectives, DDP and FSDP2 on ferro.
+under ferrorun or torchrun runs torch's collectives, DDP and FSDP2 on ferro: on the compiled
+backend (C++, built against the installed torch at first use) where the group's ranks share a
+host and it builds, else on the Python backend (:func:`backend_kind` says which).
 """
 
 
@@ -10,7 +12,13 @@ import torch.distributed as _dist
 from ferro_backend._version import version_getattr
 
 from .errors import FerroTorchError
-from .process_group import ProcessGroupFerro, create_process_group, monitored_barrier
+from .process_group import (
+    ProcessGroupFerro,
+    backend_kind,
+    create_process_group,
+    monitored_barrier,
+    python_group,
+)
 
 #: the name the backend is registered under
 BACKEND_NAME = "ferro"
@@ -48,9 +56,10 @@ def ferro_backend(group=None):
     >>> allreduce(np.ones(4), ferro_backend())  # on the default group's ranks
     """
     pg = _dist.group.WORLD if group is None else group
-    if not isinstance(pg, ProcessGroupFerro):
+    py = python_group(pg)
+    if py is None:
         raise TypeError(f"ferro_backend: {pg!r} is not a 'ferro' process group")
-    return pg.ferro_backend
+    return py.ferro_backend
 
 
 _register()
@@ -59,6 +68,7 @@ __all__ = [
     "BACKEND_NAME",
     "FerroTorchError",
     "ProcessGroupFerro",
+    "backend_kind",
     "create_process_group",
     "ferro_backend",
     "monitored_barrier",

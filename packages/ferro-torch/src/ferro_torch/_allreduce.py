@@ -38,6 +38,9 @@ class Allreduce(GroupCore):
         fc.allreduce(a, self._b, op, timeout=timeout, out=out)
 
     def allreduce(self, tensors, opts=None):
+        """torch's ``all_reduce``: every tensor of ``tensors`` replaced in place by the reduction
+        (``opts.reduceOp``) over the ranks, the same bits on every rank (sparse COO: SUM, as
+        gloo); a Work."""
         if (type(opts) is AllreduceOptions and not getattr(opts, "asyncOp", True)
                 and len(tensors) == 1
                 and self._coalescing is None and not self._closed):
@@ -99,6 +102,8 @@ class Allreduce(GroupCore):
         return self._run("allreduce", list(tensors), opts, run)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """torch's ``all_reduce_coalesced``: every tensor of ``tensors`` reduced in place as one
+        call; a Work."""
         opts = AllreduceCoalescedOptions() if opts is None else opts
         return self.allreduce(tensors, opts)
 

@@ -52,6 +52,8 @@ class Collectives(Allreduce):
 
     # -- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
+        """torch's ``broadcast``: every tensor of ``tensors`` from ``opts.rootRank`` to every rank,
+        in place; a Work."""
         opts = BroadcastOptions() if opts is None else opts
         self._check("broadcast", tensors)
         root, timeout = opts.rootRank, self._timeout(opts)
@@ -64,6 +66,8 @@ class Collectives(Allreduce):
 
     # -- all_gather ---------------------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
+        """torch's ``all_gather`` (lists): ``output_tensors[0][r]`` gets rank r's
+        ``input_tensors[0]``; a Work."""
         opts = AllgatherOptions() if opts is None else opts
         n = self._b.world_size
         for outs, inp in zip(output_tensors, input_tensors):
@@ -91,6 +95,8 @@ class Collectives(Allreduce):
         return self._run("allgather", [o for outs in output_tensors for o in outs], opts, run)
 
     def all_gather_single(self, output, input, opts=None):
+        """torch's ``all_gather_into_tensor``: every rank's input concatenated along dim 0 into
+        ``output``; a Work."""
         opts = AllgatherOptions() if opts is None else opts
         self._check_single("all_gather_into_tensor", output, input, whole="output")
         timeout = self._timeout(opts)
@@ -135,11 +141,15 @@ class Collectives(Allreduce):
                                per_input, inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """torch's coalesced ``all_gather_into_tensor``: each pair of (output, input) as one call; a
+        Work for them all."""
         opts = AllgatherOptions() if opts is None else opts
         return self._coalesced("allgather", self.all_gather_single, outputs, inputs, opts)
 
     # -- reduce_scatter -----------------------------------------------------------------------
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """torch's ``reduce_scatter`` (lists): rank r's output gets the reduction
+        (``opts.reduceOp``) of every rank's ``input_tensors[0][r]``; a Work."""
         opts = ReduceScatterOptions() if opts is None else opts
         n = self._b.world_size
         for out, ins in zip(output_tensors, input_tensors):
@@ -168,6 +178,8 @@ class Collectives(Allreduce):
         fc.reduce_scatter(x, self._b, op, timeout=timeout, out=out)
 
     def reduce_scatter_single(self, output, input, opts=None):
+        """torch's ``reduce_scatter_tensor``: the reduction of every rank's input, its dim-0 block r
+        to rank r's ``output``; a Work."""
         opts = ReduceScatterOptions() if opts is None else opts
         self._check_single("reduce_scatter_tensor", output, input, whole="input")
         op, timeout = ferro_op("reduce_scatter_tensor", opts.reduceOp), self._timeout(opts)
@@ -181,12 +193,16 @@ class Collectives(Allreduce):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """torch's coalesced ``reduce_scatter_tensor``: each pair of (output, input) as one call; a
+        Work for them all."""
         opts = ReduceScatterOptions() if opts is None else opts
         return self._coalesced("reduce_scatter", self.reduce_scatter_single, outputs, inputs,
                                opts)
 
     # -- all_to_all ---------------------------------------------------------------------------
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        """torch's ``all_to_all`` (lists): ``output_tensors[s]`` gets rank s's ``input_tensors[r]``
+        on rank r; a Work."""
         opts = AllToAllOptions() if opts is None else opts
         n = self._b.world_size
         self._check("all_to_all", [*output_tensors, *input_tensors])
@@ -205,6 +221,8 @@ class Collectives(Allreduce):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
+        """torch's ``all_to_all_single``: dim-0 blocks of ``input`` to every rank (equal, or the
+        given split sizes), received into ``output``; a Work."""
         opts = AllToAllOptions() if opts is None else opts
         self._check("all_to_all_single", [output, input])
         n = self._b.world_size
@@ -233,12 +251,16 @@ class Collectives(Allreduce):
 
     # -- barrier ------------------------------------------------------------------------------
     def barrier(self, opts=None):
+        """torch's ``barrier``: returns a Work that completes once every rank of the group has
+        entered it."""
         opts = BarrierOptions() if opts is None else opts
         timeout = self._timeout(opts)
         return self._run("barrier", [], opts, lambda: fc.barrier(self._b, timeout=timeout))
 
     # -- rooted collectives -------------------------------------------------------------------
     def reduce(self, tensors, opts=None):
+        """torch's ``reduce``: the reduction (``opts.reduceOp``) of every rank's tensor into
+        ``opts.rootRank``'s, in place; a Work."""
         opts = ReduceOptions() if opts is None else opts
         self._check("reduce", tensors)
         op, timeout, root = ferro_op("reduce", opts.reduceOp), self._timeout(opts), opts.rootRank
@@ -253,6 +275,8 @@ class Collectives(Allreduce):
         return self._run("reduce", list(tensors), opts, run)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        """torch's ``gather``: every rank's ``input_tensors[0]`` into ``output_tensors[0]`` on
+        ``opts.rootRank``; a Work."""
         opts = GatherOptions() if opts is None else opts
         root, timeout = opts.rootRank, self._timeout(opts)
         self._check("gather", [*input_tensors, *(o for outs in output_tensors for o in outs)])
@@ -269,6 +293,8 @@ class Collectives(Allreduce):
         return self._run("gather", [o for outs in output_tensors for o in outs], opts, run)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        """torch's ``scatter``: ``opts.rootRank``'s ``input_tensors[0][r]`` into rank r's
+        ``output_tensors[0]``; a Work."""
         opts = ScatterOptions() if opts is None else opts
         root, timeout = opts.rootRank, self._timeout(opts)
         n, me = self._b.world_size, self._b.rank

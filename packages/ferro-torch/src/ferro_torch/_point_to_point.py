@@ -28,6 +28,8 @@ class PointToPoint(GroupCore):
         return tag
 
     def send(self, tensors, dstRank, tag=0):
+        """torch's ``send``/``isend``: ``tensors[0]`` to rank ``dstRank`` under ``tag``; a Work that
+        completes when it is sent."""
         self._check("send", tensors)
         self._check_tag("send", tag)
         work = FerroWork("send", list(tensors), self._b.timeout)
@@ -42,6 +44,8 @@ class PointToPoint(GroupCore):
         return self._issued(work)
 
     def recv(self, tensors, srcRank, tag=0):
+        """torch's ``recv``/``irecv``: a message from rank ``srcRank`` under ``tag`` into
+        ``tensors[0]``; a Work."""
         return self._recv("recv", tensors, srcRank, tag)
 
     def recv_anysource(self, tensors, tag=0):

@@ -13,10 +13,13 @@ import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ferro_backend import Backend, SubBackend
+from ferro_backend.engine import attach_engine
 
+from . import _compiled
 from ._collectives import Collectives
 from ._connect import connect
 from ._device_backend import DeviceBackend
@@ -49,11 +52,13 @@ class ProcessGroupFerro(Collectives, PointToPoint, DeviceBackend):
 
     @property
     def group_name(self) -> str:
+        """The group's name as torch knows it (``torch.distributed``'s group name)."""
         # torch sets the name on the C++ backends it registers, which a Python group has
         # none of; DeviceMesh resolves groups by this name.
         return self._name
 
     def getBackendName(self) -> str:
+        """``"ferro"``: the backend's name, as torch's ``get_backend`` reports it."""
         return "ferro"
 
     def __repr__(self) -> str:
@@ -93,20 +98,44 @@ def _forget_root(pg: ProcessGroupFerro) -> None:
 
 
 def _world_group() -> ProcessGroupFerro | None:
-    """The default group when it is a live ferro group."""
+    """The default group's Python group when it is a live ferro group (on either backend)."""
     with _root_lock:
         pg = _root() if _root is not None else None
     if pg is None or pg._closed:
         return None
     try:
-        if dist.group.WORLD is not pg:
+        if python_group(dist.group.WORLD) is not pg:
             return None
     except Exception:
         return None
     return pg
 
 
-def create_process_group(opts, backend_options=None) -> ProcessGroupFerro:
+_CPU = torch.device("cpu")
+
+
+def compiled_backend(group):
+    """``group``'s compiled backend (torch's CPU backend of a ferro group that runs on the
+    compiled one), else None."""
+    if group is None or isinstance(group, ProcessGroupFerro):
+        return None
+    try:
+        backend = group._get_backend(_CPU)
+    except (RuntimeError, AttributeError):
+        return None
+    return backend if type(backend).__name__ == "FerroBackend" else None
+
+
+def python_group(group) -> ProcessGroupFerro | None:
+    """The :class:`ProcessGroupFerro` of a ferro group: the group itself on the Python backend,
+    the one under its compiled backend; None for any other group."""
+    if isinstance(group, ProcessGroupFerro):
+        return group
+    backend = compiled_backend(group)
+    return None if backend is None else backend.python_group
+
+
+def create_process_group(opts, backend_options=None):
     """torch's creator for backend "ferro" (``register_backend(..., extended_api=True)``).
 
     The default group builds the job's ferro transport through torch's store; a subgroup of a
@@ -123,7 +152,10 @@ def create_process_group(opts, backend_options=None) -> ProcessGroupFerro:
 
     Returns
     -------
-    ProcessGroupFerro
+    FerroProcessGroup or ProcessGroupFerro
+        torch's group (a ``c10d::ProcessGroup`` named "ferro") with the compiled backend (a
+        ``c10d::Backend``) as its CPU backend where the group's transport has the same-host
+        engine and the backend builds (``FERRO_TORCH_BACKEND``), else the Python group.
 
     Raises
     ------
@@ -151,7 +183,17 @@ def create_process_group(opts, backend_options=None) -> ProcessGroupFerro:
         if sub.rank != opts.group_rank or sub.world_size != opts.group_size:
             raise RuntimeError(f"ferro new_group: torch made this rank {opts.group_rank} of "
                                f"{opts.group_size}, ferro {sub.rank} of {sub.world_size}")
-        return ProcessGroupFerro(sub, opts.group_id, owns_transport=False)
+        pg = ProcessGroupFerro(sub, opts.group_id, owns_transport=False)
+        if (len(ranks) > 1 and _same_host_engine(world.ferro_backend)
+                and _compiled.choice() != "python" and _compiled.module() is not None):
+            # a subgroup of a same-host job: an engine of its own (collective over its
+            # members, who all run this), and the compiled backend on it
+            try:
+                attach_engine(sub)
+            except BaseException as exc:
+                raise as_torch_error(exc, f"ferro new_group: rank {opts.group_rank} of "
+                                          f"{opts.group_size} could not set up its engine") from exc
+        return _backend_of(pg, timeout, opts.store)
     try:
         transport = connect(opts.store, opts.group_rank, opts.group_size, timeout)
     except BaseException as exc:
@@ -161,7 +203,44 @@ def create_process_group(opts, backend_options=None) -> ProcessGroupFerro:
     if not ranks:
         with _root_lock:
             _root = weakref.ref(pg)
-    return pg
+    return _backend_of(pg, timeout, opts.store)
+
+
+def _same_host_engine(transport: Backend) -> bool:
+    return getattr(transport, "engine", None) is not None
+
+
+def _backend_of(pg: ProcessGroupFerro, timeout: float, store):
+    """What torch gets for ``pg``: torch's group on the compiled backend on its engine where
+    there is one and it builds (``FERRO_TORCH_BACKEND``), else ``pg`` itself (the Python
+    backend). A transport
+    without the engine (TCP across hosts, a group of one rank) runs on the Python backend
+    whatever the setting says: the compiled backend is the engine's."""
+    if _compiled.choice() == "python" or not _same_host_engine(pg.ferro_backend):
+        return pg
+    group = _compiled.make(pg, timeout, store)
+    return pg if group is None else group
+
+
+def backend_kind(group=None) -> str:
+    """Which backend runs ``group`` (default: the default group): ``"compiled"`` (the C++
+    c10d backend on ferro's engine) or ``"python"`` (:class:`ProcessGroupFerro`). With no
+    default group yet: the kind a same-host group would get now (building the compiled backend
+    if ``FERRO_TORCH_BACKEND`` allows and it is not built yet).
+
+    Raises
+    ------
+    TypeError
+        ``group`` is not a ferro group.
+    """
+    if group is None and not dist.is_initialized():
+        return "compiled" if _compiled.module() is not None else "python"
+    pg = dist.group.WORLD if group is None else group
+    if compiled_backend(pg) is not None:
+        return "compiled"
+    if isinstance(pg, ProcessGroupFerro):
+        return "python"
+    raise TypeError(f"backend_kind: {pg!r} is not a 'ferro' process group")
 
 
 _torch_monitored_barrier = dist.monitored_barrier
@@ -197,12 +276,13 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     """
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return
-    pg = dist.group.WORLD if group is None else group
-    if not isinstance(pg, ProcessGroupFerro):
+    pg = python_group(dist.group.WORLD if group is None else group)
+    if pg is None:
         return _torch_monitored_barrier(group, timeout, wait_all_ranks)
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=timeout)
     return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
-__all__ = ["TAG_LIMIT", "ProcessGroupFerro", "create_process_group", "monitored_barrier"]
+__all__ = ["TAG_LIMIT", "ProcessGroupFerro", "backend_kind", "compiled_backend",
+           "create_process_group", "monitored_barrier", "python_group"]

@@ -1,0 +1,208 @@
+"""The compiled backend: ``csrc/`` built against the installed torch at first use, and the
+choice between it and the Python backend.
+
+Built with ``torch.utils.cpp_extension.load`` (JIT) the first time a process needs it, into
+torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
+under a name that encodes the torch version, the door's ABI and a hash of the sources and of
+ferro's engine headers, so a cache built from other sources, another torch or another door is
+never loaded; later processes load it from the cache in well under a second. torch's own file
+lock in the build directory makes the ranks of a job that start at once build it once (the
+first builds, the others wait and load).
+
+Why at first use and not at install time: ferro-torch installs as pure Python against whatever
+torch the environment has (and may get later); a C++ extension built at install time is bound
+to the C++ ABI of the torch present then, and silently breaks (or refuses to import) when torch
+is upgraded. Built at first use it always matches the torch that is imported.
+
+``FERRO_TORCH_BACKEND`` (``auto``, ``compiled`` or ``python``) chooses: ``auto`` builds and
+uses the compiled backend where it can and otherwise warns once (one line naming why) and runs
+the Python backend; ``compiled`` raises where it cannot build; ``python`` never builds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed
+
+import ferro_backend
+from ferro_backend import settings
+
+from .errors import FerroTorchError
+
+#: the C++ sources of the backend, built in this order
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("work.cpp", "backend.cpp", "collectives.cpp", "python.cpp")
+HEADERS = ("ferro_c10d.hpp",)
+#: the oldest torch the sources build against (c10d's options carry asyncOp from 2.7 on)
+OLDEST_TORCH = (2, 7)
+
+BACKEND = settings.Setting(
+    settings.PREFIX + "TORCH_BACKEND", "auto, compiled or python", "auto", "ferro-torch",
+    "which torch backend \"ferro\" runs: `compiled` (the C++ c10d backend on the engine, built "
+    "against the installed torch at first use; an error if it cannot build), `python` (the "
+    "Python backend), `auto` (the compiled one where it builds and the group has the engine, "
+    "else the Python one with one warning line)",
+    settings._choice("auto", "compiled", "python"))
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None  # why the build failed (once per process)
+_warned = False
+
+
+class BuildError(RuntimeError):
+    """The compiled backend cannot be built or loaded here (the message says why)."""
+
+
+def choice() -> str:
+    """``FERRO_TORCH_BACKEND``'s value: "auto", "compiled" or "python"."""
+    return BACKEND.get()
+
+
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def extension_name() -> str:
+    """The cache name: torch's version, the door's ABI, a hash of every source and header."""
+    h = hashlib.sha256()
+    inc = Path(ferro_backend.get_include()) / "ferro"
+    for p in [*(CSRC / s for s in (*HEADERS, *SOURCES)), inc / "engine.h",
+              inc / "engine_python.h"]:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(torch.__version__.encode())
+    tv = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    major, minor = _abi()
+    return f"ferro_torch_c10d_t{tv}_door{major}_{minor}_{h.hexdigest()[:12]}"
+
+
+def _abi() -> tuple[int, int]:
+    text = (Path(ferro_backend.get_include()) / "ferro" / "engine.h").read_text()
+    found = {}
+    for key in ("MAJOR", "MINOR"):
+        line = next(ln for ln in text.splitlines()
+                    if ln.startswith(f"#define FERRO_ENGINE_ABI_{key} "))
+        found[key] = int(line.split()[-1].rstrip("uU"))
+    return found["MAJOR"], found["MINOR"]
+
+
+def _preflight() -> None:
+    """What a build needs, checked first so that its absence is named in one line."""
+    if _torch_version() < OLDEST_TORCH:
+        raise BuildError(f"torch {torch.__version__} is older than "
+                         f"{'.'.join(map(str, OLDEST_TORCH))}, the oldest the compiled backend "
+                         "builds against")
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise BuildError(f"no C++ compiler ({cxx!r} is not on PATH; set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise BuildError("ninja is not installed (pip install ninja)")
+
+
+def _build() -> ModuleType:
+    _preflight()
+    from torch.utils import cpp_extension
+
+    def load() -> ModuleType:
+        return cpp_extension.load(
+            name=name, sources=[str(CSRC / s) for s in SOURCES],
+            extra_include_paths=[ferro_backend.get_include(), str(CSRC)],
+            extra_cflags=["-O2", "-fvisibility=hidden"], verbose=False)
+
+    name = extension_name()
+    try:
+        try:
+            return load()
+        except ImportError as exc:
+            if "No such file" not in str(exc):  # it is there and does not load
+                raise
+            # another rank held torch's build lock and its build failed, leaving nothing to
+            # import: build here (torch's versioner forgets this name), for the compiler's words
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+            return load()
+    except ImportError as exc:  # built, but the module does not load against this torch
+        raise BuildError(f"the module built against torch {torch.__version__} does not load "
+                         f"(a C++ ABI mismatch?): {_first_line(exc)}") from exc
+    except Exception as exc:  # the compiler's, ninja's or torch's error
+        raise BuildError(f"building it against torch {torch.__version__} failed: "
+                         f"{_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    errors = [ln.strip() for ln in lines if "error:" in ln]  # the compiler's first
+    return (errors[0] if errors else lines[0] if lines else type(exc).__name__)[:300]
+
+
+def module() -> ModuleType | None:
+    """The compiled module (built or loaded once per process), or None where
+    ``FERRO_TORCH_BACKEND`` says python or (auto) it cannot be built, with one warning line
+    naming why. BuildError under ``FERRO_TORCH_BACKEND=compiled``."""
+    global _module, _failure
+    kind = choice()
+    if kind == "python":
+        return None
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = _build()
+            except BuildError as exc:
+                _failure = str(exc)
+        if _module is not None:
+            return _module
+    if kind == "compiled":
+        raise BuildError(f"ferro-torch: FERRO_TORCH_BACKEND=compiled, but the compiled backend "
+                         f"is not available: {_failure}")
+    fall_back(_failure)
+    return None
+
+
+def fall_back(why: str) -> None:
+    """Warn once per process (one line) that the Python backend runs, and why."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"ferro-torch: using the Python backend: {why}", RuntimeWarning,
+                      stacklevel=2)
+
+
+def make(pg, timeout: float, store):
+    """torch's group on the compiled backend of the Python group ``pg`` (a ProcessGroupFerro
+    whose transport has the engine): a ``FerroProcessGroup`` (a ``c10d::ProcessGroup`` named
+    "ferro") with a ``FerroBackend`` as its CPU backend; None (the Python backend; warned)
+    where it cannot be had."""
+    mod = module()
+    if mod is None:
+        return None
+    from ferro_backend.engine import comm_capsule
+
+    try:
+        capsule = comm_capsule(pg.ferro_backend)
+        backend = mod.FerroBackend(capsule, pg, pg.rank(), pg.size(), timeout,
+                                   pg._inline_async)
+    except RuntimeError as exc:  # no engine, or an engine of another door ABI
+        if choice() == "compiled":
+            raise FerroTorchError(f"ferro-torch: FERRO_TORCH_BACKEND=compiled, but {exc}") from exc
+        fall_back(str(exc))
+        return None
+    # what torch does for a registered C++ backend, with a group that says "ferro"
+    group = mod.FerroProcessGroup(store, pg.rank(), pg.size())
+    custom = torch.distributed.ProcessGroup.BackendType.CUSTOM
+    group._set_default_backend(custom)
+    group._register_backend(torch.device("cpu"), custom, backend)
+    return group
+
+
+__all__ = ["BACKEND", "BuildError", "choice", "extension_name", "fall_back", "make", "module"]

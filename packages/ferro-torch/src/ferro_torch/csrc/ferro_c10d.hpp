@@ -1,0 +1,282 @@
+// ferro_c10d.hpp: torch's c10d::Backend "ferro" on ferro's engine door (ferro/engine.h).
+//
+// FerroBackend runs a group's collectives as the door's calls on raw tensor memory, without
+// Python and without the GIL: a synchronous call (asyncOp false) in the caller's thread, an
+// asynchronous one on the backend's worker thread (or in the caller's where the host's ranks
+// fill its cores, as the Python backend does: FERRO_BACKGROUND=auto). Every operation reserves
+// its door tickets when it is issued, in issue order, so the door runs the calls of every
+// thread (and ferro's own Python collectives on the same engine) in that order on every rank.
+//
+// What the door cannot do (point-to-point messages, sparse tensors, a reduction of a dtype or
+// op it lacks, uneven all_to_all) goes to the group's Python backend (ProcessGroupFerro,
+// python.cpp), called with the GIL in the issuing thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "ferro/engine.h"
+
+namespace ferro_torch {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+using Ms = std::chrono::milliseconds;
+
+// A new future of a list of tensors (what torch's Works complete with).
+FuturePtr tensor_future();
+// torch's error for a failure: c10::DistBackendError carrying `msg`.
+std::exception_ptr backend_error(const std::string& msg);
+
+// One operation of the backend: done in the caller's thread (complete() before it is
+// returned) or on the worker. Its future is made when asked for.
+class FerroWork : public c10d::Work {
+ public:
+  FerroWork(c10d::OpType type, std::vector<at::Tensor> outputs);
+  // done (its future, if made, completed here: its callbacks run in this thread)
+  void complete(std::exception_ptr error = nullptr);
+  // done; its future, if one was made, returned for settle() to complete elsewhere
+  FuturePtr finish(std::exception_ptr error);
+  void settle(const FuturePtr& future);
+  std::vector<at::Tensor> result() override;
+  FuturePtr getFuture() override;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  FuturePtr future_;
+};
+
+// The Works issued between torch's startCoalescing and endCoalescing, seen as one.
+class CoalescedWork : public c10d::Work {
+ public:
+  explicit CoalescedWork(std::vector<WorkPtr> works);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  bool wait(Ms timeout) override;
+  std::vector<at::Tensor> result() override;
+  FuturePtr getFuture() override;
+
+ private:
+  std::vector<WorkPtr> works_;
+  std::mutex lock_;
+  FuturePtr future_;
+};
+
+// The door tickets an operation reserved when it was issued, used in order; the ones it did
+// not use (it failed before its last call) are given back when it ends.
+class Tickets {
+ public:
+  Tickets(ferro_comm* c, const ferro_engine_api* api, size_t n);
+  Tickets(Tickets&& other) noexcept;
+  Tickets(const Tickets&) = delete;
+  ~Tickets();
+  int64_t next();
+
+ private:
+  ferro_comm* c_;
+  const ferro_engine_api* api_;
+  c10::SmallVector<int64_t, 4> tickets_;
+  size_t used_ = 0;
+};
+
+// The Python side (python.cpp): the group's ProcessGroupFerro, for what stays on it.
+struct PyState;
+
+class FerroBackend : public c10d::Backend {
+ public:
+  FerroBackend(ferro_comm* comm, int rank, int size, Ms timeout, bool inline_async,
+               std::unique_ptr<PyState> py);
+  ~FerroBackend() override;
+
+  const std::string getBackendName() const override { return "ferro"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  bool supportsCoalescing() const override { return true; }
+  void setTimeout(Ms timeout) override { timeout_ = timeout; }
+  void startCoalescing() override;
+  WorkPtr endCoalescing() override;
+  void setSequenceNumberForGroup() override { seq_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
+  void shutdown() override;  // (python.cpp: the Python group's too)
+  void abort() override;
+
+  // -- collectives on the door (backend.cpp, collectives.cpp)
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override;
+  WorkPtr broadcast(std::vector<at::Tensor>& tensors,
+                    const c10d::BroadcastOptions& opts) override;
+  WorkPtr allreduce(std::vector<at::Tensor>& tensors,
+                    const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce_sparse(std::vector<at::Tensor>& tensors,
+                           const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                              const c10d::AllreduceCoalescedOptions& opts) override;
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input,
+                          const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
+                              std::vector<at::Tensor>& inputs,
+                              const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllgatherOptions& opts) override;
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts) override;
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts) override;
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs,
+                         std::vector<std::vector<at::Tensor>>& inputs,
+                         const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                               const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input,
+                        std::vector<int64_t>& output_splits, std::vector<int64_t>& input_splits,
+                        const c10d::AllToAllOptions& opts) override;
+  WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                   const c10d::AllToAllOptions& opts) override;
+
+  // -- on the Python backend (python.cpp)
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+
+  // what the Python backend runs for this group; a collective among them runs synchronously
+  // in the issuing thread, so that its own door tickets keep the issue order
+  WorkPtr py_allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+  WorkPtr py_reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts);
+  WorkPtr py_reduce_scatter(std::vector<at::Tensor>& outputs,
+                            std::vector<std::vector<at::Tensor>>& inputs,
+                            const c10d::ReduceScatterOptions& opts);
+  WorkPtr py_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                 const c10d::ReduceScatterOptions& opts);
+  WorkPtr py_alltoall_base(at::Tensor& output, at::Tensor& input,
+                           std::vector<int64_t>& output_splits,
+                           std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts);
+  WorkPtr py_alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                      const c10d::AllToAllOptions& opts);
+
+  PyState& python() { return *py_; }
+  bool inline_async() const { return inline_async_; }
+  // `work`, noted as part of the coalesced block torch has open, if any
+  WorkPtr noted(WorkPtr work);
+
+ private:
+  using Body = std::function<void(Tickets&, double)>;
+  struct Job {
+    c10::intrusive_ptr<FerroWork> work;
+    Tickets tickets;
+    double seconds;
+    Body body;
+  };
+
+  // Issue an operation of `calls` door calls: run body(tickets, seconds) now in this thread
+  // (synchronous, or asynchronous where those run inline) or queue it for the worker.
+  template <class F>
+  WorkPtr issue(c10d::OpType type, bool async_op, Ms timeout, size_t calls,
+                std::vector<at::Tensor> outputs, F&& body);
+  // One door call: `call(opts)` with the operation's next ticket and its deadline; torch's
+  // error if it fails.
+  template <class F>
+  void door(const char* name, Tickets& t, double secs, F&& call) const {
+    ferro_opts o = FERRO_OPTS_INIT;
+    o.timeout = secs;
+    o.ticket = t.next();
+    int rc = call(&o);
+    if (rc != FERRO_OK) fail(name, rc, secs);
+  }
+  [[noreturn]] void fail(const char* name, int rc, double secs) const;
+  double seconds(Ms timeout) const;
+  void loop();
+  void callback_loop();
+  void stop_worker();
+  void py_release();
+
+  ferro_comm* comm_;
+  const ferro_engine_api* api_;
+  Ms timeout_;
+  bool inline_async_;
+  std::unique_ptr<PyState> py_;
+  std::atomic<uint64_t> seq_{0};
+  bool closed_ = false;
+  // coalescing (torch's startCoalescing .. endCoalescing)
+  bool coalescing_ = false;
+  std::vector<WorkPtr> coalesced_;
+  // the worker
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+  // the futures of the worker's operations complete on a thread of their own (their
+  // callbacks may issue an operation and wait for it, which the worker must be free to run)
+  std::condition_variable callbacks_cv_;
+  std::deque<std::pair<c10::intrusive_ptr<FerroWork>, FuturePtr>> callbacks_;
+  std::thread callback_thread_;
+  bool worker_done_ = false;
+};
+
+template <class F>
+WorkPtr FerroBackend::issue(c10d::OpType type, bool async_op, Ms timeout, size_t calls,
+                            std::vector<at::Tensor> outputs, F&& body) {
+  TORCH_CHECK(!closed_, "ferro: the process group was shut down");
+  ++seq_;
+  const double secs = seconds(timeout);
+  auto work = c10::make_intrusive<FerroWork>(type, std::move(outputs));
+  if (!async_op || inline_async_) {
+    std::exception_ptr error;
+    try {
+      Tickets t(comm_, api_, calls);
+      body(t, secs);
+    } catch (...) {
+      if (!async_op) throw;  // a synchronous call raises
+      error = std::current_exception();
+    }
+    work->complete(error);
+    return noted(work);
+  }
+  {
+    // tickets reserved in the order operations enter the queue: the worker's order
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.push_back(Job{work, Tickets(comm_, api_, calls), secs, Body(std::forward<F>(body))});
+    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+  }
+  cv_.notify_one();
+  return noted(work);
+}
+
+// -- ferro/engine.h's names for torch's
+// the door's dtype of a tensor's elements, -1 if it has none
+int door_dtype(at::ScalarType t);
+// the door's op for torch's `op` on `dtype`; -1 where the door lacks the pair (the Python
+// backend decides); ValueError/TypeError in torch's words for ops no backend "ferro" has
+int door_op(const c10d::ReduceOp& op, int dtype, const char* name);
+// elements as the door moves them (data movement only): its dtype, else bytes
+struct Items {
+  int dtype;
+  size_t count;
+  const char* type_name;  // NULL: the dtype's
+};
+Items items_of(const at::Tensor& t);
+void check_cpu(const char* name, const at::Tensor& t);
+// a contiguous tensor of `t`'s elements: `t` itself, or a copy (copy back with write_back)
+at::Tensor dense(const at::Tensor& t);
+void write_back(const at::Tensor& t, const at::Tensor& buf);
+// the tensors one after another in one contiguous block (the first one's memory), or undefined
+at::Tensor span(const std::vector<at::Tensor>& ts);
+
+}  // namespace ferro_torch

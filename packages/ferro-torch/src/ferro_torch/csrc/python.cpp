@@ -1,0 +1,317 @@
+// python.cpp: what backend "ferro" leaves to the group's Python backend (ProcessGroupFerro):
+// point-to-point messages, monitored_barrier, sparse tensors, reductions of dtypes or ops the
+// door lacks, all_to_all with sizes of each rank's own; the backend's lifetime around it; and
+// the Python module (FerroBackend, made from the engine's capsule, and FerroProcessGroup,
+// torch's group around it under the name "ferro").
+//
+// The GIL is taken only here, and only for those: the door's calls never need it.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include "ferro/engine_python.h"
+#include "ferro_c10d.hpp"
+
+namespace py = pybind11;
+
+namespace ferro_torch {
+
+struct PyState {
+  py::object group;  // the ProcessGroupFerro of the same ranks and transport
+};
+
+namespace {
+
+// the GIL let go while this lives, if this thread holds it (waiting for the worker, whose
+// futures' callbacks may need it)
+struct WithoutGil {
+  PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  ~WithoutGil() {
+    if (saved != nullptr) PyEval_RestoreThread(saved);
+  }
+};
+
+py::object seconds_or_none(Ms timeout) {
+  if (timeout.count() <= 0) return py::none();
+  return py::float_(timeout.count() / 1000.0);
+}
+
+// A Python backend's Work (a send, a receive) as torch's: every call goes to it, with the GIL.
+class PyWork : public c10d::Work {
+ public:
+  PyWork(c10d::OpType type, py::object work, std::vector<at::Tensor> outputs)
+      : c10d::Work(-1, type), work_(std::move(work)), outputs_(std::move(outputs)) {}
+
+  ~PyWork() override {
+    if (!Py_IsInitialized()) {
+      work_.release();  // the interpreter is gone: nothing to give back
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    work_ = py::object();
+  }
+
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("is_completed")().cast<bool>();
+  }
+
+  bool isSuccess() const override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("is_success")().cast<bool>();
+  }
+
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    py::object exc = work_.attr("exception")();
+    if (exc.is_none()) return nullptr;
+    return backend_error(py::str(exc).cast<std::string>());
+  }
+
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("_source_rank")().cast<int>();
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  bool wait(Ms timeout) override {
+    py::gil_scoped_acquire gil;
+    work_.attr("wait")(seconds_or_none(timeout));  // (its error raised here)
+    return true;
+  }
+
+  FuturePtr getFuture() override {
+    py::gil_scoped_acquire gil;  // (the GIL guards future_)
+    if (future_) return future_;
+    FuturePtr f = future_ = tensor_future();
+    std::vector<at::Tensor> outputs = outputs_;
+    work_.attr("get_future")().attr("add_done_callback")(
+        py::cpp_function([f, outputs](py::object done) {
+          try {
+            done.attr("value")();
+          } catch (py::error_already_set& e) {
+            f->setError(backend_error(e.what()));
+            return;
+          }
+          f->markCompleted(c10::IValue(outputs));
+        }));
+    return f;
+  }
+
+ private:
+  py::object work_;
+  std::vector<at::Tensor> outputs_;
+  FuturePtr future_;
+};
+
+// A collective on the Python backend, run to its end in this thread (synchronously, so that
+// its door tickets are taken in issue order); a finished Work, or its error raised.
+template <class Opts, class F>
+WorkPtr in_python(FerroBackend& b, c10d::OpType type, std::vector<at::Tensor> outputs,
+                  const Opts& opts, F&& call) {
+  Opts sync = opts;
+  sync.asyncOp = false;
+  {
+    py::gil_scoped_acquire gil;
+    py::object work = call(b.python().group, py::cast(sync));
+    work.attr("wait")();
+  }
+  auto work = c10::make_intrusive<FerroWork>(type, std::move(outputs));
+  work->complete();
+  return b.noted(work);
+}
+
+std::vector<at::Tensor> joined(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (const auto& l : lists) out.insert(out.end(), l.begin(), l.end());
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------- lifetime
+FerroBackend::FerroBackend(ferro_comm* comm, int rank, int size, Ms timeout, bool inline_async,
+                           std::unique_ptr<PyState> py)
+    : c10d::Backend(rank, size),
+      comm_(comm),
+      api_(ferro_api(comm)),
+      timeout_(timeout),
+      inline_async_(inline_async),
+      py_(std::move(py)) {}
+
+FerroBackend::~FerroBackend() {
+  {
+    WithoutGil unlocked;
+    stop_worker();
+  }
+  py_release();
+  api_->release(comm_);
+}
+
+void FerroBackend::py_release() {
+  if (!py_) return;
+  if (!Py_IsInitialized()) {
+    py_->group.release();
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  py_.reset();
+}
+
+void FerroBackend::shutdown() {
+  {
+    WithoutGil unlocked;
+    stop_worker();  // every operation issued runs first
+  }
+  closed_ = true;
+  py::gil_scoped_acquire gil;
+  py_->group.attr("shutdown")();  // (closes the transport the group owns)
+}
+
+void FerroBackend::abort() {
+  api_->close(comm_);  // the calls in flight end now
+  {
+    WithoutGil unlocked;
+    stop_worker();
+  }
+  closed_ = true;
+  py::gil_scoped_acquire gil;
+  py_->group.attr("abort")();
+}
+
+// ---------------------------------------------------------------------------- point-to-point
+WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  py::gil_scoped_acquire gil;
+  py::object work = py_->group.attr("send")(tensors, dst, tag);
+  return noted(c10::make_intrusive<PyWork>(c10d::OpType::SEND, work, tensors));
+}
+
+WorkPtr FerroBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  py::gil_scoped_acquire gil;
+  py::object work = py_->group.attr("recv")(tensors, src, tag);
+  return noted(c10::make_intrusive<PyWork>(c10d::OpType::RECV, work, tensors));
+}
+
+WorkPtr FerroBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  py::gil_scoped_acquire gil;
+  py::object work = py_->group.attr("recv_anysource")(tensors, tag);
+  return noted(c10::make_intrusive<PyWork>(c10d::OpType::RECVANYSOURCE, work, tensors));
+}
+
+void FerroBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  py::gil_scoped_acquire gil;
+  py::object timeout = opts.timeout.count() < 0 ? py::object(py::none())
+                                                : py::object(py::float_(opts.timeout.count() / 1000.0));
+  py_->group.attr("monitored_barrier")(timeout, wait_all_ranks);
+}
+
+// ---------------------------------------------------------------------------- collectives
+WorkPtr FerroBackend::py_allreduce(std::vector<at::Tensor>& tensors,
+                                   const c10d::AllreduceOptions& opts) {
+  return in_python(*this, c10d::OpType::ALLREDUCE, tensors, opts, [&](py::object& g, py::object o) {
+    return g.attr("_allreduce")(tensors, o);
+  });
+}
+
+WorkPtr FerroBackend::py_reduce(std::vector<at::Tensor>& tensors,
+                                const c10d::ReduceOptions& opts) {
+  return in_python(*this, c10d::OpType::REDUCE, tensors, opts, [&](py::object& g, py::object o) {
+    return g.attr("reduce")(tensors, o);
+  });
+}
+
+WorkPtr FerroBackend::py_reduce_scatter(std::vector<at::Tensor>& outputs,
+                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                        const c10d::ReduceScatterOptions& opts) {
+  return in_python(*this, c10d::OpType::REDUCE_SCATTER, outputs, opts,
+                   [&](py::object& g, py::object o) {
+                     return g.attr("reduce_scatter")(outputs, inputs, o);
+                   });
+}
+
+WorkPtr FerroBackend::py_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                             const c10d::ReduceScatterOptions& opts) {
+  return in_python(*this, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts,
+                   [&](py::object& g, py::object o) {
+                     return g.attr("reduce_scatter_single")(output, input, o);
+                   });
+}
+
+WorkPtr FerroBackend::py_alltoall_base(at::Tensor& output, at::Tensor& input,
+                                       std::vector<int64_t>& output_splits,
+                                       std::vector<int64_t>& input_splits,
+                                       const c10d::AllToAllOptions& opts) {
+  return in_python(*this, c10d::OpType::ALLTOALL_BASE, {output}, opts,
+                   [&](py::object& g, py::object o) {
+                     return g.attr("all_to_all_single")(output, input, output_splits,
+                                                        input_splits, o);
+                   });
+}
+
+WorkPtr FerroBackend::py_alltoall(std::vector<at::Tensor>& outputs,
+                                  std::vector<at::Tensor>& inputs,
+                                  const c10d::AllToAllOptions& opts) {
+  return in_python(*this, c10d::OpType::ALLTOALL, outputs, opts,
+                   [&](py::object& g, py::object o) {
+                     return g.attr("alltoall")(outputs, inputs, o);
+                   });
+}
+
+}  // namespace ferro_torch
+
+// ---------------------------------------------------------------------------- the module
+namespace {
+
+using ferro_torch::FerroBackend;
+
+// torch's ProcessGroup around a FerroBackend, named "ferro" (a group torch makes around a
+// backend of a registered name says "custom" to getBackendName, DDP's logs among others)
+class FerroProcessGroup : public c10d::ProcessGroup {
+ public:
+  using c10d::ProcessGroup::ProcessGroup;
+  const std::string getBackendName() const override { return "ferro"; }
+};
+
+c10::intrusive_ptr<FerroBackend> make_backend(py::object capsule, py::object group, int rank,
+                                              int size, double timeout, bool inline_async) {
+  char why[512];
+  ferro_comm* c = ferro_attach_capsule(capsule.ptr(), why, sizeof why);
+  if (c == nullptr) throw std::runtime_error(why);
+  const ferro_engine_api* api = ferro_api(c);
+  if (api->rank(c) != rank || api->world_size(c) != size) {
+    std::string msg = c10::str("FerroBackend: the engine's communicator is rank ", api->rank(c),
+                               " of ", api->world_size(c), ", torch's group rank ", rank, " of ",
+                               size);
+    api->release(c);
+    throw std::runtime_error(msg);
+  }
+  auto py = std::make_unique<ferro_torch::PyState>();
+  py->group = std::move(group);
+  return c10::make_intrusive<FerroBackend>(
+      c, rank, size, ferro_torch::Ms(static_cast<int64_t>(timeout * 1000.0)), inline_async,
+      std::move(py));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch's c10d::Backend \"ferro\" on ferro's engine door (ferro/engine.h)";
+  py::module_::import("torch.distributed");  // (c10d::Backend's Python type, our base)
+  py::class_<FerroBackend, c10d::Backend, c10::intrusive_ptr<FerroBackend>>(m, "FerroBackend")
+      .def(py::init(&make_backend), py::arg("capsule"), py::arg("python_group"),
+           py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("inline_async"))
+      .def_property_readonly("python_group",
+                             [](FerroBackend& b) { return b.python().group; })
+      .def_property_readonly("inline_async", &FerroBackend::inline_async)
+      .def("__repr__", [](FerroBackend& b) {
+        return c10::str("<ferro_torch FerroBackend rank=", b.getRank(), " size=", b.getSize(),
+                        ">");
+      });
+  py::class_<FerroProcessGroup, c10d::ProcessGroup, c10::intrusive_ptr<FerroProcessGroup>>(
+      m, "FerroProcessGroup")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size) {
+             return c10::make_intrusive<FerroProcessGroup>(store, rank, size);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"));
+  m.attr("DOOR_ABI") = py::make_tuple(FERRO_ENGINE_ABI_MAJOR, FERRO_ENGINE_ABI_MINOR);
+}
