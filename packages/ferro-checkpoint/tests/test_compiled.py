@@ -8,11 +8,12 @@ import sys
 import textwrap
 
 import ferro_checkpoint
-from ferro_checkpoint import _along_dim
+from ferro_checkpoint import _along_dim, _copy_crc
 
 
-def test_kernel_is_an_extension_module():
-    assert _along_dim.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+def test_kernels_are_extension_modules():
+    for kernel in (_along_dim, _copy_crc):
+        assert kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
 def test_public_names():
@@ -61,7 +62,8 @@ def test_the_kernels_share_one_compiled_cython_utility_module():
     kernel as it loads, not compiled into every kernel."""
     import sys
 
-    import ferro_checkpoint._along_dim  # noqa: F401
+    import ferro_checkpoint._along_dim
+    import ferro_checkpoint._copy_crc  # noqa: F401
 
     util = sys.modules["ferro_checkpoint._cyutility"]
     assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

@@ -67,7 +67,7 @@ def test_every_shard_header_carries_the_save_identity(tmp_path):
         h = header(tmp_path / f"rank_{r}.safetensors")
         assert h["ferro.shard_id"] == ids[r]
         assert h["ferro.checkpoint_id"] == meta["checkpoint_id"]
-        assert {"ferro.crc32.w", "ferro.crc32.b"} <= set(h)
+        assert {"ferro.checksum", "ferro.crc32c.w", "ferro.crc32c.b"} <= set(h)
         plain = safetensors_numpy.load_file(str(tmp_path / f"rank_{r}.safetensors"))
         assert plain["w"].tobytes() == shards_of(FULL, spec_for(FULL, 3), r)["w"].tobytes()
 

@@ -72,7 +72,7 @@ def test_shape_mismatch_with_metadata(tmp_path):
 def test_bad_format_version(tmp_path):
     save_all(FULL, tmp_path, 1)
     p = tmp_path / "metadata.json"
-    p.write_text(p.read_text().replace('"format_version": 1', '"format_version": 99'))
+    p.write_text(p.read_text().replace('"format_version": 2', '"format_version": 99'))
     with pytest.raises(MetadataError, match="format_version 99 is not supported"):
         load_distributed(tmp_path, 0, 1)
 

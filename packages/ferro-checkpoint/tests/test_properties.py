@@ -1,5 +1,7 @@
-"""Hypothesis: save with N ranks, load with M (1..8), random shapes, shard dims and dtypes; the
-kernels against numpy; the shard-split rule against ferro-backend's, where it is installed."""
+"""Hypothesis: save with N ranks, load with M (1..8), random shapes, shard dims and dtypes, every
+way of reading (copies, zero-copy views verified up front or on lookup, the caller's arrays,
+threads) and checksum chunk sizes; the kernels against numpy; the shard-split rule against
+ferro-backend's, where it is installed."""
 
 import numpy as np
 import pytest
@@ -11,9 +13,14 @@ from hypothesis.extra import numpy as hnp
 from ferro_checkpoint import (
     compute_shard_sizes,
     concat_along_dim,
+    copy_plan,
     load_distributed,
+    safetensors_io,
     slice_along_dim,
 )
+
+READS = [{}, {"mmap": True}, {"mmap": True, "verify": "lazy"}, {"verify": False}, {"out": True},
+         {"threads": 3}]
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
           np.bool_]
@@ -40,18 +47,36 @@ def state_dicts(draw):
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(sd=state_dicts(), n=st.integers(1, 8), m=st.integers(1, 8))
-def test_save_n_load_m(tmp_path_factory, sd, n, m):
+@given(sd=state_dicts(), n=st.integers(1, 8), m=st.integers(1, 8),
+       read=st.sampled_from(READS), chunk=st.sampled_from([1, 8, 40, 1 << 20]))
+def test_save_n_load_m(tmp_path_factory, sd, n, m, read, chunk):
     full, dims = sd
     d = tmp_path_factory.mktemp("ckpt")
-    save_all(full, d, n, dims)
-    new_spec = spec_for(full, m, dims)
-    for r in range(m):
-        got = load_distributed(d, r, m)
-        want = shards_of(full, new_spec, r)
-        for k in full:
-            assert got[k].dtype == full[k].dtype
-            assert got[k].tobytes() == want[k].tobytes() and got[k].shape == want[k].shape
+    saved = safetensors_io.CHUNK, copy_plan.THREAD_MIN, copy_plan.PIECE_MIN
+    safetensors_io.CHUNK = chunk  # several chunks per tensor, and reshard windows inside them
+    copy_plan.THREAD_MIN = copy_plan.PIECE_MIN = 0  # threads even for these small loads
+    try:
+        save_all(full, d, n, dims)
+        new_spec = spec_for(full, m, dims)
+        for r in range(m):
+            want = shards_of(full, new_spec, r)
+            kwargs = dict(read)
+            if kwargs.pop("out", False):
+                kwargs["out"] = {k: np.full_like(v, 1) for k, v in want.items()}
+            got = load_distributed(d, r, m, **kwargs)
+            check(got, want, full, kwargs)
+    finally:
+        safetensors_io.CHUNK, copy_plan.THREAD_MIN, copy_plan.PIECE_MIN = saved
+
+
+def check(got, want, full, kwargs):
+    if "out" in kwargs:
+        assert all(got[k] is kwargs["out"][k] for k in full)
+    if kwargs.get("mmap"):
+        assert all(not got[k].flags.writeable for k in full)
+    for k in full:
+        assert got[k].dtype == full[k].dtype
+        assert got[k].tobytes() == want[k].tobytes() and got[k].shape == want[k].shape
 
 
 @settings(max_examples=100, deadline=None)

@@ -42,8 +42,15 @@ def test_manager_example_prints_the_kept_steps_and_the_restored_rows(outputs):
 
 
 def test_identity_example_refuses_the_copied_shard_and_the_corrupt_tensor(outputs):
-    assert len(outputs) == 2
+    assert len(outputs) == 3
     out = outputs[1]
     assert "refused: ShardMismatchError True" in out, out
     assert "corrupt: ChecksumMismatchError True" in out, out
     assert "unverified load: (2, 2)" in out, out
+
+
+def test_loading_example_maps_checks_lazily_and_loads_into_given_arrays(outputs):
+    out = outputs[2]
+    assert "mmap: writable False [1.0, 1.0]" in out, out
+    assert "lazy: LazyTensors (2, 3)" in out, out
+    assert "out: [0.0, 0.0, 1.0, 1.0]" in out, out

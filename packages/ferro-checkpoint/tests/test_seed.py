@@ -80,7 +80,7 @@ def test_metadata_roundtrip():
     back = ShardMetadata.from_json(meta.to_json())
     assert back == meta
     raw = json.loads(meta.to_json())
-    assert raw["format_version"] == 1 and raw["tensor_specs"]["a"]["shard_dim"] == 1
+    assert raw["format_version"] == 2 and raw["tensor_specs"]["a"]["shard_dim"] == 1
 
 
 def test_compute_shard_sizes():

@@ -2,10 +2,11 @@
 never lose data. Needs numpy only (see the package README)."""
 
 
-from . import _along_dim  # noqa: F401 - the compiled kernel, imported unconditionally
+from . import _along_dim, _copy_crc  # noqa: F401 - the compiled kernels, imported unconditionally
 from .along_dim import concat_along_dim, slice_along_dim
 from .async_save import AsyncCheckpointer, CheckpointFuture
 from .consolidate import consolidate
+from .copy_plan import LazyTensors
 from .errors import (
     AsyncCheckpointError,
     CheckpointIOError,
@@ -43,6 +44,7 @@ __all__ = [
     "DistributedCheckpoint",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
+    "LazyTensors",
     "MetadataError",
     "MissingShardError",
     "MissingStepError",

@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .copy_plan import read_tensors
 from .errors import CheckpointIOError, TensorError
 from .layout import METADATA, fsync_dir
-from .load import VerifiedShards, assemble, open_checkpoint, resolve_verify
+from .load import open_checkpoint, shards_of
+from .read_options import resolve_threads, resolve_verify
 from .safetensors_io import code_dtype, write_safetensors
 
 
-def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
+def consolidate(directory, output_file, *, verify: bool | None = None,
+                threads: int | None = None) -> None:
     """Write every full tensor of the checkpoint in ``directory`` to ``output_file``.
 
     The result is a plain safetensors file any reader opens (``safetensors.numpy.load_file``,
@@ -19,7 +22,7 @@ def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     about the largest tensor; the file appears atomically (temp file, fsync, rename).
 
     Every shard's header (save identity, shapes, dtypes) is checked before anything is written,
-    and each tensor's crc32 unless ``verify`` is off (as :func:`load_distributed`). Raises its
+    and each tensor's checksums unless ``verify`` is off (as :func:`load_distributed`). Raises its
     errors (ShardMismatchError, ChecksumMismatchError...); ``output_file`` is then not created.
 
     Parameters
@@ -29,7 +32,9 @@ def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     output_file : str or os.PathLike
         The safetensors file to write (replaced if it exists); its directory must exist.
     verify : bool, optional
-        Check each tensor's crc32: None (the default) or True; False skips it.
+        Check the checksums of every byte read: None (the default) or True; False skips it.
+    threads : int, optional
+        Kernel threads per tensor, as :func:`load_distributed`.
 
     Raises
     ------
@@ -42,7 +47,7 @@ def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     SerializationError
         A corrupt or truncated shard.
     ChecksumMismatchError
-        A tensor's bytes do not match their crc32 (names the file and the tensor).
+        A tensor's bytes do not match their checksum (names the file, tensor and bytes).
     TensorError
         A shard's tensors, shapes or dtypes differ from metadata.json's.
     InvalidArgumentError
@@ -57,10 +62,11 @@ def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     >>> full = load_file("model.safetensors")  # every tensor whole
     """
     verify = resolve_verify(verify, "consolidate")
+    threads = resolve_threads(threads, "consolidate")
     ckpt = open_checkpoint(directory)
     specs = ckpt.shard_metadata.tensor_specs
     names = sorted(specs)
-    shards = VerifiedShards(ckpt, verify)
+    shards = shards_of(ckpt, verify)
     shards.open_all()  # every header checked against metadata.json before writing anything
     codes = {}
     for n in names:  # an old metadata.json may lack dtypes: the shards' headers have them
@@ -74,8 +80,9 @@ def consolidate(directory, output_file, *, verify: bool | None = None) -> None:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         write_safetensors(tmp, [(n, codes[n], specs[n].full_shape) for n in names],
-                          lambda n: assemble(shards, n, 1, 0),
-                          {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id})
+                          lambda n: read_tensors(shards, [n], 1, 0, threads=threads)[n],
+                          {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id},
+                          checksums=False)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -1,19 +1,21 @@
 """Loading: this rank's shard when the world size is unchanged, a memory-bounded reshard
 otherwise. Every shard used is checked against metadata.json (the save's identity: checkpoint
-id and shard id; rank, world size, shapes, dtypes) and, unless ``verify=False``, each tensor's
-crc32; the error names the bad file. (No environment variable turns verification off: ferro's
-live in one table, ``ferro_backend.settings``, which this numpy-only layer does not import.)
+id and shard id; rank, world size, shapes, dtypes) and, unless ``verify=False``, the checksums
+of every byte read, in the pass that reads it (``copy_plan.py``); the error names the bad file.
+(No environment variable turns verification off: ferro's live in one table,
+``ferro_backend.settings``, which this numpy-only layer does not import.)
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .along_dim import copy_slab_into
+from .copy_plan import LazyTensors, VerifiedShards, read_tensors
 from .errors import (
     InvalidArgumentError,
     MetadataError,
@@ -24,24 +26,8 @@ from .errors import (
 )
 from .layout import METADATA, recover, shard_path
 from .metadata import ShardMetadata, check_rank_world
-from .safetensors_io import (
-    CHECKPOINT_ID_KEY,
-    EXTRA_KEY,
-    SHARD_ID_KEY,
-    SafetensorsFile,
-    code_dtype,
-    verify_crc32,
-)
-
-
-def resolve_verify(verify: bool | None, op: str) -> bool:
-    """``verify`` itself when a bool, True when None (the default); anything else raises
-    InvalidArgumentError naming it."""
-    if verify is None:
-        return True
-    if isinstance(verify, bool):
-        return verify
-    raise InvalidArgumentError(f"{op}: verify {verify!r:.40} must be True, False or None")
+from .read_options import ReadOptions
+from .safetensors_io import CHECKPOINT_ID_KEY, EXTRA_KEY, SHARD_ID_KEY, SafetensorsFile
 
 
 @dataclass
@@ -77,10 +63,13 @@ class DistributedCheckpoint:
 
     @property
     def num_ranks(self) -> int:
+        """How many ranks saved the checkpoint (its shard files)."""
         return self.shard_metadata.num_ranks
 
     @property
     def checkpoint_id(self) -> str:
+        """The save's random id, which every shard of it carries (a shard of another save is
+        refused)."""
         return self.shard_metadata.checkpoint_id
 
     def shard(self, rank: int) -> SafetensorsFile:
@@ -98,10 +87,12 @@ class DistributedCheckpoint:
         """
         return _open_verified_shard(self, rank)
 
-    def load(self, rank: int, world_size: int, *,
-             verify: bool | None = None) -> dict[str, np.ndarray]:
+    def load(self, rank: int, world_size: int, *, verify: bool | str | None = None,
+             mmap: bool = False, out: Mapping[str, np.ndarray] | None = None,
+             threads: int | None = None) -> dict[str, np.ndarray] | LazyTensors:
+        """This rank's tensors; see :func:`load_distributed` (same keywords)."""
         return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self,
-                                verify=verify)
+                                verify=verify, mmap=mmap, out=out, threads=threads)
 
     def extra(self, rank: int) -> dict | None:
         """The ``extra`` dict rank ``rank`` saved with its shard (None if it saved none).
@@ -218,61 +209,20 @@ def _check_identity(md: ShardMetadata, f: SafetensorsFile, rank: int) -> None:
                                  f"{rank} of {md.num_ranks}")
 
 
-class VerifiedShards:
-    """A checkpoint's shards, each opened and identity-checked, and (if ``verify``) each
-    tensor's checksum verified lazily, once."""
-
-    def __init__(self, ckpt: DistributedCheckpoint, verify: bool = True) -> None:
-        self.ckpt = ckpt
-        self.verify = verify
-        self.files: dict[int, SafetensorsFile] = {}
-        self.verified: set[tuple[int, str]] = set()
-
-    def open_all(self) -> None:
-        """Open (and check against metadata.json) every rank's shard now."""
-        for r in range(self.ckpt.num_ranks):
-            if r not in self.files:
-                self.files[r] = _open_verified_shard(self.ckpt, r)
-
-    def tensor(self, rank: int, name: str) -> np.ndarray:
-        f = self.files.get(rank)
-        if f is None:
-            f = self.files[rank] = _open_verified_shard(self.ckpt, rank)
-        view = f.tensor(name)
-        if self.verify and (rank, name) not in self.verified:
-            verify_crc32(f, name, view)
-            self.verified.add((rank, name))
-        return view
-
-
-def assemble(shards: VerifiedShards, name: str, new_world: int, new_rank: int) -> np.ndarray:
-    """Rank ``new_rank``'s shard of ``name`` in a world of ``new_world``, copying only the rows
-    that rank needs from the old shards that hold them."""
-    spec = shards.ckpt.shard_metadata.tensor_specs[name]
-    new = spec.resharded(new_world)
-    lo, hi = new.start(new_rank), new.start(new_rank) + new.shard_sizes[new_rank]
-    where = f"{shards.ckpt.checkpoint_dir / METADATA}: tensor {name!r}"
-    dtype = code_dtype(spec.dtype, where) if spec.dtype else None
-    out = None
-    pos = 0
-    for r, size in enumerate(spec.shard_sizes):
-        s, e = max(lo, pos), min(hi, pos + size)
-        if s < e or (out is None and r == len(spec.shard_sizes) - 1):
-            view = shards.tensor(r, name)
-            if out is None:
-                out = np.empty(new.shard_shape(new_rank), dtype=dtype or view.dtype)
-            if s < e:
-                copy_slab_into(view, out, spec.shard_dim, s - pos, s - lo, e - s)
-        pos += size
-    return out
+def shards_of(ckpt: DistributedCheckpoint, verify: bool = True) -> VerifiedShards:
+    """The shards of ``ckpt`` as one load reads them: each opened once, checked against
+    metadata.json (identity, tensors, shapes, dtypes), checksums verified if ``verify``."""
+    return VerifiedShards(ckpt.shard_metadata, lambda r: _open_verified_shard(ckpt, r), verify)
 
 
 def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, *,
-            checkpoint: DistributedCheckpoint | None = None,
-            verify: bool | None = None) -> dict[str, np.ndarray]:
+            checkpoint: DistributedCheckpoint | None = None, verify: bool | str | None = None,
+            mmap: bool = False, out: Mapping[str, np.ndarray] | None = None,
+            threads: int | None = None) -> dict[str, np.ndarray] | LazyTensors:
     """Rank ``new_rank``'s tensors for a world of ``new_world_size`` from a checkpoint saved by
-    ``old_world_size`` ranks. Reads only the needed rows, tensor by tensor: the extra memory is
-    about one new shard. New shard sizes: the first ``full % world`` ranks get one extra row.
+    ``old_world_size`` ranks. Reads only the 1 MiB chunks holding the rows this rank needs
+    (each checksummed in the pass that copies its rows). New shard sizes: the first
+    ``full % world`` ranks get one extra row.
 
     Parameters
     ----------
@@ -282,18 +232,21 @@ def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, 
         The saving world's size (checked), the new one, and the rank whose tensors to return.
     checkpoint : DistributedCheckpoint, optional
         The checkpoint already opened (default: ``open_checkpoint(directory)``).
-    verify : bool, optional
-        As :func:`load_distributed` (whole tensors of the shards read are checksummed).
+    verify, mmap, out, threads
+        As :func:`load_distributed`. With ``mmap``, a tensor whose new rows lie in one old
+        shard in one piece is a view of that file; the others are copies (read-only too).
 
     Returns
     -------
     dict of str to numpy.ndarray
-        Every tensor's shard of rank ``new_rank`` in a world of ``new_world_size``.
+        Every tensor's shard of rank ``new_rank`` in a world of ``new_world_size``
+        (a :class:`~ferro_checkpoint.copy_plan.LazyTensors` mapping with ``verify="lazy"``).
 
     Raises
     ------
     InvalidArgumentError
-        A bad ``new_rank`` or ``new_world_size``, or ``old_world_size`` is not the saved one.
+        A bad ``new_rank``, ``new_world_size`` or keyword, or ``old_world_size`` is not the
+        saved one.
     MetadataError, MissingShardError, SerializationError, ShardMismatchError, TensorError
         As :func:`load_distributed` (and ChecksumMismatchError, CheckpointIOError).
 
@@ -303,20 +256,29 @@ def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, 
     (5, 3)
     """
     check_rank_world("reshard", new_rank, new_world_size)
-    verify = resolve_verify(verify, "reshard")
+    opts = ReadOptions.of("reshard", verify, mmap, out, threads)
     ckpt = checkpoint or open_checkpoint(directory)
     if ckpt.num_ranks != old_world_size:
         raise InvalidArgumentError(f"reshard: the checkpoint in {ckpt.checkpoint_dir} was saved "
                                    f"by {ckpt.num_ranks} ranks, not {old_world_size}")
-    shards = VerifiedShards(ckpt, verify)
-    return {name: assemble(shards, name, new_world_size, new_rank)
-            for name in sorted(ckpt.shard_metadata.tensor_specs)}
+    return _read(ckpt, new_world_size, new_rank, opts)
+
+
+def _read(ckpt: DistributedCheckpoint, world_size: int, rank: int,
+          opts: ReadOptions) -> dict[str, np.ndarray] | LazyTensors:
+    return read_tensors(shards_of(ckpt, opts.verify), sorted(ckpt.shard_metadata.tensor_specs),
+                        world_size, rank, out=opts.out, mmap=opts.mmap, lazy=opts.lazy,
+                        threads=opts.threads)
 
 
 def load_distributed(directory, rank: int, world_size: int, *,
                      checkpoint: DistributedCheckpoint | None = None,
-                     verify: bool | None = None) -> dict[str, np.ndarray]:
+                     verify: bool | str | None = None, mmap: bool = False,
+                     out: Mapping[str, np.ndarray] | None = None,
+                     threads: int | None = None) -> dict[str, np.ndarray] | LazyTensors:
     """This rank's tensors: its own shard if ``world_size`` equals the saved one, else resharded.
+
+    Each byte is read once: the pass that copies it also folds it into its chunk's CRC-32C.
 
     Parameters
     ----------
@@ -326,34 +288,45 @@ def load_distributed(directory, rank: int, world_size: int, *,
         This rank and the loading world's size.
     checkpoint : DistributedCheckpoint, optional
         The checkpoint already opened (default: ``open_checkpoint(directory)``).
-    verify : bool, optional
-        None or True (the default) checks each tensor's crc32, False not (identity always).
+    verify : bool or "lazy", optional
+        None or True (the default) checks the checksum of every byte read, False not (the
+        save's identity is always checked). ``"lazy"`` (with ``mmap``) checks each tensor when
+        it is first looked up in the returned mapping.
+    mmap : bool, optional
+        Zero-copy: return read-only arrays backed by the shard files (default: False, new
+        arrays). They stay valid after the checkpoint is deleted (the mapping keeps the file).
+    out : mapping of str to numpy.ndarray, optional
+        Arrays to load into (C-contiguous, writable, each tensor's shape and dtype), by name;
+        tensors not named get new arrays. After an error their contents are unspecified.
+    threads : int, optional
+        Kernel threads for loads of 16 MiB or more (default: the CPUs this process may use,
+        divided by ``LOCAL_WORLD_SIZE`` when a launcher sets it, at most 8).
 
     Returns
     -------
     dict of str to numpy.ndarray
-        This rank's shard of every tensor, by name (new arrays).
+        This rank's shard of every tensor, by name. New arrays are views of one allocation
+        (freed with the last of them); ``verify="lazy"`` returns a read-only mapping instead.
 
     Raises
     ------
     MetadataError, MissingShardError
         No committed checkpoint (or a malformed metadata.json); a missing directory or shard.
     SerializationError, ChecksumMismatchError, ShardMismatchError
-        A corrupt or truncated file; a tensor whose bytes changed; a shard of another save.
+        A corrupt or truncated file; bytes that differ from their checksum (names the file,
+        the tensor and the bytes); a shard of another save.
     TensorError, InvalidArgumentError, CheckpointIOError
-        Tensors unlike metadata.json's; a bad argument; an unreadable file. Each names the file.
+        Tensors unlike metadata.json's or an ``out`` array that does not fit; a bad argument;
+        an unreadable file. Each names the file.
 
     Examples
     --------
     >>> sorted(load_distributed("ckpt", rank=0, world_size=2))
     ['bias', 'weight']
+    >>> load_distributed("ckpt", 0, 2, mmap=True)["weight"].flags.writeable  # the file itself
+    False
     """
     check_rank_world("load_distributed", rank, world_size)
-    verify = resolve_verify(verify, "load_distributed")
+    opts = ReadOptions.of("load_distributed", verify, mmap, out, threads)
     ckpt = checkpoint or open_checkpoint(directory)
-    if world_size != ckpt.num_ranks:
-        return reshard(directory, ckpt.num_ranks, world_size, rank, checkpoint=ckpt,
-                       verify=verify)
-    shards = VerifiedShards(ckpt, verify)
-    return {name: np.array(shards.tensor(rank, name))
-            for name in sorted(ckpt.shard_metadata.tensor_specs)}
+    return _read(ckpt, world_size, rank, opts)

@@ -61,8 +61,9 @@ import numpy as np
 from .async_save import CheckpointFuture, _RankSaves
 from .errors import CheckpointIOError, InvalidArgumentError, MissingStepError
 from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
-from .load import load_distributed, open_checkpoint, resolve_verify
+from .load import load_distributed, open_checkpoint
 from .metadata import ShardMetadata
+from .read_options import ReadOptions
 from .save import _checked_arrays, encode_extra, save_distributed
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
@@ -307,27 +308,27 @@ class CheckpointManager(_RankSaves):
 
     # -- restoring -------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, *,
-                verify: bool | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    def restore(self, step: int | None = None, *, verify: bool | str | None = None,
+                mmap: bool = False, out: Mapping[str, np.ndarray] | None = None,
+                threads: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
         """This rank's tensors of ``step`` (the newest committed one if None), resharded when
         the world size changed, and its ``extra`` (``{}`` if none was saved).
 
-        Waits for this manager's pending asynchronous save first. Raises MissingStepError if
-        the step is not committed, and the load errors of :func:`load_distributed`
-        (ShardMismatchError for a shard of another save, ChecksumMismatchError...);
-        ``verify`` as there.
+        Waits for this manager's pending asynchronous save first.
 
         Parameters
         ----------
         step : int, optional
             The step to restore (default: None, the newest committed one).
-        verify : bool, optional
-            Check each tensor's crc32: None (the default) or True; False skips it.
+        verify, mmap, out, threads
+            As :func:`load_distributed`: checksums of every byte read (default; False skips
+            them, ``"lazy"`` with ``mmap`` checks each tensor on first lookup), zero-copy
+            read-only arrays backed by the files, arrays to load into, kernel threads.
 
         Returns
         -------
         tensors : dict of str to numpy.ndarray
-            This rank's shard of every tensor.
+            This rank's shard of every tensor (a read-only mapping with ``verify="lazy"``).
         extra : dict
             The ``extra`` saved with the step (``{}`` if none).
 
@@ -336,11 +337,11 @@ class CheckpointManager(_RankSaves):
         MissingStepError
             The step is not committed, or no step is.
         InvalidArgumentError, AsyncCheckpointError
-            A bad ``step`` or ``verify``; the pending asynchronous save failed.
+            A bad ``step`` or keyword; the pending asynchronous save failed.
         ShardMismatchError, ChecksumMismatchError, MetadataError, SerializationError
             And the other errors of :func:`load_distributed`.
         """
-        verify = resolve_verify(verify, "CheckpointManager.restore")
+        ReadOptions.of("CheckpointManager.restore", verify, mmap, out, threads)
         self._wait_pending()
         if step is None:
             step = self.latest_step()
@@ -354,6 +355,6 @@ class CheckpointManager(_RankSaves):
                                    f"(committed: {self.steps()})")
         ckpt = open_checkpoint(directory)
         tensors = load_distributed(directory, self.rank, self.world_size, checkpoint=ckpt,
-                                   verify=verify)
+                                   verify=verify, mmap=mmap, out=out, threads=threads)
         source = self.rank if ckpt.num_ranks == self.world_size else 0
         return tensors, ckpt.extra(source) or {}

@@ -1,10 +1,10 @@
 """Shard specs and the checkpoint's metadata.json.
 
-metadata.json schema (``format_version`` 1)::
+metadata.json schema (``format_version`` 2)::
 
     {
       "format": "ferro-checkpoint",
-      "format_version": 1,
+      "format_version": 2,
       "checkpoint_id": "<the save's id: the same in every shard's header>",
       "num_ranks": 4,
       "shard_ids": ["<32 hex digits>", ...],
@@ -20,7 +20,9 @@ the random 128-bit id rank ``r`` drew for its shard of this save alone and wrote
 shard's header (key ``ferro.shard_id``); the committing rank copied it from the header. Together
 they are the save's identity: a shard whose header does not carry both is from another save.
 Checkpoints written before shard ids existed have no ``shard_ids`` (and possibly no
-``checkpoint_id``); they still load, checked only by what they record.
+``checkpoint_id``); they still load, checked only by what they record. In version 2 every shard
+records a CRC-32C per 1 MiB chunk of each tensor (``checksums.py``) and a shard without them is
+refused; version 1 (crc32 per tensor, or none) is still read and checked.
 
 Shard ``r`` of a tensor holds the rows ``[sum(shard_sizes[:r]), sum(shard_sizes[:r+1]))`` along
 ``shard_dim``; every other dimension is whole.
@@ -37,7 +39,8 @@ import numpy as np
 from .errors import InvalidArgumentError, MetadataError
 
 FORMAT = "ferro-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what saves write
+READABLE_VERSIONS = (1, 2)  # what loads read
 
 
 def check_rank_world(op: str, rank: int, world_size: int) -> None:
@@ -179,11 +182,10 @@ class TensorShardSpec:
                                self.dtype)
 
     def to_dict(self) -> dict:
+        """The spec as the JSON object ``metadata.json`` stores (:meth:`from_dict` reads it back)."""
         d = {"full_shape": list(self.full_shape), "shard_dim": self.shard_dim,
              "shard_sizes": list(self.shard_sizes)}
-        if self.dtype is not None:
-            d["dtype"] = self.dtype
-        return d
+        return d if self.dtype is None else {**d, "dtype": self.dtype}
 
 
 @dataclass
@@ -200,6 +202,8 @@ class ShardMetadata:
         The save's id, filled in by the save (default: ``""``).
     shard_ids : tuple of str, optional
         Each rank's shard id, filled in by the commit (default: none).
+    format_version : int, optional
+        The metadata.json version read (default: :data:`FORMAT_VERSION`, what a save writes).
 
     Raises
     ------
@@ -211,6 +215,7 @@ class ShardMetadata:
     tensor_specs: dict[str, TensorShardSpec] = field(default_factory=dict)
     checkpoint_id: str = ""
     shard_ids: tuple[str, ...] = ()  # per rank; empty in checkpoints older than shard ids
+    format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -234,7 +239,7 @@ class ShardMetadata:
         str
             The JSON text, tensors sorted by name.
         """
-        raw = {"format": FORMAT, "format_version": FORMAT_VERSION,
+        raw = {"format": FORMAT, "format_version": self.format_version,
                "checkpoint_id": self.checkpoint_id, "num_ranks": self.num_ranks}
         if self.shard_ids:
             raw["shard_ids"] = list(self.shard_ids)
@@ -273,9 +278,9 @@ class ShardMetadata:
         if raw.get("format", FORMAT) != FORMAT:
             raise MetadataError(f"{source}: format {raw.get('format')!r:.80} is not {FORMAT!r}")
         version = raw.get("format_version", 1)
-        if version != FORMAT_VERSION or isinstance(version, bool):
+        if type(version) is not int or version not in READABLE_VERSIONS:  # bool is not int
             raise MetadataError(f"{source}: format_version {version!r:.80} is not supported "
-                                f"(this is {FORMAT_VERSION})")
+                                f"(this reads {', '.join(map(str, READABLE_VERSIONS))})")
         try:
             specs_raw = raw["tensor_specs"]
             if not isinstance(specs_raw, dict):
@@ -291,7 +296,7 @@ class ShardMetadata:
                 raise MetadataError(f"{source}: malformed metadata: shard_ids "
                                     f"{shard_ids!r:.80} is not a list")
             return cls(_nonneg_int(raw["num_ranks"], "num_ranks", source), specs, ckpt_id,
-                       tuple(shard_ids))
+                       tuple(shard_ids), version)
         except KeyError as exc:
             raise MetadataError(f"{source}: malformed metadata: missing field {exc}") from None
         except InvalidArgumentError as exc:
@@ -351,8 +356,6 @@ def flat_shard_metadata(state_dict: Mapping[str, np.ndarray], world_size: int) -
     """
     if world_size < 1:
         raise InvalidArgumentError(f"flat_shard_metadata: world_size {world_size} must be >= 1")
-    specs = {}
-    for name, t in state_dict.items():
-        numel = int(np.asarray(t).size)
-        specs[name] = TensorShardSpec((numel * world_size,), 0, (numel,) * world_size)
-    return ShardMetadata(world_size, specs)
+    numels = {name: int(np.asarray(t).size) for name, t in state_dict.items()}
+    return ShardMetadata(world_size, {name: TensorShardSpec((n * world_size,), 0, (n,) * world_size)
+                                      for name, n in numels.items()})

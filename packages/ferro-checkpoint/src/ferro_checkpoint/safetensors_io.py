@@ -3,9 +3,15 @@
 The writer produces standard safetensors (8-byte little-endian header length, JSON header with
 ``dtype``/``shape``/``data_offsets`` and string ``__metadata__``, then the tensors' bytes), readable
 unchanged by ``safetensors.numpy.load_file``; it writes tensor by tensor (no whole-state-dict
-buffer), then flushes and fsyncs. The reader validates the header against the file size and
-maps the file, so tensors are zero-copy views and a reshard reads only the rows it needs. The
-package README says why this is hand-written rather than built on the safetensors library.
+buffer) and, in the same pass, checksums each chunk of each tensor (``_copy_crc.write_chunks``:
+a chunk is checksummed, then written while it is in the cache). The checksums go into the
+header, which is written first with placeholders of the same length and rewritten in place
+before the fsync. The reader validates the header against the file size and maps the file, so
+tensors are zero-copy views and a reshard reads only the rows it needs. The package README says
+why this is hand-written rather than built on the safetensors library.
+
+This module also names ferro's header keys (``ferro.*`` in ``__metadata__``); ``checksums.py``
+says what the checksum keys mean to a load.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ import math
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointIOError, ChecksumMismatchError, SerializationError, TensorError
+from . import _copy_crc
+from .errors import CheckpointIOError, SerializationError, TensorError
 
 try:
     import ml_dtypes as _ml
@@ -41,7 +47,10 @@ MAX_HEADER = 100 << 20
 EXTRA_KEY = "ferro.extra"  # header ``__metadata__`` key of a rank's JSON ``extra`` (optional)
 CHECKPOINT_ID_KEY = "ferro.checkpoint_id"  # the save's id, shared by its ranks
 SHARD_ID_KEY = "ferro.shard_id"  # the random id of this shard of this save (metadata shard_ids)
-_CRC_PREFIX = "ferro.crc32."
+CHUNK = 1 << 20  # bytes per checksummed chunk of a tensor (format 2)
+SCHEME_KEY = "ferro.checksum"  # format 2: "crc32c/<chunk>" (checksums.py)
+CRC32C_PREFIX = "ferro.crc32c."  # format 2: each chunk's CRC-32C, 8 hex digits each
+CRC32_PREFIX = "ferro.crc32."  # format 1: zlib crc32 of the whole tensor
 
 
 def dtype_code(dtype: np.dtype, name: str = "") -> str:
@@ -69,46 +78,90 @@ def little_endian(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def crc32(a: np.ndarray) -> str:
-    """The checksum stored per tensor: crc32 of its little-endian bytes, 8 hex digits."""
-    return f"{zlib.crc32(memoryview(a.reshape(-1).view(np.uint8))):08x}"
+def num_chunks(nbytes: int, chunk: int) -> int:
+    """Checksummed chunks of a tensor of ``nbytes`` bytes (an empty tensor has one, empty)."""
+    return max(1, -(-nbytes // chunk))
 
 
-def crc32_key(name: str) -> str:
-    """The header ``__metadata__`` key of tensor ``name``'s checksum."""
-    return f"{_CRC_PREFIX}{name}"
+def to_hex(crcs: np.ndarray) -> str:
+    """Chunk checksums as a header stores them: 8 hex digits each, in order."""
+    return np.asarray(crcs, dtype=">u4").tobytes().hex()
 
 
-def write_safetensors(path: Path, entries: Iterable[tuple[str, str, tuple[int, ...]]],
-                      produce, metadata: dict[str, str] | None = None) -> None:
-    """Write ``path`` durably. ``entries`` lists (name, dtype code, shape) in file order;
-    ``produce(name)`` returns each tensor's array when its turn comes (tensor by tensor)."""
-    entries = list(entries)
+def tensor_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 view."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def _header(entries, metadata: dict[str, str]) -> bytes:
     header: dict[str, object] = {}
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        header["__metadata__"] = metadata
     offset = 0
     for name, code, shape in entries:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * code_dtype(code, name).itemsize
+        nbytes = math.prod(shape) * code_dtype(code, name).itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset,
                                                                                offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+        view = view[n:]
+        if offset is not None:
+            offset += n
+
+
+def write_safetensors(path: Path, entries: Iterable[tuple[str, str, tuple[int, ...]]],
+                      produce, metadata: dict[str, str] | None = None, *,
+                      checksums: bool = True) -> None:
+    """Write ``path`` durably. ``entries`` lists (name, dtype code, shape) in file order;
+    ``produce(name)`` returns each tensor's array when its turn comes (tensor by tensor).
+    With ``checksums`` (the default) the header records the format-2 checksums of every
+    :data:`CHUNK` bytes, computed in the pass that writes them (not for a consolidated file)."""
+    entries = list(entries)
+    crc_chunk = CHUNK if checksums else 0
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    sizes = {name: math.prod(shape) * code_dtype(code, name).itemsize
+             for name, code, shape in entries}
+    if crc_chunk:
+        meta[SCHEME_KEY] = f"crc32c/{crc_chunk}"
+        for name, _, _ in entries:  # placeholders, as long as the checksums will be
+            meta[CRC32C_PREFIX + name] = "0" * 8 * num_chunks(sizes[name], crc_chunk)
+    raw = _header(entries, meta)
     try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name, code, shape in entries:
-                a = little_endian(np.asarray(produce(name)))
-                if tuple(a.shape) != tuple(shape) or dtype_code(a.dtype, name) != code:
-                    raise TensorError(f"{path}: tensor {name!r} is {a.dtype}{a.shape}, the "
-                                      f"header says {code}{tuple(shape)}")
-                f.write(memoryview(a.reshape(-1).view(np.uint8)))
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                     0o666)
     except OSError as exc:
         raise CheckpointIOError(f"writing {path}: {exc}") from exc
+    try:
+        _write_all(fd, struct.pack("<Q", len(raw)) + raw)
+        for name, code, shape in entries:
+            a = little_endian(np.asarray(produce(name)))
+            if tuple(a.shape) != tuple(shape) or dtype_code(a.dtype, name) != code:
+                raise TensorError(f"{path}: tensor {name!r} is {a.dtype}{a.shape}, the "
+                                  f"header says {code}{tuple(shape)}")
+            crcs = np.empty(num_chunks(sizes[name], crc_chunk) if crc_chunk else 0, np.uint32)
+            err = _copy_crc.write_chunks(fd, tensor_bytes(a), crcs, crc_chunk or CHUNK)
+            if err:
+                raise OSError(err, os.strerror(err))
+            if crc_chunk:
+                meta[CRC32C_PREFIX + name] = to_hex(crcs)
+        if crc_chunk:
+            final = _header(entries, meta)
+            if len(final) != len(raw):  # pragma: no cover - hex digits replace hex digits
+                raise SerializationError(f"{path}: the header changed length when its "
+                                         "checksums were filled in")
+            _write_all(fd, final, 8)
+        os.fsync(fd)
+    except OSError as exc:
+        raise CheckpointIOError(f"writing {path}: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 class SafetensorsFile:
@@ -197,23 +250,10 @@ class SafetensorsFile:
         return np.frombuffer(self._map, dtype=wire, count=count,
                              offset=self.data_start + s).reshape(shape)
 
-
-def has_checksums(f: SafetensorsFile) -> bool:
-    """True unless ``f`` predates checksums: a shard with a shard id or any crc32 must have one
-    for every tensor; a legacy shard (neither) has none to check."""
-    return SHARD_ID_KEY in f.metadata or any(k.startswith(_CRC_PREFIX) for k in f.metadata)
-
-
-def verify_crc32(f: SafetensorsFile, name: str, view: np.ndarray) -> None:
-    """Raise ChecksumMismatchError unless ``view`` (tensor ``name`` of ``f``) matches the
-    checksum its header stores; a legacy shard without checksums passes unchecked."""
-    want = f.metadata.get(crc32_key(name))
-    if want is None:
-        if not has_checksums(f):
-            return
-        raise ChecksumMismatchError(f"{f.path}: tensor {name!r} has no checksum, though the "
-                                    "shard records checksums")
-    got = crc32(view)
-    if got != want:
-        raise ChecksumMismatchError(f"{f.path}: tensor {name!r} is corrupt (crc32 {got}, "
-                                    f"expected {want})")
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor ``name`` (a name in :attr:`entries`) in the file: a read-only
+        zero-copy uint8 view."""
+        _, _, s, t = self.entries[name]
+        if t == s:
+            return np.empty(0, np.uint8)
+        return np.frombuffer(self._map, np.uint8, t - s, self.data_start + s)

@@ -6,7 +6,7 @@ Protocol for a save with id ``I`` into directory ``D``:
    ``D/.rank_<r>.<I>.safetensors.part`` (tensor by tensor), fsyncs it, renames it to
    ``D/.rank_<r>.<I>.safetensors.tmp`` and fsyncs the directory, so a ``.tmp`` shard that
    exists is complete. Its header metadata carries ``I``, ``S_r``, the rank, the world size and
-   a crc32 per tensor.
+   the CRC-32C of every 1 MiB chunk of every tensor (computed in the pass that writes it).
 2. When every shard is durable (after a barrier with a backend; without one, the rank that finds
    all shards present), one rank reads ``S_r`` from every temp shard's header and writes the
    commit record ``D/.commit.<I>.json`` (temp file, fsync, rename, directory fsync) holding them
@@ -64,10 +64,7 @@ from .safetensors_io import (
     EXTRA_KEY,
     SHARD_ID_KEY,
     SafetensorsFile,
-    crc32,
-    crc32_key,
     dtype_code,
-    little_endian,
     write_safetensors,
 )
 
@@ -252,17 +249,17 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         raise InvalidArgumentError(f"save_distributed: checkpoint_id {ckpt_id!r} must be "
                                    "letters, digits, '_' or '-'")
     remove_stale_tmp_shards(directory, rank, ckpt_id)
-    names = sorted(arrays)
-    le = {n: little_endian(arrays[n]) for n in names}
+    # widest items first: every tensor then starts at a multiple of its item size, so zero-copy
+    # loads (mmap=True) get aligned arrays
+    names = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
     meta = {CHECKPOINT_ID_KEY: ckpt_id, SHARD_ID_KEY: uuid.uuid4().hex, "ferro.rank": str(rank),
             "ferro.world_size": str(world_size)}
-    meta.update({crc32_key(n): crc32(le[n]) for n in names})
     if extra_json is not None:
         meta[EXTRA_KEY] = extra_json
     part = part_shard_path(directory, rank, ckpt_id)
     try:
-        write_safetensors(part, [(n, dtype_code(le[n].dtype, n), le[n].shape) for n in names],
-                          le.__getitem__, meta)
+        write_safetensors(part, [(n, dtype_code(arrays[n].dtype, n), arrays[n].shape)
+                                 for n in names], arrays.__getitem__, meta)
         os.replace(part, tmp_shard_path(directory, rank, ckpt_id))
     except BaseException as exc:
         part.unlink(missing_ok=True)
