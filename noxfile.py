@@ -208,6 +208,11 @@ def tests(session: nox.Session, package: str) -> None:
         *session.posargs,
         env={"FERRO_INSTALLED_LAYERS": ",".join(expected)},
     )
+    if package == "ferro-jax":  # the examples' checkpoints need ferro-checkpoint (not a layer)
+        _install(session, *map(str, _wheel(session, ["ferro-checkpoint"])))
+        session.run("python", "-m", "pytest",
+                    str(PACKAGES_DIR / "ferro-jax" / "tests" / "test_example_checkpoint.py"),
+                    "-p", "no:cacheprovider", "-rs")
     if package == "ferro-torch":  # init_from_env under a real torchrun needs torch: here it is
         session.run("python", "-m", "pytest",
                     str(PACKAGES_DIR / "ferro-backend" / "tests" / "test_launchers.py"),
