@@ -7,12 +7,21 @@
   ``{tmp}`` in the command is a scratch directory of the page (the runs of one page share it),
   and ``:figure:`` shows a PNG the command wrote there (a plot made by this build);
 - ``write_api_pages``: one API page per distribution listing every name of its ``__all__``, for
-  autosummary to document (a name added to ``__all__`` is documented without editing the docs).
+  autosummary to document (a name added to ``__all__`` is documented without editing the docs);
+- the docstring check: every public name of the packages in ``ferro_docs_packages`` (each
+  ``__all__``, the public classes' public members; ``ferro_apicheck`` says exactly what counts)
+  has a docstring, else a warning, hence an error in the ``-W`` build. Checked when the build
+  starts (every build, whatever the environment cached) and again by an ``autodoc-skip-member``
+  hook on what autodoc leaves out for want of a docstring (members of a documented class that
+  the ``__all__`` walk does not reach). ``ferro_docs_undocumented_todo`` names packages, or
+  single definitions (``module.qualname``), whose gaps are only reported (info), not errors: a
+  temporary allowance (``ferro_apicheck.TODO`` by default), to be emptied.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import shlex
@@ -23,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ferro_apicheck
 from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.util import logging
@@ -121,6 +131,7 @@ def write_api_pages(srcdir: Path, dists: dict[str, str]) -> None:
     its ``__all__`` (modules in ``__all__``, such as ``ferro_fsdp.nn``, get their own table)."""
     outdir = srcdir / "api"
     outdir.mkdir(exist_ok=True)
+    pages: set[str] = set()  # the generated pages these tables ask for
     for dist, module in dists.items():
         mod = importlib.import_module(module)
         names = public_names(module)
@@ -128,8 +139,12 @@ def write_api_pages(srcdir: Path, dists: dict[str, str]) -> None:
         # a name another distribution documents (its __all__ has it): a link, not a 2nd page
         home = {n: _home(getattr(mod, n), n, module, dists) for n in names}
         constants = [n for n in names if home[n] is None and _is_constant(getattr(mod, n))]
-        plain = [n for n in names
-                 if n not in submodules and n not in constants and home[n] is None]
+        # a second name of a function of the same __all__ (ferro_collective.all_reduce is
+        # allreduce): an entry on this page pointing to the function's own, not a 2nd page
+        aliases = {n: _alias_of(mod, n, names) for n in names if home[n] is None}
+        aliases = {n: target for n, target in aliases.items() if target}
+        plain = [n for n in names if n not in submodules and n not in constants
+                 and n not in aliases and home[n] is None]
         title = f"``{module}`` ({dist})"
         lines = [title, "=" * len(title), "", f".. automodule:: {module}", "   :no-members:", "",
                  f".. currentmodule:: {module}", "", ".. autosummary::",
@@ -139,6 +154,12 @@ def write_api_pages(srcdir: Path, dists: dict[str, str]) -> None:
             for n in constants:
                 lines += [f".. py:data:: {n}", f"   :value: {getattr(mod, n)!r}", ""]
                 lines += [f"   {doc}" for doc in _attr_doc(module, n)] + [""]
+        if aliases:
+            lines += ["Aliases", "-------", ""]
+            for n, target in aliases.items():
+                lines += [f".. py:function:: {n}{_plain_signature(getattr(mod, n))}", "",
+                          f"   The same function as :func:`{target}` (``{module}.{n} is "
+                          f"{module}.{target}``): see there.", ""]
         again = [f":py:obj:`{module}.{n} <{home[n]}.{n}>`" for n in names if home[n]]
         if again:
             lines += ["Also importable from here, and documented with their own layer: "
@@ -150,10 +171,18 @@ def write_api_pages(srcdir: Path, dists: dict[str, str]) -> None:
                       "", f".. currentmodule:: {full}", "", ".. autosummary::",
                       "   :toctree: generated", "",
                       *[f"   {n}" for n in public_names(full)], ""]
+        pages.update(f"{module}.{n}" for n in plain)
+        pages.update(f"{module}.{sub}.{n}" for sub in submodules
+                     for n in public_names(f"{module}.{sub}"))
         text = "\n".join(lines)
         page = outdir / f"{module}.rst"
         if not page.exists() or page.read_text() != text:  # unchanged: no rebuild
             page.write_text(text)
+    # a page autosummary generated for a name that left an __all__ (or became an alias) would
+    # still be built, and warn: remove it (the directory is generated, gitignored)
+    for stale in (outdir / "generated").glob("ferro_*.rst"):
+        if stale.stem not in pages:
+            stale.unlink()
 
 
 def _home(obj: object, name: str, module: str, dists: dict[str, str]) -> str | None:
@@ -163,6 +192,35 @@ def _home(obj: object, name: str, module: str, dists: dict[str, str]) -> str | N
     if root == module or root not in dists.values():
         return None
     return root if name in public_names(root) else None
+
+
+def _alias_of(mod: object, name: str, names: list[str]) -> str | None:
+    """The other name of ``names`` under which ``mod`` holds the same function, when ``name``
+    is not the function's own (``__name__``)."""
+    obj = getattr(mod, name)
+    own = getattr(obj, "__name__", name)
+    if not callable(obj) or isinstance(obj, type) or own == name or own not in names:
+        return None
+    return own if getattr(mod, own) is obj else None
+
+
+def _plain_signature(obj: object) -> str:
+    """``obj``'s signature without annotations, enum defaults written ``Enum.MEMBER``."""
+    import enum
+
+    sig = inspect.signature(obj)
+    params = []
+    for p in sig.parameters.values():
+        default = p.default
+        if isinstance(default, enum.Enum):
+            default = _Raw(f"{type(default).__name__}.{default.name}")
+        params.append(p.replace(annotation=p.empty, default=default))
+    return str(sig.replace(parameters=params, return_annotation=sig.empty))
+
+
+class _Raw(str):
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _is_constant(obj: object) -> bool:
@@ -189,8 +247,53 @@ def _is_module(obj: object) -> bool:
     return type(obj).__name__ == "module"
 
 
+#: ``module.qualname`` of every undocumented definition reported in this build (reported once)
+_REPORTED: set[str] = set()
+
+
+def _report(app, defined: str, what: str) -> None:
+    todo = {defined.split(".")[0], defined} & set(app.config.ferro_docs_undocumented_todo)
+    log = logger.info if todo else logger.warning
+    prefix = "TODO (ferro_docs_undocumented_todo) " if todo else ""
+    log(f"{prefix}undocumented public {what}: add a docstring (numpydoc)",
+        type="ferro", subtype="undocumented")
+
+
+def check_docstrings(app) -> None:
+    """``builder-inited``: a warning for every public name of ``ferro_docs_packages`` that has
+    no docstring (see ``ferro_apicheck``)."""
+    for package in app.config.ferro_docs_packages:
+        for gap in ferro_apicheck.undocumented(package):
+            if gap.defined not in _REPORTED:
+                _REPORTED.add(gap.defined)
+                _report(app, gap.defined, str(gap))
+
+
+def _skip_member(app, what, name, obj, skip, options):
+    """``autodoc-skip-member``: autodoc leaves out a public member without a docstring (no
+    ``:undoc-members:``); when that member is ferro's own, report it. Never changes what is
+    skipped (returns None)."""
+    if not skip or what != "class" or name.startswith("_"):
+        return None
+    func = ferro_apicheck._function(obj)
+    if func is None or not ferro_apicheck._is_ferro(func):
+        return None
+    if ferro_apicheck._has_doc(func) or inspect.getdoc(func):
+        return None  # skipped for another reason (an excluded base's member)
+    defined = f"{func.__module__}.{getattr(func, '__qualname__', name)}"
+    if defined not in _REPORTED:
+        _REPORTED.add(defined)
+        file, line = ferro_apicheck._where(func)
+        _report(app, defined, f"{defined} ({file}:{line})")
+    return None
+
+
 def setup(app):
     app.add_directive("ferro-settings-table", SettingsTable)
     app.add_directive("ferro-run", RunCommand)
     app.connect("build-finished", _remove_scratch)
+    app.add_config_value("ferro_docs_packages", [], "env")
+    app.add_config_value("ferro_docs_undocumented_todo", sorted(ferro_apicheck.TODO), "env")
+    app.connect("builder-inited", check_docstrings)
+    app.connect("autodoc-skip-member", _skip_member)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -42,7 +42,7 @@ def get_include() -> str:
     """The directory of ferro-backend's C headers and Cython declarations: ``ferro/engine.h``
     (the door into the same-host engine: a versioned C interface, callable without the GIL),
     ``ferro/engine_python.h`` (a communicator from the capsule
-    :func:`ferro_backend.engine.comm_capsule` returns) and ``ferro/engine.pxd``; pass it to the
+    ``ferro_backend.engine.comm_capsule()`` returns) and ``ferro/engine.pxd``; pass it to the
     compiler as ``-I``, as ``numpy.get_include()``.
 
     Returns

@@ -88,11 +88,18 @@ class MpiBackend(FixedRanks, Backend):
 
     @property
     def comm(self):
+        """The duplicate (``Dup()``) of the given communicator (default ``MPI.COMM_WORLD``) that
+        this backend sends on: ferro's messages never mix with the job's own on the original;
+        not to be freed while the backend lives.
+        """
         return self._comm
 
     # composition, as TcpBackend offers it (a multi-node job's hierarchy: ferro_backend.hierarchy)
     @property
     def mailbox(self) -> Mailbox:
+        """This rank's receive side (posted receives, queued messages, known failures): what a
+        multi-node hierarchy (``ferro_backend.hierarchy``) composes, as with ``TcpBackend``.
+        """
         return self._box
 
     def on_failure(self, callback) -> None:

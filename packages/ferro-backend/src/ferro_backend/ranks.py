@@ -51,8 +51,12 @@ class FixedRanks:
 
     @property
     def rank(self) -> int:
+        """This process's rank, ``0 <= rank < world_size``, fixed when the backend was made."""
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks of this backend (of the subgroup, for a ``SubBackend``), fixed
+        when the backend was made.
+        """
         return self._world

@@ -84,10 +84,17 @@ class SubBackend(FixedRanks, Backend):
 
     @property
     def parent(self) -> Backend:
+        """The backend this subgroup was made from (itself possibly a subgroup); its ranks are
+        the ones :attr:`members` lists.
+        """
         return self._parent
 
     @property
     def group_id(self) -> int:
+        """The subgroup's 32-bit tag prefix, the same on every member: derived from the members'
+        global ranks and the ``name``, it keeps this subgroup's messages apart from the parent's
+        and from other subgroups'.
+        """
         return self._group_id
 
     @property

@@ -254,7 +254,16 @@ def _view(p: Part, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 class LazyTensors(Mapping):
     """Read-only arrays backed by shard files, each verified when first looked up (``[]``,
     ``get``, ``values``, ``items``): a tensor whose bytes differ from their checksums raises
-    ChecksumMismatchError then, and on every later lookup."""
+    ChecksumMismatchError then, and on every later lookup. What a load with ``mmap=True,
+    verify="lazy"`` returns; not made by users.
+
+    Parameters
+    ----------
+    arrays : dict of str to numpy.ndarray
+        The tensors by name, views of the mapped files.
+    pending : dict
+        For each tensor not verified yet, the parts of the files to check on first lookup.
+    """
 
     def __init__(self, arrays: dict[str, np.ndarray], pending: dict[str, list[Part]]) -> None:
         self._arrays = arrays

@@ -90,7 +90,27 @@ class DistributedCheckpoint:
     def load(self, rank: int, world_size: int, *, verify: bool | str | None = None,
              mmap: bool = False, out: Mapping[str, np.ndarray] | None = None,
              threads: int | None = None) -> dict[str, np.ndarray] | LazyTensors:
-        """This rank's tensors; see :func:`load_distributed` (same keywords)."""
+        """This rank's tensors, resharded where ``world_size`` differs from the saved one: as
+        :func:`load_distributed` on this checkpoint.
+
+        Parameters
+        ----------
+        rank, world_size : int
+            This rank and the loading world's size.
+        verify : bool or "lazy", optional
+            Check the bytes against their checksums (default: yes); see :func:`load_distributed`.
+        mmap : bool, optional
+            Read-only arrays backed by the files instead of copies.
+        out : Mapping of str to numpy.ndarray, optional
+            Arrays to load into (each must fit its tensor).
+        threads : int, optional
+            Threads for the copy (default: the usable CPUs over ``LOCAL_WORLD_SIZE``, at most 8).
+
+        Returns
+        -------
+        dict of str to numpy.ndarray, or LazyTensors
+            This rank's tensors by name (:class:`LazyTensors` with ``mmap=True, verify="lazy"``).
+        """
         return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self,
                                 verify=verify, mmap=mmap, out=out, threads=threads)
 

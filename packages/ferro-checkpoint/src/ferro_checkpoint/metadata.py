@@ -182,7 +182,13 @@ class TensorShardSpec:
                                self.dtype)
 
     def to_dict(self) -> dict:
-        """The spec as the JSON object ``metadata.json`` stores (:meth:`from_dict` reads it back)."""
+        """The spec as the JSON object ``metadata.json`` stores (``from_dict`` reads it back).
+
+        Returns
+        -------
+        dict
+            The spec's fields, JSON-serialisable.
+        """
         d = {"full_shape": list(self.full_shape), "shard_dim": self.shard_dim,
              "shard_sizes": list(self.shard_sizes)}
         return d if self.dtype is None else {**d, "dtype": self.dtype}

@@ -25,11 +25,40 @@ class ReLU(Module):
         self._off: np.ndarray | None = None
 
     def forward(self, x: Any) -> np.ndarray:
+        """``max(x, 0)`` elementwise (NaN stays NaN); keeps where ``x <= 0`` for :meth:`backward`.
+
+        Parameters
+        ----------
+        x : array_like
+            Any shape.
+
+        Returns
+        -------
+        numpy.ndarray
+            Same shape and dtype as ``x``.
+        """
         x = np.asarray(x)
         self._off = x <= 0                     # False for NaN: its gradient passes, as in torch
         return np.maximum(x, np.zeros((), dtype=x.dtype))
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """``grad_output`` where the last forward's input was ``> 0`` or NaN, 0 elsewhere.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the last forward's output.
+
+        Returns
+        -------
+        numpy.ndarray
+            The gradient wrt that forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        """
         if self._off is None:
             raise RuntimeError("ReLU.backward: called before forward")
         g = np.asarray(grad_output)
@@ -67,6 +96,18 @@ class GELU(Module):
         self._cache: tuple[np.ndarray, np.ndarray | None] | None = None
 
     def forward(self, x: Any) -> np.ndarray:
+        """``x * Phi(x)``, exact (erf) or tanh-approximated as ``approximate`` says.
+
+        Parameters
+        ----------
+        x : array_like
+            Any shape; float32 and float64 compute in their dtype, other dtypes in float64.
+
+        Returns
+        -------
+        numpy.ndarray
+            Same shape as ``x``, a new contiguous array.
+        """
         x = np.asarray(x)
         x = np.ascontiguousarray(x, dtype=x.dtype if x.dtype in _FLOATS else np.float64)
         out = np.empty_like(x)
@@ -80,6 +121,27 @@ class GELU(Module):
         return out
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """The gradient wrt the last forward's input: ``grad_output`` times the derivative of the
+        same form (exact or tanh) at that input.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            Same shape as the last forward's input.
+
+        Returns
+        -------
+        numpy.ndarray
+            In the result dtype of ``grad_output`` and the input when that is float32 or
+            float64, else in float64.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        ValueError
+            ``grad_output`` of another shape.
+        """
         if self._cache is None:
             raise RuntimeError("GELU.backward: called before forward")
         x, cdf = self._cache

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from .activations import GELU
-from .layers import Dropout, LayerNorm, Linear, Sequential, _positive, _rng
+from .containers import Sequential
+from .layers import Dropout, LayerNorm, Linear, _positive, _rng
 from .module import Module
 
 
@@ -74,6 +75,24 @@ class CausalSelfAttention(Module):
         return t.reshape(t.shape[:-2] + (self.embed_dim,))
 
     def forward(self, x: Any) -> np.ndarray:
+        """Causal multi-head attention of ``x`` with itself, projected by ``proj``; keeps q, k, v
+        and the attention weights for :meth:`backward`.
+
+        Parameters
+        ----------
+        x : array_like
+            Shape ``(..., seq, embed_dim)``, at least 2-D.
+
+        Returns
+        -------
+        numpy.ndarray
+            Same shape as ``x``; position ``i`` depends only on positions ``<= i``.
+
+        Raises
+        ------
+        ValueError
+            Fewer than 2 dimensions or a last dimension other than ``embed_dim``.
+        """
         x = np.asarray(x)
         if x.ndim < 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"CausalSelfAttention.forward: input of shape {x.shape}, expected "
@@ -90,6 +109,23 @@ class CausalSelfAttention(Module):
         return self.proj(self._merge(np.matmul(a, v)))
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """Add the gradients of ``qkv`` and ``proj`` and return the gradient wrt the input.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the last forward's output (same shape).
+
+        Returns
+        -------
+        numpy.ndarray
+            The gradient wrt that forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        """
         if self._cache is None:
             raise RuntimeError("CausalSelfAttention.backward: called before forward")
         q, k, v, a = self._cache
@@ -164,10 +200,44 @@ class TransformerBlock(Module):
         self.drop = Dropout(dropout, rng=gen)
 
     def forward(self, x: Any) -> np.ndarray:
+        """``h = x + drop(attn(ln1(x)))``, then ``h + mlp(ln2(h))``.
+
+        Parameters
+        ----------
+        x : array_like
+            Shape ``(..., seq, embed_dim)``.
+
+        Returns
+        -------
+        numpy.ndarray
+            Same shape as ``x``.
+
+        Raises
+        ------
+        ValueError
+            An input the children reject (last dimension not ``embed_dim``).
+        """
         h = x + self.drop(self.attn(self.ln1(x)))
         return h + self.mlp(self.ln2(h))
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """Back through both residual branches: adds every child's parameter gradients.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the last forward's output (same shape).
+
+        Returns
+        -------
+        numpy.ndarray
+            The gradient wrt that forward's input ``x``.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        """
         g = np.asarray(grad_output)
         g = g + self.ln2.backward(self.mlp.backward(g))
         return g + self.ln1.backward(self.attn.backward(self.drop.backward(g)))

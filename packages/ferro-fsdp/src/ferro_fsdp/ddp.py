@@ -183,6 +183,9 @@ class DistributedDataParallel(ModuleWrapper):
 
     @property
     def bucket_cap_bytes(self) -> int:
+        """The bucket size cap in bytes (``bucket_cap_mb`` times 2**20, rounded down); a parameter
+        larger than the cap gets a bucket of its own.
+        """
         return self._cap
 
     @property
@@ -191,6 +194,19 @@ class DistributedDataParallel(ModuleWrapper):
         return self._overlap
 
     def forward(self, x: Any) -> Any:
+        """The wrapped module's ``forward`` on ``x``: not collective (DDP communicates only in the
+        backward, where each bucket's gradients are averaged over the ranks).
+
+        Parameters
+        ----------
+        x : object
+            The module's input.
+
+        Returns
+        -------
+        object
+            The module's output.
+        """
         return self._module.forward(x)
 
     def rebind(self, backend: Backend) -> None:

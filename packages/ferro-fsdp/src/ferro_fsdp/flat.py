@@ -120,6 +120,22 @@ class FlatLayout:
 
     # -- the whole unit ---------------------------------------------------------------------
     def check_shards(self, op: str, shards: Sequence[np.ndarray]) -> None:
+        """Check that ``shards`` fit this layout: one per parameter, each of the layout's dtype and
+        of its chunk size (padding included).
+
+        Parameters
+        ----------
+        op : str
+            The caller's name, first in the error message.
+        shards : sequence of numpy.ndarray
+            A rank's shards, one per parameter in layout order.
+
+        Raises
+        ------
+        ValueError
+            Another number of shards, or a shard of another dtype or size (a ``.data`` that was
+            replaced instead of written into).
+        """
         if len(shards) != len(self.shapes):
             raise ValueError(f"{op}: {len(shards)} shards, expected {len(self.shapes)}")
         for i, s in enumerate(shards):

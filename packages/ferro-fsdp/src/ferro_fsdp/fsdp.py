@@ -235,15 +235,28 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         self._module._collect(prefix, recurse, out, seen)
 
     def named_children(self) -> list[tuple[str, Module]]:
+        """The wrapped module's direct submodules: FSDP is transparent in the module tree, so names
+        (and ``state_dict`` keys) are the same with or without the wrapper.
+
+        Returns
+        -------
+        list of (str, Module)
+        """
         return self._module.named_children()
 
     # -- accessors --------------------------------------------------------------------------
     @property
     def strategy(self) -> ShardingStrategy:
+        """The :class:`ShardingStrategy` this FSDP runs with (a name given to the constructor,
+        converted).
+        """
         return self._strategy
 
     @property
     def intra_node_size(self) -> int | None:
+        """HYBRID_SHARD: the number of consecutive ranks that shard among themselves (a node);
+        None for the other strategies.
+        """
         return self._intra_node_size
 
     @property
@@ -263,6 +276,9 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
 
     @property
     def param_names(self) -> list[str]:
+        """The dotted names of the parameters FSDP manages, in ``named_parameters`` order (a
+        copy: editing it changes nothing).
+        """
         return list(self._names)
 
     @property
@@ -287,6 +303,9 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
 
     @property
     def has_pending_prefetch(self) -> bool:
+        """Whether a unit's all_gather started by :meth:`prefetch_forward_params` (or ``forward``'s
+        one-ahead prefetch) is in flight and not yet consumed by ``forward``.
+        """
         return any(u.pending is not None for u in self._units)
 
     def local_param_bytes(self) -> int:

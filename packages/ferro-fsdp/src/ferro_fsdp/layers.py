@@ -77,6 +77,23 @@ class Linear(Module):
         self.input_grad = bool(input_grad)
 
     def forward(self, x: Any) -> np.ndarray:
+        """``x @ weight.T + bias`` over the last dimension; keeps ``x`` for :meth:`backward`.
+
+        Parameters
+        ----------
+        x : array_like
+            Shape ``(..., in_features)``, any leading dimensions.
+
+        Returns
+        -------
+        numpy.ndarray
+            Shape ``(..., out_features)``, in the result dtype of ``x`` and the weight.
+
+        Raises
+        ------
+        ValueError
+            The last dimension is not ``in_features``.
+        """
         x = np.asarray(x)
         if x.shape[-1:] != (self.in_features,):
             raise ValueError(f"Linear.forward: input of shape {x.shape}, expected last dimension "
@@ -88,6 +105,28 @@ class Linear(Module):
         return y
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """Add ``grad_output.T @ x`` to ``weight.grad`` (and its row sums to ``bias.grad``).
+
+        Under DDP the weight's gradient is written straight into its bucket when that slot is free
+        (no copy); the result is the same as accumulating.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the last forward's output, shape ``(..., out_features)``.
+
+        Returns
+        -------
+        numpy.ndarray or None
+            ``grad_output @ weight``, the gradient wrt the input; None when ``input_grad`` is False.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        ValueError
+            ``grad_output`` does not have the output's shape.
+        """
         if self._x is None:
             raise RuntimeError("Linear.backward: called before forward")
         g = np.asarray(grad_output)
@@ -114,47 +153,6 @@ class Linear(Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
-
-
-class Sequential(Module):
-    """Runs its modules in order; registered as attributes ``"0"``, ``"1"``, ...
-
-    Parameters
-    ----------
-    *modules : Module
-        The layers, first to last (TypeError for anything else).
-    """
-
-    def __init__(self, *modules: Module) -> None:
-        super().__init__()
-        for i, m in enumerate(modules):
-            self.add_module(str(i), m)
-
-    def _layers(self) -> list[Module]:
-        return self.children()
-
-    def __len__(self) -> int:
-        return len(self._layers())
-
-    def __iter__(self):
-        return iter(self._layers())
-
-    def __getitem__(self, index: int) -> Module:
-        return self._layers()[index]
-
-    def forward(self, x: Any) -> Any:
-        for m in self._layers():
-            x = m(x)
-        return x
-
-    def backward(self, grad_output: Any) -> Any:
-        g = grad_output
-        for m in reversed(self._layers()):
-            if g is None:  # a later layer computed no input gradient (input_grad=False)
-                raise ValueError(f"Sequential.backward: {type(m).__name__} comes before a layer "
-                                 "with input_grad=False: it needs that gradient")
-            g = m.backward(g)
-        return g
 
 
 def _float_dtype(who: str, dtype: Any) -> np.dtype:
@@ -205,6 +203,25 @@ class Embedding(Module):
         self._idx: np.ndarray | None = None
 
     def forward(self, indices: Any) -> np.ndarray:
+        """The rows ``weight[indices]``; keeps the indices for :meth:`backward`.
+
+        Parameters
+        ----------
+        indices : array_like of int
+            Any shape, each in ``[0, num_embeddings)``.
+
+        Returns
+        -------
+        numpy.ndarray
+            Shape ``indices.shape + (embedding_dim,)``, a copy (fancy indexing).
+
+        Raises
+        ------
+        TypeError
+            Indices that are not integers.
+        IndexError
+            An index out of range (the message names it).
+        """
         idx = np.asarray(indices)
         if idx.dtype.kind not in "iu":
             raise TypeError(f"Embedding.forward: indices of dtype {idx.dtype}, expected integers")
@@ -216,6 +233,25 @@ class Embedding(Module):
         return self.weight.data[idx]
 
     def backward(self, grad_output: Any) -> None:
+        """Add each looked-up row's gradient into ``weight.grad`` (repeated indices add up).
+
+        Parameters
+        ----------
+        grad_output : array_like
+            Shape ``indices.shape + (embedding_dim,)`` of the last forward.
+
+        Returns
+        -------
+        None
+            Indices have no gradient.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        ValueError
+            ``grad_output`` of another shape.
+        """
         if self._idx is None:
             raise RuntimeError("Embedding.backward: called before forward")
         g = np.asarray(grad_output)
@@ -274,6 +310,24 @@ class LayerNorm(Module):
         self._cache: tuple[np.ndarray, np.ndarray] | None = None
 
     def forward(self, x: Any) -> np.ndarray:
+        """Normalize over the last dimension (biased variance, ``eps`` added), then scale and shift
+        when ``elementwise_affine``; keeps the normalized input for :meth:`backward`.
+
+        Parameters
+        ----------
+        x : array_like
+            Shape ``(..., normalized_shape)``.
+
+        Returns
+        -------
+        numpy.ndarray
+            Same shape as ``x``.
+
+        Raises
+        ------
+        ValueError
+            A scalar input or a last dimension other than ``normalized_shape``.
+        """
         x = np.asarray(x)
         if x.ndim == 0 or x.shape[-1] != self.normalized_shape:
             raise ValueError(f"LayerNorm.forward: input of shape {x.shape}, expected last "
@@ -288,6 +342,25 @@ class LayerNorm(Module):
         return xhat * self.weight.data + self.bias.data
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """Add the ``weight`` and ``bias`` gradients (when affine) and return the input gradient.
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the last forward's output (same shape).
+
+        Returns
+        -------
+        numpy.ndarray
+            The gradient wrt the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        ValueError
+            ``grad_output`` of another shape.
+        """
         if self._cache is None:
             raise RuntimeError("LayerNorm.backward: called before forward")
         xhat, rstd = self._cache
@@ -331,6 +404,20 @@ class Dropout(Module):
         self._called = False
 
     def forward(self, x: Any) -> np.ndarray:
+        """In training mode, zero each element with probability ``p`` (a fresh mask from ``rng``
+        every call) and scale the kept ones by ``1/(1-p)``; the identity in eval mode or at
+        ``p == 0`` (``x`` itself is returned, not a copy).
+
+        Parameters
+        ----------
+        x : array_like
+            Any shape.
+
+        Returns
+        -------
+        numpy.ndarray
+            Same shape and dtype as ``x``.
+        """
         x = np.asarray(x)
         self._called = True
         if not self.training or self.p == 0.0:
@@ -341,6 +428,25 @@ class Dropout(Module):
         return x * self._scale
 
     def backward(self, grad_output: Any) -> np.ndarray:
+        """Apply the last forward's mask and scale to ``grad_output`` (the identity if it had none).
+
+        Parameters
+        ----------
+        grad_output : array_like
+            The gradient wrt the last forward's output.
+
+        Returns
+        -------
+        numpy.ndarray
+            The gradient wrt that forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            No forward ran before.
+        ValueError
+            ``grad_output`` of another shape than the mask.
+        """
         if not self._called:
             raise RuntimeError("Dropout.backward: called before forward")
         g = np.asarray(grad_output)
@@ -355,4 +461,4 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
-__all__ = ["Dropout", "Embedding", "LayerNorm", "Linear", "Sequential"]
+__all__ = ["Dropout", "Embedding", "LayerNorm", "Linear"]

@@ -35,6 +35,8 @@ class RemovableHandle:
         self._hooks, self._hook = hooks, hook
 
     def remove(self) -> None:
+        """Unregister the hook: it no longer runs on later calls. Idempotent (removing twice,
+        or after the module dropped its hooks, does nothing)."""
         if self._hook in self._hooks:
             self._hooks.remove(self._hook)
 
@@ -246,12 +248,38 @@ class Module:
                 value._collect(full + ".", True, out, seen)
 
     def parameters(self, recurse: bool = True) -> list[Parameter]:
+        """The Parameters of :meth:`named_parameters`, without their names.
+
+        Parameters
+        ----------
+        recurse : bool, default True
+            Include the submodules' parameters (depth first); False: only this module's own.
+
+        Returns
+        -------
+        list of Parameter
+            In registration order, a Parameter shared by several modules once; the objects
+            themselves (not copies): what an optimizer is given.
+        """
         return [p for _, p in self.named_parameters(recurse=recurse)]
 
     def named_children(self) -> list[tuple[str, Module]]:
+        """The direct submodules with their attribute names, in registration order.
+
+        Returns
+        -------
+        list of (str, Module)
+            One level only (not the submodules' own children: see :meth:`named_modules`).
+        """
         return [(n, v) for n, v in self._items() if isinstance(v, Module)]
 
     def children(self) -> list[Module]:
+        """The direct submodules, in registration order (:meth:`named_children` without names).
+
+        Returns
+        -------
+        list of Module
+        """
         return [m for _, m in self.named_children()]
 
     def named_modules(self, prefix: str = "") -> list[tuple[str, Module]]:
@@ -271,10 +299,38 @@ class Module:
         return out
 
     def modules(self) -> list[Module]:
+        """This module and every submodule, depth first (:meth:`named_modules` without names).
+
+        Returns
+        -------
+        list of Module
+            ``self`` first.
+        """
         return [m for _, m in self.named_modules()]
 
     # -- computing ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Compute the module's output; what subclasses implement (``m(x)`` calls it).
+
+        The forward hooks run around the outermost call (see the module's docstring). Layers
+        that have a :meth:`backward` keep what it needs from the last ``forward`` on the
+        instance, so call ``backward`` before the next ``forward``.
+
+        Parameters
+        ----------
+        *args, **kwargs
+            The inputs, as the subclass defines them (usually one array).
+
+        Returns
+        -------
+        object
+            The output (usually a numpy array).
+
+        Raises
+        ------
+        NotImplementedError
+            The base class computes nothing.
+        """
         raise NotImplementedError(f"{type(self).__name__}.forward is not implemented")
 
     def backward(self, grad_output: Any) -> Any:
@@ -296,11 +352,31 @@ class Module:
 
     # -- modes, gradients, state ----------------------------------------------------------
     def train(self, mode: bool = True) -> Module:
+        """Set ``training`` on this module and every submodule (only layers such as
+        :class:`~ferro_fsdp.nn.Dropout` behave differently).
+
+        Parameters
+        ----------
+        mode : bool, default True
+            True: training mode; False: evaluation mode (same as :meth:`eval`).
+
+        Returns
+        -------
+        Module
+            ``self``, for chaining.
+        """
         for m in self.modules():
             object.__setattr__(m, "training", bool(mode))
         return self
 
     def eval(self) -> Module:
+        """Evaluation mode: ``train(False)`` on this module and every submodule.
+
+        Returns
+        -------
+        Module
+            ``self``, for chaining.
+        """
         return self.train(False)
 
     def zero_grad(self) -> None:
@@ -343,9 +419,23 @@ class Module:
             p.data = np.array(value, dtype=p.data.dtype, copy=True)
 
     def num_parameters(self) -> int:
+        """The number of elements of every parameter (each shared Parameter counted once).
+
+        Returns
+        -------
+        int
+            Of the local ``.data``: under FSDP, the elements this rank holds.
+        """
         return sum(p.data.size for p in self.parameters())
 
     def extra_repr(self) -> str:
+        """What ``repr(module)`` shows in the parentheses after the class name; subclasses
+        override it (``Linear``: its sizes), the base shows nothing.
+
+        Returns
+        -------
+        str
+        """
         return ""
 
     def __repr__(self) -> str:

@@ -5,8 +5,8 @@ parameters' gradients to their ``.grad`` (torch accumulates the same way; ``zero
 A layer reads its parameters' ``.data`` again in ``backward`` (it caches only its input), which is
 what lets FSDP free the gathered parameters between ``forward`` and ``backward``.
 
-Layers: ``Linear``, ``Sequential``, ``Embedding``, ``LayerNorm``, ``Dropout``
-(``ferro_fsdp.layers``), ``ReLU``, ``GELU`` (``ferro_fsdp.activations``),
+Layers: ``Linear``, ``Embedding``, ``LayerNorm``, ``Dropout`` (``ferro_fsdp.layers``),
+``Sequential`` (``ferro_fsdp.containers``), ``ReLU``, ``GELU`` (``ferro_fsdp.activations``),
 ``CausalSelfAttention`` and the pre-LN ``TransformerBlock`` (``ferro_fsdp.attention``):
 torch's names, defaults and math.
 
@@ -22,7 +22,8 @@ import numpy as np
 
 from .activations import GELU, ReLU
 from .attention import CausalSelfAttention, TransformerBlock
-from .layers import Dropout, Embedding, LayerNorm, Linear, Sequential
+from .containers import Sequential
+from .layers import Dropout, Embedding, LayerNorm, Linear
 from .module import Module
 
 
@@ -77,6 +78,27 @@ class MSELoss(_Loss):
     """
 
     def forward(self, output: Any, target: Any) -> float:
+        """The mean (or sum) squared error; keeps its gradient for :meth:`backward`.
+
+        Parameters
+        ----------
+        output : array_like
+            Floating predictions, any shape.
+        target : array_like
+            Same shape as ``output`` (cast to its dtype).
+
+        Returns
+        -------
+        float
+            The loss, a Python float.
+
+        Raises
+        ------
+        TypeError
+            A non-floating ``output``.
+        ValueError
+            ``target`` of another shape.
+        """
         o = np.asarray(output)
         if o.dtype.kind != "f":
             raise TypeError(f"MSELoss: output dtype {o.dtype} is not floating")
@@ -113,6 +135,29 @@ class CrossEntropyLoss(_Loss):
     """
 
     def forward(self, output: Any, target: Any) -> float:
+        """The mean (or sum) over samples of ``-log softmax(output)[target]``, computed stably
+        (logits shifted by their row maximum); keeps its gradient for :meth:`backward`.
+
+        Parameters
+        ----------
+        output : array_like
+            Floating logits of shape ``(N, C)``.
+        target : array_like
+            Class indices of shape ``(N,)`` (integers in ``[0, C)``) or class probabilities of
+            shape ``(N, C)``.
+
+        Returns
+        -------
+        float
+            The loss, a Python float.
+
+        Raises
+        ------
+        TypeError
+            A non-floating ``output``.
+        ValueError
+            ``output`` not 2-D, a class index out of range, or a target of another shape.
+        """
         z = np.asarray(output)
         if z.dtype.kind != "f":
             raise TypeError(f"CrossEntropyLoss: output dtype {z.dtype} is not floating")

@@ -85,10 +85,14 @@ class Optimizer:
 
     @property
     def params(self) -> list[Parameter]:
+        """Every parameter this optimizer steps, group by group in the order given (the objects
+        themselves).
+        """
         return [p for g in self.param_groups for p in g["params"]]
 
     @property
     def lr(self) -> float:
+        """The first group's learning rate; setting it sets every group's (a scheduler's hook)."""
         return self.param_groups[0]["lr"]
 
     @lr.setter
@@ -97,6 +101,15 @@ class Optimizer:
             g["lr"] = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient before the next backward.
+
+        Parameters
+        ----------
+        set_to_none : bool, default True
+            True: ``p.grad = None`` (the next backward writes a fresh gradient, and ``step`` skips a
+            parameter that got none). False: zero-filled arrays of the parameter's shape and dtype
+            where a gradient existed (a parameter without one keeps None).
+        """
         for p in self.params:
             if set_to_none or p.grad is None:
                 p.grad = None
@@ -114,6 +127,18 @@ class Optimizer:
         return g
 
     def step(self) -> None:
+        """Update every parameter that has a gradient, in place, by the subclass's rule.
+
+        ``p.data`` is written into, never replaced (views stay views); a parameter whose ``.grad``
+        is None or whose ``requires_grad`` is False is skipped, as in torch. On each rank the
+        update is deterministic (the compiled and numpy steps give the same bits), so ranks that
+        hold the same parameters and gradients stay bit-identical.
+
+        Raises
+        ------
+        ValueError
+            A gradient whose shape is not its parameter's, or a read-only parameter array.
+        """
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or not p.requires_grad:
@@ -141,6 +166,22 @@ class Optimizer:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned: the groups' hyperparameters and the per-parameter
+        state, matched to this optimizer's parameters by index.
+
+        Parameters
+        ----------
+        state_dict : dict
+            ``{"state": {index: {...}}, "param_groups": [...]}``; array entries are copied and cast
+            to their parameter's dtype, and the current state is replaced (not merged).
+
+        Raises
+        ------
+        ValueError
+            A different number of groups, or of parameters in a group.
+        IndexError, KeyError
+            A malformed ``state_dict`` (an index past the parameters, a missing key).
+        """
         params = self.params
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(

@@ -79,14 +79,17 @@ class Parameter:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """``data.shape``: under a sharding strategy, this rank's shard's (flat) shape."""
         return self.data.shape
 
     @property
     def dtype(self) -> np.dtype:
+        """``data.dtype``."""
         return self.data.dtype
 
     @property
     def size(self) -> int:
+        """``data.size``, the number of elements of ``data`` (of the shard, when sharded)."""
         return self.data.size
 
     def accumulate_grad(self, grad: np.ndarray, *, owned: bool = False) -> None:

@@ -27,10 +27,12 @@ class ModuleWrapper:
 
     @property
     def module(self) -> Module:
+        """The wrapped :class:`~ferro_fsdp.Module` (read-only: the wrapper keeps this one)."""
         return self._module
 
     @property
     def backend(self) -> Any:
+        """The ``ferro_backend.Backend`` the wrapper communicates over (read-only)."""
         return self._backend
 
     def parameters(self) -> list[Parameter]:
@@ -44,9 +46,28 @@ class ModuleWrapper:
         return self._module.parameters()
 
     def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """``module.named_parameters()``: the parameters with their dotted names (under a sharding
+        strategy, this rank's shards, named as the full parameters they are pieces of).
+
+        Returns
+        -------
+        list of (str, Parameter)
+        """
         return self._module.named_parameters()
 
     def forward(self, x: Any) -> Any:  # pragma: no cover - every wrapper defines its own
+        """Run the wrapped module (each wrapper defines it: see FSDP's and DDP's ``forward``).
+
+        Parameters
+        ----------
+        x : object
+            The module's input.
+
+        Returns
+        -------
+        object
+            The module's output.
+        """
         raise NotImplementedError
 
     def _clip(self, max_norm: float, op: str, norm_group) -> float:
@@ -71,10 +92,30 @@ class ModuleWrapper:
         return self.forward(x)
 
     def train(self, mode: bool = True):
+        """``module.train(mode)``: set training mode on the wrapped module and its submodules (not
+        collective; every rank should use the same mode).
+
+        Parameters
+        ----------
+        mode : bool, default True
+            True: training; False: evaluation.
+
+        Returns
+        -------
+        ModuleWrapper
+            ``self`` (the wrapper, not the module), for chaining.
+        """
         self._module.train(mode)
         return self
 
     def eval(self):
+        """Evaluation mode: ``train(False)``.
+
+        Returns
+        -------
+        ModuleWrapper
+            ``self``, for chaining.
+        """
         return self.train(False)
 
 

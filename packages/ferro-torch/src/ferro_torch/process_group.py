@@ -228,6 +228,16 @@ def backend_kind(group=None) -> str:
     default group yet: the kind a same-host group would get now (building the compiled backend
     if ``FERRO_TORCH_BACKEND`` allows and it is not built yet).
 
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        A group of backend "ferro" (default: the default group).
+
+    Returns
+    -------
+    str
+        ``"compiled"`` or ``"python"``.
+
     Raises
     ------
     TypeError

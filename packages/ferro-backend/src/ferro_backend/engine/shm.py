@@ -95,6 +95,7 @@ class ShmBackend(TcpBackend):
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
+        """Payload bytes received over the sockets, the rings, and by the engine's collectives."""
         return super().bytes_received + (0 if self.engine is None else self.engine.bytes_received)
 
     def link_transports(self) -> tuple[str, str]:

@@ -77,10 +77,14 @@ class Launcher:
 
     @property
     def label(self) -> str:
+        """The launcher's name as messages give it ("torchrun", "Open MPI (mpirun)", "Slurm
+        (srun)"...; the ``source`` itself for one without a label)."""
         return _LABELS.get(self.source, self.source)
 
     @property
     def is_mpi(self) -> bool:
+        """Whether an MPI launcher started this rank (Open MPI's or MPICH/PMI's variables): the
+        job may then join through MPI (``FERRO_TRANSPORT=mpi``)."""
         return self.source in ("openmpi", "mpich")
 
 

@@ -219,6 +219,7 @@ class TcpBackend(FixedRanks, Composable, Backend):
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
+        """Payload bytes received over the sockets and through the routes."""
         return sum(link.received for link in list(self._links.values())) + sum(
             route.bytes_received for route in self._route_list)
 
