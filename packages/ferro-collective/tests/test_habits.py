@@ -46,6 +46,41 @@ def test_every_call_on_a_closed_backend_raises_on_every_rank(transport):
     assert res == [[("closed", True)] * 3] * 2
 
 
+EXIT_SCRIPT = """
+import atexit
+import numpy as np
+import ferro_backend as fb, ferro_collective as fc
+b = fb.init_from_env()
+fc.allreduce(np.ones(2), b)
+
+def late():  # while the interpreter exits: closed, then called
+    b.close()
+    try:
+        print(f"rank {b.rank}: returned {fc.allreduce(np.ones(3), b, timeout=5)}", flush=True)
+    except fb.PeerClosedError as exc:
+        print(f"rank {b.rank}: PeerClosedError: {exc}", flush=True)
+
+atexit.register(late)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_closed_backend_stays_closed_while_the_interpreter_exits(transport, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(EXIT_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", "2",
+                          "--transport", transport, str(script)],
+                         capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in (0, 1):
+        assert f"[rank {r}] rank {r}: PeerClosedError:" in run.stdout, run.stdout
+    assert "returned" not in run.stdout
+
+
 # ----------------------------------------------------------------------------- one rank's error
 def _one_rank_refuses(b, kind):
     """Rank 1 makes an argument error; every rank reports what it got and how long it took,
