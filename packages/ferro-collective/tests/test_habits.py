@@ -107,6 +107,18 @@ def _one_rank_refuses(b, kind):
     return got, took, after
 
 
+def test_the_refusing_rank_raises_at_once_whether_or_not_its_peers_call():
+    import time
+
+    rank0, _silent = SimulatedBackend.create_group(2, timeout=30)
+    for call in (lambda: fc.allreduce(np.ones(2, np.complex64), rank0),
+                 lambda: fc.allreduce_async(np.ones(2, np.complex64), rank0)):
+        t0 = time.monotonic()
+        with pytest.raises(TypeError, match="complex64"):
+            call()
+        assert time.monotonic() - t0 < 1.0  # not the 30 s deadline: published in the background
+
+
 @pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])
 @pytest.mark.parametrize("kind", ["dtype", "out", "root", "algorithm", "async"])
 def test_an_argument_error_on_one_rank_reaches_its_peers_in_the_same_call(transport, kind):

@@ -20,12 +20,14 @@ A call whose own arguments are wrong (``prepare`` raised TypeError or ValueError
 (:class:`Refusal`): the rank still takes the call's place in the order and publishes a header
 saying so, with its reason, where its peers compare headers, so that they raise at once
 (:class:`~ferro_backend.CollectiveMismatchError` naming the rank and the reason) instead of
-waiting for their deadline; then it raises its own error.
+waiting for their deadline; it raises its own error at once, the refusal published in the
+background.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -65,9 +67,8 @@ def _general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
         plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
     except ARGUMENT_ERRORS as exc:
         refused = Refusal.of(coll.name, backend, timeout, exc)
-        if refused is None:
-            raise
-        refused.publish(executor(refused))
+        if refused is not None:
+            refused.start()
         raise
     return executor(plan)()
 
@@ -87,9 +88,7 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
     except ARGUMENT_ERRORS as exc:
         refused = Refusal.of(coll.name, backend, timeout, exc)
         if refused is not None:
-            # the refusal keeps the call's place in the order (published in the background);
-            # the caller has its error now
-            state(backend).submit(functools.partial(refused.publish, executor(refused)))
+            refused.start()
         raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
     except Exception as exc:
         raise user_facing(exc)  # noqa: B904
@@ -137,6 +136,15 @@ class Refusal(Plan):
 
     def run_engine(self, group, call) -> None:
         group.exchange(call, self.encoded())
+
+    def start(self) -> None:
+        """Take the call's place in the order now and publish the refusal in the background,
+        so that the caller raises its own error at once, whether or not its peers ever make the
+        call: on a daemon thread of its own (refusals are rare), which waits for the peers
+        (their headers) at most until the call's deadline and never holds up the
+        interpreter's exit."""
+        threading.Thread(target=self.publish, args=(executor(self),), daemon=True,
+                         name=f"ferro-refusal-{self.name}-{self.seq}").start()
 
     @staticmethod
     def publish(run: Callable[[], Any]) -> None:
