@@ -676,6 +676,27 @@ static int check_count(const char* name, size_t count, size_t item, size_t times
     return FERRO_OK;
 }
 
+/* A rooted call's own checks (gather, scatter): `own` is this rank's block of `count` items
+ * (gather's send, scatter's recv), `all` the root's blocks of every rank (gather's recv,
+ * scatter's send), which may hold `own` only at this rank's block. */
+static int check_rooted(ferro_comm* c, const char* name, int dtype, int root, size_t count,
+                        const char* own_name, const void* own, const char* all_name,
+                        const void* all) {
+    size_t n = (size_t)c->s.n, item = ferro_dtype_size(dtype), block;
+    int rc;
+    if ((rc = check_dtype(name, dtype)) != FERRO_OK) return rc;
+    if ((rc = check_root(c, name, root)) != FERRO_OK) return rc;
+    if ((rc = check_count(name, count, item, n)) != FERRO_OK) return rc;
+    block = count * item;
+    if ((rc = check_buf(name, own_name, own, block)) != FERRO_OK) return rc;
+    if (root != c->s.me) return FERRO_OK;
+    if ((rc = check_buf(name, all_name, all, block * n)) != FERRO_OK) return rc;
+    if (overlaps(own, block, all, block * n, block * (size_t)c->s.me))
+        return say(FERRO_INVALID, "%s: %s overlaps %s other than at this rank's block", name,
+                   own_name, all_name);
+    return FERRO_OK;
+}
+
 #define CHECK(expr)                                                                          \
     do {                                                                                     \
         int rc_ = (expr);                                                                    \
@@ -856,18 +877,9 @@ static int api_gather(ferro_comm* c, const void* send, void* recv, size_t send_c
     int rc, mine, r;
     ferro_slots* s = &c->s;
     CHECK(ferro_door_check_opts(o, "gather", &timeout));
-    CHECK(check_dtype("gather", dtype));
-    CHECK(check_root(c, "gather", root));
-    CHECK(check_count("gather", send_count, item, (size_t)s->n));
+    CHECK(check_rooted(c, "gather", dtype, root, send_count, "send", send, "recv", recv));
     block = send_count * item;
     mine = root == s->me;
-    CHECK(check_buf("gather", "send", send, block));
-    if (mine) {
-        CHECK(check_buf("gather", "recv", recv, block * (size_t)s->n));
-        if (overlaps(send, block, recv, block * (size_t)s->n, block * (size_t)s->me))
-            CHECK(say(FERRO_INVALID, "gather: send overlaps recv other than at this rank's "
-                      "block"));
-    }
     rc = begin(&k, c, "gather", FERRO_COLL_GATHER, o, timeout, dtype, send_count, -1, root,
                block * (size_t)s->n);
     if (rc != FERRO_OK) return rc;
@@ -919,18 +931,9 @@ static int api_scatter(ferro_comm* c, const void* send, void* recv, size_t recv_
     int rc, mine;
     ferro_slots* s = &c->s;
     CHECK(ferro_door_check_opts(o, "scatter", &timeout));
-    CHECK(check_dtype("scatter", dtype));
-    CHECK(check_root(c, "scatter", root));
-    CHECK(check_count("scatter", recv_count, item, (size_t)s->n));
+    CHECK(check_rooted(c, "scatter", dtype, root, recv_count, "recv", recv, "send", send));
     block = recv_count * item;
     mine = root == s->me;
-    CHECK(check_buf("scatter", "recv", recv, block));
-    if (mine) {
-        CHECK(check_buf("scatter", "send", send, block * (size_t)s->n));
-        if (overlaps(recv, block, send, block * (size_t)s->n, block * (size_t)s->me))
-            CHECK(say(FERRO_INVALID, "scatter: recv overlaps send other than at this rank's "
-                      "block"));
-    }
     chunk = piece_bytes(s);
     if (chunk == 0 && block > 0)
         CHECK(say(FERRO_UNSUPPORTED, "scatter: %zu-byte slots hold no piece for %d ranks",
