@@ -60,17 +60,21 @@ class Collective(NamedTuple):
     kind: int | None = None
 
 
-def _general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
-    """A call the one-call path did not take: its plan, on the executor chosen now (a refusal
-    where its arguments are wrong)."""
+def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out) -> Plan:
+    """``coll``'s plan for this call; where its own arguments are wrong, the call is refused
+    (:class:`Refusal`, published in the background) and the argument error raised."""
     try:
-        plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
+        return coll.prepare(tensor, backend, arg, timeout, algorithm, out)
     except ARGUMENT_ERRORS as exc:
         refused = Refusal.of(coll.name, backend, timeout, exc)
         if refused is not None:
             refused.start()
         raise
-    return executor(plan)()
+
+
+def _general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
+    """A call the one-call path did not take: its plan, on the executor chosen now."""
+    return executor(_prepare(coll, tensor, backend, arg, timeout, algorithm, out))()
 
 
 _fastcall.set_general(_general)
@@ -84,14 +88,9 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
            out=None) -> Work:
     """One call of ``coll``, in the background (its place in the order of calls taken now)."""
     try:
-        plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
-    except ARGUMENT_ERRORS as exc:
-        refused = Refusal.of(coll.name, backend, timeout, exc)
-        if refused is not None:
-            refused.start()
-        raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
+        plan = _prepare(coll, tensor, backend, arg, timeout, algorithm, out)
     except Exception as exc:
-        raise user_facing(exc)  # noqa: B904
+        raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
     job = timeline.traced_job(plan.name, executor(plan), tensor, backend, algorithm)
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
 
