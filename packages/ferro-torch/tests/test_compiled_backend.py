@@ -98,3 +98,16 @@ def test_the_cache_name_changes_with_the_sources(monkeypatch, tmp_path):
     assert _compiled.extension_name() == name
     (src / "work.cpp").write_text((src / "work.cpp").read_text() + "\n// changed\n")
     assert _compiled.extension_name() != name  # a stale cache is never loaded
+
+
+@pytest.mark.skipif(not TOOLCHAIN, reason="no C++ compiler or ninja here: nothing can build")
+def test_ranks_on_different_backends_are_an_error_naming_them(compiled_backend):
+    # the two kinds carry messages on different rings: a job that mixes them must not start
+    port = free_port()
+    run = processes("kind", 2, lambda r: env_vars(
+        r, 2, port, FERRO_TOKEN="m1x", **({_compiled.BACKEND.name: "python"} if r == 0 else {})),
+        timeout=90)
+    assert run.returncodes == [0, 0], run.output[-4000:]
+    for r in run.by_rank().values():
+        assert "the ranks of a group run different backends" in r["error"], r
+        assert "compiled: ranks [1]; python: ranks [0]" in r["error"], r

@@ -2,7 +2,8 @@
 compiled backend and on the Python one):
 ``_device_types``/``_get_backend``, all_gather_coalesced, all_reduce_coalesced, the coalescing
 manager, batch_isend_irecv, get_future, object collectives, subgroups, sparse allreduce,
-monitored_barrier in gloo's words, timeouts in torch's words."""
+monitored_barrier in gloo's words, timeouts in torch's words, point-to-point messages (on the
+compiled backend through the door alone)."""
 
 from pathlib import Path
 
@@ -63,3 +64,19 @@ def test_receive_from_any_source_names_each_sender(ranks):
         assert values == [values[0]] * 3 and int(values[0]) // 10 == src, got
         per_sender.setdefault(src, []).append(int(values[0]) % 10)
     assert per_sender == {r: [0, 1] for r in range(1, N)}, got
+
+
+def test_point_to_point_messages_keep_order_per_tag_and_never_wait_on_another_tag(ranks):
+    # (the ordering, independence and exchange checks ran in ranks 0 and 1)
+    p2p = ranks[0]["p2p"]
+    assert "8" in p2p["size"] and "12" in p2p["size"], p2p
+    msg, secs = p2p["timeout"]
+    assert ": Timed out waiting 1000ms " in msg and 0.9 < secs < 5, p2p
+
+
+def test_a_receive_pending_when_its_group_ends_raises_instead_of_hanging(ranks):
+    for r in range(N):
+        p2p = ranks[r]["p2p"]
+        assert p2p["pending_at_end"], p2p
+        if ranks[r]["kind"] == "compiled":  # at once; the Python backend's receive on a
+            assert p2p["end_seconds"] < 10, p2p  # subgroup waits for its own timeout

@@ -267,6 +267,75 @@ def check_any_source(n: int, me: int) -> list | None:
     return got
 
 
+def check_point_to_point(n: int, me: int, kind: str) -> dict:
+    """send/recv between ranks 0 and 1 (rank 2 and up: a barrier only). Receives on different
+    tags are independent (one waiting never holds up another), messages on one tag arrive in
+    the order sent, large messages cross both ways at once, a wrong size and a timeout raise,
+    and a receive pending at destroy_process_group ends with an error. On the compiled backend
+    the Python group's send/recv are made to raise first: the door carries every message."""
+    if kind == "compiled":
+        def refuse(*args, **kwargs):
+            raise AssertionError("the compiled backend called the Python group's send/recv")
+        for name in ("send", "recv", "recv_anysource"):
+            setattr(ferro_torch.ProcessGroupFerro, name, refuse)
+    out: dict = {}
+    if me <= 1:
+        peer = 1 - me
+        big = 300_000  # 1.2 MB: streamed in pieces, on the point-to-point threads
+        # two tags, received in the other order than sent: tag 2 first, then an ack, then tag 1
+        if me == 0:
+            first, second = torch.empty(4), torch.empty(big)
+            w1 = dist.irecv(first, 1, tag=1)
+            w2 = dist.irecv(second, 1, tag=2)
+            w2.wait(timedelta(seconds=30))
+            dist.send(torch.ones(1), 1, tag=3)
+            w1.wait(timedelta(seconds=30))
+            assert torch.equal(second, torch.arange(big, dtype=torch.float32)), second[:4]
+            assert torch.equal(first, torch.full((4,), 7.0)), first
+        else:
+            dist.send(torch.arange(big, dtype=torch.float32), 0, tag=2)
+            dist.recv(torch.empty(1), 0, tag=3)
+            dist.send(torch.full((4,), 7.0), 0, tag=1)
+        # one tag, four messages of mixed sizes: in order
+        sizes = [3, big, 5, big // 2]
+        if me == 1:
+            sends = [dist.isend(torch.full((k,), float(i)), 0, tag=4) for i, k in enumerate(sizes)]
+            for w in sends:
+                w.wait()
+        else:
+            for i, k in enumerate(sizes):
+                t = torch.empty(k)
+                dist.recv(t, 1, tag=4)
+                assert torch.equal(t, torch.full((k,), float(i))), (i, t[:3])
+        # an exchange of large messages, both sends issued before either receive
+        mine = torch.full((big,), float(me))
+        theirs = torch.empty(big)
+        works = [dist.isend(mine, peer, tag=5), dist.irecv(theirs, peer, tag=5)]
+        for w in works:
+            w.wait(timedelta(seconds=30))
+        assert torch.equal(theirs, torch.full((big,), float(peer))), theirs[:3]
+        # a message of 8 bytes for a 12-byte buffer: an error naming both sizes
+        if me == 1:
+            dist.send(torch.ones(2), 0, tag=6)
+        else:
+            out["size"] = expect_error(lambda: dist.recv(torch.empty(3), 1, tag=6), "8",
+                                       "12")[0]
+    dist.barrier()
+    # a receive nobody sends to: a timeout in torch's words; then one pending at the group's end
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    if me == 0:
+        out["timeout"] = expect_error(lambda: dist.recv(torch.empty(2), 1, tag=8, group=group),
+                                      "Timed out")
+    dist.barrier()
+    pending = dist.irecv(torch.empty(2), (me + 1) % n, tag=9, group=group)
+    dist.barrier()
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    out["pending_at_end"] = expect_error(lambda: pending.wait(timedelta(seconds=3)))[0]
+    out["end_seconds"] = time.monotonic() - start
+    return out
+
+
 def scenario_torch_api() -> None:
     kind = init(timeout=60)
     assert kind == os.environ["TEST_KIND"], (kind, os.environ["TEST_KIND"])
@@ -278,9 +347,10 @@ def scenario_torch_api() -> None:
     monitored = check_monitored_barrier(n, me)
     timeout = check_timeout_words(me)
     any_source = check_any_source(n, me)
+    p2p = check_point_to_point(n, me, kind)
     dist.barrier()
     report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync,
-           kind=kind)
+           kind=kind, p2p=p2p)
     os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
 
 

@@ -39,7 +39,7 @@ from .errors import FerroTorchError
 
 #: the C++ sources of the backend, built in this order
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("work.cpp", "backend.cpp", "collectives.cpp", "python.cpp")
+SOURCES = ("work.cpp", "backend.cpp", "collectives.cpp", "p2p.cpp", "python.cpp")
 HEADERS = ("ferro_c10d.hpp",)
 #: the oldest torch the sources build against (c10d's options carry asyncOp from 2.7 on)
 OLDEST_TORCH = (2, 7)

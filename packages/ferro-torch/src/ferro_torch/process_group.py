@@ -216,10 +216,34 @@ def _backend_of(pg: ProcessGroupFerro, timeout: float, store):
     backend). A transport
     without the engine (TCP across hosts, a group of one rank) runs on the Python backend
     whatever the setting says: the compiled backend is the engine's."""
-    if _compiled.choice() == "python" or not _same_host_engine(pg.ferro_backend):
-        return pg
-    group = _compiled.make(pg, timeout, store)
+    group = None
+    if _compiled.choice() != "python" and _same_host_engine(pg.ferro_backend):
+        group = _compiled.make(pg, timeout, store)
+    _same_kind_everywhere(store, pg.rank(), pg.size(), "python" if group is None else "compiled")
     return pg if group is None else group
+
+
+def _same_kind_everywhere(store, rank: int, size: int, kind: str) -> None:
+    """Every rank of a group runs it on the same kind of backend (the compiled backend's
+    messages travel on the door's rings, the Python backend's on its own): a rank where the
+    compiled backend did not build, among ranks where it did, is an error here, naming them,
+    not a message that never arrives."""
+    if size == 1:
+        return
+    store.set(f"ferro_torch/kind/{rank}", kind)
+    kinds = {r: store.get(f"ferro_torch/kind/{r}").decode() for r in range(size)}
+    if len(set(kinds.values())) > 1:
+        # every rank sees the same keys and raises: each waits for the others' reads first, so
+        # that the store's host (rank 0) is not gone before a peer has read them
+        store.set(f"ferro_torch/kind_read/{rank}", "1")
+        store.wait([f"ferro_torch/kind_read/{r}" for r in range(size)])
+        by_kind: dict[str, list[int]] = {}
+        for r, k in kinds.items():
+            by_kind.setdefault(k, []).append(r)
+        raise RuntimeError("ferro: the ranks of a group run different backends ("
+                           + "; ".join(f"{k}: ranks {v}" for k, v in sorted(by_kind.items()))
+                           + "); set FERRO_TORCH_BACKEND alike on every rank (a rank falls "
+                           "back to python where the compiled backend does not build)")
 
 
 def backend_kind(group=None) -> str:

@@ -7,8 +7,9 @@
 // its door tickets when it is issued, in issue order, so the door runs the calls of every
 // thread (and ferro's own Python collectives on the same engine) in that order on every rank.
 //
-// What the door cannot do (point-to-point messages, sparse tensors, a reduction of a dtype or
-// op it lacks, uneven all_to_all) goes to the group's Python backend (ProcessGroupFerro,
+// Point-to-point messages run on the door's send and recv (p2p.cpp), on a pool of threads of
+// their own. What the door cannot do (sparse tensors, a reduction of a dtype or op it lacks,
+// uneven all_to_all, monitored_barrier) goes to the group's Python backend (ProcessGroupFerro,
 // python.cpp), called with the GIL in the issuing thread.
 #pragma once
 
@@ -17,10 +18,12 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <c10/util/SmallVector.h>
@@ -90,6 +93,35 @@ class Tickets {
   size_t used_ = 0;
 };
 
+// The threads that run point-to-point operations (p2p.cpp): a lane's operations one after
+// another in the order they were posted, different lanes at once; a thread more whenever
+// every thread is busy (a receive may wait for its message as long as its timeout).
+class Lanes {
+ public:
+  // (0, destination, 0) for sends; (1, source or FERRO_ANY_SOURCE, tag) for receives
+  using Key = std::tuple<int, int, int>;
+  ~Lanes();
+  void post(Key key, std::function<void()> job);
+  bool idle(Key key);  // nothing of the lane pending
+  bool busy();         // something of any lane pending
+  void stop();         // after what was posted has run
+
+ private:
+  struct Lane {
+    std::deque<std::function<void()>> jobs;
+    bool running = false;
+  };
+  void run();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, Lane> lanes_;
+  std::deque<Key> ready_;
+  size_t idle_ = 0;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
 // The Python side (python.cpp): the group's ProcessGroupFerro, for what stays on it.
 struct PyState;
 
@@ -149,10 +181,12 @@ class FerroBackend : public c10d::Backend {
   WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                    const c10d::AllToAllOptions& opts) override;
 
-  // -- on the Python backend (python.cpp)
+  // -- point-to-point on the door (p2p.cpp)
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  // -- on the Python backend (python.cpp)
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
   // what the Python backend runs for this group; a collective among them runs synchronously
@@ -200,6 +234,7 @@ class FerroBackend : public c10d::Backend {
     if (rc != FERRO_OK) fail(name, rc, secs);
   }
   [[noreturn]] void fail(const char* name, int rc, double secs) const;
+  WorkPtr receive(std::vector<at::Tensor>& tensors, int src, int tag, c10d::OpType type);
   double seconds(Ms timeout) const;
   void loop();
   void callback_loop();
@@ -228,6 +263,8 @@ class FerroBackend : public c10d::Backend {
   std::deque<std::pair<c10::intrusive_ptr<FerroWork>, FuturePtr>> callbacks_;
   std::thread callback_thread_;
   bool worker_done_ = false;
+  // point-to-point operations (declared last: its threads stop first)
+  Lanes p2p_;
 };
 
 template <class F>

@@ -1,7 +1,6 @@
 // python.cpp: what backend "ferro" leaves to the group's Python backend (ProcessGroupFerro):
-// point-to-point messages, monitored_barrier, sparse tensors, reductions of dtypes or ops the
-// door lacks, all_to_all with sizes of each rank's own; the backend's lifetime around it; and
-// the Python module (FerroBackend, made from the engine's capsule, and FerroProcessGroup,
+// monitored_barrier, sparse tensors, reductions of dtypes or ops the door lacks, all_to_all
+// with sizes of each rank's own; the backend's lifetime around it; and the Python module (FerroBackend, made from the engine's capsule, and FerroProcessGroup,
 // torch's group around it under the name "ferro").
 //
 // The GIL is taken only here, and only for those: the door's calls never need it.
@@ -28,80 +27,6 @@ struct WithoutGil {
   ~WithoutGil() {
     if (saved != nullptr) PyEval_RestoreThread(saved);
   }
-};
-
-py::object seconds_or_none(Ms timeout) {
-  if (timeout.count() <= 0) return py::none();
-  return py::float_(timeout.count() / 1000.0);
-}
-
-// A Python backend's Work (a send, a receive) as torch's: every call goes to it, with the GIL.
-class PyWork : public c10d::Work {
- public:
-  PyWork(c10d::OpType type, py::object work, std::vector<at::Tensor> outputs)
-      : c10d::Work(-1, type), work_(std::move(work)), outputs_(std::move(outputs)) {}
-
-  ~PyWork() override {
-    if (!Py_IsInitialized()) {
-      work_.release();  // the interpreter is gone: nothing to give back
-      return;
-    }
-    py::gil_scoped_acquire gil;
-    work_ = py::object();
-  }
-
-  bool isCompleted() override {
-    py::gil_scoped_acquire gil;
-    return work_.attr("is_completed")().cast<bool>();
-  }
-
-  bool isSuccess() const override {
-    py::gil_scoped_acquire gil;
-    return work_.attr("is_success")().cast<bool>();
-  }
-
-  std::exception_ptr exception() const override {
-    py::gil_scoped_acquire gil;
-    py::object exc = work_.attr("exception")();
-    if (exc.is_none()) return nullptr;
-    return backend_error(py::str(exc).cast<std::string>());
-  }
-
-  int sourceRank() const override {
-    py::gil_scoped_acquire gil;
-    return work_.attr("_source_rank")().cast<int>();
-  }
-
-  std::vector<at::Tensor> result() override { return outputs_; }
-
-  bool wait(Ms timeout) override {
-    py::gil_scoped_acquire gil;
-    work_.attr("wait")(seconds_or_none(timeout));  // (its error raised here)
-    return true;
-  }
-
-  FuturePtr getFuture() override {
-    py::gil_scoped_acquire gil;  // (the GIL guards future_)
-    if (future_) return future_;
-    FuturePtr f = future_ = tensor_future();
-    std::vector<at::Tensor> outputs = outputs_;
-    work_.attr("get_future")().attr("add_done_callback")(
-        py::cpp_function([f, outputs](py::object done) {
-          try {
-            done.attr("value")();
-          } catch (py::error_already_set& e) {
-            f->setError(backend_error(e.what()));
-            return;
-          }
-          f->markCompleted(c10::IValue(outputs));
-        }));
-    return f;
-  }
-
- private:
-  py::object work_;
-  std::vector<at::Tensor> outputs_;
-  FuturePtr future_;
 };
 
 // A collective on the Python backend, run to its end in this thread (synchronously, so that
@@ -143,6 +68,8 @@ FerroBackend::~FerroBackend() {
   {
     WithoutGil unlocked;
     stop_worker();
+    if (p2p_.busy()) api_->close(comm_);  // a receive nobody will send to ends now
+    p2p_.stop();
   }
   py_release();
   api_->release(comm_);
@@ -164,8 +91,15 @@ void FerroBackend::shutdown() {
     stop_worker();  // every operation issued runs first
   }
   closed_ = true;
-  py::gil_scoped_acquire gil;
-  py_->group.attr("shutdown")();  // (closes the transport the group owns)
+  {
+    py::gil_scoped_acquire gil;
+    py_->group.attr("shutdown")();  // (closes the transport the group owns)
+  }
+  WithoutGil unlocked;
+  // point-to-point operations still pending (a receive nobody sends to) end now, with the
+  // engine's "closed"; then their threads stop
+  if (p2p_.busy()) api_->close(comm_);
+  p2p_.stop();
 }
 
 void FerroBackend::abort() {
@@ -173,31 +107,14 @@ void FerroBackend::abort() {
   {
     WithoutGil unlocked;
     stop_worker();
+    p2p_.stop();
   }
   closed_ = true;
   py::gil_scoped_acquire gil;
   py_->group.attr("abort")();
 }
 
-// ---------------------------------------------------------------------------- point-to-point
-WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  py::gil_scoped_acquire gil;
-  py::object work = py_->group.attr("send")(tensors, dst, tag);
-  return noted(c10::make_intrusive<PyWork>(c10d::OpType::SEND, work, tensors));
-}
-
-WorkPtr FerroBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  py::gil_scoped_acquire gil;
-  py::object work = py_->group.attr("recv")(tensors, src, tag);
-  return noted(c10::make_intrusive<PyWork>(c10d::OpType::RECV, work, tensors));
-}
-
-WorkPtr FerroBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  py::gil_scoped_acquire gil;
-  py::object work = py_->group.attr("recv_anysource")(tensors, tag);
-  return noted(c10::make_intrusive<PyWork>(c10d::OpType::RECVANYSOURCE, work, tensors));
-}
-
+// ---------------------------------------------------------------------------- monitored barrier
 void FerroBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   py::gil_scoped_acquire gil;
   py::object timeout = opts.timeout.count() < 0 ? py::object(py::none())
