@@ -7,12 +7,14 @@
 Each rank: one BLAS thread (torch.set_num_threads(1), OMP_NUM_THREADS=1), float32 MLPs
 64-128-10 (9.6 k params), 784-1024-1024-10 (1.9 M) and 1024-2048-2048-1024-10 (8.4 M), batch
 128 per rank, cross-entropy, SGD with momentum. For every (model, wrapper) the two backends
-alternate, ``--repeats`` times each: a fresh model, 2 warm-up steps, then K timed steps; a
-measurement is the slowest rank's steps/s. torch's single-rank step (the same model and step,
-unwrapped, on rank 0 while the others wait in gloo) is measured at the start of every repeat,
-and each wrapper's step is held against the one of its own repeat. Prints a markdown table:
-median steps/s and the spread (min-max) over the repeats, the ratio of the medians, and each
-wrapper's step time over the single-rank step's (DDP with ``gradient_as_bucket_view=True``).
+alternate with a group of torch's do-nothing backend (``FakeProcessGroup``, "fake": the
+wrapper's own work with no communication, its results not a model's), ``--repeats`` times
+each: a fresh model, 2 warm-up steps, then K timed steps; a measurement is the slowest rank's
+steps/s. The floor (the same model and step, unwrapped, every rank computing at once with no
+synchronisation) is measured at the start of every repeat, and each wrapper's step is held
+against the floor of its own repeat. Prints a markdown table: median steps/s and the spread
+(min-max) over the repeats, the ratio of the medians, and each wrapper's step time over the
+floor's (DDP with ``gradient_as_bucket_view=True``).
 Needs ferro-torch (and so torch, ferro-collective, ferro-backend) installed. ``--kind`` sets
 ``FERRO_TORCH_BACKEND`` for the ranks (default: as the environment says; the header names the
 kind that ran).
@@ -94,31 +96,44 @@ def measure(wrapper: str, sizes, group, steps: int, torch, dist) -> float:
     model = mlp(sizes, torch)
     if wrapper == "DDP":
         model = DDP(model, process_group=group, gradient_as_bucket_view=True)
+        if group is not dist.group.WORLD and _is_fake(group, torch):
+            # the do-nothing backend's futures hold no tensors: a hook that reduces nothing
+            def nothing(state, bucket):
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+            model.register_comm_hook(None, nothing)
     else:
         mesh = DeviceMesh.from_group(group, "cpu")
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    step = training_step(model, sizes, dist.get_rank(), torch)
-    dist.barrier(group=group)
+    return timed(training_step(model, sizes, dist.get_rank(), torch), steps, torch, dist)
+
+
+def _is_fake(group, torch) -> bool:
+    return type(group._get_backend(torch.device("cpu"))).__name__ == "FakeProcessGroup"
+
+
+def timed(step, steps: int, torch, dist) -> float:
+    """Steps/s of ``step`` run by every rank at once (the slowest rank's); the ranks start
+    together and the clock is read around the steps alone (the world group, not the one
+    measured, lines them up: a do-nothing group cannot)."""
+    dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    dist.barrier(group=group)
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(elapsed, dist.ReduceOp.MAX)
     return steps / elapsed.item()
 
 
-def compute_only(sizes, steps: int, torch) -> float:
-    """Steps/s of the same model and step on this rank alone: no wrapper, no communication
-    (torch's single-rank step, what a data-parallel step is held against)."""
-    step = training_step(mlp(sizes, torch), sizes, 0, torch)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps / (time.perf_counter() - start)
+def compute_only(sizes, steps: int, torch, dist) -> float:
+    """Steps/s of the same model and step with no wrapper and no communication, every rank
+    computing at once (the issue's floor: two torch ranks computing with no synchronisation;
+    they share the host's caches and memory as the wrapped ranks do)."""
+    return timed(training_step(mlp(sizes, torch), sizes, 0, torch), steps, torch, dist)
 
 
 def rank_main(args) -> None:
@@ -131,7 +146,10 @@ def rank_main(args) -> None:
     dist.init_process_group("ferro")
     if args.calls:
         return calls_main(torch, dist, ferro_torch)
-    groups = {"ferro": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers "fake")
+
+    groups = {"ferro": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"),
+              "fake": dist.new_group(backend="fake")}
     transport = (f"{type(ferro_torch.ferro_backend()).__name__}, "
                  f"{ferro_torch.backend_kind()} backend")
     rows = []
@@ -140,14 +158,11 @@ def rank_main(args) -> None:
         params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
         steps = max(2, int(STEPS[size] * args.scale))
         for wrapper in args.wrappers:
-            got: dict[str, list[float]] = {"ferro": [], "gloo": [], "alone": []}
+            got: dict[str, list[float]] = {"ferro": [], "gloo": [], "fake": [], "alone": []}
             for rep in range(args.repeats):
-                # the single-rank step in the same minutes: rank 0 alone, the others waiting
-                # in gloo (a socket wait, no spinning)
-                got["alone"].append(compute_only(sizes, steps, torch) if dist.get_rank() == 0
-                                    else 0.0)
-                dist.barrier(group=groups["gloo"])
-                order = ("ferro", "gloo") if rep % 2 == 0 else ("gloo", "ferro")
+                # the floor in the same minutes, then the three groups in a rotating order
+                got["alone"].append(compute_only(sizes, steps, torch, dist))
+                order = ("ferro", "gloo", "fake")[rep % 3:] + ("ferro", "gloo", "fake")[:rep % 3]
                 for name in order:
                     got[name].append(measure(wrapper, sizes, groups[name], steps, torch, dist))
             rows.append((size, params, wrapper, got))
@@ -161,19 +176,20 @@ def rank_main(args) -> None:
               f"batch {BATCH}/rank, float32, SGD momentum; median steps/s over {args.repeats} "
               f"repeats (min-max)\n")
         print("| model | params | wrapper | ferro steps/s | gloo steps/s | ferro / gloo | "
-              "single-rank steps/s | ferro step / single-rank | gloo step / single-rank |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+              "floor steps/s | ferro step / floor | gloo step / floor | do-nothing backend "
+              "step / floor |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for size, params, wrapper, got in rows:
             f, g = (statistics.median(got[k]) for k in ("ferro", "gloo"))
             cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
                      for v in (got["ferro"], got["gloo"], got["alone"])]
-            # a step's time over the single-rank step's of the same repeat: median (min-max)
+            # a step's time over the floor's of the same repeat: median (min-max)
             over = []
-            for k in ("ferro", "gloo"):
+            for k in ("ferro", "gloo", "fake"):
                 r = [a / x for a, x in zip(got["alone"], got[k])]
                 over.append(f"{statistics.median(r):.3f}x ({min(r):.3f}-{max(r):.3f})")
             print(f"| {'-'.join(map(str, SIZES[size]))} | {params:,} | {wrapper} | {cells[0]} | "
-                  f"{cells[1]} | {f / g:.2f}x | {cells[2]} | {over[0]} | {over[1]} |")
+                  f"{cells[1]} | {f / g:.2f}x | {cells[2]} | {' | '.join(over)} |")
     dist.barrier()
     dist.destroy_process_group()
 
