@@ -13,9 +13,11 @@ Usage:
         - an import cycle between the modules of one distribution (imports inside functions
           count, imports under ``if TYPE_CHECKING:`` do not; .pyx/.pxd modules count, with the
           imports of the .pxi files they ``include``);
-        - a source file (.py .pyx .pxi .pxd .h .c.in) over 360 lines, a Python module's
-          docstrings not counted (documenting every public name never makes a module two).
-      Then a summary line; exit status 1 if anything was found.
+        - a source file (.py .pyx .pxi .pxd .h .c.in) over 500 lines, a Python module's
+          docstrings not counted (documenting every public name never makes a module two);
+          one over 360 lines is reported as a smell to look at (cohesion decides where a file
+          splits, not a count), which does not fail the check.
+      Then a summary line; exit status 1 if anything but a smell was found.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 360
+SMELL_LINES = 360  # reported, to look at
+MAX_LINES = 500  # fails
 SIZED_SUFFIXES = (".py", ".pyx", ".pxi", ".pxd", ".h", ".c.in")
 MODULE_SUFFIXES = (".py", ".pyx", ".pxd")  # files that are (or declare) an importable module
 CYTHON_SUFFIXES = (".pyx", ".pxd", ".pxi")
@@ -172,13 +175,18 @@ def resolve(imp: RawImport, mod: Module) -> str | None:
 def targets(imp: RawImport, mod: Module, modules: dict[str, Module]) -> list[str]:
     """The modules of the tree ``imp`` makes ``mod`` import: ``from P import x`` imports the
     submodule P.x where there is one, else P itself (its __init__ where P is a package);
-    ``import a.b`` imports a.b (the longest prefix of the name that is a module here)."""
+    ``import a.b`` imports a.b (the longest prefix of the name that is a module here). Either
+    runs the __init__ of every package on the way first (``from .engine import _ring`` runs
+    engine/__init__.py), except the packages ``mod`` itself is in, which have begun already."""
     base = resolve(imp, mod)
     parts = base.split(".") if base else []
     prefixes = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
     hit = next((p for p in prefixes if p in modules), None)
     subs = [f"{base}.{name}" for name in imp.names]
     out = [sub if sub in modules else hit for sub in subs] if imp.names else [hit]
+    own = mod.name.split(".")
+    own_packages = {".".join(own[:n]) for n in range(1, len(own) + (1 if mod.is_package else 0))}
+    out += [p for p in prefixes if p in modules and modules[p].is_package and p not in own_packages]
     return sorted({t for t in out if t is not None})
 
 
@@ -299,8 +307,9 @@ def describe_cycle(root: Path, graph: Graph, group: list[str], modules: dict[str
     return f"{src.relative_to(root)}: import cycle among {len(group)} modules: " + "; ".join(steps)
 
 
-def check_static(root: Path) -> tuple[list[str], str]:
-    """All findings on the tree at ROOT, and the summary line."""
+def check_static(root: Path) -> tuple[list[str], str, list[str]]:
+    """All findings on the tree at ROOT, the summary line, and the smells (files over
+    SMELL_LINES, not findings)."""
     root = root.resolve()
     layers = read_layers(root)
     problems = [f"packages/{p.name}: a distribution missing from PACKAGES in noxfile.py"
@@ -313,9 +322,12 @@ def check_static(root: Path) -> tuple[list[str], str]:
     files = [path for dist in layers for path in source_files(root, dist)]
     sizes = {path: sized_lines(path) for path in files}
     big = [f"{p.relative_to(root)}: {n} lines, over {MAX_LINES}" for p, n in sizes.items() if n > MAX_LINES]
+    smells = [f"smell (not a failure): {p.relative_to(root)}: {n} lines, over {SMELL_LINES}"
+              for p, n in sizes.items() if SMELL_LINES < n <= MAX_LINES]
     summary = (f"check_layers --static: {len(modules)} modules checked ({len(files)} source files): "
-               f"{len(loops)} cycles, {len(big)} oversize, {len(upward)} upward imports")
-    return [*problems, *unreadable, *upward, *loops, *big], summary
+               f"{len(loops)} cycles, {len(big)} oversize, {len(upward)} upward imports, "
+               f"{len(smells)} over {SMELL_LINES} lines to look at")
+    return [*problems, *unreadable, *upward, *loops, *big], summary, smells
 
 
 def main() -> int:
@@ -323,8 +335,8 @@ def main() -> int:
         if len(sys.argv) > 3:
             print("usage: check_layers.py --static [ROOT]", file=sys.stderr)
             return 2
-        findings, summary = check_static(Path(sys.argv[2] if len(sys.argv) == 3 else ROOT))
-        print(*findings, summary, sep="\n")
+        findings, summary, smells = check_static(Path(sys.argv[2] if len(sys.argv) == 3 else ROOT))
+        print(*smells, *findings, summary, sep="\n")
         return 1 if findings else 0
     expected = set(sys.argv[1].split(","))
     everything = sys.argv[2].split(",")

@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 
 from ferro_backend import settings
-from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.engine import binding
 from ferro_backend.testing import run_processes
 

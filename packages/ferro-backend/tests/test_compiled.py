@@ -17,14 +17,14 @@ def test_wire_and_reduction_kernels_are_extension_modules():
 def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
     import sys
 
-    from ferro_backend import _platform
+    from ferro_backend import engine
     from ferro_backend.engine import shm
     from ferro_backend.launch import ferrorun, join
 
     if sys.platform.startswith("linux"):
         from ferro_backend.engine import _comm, _ring, _segment, _steps, _watch
 
-        assert _platform.SAME_HOST_ENGINE
+        assert engine.AVAILABLE
         for kernel in (_segment, _comm, _steps, _ring, _watch):
             assert kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
         assert ferrorun._default_transport(1) == "shm"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hier_fns import SIZES, mismatch, suite
 
-from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.hierarchy import node_members
 from ferro_backend.testing import run_processes
 

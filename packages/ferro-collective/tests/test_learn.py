@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferro_backend import SimulatedBackend
-from ferro_backend._platform import SAME_HOST_ENGINE
+from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
 from ferro_collective import allreduce, costmodel, learn_network

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ._platform import SAME_HOST_ENGINE
+from .engine import AVAILABLE as SAME_HOST_ENGINE
 from .sub import SubBackend
 
 log = logging.getLogger(__name__)

@@ -12,14 +12,17 @@ the compiled kernels (:mod:`.segment`, :mod:`.rings`, :mod:`.delivery`) import o
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from .._platform import SAME_HOST_ENGINE
-
-#: whether this platform has the engine (Linux); elsewhere only :mod:`.shm` imports, and refuses
-AVAILABLE = SAME_HOST_ENGINE
+#: whether this platform has the engine: Linux (cross-memory attach, memfd, futexes). There its
+#: compiled kernels are imported with the package, unconditionally (a broken build fails
+#: loudly); elsewhere they are not built, only :mod:`.shm` imports (and refuses to run), and
+#: ``ferrorun`` defaults to TCP.
+AVAILABLE = sys.platform.startswith("linux")
 
 if AVAILABLE:
+    from . import _calls, _comm, _ring, _segment, _steps, _watch  # noqa: F401
     from ._comm import ABI_VERSION, CAPSULE_NAME, CLOSED, FAILED, INVALID, MISMATCH, OK, TIMEOUT
     from ._steps import header_hash
     from .rings import RingMesh

@@ -18,8 +18,8 @@ import sys
 from typing import Any
 
 from .. import settings
-from .._platform import SAME_HOST_ENGINE
 from ..mesh.tcp import TcpBackend
+from . import AVAILABLE as SAME_HOST_ENGINE
 
 
 class ShmBackend(TcpBackend):

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import settings
-from .._platform import SAME_HOST_ENGINE
 from ..base import DEFAULT_TIMEOUT, Backend
+from ..engine import AVAILABLE as SAME_HOST_ENGINE
 from ..engine.shm import ShmBackend
 from ..errors import LauncherError, RendezvousError
 from ..mesh.rendezvous import listen
