@@ -79,6 +79,17 @@ def test_below_the_minimum_the_job_fails_with_a_clear_message(tmp_path):
     assert "cannot go on" in r.stderr and "fewer than the minimum 3" in r.stderr, r.stderr[-3000:]
 
 
+def test_below_the_minimum_the_replacement_ferrorun_starts_is_waited_for(tmp_path):
+    # --settle 0.05 s is far less than a replacement takes to start (a new Python process that
+    # loads the data): the coordinator waits because ferrorun told it one is coming
+    history = tmp_path / "history.json"
+    r = ferrorun("2:2", "--steps", 200, "--kill", "1@30", "--history", history,
+                 extra=["--max-restarts", "1", "--settle", "0.05", "--join-timeout", "60"])
+    assert "starts a replacement" in r.stderr, r.stderr[-3000:]
+    changes = json.loads(history.read_text())["changes"]
+    assert [(c["step"], c["world_size"]) for c in changes] == [(30, 2)], changes
+
+
 def test_an_elastic_job_on_two_nodes_loses_a_node_and_goes_on(tmp_path):
     """`--nnodes 1:2`: two ferrorun agents (two "nodes" of this host, FERRO_NODE_ID), 2 ranks
     each; node 1's agent is SIGKILLed (its ranks die with it); node 0's ranks go on alone."""

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ferro_backend.elastic import ElasticError, ElasticJob, JobFinishedError, join
-from ferro_backend.launch.coordinator import MAX_LINE, Coordinator
+from ferro_backend.launch.coordinator import MAX_LINE, Coordinator, announce_replacement
 from ferro_backend.launch.elastic_run import parse_range
 from ferro_backend.testing import outcomes
 
@@ -148,6 +148,49 @@ def test_below_the_minimum_a_replacement_within_the_settle_time_saves_the_job(co
     assert [j.world_size for j in (*jobs[1:], new)] == [3, 3, 3]
     assert new.rank == 2 and new.step == 4 and new.source == 0
     close_all([*jobs[1:], new])
+
+
+def test_below_the_minimum_an_announced_replacement_is_waited_for_past_the_settle_time(
+        coordinator):
+    # settle 0.3 s: alone it would end the job; the agent said a replacement is coming (from
+    # another node, over the protocol), so the survivors wait for it up to the join deadline
+    c = coordinator(3, 3, 3, settle=0.3, join_deadline=20)
+    jobs = members(c, 3)
+    jobs[0]._sock.close()
+    jobs[0].backend.abort("killed")
+    announce_replacement(c.address, TOKEN)
+    out = []
+    survivors = threading.Thread(target=lambda: out.extend(
+        outcomes(lambda j: j.rebuild(4, "peer died"), [(j,) for j in jobs[1:]])))
+    survivors.start()
+    time.sleep(1.5)  # five settle times: the replacement is still importing
+    assert c.snapshot()["failed"] is None
+    new = ElasticJob(c.address, TOKEN, join_timeout=20)
+    survivors.join(30)
+    assert out == [None, None], out
+    assert [j.world_size for j in (*jobs[1:], new)] == [3, 3, 3]
+    close_all([*jobs[1:], new])
+
+
+def test_an_announced_replacement_that_never_comes_ends_the_job_at_the_join_deadline(
+        coordinator):
+    c = coordinator(3, 3, 3, settle=0.3, join_deadline=2.0)
+    jobs = members(c, 3)
+    c.expect()  # (node 0's agent: in process)
+    jobs[0]._sock.close()
+    jobs[0].backend.abort("killed")
+    start = time.monotonic()
+    out = outcomes(lambda j: j.rebuild(1, "peer died"), [(j,) for j in jobs[1:]])
+    assert all(isinstance(e, ElasticError) and "fewer than the minimum 3" in str(e)
+               for e in out), out
+    assert 1.5 < time.monotonic() - start < 10  # the join deadline, not the settle time
+
+
+def test_an_announcement_with_a_wrong_token_is_refused(coordinator):
+    c = coordinator(1, 1, 1)
+    with pytest.raises(OSError, match="authentication failed"):
+        announce_replacement(c.address, "not the token")
+    assert c._coming == []
 
 
 def test_a_wrong_token_is_refused(coordinator):

@@ -122,10 +122,11 @@ def test_bad_options_named(kw, match):
 
 
 def test_an_elastic_job_gives_its_agents_the_node_range():
-    args = _args(nnodes=2, min_nodes=1, settle=2.0, max_restarts=1)
+    args = _args(nnodes=2, min_nodes=1, settle=2.0, join_timeout=30.0, max_restarts=1)
     assert emulate.validate(args) == []
     line = " ".join(emulate.agent_command(args, 1, 2, "10.213.0.1", 29500))
-    assert "--nnodes 1:2 --node-rank 1" in line and "--settle 2.0 --max-restarts 1" in line
+    assert "--nnodes 1:2 --node-rank 1" in line
+    assert "--settle 2.0 --join-timeout 30.0 --max-restarts 1" in line
 
 
 def test_agent_command_is_a_node_of_a_multi_node_job():

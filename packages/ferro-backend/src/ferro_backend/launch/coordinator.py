@@ -16,7 +16,10 @@ only by a quorum of the living, never by a timeout guess:
   cut off from the network) is fenced: excluded, and told so if it ever speaks again;
 * the new generation is the ready members in their old order, then waiting newcomers (up to
   ``max_members``); while they are fewer than ``min_members`` the coordinator waits up to
-  ``settle`` seconds for newcomers (replacements), then ends the job for all (``failed``). Its step is
+  ``settle`` seconds for newcomers, and longer, up to ``join_deadline`` seconds, while a
+  replacement ferrorun has started is on its way (an agent says so: :meth:`Coordinator.expect`
+  on node 0, :func:`announce_replacement` from another node); then it ends the job for all
+  (``failed``). Its step is
   the highest step a member completed, and its ``source`` the first rank holding it: the
   state every other rank copies from (``ferro_collective.elastic``).
 
@@ -70,12 +73,14 @@ class Coordinator:
 
     def __init__(self, token: str, min_members: int, max_members: int, expected: int, *,
                  host: str = "127.0.0.1", port: int = 0, settle: float = 30.0,
-                 last_call: float = 10.0) -> None:
+                 last_call: float = 10.0, join_deadline: float = 60.0) -> None:
         if not 1 <= min_members <= max_members or not min_members <= expected <= max_members:
             raise ValueError(f"Coordinator: need 1 <= min ({min_members}) <= expected "
                              f"({expected}) <= max ({max_members})")
         self.token, self.min, self.max, self.expected = token, min_members, max_members, expected
-        self.settle, self.last_call = settle, last_call
+        self.settle, self.last_call, self.join_deadline = settle, last_call, join_deadline
+        #: when each replacement an agent announced stops being waited for (oldest first)
+        self._coming: list[float] = []
         self._lsock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
                                            else socket.AF_INET, backlog=max(64, max_members))
         self.address = f"{host}:{self._lsock.getsockname()[1]}"
@@ -109,6 +114,17 @@ class Coordinator:
             return {"generation": self.generation, "failed": self.failed,
                     "finished": self.finished, "history": list(self.history),
                     "members": {m.id: m.status for m in self._members.values() if m.id >= 0}}
+
+    def expect(self) -> None:
+        """A replacement is starting (ferrorun on this node started it): below the minimum,
+        the job waits for it up to ``join_deadline`` seconds instead of ``settle``."""
+        with self._lock:
+            self._coming.append(time.monotonic() + self.join_deadline)
+
+    def _awaited(self, now: float) -> bool:
+        """Whether an announced replacement may still come."""
+        self._coming = [t for t in self._coming if t > now]
+        return bool(self._coming)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -175,9 +191,15 @@ class Coordinator:
     def _handle(self, m: _Member, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if m.id < 0:
-            if op != "hello" or not hmac.compare_digest(str(msg.get("mac", "")),
-                                                         mac(self.token, m.nonce)):
+            if op not in ("hello", "coming") or not hmac.compare_digest(
+                    str(msg.get("mac", "")), mac(self.token, m.nonce)):
                 self._tell(m, {"op": "refused", "why": "authentication failed (FERRO_TOKEN)"})
+                m.status = "done"
+                self._close(m)
+                return
+            if op == "coming":  # an agent on another node started a replacement
+                self._coming.append(time.monotonic() + self.join_deadline)
+                self._tell(m, {"op": "noted"})
                 m.status = "done"
                 self._close(m)
                 return
@@ -193,6 +215,8 @@ class Coordinator:
                 time.monotonic()
             self._tell(m, {"op": "welcome", "id": m.id})
             if self.generation >= 0:  # a replacement: the members take it in at a step boundary
+                if self._coming:
+                    self._coming.pop(0)  # (the one announced first has come)
                 self._announce()
             return
         if op == "ready" and m.status in ("active", "waiting"):
@@ -250,8 +274,9 @@ class Coordinator:
                 m.status = "gone"
         reason = "a member failed" if lost or silent else "members joined"
         members = ready + newcomers[:max(0, self.max - len(ready))]
-        if len(members) < self.min and now - oldest <= self.settle:
-            return   # too few for now: a replacement may be on its way (ferrorun starts one)
+        if len(members) < self.min and (now - oldest <= self.settle or (
+                self._awaited(now) and now - oldest <= self.join_deadline)):
+            return   # too few for now: a replacement may be (or is) on its way
         self._form(members, reason)
 
     def _form(self, members: list[_Member], reason: str) -> None:
@@ -282,4 +307,34 @@ class Coordinator:
                 self._tell(m, {"op": "failed", "why": why})
 
 
-__all__ = ["Coordinator", "mac", "send_line"]
+def announce_replacement(address: str, token: str, timeout: float = 10.0) -> None:
+    """Tell the coordinator at ``address`` that this node's agent started a replacement (so
+    that, below the minimum, the job waits for it up to the coordinator's ``join_deadline``).
+
+    Raises
+    ------
+    OSError
+        The coordinator cannot be reached, or did not take the message within ``timeout``.
+    """
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+        buf = b""
+
+        def line() -> dict[str, Any]:
+            nonlocal buf
+            while b"\n" not in buf:
+                chunk = sock.recv(4096)
+                if not chunk or len(buf) > MAX_LINE:
+                    raise OSError(f"the coordinator at {address} closed the connection")
+                buf += chunk
+            raw, buf = buf.split(b"\n", 1)
+            return json.loads(raw)
+
+        challenge = line()
+        send_line(sock, {"op": "coming", "mac": mac(token, str(challenge.get("nonce", "")))})
+        answer = line()
+        if answer.get("op") != "noted":
+            raise OSError(f"the coordinator at {address} refused: {answer.get('why', answer)}")
+
+
+__all__ = ["Coordinator", "announce_replacement", "mac", "send_line"]

@@ -18,7 +18,7 @@ import sys
 import time
 
 from .. import settings
-from .coordinator import Coordinator
+from .coordinator import Coordinator, announce_replacement
 from .supervisor import Job, _describe
 
 
@@ -47,7 +47,8 @@ class ElasticRun:
             self.coordinator = Coordinator(token, nnodes[0] * nproc[0], nnodes[1] * nproc[1],
                                            nnodes[1] * nproc[1], host=host,
                                            port=args.master_port or 0, settle=settle,
-                                           last_call=settle)
+                                           last_call=settle,
+                                           join_deadline=args.join_timeout)
             port = self.coordinator.address.rpartition(":")[2]
             where = f"127.0.0.1:{port}" if nnodes[1] == 1 else f"{args.master_addr}:{port}"
         else:
@@ -123,6 +124,7 @@ class ElasticRun:
                                  f"{' and starts a replacement' if more else ''}\n")
                 if more:
                     self.replacements_left -= 1
+                    self._expect_replacement()
                     self._start(self.local_of[i])
             if not running and len(done) == len(self.jobs):
                 for job in self.jobs:
@@ -133,6 +135,18 @@ class ElasticRun:
                     self._report()
                 return 0 if ok and (state is None or state["finished"]) else (last_failure or 1)
             time.sleep(0.05)
+
+    def _expect_replacement(self) -> None:
+        """Tell the coordinator a replacement is coming, so that the job waits for it (up to
+        ``--join-timeout``) rather than ``--settle`` alone."""
+        if self.coordinator is not None:
+            self.coordinator.expect()
+            return
+        try:
+            announce_replacement(self.base[settings.ELASTIC.name], self.base[settings.TOKEN.name])
+        except (OSError, ValueError) as exc:  # the job goes on; only the wait is shorter
+            sys.stderr.write(f"ferrorun: could not tell the coordinator a replacement is "
+                             f"coming ({exc}); it waits --settle seconds for it\n")
 
     def _stop(self) -> None:
         for job in self.jobs:

@@ -77,7 +77,8 @@ def agent_command(args, node: int, nodes: int, addr: str, port: int) -> list[str
            "--nnodes", f"{elastic}:{nodes}" if elastic else str(nodes), "--node-rank", str(node),
            "--master-addr", addr, "--master-port", str(port), "--grace", str(args.grace)]
     if elastic:
-        cmd += ["--settle", str(args.settle), "--max-restarts", str(args.max_restarts)]
+        cmd += ["--settle", str(args.settle), "--join-timeout", str(args.join_timeout),
+                "--max-restarts", str(args.max_restarts)]
     for flag, value in (("--transport", args.transport), ("--timeout", args.timeout),
                         ("--log-level", args.log_level), ("--log-dir", args.log_dir)):
         if value is not None:

@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=10.0,
                    help="elastic jobs: seconds a silent (stopped, cut off) rank may delay a new "
                         "membership before it is excluded (default 10)")
+    p.add_argument("--join-timeout", type=float, default=60.0,
+                   help="elastic jobs: seconds a replacement ferrorun started is waited for "
+                        "while the job is below its minimum (default 60; a member lost with no "
+                        "replacement coming ends the job after --settle)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
