@@ -25,3 +25,20 @@ def test_the_kernels_share_one_compiled_cython_utility_module():
 
     util = sys.modules["ferro_collective._cyutility"]
     assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def test_the_hooks_a_core_subclass_must_define_are_declared_on_core():
+    import pytest
+
+    from ferro_collective.engine import EngineGroup
+
+    class Bare(_fastcall.Core):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Bare must define _resolve"):
+        Bare()._resolve(1.0, "allreduce")
+    with pytest.raises(NotImplementedError, match="Bare must define _raise"):
+        Bare()._raise(1, "allreduce", 0, 1.0)
+    # the engine's group defines both (and nothing else the compiled half calls on it)
+    for name in ("_resolve", "_raise"):
+        assert getattr(EngineGroup, name) is not getattr(_fastcall.Core, name)

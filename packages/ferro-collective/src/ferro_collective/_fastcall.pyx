@@ -71,7 +71,9 @@ cdef object _ZERO = 0.0
 
 cdef class Core:
     """The compiled half of :class:`~.engine.EngineGroup`: the one-call paths (the order of
-    calls is the door's)."""
+    calls is the door's). The two methods a subclass must define, :meth:`_resolve` and
+    :meth:`_raise`, are declared here; nothing else is called on ``self`` that this class does
+    not define."""
 
     cdef object _comm, _backend
     cdef list _cache
@@ -92,6 +94,18 @@ cdef class Core:
         self._plain_timeout = getattr(type(backend), "timeout", None) is _Backend.timeout
         self._default = None
         self._stall = comm.stall_fraction
+
+    # ------------------------------------------------------------------ what a subclass gives
+    # (EngineGroup, ferro_collective.engine: the backend's timeout rules and ferro's errors)
+    def _resolve(self, timeout, str name):
+        """The call's ``timeout`` (seconds, not None), checked before it takes a ticket; a
+        bad one raises, naming ``name``."""
+        raise NotImplementedError(f"{type(self).__name__} must define _resolve")
+
+    def _raise(self, int rc, str name, seq, timeout):
+        """Raise ferro's error for a door call ``name`` (ticket ``seq``) that returned ``rc``
+        after waiting up to ``timeout`` seconds (the door's message is this thread's last)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _raise")
 
     # ------------------------------------------------------------------ a call
     cdef object _timeout(self, str name, object timeout):
