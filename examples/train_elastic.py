@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from train_mlp import build_model, load_data, newest_step, resume
+from train_mlp import StepFile, build_model, load_data, newest_step, resume
 from train_mlp import parse_args as mlp_args
 
 from ferro_backend import elastic, init_from_env
@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill", default=None, metavar="MEMBER@STEP",
                    help="fault injection: the process of member MEMBER SIGKILLs itself after "
                         "completing step STEP (first membership only)")
+    p.add_argument("--step-file", type=Path, default=None, metavar="DIR",
+                   help="write each completed step to DIR/<pid> (for tools/soak.py)")
     p.add_argument("--history", type=Path, default=None, help="write losses and changes (JSON)")
     p.add_argument("--plot", type=Path, default=None, help="write the loss curve (PNG)")
     p.add_argument("--save-state", type=Path, default=None, help="rank 0 saves the final state")
@@ -191,6 +193,7 @@ def main(argv=None) -> int:
     kill = tuple(int(v) for v in args.kill.split("@")) if args.kill else None
     steps_per_epoch = len(x_tr) // args.batch_size
     history = {"losses": [], "changes": []}
+    step_file = StepFile(args.step_file)
     while step < args.steps:
         rank, world = backend.rank, backend.world_size
         epoch, k = divmod(step, steps_per_epoch)
@@ -217,6 +220,7 @@ def main(argv=None) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)   # fault injection (--kill)
             changed = state.commit(step + 1) if state is not None else False
             step += 1
+            step_file(step)
             history["losses"].append((step, global_loss))
             if not changed and t.manager is not None and args.checkpoint_every and \
                     step % args.checkpoint_every == 0:

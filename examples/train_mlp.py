@@ -78,10 +78,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fault injection, to test restarts: on the first attempt "
                         "(FERRO_RESTART_COUNT=0) rank --fail-rank SIGKILLs itself after this step")
     p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--step-file", type=Path, default=None, metavar="DIR",
+                   help="write each completed step to DIR/<pid> (tools/soak.py ties its faults "
+                        "to the job's progress through it)")
     return p.parse_args(argv)
 
 
 # ------------------------------------------------------------------------------ data
+class StepFile:
+    """``--step-file DIR``: this process's last completed step in DIR/<pid>, rewritten in place
+    (a fixed width: a reader sees a whole number) after every step."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.fd = None if directory is None else os.open(
+            directory / str(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def __call__(self, step: int) -> None:
+        if self.fd is not None:
+            os.pwrite(self.fd, b"%012d" % step, 0)
+
+
 def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     dtype = np.dtype(args.dtype)
     if args.dataset == "digits":
@@ -296,6 +312,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     first_step = step
     accuracy = float("nan")
+    step_file = StepFile(args.step_file)
     while step < total:
         epoch, k = divmod(step, steps_per_epoch)
         order = np.random.default_rng(args.seed * 1000 + epoch).permutation(len(x_tr))
@@ -311,6 +328,7 @@ def main(argv=None) -> int:
         if args.strategy != "ddp":
             wrapper.broadcast_updated_params()
         step += 1
+        step_file(step)
         if step == args.fail_at_step and restart == 0 and rank == args.fail_rank:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (see --fail-at-step)
         global_loss = float(allreduce(np.array([loss]), backend, ReduceOp.MEAN)[0])

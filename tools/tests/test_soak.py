@@ -1,0 +1,69 @@
+"""tools/soak.py's fault plan and injector: faults fire at the job's steps, and one the job
+ended before is counted as not injected (a fake job: a parent whose child writes its steps)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import soak
+
+# a stand-in for ferrorun: a child that counts steps into DIR/<pid>, one every 10 ms, to LAST
+JOB = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import os, sys, time
+fd = os.open(os.path.join(sys.argv[1], str(os.getpid())), os.O_WRONLY | os.O_CREAT, 0o644)
+for step in range(1, int(sys.argv[2]) + 1):
+    os.pwrite(fd, b"%012d" % step, 0)
+    time.sleep(0.01)
+''', sys.argv[1], sys.argv[2]])
+sys.exit(child.wait() and 3)
+"""
+
+
+def fake_job(tmp: Path, last: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", JOB, str(tmp), str(last)])
+
+
+def test_a_planned_kill_fires_when_the_job_reaches_its_step(tmp_path: Path) -> None:
+    proc = fake_job(tmp_path, 500)
+    inj = soak.Injector(proc, [(20, "kill")], tmp_path, 0.0, random.Random(0))
+    inj.start()
+    assert proc.wait(timeout=30) == 3  # its child was killed
+    inj.join(10)
+    assert (inj.done, inj.missed) == (["kill"], [])
+    (f,) = tmp_path.iterdir()
+    assert 20 <= int(f.read_bytes()) < 60  # killed at its step, not at a moment of the clock
+
+
+def test_a_fault_the_job_ends_before_is_not_injected(tmp_path: Path) -> None:
+    proc = fake_job(tmp_path, 10)
+    inj = soak.Injector(proc, [(5, "stop-short"), (50, "kill")], tmp_path, 0.05,
+                        random.Random(0))
+    inj.start()
+    assert proc.wait(timeout=30) == 0
+    inj.join(10)
+    assert (inj.done, inj.missed) == (["stop-short"], ["kill"])
+    result = soak.outcome("restart", inj)
+    assert "planned faults not injected" in result["why"] and result["planned"] == [
+        "stop-short", "kill"]
+
+
+def test_plan_is_in_step_order_inside_its_window() -> None:
+    p = soak.plan(random.Random(1), 1000, 5, ["kill", "stop-short"], (0.1, 0.5))
+    steps = [s for s, _ in p]
+    assert steps == sorted(steps) and all(100 <= s <= 500 for s in steps), p
+    assert {k for _, k in p} <= {"kill", "stop-short"}
+
+
+def test_the_table_counts_planned_and_injected_and_the_share_fired() -> None:
+    results = [{"mode": "restart", "planned": ["kill", "kill"], "faults": ["kill"], "ok": False,
+                "lost": [1.0]},
+               {"mode": "restart", "planned": ["kill"], "faults": ["kill"], "ok": True,
+                "lost": [2.0]}]
+    table = soak.table(results)
+    assert "| restart | kill | 3 | 2 | 2 | 1 | 1.50 s (1.00-2.00) |" in table, table
+    assert soak.fired(results) == 2 / 3 < soak.MIN_FIRED
