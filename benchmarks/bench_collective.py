@@ -92,6 +92,45 @@ def bench_mean_kernel_16MiB(benchmark, impl):
     np.testing.assert_array_equal(check, np.divide(np.add(a, b), 4))
 
 
+@pytest.mark.parametrize("impl", ["numpy", "_wire"])
+@pytest.mark.parametrize("step", ["encode bf16", "decode+sum bf16", "encode int8",
+                                  "decode+sum int8"])
+def bench_wire_kernel_16MiB(benchmark, impl, step):
+    """The wire formats' codec (ferro_collective._wire) against the same step in numpy."""
+    from ferro_collective import _wire
+    from ferro_collective.wire import BLOCK, encode
+
+    x = np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32)
+    acc = np.zeros_like(x)
+    wire = step.split()[-1]
+    buf = encode(x, wire)
+    blocks = x.size // BLOCK
+    scales, q = buf[:blocks * 4].view(np.float32), buf[blocks * 4:].view(np.int8)
+    benchmark.group = f"kernel wire {step} float32 16MiB"
+    benchmark.extra_info["bytes"] = x.nbytes
+    if impl == "numpy":
+        benchmark.extra_info["role"] = "baseline"
+        grid = x.reshape(blocks, BLOCK)
+        run = {"encode bf16": lambda: ((x.view(np.uint32) + (0x7FFF + ((x.view(np.uint32) >> 16)
+                                                                       & 1))) >> 16
+                                       ).astype(np.uint16),
+               "decode+sum bf16": lambda: np.add(acc, (buf.view(np.uint16).astype(np.uint32)
+                                                       << 16).view(np.float32), out=acc),
+               "encode int8": lambda: np.rint(grid / (np.abs(grid).max(axis=1) / 127)[:, None]
+                                              ).astype(np.int8),
+               "decode+sum int8": lambda: np.add(acc, (q.reshape(blocks, BLOCK) * scales[:, None]
+                                                       ).reshape(-1), out=acc)}[step]
+    else:
+        out16 = np.empty(x.size, np.uint16)
+        run = {"encode bf16": lambda: _wire.encode_bf16(x, out16),
+               "decode+sum bf16": lambda: _wire.decode_bf16_into(buf.view(np.uint16), acc,
+                                                                 _wire.SUM),
+               "encode int8": lambda: _wire.encode_int8(x, np.empty(blocks, np.float32),
+                                                        np.empty(x.size, np.int8)),
+               "decode+sum int8": lambda: _wire.decode_int8_into(scales, q, acc, _wire.SUM)}[step]
+    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
+
+
 @pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
 @pytest.mark.parametrize("impl", ["numpy", "_fold"])
 def bench_bitwise_kernel_16MiB(benchmark, impl, op):

@@ -1,11 +1,11 @@
 import importlib.machinery
 
 import ferro_collective
-from ferro_collective import _fastcall, _fastplan
+from ferro_collective import _fastcall, _fastplan, _wire, wire
 
 
 def test_the_one_call_paths_are_extension_modules():
-    for mod in (_fastplan, _fastcall):
+    for mod in (_fastplan, _fastcall, _wire):
         assert mod.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), mod
 
 
@@ -42,3 +42,7 @@ def test_the_hooks_a_core_subclass_must_define_are_declared_on_core():
     # the engine's group defines both (and nothing else the compiled half calls on it)
     for name in ("_resolve", "_raise"):
         assert getattr(EngineGroup, name) is not getattr(_fastcall.Core, name)
+
+
+def test_the_wire_formats_run_on_the_compiled_kernel():
+    assert wire._kernel is _wire and wire.BLOCK == _wire.BLOCK == 256

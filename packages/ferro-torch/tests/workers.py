@@ -303,10 +303,20 @@ def train(model, data, lr=0.05) -> list[float]:
 SIZES = (12, 32, 32, 5)
 
 
-def ddp_losses(group, steps=6) -> list[float]:
+def ddp_losses(group, steps=6, hook=None) -> list[float]:
+    """DDP's losses; ``hook``: one of torch's communication hooks by name ("fp16": its
+    fp16_compress_hook; "powerSGD": powerSGD_hook at rank 1, compressing from step 3; torch's
+    bf16_compress_hook refuses any CPU build: "required CUDA 11+ and NCCL 2.10+")."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(mlp(SIZES), process_group=group, bucket_cap_mb=0.002)  # several buckets
+    if hook == "fp16":
+        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif hook == "powerSGD":
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=3, min_compression_rate=0.5)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return train(model, batches(steps, dist.get_rank(), SIZES))
 
 
@@ -336,6 +346,20 @@ def check_training(gloo) -> dict:
         else:
             torch.testing.assert_close(lf, lg, rtol=1e-5, atol=1e-6, msg=name)
         out[name] = lf
+    # torch's own communication hooks over "ferro" (two ranks: the compiled backend's job).
+    # fp16: the same losses as over gloo, exactly (a sum of two has one rounding on both).
+    # PowerSGD (its futures chain allreduces in their callbacks; over gloo it hangs here, in
+    # torch 2.13's gloo): exact for its first 3 steps, so the first 4 losses are plain DDP's;
+    # then the gradients are approximated (rank 1), and the losses differ
+    for hook in ("fp16", "powerSGD") if n == 2 else ():
+        lf = ddp_losses(dist.group.WORLD, 8, hook)
+        if hook == "fp16":
+            lg = ddp_losses(gloo, 8, hook)
+            assert lf == lg, f"DDP {hook} hook: ferro {lf} != gloo {lg}"
+        else:
+            assert lf[:4] == out["ddp"][:4] and lf[5] != out["ddp"][5], (lf, out["ddp"])
+            assert all(x == x for x in lf), lf
+        out[f"ddp_{hook}"] = lf
     return out
 
 

@@ -21,6 +21,7 @@ from ferro_backend._version import version_getattr
 from . import (
     _fastcall,  # noqa: F401 - the compiled one-call paths, imported unconditionally
     elastic,
+    wire,
 )
 from .api import (
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -100,6 +101,7 @@ __all__ = [
     "scatter_async",
     "set_mismatch_check",
     "set_stall_report",
+    "wire",
 ]
 
 

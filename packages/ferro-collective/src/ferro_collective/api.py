@@ -21,32 +21,27 @@ import numpy as np
 
 from ferro_backend import DEFAULT_TIMEOUT, Backend
 
-from . import _fastcall, rooted
-from . import all_gather as _all_gather
-from . import allreduce as _allreduce
-from . import barrier as _barrier
-from . import broadcast as _broadcast
-from . import reduce_scatter as _reduce_scatter
-from .dispatch import Collective, run
+from . import wire as _wire
+from .dispatch import run
 from .ops import ReduceOp
+from .records import (
+    ALL_GATHER,
+    ALLREDUCE,
+    BARRIER,
+    BROADCAST,
+    GATHER,
+    REDUCE,
+    REDUCE_SCATTER,
+    SCATTER,
+)
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`~ferro_backend.Backend.timeout` (60 s). A collective's deadline is its backend's
 ``timeout`` (one source for p2p and collectives); a per-call ``timeout=`` wins."""
 
-ALLREDUCE = Collective("allreduce", _allreduce.prepare, _fastcall.ALLREDUCE)
-BROADCAST = Collective("broadcast", _broadcast.prepare, _fastcall.BROADCAST)
-ALL_GATHER = Collective("all_gather", _all_gather.prepare, _fastcall.ALL_GATHER)
-REDUCE_SCATTER = Collective("reduce_scatter", _reduce_scatter.prepare, _fastcall.REDUCE_SCATTER)
-BARRIER = Collective("barrier", _barrier.prepare, _fastcall.BARRIER)
-REDUCE = Collective("reduce", rooted.prepare_reduce)
-GATHER = Collective("gather", rooted.prepare_gather, _fastcall.GATHER)
-SCATTER = Collective("scatter", rooted.prepare_scatter)
-
-
 def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
               timeout: float | None = None, algorithm: str | None = None,
-              out: np.ndarray | None = None) -> np.ndarray:
+              out: np.ndarray | None = None, wire: str | None = None) -> np.ndarray:
     """Reduce ``tensor`` element-wise across all ranks; every rank gets the result.
 
     Parameters
@@ -68,6 +63,11 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     out : numpy.ndarray, optional
         A writable C-contiguous array of the input's shape and dtype to fill and return; it may
         be the input itself (an in-place allreduce).
+    wire : {None, "bf16", "fp16", "int8"}
+        None: exact. Otherwise the data travels in that format (int8: blocks of 256 values with
+        a float32 scale each) and is folded in float32 (:mod:`ferro_collective.wire`); on a
+        multi-node job only the cross-node stage is compressed. Float dtypes; SUM, MEAN, MAX,
+        MIN, PRODUCT; not with ``algorithm``.
 
     Returns
     -------
@@ -103,8 +103,20 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     >>> from ferro_backend.testing import run_ranks
     >>> run_ranks(lambda b: allreduce(np.array([b.rank + 1.0]), b).tolist(), 3)
     [[6.0], [6.0], [6.0]]
+    >>> run_ranks(lambda b: allreduce(np.array([0.1, 300.0]), b, wire="bf16").tolist(), 2)
+    [[0.2001953125, 600.0], [0.2001953125, 600.0]]
     """
+    if wire is not None:
+        return _wire.allreduce(tensor, backend, op, _checked_wire(wire, algorithm, "allreduce"),
+                               timeout, out)
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
+
+
+def _checked_wire(wire: str, algorithm: str | None, name: str) -> str:
+    if algorithm is not None:
+        raise ValueError(f"{name}: algorithm={algorithm!r} and wire={wire!r} together; a "
+                         "compressed call has its own algorithm (ferro_collective.wire)")
+    return _wire.check_wire(wire, name)
 
 
 #: torch.distributed's name for :func:`allreduce`: the same function
@@ -155,7 +167,8 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
 
 
 def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
-               algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
+               algorithm: str | None = None, out: np.ndarray | None = None,
+               wire: str | None = None) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order.
 
     Every rank passes the same shape and dtype. The result's dim 0 is ``world_size`` times the
@@ -167,8 +180,9 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     tensor : array_like
         This rank's block. Not modified.
     backend : ferro_backend.Backend
-    timeout, algorithm, out
-        As for :func:`allreduce` (``algorithm``: "auto", "ring" or "star").
+    timeout, algorithm, out, wire
+        As for :func:`allreduce` (``algorithm``: "auto", "ring" or "star"; with ``wire``,
+        every block, this rank's too, is the decoded one).
 
     Returns
     -------
@@ -185,12 +199,15 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     >>> run_ranks(lambda b: all_gather(np.array([b.rank]), b).tolist(), 2)
     [[0, 1], [0, 1]]
     """
+    if wire is not None:
+        return _wire.all_gather_wire(tensor, backend,
+                                     _checked_wire(wire, algorithm, "all_gather"), timeout, out)
     return run(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
                    timeout: float | None = None, algorithm: str | None = None,
-                   out: np.ndarray | None = None) -> np.ndarray:
+                   out: np.ndarray | None = None, wire: str | None = None) -> np.ndarray:
     """Reduce across ranks, then rank ``r`` keeps the ``r``-th of ``world_size`` equal slices
     along dim 0 (dim 0 must be divisible by the world size: else SizeMismatchError).
 
@@ -203,6 +220,8 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         As for :func:`allreduce` (``algorithm``: "auto", "ring" or "star").
     out : numpy.ndarray, optional
         A writable C-contiguous array of the slice's shape and dtype to fill and return.
+    wire : {None, "bf16", "fp16", "int8"}
+        As for :func:`allreduce` (each rank's slices encoded, folded in float32).
 
     Returns
     -------
@@ -221,6 +240,10 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     >>> run_ranks(lambda b: reduce_scatter(np.arange(4) * (b.rank + 1), b).tolist(), 2)
     [[0, 3], [6, 9]]
     """
+    if wire is not None:
+        return _wire.reduce_scatter_wire(tensor, backend, op,
+                                         _checked_wire(wire, algorithm, "reduce_scatter"),
+                                         timeout, out)
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

@@ -9,7 +9,7 @@ strategies, padding and state-dict format.
 from ferro_backend._version import version_getattr
 from ferro_backend.partition import split_sizes, split_starts
 
-from . import nn, optim
+from . import comm_hooks, nn, optim
 from .ddp import DDP, DistributedDataParallel
 from .errors import FSDPStateError
 from .flat import FlatLayout
@@ -28,6 +28,7 @@ __all__ = [
     "Parameter",
     "ShardingStrategy",
     "StrategySpec",
+    "comm_hooks",
     "nn",
     "optim",
     "split_sizes",

@@ -18,7 +18,7 @@ ranks issue the same collectives in the same order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from ferro_collective import ReduceOp, Work, allreduce, allreduce_async, broadca
 
 from . import _state
 from .background import runs_in_background, start
+from .comm_hooks import GradBucket
 from .flat import FlatLayout
 from .module import Module
 from .wrapper import ModuleWrapper
@@ -118,7 +119,37 @@ class DistributedDataParallel(ModuleWrapper):
         if self._overlap:
             self._install_hooks()
         self._armed = False
+        self._hook: tuple[Any, Callable[[Any, GradBucket], Work]] | None = None
         self._reset()
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
+        """Average each bucket with ``hook(state, bucket)`` instead of a mean allreduce
+        (torch's contract; :mod:`ferro_fsdp.comm_hooks` has the hooks and says what they must
+        return). Once, before the first backward; every rank registers the same hook.
+
+        Parameters
+        ----------
+        state : object
+            Passed to every call of ``hook`` (a :class:`~ferro_fsdp.comm_hooks.PowerSGDState`,
+            a backend, None).
+        hook : callable
+            ``hook(state, bucket) -> ferro_collective.Work``; its ``wait()`` gives the bucket's
+            averaged gradients (a flat array of the bucket's size).
+
+        Raises
+        ------
+        RuntimeError
+            A hook is registered already.
+        TypeError
+            ``hook`` is not callable.
+        """
+        if self._hook is not None:
+            raise RuntimeError("DDP.register_comm_hook: a communication hook is registered "
+                               "already (once per DDP)")
+        if not callable(hook):
+            raise TypeError(f"DDP.register_comm_hook: hook is a {type(hook).__name__}, expected "
+                            "a callable hook(state, bucket) -> Work")
+        self._hook = (state, hook)
 
     def _plan_buckets(self, order: list[int]) -> list[list[int]]:
         buckets: list[list[int]] = []
@@ -224,9 +255,13 @@ class DistributedDataParallel(ModuleWrapper):
         for p in self._params:
             p.set_grad_slot(None)
             p.grad = None
+        hook = self._hook
         self.__init__(self._module, backend, bucket_cap_mb=self._cap / (1 << 20),
                       broadcast_parameters=False, timeout=self._timeout,
                       overlap=self._overlap_asked, background=self._background_asked)
+        self._hook = hook  # it stays; a state holding the old backend (PowerSGDState) follows
+        if hook is not None and getattr(hook[0], "backend", None) is not None:
+            hook[0].backend = backend
 
     def backward(self, grad_output: Any) -> Any:
         """``module.backward(grad_output)``, then ``sync_gradients()`` unless in ``no_sync()``.
@@ -297,8 +332,14 @@ class DistributedDataParallel(ModuleWrapper):
                 np.copyto(slot, p.grad)
             p.grad = slot
         flat = self._flats[b]
-        self._works[b] = start(self._background, allreduce_async, allreduce, flat,
-                               self._backend, ReduceOp.MEAN, timeout=self._timeout, out=flat)
+        if self._hook is not None:
+            state, hook = self._hook
+            self._works[b] = hook(state, GradBucket(
+                b, flat, [self._params[i] for i in self._buckets[b]],
+                b == len(self._buckets) - 1, self._backend))
+        else:
+            self._works[b] = start(self._background, allreduce_async, allreduce, flat,
+                                   self._backend, ReduceOp.MEAN, timeout=self._timeout, out=flat)
         self._next = b + 1
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -328,8 +369,13 @@ class DistributedDataParallel(ModuleWrapper):
         try:
             while self._next < len(self._buckets):
                 self._launch(self._next)
-            for work in self._works:
-                work.wait(self._timeout)
+            for flat, work in zip(self._flats, self._works):
+                result = work.wait(self._timeout)
+                if self._hook is not None and result is not flat:
+                    if np.size(result) != flat.size:
+                        raise ValueError(f"DDP: the communication hook returned "
+                                         f"{np.size(result)} values for a bucket of {flat.size}")
+                    np.copyto(flat, np.reshape(result, flat.shape))
         finally:
             self._reset()
 

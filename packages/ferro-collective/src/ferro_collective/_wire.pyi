@@ -1,0 +1,13 @@
+from typing import Any
+
+BLOCK: int
+COPY: int
+SUM: int
+MAX: int
+MIN: int
+PRODUCT: int
+
+def encode_bf16(x: Any, out: Any) -> None: ...
+def decode_bf16_into(q: Any, acc: Any, op: int) -> None: ...
+def encode_int8(x: Any, scales: Any, q: Any) -> None: ...
+def decode_int8_into(scales: Any, q: Any, acc: Any, op: int) -> None: ...

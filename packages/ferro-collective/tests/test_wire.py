@@ -1,0 +1,204 @@
+"""Compressed collectives (ferro_collective.wire): the formats against numpy's own casts and a
+blockwise reference, and allreduce / reduce_scatter / all_gather with ``wire=`` against a
+reference written without chunks or all-to-all: every rank the same bits, world sizes 1-4, on
+threads (simulated) and real processes (TCP, the same-host engine)."""
+
+import numpy as np
+import pytest
+import wire_fns
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_rooted import collect
+
+import ferro_collective as fc
+from ferro_backend.testing import run_processes, run_ranks
+from ferro_collective import ReduceOp
+from ferro_collective.wire import BLOCK, decode, encode, encoded_bytes
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+pytestmark = pytest.mark.timeout(120)
+WIRES = ["bf16", "fp16", "int8"]
+
+
+def roundtrip(x, wire):
+    x = np.asarray(x, np.float32).reshape(-1)
+    buf = encode(x, wire)
+    assert buf.dtype == np.uint8 and buf.size == encoded_bytes(x.size, wire)
+    return decode(buf, wire, x.size)
+
+
+def int8_reference(x):
+    """Blockwise int8 written plainly: per block, scale max|x|/127, rint(x/scale)."""
+    out = np.empty_like(x)
+    for s in range(0, x.size, BLOCK):
+        b = x[s:s + BLOCK]
+        if not np.isfinite(b).all():
+            out[s:s + BLOCK] = np.nan
+            continue
+        scale = np.float32(np.abs(b).max() / np.float32(127))
+        out[s:s + BLOCK] = 0 if scale == 0 else np.clip(np.rint(b / scale), -127, 127) * scale
+    return out
+
+
+floats = st.floats(-1e4, 1e4, width=32, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(floats, min_size=0, max_size=700))
+def test_the_formats_match_numpy_and_a_blockwise_reference(values):
+    x = np.array(values, np.float32)
+    np.testing.assert_array_equal(roundtrip(x, "bf16"),
+                                  x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(roundtrip(x, "fp16"), x.astype(np.float16).astype(np.float32))
+    got = roundtrip(x, "int8")
+    np.testing.assert_allclose(got, int8_reference(x), rtol=1e-6, atol=1e-30)
+    for s in range(0, x.size, BLOCK):  # the error is at most half a step of its block
+        b = x[s:s + BLOCK]
+        assert np.abs(got[s:s + BLOCK] - b).max() <= np.abs(b).max() / 254 * 1.0001 + 1e-30
+
+
+def test_non_finite_values_are_stated_per_format():
+    x = np.zeros(3 * BLOCK, np.float32)
+    x[:] = 1.5
+    x[BLOCK + 7] = np.nan
+    x[2 * BLOCK + 3] = np.inf
+    got = roundtrip(x, "int8")  # a block holding a NaN or an inf is NaN; the others are not
+    assert np.isnan(got[BLOCK:]).all() and np.all(got[:BLOCK] == 1.5)
+    for wire in ("bf16", "fp16"):  # NaN and inf go through as themselves
+        got = roundtrip(x, wire)
+        assert np.isnan(got[BLOCK + 7]) and got[2 * BLOCK + 3] == np.inf
+    with np.errstate(over="ignore"):
+        assert roundtrip(np.array([1e5, -1e5], np.float32), "fp16").tolist() == [np.inf, -np.inf]
+    assert roundtrip(np.array([1e38], np.float32), "bf16")[0] == np.float32(
+        np.array(1e38, np.float32).astype(ml_dtypes.bfloat16))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(width=32), min_size=1, max_size=600), st.integers(0, 2**32 - 1),
+       st.sampled_from(["SUM", "MAX", "MIN", "PRODUCT"]), st.sampled_from(["bf16", "int8"]))
+def test_the_kernels_fold_as_numpy_does(values, seed, op, wire):
+    # decode-and-fold (the compiled kernel) against numpy's ufunc on the decoded values; NaN
+    # and inf included (MAX/MIN: a NaN wins, as numpy.maximum/minimum)
+    from ferro_collective import _wire
+
+    x = np.array(values, np.float32)
+    acc = np.random.default_rng(seed).standard_normal(x.size).astype(np.float32)
+    acc[::7] = np.nan
+    want = {"SUM": np.add, "MAX": np.maximum, "MIN": np.minimum,
+            "PRODUCT": np.multiply}[op](acc, decode(encode(x, wire), wire, x.size))
+    buf = encode(x, wire)
+    with np.errstate(all="ignore"):
+        if wire == "bf16":
+            _wire.decode_bf16_into(buf.view(np.uint16), acc, getattr(_wire, op))
+        else:
+            blocks = -(-x.size // BLOCK)
+            _wire.decode_int8_into(buf[:blocks * 4].view(np.float32),
+                                   buf[blocks * 4:].view(np.int8), acc, getattr(_wire, op))
+    np.testing.assert_array_equal(acc, want)
+
+
+def test_a_short_output_is_refused_not_overrun():
+    from ferro_collective import _wire
+
+    with pytest.raises(ValueError, match="encode_bf16: out: 3 values, need 4"):
+        _wire.encode_bf16(np.ones(4, np.float32), np.empty(3, np.uint16))
+    with pytest.raises(ValueError, match="encode_int8: q: 255 values, need 256"):
+        _wire.encode_int8(np.ones(10, np.float32), np.empty(1, np.float32),
+                          np.empty(255, np.int8))
+
+
+def expected_allreduce(xs, wire, op):
+    """What every rank must get: each rank's input through the wire, folded in rank order in
+    float32, the fold through the wire again (int8 blocks counted from the start)."""
+    fold = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MAX: np.maximum,
+            ReduceOp.MIN: np.minimum}[op]
+    acc = roundtrip(xs[0], wire).copy()
+    for x in xs[1:]:
+        acc = fold(acc, roundtrip(x, wire))
+    if op is ReduceOp.MEAN:
+        acc = acc / np.float32(len(xs))
+    return roundtrip(acc, wire)
+
+
+def inputs(n, size, dtype, seed=0):
+    g = np.random.default_rng(seed)
+    return [(g.standard_normal(size) * 10.0 ** g.integers(-3, 3)).astype(dtype) for _ in range(n)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 4), size=st.integers(1, 1300), wire=st.sampled_from(WIRES),
+       op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX, ReduceOp.MIN]),
+       dtype=st.sampled_from([np.float32, np.float64, np.float16]))
+def test_allreduce_on_the_wire_equals_the_reference_on_every_rank(n, size, wire, op, dtype):
+    xs = inputs(n, size, dtype)
+    got = run_ranks(lambda b: fc.allreduce(xs[b.rank].reshape(size, 1), b, op, wire=wire), n)
+    want = expected_allreduce(xs, wire, op).astype(dtype).reshape(size, 1)
+    for g in got:
+        assert g.dtype == dtype and g.shape == (size, 1)
+        assert g.tobytes() == got[0].tobytes()  # the same bits everywhere
+        np.testing.assert_array_equal(g, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 4), rows=st.integers(1, 300), wire=st.sampled_from(WIRES))
+def test_reduce_scatter_and_all_gather_on_the_wire(n, rows, wire):
+    xs = inputs(n, n * rows * 2, np.float32, seed=rows)
+    got = run_ranks(lambda b: fc.reduce_scatter(xs[b.rank].reshape(n * rows, 2), b,
+                                                wire=wire), n)
+    for r, g in enumerate(got):
+        part = [x.reshape(n * rows, 2)[r * rows:(r + 1) * rows].reshape(-1) for x in xs]
+        acc = roundtrip(part[0], wire).copy()
+        for p in part[1:]:
+            acc += roundtrip(p, wire)
+        np.testing.assert_array_equal(g, acc.reshape(rows, 2))
+    got = run_ranks(lambda b: fc.all_gather(xs[b.rank][:rows], b, wire=wire), n)
+    want = np.concatenate([roundtrip(x[:rows], wire) for x in xs])
+    for g in got:
+        np.testing.assert_array_equal(g, want)
+
+
+def test_out_and_a_zero_size_input():
+    out = [np.empty(5, np.float32) for _ in range(2)]
+    got = run_ranks(lambda b: fc.allreduce(np.ones(5, np.float32), b, wire="int8",
+                                           out=out[b.rank]), 2)
+    assert got[0] is out[0] and got[1] is out[1] and out[0].tolist() == [2.0] * 5
+    got = run_ranks(lambda b: fc.allreduce(np.zeros((0, 3)), b, wire="bf16"), 2)
+    assert got[0].shape == (0, 3)
+
+
+def test_bad_arguments_are_named():
+    def call(fn):
+        return run_ranks(fn, 1)[0]
+
+    with pytest.raises(ValueError, match="wire='int4' is not a wire format"):
+        call(lambda b: fc.allreduce(np.ones(3), b, wire="int4"))
+    with pytest.raises(TypeError, match="wire formats compress float dtypes, not int64"):
+        call(lambda b: fc.allreduce(np.ones(3, np.int64), b, wire="bf16"))
+    with pytest.raises(TypeError, match="ReduceOp.BAND is not defined with a wire format"):
+        call(lambda b: fc.allreduce(np.ones(3), b, ReduceOp.BAND, wire="bf16"))
+    with pytest.raises(ValueError, match="algorithm='ring' and wire='fp16' together"):
+        call(lambda b: fc.allreduce(np.ones(3), b, algorithm="ring", wire="fp16"))
+    with pytest.raises(ValueError, match="out= must be an array of shape"):
+        call(lambda b: fc.allreduce(np.ones(3), b, wire="fp16", out=np.empty(4)))
+    with pytest.raises(ValueError, match="not divisible by the world size 2"):
+        run_ranks(lambda b: fc.reduce_scatter(np.ones(3), b, wire="bf16"), 2)
+
+
+def test_ranks_that_disagree_on_the_wire_get_the_mismatch_error():
+    errors = collect(lambda b: fc.allreduce(np.ones(600, np.float32), b, timeout=10,
+                                            wire="bf16" if b.rank else "int8"), 2)
+    assert len(errors) == 2, errors
+    assert all(isinstance(e, fc.CollectiveMismatchError) for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_real_processes_get_the_reference(transport):
+    assert run_processes(wire_fns.suite, 3, transport=transport, timeout=90) == [[]] * 3
+
+
+def test_on_two_nodes_only_the_cross_node_stage_is_on_the_wire():
+    from ferro_backend.engine import AVAILABLE
+
+    if not AVAILABLE:
+        pytest.skip("the node stages need the engine (Linux)")
+    assert run_processes(wire_fns.hierarchical, 4, ("a", "a", "b", "b")) == [[]] * 4

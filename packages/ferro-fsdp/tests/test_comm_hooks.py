@@ -1,0 +1,181 @@
+"""DDP communication hooks (ferro_fsdp.comm_hooks): the default reduction as a hook, fp16 and
+bf16 compression, PowerSGD (exact before its start, the same bits on every rank, error feedback
+that loses nothing over the steps, a state that resumes exactly), and their errors."""
+
+import numpy as np
+import pytest
+from _helpers import make_data, make_mlp, run
+
+import ferro_collective as fc
+from ferro_collective import ReduceOp
+from ferro_fsdp import DDP, nn
+from ferro_fsdp.comm_hooks import (
+    PowerSGDState,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    powerSGD_hook,
+)
+
+DIMS = (12, 40, 30, 5)
+
+
+def step_grads(d, b, x, y):
+    """One backward of ``d`` on this rank's quarter of the batch; the gradients (copies)."""
+    loss_fn = nn.CrossEntropyLoss()
+    sl = slice(4 * b.rank, 4 * b.rank + 4)
+    loss_fn(d(x[sl]), y[sl])
+    d.backward(loss_fn.backward())
+    return [p.grad.copy() for p in d.module.parameters()]
+
+
+def local_grads(b, x, y):
+    """This rank's own gradients (no DDP), flattened in the DDP bucket's order."""
+    m = make_mlp(DIMS, dtype=np.float32)
+    loss_fn = nn.CrossEntropyLoss()
+    sl = slice(4 * b.rank, 4 * b.rank + 4)
+    loss_fn(m(x[sl]), y[sl])
+    m.backward(loss_fn.backward())
+    return [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("hook, wire", [(allreduce_hook, None), (fp16_compress_hook, "fp16"),
+                                        (bf16_compress_hook, "bf16")])
+def test_the_simple_hooks_give_the_wire_allreduce_of_the_bucket(hook, wire):
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d.register_comm_hook(None, hook)
+        got = step_grads(d, b, x, y)
+        # the reference: this rank's bucket (reverse parameter order), reduced with the wire
+        mine = local_grads(b, x, y)
+        order = list(reversed(range(len(mine))))
+        flat = np.concatenate([mine[i].reshape(-1) for i in order])
+        want = fc.allreduce(flat, b, ReduceOp.MEAN, wire=wire)
+        return got, want, order
+
+    results = run(body, 3)
+    for got, want, order in results:
+        offset = 0
+        for i in order:
+            np.testing.assert_array_equal(got[i].reshape(-1), want[offset:offset + got[i].size])
+            offset += got[i].size
+        for a, b_ in zip(got, results[0][0]):
+            assert a.tobytes() == b_.tobytes()
+
+
+def test_powersgd_is_exact_before_its_start_then_compresses_the_matrices():
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        state = PowerSGDState(b, matrix_approximation_rank=1, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d.register_comm_hook(state, powerSGD_hook)
+        first = step_grads(d, b, x, y)
+        for p in d.module.parameters():
+            p.grad = None
+        second = step_grads(d, b, x, y)
+        exact = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        return first, second, step_grads(exact, b, x, y), state.iter
+
+    results = run(body, 2)
+    for first, second, exact, steps in results:
+        assert steps == 2
+        for a, e in zip(first, exact):  # step 1: before start_powerSGD_iter
+            np.testing.assert_array_equal(a, e)
+        for a, e in zip(second, exact):
+            if a.ndim == 1:  # vectors stay exact (error feedback added first: the same here)
+                np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7)
+            else:  # rank 1: the matrix is approximated, not equal
+                assert np.linalg.matrix_rank(a.astype(np.float64), tol=1e-5) == 1
+                assert not np.allclose(a, e)
+        for a, b_ in zip(second, results[0][1]):
+            assert a.tobytes() == b_.tobytes()  # the same bits on every rank
+
+
+def test_error_feedback_loses_nothing_over_the_steps():
+    # the same gradients every step: the steps' applied means plus the ranks' mean error left
+    # equal T times the exact mean, and the error stays bounded
+    g = [np.random.default_rng(r).standard_normal((30, 20)).astype(np.float64) for r in range(3)]
+    steps = 40
+
+    def body(b):
+        from ferro_fsdp.comm_hooks import GradBucket
+
+        state = PowerSGDState(b, start_powerSGD_iter=0, min_compression_rate=1)
+        total = np.zeros(600)
+        norms = []
+        for _ in range(steps):
+            flat = g[b.rank].reshape(-1).copy()
+            bucket = GradBucket(0, flat, [type("P", (), {"data": g[b.rank]})()], True, b)
+            total += powerSGD_hook(state, bucket).wait()
+            norms.append(np.linalg.norm(state.error_dict[0]))
+        return total, state.error_dict[0].copy(), norms
+
+    results = run(body, 3)
+    mean_g = np.mean([x.reshape(-1) for x in g], axis=0)
+    mean_err = np.mean([err for _, err, _ in results], axis=0)
+    np.testing.assert_allclose(results[0][0] + mean_err, steps * mean_g, rtol=1e-9, atol=1e-9)
+    for total, _, norms in results:
+        assert total.tobytes() == results[0][0].tobytes()
+        assert max(norms[steps // 2:]) < 3 * max(norms[:steps // 2])  # bounded, not growing
+
+
+def test_a_resumed_powersgd_state_continues_exactly():
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def steps(d, b, k):
+        out = []
+        for _ in range(k):
+            for p in d.module.parameters():
+                p.grad = None
+            out.append(step_grads(d, b, x, y))
+        return out
+
+    def body(b):
+        state = PowerSGDState(b, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d.register_comm_hook(state, powerSGD_hook)
+        steps(d, b, 3)
+        saved = state.state_dict()
+        later = steps(d, b, 2)
+        resumed = PowerSGDState(b, start_powerSGD_iter=1)
+        resumed.load_state_dict(saved)
+        d2 = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d2.register_comm_hook(resumed, powerSGD_hook)
+        again = steps(d2, b, 2)
+        return later, again, saved
+
+    for later, again, saved in run(body, 2):
+        assert saved["iter"] == 3 and "error/0" in saved and "q/0" in saved
+        for s1, s2 in zip(later, again):
+            for a, b_ in zip(s1, s2):
+                assert a.tobytes() == b_.tobytes()
+
+
+def test_errors_are_named():
+    def body(b):
+        d = DDP(make_mlp(DIMS), b)
+        with pytest.raises(TypeError, match="expected a callable"):
+            d.register_comm_hook(None, "allreduce")
+        d.register_comm_hook(None, allreduce_hook)
+        with pytest.raises(RuntimeError, match="registered already"):
+            d.register_comm_hook(None, allreduce_hook)
+        with pytest.raises(ValueError, match="matrix_approximation_rank 0"):
+            PowerSGDState(b, matrix_approximation_rank=0)
+        saved = PowerSGDState(b, matrix_approximation_rank=2).state_dict()
+        with pytest.raises(ValueError, match="saved with rank 2, this state has 1"):
+            PowerSGDState(b).load_state_dict(saved)
+
+        def short(state, bucket):  # a hook whose result is the wrong size
+            return fc.allreduce_async(bucket.buffer()[:3], b)
+
+        d2 = DDP(make_mlp(DIMS), b)
+        d2.register_comm_hook(None, short)
+        x, y = make_data(16, DIMS)
+        with pytest.raises(ValueError, match="returned 3 values for a bucket of"):
+            step_grads(d2, b, x, y)
+        return True
+
+    assert run(body, 2) == [True, True]
