@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,11 +44,20 @@ def _collect(out_dir: str) -> list[dict]:
 
 
 def run_launcher(cmd: list[str], timeout: float, env: dict | None = None) -> Run:
-    """One launcher process (ferrorun / torchrun) that starts every rank."""
+    """One launcher process (ferrorun / torchrun) that starts every rank, in a session of its
+    own: past ``timeout`` the whole session is killed, ranks included (killing the launcher
+    alone left its ranks running), then TimeoutExpired is raised."""
     with tempfile.TemporaryDirectory() as out_dir:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=_base_env({**(env or {}), "TEST_RESULT_DIR": out_dir}))
-        return Run([r.returncode], _collect(out_dir), r.stdout + r.stderr)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True,
+                                env=_base_env({**(env or {}), "TEST_RESULT_DIR": out_dir}))
+        try:
+            out = proc.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        return Run([proc.returncode], _collect(out_dir), out)
 
 
 def ferrorun(scenario: str, n: int, timeout: float = 100, args: tuple = (),

@@ -111,3 +111,11 @@ def test_ranks_on_different_backends_are_an_error_naming_them(compiled_backend):
     for r in run.by_rank().values():
         assert "the ranks of a group run different backends" in r["error"], r
         assert "compiled: ranks [1]; python: ranks [0]" in r["error"], r
+
+
+def test_a_torch_older_than_the_oldest_supported_is_not_built_against(monkeypatch):
+    # torch 2.8's c10d Backend lacks getBackendOptions/setTimeout (2.7 the options' asyncOp):
+    # the build is not attempted, and the reason names both versions
+    monkeypatch.setattr(_compiled.torch, "__version__", "2.8.0+cpu")
+    with pytest.raises(_compiled.BuildError, match=r"torch 2\.8\.0\+cpu is older than 2\.9"):
+        _compiled._preflight()

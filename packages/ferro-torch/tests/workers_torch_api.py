@@ -105,7 +105,7 @@ def check_synchronous_calls_compiled(n: int, me: int) -> dict:
     t = torch.full((6,), float(me))
     work = sub.allreduce([t], opts)
     total = float(sum(range(n)))
-    assert work.is_completed() and work.wait() and work.exception() is None, work
+    assert work.is_completed() and work.wait(), work  # (torch 2.9 cannot return exception())
     assert work.get_future().value()[0] is t and torch.equal(t, torch.full((6,), total)), t
     grid = torch.arange(16.0).reshape(4, 4) * (me + 1)
     dist.all_reduce(grid.t()[1], group=sub)
@@ -144,7 +144,7 @@ def check_synchronous_calls(n: int, me: int) -> dict:
     t = torch.full((6,), float(me))
     work = sub.allreduce([t], opts)  # torch's group API, as a framework calls it
     total = float(sum(range(n)))
-    assert work.is_completed() and work.wait() and work.exception() is None, work
+    assert work.is_completed() and work.wait(), work  # (torch 2.9 cannot return exception())
     assert work.get_future().value()[0] is t and torch.equal(t, torch.full((6,), total)), t
     grid = torch.arange(16.0).reshape(4, 4) * (me + 1)
     dist.all_reduce(grid.t()[1], group=sub)  # a non-contiguous row: staged and written back

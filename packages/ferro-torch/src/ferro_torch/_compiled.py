@@ -41,8 +41,9 @@ from .errors import FerroTorchError
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("work.cpp", "backend.cpp", "collectives.cpp", "p2p.cpp", "python.cpp")
 HEADERS = ("ferro_c10d.hpp",)
-#: the oldest torch the sources build against (c10d's options carry asyncOp from 2.7 on)
-OLDEST_TORCH = (2, 7)
+#: the oldest torch the sources build against (tried: 2.7 lacks the options' asyncOp, 2.8
+#: Backend's getBackendOptions and setTimeout; 2.9.1 builds and passes)
+OLDEST_TORCH = (2, 9)
 
 BACKEND = settings.Setting(
     settings.PREFIX + "TORCH_BACKEND", "auto, compiled or python", "auto", "ferro-torch",

@@ -233,10 +233,12 @@ def _same_kind_everywhere(store, rank: int, size: int, kind: str) -> None:
     store.set(f"ferro_torch/kind/{rank}", kind)
     kinds = {r: store.get(f"ferro_torch/kind/{r}").decode() for r in range(size)}
     if len(set(kinds.values())) > 1:
-        # every rank sees the same keys and raises: each waits for the others' reads first, so
-        # that the store's host (rank 0) is not gone before a peer has read them
-        store.set(f"ferro_torch/kind_read/{rank}", "1")
-        store.wait([f"ferro_torch/kind_read/{r}" for r in range(size)])
+        # every rank sees the same keys and raises; the store's host (rank 0) last: the others
+        # say they are done with the store first, so none is left waiting on a store that is
+        # gone when rank 0's process ends
+        store.set(f"ferro_torch/kind_done/{rank}", "1")
+        if rank == 0:
+            store.wait([f"ferro_torch/kind_done/{r}" for r in range(size)])
         by_kind: dict[str, list[int]] = {}
         for r, k in kinds.items():
             by_kind.setdefault(k, []).append(r)
