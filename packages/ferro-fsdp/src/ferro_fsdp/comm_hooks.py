@@ -133,6 +133,13 @@ def allreduce_hook(state: Backend | None, bucket: GradBucket) -> Work:
     return _done(allreduce(flat, _backend(state, bucket), ReduceOp.MEAN, out=flat), "allreduce")
 
 
+def _compressed(state: Backend | None, bucket: GradBucket, wire: str) -> Work:
+    """The mean of the bucket, sent in ``wire``'s format and folded in float32, in place."""
+    flat = bucket.buffer()
+    return _done(allreduce(flat, _backend(state, bucket), ReduceOp.MEAN, out=flat, wire=wire),
+                 f"{wire}_compress")
+
+
 def fp16_compress_hook(state: Backend | None, bucket: GradBucket) -> Work:
     """The mean of the bucket, sent as IEEE half (``wire="fp16"``), folded in float32.
 
@@ -146,9 +153,7 @@ def fp16_compress_hook(state: Backend | None, bucket: GradBucket) -> Work:
     -------
     ferro_collective.Work
     """
-    flat = bucket.buffer()
-    return _done(allreduce(flat, _backend(state, bucket), ReduceOp.MEAN, out=flat, wire="fp16"),
-                 "fp16_compress")
+    return _compressed(state, bucket, "fp16")
 
 
 def bf16_compress_hook(state: Backend | None, bucket: GradBucket) -> Work:
@@ -164,9 +169,7 @@ def bf16_compress_hook(state: Backend | None, bucket: GradBucket) -> Work:
     -------
     ferro_collective.Work
     """
-    flat = bucket.buffer()
-    return _done(allreduce(flat, _backend(state, bucket), ReduceOp.MEAN, out=flat, wire="bf16"),
-                 "bf16_compress")
+    return _compressed(state, bucket, "bf16")
 
 
 class PowerSGDState:
