@@ -71,6 +71,17 @@ def test_a_failing_build_falls_back_with_the_compilers_error(tmp_path):
         assert r["kind"] == "python", r
         (line,) = r["warnings"]
         assert "\n" not in line and "failed" in line and "out of order" in line, line
+    (record,) = (tmp_path / "cache").glob("*.failed")
+    # the next job does not build again: the compiler is not asked (it would say so)
+    cxx.write_text("#!/bin/sh\necho asked >> " + str(tmp_path / "asked") + "\nexit 1\n")
+    for r in _kind_run(extra).values():
+        (line,) = r["warnings"]
+        assert "out of order" in line and "an earlier build; delete" in line, line
+    assert not (tmp_path / "asked").exists()
+    # FERRO_TORCH_BACKEND=compiled builds again (and says what the compiler said now)
+    for r in _kind_run({**extra, _compiled.BACKEND.name: "compiled"}).values():
+        assert "FERRO_TORCH_BACKEND=compiled" in r["error"] and "earlier" not in r["error"], r
+    assert (tmp_path / "asked").exists() and record.exists()
 
 
 def test_compiled_is_forced_by_the_setting_and_raises_where_it_cannot_build():

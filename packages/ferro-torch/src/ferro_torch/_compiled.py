@@ -111,7 +111,19 @@ def _preflight() -> None:
         raise BuildError("ninja is not installed (pip install ninja)")
 
 
+def _failure_record(name: str) -> Path:
+    """Where a failed build of ``name`` is recorded: beside torch's extension cache."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"{name}.failed"
+
+
 def _build() -> ModuleType:
+    """Build (or load from the cache) the module; BuildError naming why not. A failed build of
+    these sources against this torch is recorded, and later processes under ``auto`` fall back
+    at once with its reason instead of trying again (tens of seconds each, every rank of every
+    job); ``FERRO_TORCH_BACKEND=compiled`` always tries again."""
     _preflight()
     from torch.utils import cpp_extension
 
@@ -122,22 +134,39 @@ def _build() -> ModuleType:
             extra_cflags=["-O2", "-fvisibility=hidden"], verbose=False)
 
     name = extension_name()
+    record = _failure_record(name)
+    if choice() == "auto" and record.is_file():
+        raise BuildError(f"{record.read_text().strip()} (an earlier build; delete {record}, or "
+                         "set FERRO_TORCH_BACKEND=compiled, to build again)")
     try:
         try:
-            return load()
+            built = load()
         except ImportError as exc:
             if "No such file" not in str(exc):  # it is there and does not load
                 raise
             # another rank held torch's build lock and its build failed, leaving nothing to
             # import: build here (torch's versioner forgets this name), for the compiler's words
             cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
-            return load()
+            built = load()
     except ImportError as exc:  # built, but the module does not load against this torch
-        raise BuildError(f"the module built against torch {torch.__version__} does not load "
-                         f"(a C++ ABI mismatch?): {_first_line(exc)}") from exc
+        why = (f"the module built against torch {torch.__version__} does not load (a C++ ABI "
+               f"mismatch?): {_first_line(exc)}")
+        _record(record, why)
+        raise BuildError(why) from exc
     except Exception as exc:  # the compiler's, ninja's or torch's error
-        raise BuildError(f"building it against torch {torch.__version__} failed: "
-                         f"{_first_line(exc)}") from exc
+        why = f"building it against torch {torch.__version__} failed: {_first_line(exc)}"
+        _record(record, why)
+        raise BuildError(why) from exc
+    record.unlink(missing_ok=True)
+    return built
+
+
+def _record(path: Path, why: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(why + "\n")
+    except OSError:  # a read-only cache: every process tries again, as before
+        pass
 
 
 def _first_line(exc: BaseException) -> str:
