@@ -202,3 +202,29 @@ def test_on_two_nodes_only_the_cross_node_stage_is_on_the_wire():
     if not AVAILABLE:
         pytest.skip("the node stages need the engine (Linux)")
     assert run_processes(wire_fns.hierarchical, 4, ("a", "a", "b", "b")) == [[]] * 4
+
+
+def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):
+    import json
+
+    from ferro_backend import SimulatedBackend, trace
+    from ferro_backend.testing import run_threads
+
+    path = tmp_path / "t.json"
+
+    def body(b):
+        x = np.ones(1000, np.float32)
+        if b.rank == 0:
+            with trace(path, backend=b):
+                fc.allreduce(x, b, wire="int8")
+                fc.all_gather(x, b, wire="bf16")
+        else:
+            fc.allreduce(x, b, wire="int8")
+            fc.all_gather(x, b, wire="bf16")
+
+    run_threads(body, SimulatedBackend.create_group(2), timeout=60)
+    events = {e["name"]: e["args"] for e in json.loads(path.read_text())["traceEvents"]
+              if e["ph"] == "X" and "[" in e["name"]}
+    assert events["allreduce[int8]"]["bytes"] == 4000
+    assert events["allreduce[int8]"]["wire_bytes"] == 4 * (256 + 4)  # 4 blocks, 4 scales
+    assert events["all_gather[bf16]"]["wire_bytes"] == 2000

@@ -107,8 +107,9 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0.2001953125, 600.0], [0.2001953125, 600.0]]
     """
     if wire is not None:
-        return _wire.allreduce(tensor, backend, op, _checked_wire(wire, algorithm, "allreduce"),
-                               timeout, out)
+        wire = _checked_wire(wire, algorithm, "allreduce")
+        return _wire.traced("allreduce", wire, tensor, backend, lambda: _wire.allreduce(
+            tensor, backend, op, wire, timeout, out))
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
@@ -200,8 +201,9 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     [[0, 1], [0, 1]]
     """
     if wire is not None:
-        return _wire.all_gather_wire(tensor, backend,
-                                     _checked_wire(wire, algorithm, "all_gather"), timeout, out)
+        wire = _checked_wire(wire, algorithm, "all_gather")
+        return _wire.traced("all_gather", wire, tensor, backend, lambda: _wire.all_gather_wire(
+            tensor, backend, wire, timeout, out))
     return run(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
@@ -241,9 +243,10 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0, 3], [6, 9]]
     """
     if wire is not None:
-        return _wire.reduce_scatter_wire(tensor, backend, op,
-                                         _checked_wire(wire, algorithm, "reduce_scatter"),
-                                         timeout, out)
+        wire = _checked_wire(wire, algorithm, "reduce_scatter")
+        return _wire.traced("reduce_scatter", wire, tensor, backend,
+                            lambda: _wire.reduce_scatter_wire(tensor, backend, op, wire, timeout,
+                                                              out))
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

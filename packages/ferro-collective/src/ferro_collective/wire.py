@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from ferro_backend import Backend
+from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
 from .api_uneven import all_to_all_single
@@ -188,6 +189,23 @@ def _fold_rows(rows: np.ndarray, c: int, wire: str, op: ReduceOp, n: int) -> np.
     if op is ReduceOp.MEAN:
         acc /= np.float32(n)
     return acc
+
+
+def traced(name: str, wire: str, tensor, backend: Backend, call):
+    """``call()``; while tracing, one timeline event for the compressed call: the input's bytes
+    and the bytes of its encoding (``wire_bytes``), beside the events of the collectives it
+    runs."""
+    if not _timeline.active():
+        return call()
+    x = np.asarray(tensor)
+    t0 = _timeline._now_us()
+    try:
+        return call()
+    finally:
+        _timeline.record(f"{name}[{wire}]", "collective", t0, _timeline._now_us() - t0,
+                         bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
+                         wire_bytes=encoded_bytes(int(x.size), wire), rank=backend.rank,
+                         world=backend.world_size)
 
 
 def _finish(result32: np.ndarray, like: np.ndarray, shape: tuple, out: np.ndarray | None,
