@@ -17,7 +17,7 @@ from ferro_collective.wire import BLOCK, decode, encode, encoded_bytes
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytestmark = pytest.mark.timeout(120)
-WIRES = ["bf16", "fp16", "int8"]
+WIRES = ["bf16", "fp16", "int8", "int4"]
 
 
 def roundtrip(x, wire):
@@ -27,16 +27,16 @@ def roundtrip(x, wire):
     return decode(buf, wire, x.size)
 
 
-def int8_reference(x):
-    """Blockwise int8 written plainly: per block, scale max|x|/127, rint(x/scale)."""
+def int8_reference(x, top=127):
+    """Blockwise ints written plainly: per block, scale max|x|/top, rint(x/scale)."""
     out = np.empty_like(x)
     for s in range(0, x.size, BLOCK):
         b = x[s:s + BLOCK]
         if not np.isfinite(b).all():
             out[s:s + BLOCK] = np.nan
             continue
-        scale = np.float32(np.abs(b).max() / np.float32(127))
-        out[s:s + BLOCK] = 0 if scale == 0 else np.clip(np.rint(b / scale), -127, 127) * scale
+        scale = np.float32(np.abs(b).max() / np.float32(top))
+        out[s:s + BLOCK] = 0 if scale == 0 else np.clip(np.rint(b / scale), -top, top) * scale
     return out
 
 
@@ -50,11 +50,13 @@ def test_the_formats_match_numpy_and_a_blockwise_reference(values):
     np.testing.assert_array_equal(roundtrip(x, "bf16"),
                                   x.astype(ml_dtypes.bfloat16).astype(np.float32))
     np.testing.assert_array_equal(roundtrip(x, "fp16"), x.astype(np.float16).astype(np.float32))
-    got = roundtrip(x, "int8")
-    np.testing.assert_allclose(got, int8_reference(x), rtol=1e-6, atol=1e-30)
-    for s in range(0, x.size, BLOCK):  # the error is at most half a step of its block
-        b = x[s:s + BLOCK]
-        assert np.abs(got[s:s + BLOCK] - b).max() <= np.abs(b).max() / 254 * 1.0001 + 1e-30
+    for wire, top in (("int8", 127), ("int4", 7)):
+        got = roundtrip(x, wire)
+        np.testing.assert_allclose(got, int8_reference(x, top), rtol=1e-6, atol=1e-30)
+        for s in range(0, x.size, BLOCK):  # the error is at most half a step of its block
+            b = x[s:s + BLOCK]
+            assert np.abs(got[s:s + BLOCK] - b).max() <= np.abs(b).max() / (2 * top) * 1.0001 \
+                + 1e-30
 
 
 def test_non_finite_values_are_stated_per_format():
@@ -62,8 +64,9 @@ def test_non_finite_values_are_stated_per_format():
     x[:] = 1.5
     x[BLOCK + 7] = np.nan
     x[2 * BLOCK + 3] = np.inf
-    got = roundtrip(x, "int8")  # a block holding a NaN or an inf is NaN; the others are not
-    assert np.isnan(got[BLOCK:]).all() and np.all(got[:BLOCK] == 1.5)
+    for wire in ("int8", "int4"):  # a block holding a NaN or an inf is NaN; the others not
+        got = roundtrip(x, wire)
+        assert np.isnan(got[BLOCK:]).all() and np.all(got[:BLOCK] == 1.5)
     for wire in ("bf16", "fp16"):  # NaN and inf go through as themselves
         got = roundtrip(x, wire)
         assert np.isnan(got[BLOCK + 7]) and got[2 * BLOCK + 3] == np.inf
@@ -75,7 +78,8 @@ def test_non_finite_values_are_stated_per_format():
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.floats(width=32), min_size=1, max_size=600), st.integers(0, 2**32 - 1),
-       st.sampled_from(["SUM", "MAX", "MIN", "PRODUCT"]), st.sampled_from(["bf16", "int8"]))
+       st.sampled_from(["SUM", "MAX", "MIN", "PRODUCT"]),
+       st.sampled_from(["bf16", "int8", "int4"]))
 def test_the_kernels_fold_as_numpy_does(values, seed, op, wire):
     # decode-and-fold (the compiled kernel) against numpy's ufunc on the decoded values; NaN
     # and inf included (MAX/MIN: a NaN wins, as numpy.maximum/minimum)
@@ -88,12 +92,15 @@ def test_the_kernels_fold_as_numpy_does(values, seed, op, wire):
             "PRODUCT": np.multiply}[op](acc, decode(encode(x, wire), wire, x.size))
     buf = encode(x, wire)
     with np.errstate(all="ignore"):
+        blocks = -(-x.size // BLOCK)
         if wire == "bf16":
             _wire.decode_bf16_into(buf.view(np.uint16), acc, getattr(_wire, op))
-        else:
-            blocks = -(-x.size // BLOCK)
+        elif wire == "int8":
             _wire.decode_int8_into(buf[:blocks * 4].view(np.float32),
                                    buf[blocks * 4:].view(np.int8), acc, getattr(_wire, op))
+        else:
+            _wire.decode_int4_into(buf[:blocks * 4].view(np.float32), buf[blocks * 4:], acc,
+                                   getattr(_wire, op))
     np.testing.assert_array_equal(acc, want)
 
 
@@ -170,8 +177,8 @@ def test_bad_arguments_are_named():
     def call(fn):
         return run_ranks(fn, 1)[0]
 
-    with pytest.raises(ValueError, match="wire='int4' is not a wire format"):
-        call(lambda b: fc.allreduce(np.ones(3), b, wire="int4"))
+    with pytest.raises(ValueError, match="wire='int2' is not a wire format"):
+        call(lambda b: fc.allreduce(np.ones(3), b, wire="int2"))
     with pytest.raises(TypeError, match="wire formats compress float dtypes, not int64"):
         call(lambda b: fc.allreduce(np.ones(3, np.int64), b, wire="bf16"))
     with pytest.raises(TypeError, match="ReduceOp.BAND is not defined with a wire format"):

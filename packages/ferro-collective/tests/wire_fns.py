@@ -17,7 +17,7 @@ def suite(b) -> list[str]:
     all_gather, against the reference; the failures."""
     n, r = b.world_size, b.rank
     bad: list[str] = []
-    for wire in ("bf16", "fp16", "int8"):
+    for wire in ("bf16", "fp16", "int8", "int4"):
         for size in (7, 300_000):
             xs = [np.linspace(-3, 3, size, dtype=np.float32) * (k + 1) + k for k in range(n)]
             acc = _through(xs[0], wire).copy()

@@ -1,12 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The wire formats' hot loops (:mod:`ferro_collective.wire`), one pass each, without the GIL:
 float32 to bfloat16 (round to nearest even) and back folded into a float32 accumulator, and
-the int8 blocks (a float32 scale per block of ``BLOCK`` values) both ways. Their numpy
+the int8 and int4 blocks (a float32 scale per block of ``BLOCK`` values) both ways. Their numpy
 references are the tests' (``tests/test_wire.py``). Every index is below the lengths checked
 on entry (``_check``), which is what lets bounds checking off."""
 
 from libc.math cimport fabsf, isnan, nanf
-from libc.stdint cimport int8_t, uint16_t, uint32_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memcpy
 
 #: values per int8 block (one float32 scale each)
@@ -135,3 +135,61 @@ def decode_int8_into(const float[::1] scales, const int8_t[::1] q, float[::1] ac
             else:
                 for i in range(lo, hi):
                     acc[i] = _fold(op, acc[i], <float>q[i] * s)
+
+
+def encode_int4(const float[::1] x, float[::1] scales, uint8_t[::1] q):
+    """As :func:`encode_int8` with 4-bit values: ``scales[b]`` = max |x| / 7, each value
+    rint(x / scale) in -7..7 stored as its two's complement nibble, two a byte (the even index
+    in the low nibble): ``BLOCK // 2`` bytes a block."""
+    cdef Py_ssize_t n = x.shape[0], blocks = (n + _BLOCK - 1) // _BLOCK, b, i, lo, hi
+    cdef float top, a, s, v
+    cdef int bad, k
+    cdef uint8_t nib
+    _check(blocks, scales.shape[0], "encode_int4: scales")
+    _check(blocks * (_BLOCK // 2), q.shape[0], "encode_int4: q")
+    with nogil:
+        for b in range(blocks):
+            lo = b * _BLOCK
+            hi = lo + _BLOCK if lo + _BLOCK < n else n
+            top = 0
+            bad = 0
+            for i in range(lo, hi):
+                a = fabsf(x[i])
+                bad |= <int>(not (a <= _FLT_MAX))
+                top = a if a > top else top
+            for i in range(lo // 2, (lo + _BLOCK) // 2):
+                q[i] = 0
+            if bad:
+                scales[b] = nanf("")
+                continue
+            s = top / <float>7
+            scales[b] = s
+            if s == 0:
+                continue
+            for i in range(lo, hi):
+                v = (x[i] / s + _ROUNDER) - _ROUNDER
+                k = <int>(7 if v > 7 else (-7 if v < -7 else v))
+                nib = <uint8_t>(k & 0xF)
+                if i & 1:
+                    q[i >> 1] = q[i >> 1] | <uint8_t>(nib << 4)
+                else:
+                    q[i >> 1] = q[i >> 1] | nib
+
+
+def decode_int4_into(const float[::1] scales, const uint8_t[::1] q, float[::1] acc, int op):
+    """``acc[i]`` = fold(``acc[i]``, value ``i`` of :func:`encode_int4`'s ``q`` times its
+    block's scale) (``op`` as for :func:`decode_bf16_into`)."""
+    cdef Py_ssize_t n = acc.shape[0], blocks = (n + _BLOCK - 1) // _BLOCK, b, i, lo, hi
+    cdef float s, v
+    cdef int nib
+    _check(blocks, scales.shape[0], "decode_int4_into: scales")
+    _check((n + 1) // 2, q.shape[0], "decode_int4_into: q")
+    with nogil:
+        for b in range(blocks):
+            lo = b * _BLOCK
+            hi = lo + _BLOCK if lo + _BLOCK < n else n
+            s = scales[b]
+            for i in range(lo, hi):
+                nib = (q[i >> 1] >> (4 * (i & 1))) & 0xF
+                v = <float>(nib - 16 if nib > 7 else nib) * s
+                acc[i] = v if op == 0 else (acc[i] + v if op == 1 else _fold(op, acc[i], v))

@@ -63,9 +63,9 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     out : numpy.ndarray, optional
         A writable C-contiguous array of the input's shape and dtype to fill and return; it may
         be the input itself (an in-place allreduce).
-    wire : {None, "bf16", "fp16", "int8"}
-        None: exact. Otherwise the data travels in that format (int8: blocks of 256 values with
-        a float32 scale each) and is folded in float32 (:mod:`ferro_collective.wire`); on a
+    wire : {None, "bf16", "fp16", "int8", "int4"}
+        None: exact. Otherwise the data travels in that format (int8, int4: blocks of 256
+        values with a float32 scale each) and is folded in float32 (:mod:`ferro_collective.wire`); on a
         multi-node job only the cross-node stage is compressed. Float dtypes; SUM, MEAN, MAX,
         MIN, PRODUCT; not with ``algorithm``.
 
@@ -222,7 +222,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         As for :func:`allreduce` (``algorithm``: "auto", "ring" or "star").
     out : numpy.ndarray, optional
         A writable C-contiguous array of the slice's shape and dtype to fill and return.
-    wire : {None, "bf16", "fp16", "int8"}
+    wire : {None, "bf16", "fp16", "int8", "int4"}
         As for :func:`allreduce` (each rank's slices encoded, folded in float32).
 
     Returns
