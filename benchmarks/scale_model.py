@@ -29,6 +29,7 @@ from ferro_backend.netsim import Network
 from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
 from ferro_collective.plan import choose
+from ferro_collective.records import BY_NAME
 
 NET = Network.cluster(gbit=25, latency_us=5, ranks_per_node=16)
 CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "star")] + \
@@ -106,7 +107,7 @@ def main() -> None:
         ax.plot(several, [cm.predict("allreduce", "hierarchical", nbytes, n, p) * 1e3
                           for n in several], marker=".", label="hierarchical")
         picks = [(n, cm.predict("allreduce", "hierarchical" if cm.choose_hierarchical(
-            "allreduce", nbytes, n, p) else choose("allreduce", None, nbytes, n, backend),
+            "allreduce", nbytes, n, p) else choose(BY_NAME["allreduce"], None, nbytes, n, backend),
             nbytes, n, p) * 1e3) for n in worlds]
         ax.scatter(*zip(*picks), s=120, facecolors="none", edgecolors="k", label="auto's pick")
         ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms (model)",

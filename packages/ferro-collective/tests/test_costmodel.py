@@ -18,6 +18,7 @@ from ferro_collective import costmodel as cm
 from ferro_collective.dispatch import prefer_hierarchical
 from ferro_collective.dispatch import usable_hierarchy as hierarchy_of
 from ferro_collective.plan import choose
+from ferro_collective.records import BY_NAME
 
 NETWORKS = {
     "flat 25 Gb/s": Network.cluster(gbit=25, latency_us=5),
@@ -95,16 +96,16 @@ def test_auto_is_never_more_than_1_2x_the_models_best(label):
     for n in (5, 8, 16, 64, 256):
         for nbytes in (4096, 65536, 1 << 20, 16 << 20, 64 << 20):
             for name in cm.ALGORITHMS_MODELLED:
-                picked = choose(name, None, nbytes, n, backend)
+                picked = choose(BY_NAME[name], None, nbytes, n, backend)
                 _, fastest = cm.best(name, nbytes, n, p)
                 assert cm.predict(name, picked, nbytes, n, p) <= 1.2 * fastest, \
                     (label, name, n, nbytes, picked)
 
 
 def test_auto_is_a_function_of_size_and_world():
-    picks = {choose("allreduce", None, s, n) for n in (64,) for s in [1 << 20] * 5}
+    picks = {choose(BY_NAME["allreduce"], None, s, n) for n in (64,) for s in [1 << 20] * 5}
     assert len(picks) == 1
-    assert choose("allreduce", None, 3000, 64) == choose("allreduce", None, 4096, 64)
+    assert choose(BY_NAME["allreduce"], None, 3000, 64) == choose(BY_NAME["allreduce"], None, 4096, 64)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "star", "auto"])
@@ -233,7 +234,7 @@ def test_auto_with_a_layout_is_never_more_than_1_2x_the_models_best(label, L):
                     picked = flat
                 else:
                     flat = cm.best(name, nbytes, n, p)[1]
-                    picked = cm.predict(name, choose(name, None, nbytes, n, backend), nbytes,
+                    picked = cm.predict(name, choose(BY_NAME[name], None, nbytes, n, backend), nbytes,
                                         n, p)
                 staged = cm.choose_hierarchical(name, nbytes, n, p)
                 assert staged == cm.choose_hierarchical(name, nbytes * 3 // 4 + 1, n, p)

@@ -18,6 +18,7 @@ from ferro_collective import allreduce, costmodel, learn_network
 from ferro_collective.dispatch import auto_algorithm
 from ferro_collective.learn import BURST_SIZES, PING_SIZES, cache_bytes, fit_link, local_terms, memory_rates
 from ferro_collective.plan import choose
+from ferro_collective.records import BY_NAME
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,11 +36,11 @@ def test_local_terms_are_measured():
 
 def test_every_rank_learns_the_same_parameters_and_auto_uses_them():
     group = SimulatedBackend.create_group(4)
-    before = [choose("allreduce", "auto", 1 << 16, 4, b) for b in group]
+    before = [choose(BY_NAME["allreduce"], "auto", 1 << 16, 4, b) for b in group]
 
     def body(b):
         p = learn_network(b, reps=3)
-        picks = {s: choose("allreduce", "auto", s, 4, b) for s in (8, 1 << 16, 1 << 24)}
+        picks = {s: choose(BY_NAME["allreduce"], "auto", s, 4, b) for s in (8, 1 << 16, 1 << 24)}
         x = allreduce(np.full(1000, float(b.rank)), b)
         return p, picks, float(x[0])
 

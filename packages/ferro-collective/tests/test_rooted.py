@@ -111,12 +111,13 @@ def test_reduce_large_and_widened_dtypes(algo):
 def test_auto_algorithms_choose_by_size():
     from ferro_collective.costmodel import SMALL_MESSAGE_BYTES
     from ferro_collective.plan import choose
+    from ferro_collective.records import BY_NAME
 
-    assert choose("reduce", None, 1000, 8) == "tree"
-    assert choose("reduce", None, SMALL_MESSAGE_BYTES * 4, 8) == "ring"
-    assert choose("reduce", None, SMALL_MESSAGE_BYTES * 4, 2) == "tree"
-    assert choose("gather", None, 1000, 8) == "tree"
-    assert choose("scatter", None, SMALL_MESSAGE_BYTES, 8) == "star"
+    assert choose(BY_NAME["reduce"], None, 1000, 8) == "tree"
+    assert choose(BY_NAME["reduce"], None, SMALL_MESSAGE_BYTES * 4, 8) == "ring"
+    assert choose(BY_NAME["reduce"], None, SMALL_MESSAGE_BYTES * 4, 2) == "tree"
+    assert choose(BY_NAME["gather"], None, 1000, 8) == "tree"
+    assert choose(BY_NAME["scatter"], None, SMALL_MESSAGE_BYTES, 8) == "star"
 
 
 def test_large_gather_and_scatter_take_the_direct_path():

@@ -163,3 +163,17 @@ def test_the_package_ships_the_handlers_source():
     here = Path(fj.__file__).parent
     assert (here / "_handlers.cc").is_file()
     assert fj.__version__
+
+
+def test_every_binding_a_record_names_exists():
+    """A collective's record (ferro_collective.records) names its ferro-jax function; each
+    exists, and every collective ferro-jax offers has a record naming it."""
+    import ferro_jax
+
+    from ferro_collective import records
+
+    named = {c.jax for c in records.ALL if c.jax}
+    assert named == {"allreduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+                     "reduce", "all_to_all"}
+    for name in named:
+        assert callable(getattr(ferro_jax, name)), name

@@ -82,3 +82,16 @@ def test_span_joins_chunks_of_one_tensor_only():
 def test_cuda_tensors_are_refused_with_a_message():
     with pytest.raises(TypeError, match="torch.Tensor"):
         _convert.check_cpu("allreduce", np.zeros(3))
+
+
+def test_every_binding_a_record_names_exists():
+    """A collective's record (ferro_collective.records) names the torch.distributed call the
+    "ferro" backend serves with it; each is torch's."""
+    import torch.distributed as dist
+
+    from ferro_collective import records
+
+    named = [c.torch for c in records.ALL if c.torch]
+    assert len(named) == 12
+    for name in named:
+        assert callable(getattr(dist, name)), name

@@ -58,7 +58,7 @@ from .header import set_mismatch_check
 from .learn import learn_network
 from .ops import ReduceOp
 from .p2p import set_stall_report
-from .plan import ALGORITHMS
+from .records import ALGORITHMS
 from .work import Work
 
 __all__ = [

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _fastcall
 from ._state import reserve
 from .checks import as_array, check_out
 from .engine import EngineGroup, Step, door_calls
 from .ops import CODES
 from .p2p import Ctx, all_gather_ring_into
-from .plan import Plan, choose
+from .plan import Collective, Plan, choose
 
 
 def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
@@ -48,7 +49,7 @@ def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = Non
     """The checked plan of one all_gather (``arg`` unused)."""
     x = as_array("all_gather", tensor, backend)
     n = backend.world_size
-    algo = choose("all_gather", algorithm, x.nbytes, n, backend)
+    algo = choose(ALL_GATHER, algorithm, x.nbytes, n, backend)
     shape = gathered_shape(x, n)
     out = check_out("all_gather", out, shape, x.dtype)
 
@@ -124,4 +125,8 @@ def stages(h, x: np.ndarray, shape: tuple[int, ...], timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "door_bytes", "gathered_shape", "prepare", "stages"]
+ALL_GATHER = Collective("all_gather", prepare, _fastcall.ALL_GATHER, ("auto", "ring", "star"),
+                        torch="all_gather_into_tensor", jax="all_gather")
+
+__all__ = ["ALL_GATHER", "IMPLEMENTATIONS", "door_bytes", "gathered_shape", "prepare",
+           "stages"]

@@ -26,14 +26,14 @@ import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _state, all_gather
+from . import _fastcall, _state, all_gather
 from ._state import reserve
 from .checks import as_array, check_out, finish
 from .engine import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, fold, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
 from .pipeline import PIPELINE_MIN, PIPELINE_PIECE, schedule, writable_into
-from .plan import PREPARE, Plan, choose
+from .plan import Collective, Plan, choose
 from .scratch import POOL
 
 
@@ -43,7 +43,7 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
     op = as_op(op)
     wd = work_dtype("allreduce", x.dtype, op)
     n = backend.world_size
-    algo = choose("allreduce", algorithm, x.nbytes, n, backend)
+    algo = choose(ALLREDUCE, algorithm, x.nbytes, n, backend)
     out = check_out("allreduce", out, x.shape, x.dtype)
 
     def python(ctx: Ctx) -> np.ndarray:
@@ -178,8 +178,8 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
                     if engine:
                         part = POOL.take(chunk, wd)
                         borrowed.append(part)
-                        execute(PREPARE["reduce_scatter"](whole, node, stage_op, timeout, None,
-                                                          part, node_seq[step, p]))
+                        execute(execute.prepare("reduce_scatter", whole, node, stage_op,
+                                                timeout, None, part, node_seq[step, p]))
                         whole = dst[a:b] if direct else whole
                     else:
                         execute(prepare(whole, node, stage_op, timeout, None, whole,
@@ -204,4 +204,8 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "prepare", "stages"]
+ALLREDUCE = Collective("allreduce", prepare, _fastcall.ALLREDUCE,
+                       ("auto", "ring", "recursive_doubling", "star"),
+                       torch="all_reduce", jax="allreduce")
+
+__all__ = ["ALLREDUCE", "IMPLEMENTATIONS", "prepare", "stages"]

@@ -12,15 +12,15 @@ import numpy as np
 
 from ferro_backend import Backend
 
-from . import exchange, objects
-from .dispatch import Collective, run, submit
+from .dispatch import run, submit
+from .records import (
+    ALL_GATHER_OBJECT,
+    ALL_GATHER_V,
+    ALL_TO_ALL,
+    ALL_TO_ALL_SINGLE,
+    BROADCAST_OBJECT,
+)
 from .work import Work
-
-ALL_GATHER_V = Collective("all_gather_v", exchange.prepare_all_gather_v)
-ALL_TO_ALL = Collective("all_to_all", exchange.prepare_all_to_all)
-ALL_TO_ALL_SINGLE = Collective("all_to_all_single", exchange.prepare_all_to_all_single)
-BROADCAST_OBJECT = Collective("broadcast_object", objects.prepare_broadcast_object)
-ALL_GATHER_OBJECT = Collective("all_gather_object", objects.prepare_all_gather_object)
 
 
 def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> list[np.ndarray]:

@@ -9,11 +9,12 @@ multi-node job (:func:`stages`).
 
 from __future__ import annotations
 
+from . import _fastcall
 from ._state import reserve
 from .checks import check_backend
 from .engine import EngineGroup, Step, door_calls
 from .p2p import Ctx
-from .plan import Plan
+from .plan import Collective, Plan
 
 
 def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -44,4 +45,6 @@ def stages(h, timeout):
     return run
 
 
-__all__ = ["prepare", "stages"]
+BARRIER = Collective("barrier", prepare, _fastcall.BARRIER, torch="barrier", jax="barrier")
+
+__all__ = ["BARRIER", "prepare", "stages"]

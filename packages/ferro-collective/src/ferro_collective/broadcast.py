@@ -18,13 +18,14 @@ import numpy as np
 
 from ferro_backend import CollectiveMismatchError, InvalidRankError
 
+from . import _fastcall
 from ._state import reserve
 from .all_gather import door_bytes
 from .checks import as_array, check_backend, check_out
 from .engine import OK, EngineGroup, Step, door_calls
 from .header import check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
-from .plan import Plan, choose
+from .plan import Collective, Plan, choose
 
 
 def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -40,7 +41,7 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
             raise ValueError(f"broadcast: the root (rank {root}) must pass an array, got None")
         return FromRoot(backend, timeout, root, algorithm, out, seq)
     x = as_array("broadcast", tensor, backend)
-    algo = choose("broadcast", algorithm, x.nbytes, n, backend)
+    algo = choose(BROADCAST, algorithm, x.nbytes, n, backend)
     out = check_out("broadcast", out, x.shape, x.dtype)
 
     def result() -> np.ndarray:
@@ -184,4 +185,7 @@ def stages(h, x: np.ndarray, root: int, timeout, out):
     return run
 
 
-__all__ = ["IMPLEMENTATIONS", "FromRoot", "broadcast_tree", "prepare", "stages"]
+BROADCAST = Collective("broadcast", prepare, _fastcall.BROADCAST, ("auto", "tree", "star"),
+                       torch="broadcast", jax="broadcast")
+
+__all__ = ["BROADCAST", "IMPLEMENTATIONS", "FromRoot", "broadcast_tree", "prepare", "stages"]

@@ -29,35 +29,23 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ferro_backend import Backend, DistributedError
 from ferro_backend.tracebacks import user_facing
 
-from . import _fastcall, costmodel, timeline
+from . import _fastcall, costmodel, records, timeline
 from ._state import state
 from .engine import group_of
 from .header import mismatch_check_enabled, refusal
 from .p2p import header_exchange
-from .plan import Plan, choose
+from .plan import Collective, Plan, choose
 from .work import Work
 
 #: a call's own argument errors: the rank that makes one refuses the call (:class:`Refusal`)
 ARGUMENT_ERRORS = (TypeError, ValueError)
-
-
-class Collective(NamedTuple):
-    """One collective as the dispatcher sees it. ``prepare(tensor, backend, arg, timeout,
-    algorithm, out, seq=None)`` checks a call and returns its plan; ``kind`` (one of
-    ``_fastcall``'s ALLREDUCE..BARRIER, or None) names its one-call path, which runs it whole on
-    the engine or answers ``NOT_TAKEN``. ``arg`` is the collective's own argument (the op, the
-    root, None)."""
-
-    name: str
-    prepare: Callable[..., Plan]
-    kind: int | None = None
 
 
 def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out) -> Plan:
@@ -161,6 +149,15 @@ def execute(plan: Plan) -> Any:
     return executor(plan)()
 
 
+def _stage_plan(name: str, *args) -> Plan:
+    """A hierarchical stage's plan of collective ``name`` (its record's ``prepare(*args)``):
+    a collective's stages name another collective instead of importing its module."""
+    return records.BY_NAME[name].prepare(*args)
+
+
+execute.prepare = _stage_plan  # what a collective's stages are handed: execute(plan), .prepare
+
+
 def executor(plan: Plan) -> Callable[[], Any]:
     """What runs ``plan`` (see the module docstring), chosen now; numbers the call."""
     backend = plan.backend
@@ -217,7 +214,7 @@ def auto_algorithm(name: str, nbytes: int, backend) -> str:
     if h is not None and name in costmodel.HIERARCHICAL and prefer_hierarchical(
             name, (np.dtype(np.uint8), (nbytes,)), backend, h):
         return "hierarchical"
-    return choose(name, "auto", nbytes, backend.world_size, backend)
+    return choose(records.BY_NAME[name], "auto", nbytes, backend.world_size, backend)
 
 
 __all__ = ["ARGUMENT_ERRORS", "Collective", "Refusal", "auto_algorithm", "execute", "executor",

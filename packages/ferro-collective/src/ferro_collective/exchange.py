@@ -30,7 +30,7 @@ from .checks import as_array, check_backend, check_out
 from .engine import EngineGroup, Step
 from .metadata import MetaPlan, get_pieces, guard, pack_ints, put_pieces, sent_bytes, unpack_ints
 from .p2p import Ctx
-from .plan import choose
+from .plan import Collective, choose
 
 
 def _row_bytes(dtype: np.dtype, trailing: tuple[int, ...]) -> int:
@@ -91,7 +91,7 @@ def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
                          seq: int | None = None) -> MetaPlan:
     """The checked plan of one all_gather_v (``arg``, ``out`` unused)."""
     check_backend("all_gather_v", backend)
-    choose("all_gather_v", algorithm, 0, backend.world_size)
+    choose(ALL_GATHER_V, algorithm, 0, backend.world_size)
     x, invalid = guard(lambda: as_array("all_gather_v", tensor, backend))
     if invalid is not None:
         return MetaPlan("all_gather_v", backend, timeout, (None, (), None, -1), bytes(8),
@@ -125,7 +125,7 @@ def prepare_all_to_all(tensors, backend: Backend, arg, timeout, algorithm, out,
     """The checked plan of one all_to_all (``arg``, ``out`` unused)."""
     check_backend("all_to_all", backend)
     n = backend.world_size
-    choose("all_to_all", algorithm, 0, n)
+    choose(ALL_TO_ALL, algorithm, 0, n)
 
     def prepare() -> list[np.ndarray]:
         if isinstance(tensors, np.ndarray | str | bytes) or not isinstance(tensors, Sequence):
@@ -203,7 +203,7 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
     name = "all_to_all_single"
     check_backend(name, backend)
     n = backend.world_size
-    choose("all_to_all", algorithm, 0, n)
+    choose(ALL_TO_ALL, algorithm, 0, n)
     if out is not None and not isinstance(out, np.ndarray):
         raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
 
@@ -316,5 +316,13 @@ def _split_plan(name: str, metas: list[bytes], n: int, me: int,
     return got
 
 
-__all__ = ["all_gather_v_ring", "all_to_all_pairwise", "prepare_all_gather_v",
-           "prepare_all_to_all", "prepare_all_to_all_single"]
+ALL_GATHER_V = Collective("all_gather_v", prepare_all_gather_v, None, ("auto", "ring"))
+ALL_TO_ALL = Collective("all_to_all", prepare_all_to_all, None, ("auto", "pairwise"),
+                        torch="all_to_all", jax="all_to_all")
+#: its algorithms are all_to_all's (it takes no ``algorithm=`` of its own)
+ALL_TO_ALL_SINGLE = Collective("all_to_all_single", prepare_all_to_all_single,
+                               torch="all_to_all_single")
+
+__all__ = ["ALL_GATHER_V", "ALL_TO_ALL", "ALL_TO_ALL_SINGLE", "all_gather_v_ring",
+           "all_to_all_pairwise", "prepare_all_gather_v", "prepare_all_to_all",
+           "prepare_all_to_all_single"]

@@ -14,6 +14,7 @@ naming what each rank called — never a hang, never garbage. The same exchange 
 from __future__ import annotations
 
 import struct
+import zlib
 
 import numpy as np
 
@@ -29,6 +30,15 @@ COLLECTIVES = {"barrier": 1, "allreduce": 2, "broadcast": 3, "all_gather": 4,
                "all_to_all": 10, "all_to_all_single": 11, "broadcast_object": 12,
                "all_gather_object": 13}
 _COLLECTIVE_NAMES = {v: k for k, v in COLLECTIVES.items()}
+
+
+def collective_code(name: str) -> int:
+    """The header code of collective ``name``: ferro's own have fixed ones (:data:`COLLECTIVES`,
+    the engine's door uses the same); a collective added by its record alone gets one from its
+    name (128-255, the same on every rank; two such names may share one, which only weakens the
+    mismatch check between those two)."""
+    code = COLLECTIVES.get(name)
+    return code if code is not None else 128 + zlib.crc32(name.encode()) % 128
 _REDOP_NAMES = {spec.wire: op.name for op, spec in OPS.items()}
 #: header flag: this rank's arguments were invalid (it raises its own error; peers a mismatch)
 INVALID = 1
@@ -99,7 +109,7 @@ def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
         dims[-1] = _tail_hash(tuple(shape[_MAX_DIMS - 1:]))
     dstr = (np.dtype(dtype).str if dtype is not None else "").encode()[:8]
     wire_op = 0 if redop is None else OPS[redop].wire
-    return _HEADER.pack(b"FC", COLLECTIVES[op], wire_op, min(len(shape), 255), flags,
+    return _HEADER.pack(b"FC", collective_code(op), wire_op, min(len(shape), 255), flags,
                         0, dstr, root, seq & 0xFFFFFFFF, *dims)
 
 
@@ -153,7 +163,7 @@ def describe(header: bytes) -> str:
     magic, op, redop, ndim, flags, _, dstr, root, seq, *dims = _HEADER.unpack(header)
     if magic != b"FC":
         return f"<not a ferro collective header: {header[:8]!r}>"
-    name = _COLLECTIVE_NAMES.get(op, f"op#{op}")
+    name = _COLLECTIVE_NAMES.get(op, f"collective#{op}")
     if name == "barrier":
         return f"barrier (seq {seq})"
     if flags & INVALID:

@@ -23,6 +23,7 @@ from .checks import check_backend, check_root
 from .exchange import all_gather_v_ring
 from .metadata import MetaPlan, pack_ints, unpack_ints
 from .p2p import Ctx
+from .plan import Collective
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -102,4 +103,10 @@ def prepare_all_gather_object(obj, backend: Backend, arg, timeout, algorithm=Non
     return MetaPlan(name, backend, timeout, (None, (), None, -1), meta, body)
 
 
-__all__ = ["PROTOCOL", "prepare_all_gather_object", "prepare_broadcast_object"]
+BROADCAST_OBJECT = Collective("broadcast_object", prepare_broadcast_object,
+                              torch="broadcast_object_list")
+ALL_GATHER_OBJECT = Collective("all_gather_object", prepare_all_gather_object,
+                               torch="all_gather_object")
+
+__all__ = ["ALL_GATHER_OBJECT", "BROADCAST_OBJECT", "PROTOCOL", "prepare_all_gather_object",
+           "prepare_broadcast_object"]

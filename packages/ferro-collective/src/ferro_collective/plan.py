@@ -11,7 +11,7 @@ runs, once, and numbers the call. :func:`choose` is the algorithm a Python body 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ferro_backend import Backend
 
@@ -20,36 +20,35 @@ from ._state import tag_base
 from .header import encode, mismatch_check_enabled
 from .p2p import Ctx, header_exchange
 
-#: every collective's algorithms ("auto": the measured thresholds up to 4 ranks, the cost model
-#: beyond; a forced one must be the same on every rank)
-ALGORITHMS = {
-    "allreduce": ("auto", "ring", "recursive_doubling", "star"),
-    "broadcast": ("auto", "tree", "star"),
-    "all_gather": ("auto", "ring", "star"),
-    "reduce_scatter": ("auto", "ring", "star"),
-    # the collectives added in 0.2 choose by size alone (no algorithm= argument)
-    "reduce": ("auto", "tree", "ring"),
-    "gather": ("auto", "tree", "star"),
-    "scatter": ("auto", "tree", "star"),
-    "all_gather_v": ("auto", "ring"),
-    "all_to_all": ("auto", "pairwise"),
-}
+
+class Collective(NamedTuple):
+    """A collective's record, declared in its own module and read by the dispatcher: its
+    ``name`` (what its header and errors say); ``prepare(tensor, backend, arg, timeout,
+    algorithm, out, seq=None)``, which checks a call and returns its :class:`Plan` (``arg``:
+    its own argument, the op, the root or None); ``kind``, its compiled one-call path on the
+    engine's door (one of ``_fastcall``'s ALLREDUCE..GATHER), or None; the ``algorithms`` its
+    ``algorithm=`` takes ("auto" first; empty: it has no such argument); and the names of its
+    bindings, ``torch`` (the ``torch.distributed`` call ferro-torch's backend serves with it)
+    and ``jax`` (ferro-jax's function), where there is one. :mod:`.records` lists them all."""
+
+    name: str
+    prepare: Callable[..., Plan]
+    kind: int | None = None
+    algorithms: tuple[str, ...] = ()
+    torch: str | None = None
+    jax: str | None = None
 
 
-#: each collective's ``prepare`` by name, registered by its module when imported (a hierarchical
-#: stage of one collective may be another collective: allreduce's node stage is a reduce_scatter,
-#: whose module builds on allreduce's)
-PREPARE: dict[str, Callable[..., Any]] = {}
-
-
-def choose(name: str, algorithm: str | None, nbytes: int, n: int, backend=None) -> str:
-    """The algorithm to run: the one asked for, or for "auto" the measured thresholds up to 4
-    ranks and beyond that the cost model's best for ``backend``'s network (its simulated
-    network, else its node layout on a typical cluster: :func:`costmodel.params_for`)."""
+def choose(coll: Collective, algorithm: str | None, nbytes: int, n: int, backend=None) -> str:
+    """The algorithm of ``coll`` to run: the one asked for, or for "auto" the measured
+    thresholds up to 4 ranks and beyond that the cost model's best for ``backend``'s network
+    (its simulated network, else its node layout on a typical cluster:
+    :func:`costmodel.params_for`)."""
     algorithm = algorithm or "auto"
-    if algorithm not in ALGORITHMS[name]:
+    name = coll.name
+    if algorithm not in coll.algorithms:
         raise ValueError(f"{name}: unknown algorithm {algorithm!r}; expected one of "
-                         f"{ALGORITHMS[name]}")
+                         f"{coll.algorithms}")
     if algorithm != "auto":
         return algorithm
     if backend is not None and n > 1 and name in costmodel.ALGORITHMS_MODELLED:
@@ -108,4 +107,4 @@ class Plan:
         return self.engine(group, call, self.encoded())
 
 
-__all__ = ["ALGORITHMS", "Plan", "choose"]
+__all__ = ["Collective", "Plan", "choose"]

@@ -1,27 +1,33 @@
-"""The records of the collectives with a public call in :mod:`.api`: each names its collective,
-the function that checks and plans a call of it (in the collective's own module), and its
-one-call path on the engine's door (``_fastcall``'s kind), if it has one. The dispatcher
-(:func:`.dispatch.run`) takes a record and a call's arguments; :mod:`.api` and the compressed
-forms (:mod:`.wire`) call through the same records."""
+"""Every collective's record, in one list: each is declared in its collective's own module
+(:class:`.plan.Collective`: its name, its ``prepare`` with the checks and the plans, its
+algorithms, its one-call path on the engine's door, the names of its torch and JAX bindings).
+The dispatcher reads a record when it runs a call, :mod:`.api` hands it the public calls'
+records; nothing registers itself anywhere by being imported. Adding a collective is writing
+its record (see ``docs/architecture.md``)."""
 
 from __future__ import annotations
 
-from . import _fastcall, rooted
-from . import all_gather as _all_gather
-from . import allreduce as _allreduce
-from . import barrier as _barrier
-from . import broadcast as _broadcast
-from . import reduce_scatter as _reduce_scatter
-from .dispatch import Collective
+from .all_gather import ALL_GATHER
+from .allreduce import ALLREDUCE
+from .barrier import BARRIER
+from .broadcast import BROADCAST
+from .exchange import ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE
+from .objects import ALL_GATHER_OBJECT, BROADCAST_OBJECT
+from .plan import Collective
+from .reduce_scatter import REDUCE_SCATTER
+from .rooted import GATHER, REDUCE, SCATTER
 
-ALLREDUCE = Collective("allreduce", _allreduce.prepare, _fastcall.ALLREDUCE)
-BROADCAST = Collective("broadcast", _broadcast.prepare, _fastcall.BROADCAST)
-ALL_GATHER = Collective("all_gather", _all_gather.prepare, _fastcall.ALL_GATHER)
-REDUCE_SCATTER = Collective("reduce_scatter", _reduce_scatter.prepare, _fastcall.REDUCE_SCATTER)
-BARRIER = Collective("barrier", _barrier.prepare, _fastcall.BARRIER)
-REDUCE = Collective("reduce", rooted.prepare_reduce)
-GATHER = Collective("gather", rooted.prepare_gather, _fastcall.GATHER)
-SCATTER = Collective("scatter", rooted.prepare_scatter)
+#: every collective ferro-collective has, in the order of its header codes
+ALL: tuple[Collective, ...] = (
+    BARRIER, ALLREDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, REDUCE, GATHER, SCATTER,
+    ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE, BROADCAST_OBJECT, ALL_GATHER_OBJECT)
+#: each record by its name
+BY_NAME: dict[str, Collective] = {c.name: c for c in ALL}
+#: every collective's algorithms by name, for those with an ``algorithm=`` argument ("auto":
+#: the measured thresholds up to 4 ranks, the cost model beyond; a forced one must be the same
+#: on every rank)
+ALGORITHMS: dict[str, tuple[str, ...]] = {c.name: c.algorithms for c in ALL if c.algorithms}
 
-__all__ = ["ALLREDUCE", "ALL_GATHER", "BARRIER", "BROADCAST", "GATHER", "REDUCE",
-           "REDUCE_SCATTER", "SCATTER"]
+__all__ = ["ALGORITHMS", "ALL", "ALLREDUCE", "ALL_GATHER", "ALL_GATHER_OBJECT", "ALL_GATHER_V",
+           "ALL_TO_ALL", "ALL_TO_ALL_SINGLE", "BARRIER", "BROADCAST", "BROADCAST_OBJECT",
+           "BY_NAME", "GATHER", "REDUCE", "REDUCE_SCATTER", "SCATTER"]

@@ -17,12 +17,12 @@ import numpy as np
 
 from ferro_backend import SizeMismatchError
 
-from . import allreduce
+from . import _fastcall, allreduce
 from .checks import as_array, check_out
 from .engine import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, as_op, work_dtype
 from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
-from .plan import PREPARE, Plan, choose
+from .plan import Collective, Plan, choose
 
 
 def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -36,7 +36,7 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
     if x.shape[0] % n:
         raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} ({x.shape[0]}) is "
                                 f"not divisible by world_size {n}")
-    algo = choose("reduce_scatter", algorithm, x.nbytes, n, backend)
+    algo = choose(REDUCE_SCATTER, algorithm, x.nbytes, n, backend)
     out_shape = (x.shape[0] // n, *x.shape[1:])
     out = check_out("reduce_scatter", out, out_shape, x.dtype)
 
@@ -109,6 +109,9 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out
     return run
 
 
-PREPARE["reduce_scatter"] = prepare
 
-__all__ = ["IMPLEMENTATIONS", "prepare", "stages"]
+REDUCE_SCATTER = Collective("reduce_scatter", prepare, _fastcall.REDUCE_SCATTER,
+                            ("auto", "ring", "star"), torch="reduce_scatter_tensor",
+                            jax="reduce_scatter")
+
+__all__ = ["IMPLEMENTATIONS", "REDUCE_SCATTER", "prepare", "stages"]

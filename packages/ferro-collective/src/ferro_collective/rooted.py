@@ -27,13 +27,14 @@ import numpy as np
 from ferro_backend import Backend, SizeMismatchError
 from ferro_backend.partition import split_bounds
 
+from . import _fastcall
 from .all_gather import door_bytes
 from .checks import as_array, check_backend, check_out, check_root, finish
 from .engine import EngineGroup, Step, door_calls
 from .metadata import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, reduce_scatter_ring_into
-from .plan import Plan, choose
+from .plan import Collective, Plan, choose
 
 
 def _children(v: int, n: int) -> tuple[list[int], int]:
@@ -164,7 +165,7 @@ def prepare_reduce(tensor, backend: Backend, arg, timeout, algorithm, out,
     root = check_root("reduce", root, n)
     op = as_op(op)
     wd = work_dtype("reduce", x.dtype, op)
-    algo = choose("reduce", algorithm, x.size * wd.itemsize, n)
+    algo = choose(REDUCE, algorithm, x.size * wd.itemsize, n)
     out = check_out("reduce", out, x.shape, x.dtype) if backend.rank == root else None
 
     def python(ctx: Ctx) -> np.ndarray | None:
@@ -199,7 +200,7 @@ def prepare_gather(tensor, backend: Backend, root, timeout, algorithm, out,
     x = as_array("gather", tensor, backend)
     n = backend.world_size
     root = check_root("gather", root, n)
-    algo = choose("gather", algorithm, x.nbytes, n)
+    algo = choose(GATHER, algorithm, x.nbytes, n)
     shape = (n,) if x.ndim == 0 else (x.shape[0] * n, *x.shape[1:])
     mine = backend.rank == root
     out = check_out("gather", out, shape, x.dtype) if mine else None
@@ -247,7 +248,7 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
         except ValueError as exc:
             raise ValueError(f"scatter: {exc}") from None
 
-    choose("scatter", algorithm, 0, n)  # an unknown algorithm is refused now
+    choose(SCATTER, algorithm, 0, n)  # an unknown algorithm is refused now
     x, meta, invalid = None, pack_desc(None), None
     if me == root:
         prepared, invalid = guard(prepare)
@@ -280,7 +281,7 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
             if me == root:
                 mine[...] = data[:mine.size]
         else:
-            algo = choose("scatter", algorithm, mine.size, n)
+            algo = choose(SCATTER, algorithm, mine.size, n)
             {"tree": scatter_tree, "star": scatter_star}[algo](ctx, data, mine, root)
         if late is not None:
             raise late
@@ -315,5 +316,12 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
                     (put, run), algorithm)
 
 
-__all__ = ["gather_star", "gather_tree", "prepare_gather", "prepare_reduce", "prepare_scatter",
-           "reduce_ring", "reduce_tree", "scatter_star", "scatter_tree"]
+REDUCE = Collective("reduce", prepare_reduce, None, ("auto", "tree", "ring"), torch="reduce",
+                    jax="reduce")
+GATHER = Collective("gather", prepare_gather, _fastcall.GATHER, ("auto", "tree", "star"),
+                    torch="gather")
+SCATTER = Collective("scatter", prepare_scatter, None, ("auto", "tree", "star"), torch="scatter")
+
+__all__ = ["GATHER", "REDUCE", "SCATTER", "gather_star", "gather_tree", "prepare_gather",
+           "prepare_reduce", "prepare_scatter", "reduce_ring", "reduce_tree", "scatter_star",
+           "scatter_tree"]
