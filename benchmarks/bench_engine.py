@@ -2,7 +2,7 @@
 its reduction kernel ``kernels._fold``) against its baselines.
 
 - ``fold``: the N-way rank-order reduction kernel against numpy's ``np.add`` chain (same work).
-- ``one call``: ferro-collective's compiled dispatch (``_fastcall``: plan cache, ``out=`` checks,
+- ``one call``: ferro-collective's compiled dispatch (``_onecall``: plan cache, ``out=`` checks,
   then the engine's door: its order, header and step) on a one-rank engine, so nothing but the call's
   own cost is timed, against ``np.copyto`` of the same 4 KiB (the least a one-rank allreduce
   into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``.
@@ -104,7 +104,7 @@ def one_rank_engine():
 @pytest.mark.parametrize("impl", ["np.copyto", "np.add", "fastcall"])
 def bench_one_call_dispatch_4KiB(benchmark, impl):
     import ferro_collective as fc
-    from ferro_collective import _fastcall
+    from ferro_collective import _onecall
 
     x = np.ones(1024, np.float32)
     out = np.empty_like(x)
@@ -122,7 +122,7 @@ def bench_one_call_dispatch_4KiB(benchmark, impl):
         b = one_rank_engine()
         fc.allreduce(x, b, out=out)  # the general path makes the group,
         fc.allreduce(x, b, out=out)  # the one-call path the plan
-        assert b.engine.client.cached(_fastcall.ALLREDUCE, x, ReduceOp.SUM) is not None
+        assert b.engine.client.cached(_onecall.ALLREDUCE, x, ReduceOp.SUM) is not None
 
         def run():
             fc.allreduce(x, b, out=out)
@@ -195,13 +195,13 @@ def bench_timeline_cost_4KiB(benchmark, impl, tmp_path):
             benchmark.pedantic(run, rounds=50, iterations=100, warmup_rounds=2)
 
 
-@pytest.mark.parametrize("impl", ["itertools.count", "_fastplan.SeqCounter"])
+@pytest.mark.parametrize("impl", ["itertools.count", "_doorplan.SeqCounter"])
 def bench_sequence_numbers(benchmark, impl):
-    """A collective's sequence number from Python: `_fastplan.SeqCounter` (what the compiled
+    """A collective's sequence number from Python: `_doorplan.SeqCounter` (what the compiled
     path advances without a call) against the plain Python counter it replaced."""
     import itertools
 
-    from ferro_collective._fastplan import SeqCounter
+    from ferro_collective._doorplan import SeqCounter
 
     benchmark.group = "sequence numbers (one per collective)"
     if impl == "itertools.count":

@@ -63,7 +63,7 @@ def worker(out: Path, reps: int, sizes: list[int], algos: list[str]) -> None:
     import ferro_backend as fb
     import ferro_collective as fc
     from ferro_collective import costmodel as cm
-    from ferro_collective.dispatch import auto_algorithm
+    from ferro_collective.executors import auto_algorithm
 
     b = fb.init_from_env()
     h = b.hierarchy

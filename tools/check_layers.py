@@ -13,6 +13,10 @@ Usage:
         - an import cycle between the modules of one distribution (imports inside functions
           count, imports under ``if TYPE_CHECKING:`` do not; .pyx/.pxd modules count, with the
           imports of the .pxi files they ``include``);
+        - a call from compiled code up into Python: a Python module that hands a callable to a
+          compiled module (.pyx) of its own distribution (``_x.set_general(f)``,
+          ``_x.register(f)``, ``_x.add_hook(f)``...), which the compiled code would then call
+          back: what compiled code runs, it imports from below;
         - a source file (.py .pyx .pxi .pxd .h .c.in) over 500 lines, a Python module's
           docstrings not counted (documenting every public name never makes a module two);
           one over 360 lines is reported as a smell to look at (cohesion decides where a file
@@ -61,6 +65,7 @@ class Module:
     dist: str
     is_package: bool
     imports: list[RawImport]
+    compiled: bool = False  # a .pyx is (part of) it
 
 
 def read_layers(root: Path) -> dict[str, list[str]]:
@@ -207,7 +212,9 @@ def load_modules(root: Path, layers: dict[str, list[str]]) -> tuple[dict[str, Mo
                 problems.append(f"{path.relative_to(root)}: cannot read its imports: {exc}")
                 continue
             # a .pxd's cimports join those of its .pyx: one module
-            modules.setdefault(name, Module(name, dist, is_package, [])).imports.extend(imports)
+            module = modules.setdefault(name, Module(name, dist, is_package, []))
+            module.imports.extend(imports)
+            module.compiled |= path.suffix == ".pyx"
     return modules, problems
 
 
@@ -307,6 +314,46 @@ def describe_cycle(root: Path, graph: Graph, group: list[str], modules: dict[str
     return f"{src.relative_to(root)}: import cycle among {len(group)} modules: " + "; ".join(steps)
 
 
+#: the names of calls that hand a callable over to be called back later
+_HANDOVER = re.compile(r"^(set_|register|add_\w*hook|on_)")
+
+
+def upcalls(root: Path, modules: dict[str, Module]) -> list[str]:
+    """Each call in a Python module that hands a callable (a name, an attribute, a lambda, a
+    conditional of them) to a compiled module of its own distribution by a handover call
+    (:data:`_HANDOVER`)."""
+    found = []
+    for mod in modules.values():
+        path = root / "packages" / mod.dist / "src" / Path(*mod.name.split("."))
+        path = path / "__init__.py" if mod.is_package else path.with_suffix(".py")
+        if not path.is_file():
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        bound: dict[str, str] = {}  # local name -> the module it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = resolve(RawImport(path, node.lineno, node.level, node.module or "", ()), mod)
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and _HANDOVER.match(node.func.attr)):
+                continue
+            target = modules.get(bound.get(node.func.value.id, ""))
+            handed = [a for a in node.args
+                      if isinstance(a, (ast.Name, ast.Attribute, ast.Lambda, ast.IfExp))]
+            if target is not None and target.compiled and target.dist == mod.dist and handed:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: hands "
+                             f"{ast.unparse(handed[0])} to compiled {target.name}."
+                             f"{node.func.attr}: compiled code calling up into Python")
+    return found
+
+
 def check_static(root: Path) -> tuple[list[str], str, list[str]]:
     """All findings on the tree at ROOT, the summary line, and the smells (files over
     SMELL_LINES, not findings)."""
@@ -319,15 +366,17 @@ def check_static(root: Path) -> tuple[list[str], str, list[str]]:
     upward = upward_imports(root, layers, modules)
     graph = import_graph(modules)
     loops = [describe_cycle(root, graph, g, modules) for g in cycles(graph)]
+    up = upcalls(root, modules)
     files = [path for dist in layers for path in source_files(root, dist)]
     sizes = {path: sized_lines(path) for path in files}
     big = [f"{p.relative_to(root)}: {n} lines, over {MAX_LINES}" for p, n in sizes.items() if n > MAX_LINES]
     smells = [f"smell (not a failure): {p.relative_to(root)}: {n} lines, over {SMELL_LINES}"
               for p, n in sizes.items() if SMELL_LINES < n <= MAX_LINES]
     summary = (f"check_layers --static: {len(modules)} modules checked ({len(files)} source files): "
-               f"{len(loops)} cycles, {len(big)} oversize, {len(upward)} upward imports, "
+               f"{len(loops)} cycles, {len(up)} up-calls, {len(big)} oversize, "
+               f"{len(upward)} upward imports, "
                f"{len(smells)} over {SMELL_LINES} lines to look at")
-    return [*problems, *unreadable, *upward, *loops, *big], summary, smells
+    return [*problems, *unreadable, *upward, *loops, *up, *big], summary, smells
 
 
 def main() -> int:

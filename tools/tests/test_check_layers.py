@@ -37,8 +37,8 @@ def test_clean_tree_passes(tmp_path: Path) -> None:
     })
     found, summary, smells = check_layers.check_static(tmp_path)
     assert found == [] and smells == []
-    assert summary.endswith("3 modules checked (3 source files): 0 cycles, 0 oversize, 0 upward "
-                           "imports, 0 over 360 lines to look at")
+    assert summary.endswith("3 modules checked (3 source files): 0 cycles, 0 up-calls, "
+                           "0 oversize, 0 upward imports, 0 over 360 lines to look at")
 
 
 def test_cycle_through_three_modules(tmp_path: Path) -> None:
@@ -199,4 +199,34 @@ def test_optional_layer_named_by_an_extra(tmp_path: Path) -> None:
     (tmp_path / "packages" / "ferro-checkpoint" / "pyproject.toml").write_text(
         '[project]\nname = "ferro-checkpoint"\n\n[project.optional-dependencies]\n'
         'backend = ["ferro-backend>=0.1,<0.2"]\n')
+    assert findings(tmp_path) == []
+
+
+def test_handing_a_callable_to_compiled_code_is_an_up_call(tmp_path: Path) -> None:
+    """The shape of ferro-collective 0.3's dispatch: the compiled entry called the Python
+    dispatcher's general path, handed to it with set_general."""
+    tree(tmp_path, {
+        "ferro-collective/ferro_collective/__init__.py": "",
+        "ferro-collective/ferro_collective/_entry.pyx": "_general = None\n"
+                                                        "def set_general(f):\n    pass\n",
+        "ferro-collective/ferro_collective/dispatch.py":
+            "from . import _entry\n\ndef general():\n    pass\n\n"
+            "_entry.set_general(general)\n",
+        "ferro-collective/ferro_collective/fine.py":  # a value, not a callable; and a Python module
+            "from . import _entry, dispatch as d\n_entry.set_general(3)\nd.register(len)\n",
+    })
+    (line,) = findings(tmp_path)
+    assert line == ("packages/ferro-collective/src/ferro_collective/dispatch.py:6: hands general "
+                    "to compiled ferro_collective._entry.set_general: compiled code calling up "
+                    "into Python")
+
+
+def test_importing_from_below_is_no_up_call(tmp_path: Path) -> None:
+    """The dispatcher compiled at the top, importing the Python executors below it."""
+    tree(tmp_path, {
+        "ferro-collective/ferro_collective/__init__.py": "",
+        "ferro-collective/ferro_collective/dispatch.pyx": "from . import executors\n"
+                                                          "_general = executors.general\n",
+        "ferro-collective/ferro_collective/executors.py": "def general():\n    pass\n",
+    })
     assert findings(tmp_path) == []

@@ -9,7 +9,7 @@ import numpy as np
 import ferro_collective as fc
 from ferro_backend import CollectiveTimeoutError, PeerClosedError
 from ferro_collective import ReduceOp
-from ferro_collective._fastcall import BROADCAST
+from ferro_collective._onecall import BROADCAST
 
 try:
     import ml_dtypes
@@ -432,7 +432,7 @@ def compiled_path(b) -> list[str]:
     once, found again), with and without ``out=`` (in place included); calls it does not take
     (a strided input, an ``out=`` of another dtype) run on the general path with the same bits;
     a wrong ``out=`` still gets the general path's error."""
-    from ferro_collective import _fastcall as F
+    from ferro_collective import _onecall as F
     from ferro_collective.engine import group_of
 
     g, n, bad = group_of(b), b.world_size, []
@@ -506,7 +506,7 @@ def compiled_gather(b) -> list[str]:
     the gather's header), with and without ``out=``; a rank on the general path (a strided
     input, or ``out=`` passed off the root) meets the others in the same step with the same
     bits; a gather never matches an all_gather."""
-    from ferro_collective import _fastcall as F
+    from ferro_collective import _onecall as F
     from ferro_collective.engine import group_of
 
     g, n, bad = group_of(b), b.world_size, []

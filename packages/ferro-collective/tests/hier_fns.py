@@ -77,7 +77,7 @@ def learned(b, nodes):
     import dataclasses
 
     from ferro_collective import learn_network
-    from ferro_collective.dispatch import auto_algorithm
+    from ferro_collective.executors import auto_algorithm
 
     attach_hierarchy(b, nodes)
     p = learn_network(b, timeout=60)

@@ -3,7 +3,7 @@ MPI_Scan: rank r gets op(x_0, ..., x_r)) is declared here by its record alone (i
 plan and its point-to-point body) and runs through the dispatcher on every transport: simulated
 ranks as threads, TCP and the same-host engine as processes, MPI under mpirun. Its header
 check, its argument checks and its algorithm check are the dispatcher's, as for ferro's own.
-``docs/architecture.md`` ("how to add a collective") walks through this module."""
+``docs/guide/architecture.md`` ("how to add a collective") walks through this module."""
 
 import os
 import shutil

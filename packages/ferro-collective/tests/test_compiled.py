@@ -1,11 +1,11 @@
 import importlib.machinery
 
 import ferro_collective
-from ferro_collective import _fastcall, _fastplan, _wire, wire
+from ferro_collective import _doorplan, _onecall, _wire, dispatch, wire
 
 
 def test_the_one_call_paths_are_extension_modules():
-    for mod in (_fastplan, _fastcall, _wire):
+    for mod in (_doorplan, _onecall, dispatch, _wire):
         assert mod.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), mod
 
 
@@ -21,7 +21,7 @@ def test_the_kernels_share_one_compiled_cython_utility_module():
     kernel as it loads, not compiled into every kernel."""
     import sys
 
-    import ferro_collective._fastcall  # noqa: F401
+    import ferro_collective._onecall  # noqa: F401
 
     util = sys.modules["ferro_collective._cyutility"]
     assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
@@ -32,7 +32,7 @@ def test_the_hooks_a_core_subclass_must_define_are_declared_on_core():
 
     from ferro_collective.engine import EngineGroup
 
-    class Bare(_fastcall.Core):
+    class Bare(_onecall.Core):
         pass
 
     with pytest.raises(NotImplementedError, match="Bare must define _resolve"):
@@ -41,7 +41,7 @@ def test_the_hooks_a_core_subclass_must_define_are_declared_on_core():
         Bare()._raise(1, "allreduce", 0, 1.0)
     # the engine's group defines both (and nothing else the compiled half calls on it)
     for name in ("_resolve", "_raise"):
-        assert getattr(EngineGroup, name) is not getattr(_fastcall.Core, name)
+        assert getattr(EngineGroup, name) is not getattr(_onecall.Core, name)
 
 
 def test_the_wire_formats_run_on_the_compiled_kernel():

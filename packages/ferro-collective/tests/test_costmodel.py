@@ -15,8 +15,8 @@ from ferro_backend.hierarchy import Hierarchy
 from ferro_backend.netsim import Link, Network
 from ferro_backend.testing import run_threads
 from ferro_collective import costmodel as cm
-from ferro_collective.dispatch import prefer_hierarchical
-from ferro_collective.dispatch import usable_hierarchy as hierarchy_of
+from ferro_collective.executors import prefer_hierarchical
+from ferro_collective.executors import usable_hierarchy as hierarchy_of
 from ferro_collective.plan import choose
 from ferro_collective.records import BY_NAME
 

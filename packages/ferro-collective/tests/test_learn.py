@@ -15,7 +15,7 @@ from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
 from ferro_collective import allreduce, costmodel, learn_network
-from ferro_collective.dispatch import auto_algorithm
+from ferro_collective.executors import auto_algorithm
 from ferro_collective.learn import BURST_SIZES, PING_SIZES, cache_bytes, fit_link, local_terms, memory_rates
 from ferro_collective.plan import choose
 from ferro_collective.records import BY_NAME

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ferro_collective as fc
-from ferro_collective import _fastcall, dispatch, header, records
+from ferro_collective import _onecall, executors, header, records
 from ferro_collective.plan import Collective
 
 
@@ -34,16 +34,16 @@ def test_algorithms_and_one_call_paths():
     for c in records.ALL:
         assert not c.algorithms or c.algorithms[0] == "auto"
     one_call = {c.name: c.kind for c in records.ALL if c.kind is not None}
-    assert one_call == {"allreduce": _fastcall.ALLREDUCE, "broadcast": _fastcall.BROADCAST,
-                        "all_gather": _fastcall.ALL_GATHER, "barrier": _fastcall.BARRIER,
-                        "reduce_scatter": _fastcall.REDUCE_SCATTER, "gather": _fastcall.GATHER}
+    assert one_call == {"allreduce": _onecall.ALLREDUCE, "broadcast": _onecall.BROADCAST,
+                        "all_gather": _onecall.ALL_GATHER, "barrier": _onecall.BARRIER,
+                        "reduce_scatter": _onecall.REDUCE_SCATTER, "gather": _onecall.GATHER}
 
 
 @pytest.mark.parametrize("name", ["reduce_scatter", "allreduce"])
 def test_stages_find_other_collectives_by_record(name):
     """A hierarchical stage names another collective (allreduce's node stage is a
     reduce_scatter) and the dispatcher prepares it from that collective's record."""
-    assert dispatch.execute.prepare(name, np.ones(4), fc_group_of_one(), fc.ReduceOp.SUM,
+    assert executors.execute.prepare(name, np.ones(4), fc_group_of_one(), fc.ReduceOp.SUM,
                                     5.0, None, None).name == name
 
 

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .checks import check_timeout
+from .errors import CollectiveTimeoutError
 
 if TYPE_CHECKING:
     from .base import Backend
@@ -98,6 +99,21 @@ class _LazyRecv(Request):
 
     def is_completed(self) -> bool:
         return self._done
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        """The receive itself, for at most ``timeout`` seconds: True once it has completed,
+        False if the message has not come (a transport's receive that times out takes
+        nothing). Looking at :meth:`is_completed` alone would wait the whole ``timeout``:
+        nothing completes a lazy receive but a call that makes it."""
+        if self._done:
+            return True
+        backend, out, src, tag = self._args
+        try:
+            backend.recv(out, src, tag=tag, timeout=check_timeout(timeout))
+        except CollectiveTimeoutError:
+            return False
+        self._done = True
+        return True
 
 
 class _DoneRequest(Request):

@@ -19,7 +19,7 @@ from ferro_backend import (
 from ferro_backend._version import version_getattr
 
 from . import (
-    _fastcall,  # noqa: F401 - the compiled one-call paths, imported unconditionally
+    dispatch,  # noqa: F401 - the compiled dispatcher and its one-call paths, imported unconditionally
     elastic,
     wire,
 )

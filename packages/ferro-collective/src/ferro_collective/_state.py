@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ferro_backend import settings
 from ferro_backend.base import USER_TAG_LIMIT
 
-from ._fastplan import SeqCounter
+from ._doorplan import SeqCounter
 
 #: collectives use tags in [2**31, 2**32 - 1): 2**19 - 1 sequence slots of 4096 step tags each
 TAG_BASE = USER_TAG_LIMIT

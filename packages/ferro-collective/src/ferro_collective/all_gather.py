@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _fastcall
+from . import _onecall
 from ._state import reserve
 from .checks import as_array, check_out
 from .engine import EngineGroup, Step, door_calls
@@ -125,7 +125,7 @@ def stages(h, x: np.ndarray, shape: tuple[int, ...], timeout, out):
     return run
 
 
-ALL_GATHER = Collective("all_gather", prepare, _fastcall.ALL_GATHER, ("auto", "ring", "star"),
+ALL_GATHER = Collective("all_gather", prepare, _onecall.ALL_GATHER, ("auto", "ring", "star"),
                         torch="all_gather_into_tensor", jax="all_gather")
 
 __all__ = ["ALL_GATHER", "IMPLEMENTATIONS", "door_bytes", "gathered_shape", "prepare",

@@ -26,7 +26,7 @@ import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _fastcall, _state, all_gather
+from . import _onecall, _state, all_gather
 from ._state import reserve
 from .checks import as_array, check_out, finish
 from .engine import EngineGroup, Step, door_calls
@@ -204,7 +204,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
     return run
 
 
-ALLREDUCE = Collective("allreduce", prepare, _fastcall.ALLREDUCE,
+ALLREDUCE = Collective("allreduce", prepare, _onecall.ALLREDUCE,
                        ("auto", "ring", "recursive_doubling", "star"),
                        torch="all_reduce", jax="allreduce")
 

@@ -9,7 +9,7 @@ multi-node job (:func:`stages`).
 
 from __future__ import annotations
 
-from . import _fastcall
+from . import _onecall
 from ._state import reserve
 from .checks import check_backend
 from .engine import EngineGroup, Step, door_calls
@@ -45,6 +45,6 @@ def stages(h, timeout):
     return run
 
 
-BARRIER = Collective("barrier", prepare, _fastcall.BARRIER, torch="barrier", jax="barrier")
+BARRIER = Collective("barrier", prepare, _onecall.BARRIER, torch="barrier", jax="barrier")
 
 __all__ = ["BARRIER", "prepare", "stages"]

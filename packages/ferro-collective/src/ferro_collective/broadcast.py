@@ -18,7 +18,7 @@ import numpy as np
 
 from ferro_backend import CollectiveMismatchError, InvalidRankError
 
-from . import _fastcall
+from . import _onecall
 from ._state import reserve
 from .all_gather import door_bytes
 from .checks import as_array, check_backend, check_out
@@ -185,7 +185,7 @@ def stages(h, x: np.ndarray, root: int, timeout, out):
     return run
 
 
-BROADCAST = Collective("broadcast", prepare, _fastcall.BROADCAST, ("auto", "tree", "star"),
+BROADCAST = Collective("broadcast", prepare, _onecall.BROADCAST, ("auto", "tree", "star"),
                        torch="broadcast", jax="broadcast")
 
 __all__ = ["BROADCAST", "IMPLEMENTATIONS", "FromRoot", "broadcast_tree", "prepare", "stages"]

@@ -8,7 +8,7 @@ backend, a JAX handler) made it. :class:`EngineGroup` is what the collectives ke
 engine (as ``engine.client``):
 
 - the collectives the door has (allreduce, reduce_scatter, all_gather, broadcast, barrier,
-  reduce, gather) go through it, from the compiled one-call paths (:mod:`._fastcall`, the
+  reduce, gather) go through it, from the compiled one-call paths (:mod:`._onecall`, the
   group's base class) or from their plan's engine body (:meth:`door`), which hands it a
   contiguous copy where the call's arrays are not;
 - the collectives only ferro's Python has (uneven sizes, objects, the scatter whose non-roots
@@ -32,7 +32,7 @@ from ferro_backend import CollectiveMismatchError, CollectiveTimeoutError, PeerC
 from ferro_backend import engine as host_engine
 
 from . import p2p
-from ._fastcall import NOT_TAKEN, Core
+from ._onecall import NOT_TAKEN, Core
 from .header import check_all
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def group_of(backend: Any) -> EngineGroup | None:
 
 class EngineGroup(Core):
     """The collectives' state for one backend's engine (see the module docstring); the
-    one-call paths are its compiled base's (:class:`._fastcall.Core`)."""
+    one-call paths are its compiled base's (:class:`._onecall.Core`)."""
 
     def __init__(self, backend: Any, engine: Any) -> None:
         self.backend, self.engine = backend, engine

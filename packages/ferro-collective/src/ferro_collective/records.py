@@ -3,7 +3,7 @@
 algorithms, its one-call path on the engine's door, the names of its torch and JAX bindings).
 The dispatcher reads a record when it runs a call, :mod:`.api` hands it the public calls'
 records; nothing registers itself anywhere by being imported. Adding a collective is writing
-its record (see ``docs/architecture.md``)."""
+its record (see ``docs/guide/architecture.md``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ferro_backend import SizeMismatchError
 
-from . import _fastcall, allreduce
+from . import _onecall, allreduce
 from .checks import as_array, check_out
 from .engine import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, as_op, work_dtype
@@ -110,7 +110,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, out_shape, timeout, out
 
 
 
-REDUCE_SCATTER = Collective("reduce_scatter", prepare, _fastcall.REDUCE_SCATTER,
+REDUCE_SCATTER = Collective("reduce_scatter", prepare, _onecall.REDUCE_SCATTER,
                             ("auto", "ring", "star"), torch="reduce_scatter_tensor",
                             jax="reduce_scatter")
 

@@ -27,7 +27,7 @@ import numpy as np
 from ferro_backend import Backend, SizeMismatchError
 from ferro_backend.partition import split_bounds
 
-from . import _fastcall
+from . import _onecall
 from .all_gather import door_bytes
 from .checks import as_array, check_backend, check_out, check_root, finish
 from .engine import EngineGroup, Step, door_calls
@@ -318,7 +318,7 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
 
 REDUCE = Collective("reduce", prepare_reduce, None, ("auto", "tree", "ring"), torch="reduce",
                     jax="reduce")
-GATHER = Collective("gather", prepare_gather, _fastcall.GATHER, ("auto", "tree", "star"),
+GATHER = Collective("gather", prepare_gather, _onecall.GATHER, ("auto", "tree", "star"),
                     torch="gather")
 SCATTER = Collective("scatter", prepare_scatter, None, ("auto", "tree", "star"), torch="scatter")
 

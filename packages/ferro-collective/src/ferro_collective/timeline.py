@@ -5,16 +5,14 @@ rank's input, the algorithm asked for, the transport, the caller's rank and worl
 process running several ranks as threads records them all, told apart by rank and thread).
 On the same-host engine it also gives ``wait_us``: how long the call's engine steps waited for
 their peers (the engine times its waits only while a call is traced); over the other transports
-the backend's ``recv.wait`` events under the call show it. Off, the compiled entry checks one
-pointer (``_fastcall.set_tracer``)."""
+the backend's ``recv.wait`` events under the call show it. Off, the dispatcher checks one flag
+(:mod:`.dispatch`, which hands its calls to :func:`traced_call` while tracing)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ferro_backend import timeline
-
-from . import _fastcall
 
 
 def _now() -> float:
@@ -47,11 +45,12 @@ class _EngineWaits:
         return {"wait_us": round((self.steps.timed_waits(False) - self.start) * 1e6, 1)}
 
 
-def traced_call(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
-    """One collective, timed (the tracer :mod:`._fastcall` calls while tracing)."""
+def traced_call(run, coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
+    """One collective, ``run(coll, tensor, backend, arg, timeout, algorithm, out)``, timed (what
+    the dispatcher does with a call while tracing)."""
     t0, waits = _now(), _EngineWaits(backend)
     try:
-        return _fastcall.run_direct(coll, tensor, backend, arg, timeout, algorithm, out)
+        return run(coll, tensor, backend, arg, timeout, algorithm, out)
     finally:
         timeline.record(coll.name, "collective", t0, _now() - t0,
                         **_describe(tensor, backend, algorithm), **waits.args())
@@ -72,7 +71,5 @@ def traced_job(name: str, job, tensor, backend, algorithm):
 
     return run
 
-
-timeline.add_hook(lambda on: _fastcall.set_tracer(traced_call if on else None))
 
 __all__ = ["traced_call", "traced_job"]

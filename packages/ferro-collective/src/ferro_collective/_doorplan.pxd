@@ -1,4 +1,4 @@
-# The one-call plan's fields, declared for _fastcall (which reads them in C) and _fastplan (which
+# The one-call plan's fields, declared for _onecall (which reads them in C) and _doorplan (which
 # makes them).
 cimport numpy as cnp
 
@@ -6,7 +6,7 @@ cdef enum:
     MAX_DIMS = 8    # the most dims a one-call plan's input or result has
 
 
-cdef class FastPlan:
+cdef class DoorPlan:
     cdef readonly str name
     cdef readonly tuple shape        # the input's shape: what the call's header names
     cdef readonly object call        # the door's call of this signature (``_calls.Call``)

@@ -1,13 +1,14 @@
 # cython: language_level=3
-"""The one-call paths, compiled: from the Python call to the engine's door with no Python frame
-in between for the common case.
+"""The one-call paths, compiled: the executor the dispatcher (:mod:`.dispatch`) tries first,
+which runs the common case from the Python call to the engine's door with no Python frame in
+between.
 
 A collective on a backend with a same-host engine runs whole behind the engine's door
 (``ferro/engine.h``: ferro-backend's ``engine._comm.Comm.collective``): the door takes the
 call's ticket and turn, runs its steps, and reports a stall, a timeout, a dead peer or a
 mismatch. What is left for Python is the array: :class:`Core`, the base of
 :class:`~.engine.EngineGroup`, finds the input's signature (dtype, shape, op or root) in a
-direct-mapped cache of :class:`FastPlan` (made here, once per signature: the door's dtype code
+direct-mapped cache of :class:`DoorPlan` (made here, once per signature: the door's dtype code
 and op, the result's shape), checks ``out=`` against it (or allocates the result), and calls
 the door. A call that is not this case (another type, a strided input, an ``out=`` of another
 shape or dtype, a dtype or op the door does not reduce) answers :data:`NOT_TAKEN` before it takes
@@ -31,7 +32,7 @@ from ferro_backend import engine as _engine
 from ferro_backend.tracebacks import user_facing as _user_facing
 from ferro_backend.kernels import _fold
 
-from ._fastplan cimport MAX_DIMS, FastPlan
+from ._doorplan cimport MAX_DIMS, DoorPlan
 
 cnp.import_array()
 
@@ -65,7 +66,6 @@ cdef dict _p2p = p2p.__dict__
 cdef object _ReduceOp = ReduceOp
 cdef dict _CODES = CODES
 cdef int _BYTES = _fold.DTYPE_CODES["uint8"]
-cdef object _general = None
 cdef object _ZERO = 0.0
 
 
@@ -75,20 +75,11 @@ cdef class Core:
     :meth:`_raise`, are declared here; nothing else is called on ``self`` that this class does
     not define."""
 
-    cdef object _comm, _backend
-    cdef list _cache
-    cdef FastPlan _barrier
-    cdef public object broken         # the error that broke the group, or None
-    cdef public int n, me
-    cdef bint _plain_timeout
-    cdef object _default      # the backend's timeout the door's default was last set to
-    cdef double _stall
-
     def _bind(self, backend, comm):
         """Take ``comm`` (the engine's door, ``engine.comm``) and the backend's timeout."""
         self._comm, self._backend = comm, backend
         self._cache = [None] * CACHE
-        self._barrier = FastPlan("barrier", (), (), _Call(comm, _DOOR[K_BARRIER], 0))
+        self._barrier = DoorPlan("barrier", (), (), _Call(comm, _DOOR[K_BARRIER], 0))
         self.broken = None
         self.n, self.me = comm.n, comm.me
         self._plain_timeout = getattr(type(backend), "timeout", None) is _Backend.timeout
@@ -120,7 +111,7 @@ cdef class Core:
             self._comm.timeout = self._default = t
         return _ZERO
 
-    cdef int _call(self, FastPlan p, cnp.ndarray send, cnp.ndarray recv,
+    cdef int _call(self, DoorPlan p, cnp.ndarray send, cnp.ndarray recv,
                    object timeout) except -1:
         """Run ``p``'s collective through the door on ``send`` and ``recv`` (None: this rank
         passes nothing); a refusal raises ferro's error."""
@@ -154,23 +145,23 @@ cdef class Core:
         h ^= h >> 17
         return h & (CACHE - 1)
 
-    cdef FastPlan _cached(self, Py_ssize_t at, int kind, cnp.ndarray x, Py_ssize_t arg_key):
+    cdef DoorPlan _cached(self, Py_ssize_t at, int kind, cnp.ndarray x, Py_ssize_t arg_key):
         cdef object slot = self._cache[at]
-        cdef FastPlan p
+        cdef DoorPlan p
         cdef int ndim = cnp.PyArray_NDIM(x)
         if slot is None:
             return None
-        p = <FastPlan>slot
+        p = <DoorPlan>slot
         if (p.kind == kind and <PyObject*>p.descr == <PyObject*>cnp.PyArray_DESCR(x)
                 and p.arg_key == arg_key and p.ndim == ndim
                 and memcmp(p.dims, cnp.PyArray_DIMS(x), ndim * sizeof(cnp.npy_intp)) == 0):
             return p
         return None
 
-    cdef FastPlan _plan(self, int kind, cnp.ndarray x, object arg, Py_ssize_t arg_key):
+    cdef DoorPlan _plan(self, int kind, cnp.ndarray x, object arg, Py_ssize_t arg_key):
         """The plan of the call's signature: cached, or made now."""
         cdef Py_ssize_t at = self._index(kind, x, arg_key)
-        cdef FastPlan p
+        cdef DoorPlan p
         if at < 0:
             return None
         p = self._cached(at, kind, x, arg_key)
@@ -183,7 +174,7 @@ cdef class Core:
         self._cache[at] = p
         return p
 
-    cdef FastPlan _make(self, int kind, cnp.ndarray x, object arg):
+    cdef DoorPlan _make(self, int kind, cnp.ndarray x, object arg):
         """A signature's plan: the door's dtype code (bytes, naming the dtype, for a copy of a
         dtype it does not know), op or root, and the result's shape."""
         cdef object o = x
@@ -192,15 +183,15 @@ cdef class Core:
         if kind <= K_REDUCE_SCATTER:
             op = OPS[arg].door
             if code is None or not _fold.op_fits(code, op):
-                return FastPlan.not_taken()
+                return DoorPlan.not_taken()
             call = _Call(self._comm, _DOOR[kind], code, op, 0, shape)
             if kind == K_ALLREDUCE:
-                return FastPlan(_NAMES[kind], shape, shape, call)
+                return DoorPlan(_NAMES[kind], shape, shape, call)
             if not shape or shape[0] % n:
-                return FastPlan.not_taken()
-            return FastPlan(_NAMES[kind], shape, (shape[0] // n, *shape[1:]), call)
+                return DoorPlan.not_taken()
+            return DoorPlan(_NAMES[kind], shape, (shape[0] // n, *shape[1:]), call)
         if dtype.hasobject or dtype.itemsize == 0:
-            return FastPlan.not_taken()
+            return DoorPlan.not_taken()
         name = None if code is not None else dtype.str.encode()
         if kind == K_BROADCAST:
             out = shape
@@ -208,7 +199,7 @@ cdef class Core:
             out = (n,) if not shape else (shape[0] * n, *shape[1:])
         call = _Call(self._comm, _DOOR[kind], _BYTES if code is None else code, 0,
                      arg if kind != K_ALL_GATHER else 0, shape, name)
-        return FastPlan(_NAMES[kind], shape, out, call)
+        return DoorPlan(_NAMES[kind], shape, out, call)
 
     def cached(self, int kind, tensor, arg):
         """The plan a call of ``kind`` on ``tensor`` with ``arg`` would find made (the taken
@@ -221,9 +212,9 @@ cdef class Core:
             return None
         at = self._index(kind, x, key)
         p = None if at < 0 else self._cached(at, kind, x, key)
-        return p if p is not None and (<FastPlan>p).taken else None
+        return p if p is not None and (<DoorPlan>p).taken else None
 
-    cdef object _result(self, FastPlan p, cnp.ndarray x, object out):
+    cdef object _result(self, DoorPlan p, cnp.ndarray x, object out):
         """Where the result goes: a new array, or ``out`` when the door can write it as it is
         (else None: not taken)."""
         cdef cnp.ndarray o
@@ -247,7 +238,7 @@ cdef class Core:
     cdef object _fold_now(self, int kind, object tensor, object out, object op, object timeout):
         """allreduce and reduce_scatter."""
         cdef cnp.ndarray x = _array(tensor)
-        cdef FastPlan p
+        cdef DoorPlan p
         if x is None or not cnp.PyArray_IS_C_CONTIGUOUS(x) or type(op) is not _ReduceOp:
             return _NOT_TAKEN
         p = self._plan(kind, x, op, <Py_ssize_t><PyObject*>op)
@@ -264,7 +255,7 @@ cdef class Core:
         """broadcast, all_gather, and gather (only its root returns the blocks, the others
         None)."""
         cdef cnp.ndarray x = _array(tensor)
-        cdef FastPlan p
+        cdef DoorPlan p
         cdef bint gather = kind == K_GATHER
         cdef bint mine = not gather or self.me == key
         if x is None or not cnp.PyArray_IS_C_CONTIGUOUS(x) or (out is not None and not mine):
@@ -283,4 +274,36 @@ cdef class Core:
         return self._call(self._barrier, None, None, timeout)
 
 
-include "_entry.pxi"
+cdef object one_call(int kind, object tensor, object backend, object arg, object timeout,
+                     object out):
+    """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine door, or
+    :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
+    engine = getattr(backend, "engine", None)
+    if engine is None:
+        return _NOT_TAKEN
+    client = engine.client
+    if not isinstance(client, Core):
+        return _NOT_TAKEN
+    cdef Core c = <Core>client
+    if kind <= K_REDUCE_SCATTER:
+        return c._fold_now(kind, tensor, out, arg, timeout)
+    if kind == K_BROADCAST:
+        if type(arg) is not int or not 0 <= arg < c.n:
+            return _NOT_TAKEN
+        return c._copy_now(K_BROADCAST, tensor, out, arg, <Py_ssize_t>arg, timeout)
+    if kind == K_ALL_GATHER:
+        return c._copy_now(K_ALL_GATHER, tensor, out, -1, -1, timeout)
+    if kind == K_GATHER:
+        if type(arg) is not int or not 0 <= arg < c.n:
+            return _NOT_TAKEN
+        return c._copy_now(K_GATHER, tensor, out, arg, <Py_ssize_t>arg, timeout)
+    c._barrier_now(timeout)
+    return None
+
+
+cdef inline cnp.ndarray _array(object tensor):
+    """``tensor`` when it is an ndarray (a Python or numpy scalar as a 0-d array), else None."""
+    if cnp.PyArray_CheckExact(tensor):
+        return <cnp.ndarray>tensor
+    x = fast_array(tensor)
+    return None if x is None else <cnp.ndarray>x

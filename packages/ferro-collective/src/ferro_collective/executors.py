@@ -1,11 +1,10 @@
-"""The dispatcher: where every collective call is run, chosen once, in one place.
+"""The executors of a planned call, and the choice among them: below the dispatcher
+(:mod:`.dispatch`, which tries the compiled one-call path first and hands every other call to
+:func:`general`).
 
-A collective is a :class:`Collective`: its ``prepare`` (the checks and the
-:class:`~.plan.Plan`) and, for the common small case, the ``kind`` of its compiled one-call path
-(:func:`._fastcall.one_call`: the whole call as one engine step). For a call, :func:`run` tries
-the one-call path on a backend with an engine, then prepares the plan and runs it on the executor
-:func:`executor` picks for it when it is issued (so that an async call keeps its place in the
-order of calls):
+:func:`general` checks a call with its record's ``prepare`` (the :class:`~.plan.Plan`) and runs
+the plan on the executor :func:`executor` picks for it when it is issued (so that an async call,
+:func:`submit`, keeps its place in the order of calls):
 
 1. **hierarchical stages**, on a multi-node backend without an engine of its own, where the
    cost model (:func:`prefer_hierarchical`) rates them faster than the flat call;
@@ -14,7 +13,9 @@ order of calls):
 3. **Python**: the plan's algorithms over point-to-point messages.
 
 The stages of a hierarchical call are plans of their own, on the node and cross groups, which
-the stages hand back to :func:`execute`: a collective's module never calls back up.
+the stages hand back to :data:`execute` (``execute(plan)``; ``execute.prepare(name, ...)``
+makes a stage's plan of another collective from its record): a collective's module never calls
+back up, nor imports another collective's module to call it.
 
 A call whose own arguments are wrong (``prepare`` raised TypeError or ValueError) is refused
 (:class:`Refusal`): the rank still takes the call's place in the order and publishes a header
@@ -36,7 +37,7 @@ import numpy as np
 from ferro_backend import Backend, DistributedError
 from ferro_backend.tracebacks import user_facing
 
-from . import _fastcall, costmodel, records, timeline
+from . import costmodel, records, timeline
 from ._state import state
 from .engine import group_of
 from .header import mismatch_check_enabled, refusal
@@ -60,16 +61,9 @@ def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out) ->
         raise
 
 
-def _general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
+def general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
     """A call the one-call path did not take: its plan, on the executor chosen now."""
     return executor(_prepare(coll, tensor, backend, arg, timeout, algorithm, out))()
-
-
-_fastcall.set_general(_general)
-#: ``run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None)``: one call of
-#: ``coll``, now; its result. Compiled (:func:`._fastcall.run`): the one-call path where the
-#: collective has one and no algorithm is forced, else :func:`_general`.
-run = _fastcall.run
 
 
 def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,
@@ -144,18 +138,24 @@ class Refusal(Plan):
             pass
 
 
-def execute(plan: Plan) -> Any:
-    """Run ``plan`` on its executor now (a hierarchical stage's plans run this way)."""
-    return executor(plan)()
+class _Execute:
+    """What a hierarchical call's stages are handed (:data:`execute`)."""
+
+    __slots__ = ()
+
+    def __call__(self, plan: Plan) -> Any:
+        """Run ``plan`` on its executor now."""
+        return executor(plan)()
+
+    @staticmethod
+    def prepare(name: str, *args) -> Plan:
+        """A stage's plan of collective ``name``: its record's ``prepare(*args)`` (allreduce's
+        node stage is a reduce_scatter, whose module builds on allreduce's)."""
+        return records.BY_NAME[name].prepare(*args)
 
 
-def _stage_plan(name: str, *args) -> Plan:
-    """A hierarchical stage's plan of collective ``name`` (its record's ``prepare(*args)``):
-    a collective's stages name another collective instead of importing its module."""
-    return records.BY_NAME[name].prepare(*args)
-
-
-execute.prepare = _stage_plan  # what a collective's stages are handed: execute(plan), .prepare
+#: ``execute(plan)`` runs a hierarchical stage's plan; ``execute.prepare(name, ...)`` makes one
+execute = _Execute()
 
 
 def executor(plan: Plan) -> Callable[[], Any]:
@@ -217,5 +217,5 @@ def auto_algorithm(name: str, nbytes: int, backend) -> str:
     return choose(records.BY_NAME[name], "auto", nbytes, backend.world_size, backend)
 
 
-__all__ = ["ARGUMENT_ERRORS", "Collective", "Refusal", "auto_algorithm", "execute", "executor",
-           "prefer_hierarchical", "run", "submit", "usable_hierarchy"]
+__all__ = ["ARGUMENT_ERRORS", "Refusal", "auto_algorithm", "execute", "executor", "general",
+           "prefer_hierarchical", "submit", "usable_hierarchy"]

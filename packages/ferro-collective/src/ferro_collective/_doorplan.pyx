@@ -1,9 +1,9 @@
 # cython: language_level=3
-"""The one-call plans the compiled dispatcher (:mod:`._fastcall`) runs: one per call signature;
+"""The plans the compiled one-call paths (:mod:`._onecall`) run: one per call signature;
 and the sequence counter of a backend without an engine (an engine's tickets are its door's)."""
 
 
-cdef class FastPlan:
+cdef class DoorPlan:
     """One signature's one-call plan: the engine door's call of it (``call``, a
     ``ferro_backend.engine._calls.Call``: the collective, its dtype, op or root, the shape its
     header names), the input's and the result's shapes; ``taken`` False for a signature the
@@ -11,7 +11,7 @@ cdef class FastPlan:
 
     def __init__(self, str name, tuple shape, tuple out_shape, object call):
         if len(shape) > MAX_DIMS or len(out_shape) > MAX_DIMS:
-            raise ValueError(f"FastPlan: a {max(len(shape), len(out_shape))}-d input or result "
+            raise ValueError(f"DoorPlan: a {max(len(shape), len(out_shape))}-d input or result "
                              f"(at most {MAX_DIMS})")
         self.name, self.shape, self.call = name, shape, call
         self.run_at = None if call is None else call.run_at
@@ -23,7 +23,7 @@ cdef class FastPlan:
     @staticmethod
     def not_taken():
         """The plan of a signature no one-call path runs."""
-        p = FastPlan("", (), (), None)
+        p = DoorPlan("", (), (), None)
         p.taken = False
         return p
 

@@ -1,6 +1,6 @@
 from typing import Any
 
-class FastPlan:
+class DoorPlan:
     name: str
     shape: tuple[int, ...]
     call: Any
@@ -8,7 +8,7 @@ class FastPlan:
     def __init__(self, name: str, shape: tuple[int, ...], out_shape: tuple[int, ...],
                  call: Any) -> None: ...
     @staticmethod
-    def not_taken() -> FastPlan: ...
+    def not_taken() -> DoorPlan: ...
 
 class SeqCounter:
     value: int

@@ -1,0 +1,20 @@
+from typing import Any
+
+from ._doorplan import DoorPlan
+
+NOT_TAKEN: object
+ALLREDUCE: int
+REDUCE_SCATTER: int
+BROADCAST: int
+ALL_GATHER: int
+BARRIER: int
+GATHER: int
+
+class Core:
+    broken: BaseException | None
+    n: int
+    me: int
+    def _bind(self, backend: Any, comm: Any) -> None: ...
+    def cached(self, kind: int, tensor: Any, arg: Any) -> DoorPlan | None: ...
+    def _resolve(self, timeout: Any, name: str) -> float: ...
+    def _raise(self, rc: int, name: str, seq: int, timeout: float) -> None: ...

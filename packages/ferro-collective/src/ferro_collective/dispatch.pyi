@@ -1,0 +1,11 @@
+from collections.abc import Callable
+from typing import Any
+
+from .work import Work
+
+submit: Callable[..., Work]
+
+def run(coll: Any, tensor: Any, backend: Any, arg: Any = None, timeout: Any = None,
+        algorithm: Any = None, out: Any = None) -> Any: ...
+def run_direct(coll: Any, tensor: Any, backend: Any, arg: Any = None, timeout: Any = None,
+               algorithm: Any = None, out: Any = None) -> Any: ...
