@@ -101,7 +101,7 @@ def one_rank_engine():
     return b
 
 
-@pytest.mark.parametrize("impl", ["np.copyto", "np.add", "fastcall"])
+@pytest.mark.parametrize("impl", ["np.copyto", "np.add", "one_call"])
 def bench_one_call_dispatch_4KiB(benchmark, impl):
     import ferro_collective as fc
     from ferro_collective import _onecall
