@@ -10,7 +10,9 @@ host set for DDP: a DDP step is it plus the bucket allreduces). Figures: ms per 
 median over the timed steps; each configuration is run ``--repeat`` times and the table gives
 the median of those and their spread (min-max).
 
-    python benchmarks/bench_train.py [--repeat 3] [--worlds 2,4] [--out benchmarks/results_train.md]
+    python benchmarks/bench_train.py [--repeat 3] [--worlds 2,4] [--out RUN_DIR/results.md]
+
+(RUN_DIR: a run directory of the results layout, ``tables.run_dir("bench_train")``.)
 
 (``nox -s bench_train`` runs it with torch installed.)
 """

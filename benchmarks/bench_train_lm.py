@@ -19,7 +19,7 @@ Figures: tokens/s = global tokens per step / the slowest rank's median step time
 launched ``--repeat`` times and the table gives the median of the launches and their spread
 (min-max); peak RSS is the largest rank's ``ru_maxrss`` (median over launches).
 
-    python benchmarks/bench_train_lm.py [--repeat 3] [--out benchmarks/results_train_lm.md]
+    python benchmarks/bench_train_lm.py [--repeat 3] [--out RUN_DIR/results.md]
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import tables
 
 SIZES = (4096, 65536, 1 << 20, 16 << 20, 64 << 20)
 #: "auto": what auto runs once the job learned its network (ferro_collective.learn_network);
@@ -250,10 +251,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     ap.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "emulated")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: a new results/<version>/<machine>/emulated-<date>")
     ap.add_argument("--retable", action="store_true",
                     help="only the table again, from OUT/results.json (e.g. after a model change)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = tables.run_dir("emulated")
     if args.worker is not None:
         return worker(args.worker, args.reps, args.sizes, args.algos)
     args.out.mkdir(parents=True, exist_ok=True)

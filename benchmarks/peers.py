@@ -14,7 +14,7 @@ Alltoall, torch's all_to_all_single).
 Intel MPI (``impi``) runs from a virtualenv of its own holding ``impi-rt``, ``mpi4py`` and numpy
 (``--impi-venv``; ``nox -s bench_peers`` makes it), with ``I_MPI_FABRICS=shm``. ``mpi-best`` is, per
 row, the fastest of Open MPI's default, Open MPI with ``--mca coll_sm_priority 100`` and Intel MPI.
-    python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all --out benchmarks/peers_2core_rooted
+    python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all  # a new run directory
 
 ``--impls ferro-shm torch-ferro gloo`` measures torch's layer: torch.distributed's collectives
 on ferro-torch's backend "ferro" (over the same engine) against the same call on ferro directly
@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import tables
 from busbw import busbw
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -578,7 +579,8 @@ def main(argv=None) -> int:
                    help="a virtualenv holding impi-rt, mpi4py and numpy (Intel MPI)")
     p.add_argument("--ops", nargs="+", default=OPS)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
-    p.add_argument("--out", default=str(Path(__file__).parent / "peers"))
+    p.add_argument("--out", default=None,
+                   help="default: a new results/<version>/<machine>/peers-<date>")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of every implementation (interleaved); rows give the median")
@@ -587,6 +589,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(tables.run_dir("peers"))
     global IMPI_VENV
     IMPI_VENV = args.impi_venv
     if args.worker:

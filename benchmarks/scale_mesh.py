@@ -19,6 +19,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import tables
+
 JOB = """
     import json, threading, time
     import numpy as np
@@ -64,8 +66,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 32, 64, 128, 256])
     ap.add_argument("--modes", nargs="+", default=["lazy", "eager"])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "scale" / "mesh.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: mesh.json in a new results/<version>/<machine>/scale_mesh-<date>")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = tables.run_dir("scale_mesh") / "mesh.json"
     script = args.out.parent / "_mesh_job.py"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(textwrap.dedent(JOB))

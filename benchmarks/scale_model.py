@@ -22,6 +22,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
+import tables
 
 import ferro_collective as fc
 from ferro_backend import SimulatedBackend
@@ -60,9 +61,12 @@ def simulate(n: int, name: str, algorithm: str, nbytes: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "scale")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: a new results/<version>/<machine>/scale_model-<date>")
     ap.add_argument("--quick", action="store_true", help="8-64 ranks, no PNG")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = tables.run_dir("scale_model")
     args.out.mkdir(parents=True, exist_ok=True)
     p = cm.Params.of(NET)
     rows = ["| op | algorithm | ranks | size | model (us) | simulated (us) | error | "

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import tables
 
 SIZES = (4096, 65536, 1 << 20, 16 << 20)
 ALGOS = ("ring", "recursive_doubling", "star")
@@ -117,10 +118,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "scale")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: a new results/<version>/<machine>/scale_validate-<date>")
     ap.add_argument("--refit", action="store_true",
                     help="no runs: fit again from <out>/model_vs_measured.json")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = tables.run_dir("scale_validate")
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "model_vs_measured.json"
     raw: dict = {}

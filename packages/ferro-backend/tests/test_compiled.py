@@ -19,7 +19,8 @@ def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
 
     from ferro_backend import engine
     from ferro_backend.engine import shm
-    from ferro_backend.launch import ferrorun, join
+    from ferro_backend.joining import meet
+    from ferro_backend.launch import ferrorun
 
     if sys.platform.startswith("linux"):
         from ferro_backend.engine import _comm, _ring, _segment, _steps, _watch
@@ -30,7 +31,7 @@ def test_same_host_kernel_is_compiled_and_in_use_on_linux(monkeypatch):
         assert ferrorun._default_transport(1) == "shm"
     # where the kernel does not exist, ShmBackend says so (simulated here) and TCP is the default
     monkeypatch.setattr(shm, "SAME_HOST_ENGINE", False)
-    monkeypatch.setattr(join, "SAME_HOST_ENGINE", False)
+    monkeypatch.setattr(meet, "SAME_HOST_ENGINE", False)
     try:
         shm.ShmBackend(0, 1, "127.0.0.1:1")
     except RuntimeError as exc:

@@ -26,8 +26,8 @@ from ferro_backend import (
     detect_launcher,
     init_from_env,
 )
-from ferro_backend.launch.detect import first_host, slurm_port
-from ferro_backend.launch.env import connect
+from ferro_backend.joining.detect import first_host, slurm_port
+from ferro_backend.joining.env import connect
 from ferro_backend.testing import free_port
 
 pytestmark = pytest.mark.timeout(120)

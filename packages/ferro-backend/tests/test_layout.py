@@ -1,6 +1,6 @@
 """The repository's structure holds, as ``nox -s lint`` checks it: no import cycle inside a
-distribution, no source module over 360 lines, no import up the layers
-(``tools/check_layers.py --static``), run here too so that the README's test line guards it."""
+distribution, no callable handed to compiled code to call back up, no source module over 500
+lines, no import up the layers (``tools/check_layers.py --static``), run here too so that the README's test line guards it."""
 
 import subprocess
 import sys
@@ -15,4 +15,4 @@ def test_static_layering_holds():
     r = subprocess.run([sys.executable, str(script), "--static", str(ROOT)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "0 cycles, 0 oversize, 0 upward imports" in r.stdout
+    assert "0 cycles, 0 up-calls, 0 oversize, 0 upward imports" in r.stdout

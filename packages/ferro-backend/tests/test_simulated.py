@@ -1,4 +1,4 @@
-"""SimulatedBackend: the seed's tests, ported, plus tags, failures and the buffer protocol."""
+"""SimulatedBackend: the 0.1 crate's tests, ported, plus tags, failures and the buffer protocol."""
 
 import threading
 import time

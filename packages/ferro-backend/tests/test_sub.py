@@ -1,4 +1,4 @@
-"""SubBackend: the seed's tests, ported, plus isolation of subgroup traffic from the parent's."""
+"""SubBackend: the 0.1 crate's tests, ported, plus isolation of subgroup traffic from the parent's."""
 
 import numpy as np
 import pytest

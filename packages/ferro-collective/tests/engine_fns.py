@@ -119,7 +119,7 @@ def equals_star(b, seed: int, count: int, cases: list | None = None) -> list[str
         bad.append("small calls behind async ones")
     # Python and numpy scalars: the one-call path (a 0-d array, as the general path makes
     # them), with the general path's results
-    from ferro_collective.engine import group_of
+    from ferro_collective.engine_group import group_of
 
     g = group_of(b)
     for value in (b.rank + 0.5, b.rank + 1, np.float32(b.rank) * 3, np.int16(b.rank), True):
@@ -202,10 +202,10 @@ def pid(b) -> int:
 # ----------------------------------------------------------------------------- scatter, all-to-all
 def _p2p_counter():
     """Counts the engine calls of scatter and the all-to-alls whose data went over
-    point-to-point messages instead (``metadata.get_pieces`` said so), in this process."""
-    from ferro_collective import exchange, metadata, rooted
+    point-to-point messages instead (``metadata_step.get_pieces`` said so), in this process."""
+    from ferro_collective import exchange, metadata_step, rooted
 
-    get = metadata.get_pieces
+    get = metadata_step.get_pieces
     if getattr(exchange.get_pieces, "used", None) is None:
         def counting(g, call, *args, **kwargs):
             done = get(g, call, *args, **kwargs)
@@ -355,7 +355,7 @@ def exchange_mismatch(b, case: str) -> str:
 def exchange_stalled_reader(b) -> dict:
     """A large scatter whose non-root ranks are slow to read the root's memory: the root times
     out at its deadline in the last step (it waits for them to finish reading), naming them."""
-    from ferro_collective.engine import EngineGroup
+    from ferro_collective.engine_group import EngineGroup
 
     out = {}
     if b.rank != 0:
@@ -433,7 +433,7 @@ def compiled_path(b) -> list[str]:
     (a strided input, an ``out=`` of another dtype) run on the general path with the same bits;
     a wrong ``out=`` still gets the general path's error."""
     from ferro_collective import _onecall as F
-    from ferro_collective.engine import group_of
+    from ferro_collective.engine_group import group_of
 
     g, n, bad = group_of(b), b.world_size, []
     rng = np.random.default_rng(b.rank)
@@ -507,7 +507,7 @@ def compiled_gather(b) -> list[str]:
     input, or ``out=`` passed off the root) meets the others in the same step with the same
     bits; a gather never matches an all_gather."""
     from ferro_collective import _onecall as F
-    from ferro_collective.engine import group_of
+    from ferro_collective.engine_group import group_of
 
     g, n, bad = group_of(b), b.world_size, []
     blocks = [np.random.default_rng(r).standard_normal((3, 2)).astype(np.float32)
@@ -578,7 +578,7 @@ def door_headers(b) -> list[str]:
     """Every door call publishes the header ``header.encode`` packs for it (collective, dtype
     as numpy names it, shape, op, root; a shape of more than six dims hashed alike), so a rank
     on either path meets the other's header."""
-    from ferro_collective.engine import group_of
+    from ferro_collective.engine_group import group_of
     from ferro_collective.header import _SEQ_OFFSET, encode
 
     n, bad = b.world_size, []
@@ -622,7 +622,7 @@ def through_the_door(b) -> list[str]:
     order, shared with its other clients), float16 and bfloat16 reductions on the engine equal
     the star algorithm's bits (folded in float32, rounded once), at one step and split; a
     closed backend's door refuses at once."""
-    from ferro_collective.engine import group_of
+    from ferro_collective.engine_group import group_of
 
     bad = []
     fc.barrier(b)

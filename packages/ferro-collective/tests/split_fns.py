@@ -6,7 +6,7 @@ import numpy as np
 
 import ferro_collective as fc
 from ferro_collective import ReduceOp
-from ferro_collective.engine import group_of
+from ferro_collective.engine_group import group_of
 
 
 def equals_star(b, cases: list) -> list[str]:

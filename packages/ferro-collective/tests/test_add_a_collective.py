@@ -18,7 +18,7 @@ import pytest
 from ferro_backend import CollectiveMismatchError
 from ferro_backend.testing import run_processes, run_ranks
 from ferro_collective import ReduceOp
-from ferro_collective.checks import as_array, check_out
+from ferro_collective.arguments import as_array, check_out
 from ferro_collective.dispatch import run
 from ferro_collective.ops import accumulate, as_op
 from ferro_collective.plan import Collective, Plan, choose

@@ -30,7 +30,7 @@ def test_the_kernels_share_one_compiled_cython_utility_module():
 def test_the_hooks_a_core_subclass_must_define_are_declared_on_core():
     import pytest
 
-    from ferro_collective.engine import EngineGroup
+    from ferro_collective.engine_group import EngineGroup
 
     class Bare(_onecall.Core):
         pass

@@ -436,7 +436,7 @@ def test_shared_link_serializes_a_roots_incoming_messages():
 def test_ring_as_arrays_times_every_rank_as_the_rounds_do(n, nbytes, net, L, seed, case):
     """The array form of a ring's rounds (from RING_ARRAYS_FROM ranks) gives every rank's
     clock and interface time equal, to the bit, to playing the rounds message by message."""
-    from ferro_collective import schedule as sch
+    from ferro_collective import message_schedule as sch
 
     p = cm.Params.of(NETWORKS[net])
     if L is not None:

@@ -286,7 +286,7 @@ def test_a_one_call_step_waiting_for_a_late_peer_lets_other_threads_run():
 
 def test_the_collectives_run_on_the_engines_door():
     from ferro_collective import _onecall
-    from ferro_collective.engine import EngineGroup
+    from ferro_collective.engine_group import EngineGroup
 
     assert issubclass(EngineGroup, _onecall.Core)
     assert run_processes(engine_fns.through_the_door, 2, transport="shm", timeout=60) == \

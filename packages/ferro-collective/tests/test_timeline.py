@@ -14,7 +14,7 @@ import pytest
 from ferro_backend import SimulatedBackend, trace
 from ferro_backend.testing import run_threads
 from ferro_collective import allreduce, allreduce_async, barrier, broadcast
-from ferro_collective import timeline as ctl
+from ferro_collective import tracing as ctl
 
 pytestmark = pytest.mark.timeout(120)
 

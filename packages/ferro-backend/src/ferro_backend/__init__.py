@@ -26,8 +26,8 @@ from .errors import (
     SettingError,
     SizeMismatchError,
 )
-from .launch.detect import Launcher, detect_launcher
-from .launch.env import configure_logging, init_from_env
+from .joining.detect import Launcher, detect_launcher
+from .joining.env import configure_logging, init_from_env
 from .mesh.tcp import TcpBackend
 from .mpi import MpiBackend
 from .simulated import SimulatedBackend

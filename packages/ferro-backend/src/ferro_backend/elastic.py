@@ -34,8 +34,8 @@ from typing import Any
 from . import settings
 from .base import Backend
 from .errors import LauncherError, RendezvousError
+from .joining.meet import build, choose_transport, node_key
 from .launch.coordinator import MAX_LINE, mac, send_line
-from .launch.join import build, choose_transport, node_key
 from .mesh.rendezvous import listen
 
 

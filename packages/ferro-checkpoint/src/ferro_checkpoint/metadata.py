@@ -336,7 +336,7 @@ def _spec_from_dict(name: str, v, source: str) -> TensorShardSpec:
 
 def flat_shard_metadata(state_dict: Mapping[str, np.ndarray], world_size: int) -> ShardMetadata:
     """Spec for FSDP-style flat shards: each rank's tensor is its flat chunk of a 1-d tensor of
-    ``numel * world_size`` elements, equal chunks, sharded along dim 0 (the seed's helper).
+    ``numel * world_size`` elements, equal chunks, sharded along dim 0 (the 0.1 crate's helper).
 
     Parameters
     ----------

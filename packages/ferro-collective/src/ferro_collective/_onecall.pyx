@@ -7,7 +7,7 @@ A collective on a backend with a same-host engine runs whole behind the engine's
 (``ferro/engine.h``: ferro-backend's ``engine._comm.Comm.collective``): the door takes the
 call's ticket and turn, runs its steps, and reports a stall, a timeout, a dead peer or a
 mismatch. What is left for Python is the array: :class:`Core`, the base of
-:class:`~.engine.EngineGroup`, finds the input's signature (dtype, shape, op or root) in a
+:class:`~.engine_group.EngineGroup`, finds the input's signature (dtype, shape, op or root) in a
 direct-mapped cache of :class:`DoorPlan` (made here, once per signature: the door's dtype code
 and op, the result's shape), checks ``out=`` against it (or allocates the result), and calls
 the door. A call that is not this case (another type, a strided input, an ``out=`` of another
@@ -24,7 +24,7 @@ from libc.string cimport memcmp, memcpy
 cimport numpy as cnp
 
 from . import p2p
-from .checks import fast_array
+from .arguments import fast_array
 from .ops import CODES, OPS, ReduceOp
 
 from ferro_backend import Backend as _Backend
@@ -70,7 +70,7 @@ cdef object _ZERO = 0.0
 
 
 cdef class Core:
-    """The compiled half of :class:`~.engine.EngineGroup`: the one-call paths (the order of
+    """The compiled half of :class:`~.engine_group.EngineGroup`: the one-call paths (the order of
     calls is the door's). The two methods a subclass must define, :meth:`_resolve` and
     :meth:`_raise`, are declared here; nothing else is called on ``self`` that this class does
     not define."""
@@ -87,7 +87,7 @@ cdef class Core:
         self._stall = comm.stall_fraction
 
     # ------------------------------------------------------------------ what a subclass gives
-    # (EngineGroup, ferro_collective.engine: the backend's timeout rules and ferro's errors)
+    # (EngineGroup, ferro_collective.engine_group: the backend's timeout rules and ferro's errors)
     def _resolve(self, timeout, str name):
         """The call's ``timeout`` (seconds, not None), checked before it takes a ticket; a
         bad one raises, naming ``name``."""

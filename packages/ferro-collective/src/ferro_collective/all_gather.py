@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import _onecall
-from ._state import reserve
-from .checks import as_array, check_out
-from .engine import EngineGroup, Step, door_calls
+from .arguments import as_array, check_out
+from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES
 from .p2p import Ctx, all_gather_ring_into
+from .per_backend import reserve
 from .plan import Collective, Plan, choose
 
 

@@ -26,12 +26,12 @@ import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _onecall, _state, all_gather
-from ._state import reserve
-from .checks import as_array, check_out, finish
-from .engine import EngineGroup, Step, door_calls
+from . import _onecall, all_gather, per_backend
+from .arguments import as_array, check_out, finish
+from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, fold, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
+from .per_backend import reserve
 from .pipeline import PIPELINE_MIN, PIPELINE_PIECE, schedule, writable_into
 from .plan import Collective, Plan, choose
 from .scratch import POOL
@@ -165,7 +165,7 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
         pieces = split_bounds(src.size, k)
         parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         pending, borrowed = {}, []  # the parts: from the scratch pool, given back at the end
-        worker = _state.state(cross)
+        worker = per_backend.state(cross)
         try:
             for step, p in order:
                 a, b = pieces[p]

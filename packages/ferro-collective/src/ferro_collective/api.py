@@ -128,7 +128,8 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
               algorithm: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Every rank returns a copy of ``root``'s ``tensor``.
 
-    Uses a binomial tree (ceil(log2 n) rounds) by default, ``algorithm="star"`` for the seed's.
+    Uses a binomial tree (ceil(log2 n) rounds) by default, ``algorithm="star"`` for the root
+    sending to every rank.
 
     Parameters
     ----------
@@ -174,7 +175,8 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
 
     Every rank passes the same shape and dtype. The result's dim 0 is ``world_size`` times the
     input's; a 0-d input gathers to shape ``[world_size]``; zero-size inputs keep their shape
-    (dim 0 multiplied). Ring algorithm by default (bandwidth-optimal), ``"star"`` for the seed's.
+    (dim 0 multiplied). Ring algorithm by default (bandwidth-optimal), ``"star"`` for every rank
+    sending to every rank.
 
     Parameters
     ----------

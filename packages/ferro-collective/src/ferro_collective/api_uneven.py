@@ -1,7 +1,7 @@
 """The public entry points of the collectives whose sizes not every rank knows in advance:
 all_gather_v, all_to_all, all_to_all_single (:mod:`.exchange`) and the object collectives
 broadcast_object and all_gather_object (:mod:`.objects`), each with a metadata round first
-(:class:`~.metadata.MetaPlan`).
+(:class:`~.metadata_step.MetaPlan`).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ multi-node job (:func:`stages`).
 from __future__ import annotations
 
 from . import _onecall
-from ._state import reserve
-from .checks import check_backend
-from .engine import EngineGroup, Step, door_calls
+from .arguments import check_backend
+from .engine_group import EngineGroup, Step, door_calls
 from .p2p import Ctx
+from .per_backend import reserve
 from .plan import Collective, Plan
 
 

@@ -19,12 +19,12 @@ import numpy as np
 from ferro_backend import CollectiveMismatchError, InvalidRankError
 
 from . import _onecall
-from ._state import reserve
 from .all_gather import door_bytes
-from .checks import as_array, check_backend, check_out
-from .engine import OK, EngineGroup, Step, door_calls
+from .arguments import as_array, check_backend, check_out
+from .engine_group import OK, EngineGroup, Step, door_calls
 from .header import check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
+from .per_backend import reserve
 from .plan import Collective, Plan, choose
 
 

@@ -30,7 +30,7 @@ import functools
 import math
 import weakref
 
-from . import schedule
+from . import message_schedule
 from .costparams import DEFAULT, Params, placement
 
 #: backend -> the parameters :func:`ferro_collective.learn_network` measured on it
@@ -112,9 +112,9 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
         return _hierarchical(name, nbytes, n, p, algorithm == "hierarchical_engine",
                              header)
     if name == "barrier" and algorithm == "flat":
-        return schedule.header_time(p, n) + p.call
-    s = schedule.Schedule(p, schedule.header_clocks(p, n) if header else [0.0] * n)
-    schedule.run(s, name, algorithm, nbytes)
+        return message_schedule.header_time(p, n) + p.call
+    s = message_schedule.Schedule(p, message_schedule.header_clocks(p, n) if header else [0.0] * n)
+    message_schedule.run(s, name, algorithm, nbytes)
     # an allreduce first copies its input into the buffer it folds in (every rank alike)
     return max(s.clock) + p.call + (p.copy(nbytes) if name == "allreduce" else 0.0)
 
@@ -210,7 +210,7 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
     L, N = _layout(n, p)
     nodes = p.members(n)  # node k's ranks (consecutive ones unless p.node_of says otherwise)
     crosses = [tuple(members[j] for members in nodes) for j in range(L)]
-    s = schedule.Schedule(p, [0.0] * n)
+    s = message_schedule.Schedule(p, [0.0] * n)
     pieces = split_sizes(int(nbytes), L)  # allreduce's slices (bytes; the call splits elements)
     ia, ib = p.link(False)
     xa, xb = p.link(True)
@@ -234,14 +234,14 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
         else:
             groups = [(members, size) for members in crosses]
         for members, size_j in groups:
-            view = schedule.View(s, members)
+            view = message_schedule.View(s, members)
             if header:
-                view.rounds(schedule.header_rounds(len(members)))
+                view.rounds(message_schedule.header_rounds(len(members)))
             if stage == "barrier":
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)
-            schedule.run(view, stage, algorithm, size_j)
+            message_schedule.run(view, stage, algorithm, size_j)
     return max(s.clock)
 
 

@@ -15,7 +15,7 @@ arguments. :func:`run` tries the executors in order:
 
 :func:`submit` runs a call in the background (its place in the order of calls taken now).
 While the process traces (``ferro_backend.timeline``) each call is one event
-(:func:`.timeline.traced_call` times :func:`run_direct`); off, a call checks one flag.
+(:func:`.tracing.traced_call` times :func:`run_direct`); off, a call checks one flag.
 
 Nothing below calls back up here: the executors are imported, not registered.
 """
@@ -25,7 +25,7 @@ from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from ferro_backend import timeline as _backend_timeline
 from ferro_backend.tracebacks import user_facing as _user_facing
 
-from . import executors, timeline
+from . import executors, tracing
 from ._onecall import NOT_TAKEN
 
 from ._onecall cimport one_call
@@ -34,7 +34,7 @@ from ._onecall cimport one_call
 submit = executors.submit
 cdef object _NOT_TAKEN = NOT_TAKEN
 cdef object _general = executors.general
-cdef object _traced = timeline.traced_call
+cdef object _traced = tracing.traced_call
 cdef bint _tracing = False
 
 

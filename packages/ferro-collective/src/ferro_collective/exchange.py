@@ -3,7 +3,7 @@
 Dim 0 may differ between ranks (and, for the all-to-alls, between destinations); the dtype and
 the trailing shape may not (CollectiveMismatchError on every rank, naming what each called:
 the header carries them with dim 0 as ``*``). The row counts travel in the metadata round of
-:class:`~.metadata.MetaPlan`, so every rank knows every message's size before data moves and
+:class:`~.metadata_step.MetaPlan`, so every rank knows every message's size before data moves and
 every check on them is made by every rank alike (the same error everywhere, never a hang).
 
 Algorithms:
@@ -13,7 +13,7 @@ Algorithms:
 - all_to_all: pairwise exchange: every receive is posted first (straight into the result), then
   at step ``s = 1..n-1`` rank ``r`` sends to ``r + s`` and waits for ``r - s`` (mod n), so each
   step is a permutation and no rank is sent to by many at once. On a ``ShmBackend`` the
-  all-to-alls run on the same-host engine instead (:func:`.metadata.get_pieces`): small data
+  all-to-alls run on the same-host engine instead (:func:`.metadata_step.get_pieces`): small data
   rides in the metadata step, large pieces are read straight from their senders' memory.
 """
 
@@ -26,9 +26,9 @@ import numpy as np
 
 from ferro_backend import Backend, SizeMismatchError
 
-from .checks import as_array, check_backend, check_out
-from .engine import EngineGroup, Step
-from .metadata import MetaPlan, get_pieces, guard, pack_ints, put_pieces, sent_bytes, unpack_ints
+from .arguments import as_array, check_backend, check_out
+from .engine_group import EngineGroup, Step
+from .metadata_step import MetaPlan, get_pieces, guard, pack_ints, put_pieces, sent_bytes, unpack_ints
 from .p2p import Ctx
 from .plan import Collective, choose
 
@@ -288,7 +288,7 @@ _plans: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
 def _split_plan(name: str, metas: list[bytes], n: int, me: int,
                 rb: int) -> tuple[list[int], list[int], list[int]]:
     """From every rank's ``send_splits + recv_splits`` (metadata): the rows this rank gets from
-    each rank, and the engine's byte sizes (:func:`.fastpath.sent_bytes`); or the
+    each rank, and the engine's byte sizes (:func:`.metadata_step.sent_bytes`); or the
     SizeMismatchError every rank raises alike. Cached: the same splits come back call after
     call."""
     key = (me, rb, *metas)

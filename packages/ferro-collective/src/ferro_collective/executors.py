@@ -37,11 +37,11 @@ import numpy as np
 from ferro_backend import Backend, DistributedError
 from ferro_backend.tracebacks import user_facing
 
-from . import costmodel, records, timeline
-from ._state import state
-from .engine import group_of
+from . import costmodel, records, tracing
+from .engine_group import group_of
 from .header import mismatch_check_enabled, refusal
 from .p2p import header_exchange
+from .per_backend import state
 from .plan import Collective, Plan, choose
 from .work import Work
 
@@ -73,7 +73,7 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
         plan = _prepare(coll, tensor, backend, arg, timeout, algorithm, out)
     except Exception as exc:
         raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
-    job = timeline.traced_job(plan.name, executor(plan), tensor, backend, algorithm)
+    job = tracing.traced_job(plan.name, executor(plan), tensor, backend, algorithm)
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
 
 

@@ -53,7 +53,7 @@ import numpy as np
 from ferro_backend import SimulatedBackend
 from ferro_backend.engine import binding
 
-from . import costmodel, costparams, schedule
+from . import costmodel, costparams, message_schedule
 from .api import allreduce, barrier, broadcast
 from .background import usable_cores
 from .ops import ReduceOp, accumulate
@@ -318,7 +318,7 @@ def learn_network(backend, *, reps: int = 7, timeout: float | None = None) -> co
         for _ in range(3):  # warm-up calls
             one_round_trip()
         took = np.array([_after_barrier(backend, one_round_trip) for _ in range(3 * reps)])
-        rounds = (n - 1).bit_length() + len(schedule.header_rounds(n)) + (n & (n - 1) != 0)
+        rounds = (n - 1).bit_length() + len(message_schedule.header_rounds(n)) + (n & (n - 1) != 0)
         # each call's slowest rank, as a call's time is taken (the last rank out of the barrier
         # waits least, its peers wait for it), then the median: 4 emulated nodes x 2 ranks read
         # 2.2 ms from the slowest rank's median where the calls took 2.8-3.2

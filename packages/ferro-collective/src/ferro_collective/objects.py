@@ -18,10 +18,10 @@ import numpy as np
 
 from ferro_backend import Backend
 
+from .arguments import check_backend, check_root
 from .broadcast import broadcast_tree
-from .checks import check_backend, check_root
 from .exchange import all_gather_v_ring
-from .metadata import MetaPlan, pack_ints, unpack_ints
+from .metadata_step import MetaPlan, pack_ints, unpack_ints
 from .p2p import Ctx
 from .plan import Collective
 

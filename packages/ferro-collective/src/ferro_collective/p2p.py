@@ -25,9 +25,9 @@ import numpy as np
 from ferro_backend import CollectiveTimeoutError
 from ferro_backend.partition import split_bounds
 
-from ._state import STEPS_PER_CALL
 from .header import HEADER_SIZE, check_all
 from .ops import ReduceOp, accumulate
+from .per_backend import STEPS_PER_CALL
 from .scratch import POOL
 
 log = logging.getLogger("ferro_collective")

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 from ferro_backend import Backend
 
 from . import costmodel
-from ._state import tag_base
 from .header import encode, mismatch_check_enabled
 from .p2p import Ctx, header_exchange
+from .per_backend import tag_base
 
 
 class Collective(NamedTuple):

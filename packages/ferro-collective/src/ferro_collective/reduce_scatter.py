@@ -18,8 +18,8 @@ import numpy as np
 from ferro_backend import SizeMismatchError
 
 from . import _onecall, allreduce
-from .checks import as_array, check_out
-from .engine import EngineGroup, Step, door_calls
+from .arguments import as_array, check_out
+from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, as_op, work_dtype
 from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
 from .plan import Collective, Plan, choose

@@ -29,9 +29,9 @@ from ferro_backend.partition import split_bounds
 
 from . import _onecall
 from .all_gather import door_bytes
-from .checks import as_array, check_backend, check_out, check_root, finish
-from .engine import EngineGroup, Step, door_calls
-from .metadata import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
+from .arguments import as_array, check_backend, check_out, check_root, finish
+from .engine_group import EngineGroup, Step, door_calls
+from .metadata_step import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, reduce_scatter_ring_into
 from .plan import Collective, Plan, choose

@@ -26,7 +26,7 @@ import numpy as np
 from ferro_backend import Backend
 from ferro_collective import ReduceOp, Work, allreduce, allreduce_async, broadcast
 
-from . import _state
+from . import sharded_state
 from .background import runs_in_background, start
 from .comm_hooks import GradBucket
 from .flat import FlatLayout
@@ -380,13 +380,13 @@ class DistributedDataParallel(ModuleWrapper):
             self._reset()
 
     # -- state dicts ------------------------------------------------------------------------
-    def _state_plan(self) -> _state.Plan:
+    def _state_plan(self) -> sharded_state.Plan:
         dtypes = {p.data.dtype for p in self._params}
         if len(dtypes) > 1:
             raise TypeError(f"DDP state dicts need one parameter dtype, got {sorted(map(str, dtypes))}")
         layout = FlatLayout([p.data.shape for p in self._params],
                             dtypes.pop() if dtypes else np.float32, 1)
-        return _state.Plan(self._backend, self._names, self._params, layout, False,
+        return sharded_state.Plan(self._backend, self._names, self._params, layout, False,
                            self._backend.world_size, self._backend.rank, self._timeout)
 
     def sharded_state_dict(self, optimizer: Any = None
@@ -401,7 +401,7 @@ class DistributedDataParallel(ModuleWrapper):
         -------
         tensors, specs : dict of str to numpy.ndarray, dict of str to tuple
         """
-        return _state.save(self._state_plan(), optimizer)
+        return sharded_state.save(self._state_plan(), optimizer)
 
     def load_sharded_state_dict(self, tensors: dict[str, Any], optimizer: Any = None) -> None:
         """As :meth:`ferro_fsdp.FSDP.load_sharded_state_dict` (gathers the full tensors). Collective.
@@ -411,7 +411,7 @@ class DistributedDataParallel(ModuleWrapper):
         tensors : dict of str to array_like
         optimizer : ferro_fsdp.optim.Optimizer, optional
         """
-        _state.load(self._state_plan(), tensors, optimizer)
+        sharded_state.load(self._state_plan(), tensors, optimizer)
 
 
 DDP = DistributedDataParallel

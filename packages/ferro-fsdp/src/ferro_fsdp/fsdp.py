@@ -11,7 +11,7 @@ strategy, and the padding of chunks, are in the package README.
 
 This module builds an FSDP (process groups, shards, units) and holds its accessors; the rest
 comes from mixins: :mod:`ferro_fsdp.schedule` runs forward and backward unit by unit,
-:mod:`ferro_fsdp.grad_sync` averages the gradients and :mod:`ferro_fsdp._state` saves and loads
+:mod:`ferro_fsdp.grad_sync` averages the gradients and :mod:`ferro_fsdp.sharded_state` saves and loads
 sharded state dicts.
 
 A training step::
@@ -33,7 +33,6 @@ import numpy as np
 from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
 from ferro_collective import all_gather, broadcast
 
-from ._state import ShardedStateDicts
 from .background import runs_in_background
 from .buffer_pool import BufferPool
 from .flat import FlatLayout
@@ -41,6 +40,7 @@ from .grad_sync import GradientSync
 from .module import Module
 from .parameter import Parameter
 from .schedule import UnitSchedule
+from .sharded_state import ShardedStateDicts
 from .strategy import ShardingStrategy
 from .units import Unit
 from .wrap_policy import find_units

@@ -2,7 +2,7 @@
 
 torch's TCPStore (torchrun, ferrorun, ``tcp://``) already holds MASTER_PORT, so ferro's mesh
 never binds it: the ranks meet through the store exactly as ``ferro_backend.init_from_env``
-does under torchrun (``ferro_backend.launch.join.via_store``: one rendezvous, one rule for the
+does under torchrun (``ferro_backend.joining.meet.via_store``: one rendezvous, one rule for the
 transport, one definition of a node), so the shared-memory engine (:class:`ShmBackend`) serves a
 group whose ranks all run on this host and TCP any other. ``FERRO_TRANSPORT`` (``tcp`` or
 ``shm``; ``mpi`` is not a ferro-torch transport) overrides. The mesh is authenticated with
@@ -12,7 +12,7 @@ group whose ranks all run on this host and TCP any other. ``FERRO_TRANSPORT`` (`
 from __future__ import annotations
 
 from ferro_backend import Backend, settings
-from ferro_backend.launch.join import node_key, via_store
+from ferro_backend.joining.meet import node_key, via_store
 
 #: the FERRO_TRANSPORT values a ferro group can be built on
 TRANSPORTS = ("tcp", "shm")

@@ -1,5 +1,6 @@
-"""Joining a job: which launcher started this process (:mod:`.detect`), the transport its
-topology allows and how its ranks meet (:mod:`.join`, :mod:`.mpi_join`: written once, for
-:func:`~ferro_backend.init_from_env` and ferro-torch alike), the public entry point and the
-logging set-up (:mod:`.env`), and ``ferrorun`` itself (:mod:`.ferrorun`, :mod:`._rank_main`).
+"""``ferrorun`` (``python -m ferro_backend.launch``): the command line that starts a job's ranks
+(:mod:`.ferrorun`, :mod:`._rank_main`), supervises them and their output (:mod:`.supervisor`,
+:mod:`.output`), restarts an elastic job (:mod:`.elastic_run`, :mod:`.coordinator`) and
+emulates several nodes on one host (:mod:`.emulate`, :mod:`.netns`). How a rank then joins
+its job is :mod:`ferro_backend.joining`'s.
 """

@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 from .. import settings, timeline
+from ..joining.meet import choose_transport
 from ..mesh.rendezvous import free_port
 from . import emulate
 from .elastic_run import ElasticRun, parse_range
-from .join import choose_transport
 from .netns import EmulationError
 from .output import LogDirError, prepare_log_dir
 from .supervisor import Job, supervise
@@ -146,9 +146,9 @@ def thread_caps(local_ranks: int, environ: dict[str, str] | None = None,
 
 
 def _default_transport(nnodes: int) -> str | None:
-    """The engine on one Linux node, TCP on one node elsewhere (:func:`.join.choose_transport`);
-    on several nodes None: init_from_env then builds the mesh and gives each node its engine
-    (ferro_backend.hierarchy)."""
+    """The engine on one Linux node, TCP on one node elsewhere
+    (:func:`ferro_backend.joining.meet.choose_transport`); on several nodes None: init_from_env
+    then builds the mesh and gives each node its engine (ferro_backend.hierarchy)."""
     return None if nnodes > 1 else choose_transport(None, True, "")
 
 

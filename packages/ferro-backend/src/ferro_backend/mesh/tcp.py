@@ -66,7 +66,7 @@ class TcpBackend(FixedRanks, Composable, Backend):
         instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
         free port it told the other ranks about through the launcher, without a race).
     node : str, optional
-        This rank's node key (``ferro_backend.launch.join.node_key``); rank 0's table carries
+        This rank's node key (``ferro_backend.joining.meet.node_key``); rank 0's table carries
         every rank's, and :attr:`~ferro_backend.TcpBackend.nodes` holds them when all gave one.
     connect : {"auto", "eager", "lazy"}, optional
         ``"eager"`` (every pair connected at start: the full mesh), ``"lazy"`` (a pair connects

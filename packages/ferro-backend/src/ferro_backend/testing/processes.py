@@ -44,7 +44,7 @@ def _process_main(fn, rank, world, addr, transport, backend_timeout, args, resul
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    from ..launch.env import configure_logging
+    from ..joining.env import configure_logging
 
     configure_logging()
     try:
