@@ -1,6 +1,7 @@
 """The repository's structure holds, as ``nox -s lint`` checks it: no import cycle inside a
 distribution, no callable handed to compiled code to call back up, no source module over 500
-lines, no import up the layers (``tools/check_layers.py --static``), run here too so that the README's test line guards it."""
+lines, no import up the layers (``tools/check_layers.py --static``), run here too so that the
+README's test line guards it."""
 
 import subprocess
 import sys
