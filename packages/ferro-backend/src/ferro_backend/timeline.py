@@ -43,7 +43,7 @@ def active() -> bool:
 
 def add_hook(hook: Callable[[bool], None]) -> None:
     """``hook(True)`` when tracing starts, ``hook(False)`` when it stops (at once if it is on):
-    how a layer above installs its own recording (ferro-collective's compiled entry)."""
+    how a layer above that keeps state of its own while tracing is told."""
     _hooks.append(hook)
     if active():
         hook(True)

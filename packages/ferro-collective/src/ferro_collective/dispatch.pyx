@@ -15,7 +15,7 @@ arguments. :func:`run` tries the executors in order:
 
 :func:`submit` runs a call in the background (its place in the order of calls taken now).
 While the process traces (``ferro_backend.timeline``) each call is one event
-(:func:`.tracing.traced_call` times :func:`run_direct`); off, a call checks one flag.
+(:func:`.tracing.traced_call` times :func:`run_direct`); off, a call looks up one name.
 
 Nothing below calls back up here: the executors are imported, not registered.
 """
@@ -35,16 +35,9 @@ submit = executors.submit
 cdef object _NOT_TAKEN = NOT_TAKEN
 cdef object _general = executors.general
 cdef object _traced = tracing.traced_call
-cdef bint _tracing = False
-
-
-def _trace(bint on) -> None:
-    """Tracing started (True) or stopped (False): ``ferro_backend.timeline``'s hook."""
-    global _tracing
-    _tracing = on
-
-
-_backend_timeline.add_hook(_trace)
+# ferro_backend.timeline's state, read per call (one dict lookup): its events list while this
+# process traces, else None. Read, not registered for: nothing below calls back up here.
+cdef dict _timeline = _backend_timeline.__dict__
 
 
 def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
@@ -52,7 +45,7 @@ def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None)
     is its case, else its plan on the executor chosen for it; its result. ``arg``: the
     collective's own argument (op, root or None)."""
     try:
-        if _tracing:
+        if _timeline["_events"] is not None:
             return _traced(run_direct, coll, tensor, backend, arg, timeout, algorithm, out)
         return _run(coll, tensor, backend, arg, timeout, algorithm, out)
     except Exception as exc:  # its traceback ends here (ferro_backend.tracebacks.user_facing)
