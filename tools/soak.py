@@ -8,14 +8,22 @@ completed step, ``--step-file``) and sends the fault to a random rank process th
 
 * **elastic** (``ferrorun --nproc 2:3 --max-restarts 2``, ``examples/train_elastic.py``):
   SIGKILL, or SIGSTOP then SIGCONT (shorter than ``--settle``: the job must wait and go on
-  unchanged; longer: the rank is fenced and replaced). The run must end with the model of a
+  unchanged; longer: the rank is fenced and replaced), or a kill during a membership change
+  (``kill-in-change``: a rank killed, then a second one once the survivors stall in the
+  change: two members lost, both replaced). The run must end with the model of a
   reference run with the same membership history (fixed-size runs chained through states,
   built from the run's own history), bit for bit. Every other elastic cycle trains FULL_SHARD
   (checkpoints every 10 steps: a lost shard comes back from the newest one, in place).
 * **link cut** (root, every 6th cycle: ``--emulate-nodes 2 --nnodes 1:2``): node 1's link is
   cut at a random moment; node 0 must fence it and finish alone.
 * **restart** (``ferrorun --nproc 3 --max-restarts 3``, ``examples/train_mlp.py`` with
-  checkpoints every 5 steps): SIGKILL. The run must end bit-identical to an unbroken run.
+  checkpoints every 5 steps): SIGKILL, at a step or while a checkpoint is being written
+  (``kill-in-save``: the moment a new shard's ``.part``/``.tmp`` file appears). The run must
+  end bit-identical to an unbroken run (a half-written step is never loaded).
+* **full disk** (root, every 6th cycle): restart mode's job with its checkpoints on a 64 MiB
+  tmpfs, filled at a planned step: the next save must fail with ``CheckpointIOError`` naming
+  ENOSPC and the job stop; once the disk is freed, ``--resume`` from the newest committed step
+  must end bit-identical to the unbroken run.
 
 At the end: a table of faults planned, injected and recovered per mode and kind, and the time
 lost per fault (elastic: the recorded failure-to-training-again time; restart: the run's wall
@@ -80,10 +88,10 @@ class Injector(threading.Thread):
     before (the cycle fails on those: a fault that never fired tested nothing)."""
 
     def __init__(self, proc, planned: list[tuple[int, str]], steps: Path, settle: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, ckpt: Path | None = None) -> None:
         super().__init__(daemon=True)
         self.proc, self.planned, self.steps = proc, planned, steps
-        self.settle, self.rng = settle, rng
+        self.settle, self.rng, self.ckpt = settle, rng, ckpt
         self.done: list[str] = []
         self.missed: list[str] = []
 
@@ -104,10 +112,51 @@ class Injector(threading.Thread):
             time.sleep(0.01)
         return None
 
+    def _saving(self) -> int | None:
+        """A training rank's pid the moment a checkpoint save is being written (a shard's
+        ``.part`` or uncommitted ``.tmp`` file under ``ckpt``, not one a killed save left);
+        None if the job ended first."""
+        pattern = "step_*/.rank_*.safetensors.*"
+        left = set(self.ckpt.glob(pattern))
+        while self.proc.poll() is None:
+            if set(self.ckpt.glob(pattern)) - left:
+                seen = progress(self.steps, set(children(self.proc.pid)))
+                if seen:
+                    return self.rng.choice(sorted(seen))
+            time.sleep(0.0005)
+        return None
+
+    def _changing(self, gone: int) -> int | None:
+        """Another training rank's pid once the job is in the membership change ``gone``'s
+        loss began: no survivor's step has moved for 0.1 s (they wait in the rebuild); None
+        if the job ended first."""
+        last, since = None, time.monotonic()
+        while self.proc.poll() is None:
+            seen = progress(self.steps, set(children(self.proc.pid)) - {gone})
+            if seen != last:
+                last, since = seen, time.monotonic()
+            elif seen and time.monotonic() - since > 0.1:
+                return self.rng.choice(sorted(seen))
+            time.sleep(0.005)
+        return None
+
     def _inject(self, victim: int, kind: str) -> bool:
         try:
-            if kind == "kill":
+            if kind == "kill-in-save":
+                victim = self._saving()
+                if victim is None:
+                    return False
                 os.kill(victim, signal.SIGKILL)
+            elif kind == "kill-in-change":  # a second loss while the first is being handled
+                os.kill(victim, signal.SIGKILL)
+                second = self._changing(victim)
+                if second is None:
+                    return False
+                os.kill(second, signal.SIGKILL)
+            elif kind == "kill":
+                os.kill(victim, signal.SIGKILL)
+            elif kind == "full disk":  # the checkpoints' file system: nothing more fits
+                fill(self.ckpt.parent / "filler")
             else:
                 pause = self.settle * (0.3 if kind == "stop-short" else 2.0)
                 os.kill(victim, signal.SIGSTOP)
@@ -116,6 +165,16 @@ class Injector(threading.Thread):
         except ProcessLookupError:
             return False
         return True
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its file system is full."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+        except OSError:
+            pass
 
 
 def plan(rng: random.Random, steps: int, faults: int, kinds: list[str],
@@ -144,8 +203,11 @@ def elastic_cycle(tmp: Path, rng: random.Random, steps: int, strategy: str) -> d
                              str(steps), "--history", str(history), "--save-state", str(final),
                              "--step-file", str(step_dir), *sharded_dir(strategy, tmp / "ckpt")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    inj = Injector(proc, plan(rng, steps, rng.randint(1, 2), ["kill", "stop-short", "stop-long"],
-                              (0.05, 0.5)), step_dir, settle, rng)
+    planned = plan(rng, steps, rng.randint(1, 2), ["kill", "stop-short", "stop-long"],
+                   (0.05, 0.5))
+    if rng.random() < 0.3:  # or one loss during the change another began (two members lost)
+        planned = plan(rng, steps, 1, ["kill-in-change"], (0.05, 0.5))
+    inj = Injector(proc, planned, step_dir, settle, rng)
     inj.start()
     out, err = proc.communicate(timeout=600)
     inj.join(60)
@@ -153,7 +215,9 @@ def elastic_cycle(tmp: Path, rng: random.Random, steps: int, strategy: str) -> d
     if inj.missed:
         return result
     if proc.returncode != 0 or not history.exists():
-        result["why"] = f"ferrorun exited {proc.returncode}: {err[-800:]}"
+        said = [line for line in err.splitlines() if line.startswith("ferrorun:")]
+        result["why"] = f"ferrorun exited {proc.returncode}: {said} {err[-800:]}"
+        result["err"] = err
         return result
     changes = json.loads(history.read_text())["changes"]
     result["lost"] = [c["seconds"] for c in changes]
@@ -245,8 +309,8 @@ def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
                              str(MLP), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)
     # the second fault's step is reached again after the first restart's resume
-    inj = Injector(proc, plan(rng, steps, rng.randint(1, 2), ["kill"], (0.1, 0.6)), step_dir,
-                   0.0, rng)
+    inj = Injector(proc, plan(rng, steps, rng.randint(1, 2), ["kill", "kill-in-save"], (0.1, 0.6)),
+                   step_dir, 0.0, rng, tmp / "ckpt")
     inj.start()
     _, err = proc.communicate(timeout=600)
     inj.join(60)
@@ -268,12 +332,78 @@ def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
     return result
 
 
+def full_disk_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path) -> dict:
+    """Restart mode's job with its checkpoints on a small tmpfs, filled at a planned step: the
+    next save must fail with ferro-checkpoint's typed error naming the path and ENOSPC, and the
+    job stop (no restarts: the disk stays full). The newest committed checkpoint must be
+    whole: once the disk is freed, a ``--resume`` run from it must end bit-identical to the
+    unbroken run."""
+    disk, step_dir = tmp / "disk", tmp / "steps"
+    disk.mkdir()
+    step_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
+    try:
+        ckpt, dump = disk / "ckpt", tmp / "resumed.npz"
+        args = ["--dtype", "float64", "--strategy", "ddp", "--steps", str(steps),
+                "--no-progress", "--no-plot", "--checkpoint-dir", str(ckpt),
+                "--checkpoint-every", "5", "--step-file", str(step_dir)]
+        proc = subprocess.Popen([*FERRORUN, "--nproc", "3", str(MLP), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT)
+        inj = Injector(proc, plan(rng, steps, 1, ["full disk"], (0.2, 0.6)), step_dir, 0.0,
+                       rng, ckpt)
+        inj.start()
+        _, err = proc.communicate(timeout=600)
+        inj.join(60)
+        result = outcome("restart, full disk", inj)
+        if inj.missed:
+            return result
+        committed = sorted(int(p.parent.name[5:]) for p in ckpt.glob("step_*/metadata.json"))
+        if proc.returncode == 0 or "CheckpointIOError" not in err or \
+                "No space left on device" not in err or not committed:
+            result["why"] = (f"a full disk: ferrorun exited {proc.returncode}, committed steps "
+                             f"{committed}: {err[-800:]}")
+            return result
+        (disk / "filler").unlink()
+        t0 = time.monotonic()
+        r = run([*FERRORUN, "--nproc", "3", str(MLP), *args, "--resume", "--dump-params",
+                 str(dump)], 600)
+        result["lost"] = [time.monotonic() - t0]
+        if r.returncode != 0:
+            result["why"] = f"the resume from step {committed[-1]} failed: {r.stderr[-800:]}"
+            return result
+        import numpy as np
+
+        with np.load(dump) as got, np.load(reference) as want:
+            result["ok"] = sorted(got.files) == sorted(want.files) and all(
+                np.array_equal(got[k], want[k]) for k in want.files)
+        if not result["ok"]:
+            result["why"] = f"resumed from step {committed[-1]}: the model differs"
+        return result
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def can_mount() -> str | None:
+    """Why a tmpfs cannot be mounted here (not root...), or None."""
+    if os.geteuid() != 0:
+        return "not root"
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            return r.stderr.strip() or "mount failed"
+        subprocess.run(["umount", d], check=False)
+    return None
+
+
 def table(results: list[dict]) -> str:
     """Per mode and kind: faults planned, injected, runs they were in and those that ended
     right, and the time lost per fault."""
     rows = ["| mode | fault | planned | injected | runs | runs ended right | time lost per fault "
             "(median, min-max) |", "|---|---|---|---|---|---|---|"]
-    for mode in ("elastic ddp", "elastic full_shard", "elastic, emulated nodes", "restart"):
+    for mode in ("elastic ddp", "elastic full_shard", "elastic, emulated nodes", "restart",
+                 "restart, full disk"):
         mine = [r for r in results if r["mode"] == mode]
         kinds = sorted({k for r in mine for k in r["planned"]})
         lost = [x for r in mine for x in r["lost"]]
@@ -306,6 +436,9 @@ def main(argv=None) -> int:
     emulation = why is None
     if not emulation:
         print(f"soak: no emulated nodes here ({why}): no link cuts", flush=True)
+    no_disk = can_mount()
+    if no_disk:
+        print(f"soak: no tmpfs to fill here ({no_disk}): no full disks", flush=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ferro-soak-") as d:
         tmp = Path(d)
@@ -328,6 +461,8 @@ def main(argv=None) -> int:
                 res = elastic_cycle(work, rng, args.steps, strategy)
             elif cycle % 6 == 0 and emulation:
                 res = cut_cycle(work, rng)
+            elif cycle % 6 == 4 and not no_disk:
+                res = full_disk_cycle(work, rng, 300, ref)
             else:
                 res = restart_cycle(work, rng, 300, ref, unbroken)
             results.append(res)

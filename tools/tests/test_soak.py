@@ -67,3 +67,40 @@ def test_the_table_counts_planned_and_injected_and_the_share_fired() -> None:
     table = soak.table(results)
     assert "| restart | kill | 3 | 2 | 2 | 1 | 1.50 s (1.00-2.00) |" in table, table
     assert soak.fired(results) == 2 / 3 < soak.MIN_FIRED
+
+
+def test_a_kill_in_save_waits_for_a_new_shard_being_written(tmp_path: Path) -> None:
+    """Armed at its step, it leaves alone a shard a killed save left behind and fires the
+    moment a new one appears."""
+    steps, ckpt = tmp_path / "steps", tmp_path / "ckpt"
+    steps.mkdir()
+    (ckpt / "step_5").mkdir(parents=True)
+    (ckpt / "step_5" / ".rank_0.old.safetensors.part").write_bytes(b"")  # a crash's leftover
+    proc = fake_job(steps, 500)
+    inj = soak.Injector(proc, [(10, "kill-in-save")], steps, 0.0, random.Random(0), ckpt)
+    inj.start()
+    import time
+
+    deadline = time.monotonic() + 20
+    while max([int(f.read_bytes() or b"0") for f in steps.iterdir()] or [0]) < 30:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    time.sleep(0.1)  # well past step 10: the injector waits for a save
+    assert proc.poll() is None and inj.done == []
+    (ckpt / "step_10").mkdir()
+    (ckpt / "step_10" / ".rank_1.new.safetensors.part").write_bytes(b"")
+    assert proc.wait(timeout=30) == 3
+    inj.join(10)
+    assert (inj.done, inj.missed) == (["kill-in-save"], [])
+
+
+def test_a_full_disk_fills_the_checkpoints_file_system(tmp_path: Path, monkeypatch) -> None:
+    written = []
+    monkeypatch.setattr(soak, "fill", written.append)
+    proc = fake_job(tmp_path, 40)
+    inj = soak.Injector(proc, [(5, "full disk")], tmp_path, 0.0, random.Random(0),
+                        tmp_path / "disk" / "ckpt")
+    inj.start()
+    proc.wait(timeout=30)
+    inj.join(10)
+    assert inj.done == ["full disk"] and written == [tmp_path / "disk" / "filler"]

@@ -88,6 +88,44 @@ def test_survivors_form_the_next_generation_from_the_most_advanced_step(coordina
     close_all(survivors)
 
 
+def test_a_member_lost_while_the_next_generation_forms_is_left_behind(coordinator, monkeypatch):
+    """A member dies inside the next generation's rendezvous: the others' rendezvous fails,
+    they tell the coordinator they are ready again and the generation after forms without it
+    (0.3: their rendezvous error ended their processes, and the job with them)."""
+    from ferro_backend import elastic
+
+    c = coordinator(2, 3, 3)
+    jobs = sorted(outcomes(lambda: ElasticJob(c.address, TOKEN, join_timeout=30, timeout=3),
+                           [()] * 3), key=lambda j: j.member_id)
+    victim, real_build, local = jobs[2], elastic.build, threading.local()
+
+    class Died(BaseException):
+        pass
+
+    def build(*args, **kwargs):
+        if getattr(local, "victim", False):  # dies with the generation's message in hand
+            victim._sock.close()
+            raise Died
+        return real_build(*args, **kwargs)
+
+    def rebuild(job):
+        local.victim = job is victim
+        try:
+            job.rebuild(5, "a peer died")
+        except Died:
+            return "died"
+        return (job.world_size, job.generation)
+
+    monkeypatch.setattr(elastic, "build", build)
+    assert outcomes(rebuild, [(j,) for j in jobs]) == [(2, 2), (2, 2), "died"]
+    survivors = jobs[:2]
+    survivors[0].backend.send(b"ok", 1)
+    buf = bytearray(2)
+    survivors[1].backend.recv(buf, 0, timeout=10)
+    assert bytes(buf) == b"ok"
+    close_all(survivors)
+
+
 def test_a_newcomer_is_announced_then_taken_in_with_the_state_source(coordinator):
     c = coordinator(1, 3, 2)
     jobs = members(c, 2)

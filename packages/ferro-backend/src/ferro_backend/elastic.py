@@ -33,7 +33,7 @@ from typing import Any
 
 from . import settings
 from .base import Backend
-from .errors import LauncherError, RendezvousError
+from .errors import DistributedError, LauncherError, RendezvousError
 from .joining.meet import build, choose_transport, node_key
 from .launch.coordinator import MAX_LINE, mac, send_line
 from .mesh.rendezvous import listen
@@ -156,15 +156,9 @@ class ElasticJob:
                 old.abort(reason) if reason is not None else old.close()
             except Exception:  # a backend already broken by the failure: nothing to release
                 pass
-        listener, addr = self._listener()
-        try:
-            send_line(self._sock, {"op": "ready", "step": int(step), "addr": addr})
-        except OSError as exc:
-            listener.close()
-            raise ElasticError(f"elastic: member {self.member_id}: the coordinator is gone "
-                               f"({exc})") from exc
+        listener = self._ready(step, reason)
         self._pending = False
-        self._enter(listener)
+        self._enter(listener, int(step))
 
     def close(self) -> None:
         """This rank is done (the job finished): tell the coordinator, release the backend."""
@@ -184,6 +178,18 @@ class ElasticJob:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _ready(self, step: int, why: str | None) -> socket.socket:
+        """Tell the coordinator this rank is ready for the next generation (``step``: the last
+        it completed); the listener it offers for that generation's rendezvous."""
+        listener, addr = self._listener()
+        try:
+            send_line(self._sock, {"op": "ready", "step": int(step), "addr": addr})
+        except OSError as exc:
+            listener.close()
+            raise ElasticError(f"elastic: member {self.member_id}: the coordinator is gone "
+                               f"({exc}){'' if why is None else f'; {why}'}") from exc
+        return listener
+
     def _listener(self) -> tuple[socket.socket, str]:
         """A fresh listener for the next generation's rendezvous (used if this rank becomes its
         rank 0): loopback when the coordinator is on loopback, else every interface."""
@@ -192,22 +198,33 @@ class ElasticJob:
         ip = "127.0.0.1" if loop else self._sock.getsockname()[0]
         return lsock, f"{ip}:{lsock.getsockname()[1]}"
 
-    def _enter(self, listener: socket.socket) -> None:
-        """Wait for the coordinator's next generation and build its backend."""
-        try:
-            msg = self._read("generation")
-            rank, world = int(msg["rank"]), int(msg["world"])
-            nodes = [str(n) for n in msg["nodes"]]
-            transport = choose_transport(settings.TRANSPORT.get(), len(set(nodes)) == 1,
-                                         f"generation {msg['generation']} spans "
-                                         f"{len(set(nodes))} nodes")
-            if rank != 0:
+    def _enter(self, listener: socket.socket, step: int = -1) -> None:
+        """Wait for the coordinator's next generation and build its backend. A generation
+        that breaks while it forms (a member lost during its rendezvous: a handshake or the
+        engine segment's hand-over refused) is left as a failed one is: this rank tells the
+        coordinator it is ready again (``step``: the last it completed) and waits for the
+        next generation."""
+        while True:
+            try:
+                msg = self._read("generation")
+                rank, world = int(msg["rank"]), int(msg["world"])
+                nodes = [str(n) for n in msg["nodes"]]
+                transport = choose_transport(settings.TRANSPORT.get(), len(set(nodes)) == 1,
+                                             f"generation {msg['generation']} spans "
+                                             f"{len(set(nodes))} nodes")
+                if rank != 0:
+                    listener.close()
+                try:
+                    backend = build(transport, rank, world, msg["addr"], dict(self._kwargs),
+                                    listener if rank == 0 else None)
+                    break
+                except (DistributedError, OSError) as exc:
+                    listener.close()
+                    listener = self._ready(step, f"generation {msg['generation']} broke while "
+                                                 f"it formed: {exc}")
+            except BaseException:
                 listener.close()
-            backend = build(transport, rank, world, msg["addr"], dict(self._kwargs),
-                            listener if rank == 0 else None)
-        except BaseException:
-            listener.close()
-            raise
+                raise
         backend.nodes = tuple(nodes)
         if transport == "tcp" and len(set(nodes)) > 1 and settings.HIERARCHY.get():
             from .hierarchy import attach_hierarchy
