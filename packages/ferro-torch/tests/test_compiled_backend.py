@@ -130,3 +130,43 @@ def test_a_torch_older_than_the_oldest_supported_is_not_built_against(monkeypatc
     monkeypatch.setattr(_compiled.torch, "__version__", "2.8.0+cpu")
     with pytest.raises(_compiled.BuildError, match=r"torch 2\.8\.0\+cpu is older than 2\.9"):
         _compiled._preflight()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
+        tmp_path, monkeypatch):
+    """torch's build lock is a file; a build killed while holding it left it for ever (every
+    later process waited in torch's loop until its test or job timed out)."""
+    import os
+    import threading
+    import time
+
+    from ferro_torch import _compiled
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = _compiled._build_dir("x") / "lock"
+    lock.write_bytes(b"")
+    os.utime(lock, (time.time() - _compiled.STALE_LOCK_S - 5,) * 2)
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        _compiled._wait_for_build_lock("x")
+    assert not lock.exists()
+    lock.write_bytes(b"")  # a build going on: waited for until it ends
+    threading.Timer(0.5, lock.unlink).start()
+    t0 = time.monotonic()
+    _compiled._wait_for_build_lock("x")
+    assert 0.4 < time.monotonic() - t0 < 5
+
+
+def test_installs_in_other_places_build_apart(monkeypatch, tmp_path):
+    """The build's commands name the headers' directory, so two installs sharing one cache
+    entry rebuilt it for each other: the name now tells them apart."""
+    import shutil
+
+    from ferro_torch import _compiled
+
+    import ferro_backend
+
+    here = _compiled.extension_name()
+    copy = tmp_path / "include"
+    shutil.copytree(ferro_backend.get_include(), copy)
+    monkeypatch.setattr(ferro_backend, "get_include", lambda: str(copy))
+    assert _compiled.extension_name() != here

@@ -25,6 +25,7 @@ import hashlib
 import os
 import shutil
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -81,6 +82,8 @@ def extension_name() -> str:
               inc / "engine_python.h"]:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(torch.__version__.encode())
+    # the build's commands name the headers' directory: installs elsewhere build apart
+    h.update(str(inc.resolve()).encode())
     tv = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     major, minor = _abi()
     return f"ferro_torch_c10d_t{tv}_door{major}_{minor}_{h.hexdigest()[:12]}"
@@ -134,6 +137,7 @@ def _build() -> ModuleType:
             extra_cflags=["-O2", "-fvisibility=hidden"], verbose=False)
 
     name = extension_name()
+    _wait_for_build_lock(name)
     record = _failure_record(name)
     if choice() == "auto" and record.is_file():
         raise BuildError(f"{record.read_text().strip()} (an earlier build; delete {record}, or "
@@ -159,6 +163,39 @@ def _build() -> ModuleType:
         raise BuildError(why) from exc
     record.unlink(missing_ok=True)
     return built
+
+
+#: a build lock older than this was left by a build that was killed (one takes about a minute)
+STALE_LOCK_S = 600.0
+
+
+def _wait_for_build_lock(name: str) -> None:
+    """Wait while another process builds ``name`` (torch's lock file in its build directory);
+    a lock older than :data:`STALE_LOCK_S` was left by a killed build and is removed, with a
+    warning (torch's own wait would last for ever)."""
+    lock = _build_dir(name) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            return  # no lock: nobody builds it
+        if age > STALE_LOCK_S:
+            warnings.warn(f"ferro-torch: removing the stale build lock {lock} ({age:.0f} s old: "
+                          "a build was killed)", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.2)
+
+
+def _build_dir(name: str) -> Path:
+    """torch's build directory of extension ``name`` (its private helper where it has one)."""
+    from torch.utils import cpp_extension
+
+    where = getattr(cpp_extension, "_get_build_directory", None)
+    if where is not None:
+        return Path(where(name, verbose=False))
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / name
 
 
 def _record(path: Path, why: str) -> None:
