@@ -589,3 +589,23 @@ def test_point_to_point_runs_beside_a_collective_in_flight(shim):
     assert ranks[1](BARRIER) == OK
     t.join(10)
     assert got["barrier"] == OK
+
+
+ENGINE_SRC = Path(__file__).resolve().parents[1] / "src" / "ferro_backend" / "engine"
+
+
+@pytest.mark.skipif(not ENGINE_SRC.is_dir(), reason="needs the source tree")
+@pytest.mark.parametrize("header", sorted(p.name for p in [*ENGINE_SRC.glob("_*.h"),
+                                                            *ENGINE_SRC.parent.glob("kernels/_*.h")]))
+def test_every_engine_header_compiles_alone(header, tmp_path):
+    """The engine's own headers, as its build compiles them (C11, _GNU_SOURCE): each one with
+    the includes it needs, none a piece of another that only compiles inside it."""
+    src = tmp_path / "one.c"
+    src.write_text(f'#include "{header}"\nint main(void) {{ return 0; }}\n')
+    r = subprocess.run([_compiler(False), "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",
+                        "-Werror", "-fsyntax-only", "-I", str(ENGINE_SRC), "-I",
+                        str(ENGINE_SRC.parent / "include"), "-I",
+                        str(ENGINE_SRC.parent / "kernels"), "-I",
+                        sysconfig.get_paths()["include"], str(src)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -13,7 +13,9 @@
 #include <stdint.h>
 
 #include "ferro/engine.h"
+#include "_split.h"
 #include "_steps.h"
+#include "_stream.h"
 
 /* the longest message a call leaves */
 #define FERRO_MSG 1024

@@ -1,11 +1,16 @@
 /* A one-call step's data: where it goes in every rank's slot (it moves on from call to call)
  * and how it comes out again (the fold, the broadcast and all_gather copies).
  *
- * Included by _steps.h after ferro_slots (it reads the slots and s->rot, which
- * ferro_slots_post sets for the step it posts).
+ * On the slots of _slots.h (it reads them and s->rot, which ferro_slots_post, _steps.h, sets
+ * for the step it posts).
  */
 #ifndef FERRO_ONESTEP_H
 #define FERRO_ONESTEP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "_slots.h"
 
 /* Where a one-call step's data goes in every rank's slot: it moves on by its own size (in
  * pages) every call, through the whole slot, for calls of FERRO_ROTATE_MIN bytes per rank and

@@ -2,7 +2,7 @@
  * rings in its two slots, so that the ranks copy, fold and gather at the same time instead of
  * each folding everything, at any size (the rings wrap beyond a slot).
  *
- * Included by _steps.h (it uses ferro_slots). Two forms: the allreduce (split.gather = 1:
+ * On the steps of _steps.h. Two forms: the allreduce (split.gather = 1:
  * every rank ends with every part; ferro_api_allreduce runs it for an allreduce of at least
  * split_min bytes) and the reduce_scatter (gather = 0: a rank ends with its own part only).
  * The data splits into n parts (rank r owns part r, items [r*q + min(r, m), ...) for count =
@@ -47,11 +47,11 @@
 #ifndef FERRO_SPLIT_H
 #define FERRO_SPLIT_H
 
+#include "_steps.h"
+
 enum { FERRO_KIND_SPLIT = 0, FERRO_KIND_STREAM = 1 };
 /* which progress word a wait reads */
 enum { FERRO_PROG_IN = 0, FERRO_PROG_OUT = 1, FERRO_PROG_GATHER = 2 };
-
-static inline int ferro_stream_run(ferro_slots* s, double deadline);
 
 /* chunk bytes: a part in about FERRO_SPLIT_CHUNKS chunks, within these bounds, and at most a
  * quarter of a part's input sub-ring (half in tiny slots), so that a ring of a few chunks
@@ -283,8 +283,7 @@ static inline int ferro_split_resume(ferro_slots* s, double deadline) {
         ferro_split_bases(s);
         s->split.active = 1;
     }
-    return s->split.kind == FERRO_KIND_STREAM ? ferro_stream_run(s, deadline)
-                                              : ferro_split_run(s, deadline);
+    return s->split.run(s, deadline);
 }
 
 /* After the start step (its result rc): the pipeline, or the start's wait kept to resume. */
@@ -310,6 +309,7 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     ptrdiff_t first, len;
     int rc = ferro_split_begin(s, header, hlen, hash, seq, deadline);
     sp->kind = FERRO_KIND_SPLIT;
+    sp->run = ferro_split_run;
     sp->gather = gather;
     sp->src = (const unsigned char*)src;
     sp->out = (unsigned char*)out;

@@ -1,6 +1,6 @@
 /* The streamed all_gather: blocks larger than a slot, pipelined through each rank's two slots.
  *
- * Included by _steps.h after _split.h (it shares the split step's state, bases and waits).
+ * On the split step of _split.h (it shares its state, bases and waits).
  * Cross-memory reads (process_vm_readv) pin the peer's pages one by one: here they move 1.4-3.9
  * GB/s, while a plain copy moves 9-15. Two plain copies, the owner's into its slot and each
  * reader's out of it, run at the same time on different cores, so a block crosses at about one
@@ -22,6 +22,8 @@
  */
 #ifndef FERRO_STREAM_H
 #define FERRO_STREAM_H
+
+#include "_split.h"
 
 
 /* chunks in the ring (both slots); a chunk is slot_bytes / (FERRO_STREAM_RING / 2) */
@@ -100,6 +102,7 @@ static inline int ferro_stream_start(ferro_slots* s, const unsigned char* header
     ferro_split* sp = &s->split;
     int rc = ferro_split_begin(s, header, hlen, hash, seq, deadline);
     sp->kind = FERRO_KIND_STREAM;
+    sp->run = ferro_stream_run;
     sp->src = (const unsigned char*)src;
     sp->out = (unsigned char*)out;
     sp->itemsize = nbytes;  /* a block */
