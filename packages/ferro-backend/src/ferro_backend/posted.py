@@ -60,6 +60,12 @@ class PostedRecv(Request):
             box.driver.nudge()
 
     # -- caller side ----------------------------------------------------------------------
+    def cancel(self, error: BaseException) -> bool:
+        if not self._done and self._box.withdraw(self):
+            self.fail(error)
+            return True
+        return False
+
     def is_completed(self) -> bool:
         if not self._done and self._box.driver is not None:
             self._box.driver.drive(self, 0.0)  # one look at the sockets (a polling loop reads)
@@ -135,6 +141,9 @@ class PumpedRecv(Request):
     def _pump(self) -> None:
         for pump in self._pumps:
             pump()
+
+    def cancel(self, error: BaseException) -> bool:
+        return self._req.cancel(error)
 
     def is_completed(self) -> bool:
         if not self._req._done:

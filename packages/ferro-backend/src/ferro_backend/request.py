@@ -67,6 +67,24 @@ class Request(abc.ABC):
             pause = min(pause * 2, 1e-3)
         return True
 
+    def cancel(self, error: BaseException) -> bool:
+        """End the operation now with ``error``, if it is still pending and its transport can
+        take it back (a posted receive: withdrawn, so a later message goes to a later
+        receive); its waiters then raise ``error`` at once.
+
+        Parameters
+        ----------
+        error : BaseException
+            What :meth:`wait` raises from now on.
+
+        Returns
+        -------
+        bool
+            True if it ended so; False if it had completed (or this transport cannot take it
+            back: the default).
+        """
+        return False
+
     def test(self) -> bool:
         """Alias of :meth:`is_completed` (MPI's name).
 

@@ -228,6 +228,9 @@ class _LocalSource(Request):
         g = self._req.source
         return None if g is None else self._to_local(g)
 
+    def cancel(self, error: BaseException) -> bool:
+        return self._req.cancel(error)
+
     def wait(self, timeout: float | None = None) -> None:
         self._req.wait(timeout)
 

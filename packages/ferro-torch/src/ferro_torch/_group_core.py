@@ -3,6 +3,7 @@ keeps its operations in issue order, and the argument checks they all make."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,6 +35,8 @@ class GroupCore(dist.ProcessGroup):
         self._closed = False
         #: the Works issued since torch's ``_start_coalescing`` (None: not coalescing)
         self._coalescing: list[FerroWork] | None = None
+        #: this group's receives, while they may be pending (ended when the group ends)
+        self._receives: weakref.WeakSet = weakref.WeakSet()
 
     def _run(self, name: str, outputs: list[torch.Tensor], opts, fn: Callable[[], None]
              ) -> FerroWork | DoneWork:

@@ -83,7 +83,9 @@ class PointToPoint(GroupCore):
                 with torch.no_grad():
                     t.copy_(staged)
 
-        return self._issued(RequestWork(name, [t], req, self._b.timeout, after))
+        work = RequestWork(name, [t], req, self._b.timeout, after)
+        self._receives.add(work)
+        return self._issued(work)
 
 
 __all__ = ["TAG_LIMIT", "PointToPoint"]

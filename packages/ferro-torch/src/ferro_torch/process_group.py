@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ferro_backend import Backend, SubBackend
+from ferro_backend import Backend, PeerClosedError, SubBackend
 from ferro_backend.engine import attach_engine
 
 from . import _compiled
@@ -72,6 +72,12 @@ class ProcessGroupFerro(Collectives, PointToPoint, DeviceBackend):
             return
         self._closed = True
         self._runner.stop()
+        # a receive still pending ends now, not at its deadline (a subgroup's transport goes
+        # on: nothing else would end it)
+        ended = PeerClosedError(f"ferro recv: process group {self._name!r} was destroyed while "
+                                "this receive was pending")
+        for work in list(self._receives):
+            work._request.cancel(ended)
         if self._owns:
             _forget_root(self)
             end_transport()

@@ -29,6 +29,9 @@ from .segment import Engine
 WATCH_PERIOD = 1e-3
 #: seconds of one wait while another peer's failure is known (the failure flag is up for good)
 DEGRADED_SLICE = 0.05
+#: the longest one wait for a ring's data lasts (then the receive looks whether it was ended:
+#: ``Request.cancel``)
+CANCEL_SLICE = 0.2
 #: a drain waits this long for the next chunk of a message being streamed before it moves on
 STREAM_IDLE = 0.02
 _KINDS = (_ring.EAGER, _ring.CHUNK, _ring.CMA)
@@ -139,7 +142,9 @@ class Delivery:
                     now = time.monotonic()
                     if now >= deadline:
                         return False
-                    until = deadline if watch else min(deadline, now + DEGRADED_SLICE)
+                    # wakes at least every CANCEL_SLICE: a receive ended meanwhile (its group
+                    # destroyed: Request.cancel) is noticed without a message
+                    until = min(deadline, now + (CANCEL_SLICE if watch else DEGRADED_SLICE))
                     if ring.wait_data(until, watch) == _ring.FAILED:
                         watch = False  # another peer's failure: this pair goes on
             finally:
@@ -332,6 +337,9 @@ class RingRecv(Request):
     @property
     def source(self) -> int | None:
         return self._req.source
+
+    def cancel(self, error: BaseException) -> bool:
+        return self._req.cancel(error)
 
     def is_completed(self) -> bool:
         if not self._req._done:
