@@ -20,6 +20,10 @@ completed step, ``--step-file``) and sends the fault to a random rank process th
   checkpoints every 5 steps): SIGKILL, at a step or while a checkpoint is being written
   (``kill-in-save``: the moment a new shard's ``.part``/``.tmp`` file appears). The run must
   end bit-identical to an unbroken run (a half-written step is never loaded).
+* **coordinator host stopped** (root, every 12th cycle, instead of a link cut): two emulated
+  nodes, node 0 (its agent holds the coordinator) stopped whole at a planned step: node 1's
+  member must end with the error naming the coordinator within ``2 --timeout + --settle +
+  --join-timeout + 10 s``.
 * **full disk** (root, every 6th cycle): restart mode's job with its checkpoints on a 64 MiB
   tmpfs, filled at a planned step: the next save must fail with ``CheckpointIOError`` naming
   ENOSPC and the job stop; once the disk is freed, ``--resume`` from the newest committed step
@@ -66,6 +70,21 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry.name))
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on."""
+    out = []
+    for child in children(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def progress(directory: Path, alive: set[int]) -> dict[int, int]:
@@ -332,6 +351,71 @@ def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
     return result
 
 
+def stop_cycle(tmp: Path, rng: random.Random) -> dict:
+    """Two emulated nodes (``--emulate-nodes 2 --nnodes 1:2``); node 0, whose agent holds the
+    coordinator, stopped whole (SIGSTOP, its agent and rank) once the job reaches a planned
+    step: node 1's member must end with the error naming the coordinator (``no 'generation'
+    from the coordinator``) within its deadline: ``--timeout`` to see node 0's rank gone, then
+    ferrorun's ``FERRO_ELASTIC_TIMEOUT`` for its ranks (``--settle`` + ``--join-timeout`` +
+    ``--timeout`` + 10 s) for the next generation; and node 1's agent end with it. Then node 0
+    is killed."""
+    timeout, settle, join = 2.0, 2.0, 8.0
+    bound = timeout + settle + join + timeout + 10.0
+    step_dir = tmp / "steps"
+    step_dir.mkdir()
+    proc = subprocess.Popen([*FERRORUN, "--emulate-nodes", "2", "--nnodes", "1:2", "--nproc",
+                             "1", "--timeout", str(timeout), "--settle", str(settle),
+                             "--join-timeout", str(join), str(ELASTIC), "--dtype", "float64",
+                             "--steps", "40000", "--step-file", str(step_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    at = rng.randint(200, 2000)
+    result = {"mode": "elastic, emulated nodes", "planned": ["coordinator host stopped"],
+              "faults": [], "ok": False, "lost": []}
+    stopped: list[int] = []
+    ended = float("inf")
+    try:
+        node1 = None
+        while proc.poll() is None:
+            seen = progress(step_dir, set(descendants(proc.pid)))
+            agents = {int(cmdline(a).split("--node-rank ")[1].split()[0]): a
+                      for a in children(proc.pid) if "--node-rank " in cmdline(a)}
+            if seen and max(seen.values()) >= at and len(agents) == 2:
+                stopped = [agents[0], *descendants(agents[0])]
+                node1 = agents[1]
+                break
+            time.sleep(0.01)
+        if node1 is None:
+            result["why"] = f"planned fault not injected: the job ended before step {at}"
+            return result
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        result["faults"].append("coordinator host stopped")
+        while Path(f"/proc/{node1}").exists() and \
+                Path(f"/proc/{node1}/stat").read_text().split()[2] != "Z" and \
+                time.monotonic() - t0 < bound + 30:
+            time.sleep(0.1)
+        ended = time.monotonic() - t0
+        result["lost"] = [ended]
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    said = "no 'generation' from the coordinator" in err
+    result["ok"] = ended <= bound + 5 and said
+    if not result["ok"]:
+        result["why"] = (f"node 1 ended {ended:.1f} s after node 0 stopped (bound {bound:g} s), "
+                         f"the coordinator named: {said}: {err[-800:]}")
+    return result
+
+
 def full_disk_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path) -> dict:
     """Restart mode's job with its checkpoints on a small tmpfs, filled at a planned step: the
     next save must fail with ferro-checkpoint's typed error naming the path and ENOSPC, and the
@@ -460,7 +544,7 @@ def main(argv=None) -> int:
                 strategy = "ddp" if cycle % 4 == 1 else "full_shard"
                 res = elastic_cycle(work, rng, args.steps, strategy)
             elif cycle % 6 == 0 and emulation:
-                res = cut_cycle(work, rng)
+                res = cut_cycle(work, rng) if cycle % 12 else stop_cycle(work, rng)
             elif cycle % 6 == 4 and not no_disk:
                 res = full_disk_cycle(work, rng, 300, ref)
             else:

@@ -295,3 +295,22 @@ def test_join_from_the_environment_with_a_backend_timeout(coordinator, monkeypat
         assert job.world_size == 1 and job.backend.timeout == 5.0
     finally:
         job.close()
+
+
+def test_a_silent_coordinator_is_named_at_the_members_deadline():
+    """A coordinator whose host is stopped accepts connections (the kernel does) and says
+    nothing: the member ends at its deadline with the error that names it."""
+    from ferro_backend.launch.elastic_run import elastic_timeout
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = lsock.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ElasticError, match=r"no 'challenge' from the coordinator at "
+                                               r"127\.0\.0\.1 in 0\.5 s .*stopped or unreachable"):
+            ElasticJob(f"127.0.0.1:{port}", TOKEN, join_timeout=0.5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        lsock.close()
+    # ferrorun gives its ranks a deadline that covers the coordinator's own waits
+    assert elastic_timeout(3.0, 60.0, 2.0) == 75.0 and elastic_timeout(3.0, 60.0, None) == 73.0

@@ -245,7 +245,9 @@ class ElasticJob:
                 ready, _, _ = select.select([self._sock], [], [], max(0.0, left))
                 if not ready:
                     raise ElasticError(f"elastic: member {getattr(self, 'member_id', '?')}: "
-                                       f"no {want!r} from the coordinator in {self._timeout} s")
+                                       f"no {want!r} from the coordinator at {self._host} in "
+                                       f"{self._timeout:g} s (FERRO_ELASTIC_TIMEOUT): it is "
+                                       "stopped or unreachable, or its node is gone")
                 self._recv()
             msg = self._take()
             if msg is None:

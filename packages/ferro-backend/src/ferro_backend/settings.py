@@ -217,7 +217,8 @@ ELASTIC = _declare("FERRO_ELASTIC", "host:port", _text, None, "`ferro_backend.el
                    "the elastic job's coordinator (set by `ferrorun --nproc MIN:MAX`)")
 ELASTIC_TIMEOUT = _declare("FERRO_ELASTIC_TIMEOUT", "seconds", _seconds, 120.0,
                            "`ferro_backend.elastic`", "how long a rank waits for the "
-                           "coordinator to form the next generation")
+                           "coordinator to form the next generation (ferrorun sets it for its "
+                           "ranks: --settle + --join-timeout + --timeout + 10)")
 LOG_LEVEL = _declare("FERRO_LOG_LEVEL", "debug, info, warning or error",
                      _choice("debug", "info", "warning", "error"), None, "`import ferro_backend`",
                      "level of the `ferro_backend`, `ferro_collective`, `ferro_fsdp` and "

@@ -34,6 +34,13 @@ def parse_range(raw: str, what: str) -> tuple[int, int]:
     return low, high
 
 
+def elastic_timeout(settle: float, join_timeout: float, timeout: float | None) -> float:
+    """A rank's wait for the next generation (``FERRO_ELASTIC_TIMEOUT``): the settle time,
+    the join deadline for announced replacements, a peer's deadline (``--timeout``) and 10 s
+    of margin."""
+    return round(settle + join_timeout + (timeout or 0.0) + 10.0, 3)
+
+
 class ElasticRun:
     """Run this node's ranks of an elastic job until it ends; :meth:`wait` returns the code."""
 
@@ -63,6 +70,12 @@ class ElasticRun:
                             (settings.LOG_LEVEL.name, args.log_level)):
             if value is not None:
                 base[name] = str(value)
+        # how long a rank waits for the next generation: as long as the coordinator may take
+        # to form one (the settle time, then announced replacements up to the join deadline)
+        # and a margin, not the default 120 s: a rank whose coordinator host is stopped ends
+        # with the error that says so that much sooner (unless the environment sets it)
+        base.setdefault(settings.ELASTIC_TIMEOUT.name,
+                        str(elastic_timeout(settle, args.join_timeout, args.timeout)))
         for var in ("RANK", "MASTER_PORT"):   # ranks come from the coordinator, not from here
             base.pop(var, None)
         self.base = base
