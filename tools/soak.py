@@ -315,6 +315,15 @@ def same_state(a: Path, b: Path) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(sa["params"], sb["params"], strict=True))
 
 
+def same_params(dump: Path, reference: Path) -> bool:
+    """Whether two ``--dump-params`` files hold the same arrays, bit for bit."""
+    import numpy as np
+
+    with np.load(dump) as got, np.load(reference) as want:
+        return sorted(got.files) == sorted(want.files) and all(
+            np.array_equal(got[k], want[k]) for k in want.files)
+
+
 def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
                   unbroken: float) -> dict:
     dump = tmp / "restart.npz"
@@ -341,11 +350,7 @@ def restart_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path,
     if proc.returncode != 0 or not dump.exists():
         result["why"] = f"ferrorun exited {proc.returncode}: {err[-800:]}"
         return result
-    import numpy as np
-
-    with np.load(dump) as got, np.load(reference) as want:
-        result["ok"] = sorted(got.files) == sorted(want.files) and all(
-            np.array_equal(got[k], want[k]) for k in want.files)
+    result["ok"] = same_params(dump, reference)
     if not result["ok"]:
         result["why"] = "the model differs from the unbroken run"
     return result
@@ -456,11 +461,7 @@ def full_disk_cycle(tmp: Path, rng: random.Random, steps: int, reference: Path) 
         if r.returncode != 0:
             result["why"] = f"the resume from step {committed[-1]} failed: {r.stderr[-800:]}"
             return result
-        import numpy as np
-
-        with np.load(dump) as got, np.load(reference) as want:
-            result["ok"] = sorted(got.files) == sorted(want.files) and all(
-                np.array_equal(got[k], want[k]) for k in want.files)
+        result["ok"] = same_params(dump, reference)
         if not result["ok"]:
             result["why"] = f"resumed from step {committed[-1]}: the model differs"
         return result
