@@ -175,7 +175,11 @@ class Injector(threading.Thread):
             elif kind == "kill":
                 os.kill(victim, signal.SIGKILL)
             elif kind == "full disk":  # the checkpoints' file system: nothing more fits
-                fill(self.ckpt.parent / "filler")
+                full = threading.Event()
+                threading.Thread(target=fill, daemon=True, args=(
+                    self.ckpt.parent / "filler",
+                    lambda: full.set() or self.proc.poll() is not None)).start()
+                full.wait(30)
             else:
                 pause = self.settle * (0.3 if kind == "stop-short" else 2.0)
                 os.kill(victim, signal.SIGSTOP)
@@ -186,14 +190,18 @@ class Injector(threading.Thread):
         return True
 
 
-def fill(path: Path) -> None:
-    """Write ``path`` until its file system is full."""
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(bytes(1 << 20))
-        except OSError:
-            pass
+def fill(path: Path, done=None) -> None:
+    """Write ``path`` until its file system is full; with ``done`` (a callable), keep it full
+    until ``done()`` (space a checkpoint rotation frees is taken back at once, else a save may
+    find room again)."""
+    with open(path, "ab", buffering=0) as f:
+        while True:
+            try:
+                f.write(bytes(1 << 16))
+            except OSError:
+                if done is None or done():
+                    return
+                time.sleep(0.002)
 
 
 def plan(rng: random.Random, steps: int, faults: int, kinds: list[str],

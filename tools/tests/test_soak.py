@@ -96,11 +96,48 @@ def test_a_kill_in_save_waits_for_a_new_shard_being_written(tmp_path: Path) -> N
 
 def test_a_full_disk_fills_the_checkpoints_file_system(tmp_path: Path, monkeypatch) -> None:
     written = []
-    monkeypatch.setattr(soak, "fill", written.append)
+    monkeypatch.setattr(soak, "fill", lambda path, done=None: (written.append(path),
+                                                               done is None or done()))
     proc = fake_job(tmp_path, 40)
     inj = soak.Injector(proc, [(5, "full disk")], tmp_path, 0.0, random.Random(0),
                         tmp_path / "disk" / "ckpt")
     inj.start()
     proc.wait(timeout=30)
     inj.join(10)
-    assert inj.done == ["full disk"] and written == [tmp_path / "disk" / "filler"]
+    assert inj.done == ["full disk"] and written[0] == tmp_path / "disk" / "filler"
+
+
+def test_fill_keeps_a_file_system_full_until_told(tmp_path: Path) -> None:
+    """Space freed after the first ENOSPC is taken back (a checkpoint rotation must not give a
+    later save room). Here: a fake file whose writes fail twice, then succeed, then fail."""
+    outcomes = iter([OSError(28, "full"), OSError(28, "full"), None, OSError(28, "full")])
+    calls = {"done": 0}
+
+    class Fake:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def write(self, data):
+            exc = next(outcomes)
+            if exc is not None:
+                raise exc
+
+    def done():
+        calls["done"] += 1
+        return calls["done"] >= 3
+
+    import builtins
+
+    real = builtins.open
+    builtins.open = Fake
+    try:
+        soak.fill(tmp_path / "f", done)
+    finally:
+        builtins.open = real
+    assert calls["done"] == 3  # full, full, (room taken back), full: then done
