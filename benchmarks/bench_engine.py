@@ -2,10 +2,10 @@
 its reduction kernel ``kernels._fold``) against its baselines.
 
 - ``fold``: the N-way rank-order reduction kernel against numpy's ``np.add`` chain (same work).
-- ``one call``: ferro-collective's compiled dispatch (``_onecall``: plan cache, ``out=`` checks,
-  then the engine's door: its order, header and step) on a one-rank engine, so nothing but the call's
-  own cost is timed, against ``np.copyto`` of the same 4 KiB (the least a one-rank allreduce
-  into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``.
+- ``one call``: ferro-collective's compiled dispatcher (``dispatch.run``, then ``_onecall``: plan
+  cache, ``out=`` checks, then the engine's door: its order, header and step) on a one-rank
+  engine, so nothing but the call's own cost is timed, against ``np.copyto`` of the same 4 KiB
+  (the least a one-rank allreduce into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``.
 - collectives on 2 real processes: ``ShmBackend`` with the engine (``_comm``, ``_segment``,
   ``_watch``) against ``np.copyto`` of the same bytes in this process (the baseline: a yardstick
   outside the project, so the gated ratio moves only with the engine and the machine), and the
