@@ -367,6 +367,8 @@ def _rank_main(rank: int, world: int, port: int, conn) -> None:
             for k, v in st["state"].items():
                 np.copyto(st["out"][k], v)
             st["last"] = st["out"]
+        elif name == "copy":  # into new arrays: their pages faulted in and zeroed by the kernel
+            st["last"] = {k: v.copy() for k, v in st["state"].items()}
         elif name == "check":  # the last result against this rank's rows of the state
             want = st["state"] if kw["world"] == st["world_of"] else \
                 _shard(kw["world"], rank, *kw["shape"])
@@ -567,7 +569,8 @@ def _interleaved(rounds: int, big: bool) -> None:
                                          kwargs=kw)) for k, kw in RESTORES.items()}
         if big:
             groups["restore 4GiB 2 ranks (warm)"] = {"np.copyto": lambda: job("copyto"),
-                                                     **restore}
+                                                     "ndarray.copy (new arrays)":
+                                                     lambda: job("copy"), **restore}
         else:
             for fmt in ("hf", "torch_save"):
                 job("dcp_save", fmt=fmt, path=str(work / fmt))
@@ -576,7 +579,7 @@ def _interleaved(rounds: int, big: bool) -> None:
                                                          path=str(work / "hf")),
                 "torch_dcp(torch_save)": lambda: job("dcp_load", fmt="torch_save",
                                                      path=str(work / "torch_save")),
-                **restore}
+                "ndarray.copy (new arrays)": lambda: job("copy"), **restore}
             groups["reshard 1 -> 2 (warm), against 2 -> 2"] = {
                 "2->2": restore["ferro"],
                 "1->2": lambda: job("ferro_restore", root=str(work / "w1"), world=2)}
