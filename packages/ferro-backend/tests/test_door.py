@@ -413,6 +413,33 @@ def test_a_stall_is_reported_once_with_the_ranks_not_arrived():
     assert len(reports) == 1 and "still waiting for ranks [1] after 0.5s" in reports[0]
 
 
+_RUN_AT = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double)
+
+
+def test_run_at_as_a_c_function_runs_the_call_with_a_ticket_of_its_own():
+    """``_calls.RUN_AT``: what ferro-collective's one-call path calls in C (no Python call, no
+    int objects): the same call as ``Call.run_at``, its ticket reserved as it is made."""
+    run_at = _RUN_AT(_pointer(_calls.RUN_AT, b"ferro_backend.engine._calls.RUN_AT"))
+    (a, b) = comms(2)
+    xs = [np.full(8, r + 1.0, np.float32) for r in range(2)]
+    outs = [np.zeros(8, np.float32) for _ in range(2)]
+    calls = [_calls.Call(c, _calls.ALLREDUCE, 0) for c in (a, b)]
+
+    def one(r: int) -> int:
+        return run_at(calls[r], xs[r].ctypes.data, xs[r].nbytes, outs[r].ctypes.data,
+                      outs[r].nbytes, 5.0)
+
+    assert in_threads([lambda: one(0), lambda: one(1)]) == [_comm.OK, _comm.OK]
+    assert all(o.tolist() == [3.0] * 8 for o in outs)
+    assert [c.ticket for c in calls] == [0, 0]  # (each took a ticket as it was made)
+    # and Call.run_at (Python) is the same function: the next tickets, the same sums
+    assert in_threads([lambda r=r: calls[r].run_at(xs[r].ctypes.data, xs[r].nbytes,
+                                                   outs[r].ctypes.data, outs[r].nbytes, 5.0)
+                       for r in range(2)]) == [_comm.OK, _comm.OK]
+    assert all(o.tolist() == [3.0] * 8 for o in outs) and [c.ticket for c in calls] == [1, 1]
+
+
 def test_a_client_built_against_another_abi_is_refused_with_a_message(tmp_path):
     inc = tmp_path / "include"
     shutil.copytree(ferro_backend.get_include(), inc)

@@ -10,7 +10,6 @@ cdef class DoorPlan:
     cdef readonly str name
     cdef readonly tuple shape        # the input's shape: what the call's header names
     cdef readonly object call        # the door's call of this signature (``_calls.Call``)
-    cdef object run_at               # (its bound run_at)
     cdef int out_ndim
     cdef cnp.npy_intp out_dims[MAX_DIMS]
     cdef bint taken

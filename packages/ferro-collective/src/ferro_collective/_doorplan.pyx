@@ -14,7 +14,6 @@ cdef class DoorPlan:
             raise ValueError(f"DoorPlan: a {max(len(shape), len(out_shape))}-d input or result "
                              f"(at most {MAX_DIMS})")
         self.name, self.shape, self.call = name, shape, call
-        self.run_at = None if call is None else call.run_at
         self.out_ndim = len(out_shape)
         for i, d in enumerate(out_shape):
             self.out_dims[i] = d

@@ -17,6 +17,7 @@ becomes ferro's typed error (:meth:`~.engine.EngineGroup._raise`).
 """
 
 from cpython.object cimport PyObject
+from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.string cimport memcmp, memcpy
@@ -53,6 +54,8 @@ cdef enum:
     K_BARRIER = 4
     K_GATHER = 5
     CACHE = 512             # direct-mapped plan cache entries (a power of two)
+ctypedef int (*_RunAt)(object, const void*, size_t, void*, size_t, double) noexcept
+cdef _RunAt _run_at = NULL
 cdef tuple _NAMES = ("allreduce", "reduce_scatter", "broadcast", "all_gather", "barrier",
                      "gather")
 if _engine.AVAILABLE:
@@ -60,6 +63,8 @@ if _engine.AVAILABLE:
     _DOOR = (_calls.ALLREDUCE, _calls.REDUCE_SCATTER, _calls.BROADCAST, _calls.ALL_GATHER,
              _calls.BARRIER, _calls.GATHER)
     _Call = _calls.Call
+    # Call.run_at as a C function (no Python call, no int objects per call)
+    _run_at = <_RunAt>PyCapsule_GetPointer(_calls.RUN_AT, b"ferro_backend.engine._calls.RUN_AT")
 else:  # no engine, no group: the one-call paths never run
     _DOOR, _Call = (-1,) * 6, None
 cdef dict _p2p = p2p.__dict__
@@ -122,10 +127,10 @@ cdef class Core:
         if stall != self._stall:
             self._comm.stall_fraction = self._stall = stall
         # the ticket taken as the call is made (under the GIL: this process's order of calls)
-        rc = p.run_at(0 if send is None else <size_t>cnp.PyArray_DATA(send),
-                      0 if send is None else cnp.PyArray_NBYTES(send),
-                      0 if recv is None else <size_t>cnp.PyArray_DATA(recv),
-                      0 if recv is None else cnp.PyArray_NBYTES(recv), t)
+        cdef int rc = _run_at(p.call, NULL if send is None else cnp.PyArray_DATA(send),
+                              0 if send is None else cnp.PyArray_NBYTES(send),
+                              NULL if recv is None else cnp.PyArray_DATA(recv),
+                              0 if recv is None else cnp.PyArray_NBYTES(recv), <double>t)
         if rc != 0:
             self._raise(rc, p.name, p.call.ticket, self._comm.timeout if t is _ZERO else t)
         return 0

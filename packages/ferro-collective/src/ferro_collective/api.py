@@ -108,8 +108,8 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     """
     if wire is not None:
         wire = _checked_wire(wire, algorithm, "allreduce")
-        return _wire.traced("allreduce", wire, tensor, backend, lambda: _wire.allreduce(
-            tensor, backend, op, wire, timeout, out))
+        return _wire.traced("allreduce", wire, tensor, backend, _wire.allreduce, tensor,
+                            backend, op, wire, timeout, out)
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
@@ -204,8 +204,8 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     """
     if wire is not None:
         wire = _checked_wire(wire, algorithm, "all_gather")
-        return _wire.traced("all_gather", wire, tensor, backend, lambda: _wire.all_gather_wire(
-            tensor, backend, wire, timeout, out))
+        return _wire.traced("all_gather", wire, tensor, backend, _wire.all_gather_wire,
+                            tensor, backend, wire, timeout, out)
     return run(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
@@ -246,9 +246,8 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     """
     if wire is not None:
         wire = _checked_wire(wire, algorithm, "reduce_scatter")
-        return _wire.traced("reduce_scatter", wire, tensor, backend,
-                            lambda: _wire.reduce_scatter_wire(tensor, backend, op, wire, timeout,
-                                                              out))
+        return _wire.traced("reduce_scatter", wire, tensor, backend, _wire.reduce_scatter_wire,
+                            tensor, backend, op, wire, timeout, out)
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

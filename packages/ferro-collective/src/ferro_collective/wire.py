@@ -202,16 +202,17 @@ def _fold_rows(rows: np.ndarray, c: int, wire: str, op: ReduceOp, n: int) -> np.
     return acc
 
 
-def traced(name: str, wire: str, tensor, backend: Backend, call):
-    """``call()``; while tracing, one timeline event for the compressed call: the input's bytes
-    and the bytes of its encoding (``wire_bytes``), beside the events of the collectives it
-    runs."""
+def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
+    """``call(*args)``; while tracing, one timeline event for the compressed call: the input's
+    bytes and the bytes of its encoding (``wire_bytes``), beside the events of the collectives
+    it runs. (The public calls pass the function and its arguments, not a closure: a closure
+    would make each of their arguments a cell on every call, compressed or not.)"""
     if not _timeline.active():
-        return call()
+        return call(*args)
     x = np.asarray(tensor)
     t0 = _timeline._now_us()
     try:
-        return call()
+        return call(*args)
     finally:
         _timeline.record(f"{name}[{wire}]", "collective", t0, _timeline._now_us() - t0,
                          bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,

@@ -10,6 +10,7 @@ SCATTER: int
 BROADCAST: int
 ALL_TO_ALL: int
 RESERVE: int
+RUN_AT: Any  # a PyCapsule: Call.run_at as a C function
 
 class Call:
     comm: Any

@@ -4,8 +4,8 @@
 A :class:`Call` is a collective of ``ferro/engine.h`` with its dtype, op, root and the shape its
 header names fixed (as mpi4py's persistent requests fix theirs): each run is the door's call
 through its public table (``ferro_engine_api``, the one C and C++ clients call), on raw
-addresses (:meth:`Call.run_at`: ferro-collective's compiled path, which holds the arrays) or on
-buffers (:meth:`Call.run`). A run holds the GIL until the door is about to wait or move much
+addresses (:meth:`Call.run_at`, and :data:`RUN_AT`, the same as a C function for
+ferro-collective's compiled path, which holds the arrays) or on buffers (:meth:`Call.run`). A run holds the GIL until the door is about to wait or move much
 (its wait hook lets it go there and takes it back), so a call whose peers have arrived costs no
 GIL round trip, and other Python threads run while one waits. Ticket :data:`RESERVE` takes the
 call's ticket as it is made, under the GIL, so that calls from Python threads keep the order
@@ -13,6 +13,7 @@ they were made in (:attr:`Call.ticket` gives it back).
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy
 
@@ -93,9 +94,7 @@ cdef class Call:
         """Run on raw addresses (0: NULL) of ``send_bytes`` and ``recv_bytes``, with a ticket
         reserved now (:attr:`ticket`) and ``timeout`` seconds (0: the communicator's
         default): OK, or a status whose message ``_comm.last_error()`` gives."""
-        self.ticket = self.api.reserve(self.c)
-        return self._run(<const void*>send, send_bytes, <void*>recv, recv_bytes, self.ticket,
-                         timeout)
+        return _run_at(self, <const void*>send, send_bytes, <void*>recv, recv_bytes, timeout)
 
     def run(self, object send, object recv, int64_t ticket=RESERVE, double timeout=0.0) -> int:
         """Run on buffers (None where a rank passes NULL) with ``ticket`` (:data:`RESERVE`:
@@ -153,3 +152,19 @@ cdef class Call:
         if kind == K_BROADCAST:
             return self.api.broadcast(self.c, sp, rp, count, dtype, self.root, &opts)
         return self.api.all_to_all(self.c, sp, rp, count, dtype, &opts)
+
+
+cdef int _run_at(object call, const void* send, size_t send_bytes, void* recv,
+                 size_t recv_bytes, double timeout) noexcept:
+    """:meth:`Call.run_at` on pointers (``call`` a :class:`Call`, the GIL held)."""
+    cdef Call c = <Call>call
+    c.ticket = c.api.reserve(c.c)
+    return c._run(send, send_bytes, recv, recv_bytes, c.ticket, timeout)
+
+
+#: :meth:`Call.run_at` as a C function, for compiled callers in other extension modules (the
+#: one-call path of ferro-collective), with no Python call and no int objects per call:
+#: ``int (*)(PyObject* call, const void* send, size_t send_bytes, void* recv,
+#: size_t recv_bytes, double timeout)``, named ``"ferro_backend.engine._calls.RUN_AT"``. The
+#: caller holds the GIL and a reference to ``call``, which must be a :class:`Call`.
+RUN_AT = PyCapsule_New(<void*>_run_at, b"ferro_backend.engine._calls.RUN_AT", NULL)
