@@ -92,9 +92,24 @@ def bench_mean_kernel_16MiB(benchmark, impl):
     np.testing.assert_array_equal(check, np.divide(np.add(a, b), 4))
 
 
+def _numpy_int4(grid: np.ndarray) -> np.ndarray:
+    """int4 blocks in numpy: the values -7..7 as nibbles, two a byte (even index low)."""
+    k = np.rint(grid / (np.abs(grid).max(axis=1) / 7)[:, None]).astype(np.int8).reshape(-1)
+    nib = (k & 0xF).astype(np.uint8)
+    return nib[0::2] | (nib[1::2] << 4)
+
+
+def _numpy_nibbles(q: np.ndarray) -> np.ndarray:
+    """The int4 values of ``q``'s bytes (low nibble first), as float32."""
+    lo, hi = (q & 0xF).astype(np.int8), (q >> 4).astype(np.int8)
+    out = np.empty(q.size * 2, np.float32)
+    out[0::2], out[1::2] = np.where(lo > 7, lo - 16, lo), np.where(hi > 7, hi - 16, hi)
+    return out
+
+
 @pytest.mark.parametrize("impl", ["numpy", "_wire"])
 @pytest.mark.parametrize("step", ["encode bf16", "decode+sum bf16", "encode int8",
-                                  "decode+sum int8"])
+                                  "decode+sum int8", "encode int4", "decode+sum int4"])
 def bench_wire_kernel_16MiB(benchmark, impl, step):
     """The wire formats' codec (ferro_collective._wire) against the same step in numpy."""
     from ferro_collective import _wire
@@ -106,6 +121,7 @@ def bench_wire_kernel_16MiB(benchmark, impl, step):
     buf = encode(x, wire)
     blocks = x.size // BLOCK
     scales, q = buf[:blocks * 4].view(np.float32), buf[blocks * 4:].view(np.int8)
+    q4 = buf[blocks * 4:].view(np.uint8)
     benchmark.group = f"kernel wire {step} float32 16MiB"
     benchmark.extra_info["bytes"] = x.nbytes
     if impl == "numpy":
@@ -119,7 +135,11 @@ def bench_wire_kernel_16MiB(benchmark, impl, step):
                "encode int8": lambda: np.rint(grid / (np.abs(grid).max(axis=1) / 127)[:, None]
                                               ).astype(np.int8),
                "decode+sum int8": lambda: np.add(acc, (q.reshape(blocks, BLOCK) * scales[:, None]
-                                                       ).reshape(-1), out=acc)}[step]
+                                                       ).reshape(-1), out=acc),
+               "encode int4": lambda: _numpy_int4(grid),
+               "decode+sum int4": lambda: np.add(acc, (_numpy_nibbles(q4).reshape(blocks, BLOCK)
+                                                       * scales[:, None]).reshape(-1),
+                                                 out=acc)}[step]
     else:
         out16 = np.empty(x.size, np.uint16)
         run = {"encode bf16": lambda: _wire.encode_bf16(x, out16),
@@ -127,7 +147,11 @@ def bench_wire_kernel_16MiB(benchmark, impl, step):
                                                                  _wire.SUM),
                "encode int8": lambda: _wire.encode_int8(x, np.empty(blocks, np.float32),
                                                         np.empty(x.size, np.int8)),
-               "decode+sum int8": lambda: _wire.decode_int8_into(scales, q, acc, _wire.SUM)}[step]
+               "decode+sum int8": lambda: _wire.decode_int8_into(scales, q, acc, _wire.SUM),
+               "encode int4": lambda: _wire.encode_int4(x, np.empty(blocks, np.float32),
+                                                        np.empty(x.size // 2, np.uint8)),
+               "decode+sum int4": lambda: _wire.decode_int4_into(scales, q4, acc,
+                                                                 _wire.SUM)}[step]
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
 
 

@@ -75,43 +75,54 @@ def decode_bf16_into(const uint16_t[::1] q, float[::1] acc, int op):
                 acc[i] = _fold(op, acc[i], v)
 
 
+cdef inline bint _block_top(const float* x, Py_ssize_t n, float* top) noexcept nogil:
+    """The largest magnitude of ``x[:n]`` into ``top``; True where a value is NaN or inf
+    (branch-free: it vectorizes)."""
+    cdef Py_ssize_t i
+    cdef float a, t = 0
+    cdef int bad = 0
+    for i in range(n):
+        a = fabsf(x[i])
+        bad |= <int>(not (a <= _FLT_MAX))  # NaN or inf
+        t = a if a > t else t
+    top[0] = t
+    return bad != 0
+
+
+cdef inline int _level(float x, float s, float most) noexcept nogil:
+    """``x / s`` rounded to the nearest integer, ties to even (as rint), within +-``most``:
+    |x / s| <= most here, and adding and taking away 1.5 * 2**23 rounds it, in plain SSE2
+    arithmetic."""
+    cdef float v = (x / s + _ROUNDER) - _ROUNDER
+    return <int>(most if v > most else (-most if v < -most else v))
+
+
 def encode_int8(const float[::1] x, float[::1] scales, int8_t[::1] q):
     """Blocks of ``BLOCK`` values of ``x`` (the last one padded with zeros): ``scales[b]`` =
     max |x| / 127 of block ``b`` (NaN where it holds a NaN or an inf), ``q`` = rint(x /
     scale) (0 in a zero or non-finite block)."""
     cdef Py_ssize_t n = x.shape[0], blocks = (n + _BLOCK - 1) // _BLOCK, b, i, lo, hi
-    cdef float top, a, s, v
-    cdef int bad
+    cdef float top, s
     _check(blocks, scales.shape[0], "encode_int8: scales")
     _check(blocks * _BLOCK, q.shape[0], "encode_int8: q")
     with nogil:
         for b in range(blocks):
             lo = b * _BLOCK
             hi = lo + _BLOCK if lo + _BLOCK < n else n
-            top = 0
-            bad = 0
-            for i in range(lo, hi):  # (branch-free: it vectorizes)
-                a = fabsf(x[i])
-                bad |= <int>(not (a <= _FLT_MAX))  # NaN or inf
-                top = a if a > top else top
             for i in range(hi, lo + _BLOCK):
                 q[i] = 0
-            if bad:
+            if _block_top(&x[lo], hi - lo, &top):
                 scales[b] = nanf("")
-                for i in range(lo, hi):
-                    q[i] = 0
-                continue
-            s = top / <float>127
-            scales[b] = s
-            if s == 0:
+                s = 0
+            else:
+                s = top / <float>127
+                scales[b] = s
+            if s == 0:  # (a zero or a non-finite block)
                 for i in range(lo, hi):
                     q[i] = 0
                 continue
             for i in range(lo, hi):
-                # |x / s| <= 127 here: adding and taking away 1.5 * 2**23 rounds it to the
-                # nearest integer, ties to even (as rint), in plain SSE2 arithmetic
-                v = (x[i] / s + _ROUNDER) - _ROUNDER
-                q[i] = <int8_t>(127 if v > 127 else (-127 if v < -127 else v))
+                q[i] = <int8_t>_level(x[i], s, 127)
 
 
 def decode_int8_into(const float[::1] scales, const int8_t[::1] q, float[::1] acc, int op):
@@ -142,46 +153,43 @@ def encode_int4(const float[::1] x, float[::1] scales, uint8_t[::1] q):
     rint(x / scale) in -7..7 stored as its two's complement nibble, two a byte (the even index
     in the low nibble): ``BLOCK // 2`` bytes a block."""
     cdef Py_ssize_t n = x.shape[0], blocks = (n + _BLOCK - 1) // _BLOCK, b, i, lo, hi
-    cdef float top, a, s, v
-    cdef int bad, k
-    cdef uint8_t nib
+    cdef float top, s
     _check(blocks, scales.shape[0], "encode_int4: scales")
     _check(blocks * (_BLOCK // 2), q.shape[0], "encode_int4: q")
     with nogil:
         for b in range(blocks):
-            lo = b * _BLOCK
+            lo = b * _BLOCK  # (even: a block starts on a byte)
             hi = lo + _BLOCK if lo + _BLOCK < n else n
-            top = 0
-            bad = 0
-            for i in range(lo, hi):
-                a = fabsf(x[i])
-                bad |= <int>(not (a <= _FLT_MAX))
-                top = a if a > top else top
-            for i in range(lo // 2, (lo + _BLOCK) // 2):
+            for i in range((hi + 1) // 2, (lo + _BLOCK) // 2):
                 q[i] = 0
-            if bad:
+            if _block_top(&x[lo], hi - lo, &top):
                 scales[b] = nanf("")
-                continue
-            s = top / <float>7
-            scales[b] = s
+                s = 0
+            else:
+                s = top / <float>7
+                scales[b] = s
             if s == 0:
+                for i in range(lo // 2, (hi + 1) // 2):
+                    q[i] = 0
                 continue
-            for i in range(lo, hi):
-                v = (x[i] / s + _ROUNDER) - _ROUNDER
-                k = <int>(7 if v > 7 else (-7 if v < -7 else v))
-                nib = <uint8_t>(k & 0xF)
-                if i & 1:
-                    q[i >> 1] = q[i >> 1] | <uint8_t>(nib << 4)
-                else:
-                    q[i >> 1] = q[i >> 1] | nib
+            for i in range(lo, hi - 1, 2):  # two values a byte
+                q[i >> 1] = <uint8_t>((_level(x[i], s, 7) & 0xF)
+                                      | ((_level(x[i + 1], s, 7) & 0xF) << 4))
+            if (hi - lo) & 1:  # an odd last value: the low nibble alone
+                q[(hi - 1) >> 1] = <uint8_t>(_level(x[hi - 1], s, 7) & 0xF)
+
+
+cdef inline float _nibble(uint8_t byte, int high) noexcept nogil:
+    """The two's complement nibble of ``byte`` (the high one if ``high``) as a float."""
+    cdef int nib = (byte >> 4) if high else (byte & 0xF)
+    return <float>((nib ^ 8) - 8)
 
 
 def decode_int4_into(const float[::1] scales, const uint8_t[::1] q, float[::1] acc, int op):
     """``acc[i]`` = fold(``acc[i]``, value ``i`` of :func:`encode_int4`'s ``q`` times its
     block's scale) (``op`` as for :func:`decode_bf16_into`)."""
     cdef Py_ssize_t n = acc.shape[0], blocks = (n + _BLOCK - 1) // _BLOCK, b, i, lo, hi
-    cdef float s, v
-    cdef int nib
+    cdef float s
     _check(blocks, scales.shape[0], "decode_int4_into: scales")
     _check((n + 1) // 2, q.shape[0], "decode_int4_into: q")
     with nogil:
@@ -189,7 +197,18 @@ def decode_int4_into(const float[::1] scales, const uint8_t[::1] q, float[::1] a
             lo = b * _BLOCK
             hi = lo + _BLOCK if lo + _BLOCK < n else n
             s = scales[b]
-            for i in range(lo, hi):
-                nib = (q[i >> 1] >> (4 * (i & 1))) & 0xF
-                v = <float>(nib - 16 if nib > 7 else nib) * s
-                acc[i] = v if op == 0 else (acc[i] + v if op == 1 else _fold(op, acc[i], v))
+            if op == 0:  # (the common folds as loops of their own, a byte at a time)
+                for i in range(lo, hi - 1, 2):
+                    acc[i] = _nibble(q[i >> 1], 0) * s
+                    acc[i + 1] = _nibble(q[i >> 1], 1) * s
+            elif op == 1:
+                for i in range(lo, hi - 1, 2):
+                    acc[i] = acc[i] + _nibble(q[i >> 1], 0) * s
+                    acc[i + 1] = acc[i + 1] + _nibble(q[i >> 1], 1) * s
+            else:
+                for i in range(lo, hi - 1, 2):
+                    acc[i] = _fold(op, acc[i], _nibble(q[i >> 1], 0) * s)
+                    acc[i + 1] = _fold(op, acc[i + 1], _nibble(q[i >> 1], 1) * s)
+            if (hi - lo) & 1:
+                i = hi - 1
+                acc[i] = _fold(op, acc[i], _nibble(q[i >> 1], 0) * s)
