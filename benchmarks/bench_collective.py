@@ -108,8 +108,9 @@ def _numpy_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("impl", ["numpy", "_wire"])
-@pytest.mark.parametrize("step", ["encode bf16", "decode+sum bf16", "encode int8",
-                                  "decode+sum int8", "encode int4", "decode+sum int4"])
+@pytest.mark.parametrize("step", ["encode bf16", "decode+sum bf16", "encode fp16",
+                                  "decode+sum fp16", "encode int8", "decode+sum int8",
+                                  "encode int4", "decode+sum int4"])
 def bench_wire_kernel_16MiB(benchmark, impl, step):
     """The wire formats' codec (ferro_collective._wire) against the same step in numpy."""
     from ferro_collective import _wire
@@ -132,6 +133,8 @@ def bench_wire_kernel_16MiB(benchmark, impl, step):
                                        ).astype(np.uint16),
                "decode+sum bf16": lambda: np.add(acc, (buf.view(np.uint16).astype(np.uint32)
                                                        << 16).view(np.float32), out=acc),
+               "encode fp16": lambda: x.astype(np.float16),
+               "decode+sum fp16": lambda: np.add(acc, buf.view(np.float16), out=acc),
                "encode int8": lambda: np.rint(grid / (np.abs(grid).max(axis=1) / 127)[:, None]
                                               ).astype(np.int8),
                "decode+sum int8": lambda: np.add(acc, (q.reshape(blocks, BLOCK) * scales[:, None]
@@ -144,6 +147,9 @@ def bench_wire_kernel_16MiB(benchmark, impl, step):
         out16 = np.empty(x.size, np.uint16)
         run = {"encode bf16": lambda: _wire.encode_bf16(x, out16),
                "decode+sum bf16": lambda: _wire.decode_bf16_into(buf.view(np.uint16), acc,
+                                                                 _wire.SUM),
+               "encode fp16": lambda: _wire.encode_fp16(x, out16),
+               "decode+sum fp16": lambda: _wire.decode_fp16_into(buf.view(np.uint16), acc,
                                                                  _wire.SUM),
                "encode int8": lambda: _wire.encode_int8(x, np.empty(blocks, np.float32),
                                                         np.empty(x.size, np.int8)),

@@ -9,6 +9,12 @@ from libc.math cimport fabsf, isnan, nanf
 from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memcpy
 
+cdef extern from "_half.h" nogil:
+    float ferro_float_of_half(uint16_t h)
+    void ferro_half_encode(const float* x, uint16_t* out, size_t n, int plain)
+    size_t ferro_half_decode(const uint16_t* q, float* acc, size_t n, int op, int plain)
+    int ferro_half_f16c()
+
 #: values per int8 block (one float32 scale each)
 BLOCK = 256
 cdef Py_ssize_t _BLOCK = 256
@@ -17,6 +23,9 @@ cdef float _ROUNDER = 12582912.0  # 1.5 * 2**23
 
 #: fold codes of decode_into (the accumulator's update)
 COPY, SUM, MAX, MIN, PRODUCT = range(5)
+#: whether the half-precision codec runs on the CPU's F16C instructions here (else plain C,
+#: which gives the same bits)
+HAVE_F16C = bool(ferro_half_f16c())
 
 
 cdef inline int _check(Py_ssize_t want, Py_ssize_t have, str what) except -1:
@@ -95,6 +104,30 @@ cdef inline int _level(float x, float s, float most) noexcept nogil:
     arithmetic."""
     cdef float v = (x / s + _ROUNDER) - _ROUNDER
     return <int>(most if v > most else (-most if v < -most else v))
+
+
+def encode_fp16(const float[::1] x, uint16_t[::1] out, bint plain=False):
+    """``out[i]`` = ``x[i]`` as an IEEE half's bits (round to nearest even; too large: an
+    infinity; a NaN: a quiet NaN, its payload's top bits kept). ``plain``: without F16C even
+    where the CPU has it (the same bits; for the tests)."""
+    cdef Py_ssize_t n = x.shape[0]
+    _check(n, out.shape[0], "encode_fp16: out")
+    if n:
+        with nogil:
+            ferro_half_encode(&x[0], &out[0], <size_t>n, plain)
+
+
+def decode_fp16_into(const uint16_t[::1] q, float[::1] acc, int op, bint plain=False):
+    """``acc[i]`` = fold(``acc[i]``, half ``q[i]`` as float32) (``op`` as for
+    :func:`decode_bf16_into`)."""
+    cdef Py_ssize_t i, n = acc.shape[0]
+    _check(n, q.shape[0], "decode_fp16_into: q")
+    if n == 0:
+        return
+    with nogil:
+        if ferro_half_decode(&q[0], &acc[0], <size_t>n, op, plain) == 0:  # (MAX, MIN, PRODUCT)
+            for i in range(n):
+                acc[i] = _fold(op, acc[i], ferro_float_of_half(q[i]))
 
 
 def encode_int8(const float[::1] x, float[::1] scales, int8_t[::1] q):

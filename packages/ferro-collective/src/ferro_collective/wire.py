@@ -22,7 +22,8 @@ The formats (:func:`encode`, :func:`decode`):
 
 * ``"bf16"``: bfloat16, rounded to nearest even (NaN stays NaN, inf stays inf).
 * ``"fp16"``: IEEE half, rounded to nearest even; a value beyond its range (65504) becomes
-  inf.
+  inf, a NaN a quiet NaN (its payload's top bits kept). The codec is compiled (the CPU's F16C
+  instructions where it has them, else plain C giving the same bits).
 * ``"int8"``: blocks of :data:`BLOCK` values, each an int8 times its block's float32 scale
   (``max |x| / 127``, rounded to nearest even): 1.02 bytes a value. A block holding a NaN or
   an inf decodes to NaN throughout (its scale is NaN): a non-finite value poisons its block,
@@ -51,8 +52,6 @@ BLOCK = _kernel.BLOCK
 #: the kernel's fold code of each op (MEAN: a SUM, divided at the end)
 _FOLD = {ReduceOp.SUM: _kernel.SUM, ReduceOp.MEAN: _kernel.SUM, ReduceOp.MAX: _kernel.MAX,
          ReduceOp.MIN: _kernel.MIN, ReduceOp.PRODUCT: _kernel.PRODUCT}
-_NUMPY = {_kernel.SUM: np.add, _kernel.MAX: np.maximum, _kernel.MIN: np.minimum,
-          _kernel.PRODUCT: np.multiply}
 
 
 def check_wire(wire: str, name: str) -> str:
@@ -120,8 +119,7 @@ def _encode_into(x: np.ndarray, wire: str, out: np.ndarray) -> None:
     if wire == "bf16":
         _kernel.encode_bf16(x, out.view(np.uint16))
     elif wire == "fp16":
-        with np.errstate(over="ignore"):
-            np.copyto(out.view(np.float16), x, casting="unsafe")
+        _kernel.encode_fp16(x, out.view(np.uint16))
     elif wire == "int8":
         blocks = -(-x.size // BLOCK)
         _kernel.encode_int8(x, out[:blocks * 4].view(np.float32), out[blocks * 4:].view(np.int8))
@@ -157,11 +155,7 @@ def _decode_into(buf: np.ndarray, wire: str, acc: np.ndarray, op: int) -> None:
     if wire == "bf16":
         _kernel.decode_bf16_into(buf.view(np.uint16), acc, op)
     elif wire == "fp16":
-        values = buf.view(np.float16)[:count]
-        if op == _kernel.COPY:
-            np.copyto(acc, values)
-        else:
-            _NUMPY[op](acc, values.astype(np.float32), out=acc)
+        _kernel.decode_fp16_into(buf.view(np.uint16)[:count], acc, op)
     elif wire == "int8":
         blocks = -(-count // BLOCK)
         _kernel.decode_int8_into(buf[:blocks * 4].view(np.float32),
