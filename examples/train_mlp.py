@@ -16,7 +16,9 @@ number of ranks (resharding) and continues: same data order, same loss curve. Un
 killed at any step ends with the same parameters, bit for bit, as one that never failed
 (``--fail-at-step`` injects such a failure). Rank 0 shows a progress bar, prints held-out accuracy
 each epoch and a summary at the end, and writes the loss curve of every run in the checkpoint
-directory to ``loss_curve.png``.
+directory to ``loss_curve.png``. With ``--strategy ddp``, ``--comm-hook fp16|bf16|powersgd``
+averages the gradients compressed (ferro_fsdp.comm_hooks); PowerSGD's state (error feedback,
+warm-start Qs) goes into the checkpoints with the model, so a resumed run continues exactly.
 
 Beyond the ferro packages it needs scikit-learn (``--dataset digits``), tqdm (the progress bar)
 and matplotlib (the plot): ``pip install -r examples/requirements.txt``. Each is imported only
@@ -41,9 +43,10 @@ import numpy as np
 from ferro_backend import init_from_env
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 from ferro_collective import ReduceOp, all_gather, allreduce, broadcast
-from ferro_fsdp import DDP, FSDP, nn, optim
+from ferro_fsdp import DDP, FSDP, comm_hooks, nn, optim
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+COMM_HOOKS = ["allreduce", "fp16", "bf16", "powersgd"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--comm-hook", choices=COMM_HOOKS, default="allreduce",
+                   help="DDP: how each gradient bucket is averaged (ferro_fsdp.comm_hooks; "
+                        "fp16/bf16 travel compressed, powersgd low rank with error feedback, "
+                        "its state saved with the checkpoints)")
+    p.add_argument("--powersgd-rank", type=int, default=1)
+    p.add_argument("--powersgd-start", type=int, default=10,
+                   help="steps averaged exactly before PowerSGD starts")
     p.add_argument("--checkpoint-dir", type=Path, default=None)
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="steps between checkpoints (0: only at the end)")
@@ -164,11 +174,33 @@ def newest_step(manager: CheckpointManager, backend) -> int | None:
     return None if step < 0 else step
 
 
-def resume(manager: CheckpointManager, step: int, wrapper, opt) -> int:
-    """Load committed step ``step`` (resharded to this world size); its step number."""
+def resume(manager: CheckpointManager, step: int, wrapper, opt, powersgd=None) -> int:
+    """Load committed step ``step`` (resharded to this world size); its step number. With
+    ``powersgd`` (a PowerSGDState), its state too (its error feedback is per rank: kept on the
+    same world size, started afresh on another)."""
     tensors, extra = manager.restore(step)
+    if powersgd is not None and not powersgd.load_sharded_state_dict(tensors) and \
+            manager.rank == 0:
+        print(f"PowerSGD: the checkpoint was saved by {extra['world_size']} ranks: its error "
+              "feedback and Qs start afresh on this world size", flush=True)
     wrapper.load_sharded_state_dict(tensors, opt)
     return int(extra["step"])
+
+
+def comm_hook(args, wrapper, backend):
+    """``--comm-hook``'s hook registered on the DDP wrapper; the PowerSGD state (or None)."""
+    if args.comm_hook == "allreduce":
+        return None
+    if args.strategy != "ddp":
+        raise SystemExit(f"train_mlp: --comm-hook {args.comm_hook} needs --strategy ddp")
+    if args.comm_hook != "powersgd":
+        hook = {"fp16": comm_hooks.fp16_compress_hook, "bf16": comm_hooks.bf16_compress_hook}
+        wrapper.register_comm_hook(backend, hook[args.comm_hook])
+        return None
+    state = comm_hooks.PowerSGDState(backend, matrix_approximation_rank=args.powersgd_rank,
+                                     start_powerSGD_iter=args.powersgd_start)
+    wrapper.register_comm_hook(state, comm_hooks.powerSGD_hook)
+    return state
 
 
 def history_path(args) -> Path:
@@ -238,6 +270,7 @@ def main(argv=None) -> int:
             intra = args.intra_node_size or max(1, world // 2)
         wrapper = FSDP(model, backend, args.strategy, intra_node_size=intra,
                        sync_module_states=True)
+    powersgd = comm_hook(args, wrapper, backend)
     lr = args.lr or (2e-3 if args.optimizer == "adam" else 0.05)
     params = wrapper.module.parameters()
     opt = optim.Adam(params, lr=lr) if args.optimizer == "adam" else \
@@ -254,7 +287,7 @@ def main(argv=None) -> int:
     resuming = (args.resume or restart > 0) and manager is not None
     found = newest_step(manager, backend) if resuming else None
     if found is not None:
-        step = resume(manager, found, wrapper, opt)
+        step = resume(manager, found, wrapper, opt, powersgd)
         if rank == 0:
             print(f"resumed from step {step} of {args.checkpoint_dir} on {world} ranks "
                   f"({args.strategy}, restart {restart})", flush=True)
@@ -288,6 +321,9 @@ def main(argv=None) -> int:
         shards, the optimizer state, and where the data order stands (the order of an epoch
         is a function of the seed, so the step is the whole data position)."""
         tensors, specs = wrapper.sharded_state_dict(opt)
+        if powersgd is not None:  # (its error feedback: each rank its own row)
+            rows, row_specs = powersgd.sharded_state_dict()
+            tensors, specs = {**tensors, **rows}, {**specs, **row_specs}
         meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
         epoch, k = divmod(step_now, steps_per_epoch)
         extra = {"step": step_now, "epoch": epoch, "batch_in_epoch": k, "seed": args.seed,

@@ -150,15 +150,15 @@ def test_ferrorun_timeout_reaches_the_collectives(tmp_path):
     assert time.monotonic() - t0 < 15  # rank 1 was stopped, not waited for
 
 
-def test_a_killed_rank_restarts_and_the_run_ends_bit_identical(tmp_path):
-    common = ["--strategy", "full_shard", "--optimizer", "adam", "--steps", "30",
-              "--checkpoint-every", "4", "--no-progress"]
+def killed_run_ends_like_an_unbroken_one(tmp_path, common: list[str], seed: int) -> None:
+    """train_mlp with ``common`` on 2 ranks, unbroken; then again with rank 1 killed at a
+    random step under ferrorun --max-restarts: the same parameters, bit for bit."""
     script = EXAMPLES / "train_mlp.py"
     r = subprocess.run([*FERRORUN, "--nproc", "2", str(script), *common, "--checkpoint-dir",
                         str(tmp_path / "a"), "--dump-params", str(tmp_path / "a.npz")],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    kill_at = random.Random(7).randrange(5, 29)
+    kill_at = random.Random(seed).randrange(5, 29)
     r = subprocess.run([*FERRORUN, "--nproc", "2", "--max-restarts", "2", "--grace", "1",
                         str(script), *common, "--checkpoint-dir", str(tmp_path / "b"),
                         "--dump-params", str(tmp_path / "b.npz"), "--fail-at-step",
@@ -170,6 +170,21 @@ def test_a_killed_rank_restarts_and_the_run_ends_bit_identical(tmp_path):
     assert sorted(a.files) == sorted(b.files)
     for name in a.files:
         assert a[name].tobytes() == b[name].tobytes(), name  # bit for bit
+
+
+def test_a_killed_rank_restarts_and_the_run_ends_bit_identical(tmp_path):
+    killed_run_ends_like_an_unbroken_one(tmp_path, [
+        "--strategy", "full_shard", "--optimizer", "adam", "--steps", "30",
+        "--checkpoint-every", "4", "--no-progress"], seed=7)
+
+
+def test_powersgd_state_goes_with_the_checkpoints(tmp_path):
+    """DDP with PowerSGD (rank 2, compressing from step 3): its error feedback and warm-start
+    Qs are in every checkpoint, so a run killed after compression started resumes exactly."""
+    killed_run_ends_like_an_unbroken_one(tmp_path, [
+        "--strategy", "ddp", "--comm-hook", "powersgd", "--powersgd-rank", "2",
+        "--powersgd-start", "3", "--optimizer", "sgd", "--steps", "30", "--checkpoint-every",
+        "4", "--no-progress"], seed=11)
 
 
 def test_resume_from_a_mistyped_directory_is_refused(tmp_path):

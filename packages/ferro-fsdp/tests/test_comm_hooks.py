@@ -154,6 +154,45 @@ def test_a_resumed_powersgd_state_continues_exactly():
                 assert a.tobytes() == b_.tobytes()
 
 
+def test_the_sharded_state_is_each_ranks_row_and_a_new_world_starts_it_afresh():
+    """``sharded_state_dict``: every array a row of a tensor of world-size rows (each rank's
+    own error feedback); loaded as the same world restores it: the state whole; as another
+    world restores it (rows not a rank's own): the step count kept on every rank, errors and
+    Qs afresh, on every rank alike."""
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        state = PowerSGDState(b, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d.register_comm_hook(state, powerSGD_hook)
+        for _ in range(3):
+            for p in d.module.parameters():
+                p.grad = None
+            step_grads(d, b, x, y)
+        rows, specs = state.sharded_state_dict()
+        same = PowerSGDState(b, start_powerSGD_iter=1)
+        whole = same.load_sharded_state_dict({**rows, "model.w": np.zeros(2)})
+        # another world's restore: rank 0 got both rows, rank 1 none
+        other = PowerSGDState(b, start_powerSGD_iter=1)
+        reshaped = {k: (np.concatenate([v, v]) if b.rank == 0 else v[:0]) for k, v in rows.items()}
+        lost = other.load_sharded_state_dict(reshaped)
+        return (state, rows, specs, same, whole, other, lost, sorted(reshaped))
+
+    out = run(body, 2)
+    for state, rows, specs, same, whole, other, lost, left in out:
+        assert set(rows) == set(specs) and "powersgd.iter" in rows and "powersgd.error.0" in rows
+        assert all(v.shape[0] == 1 and specs[k] == ((2, *v.shape[1:]), 0, [1, 1])
+                   for k, v in rows.items())
+        assert whole and same.iter == state.iter == 3 and left == []
+        for k, v in state.error_dict.items():
+            assert same.error_dict[k].tobytes() == v.tobytes()
+        for k, v in state.q_memory_dict.items():
+            assert same.q_memory_dict[k].tobytes() == v.tobytes()
+        assert not lost and other.iter == 3 and not other.error_dict and not other.q_memory_dict
+    errors = [o[0].error_dict[0] for o in out]
+    assert errors[0].tobytes() != errors[1].tobytes()  # (the ranks' own: they differ)
+
+
 def test_errors_are_named():
     def body(b):
         d = DDP(make_mlp(DIMS), b)

@@ -278,6 +278,78 @@ class PowerSGDState:
         self.q_memory_dict = {int(k.split("/", 1)[1]): np.array(v) for k, v in state.items()
                               if k.startswith("q/")}
 
+    def sharded_state_dict(self, prefix: str = "powersgd.") -> tuple[dict[str, np.ndarray],
+                                                                    dict[str, tuple]]:
+        """:meth:`state_dict` as a checkpoint's sharded tensors, in the form of
+        :meth:`~ferro_fsdp.DDP.sharded_state_dict` (merge the two before saving): each array
+        of this rank is row ``rank`` of a tensor of ``world_size`` rows, sharded along dim 0
+        one row a rank, so every rank saves its own error feedback (it differs by rank).
+
+        Parameters
+        ----------
+        prefix : str, default "powersgd."
+            The tensors' names start with it: ``<prefix>iter``, ``<prefix>error.<bucket>``,
+            ``<prefix>q.<bucket>``.
+
+        Returns
+        -------
+        (dict, dict)
+            This rank's rows (arrays of shape ``(1, ...)``) and each tensor's
+            ``(shape, dim, shard_sizes)``.
+        """
+        n = self.backend.world_size
+        rows = {f"{prefix}iter": np.array([[self.iter]], np.int64)}
+        rows.update({f"{prefix}error.{k}": v.reshape(1, -1).copy()
+                     for k, v in self.error_dict.items()})
+        rows.update({f"{prefix}q.{k}": v.reshape(1, -1).copy()
+                     for k, v in self.q_memory_dict.items()})
+        return rows, {k: ((n, *v.shape[1:]), 0, [1] * n) for k, v in rows.items()}
+
+    def load_sharded_state_dict(self, tensors: dict[str, np.ndarray],
+                                prefix: str = "powersgd.") -> bool:
+        """Continue from :meth:`sharded_state_dict`'s tensors as a checkpoint restored them,
+        taking (popping) the ones named with ``prefix`` out of ``tensors``. Restored on the
+        world size that saved them, each rank gets its own error feedback and Qs back: the run
+        continues exactly. On another world size a rank's row is not its own (the error
+        feedback is per rank): the step count is kept, errors and Qs start afresh. Every rank
+        calls it (it agrees with the others over the backend: one small allreduce).
+
+        Parameters
+        ----------
+        tensors : dict of str to numpy.ndarray
+            A restored checkpoint's tensors (the others are left in it).
+        prefix : str, default "powersgd."
+
+        Returns
+        -------
+        bool
+            True: restored whole; False: on another world size (errors and Qs dropped).
+
+        Raises
+        ------
+        KeyError
+            ``tensors`` has no ``<prefix>iter`` (the checkpoint holds no PowerSGD state).
+        """
+        mine = {k[len(prefix):]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
+        if "iter" not in mine:
+            raise KeyError(f"PowerSGDState.load_sharded_state_dict: no {prefix}iter in the "
+                           "checkpoint's tensors (it holds no PowerSGD state)")
+        steps = mine.pop("iter").reshape(-1)
+        own = steps.size == 1 and all(v.shape[0] == 1 for v in mine.values())
+        # one decision on every rank (a rank whose rows are not its own makes it for all) and
+        # one step count (a rank of a new world may have restored no row of it)
+        lost, step = allreduce(np.array([0 if own else 1, steps.max() if steps.size else -1],
+                                        np.int64), self.backend, ReduceOp.MAX)
+        self.iter = int(step)
+        if lost:
+            self.error_dict, self.q_memory_dict = {}, {}
+            return False
+        self.error_dict = {int(k.split(".", 1)[1]): np.array(v[0]) for k, v in mine.items()
+                           if k.startswith("error.")}
+        self.q_memory_dict = {int(k.split(".", 1)[1]): np.array(v[0]) for k, v in mine.items()
+                              if k.startswith("q.")}
+        return True
+
 
 def _orthogonalize(p: np.ndarray, eps: float) -> None:
     """Gram-Schmidt on the columns of ``p`` (n x r), in place."""
