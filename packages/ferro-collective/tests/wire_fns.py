@@ -35,6 +35,39 @@ def suite(b) -> list[str]:
         want = np.concatenate([_through(np.full(3, k + 0.1), wire) for k in range(n)])
         if not np.array_equal(got, want):
             bad.append(f"all_gather {wire}")
+        bad += in_the_background(b, wire)
+    return bad
+
+
+def in_the_background(b, wire) -> list[str]:
+    """The ``*_async`` forms with ``wire``: the blocking forms' bits, in the order they were
+    issued among other calls (an exact call made while they wait for a worker, and one made
+    before: each gets its own result), the input encoded when the call was made."""
+    n, r = b.world_size, b.rank
+    bad: list[str] = []
+    x = np.linspace(-2, 2, 300_001, dtype=np.float32) * (r + 1)
+    blocks = np.arange(n * 6, dtype=np.float32).reshape(n * 2, 3) * (r + 1)
+    want = (fc.allreduce(x, b, ReduceOp.MEAN, wire=wire),
+            fc.reduce_scatter(blocks, b, wire=wire),
+            fc.all_gather(x[:5], b, wire=wire))
+    before = fc.allreduce_async(np.full(4, r, np.int64), b)
+    works = (fc.allreduce_async(x, b, ReduceOp.MEAN, wire=wire),
+             fc.reduce_scatter_async(blocks, b, wire=wire),
+             fc.all_gather_async(x[:5], b, wire=wire))
+    x[:] = -7  # (the compressed calls encoded it already)
+    exact = fc.allreduce(np.full(2, r + 1.0), b)
+    out = np.empty_like(want[0])
+    last = fc.allreduce_async(np.linspace(-2, 2, 300_001, dtype=np.float32) * (r + 1), b,
+                              ReduceOp.MEAN, wire=wire, out=out)
+    for name, w, got in zip(("allreduce", "reduce_scatter", "all_gather"), want,
+                            [k.wait(60) for k in works]):
+        if got.tobytes() != w.tobytes():
+            bad.append(f"{name}_async {wire}")
+    if last.wait(60) is not out or out.tobytes() != want[0].tobytes():
+        bad.append(f"allreduce_async {wire} out=")
+    if before.wait(60).tolist() != [n * (n - 1) // 2] * 4 or \
+            exact.tolist() != [n * (n + 1) / 2] * 2:
+        bad.append(f"the exact calls beside the compressed ones ({wire})")
     return bad
 
 
@@ -72,4 +105,8 @@ def hierarchical(b, nodes) -> list[str]:
         if not np.array_equal(got, want[:1000]):
             bad.append(f"hierarchical allreduce {wire}: max error "
                        f"{np.abs(got - want[:1000]).max()}")
+        work = fc.allreduce_async(xs[r], b, wire=wire)
+        exact = fc.allreduce(np.ones(3), b)  # (issued after it: runs after it)
+        if work.wait(60).tobytes() != got.tobytes() or exact.tolist() != [n] * 3:
+            bad.append(f"hierarchical allreduce_async {wire}")
     return bad

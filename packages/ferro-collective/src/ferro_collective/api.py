@@ -21,6 +21,7 @@ import numpy as np
 
 from ferro_backend import DEFAULT_TIMEOUT, Backend
 
+from . import compressed as _compressed
 from . import wire as _wire
 from .dispatch import run
 from .ops import ReduceOp
@@ -107,13 +108,14 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0.2001953125, 600.0], [0.2001953125, 600.0]]
     """
     if wire is not None:
-        wire = _checked_wire(wire, algorithm, "allreduce")
-        return _wire.traced("allreduce", wire, tensor, backend, _wire.allreduce, tensor,
-                            backend, op, wire, timeout, out)
+        wire = checked_wire(wire, algorithm, "allreduce")
+        return _compressed.allreduce(tensor, backend, op, wire, timeout, out)
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
-def _checked_wire(wire: str, algorithm: str | None, name: str) -> str:
+def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
+    """``wire`` when it is a wire format and no ``algorithm`` is forced with it (else
+    ValueError naming the call)."""
     if algorithm is not None:
         raise ValueError(f"{name}: algorithm={algorithm!r} and wire={wire!r} together; a "
                          "compressed call has its own algorithm (ferro_collective.wire)")
@@ -203,9 +205,8 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     [[0, 1], [0, 1]]
     """
     if wire is not None:
-        wire = _checked_wire(wire, algorithm, "all_gather")
-        return _wire.traced("all_gather", wire, tensor, backend, _wire.all_gather_wire,
-                            tensor, backend, wire, timeout, out)
+        wire = checked_wire(wire, algorithm, "all_gather")
+        return _compressed.all_gather(tensor, backend, wire, timeout, out)
     return run(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
@@ -245,9 +246,8 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0, 3], [6, 9]]
     """
     if wire is not None:
-        wire = _checked_wire(wire, algorithm, "reduce_scatter")
-        return _wire.traced("reduce_scatter", wire, tensor, backend, _wire.reduce_scatter_wire,
-                            tensor, backend, op, wire, timeout, out)
+        wire = checked_wire(wire, algorithm, "reduce_scatter")
+        return _compressed.reduce_scatter(tensor, backend, op, wire, timeout, out)
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from ferro_backend import Backend
 
+from . import compressed as _compressed
 from .api import (
     ALL_GATHER,
     ALLREDUCE,
@@ -17,6 +18,7 @@ from .api import (
     REDUCE,
     REDUCE_SCATTER,
     SCATTER,
+    checked_wire,
 )
 from .dispatch import submit
 from .ops import ReduceOp
@@ -25,19 +27,24 @@ from .work import Work
 
 def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
                     timeout: float | None = None, algorithm: str | None = None,
-                    out: np.ndarray | None = None) -> Work:
+                    out: np.ndarray | None = None, wire: str | None = None) -> Work:
     """:func:`allreduce` in the background; ``Work.wait()`` returns its result.
 
     Parameters
     ----------
-    tensor, backend, op, timeout, algorithm, out
-        As for :func:`allreduce`.
+    tensor, backend, op, timeout, algorithm, out, wire
+        As for :func:`allreduce`. With ``wire``, every collective of the compressed call
+        takes its place in the order of calls now, and the input is encoded now (it may
+        change once this returns).
 
     Returns
     -------
     Work
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
+    if wire is not None:
+        return _compressed.allreduce(tensor, backend, op, checked_wire(
+            wire, algorithm, "allreduce_async"), timeout, out, background=True)
     return submit(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
@@ -59,37 +66,44 @@ def broadcast_async(tensor, backend: Backend, root: int = 0, *, timeout: float |
 
 
 def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
-                     algorithm: str | None = None, out: np.ndarray | None = None) -> Work:
+                     algorithm: str | None = None, out: np.ndarray | None = None,
+                     wire: str | None = None) -> Work:
     """:func:`all_gather` in the background.
 
     Parameters
     ----------
-    tensor, backend, timeout, algorithm, out
-        As for :func:`all_gather`.
+    tensor, backend, timeout, algorithm, out, wire
+        As for :func:`all_gather` (with ``wire``, the input is encoded now).
 
     Returns
     -------
     Work
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
+    if wire is not None:
+        return _compressed.all_gather(tensor, backend, checked_wire(
+            wire, algorithm, "all_gather_async"), timeout, out, background=True)
     return submit(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
 def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
                          timeout: float | None = None, algorithm: str | None = None,
-                         out: np.ndarray | None = None) -> Work:
+                         out: np.ndarray | None = None, wire: str | None = None) -> Work:
     """:func:`reduce_scatter` in the background.
 
     Parameters
     ----------
-    tensor, backend, op, timeout, algorithm, out
-        As for :func:`reduce_scatter`.
+    tensor, backend, op, timeout, algorithm, out, wire
+        As for :func:`reduce_scatter` (with ``wire``, the input is encoded now).
 
     Returns
     -------
     Work
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
+    if wire is not None:
+        return _compressed.reduce_scatter(tensor, backend, op, checked_wire(
+            wire, algorithm, "reduce_scatter_async"), timeout, out, background=True)
     return submit(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

@@ -1,0 +1,257 @@
+"""The compressed collectives (the public calls' ``wire=``; :mod:`.wire` has the formats):
+allreduce, reduce_scatter and all_gather, now or in the background.
+
+Each is a few exact collectives on encoded bytes with local steps between them (encode, decode
+and fold in rank order), which :class:`Steps` lists: the first collective's bytes are encoded
+when the call is made; each later one's are made by the step after the collective before it.
+The blocking form runs the collectives as they come; the ``*_async`` form checks and numbers
+every one of them when it is issued (so the call keeps its place in the backend's order of
+calls however long it waits for a worker) and runs them on a worker thread. If one fails, the
+ones after it still run, on zeros (every rank takes part in each, as its peers expect), and the
+first error is raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ferro_backend import Backend
+from ferro_backend import timeline as _timeline
+
+from . import _wire as _kernel
+from .dispatch import run
+from .executors import prepared
+from .ops import ReduceOp
+from .per_backend import state
+from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
+from .wire import FOLD, check_floats, decode_into, encode, encode_into, encoded_bytes
+from .work import Work
+
+
+def _chunk(count: int, n: int, wire: str) -> int:
+    """Values per chunk when ``count`` values are cut in ``n`` (int8, int4: whole blocks)."""
+    c = max(1, -(-count // n))
+    return -(-c // _kernel.BLOCK) * _kernel.BLOCK if wire in ("int8", "int4") else c
+
+
+def _encode_chunks(flat: np.ndarray, c: int, wire: str, sent: np.ndarray) -> None:
+    """``flat`` cut in ``len(sent)`` chunks of ``c`` values (the last padded with zeros), each
+    encoded into its row of ``sent``."""
+    for r in range(sent.shape[0]):
+        chunk = flat[r * c:(r + 1) * c]
+        if chunk.size < c:
+            chunk = np.concatenate([chunk, np.zeros(c - chunk.size, np.float32)])
+        encode_into(chunk, wire, sent[r])
+
+
+def _fold_rows(rows: np.ndarray, c: int, wire: str, op: ReduceOp) -> np.ndarray:
+    """Decode every rank's chunk and fold them in rank order, in float32."""
+    acc = np.empty(c, np.float32)
+    decode_into(rows[0], wire, acc, _kernel.COPY)
+    for r in range(1, rows.shape[0]):
+        decode_into(rows[r], wire, acc, FOLD[op])
+    if op is ReduceOp.MEAN:
+        acc /= np.float32(rows.shape[0])
+    return acc
+
+
+def _decode_rows(rows: np.ndarray, c: int, wire: str) -> np.ndarray:
+    result = np.empty(rows.shape[0] * c, np.float32)
+    for r in range(rows.shape[0]):
+        decode_into(rows[r], wire, result[r * c:(r + 1) * c], _kernel.COPY)
+    return result
+
+
+def _finish(result32: np.ndarray, like: np.ndarray, shape: tuple, out: np.ndarray | None,
+            name: str):
+    """The result in ``like``'s dtype, or in ``out`` (checked here, once the collectives have
+    run: a bad ``out`` on one rank does not leave its peers waiting)."""
+    result = result32.reshape(shape)
+    if out is None:
+        return result if like.dtype == np.float32 else result.astype(like.dtype)
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != like.dtype:
+        raise ValueError(f"{name}: out= must be an array of shape {shape} and dtype "
+                         f"{like.dtype}")
+    out[...] = result
+    return out
+
+
+class Steps:
+    """A compressed call's exact collectives in order: :meth:`then` adds one (its record, the
+    bytes it sends, the group, its argument) with the step that takes its result (and fills
+    the next one's bytes, or sets :attr:`result`)."""
+
+    def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout) -> None:
+        self.name, self.wire, self.tensor, self.backend, self.timeout = (
+            name, wire, tensor, backend, timeout)
+        self.calls: list[tuple[Any, np.ndarray, Backend, Any, Callable[[Any], None]]] = []
+        self.result: Any = None
+
+    def then(self, coll, send: np.ndarray, group: Backend, arg,
+             step: Callable[[Any], None]) -> None:
+        self.calls.append((coll, send, group, arg, step))
+
+    def run(self, background: bool):
+        """The result now, or (``background``) a :class:`Work` that gives it."""
+        if not background:
+            return traced(self.name, self.wire, self.tensor, self.backend, self._now)
+        runs = [prepared(coll, send, group, arg, self.timeout)
+                for coll, send, group, arg, _ in self.calls]  # numbered now, in order
+        future = state(self.backend).submit(
+            lambda: traced(self.name, self.wire, self.tensor, self.backend, self._later, runs))
+        return Work(self.name, runs[0][0], future)
+
+    def _now(self):
+        for coll, send, group, arg, step in self.calls:
+            step(run(coll, send, group, arg, self.timeout, None, None))
+        return self.result
+
+    def _later(self, runs: list[tuple[int, Callable[[], Any]]]):
+        error: BaseException | None = None
+        for (_, go), (_, send, _, _, step) in zip(runs, self.calls):
+            if error is not None:
+                send[...] = 0  # taking part, as the peers expect
+            try:
+                got = go()
+                if error is None:
+                    step(got)
+            except BaseException as exc:  # (raised once the rest have run)
+                error = error or exc
+        if error is not None:
+            raise error
+        return self.result
+
+
+def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
+    """``call(*args)``; while tracing, one timeline event for the compressed call: the input's
+    bytes and the bytes of its encoding (``wire_bytes``), beside the events of the collectives
+    it runs."""
+    if not _timeline.active():
+        return call(*args)
+    x = np.asarray(tensor)
+    t0 = _timeline._now_us()
+    try:
+        return call(*args)
+    finally:
+        _timeline.record(f"{name}[{wire}]", "collective", t0, _timeline._now_us() - t0,
+                         bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
+                         wire_bytes=encoded_bytes(int(x.size), wire), rank=backend.rank,
+                         world=backend.world_size)
+
+
+# ---------------------------------------------------------------------------- the calls
+def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
+                    done: Callable[[np.ndarray], None]) -> Callable[[], None]:
+    """Add the compressed allreduce of float32 ``flat`` over ``group`` to ``s``: an
+    all-to-all of the encoded chunks, each rank's chunk folded and encoded, an all-gather,
+    ``done(result)``. Returns what encodes ``flat`` into the first one's bytes (call it once
+    ``flat`` holds the values)."""
+    n, wire = group.world_size, s.wire
+    c = _chunk(flat.size, n, wire)
+    sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
+    mine = np.empty(encoded_bytes(c, wire), np.uint8)
+
+    def folded(rows):
+        encode_into(_fold_rows(rows.reshape(n, -1), c, wire, op), wire, mine)
+
+    def gathered(rows):
+        done(_decode_rows(rows.reshape(n, -1), c, wire)[:flat.size])
+
+    s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), folded)
+    s.then(ALL_GATHER, mine, group, None, gathered)
+    return lambda: _encode_chunks(flat, c, wire, sent)
+
+
+def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
+              background: bool = False):
+    """:func:`~ferro_collective.allreduce` with ``wire``; ``background``: a :class:`Work`
+    (``allreduce_async``). On a multi-node job the node stages are exact, the cross-node
+    stage compressed."""
+    x = np.asarray(tensor)
+    check_floats(x, op, "allreduce")
+    s = Steps("allreduce", wire, tensor, backend, timeout)
+    h = getattr(backend, "hierarchy", None)
+    if h is None or h.num_nodes <= 1:
+        flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)
+
+        def done(result):
+            s.result = _finish(result, x, x.shape, out, "allreduce")
+
+        _flat_allreduce(s, flat, backend, op, done)()
+        return s.run(background)
+    flat = x.reshape(-1)
+    per = -(-max(1, flat.size) // h.local_world)
+    padded = np.zeros(per * h.local_world, x.dtype)
+    padded[:flat.size] = flat
+    node_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    part32 = np.empty(per, np.float32)  # the node's sum of this local rank's slice
+    part = np.empty(per, x.dtype)        # ... folded across the nodes
+
+    def summed(got):
+        part32[...] = got
+        encode_cross()
+
+    def crossed(result):
+        part[...] = result
+
+    def whole(got):
+        got = got[:flat.size]
+        if op is ReduceOp.MEAN:
+            got = got / np.asarray(backend.world_size, got.dtype)
+        s.result = _finish(np.asarray(got, np.float32), x, x.shape, out, "allreduce")
+
+    s.then(REDUCE_SCATTER, padded, h.node, node_op, summed)
+    encode_cross = _flat_allreduce(s, part32, h.cross, node_op, crossed)
+    s.then(ALL_GATHER, part, h.node, None, whole)
+    return s.run(background)
+
+
+def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
+                   background: bool = False):
+    """:func:`~ferro_collective.reduce_scatter` with ``wire``: the allreduce's first half (its
+    chunks are the input's dim-0 slices)."""
+    x = np.asarray(tensor)
+    check_floats(x, op, "reduce_scatter")
+    n = backend.world_size
+    if x.ndim == 0 or x.shape[0] % n:
+        from ferro_backend.errors import SizeMismatchError
+
+        raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} is not divisible by "
+                                f"the world size {n}")
+    shape = (x.shape[0] // n, *x.shape[1:])
+    per = int(np.prod(shape))
+    chunks = np.ascontiguousarray(x.reshape(n, per), dtype=np.float32)
+    c = _chunk(per, 1, wire)
+    sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
+    for r in range(n):
+        chunk = chunks[r] if c == per else np.concatenate([chunks[r],
+                                                           np.zeros(c - per, np.float32)])
+        encode_into(chunk, wire, sent[r])
+    s = Steps("reduce_scatter", wire, tensor, backend, timeout)
+
+    def folded(rows):
+        s.result = _finish(_fold_rows(rows.reshape(n, -1), c, wire, op)[:per], x, shape, out,
+                           "reduce_scatter")
+
+    s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), folded)
+    return s.run(background)
+
+
+def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bool = False):
+    """:func:`~ferro_collective.all_gather` with ``wire``: each rank's block encoded, gathered,
+    decoded."""
+    x = np.asarray(tensor)
+    check_floats(x, None, "all_gather")
+    n = backend.world_size
+    shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
+    s = Steps("all_gather", wire, tensor, backend, timeout)
+
+    def decoded(rows):
+        s.result = _finish(_decode_rows(rows.reshape(n, -1), x.size, wire), x, shape, out,
+                           "all_gather")
+
+    s.then(ALL_GATHER, encode(x.reshape(-1), wire), backend, None, decoded)
+    return s.run(background)
