@@ -255,3 +255,39 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
 
     s.then(ALL_GATHER, encode(x.reshape(-1), wire), backend, None, decoded)
     return s.run(background)
+
+
+def sent_values(x: np.ndarray, n: int, wire: str, name: str) -> np.ndarray:
+    """What the peers decode of this rank's ``x`` in a compressed ``name`` ("reduce_scatter":
+    ``x``'s ``n`` dim-0 blocks; "allreduce": ``n`` chunks of the flat values) over ``n`` ranks,
+    as float32 of ``x``'s shape: ``x`` less what its encoding rounds away, for error feedback
+    (``x - sent_values(x, ...)`` is the error; the flat allreduce's second encoding, of the
+    folded chunk, and a multi-node job's cross-node stage are not this rank's to feed back).
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        Float values (for "reduce_scatter", a dim 0 divisible by ``n``).
+    n : int
+        The world size of the call.
+    wire : {"bf16", "fp16", "int8", "int4"}
+    name : {"reduce_scatter", "allreduce"}
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, ``x``'s shape.
+    """
+    flat = np.ascontiguousarray(np.asarray(x).reshape(-1), dtype=np.float32)
+    if name == "reduce_scatter":
+        rows = flat.reshape(n, -1)
+        out = np.empty_like(rows)
+        for r in range(n):
+            decode_into(encode(rows[r], wire), wire, out[r], _kernel.COPY)
+        return out.reshape(np.shape(x))
+    if name != "allreduce":
+        raise ValueError(f"sent_values: name {name!r}, expected 'reduce_scatter' or 'allreduce'")
+    c = _chunk(flat.size, n, wire)
+    sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
+    _encode_chunks(flat, c, wire, sent)
+    return _decode_rows(sent, c, wire)[:flat.size].reshape(np.shape(x))

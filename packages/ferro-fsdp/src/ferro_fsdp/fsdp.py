@@ -32,6 +32,7 @@ import numpy as np
 
 from ferro_backend import Backend, InvalidWorldSizeError, SubBackend, pack
 from ferro_collective import all_gather, broadcast
+from ferro_collective.wire import check_wire
 
 from .background import runs_in_background
 from .buffer_pool import BufferPool
@@ -86,13 +87,24 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         computes (True), or in the training thread at the same points (False; the same bits).
         None (the default) follows ``FERRO_BACKGROUND`` (auto: in the background only when
         this host has a core to spare beyond its ranks; ``ferro_fsdp.background``).
+    weights_wire : {None, "bf16", "fp16", "int8", "int4"}
+        Gather the parameters in that wire format (``ferro_collective.wire``; ZeRO++'s
+        quantized weights): every rank computes with the same decoded full parameters (its own
+        shard's too), while the optimizer updates the exact shards. None: exact.
+    grads_wire : {None, "bf16", "fp16", "int8", "int4"}
+        Reduce the gradients in that wire format (the reduce-scatter, NO_SHARD's allreduce and
+        HYBRID_SHARD's allreduce across the replicas), folded in float32. With "int8" and
+        "int4" each rank feeds back what the encoding of its reduce-scatter (or NO_SHARD
+        allreduce) contribution rounded away into its next step's gradients (error feedback:
+        a buffer of the unit's full gradient size per rank, not in the state dicts), so the
+        error summed over steps stays that of one step. None: exact.
 
     Raises
     ------
     InvalidWorldSizeError
         HYBRID_SHARD without a valid ``intra_node_size`` (a divisor of the world size).
     ValueError
-        ``intra_node_size`` with another strategy, an unknown strategy, a nested FSDP on
+        ``intra_node_size`` with another strategy, an unknown strategy or wire format, a nested FSDP on
         another backend or strategy, an unknown unit name in ``reshard_after_forward``.
     TypeError
         Not a Module, parameters of mixed or non-floating dtypes, a ``wrap`` of another kind.
@@ -112,7 +124,8 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
                  wrap: Any = None, intra_node_size: int | None = None,
                  reshard_after_forward: bool | dict[str, bool] | None = None,
                  sync_module_states: bool = False, timeout: float | None = None,
-                 background: bool | None = None) -> None:
+                 background: bool | None = None, weights_wire: str | None = None,
+                 grads_wire: str | None = None) -> None:
         Module.__init__(self)
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
@@ -161,6 +174,13 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         dtype = dtypes.pop() if dtypes else np.dtype(np.float32)
         if dtype.kind not in "fc":
             raise TypeError(f"FSDP: parameter dtype {dtype} is not floating")
+        for what, wire in (("weights_wire", weights_wire), ("grads_wire", grads_wire)):
+            if wire is not None:
+                check_wire(wire, f"FSDP {what}")
+                if dtype.kind != "f":
+                    raise TypeError(f"FSDP {what}={wire!r}: wire formats compress real float "
+                                    f"dtypes, not {dtype}")
+        self._weights_wire, self._grads_wire = weights_wire, grads_wire
         groups = {"world": backend, "intra": self._intra, "inter": self._inter, None: None}
         self._shard_group: Backend | None = groups[spec.shard_group]
         self._replicate_group: Backend | None = groups[spec.replicate_group]

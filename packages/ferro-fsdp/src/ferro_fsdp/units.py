@@ -31,12 +31,18 @@ from ferro_collective import (
     reduce_scatter,
     reduce_scatter_async,
 )
+from ferro_collective.compressed import sent_values
 
 from .background import start
 from .flat import FlatLayout
 from .inflight import DoneWork, Works, give_when_done, ready
 from .module import Module
 from .parameter import Parameter
+
+
+def _wire(wire: str | None) -> dict[str, str]:
+    """A collective's ``wire=`` keyword where one is set (none: the exact call as it was)."""
+    return {} if wire is None else {"wire": wire}
 
 
 def freed(dtype: np.dtype) -> np.ndarray:
@@ -78,6 +84,7 @@ class Unit:
         self.full_buf: np.ndarray | None = None    # backs fps[i].data while held (pooled)
         self.grad_buf: np.ndarray | None = None    # backs the full gradients (pooled)
         self.result: np.ndarray | None = None      # the reduced gradient .grad views (persistent)
+        self.errors: dict[int, np.ndarray] | None = None  # grads_wire's error feedback, by array
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'!r}, {len(self.idx)} params, numel={self.layout.numel})"
@@ -108,7 +115,8 @@ class Unit:
             for d, n in zip(shards, self.layout.numels):
                 works.append(start(self.owner._background, all_gather_async, all_gather,
                                    d.reshape(-1), self.owner._shard_group,
-                                   timeout=self.owner._timeout, out=full[acc:acc + n]))
+                                   timeout=self.owner._timeout, out=full[acc:acc + n],
+                                   **_wire(self.owner._weights_wire)))
                 acc += n
             self.pending = Works(works, full), None  # nothing sent to give back
             self.checked = False
@@ -121,7 +129,8 @@ class Unit:
             self.checked = checked
         else:
             work = start(self.owner._background, all_gather_async, all_gather, flat,
-                         self.owner._shard_group, timeout=self.owner._timeout, out=out)
+                         self.owner._shard_group, timeout=self.owner._timeout, out=out,
+                         **_wire(self.owner._weights_wire))
             self.pending = work.future, flat
             self.checked = checked
 
@@ -255,8 +264,10 @@ class Unit:
                       for g, s in zip(grads, self.layout.shapes)], out=flat.view(np.uint8))
             group = owner._backend
             if group.world_size > 1 and numel:
+                self.feed_back(flat, group.world_size, "allreduce", 0)
                 work = start(owner._background, allreduce_async, allreduce, flat, group,
-                             ReduceOp.MEAN, timeout=owner._timeout, out=flat)
+                             ReduceOp.MEAN, timeout=owner._timeout, out=flat,
+                             **_wire(owner._grads_wire))
             else:
                 work = DoneWork(flat)
         else:
@@ -266,11 +277,13 @@ class Unit:
             group = owner._shard_group
             if self.direct and self.layout.numel and all(
                     g is not None and g.flags.c_contiguous for g in grads):
+                for k, g in enumerate(grads):
+                    self.feed_back(g.reshape(-1), group.world_size, "reduce_scatter", k)
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
                     works = [start(owner._background, reduce_scatter_async, reduce_scatter,
                                    g.reshape(-1), group, ReduceOp.MEAN, timeout=owner._timeout,
-                                   out=view)
+                                   out=view, **_wire(owner._grads_wire))
                              for g, view in zip(grads, self.layout.shard_views(out))]
                 # the reductions read the full gradients: their buffer goes back once every
                 # one of them is done (a backend's workers run its calls side by side, so the
@@ -284,10 +297,12 @@ class Unit:
             send = self.layout.full_to_scatter(
                 grads, out=pool.take(self.layout.padded_numel, self.dtype))
             if group is not None and group.world_size > 1 and self.layout.numel:
+                self.feed_back(send, group.world_size, "reduce_scatter", 0)
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
                     work = start(owner._background, reduce_scatter_async, reduce_scatter,
-                                 send, group, ReduceOp.MEAN, timeout=owner._timeout, out=out)
+                                 send, group, ReduceOp.MEAN, timeout=owner._timeout, out=out,
+                                 **_wire(owner._grads_wire))
                 work.future.add_done_callback(lambda _, send=send: pool.give(send))
             else:
                 out[...] = send[:self.layout.shard_numel]
@@ -298,6 +313,20 @@ class Unit:
             fp.grad = None
         pool.give(self.grad_buf)
         self.grad_buf = None
+
+    def feed_back(self, x: np.ndarray, n: int, name: str, k: int) -> None:
+        """Error feedback of ``grads_wire`` int8 / int4 (else nothing): add to ``x`` (the
+        ``k``-th array this unit sends to the ``name`` reduction over ``n`` ranks, in place)
+        what last step's encoding of it rounded away, and keep what this one's will."""
+        if self.owner._grads_wire not in ("int8", "int4"):
+            return
+        if self.errors is None:
+            self.errors = {}
+        error = self.errors.get(k)
+        if error is None or error.shape != x.shape:
+            error = self.errors[k] = np.zeros_like(x)
+        np.add(x, error, out=x)
+        np.subtract(x, sent_values(x, n, self.owner._grads_wire, name), out=error)
 
     def finish_reduce(self) -> np.ndarray:
         """Wait for the started reductions; this rank's averaged flat gradient (chunk, or the
@@ -316,7 +345,8 @@ class Unit:
             self.reductions = []
         group = owner._replicate_group
         if group is not None and group.world_size > 1 and self.layout.numel:
-            total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout, out=total)
+            total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout, out=total,
+                              **_wire(owner._grads_wire))
         return total
 
 

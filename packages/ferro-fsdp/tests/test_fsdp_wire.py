@@ -1,0 +1,108 @@
+"""FSDP's wire options: parameters gathered (``weights_wire``) and gradients reduced
+(``grads_wire``) in a wire format, with error feedback for int8 / int4 gradients."""
+
+import numpy as np
+import pytest
+from _helpers import make_data, make_mlp, run
+
+from ferro_fsdp import FSDP, nn
+
+DIMS = (12, 40, 30, 5)
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest even) and back, written plainly."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def backward(f, x, y):
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn(f(x), y)
+    f.backward(loss_fn.backward())
+    f.sync_gradients()
+    return [np.array(p.grad) for p in f.module.parameters()]
+
+
+def test_parameters_gathered_in_bf16_compute_with_the_rounded_weights():
+    """Every rank computes with the decoded full parameters (its own shard's too); the
+    optimizer's shards stay exact."""
+    x, y = make_data(8, DIMS, dtype=np.float32)
+
+    def body(b):
+        f = FSDP(make_mlp(DIMS, dtype=np.float32), b, "full_shard", weights_wire="bf16",
+                 reshard_after_forward=False, background=b.rank == 0)
+        shards = [np.array(p.data) for p in f.module.parameters()]
+        out = f(x)
+        return out, shards, [p.data.copy() for p in f.module.parameters()]
+
+    ref = make_mlp(DIMS, dtype=np.float32)
+    exact = ref(x)
+    for p in ref.parameters():
+        p.data = bf16(p.data)
+    want = ref(x)
+    for out, shards, after in run(body, 2):
+        assert out.tobytes() == want.tobytes()  # the rounded weights, bit for bit
+        assert not np.array_equal(out, exact)
+        assert all(a.tobytes() == s.tobytes() for a, s in zip(after, shards))
+
+
+@pytest.mark.parametrize("strategy,wire,background", [
+    ("full_shard", "bf16", False), ("full_shard", "int8", True), ("no_shard", "fp16", True),
+    ("hybrid_shard", "int8", False), ("shard_grad_op", "bf16", True)])
+def test_gradients_reduced_on_the_wire_are_near_the_exact_ones(strategy, wire, background):
+    """(in the training thread and in the background: the ``*_async`` forms' ``wire=``)"""
+    x, y = make_data(16, DIMS, dtype=np.float32)
+    kw = {"intra_node_size": 2} if strategy == "hybrid_shard" else {}
+    kw["background"] = background
+
+    def body(b):
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        exact = backward(FSDP(make_mlp(DIMS, dtype=np.float32), b, strategy, **kw), x[sl], y[sl])
+        got = backward(FSDP(make_mlp(DIMS, dtype=np.float32), b, strategy, grads_wire=wire, **kw),
+                       x[sl], y[sl])
+        return exact, got
+
+    for exact, got in run(body, 4):
+        for e, g in zip(exact, got):
+            step = np.abs(e).max() * {"bf16": 2**-5, "fp16": 2**-8, "int8": 1 / 15}[wire]
+            np.testing.assert_allclose(g, e, rtol=0, atol=step + 1e-7)
+
+
+def test_int4_gradients_feed_their_error_back_so_the_sum_over_steps_stays_near():
+    """The same batch every step, no update: the reduced int4 gradients summed over 12 steps
+    differ from 12 exact ones by about one step's rounding (error feedback), not twelve."""
+    x, y = make_data(8, DIMS, dtype=np.float32)
+    steps = 12
+
+    def body(b):
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        exact = backward(FSDP(make_mlp(DIMS, dtype=np.float32), b), x[sl], y[sl])
+        f = FSDP(make_mlp(DIMS, dtype=np.float32), b, grads_wire="int4")
+        first = backward(f, x[sl], y[sl])
+        total = [g.copy() for g in first]
+        for _ in range(steps - 1):
+            for p in f.module.parameters():
+                p.grad = None
+            for t, g in zip(total, backward(f, x[sl], y[sl])):
+                t += g
+        return exact, first, total
+
+    for exact, first, total in run(body, 2):
+        one = max(np.abs(g - e).max() for g, e in zip(first, exact))
+        summed = max(np.abs(t - steps * e).max() for t, e in zip(total, exact))
+        assert one > 0 and summed < 2.5 * one, (one, summed)  # (without feedback: ~12x)
+
+
+def test_wire_options_are_checked():
+    def body(b):
+        with pytest.raises(ValueError, match="FSDP weights_wire: wire='int2' is not a wire"):
+            FSDP(make_mlp(DIMS, dtype=np.float32), b, weights_wire="int2")
+        model = make_mlp(DIMS, dtype=np.float32)
+        for p in model.parameters():
+            p.data = p.data.astype(np.complex64)
+        with pytest.raises(TypeError, match="grads_wire='bf16': wire formats compress real"):
+            FSDP(model, b, grads_wire="bf16")
+        return True
+
+    assert run(body, 1) == [True]
