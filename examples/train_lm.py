@@ -50,9 +50,10 @@ import numpy as np
 from ferro_backend import init_from_env
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 from ferro_collective import ReduceOp, all_gather, allreduce, broadcast
-from ferro_fsdp import DDP, FSDP, Module, nn, optim
+from ferro_fsdp import DDP, FSDP, Module, comm_hooks, nn, optim
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
+WIRES = ["bf16", "fp16", "int8", "int4"]
 # tab, newline, printable ASCII; index len(CHARS) stands for any other character
 CHARS = "\t\n" + "".join(chr(c) for c in range(32, 127))
 OTHER = len(CHARS)
@@ -76,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
     p.add_argument("--intra-node-size", type=int, default=None,
                    help="hybrid_shard: ranks per node (default: half the ranks, at least 1)")
+    p.add_argument("--weights-wire", choices=WIRES, default=None,
+                   help="FSDP: gather the parameters in this wire format (int8: ZeRO++'s)")
+    p.add_argument("--grads-wire", choices=WIRES, default=None,
+                   help="FSDP: reduce the gradients in this wire format (int8/int4: with "
+                        "error feedback); DDP: a compressing hook (bf16, fp16)")
     p.add_argument("--steps", type=int, default=500, help="total steps (a resume continues)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -311,12 +317,18 @@ def main(argv=None) -> int:
     n_params = model.num_parameters()
     if args.strategy == "ddp":
         wrapper = DDP(model, backend)
+        if args.grads_wire in ("bf16", "fp16"):
+            wrapper.register_comm_hook(backend, getattr(comm_hooks, f"{args.grads_wire}"
+                                                                  "_compress_hook"))
+        elif args.grads_wire or args.weights_wire:
+            raise SystemExit("train_lm: with --strategy ddp only --grads-wire bf16 or fp16")
     else:
         intra = None
         if args.strategy == "hybrid_shard":
             intra = args.intra_node_size or max(1, world // 2)
         wrapper = FSDP(model, backend, args.strategy, wrap=nn.TransformerBlock,
-                       intra_node_size=intra, sync_module_states=True)
+                       intra_node_size=intra, sync_module_states=True,
+                       weights_wire=args.weights_wire, grads_wire=args.grads_wire)
     opt = optim.AdamW(wrapper.module.parameters(), lr=args.lr, betas=(0.9, 0.95),
                       weight_decay=args.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
@@ -457,6 +469,8 @@ def main(argv=None) -> int:
             "first_loss": run["losses"][0][1] if run["losses"] else None,
             "final_loss": run["losses"][-1][1] if run["losses"] else None,
             "held_out_loss": val, "corpus_chars": int(len(tokens)), "corpus_sha256": digest,
+            "steps_per_s": done / elapsed if done and elapsed else 0.0,
+            "weights_wire": args.weights_wire, "grads_wire": args.grads_wire,
         }
         print("summary: " + json.dumps(summary), flush=True)
         print(f"{done} steps in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tokens/s) on "
