@@ -27,6 +27,7 @@ from .executors import prepared
 from .ops import ReduceOp
 from .per_backend import state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
+from .scratch import POOL
 from .wire import FOLD, check_floats, decode_into, encode, encode_into, encoded_bytes
 from .work import Work
 
@@ -47,9 +48,9 @@ def _encode_chunks(flat: np.ndarray, c: int, wire: str, sent: np.ndarray) -> Non
         encode_into(chunk, wire, sent[r])
 
 
-def _fold_rows(rows: np.ndarray, c: int, wire: str, op: ReduceOp) -> np.ndarray:
-    """Decode every rank's chunk and fold them in rank order, in float32."""
-    acc = np.empty(c, np.float32)
+def _fold_rows(rows: np.ndarray, wire: str, op: ReduceOp, acc: np.ndarray) -> np.ndarray:
+    """Decode every rank's chunk into ``acc`` (float32, a chunk's values), folded in rank
+    order."""
     decode_into(rows[0], wire, acc, _kernel.COPY)
     for r in range(1, rows.shape[0]):
         decode_into(rows[r], wire, acc, FOLD[op])
@@ -58,18 +59,35 @@ def _fold_rows(rows: np.ndarray, c: int, wire: str, op: ReduceOp) -> np.ndarray:
     return acc
 
 
-def _decode_rows(rows: np.ndarray, c: int, wire: str) -> np.ndarray:
-    result = np.empty(rows.shape[0] * c, np.float32)
+def _decode_rows(rows: np.ndarray, c: int, wire: str, dest: np.ndarray) -> None:
+    """Every row's ``c`` values into float32 ``dest``, one after another, as many as it holds
+    (a last chunk cut short goes through a scratch chunk)."""
     for r in range(rows.shape[0]):
-        decode_into(rows[r], wire, result[r * c:(r + 1) * c], _kernel.COPY)
-    return result
+        lo, hi = r * c, min((r + 1) * c, dest.size)
+        if hi <= lo:
+            break
+        if hi - lo == c:
+            decode_into(rows[r], wire, dest[lo:hi], _kernel.COPY)
+        else:
+            tmp = POOL.take(c, np.float32)
+            decode_into(rows[r], wire, tmp, _kernel.COPY)
+            dest[lo:hi] = tmp[:hi - lo]
+            POOL.give(tmp)
 
 
-def _finish(result32: np.ndarray, like: np.ndarray, shape: tuple, out: np.ndarray | None,
-            name: str):
-    """The result in ``like``'s dtype, or in ``out`` (checked here, once the collectives have
-    run: a bad ``out`` on one rank does not leave its peers waiting)."""
-    result = result32.reshape(shape)
+def _deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
+             out: np.ndarray | None, name: str):
+    """The result: ``fill(dest)`` writes its float32 values straight into ``out`` where that
+    is a float32 C-contiguous array of the result's shape (no copy, no new memory), else into
+    a new array, returned in ``like``'s dtype or copied into ``out`` (checked here, once the
+    collectives have run: a bad ``out`` on one rank does not leave its peers waiting)."""
+    if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == like.dtype == \
+            np.float32 and out.flags.c_contiguous and out.flags.writeable:
+        fill(out.reshape(-1))
+        return out
+    result = np.empty(int(np.prod(shape)), np.float32)
+    fill(result)
+    result = result.reshape(shape)
     if out is None:
         return result if like.dtype == np.float32 else result.astype(like.dtype)
     if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != like.dtype:
@@ -81,37 +99,47 @@ def _finish(result32: np.ndarray, like: np.ndarray, shape: tuple, out: np.ndarra
 
 class Steps:
     """A compressed call's exact collectives in order: :meth:`then` adds one (its record, the
-    bytes it sends, the group, its argument) with the step that takes its result (and fills
-    the next one's bytes, or sets :attr:`result`)."""
+    bytes it sends, the group, its argument, where its result goes) with the step that takes
+    its result (and fills the next one's bytes, or sets :attr:`result`). Its buffers come from
+    the scratch pool (:meth:`take`: fresh memory costs more than the codec on a virtual
+    machine) and go back when the call has run whole (a failed call keeps them: a message may
+    still land in one)."""
 
     def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout) -> None:
         self.name, self.wire, self.tensor, self.backend, self.timeout = (
             name, wire, tensor, backend, timeout)
-        self.calls: list[tuple[Any, np.ndarray, Backend, Any, Callable[[Any], None]]] = []
+        self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         self.result: Any = None
+        self.borrowed: list[np.ndarray] = []
 
-    def then(self, coll, send: np.ndarray, group: Backend, arg,
+    def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
+        a = POOL.take(int(np.prod(shape)), np.dtype(dtype))
+        self.borrowed.append(a)
+        return a.reshape(shape)
+
+    def then(self, coll, send: np.ndarray, group: Backend, arg, out,
              step: Callable[[Any], None]) -> None:
-        self.calls.append((coll, send, group, arg, step))
+        self.calls.append((coll, send, group, arg, out, step))
 
     def run(self, background: bool):
         """The result now, or (``background``) a :class:`Work` that gives it."""
         if not background:
             return traced(self.name, self.wire, self.tensor, self.backend, self._now)
-        runs = [prepared(coll, send, group, arg, self.timeout)
-                for coll, send, group, arg, _ in self.calls]  # numbered now, in order
+        runs = [prepared(coll, send, group, arg, self.timeout, out)
+                for coll, send, group, arg, out, _ in self.calls]  # numbered now, in order
         future = state(self.backend).submit(
             lambda: traced(self.name, self.wire, self.tensor, self.backend, self._later, runs))
         return Work(self.name, runs[0][0], future)
 
     def _now(self):
-        for coll, send, group, arg, step in self.calls:
-            step(run(coll, send, group, arg, self.timeout, None, None))
+        for coll, send, group, arg, out, step in self.calls:
+            step(run(coll, send, group, arg, self.timeout, None, out))
+        POOL.give(*self.borrowed)
         return self.result
 
     def _later(self, runs: list[tuple[int, Callable[[], Any]]]):
         error: BaseException | None = None
-        for (_, go), (_, send, _, _, step) in zip(runs, self.calls):
+        for (_, go), (_, send, _, _, _, step) in zip(runs, self.calls):
             if error is not None:
                 send[...] = 0  # taking part, as the peers expect
             try:
@@ -122,6 +150,7 @@ class Steps:
                 error = error or exc
         if error is not None:
             raise error
+        POOL.give(*self.borrowed)
         return self.result
 
 
@@ -144,24 +173,26 @@ def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
 
 # ---------------------------------------------------------------------------- the calls
 def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
-                    done: Callable[[np.ndarray], None]) -> Callable[[], None]:
+                    done: Callable[[Callable[[np.ndarray], None]], None]) -> Callable[[], None]:
     """Add the compressed allreduce of float32 ``flat`` over ``group`` to ``s``: an
     all-to-all of the encoded chunks, each rank's chunk folded and encoded, an all-gather,
-    ``done(result)``. Returns what encodes ``flat`` into the first one's bytes (call it once
-    ``flat`` holds the values)."""
+    then ``done(fill)`` (``fill(dest)`` decodes the result into ``flat.size`` float32 values).
+    Returns what encodes ``flat`` into the first one's bytes (call it once ``flat`` holds the
+    values)."""
     n, wire = group.world_size, s.wire
     c = _chunk(flat.size, n, wire)
-    sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
-    mine = np.empty(encoded_bytes(c, wire), np.uint8)
+    width = encoded_bytes(c, wire)
+    sent, rows, mine = s.take(n, width), s.take(n, width), s.take(width)
+    acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
 
-    def folded(rows):
-        encode_into(_fold_rows(rows.reshape(n, -1), c, wire, op), wire, mine)
+    def folded(got):
+        encode_into(_fold_rows(got.reshape(n, width), wire, op, acc), wire, mine)
 
-    def gathered(rows):
-        done(_decode_rows(rows.reshape(n, -1), c, wire)[:flat.size])
+    def ended(got):
+        done(lambda dest: _decode_rows(got.reshape(n, width), c, wire, dest))
 
-    s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), folded)
-    s.then(ALL_GATHER, mine, group, None, gathered)
+    s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
+    s.then(ALL_GATHER, mine, group, None, gathered, ended)
     return lambda: _encode_chunks(flat, c, wire, sent)
 
 
@@ -177,36 +208,53 @@ def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
     if h is None or h.num_nodes <= 1:
         flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)
 
-        def done(result):
-            s.result = _finish(result, x, x.shape, out, "allreduce")
+        def done(fill):
+            s.result = _deliver(fill, x, x.shape, out, "allreduce")
 
         _flat_allreduce(s, flat, backend, op, done)()
         return s.run(background)
     flat = x.reshape(-1)
-    per = -(-max(1, flat.size) // h.local_world)
-    padded = np.zeros(per * h.local_world, x.dtype)
+    local = h.local_world
+    per = -(-max(1, flat.size) // local)
+    padded = s.take(per * local, dtype=x.dtype)
     padded[:flat.size] = flat
+    padded[flat.size:] = 0
     node_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-    part32 = np.empty(per, np.float32)  # the node's sum of this local rank's slice
-    part = np.empty(per, x.dtype)        # ... folded across the nodes
+    part32 = s.take(per, dtype=np.float32)   # the node's sum of this local rank's slice
+    part = s.take(per, dtype=x.dtype)         # ... folded across the nodes
+    node_sum = s.take(per, dtype=x.dtype)     # (the node stage's result)
+    whole = s.take(per * local, dtype=x.dtype)
 
     def summed(got):
         part32[...] = got
         encode_cross()
 
-    def crossed(result):
-        part[...] = result
+    def crossed(fill):
+        if part.dtype == np.float32:
+            fill(part)
+        else:
+            part[...] = _filled(fill, per)
 
-    def whole(got):
+    def gathered(got):
         got = got[:flat.size]
         if op is ReduceOp.MEAN:
-            got = got / np.asarray(backend.world_size, got.dtype)
-        s.result = _finish(np.asarray(got, np.float32), x, x.shape, out, "allreduce")
+            np.divide(got, np.asarray(backend.world_size, got.dtype), out=got)
 
-    s.then(REDUCE_SCATTER, padded, h.node, node_op, summed)
+        def fill(dest):
+            dest[...] = got
+
+        s.result = _deliver(fill, x, x.shape, out, "allreduce")
+
+    s.then(REDUCE_SCATTER, padded, h.node, node_op, node_sum, summed)
     encode_cross = _flat_allreduce(s, part32, h.cross, node_op, crossed)
-    s.then(ALL_GATHER, part, h.node, None, whole)
+    s.then(ALL_GATHER, part, h.node, None, whole, gathered)
     return s.run(background)
+
+
+def _filled(fill: Callable[[np.ndarray], None], count: int) -> np.ndarray:
+    result = np.empty(count, np.float32)
+    fill(result)
+    return result
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -223,20 +271,25 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
                                 f"the world size {n}")
     shape = (x.shape[0] // n, *x.shape[1:])
     per = int(np.prod(shape))
-    chunks = np.ascontiguousarray(x.reshape(n, per), dtype=np.float32)
     c = _chunk(per, 1, wire)
-    sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
-    for r in range(n):
-        chunk = chunks[r] if c == per else np.concatenate([chunks[r],
-                                                           np.zeros(c - per, np.float32)])
-        encode_into(chunk, wire, sent[r])
     s = Steps("reduce_scatter", wire, tensor, backend, timeout)
+    width = encoded_bytes(c, wire)
+    sent, rows, acc = s.take(n, width), s.take(n, width), s.take(c, dtype=np.float32)
+    chunks = np.ascontiguousarray(x.reshape(n, per), dtype=np.float32)
+    for r in range(n):  # (each dim-0 block padded to whole int8/int4 blocks)
+        row = chunks[r] if c == per else np.concatenate([chunks[r],
+                                                         np.zeros(c - per, np.float32)])
+        encode_into(row, wire, sent[r])
 
-    def folded(rows):
-        s.result = _finish(_fold_rows(rows.reshape(n, -1), c, wire, op)[:per], x, shape, out,
-                           "reduce_scatter")
+    def folded(got):
+        _fold_rows(got.reshape(n, width), wire, op, acc)
 
-    s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), folded)
+        def fill(dest):
+            dest[...] = acc[:per]
+
+        s.result = _deliver(fill, x, shape, out, "reduce_scatter")
+
+    s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), rows, folded)
     return s.run(background)
 
 
@@ -248,12 +301,15 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     n = backend.world_size
     shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
     s = Steps("all_gather", wire, tensor, backend, timeout)
+    width = encoded_bytes(x.size, wire)
+    mine, gathered = s.take(width), s.take(n * width)
+    encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine)
 
-    def decoded(rows):
-        s.result = _finish(_decode_rows(rows.reshape(n, -1), x.size, wire), x, shape, out,
-                           "all_gather")
+    def decoded(got):
+        s.result = _deliver(lambda dest: _decode_rows(got.reshape(n, width), x.size, wire,
+                                                      dest), x, shape, out, "all_gather")
 
-    s.then(ALL_GATHER, encode(x.reshape(-1), wire), backend, None, decoded)
+    s.then(ALL_GATHER, mine, backend, None, gathered, decoded)
     return s.run(background)
 
 
@@ -290,4 +346,6 @@ def sent_values(x: np.ndarray, n: int, wire: str, name: str) -> np.ndarray:
     c = _chunk(flat.size, n, wire)
     sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
     _encode_chunks(flat, c, wire, sent)
-    return _decode_rows(sent, c, wire)[:flat.size].reshape(np.shape(x))
+    out = np.empty(flat.size, np.float32)
+    _decode_rows(sent, c, wire, out)
+    return out.reshape(np.shape(x))

@@ -61,11 +61,12 @@ def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out) ->
         raise
 
 
-def prepared(coll: Collective, tensor, backend, arg, timeout) -> tuple[int, Callable[[], Any]]:
+def prepared(coll: Collective, tensor, backend, arg, timeout,
+             out=None) -> tuple[int, Callable[[], Any]]:
     """A call of ``coll`` checked and numbered now (its place in the backend's order of calls
     taken) and its executor, to run later, once: ``(seq, run)``. ``tensor`` is the buffer it
     will send, which may be filled until ``run()`` (:mod:`.compressed`'s background calls)."""
-    plan = _prepare(coll, tensor, backend, arg, timeout, None, None)
+    plan = _prepare(coll, tensor, backend, arg, timeout, None, out)
     go = executor(plan)
     return plan.seq, go
 
