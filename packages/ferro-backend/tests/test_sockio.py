@@ -197,10 +197,15 @@ def test_frames_of_other_tags_and_any_source_receives_keep_their_order():
         any_req.wait(10)
         assert (first[0], second[0], any_req.source) == (1.0, 2.0, 0)
         before = b1._reactor.direct_frames
-        for i in range(20):
-            b0.send(np.array([float(i)]), 1, tag=9)
+        for i in range(200):  # the frame sent while the receive waits; the loop thread may
+            # still take it first on a loaded host: tried until one wait finds its own frame
+            sender = threading.Timer(0.002, b0.send, (np.array([float(i)]), 1), {"tag": 9})
+            sender.start()
             b1.recv(first, 0, tag=9, timeout=10)
+            sender.join(10)
             assert first[0] == i
+            if b1._reactor.direct_frames > before:
+                break
         assert b1._reactor.direct_frames > before  # waits that found their own frame next
     finally:
         close_all([b0, b1])
