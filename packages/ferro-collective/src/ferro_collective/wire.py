@@ -1,7 +1,7 @@
 """The wire formats of the compressed collectives: ``allreduce``, ``reduce_scatter`` and
 ``all_gather`` (and their ``*_async`` forms) with a wire format (``wire="bf16"``, ``"fp16"``,
 ``"int8"`` or ``"int4"``), for links slow enough that the bytes sent are the step's time. (The
-calls themselves: :mod:`.compressed`.)
+calls themselves: ``ferro_collective.compressed``.)
 
 Every rank encodes what it sends, decodes what it receives and folds in float32, in rank order,
 so every rank gets the same bits on every transport:
@@ -161,6 +161,6 @@ def decode_into(buf: np.ndarray, wire: str, acc: np.ndarray, op: int) -> None:
                                  buf[blocks * 4:blocks * (BLOCK // 2 + 4)], acc, op)
 
 
-# (the compressed collectives, :mod:`.compressed`, are reached through the public calls'
+# (the compressed collectives, ferro_collective.compressed, are reached through the public calls'
 # ``wire=``)
 __all__ = ["BLOCK", "WIRES", "decode", "encode", "encoded_bytes"]

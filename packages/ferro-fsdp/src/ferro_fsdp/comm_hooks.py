@@ -281,7 +281,7 @@ class PowerSGDState:
     def sharded_state_dict(self, prefix: str = "powersgd.") -> tuple[dict[str, np.ndarray],
                                                                     dict[str, tuple]]:
         """:meth:`state_dict` as a checkpoint's sharded tensors, in the form of
-        :meth:`~ferro_fsdp.DDP.sharded_state_dict` (merge the two before saving): each array
+        ``DDP.sharded_state_dict()`` (merge the two before saving): each array
         of this rank is row ``rank`` of a tensor of ``world_size`` rows, sharded along dim 0
         one row a rank, so every rank saves its own error feedback (it differs by rank).
 
