@@ -38,11 +38,12 @@ def _chunk(count: int, n: int, wire: str) -> int:
     return -(-c // _kernel.BLOCK) * _kernel.BLOCK if wire in ("int8", "int4") else c
 
 
-def _encode_chunks(flat: np.ndarray, c: int, wire: str, sent: np.ndarray) -> None:
-    """``flat`` cut in ``len(sent)`` chunks of ``c`` values (the last padded with zeros), each
-    encoded into its row of ``sent``."""
+def _encode_chunks(flat: np.ndarray, step: int, c: int, wire: str, sent: np.ndarray) -> None:
+    """``flat`` cut in ``len(sent)`` pieces of ``step`` values, each padded with zeros to ``c``
+    values (the allreduce's chunks: ``step == c``, the last one short; the reduce-scatter's
+    dim-0 blocks: padded to whole int8/int4 blocks) and encoded into its row of ``sent``."""
     for r in range(sent.shape[0]):
-        chunk = flat[r * c:(r + 1) * c]
+        chunk = flat[r * step:(r + 1) * step]
         if chunk.size < c:
             chunk = np.concatenate([chunk, np.zeros(c - chunk.size, np.float32)])
         encode_into(chunk, wire, sent[r])
@@ -193,7 +194,7 @@ def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
 
     s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
     s.then(ALL_GATHER, mine, group, None, gathered, ended)
-    return lambda: _encode_chunks(flat, c, wire, sent)
+    return lambda: _encode_chunks(flat, c, c, wire, sent)
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -275,11 +276,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     s = Steps("reduce_scatter", wire, tensor, backend, timeout)
     width = encoded_bytes(c, wire)
     sent, rows, acc = s.take(n, width), s.take(n, width), s.take(c, dtype=np.float32)
-    chunks = np.ascontiguousarray(x.reshape(n, per), dtype=np.float32)
-    for r in range(n):  # (each dim-0 block padded to whole int8/int4 blocks)
-        row = chunks[r] if c == per else np.concatenate([chunks[r],
-                                                         np.zeros(c - per, np.float32)])
-        encode_into(row, wire, sent[r])
+    _encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire, sent)
 
     def folded(got):
         _fold_rows(got.reshape(n, width), wire, op, acc)
@@ -345,7 +342,7 @@ def sent_values(x: np.ndarray, n: int, wire: str, name: str) -> np.ndarray:
         raise ValueError(f"sent_values: name {name!r}, expected 'reduce_scatter' or 'allreduce'")
     c = _chunk(flat.size, n, wire)
     sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
-    _encode_chunks(flat, c, wire, sent)
+    _encode_chunks(flat, c, c, wire, sent)
     out = np.empty(flat.size, np.float32)
     _decode_rows(sent, c, wire, out)
     return out.reshape(np.shape(x))
