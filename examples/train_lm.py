@@ -317,9 +317,9 @@ def main(argv=None) -> int:
     n_params = model.num_parameters()
     if args.strategy == "ddp":
         wrapper = DDP(model, backend)
-        if args.grads_wire in ("bf16", "fp16"):
-            wrapper.register_comm_hook(backend, getattr(comm_hooks, f"{args.grads_wire}"
-                                                                  "_compress_hook"))
+        hooks = {"bf16": comm_hooks.bf16_compress_hook, "fp16": comm_hooks.fp16_compress_hook}
+        if args.grads_wire in hooks and not args.weights_wire:
+            wrapper.register_comm_hook(backend, hooks[args.grads_wire])
         elif args.grads_wire or args.weights_wire:
             raise SystemExit("train_lm: with --strategy ddp only --grads-wire bf16 or fp16")
     else:
