@@ -1,12 +1,32 @@
 import importlib.machinery
 
 import ferro_collective
-from ferro_collective import _doorplan, _onecall, _wire, dispatch, wire
+from ferro_collective import _doorplan, _onecall, _wire, api, dispatch, wire
 
 
 def test_the_one_call_paths_are_extension_modules():
     for mod in (_doorplan, _onecall, dispatch, _wire):
         assert mod.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), mod
+
+
+def test_the_public_calls_are_compiled_with_their_python_signatures():
+    """api.py runs compiled (Cython's pure-Python mode), and still reads as Python: keyword-only
+    arguments, defaults, annotations and docstrings as written."""
+    import inspect
+
+    assert api.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), api
+    assert ferro_collective.allreduce is api.allreduce
+    sig = inspect.signature(api.allreduce)
+    assert list(sig.parameters) == ["tensor", "backend", "op", "timeout", "algorithm", "out", "wire"]
+    assert sig.parameters["timeout"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sig.parameters["op"].default is ferro_collective.ReduceOp.SUM
+    assert "Reduce ``tensor`` element-wise" in api.allreduce.__doc__
+    # annotations are not C types: a numpy integer root is taken as Python's int is
+    import numpy as np
+
+    from ferro_backend import SimulatedBackend
+    (b,) = SimulatedBackend.create_group(1)
+    assert api.broadcast(np.ones(2), b, root=np.int64(0)).tolist() == [1.0, 1.0]
 
 
 def test_public_names():

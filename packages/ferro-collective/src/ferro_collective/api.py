@@ -13,6 +13,10 @@ call (``FERRO_TRACEBACK=full`` keeps the frames inside ferro).
 Each function hands its call to the dispatcher (:mod:`.dispatch`), which runs it with the
 collective's module (:mod:`.allreduce`, :mod:`.broadcast`, ...): the engine's one-call path, the
 engine, hierarchical stages or the point-to-point algorithms.
+
+This file is plain Python, built as it is by Cython into an extension module (``meson.build``):
+a call into a compiled function with keywords costs about 100-160 ns less than the
+interpreter's frame, a quarter of a barrier's or a 4 KiB allreduce's time on the engine.
 """
 
 from __future__ import annotations
