@@ -29,6 +29,7 @@ __all__ = ["active", "add_hook", "merge", "record", "span", "start_from_env", "t
 _lock = threading.Lock()
 _events: list[dict] | None = None  # None: not tracing
 _rank = 0
+_label: str | None = None  # the process's label in the file (where its ranks' cores stand)
 _hooks: list[Callable[[bool], None]] = []
 
 
@@ -73,12 +74,15 @@ def span(name: str, cat: str = "span", **args: Any) -> Iterator[None]:
         record(name, cat, t0, _now_us() - t0, **args)
 
 
-def _start(rank: int) -> None:
-    global _events, _rank
+def _start(rank: int, backend=None) -> None:
+    global _events, _rank, _label
     with _lock:
         if _events is not None:
             raise RuntimeError("trace: this process is already tracing")
         _events, _rank = [], rank
+    # a same-host engine's link probe, as the job formed (engine/link.py): which state it ran in
+    link = getattr(getattr(backend, "engine", None), "link", None)
+    _label = None if link is None else f"as the job formed, {link.describe()}"
     for hook in _hooks:
         hook(True)
 
@@ -90,10 +94,13 @@ def _stop(path: Path) -> Path:
         events, _events = _events, None
     for hook in _hooks:
         hook(False)
-    meta = {"name": "process_name", "ph": "M", "pid": _rank, "args": {"name": f"rank {_rank}"}}
+    meta = [{"name": "process_name", "ph": "M", "pid": _rank, "args": {"name": f"rank {_rank}"}}]
+    if _label is not None:
+        meta.append({"name": "process_labels", "ph": "M", "pid": _rank,
+                     "args": {"labels": _label}})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": [meta, *(events or [])],
+    tmp.write_text(json.dumps({"traceEvents": [*meta, *(events or [])],
                                "displayTimeUnit": "ns"}))
     os.replace(tmp, path)
     return path
@@ -180,7 +187,7 @@ def trace(path, *, backend=None, rank: int | None = None) -> Iterator[None]:
     ...     allreduce(x, backend)
     """
     who = rank if rank is not None else (backend.rank if backend is not None else 0)
-    _start(who)
+    _start(who, backend)
     undo = _wrap_p2p(backend) if backend is not None else (lambda: None)
     try:
         yield
@@ -192,7 +199,7 @@ def trace(path, *, backend=None, rank: int | None = None) -> Iterator[None]:
 def start_from_env(backend, directory: str) -> None:
     """``FERRO_TRACE=directory``: trace ``backend``'s rank until it closes (or the process
     exits): then ``directory/rank_<r>.json``."""
-    _start(backend.rank)
+    _start(backend.rank, backend)
     undo = _wrap_p2p(backend)
     target = Path(directory) / f"rank_{backend.rank}.json"
     done = threading.Event()

@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_SEGMENT_VERSION 8u
+#define FERRO_SEGMENT_VERSION 9u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u
@@ -33,7 +33,9 @@ typedef struct {               /* the segment's first 128 bytes, written by rank
     uint32_t magic, version, nranks, reserved;
     uint64_t slot_bytes, ring_bytes;
     uint64_t split_bytes;      /* the split allreduce's threshold (rank 0's setting holds) */
-    uint8_t pad[88];
+    double link_rtt_ns;        /* the link probe's results (_probe.h), stamped by rank 0 */
+    double link_copy_gbps;
+    uint8_t pad[72];
 } ferro_seg_head;
 
 typedef struct {               /* one per rank */
@@ -41,7 +43,7 @@ typedef struct {               /* one per rank */
     uint32_t sleepers;         /* futex waiters on step */
     uint64_t pid;              /* this rank's process */
     uint64_t probe;            /* address of a word peers read to test cross-memory copies */
-    uint64_t reserved;
+    uint64_t link;             /* the link probe's ping (rank 0) or answer (others): _probe.h */
     uint32_t bell;             /* point-to-point doorbell: producers about to sleep ring it */
     uint32_t reserved2;
     uint64_t head_hash[2];     /* the hash of this rank's collective header, by step parity */

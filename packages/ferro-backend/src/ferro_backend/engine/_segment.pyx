@@ -14,6 +14,16 @@ from libc.errno cimport errno
 
 include "_engine.pxi"
 
+from ferro.engine cimport FERRO_INVALID
+
+
+cdef extern from "_probe.h" nogil:
+    int FERRO_PROBE_MAX_ROUNDS
+    int ferro_probe_links(unsigned char* base, const ferro_layout* L, int rank, int run,
+                          int rounds, int copies, size_t nbytes, unsigned char* scratch,
+                          double deadline, const uint32_t* failed, double* rtt_ns,
+                          double* copy_gbps)
+
 
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
@@ -100,6 +110,30 @@ cdef class SegmentMap:
         self._check_rank(rank)
         cdef ferro_ctrl* c = ferro_ctrl_of(self.base, &self.L, rank)
         return c.pid, c.probe
+
+    def probe_links(self, int run, double timeout, int rounds=200, int copies=16,
+                    size_t nbytes=65536) -> tuple:
+        """The link probe (``_probe.h``; every rank at once, run ``run`` = 0, 1, ... of this
+        segment): ``(round trip of a cache line in ns, GB/s of a copy between the ranks'
+        cores)``, the slowest peer's, the same on every rank. The GIL released; it spins.
+
+        Raises TimeoutError after ``timeout`` seconds, ConnectionError when the failure flag
+        rises, ValueError for rounds, copies or bytes out of range."""
+        cdef unsigned char[::1] scratch = bytearray(max(nbytes, 1))
+        cdef double rtt = 0, gbps = 0, deadline = ferro_now() + timeout
+        cdef int rc
+        with nogil:
+            rc = ferro_probe_links(self.base, &self.L, self.rank, run + 1, rounds, copies,
+                                   nbytes, &scratch[0], deadline, self.failed, &rtt, &gbps)
+        if rc == FERRO_INVALID:
+            raise ValueError(f"probe_links: rounds {rounds} and copies {copies} must be 1.."
+                             f"{FERRO_PROBE_MAX_ROUNDS}, bytes {nbytes} 1..{self.L.slot_bytes}")
+        if rc == FERRO_TIMEOUT:
+            raise TimeoutError(f"rank {self.rank}: the link probe timed out after {timeout:g}s "
+                               "(a rank did not take part)")
+        if rc != FERRO_OK:
+            raise ConnectionError(f"rank {self.rank}: the link probe ended: a peer failed")
+        return rtt, gbps
 
     cdef int _check_rank(self, int rank) except -1:
         if not 0 <= rank < self.L.nranks:

@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import settings
-from ..errors import PeerClosedError, RendezvousError
+from ..errors import CollectiveTimeoutError, PeerClosedError, RendezvousError
 from ..mesh.handshake import recv_exactly
 from . import _comm, _ring, _segment, _steps, _watch, binding
+from . import link as _link
 
 if TYPE_CHECKING:
     from ..base import Backend
@@ -113,6 +114,10 @@ class Engine:
         self.client: Any = None
         #: the thread ``binding.bind`` bound at the join, and the cores it had before
         self._bound: tuple[int | None, frozenset[int] | None] = (None, None)
+        #: where the ranks' cores stand, probed as the job formed (:mod:`.link`); None where
+        #: it was not (one rank, or more ranks than cores: the probe spins)
+        self.link: _link.Link | None = None
+        self._probes = 0
 
     # ------------------------------------------------------------------ what users call
     def slot_data(self, rank: int, step: int) -> np.ndarray:
@@ -191,6 +196,33 @@ class Engine:
             return None
         return frozenset(os.sched_getaffinity(0))
 
+    def probe_link(self, timeout: float | None = None) -> _link.Link | None:
+        """Probe the link between the ranks' cores again (collective: every rank calls it, in
+        the same order among its collectives); the new :attr:`link`, or None where the job
+        cannot probe (one rank, or more ranks than cores).
+
+        Raises CollectiveTimeoutError (a rank did not take part in ``timeout`` seconds:
+        default the engine's) or PeerClosedError, as a collective would."""
+        if self.nranks < 2 or oversubscribed(self.nranks):
+            return None
+        t = self.comm.timeout if timeout is None else timeout
+        ticket = self.comm.reserve()
+        try:
+            rc = self.comm.begin(ticket, t, "probe_link")
+            if rc == _comm.TIMEOUT:
+                raise CollectiveTimeoutError(_comm.last_error())
+            if rc != _comm.OK:
+                raise PeerClosedError(_comm.last_error(), peer=self.rank)
+            try:
+                self.link = _link.probe(self, t)
+            except TimeoutError as exc:
+                raise CollectiveTimeoutError(str(exc)) from None
+            except ConnectionError as exc:
+                raise PeerClosedError(str(exc), peer=self.rank) from None
+        finally:
+            self.comm.end(ticket)
+        return self.link
+
     def close(self) -> None:
         """Close the communicator (every later call: closed) and let the mapping go: it is
         unmapped once nothing holds it (this engine's views, a C client's reference)."""
@@ -261,6 +293,11 @@ class Engine:
         engine.cma_ok = bool(verdict[0]) and settings.SHM_CMA.get() != "never"
         backend.barrier(timeout=left())  # probes read
         engine._bound = (threading.get_ident(), binding.bind(rank, n))
+        if n > 1 and not oversubscribed(n):
+            try:
+                engine.link = _link.probe(engine, left())
+            except (TimeoutError, ConnectionError) as exc:
+                raise RendezvousError(f"rank {rank}: {exc}") from None
         return engine
 
     def _can_read(self, peer: int) -> bool:

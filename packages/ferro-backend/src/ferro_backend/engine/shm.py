@@ -108,6 +108,9 @@ class ShmBackend(TcpBackend):
             within = (f"shared-memory engine (collectives: {self.engine.slot_bytes >> 10} KiB "
                       f"slots; point-to-point: {self.engine.ring_bytes >> 10} KiB rings, "
                       f"large messages {big}), TCP loopback for control")
+            link = self.engine.link
+            if link is not None:
+                within += f"; as the job formed, {link.describe()}"
         return within, "none (ShmBackend needs every rank on one host)"
 
 

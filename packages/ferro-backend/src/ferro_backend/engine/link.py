@@ -1,0 +1,70 @@
+"""Where the ranks landed: the link probe between the ranks' cores (``_probe.h``).
+
+A VM's cores may share a cache or not, and which of the two a job's ranks get can change while
+it runs (the hypervisor moves them; the kernel's cache topology reads the same either way).
+Measured on this project's two-core VM, 2 ranks: a cache line's round trip between the ranks'
+cores 28-58 ns in one state and 88-120 ns in the other, a 64 KiB copy written by one core and
+read by the other 2.3-2.4 us against 9-34 us; a state lasted from seconds to minutes
+(``benchmarks/README.md``, "Where the ranks land").
+
+:func:`probe` runs the probe on an engine (every rank at once; the ranks spin, so never where
+they outnumber the cores); :attr:`Engine.link <.segment.Engine.link>` keeps the result of the
+probe run as the job formed, and :meth:`Engine.probe_link <.segment.Engine.probe_link>` runs it
+again. ``ShmBackend.describe()`` and the timeline (an ``engine`` event per probe) say which
+state a job runs in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .. import timeline
+
+if TYPE_CHECKING:
+    from .segment import Engine
+
+#: a round trip of a cache line below this many ns: the ranks' cores share a cache
+SHARED_CACHE_NS = 75.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """One probe's result, the same on every rank: the slowest pair's (rank 0 and each other
+    rank in turn)."""
+
+    #: median round trip of a cache line between the ranks' cores, ns
+    rtt_ns: float
+    #: rate of a 64 KiB copy written by rank 0's core and read by the peer's, GB/s (median)
+    copy_gbps: float
+    #: when it ran (``time.time()``)
+    at: float
+
+    @property
+    def shared_cache(self) -> bool:
+        """Whether the ranks' cores share a cache (a round trip below
+        :data:`SHARED_CACHE_NS`)."""
+        return self.rtt_ns < SHARED_CACHE_NS
+
+    def describe(self) -> str:
+        """In words, as ``ShmBackend.describe()`` shows it."""
+        state = "share a cache" if self.shared_cache else "share no cache"
+        return (f"the ranks' cores {state} (a cache line's round trip {self.rtt_ns:.0f} ns, "
+                f"64 KiB from core to core {self.copy_gbps:.1f} GB/s)")
+
+
+def probe(engine: Engine, timeout: float) -> Link:
+    """Run the link probe on ``engine`` (every rank at once, nothing else on the engine
+    meanwhile); raises TimeoutError or ConnectionError as ``SegmentMap.probe_links``."""
+    t0 = time.time_ns() / 1000.0
+    rtt, gbps = engine._map.probe_links(engine._probes, timeout)
+    engine._probes += 1
+    link = Link(rtt, gbps, t0 / 1e6)
+    timeline.record("link probe", "engine", t0, time.time_ns() / 1000.0 - t0,
+                    rtt_ns=round(rtt, 1), copy_gbps=round(gbps, 2),
+                    shared_cache=link.shared_cache)
+    return link
+
+
+__all__ = ["SHARED_CACHE_NS", "Link", "probe"]
