@@ -112,6 +112,10 @@ def _ferro_ops(transport: str):
         "barrier": lambda x: barrier(b),
         "pingpong": _pingpong(rank, world, b.send, b.recv),
     }
+    engine = getattr(b, "engine", None)
+    if engine is not None and engine.link is not None:  # where the ranks landed (collective)
+        ops["_link"] = lambda: [(lk.rtt_ns, lk.copy_gbps) for lk in (engine.link,
+                                                                    engine.probe_link())]
     return rank, world, ops, lambda: barrier(b), np.ones, b.close
 
 
@@ -350,6 +354,10 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
                     ops[op](x)
                 elapsed = (time.perf_counter() - t0) / k
             rows.append({"op": op, "bytes": nbytes, "seconds": elapsed})
+    # the engine's link probe as the job formed and again now (ferro-shm): the state it ran in
+    link = ops["_link"]() if "_link" in ops else None
+    if link is not None and rank == 0:
+        Path(f"{out_path}.link").write_text(json.dumps(link))
     # the slowest rank's time per call
     times = np.array([r["seconds"] for r in rows])
     Path(f"{out_path}.rank{rank}").write_text(json.dumps(times.tolist()))
@@ -496,6 +504,22 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def links_markdown(links: dict) -> str:
+    """Which state each ferro-shm launch ran in: its engine's link probe (a cache line's round
+    trip between the ranks' cores) as the job formed and at its end."""
+    from ferro_backend.engine.link import SHARED_CACHE_NS
+
+    lines = ["\nferro-shm's link probe per launch (a cache line's round trip between the ranks' "
+             "cores, ns, as the job formed -> at its end; below "
+             f"{SHARED_CACHE_NS:.0f} ns the cores share a cache):"]
+    for key, runs in links.items():
+        shared = sum(1 for (start, _end) in runs if start[0] < SHARED_CACHE_NS)
+        trips = ", ".join(f"{start[0]:.0f} -> {end[0]:.0f}" for start, end in runs)
+        lines.append(f"- {key.split('/')[1]} processes: {trips} ({shared} of {len(runs)} "
+                     "launches formed sharing a cache)")
+    return "\n".join(lines) + "\n"
+
+
 def torch_markdown(results: dict, worlds: list[int]) -> str:
     """The cost of torch's layer: torch's collectives on "ferro" against the same call on
     ferro directly (ferro-shm) and torch's on gloo, as time per call (us)."""
@@ -606,6 +630,7 @@ def main(argv=None) -> int:
             continue
         impls.append(impl)
     runs: dict[str, list[list[dict]]] = {}
+    links: dict[str, list] = {}  # ferro-shm's link probes per launch (engine/link.py)
     for rep in range(args.repeat):  # interleaved, so a noisy minute hits every implementation
         for impl in impls:
             for world in args.worlds:
@@ -621,6 +646,10 @@ def main(argv=None) -> int:
                     continue
                 runs.setdefault(f"{impl}/{world}", []).append(json.loads(path.read_text()))
                 path.unlink()
+                probe = Path(f"{path}.link")
+                if probe.exists():
+                    links.setdefault(f"{impl}/{world}", []).append(json.loads(probe.read_text()))
+                    probe.unlink()
     results = {key: _median_rows(rows) for key, rows in runs.items()}
     for world in args.worlds:
         mpi = best_mpi(results, world)
@@ -629,6 +658,9 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     md = markdown(results, args.worlds, impls + ["mpi-best"]) + torch_markdown(results,
                                                                                  args.worlds)
+    if links:
+        (out / "links.json").write_text(json.dumps(links, indent=1))
+        md += links_markdown(links)
     (out / "results.md").write_text(md)
     print(md)
     try:

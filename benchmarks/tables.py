@@ -59,8 +59,9 @@ def is_peers(results: object) -> bool:
         for k, v in results.items())
 
 
-def peers_markdown(results: dict) -> str:
-    """The ``results.md`` peers.py writes for ``results``."""
+def peers_markdown(results: dict, links: dict | None = None) -> str:
+    """The ``results.md`` peers.py writes for ``results`` (and ferro-shm's link probes,
+    ``links.json``, where the run has them)."""
     sys.path.insert(0, str(HERE))
     import peers
 
@@ -70,8 +71,9 @@ def peers_markdown(results: dict) -> str:
         impl = key.split("/")[0]
         if impl not in impls and impl != "mpi-best":
             impls.append(impl)
-    return peers.markdown(results, worlds, impls + ["mpi-best"]) + peers.torch_markdown(
-        results, worlds)
+    return (peers.markdown(results, worlds, impls + ["mpi-best"])
+            + peers.torch_markdown(results, worlds)
+            + (peers.links_markdown(links) if links else ""))
 
 
 def world_table(markdown: str, world: int) -> str:
@@ -119,7 +121,9 @@ def expected() -> dict[Path, str]:
     for path in sorted(RESULTS.rglob("results.json")):
         data = json.loads(path.read_text())
         if is_peers(data):
-            want[path.with_name("results.md")] = peers_markdown(data)
+            links = path.with_name("links.json")
+            want[path.with_name("results.md")] = peers_markdown(
+                data, json.loads(links.read_text()) if links.exists() else None)
     text = README.read_text()
 
     def table(m: re.Match) -> str:
