@@ -65,8 +65,8 @@ def test_rank_0_probes_every_peer_in_turn_and_stamps_the_slowest(nranks):
 def test_the_state_follows_the_round_trip():
     assert Link(SHARED_CACHE_NS - 1, 20.0, 0).shared_cache
     assert not Link(SHARED_CACHE_NS + 1, 20.0, 0).shared_cache
-    assert "share no cache (a cache line's round trip 110 ns, 64 KiB from core to core 5.8 GB/s)" \
-        in Link(110.0, 5.8, 0).describe()
+    assert "share no cache (a cache line's round trip 110 ns, copies from core to core 5.8 " \
+        "GB/s)" in Link(110.0, 5.8, 0).describe()
 
 
 def _one_rank_probes(b):
@@ -82,6 +82,15 @@ def _one_rank_probes(b):
 def test_a_rank_that_does_not_take_part_times_the_probe_out():
     took, _ = run_processes(_one_rank_probes, 2, transport="shm", timeout=60)
     assert 0.5 <= took < 1.8
+
+
+def _small_slots(b):
+    return b.engine.slot_bytes, b.engine.link.copy_gbps > 0, b.engine.probe_link().rtt_ns > 0
+
+
+def test_slots_smaller_than_the_probe_copy_probe_with_a_slot(monkeypatch):
+    monkeypatch.setenv("FERRO_SHM_SLOT_BYTES", "4096")
+    assert run_processes(_small_slots, 2, transport="shm", timeout=60) == [(4096, True, True)] * 2
 
 
 def _oversubscribed(b):

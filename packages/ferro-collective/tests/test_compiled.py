@@ -66,3 +66,55 @@ def test_the_hooks_a_core_subclass_must_define_are_declared_on_core():
 
 def test_the_wire_formats_run_on_the_compiled_kernel():
     assert wire._kernel is _wire and wire.BLOCK == _wire.BLOCK == 256
+
+
+def test_the_one_call_path_finds_each_backends_own_group_and_forgets_the_gone():
+    """The dispatcher keeps the last backend and its group (weakly): calls alternating between
+    backends each run on their own engine, a group bound anew is the one used, and a backend
+    that is gone leaves nothing behind."""
+    import gc
+    import os
+    import weakref
+
+    import numpy as np
+
+    from ferro_backend import SimulatedBackend
+    from ferro_backend.engine import Engine, _segment
+    from ferro_collective.engine_group import EngineGroup
+
+    def one_rank():
+        (b,) = SimulatedBackend.create_group(1)
+        size = _segment.layout(1, 1 << 16, 4096)["size"]
+        fd = os.memfd_create("ferro-test", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            b.engine = Engine(0, 1, fd, size, 1 << 16, 4096, b.timeout)
+        finally:
+            os.close(fd)
+        return b
+
+    b1, b2 = one_rank(), one_rank()
+    x = np.arange(4.0)
+    for b in (b1, b2):
+        ferro_collective.barrier(b)  # (the first call makes the group)
+    steps = [b.engine.comm.step for b in (b1, b2)]
+    for _ in range(3):
+        for b in (b1, b2, b2):
+            assert ferro_collective.allreduce(x, b).tolist() == x.tolist()
+    assert [b.engine.comm.step - s for b, s in zip((b1, b2), steps)] == [3, 6]
+    # a group bound anew on b2's engine is the one its calls use (the old one is broken here)
+    old = b2.engine.client
+    new = EngineGroup(b2, b2.engine)
+    old.broken = RuntimeError("the old group was used")
+    ferro_collective.barrier(b2)
+    assert b2.engine.client is new
+    # a backend let go is freed (the dispatcher holds it weakly), and calls go on elsewhere
+    gone = weakref.ref(b1)
+    for b in (b1, b2):
+        b.engine.close() if b is b1 else None
+    del b, b1, old
+    gc.collect()
+    assert gone() is None
+    assert ferro_collective.allreduce(x, b2).tolist() == x.tolist()
+    assert ferro_collective.allreduce(x, one_rank()).tolist() == x.tolist()
+    b2.engine.close()

@@ -6,6 +6,7 @@ from ._doorplan cimport DoorPlan
 
 
 cdef class Core:
+    cdef object __weakref__           # (the dispatcher's last-backend cache holds it weakly)
     cdef object _comm, _backend
     cdef list _cache
     cdef DoorPlan _barrier

@@ -20,6 +20,7 @@ from cpython.object cimport PyObject
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.weakref cimport PyWeakref_GetObject
 from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
@@ -72,6 +73,11 @@ cdef object _ReduceOp = ReduceOp
 cdef dict _CODES = CODES
 cdef int _BYTES = _fold.DTYPE_CODES["uint8"]
 cdef object _ZERO = 0.0
+# the last backend a call found its Core on, and that Core (weak references: a job's backend is
+# freed when its user lets it go): a call on the same backend skips two attribute lookups
+# (backend.engine.client, a fifth of a barrier's time here). A Core bound anew forgets them.
+cdef object _last_backend = None
+cdef object _last_core = None
 
 
 cdef class Core:
@@ -82,6 +88,8 @@ cdef class Core:
 
     def _bind(self, backend, comm):
         """Take ``comm`` (the engine's door, ``engine.comm``) and the backend's timeout."""
+        global _last_backend, _last_core
+        _last_backend = _last_core = None  # (a backend's engine may get a new Core)
         self._comm, self._backend = comm, backend
         self._cache = [None] * CACHE
         self._barrier = DoorPlan("barrier", (), (), _Call(comm, _DOOR[K_BARRIER], 0))
@@ -283,13 +291,22 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
                      object out):
     """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine door, or
     :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
-    engine = getattr(backend, "engine", None)
-    if engine is None:
-        return _NOT_TAKEN
-    client = engine.client
-    if not isinstance(client, Core):
-        return _NOT_TAKEN
-    cdef Core c = <Core>client
+    global _last_backend, _last_core
+    cdef Core c
+    cdef object last = None
+    if _last_backend is not None and PyWeakref_GetObject(_last_backend) == <PyObject*>backend:
+        last = <object>PyWeakref_GetObject(_last_core)  # (None once that Core is gone)
+    if last is not None:
+        c = <Core>last
+    else:
+        engine = getattr(backend, "engine", None)
+        if engine is None:
+            return _NOT_TAKEN
+        client = engine.client
+        if not isinstance(client, Core):
+            return _NOT_TAKEN
+        c = <Core>client
+        _last_backend, _last_core = _weakref(backend), _weakref(c)
     if kind <= K_REDUCE_SCATTER:
         return c._fold_now(kind, tensor, out, arg, timeout)
     if kind == K_BROADCAST:
@@ -304,6 +321,12 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
         return c._copy_now(K_GATHER, tensor, out, arg, <Py_ssize_t>arg, timeout)
     c._barrier_now(timeout)
     return None
+
+
+cdef object _weakref(object obj):
+    import weakref
+
+    return weakref.ref(obj)
 
 
 cdef inline cnp.ndarray _array(object tensor):

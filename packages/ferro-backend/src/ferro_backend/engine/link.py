@@ -25,6 +25,8 @@ from .. import timeline
 if TYPE_CHECKING:
     from .segment import Engine
 
+#: the bytes of the probe's copies (at most a slot)
+COPY_BYTES = 64 << 10
 #: a round trip of a cache line below this many ns: the ranks' cores share a cache
 SHARED_CACHE_NS = 75.0
 
@@ -36,7 +38,8 @@ class Link:
 
     #: median round trip of a cache line between the ranks' cores, ns
     rtt_ns: float
-    #: rate of a 64 KiB copy written by rank 0's core and read by the peer's, GB/s (median)
+    #: rate of a copy (64 KiB, or a slot where slots are smaller) written by rank 0's core and
+    #: read by the peer's, GB/s (median)
     copy_gbps: float
     #: when it ran (``time.time()``)
     at: float
@@ -51,14 +54,15 @@ class Link:
         """In words, as ``ShmBackend.describe()`` shows it."""
         state = "share a cache" if self.shared_cache else "share no cache"
         return (f"the ranks' cores {state} (a cache line's round trip {self.rtt_ns:.0f} ns, "
-                f"64 KiB from core to core {self.copy_gbps:.1f} GB/s)")
+                f"copies from core to core {self.copy_gbps:.1f} GB/s)")
 
 
 def probe(engine: Engine, timeout: float) -> Link:
     """Run the link probe on ``engine`` (every rank at once, nothing else on the engine
     meanwhile); raises TimeoutError or ConnectionError as ``SegmentMap.probe_links``."""
     t0 = time.time_ns() / 1000.0
-    rtt, gbps = engine._map.probe_links(engine._probes, timeout)
+    rtt, gbps = engine._map.probe_links(engine._probes, timeout,
+                                        nbytes=min(COPY_BYTES, engine.slot_bytes))
     engine._probes += 1
     link = Link(rtt, gbps, t0 / 1e6)
     timeline.record("link probe", "engine", t0, time.time_ns() / 1000.0 - t0,
@@ -67,4 +71,4 @@ def probe(engine: Engine, timeout: float) -> Link:
     return link
 
 
-__all__ = ["SHARED_CACHE_NS", "Link", "probe"]
+__all__ = ["COPY_BYTES", "SHARED_CACHE_NS", "Link", "probe"]
