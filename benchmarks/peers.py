@@ -336,7 +336,9 @@ def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
     for op in ops_filter:
         for nbytes in (sizes if op != "barrier" else [0]):
             x = ones(max(nbytes // 4, world), dtype=np.float32)
-            k = iters_for(nbytes) if op != "barrier" else 200
+            # (a barrier cell times 5000 calls, 2-3 ms: 200 took 100 us, within the host's
+            # hiccups, and read 0.5-0.9 us where 5000 read 0.5 for ferro, 0.3 for coll/sm)
+            k = iters_for(nbytes) if op != "barrier" else 5000
             for _ in range(3):  # warm-up: ferro's first calls make its group and its plan
                 ops[op](x)
             if fresh and op != "barrier":
