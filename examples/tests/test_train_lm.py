@@ -83,3 +83,20 @@ def test_train_lm_data_is_deterministic_and_round_trips():
     x, y = lm.windows(tokens, a, 16)
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])            # targets: the next character
     assert x.shape == y.shape == (4, 16)
+
+
+@pytest.mark.timeout(180)
+def test_int8_gradients_resume_with_the_bits_of_an_unbroken_run(tmp_path):
+    """FSDP with --grads-wire int8: each rank's error feedback goes into the checkpoint, so the
+    steps after a resume lose exactly what the unbroken run's did."""
+    wire = ["--grads-wire", "int8"]
+    ferrorun(2, *TINY, *wire, "--steps", 8, "--checkpoint-every", 4, "--checkpoint-dir",
+             tmp_path / "straight")
+    ferrorun(2, *TINY, *wire, "--steps", 4, "--checkpoint-every", 4, "--checkpoint-dir",
+             tmp_path / "broken")
+    ferrorun(2, *TINY, *wire, "--steps", 8, "--checkpoint-every", 4, "--checkpoint-dir",
+             tmp_path / "broken", "--resume")
+    straight = json.loads((tmp_path / "straight" / "loss_history.json").read_text())
+    broken = json.loads((tmp_path / "broken" / "loss_history.json").read_text())
+    assert [s for s, _ in broken[1]["losses"]] == [5, 6, 7, 8]
+    assert broken[1]["losses"] == straight[0]["losses"][4:]  # the same floats, bit for bit

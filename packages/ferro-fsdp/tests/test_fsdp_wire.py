@@ -106,3 +106,75 @@ def test_wire_options_are_checked():
         return True
 
     assert run(body, 1) == [True]
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_a_resumed_int8_run_goes_on_with_the_bits_of_an_unbroken_one(strategy):
+    """The error feedback is in the sharded state dict: loaded, the next steps give the
+    unbroken run's bits; left out, they do not (so the test can tell)."""
+    from _helpers import make_opt
+
+    x, y = make_data(48, DIMS, dtype=np.float32)
+
+    def steps(f, opt, b, ks):
+        for k in ks:
+            sl = slice(8 * k + 4 * b.rank, 8 * k + 4 * b.rank + 4)
+            loss_fn = nn.CrossEntropyLoss()
+            loss_fn(f(x[sl]), y[sl])
+            f.backward(loss_fn.backward())
+            f.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+        return [np.array(p.data) for p in f.module.parameters()]
+
+    def fresh(b):
+        f = FSDP(make_mlp(DIMS, seed=7, dtype=np.float32), b, strategy, grads_wire="int8")
+        return f, make_opt("adam", f.parameters())
+
+    def body(b):
+        f, opt = fresh(b)
+        steps(f, opt, b, range(3))
+        tensors, specs = f.sharded_state_dict(opt)
+        unbroken = steps(f, opt, b, range(3, 6))
+        g, opt2 = fresh(b)
+        g.load_sharded_state_dict(tensors, opt2)
+        resumed = steps(g, opt2, b, range(3, 6))
+        h, opt3 = fresh(b)
+        h.load_sharded_state_dict({k: v for k, v in tensors.items()
+                                   if not k.startswith("wire_error.")}, opt3)
+        without = steps(h, opt3, b, range(3, 6))
+        keys = {k: specs[k] for k in tensors if k.startswith("wire_error.")}
+        return unbroken, resumed, without, keys
+
+    for unbroken, resumed, without, keys in run(body, 2):
+        assert keys["wire_error.world"] == ((2,), 0, (1, 1))
+        assert len(keys) > 1 and all(full == (2 * sizes[0],) for k, (full, _, sizes) in
+                                     keys.items() if k != "wire_error.world")
+        assert [a.tobytes() for a in resumed] == [a.tobytes() for a in unbroken]
+        assert [a.tobytes() for a in without] != [a.tobytes() for a in unbroken]
+
+
+def test_error_feedback_loads_from_full_tensors_and_starts_afresh_on_another_world():
+    from types import SimpleNamespace
+
+    from ferro_fsdp import wire_state
+
+    def units():
+        return [SimpleNamespace(name="", dtype=np.float32, errors=None),
+                SimpleNamespace(name="layers.0", dtype=np.float32, errors=None)]
+
+    full = {"wire_error.world": np.array([2, 2]), "wire_error.layers.0.1": np.arange(6.0)}
+    got = units()
+    wire_state.load(got, full, 2, 1)  # the full tensors on every rank: this rank's half
+    assert got[0].errors is None and got[1].errors[1].tolist() == [3.0, 4.0, 5.0]
+    assert got[1].errors[1].dtype == np.float32
+    got = units()
+    with pytest.warns(RuntimeWarning, match="saved on 2 ranks, this job has 4: it starts afresh"):
+        wire_state.load(got, {"wire_error.world": np.array([2]),
+                              "wire_error.root.0": np.zeros(3)}, 4, 0)
+    assert all(u.errors is None for u in got)
+    with pytest.raises(ValueError, match="'wire_error.nothere.0' names no unit"):
+        wire_state.load(units(), {"wire_error.world": np.array([1]),
+                                  "wire_error.nothere.0": np.zeros(3)}, 1, 0)
+    with pytest.raises(ValueError, match="without 'wire_error.world'"):
+        wire_state.load(units(), {"wire_error.root.0": np.zeros(3)}, 1, 0)

@@ -19,6 +19,7 @@ from ferro_backend import Backend
 from ferro_backend.partition import split_bounds, split_sizes
 from ferro_collective import all_gather
 
+from . import wire_state
 from .flat import FlatLayout
 from .parameter import Parameter
 
@@ -257,7 +258,10 @@ class ShardedStateDicts:
         ``step`` is an int64 piece of one element per rank (full shape ``(world,)``).
         FULL_SHARD / SHARD_GRAD_OP / NO_SHARD save ferro-checkpoint's own split
         (``sizes[r] = n // W + (r < n % W)``); HYBRID_SHARD saves the first node's chunks and
-        empty pieces elsewhere. No communication.
+        empty pieces elsewhere. With ``grads_wire="int8"`` / ``"int4"`` each rank's error
+        feedback is saved too, as ``"wire_error.<unit>.<k>"`` pieces and ``"wire_error.world"``
+        (``ferro_fsdp.wire_state``): a resumed run on the same world size goes on with the
+        same bits as an unbroken one. No communication.
 
         Parameters
         ----------
@@ -282,7 +286,12 @@ class ShardedStateDicts:
         >>> meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
         >>> save_distributed(tensors, "ckpt", rank, world, meta)  # ferro_checkpoint
         """
-        return save(self._state_plan(), optimizer)
+        tensors, specs = save(self._state_plan(), optimizer)
+        # grads_wire int8 / int4: this rank's error feedback too (ferro_fsdp.wire_state)
+        errors, error_specs = wire_state.save(self._units, self._backend.world_size)
+        tensors.update(errors)
+        specs.update(error_specs)
+        return tensors, specs
 
     def load_sharded_state_dict(self, tensors: dict[str, Any], optimizer: Any = None) -> None:
         """Load pieces saved by :meth:`sharded_state_dict` on any world size and strategy.
@@ -291,7 +300,9 @@ class ShardedStateDicts:
         rank order, concatenate to the flattened tensor (what ferro-checkpoint's
         ``load_distributed``/``reshard`` return), or the full tensor on every rank. Optimizer
         state is loaded into ``optimizer`` (built on ``module.parameters()``); keys it does not
-        find start fresh. Collective: every rank must call it.
+        find start fresh, and so does ``grads_wire``'s error feedback where it was not saved or
+        was saved on another world size (with a RuntimeWarning). Collective: every rank must
+        call it.
 
         Parameters
         ----------
@@ -312,7 +323,9 @@ class ShardedStateDicts:
         >>> tensors = load_distributed("ckpt", rank, world)  # ferro_checkpoint, any world size
         >>> fsdp.load_sharded_state_dict(tensors, opt)
         """
-        load(self._state_plan(), tensors, optimizer)
+        rest, errors = wire_state.split(tensors)
+        load(self._state_plan(), rest, optimizer)
+        wire_state.load(self._units, errors, self._backend.world_size, self._backend.rank)
 
     def _state_plan(self) -> Plan:
         return Plan(self._backend, self._names, self._params, self._layout,

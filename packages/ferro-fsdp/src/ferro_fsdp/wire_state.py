@@ -1,0 +1,93 @@
+"""``grads_wire``'s error feedback in FSDP's sharded state dicts, so a resumed run goes on with
+the bits an unbroken one would have.
+
+With ``grads_wire="int8"`` or ``"int4"`` each rank keeps, per unit and per array it reduces,
+what its last encoding rounded away (``Unit.errors``) and adds it to the next step's gradient.
+It is this rank's own residual (of its own batch's gradient, at its own place in the group), so
+it is saved as a piece per rank: ``wire_error.<unit>.<k>`` of full shape ``(world * n,)``, rank
+``r``'s ``n`` elements at ``r * n``, and ``wire_error.world``, the world it was saved on (one
+int64 per rank). It loads back on the same world size (from the pieces, or from the full
+tensors on every rank); saved on another world size, or not saved at all, the feedback starts
+afresh (zeros), with a warning in the first case. A loaded residual whose shape no longer
+matches what its unit sends (another strategy or wrap policy) is dropped at the first step as a
+fresh one would be.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+PREFIX = "wire_error."
+WORLD_KEY = PREFIX + "world"
+
+
+def _name(unit: Any) -> str:
+    return unit.name or "root"
+
+
+def save(units: list[Any], world: int) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+    """This rank's residuals of every unit, and their specs (none when there are none)."""
+    tensors: dict[str, np.ndarray] = {}
+    specs: dict[str, tuple] = {}
+    for unit in units:
+        for k, error in sorted((unit.errors or {}).items()):
+            key = f"{PREFIX}{_name(unit)}.{k}"
+            tensors[key] = np.array(error, copy=True).reshape(-1)
+            n = tensors[key].size
+            specs[key] = ((world * n,), 0, (n,) * world)
+    if tensors:
+        tensors[WORLD_KEY] = np.array([world], np.int64)
+        specs[WORLD_KEY] = ((world,), 0, (1,) * world)
+    return tensors, specs
+
+
+def split(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the rest, the error feedback's)`` of a state dict's tensors."""
+    rest = {k: v for k, v in tensors.items() if not k.startswith(PREFIX)}
+    return rest, {k: v for k, v in tensors.items() if k.startswith(PREFIX)}
+
+
+def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None:
+    """Replace every unit's residuals with the saved ones (``saved``: the ``wire_error.*``
+    tensors :func:`split` took out; empty: every unit starts afresh). Raises ValueError for a
+    key that names no unit or a piece that does not fit the world."""
+    for unit in units:
+        unit.errors = None
+    if not saved:
+        return
+    if WORLD_KEY not in saved:
+        raise ValueError(f"load_sharded_state_dict: error feedback keys without {WORLD_KEY!r}")
+    marks = np.asarray(saved[WORLD_KEY]).reshape(-1)
+    full = marks.size == world and world > 1  # the full tensors on every rank, not pieces
+    if marks.size not in (1, world) or int(marks[0]) != world:
+        # (resharded to another world, a rank's piece of the mark may be empty)
+        was = f"{int(marks[0])} ranks" if marks.size else "another number of ranks"
+        warnings.warn(f"load_sharded_state_dict: grads_wire's error feedback was saved on "
+                      f"{was}, this job has {world}: it starts afresh", RuntimeWarning,
+                      stacklevel=3)
+        return
+    by_name = {_name(u): u for u in units}
+    for key, value in saved.items():
+        if key == WORLD_KEY:
+            continue
+        name, _, k = key[len(PREFIX):].rpartition(".")
+        unit = by_name.get(name)
+        if unit is None or not k.isdigit():
+            raise ValueError(f"load_sharded_state_dict: {key!r} names no unit of this model "
+                             f"(units: {sorted(by_name)})")
+        piece = np.asarray(value).reshape(-1)
+        if full:
+            if piece.size % world:
+                raise ValueError(f"load_sharded_state_dict: {key!r} has {piece.size} elements, "
+                                 f"not a piece for each of {world} ranks")
+            n = piece.size // world
+            piece = piece[rank * n:(rank + 1) * n]
+        if unit.errors is None:
+            unit.errors = {}
+        unit.errors[int(k)] = np.array(piece, dtype=unit.dtype, copy=True)
+
+
+__all__ = ["PREFIX", "WORLD_KEY", "load", "save", "split"]
