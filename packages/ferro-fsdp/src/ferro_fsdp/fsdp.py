@@ -71,7 +71,8 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         ``module``: it stays its own unit, and this FSDP's ``sync_gradients``, state dicts and
         ``clip_grad_norm_`` cover its parameters too.
     intra_node_size : int, optional
-        HYBRID_SHARD only: ranks per node; the world size must be a positive multiple of it.
+        HYBRID_SHARD (and FULL_SHARD with ``secondary_shard``): ranks per node; the world size
+        must be a positive multiple of it.
     reshard_after_forward : bool or dict of str to bool, optional
         Free each unit's gathered parameters after its ``forward`` (FULL_SHARD / HYBRID_SHARD;
         default True, as torch); its ``backward`` then gathers them again. With False they stay
@@ -96,8 +97,16 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         HYBRID_SHARD's allreduce across the replicas), folded in float32. With "int8" and
         "int4" each rank feeds back what the encoding of its reduce-scatter (or NO_SHARD
         allreduce) contribution rounded away into its next step's gradients (error feedback:
-        a buffer of the unit's full gradient size per rank, not in the state dicts), so the
-        error summed over steps stays that of one step. None: exact.
+        a buffer of the unit's full gradient size per rank, saved with the sharded state
+        dict), so the error summed over steps stays that of one step. None: exact.
+    secondary_shard : bool, default False
+        FULL_SHARD across nodes of ``intra_node_size`` ranks (ZeRO++'s hpZ): the forward's
+        all-gather over the world leaves each rank a secondary shard of the parameters it
+        gathered (its node's share, ``1/intra_node_size`` of each unit), and the backward
+        gathers them inside the node from those instead of across the world: the same
+        values (with ``weights_wire``, the forward's decoded ones), half the all-gathers
+        across nodes, at the cost of the secondary shards' memory. Units that keep their
+        parameters after the forward (``reshard_after_forward=False``) gather nothing again.
 
     Raises
     ------
@@ -125,7 +134,7 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
                  reshard_after_forward: bool | dict[str, bool] | None = None,
                  sync_module_states: bool = False, timeout: float | None = None,
                  background: bool | None = None, weights_wire: str | None = None,
-                 grads_wire: str | None = None) -> None:
+                 grads_wire: str | None = None, secondary_shard: bool = False) -> None:
         Module.__init__(self)
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
@@ -151,10 +160,13 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
             self._intra = SubBackend(backend, range(node * intra_node_size,
                                                     (node + 1) * intra_node_size), name="fsdp-intra")
             self._inter = SubBackend(backend, range(local, world, intra_node_size), name="fsdp-inter")
+        elif secondary_shard:
+            self._intra = _secondary_group(backend, strategy, intra_node_size)
         elif intra_node_size is not None:
-            raise ValueError(f"FSDP: intra_node_size {intra_node_size} is only valid for HYBRID_SHARD, "
-                             f"got {strategy.name}")
+            raise ValueError(f"FSDP: intra_node_size {intra_node_size} is only valid for HYBRID_SHARD "
+                             f"(or FULL_SHARD with secondary_shard), got {strategy.name}")
         self._intra_node_size = intra_node_size
+        self._secondary = bool(secondary_shard)
 
         unit_modules, nested = find_units(module, wrap, lambda m: isinstance(m, FSDP))
         for name, inner in nested:
@@ -363,6 +375,24 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
+
+
+def _secondary_group(backend: Backend, strategy: ShardingStrategy,
+                     intra_node_size: Any) -> Backend:
+    """The node group the secondary shards are gathered in (``secondary_shard``)."""
+    world = backend.world_size
+    if strategy is not ShardingStrategy.FULL_SHARD:
+        raise ValueError(f"FSDP: secondary_shard is for FULL_SHARD (a node's copy of the "
+                         f"parameters for the backward's gather), got {strategy.name}")
+    if intra_node_size is None or isinstance(intra_node_size, bool) or \
+            not isinstance(intra_node_size, int) or intra_node_size <= 0 or \
+            world % intra_node_size:
+        raise InvalidWorldSizeError(
+            f"FSDP secondary_shard: world_size {world} must be a positive multiple of "
+            f"intra_node_size {intra_node_size} (the ranks per node)")
+    node = backend.rank // intra_node_size
+    return SubBackend(backend, range(node * intra_node_size, (node + 1) * intra_node_size),
+                      name="fsdp-secondary")
 
 
 def _root(arr: np.ndarray) -> np.ndarray:

@@ -73,6 +73,11 @@ class Unit:
         self.direct = self.layout.world > 1 and all(n % self.layout.world == 0
                                                     for n in self.layout.numels)
         self.reshard = reshard
+        # secondary_shard (hpZ): this rank's part of its node's copy of the parameters the
+        # forward gathered (packed as the world's gather lays them out), and whether the
+        # backward may gather from it (set by the forward's gather, spent by the backward's)
+        self.secondary: np.ndarray | None = None
+        self.secondary_ready = False
         self.fps: list[Parameter] | None = None      # full parameters since the last forward
         # the pending gather: a future (or the per-parameter gathers) and what it sent (None:
         # gathered in place, nothing to give back)
@@ -107,8 +112,11 @@ class Unit:
         if self.pending is not None or not self.owner._spec.shards_params or self.is_full():
             return
         pool = self.owner._pool
+        if self.secondary_ready and self.owner._phase == "backward":
+            self.start_secondary_gather()
+            return
         shards = [p.data for p in self.params]
-        if self.direct and not checked and self.layout.numel and all(
+        if self.direct and not self.owner._secondary and not checked and self.layout.numel and all(
                 isinstance(d, np.ndarray) and d.dtype == self.dtype and d.size == c
                 and d.flags.c_contiguous for d, c in zip(shards, self.layout.chunks)):
             full, works, acc = pool.take(self.layout.numel, self.dtype), [], 0
@@ -133,6 +141,30 @@ class Unit:
                          **_wire(self.owner._weights_wire))
             self.pending = work.future, flat
             self.checked = checked
+
+    def start_secondary_gather(self) -> None:
+        """The backward's gather with ``secondary_shard``: the node's secondary shards,
+        gathered inside the node into the same packed buffer the world's gather made (exact:
+        they hold the forward's values, decoded where ``weights_wire`` was on)."""
+        owner, pool = self.owner, self.owner._pool
+        self.secondary_ready = False
+        sent = pool.take(self.secondary.size, self.dtype)
+        sent[...] = self.secondary  # (the pool's buffer goes back once the gather is used)
+        out = pool.take(self.layout.padded_numel, self.dtype)
+        work = start(owner._background, all_gather_async, all_gather, sent, owner._intra,
+                     timeout=owner._timeout, out=out)
+        self.pending = work.future, sent
+        self.checked = False
+
+    def keep_secondary(self, gathered: np.ndarray) -> None:
+        """After the forward's gather over the world: keep this rank's share of its node's
+        copy (``secondary_shard``)."""
+        group = self.owner._intra
+        part = gathered.size // group.world_size
+        if self.secondary is None or self.secondary.size != part:
+            self.secondary = np.empty(part, self.dtype)
+        self.secondary[...] = gathered[group.rank * part:(group.rank + 1) * part]
+        self.secondary_ready = True
 
     def ensure_fps(self) -> list[Parameter]:
         if self.fps is None:
@@ -170,6 +202,9 @@ class Unit:
                     f"FSDP.{op}: this rank's parameters changed after their all-gather was "
                     "started (an optimizer step or update_shards after prefetch_forward_params()?)"
                     "; the prefetched parameters are stale. Prefetch after the update.")
+            if (op == "forward" and self.owner._secondary and self.reshard and sent is not None
+                    and self.layout.world > 1):
+                self.keep_secondary(gathered)
             self.give_full()
             direct, self.full_buf = sent is None, gathered if sent is None else pool.take(
                 self.layout.numel, self.dtype)
