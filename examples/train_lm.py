@@ -76,7 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="held out: every round(1/f)-th file (the tail if there are too few)")
     p.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
     p.add_argument("--intra-node-size", type=int, default=None,
-                   help="hybrid_shard: ranks per node (default: half the ranks, at least 1)")
+                   help="hybrid_shard, --secondary-shard: ranks per node (default: "
+                        "LOCAL_WORLD_SIZE under ferrorun, else half the ranks, at least 1)")
+    p.add_argument("--secondary-shard", action="store_true",
+                   help="full_shard: the backward gathers the parameters inside the node "
+                        "from a secondary shard the forward's gather left (ZeRO++'s hpZ)")
     p.add_argument("--weights-wire", choices=WIRES, default=None,
                    help="FSDP: gather the parameters in this wire format (int8: ZeRO++'s)")
     p.add_argument("--grads-wire", choices=WIRES, default=None,
@@ -324,11 +328,15 @@ def main(argv=None) -> int:
             raise SystemExit("train_lm: with --strategy ddp only --grads-wire bf16 or fp16")
     else:
         intra = None
-        if args.strategy == "hybrid_shard":
-            intra = args.intra_node_size or max(1, world // 2)
+        if args.strategy == "hybrid_shard" or args.secondary_shard:
+            intra = (args.intra_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+                     or max(1, world // 2))
+        if args.secondary_shard and args.strategy != "full_shard":
+            raise SystemExit("train_lm: --secondary-shard is for --strategy full_shard")
         wrapper = FSDP(model, backend, args.strategy, wrap=nn.TransformerBlock,
                        intra_node_size=intra, sync_module_states=True,
-                       weights_wire=args.weights_wire, grads_wire=args.grads_wire)
+                       weights_wire=args.weights_wire, grads_wire=args.grads_wire,
+                       secondary_shard=args.secondary_shard)
     opt = optim.AdamW(wrapper.module.parameters(), lr=args.lr, betas=(0.9, 0.95),
                       weight_decay=args.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
@@ -471,6 +479,7 @@ def main(argv=None) -> int:
             "held_out_loss": val, "corpus_chars": int(len(tokens)), "corpus_sha256": digest,
             "steps_per_s": done / elapsed if done and elapsed else 0.0,
             "weights_wire": args.weights_wire, "grads_wire": args.grads_wire,
+            "secondary_shard": args.secondary_shard,
         }
         print("summary: " + json.dumps(summary), flush=True)
         print(f"{done} steps in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tokens/s) on "

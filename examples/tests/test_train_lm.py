@@ -100,3 +100,15 @@ def test_int8_gradients_resume_with_the_bits_of_an_unbroken_run(tmp_path):
     broken = json.loads((tmp_path / "broken" / "loss_history.json").read_text())
     assert [s for s, _ in broken[1]["losses"]] == [5, 6, 7, 8]
     assert broken[1]["losses"] == straight[0]["losses"][4:]  # the same floats, bit for bit
+
+
+@pytest.mark.timeout(120)
+def test_secondary_shard_trains_the_same_bits(tmp_path):
+    """--secondary-shard (hpZ, one rank per node here): the backward's gathers stay inside the
+    node; the losses are the plain run's, bit for bit."""
+    for name, extra in (("plain", []), ("hpz", ["--secondary-shard", "--intra-node-size", 1])):
+        ferrorun(2, *TINY, *extra, "--steps", 3, "--checkpoint-dir", tmp_path / name)
+    plain, hpz = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("plain", "hpz"))
+    assert hpz["secondary_shard"] is True and plain["secondary_shard"] is False
+    runs = [json.loads((tmp_path / n / "loss_history.json").read_text()) for n in ("plain", "hpz")]
+    assert runs[0][0]["losses"] == runs[1][0]["losses"]
