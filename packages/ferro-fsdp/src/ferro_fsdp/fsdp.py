@@ -150,18 +150,15 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         self._intra: Backend | None = None
         self._inter: Backend | None = None
         if spec.shard_group == "intra":
-            if intra_node_size is None or isinstance(intra_node_size, bool) or \
-                    not isinstance(intra_node_size, int) or intra_node_size <= 0 or \
-                    world % intra_node_size:
-                raise InvalidWorldSizeError(
-                    f"FSDP {strategy.name}: world_size {world} must be a positive multiple of "
-                    f"intra_node_size {intra_node_size}")
-            node, local = divmod(rank, intra_node_size)
-            self._intra = SubBackend(backend, range(node * intra_node_size,
-                                                    (node + 1) * intra_node_size), name="fsdp-intra")
-            self._inter = SubBackend(backend, range(local, world, intra_node_size), name="fsdp-inter")
+            self._intra = _node_group(backend, intra_node_size, strategy.name, "fsdp-intra")
+            self._inter = SubBackend(backend, range(rank % intra_node_size, world, intra_node_size),
+                                     name="fsdp-inter")
         elif secondary_shard:
-            self._intra = _secondary_group(backend, strategy, intra_node_size)
+            if strategy is not ShardingStrategy.FULL_SHARD:
+                raise ValueError(f"FSDP: secondary_shard is for FULL_SHARD (a node's copy of the "
+                                 f"parameters for the backward's gather), got {strategy.name}")
+            self._intra = _node_group(backend, intra_node_size, "secondary_shard",
+                                      "fsdp-secondary")
         elif intra_node_size is not None:
             raise ValueError(f"FSDP: intra_node_size {intra_node_size} is only valid for HYBRID_SHARD "
                              f"(or FULL_SHARD with secondary_shard), got {strategy.name}")
@@ -377,22 +374,19 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         return self._layout.gathered_to_full(flat)
 
 
-def _secondary_group(backend: Backend, strategy: ShardingStrategy,
-                     intra_node_size: Any) -> Backend:
-    """The node group the secondary shards are gathered in (``secondary_shard``)."""
+def _node_group(backend: Backend, intra_node_size: Any, what: str, name: str) -> Backend:
+    """This rank's node: ``intra_node_size`` consecutive ranks (a positive divisor of the world
+    size, else InvalidWorldSizeError naming ``what`` asked for it)."""
     world = backend.world_size
-    if strategy is not ShardingStrategy.FULL_SHARD:
-        raise ValueError(f"FSDP: secondary_shard is for FULL_SHARD (a node's copy of the "
-                         f"parameters for the backward's gather), got {strategy.name}")
     if intra_node_size is None or isinstance(intra_node_size, bool) or \
             not isinstance(intra_node_size, int) or intra_node_size <= 0 or \
             world % intra_node_size:
         raise InvalidWorldSizeError(
-            f"FSDP secondary_shard: world_size {world} must be a positive multiple of "
-            f"intra_node_size {intra_node_size} (the ranks per node)")
+            f"FSDP {what}: world_size {world} must be a positive multiple of "
+            f"intra_node_size {intra_node_size}")
     node = backend.rank // intra_node_size
     return SubBackend(backend, range(node * intra_node_size, (node + 1) * intra_node_size),
-                      name="fsdp-secondary")
+                      name=name)
 
 
 def _root(arr: np.ndarray) -> np.ndarray:
