@@ -120,4 +120,3 @@ def assert_close_rel(a, b, rtol):
     err = np.max(np.abs(a - b)) / scale if a.size else 0.0
     assert err <= rtol, f"relative error {err:.3e} > {rtol:.1e}"
     return err
-

@@ -25,6 +25,8 @@ from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
 
+from weakref import ref as _weakref
+
 from . import p2p
 from .arguments import fast_array
 from .ops import CODES, OPS, ReduceOp
@@ -321,12 +323,6 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
         return c._copy_now(K_GATHER, tensor, out, arg, <Py_ssize_t>arg, timeout)
     c._barrier_now(timeout)
     return None
-
-
-cdef object _weakref(object obj):
-    import weakref
-
-    return weakref.ref(obj)
 
 
 cdef inline cnp.ndarray _array(object tensor):
