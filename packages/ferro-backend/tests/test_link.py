@@ -32,7 +32,7 @@ def test_every_rank_gets_the_same_probe_as_the_job_forms_and_again_on_request():
         assert res[0][1][r].at >= f.at
     assert all(x[2] is x[1][1] for x in res)  # the latest probe is the engine's link
     for *_, text in res:
-        assert "as the job formed, the ranks' cores share" in text and "round trip" in text
+        assert "at the last link probe, the ranks' cores share" in text and "round trip" in text
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 5])
@@ -124,7 +124,7 @@ def _traced_probe(b, path):
 def test_the_timeline_says_where_the_ranks_landed(tmp_path):
     for events in run_processes(_traced_probe, 2, tmp_path, transport="shm", timeout=90):
         (label,) = [e for e in events if e["name"] == "process_labels"]
-        assert label["args"]["labels"].startswith("as the job formed, the ranks' cores share")
+        assert label["args"]["labels"].startswith("at the last link probe, the ranks' cores share")
         (probe,) = [e for e in events if e["name"] == "link probe"]
         assert probe["cat"] == "engine" and probe["args"]["rtt_ns"] > 0
         assert isinstance(probe["args"]["shared_cache"], bool)

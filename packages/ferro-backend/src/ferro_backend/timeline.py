@@ -80,9 +80,9 @@ def _start(rank: int, backend=None) -> None:
         if _events is not None:
             raise RuntimeError("trace: this process is already tracing")
         _events, _rank = [], rank
-    # a same-host engine's link probe, as the job formed (engine/link.py): which state it ran in
+    # a same-host engine's latest link probe (engine/link.py): which state the job runs in
     link = getattr(getattr(backend, "engine", None), "link", None)
-    _label = None if link is None else f"as the job formed, {link.describe()}"
+    _label = None if link is None else f"at the last link probe, {link.describe()}"
     for hook in _hooks:
         hook(True)
 

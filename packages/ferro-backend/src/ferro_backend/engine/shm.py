@@ -110,7 +110,7 @@ class ShmBackend(TcpBackend):
                       f"large messages {big}), TCP loopback for control")
             link = self.engine.link
             if link is not None:
-                within += f"; as the job formed, {link.describe()}"
+                within += f"; at the last link probe, {link.describe()}"
         return within, "none (ShmBackend needs every rank on one host)"
 
 
