@@ -146,14 +146,14 @@ class Unit:
         """The backward's gather with ``secondary_shard``: the node's secondary shards,
         gathered inside the node into the same packed buffer the world's gather made (exact:
         they hold the forward's values, decoded where ``weights_wire`` was on)."""
-        owner, pool = self.owner, self.owner._pool
+        owner = self.owner
         self.secondary_ready = False
-        sent = pool.take(self.secondary.size, self.dtype)
-        sent[...] = self.secondary  # (the pool's buffer goes back once the gather is used)
-        out = pool.take(self.layout.padded_numel, self.dtype)
-        work = start(owner._background, all_gather_async, all_gather, sent, owner._intra,
-                     timeout=owner._timeout, out=out)
-        self.pending = work.future, sent
+        out = owner._pool.take(self.layout.padded_numel, self.dtype)
+        # sent from the secondary shard itself, not a pooled copy (gather does not give it to
+        # the pool; the next forward's gather rewrites it only after this one is waited for)
+        work = start(owner._background, all_gather_async, all_gather, self.secondary,
+                     owner._intra, timeout=owner._timeout, out=out)
+        self.pending = work.future, self.secondary
         self.checked = False
 
     def keep_secondary(self, gathered: np.ndarray) -> None:
@@ -220,7 +220,8 @@ class Unit:
                 fp.data = arr
         finally:
             pool.give(gathered)
-            pool.give(sent)
+            if sent is not self.secondary:  # (the secondary shard is the unit's own)
+                pool.give(sent)
 
     def give_full(self) -> None:
         self.owner._pool.give(self.full_buf)

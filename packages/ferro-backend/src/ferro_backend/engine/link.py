@@ -1,17 +1,17 @@
 """Where the ranks landed: the link probe between the ranks' cores (``_probe.h``).
 
-A VM's cores may share a cache or not, and which of the two a job's ranks get can change while
-it runs (the hypervisor moves them; the kernel's cache topology reads the same either way).
-Measured on this project's two-core VM, 2 ranks: a cache line's round trip between the ranks'
-cores 28-58 ns in one state and 88-120 ns in the other, a 64 KiB copy written by one core and
-read by the other 2.3-2.4 us against 9-34 us; a state lasted from seconds to minutes
-(``benchmarks/README.md``, "Where the ranks land").
+A VM's cores may share a cache or not, and which a job's ranks get can change while it runs
+(the hypervisor moves them; the kernel's cache topology reads the same either way). Measured on
+this project's two-core VM, 2 ranks, three states: a cache line's round trip between the ranks'
+cores 28-60 ns, 88-133 ns or 426-476 ns, a 64 KiB copy from one core to the other at 24-27,
+5-7 or 1.5-2 GB/s; a state lasted from under a second to minutes (``benchmarks/README.md``,
+"0.4, issue 55").
 
 :func:`probe` runs the probe on an engine (every rank at once; the ranks spin, so never where
-they outnumber the cores); :attr:`Engine.link <.segment.Engine.link>` keeps the result of the
-probe run as the job formed, and :meth:`Engine.probe_link <.segment.Engine.probe_link>` runs it
-again. ``ShmBackend.describe()`` and the timeline (an ``engine`` event per probe) say which
-state a job runs in.
+they outnumber the cores); :attr:`Engine.link <.segment.Engine.link>` keeps the latest result
+(the join's, until :meth:`Engine.probe_link <.segment.Engine.probe_link>` runs it again).
+``ShmBackend.describe()`` and the timeline (an ``engine`` event per probe) say which state a
+job runs in.
 """
 
 from __future__ import annotations
