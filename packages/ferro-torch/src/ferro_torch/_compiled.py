@@ -38,9 +38,11 @@ from ferro_backend import settings
 
 from .errors import FerroTorchError
 
-#: the C++ sources of the backend, built in this order
+#: the C++ sources of the backend: its parts, built as one translation unit (UNIT includes
+#: them in this order: torch's headers are parsed once)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("work.cpp", "backend.cpp", "collectives.cpp", "p2p.cpp", "python.cpp")
+UNIT = "ferro_c10d.cpp"
 HEADERS = ("ferro_c10d.hpp",)
 #: the oldest torch the sources build against (tried: 2.7 lacks the options' asyncOp, 2.8
 #: Backend's getBackendOptions and setTimeout; 2.9.1 builds and passes)
@@ -78,7 +80,7 @@ def extension_name() -> str:
     """The cache name: torch's version, the door's ABI, a hash of every source and header."""
     h = hashlib.sha256()
     inc = Path(ferro_backend.get_include()) / "ferro"
-    for p in [*(CSRC / s for s in (*HEADERS, *SOURCES)), inc / "engine.h",
+    for p in [*(CSRC / s for s in (*HEADERS, *SOURCES, UNIT)), inc / "engine.h",
               inc / "engine_python.h"]:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(torch.__version__.encode())
@@ -132,7 +134,7 @@ def _build() -> ModuleType:
 
     def load() -> ModuleType:
         return cpp_extension.load(
-            name=name, sources=[str(CSRC / s) for s in SOURCES],
+            name=name, sources=[str(CSRC / UNIT)],
             extra_include_paths=[ferro_backend.get_include(), str(CSRC)],
             extra_cflags=["-O2", "-fvisibility=hidden"], verbose=False)
 

@@ -57,12 +57,6 @@ void unblock(const at::Tensor& whole, const std::vector<at::Tensor>& ts) {
     ts[r].copy_(whole.narrow(0, static_cast<int64_t>(r) * k, k).view(ts[r].sizes()));
 }
 
-std::vector<at::Tensor> joined(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<at::Tensor> out;
-  for (const auto& l : lists) out.insert(out.end(), l.begin(), l.end());
-  return out;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------- all_gather

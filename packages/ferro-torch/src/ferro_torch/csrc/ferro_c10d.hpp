@@ -315,5 +315,7 @@ at::Tensor dense(const at::Tensor& t);
 void write_back(const at::Tensor& t, const at::Tensor& buf);
 // the tensors one after another in one contiguous block (the first one's memory), or undefined
 at::Tensor span(const std::vector<at::Tensor>& ts);
+// the lists' tensors, one after the other
+std::vector<at::Tensor> joined(const std::vector<std::vector<at::Tensor>>& lists);
 
 }  // namespace ferro_torch

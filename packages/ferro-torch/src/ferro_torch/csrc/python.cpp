@@ -46,12 +46,6 @@ WorkPtr in_python(FerroBackend& b, c10d::OpType type, std::vector<at::Tensor> ou
   return b.noted(work);
 }
 
-std::vector<at::Tensor> joined(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<at::Tensor> out;
-  for (const auto& l : lists) out.insert(out.end(), l.begin(), l.end());
-  return out;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------- lifetime

@@ -228,6 +228,12 @@ void write_back(const at::Tensor& t, const at::Tensor& buf) {
   }
 }
 
+std::vector<at::Tensor> joined(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (const auto& l : lists) out.insert(out.end(), l.begin(), l.end());
+  return out;
+}
+
 at::Tensor span(const std::vector<at::Tensor>& ts) {
   if (ts.empty()) return at::Tensor();
   const auto& first = ts[0];
