@@ -39,13 +39,14 @@ def local_grads(b, x, y):
     return [p.grad for p in m.parameters()]
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["in_thread", "background"])
 @pytest.mark.parametrize("hook, wire", [(allreduce_hook, None), (fp16_compress_hook, "fp16"),
                                         (bf16_compress_hook, "bf16")])
-def test_the_simple_hooks_give_the_wire_allreduce_of_the_bucket(hook, wire):
+def test_the_simple_hooks_give_the_wire_allreduce_of_the_bucket(hook, wire, background):
     x, y = make_data(16, DIMS, dtype=np.float32)
 
     def body(b):
-        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b, background=background)
         d.register_comm_hook(None, hook)
         got = step_grads(d, b, x, y)
         # the reference: this rank's bucket (reverse parameter order), reduced with the wire
@@ -63,6 +64,36 @@ def test_the_simple_hooks_give_the_wire_allreduce_of_the_bucket(hook, wire):
             offset += got[i].size
         for a, b_ in zip(got, results[0][0]):
             assert a.tobytes() == b_.tobytes()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in_thread", "background"])
+def test_the_simple_hooks_follow_the_ddps_background_and_overlap_the_backward(background):
+    """In the background the bucket's allreduce is still running when the hook returns (rank 1
+    is late by 0.3 s) and the backward goes on; in the training thread it is done."""
+    import time
+
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        seen = []
+
+        def watching(state, bucket):
+            work = bf16_compress_hook(state, bucket)
+            seen.append((bucket.background(), work.is_completed()))
+            return work
+
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b, background=background, bucket_cap_mb=1e-3)
+        d.register_comm_hook(None, watching)
+        if b.rank == 1:
+            time.sleep(0.3)
+        return seen, step_grads(d, b, x, y)
+
+    results = run(body, 2)
+    seen, grads = results[0]
+    assert len(seen) > 1 and all(bg == background for bg, _ in seen), seen
+    assert seen[0][1] == (not background), seen  # rank 0's first bucket waits on rank 1
+    for a, b_ in zip(grads, results[1][1]):
+        assert a.tobytes() == b_.tobytes()
 
 
 def test_powersgd_is_exact_before_its_start_then_compresses_the_matrices():

@@ -5,7 +5,13 @@ A hook is ``hook(state, bucket) -> Work``: it gets the bucket (:class:`GradBucke
 buffer of this rank's gradients, the parameters in it) and returns a
 :class:`ferro_collective.Work` whose ``wait()`` gives the averaged gradients, a flat array of
 the bucket's size (DDP copies it into the bucket unless it is the bucket itself). Every rank
-must run the same hook with the same collectives. The hooks here:
+must run the same hook with the same collectives. DDP calls the hook as soon as the bucket's
+last gradient is written, while the rest of the backward still runs: a hook whose Work
+completes in the background (an ``*_async`` collective) lets the bucket travel while the model
+computes. :meth:`GradBucket.background` says whether the DDP runs its own collectives that way
+(``ferro_fsdp.background``: where a core is free for them); the allreduce and compression hooks
+here follow it, PowerSGD (compute between its two allreduces) runs in the training thread.
+The hooks here:
 
 * :func:`allreduce_hook`: what DDP does without a hook (a mean allreduce, in place).
 * :func:`fp16_compress_hook`, :func:`bf16_compress_hook`: the bucket travels as half or
@@ -31,7 +37,9 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import Backend
-from ferro_collective import ReduceOp, Work, allreduce
+from ferro_collective import ReduceOp, Work, allreduce, allreduce_async
+
+from .background import start
 
 
 class GradBucket:
@@ -49,12 +57,14 @@ class GradBucket:
         Whether it is the step's last bucket.
     backend : ferro_backend.Backend
         The DDP's backend.
+    background : bool, default False
+        Whether the DDP runs its collectives in the background (:meth:`background`).
     """
 
     def __init__(self, index: int, buffer: np.ndarray, parameters: Sequence[Any], is_last: bool,
-                 backend: Backend) -> None:
+                 backend: Backend, background: bool = False) -> None:
         self._index, self._buffer, self._params = index, buffer, list(parameters)
-        self._last, self.backend = is_last, backend
+        self._last, self.backend, self._background = is_last, backend, bool(background)
 
     def index(self) -> int:
         """Its place in the order buckets are reduced.
@@ -105,6 +115,17 @@ class GradBucket:
         """
         return self._last
 
+    def background(self) -> bool:
+        """Whether the DDP runs its collectives in the background (``FERRO_BACKGROUND``, its
+        ``background=``): a hook should start its own the same way, with the ``*_async`` forms
+        (the bucket then travels during the rest of the backward), else in this thread.
+
+        Returns
+        -------
+        bool
+        """
+        return self._background
+
 
 def _done(result: np.ndarray, name: str) -> Work:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -130,14 +151,15 @@ def allreduce_hook(state: Backend | None, bucket: GradBucket) -> Work:
     ferro_collective.Work
     """
     flat = bucket.buffer()
-    return _done(allreduce(flat, _backend(state, bucket), ReduceOp.MEAN, out=flat), "allreduce")
+    return start(bucket.background(), allreduce_async, allreduce, flat, _backend(state, bucket),
+                 ReduceOp.MEAN, out=flat)
 
 
 def _compressed(state: Backend | None, bucket: GradBucket, wire: str) -> Work:
     """The mean of the bucket, sent in ``wire``'s format and folded in float32, in place."""
     flat = bucket.buffer()
-    return _done(allreduce(flat, _backend(state, bucket), ReduceOp.MEAN, out=flat, wire=wire),
-                 f"{wire}_compress")
+    return start(bucket.background(), allreduce_async, allreduce, flat, _backend(state, bucket),
+                 ReduceOp.MEAN, out=flat, wire=wire)
 
 
 def fp16_compress_hook(state: Backend | None, bucket: GradBucket) -> Work:

@@ -336,7 +336,7 @@ class DistributedDataParallel(ModuleWrapper):
             state, hook = self._hook
             self._works[b] = hook(state, GradBucket(
                 b, flat, [self._params[i] for i in self._buckets[b]],
-                b == len(self._buckets) - 1, self._backend))
+                b == len(self._buckets) - 1, self._backend, self._background))
         else:
             self._works[b] = start(self._background, allreduce_async, allreduce, flat,
                                    self._backend, ReduceOp.MEAN, timeout=self._timeout, out=flat)
