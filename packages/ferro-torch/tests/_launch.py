@@ -73,25 +73,101 @@ def torchrun(scenario: str, n: int, timeout: float = 100, env: dict | None = Non
                         {"FERRO_TOKEN": "torchrun-test-secret", **(env or {})})
 
 
+#: what the fork server of processes() imports once (a rank started afresh spends about 2 s of
+#: CPU importing torch, most of what a short test's rank does on a 2-core machine)
+PRELOAD = ["torch", "torch.distributed", "ferro_torch", "numpy", "ferro_backend",
+           "ferro_collective"]
+
+
+def _rank_context():
+    """multiprocessing's fork server, started with one BLAS/OpenMP thread and PRELOAD
+    imported; None where there is none (the ranks are then started afresh)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = {k: os.environ.get(k) for k in THREADS}
+    os.environ.update(THREADS)  # read by the libraries as torch is imported in the server
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+def _forked_rank(env: dict, argv: list[str], log: str) -> None:
+    """In a child of the fork server: ``python workers.py SCENARIO`` as a fresh process would
+    run it (this environment, these arguments, its output into ``log``)."""
+    import runpy
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = list(argv)
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()  # as a process's exit runs them (multiprocessing's children do not)
+
+
 def processes(scenario: str, n: int, rank_env, timeout: float = 60) -> Run:
     """``n`` processes started directly; ``rank_env(rank)`` is each one's extra environment
-    (torchrun's variables, a token, or none of them)."""
+    (torchrun's variables, a token, or none of them). Each forks from a fork server that has
+    imported torch and ferro (:data:`PRELOAD`), else is a new ``python workers.py``."""
+    import time
+
+    ctx = _rank_context()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [subprocess.Popen([sys.executable, WORKERS, scenario], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  env=_base_env({**rank_env(r), "TEST_RESULT_DIR": out_dir}))
-                 for r in range(n)]
-        outs, codes = [], []
+        envs = [_base_env({**rank_env(r), "TEST_RESULT_DIR": out_dir}) for r in range(n)]
+        if ctx is None:
+            return _spawned(scenario, envs, out_dir, timeout)
+        logs = [os.path.join(out_dir, f"output{r}.log") for r in range(n)]
+        procs = [ctx.Process(target=_forked_rank, args=(env, [WORKERS, scenario], log))
+                 for env, log in zip(envs, logs)]
         try:
             for p in procs:
-                outs.append(p.communicate(timeout=timeout)[0])
-                codes.append(p.returncode)
+                p.start()
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.exitcode is None:
+                    raise subprocess.TimeoutExpired(f"workers.py {scenario}", timeout)
         finally:
             for p in procs:
-                if p.poll() is None:
+                if p.pid is not None and p.exitcode is None:
                     p.kill()
-                    p.wait()
-        return Run(codes, _collect(out_dir), "".join(outs))
+                    p.join(5)
+        outs = [Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+                for log in logs]
+        return Run([p.exitcode for p in procs], _collect(out_dir), "".join(outs))
+
+
+def _spawned(scenario: str, envs: list[dict], out_dir: str, timeout: float) -> Run:
+    procs = [subprocess.Popen([sys.executable, WORKERS, scenario], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for env in envs]
+    outs, codes = [], []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return Run(codes, _collect(out_dir), "".join(outs))
 
 
 def env_vars(rank: int, n: int, port: int, **extra) -> dict:

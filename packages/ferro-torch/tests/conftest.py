@@ -2,7 +2,6 @@ import warnings
 
 import pytest
 
-
 #: the first test's limit also covers the session's build of the compiled backend (the
 #: autouse fixture below; 36-42 s here alone, more beside other test sessions)
 FIRST_TEST_TIMEOUT = 360
