@@ -56,8 +56,10 @@ def _process_main(fn, rank, world, addr, transport, backend_timeout, args, resul
 
 
 #: what the ranks of run_processes import before they fork (see _rank_context); absent ones
-#: are skipped
-_PRELOAD = ["numpy", "ferro_backend", "ferro_collective", "ferro_fsdp", "pytest", "hypothesis"]
+#: are skipped. jax (ferro-jax's ranks; 1.3 s of CPU to import here) starts no thread until
+#: its first computation, so its ranks fork from it safely.
+_PRELOAD = ["numpy", "ferro_backend", "ferro_collective", "ferro_fsdp", "pytest", "hypothesis",
+            "jax", "jax.numpy"]
 
 
 def _rank_context():
