@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: seconds each session took on a 2-core machine in three lanes (a clean clone, stop 61: the
-#: lane of collective, examples and jax had grown to 471 s of the run's 475): only used to
+#: seconds each session took on a 2-core machine in three lanes (a clean clone, stop 63, after
+#: the compiled torch backend became one translation unit and the torch and jax ranks began to
+#: fork from servers with torch / jax imported: 426 s for the 9 sessions): only used to
 #: balance them
-COST = {"backend": 318, "collective": 216, "torch": 291, "examples": 158, "fsdp": 77,
-        "checkpoint": 50, "docs": 105, "wheels": 12, "jax": 97}
+COST = {"backend": 318, "collective": 233, "torch": 246, "examples": 142, "fsdp": 51,
+        "checkpoint": 40, "docs": 91, "wheels": 8, "jax": 96}
 #: sessions whose wheels are built first (the lowest layers: noxfile.BUILD_ORDER) start their
 #: lane, so no lane waits for wheels another could have used
 EARLY = {"backend": 0, "collective": 1, "torch": 2}
