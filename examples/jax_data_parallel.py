@@ -316,6 +316,22 @@ def main() -> None:
     params, state, times = train(step, params, state, xs, ys, start, args.steps, losses, save)
     finish(args, rank, world, params, losses, times, start, not args.no_sync,
            "JAX data parallel over ferro_jax")
+    said = link_states(backend)
+    if rank == 0 and said:
+        print(said, flush=True)
+
+
+def link_states(backend) -> str:
+    """The same-host engine's link between the ranks' cores as the job formed and probed again
+    now (collective: every rank calls it), in words; "" where there is none (TCP, one rank, more
+    ranks than cores). This host's state moves a step's time (its copies from core to core run
+    at 1.5-27 GB/s), so a step time is read with it."""
+    engine = getattr(backend, "engine", None)
+    formed = getattr(engine, "link", None)
+    if formed is None:
+        return ""
+    now = engine.probe_link()
+    return f"link: as the job formed, {formed.describe()}; at its end, {now.describe()}"
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ identical, the loss curve is written."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,7 @@ def test_data_parallel_example_on_two_ranks(tmp_path):
     rows = out.read_text().splitlines()
     assert rows[0] == "step,loss" and len(rows) == 41
     assert float(rows[-1].split(",")[1]) < float(rows[1].split(",")[1])
+    if len(os.sched_getaffinity(0)) >= 2:  # the engine probes the ranks' cores (not when
+        # they outnumber the cores): the link as the job formed and at its end, once
+        (said,) = [line for line in r.stdout.splitlines() if "link: as the job formed" in line]
+        assert said.count("the ranks' cores share") == 2 and "GB/s" in said, said
