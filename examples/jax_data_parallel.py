@@ -13,7 +13,10 @@ applies the same update and the replicas stay bit-identical (checked at the end)
 Writes the loss curve (``--out``, default ``jax_loss_curve.csv``, and a PNG beside it where
 matplotlib is installed) and prints the step time after warm-up (mean, median and 10th
 percentile: on a shared machine the last one shows the step without other processes' delays,
-which a synchronised step feels on every rank). ``--no-sync`` trains every rank alone (no
+which a synchronised step feels on every rank), and on one host the engine's link between
+the ranks' cores as the job formed and at its end (``ShmBackend.engine.link``: this host's copies
+from core to core run at 1.5-27 GB/s by its state, which moves the synchronised step's time).
+``--no-sync`` trains every rank alone (no
 allreduce): the step time the synchronised one is compared with. The jitted step carries no
 runtime token (ferro_jax's calls are ordered inside it), so JAX dispatches it on its fast path.
 
