@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from _helpers import make_data, make_mlp, run
 
-import ferro_fsdp.ddp as ddp_mod
+import ferro_fsdp.background as background_mod
 from ferro_backend import SimulatedBackend
 from ferro_fsdp import DDP, DistributedDataParallel, Module, Parameter, nn
 
@@ -14,14 +14,14 @@ from ferro_fsdp import DDP, DistributedDataParallel, Module, Parameter, nn
 def count_allreduces(monkeypatch):
     calls = []
     lock = threading.Lock()
-    real = ddp_mod.allreduce_async
+    real = background_mod.allreduce_async
 
     def counted(tensor, backend, *args, **kwargs):
         with lock:
             calls.append((backend.rank, tensor.size))
         return real(tensor, backend, *args, **kwargs)
 
-    monkeypatch.setattr(ddp_mod, "allreduce_async", counted)
+    monkeypatch.setattr(background_mod, "allreduce_async", counted)
     return calls
 
 
@@ -186,14 +186,14 @@ def test_buckets_start_during_backward(monkeypatch):
     backward has run: the allreduce overlaps the rest of the backward."""
     events = []
     lock = threading.Lock()
-    real = ddp_mod.allreduce_async
+    real = background_mod.allreduce_async
 
     def logged(tensor, backend, *args, **kwargs):
         with lock:
             events.append((backend.rank, "allreduce", tensor.size))
         return real(tensor, backend, *args, **kwargs)
 
-    monkeypatch.setattr(ddp_mod, "allreduce_async", logged)
+    monkeypatch.setattr(background_mod, "allreduce_async", logged)
     x, y = make_data(8)
 
     def body(b):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _helpers import run
 
-import ferro_fsdp.ddp as ddp_mod
+import ferro_fsdp.background as background_mod
 import ferro_fsdp.units as units_mod
 from ferro_fsdp import DDP, FSDP, nn
 from ferro_fsdp.buffer_pool import BufferPool
@@ -47,12 +47,12 @@ def _fake_collectives(monkeypatch):
         out[...] = x.reshape(group.world_size, -1)[group.rank]
         return _Done(out)
 
-    def allreduce_async(x, group, op, *, out, timeout=None):
+    def allreduce_async(x, group, op, *, out, timeout=None, wire=None):
         return _Done(out)
 
     monkeypatch.setattr(units_mod, "all_gather_async", all_gather_async)
     monkeypatch.setattr(units_mod, "reduce_scatter_async", reduce_scatter_async)
-    monkeypatch.setattr(ddp_mod, "allreduce_async", allreduce_async)
+    monkeypatch.setattr(background_mod, "allreduce_async", allreduce_async)
 
 
 _trace_lock = threading.Lock()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from ferro_collective import Work
+from ferro_collective import ReduceOp, Work, allreduce, allreduce_async
 from ferro_collective.background import ranks_on_this_host, runs_in_background, usable_cores
 
 
@@ -50,4 +50,30 @@ def start(background: bool, in_background, now, *args: Any, **kwargs: Any) -> Wo
     return Work(getattr(now, "__name__", "collective"), -1, future)
 
 
-__all__ = ["ranks_on_this_host", "runs_in_background", "start", "usable_cores"]
+def mean_in_place(background: bool, flat: Any, backend: Any, *, wire: str | None = None,
+                  timeout: float | None = None) -> Work:
+    """The mean of ``flat`` over ``backend``'s ranks, written into ``flat`` (a DDP bucket's
+    reduction: exact, or on the wire in ``wire``'s format), started as :func:`start` starts it.
+
+    Parameters
+    ----------
+    background : bool
+        Where it runs (:func:`runs_in_background`).
+    flat : numpy.ndarray
+        The bucket's flat buffer.
+    backend : ferro_backend.Backend
+    wire : {None, "bf16", "fp16", "int8", "int4"}
+        As ``ferro_collective.allreduce``'s.
+    timeout : float, optional
+        As ``ferro_collective.allreduce``'s.
+
+    Returns
+    -------
+    ferro_collective.Work
+    """
+    return start(background, allreduce_async, allreduce, flat, backend, ReduceOp.MEAN,
+                 timeout=timeout, out=flat, wire=wire)
+
+
+__all__ = ["mean_in_place", "ranks_on_this_host", "runs_in_background", "start",
+           "usable_cores"]

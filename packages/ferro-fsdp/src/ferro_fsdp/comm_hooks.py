@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import Backend
-from ferro_collective import ReduceOp, Work, allreduce, allreduce_async
+from ferro_collective import Work
 
-from .background import start
+from .background import mean_in_place
 from .powersgd import PowerSGDState, powerSGD_hook
 
 
@@ -137,16 +137,12 @@ def allreduce_hook(state: Backend | None, bucket: GradBucket) -> Work:
     -------
     ferro_collective.Work
     """
-    flat = bucket.buffer()
-    return start(bucket.background(), allreduce_async, allreduce, flat, _backend(state, bucket),
-                 ReduceOp.MEAN, out=flat)
+    return mean_in_place(bucket.background(), bucket.buffer(), _backend(state, bucket))
 
 
 def _compressed(state: Backend | None, bucket: GradBucket, wire: str) -> Work:
     """The mean of the bucket, sent in ``wire``'s format and folded in float32, in place."""
-    flat = bucket.buffer()
-    return start(bucket.background(), allreduce_async, allreduce, flat, _backend(state, bucket),
-                 ReduceOp.MEAN, out=flat, wire=wire)
+    return mean_in_place(bucket.background(), bucket.buffer(), _backend(state, bucket), wire=wire)
 
 
 def fp16_compress_hook(state: Backend | None, bucket: GradBucket) -> Work:

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from ferro_backend import Backend
-from ferro_collective import ReduceOp, Work, allreduce, allreduce_async, broadcast
+from ferro_collective import Work, broadcast
 
 from . import sharded_state
-from .background import runs_in_background, start
+from .background import mean_in_place, runs_in_background
 from .comm_hooks import GradBucket
 from .flat import FlatLayout
 from .module import Module
@@ -338,8 +338,8 @@ class DistributedDataParallel(ModuleWrapper):
                 b, flat, [self._params[i] for i in self._buckets[b]],
                 b == len(self._buckets) - 1, self._backend, self._background))
         else:
-            self._works[b] = start(self._background, allreduce_async, allreduce, flat,
-                                   self._backend, ReduceOp.MEAN, timeout=self._timeout, out=flat)
+            self._works[b] = mean_in_place(self._background, flat, self._backend,
+                                           timeout=self._timeout)
         self._next = b + 1
 
     def clip_grad_norm_(self, max_norm: float) -> float:

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ferro_backend import Backend
-from ferro_collective import ReduceOp, Work, allreduce, allreduce_async
+from ferro_collective import ReduceOp, Work, allreduce
 
-from .background import start
+from .background import mean_in_place
 
 if TYPE_CHECKING:
     from .comm_hooks import GradBucket
@@ -243,8 +243,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
     n = backend.world_size
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)  # exact: the mean in place, as DDP's own allreduce
-        return start(bucket.background(), allreduce_async, allreduce, flat, backend,
-                     ReduceOp.MEAN, out=flat)
+        return mean_in_place(bucket.background(), flat, backend)
     key, r = bucket.index(), state.matrix_approximation_rank
     if state.use_error_feedback:
         error = state.error_dict.get(key)
