@@ -170,3 +170,14 @@ def test_installs_in_other_places_build_apart(monkeypatch, tmp_path):
     shutil.copytree(ferro_backend.get_include(), copy)
     monkeypatch.setattr(ferro_backend, "get_include", lambda: str(copy))
     assert _compiled.extension_name() != here
+
+
+def test_the_translation_unit_includes_every_part_once_in_order():
+    """The build compiles ferro_c10d.cpp alone: a part it left out would be missing from the
+    module (its symbols unresolved at load), one included twice would not compile."""
+    import re
+
+    unit = (_compiled.CSRC / _compiled.UNIT).read_text()
+    assert tuple(re.findall(r'^#include "(\w+\.cpp)"$', unit, re.M)) == _compiled.SOURCES
+    assert sorted(p.name for p in _compiled.CSRC.glob("*.cpp")) == sorted(
+        (*_compiled.SOURCES, _compiled.UNIT))
