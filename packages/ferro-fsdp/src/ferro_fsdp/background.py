@@ -18,11 +18,12 @@ choice, ``runs_in_background``, is ferro-collective's, which ferro-torch shares)
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
 from ferro_collective import ReduceOp, Work, allreduce, allreduce_async
 from ferro_collective.background import ranks_on_this_host, runs_in_background, usable_cores
+
+from .inflight import ready
 
 
 def start(background: bool, in_background, now, *args: Any, **kwargs: Any) -> Work:
@@ -45,9 +46,25 @@ def start(background: bool, in_background, now, *args: Any, **kwargs: Any) -> Wo
     """
     if background:
         return in_background(*args, **kwargs)
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(now(*args, **kwargs))
-    return Work(getattr(now, "__name__", "collective"), -1, future)
+    return finished(now(*args, **kwargs), getattr(now, "__name__", "collective"))
+
+
+def finished(result: Any, name: str) -> Work:
+    """A :class:`~ferro_collective.Work` that is done already, with ``result``: what a
+    collective run in the training thread (or a hook's own computation) returns.
+
+    Parameters
+    ----------
+    result : Any
+        What its ``wait()`` gives.
+    name : str
+        The collective's name (for messages).
+
+    Returns
+    -------
+    ferro_collective.Work
+    """
+    return Work(name, -1, ready(result))
 
 
 def mean_in_place(background: bool, flat: Any, backend: Any, *, wire: str | None = None,
@@ -75,5 +92,5 @@ def mean_in_place(background: bool, flat: Any, backend: Any, *, wire: str | None
                  timeout=timeout, out=flat, wire=wire)
 
 
-__all__ = ["mean_in_place", "ranks_on_this_host", "runs_in_background", "start",
+__all__ = ["finished", "mean_in_place", "ranks_on_this_host", "runs_in_background", "start",
            "usable_cores"]

@@ -14,7 +14,6 @@ its two allreduces, so it runs in the training thread.
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,16 +21,10 @@ import numpy as np
 from ferro_backend import Backend
 from ferro_collective import ReduceOp, Work, allreduce
 
-from .background import mean_in_place
+from .background import finished, mean_in_place
 
 if TYPE_CHECKING:
     from .comm_hooks import GradBucket
-
-
-def _finished(result: np.ndarray, name: str) -> Work:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(result)
-    return Work(name, -1, future)
 
 
 
@@ -291,7 +284,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
     if state.use_error_feedback:
         np.subtract(local, flat, out=state.error_dict[key])
     state.maybe_increase_iter(bucket)
-    return _finished(flat, "powerSGD")
+    return finished(flat, "powerSGD")
 
 
 def _split(flat: np.ndarray, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
