@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ferro_backend.testing import free_port
+from ferro_backend.testing.processes import fork_server
 
 WORKERS = str(Path(__file__).with_name("workers.py"))
 BIN = Path(sys.executable).parent
@@ -73,33 +74,10 @@ def torchrun(scenario: str, n: int, timeout: float = 100, env: dict | None = Non
                         {"FERRO_TOKEN": "torchrun-test-secret", **(env or {})})
 
 
-#: what the fork server of processes() imports once (a rank started afresh spends about 2 s of
-#: CPU importing torch, most of what a short test's rank does on a 2-core machine)
-PRELOAD = ["torch", "torch.distributed", "ferro_torch", "numpy", "ferro_backend",
-           "ferro_collective"]
-
-
-def _rank_context():
-    """multiprocessing's fork server, started with one BLAS/OpenMP thread and PRELOAD
-    imported; None where there is none (the ranks are then started afresh)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return None
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    saved = {k: os.environ.get(k) for k in THREADS}
-    os.environ.update(THREADS)  # read by the libraries as torch is imported in the server
-    try:
-        forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return ctx
+#: what the fork server of processes() imports beside ferro_backend.testing's own (a rank
+#: started afresh spends about 2 s of CPU importing torch, most of what a short test's rank
+#: does on a 2-core machine)
+PRELOAD = ["torch", "torch.distributed", "ferro_torch"]
 
 
 def _forked_rank(env: dict, argv: list[str], log: str) -> None:
@@ -128,7 +106,7 @@ def processes(scenario: str, n: int, rank_env, timeout: float = 60) -> Run:
     imported torch and ferro (:data:`PRELOAD`), else is a new ``python workers.py``."""
     import time
 
-    ctx = _rank_context()
+    ctx = fork_server(PRELOAD, THREADS)  # one BLAS/OpenMP thread as torch loads there
     with tempfile.TemporaryDirectory() as out_dir:
         envs = [_base_env({**rank_env(r), "TEST_RESULT_DIR": out_dir}) for r in range(n)]
         if ctx is None:

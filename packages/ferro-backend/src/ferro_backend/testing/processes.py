@@ -62,17 +62,38 @@ _PRELOAD = ["numpy", "ferro_backend", "ferro_collective", "ferro_fsdp", "pytest"
             "jax", "jax.numpy"]
 
 
-def _rank_context():
-    """Ranks fork from multiprocessing's fork server, which imports :data:`_PRELOAD` once: a
-    spawned rank re-imports numpy, ferro and the test module's imports, about 0.5 s of CPU each
-    on a 2-core machine (most of a test's own time), a forked one a few milliseconds. The fork
-    server is a fresh interpreter, not a fork of the caller (no threads, no locks held); where
-    it does not exist, the ranks are spawned."""
+def fork_server(preload: Sequence[str] = (), env: dict[str, str] | None = None):
+    """multiprocessing's fork-server context, its server started with :data:`_PRELOAD` and
+    ``preload`` imported (absent modules skipped) and ``env`` added to its environment while it
+    starts (what libraries read as they are imported there); None where there is no fork server.
+    Another test helper that starts ranks of its own (ferro-torch's, with torch imported) shares
+    it. The server is one per process: the first call's modules are the ones imported."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
+        return None
+    from multiprocessing import forkserver
+
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return ctx
+
+
+def _rank_context():
+    """Ranks fork from multiprocessing's fork server (:func:`fork_server`), which imports
+    :data:`_PRELOAD` once: a spawned rank re-imports numpy, ferro and the test module's
+    imports, about 0.5 s of CPU each on a 2-core machine (most of a test's own time), a forked
+    one a few milliseconds. The fork server is a fresh interpreter, not a fork of the caller (no
+    threads, no locks held); where it does not exist, the ranks are spawned."""
+    return fork_server() or multiprocessing.get_context("spawn")
 
 
 def run_processes(fn: Callable[..., T], world_size: int, *args: Any, transport: str = "tcp",
