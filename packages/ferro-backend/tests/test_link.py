@@ -50,7 +50,7 @@ def test_rank_0_probes_every_peer_in_turn_and_stamps_the_slowest(nranks):
         out: dict = {}
 
         def rank(r, run=run, out=out):
-            out[r] = maps[r].probe_links(run, 30.0, rounds=40, copies=4)
+            out[r] = maps[r].probe_links(30.0, rounds=40, copies=4)
 
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(nranks)]
         for t in threads:
@@ -60,6 +60,8 @@ def test_rank_0_probes_every_peer_in_turn_and_stamps_the_slowest(nranks):
         assert len(set(out.values())) == 1 and len(out) == nranks
         rtt, gbps = out[0]
         assert rtt > 0 and gbps > 0
+        # the segment counts its probes; every rank reads rank 0's stamp
+        assert {m.link_state() for m in maps} == {(run + 1, rtt, gbps, maps[0].link_state()[3])}
 
 
 def test_the_state_follows_the_round_trip():
@@ -107,10 +109,10 @@ def test_probe_arguments_out_of_range_are_refused():
     seg = np.zeros(_segment.layout(1, 4096, 4096)["size"], np.uint8)
     flag = np.zeros(1, np.uint32)
     m = _segment.SegmentMap(seg, 1, 0, 4096, 4096, flag.ctypes.data)
-    assert m.probe_links(0, 1.0, nbytes=4096) == (0.0, 0.0)  # one rank: no pair to probe
+    assert m.probe_links(1.0, nbytes=4096) == (0.0, 0.0)  # one rank: no pair to probe
     for bad in ({"rounds": 0}, {"copies": 2000}, {"nbytes": 8192}):
         with pytest.raises(ValueError, match="rounds .* copies .* bytes"):
-            m.probe_links(1, 1.0, **bad)
+            m.probe_links(1.0, **bad)
 
 
 def _traced_probe(b, path):
@@ -128,3 +130,64 @@ def test_the_timeline_says_where_the_ranks_landed(tmp_path):
         (probe,) = [e for e in events if e["name"] == "link probe"]
         assert probe["cat"] == "engine" and probe["args"]["rtt_ns"] > 0
         assert isinstance(probe["args"]["shared_cache"], bool)
+
+
+def _reprobes(b, seconds):
+    """Door calls (allreduces through ferro's one-call path) for ``seconds``; the probes seen."""
+    from ferro_collective import allreduce
+
+    first = b.engine.link
+    x = np.ones(1024, np.float32)
+    seen, end = {first.probe}, time.monotonic() + seconds
+    while True:
+        x[1] = time.monotonic() > end  # (every rank stops after the same call)
+        got = allreduce(x, b)
+        assert got[0] == b.world_size  # (the calls around each probe stay right)
+        seen.add(b.engine.link.probe)
+        if got[1]:
+            break
+    last = b.engine.link
+    return first, last, sorted(seen), b.engine.comm.reprobe_seconds
+
+
+def test_the_engine_probes_again_by_itself_while_calls_run(monkeypatch):
+    monkeypatch.setenv("FERRO_SHM_REPROBE", "0.2")
+    res = run_processes(_reprobes, 2, 2.0, transport="shm", timeout=90)
+    (f0, l0, seen0, every0), (f1, l1, seen1, every1) = res
+    assert f0 == f1 and f0.probe == 1  # the join's
+    assert l0 == l1 and l0.probe >= 4  # every 0.2 s for 2 s, both ranks after the same call
+    assert l0.at > f0.at and 1.0 < l0.rtt_ns < 1e6
+    assert len(seen0) >= 3 and set(seen0) <= set(range(1, l0.probe + 1))
+    assert (every0, every1) == (0.2, 0.0)  # rank 0 asks; the others follow
+
+
+def test_no_re_probe_when_it_is_turned_off(monkeypatch):
+    monkeypatch.setenv("FERRO_SHM_REPROBE", "0")
+    for first, last, seen, every in run_processes(_reprobes, 2, 1.0, transport="shm",
+                                                  timeout=90):
+        assert first is last and seen == [1] and every == 0.0
+
+
+def _copies_changed_speed(b):
+    """Rank 0's copies "slowed down": its reference is made 4x faster than they run."""
+    from ferro_collective import allreduce
+
+    x = np.ones(64 << 8, np.float32)  # 64 KiB: copies into the slot timed (_put.h)
+    for _ in range(50):
+        allreduce(x, b)
+    comm = b.engine.comm
+    before = b.engine.link.probe
+    if b.rank == 0:
+        assert comm.copy_ns_per_kib > 0
+        comm.copy_ns_at_probe = comm.copy_ns_per_kib / 4
+    time.sleep(0.6)  # (past the shortest gap between probes)
+    for _ in range(40):
+        allreduce(x, b)
+    return before, b.engine.link.probe, comm.copy_ns_at_probe > 0
+
+
+def test_a_re_probe_follows_copies_that_change_speed(monkeypatch):
+    monkeypatch.setenv("FERRO_SHM_REPROBE", "1000")  # (not by the clock here)
+    (b0, a0, ref0), (b1, a1, _) = run_processes(_copies_changed_speed, 2, transport="shm",
+                                                timeout=90)
+    assert b0 == b1 and a0 == a1 and a0 > b0 and ref0

@@ -243,6 +243,11 @@ SHM_BIND = _declare("FERRO_SHM_BIND", "auto, cores or off", _choice("auto", "cor
                     "bind each rank of a same-host engine to a core of its own, as MPI does: "
                     "`auto` when the ranks are exactly as many as the usable cores, `cores` "
                     "whenever there are enough (one job per host), `off` never")
+SHM_REPROBE = _declare("FERRO_SHM_REPROBE", "seconds", _seconds, 10.0, "`ShmBackend`",
+                       "the engine probes the link between its ranks' cores again (every rank, "
+                       "after the same call) at least this often while calls run, and sooner "
+                       "when its copies into shared memory change speed 2x (rank 0's value "
+                       "holds; 0: only as the job forms and on request)")
 SHM_RING_BYTES = _declare("FERRO_SHM_RING_BYTES", "bytes, a power of two >= 4096",
                           _power_of_two_bytes, None, "`ShmBackend`",
                           "bytes of each point-to-point ring (default 256 KiB up to 8 ranks, "
@@ -288,7 +293,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     TOKEN, TRANSPORT, TCP_CONNECT, TCP_READER, NODE_ID, HOST_RANKS, MASTER_PORT, MASTER_ADDR, HIERARCHY,
     TIMEOUT, RESTART_COUNT, ELASTIC, ELASTIC_TIMEOUT, TRACE,
     LOG_LEVEL, SHM_ENGINE, SHM_SLOT_BYTES, SHM_SPLIT_BYTES, SHM_STREAM_BYTES, SHM_BIND,
-    SHM_RING_BYTES,
+    SHM_REPROBE, SHM_RING_BYTES,
     SHM_CMA, SHM_YIELDS,
     SHM_RING_YIELDS, ASYNC_WORKERS, SCRATCH_BYTES,
     COLLECTIVE_CHECK, BACKGROUND, TRACEBACK, JAX_RUNTIME_TOKENS)}

@@ -22,6 +22,10 @@ class Comm:
     slot_bytes: int
     timeout: float
     stall_fraction: float
+    reprobe_seconds: float
+    copy_ns_at_probe: float
+    @property
+    def copy_ns_per_kib(self) -> float: ...
     address: int
     failed_address: int
     failed: bool

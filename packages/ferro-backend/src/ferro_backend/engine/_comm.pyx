@@ -26,6 +26,8 @@ include "_engine.pxi"
 from ferro.engine cimport *
 
 cdef extern from "_door.h" nogil:
+    ctypedef struct ferro_put:
+        double ewma_ns
     ctypedef struct ferro_slots:
         unsigned char* base
         ferro_layout L
@@ -33,6 +35,7 @@ cdef extern from "_door.h" nogil:
         uint32_t step
         unsigned long long sent
         size_t hlen
+        ferro_put put
     ctypedef struct ferro_comm_impl "struct ferro_comm":
         unsigned char* base
         size_t size
@@ -41,6 +44,8 @@ cdef extern from "_door.h" nogil:
         double timeout
         double stall_fraction
         ferro_slots s
+        double reprobe_s
+        double probe_put_ns
     ferro_comm* ferro_comm_create(int fd, size_t size, int nranks, int rank, size_t slot_bytes,
                                   size_t ring_bytes, int spin, int yields, double timeout,
                                   char* why, size_t why_len)
@@ -198,6 +203,35 @@ cdef class Comm:
     @timeout.setter
     def timeout(self, double value):
         self.impl.timeout = value
+
+    @property
+    def reprobe_seconds(self) -> float:
+        """Rank 0 asks every rank to probe the link again after a door call at most this many
+        seconds after the last probe, sooner when its copies into shared memory change speed
+        (``door.c``: ask_reprobe); 0: never. Only rank 0's counts."""
+        return self.impl.reprobe_s
+
+    @reprobe_seconds.setter
+    def reprobe_seconds(self, double value):
+        if not value >= 0:
+            raise ValueError(f"reprobe_seconds: {value} is not a number of seconds >= 0")
+        self.impl.reprobe_s = value
+
+    @property
+    def copy_ns_per_kib(self) -> float:
+        """This rank's recent plain copies into shared memory, ns per KiB (``_put.h``; 0 before
+        the first timed one)."""
+        return self.s.put.ewma_ns
+
+    @property
+    def copy_ns_at_probe(self) -> float:
+        """:attr:`copy_ns_per_kib` as the last link probe ended (0: not yet taken): rank 0 asks
+        for a re-probe when its copies move 2x from it."""
+        return self.impl.probe_put_ns
+
+    @copy_ns_at_probe.setter
+    def copy_ns_at_probe(self, double value):
+        self.impl.probe_put_ns = value
 
     # ------------------------------------------------------------------ the order of calls
     def reserve(self) -> int:

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "ferro/engine.h"
+#include "_probe.h"
 #include "_split.h"
 #include "_steps.h"
 #include "_stream.h"
@@ -55,6 +56,11 @@ struct ferro_comm {
     unsigned char last_header[FERRO_HEADER_BYTES];  /* the last door call's header (seq 0) */
     uint64_t last_hash;          /*   and its hash */
     ferro_slots s;               /* the steps (one call at a time: the turn's holder's) */
+    /* the link's re-probes (rank 0 asks; door.c: ask_reprobe): at most every reprobe_s
+     * seconds (0: never), sooner when the recent copies (s.put) move from probe_put_ns */
+    double reprobe_s;
+    double probe_put_ns;
+    unsigned probe_looks;
     ferro_p2p* p2p;              /* the point-to-point calls' state (door_p2p.c) */
 };
 

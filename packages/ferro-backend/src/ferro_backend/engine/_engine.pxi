@@ -19,6 +19,8 @@ cdef extern from "_layout.h" nogil:
     ctypedef struct ferro_seg_head:
         uint32_t magic, version, nranks
         uint64_t slot_bytes, ring_bytes, split_bytes
+        double link_rtt_ns, link_copy_gbps, link_at
+        uint32_t probes
 
     ctypedef struct ferro_ctrl:
         uint32_t step, sleepers

@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 #define FERRO_MAGIC 0xFE770E61u
-#define FERRO_SEGMENT_VERSION 9u
+#define FERRO_SEGMENT_VERSION 10u
 #define FERRO_PAGE 4096u
 /* the room a collective header has at the start of a slot */
 #define FERRO_HEADER_ROOM 128u
@@ -35,7 +35,10 @@ typedef struct {               /* the segment's first 128 bytes, written by rank
     uint64_t split_bytes;      /* the split allreduce's threshold (rank 0's setting holds) */
     double link_rtt_ns;        /* the link probe's results (_probe.h), stamped by rank 0 */
     double link_copy_gbps;
-    uint8_t pad[72];
+    double link_at;            /*   when it ran (seconds since the epoch) */
+    uint32_t probes;           /*   and how many probes the segment has run */
+    uint32_t pad4;
+    uint8_t pad[56];
 } ferro_seg_head;
 
 typedef struct {               /* one per rank */
@@ -47,7 +50,9 @@ typedef struct {               /* one per rank */
     uint32_t bell;             /* point-to-point doorbell: producers about to sleep ring it */
     uint32_t reserved2;
     uint64_t head_hash[2];     /* the hash of this rank's collective header, by step parity */
-    uint8_t pad[8];
+    int64_t reprobe;           /* rank 0: the ticket + 1 of the call after which every rank
+                                * probes the link again (door.c; 0: none), written before the
+                                * call's first step is published */
     /* the split reduction's progress (_split.h), on the second line: chunks ever copied in,
      * chunks ever folded, chunks ever gathered (mod 2**32), and their futex sleepers */
     uint32_t inprog, in_sleepers, outprog, out_sleepers, gprog, g_sleepers;
@@ -83,6 +88,7 @@ _Static_assert(sizeof(ferro_seg_head) == 128, "the segment header is 128 bytes")
 _Static_assert(sizeof(ferro_ctrl) == 128, "a control line is two cache lines");
 _Static_assert(offsetof(ferro_ctrl, bell) == 32, "the doorbell sits at byte 32");
 _Static_assert(offsetof(ferro_ctrl, head_hash) == 40, "header hashes on the step's line");
+_Static_assert(offsetof(ferro_ctrl, reprobe) == 56, "the re-probe request on the step's line");
 _Static_assert(offsetof(ferro_ctrl, inprog) == 64, "split progress on the second line");
 _Static_assert(sizeof(ferro_slot_head) == 256, "a slot head is 256 bytes");
 _Static_assert(sizeof(ferro_ring_ctrl) == 128, "a ring's control block is 128 bytes");

@@ -16,6 +16,8 @@
  * keeps, per peer, the median round trip and the median copy round, and stamps the slowest
  * peer's in the segment's header before it says it is done; every rank then reads them.
  * The ranks spin (call it only while every rank has a core of its own: segment.py decides).
+ * door.c runs it again, between two calls, when rank 0 asks for it (its copies slowed down or
+ * sped up, or FERRO_SHM_REPROBE seconds passed): FERRO_REPROBE_* below.
  */
 #ifndef FERRO_PROBE_H
 #define FERRO_PROBE_H
@@ -23,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "_layout.h"
 #include "_sync.h"
@@ -96,20 +99,37 @@ static inline int ferro_probe_ping(unsigned char* base, const ferro_layout* L, i
     return FERRO_OK;
 }
 
+/* the probe rounds of a re-probe (door.c): as link.py's first probe */
+#define FERRO_REPROBE_ROUNDS 200
+#define FERRO_REPROBE_COPIES 16
+#define FERRO_REPROBE_BYTES 65536u
+/* a re-probe sooner than FERRO_SHM_REPROBE seconds (but no sooner than this many after the
+ * last) when rank 0's plain copies into shared memory (ferro_put's recent ns per KiB) moved
+ * by this factor either way since the last probe */
+#define FERRO_REPROBE_MIN_S 0.5
+#define FERRO_REPROBE_FACTOR 2.0
+
+static inline double ferro_wall_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* Every rank calls it at once (rank: this rank). rtt_ns and copy_gbps: the slowest peer's
  * median round trip of a cache line, and its copy rounds' rate (bytes per round over the
  * median round). `scratch`: bytes of this rank's own memory. FERRO_OK, FERRO_TIMEOUT or
- * FERRO_FAILED (then nothing is stamped and the job's set-up fails). The words it uses must
- * read 0 when the first probe of a segment starts; each later probe of the same segment
- * passes its ordinal in `run` (1, 2, ...) so its tags are new. */
+ * FERRO_FAILED (then nothing is stamped and the job's set-up fails). The words it uses read 0
+ * when the segment's first probe starts; the probes of a segment are counted in its header
+ * (rank 0 counts one before it says it is done, and the next probe's tags follow from it). */
 static inline int ferro_probe_links(unsigned char* base, const ferro_layout* L, int rank,
-                                    int run, int rounds, int copies, size_t bytes,
+                                    int rounds, int copies, size_t bytes,
                                     unsigned char* scratch, double deadline,
                                     const uint32_t* failed, double* rtt_ns, double* copy_gbps) {
     ferro_seg_head* head = ferro_head_of(base);
     uint64_t* zero = &ferro_ctrl_of(base, L, 0)->link;
     uint64_t* mine = &ferro_ctrl_of(base, L, rank)->link;
-    uint64_t base_round = (uint64_t)run * (uint64_t)(rounds + copies + 1), tag;
+    uint64_t run = (uint64_t)__atomic_load_n(&head->probes, __ATOMIC_ACQUIRE) + 1u;
+    uint64_t base_round = run * (uint64_t)(rounds + copies + 1), tag;
     unsigned char* slot = ferro_slot_data(ferro_slot_of(base, L, 0, 0));
     double times[2 * FERRO_PROBE_MAX_ROUNDS], rtt, copy, worst_rtt = 0, worst_copy = 0;
     int peer, i, rc;
@@ -130,6 +150,8 @@ static inline int ferro_probe_links(unsigned char* base, const ferro_layout* L, 
         }
         head->link_rtt_ns = worst_rtt * 1e9;
         head->link_copy_gbps = worst_copy > 0 ? (double)bytes / worst_copy * 1e-9 : 0.0;
+        head->link_at = ferro_wall_now();
+        __atomic_store_n(&head->probes, (uint32_t)run, __ATOMIC_RELEASE);
         __atomic_store_n(zero, FERRO_PROBE_DONE, __ATOMIC_RELEASE);
     } else {
         __atomic_store_n(mine, base_round, __ATOMIC_RELEASE);  /* ready */

@@ -19,7 +19,7 @@ from ferro.engine cimport FERRO_INVALID
 
 cdef extern from "_probe.h" nogil:
     int FERRO_PROBE_MAX_ROUNDS
-    int ferro_probe_links(unsigned char* base, const ferro_layout* L, int rank, int run,
+    int ferro_probe_links(unsigned char* base, const ferro_layout* L, int rank,
                           int rounds, int copies, size_t nbytes, unsigned char* scratch,
                           double deadline, const uint32_t* failed, double* rtt_ns,
                           double* copy_gbps)
@@ -111,11 +111,11 @@ cdef class SegmentMap:
         cdef ferro_ctrl* c = ferro_ctrl_of(self.base, &self.L, rank)
         return c.pid, c.probe
 
-    def probe_links(self, int run, double timeout, int rounds=200, int copies=16,
+    def probe_links(self, double timeout, int rounds=200, int copies=16,
                     size_t nbytes=65536) -> tuple:
-        """The link probe (``_probe.h``; every rank at once, run ``run`` = 0, 1, ... of this
-        segment): ``(round trip of a cache line in ns, GB/s of a copy between the ranks'
-        cores)``, the slowest peer's, the same on every rank. The GIL released; it spins.
+        """The link probe (``_probe.h``; every rank at once, the segment's next probe):
+        ``(round trip of a cache line in ns, GB/s of a copy between the ranks' cores)``, the
+        slowest peer's, the same on every rank. The GIL released; it spins.
 
         Raises TimeoutError after ``timeout`` seconds, ConnectionError when the failure flag
         rises, ValueError for rounds, copies or bytes out of range."""
@@ -123,7 +123,7 @@ cdef class SegmentMap:
         cdef double rtt = 0, gbps = 0, deadline = ferro_now() + timeout
         cdef int rc
         with nogil:
-            rc = ferro_probe_links(self.base, &self.L, self.rank, run + 1, rounds, copies,
+            rc = ferro_probe_links(self.base, &self.L, self.rank, rounds, copies,
                                    nbytes, &scratch[0], deadline, self.failed, &rtt, &gbps)
         if rc == FERRO_INVALID:
             raise ValueError(f"probe_links: rounds {rounds} and copies {copies} must be 1.."
@@ -134,6 +134,14 @@ cdef class SegmentMap:
         if rc != FERRO_OK:
             raise ConnectionError(f"rank {self.rank}: the link probe ended: a peer failed")
         return rtt, gbps
+
+    def link_state(self) -> tuple:
+        """``(probes, round trip ns, copy GB/s, when)``: how many link probes the segment has
+        run (the door's re-probes included) and the last one's results, as rank 0 stamped
+        them (``when``: seconds since the epoch)."""
+        cdef ferro_seg_head* h = ferro_head_of(self.base)
+        cdef uint32_t probes = h.probes  # (stamped last: x86 keeps loads in order)
+        return probes, h.link_rtt_ns, h.link_copy_gbps, h.link_at
 
     cdef int _check_rank(self, int rank) except -1:
         if not 0 <= rank < self.L.nranks:

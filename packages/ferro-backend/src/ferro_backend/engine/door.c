@@ -17,6 +17,11 @@
  * A step's wait reports a stall once half its timeout has passed (ferro_slots.stall), then
  * waits on. A timeout or a failure breaks the communicator; a mismatch is found at a call's
  * first step on every rank and leaves it whole. No Python anywhere.
+ *
+ * The link between the ranks' cores is probed again (_probe.h) after a call that rank 0 marked
+ * as it began (ask_reprobe): rank 0 writes the call's ticket in its control line before it
+ * publishes the call's first step, so every rank that completes the call has read it (each
+ * waited for rank 0's step), and every rank probes at the end of the same call.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -396,6 +401,44 @@ static void give_back(ferro_comm* c, int64_t ticket) {
     memcpy(last_msg, keep, sizeof keep);
 }
 
+/* ------------------------------------------------------------------ re-probes of the link */
+/* Rank 0, as a call begins (before its first step is published): every 8th call, ask every
+ * rank to probe the link again after this call when reprobe_s seconds have passed since the
+ * segment's last probe, or FERRO_REPROBE_MIN_S have and this rank's plain copies into shared
+ * memory (ferro_put) run at another speed than they did then (FERRO_REPROBE_FACTOR either
+ * way): the calls slowed down or sped up, so the ranks' cores may stand elsewhere now. */
+static void ask_reprobe(ferro_comm* c, int64_t ticket) {
+    const ferro_seg_head* head = ferro_head_of(c->base);
+    double since, put = c->s.put.ewma_ns, ref = c->probe_put_ns;
+    if ((++c->probe_looks & 7u) != 0) return;
+    since = ferro_wall_now() - head->link_at;
+    if (ref <= 0) c->probe_put_ns = ref = put;
+    if (since >= c->reprobe_s
+            || (since >= FERRO_REPROBE_MIN_S && put > 0 && ref > 0
+                && (put > ref * FERRO_REPROBE_FACTOR || put * FERRO_REPROBE_FACTOR < ref)))
+        __atomic_store_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, ticket + 1,
+                         __ATOMIC_RELAXED);  /* (the step's publication releases it) */
+}
+
+/* After a call that ended well on this rank: whether rank 0 asked for a probe after it. */
+static int reprobe_due(ferro_comm* c, int64_t ticket) {
+    return __atomic_load_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, __ATOMIC_ACQUIRE)
+        == ticket + 1;
+}
+
+/* The probe every rank runs after that call (its own timeout from now): FERRO_OK, or
+ * FERRO_TIMEOUT / FERRO_FAILED as _probe.h says. */
+static int reprobe(ferro_comm* c, double timeout) {
+    size_t bytes = FERRO_REPROBE_BYTES < c->s.L.slot_bytes ? FERRO_REPROBE_BYTES
+                                                           : c->s.L.slot_bytes;
+    double rtt, gbps;
+    int rc = ferro_probe_links(c->base, &c->s.L, c->s.me, FERRO_REPROBE_ROUNDS,
+                               FERRO_REPROBE_COPIES, bytes, c->s.split.scratch,
+                               ferro_now() + timeout, &c->failed, &rtt, &gbps);
+    if (rc == FERRO_OK) c->probe_put_ns = c->s.put.ewma_ns;
+    return rc;
+}
+
 /* A call refused before it began: its reserved ticket is given back (a call consumes its
  * ticket whatever it returns), the message kept. */
 static int refuse(ferro_comm* c, const ferro_opts* o, int status) {
@@ -481,6 +524,7 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
         hook_on(k->hook, k->hook_ctx, &k->hooked);
         c->s.hooked = k->hooked;
     }
+    if (c->s.me == 0 && c->reprobe_s > 0) ask_reprobe(c, ticket);
     return FERRO_OK;
 }
 
@@ -489,8 +533,12 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
 static int finish(door_call* k, int rc) {
     ferro_comm* c = k->c;
     char missing[256], other[128], msg[FERRO_MSG];
-    int j, g, at;
+    int j, g, at, probed = 0;
     size_t len;
+    if (rc == FERRO_OK && reprobe_due(c, k->ticket)) {
+        probed = 1;
+        rc = reprobe(c, k->timeout);
+    }
     c->s.stall = NULL;
     k->hooked = c->s.hooked;  /* (the steps' state is the next call's once the turn is given) */
     c->s.hook = NULL;
@@ -536,7 +584,11 @@ static int finish(door_call* k, int rc) {
         say(FERRO_MISMATCH, "%s", msg);
     } else if (rc == FERRO_TIMEOUT) {
         missing_text(c, missing, sizeof missing);
-        if (strcmp(missing, "[]") == 0)
+        if (probed)
+            snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs in the link "
+                     "probe every rank runs after it (a rank did not take part; shared-memory "
+                     "engine)", k->name, (long long)k->ticket, c->s.me, k->timeout);
+        else if (strcmp(missing, "[]") == 0)
             snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs waiting "
                      "for the peers' chunks of a pipelined step (shared-memory engine)",
                      k->name, (long long)k->ticket, c->s.me, k->timeout);

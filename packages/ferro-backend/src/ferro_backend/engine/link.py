@@ -8,10 +8,13 @@ cores 28-60 ns, 88-133 ns or 426-476 ns, a 64 KiB copy from one core to the othe
 "0.4, issue 55").
 
 :func:`probe` runs the probe on an engine (every rank at once; the ranks spin, so never where
-they outnumber the cores); :attr:`Engine.link <.segment.Engine.link>` keeps the latest result
-(the join's, until :meth:`Engine.probe_link <.segment.Engine.probe_link>` runs it again).
-``ShmBackend.describe()`` and the timeline (an ``engine`` event per probe) say which state a
-job runs in.
+they outnumber the cores); :attr:`Engine.link <.segment.Engine.link>` is the latest result:
+the join's, :meth:`Engine.probe_link <.segment.Engine.probe_link>`'s, or the engine's own
+re-probe. The engine probes again by itself (``door.c``: every rank after the same call) when
+rank 0's copies into shared memory change speed by 2x either way (at most every 0.5 s), and at
+least every ``FERRO_SHM_REPROBE`` seconds (default 10; 0: never) while calls run. A probe takes
+0.2-0.3 ms on 2 ranks here. ``ShmBackend.describe()`` and the timeline (an ``engine`` event per
+probe this process asked for) say which state a job runs in.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ class Link:
     #: rate of a copy (64 KiB, or a slot where slots are smaller) written by rank 0's core and
     #: read by the peer's, GB/s (median)
     copy_gbps: float
-    #: when it ran (``time.time()``)
+    #: when it ran (``time.time()``: rank 0's clock)
     at: float
+    #: its number among the job's probes (1: the one as the job formed)
+    probe: int = 1
 
     @property
     def shared_cache(self) -> bool:
@@ -61,10 +66,10 @@ def probe(engine: Engine, timeout: float) -> Link:
     """Run the link probe on ``engine`` (every rank at once, nothing else on the engine
     meanwhile); raises TimeoutError or ConnectionError as ``SegmentMap.probe_links``."""
     t0 = time.time_ns() / 1000.0
-    rtt, gbps = engine._map.probe_links(engine._probes, timeout,
-                                        nbytes=min(COPY_BYTES, engine.slot_bytes))
-    engine._probes += 1
-    link = Link(rtt, gbps, t0 / 1e6)
+    engine._map.probe_links(timeout, nbytes=min(COPY_BYTES, engine.slot_bytes))
+    link = engine.link
+    assert link is not None  # (rank 0 stamped it before any rank returned)
+    rtt, gbps = link.rtt_ns, link.copy_gbps
     timeline.record("link probe", "engine", t0, time.time_ns() / 1000.0 - t0,
                     rtt_ns=round(rtt, 1), copy_gbps=round(gbps, 2),
                     shared_cache=link.shared_cache)

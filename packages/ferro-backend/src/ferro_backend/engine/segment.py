@@ -114,10 +114,7 @@ class Engine:
         self.client: Any = None
         #: the thread ``binding.bind`` bound at the join, and the cores it had before
         self._bound: tuple[int | None, frozenset[int] | None] = (None, None)
-        #: where the ranks' cores stand, probed as the job formed (:mod:`.link`); None where
-        #: it was not (one rank, or more ranks than cores: the probe spins)
-        self.link: _link.Link | None = None
-        self._probes = 0
+        self._link: _link.Link | None = None
 
     # ------------------------------------------------------------------ what users call
     def slot_data(self, rank: int, step: int) -> np.ndarray:
@@ -196,6 +193,17 @@ class Engine:
             return None
         return frozenset(os.sched_getaffinity(0))
 
+    @property
+    def link(self) -> _link.Link | None:
+        """Where the ranks' cores stand: the segment's latest link probe (:mod:`.link`), as the
+        job formed, on request (:meth:`probe_link`) or the door's own re-probe
+        (``FERRO_SHM_REPROBE``); None where none ran (one rank, or more ranks than cores: the
+        probe spins)."""
+        probes, rtt, gbps, at = self._map.link_state()
+        if probes and (self._link is None or self._link.probe != probes):
+            self._link = _link.Link(rtt, gbps, at, probes)
+        return self._link
+
     def probe_link(self, timeout: float | None = None) -> _link.Link | None:
         """Probe the link between the ranks' cores again (collective: every rank calls it, in
         the same order among its collectives); the new :attr:`link`, or None where the job
@@ -214,7 +222,7 @@ class Engine:
             if rc != _comm.OK:
                 raise PeerClosedError(_comm.last_error(), peer=self.rank)
             try:
-                self.link = _link.probe(self, t)
+                _link.probe(self, t)
             except TimeoutError as exc:
                 raise CollectiveTimeoutError(str(exc)) from None
             except ConnectionError as exc:
@@ -295,9 +303,11 @@ class Engine:
         engine._bound = (threading.get_ident(), binding.bind(rank, n))
         if n > 1 and not oversubscribed(n):
             try:
-                engine.link = _link.probe(engine, left())
+                _link.probe(engine, left())
             except (TimeoutError, ConnectionError) as exc:
                 raise RendezvousError(f"rank {rank}: {exc}") from None
+            if rank == 0:  # (rank 0 asks for the re-probes; the others follow)
+                engine.comm.reprobe_seconds = settings.SHM_REPROBE.get()
         return engine
 
     def _can_read(self, peer: int) -> bool:
