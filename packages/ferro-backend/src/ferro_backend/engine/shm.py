@@ -15,6 +15,7 @@ receives (and a send waiting for its receiver) at once, timeouts raise Collectiv
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from .. import settings
@@ -110,7 +111,8 @@ class ShmBackend(TcpBackend):
                       f"large messages {big}), TCP loopback for control")
             link = self.engine.link
             if link is not None:
-                within += f"; at the last link probe, {link.describe()}"
+                within += (f"; at the last link probe, {link.describe()} (probe {link.probe} "
+                           f"of this job, {max(0.0, time.time() - link.at):.0f} s ago)")
         return within, "none (ShmBackend needs every rank on one host)"
 
 
