@@ -126,10 +126,12 @@ def worker(kind: str, sizes: list[int], repeats: int) -> None:
         sys.path.insert(0, str(HERE))
         from jax_collectives import ferro_cells
 
-        fj.init()
+        backend = fj.init()
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         cells = ferro_cells
         meta = {"ferro_jax": getattr(fj, "__version__", "?")}
+        engine = getattr(backend, "engine", None)
+        formed = getattr(engine, "link", None)  # where the ranks landed (engine/link.py)
     else:
         import mpi4jax
         from mpi4py import MPI
@@ -147,6 +149,9 @@ def worker(kind: str, sizes: list[int], repeats: int) -> None:
         for size in sizes:
             for op, t in cells(size, world, calls_for(size)).items():
                 samples.setdefault(f"{op}@{size}", []).append(t * 1e6)
+    if kind == "ferro" and formed is not None:  # as the job formed, and at its end
+        meta["link"] = [[lk.rtt_ns, lk.copy_gbps, lk.probe]
+                        for lk in (formed, engine.probe_link())]
     if rank == 0:
         out = {k: statistics.median(v) for k, v in samples.items()}
         print(MARK + json.dumps({"world": world, "meta": meta, "us": out}), flush=True)
@@ -258,8 +263,13 @@ def driver(args) -> None:
                   file=sys.stderr, flush=True)
     for name, runs in results.items():
         if runs:
-            meta = ", ".join(f"{k} {v}" for k, v in runs[0]["meta"].items())
+            meta = ", ".join(f"{k} {v}" for k, v in runs[0]["meta"].items() if k != "link")
             print(f"- {name}: {len(runs)} rounds; {meta}")
+    links = [r["meta"]["link"] for r in results.get("ferro", []) if "link" in r["meta"]]
+    if links:  # the host's state per ferro round: it moves the large cells (benchmarks/README)
+        print("- ferro's link probe per round (a cache line's round trip between the ranks' "
+              "cores, ns, as the job formed -> at its end, and the probes between): "
+              + "; ".join(f"{a[0]:.0f} -> {b[0]:.0f} ({b[2] - a[2]})" for a, b in links))
     print(f"\n{args.nproc} processes, float32, us per call inside a jitted fori_loop, "
           f"median (min-max) over rounds\n")
     print(table(results, sizes))

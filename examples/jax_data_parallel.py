@@ -284,6 +284,7 @@ def main() -> None:
     args = parse_args(__doc__.split("\n")[0])
     backend = ferro_jax.init()  # ferrorun/torchrun/mpirun/srun; alone: one rank
     rank, world = backend.rank, backend.world_size
+    formed = getattr(getattr(backend, "engine", None), "link", None)  # (the join's probe)
     params = init_params(jax.random.PRNGKey(0), [args.features, args.hidden, args.hidden, 1])
     flat, unravel = ravel_pytree(params)
     layout = FlatLayout(flat.size, world)
@@ -319,22 +320,22 @@ def main() -> None:
     params, state, times = train(step, params, state, xs, ys, start, args.steps, losses, save)
     finish(args, rank, world, params, losses, times, start, not args.no_sync,
            "JAX data parallel over ferro_jax")
-    said = link_states(backend)
+    said = link_states(backend, formed)
     if rank == 0 and said:
         print(said, flush=True)
 
 
-def link_states(backend) -> str:
-    """The same-host engine's link between the ranks' cores as the job formed and probed again
-    now (collective: every rank calls it), in words; "" where there is none (TCP, one rank, more
-    ranks than cores). This host's state moves a step's time (its copies from core to core run
-    at 1.5-27 GB/s), so a step time is read with it."""
-    engine = getattr(backend, "engine", None)
-    formed = getattr(engine, "link", None)
+def link_states(backend, formed) -> str:
+    """The same-host engine's link between the ranks' cores as the job formed (``formed``: the
+    engine's link then) and probed again now (collective: every rank calls it), in words, with
+    how many probes ran between (the engine re-probes by itself while calls run); "" where there
+    is none (TCP, one rank, more ranks than cores). This host's state moves a step's time (its
+    copies from core to core run at 1.5-27 GB/s), so a step time is read with it."""
     if formed is None:
         return ""
-    now = engine.probe_link()
-    return f"link: as the job formed, {formed.describe()}; at its end, {now.describe()}"
+    now = backend.engine.probe_link()
+    return (f"link: as the job formed, {formed.describe()}; at its end, {now.describe()} "
+            f"(probe {now.probe} of the job)")
 
 
 if __name__ == "__main__":
