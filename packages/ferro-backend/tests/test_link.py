@@ -132,16 +132,19 @@ def test_the_timeline_says_where_the_ranks_landed(tmp_path):
         assert isinstance(probe["args"]["shared_cache"], bool)
 
 
-def _reprobes(b, seconds):
-    """Door calls (allreduces through ferro's one-call path) for ``seconds``; the probes seen."""
+def _reprobes(b, seconds, general_on=None):
+    """Door calls (allreduces through ferro's one-call path) for ``seconds``; the probes seen.
+    ``general_on``: that rank passes a strided array, which ferro's general path takes (its own
+    turn, ferro_comm_begin, around the door call)."""
     from ferro_collective import allreduce
 
     first = b.engine.link
-    x = np.ones(1024, np.float32)
+    x = np.ones(2048 if b.rank == general_on else 1024, np.float32)
+    y = x[::2] if b.rank == general_on else x
     seen, end = {first.probe}, time.monotonic() + seconds
     while True:
-        x[1] = time.monotonic() > end  # (every rank stops after the same call)
-        got = allreduce(x, b)
+        y[1] = time.monotonic() > end  # (every rank stops after the same call)
+        got = allreduce(y, b)
         assert got[0] == b.world_size  # (the calls around each probe stay right)
         seen.add(b.engine.link.probe)
         if got[1]:
@@ -159,6 +162,14 @@ def test_the_engine_probes_again_by_itself_while_calls_run(monkeypatch):
     assert l0.at > f0.at and 1.0 < l0.rtt_ns < 1e6
     assert len(seen0) >= 3 and set(seen0) <= set(range(1, l0.probe + 1))
     assert (every0, every1) == (0.2, 0.0)  # rank 0 asks; the others follow
+
+
+@pytest.mark.parametrize("general_on", [0, 1])
+def test_re_probes_where_one_rank_takes_the_general_path(monkeypatch, general_on):
+    monkeypatch.setenv("FERRO_SHM_REPROBE", "0.2")
+    (f0, l0, *_), (f1, l1, *_) = run_processes(_reprobes, 2, 1.5, general_on, transport="shm",
+                                               timeout=90)
+    assert l0 == l1 and l0.probe >= 3
 
 
 def test_no_re_probe_when_it_is_turned_off(monkeypatch):

@@ -61,6 +61,7 @@ struct ferro_comm {
     double reprobe_s;
     double probe_put_ns;
     unsigned probe_looks;
+    int64_t probed_before;       /* the ticket + 1 this rank last probed before (0: none) */
     ferro_p2p* p2p;              /* the point-to-point calls' state (door_p2p.c) */
 };
 

@@ -50,9 +50,9 @@ typedef struct {               /* one per rank */
     uint32_t bell;             /* point-to-point doorbell: producers about to sleep ring it */
     uint32_t reserved2;
     uint64_t head_hash[2];     /* the hash of this rank's collective header, by step parity */
-    int64_t reprobe;           /* rank 0: the ticket + 1 of the call after which every rank
+    int64_t reprobe;           /* rank 0: the ticket + 1 of the call before which every rank
                                 * probes the link again (door.c; 0: none), written before the
-                                * call's first step is published */
+                                * first step of the call before it is published */
     /* the split reduction's progress (_split.h), on the second line: chunks ever copied in,
      * chunks ever folded, chunks ever gathered (mod 2**32), and their futex sleepers */
     uint32_t inprog, in_sleepers, outprog, out_sleepers, gprog, g_sleepers;

@@ -19,9 +19,10 @@
  * first step on every rank and leaves it whole. No Python anywhere.
  *
  * The link between the ranks' cores is probed again (_probe.h) after a call that rank 0 marked
- * as it began (ask_reprobe): rank 0 writes the call's ticket in its control line before it
+ * as it began (ask_reprobe): rank 0 writes the next call's ticket in its control line before it
  * publishes the call's first step, so every rank that completes the call has read it (each
- * waited for rank 0's step), and every rank probes at the end of the same call.
+ * waited for rank 0's step), and every rank probes as its next call's turn begins, whichever
+ * path runs that call (a door call, or ferro's Python steps in a ferro_comm_begin turn).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -335,6 +336,27 @@ static int wait_turn(ferro_comm* c, int64_t ticket, double deadline, const char*
     }
 }
 
+static int probe_if_asked(ferro_comm* c, int64_t ticket, double timeout);
+
+/* A probe before ticket's call (name) failed with rc: this thread's message, and a broken
+ * communicator (as a step's timeout or failure leaves it). */
+static void probe_failed(ferro_comm* c, const char* name, int64_t ticket, int rc,
+                         double timeout) {
+    char msg[FERRO_MSG];
+    if (rc == FERRO_TIMEOUT) {
+        snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs in the link "
+                 "probe every rank runs before it (a rank did not take part; shared-memory "
+                 "engine)", name, (long long)ticket, c->s.me, timeout > 0 ? timeout : c->timeout);
+    } else {
+        pthread_mutex_lock(&c->lock);
+        snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: %.900s", name, (long long)ticket,
+                 c->s.me, c->failure[0] ? c->failure : "the engine was shut down");
+        pthread_mutex_unlock(&c->lock);
+    }
+    say(rc, "%s", msg);
+    ferro_comm_break(c, rc, msg);
+}
+
 int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name) {
     int rc;
     double start = ferro_now();
@@ -345,6 +367,8 @@ int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* 
         pthread_mutex_lock(&c->lock);
         c->running_thread = self_thread();
         pthread_mutex_unlock(&c->lock);
+        rc = probe_if_asked(c, ticket, timeout);
+        if (rc != FERRO_OK) probe_failed(c, name, ticket, rc, timeout);
     }
     return rc;
 }
@@ -358,6 +382,7 @@ typedef struct {
     ferro_wait_hook hook;    /* the caller's wait hook (NULL: none), and whether it was called */
     void* hook_ctx;
     int hooked;
+    int probed;              /* the link probe before the call failed (its message said) */
     double start, timeout, hard;
     unsigned char header[FERRO_HEADER_BYTES];
     uint64_t hash;
@@ -416,25 +441,28 @@ static void ask_reprobe(ferro_comm* c, int64_t ticket) {
     if (since >= c->reprobe_s
             || (since >= FERRO_REPROBE_MIN_S && put > 0 && ref > 0
                 && (put > ref * FERRO_REPROBE_FACTOR || put * FERRO_REPROBE_FACTOR < ref)))
-        __atomic_store_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, ticket + 1,
-                         __ATOMIC_RELAXED);  /* (the step's publication releases it) */
+        __atomic_store_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, ticket + 2,
+                         __ATOMIC_RELAXED);  /* (the next ticket + 1; the step's publication
+                                              * releases it) */
 }
 
-/* After a call that ended well on this rank: whether rank 0 asked for a probe after it. */
-static int reprobe_due(ferro_comm* c, int64_t ticket) {
-    return __atomic_load_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, __ATOMIC_ACQUIRE)
-        == ticket + 1;
-}
-
-/* The probe every rank runs after that call (its own timeout from now): FERRO_OK, or
+/* As ticket's turn begins on this rank (its call not begun): the probe rank 0 asked for
+ * after the call before, run once per ticket (a door call inside a ferro_comm_begin turn
+ * passes here twice), with its own timeout from now. FERRO_OK (also when none was asked), or
  * FERRO_TIMEOUT / FERRO_FAILED as _probe.h says. */
-static int reprobe(ferro_comm* c, double timeout) {
+static int probe_if_asked(ferro_comm* c, int64_t ticket, double timeout) {
     size_t bytes = FERRO_REPROBE_BYTES < c->s.L.slot_bytes ? FERRO_REPROBE_BYTES
                                                            : c->s.L.slot_bytes;
     double rtt, gbps;
-    int rc = ferro_probe_links(c->base, &c->s.L, c->s.me, FERRO_REPROBE_ROUNDS,
-                               FERRO_REPROBE_COPIES, bytes, c->s.split.scratch,
-                               ferro_now() + timeout, &c->failed, &rtt, &gbps);
+    int rc;
+    if (__atomic_load_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, __ATOMIC_ACQUIRE)
+            != ticket + 1 || c->probed_before == ticket + 1)
+        return FERRO_OK;
+    c->probed_before = ticket + 1;
+    rc = ferro_probe_links(c->base, &c->s.L, c->s.me, FERRO_REPROBE_ROUNDS,
+                           FERRO_REPROBE_COPIES, bytes, c->s.split.scratch,
+                           ferro_now() + (timeout > 0 ? timeout : c->timeout), &c->failed,
+                           &rtt, &gbps);
     if (rc == FERRO_OK) c->probe_put_ns = c->s.put.ewma_ns;
     return rc;
 }
@@ -445,6 +473,8 @@ static int refuse(ferro_comm* c, const ferro_opts* o, int status) {
     if (o != NULL && o->ticket >= 0) give_back(c, o->ticket);
     return status;
 }
+
+static int finish(door_call* k, int rc);
 
 /* The start of a call whose arguments are checked: its header (coll, dtype, shape: opts' or
  * [count], op, root), its ticket and its turn. */
@@ -461,6 +491,7 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
     k->hook = o != NULL ? o->wait_hook : NULL;
     k->hook_ctx = o != NULL ? o->wait_ctx : NULL;
     k->hooked = 0;
+    k->probed = 0;
     k->start = ferro_now();
     k->hard = k->start + timeout;
     if (ferro_load(&c->closed))
@@ -524,6 +555,11 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
         hook_on(k->hook, k->hook_ctx, &k->hooked);
         c->s.hooked = k->hooked;
     }
+    if ((rc = probe_if_asked(c, ticket, timeout)) != FERRO_OK) {
+        probe_failed(c, name, ticket, rc, timeout);
+        k->probed = 1;
+        return finish(k, rc);  /* (the turn goes on to the next ticket) */
+    }
     if (c->s.me == 0 && c->reprobe_s > 0) ask_reprobe(c, ticket);
     return FERRO_OK;
 }
@@ -533,12 +569,8 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
 static int finish(door_call* k, int rc) {
     ferro_comm* c = k->c;
     char missing[256], other[128], msg[FERRO_MSG];
-    int j, g, at, probed = 0;
+    int j, g, at;
     size_t len;
-    if (rc == FERRO_OK && reprobe_due(c, k->ticket)) {
-        probed = 1;
-        rc = reprobe(c, k->timeout);
-    }
     c->s.stall = NULL;
     k->hooked = c->s.hooked;  /* (the steps' state is the next call's once the turn is given) */
     c->s.hook = NULL;
@@ -582,13 +614,11 @@ static int finish(door_call* k, int rc) {
                 len += (size_t)snprintf(msg + len, sizeof msg - len, "] called %s", other);
         }
         say(FERRO_MISMATCH, "%s", msg);
+    } else if (k->probed) {
+        /* (probe_failed said why and broke the communicator) */
     } else if (rc == FERRO_TIMEOUT) {
         missing_text(c, missing, sizeof missing);
-        if (probed)
-            snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs in the link "
-                     "probe every rank runs after it (a rank did not take part; shared-memory "
-                     "engine)", k->name, (long long)k->ticket, c->s.me, k->timeout);
-        else if (strcmp(missing, "[]") == 0)
+        if (strcmp(missing, "[]") == 0)
             snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs waiting "
                      "for the peers' chunks of a pipelined step (shared-memory engine)",
                      k->name, (long long)k->ticket, c->s.me, k->timeout);

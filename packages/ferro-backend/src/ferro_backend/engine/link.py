@@ -10,7 +10,7 @@ cores 28-60 ns, 88-133 ns or 426-476 ns, a 64 KiB copy from one core to the othe
 :func:`probe` runs the probe on an engine (every rank at once; the ranks spin, so never where
 they outnumber the cores); :attr:`Engine.link <.segment.Engine.link>` is the latest result:
 the join's, :meth:`Engine.probe_link <.segment.Engine.probe_link>`'s, or the engine's own
-re-probe. The engine probes again by itself (``door.c``: every rank after the same call) when
+re-probe. The engine probes again by itself (``door.c``: every rank before the same call) when
 rank 0's copies into shared memory change speed by 2x either way (at most every 0.5 s), and at
 least every ``FERRO_SHM_REPROBE`` seconds (default 10; 0: never) while calls run. A probe takes
 0.2-0.3 ms on 2 ranks here. ``ShmBackend.describe()`` and the timeline (an ``engine`` event per
