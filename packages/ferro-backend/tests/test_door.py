@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ferro_backend
-from ferro_backend.engine import _calls, _comm
+from ferro_backend.engine import _calls, _comm, _segment
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux engine")]
@@ -636,3 +636,38 @@ def test_every_engine_header_compiles_alone(header, tmp_path):
                         sysconfig.get_paths()["include"], str(src)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ the link's re-probes
+def _ask_probe_before(comm: _comm.Comm, ticket: int) -> np.ndarray:
+    """Write what rank 0's ask_reprobe writes (door.c: every rank probes the link before
+    ``ticket``'s call); the segment's probe count (its header's ``probes`` word)."""
+    seg = np.frombuffer(comm, dtype=np.uint8)
+    ctrl0 = _segment.layout(comm.n, comm.slot_bytes, 4096)["ctrl_off"]
+    seg[ctrl0 + 56:ctrl0 + 64].view(np.int64)[0] = ticket + 1  # ferro_ctrl.reprobe
+    return seg[64:68].view(np.uint32)  # ferro_seg_head.probes
+
+
+def test_every_rank_probes_the_link_before_the_call_rank_0_marked(shim):
+    ranks = ranks_of(shim, 2)
+    probes = _ask_probe_before(ranks[0].comm, 0)
+    assert probes[0] == 0
+    assert in_threads([lambda r=r: ranks[r](BARRIER) for r in range(2)]) == [OK, OK]
+    assert probes[0] == 1  # once, by both ranks, and the barrier ran after it
+    assert in_threads([lambda r=r: ranks[r](BARRIER) for r in range(2)]) == [OK, OK]
+    assert probes[0] == 1  # (not again)
+    for me in ranks:
+        me.release()
+
+
+def test_a_rank_missing_the_probe_times_the_call_out_naming_the_probe(shim):
+    ranks = ranks_of(shim, 2)
+    _ask_probe_before(ranks[0].comm, 0)
+    t0 = time.monotonic()
+    assert ranks[0](BARRIER, timeout=0.3) == TIMEOUT and time.monotonic() - t0 < 5
+    msg = ranks[0].error()
+    assert "barrier (seq 0) on rank 0: timed out after 0.3s in the link probe every rank " \
+        "runs before it" in msg
+    assert ranks[0](BARRIER) == TIMEOUT and ranks[0].error() == msg  # broken, as a timeout
+    for me in ranks:
+        me.release()
