@@ -73,3 +73,11 @@ def test_vmap_batches_collectives_and_refuses_point_to_point():
         assert same == ["all_gather", "all_to_all", "allreduce", "gather_scalars",
                         "reduce_scatter"]
         assert "vmap" in refused
+
+
+def test_the_engine_re_probes_between_jitted_calls(monkeypatch):
+    # the door's re-probe runs in XLA's thread, before the call after one rank 0 marked
+    monkeypatch.setenv("FERRO_SHM_REPROBE", "0.2")
+    (f0, l0, ok0), (f1, l1, ok1) = run_processes(workers.reprobes_inside_jit, 2, 1.5,
+                                                 transport="shm", timeout=120)
+    assert f0 == f1 == 1 and l0 == l1 >= 3 and ok0 and ok1

@@ -311,3 +311,21 @@ def overhead(backend, count: int, calls: int) -> float:
     t = time.perf_counter()
     loop(x).block_until_ready()
     return (time.perf_counter() - t) / calls
+
+
+def reprobes_inside_jit(backend, seconds: float) -> list:
+    """Jitted allreduces (the door called from XLA's thread) for ``seconds``, every rank
+    stopping after the same call; the engine's probe numbers before and after, and whether
+    every result was right."""
+    fj.init(backend)
+    n = backend.world_size
+    f = jax.jit(lambda x: fj.allreduce(x))
+    first, right, end = backend.engine.link.probe, True, time.monotonic() + seconds
+    x = np.ones(1024, np.float32)
+    while True:
+        x[1] = time.monotonic() > end
+        got = np.asarray(f(jnp.asarray(x)))
+        right = right and got[0] == n
+        if got[1]:
+            break
+    return [first, backend.engine.link.probe, right]

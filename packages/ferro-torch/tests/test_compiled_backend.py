@@ -39,10 +39,14 @@ def test_the_compiled_backend_is_in_use_where_it_builds(compiled_backend):
 def test_asynchronous_calls_on_the_worker_thread_keep_the_issue_order(compiled_backend):
     port = free_port()
     run = processes("background", 2, lambda r: env_vars(r, 2, port, FERRO_TOKEN="bg",
-                                                         FERRO_BACKGROUND="on"), timeout=90)
+                                                         FERRO_BACKGROUND="on",
+                                                         FERRO_SHM_REPROBE="0.2"), timeout=90)
     assert run.returncodes == [0, 0], run.output[-4000:]
     for r in run.results:
         assert (r["kind"], r["inline_async"]) == ("compiled", False), r
+    # the engine probed the link again, every rank alike, between the compiled backend's calls
+    (first, last), (first1, last1) = (r["probes"] for r in run.results)
+    assert (first, last) == (first1, last1) and last >= first + 3, run.results
 
 
 def test_python_is_forced_by_the_setting_without_a_build_or_a_word():

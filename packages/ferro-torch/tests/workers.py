@@ -480,7 +480,18 @@ def scenario_background() -> None:
     lf, lg = ddp_losses(dist.group.WORLD), ddp_losses(gloo)
     assert lf == lg, (lf, lg)
     inline = dist.group.WORLD._get_backend(torch.device("cpu")).inline_async
-    report(rank=RANK, kind=kind, inline_async=inline, ddp=lf)
+    # the engine's re-probes (FERRO_SHM_REPROBE: the test sets 0.2 s) run on the worker thread
+    # and the issuing one alike: a second of calls, every rank stopping after the same one
+    engine = ferro_torch.ferro_backend().engine
+    first, end = engine.link.probe, time.monotonic() + 1.0
+    while True:
+        y = torch.tensor([1.0, float(time.monotonic() > end)])
+        dist.all_reduce(y, async_op=True).wait()
+        dist.all_reduce(z := torch.ones(3))
+        assert y[0].item() == n and z[0].item() == n, (y, z)
+        if y[1].item():
+            break
+    report(rank=RANK, kind=kind, inline_async=inline, ddp=lf, probes=[first, engine.link.probe])
     dist.destroy_process_group()
 
 
