@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ferro_backend import CollectiveTimeoutError
-from ferro_backend.engine import _segment
+from ferro_backend.engine import _calls, _comm, _segment
 from ferro_backend.engine.link import SHARED_CACHE_NS, Link
 from ferro_backend.testing import run_processes
 
@@ -132,19 +132,32 @@ def test_the_timeline_says_where_the_ranks_landed(tmp_path):
         assert isinstance(probe["args"]["shared_cache"], bool)
 
 
-def _reprobes(b, seconds, general_on=None):
-    """Door calls (allreduces through ferro's one-call path) for ``seconds``; the probes seen.
-    ``general_on``: that rank passes a strided array, which ferro's general path takes (its own
-    turn, ferro_comm_begin, around the door call)."""
-    from ferro_collective import allreduce
+def _allreduce(b, x: np.ndarray, general: bool = False) -> np.ndarray:
+    """x summed over the ranks by the engine's door (float32); ``general``: in a turn of its
+    own first (``comm.begin``), as ferro-collective's general path runs a door call."""
+    comm, out = b.engine.comm, np.empty_like(x)
+    call = _calls.Call(comm, _calls.ALLREDUCE, 0)  # (float32, SUM)
+    if not general:
+        assert call.run(x, out, timeout=20.0) == _comm.OK, _comm.last_error()
+        return out
+    ticket = comm.reserve()
+    try:
+        assert comm.begin(ticket, 20.0, "allreduce") == _comm.OK, _comm.last_error()
+        assert call.run(x, out, ticket, 20.0) == _comm.OK, _comm.last_error()
+    finally:
+        comm.end(ticket)
+    return out
 
+
+def _reprobes(b, seconds, general_on=None):
+    """Door calls (allreduces) for ``seconds``; the probes seen. ``general_on``: that rank runs
+    each in a turn of its own first (ferro_comm_begin), as ferro's general path does."""
     first = b.engine.link
-    x = np.ones(2048 if b.rank == general_on else 1024, np.float32)
-    y = x[::2] if b.rank == general_on else x
+    x = np.ones(1024, np.float32)
     seen, end = {first.probe}, time.monotonic() + seconds
     while True:
-        y[1] = time.monotonic() > end  # (every rank stops after the same call)
-        got = allreduce(y, b)
+        x[1] = time.monotonic() > end  # (every rank stops after the same call)
+        got = _allreduce(b, x, b.rank == general_on)
         assert got[0] == b.world_size  # (the calls around each probe stay right)
         seen.add(b.engine.link.probe)
         if got[1]:
@@ -181,11 +194,9 @@ def test_no_re_probe_when_it_is_turned_off(monkeypatch):
 
 def _copies_changed_speed(b):
     """Rank 0's copies "slowed down": its reference is made 4x faster than they run."""
-    from ferro_collective import allreduce
-
     x = np.ones(64 << 8, np.float32)  # 64 KiB: copies into the slot timed (_put.h)
     for _ in range(50):
-        allreduce(x, b)
+        _allreduce(b, x)
     comm = b.engine.comm
     before = b.engine.link.probe
     if b.rank == 0:
@@ -193,7 +204,7 @@ def _copies_changed_speed(b):
         comm.copy_ns_at_probe = comm.copy_ns_per_kib / 4
     time.sleep(0.6)  # (past the shortest gap between probes)
     for _ in range(40):
-        allreduce(x, b)
+        _allreduce(b, x)
     return before, b.engine.link.probe, comm.copy_ns_at_probe > 0
 
 
