@@ -338,23 +338,34 @@ static int wait_turn(ferro_comm* c, int64_t ticket, double deadline, const char*
 
 static int probe_if_asked(ferro_comm* c, int64_t ticket, double timeout);
 
-/* A probe before ticket's call (name) failed with rc: this thread's message, and a broken
- * communicator (as a step's timeout or failure leaves it). */
-static void probe_failed(ferro_comm* c, const char* name, int64_t ticket, int rc,
-                         double timeout) {
+/* A wait of ticket's call (name) ended on the failure flag: this thread's message, and the
+ * communicator broken (FERRO_FAILED), or FERRO_CLOSED where this rank closed it. */
+static int failed(ferro_comm* c, const char* name, int64_t ticket) {
     char msg[FERRO_MSG];
-    if (rc == FERRO_TIMEOUT) {
-        snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs in the link "
-                 "probe every rank runs before it (a rank did not take part; shared-memory "
-                 "engine)", name, (long long)ticket, c->s.me, timeout > 0 ? timeout : c->timeout);
-    } else {
-        pthread_mutex_lock(&c->lock);
-        snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: %.900s", name, (long long)ticket,
-                 c->s.me, c->failure[0] ? c->failure : "the engine was shut down");
-        pthread_mutex_unlock(&c->lock);
-    }
-    say(rc, "%s", msg);
-    ferro_comm_break(c, rc, msg);
+    if (ferro_load(&c->closed))
+        return say(FERRO_CLOSED, "%s (seq %lld) on rank %d: the engine was closed", name,
+                   (long long)ticket, c->s.me);
+    pthread_mutex_lock(&c->lock);
+    snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: %.900s", name, (long long)ticket,
+             c->s.me, c->failure[0] ? c->failure : "the engine was shut down");
+    pthread_mutex_unlock(&c->lock);
+    say(FERRO_FAILED, "%s", msg);
+    ferro_comm_break(c, FERRO_FAILED, msg);
+    return FERRO_FAILED;
+}
+
+/* A probe before ticket's call (name) failed with rc: this thread's message, and the
+ * communicator broken as a step's timeout or failure leaves it; the call's status. */
+static int probe_failed(ferro_comm* c, const char* name, int64_t ticket, int rc,
+                        double timeout) {
+    char msg[FERRO_MSG];
+    if (rc != FERRO_TIMEOUT) return failed(c, name, ticket);
+    snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: timed out after %gs in the link probe "
+             "every rank runs before it (a rank did not take part; shared-memory engine)", name,
+             (long long)ticket, c->s.me, timeout > 0 ? timeout : c->timeout);
+    say(FERRO_TIMEOUT, "%s", msg);
+    ferro_comm_break(c, FERRO_TIMEOUT, msg);
+    return FERRO_TIMEOUT;
 }
 
 int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name) {
@@ -368,7 +379,7 @@ int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* 
         c->running_thread = self_thread();
         pthread_mutex_unlock(&c->lock);
         rc = probe_if_asked(c, ticket, timeout);
-        if (rc != FERRO_OK) probe_failed(c, name, ticket, rc, timeout);
+        if (rc != FERRO_OK) rc = probe_failed(c, name, ticket, rc, timeout);
     }
     return rc;
 }
@@ -556,9 +567,8 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
         c->s.hooked = k->hooked;
     }
     if ((rc = probe_if_asked(c, ticket, timeout)) != FERRO_OK) {
-        probe_failed(c, name, ticket, rc, timeout);
         k->probed = 1;
-        return finish(k, rc);  /* (the turn goes on to the next ticket) */
+        return finish(k, probe_failed(c, name, ticket, rc, timeout));  /* (the turn goes on) */
     }
     if (c->s.me == 0 && c->reprobe_s > 0) ask_reprobe(c, ticket);
     return FERRO_OK;
@@ -615,7 +625,7 @@ static int finish(door_call* k, int rc) {
         }
         say(FERRO_MISMATCH, "%s", msg);
     } else if (k->probed) {
-        /* (probe_failed said why and broke the communicator) */
+        /* (probe_failed said why and broke the communicator or found it closed) */
     } else if (rc == FERRO_TIMEOUT) {
         missing_text(c, missing, sizeof missing);
         if (strcmp(missing, "[]") == 0)
@@ -629,18 +639,7 @@ static int finish(door_call* k, int rc) {
         say(FERRO_TIMEOUT, "%s", msg);
         ferro_comm_break(c, FERRO_TIMEOUT, msg);
     } else if (rc == FERRO_FAILED) {
-        if (ferro_load(&c->closed)) {
-            rc = say(FERRO_CLOSED, "%s (seq %lld) on rank %d: the engine was closed", k->name,
-                     (long long)k->ticket, c->s.me);
-        } else {
-            pthread_mutex_lock(&c->lock);
-            snprintf(msg, sizeof msg, "%s (seq %lld) on rank %d: %.900s", k->name,
-                     (long long)k->ticket, c->s.me,
-                     c->failure[0] ? c->failure : "the engine was shut down");
-            pthread_mutex_unlock(&c->lock);
-            say(FERRO_FAILED, "%s", msg);
-            ferro_comm_break(c, FERRO_FAILED, msg);
-        }
+        rc = failed(c, k->name, k->ticket);
     } else if (rc != FERRO_OK) {
         rc = say(FERRO_UNSUPPORTED, "%s: the engine's fold cannot reduce this dtype with this op",
                  k->name);
