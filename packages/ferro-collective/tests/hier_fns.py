@@ -95,3 +95,22 @@ def learned_params(backend):
     from ferro_collective import costmodel
 
     return costmodel.learned(backend)
+
+
+def reprobes(b, nodes, seconds):
+    """Hierarchical allreduces for ``seconds`` (every rank stopping after the same call); the
+    node engine's link probe numbers before and after (None where it cannot probe), and
+    whether every result was right."""
+    import time
+
+    h = attach_hierarchy(b, nodes)
+    engine = h.node.engine
+    first = None if engine.link is None else engine.link.probe
+    x, right, end = np.ones(4096, np.float32), True, time.monotonic() + seconds
+    while True:
+        x[1] = time.monotonic() > end
+        got = allreduce(x, b)
+        right = right and got[0] == b.world_size
+        if got[1]:
+            break
+    return first, None if engine.link is None else engine.link.probe, right

@@ -4,7 +4,7 @@ rank, and a mismatch that errors on every rank instead of hanging."""
 
 import numpy as np
 import pytest
-from hier_fns import SIZES, mismatch, suite
+from hier_fns import SIZES, mismatch, reprobes, suite
 
 from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.hierarchy import node_members
@@ -121,3 +121,14 @@ def test_ferrorun_on_two_nodes_runs_hierarchically(tmp_path):
     for d in res:
         assert d["type"] == "TcpBackend" and d["local"] == 2 and d["nodes"] == 2, d
         assert d["sum"] == 10.0 and d["bcast"] == 3, d
+
+
+def test_each_nodes_engine_re_probes_its_link_while_hierarchical_calls_run(monkeypatch):
+    monkeypatch.setenv("FERRO_SHM_REPROBE", "0.2")
+    got = run_processes(reprobes, 4, LAYOUTS["node-major"], 1.5)
+    assert all(right for *_, right in got), got
+    for node in ((0, 1), (2, 3)):  # the two ranks of a node's engine, alike
+        (f0, l0, _), (f1, l1, _) = (got[r] for r in node)
+        assert (f0, l0) == (f1, l1), got
+        if f0 is not None:  # (a node engine probes where its ranks each have a core)
+            assert l0 >= f0 + 2, got
