@@ -99,10 +99,11 @@ static inline int ferro_probe_ping(unsigned char* base, const ferro_layout* L, i
     return FERRO_OK;
 }
 
-/* the probe rounds of a re-probe (door.c): as link.py's first probe */
-#define FERRO_REPROBE_ROUNDS 200
-#define FERRO_REPROBE_COPIES 16
-#define FERRO_REPROBE_BYTES 65536u
+/* a probe's round trips, copy rounds and copy bytes (at most a slot), the join's
+ * (link.py, through _segment's defaults) and the door's re-probes alike */
+#define FERRO_PROBE_ROUNDS 200
+#define FERRO_PROBE_COPIES 16
+#define FERRO_PROBE_BYTES 65536u
 /* a re-probe sooner than FERRO_SHM_REPROBE seconds (but no sooner than this many after the
  * last) when rank 0's plain copies into shared memory (ferro_put's recent ns per KiB) moved
  * by this factor either way since the last probe */

@@ -4,6 +4,7 @@ import numpy.typing as npt
 MAGIC: int
 VERSION: int
 HEADER_ROOM: int
+PROBE_BYTES: int
 
 def layout(nranks: int, slot_bytes: int, ring_bytes: int) -> dict[str, int]: ...
 

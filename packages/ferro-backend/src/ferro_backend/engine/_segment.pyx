@@ -19,6 +19,8 @@ from ferro.engine cimport FERRO_INVALID
 
 cdef extern from "_probe.h" nogil:
     int FERRO_PROBE_MAX_ROUNDS
+    int FERRO_PROBE_ROUNDS, FERRO_PROBE_COPIES
+    size_t FERRO_PROBE_BYTES
     int ferro_probe_links(unsigned char* base, const ferro_layout* L, int rank,
                           int rounds, int copies, size_t nbytes, unsigned char* scratch,
                           double deadline, const uint32_t* failed, double* rtt_ns,
@@ -43,6 +45,8 @@ cdef extern from "<sys/prctl.h>" nogil:
     int PR_SET_PTRACER
 
 MAGIC, VERSION = FERRO_MAGIC, FERRO_SEGMENT_VERSION
+#: the bytes of a link probe's copies (at most a slot; _probe.h)
+PROBE_BYTES = FERRO_PROBE_BYTES
 #: the room of a collective header at the start of each slot
 HEADER_ROOM = FERRO_HEADER_ROOM
 
@@ -111,8 +115,8 @@ cdef class SegmentMap:
         cdef ferro_ctrl* c = ferro_ctrl_of(self.base, &self.L, rank)
         return c.pid, c.probe
 
-    def probe_links(self, double timeout, int rounds=200, int copies=16,
-                    size_t nbytes=65536) -> tuple:
+    def probe_links(self, double timeout, int rounds=FERRO_PROBE_ROUNDS,
+                    int copies=FERRO_PROBE_COPIES, size_t nbytes=FERRO_PROBE_BYTES) -> tuple:
         """The link probe (``_probe.h``; every rank at once, the segment's next probe):
         ``(round trip of a cache line in ns, GB/s of a copy between the ranks' cores)``, the
         slowest peer's, the same on every rank. The GIL released; it spins.

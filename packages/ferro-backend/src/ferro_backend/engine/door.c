@@ -462,16 +462,16 @@ static void ask_reprobe(ferro_comm* c, int64_t ticket) {
  * passes here twice), with its own timeout from now. FERRO_OK (also when none was asked), or
  * FERRO_TIMEOUT / FERRO_FAILED as _probe.h says. */
 static int probe_if_asked(ferro_comm* c, int64_t ticket, double timeout) {
-    size_t bytes = FERRO_REPROBE_BYTES < c->s.L.slot_bytes ? FERRO_REPROBE_BYTES
-                                                           : c->s.L.slot_bytes;
+    size_t bytes;
     double rtt, gbps;
     int rc;
     if (__atomic_load_n(&ferro_ctrl_of(c->base, &c->s.L, 0)->reprobe, __ATOMIC_ACQUIRE)
             != ticket + 1 || c->probed_before == ticket + 1)
         return FERRO_OK;
     c->probed_before = ticket + 1;
-    rc = ferro_probe_links(c->base, &c->s.L, c->s.me, FERRO_REPROBE_ROUNDS,
-                           FERRO_REPROBE_COPIES, bytes, c->s.split.scratch,
+    bytes = FERRO_PROBE_BYTES < c->s.L.slot_bytes ? FERRO_PROBE_BYTES : c->s.L.slot_bytes;
+    rc = ferro_probe_links(c->base, &c->s.L, c->s.me, FERRO_PROBE_ROUNDS,
+                           FERRO_PROBE_COPIES, bytes, c->s.split.scratch,
                            ferro_now() + (timeout > 0 ? timeout : c->timeout), &c->failed,
                            &rtt, &gbps);
     if (rc == FERRO_OK) c->probe_put_ns = c->s.put.ewma_ns;

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import timeline
+from . import _segment
 
 if TYPE_CHECKING:
     from .segment import Engine
 
-#: the bytes of the probe's copies (at most a slot)
-COPY_BYTES = 64 << 10
+#: the bytes of the probe's copies (at most a slot; _probe.h's, the door's re-probes too)
+COPY_BYTES = _segment.PROBE_BYTES
 #: a round trip of a cache line below this many ns: the ranks' cores share a cache
 SHARED_CACHE_NS = 75.0
 
