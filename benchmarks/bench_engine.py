@@ -5,7 +5,8 @@ its reduction kernel ``kernels._fold``) against its baselines.
 - ``one call``: ferro-collective's compiled dispatcher (``dispatch.run``, then ``_onecall``: plan
   cache, ``out=`` checks, then the engine's door: its order, header and step) on a one-rank
   engine, so nothing but the call's own cost is timed, against ``np.copyto`` of the same 4 KiB
-  (the least a one-rank allreduce into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``.
+  (the least a one-rank allreduce into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``;
+  scatter's and all_to_all_single's (``_metacall``, the twin of their metadata step) likewise.
 - collectives on 2 real processes: ``ShmBackend`` with the engine (``_comm``, ``_segment``,
   ``_watch``) against ``np.copyto`` of the same bytes in this process (the baseline: a yardstick
   outside the project, so the gated ratio moves only with the engine and the machine), and the
@@ -193,6 +194,42 @@ def bench_timeline_cost_4KiB(benchmark, impl, tmp_path):
     else:
         with trace(tmp_path / "t.json"):
             benchmark.pedantic(run, rounds=50, iterations=100, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("call", ["scatter", "all_to_all_single"])
+@pytest.mark.parametrize("impl", ["np.copyto", "_metacall.Twin", "general"])
+def bench_metacall_4KiB(benchmark, impl, call):
+    """scatter's and all_to_all_single's one-call path (``_metacall.Twin``, the compiled twin
+    of their metadata step) on a one-rank engine, against their general path (a ``MetaPlan``:
+    the same step from Python) and against ``np.copyto`` of the same 4 KiB."""
+    import ferro_collective as fc
+    from ferro_collective.api import SCATTER
+    from ferro_collective.api_uneven import ALL_TO_ALL_SINGLE
+    from ferro_collective.dispatch import run as dispatch
+
+    x = np.ones(1024, np.float32)
+    out = np.empty_like(x)
+    benchmark.group = f"metadata-step call ({call} 4KiB out=, one-rank engine)"
+    benchmark.extra_info["bytes"] = x.nbytes
+    if impl == "np.copyto":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            np.copyto(out, x)
+    else:
+        b = one_rank_engine()
+        fc.barrier(b)  # (makes the group and its twin)
+        coll, arg = (SCATTER, 0) if call == "scatter" else (ALL_TO_ALL_SINGLE, (None, None))
+        algorithm = None if impl == "_metacall.Twin" else "auto"
+        twin = b.engine.client.twin
+        before = twin.taken
+
+        def run():
+            dispatch(coll, x, b, arg, None, algorithm, out)
+    benchmark.pedantic(run, rounds=100, iterations=100, warmup_rounds=5)
+    if impl != "np.copyto":
+        assert (twin.taken > before) == (algorithm is None)
+        assert out.tolist() == x.tolist()
 
 
 @pytest.mark.parametrize("impl", ["itertools.count", "_doorplan.SeqCounter"])

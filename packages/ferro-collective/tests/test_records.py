@@ -36,7 +36,9 @@ def test_algorithms_and_one_call_paths():
     one_call = {c.name: c.kind for c in records.ALL if c.kind is not None}
     assert one_call == {"allreduce": _onecall.ALLREDUCE, "broadcast": _onecall.BROADCAST,
                         "all_gather": _onecall.ALL_GATHER, "barrier": _onecall.BARRIER,
-                        "reduce_scatter": _onecall.REDUCE_SCATTER, "gather": _onecall.GATHER}
+                        "reduce_scatter": _onecall.REDUCE_SCATTER, "gather": _onecall.GATHER,
+                        "scatter": _onecall.SCATTER,
+                        "all_to_all_single": _onecall.ALL_TO_ALL_SINGLE}
 
 
 @pytest.mark.parametrize("name", ["reduce_scatter", "allreduce"])

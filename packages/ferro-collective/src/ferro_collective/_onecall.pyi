@@ -7,6 +7,8 @@ ALLREDUCE: int
 REDUCE_SCATTER: int
 BROADCAST: int
 ALL_GATHER: int
+SCATTER: int
+ALL_TO_ALL_SINGLE: int
 BARRIER: int
 GATHER: int
 
@@ -14,6 +16,7 @@ class Core:
     broken: BaseException | None
     n: int
     me: int
+    twin: Any
     def _bind(self, backend: Any, comm: Any) -> None: ...
     def cached(self, kind: int, tensor: Any, arg: Any) -> DoorPlan | None: ...
     def _resolve(self, timeout: Any, name: str) -> float: ...

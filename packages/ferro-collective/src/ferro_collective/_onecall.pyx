@@ -37,6 +37,7 @@ from ferro_backend.tracebacks import user_facing as _user_facing
 from ferro_backend.kernels import _fold
 
 from ._doorplan cimport MAX_DIMS, DoorPlan
+from ._metacall cimport Twin
 
 cnp.import_array()
 
@@ -47,8 +48,10 @@ cdef extern from "numpy/arrayobject.h":
 #: what a one-call path answers for a call it does not take
 NOT_TAKEN = object()
 cdef object _NOT_TAKEN = NOT_TAKEN
-#: the collectives with a one-call path (a ``dispatch.Collective``'s ``kind``)
+#: the collectives with a one-call path (a ``dispatch.Collective``'s ``kind``): the door's, and
+#: the two with a metadata step (their twin, :mod:`._metacall`)
 ALLREDUCE, REDUCE_SCATTER, BROADCAST, ALL_GATHER, BARRIER, GATHER = range(6)
+SCATTER, ALL_TO_ALL_SINGLE = 6, 7
 cdef enum:
     K_ALLREDUCE = 0
     K_REDUCE_SCATTER = 1
@@ -56,6 +59,8 @@ cdef enum:
     K_ALL_GATHER = 3
     K_BARRIER = 4
     K_GATHER = 5
+    K_SCATTER = 6
+    K_ALL_TO_ALL_SINGLE = 7
     CACHE = 512             # direct-mapped plan cache entries (a power of two)
 ctypedef int (*_RunAt)(object, const void*, size_t, void*, size_t, double) noexcept
 cdef _RunAt _run_at = NULL
@@ -100,6 +105,7 @@ cdef class Core:
         self._plain_timeout = getattr(type(backend), "timeout", None) is _Backend.timeout
         self._default = None
         self._stall = comm.stall_fraction
+        self.twin = None
 
     # ------------------------------------------------------------------ what a subclass gives
     # (EngineGroup, ferro_collective.engine_group: the backend's timeout rules and ferro's errors)
@@ -321,6 +327,16 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
         if type(arg) is not int or not 0 <= arg < c.n:
             return _NOT_TAKEN
         return c._copy_now(K_GATHER, tensor, out, arg, <Py_ssize_t>arg, timeout)
+    if kind >= K_SCATTER:
+        if c.twin is None:  # (its subclass makes one)
+            return _NOT_TAKEN
+        if kind == K_SCATTER:
+            if type(arg) is not int or not 0 <= arg < c.n:
+                return _NOT_TAKEN
+            got = (<Twin>c.twin).scatter(tensor, arg, timeout, out)
+        else:
+            got = (<Twin>c.twin).all_to_all_single(tensor, arg, timeout, out)
+        return _NOT_TAKEN if got is None else got
     c._barrier_now(timeout)
     return None
 

@@ -13,7 +13,8 @@ engine (as ``engine.client``):
   contiguous copy where the call's arrays are not;
 - the collectives only ferro's Python has (uneven sizes, objects, the scatter whose non-roots
   pass nothing) run as Python steps (:meth:`exchange`, :meth:`sync`...) inside their ticket's
-  turn (:meth:`run`);
+  turn (:meth:`run`); scatter and all_to_all_single run the same steps from C in their common
+  case (:attr:`twin`, :mod:`._metacall`);
 - a refusal becomes ferro's error (a mismatch naming what every rank called, a timeout naming
   the ranks not arrived, a dead peer's failure); after a timeout or a dead peer the group refuses
   further calls: the steps of the ranks no longer agree. A stall is logged once half a call's
@@ -32,6 +33,7 @@ from ferro_backend import CollectiveMismatchError, CollectiveTimeoutError, PeerC
 from ferro_backend import engine as host_engine
 
 from . import p2p
+from ._metacall import Twin
 from ._onecall import NOT_TAKEN, Core
 from .header import check_all
 
@@ -100,6 +102,8 @@ class EngineGroup(Core):
         self.cma_ok = engine.cma_ok
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
         self._bind(backend, self.comm)
+        #: scatter's and all_to_all_single's one-call path (the twin of their engine path)
+        self.twin = Twin(self, Step)
         self.comm.set_stall_report(_log_stall)
         engine.client = self
 

@@ -26,8 +26,10 @@ import numpy as np
 
 from ferro_backend import Backend, SizeMismatchError
 
+from . import _onecall
 from .arguments import as_array, check_backend, check_out
 from .engine_group import EngineGroup, Step
+from .metadata_sizes import split_plan
 from .metadata_step import MetaPlan, get_pieces, guard, pack_ints, put_pieces, sent_bytes, unpack_ints
 from .p2p import Ctx
 from .plan import Collective, choose
@@ -239,7 +241,7 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
     def plan(me: int, metas: list[bytes]):
         """The result array, its pieces by source rank, this rank's late ``out`` error (or the
         split error every rank raises alike), and the byte sizes for the engine."""
-        rows, totals, at = _split_plan(name, metas, n, me, rb)
+        rows, totals, at = split_plan(name, metas, n, me, rb)
         shape = (sum(rows), *trailing)
         res, late = out, None
         if out is not None:  # checked now that the shape is known; a bad one still takes part
@@ -282,46 +284,12 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
                     engine_path=(put, run), algorithm=algorithm)
 
 
-_plans: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
-
-
-def _split_plan(name: str, metas: list[bytes], n: int, me: int,
-                rb: int) -> tuple[list[int], list[int], list[int]]:
-    """From every rank's ``send_splits + recv_splits`` (metadata): the rows this rank gets from
-    each rank, and the engine's byte sizes (:func:`.metadata_step.sent_bytes`); or the
-    SizeMismatchError every rank raises alike. Cached: the same splits come back call after
-    call."""
-    key = (me, rb, *metas)
-    got = _plans.get(key)
-    if got is not None:
-        return got
-    sends = [unpack_ints(m, n) for m in metas]
-    for d, m in enumerate(metas):  # every rank checks every pair: the same error everywhere
-        declared = unpack_ints(m, n, 8 * n)
-        recv = [sends[r][d] for r in range(n)]
-        if declared[0] < 0:
-            if len(set(recv)) > 1:
-                raise SizeMismatchError(
-                    f"{name}: rank {d} passed recv_splits=None (equal splits) but ranks "
-                    f"0..{n - 1} send it {recv} rows; pass recv_splits")
-        elif declared != recv:
-            r = next(r for r in range(n) if declared[r] != recv[r])
-            raise SizeMismatchError(f"{name}: rank {r} sends {recv[r]} rows to rank {d}, "
-                                    f"whose recv_splits[{r}] is {declared[r]}")
-    got = ([sends[r][me] for r in range(n)],
-           *sent_bytes([[k * rb for k in row] for row in sends], me))
-    if len(_plans) > 256:
-        _plans.clear()
-    _plans[key] = got
-    return got
-
-
 ALL_GATHER_V = Collective("all_gather_v", prepare_all_gather_v, None, ("auto", "ring"))
 ALL_TO_ALL = Collective("all_to_all", prepare_all_to_all, None, ("auto", "pairwise"),
                         torch="all_to_all", jax="all_to_all")
 #: its algorithms are all_to_all's (it takes no ``algorithm=`` of its own)
 ALL_TO_ALL_SINGLE = Collective("all_to_all_single", prepare_all_to_all_single,
-                               torch="all_to_all_single")
+                               _onecall.ALL_TO_ALL_SINGLE, torch="all_to_all_single")
 
 __all__ = ["ALL_GATHER_V", "ALL_TO_ALL", "ALL_TO_ALL_SINGLE", "all_gather_v_ring",
            "all_to_all_pairwise", "prepare_all_gather_v", "prepare_all_to_all",

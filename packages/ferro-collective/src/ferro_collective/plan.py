@@ -26,7 +26,7 @@ class Collective(NamedTuple):
     ``name`` (what its header and errors say); ``prepare(tensor, backend, arg, timeout,
     algorithm, out, seq=None)``, which checks a call and returns its :class:`Plan` (``arg``:
     its own argument, the op, the root or None); ``kind``, its compiled one-call path on the
-    engine's door (one of ``_onecall``'s ALLREDUCE..GATHER), or None; the ``algorithms`` its
+    engine (one of ``_onecall``'s ALLREDUCE..ALL_TO_ALL_SINGLE), or None; the ``algorithms`` its
     ``algorithm=`` takes ("auto" first; empty: it has no such argument); and the names of its
     bindings, ``torch`` (the ``torch.distributed`` call ferro-torch's backend serves with it)
     and ``jax`` (ferro-jax's function), where there is one. :mod:`.records` lists them all."""

@@ -17,21 +17,22 @@ tree):
 gather run through the engine's door (``ferro/engine.h``: a step per slot of data, the root
 folding every rank's slot in rank order, the fold of ``algorithm="star"``, or copying it), and
 scatter after its metadata step (the root's blocks ride in it when small; else every rank
-reads its block from the root's memory).
+reads its block from the root's memory), from C in its common case (:mod:`._metacall`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ferro_backend import Backend, SizeMismatchError
+from ferro_backend import Backend
 from ferro_backend.partition import split_bounds
 
 from . import _onecall
 from .all_gather import door_bytes
 from .arguments import as_array, check_backend, check_out, check_root, finish
 from .engine_group import EngineGroup, Step, door_calls
-from .metadata_step import MetaPlan, get_pieces, guard, pack_desc, put_pieces, unpack_desc
+from .metadata_sizes import scatter_block
+from .metadata_step import MetaPlan, get_pieces, guard, pack_desc, put_pieces
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, reduce_scatter_ring_into
 from .plan import Collective, Plan, choose
@@ -260,14 +261,7 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
     def plan(metas: list[bytes]) -> tuple[np.ndarray, np.ndarray, BaseException | None]:
         """The result array, its bytes, and this rank's late ``out`` error (or the error every
         rank raises alike, from the root's shape)."""
-        dtype, full = unpack_desc(metas[root])
-        if len(full) == 0:
-            raise SizeMismatchError(f"scatter: root {root}'s tensor is 0-d; it cannot be split "
-                                    "across ranks")
-        if full[0] % n:
-            raise SizeMismatchError(f"scatter: dim 0 of root {root}'s shape {full} ({full[0]}) "
-                                    f"is not divisible by world_size {n}")
-        shape = (full[0] // n, *full[1:])
+        dtype, shape = scatter_block(metas[root], root, n)
         res, late = out, None
         if out is not None:  # checked now that the shape is known; a bad one still takes part
             _, late = guard(lambda: check_out("scatter", out, shape, dtype))
@@ -320,7 +314,8 @@ REDUCE = Collective("reduce", prepare_reduce, None, ("auto", "tree", "ring"), to
                     jax="reduce")
 GATHER = Collective("gather", prepare_gather, _onecall.GATHER, ("auto", "tree", "star"),
                     torch="gather")
-SCATTER = Collective("scatter", prepare_scatter, None, ("auto", "tree", "star"), torch="scatter")
+SCATTER = Collective("scatter", prepare_scatter, _onecall.SCATTER, ("auto", "tree", "star"),
+                     torch="scatter")
 
 __all__ = ["GATHER", "REDUCE", "SCATTER", "gather_star", "gather_tree", "prepare_gather",
            "prepare_reduce", "prepare_scatter", "reduce_ring", "reduce_tree", "scatter_star",

@@ -1,0 +1,52 @@
+"""scatter's and all_to_all_single's compiled one-call path (``_metacall.Twin``): the general
+path's protocol in C, so that each rank may take either path and the ranks still meet."""
+
+import os
+from unittest import mock
+
+import pytest
+import twin_fns
+
+from ferro_backend.testing import run_processes
+
+
+def test_the_twin_is_an_extension_module_the_one_call_paths_use():
+    from ferro_collective import _metacall, _onecall
+    from ferro_collective.api import SCATTER
+    from ferro_collective.api_uneven import ALL_TO_ALL_SINGLE
+
+    assert _metacall.__file__.endswith((".so", ".pyd"))
+    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind) == (_onecall.SCATTER,
+                                                      _onecall.ALL_TO_ALL_SINGLE)
+
+
+@pytest.mark.parametrize("world,seed", [(2, 1), (3, 2)])
+def test_every_mix_of_twin_and_general_path_gives_numpys_bits(world, seed):
+    res = run_processes(twin_fns.twin_meets_general, world, seed, 8, transport="shm",
+                        timeout=240)
+    assert res == [[]] * world
+
+
+def test_the_twin_in_small_slots_reads_what_does_not_fit_from_the_peers():
+    with mock.patch.dict(os.environ, {"FERRO_SHM_SLOT_BYTES": "4096"}):
+        res = run_processes(twin_fns.twin_meets_general, 3, 3, 4, transport="shm",
+                            timeout=240)
+    assert res == [[]] * 3
+
+
+def test_wrong_calls_raise_the_general_paths_errors_whichever_ranks_take_the_twin():
+    want = run_processes(twin_fns.twin_errors, 3, [], transport="shm", timeout=120)
+    for r, errors in enumerate(want):  # what the general path says
+        assert len(errors) == 8 and all("not usable" not in e for e in errors), errors
+        assert "SizeMismatchError: scatter: dim 0 of root 0's shape (7,)" in errors[0]
+        assert "0-d" in errors[1]
+        assert ("ValueError: scatter: the root (rank 2) must pass an array" if r == 2 else
+                "CollectiveMismatchError: scatter (seq") in errors[2]
+        assert ("out is int64[3]" if r == 1 else "no error") in errors[3]
+        assert "rank 0 sends 2 rows to rank 1, whose recv_splits[0] is 1" in errors[4]
+        assert "passed recv_splits=None (equal splits)" in errors[5]
+        assert ("add up to 9" if r == 1 else "rank 1 refused the call") in errors[6]
+        assert ("out is float64[5]" if r == 0 else "no error") in errors[7]
+    for twin_ranks in ([0], [1, 2], [0, 1, 2]):
+        got = run_processes(twin_fns.twin_errors, 3, twin_ranks, transport="shm", timeout=120)
+        assert got == want, twin_ranks

@@ -1,0 +1,129 @@
+"""Rank functions for the tests of scatter's and all_to_all_single's compiled one-call path
+(``_metacall.Twin``) against their general path (spawned processes import them)."""
+
+import numpy as np
+
+import ferro_collective as fc
+from ferro_collective.api import SCATTER
+from ferro_collective.api_uneven import ALL_TO_ALL_SINGLE
+from ferro_collective.dispatch import run
+from ferro_collective.engine_group import group_of
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is in the test extra
+    BF16 = None
+
+DTYPES = [np.float32, np.float64, np.float16, np.int8, np.uint16, np.int64, np.bool_]
+
+
+def _cases(seed: int, n: int, count: int):
+    """The same random cases on every rank: (dtype, rows[src][dst], trailing shape, root).
+    Small ones move in the slot, large ones (rows up to 60,000) are read from the peers."""
+    rng = np.random.default_rng(seed)
+    dtypes = DTYPES + ([BF16] if BF16 is not None else [])
+    for i in range(count):
+        dt = np.dtype(dtypes[rng.integers(len(dtypes))])
+        trailing = tuple(int(k) for k in rng.integers(1, 4, size=rng.integers(0, 3)))
+        top = [3, 40, 600, 60_000][i % 4]
+        rows = rng.integers(0, top + 1, size=(n, n))
+        rows[rng.random((n, n)) < 0.2] = 0
+        yield dt, rows.tolist(), trailing, int(rng.integers(n))
+
+
+def _piece(src: int, dst: int, rows: int, trailing, dt):
+    """What rank ``src`` sends rank ``dst`` (every rank can rebuild it)."""
+    vals = np.arange(rows * int(np.prod(trailing)), dtype=np.int64) * 7 + 1000 * src + dst
+    if dt.kind == "b":
+        return (vals % 3 == 0).reshape(rows, *trailing)
+    return vals.astype(dt).reshape(rows, *trailing)
+
+
+def twin_meets_general(b, seed: int, count: int) -> list[str]:
+    """Every mix of paths: in call ``k`` of a case, rank ``r`` takes the twin where bit ``r``
+    of ``k`` is set and the general path otherwise; the results against numpy, bit for bit,
+    with and without ``out=``. Returns the failures, and checks the twin counted its calls
+    (and only those)."""
+    g, n, r, bad = group_of(b), b.world_size, b.rank, []
+    fc.barrier(b)
+    for c, (dt, rows, trailing, root) in enumerate(_cases(seed, n, count)):
+        sends = [_piece(r, d, rows[r][d], trailing, dt) for d in range(n)]
+        x = np.concatenate(sends)
+        want = np.concatenate([_piece(s, r, rows[s][r], trailing, dt) for s in range(n)])
+        splits = ([rows[r][d] for d in range(n)], [rows[s][r] for s in range(n)])
+        k = rows[root][0]
+        full = np.concatenate([_piece(root, d, k, trailing, dt) for d in range(n)])
+        mine = full[r * k:(r + 1) * k]
+        keep = (x.tobytes(), full.tobytes())
+        for mix in range(2 ** n):
+            twin = bool(mix >> r & 1)
+            for use_out in (False, True):
+                label = f"case {c} ({dt}, {trailing}, root {root}) mix {mix} out={use_out}"
+                before = g.twin.taken if g.twin is not None else 0
+                out = np.empty(want.shape, dt) if use_out else None
+                got = (fc.all_to_all_single(x, b, send_splits=splits[0],
+                                            recv_splits=splits[1], out=out) if twin else
+                       run(ALL_TO_ALL_SINGLE, x, b, splits, None, "auto", out))
+                if got.tobytes() != want.tobytes() or got.shape != want.shape or \
+                        got.dtype != dt or (use_out and got is not out):
+                    bad.append(f"all_to_all_single {label}")
+                out = np.empty(mine.shape, dt) if use_out else None
+                src = full if r == root else None
+                got = (fc.scatter(src, b, root, out=out) if twin else
+                       run(SCATTER, src, b, root, None, "auto", out))
+                if got.tobytes() != mine.tobytes() or got.shape != mine.shape or \
+                        got.dtype != dt or (use_out and got is not out):
+                    bad.append(f"scatter {label}")
+                taken = g.twin.taken if g.twin is not None else 0
+                if taken - before != 2 * twin:
+                    bad.append(f"the twin ran {taken - before} calls, not {2 * twin}: {label}")
+        if (x.tobytes(), full.tobytes()) != keep:
+            bad.append(f"input modified in case {c}")
+    fc.barrier(b)
+    return bad
+
+
+def twin_errors(b, twin_ranks: list) -> list[str]:
+    """Wrong calls with the ranks in ``twin_ranks`` on the twin and the others on the general
+    path: every rank raises the error the general path gives (the same text everywhere), and
+    the group stays usable after each."""
+    n, r = b.world_size, b.rank
+    twin = r in twin_ranks
+    got = []
+
+    def scatter(x, root=0, out=None):
+        return fc.scatter(x, b, root, out=out) if twin else \
+            run(SCATTER, x, b, root, None, "auto", out)
+
+    def a2a(x, send=None, recv=None, out=None):
+        return fc.all_to_all_single(x, b, send_splits=send, recv_splits=recv, out=out) \
+            if twin else run(ALL_TO_ALL_SINGLE, x, b, (send, recv), None, "auto", out)
+
+    calls = [
+        ("scatter: dim 0 not divisible", lambda: scatter(np.ones(2 * n + 1) if r == 0 else None)),
+        ("scatter: a 0-d root tensor", lambda: scatter(np.float32(3) if r == 0 else None)),
+        ("scatter: the root passes None", lambda: scatter(None, root=n - 1)),
+        ("scatter: a bad out on rank 1", lambda: scatter(
+            np.arange(4 * n) if r == 0 else None,
+            out=np.empty(3, np.int64) if r == 1 else None)),
+        ("all_to_all_single: splits that disagree", lambda: a2a(
+            np.ones(2 * n), [2] * n, [1] * n if r == 1 else [2] * n)),
+        ("all_to_all_single: recv_splits=None against uneven sends", lambda: a2a(
+            np.ones(n + r), [1] * (n - 1) + [1 + r])),
+        ("all_to_all_single: rank 1's send_splits do not add up", lambda: a2a(
+            np.ones(2 * n), [2] * n if r != 1 else [3] * n)),
+        ("all_to_all_single: a bad out on rank 0", lambda: a2a(
+            np.ones(2 * n), out=np.empty(5) if r == 0 else None)),
+    ]
+    for what, call in calls:
+        try:
+            call()
+            got.append(f"{what}: no error")
+        except (fc.CollectiveMismatchError, ValueError, TypeError) as exc:
+            got.append(f"{what}: {type(exc).__name__}: {exc}")
+        ok = fc.allreduce(np.ones(3), b)
+        if ok.tolist() != [n] * 3:
+            got.append(f"{what}: the group is not usable after it ({ok})")
+    return got
