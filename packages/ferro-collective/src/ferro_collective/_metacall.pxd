@@ -25,6 +25,7 @@ cdef class Twin:
     cdef tuple _split
 
     cdef char* slot(self, int rank, uint32_t step)
+    cdef Py_ssize_t _rot(self, uint32_t step, Py_ssize_t off, Py_ssize_t nbytes) except -1
     cdef bint _usable(self, Py_ssize_t off)
     cdef object _timeout(self, object timeout, str name)
     cdef object _step(self, str name, bytes template, object seq, double secs, double start,

@@ -37,7 +37,7 @@ from . import p2p
 from .arguments import check_out
 from .header import INVALID, encode
 from .metadata_sizes import scatter_block, split_plan
-from .metadata_step import DESC_SIZE, guard, pack_desc, payload_offset
+from .metadata_step import DESC_SIZE, ROTATE_MIN, guard, pack_desc, payload_offset
 
 cnp.import_array()
 
@@ -50,6 +50,7 @@ cdef int _OK = 0
 cdef int64_t _INVALID = INVALID
 cdef Py_ssize_t _SEQ_AT = 24                         # a header's sequence number (header.py)
 cdef object _Backend_timeout = Backend.timeout
+cdef Py_ssize_t _ROTATE_MIN = ROTATE_MIN
 
 
 cdef inline double _now() noexcept nogil:
@@ -124,6 +125,13 @@ cdef class Twin:
 
     cdef char* slot(self, int rank, uint32_t step):
         return self.slots[2 * rank + (step & 1)]
+
+    cdef Py_ssize_t _rot(self, uint32_t step, Py_ssize_t off, Py_ssize_t nbytes) except -1:
+        """:func:`.metadata_step.payload_rot`: where ``nbytes`` of a rank's data start after the
+        metadata (at ``off``) in its slot of ``step``."""
+        if off + nbytes < _ROTATE_MIN:
+            return 0
+        return self.steps.rot(step, off + nbytes)
 
     cdef bint _usable(self, Py_ssize_t off):
         """Whether the engine can run a call whose payload starts at ``off``: the metadata and
@@ -234,6 +242,7 @@ cdef class Twin:
             data = <char*>cnp.PyArray_DATA(x)
             size = cnp.PyArray_NBYTES(x) // n
             if (n - 1) * size <= room:
+                pay += self._rot(step, _SCATTER_OFF, (n - 1) * size)
                 for d in range(n):
                     if d != me and size:
                         memcpy(pay + total, data + d * size, size)
@@ -271,7 +280,8 @@ cdef class Twin:
             if direct:
                 self.g.read(root, (<uint64_t*>src)[me], res)
             else:
-                memcpy(dst, src + (me - (me > root)) * size, size)
+                memcpy(dst, src + self._rot(step, _SCATTER_OFF, (n - 1) * size)
+                       + (me - (me > root)) * size, size)
         if direct:  # nobody reads the root's memory any more
             self.g.sync(call if call is not None else self.make_step("scatter", seq, secs, start))
         if own_last:
@@ -349,6 +359,7 @@ cdef class Twin:
         mine_k = ints[me] * rb
         if total - mine_k <= room:
             at = 0
+            pay += self._rot(step, off, total - mine_k)
             for d in range(n):
                 k = ints[d] * rb
                 if d != me and k:
@@ -393,7 +404,8 @@ cdef class Twin:
             if not k:
                 continue
             if <Py_ssize_t>totals[r] <= room:
-                memcpy(dst + at, self.slot(r, step) + off + <Py_ssize_t>at_peer[r], k)
+                memcpy(dst + at, self.slot(r, step) + off + self._rot(step, off, totals[r])
+                       + <Py_ssize_t>at_peer[r], k)
             else:
                 direct = True
                 if flat is None:

@@ -30,7 +30,15 @@ from . import _onecall
 from .arguments import as_array, check_backend, check_out
 from .engine_group import EngineGroup, Step
 from .metadata_sizes import split_plan
-from .metadata_step import MetaPlan, get_pieces, guard, pack_ints, put_pieces, sent_bytes, unpack_ints
+from .metadata_step import (
+    MetaPlan,
+    get_pieces,
+    guard,
+    pack_ints,
+    put_pieces,
+    sent_bytes,
+    unpack_ints,
+)
 from .p2p import Ctx
 from .plan import Collective, choose
 

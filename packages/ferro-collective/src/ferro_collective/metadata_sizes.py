@@ -30,7 +30,7 @@ _plans: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
 
 
 def split_plan(name: str, metas: list[bytes], n: int, me: int,
-                rb: int) -> tuple[list[int], list[int], list[int]]:
+               rb: int) -> tuple[list[int], list[int], list[int]]:
     """From every rank's ``send_splits + recv_splits`` (metadata): the rows this rank gets from
     each rank, and the engine's byte sizes (:func:`.metadata_step.sent_bytes`); or the
     SizeMismatchError every rank raises alike. Cached: the same splits come back call after

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ferro_backend import Backend, CollectiveMismatchError
+from ferro_backend.engine import AVAILABLE as _ENGINE
 
 from .header import INVALID, encode, mismatch_check_enabled, refusal
 from .p2p import Ctx, bruck_all_gather, header_exchange
@@ -52,6 +53,11 @@ if TYPE_CHECKING:
 #: over point-to-point messages, for data that can go neither way)
 EnginePath = tuple[Callable[[Any, np.ndarray], None],
                    Callable[[Any, Any, int, int, list[bytes], Callable[[], Any]], Any]]
+
+if _ENGINE:
+    from ferro_backend.engine._steps import ROTATE_MIN
+else:  # no engine: no step moves data
+    ROTATE_MIN = 0
 
 _STATUS = struct.Struct("<q")
 #: most dims a descriptor (dtype + shape) carries
@@ -257,6 +263,17 @@ def placement(g: EngineGroup, nbytes: int, room: int) -> int:
     return MESSAGES
 
 
+def payload_rot(g: EngineGroup, step: int, off: int, nbytes: int) -> int:
+    """Where a rank's ``nbytes`` of data start after the metadata (at ``off``) in its slot of
+    ``step``: at 0, or, from ``ROTATE_MIN`` bytes, moving on through the slot from call to call
+    as the door's one-step data does (``_onestep.h``: writing the lines a peer read the call
+    before waits for its copies to be invalidated; lines it read calls ago are out of its
+    cache). The same on every rank: the step and every rank's size are known to all."""
+    if off + nbytes < ROTATE_MIN:
+        return 0
+    return g.steps.rot(step, off + nbytes)
+
+
 def put_pieces(g: EngineGroup, payload: np.ndarray, pieces: list[np.ndarray],
                flat: np.ndarray | None = None, starts: list[int] | None = None) -> None:
     """Before the metadata step: this rank's ``pieces`` (1-d bytes, one per rank; its own is
@@ -267,7 +284,7 @@ def put_pieces(g: EngineGroup, payload: np.ndarray, pieces: list[np.ndarray],
     nbytes = sum(p.size for p in pieces) - pieces[me].size
     where = placement(g, nbytes, payload.size)
     if where == SLOT:
-        pos = 0
+        pos = payload_rot(g, g.step + 1, g.slot_bytes - payload.size, nbytes)
         for d, p in enumerate(pieces):
             if d != me and p.size:
                 payload[pos:pos + p.size] = p
@@ -317,7 +334,7 @@ def get_pieces(g: EngineGroup, call: Step, step: int, off: int, totals: list[int
             continue
         slot = g.engine.slot_data(r, step)
         if where[r] == SLOT:
-            start = off + starts[r]
+            start = off + payload_rot(g, step, off, totals[r]) + starts[r]
             dst[...] = slot[start:start + dst.size]
         else:
             at = off + me * _ADDR.itemsize
@@ -329,6 +346,7 @@ def get_pieces(g: EngineGroup, call: Step, step: int, off: int, totals: list[int
     return True
 
 
-__all__ = ["DESC_SIZE", "DIRECT", "MESSAGES", "SLOT", "EnginePath", "MetaPlan", "get_pieces",
-           "guard", "pack_desc", "pack_ints", "payload_offset", "placement", "put_pieces",
-           "sent_bytes", "unpack_desc", "unpack_ints"]
+__all__ = ["DESC_SIZE", "DIRECT", "MESSAGES", "ROTATE_MIN", "SLOT", "EnginePath", "MetaPlan",
+           "get_pieces", "guard", "pack_desc", "pack_ints", "payload_offset",
+           "payload_rot", "placement", "put_pieces", "sent_bytes", "unpack_desc",
+           "unpack_ints"]

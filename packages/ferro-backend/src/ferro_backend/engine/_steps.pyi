@@ -5,6 +5,7 @@ TIMEOUT: int
 FAILED: int
 MISMATCH: int
 HEADER_SEQ_OFFSET: int
+ROTATE_MIN: int
 
 def header_hash(header: bytes) -> int: ...
 

@@ -44,11 +44,14 @@ cdef extern from "_door.h" nogil:
     int ferro_slots_wait_word(ferro_slots* s, uint32_t* word, uint32_t target,
                               uint32_t* sleepers, double deadline)
     size_t FERRO_HEADER_BYTES
+    size_t FERRO_ROTATE_MIN
 
 #: step results (ferro/engine.h's statuses)
 OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH
 #: where a collective header holds its sequence number
 HEADER_SEQ_OFFSET = FERRO_SEQ_OFF
+#: a step's data of at least this many bytes per rank moves through the slot (:meth:`Steps.rot`)
+ROTATE_MIN = FERRO_ROTATE_MIN
 
 
 def header_hash(const unsigned char[::1] header) -> int:
