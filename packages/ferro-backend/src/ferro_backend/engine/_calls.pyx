@@ -21,17 +21,8 @@ from ferro.engine cimport *
 
 import sys
 
-cdef extern from *:
-    """
-    /* the GIL's wait hook (ferro/engine.h's opts.wait_hook) for a door call made with it held:
-     * let it go when the call waits or moves much, take it back before the call returns */
-    static __thread PyThreadState* ferro_gil_saved;
-    static void ferro_gil_hook(void* ctx, int waiting) {
-        (void)ctx;
-        if (waiting) ferro_gil_saved = PyEval_SaveThread();
-        else PyEval_RestoreThread(ferro_gil_saved);
-    }
-    """
+cdef extern from "_gil.h":
+    # the GIL's wait hook for a door call made with it held (let go while the call waits)
     void ferro_gil_hook(void* ctx, int waiting) noexcept nogil
 
 cdef enum:

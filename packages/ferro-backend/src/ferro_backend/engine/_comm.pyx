@@ -46,6 +46,7 @@ cdef extern from "_door.h" nogil:
         ferro_slots s
         double reprobe_s
         double probe_put_ns
+        int64_t serving
     ferro_comm* ferro_comm_create(int fd, size_t size, int nranks, int rank, size_t slot_bytes,
                                   size_t ring_bytes, int spin, int yields, double timeout,
                                   char* why, size_t why_len)
@@ -248,6 +249,8 @@ cdef class Comm:
         cdef bytes bname = name.encode()
         cdef const char* cname = bname
         cdef int rc
+        if self.impl.serving == ticket:  # its turn already (only its caller moves it on): no
+            return ferro_comm_begin(self.c, ticket, timeout, cname)  # wait, the GIL kept
         with nogil:
             rc = ferro_comm_begin(self.c, ticket, timeout, cname)
         return rc

@@ -30,6 +30,9 @@ cdef extern from "_door.h" nogil:
         double waited
         size_t split_min
         ferro_put put
+        void (*hook)(void* ctx, int waiting) noexcept nogil
+        void* hook_ctx
+        int hooked
     double ferro_copy_ns_per_kib(double (*now)() noexcept nogil)
     uint64_t ferro_header_hash(const unsigned char* h, size_t len)
     ferro_slot_head* ferro_slots_slot(ferro_slots* s, int rank, uint32_t step)
@@ -46,12 +49,31 @@ cdef extern from "_door.h" nogil:
     size_t FERRO_HEADER_BYTES
     size_t FERRO_ROTATE_MIN
 
+cdef extern from "_gil.h":
+    void ferro_gil_hook(void* ctx, int waiting) noexcept nogil
+
 #: step results (ferro/engine.h's statuses)
 OK, TIMEOUT, FAILED, MISMATCH = FERRO_OK, FERRO_TIMEOUT, FERRO_FAILED, FERRO_MISMATCH
 #: where a collective header holds its sequence number
 HEADER_SEQ_OFFSET = FERRO_SEQ_OFF
 #: a step's data of at least this many bytes per rank moves through the slot (:meth:`Steps.rot`)
 ROTATE_MIN = FERRO_ROTATE_MIN
+
+
+cdef enum:
+    HOLD_BYTES = 65536  # a step that copies more lets the GIL go first (the door's rule)
+
+
+cdef inline void _hold(ferro_slots* s) noexcept:
+    """A step made with the GIL held: its waits let it go beyond a short spin (_gil.h)."""
+    s.hook, s.hook_ctx, s.hooked = ferro_gil_hook, NULL, 0
+
+
+cdef inline void _release(ferro_slots* s) noexcept:
+    """The step is over: the GIL back if a wait let it go."""
+    if s.hooked:
+        ferro_gil_hook(NULL, 0)
+    s.hook, s.hooked = NULL, 0
 
 
 def header_hash(const unsigned char[::1] header) -> int:
@@ -121,10 +143,17 @@ cdef class Steps:
             if have and <size_t>b.len > self.s.L.slot_bytes:
                 raise ValueError(f"exchange: {b.len} bytes exceed the slot "
                                  f"({self.s.L.slot_bytes})")
-            with nogil:
+            if have and <size_t>b.len > HOLD_BYTES:
+                with nogil:
+                    rc = ferro_slots_exchange(self.s, h, hlen, 0, 0, 0,
+                                              <const unsigned char*>b.buf, <size_t>b.len, span,
+                                              deadline)
+            else:  # a peer that has arrived costs no GIL round trip
+                _hold(self.s)
                 rc = ferro_slots_exchange(self.s, h, hlen, 0, 0, 0,
                                           <const unsigned char*>b.buf if have else NULL,
                                           <size_t>b.len if have else 0, span, deadline)
+                _release(self.s)
             self.s.sent += prefilled
         finally:
             if have:
@@ -153,15 +182,17 @@ cdef class Steps:
     def sync(self, double deadline):
         """A step without slot writes (all finished the last one): OK, TIMEOUT or FAILED."""
         cdef int rc
-        with nogil:
-            rc = ferro_slots_sync(self.s, deadline)
+        _hold(self.s)
+        rc = ferro_slots_sync(self.s, deadline)
+        _release(self.s)
         return rc
 
     def wait(self, double deadline):
         """Wait (again) for every rank to reach this rank's step; OK, TIMEOUT or FAILED."""
         cdef int rc
-        with nogil:
-            rc = ferro_slots_wait_all(self.s, self.s.step, deadline)
+        _hold(self.s)
+        rc = ferro_slots_wait_all(self.s, self.s.step, deadline)
+        _release(self.s)
         return rc
 
     def withdraw(self):
