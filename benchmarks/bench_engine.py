@@ -6,7 +6,8 @@ its reduction kernel ``kernels._fold``) against its baselines.
   cache, ``out=`` checks, then the engine's door: its order, header and step) on a one-rank
   engine, so nothing but the call's own cost is timed, against ``np.copyto`` of the same 4 KiB
   (the least a one-rank allreduce into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``;
-  scatter's and all_to_all_single's (``_metacall``, the twin of their metadata step) likewise.
+  scatter's, all_to_all_single's and all_to_all's (``_metacall``, ``_exchange_twin``: the twin of
+  their metadata step) likewise.
 - collectives on 2 real processes: ``ShmBackend`` with the engine (``_comm``, ``_segment``,
   ``_watch``) against ``np.copyto`` of the same bytes in this process (the baseline: a yardstick
   outside the project, so the gated ratio moves only with the engine and the machine), and the
@@ -196,15 +197,16 @@ def bench_timeline_cost_4KiB(benchmark, impl, tmp_path):
             benchmark.pedantic(run, rounds=50, iterations=100, warmup_rounds=2)
 
 
-@pytest.mark.parametrize("call", ["scatter", "all_to_all_single"])
+@pytest.mark.parametrize("call", ["scatter", "all_to_all_single", "all_to_all"])
 @pytest.mark.parametrize("impl", ["np.copyto", "_metacall.Twin", "general"])
 def bench_metacall_4KiB(benchmark, impl, call):
-    """scatter's and all_to_all_single's one-call path (``_metacall.Twin``, the compiled twin
-    of their metadata step) on a one-rank engine, against their general path (a ``MetaPlan``:
-    the same step from Python) and against ``np.copyto`` of the same 4 KiB."""
+    """The one-call path of scatter, all_to_all_single and all_to_all (``_metacall.Twin``, the
+    compiled twin of their metadata step; the all-to-alls in ``_exchange_twin``) on a one-rank
+    engine, against their general path (a ``MetaPlan``: the same step from Python) and against
+    ``np.copyto`` of the same 4 KiB."""
     import ferro_collective as fc
     from ferro_collective.api import SCATTER
-    from ferro_collective.api_uneven import ALL_TO_ALL_SINGLE
+    from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
     from ferro_collective.dispatch import run as dispatch
 
     x = np.ones(1024, np.float32)
@@ -219,17 +221,20 @@ def bench_metacall_4KiB(benchmark, impl, call):
     else:
         b = one_rank_engine()
         fc.barrier(b)  # (makes the group and its twin)
-        coll, arg = (SCATTER, 0) if call == "scatter" else (ALL_TO_ALL_SINGLE, (None, None))
+        coll, arg, data, into = {"scatter": (SCATTER, 0, x, out),
+                                 "all_to_all_single": (ALL_TO_ALL_SINGLE, (None, None), x, out),
+                                 "all_to_all": (ALL_TO_ALL, None, [x], None)}[call]
         algorithm = None if impl == "_metacall.Twin" else "auto"
         twin = b.engine.client.twin
         before = twin.taken
 
         def run():
-            dispatch(coll, x, b, arg, None, algorithm, out)
+            return dispatch(coll, data, b, arg, None, algorithm, into)
     benchmark.pedantic(run, rounds=100, iterations=100, warmup_rounds=5)
     if impl != "np.copyto":
         assert (twin.taken > before) == (algorithm is None)
-        assert out.tolist() == x.tolist()
+        got = run()
+        assert (got[0] if call == "all_to_all" else out).tolist() == x.tolist()
 
 
 @pytest.mark.parametrize("impl", ["itertools.count", "_doorplan.SeqCounter"])

@@ -1,5 +1,6 @@
-"""scatter's and all_to_all_single's compiled one-call path (``_metacall.Twin``): the general
-path's protocol in C, so that each rank may take either path and the ranks still meet."""
+"""The compiled one-call path of scatter, all_to_all_single and all_to_all (``_metacall.Twin``,
+``_exchange_twin``): the general path's protocol in C, so that each rank may take either path
+and the ranks still meet."""
 
 import os
 from unittest import mock
@@ -11,13 +12,14 @@ from ferro_backend.testing import run_processes
 
 
 def test_the_twin_is_an_extension_module_the_one_call_paths_use():
-    from ferro_collective import _metacall, _onecall
+    from ferro_collective import _exchange_twin, _metacall, _onecall
     from ferro_collective.api import SCATTER
-    from ferro_collective.api_uneven import ALL_TO_ALL_SINGLE
+    from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
 
-    assert _metacall.__file__.endswith((".so", ".pyd"))
-    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind) == (_onecall.SCATTER,
-                                                      _onecall.ALL_TO_ALL_SINGLE)
+    for module in (_metacall, _exchange_twin):
+        assert module.__file__.endswith((".so", ".pyd")), module.__file__
+    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind, ALL_TO_ALL.kind) == (
+        _onecall.SCATTER, _onecall.ALL_TO_ALL_SINGLE, _onecall.ALL_TO_ALL)
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (3, 2)])
@@ -37,7 +39,7 @@ def test_the_twin_in_small_slots_reads_what_does_not_fit_from_the_peers():
 def test_wrong_calls_raise_the_general_paths_errors_whichever_ranks_take_the_twin():
     want = run_processes(twin_fns.twin_errors, 3, [], transport="shm", timeout=120)
     for r, errors in enumerate(want):  # what the general path says
-        assert len(errors) == 8 and all("not usable" not in e for e in errors), errors
+        assert len(errors) == 10 and all("not usable" not in e for e in errors), errors
         assert "SizeMismatchError: scatter: dim 0 of root 0's shape (7,)" in errors[0]
         assert "0-d" in errors[1]
         assert ("ValueError: scatter: the root (rank 2) must pass an array" if r == 2 else
@@ -47,6 +49,10 @@ def test_wrong_calls_raise_the_general_paths_errors_whichever_ranks_take_the_twi
         assert "passed recv_splits=None (equal splits)" in errors[5]
         assert ("add up to 9" if r == 1 else "rank 1 refused the call") in errors[6]
         assert ("out is float64[5]" if r == 0 else "no error") in errors[7]
+        for at, bad, why in ((8, 1, "got 2 tensors, expected world_size 3"),
+                             (9, 2, "tensors[1] is float32[2]")):
+            assert why in errors[at] and (r == bad or f"rank {bad} refused the call" in errors[at]
+                                          or f"ranks [{bad}] passed invalid" in errors[at]), errors[at]
     for twin_ranks in ([0], [1, 2], [0, 1, 2]):
         got = run_processes(twin_fns.twin_errors, 3, twin_ranks, transport="shm", timeout=120)
         assert got == want, twin_ranks

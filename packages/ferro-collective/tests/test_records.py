@@ -38,7 +38,8 @@ def test_algorithms_and_one_call_paths():
                         "all_gather": _onecall.ALL_GATHER, "barrier": _onecall.BARRIER,
                         "reduce_scatter": _onecall.REDUCE_SCATTER, "gather": _onecall.GATHER,
                         "scatter": _onecall.SCATTER,
-                        "all_to_all_single": _onecall.ALL_TO_ALL_SINGLE}
+                        "all_to_all_single": _onecall.ALL_TO_ALL_SINGLE,
+                        "all_to_all": _onecall.ALL_TO_ALL}
 
 
 @pytest.mark.parametrize("name", ["reduce_scatter", "allreduce"])

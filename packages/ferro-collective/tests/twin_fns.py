@@ -5,7 +5,7 @@ import numpy as np
 
 import ferro_collective as fc
 from ferro_collective.api import SCATTER
-from ferro_collective.api_uneven import ALL_TO_ALL_SINGLE
+from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
 from ferro_collective.dispatch import run
 from ferro_collective.engine_group import group_of
 
@@ -43,15 +43,16 @@ def _piece(src: int, dst: int, rows: int, trailing, dt):
 
 def twin_meets_general(b, seed: int, count: int) -> list[str]:
     """Every mix of paths: in call ``k`` of a case, rank ``r`` takes the twin where bit ``r``
-    of ``k`` is set and the general path otherwise; the results against numpy, bit for bit,
-    with and without ``out=``. Returns the failures, and checks the twin counted its calls
-    (and only those)."""
+    of ``k`` is set and the general path otherwise; all_to_all_single, scatter and all_to_all
+    against numpy, bit for bit, with and without ``out=``. Returns the failures, and checks the
+    twin counted its calls (and only those)."""
     g, n, r, bad = group_of(b), b.world_size, b.rank, []
     fc.barrier(b)
     for c, (dt, rows, trailing, root) in enumerate(_cases(seed, n, count)):
         sends = [_piece(r, d, rows[r][d], trailing, dt) for d in range(n)]
         x = np.concatenate(sends)
-        want = np.concatenate([_piece(s, r, rows[s][r], trailing, dt) for s in range(n)])
+        wants = [_piece(s, r, rows[s][r], trailing, dt) for s in range(n)]
+        want = np.concatenate(wants)
         splits = ([rows[r][d] for d in range(n)], [rows[s][r] for s in range(n)])
         k = rows[root][0]
         full = np.concatenate([_piece(root, d, k, trailing, dt) for d in range(n)])
@@ -76,9 +77,15 @@ def twin_meets_general(b, seed: int, count: int) -> list[str]:
                 if got.tobytes() != mine.tobytes() or got.shape != mine.shape or \
                         got.dtype != dt or (use_out and got is not out):
                     bad.append(f"scatter {label}")
+                got = (fc.all_to_all(sends, b) if twin else
+                       run(ALL_TO_ALL, sends, b, None, None, "auto"))
+                if [a.tobytes() for a in got] != [w.tobytes() for w in wants] or \
+                        [a.shape for a in got] != [w.shape for w in wants] or \
+                        {a.dtype for a in got} != {dt}:
+                    bad.append(f"all_to_all {label}")
                 taken = g.twin.taken if g.twin is not None else 0
-                if taken - before != 2 * twin:
-                    bad.append(f"the twin ran {taken - before} calls, not {2 * twin}: {label}")
+                if taken - before != 3 * twin:
+                    bad.append(f"the twin ran {taken - before} calls, not {3 * twin}: {label}")
         if (x.tobytes(), full.tobytes()) != keep:
             bad.append(f"input modified in case {c}")
     fc.barrier(b)
@@ -101,6 +108,9 @@ def twin_errors(b, twin_ranks: list) -> list[str]:
         return fc.all_to_all_single(x, b, send_splits=send, recv_splits=recv, out=out) \
             if twin else run(ALL_TO_ALL_SINGLE, x, b, (send, recv), None, "auto", out)
 
+    def a2a_list(xs):
+        return fc.all_to_all(xs, b) if twin else run(ALL_TO_ALL, xs, b, None, None, "auto")
+
     calls = [
         ("scatter: dim 0 not divisible", lambda: scatter(np.ones(2 * n + 1) if r == 0 else None)),
         ("scatter: a 0-d root tensor", lambda: scatter(np.float32(3) if r == 0 else None)),
@@ -116,6 +126,10 @@ def twin_errors(b, twin_ranks: list) -> list[str]:
             np.ones(2 * n), [2] * n if r != 1 else [3] * n)),
         ("all_to_all_single: a bad out on rank 0", lambda: a2a(
             np.ones(2 * n), out=np.empty(5) if r == 0 else None)),
+        ("all_to_all: rank 1 passes too few tensors", lambda: a2a_list(
+            [np.ones(2)] * (n - 1 if r == 1 else n))),
+        ("all_to_all: rank 2 mixes dtypes", lambda: a2a_list(
+            [np.ones(2, np.float32 if r == 2 and d == 1 else np.float64) for d in range(n)])),
     ]
     for what, call in calls:
         try:

@@ -1,6 +1,12 @@
-# The twin's declarations, for _onecall.pyx (which calls it in C) and _metacall.pyx (which
-# defines it).
+# The twin's declarations, for _onecall.pyx (which calls it in C), _exchange_twin.pyx (the
+# all-to-alls, on the twin's steps) and _metacall.pyx (which defines it).
 from libc.stdint cimport int64_t, uint32_t
+
+cdef class Twin
+
+# a call's part in its ticket's turn (Twin._turn runs it): its own arguments x, arg, out, ints
+ctypedef object (*TurnBody)(Twin t, object seq, double secs, double start, object x,
+                            object arg, object out, int64_t* ints)
 
 
 cdef class Twin:
@@ -17,26 +23,25 @@ cdef class Twin:
     cdef object _root_dtype, _root_shape
     cdef bytes _root_desc, _desc_seen
     cdef tuple _block
-    # all_to_all_single: the last header's template and its dtype and trailing shape; every
-    # rank's last metadata, its row bytes, and the plan from them
-    cdef object _a2a_dtype, _a2a_trailing
-    cdef bytes _a2a_template, _metas_seen
-    cdef Py_ssize_t _rb_seen
-    cdef tuple _split
+    # the all-to-alls (_exchange_twin): the last header's key and template; every rank's last
+    # metadata, its row bytes, and the plan from them (all_to_all_single)
+    cdef object a2a_key
+    cdef bytes a2a_template, metas_seen
+    cdef Py_ssize_t rb_seen
+    cdef tuple split
 
     cdef char* slot(self, int rank, uint32_t step)
-    cdef Py_ssize_t _rot(self, uint32_t step, Py_ssize_t off, Py_ssize_t nbytes) except -1
-    cdef bint _usable(self, Py_ssize_t off)
-    cdef object _timeout(self, object timeout, str name)
-    cdef object _step(self, str name, bytes template, object seq, double secs, double start,
-                      uint32_t step, Py_ssize_t filled)
-    cdef object _turn(self, int kind, str name, double secs, object x, object arg,
-                      object out, int64_t* splits)
-    cdef object scatter(self, object tensor, int root, object timeout, object out)
-    cdef object _scatter(self, object seq, double secs, double start, object xo, int root,
-                         bytes desc, object out)
-    cdef object all_to_all_single(self, object tensor, object splits, object timeout,
-                                  object out)
-    cdef object _a2a(self, object seq, double secs, double start, object xo, object unused,
+    cdef Py_ssize_t rot(self, uint32_t step, Py_ssize_t off, Py_ssize_t nbytes) except -1
+    cdef bint usable(self, Py_ssize_t off)
+    cdef object timeout_of(self, object timeout, str name)
+    cdef object step_meta(self, str name, bytes template, object seq, double secs,
+                          double start, uint32_t step, Py_ssize_t filled)
+    cdef object turn(self, str name, double secs, TurnBody body, object x, object arg,
                      object out, int64_t* ints)
-    cdef tuple _split_of(self, uint32_t step, Py_ssize_t block, Py_ssize_t rb)
+    cdef object scatter(self, object tensor, int root, object timeout, object out)
+
+
+cdef double now() noexcept nogil
+cdef bint overlap(char* a, Py_ssize_t na, char* b, Py_ssize_t nb) noexcept
+cdef bint plain_array(object x)
+cdef object fast_out(object out, tuple shape, object dtype)

@@ -9,6 +9,7 @@ BROADCAST: int
 ALL_GATHER: int
 SCATTER: int
 ALL_TO_ALL_SINGLE: int
+ALL_TO_ALL: int
 BARRIER: int
 GATHER: int
 

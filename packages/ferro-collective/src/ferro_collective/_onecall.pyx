@@ -37,6 +37,7 @@ from ferro_backend.tracebacks import user_facing as _user_facing
 from ferro_backend.kernels import _fold
 
 from ._doorplan cimport MAX_DIMS, DoorPlan
+from ._exchange_twin cimport all_to_all_now, all_to_all_single_now
 from ._metacall cimport Twin
 
 cnp.import_array()
@@ -49,9 +50,9 @@ cdef extern from "numpy/arrayobject.h":
 NOT_TAKEN = object()
 cdef object _NOT_TAKEN = NOT_TAKEN
 #: the collectives with a one-call path (a ``dispatch.Collective``'s ``kind``): the door's, and
-#: the two with a metadata step (their twin, :mod:`._metacall`)
+#: three with a metadata step (their twin, :mod:`._metacall`, :mod:`._exchange_twin`)
 ALLREDUCE, REDUCE_SCATTER, BROADCAST, ALL_GATHER, BARRIER, GATHER = range(6)
-SCATTER, ALL_TO_ALL_SINGLE = 6, 7
+SCATTER, ALL_TO_ALL_SINGLE, ALL_TO_ALL = 6, 7, 8
 cdef enum:
     K_ALLREDUCE = 0
     K_REDUCE_SCATTER = 1
@@ -61,6 +62,7 @@ cdef enum:
     K_GATHER = 5
     K_SCATTER = 6
     K_ALL_TO_ALL_SINGLE = 7
+    K_ALL_TO_ALL = 8
     CACHE = 512             # direct-mapped plan cache entries (a power of two)
 ctypedef int (*_RunAt)(object, const void*, size_t, void*, size_t, double) noexcept
 cdef _RunAt _run_at = NULL
@@ -334,8 +336,10 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
             if type(arg) is not int or not 0 <= arg < c.n:
                 return _NOT_TAKEN
             got = (<Twin>c.twin).scatter(tensor, arg, timeout, out)
+        elif kind == K_ALL_TO_ALL_SINGLE:
+            got = all_to_all_single_now(<Twin>c.twin, tensor, arg, timeout, out)
         else:
-            got = (<Twin>c.twin).all_to_all_single(tensor, arg, timeout, out)
+            got = all_to_all_now(<Twin>c.twin, tensor, timeout)
         return _NOT_TAKEN if got is None else got
     c._barrier_now(timeout)
     return None

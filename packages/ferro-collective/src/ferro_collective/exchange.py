@@ -293,8 +293,8 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
 
 
 ALL_GATHER_V = Collective("all_gather_v", prepare_all_gather_v, None, ("auto", "ring"))
-ALL_TO_ALL = Collective("all_to_all", prepare_all_to_all, None, ("auto", "pairwise"),
-                        torch="all_to_all", jax="all_to_all")
+ALL_TO_ALL = Collective("all_to_all", prepare_all_to_all, _onecall.ALL_TO_ALL,
+                        ("auto", "pairwise"), torch="all_to_all", jax="all_to_all")
 #: its algorithms are all_to_all's (it takes no ``algorithm=`` of its own)
 ALL_TO_ALL_SINGLE = Collective("all_to_all_single", prepare_all_to_all_single,
                                _onecall.ALL_TO_ALL_SINGLE, torch="all_to_all_single")

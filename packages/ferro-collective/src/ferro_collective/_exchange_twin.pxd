@@ -1,0 +1,7 @@
+# The twin's all-to-alls, for _onecall.pyx (which calls them in C).
+from ._metacall cimport Twin
+
+
+cdef object all_to_all_single_now(Twin self, object tensor, object splits, object timeout,
+                                  object out)
+cdef object all_to_all_now(Twin self, object tensors, object timeout)

@@ -1,0 +1,1 @@
+"""The twin's all-to-alls: C functions only (``_onecall`` calls them)."""
