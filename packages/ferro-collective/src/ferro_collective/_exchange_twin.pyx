@@ -16,7 +16,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from .arguments import check_out
+from .arguments import check_out, deliver
 from .header import encode
 from .metadata_sizes import split_plan
 from .metadata_step import guard, payload_offset
@@ -179,11 +179,8 @@ cdef object _a2a_single(Twin self, object seq, double secs, double start, object
     if direct:  # nobody reads our memory any more
         self.g.sync(call if call is not None else
                     self.make_step("all_to_all_single", seq, secs, start))
-    if late is not None:
-        raise late
-    if out is not None and res is not out:
-        out[...] = res
-        return out
+    if late is not None or (out is not None and res is not out):
+        return deliver(res, out, late)
     return res
 
 cdef tuple _split_of(Twin self, uint32_t step, Py_ssize_t block, Py_ssize_t rb):

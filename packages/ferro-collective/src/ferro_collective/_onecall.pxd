@@ -15,7 +15,7 @@ cdef class Core:
     cdef bint _plain_timeout
     cdef object _default      # the backend's timeout the door's default was last set to
     cdef double _stall
-    cdef public object twin    # scatter's and all_to_all_single's one-call path (_metacall.Twin)
+    cdef public object twin    # scatter's and the all-to-alls' one-call path (_metacall.Twin)
 
     cdef object _timeout(self, str name, object timeout)
     cdef int _call(self, DoorPlan p, cnp.ndarray send, cnp.ndarray recv,

@@ -72,5 +72,18 @@ def finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.nd
     return out
 
 
-__all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_root", "fast_array",
-           "finish"]
+def deliver(res: np.ndarray, out: np.ndarray | None, late: BaseException | None) -> np.ndarray:
+    """The end of a call whose ``out=`` was checked once the sizes were known (the uneven
+    collectives): this rank's ``late`` error, raised after the data moved; else ``res``, copied
+    into ``out`` where it is not ``out`` itself (it was apart from an ``out`` that overlapped the
+    input)."""
+    if late is not None:
+        raise late
+    if out is not None and res is not out:
+        out[...] = res
+        return out
+    return res
+
+
+__all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_root", "deliver",
+           "fast_array", "finish"]

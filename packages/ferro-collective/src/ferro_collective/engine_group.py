@@ -13,8 +13,8 @@ engine (as ``engine.client``):
   contiguous copy where the call's arrays are not;
 - the collectives only ferro's Python has (uneven sizes, objects, the scatter whose non-roots
   pass nothing) run as Python steps (:meth:`exchange`, :meth:`sync`...) inside their ticket's
-  turn (:meth:`run`); scatter and all_to_all_single run the same steps from C in their common
-  case (:attr:`twin`, :mod:`._metacall`);
+  turn (:meth:`run`); scatter and the all-to-alls run the same steps from C in their common
+  case (:attr:`twin`, :mod:`._metacall`, :mod:`._exchange_twin`);
 - a refusal becomes ferro's error (a mismatch naming what every rank called, a timeout naming
   the ranks not arrived, a dead peer's failure); after a timeout or a dead peer the group refuses
   further calls: the steps of the ranks no longer agree. A stall is logged once half a call's
@@ -102,7 +102,7 @@ class EngineGroup(Core):
         self.cma_ok = engine.cma_ok
         self._scratch: dict[tuple[str, np.dtype], np.ndarray] = {}
         self._bind(backend, self.comm)
-        #: scatter's and all_to_all_single's one-call path (the twin of their engine path)
+        #: the one-call path of scatter and the all-to-alls (the twin of their engine path)
         self.twin = Twin(self, Step)
         self.comm.set_stall_report(_log_stall)
         engine.client = self

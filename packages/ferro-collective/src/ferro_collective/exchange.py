@@ -13,8 +13,9 @@ Algorithms:
 - all_to_all: pairwise exchange: every receive is posted first (straight into the result), then
   at step ``s = 1..n-1`` rank ``r`` sends to ``r + s`` and waits for ``r - s`` (mod n), so each
   step is a permutation and no rank is sent to by many at once. On a ``ShmBackend`` the
-  all-to-alls run on the same-host engine instead (:func:`.metadata_step.get_pieces`): small data
-  rides in the metadata step, large pieces are read straight from their senders' memory.
+  all-to-alls run on the same-host engine instead (:func:`.metadata_step.get_pieces`; from C in
+  their common case, :mod:`._exchange_twin`): small data rides in the metadata step, large
+  pieces are read straight from their senders' memory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from ferro_backend import Backend, SizeMismatchError
 
 from . import _onecall
-from .arguments import as_array, check_backend, check_out
+from .arguments import as_array, check_backend, check_out, deliver
 from .engine_group import EngineGroup, Step
 from .metadata_sizes import split_plan
 from .metadata_step import (
@@ -263,18 +264,10 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
             r0 += k * rb
         return res, rviews, late, (totals, at)
 
-    def finish(res: np.ndarray, late: BaseException | None) -> np.ndarray:
-        if late is not None:
-            raise late
-        if out is not None and res is not out:
-            out[...] = res
-            return out
-        return res
-
     def body(ctx: Ctx, metas: list[bytes]) -> np.ndarray:
         res, rviews, late, _ = plan(ctx.rank, metas)
         all_to_all_pairwise(ctx, sviews, rviews)
-        return finish(res, late)
+        return deliver(res, out, late)
 
     def put(group: EngineGroup, payload: np.ndarray) -> None:
         put_pieces(group, payload, sviews, flat_in, starts)
@@ -285,7 +278,7 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
         res, rviews, late, (totals, at) = plan(me, metas)
         if not get_pieces(group, call, step, off, totals, at, rviews, sviews[me]):
             return messages()
-        return finish(res, late)
+        return deliver(res, out, late)
 
     header = (x.dtype, (-1, *trailing), None, -1)
     return MetaPlan(name, backend, timeout, header, pack_ints(send + recv), body,
