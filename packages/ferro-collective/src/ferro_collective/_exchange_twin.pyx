@@ -95,6 +95,7 @@ cdef object all_to_all_single_now(Twin self, object tensor, object splits, objec
     finally:
         free(ints)
 
+
 cdef object _a2a_single(Twin self, object seq, double secs, double start, object xo,
                         object unused, object out, int64_t* ints):
     """all_to_all_single in its turn (``ints``: this rank's send, then recv splits)."""
@@ -182,6 +183,7 @@ cdef object _a2a_single(Twin self, object seq, double secs, double start, object
     if late is not None or (out is not None and res is not out):
         return deliver(res, out, late)
     return res
+
 
 cdef tuple _split_of(Twin self, uint32_t step, Py_ssize_t block, Py_ssize_t rb):
     """The rows every rank sends this rank, and the engine's byte sizes, from every rank's

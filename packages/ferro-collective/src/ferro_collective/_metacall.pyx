@@ -183,6 +183,7 @@ cdef class Twin:
     cdef object scatter(self, object tensor, int root, object timeout, object out):
         """:func:`ferro_collective.scatter`, or None where the general path must run it."""
         cdef cnp.ndarray x = None
+        desc = None
         if not self.usable(_SCATTER_OFF) or (out is not None and not cnp.PyArray_Check(out)):
             return None
         if self.me == root:
@@ -198,10 +199,11 @@ cdef class Twin:
                     return None
                 self._root_dtype, self._root_shape, self._root_desc = \
                     (<object>x).dtype, (<object>x).shape, desc
+            desc = self._root_desc  # (before a Python call: another thread may replace it)
         secs = self.timeout_of(timeout, "scatter")
         if secs is None:
             return None
-        return self.turn("scatter", secs, _scatter, x, (root, self._root_desc), out, NULL)
+        return self.turn("scatter", secs, _scatter, x, (root, desc), out, NULL)
 
 
 cdef object _scatter(Twin self, object seq, double secs, double start, object xo, object arg,
