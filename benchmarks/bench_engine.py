@@ -197,16 +197,16 @@ def bench_timeline_cost_4KiB(benchmark, impl, tmp_path):
             benchmark.pedantic(run, rounds=50, iterations=100, warmup_rounds=2)
 
 
-@pytest.mark.parametrize("call", ["scatter", "all_to_all_single", "all_to_all"])
+@pytest.mark.parametrize("call", ["scatter", "all_to_all_single", "all_to_all", "all_gather_v"])
 @pytest.mark.parametrize("impl", ["np.copyto", "_metacall.Twin", "general"])
 def bench_metacall_4KiB(benchmark, impl, call):
-    """The one-call path of scatter, all_to_all_single and all_to_all (``_metacall.Twin``, the
-    compiled twin of their metadata step; the all-to-alls in ``_exchange_twin``) on a one-rank
-    engine, against their general path (a ``MetaPlan``: the same step from Python) and against
-    ``np.copyto`` of the same 4 KiB."""
+    """The one-call path of scatter, all_to_all_single, all_to_all and all_gather_v
+    (``_metacall.Twin``, the compiled twin of their metadata step; the uneven ones in
+    ``_exchange_twin``) on a one-rank engine, against their general path (a ``MetaPlan``: the
+    same step from Python) and against ``np.copyto`` of the same 4 KiB."""
     import ferro_collective as fc
     from ferro_collective.api import SCATTER
-    from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
+    from ferro_collective.api_uneven import ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE
     from ferro_collective.dispatch import run as dispatch
 
     x = np.ones(1024, np.float32)
@@ -223,7 +223,8 @@ def bench_metacall_4KiB(benchmark, impl, call):
         fc.barrier(b)  # (makes the group and its twin)
         coll, arg, data, into = {"scatter": (SCATTER, 0, x, out),
                                  "all_to_all_single": (ALL_TO_ALL_SINGLE, (None, None), x, out),
-                                 "all_to_all": (ALL_TO_ALL, None, [x], None)}[call]
+                                 "all_to_all": (ALL_TO_ALL, None, [x], None),
+                                 "all_gather_v": (ALL_GATHER_V, None, x, None)}[call]
         algorithm = None if impl == "_metacall.Twin" else "auto"
         twin = b.engine.client.twin
         before = twin.taken
@@ -234,7 +235,7 @@ def bench_metacall_4KiB(benchmark, impl, call):
     if impl != "np.copyto":
         assert (twin.taken > before) == (algorithm is None)
         got = run()
-        assert (got[0] if call == "all_to_all" else out).tolist() == x.tolist()
+        assert (got[0] if call in ("all_to_all", "all_gather_v") else out).tolist() == x.tolist()
 
 
 @pytest.mark.parametrize("impl", ["itertools.count", "_doorplan.SeqCounter"])

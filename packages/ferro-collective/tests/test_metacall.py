@@ -1,6 +1,6 @@
-"""The compiled one-call path of scatter, all_to_all_single and all_to_all (``_metacall.Twin``,
-``_exchange_twin``): the general path's protocol in C, so that each rank may take either path
-and the ranks still meet."""
+"""The compiled one-call path of scatter, all_to_all_single, all_to_all and all_gather_v
+(``_metacall.Twin``, ``_exchange_twin``): the general path's protocol in C, so that each rank
+may take either path and the ranks still meet."""
 
 import os
 from unittest import mock
@@ -14,12 +14,12 @@ from ferro_backend.testing import run_processes
 def test_the_twin_is_an_extension_module_the_one_call_paths_use():
     from ferro_collective import _exchange_twin, _metacall, _onecall
     from ferro_collective.api import SCATTER
-    from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
+    from ferro_collective.api_uneven import ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE
 
     for module in (_metacall, _exchange_twin):
         assert module.__file__.endswith((".so", ".pyd")), module.__file__
-    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind, ALL_TO_ALL.kind) == (
-        _onecall.SCATTER, _onecall.ALL_TO_ALL_SINGLE, _onecall.ALL_TO_ALL)
+    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind, ALL_TO_ALL.kind, ALL_GATHER_V.kind) == (
+        _onecall.SCATTER, _onecall.ALL_TO_ALL_SINGLE, _onecall.ALL_TO_ALL, _onecall.ALL_GATHER_V)
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (3, 2)])

@@ -39,7 +39,8 @@ def test_algorithms_and_one_call_paths():
                         "reduce_scatter": _onecall.REDUCE_SCATTER, "gather": _onecall.GATHER,
                         "scatter": _onecall.SCATTER,
                         "all_to_all_single": _onecall.ALL_TO_ALL_SINGLE,
-                        "all_to_all": _onecall.ALL_TO_ALL}
+                        "all_to_all": _onecall.ALL_TO_ALL,
+                        "all_gather_v": _onecall.ALL_GATHER_V}
 
 
 @pytest.mark.parametrize("name", ["reduce_scatter", "allreduce"])

@@ -5,7 +5,7 @@ import numpy as np
 
 import ferro_collective as fc
 from ferro_collective.api import SCATTER
-from ferro_collective.api_uneven import ALL_TO_ALL, ALL_TO_ALL_SINGLE
+from ferro_collective.api_uneven import ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE
 from ferro_collective.dispatch import run
 from ferro_collective.engine_group import group_of
 
@@ -43,8 +43,8 @@ def _piece(src: int, dst: int, rows: int, trailing, dt):
 
 def twin_meets_general(b, seed: int, count: int) -> list[str]:
     """Every mix of paths: in call ``k`` of a case, rank ``r`` takes the twin where bit ``r``
-    of ``k`` is set and the general path otherwise; all_to_all_single, scatter and all_to_all
-    against numpy, bit for bit, with and without ``out=``. Returns the failures, and checks the
+    of ``k`` is set and the general path otherwise; all_to_all_single, scatter, all_to_all and
+    all_gather_v against numpy, bit for bit, with and without ``out=``. Returns the failures, and checks the
     twin counted its calls (and only those)."""
     g, n, r, bad = group_of(b), b.world_size, b.rank, []
     fc.barrier(b)
@@ -83,9 +83,17 @@ def twin_meets_general(b, seed: int, count: int) -> list[str]:
                         [a.shape for a in got] != [w.shape for w in wants] or \
                         {a.dtype for a in got} != {dt}:
                     bad.append(f"all_to_all {label}")
+                mine_v = sends[(r + 1) % n]  # (its rows differ from rank to rank)
+                got = (fc.all_gather_v(mine_v, b) if twin else
+                       run(ALL_GATHER_V, mine_v, b, None, None, "auto"))
+                want_v = [_piece(s, (s + 1) % n, rows[s][(s + 1) % n], trailing, dt)
+                          for s in range(n)]
+                if [a.tobytes() for a in got] != [w.tobytes() for w in want_v] or \
+                        [a.shape for a in got] != [w.shape for w in want_v]:
+                    bad.append(f"all_gather_v {label}")
                 taken = g.twin.taken if g.twin is not None else 0
-                if taken - before != 3 * twin:
-                    bad.append(f"the twin ran {taken - before} calls, not {3 * twin}: {label}")
+                if taken - before != 4 * twin:
+                    bad.append(f"the twin ran {taken - before} calls, not {4 * twin}: {label}")
         if (x.tobytes(), full.tobytes()) != keep:
             bad.append(f"input modified in case {c}")
     fc.barrier(b)

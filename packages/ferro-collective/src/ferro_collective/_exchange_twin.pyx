@@ -1,9 +1,9 @@
 # cython: language_level=3
-"""The twin's all-to-alls (:mod:`._metacall`): all_to_all_single and all_to_all (its list form)
-in one call, on the twin's steps, byte for byte as their general path
-(:func:`~.exchange.prepare_all_to_all_single`, :func:`~.exchange.prepare_all_to_all`): the same
-header, every rank's row counts as its metadata, its pieces for the others in its slot (moving
-through it from call to call) or their addresses beyond it, and the same reads. None for a call
+"""The twin's uneven collectives (:mod:`._metacall`): all_to_all_single, all_to_all (its list
+form) and all_gather_v in one call, on the twin's steps, byte for byte as their general path
+(:mod:`.exchange`'s ``prepare_*``): the same header, every rank's row counts as its metadata,
+its pieces for the others in its slot (moving through it from call to call) or their
+addresses beyond it, and the same reads. None for a call
 it does not take, before a ticket is taken: the general path then runs and checks it.
 """
 
@@ -51,6 +51,20 @@ cdef bytes _template(Twin self, str name, object dtype, tuple shape):
     if key != self.a2a_key:
         self.a2a_template, self.a2a_key = encode(name, dtype, shape, None, -1), key
     return self.a2a_template
+
+
+cdef tuple _views(list rows, Py_ssize_t rb, object dtype, tuple trailing, bint zero_d):
+    """A new buffer for ``rows[r]`` rows of ``rb`` bytes from each rank, and the arrays of the
+    result on it, one per rank (as the general path's ``exchange._views``)."""
+    cdef Py_ssize_t at = 0, k
+    buf = _EMPTY(sum(rows) * rb, _BYTES)
+    result = []
+    for r in range(len(rows)):
+        k = <Py_ssize_t>rows[r] * rb
+        piece = buf[at:at + k].view(dtype)
+        result.append(piece.reshape(()) if zero_d else piece.reshape(rows[r], *trailing))
+        at += k
+    return buf, result
 
 
 # ------------------------------------------------------------------ all_to_all_single
@@ -295,13 +309,7 @@ cdef object _a2a_list(Twin self, object seq, double secs, double start, object x
         rows.append(row[me])
         totals.append(total - row[r] * rb)
         starts.append(part - (row[r] * rb if r < me else 0))
-    buf = _EMPTY(sum(rows) * rb, _BYTES)
-    result, at = [], 0
-    for r in range(n):
-        k = <Py_ssize_t>rows[r] * rb
-        piece = buf[at:at + k].view(dtype)
-        result.append(piece.reshape(()) if zero_d else piece.reshape(rows[r], *trailing))
-        at += k
+    buf, result = _views(rows, rb, dtype, trailing, zero_d)
     dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>buf)
     at = 0
     for r in range(me):
@@ -323,4 +331,77 @@ cdef object _a2a_list(Twin self, object seq, double secs, double start, object x
             direct = True
     if direct:  # nobody reads our memory any more
         self.g.sync(call if call is not None else self.make_step("all_to_all", seq, secs, start))
+    return result
+
+
+# ------------------------------------------------------------------ all_gather_v
+cdef object all_gather_v_now(Twin self, object tensor, object timeout):
+    """:func:`ferro_collective.all_gather_v`, or None where the general path must run it."""
+    cdef cnp.ndarray x
+    cdef int64_t rows
+    if not plain_array(tensor) or not self.usable(payload_offset(16)):
+        return None
+    x = <cnp.ndarray>tensor
+    if x.descr.hasobject or x.itemsize == 0:
+        return None
+    secs = self.timeout_of(timeout, "all_gather_v")
+    if secs is None:
+        return None
+    rows = 1 if x.ndim == 0 else x.shape[0]
+    return self.turn("all_gather_v", secs, _agv, x, None, None, &rows)
+
+
+cdef object _agv(Twin self, object seq, double secs, double start, object xo, object arg,
+                 object unused, int64_t* ints):
+    """all_gather_v in its turn (``ints``: this rank's rows): its block rides in its slot once,
+    or its address for every peer (``metadata_step.put_block``)."""
+    cdef cnp.ndarray x = xo
+    cdef int n = self.n, me = self.me, d, i, r
+    cdef Py_ssize_t off = payload_offset(16), room = self.slot_bytes - off
+    cdef uint32_t step = <uint32_t>self.steps.step + 1
+    cdef char* mine = self.slot(me, step)
+    cdef char* data = <char*>cnp.PyArray_DATA(x)
+    cdef char* dst
+    cdef char* theirs
+    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(x), filled = 0, rb, k, at
+    cdef bint direct = False
+    dtype, zero_d, trailing = (<object>x).dtype, x.ndim == 0, (<object>x).shape[1:]
+    rb = x.itemsize
+    for k in trailing:
+        rb *= k
+    memset(mine, 0, 8)
+    memcpy(mine + 8, ints, 8)
+    if nbytes <= room:
+        memcpy(mine + off + self.rot(step, off, nbytes), data, nbytes)
+        filled = nbytes
+    else:
+        for d in range(n):
+            (<uint64_t*>(mine + off))[d] = <uint64_t><size_t>data
+    call = self.step_meta("all_gather_v", _template(self, "all_gather_v", dtype,
+                                                    () if zero_d else (-1, *trailing)),
+                          seq, secs, start, step, 16 + filled)
+    rows = [(<int64_t*>(self.slot(r, step) + 8))[0] for r in range(n)]
+    buf, result = _views(rows, rb, dtype, trailing, zero_d)
+    dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>buf)
+    at = 0
+    for r in range(me):
+        at += <Py_ssize_t>rows[r] * rb
+    memcpy(dst + at, data, nbytes)  # this rank's own block
+    for i in range(1, n):  # rank me+1 first: the ranks read different peers at once
+        r = (me + i) % n
+        at = 0 if r == 0 else at + <Py_ssize_t>rows[r - 1] * rb
+        k = <Py_ssize_t>rows[r] * rb
+        if not k:
+            continue
+        theirs = self.slot(r, step) + off
+        if k <= room:
+            memcpy(dst + at, theirs + self.rot(step, off, k), k)
+        else:
+            self.g.read(r, (<uint64_t*>theirs)[me], buf[at:at + k])
+    for r in range(n):
+        if <Py_ssize_t>rows[r] * rb > room:
+            direct = True
+    if direct:  # nobody reads our memory any more
+        self.g.sync(call if call is not None else
+                    self.make_step("all_gather_v", seq, secs, start))
     return result

@@ -10,6 +10,7 @@ ALL_GATHER: int
 SCATTER: int
 ALL_TO_ALL_SINGLE: int
 ALL_TO_ALL: int
+ALL_GATHER_V: int
 BARRIER: int
 GATHER: int
 

@@ -37,7 +37,7 @@ from ferro_backend.tracebacks import user_facing as _user_facing
 from ferro_backend.kernels import _fold
 
 from ._doorplan cimport MAX_DIMS, DoorPlan
-from ._exchange_twin cimport all_to_all_now, all_to_all_single_now
+from ._exchange_twin cimport all_gather_v_now, all_to_all_now, all_to_all_single_now
 from ._metacall cimport Twin
 
 cnp.import_array()
@@ -50,9 +50,9 @@ cdef extern from "numpy/arrayobject.h":
 NOT_TAKEN = object()
 cdef object _NOT_TAKEN = NOT_TAKEN
 #: the collectives with a one-call path (a ``dispatch.Collective``'s ``kind``): the door's, and
-#: three with a metadata step (their twin, :mod:`._metacall`, :mod:`._exchange_twin`)
+#: four with a metadata step (their twin, :mod:`._metacall`, :mod:`._exchange_twin`)
 ALLREDUCE, REDUCE_SCATTER, BROADCAST, ALL_GATHER, BARRIER, GATHER = range(6)
-SCATTER, ALL_TO_ALL_SINGLE, ALL_TO_ALL = 6, 7, 8
+SCATTER, ALL_TO_ALL_SINGLE, ALL_TO_ALL, ALL_GATHER_V = 6, 7, 8, 9
 cdef enum:
     K_ALLREDUCE = 0
     K_REDUCE_SCATTER = 1
@@ -63,6 +63,7 @@ cdef enum:
     K_SCATTER = 6
     K_ALL_TO_ALL_SINGLE = 7
     K_ALL_TO_ALL = 8
+    K_ALL_GATHER_V = 9
     CACHE = 512             # direct-mapped plan cache entries (a power of two)
 ctypedef int (*_RunAt)(object, const void*, size_t, void*, size_t, double) noexcept
 cdef _RunAt _run_at = NULL
@@ -338,8 +339,10 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
             got = (<Twin>c.twin).scatter(tensor, arg, timeout, out)
         elif kind == K_ALL_TO_ALL_SINGLE:
             got = all_to_all_single_now(<Twin>c.twin, tensor, arg, timeout, out)
-        else:
+        elif kind == K_ALL_TO_ALL:
             got = all_to_all_now(<Twin>c.twin, tensor, timeout)
+        else:
+            got = all_gather_v_now(<Twin>c.twin, tensor, timeout)
         return _NOT_TAKEN if got is None else got
     c._barrier_now(timeout)
     return None

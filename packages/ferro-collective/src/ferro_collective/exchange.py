@@ -36,6 +36,7 @@ from .metadata_step import (
     get_pieces,
     guard,
     pack_ints,
+    put_block,
     put_pieces,
     sent_bytes,
     unpack_ints,
@@ -125,9 +126,30 @@ def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
             all_gather_v_ring(ctx, buf, bounds)
         return _views(buf, rows, x.dtype, trailing, zero_d)
 
+    block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    n = backend.world_size
+
+    def put(group: EngineGroup, payload: np.ndarray) -> None:
+        put_block(group, payload, block)
+
+    def run(group: EngineGroup, call: Step, step: int, off: int, metas: list[bytes],
+            messages) -> list[np.ndarray]:
+        """all_gather_v on the same-host engine: every rank's block rides in the metadata step
+        when it fits, else every rank reads it from its owner's memory."""
+        rows = [unpack_ints(m, 1)[0] for m in metas]
+        rb = _row_bytes(x.dtype, trailing)
+        buf = np.empty(sum(rows) * rb, np.uint8)
+        result = _views(buf, rows, x.dtype, trailing, zero_d)
+        recvs = [r.reshape(-1).view(np.uint8) for r in result]
+        if not get_pieces(group, call, step, off, [k * rb for k in rows], [0] * n, recvs,
+                          block):
+            return messages()
+        return result
+
     header = (x.dtype, () if zero_d else (-1, *trailing), None, -1)
     return MetaPlan("all_gather_v", backend, timeout, header,
-                    pack_ints([1 if zero_d else x.shape[0]]), body)
+                    pack_ints([1 if zero_d else x.shape[0]]), body, engine_path=(put, run),
+                    algorithm=algorithm)
 
 
 # ----------------------------------------------------------------------------- all_to_all
@@ -285,7 +307,8 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
                     engine_path=(put, run), algorithm=algorithm)
 
 
-ALL_GATHER_V = Collective("all_gather_v", prepare_all_gather_v, None, ("auto", "ring"))
+ALL_GATHER_V = Collective("all_gather_v", prepare_all_gather_v, _onecall.ALL_GATHER_V,
+                          ("auto", "ring"))
 ALL_TO_ALL = Collective("all_to_all", prepare_all_to_all, _onecall.ALL_TO_ALL,
                         ("auto", "pairwise"), torch="all_to_all", jax="all_to_all")
 #: its algorithms are all_to_all's (it takes no ``algorithm=`` of its own)

@@ -299,6 +299,19 @@ def put_pieces(g: EngineGroup, payload: np.ndarray, pieces: list[np.ndarray],
         payload[:len(addrs) * _ADDR.itemsize].view(_ADDR)[:] = addrs
 
 
+def put_block(g: EngineGroup, payload: np.ndarray, block: np.ndarray) -> None:
+    """:func:`put_pieces` for a rank that sends every rank the same ``block`` (1-d bytes:
+    all_gather_v): it rides in the slot once, or every peer finds its address (read with
+    :func:`get_pieces`, each rank's piece starting at 0 of its sender's data)."""
+    where = placement(g, block.size, payload.size)
+    if where == SLOT:
+        at = payload_rot(g, g.step + 1, g.slot_bytes - payload.size, block.size)
+        payload[at:at + block.size] = block
+        g.engine.count_filled(block.size)
+    elif where == DIRECT:
+        payload[:g.n * _ADDR.itemsize].view(_ADDR)[:] = block.ctypes.data
+
+
 def sent_bytes(sizes: list[list[int]], me: int) -> tuple[list[int], list[int]]:
     """From ``sizes[r][d]`` (the bytes rank ``r`` sends rank ``d``): what each rank puts in
     its slot (its own piece stays home) and where this rank's piece starts there."""
@@ -348,5 +361,5 @@ def get_pieces(g: EngineGroup, call: Step, step: int, off: int, totals: list[int
 
 __all__ = ["DESC_SIZE", "DIRECT", "MESSAGES", "ROTATE_MIN", "SLOT", "EnginePath", "MetaPlan",
            "get_pieces", "guard", "pack_desc", "pack_ints", "payload_offset",
-           "payload_rot", "placement", "put_pieces", "sent_bytes", "unpack_desc",
+           "payload_rot", "placement", "put_block", "put_pieces", "sent_bytes", "unpack_desc",
            "unpack_ints"]
