@@ -67,6 +67,42 @@ cdef tuple _views(list rows, Py_ssize_t rb, object dtype, tuple trailing, bint z
     return buf, result
 
 
+cdef object _pieces(Twin self, str name, object seq, double secs, double start, object call,
+                    uint32_t step, Py_ssize_t off, list rows, Py_ssize_t rb, list totals,
+                    list starts, char* own, object dtype, tuple trailing, bint zero_d):
+    """After the metadata step of all_to_all or all_gather_v: ``rows[r]`` rows of ``rb`` bytes
+    from each rank ``r``, who sent ``totals[r]`` bytes in all (this rank's piece at
+    ``starts[r]`` of them) in its slot or, beyond it, from its memory; this rank's own from
+    ``own``. The result's arrays, one per rank (``metadata_step.get_pieces``'s reads)."""
+    cdef int n = self.n, me = self.me, i, r
+    cdef Py_ssize_t room = self.slot_bytes - off, at = 0, k
+    cdef char* theirs
+    cdef char* dst
+    cdef bint direct = False
+    buf, result = _views(rows, rb, dtype, trailing, zero_d)
+    dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>buf)
+    for r in range(me):
+        at += <Py_ssize_t>rows[r] * rb
+    memcpy(dst + at, own, <Py_ssize_t>rows[me] * rb)
+    for i in range(1, n):  # rank me+1 first: the ranks read different peers at once
+        r = (me + i) % n
+        at = 0 if r == 0 else at + <Py_ssize_t>rows[r - 1] * rb
+        k = <Py_ssize_t>rows[r] * rb
+        if not k:
+            continue
+        theirs = self.slot(r, step) + off
+        if <Py_ssize_t>totals[r] <= room:
+            memcpy(dst + at, theirs + self.rot(step, off, totals[r]) + <Py_ssize_t>starts[r], k)
+        else:
+            self.g.read(r, (<uint64_t*>theirs)[me], buf[at:at + k])
+    for r in range(n):
+        if <Py_ssize_t>totals[r] > room:
+            direct = True
+    if direct:  # nobody reads our memory any more
+        self.g.sync(call if call is not None else self.make_step(name, seq, secs, start))
+    return result
+
+
 # ------------------------------------------------------------------ all_to_all_single
 cdef object all_to_all_single_now(Twin self, object tensor, object splits, object timeout,
                                   object out):
@@ -162,8 +198,8 @@ cdef object _a2a_single(Twin self, object seq, double secs, double start, object
     if out is not None and res is None:
         _, late = guard(lambda: check_out("all_to_all_single", out, shape, dtype))
     if res is None or overlap(<char*>cnp.PyArray_DATA(<cnp.ndarray>res),
-                               cnp.PyArray_NBYTES(<cnp.ndarray>res), data,
-                               cnp.PyArray_NBYTES(x)):
+                              cnp.PyArray_NBYTES(<cnp.ndarray>res), data,
+                              cnp.PyArray_NBYTES(x)):
         res = _EMPTY(shape, dtype)
     dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>res)
     at = 0
@@ -261,17 +297,14 @@ cdef object all_to_all_now(Twin self, object tensors, object timeout):
 cdef object _a2a_list(Twin self, object seq, double secs, double start, object xs, object arg,
                       object unused, int64_t* ints):
     """all_to_all in its turn (``ints``: the rows this rank sends each rank)."""
-    cdef int n = self.n, me = self.me, d, i, r
+    cdef int n = self.n, me = self.me, d, r
     cdef Py_ssize_t block = 8 + 8 * n, off = payload_offset(block)
     cdef Py_ssize_t room = self.slot_bytes - off
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef char* mine = self.slot(me, step)
     cdef char* pay
-    cdef char* theirs
-    cdef char* dst
     cdef int64_t* row
     cdef Py_ssize_t rb, total = 0, k, at, part
-    cdef bint direct = False
     dtype, trailing, zero_d = arg
     rb = (<cnp.dtype>dtype).itemsize
     for k in trailing:
@@ -309,29 +342,8 @@ cdef object _a2a_list(Twin self, object seq, double secs, double start, object x
         rows.append(row[me])
         totals.append(total - row[r] * rb)
         starts.append(part - (row[r] * rb if r < me else 0))
-    buf, result = _views(rows, rb, dtype, trailing, zero_d)
-    dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>buf)
-    at = 0
-    for r in range(me):
-        at += <Py_ssize_t>rows[r] * rb
-    memcpy(dst + at, cnp.PyArray_DATA(<cnp.ndarray>xs[me]), <Py_ssize_t>rows[me] * rb)
-    for i in range(1, n):  # rank me+1 first: the ranks read different peers at once
-        r = (me + i) % n
-        at = 0 if r == 0 else at + <Py_ssize_t>rows[r - 1] * rb
-        k = <Py_ssize_t>rows[r] * rb
-        if not k:
-            continue
-        theirs = self.slot(r, step) + off
-        if <Py_ssize_t>totals[r] <= room:
-            memcpy(dst + at, theirs + self.rot(step, off, totals[r]) + <Py_ssize_t>starts[r], k)
-        else:
-            self.g.read(r, (<uint64_t*>theirs)[me], buf[at:at + k])
-    for r in range(n):
-        if <Py_ssize_t>totals[r] > room:
-            direct = True
-    if direct:  # nobody reads our memory any more
-        self.g.sync(call if call is not None else self.make_step("all_to_all", seq, secs, start))
-    return result
+    return _pieces(self, "all_to_all", seq, secs, start, call, step, off, rows, rb, totals,
+                   starts, <char*>cnp.PyArray_DATA(<cnp.ndarray>xs[me]), dtype, trailing, zero_d)
 
 
 # ------------------------------------------------------------------ all_gather_v
@@ -356,15 +368,12 @@ cdef object _agv(Twin self, object seq, double secs, double start, object xo, ob
     """all_gather_v in its turn (``ints``: this rank's rows): its block rides in its slot once,
     or its address for every peer (``metadata_step.put_block``)."""
     cdef cnp.ndarray x = xo
-    cdef int n = self.n, me = self.me, d, i, r
+    cdef int n = self.n, me = self.me, d, r
     cdef Py_ssize_t off = payload_offset(16), room = self.slot_bytes - off
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef char* mine = self.slot(me, step)
     cdef char* data = <char*>cnp.PyArray_DATA(x)
-    cdef char* dst
-    cdef char* theirs
-    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(x), filled = 0, rb, k, at
-    cdef bint direct = False
+    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(x), filled = 0, rb, k
     dtype, zero_d, trailing = (<object>x).dtype, x.ndim == 0, (<object>x).shape[1:]
     rb = x.itemsize
     for k in trailing:
@@ -381,27 +390,5 @@ cdef object _agv(Twin self, object seq, double secs, double start, object xo, ob
                                                     () if zero_d else (-1, *trailing)),
                           seq, secs, start, step, 16 + filled)
     rows = [(<int64_t*>(self.slot(r, step) + 8))[0] for r in range(n)]
-    buf, result = _views(rows, rb, dtype, trailing, zero_d)
-    dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>buf)
-    at = 0
-    for r in range(me):
-        at += <Py_ssize_t>rows[r] * rb
-    memcpy(dst + at, data, nbytes)  # this rank's own block
-    for i in range(1, n):  # rank me+1 first: the ranks read different peers at once
-        r = (me + i) % n
-        at = 0 if r == 0 else at + <Py_ssize_t>rows[r - 1] * rb
-        k = <Py_ssize_t>rows[r] * rb
-        if not k:
-            continue
-        theirs = self.slot(r, step) + off
-        if k <= room:
-            memcpy(dst + at, theirs + self.rot(step, off, k), k)
-        else:
-            self.g.read(r, (<uint64_t*>theirs)[me], buf[at:at + k])
-    for r in range(n):
-        if <Py_ssize_t>rows[r] * rb > room:
-            direct = True
-    if direct:  # nobody reads our memory any more
-        self.g.sync(call if call is not None else
-                    self.make_step("all_gather_v", seq, secs, start))
-    return result
+    return _pieces(self, "all_gather_v", seq, secs, start, call, step, off, rows, rb,
+                   [k * rb for k in rows], [0] * n, data, dtype, trailing, zero_d)
