@@ -18,7 +18,7 @@ import numpy as np
 
 from .arguments import check_out, deliver
 from .header import encode
-from .metadata_sizes import split_plan
+from .metadata_sizes import row_views, split_plan
 from .metadata_step import guard, payload_offset
 
 from ._metacall cimport Twin, fast_out, overlap, plain_array
@@ -54,17 +54,10 @@ cdef bytes _template(Twin self, str name, object dtype, tuple shape):
 
 
 cdef tuple _views(list rows, Py_ssize_t rb, object dtype, tuple trailing, bint zero_d):
-    """A new buffer for ``rows[r]`` rows of ``rb`` bytes from each rank, and the arrays of the
-    result on it, one per rank (as the general path's ``exchange._views``)."""
-    cdef Py_ssize_t at = 0, k
+    """A new buffer for ``rows[r]`` rows of ``rb`` bytes from each rank, and the result's
+    arrays on it, one per rank (:func:`.metadata_sizes.row_views`)."""
     buf = _EMPTY(sum(rows) * rb, _BYTES)
-    result = []
-    for r in range(len(rows)):
-        k = <Py_ssize_t>rows[r] * rb
-        piece = buf[at:at + k].view(dtype)
-        result.append(piece.reshape(()) if zero_d else piece.reshape(rows[r], *trailing))
-        at += k
-    return buf, result
+    return buf, row_views(buf, rows, dtype, trailing, zero_d)
 
 
 cdef object _pieces(Twin self, str name, object seq, double secs, double start, object call,

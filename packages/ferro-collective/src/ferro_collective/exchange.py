@@ -20,7 +20,6 @@ Algorithms:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ from ferro_backend import Backend, SizeMismatchError
 from . import _onecall
 from .arguments import as_array, check_backend, check_out, deliver
 from .engine_group import EngineGroup, Step
-from .metadata_sizes import split_plan
+from .metadata_sizes import row_bytes, row_views, split_plan
 from .metadata_step import (
     MetaPlan,
     get_pieces,
@@ -43,22 +42,6 @@ from .metadata_step import (
 )
 from .p2p import Ctx
 from .plan import Collective, choose
-
-
-def _row_bytes(dtype: np.dtype, trailing: tuple[int, ...]) -> int:
-    return math.prod(trailing) * dtype.itemsize
-
-
-def _views(buf: np.ndarray, rows: Sequence[int], dtype: np.dtype, trailing: tuple[int, ...],
-           zero_d: bool) -> list[np.ndarray]:
-    """``buf`` (bytes) cut into consecutive arrays of ``rows[r]`` rows each."""
-    rb = _row_bytes(dtype, trailing)
-    out, start = [], 0
-    for k in rows:
-        piece = buf[start:start + k * rb].view(dtype)
-        out.append(piece.reshape(()) if zero_d else piece.reshape(k, *trailing))
-        start += k * rb
-    return out
 
 
 # ----------------------------------------------------------------------------- algorithms
@@ -110,10 +93,12 @@ def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
                         lambda ctx, metas: None, invalid)
     zero_d = x.ndim == 0
     trailing = x.shape[1:]
+    block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    rb = row_bytes(x.dtype, trailing)
+    n = backend.world_size
 
     def body(ctx: Ctx, metas: list[bytes]) -> list[np.ndarray]:
         rows = [unpack_ints(m, 1)[0] for m in metas]
-        rb = _row_bytes(x.dtype, trailing)
         bounds, start = [], 0
         for k in rows:
             bounds.append((start, start + k * rb))
@@ -121,13 +106,10 @@ def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
         buf = np.empty(start, np.uint8)
         s, e = bounds[ctx.rank]
         if e > s:
-            buf[s:e] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            buf[s:e] = block
         if ctx.n > 1 and start:
             all_gather_v_ring(ctx, buf, bounds)
-        return _views(buf, rows, x.dtype, trailing, zero_d)
-
-    block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-    n = backend.world_size
+        return row_views(buf, rows, x.dtype, trailing, zero_d)
 
     def put(group: EngineGroup, payload: np.ndarray) -> None:
         put_block(group, payload, block)
@@ -137,9 +119,8 @@ def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
         """all_gather_v on the same-host engine: every rank's block rides in the metadata step
         when it fits, else every rank reads it from its owner's memory."""
         rows = [unpack_ints(m, 1)[0] for m in metas]
-        rb = _row_bytes(x.dtype, trailing)
         buf = np.empty(sum(rows) * rb, np.uint8)
-        result = _views(buf, rows, x.dtype, trailing, zero_d)
+        result = row_views(buf, rows, x.dtype, trailing, zero_d)
         recvs = [r.reshape(-1).view(np.uint8) for r in result]
         if not get_pieces(group, call, step, off, [k * rb for k in rows], [0] * n, recvs,
                           block):
@@ -182,13 +163,13 @@ def prepare_all_to_all(tensors, backend: Backend, arg, timeout, algorithm, out,
                         lambda ctx, metas: None, invalid)
     dtype, zero_d, trailing = xs[0].dtype, xs[0].ndim == 0, xs[0].shape[1:]
     send_rows = [1 if zero_d else t.shape[0] for t in xs]
-    rb = _row_bytes(dtype, trailing)
+    rb = row_bytes(dtype, trailing)
     sends = [np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in xs]
 
     def plan(me: int, metas: list[bytes]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         rows = [unpack_ints(m, 1, 8 * me)[0] for m in metas]
         buf = np.empty(sum(rows) * rb, np.uint8)
-        result = _views(buf, rows, dtype, trailing, zero_d)
+        result = row_views(buf, rows, dtype, trailing, zero_d)
         return result, [r.reshape(-1).view(np.uint8) for r in result]
 
     def body(ctx: Ctx, metas: list[bytes]) -> list[np.ndarray]:
@@ -261,7 +242,7 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
                         lambda ctx, metas: None, invalid)
     x, send, recv = prepared
     trailing = x.shape[1:]
-    rb = _row_bytes(x.dtype, trailing)
+    rb = row_bytes(x.dtype, trailing)
     flat_in = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
     sviews, starts, s0 = [], [], 0
     for k in send:

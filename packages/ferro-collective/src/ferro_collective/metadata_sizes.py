@@ -1,10 +1,14 @@
 """What every rank works out alike from a call's metadata (:mod:`.metadata_step`): a scatter's
 block, from the root's descriptor; all_to_all_single's rows and byte sizes, from every rank's
-splits. The same answer on every rank, or the same error, whichever path (the general one or
-the compiled twin, :mod:`._metacall`) the rank took.
+splits; the arrays an uneven call returns, from every rank's rows. The same answer on every
+rank, or the same error, whichever path (the general one or the compiled twin,
+:mod:`._metacall`) the rank took.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -60,4 +64,22 @@ def split_plan(name: str, metas: list[bytes], n: int, me: int,
     return got
 
 
-__all__ = ["scatter_block", "split_plan"]
+def row_bytes(dtype: np.dtype, trailing: tuple[int, ...]) -> int:
+    """The bytes of one row: the trailing shape's items of ``dtype``."""
+    return math.prod(trailing) * dtype.itemsize
+
+
+def row_views(buf: np.ndarray, rows: Sequence[int], dtype: np.dtype, trailing: tuple[int, ...],
+              zero_d: bool) -> list[np.ndarray]:
+    """``buf`` (bytes) cut into consecutive arrays of ``rows[r]`` rows each (0-d ones where
+    every rank sent a 0-d array)."""
+    rb = row_bytes(dtype, trailing)
+    out, start = [], 0
+    for k in rows:
+        piece = buf[start:start + k * rb].view(dtype)
+        out.append(piece.reshape(()) if zero_d else piece.reshape(k, *trailing))
+        start += k * rb
+    return out
+
+
+__all__ = ["row_bytes", "row_views", "scatter_block", "split_plan"]
