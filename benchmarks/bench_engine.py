@@ -7,7 +7,8 @@ its reduction kernel ``kernels._fold``) against its baselines.
   engine, so nothing but the call's own cost is timed, against ``np.copyto`` of the same 4 KiB
   (the least a one-rank allreduce into ``out=`` must do) and against a bare ``np.add(x, x, out=o)``;
   scatter's, all_to_all_single's and all_to_all's (``_metacall``, ``_exchange_twin``: the twin of
-  their metadata step) likewise.
+  their metadata step) likewise; broadcast_object's and all_gather_object's (``_objects_twin``)
+  against a pickle round trip of the same object.
 - collectives on 2 real processes: ``ShmBackend`` with the engine (``_comm``, ``_segment``,
   ``_watch``) against ``np.copyto`` of the same bytes in this process (the baseline: a yardstick
   outside the project, so the gated ratio moves only with the engine and the machine), and the
@@ -236,6 +237,44 @@ def bench_metacall_4KiB(benchmark, impl, call):
         assert (twin.taken > before) == (algorithm is None)
         got = run()
         assert (got[0] if call in ("all_to_all", "all_gather_v") else out).tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("call", ["broadcast_object", "all_gather_object"])
+@pytest.mark.parametrize("impl", ["pickle", "_objects_twin", "general"])
+def bench_object_call(benchmark, impl, call):
+    """The one-call path of broadcast_object and all_gather_object (``_objects_twin``: the
+    compiled twin of their metadata step, the pickle riding in it) on a one-rank engine, against
+    their general path (the same step from Python) and against a pickle round trip of the same
+    object (``pickle.loads(pickle.dumps(obj))``: the least either must do)."""
+    import pickle
+
+    from ferro_collective.api_uneven import ALL_GATHER_OBJECT, BROADCAST_OBJECT
+    from ferro_collective.dispatch import run as dispatch
+
+    obj = {"step": 1200, "lr": 3e-4, "ranks": list(range(8)), "tag": "warmup"}
+    benchmark.group = f"object call ({call}, a small dict, one-rank engine)"
+    if impl == "pickle":
+        benchmark.extra_info["role"] = "baseline"
+
+        def run():
+            return [pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))]
+    else:
+        b = one_rank_engine()
+        fc_barrier = __import__("ferro_collective").barrier
+        fc_barrier(b)  # (makes the group and its twin)
+        coll, arg = {"broadcast_object": (BROADCAST_OBJECT, 0),
+                     "all_gather_object": (ALL_GATHER_OBJECT, None)}[call]
+        algorithm = None if impl == "_objects_twin" else "auto"
+        twin = b.engine.client.twin
+        before = twin.taken
+
+        def run():
+            return dispatch(coll, obj, b, arg, None, algorithm)
+    benchmark.pedantic(run, rounds=100, iterations=100, warmup_rounds=5)
+    got = run()
+    assert (got if call == "broadcast_object" and impl != "pickle" else got[0]) == obj
+    if impl != "pickle":
+        assert (twin.taken > before) == (algorithm is None)
 
 
 @pytest.mark.parametrize("impl", ["itertools.count", "_doorplan.SeqCounter"])

@@ -1,6 +1,6 @@
-"""The compiled one-call path of scatter, all_to_all_single, all_to_all and all_gather_v
-(``_metacall.Twin``, ``_exchange_twin``): the general path's protocol in C, so that each rank
-may take either path and the ranks still meet."""
+"""The compiled one-call path of scatter, all_to_all_single, all_to_all, all_gather_v and the
+object collectives (``_metacall.Twin``, ``_exchange_twin``, ``_objects_twin``): the general
+path's protocol in C, so that each rank may take either path and the ranks still meet."""
 
 import os
 from unittest import mock
@@ -12,14 +12,22 @@ from ferro_backend.testing import run_processes
 
 
 def test_the_twin_is_an_extension_module_the_one_call_paths_use():
-    from ferro_collective import _exchange_twin, _metacall, _onecall
+    from ferro_collective import _exchange_twin, _metacall, _objects_twin, _onecall
     from ferro_collective.api import SCATTER
-    from ferro_collective.api_uneven import ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE
+    from ferro_collective.api_uneven import (
+        ALL_GATHER_OBJECT,
+        ALL_GATHER_V,
+        ALL_TO_ALL,
+        ALL_TO_ALL_SINGLE,
+        BROADCAST_OBJECT,
+    )
 
-    for module in (_metacall, _exchange_twin):
+    for module in (_metacall, _exchange_twin, _objects_twin):
         assert module.__file__.endswith((".so", ".pyd")), module.__file__
-    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind, ALL_TO_ALL.kind, ALL_GATHER_V.kind) == (
-        _onecall.SCATTER, _onecall.ALL_TO_ALL_SINGLE, _onecall.ALL_TO_ALL, _onecall.ALL_GATHER_V)
+    assert (SCATTER.kind, ALL_TO_ALL_SINGLE.kind, ALL_TO_ALL.kind, ALL_GATHER_V.kind,
+            BROADCAST_OBJECT.kind, ALL_GATHER_OBJECT.kind) == (
+        _onecall.SCATTER, _onecall.ALL_TO_ALL_SINGLE, _onecall.ALL_TO_ALL, _onecall.ALL_GATHER_V,
+        _onecall.BROADCAST_OBJECT, _onecall.ALL_GATHER_OBJECT)
 
 
 @pytest.mark.parametrize("world,seed", [(2, 1), (3, 2)])
@@ -55,4 +63,31 @@ def test_wrong_calls_raise_the_general_paths_errors_whichever_ranks_take_the_twi
                                           or f"ranks [{bad}] passed invalid" in errors[at]), errors[at]
     for twin_ranks in ([0], [1, 2], [0, 1, 2]):
         got = run_processes(twin_fns.twin_errors, 3, twin_ranks, transport="shm", timeout=120)
+        assert got == want, twin_ranks
+
+
+@pytest.mark.parametrize("world,slot", [(2, None), (3, "4096")])
+def test_objects_meet_whichever_path_each_rank_takes(world, slot):
+    env = {"FERRO_SHM_SLOT_BYTES": slot} if slot else {}
+    with mock.patch.dict(os.environ, env):
+        res = run_processes(twin_fns.twin_objects, world, transport="shm", timeout=240)
+    assert res == [[]] * world
+
+
+def test_unpicklable_objects_raise_the_general_paths_errors_whichever_ranks_take_the_twin():
+    want = run_processes(twin_fns.twin_object_errors, 3, [], transport="shm", timeout=120)
+    for r, errors in enumerate(want):  # what the general path says
+        assert len(errors) == 4 and all("not usable" not in e for e in errors), errors
+        assert errors[0].startswith("broadcast_object: the root's object cannot be pickled: "
+                                    "TypeError: broadcast_object: ")
+        assert ("root 2 cannot pickle Unpicklable" if r != 2 else
+                "cannot pickle Unpicklable object: RuntimeError: no pickling here") in errors[0]
+        assert errors[1].endswith("returned 5")
+        assert ("ranks [1] cannot pickle their objects: rank 1 cannot pickle Unpicklable"
+                if r != 1 else "all_gather_object: cannot pickle Unpicklable") in errors[2]
+        assert ("ranks [0, 2] cannot pickle" if r == 1 else "all_gather_object: cannot pickle "
+                "Unpicklable object") in errors[3]
+    for twin_ranks in ([0], [1, 2], [0, 1, 2]):
+        got = run_processes(twin_fns.twin_object_errors, 3, twin_ranks, transport="shm",
+                            timeout=120)
         assert got == want, twin_ranks

@@ -40,7 +40,9 @@ def test_algorithms_and_one_call_paths():
                         "scatter": _onecall.SCATTER,
                         "all_to_all_single": _onecall.ALL_TO_ALL_SINGLE,
                         "all_to_all": _onecall.ALL_TO_ALL,
-                        "all_gather_v": _onecall.ALL_GATHER_V}
+                        "all_gather_v": _onecall.ALL_GATHER_V,
+                        "broadcast_object": _onecall.BROADCAST_OBJECT,
+                        "all_gather_object": _onecall.ALL_GATHER_OBJECT}
 
 
 @pytest.mark.parametrize("name", ["reduce_scatter", "allreduce"])

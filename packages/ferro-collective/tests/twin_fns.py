@@ -1,13 +1,21 @@
-"""Rank functions for the tests of scatter's and all_to_all_single's compiled one-call path
-(``_metacall.Twin``) against their general path (spawned processes import them)."""
+"""Rank functions for the tests of the compiled one-call path of scatter, the all-to-alls,
+all_gather_v and the object collectives (``_metacall.Twin``, ``_exchange_twin``,
+``_objects_twin``) against their general path (spawned processes import them)."""
 
 import numpy as np
 
 import ferro_collective as fc
 from ferro_collective.api import SCATTER
-from ferro_collective.api_uneven import ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE
+from ferro_collective.api_uneven import (
+    ALL_GATHER_OBJECT,
+    ALL_GATHER_V,
+    ALL_TO_ALL,
+    ALL_TO_ALL_SINGLE,
+    BROADCAST_OBJECT,
+)
 from ferro_collective.dispatch import run
 from ferro_collective.engine_group import group_of
+from ferro_collective.executors import general
 
 try:
     import ml_dtypes
@@ -144,6 +152,100 @@ def twin_errors(b, twin_ranks: list) -> list[str]:
             call()
             got.append(f"{what}: no error")
         except (fc.CollectiveMismatchError, ValueError, TypeError) as exc:
+            got.append(f"{what}: {type(exc).__name__}: {exc}")
+        ok = fc.allreduce(np.ones(3), b)
+        if ok.tolist() != [n] * 3:
+            got.append(f"{what}: the group is not usable after it ({ok})")
+    return got
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("no pickling here")
+
+
+def _objects(r: int, n: int):
+    """The objects rank ``r`` passes, case by case (the same cases on every rank): None, small
+    ones, pickles of 1 to 200,000 bytes (past a 4 KiB slot), sizes that differ from rank to
+    rank, and an empty bytes."""
+    return [None, {"lr": 0.1, "rank": r}, b"", ("x" * (7 + 3000 * r), r),
+            np.arange(25_000 * (r + 1), dtype=np.int64), [r] * (r * 40_000)]
+
+
+def twin_objects(b) -> list[str]:
+    """broadcast_object from every root and all_gather_object, in every mix of paths (rank
+    ``r`` takes the twin in call ``k`` where bit ``r`` of ``k`` is set): every rank gets the
+    objects, equal to the senders' and not the same objects (the root keeps its own); the twin
+    counts its calls and only those. Returns the failures."""
+    g, n, r, bad = group_of(b), b.world_size, b.rank, []
+    fc.barrier(b)
+    every = [_objects(s, n) for s in range(n)]
+    for c, mine in enumerate(every[r]):
+        for mix in range(2 ** n):
+            twin = bool(mix >> r & 1)
+            before = g.twin.taken if g.twin is not None else 0
+            label = f"case {c} mix {mix}"
+            for root in range(n):
+                sent = mine if r == root else "ignored"
+                got = (fc.broadcast_object(sent, b, root) if twin else
+                       general(BROADCAST_OBJECT, sent, b, root, None, None, None))
+                want = every[root][c]
+                if not _same(got, want) or (r == root and got is not mine) or \
+                        (r != root and _mutable(want) and got is want):
+                    bad.append(f"broadcast_object from {root} {label}: {got!r:.60}")
+            got = (fc.all_gather_object(mine, b) if twin else
+                   general(ALL_GATHER_OBJECT, mine, b, None, None, None, None))
+            if len(got) != n or not all(_same(a, e[c]) for a, e in zip(got, every)) or \
+                    (_mutable(mine) and got[r] is mine):
+                bad.append(f"all_gather_object {label}")
+            taken = g.twin.taken if g.twin is not None else 0
+            if taken - before != (n + 1) * twin:
+                bad.append(f"the twin ran {taken - before} calls, not {(n + 1) * twin}: {label}")
+    fc.barrier(b)
+    return bad
+
+
+def _mutable(obj) -> bool:
+    """Whether a copy of ``obj`` is a new object (None and b"" unpickle as themselves)."""
+    return isinstance(obj, (dict, list, np.ndarray))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def twin_object_errors(b, twin_ranks: list) -> list[str]:
+    """Objects that cannot be pickled, with the ranks in ``twin_ranks`` on the twin: every rank
+    raises the general path's error (a TypeError naming the rank and the reason; the rank
+    that passed it its own), and the group stays usable after each."""
+    n, r = b.world_size, b.rank
+    twin = r in twin_ranks
+    got = []
+
+    def bcast(obj, root):
+        return fc.broadcast_object(obj, b, root) if twin else \
+            general(BROADCAST_OBJECT, obj, b, root, None, None, None)
+
+    def agather(obj):
+        return fc.all_gather_object(obj, b) if twin else \
+            general(ALL_GATHER_OBJECT, obj, b, None, None, None, None)
+
+    calls = [
+        ("broadcast_object: the root's object cannot be pickled", lambda: bcast(
+            Unpicklable() if r == n - 1 else None, n - 1)),
+        ("broadcast_object: a peer's cannot (ignored)", lambda: bcast(
+            Unpicklable() if r == 1 else 5, 0)),
+        ("all_gather_object: rank 1's cannot be pickled", lambda: agather(
+            Unpicklable() if r == 1 else "fine")),
+        ("all_gather_object: rank 0's and the last rank's cannot", lambda: agather(
+            Unpicklable() if r in (0, n - 1) else "x" * 9000)),
+    ]
+    for what, call in calls:
+        try:
+            got.append(f"{what}: returned {call()!r}")
+        except TypeError as exc:
             got.append(f"{what}: {type(exc).__name__}: {exc}")
         ok = fc.allreduce(np.ones(3), b)
         if ok.tolist() != [n] * 3:

@@ -60,13 +60,13 @@ cdef tuple _views(list rows, Py_ssize_t rb, object dtype, tuple trailing, bint z
     return buf, row_views(buf, rows, dtype, trailing, zero_d)
 
 
-cdef object _pieces(Twin self, str name, object seq, double secs, double start, object call,
-                    uint32_t step, Py_ssize_t off, list rows, Py_ssize_t rb, list totals,
-                    list starts, char* own, object dtype, tuple trailing, bint zero_d):
-    """After the metadata step of all_to_all or all_gather_v: ``rows[r]`` rows of ``rb`` bytes
-    from each rank ``r``, who sent ``totals[r]`` bytes in all (this rank's piece at
-    ``starts[r]`` of them) in its slot or, beyond it, from its memory; this rank's own from
-    ``own``. The result's arrays, one per rank (``metadata_step.get_pieces``'s reads)."""
+cdef object read_pieces(Twin self, str name, object seq, double secs, double start, object call,
+                        uint32_t step, Py_ssize_t off, list rows, Py_ssize_t rb, list totals,
+                        list starts, char* own, object dtype, tuple trailing, bint zero_d):
+    """After the metadata step of all_to_all, all_gather_v or an object collective:
+    ``rows[r]`` rows of ``rb`` bytes from each rank ``r``, who sent ``totals[r]`` bytes in all
+    (this rank's piece at ``starts[r]`` of them) in its slot or, beyond it, from its memory;
+    this rank's own from ``own``. The result's arrays, one per rank (``metadata_step.get_pieces``'s reads)."""
     cdef int n = self.n, me = self.me, i, r
     cdef Py_ssize_t room = self.slot_bytes - off, at = 0, k
     cdef char* theirs
@@ -335,11 +335,26 @@ cdef object _a2a_list(Twin self, object seq, double secs, double start, object x
         rows.append(row[me])
         totals.append(total - row[r] * rb)
         starts.append(part - (row[r] * rb if r < me else 0))
-    return _pieces(self, "all_to_all", seq, secs, start, call, step, off, rows, rb, totals,
+    return read_pieces(self, "all_to_all", seq, secs, start, call, step, off, rows, rb, totals,
                    starts, <char*>cnp.PyArray_DATA(<cnp.ndarray>xs[me]), dtype, trailing, zero_d)
 
 
 # ------------------------------------------------------------------ all_gather_v
+cdef Py_ssize_t put_block(Twin self, uint32_t step, Py_ssize_t off, char* data,
+                          Py_ssize_t nbytes) except -1:
+    """:func:`.metadata_step.put_block`: this rank's ``nbytes`` at ``data`` (the same for every
+    peer) once into its slot of ``step`` after the metadata (at ``off``), moving through it, or
+    beyond the slot's room its address for every peer. Returns the bytes put in the slot."""
+    cdef char* mine = self.slot(self.me, step)
+    cdef int d
+    if nbytes <= self.slot_bytes - off:
+        memcpy(mine + off + self.rot(step, off, nbytes), data, nbytes)
+        return nbytes
+    for d in range(self.n):
+        (<uint64_t*>(mine + off))[d] = <uint64_t><size_t>data
+    return 0
+
+
 cdef object all_gather_v_now(Twin self, object tensor, object timeout):
     """:func:`ferro_collective.all_gather_v`, or None where the general path must run it."""
     cdef cnp.ndarray x
@@ -361,27 +376,22 @@ cdef object _agv(Twin self, object seq, double secs, double start, object xo, ob
     """all_gather_v in its turn (``ints``: this rank's rows): its block rides in its slot once,
     or its address for every peer (``metadata_step.put_block``)."""
     cdef cnp.ndarray x = xo
-    cdef int n = self.n, me = self.me, d, r
-    cdef Py_ssize_t off = payload_offset(16), room = self.slot_bytes - off
+    cdef int n = self.n, me = self.me, r
+    cdef Py_ssize_t off = payload_offset(16)
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef char* mine = self.slot(me, step)
     cdef char* data = <char*>cnp.PyArray_DATA(x)
-    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(x), filled = 0, rb, k
+    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(x), filled, rb, k
     dtype, zero_d, trailing = (<object>x).dtype, x.ndim == 0, (<object>x).shape[1:]
     rb = x.itemsize
     for k in trailing:
         rb *= k
     memset(mine, 0, 8)
     memcpy(mine + 8, ints, 8)
-    if nbytes <= room:
-        memcpy(mine + off + self.rot(step, off, nbytes), data, nbytes)
-        filled = nbytes
-    else:
-        for d in range(n):
-            (<uint64_t*>(mine + off))[d] = <uint64_t><size_t>data
+    filled = put_block(self, step, off, data, nbytes)
     call = self.step_meta("all_gather_v", _template(self, "all_gather_v", dtype,
                                                     () if zero_d else (-1, *trailing)),
                           seq, secs, start, step, 16 + filled)
     rows = [(<int64_t*>(self.slot(r, step) + 8))[0] for r in range(n)]
-    return _pieces(self, "all_gather_v", seq, secs, start, call, step, off, rows, rb,
+    return read_pieces(self, "all_gather_v", seq, secs, start, call, step, off, rows, rb,
                    [k * rb for k in rows], [0] * n, data, dtype, trailing, zero_d)

@@ -39,6 +39,7 @@ from ferro_backend.kernels import _fold
 from ._doorplan cimport MAX_DIMS, DoorPlan
 from ._exchange_twin cimport all_gather_v_now, all_to_all_now, all_to_all_single_now
 from ._metacall cimport Twin
+from ._objects_twin cimport all_gather_object_now, broadcast_object_now
 
 cnp.import_array()
 
@@ -50,9 +51,11 @@ cdef extern from "numpy/arrayobject.h":
 NOT_TAKEN = object()
 cdef object _NOT_TAKEN = NOT_TAKEN
 #: the collectives with a one-call path (a ``dispatch.Collective``'s ``kind``): the door's, and
-#: four with a metadata step (their twin, :mod:`._metacall`, :mod:`._exchange_twin`)
+#: six with a metadata step (their twin, :mod:`._metacall`, :mod:`._exchange_twin`,
+#: :mod:`._objects_twin`)
 ALLREDUCE, REDUCE_SCATTER, BROADCAST, ALL_GATHER, BARRIER, GATHER = range(6)
 SCATTER, ALL_TO_ALL_SINGLE, ALL_TO_ALL, ALL_GATHER_V = 6, 7, 8, 9
+BROADCAST_OBJECT, ALL_GATHER_OBJECT = 10, 11
 cdef enum:
     K_ALLREDUCE = 0
     K_REDUCE_SCATTER = 1
@@ -64,6 +67,8 @@ cdef enum:
     K_ALL_TO_ALL_SINGLE = 7
     K_ALL_TO_ALL = 8
     K_ALL_GATHER_V = 9
+    K_BROADCAST_OBJECT = 10
+    K_ALL_GATHER_OBJECT = 11
     CACHE = 512             # direct-mapped plan cache entries (a power of two)
 ctypedef int (*_RunAt)(object, const void*, size_t, void*, size_t, double) noexcept
 cdef _RunAt _run_at = NULL
@@ -333,16 +338,21 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
     if kind >= K_SCATTER:
         if c.twin is None:  # (its subclass makes one)
             return _NOT_TAKEN
-        if kind == K_SCATTER:
+        if kind == K_SCATTER or kind == K_BROADCAST_OBJECT:
             if type(arg) is not int or not 0 <= arg < c.n:
                 return _NOT_TAKEN
+            if kind == K_BROADCAST_OBJECT:  # (a 1-tuple: the object may be None)
+                got = broadcast_object_now(<Twin>c.twin, tensor, arg, timeout)
+                return _NOT_TAKEN if got is None else got[0]
             got = (<Twin>c.twin).scatter(tensor, arg, timeout, out)
         elif kind == K_ALL_TO_ALL_SINGLE:
             got = all_to_all_single_now(<Twin>c.twin, tensor, arg, timeout, out)
         elif kind == K_ALL_TO_ALL:
             got = all_to_all_now(<Twin>c.twin, tensor, timeout)
-        else:
+        elif kind == K_ALL_GATHER_V:
             got = all_gather_v_now(<Twin>c.twin, tensor, timeout)
+        else:
+            got = all_gather_object_now(<Twin>c.twin, tensor, timeout)
         return _NOT_TAKEN if got is None else got
     c._barrier_now(timeout)
     return None

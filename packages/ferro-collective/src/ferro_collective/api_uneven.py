@@ -214,8 +214,9 @@ def broadcast_object(obj, backend: Backend, root: int = 0, *,
     """Every rank returns ``root``'s ``obj`` (the others' ``obj`` is ignored; pass None).
 
     The root pickles ``obj`` (highest protocol) and returns ``obj`` itself; every other rank
-    returns a new object unpickled from the root's bytes (a binomial-tree broadcast after a
-    small metadata round carrying the size). **Unpickling runs code chosen by the root: use
+    returns a new object unpickled from the root's bytes (a small metadata round carries the
+    size, then a binomial-tree broadcast the bytes; on the same-host engine the bytes ride in
+    that round). **Unpickling runs code chosen by the root: use
     this only among authenticated ranks.**
 
     Parameters
@@ -258,7 +259,8 @@ def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) ->
     rank's own included, so the lists are equal and share nothing with the inputs).
 
     Pickles of any size per rank (a metadata round exchanges the sizes, then the ring
-    all-gather moves the bytes). **Unpickling runs code chosen by the sending rank: use this
+    all-gather moves the bytes; on the same-host engine the bytes ride in that round).
+    **Unpickling runs code chosen by the sending rank: use this
     only among authenticated ranks.**
 
     Parameters

@@ -74,10 +74,15 @@ def row_views(buf: np.ndarray, rows: Sequence[int], dtype: np.dtype, trailing: t
     """``buf`` (bytes) cut into consecutive arrays of ``rows[r]`` rows each (0-d ones where
     every rank sent a 0-d array)."""
     rb = row_bytes(dtype, trailing)
+    cast = dtype != buf.dtype
     out, start = [], 0
     for k in rows:
-        piece = buf[start:start + k * rb].view(dtype)
-        out.append(piece.reshape(()) if zero_d else piece.reshape(k, *trailing))
+        piece = buf[start:start + k * rb]
+        if cast:
+            piece = piece.view(dtype)
+        if zero_d or trailing:  # (1-d pieces have their shape already)
+            piece = piece.reshape(()) if zero_d else piece.reshape(k, *trailing)
+        out.append(piece)
         start += k * rb
     return out
 

@@ -1,0 +1,1 @@
+"""The object collectives' twin: C functions only (``_onecall`` calls them)."""
