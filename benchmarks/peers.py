@@ -15,6 +15,11 @@ Intel MPI (``impi``) runs from a virtualenv of its own holding ``impi-rt``, ``mp
 (``--impi-venv``; ``nox -s bench_peers`` makes it), with ``I_MPI_FABRICS=shm``. ``mpi-best`` is, per
 row, the fastest of Open MPI's default, Open MPI with ``--mca coll_sm_priority 100`` and Intel MPI.
     python benchmarks/peers.py --worlds 2 --ops gather scatter all_to_all  # a new run directory
+    python benchmarks/peers.py --ops broadcast_object all_gather_object    # pickled objects
+
+The object collectives (not in the default run) send S bytes as one ``bytes`` object, pickled
+per call by every implementation: ferro's ``broadcast_object`` / ``all_gather_object``, mpi4py's
+lowercase ``bcast`` / ``allgather``, torch's ``broadcast_object_list`` / ``all_gather_object``.
 
 ``--impls ferro-shm torch-ferro gloo`` measures torch's layer: torch.distributed's collectives
 on ferro-torch's backend "ferro" (over the same engine) against the same call on ferro directly
@@ -57,6 +62,11 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 THREAD_CAPS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 OPS = ["allreduce", "all_gather", "reduce_scatter", "broadcast", "gather", "scatter", "all_to_all",
        "barrier", "pingpong"]
+#: the object collectives (``--ops``; not in the default run): S bytes as one ``bytes`` object,
+#: pickled per call by every implementation (ferro's broadcast_object / all_gather_object,
+#: mpi4py's lowercase ``bcast`` / ``allgather``, torch's ``broadcast_object_list`` /
+#: ``all_gather_object``); their bus bandwidth is broadcast's and all_gather's
+OBJECT_OPS = {"broadcast_object": "broadcast", "all_gather_object": "all_gather"}
 #: collectives whose bus bandwidth factor busbw.py does not have: nccl-tests' (n-1)/n of the
 #: total (gather, scatter: the gathered/scattered total; alltoall: one rank's send buffer)
 RING_FACTOR_OPS = ("gather", "scatter", "all_to_all")
@@ -67,6 +77,7 @@ def op_busbw(op: str, nbytes: int, n: int, seconds: float) -> float:
     bytes of one round trip, 2S, over its time)."""
     if op == "pingpong":
         return 2 * nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    op = OBJECT_OPS.get(op, op)
     if op in RING_FACTOR_OPS:
         return nbytes * (n - 1) / n / seconds / 1e9 if seconds > 0 else 0.0
     return busbw(op, nbytes, n, seconds)
@@ -83,10 +94,12 @@ def _ferro_ops(transport: str):
     import ferro_backend
     from ferro_collective import (
         all_gather,
+        all_gather_object,
         all_to_all_single,
         allreduce,
         barrier,
         broadcast,
+        broadcast_object,
         gather,
         reduce_scatter,
         scatter,
@@ -111,12 +124,33 @@ def _ferro_ops(transport: str):
         "all_to_all": lambda x: all_to_all_single(x, b, out=outs.get("a2a", x.size)),
         "barrier": lambda x: barrier(b),
         "pingpong": _pingpong(rank, world, b.send, b.recv),
+        **_object_ops(rank, world, lambda o: broadcast_object(o, b, 0),
+                      lambda o: all_gather_object(o, b)),
     }
     engine = getattr(b, "engine", None)
     if engine is not None and engine.link is not None:  # where the ranks landed (collective)
         ops["_link"] = lambda: [(lk.rtt_ns, lk.copy_gbps) for lk in (engine.link,
                                                                     engine.probe_link())]
     return rank, world, ops, lambda: barrier(b), np.ones, b.close
+
+
+def _object_ops(rank: int, world: int, broadcast_object, all_gather_object) -> dict:
+    """The object collectives' cells: broadcast_object of S bytes from rank 0 (``bytes``, made
+    once per size) and all_gather_object of S / world bytes from every rank, on one
+    implementation's ``broadcast_object(obj)`` and ``all_gather_object(obj)``."""
+    made: dict[int, bytes] = {}
+
+    def obj(x, items: int) -> bytes:
+        if items not in made:
+            arr = np.asarray(x.numpy() if hasattr(x, "numpy") else x).reshape(-1)
+            made[items] = arr[:items].tobytes()
+        return made[items]
+
+    def size(x) -> int:
+        return x.numel() if hasattr(x, "numel") else x.size
+
+    return {"broadcast_object": lambda x: broadcast_object(obj(x, size(x)) if rank == 0 else None),
+            "all_gather_object": lambda x: all_gather_object(obj(x, size(x) // world))}
 
 
 def _pingpong(rank: int, world: int, send, recv):
@@ -200,7 +234,8 @@ def _mpi_ops():
            "broadcast": broadcast, "gather": gather, "scatter": scatter,
            "all_to_all": all_to_all, "barrier": lambda x: comm.Barrier(),
            "pingpong": _pingpong(rank, world, lambda x, p: comm.Send(x, dest=p),
-                                 lambda x, p: comm.Recv(x, source=p))}
+                                 lambda x, p: comm.Recv(x, source=p)),
+           **_object_ops(rank, world, lambda o: comm.bcast(o, root=0), comm.allgather)}
     return rank, world, ops, comm.Barrier, np.ones, lambda: None
 
 
@@ -266,6 +301,17 @@ def _torch_ops(backend: str):
            "pingpong": _pingpong(rank, world, lambda x, p: dist.send(x, p),
                                  lambda x, p: dist.recv(x, p))}
 
+    def broadcast_object(obj):
+        got = [obj]
+        dist.broadcast_object_list(got, src=0)
+        return got[0]
+
+    def all_gather_object(obj):
+        got = [None] * world
+        dist.all_gather_object(got, obj)
+        return got
+    ops.update(_object_ops(rank, world, broadcast_object, all_gather_object))
+
     def ones(n, dtype=np.float32):
         return torch.ones(n, dtype=torch.float32)
 
@@ -294,7 +340,7 @@ def _limit_ops():
 
     ops = {"allreduce": copy_add, "all_gather": copy, "broadcast": copy, "reduce_scatter": add,
            "gather": copy, "scatter": copy, "all_to_all": copy, "barrier": lambda x: None,
-           "pingpong": copy}
+           "pingpong": copy, "broadcast_object": copy, "all_gather_object": copy}
     return rank, world, ops, barrier, ones, close
 
 
@@ -562,7 +608,7 @@ def plot(results: dict, worlds: list[int], impls: list[str], path: Path) -> None
     import matplotlib.pyplot as plt
 
     present = {r["op"] for rows in results.values() for r in rows}
-    ops = [o for o in OPS if o != "barrier" and o in present]
+    ops = [o for o in OPS + list(OBJECT_OPS) if o != "barrier" and o in present]
     fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)),
                              squeeze=False)
     for wi, world in enumerate(worlds):
@@ -603,7 +649,7 @@ def main(argv=None) -> int:
                    default=["ferro-shm", "ferro-tcp", "mpi", "mpi-sm", "impi", "gloo"])
     p.add_argument("--impi-venv", type=Path, default=None,
                    help="a virtualenv holding impi-rt, mpi4py and numpy (Intel MPI)")
-    p.add_argument("--ops", nargs="+", default=OPS)
+    p.add_argument("--ops", nargs="+", default=OPS, choices=OPS + list(OBJECT_OPS))
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     p.add_argument("--out", default=None,
                    help="default: a new results/<version>/<machine>/peers-<date>")
