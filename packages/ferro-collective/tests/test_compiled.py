@@ -1,7 +1,7 @@
 import importlib.machinery
 
 import ferro_collective
-from ferro_collective import _doorplan, _onecall, _wire, api, dispatch, wire
+from ferro_collective import _doorplan, _onecall, _wire, api, api_uneven, dispatch, wire
 
 
 def test_the_one_call_paths_are_extension_modules():
@@ -10,8 +10,8 @@ def test_the_one_call_paths_are_extension_modules():
 
 
 def test_the_public_calls_are_compiled_with_their_python_signatures():
-    """api.py runs compiled (Cython's pure-Python mode), and still reads as Python: keyword-only
-    arguments, defaults, annotations and docstrings as written."""
+    """api.py and api_uneven.py run compiled (Cython's pure-Python mode), and still read as
+    Python: keyword-only arguments, defaults, annotations and docstrings as written."""
     import inspect
 
     assert api.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), api
@@ -21,6 +21,12 @@ def test_the_public_calls_are_compiled_with_their_python_signatures():
     assert sig.parameters["timeout"].kind is inspect.Parameter.KEYWORD_ONLY
     assert sig.parameters["op"].default is ferro_collective.ReduceOp.SUM
     assert "Reduce ``tensor`` element-wise" in api.allreduce.__doc__
+    assert api_uneven.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert ferro_collective.all_to_all_single is api_uneven.all_to_all_single
+    sig = inspect.signature(api_uneven.broadcast_object)
+    assert list(sig.parameters) == ["obj", "backend", "root", "timeout"]
+    assert sig.parameters["timeout"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "Unpickling runs code chosen by the root" in api_uneven.broadcast_object.__doc__
     # annotations are not C types: a numpy integer root is taken as Python's int is
     import numpy as np
 

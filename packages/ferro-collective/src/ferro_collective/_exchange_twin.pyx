@@ -27,6 +27,7 @@ cnp.import_array()
 
 cdef object _EMPTY = np.empty
 cdef object _BYTES = np.dtype(np.uint8)
+cdef Py_ssize_t _AGV_OFF = payload_offset(16)         # all_gather_v: status + its rows
 
 
 cdef Py_ssize_t _ints_into(object values, int n, int64_t* into):
@@ -107,7 +108,7 @@ cdef object all_to_all_single_now(Twin self, object tensor, object splits, objec
     cdef Py_ssize_t rows
     if not plain_array(tensor) or (out is not None and not cnp.PyArray_Check(out)) \
             or type(splits) is not tuple or len(splits) != 2 \
-            or not self.usable(payload_offset(8 + 16 * n)):
+            or not self.usable(self.a2a_single_off):
         return None
     x = <cnp.ndarray>tensor
     if x.ndim == 0 or x.descr.hasobject or x.itemsize == 0:
@@ -144,7 +145,7 @@ cdef object _a2a_single(Twin self, object seq, double secs, double start, object
     """all_to_all_single in its turn (``ints``: this rank's send, then recv splits)."""
     cdef cnp.ndarray x = xo
     cdef int n = self.n, me = self.me, d, i, r
-    cdef Py_ssize_t block = 8 + 16 * n, off = payload_offset(block)
+    cdef Py_ssize_t block = 8 + 16 * n, off = self.a2a_single_off
     cdef Py_ssize_t room = self.slot_bytes - off
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef char* mine = self.slot(me, step)
@@ -257,7 +258,7 @@ cdef object all_to_all_now(Twin self, object tensors, object timeout):
     cdef int64_t* ints
     cdef bint zero_d
     if not (type(tensors) is list or type(tensors) is tuple) or len(tensors) != n \
-            or not self.usable(payload_offset(8 + 8 * n)):
+            or not self.usable(self.a2a_off):
         return None
     xs = tuple(tensors)
     for d in range(n):
@@ -291,7 +292,7 @@ cdef object _a2a_list(Twin self, object seq, double secs, double start, object x
                       object unused, int64_t* ints):
     """all_to_all in its turn (``ints``: the rows this rank sends each rank)."""
     cdef int n = self.n, me = self.me, d, r
-    cdef Py_ssize_t block = 8 + 8 * n, off = payload_offset(block)
+    cdef Py_ssize_t block = 8 + 8 * n, off = self.a2a_off
     cdef Py_ssize_t room = self.slot_bytes - off
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef char* mine = self.slot(me, step)
@@ -359,7 +360,7 @@ cdef object all_gather_v_now(Twin self, object tensor, object timeout):
     """:func:`ferro_collective.all_gather_v`, or None where the general path must run it."""
     cdef cnp.ndarray x
     cdef int64_t rows
-    if not plain_array(tensor) or not self.usable(payload_offset(16)):
+    if not plain_array(tensor) or not self.usable(_AGV_OFF):
         return None
     x = <cnp.ndarray>tensor
     if x.descr.hasobject or x.itemsize == 0:
@@ -377,7 +378,7 @@ cdef object _agv(Twin self, object seq, double secs, double start, object xo, ob
     or its address for every peer (``metadata_step.put_block``)."""
     cdef cnp.ndarray x = xo
     cdef int n = self.n, me = self.me, r
-    cdef Py_ssize_t off = payload_offset(16)
+    cdef Py_ssize_t off = _AGV_OFF
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef char* mine = self.slot(me, step)
     cdef char* data = <char*>cnp.PyArray_DATA(x)

@@ -25,6 +25,7 @@ cdef class Twin:
     cdef tuple _block
     # the all-to-alls (_exchange_twin): the last header's key and template; every rank's last
     # metadata, its row bytes, and the plan from them (all_to_all_single)
+    cdef Py_ssize_t a2a_single_off, a2a_off  # where their payload starts (payload_offset)
     cdef object a2a_key
     cdef bytes a2a_template, metas_seen
     cdef Py_ssize_t rb_seen

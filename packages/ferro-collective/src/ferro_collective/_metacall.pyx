@@ -105,6 +105,9 @@ cdef class Twin:
         for r in range(2 * self.n):
             self.slots[r] = <char*>cnp.PyArray_DATA(<cnp.ndarray>self._keep[r])
         self._scatter_headers = [None] * self.n
+        # the all-to-alls' metadata: status + send and recv splits; status + rows per rank
+        self.a2a_single_off = payload_offset(8 + 16 * self.n)
+        self.a2a_off = payload_offset(8 + 8 * self.n)
 
     def __dealloc__(self):
         free(self.slots)
