@@ -66,11 +66,15 @@ def test_wrong_calls_raise_the_general_paths_errors_whichever_ranks_take_the_twi
         assert got == want, twin_ranks
 
 
-@pytest.mark.parametrize("world,slot", [(2, None), (3, "4096")])
-def test_objects_meet_whichever_path_each_rank_takes(world, slot):
+@pytest.mark.parametrize("world,slot,cma", [(2, None, "auto"), (3, "4096", "auto"),
+                                            (2, "4096", "never")])
+def test_objects_meet_whichever_path_each_rank_takes(world, slot, cma):
+    """With cross-memory reads off, the twin takes no call and pickles beyond the slot go over
+    messages after the metadata step."""
     env = {"FERRO_SHM_SLOT_BYTES": slot} if slot else {}
-    with mock.patch.dict(os.environ, env):
-        res = run_processes(twin_fns.twin_objects, world, transport="shm", timeout=240)
+    with mock.patch.dict(os.environ, {**env, "FERRO_SHM_CMA": cma}):
+        res = run_processes(twin_fns.twin_objects, world, cma != "never", transport="shm",
+                            timeout=240)
     assert res == [[]] * world
 
 
