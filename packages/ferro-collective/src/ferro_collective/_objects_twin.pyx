@@ -58,7 +58,7 @@ cdef object broadcast_object_now(Twin self, object obj, int root, object timeout
 cdef object _broadcast(Twin self, object seq, double secs, double start, object payload,
                        object arg, object error, int64_t* unused):
     """broadcast_object in its turn: the root's pickle's flag and, on the others, its bytes."""
-    cdef int n = self.n, me = self.me, root = arg, r
+    cdef int n = self.n, me = self.me, root = arg
     cdef uint32_t step = <uint32_t>self.steps.step + 1
     cdef Py_ssize_t filled
     if me == root:
@@ -105,6 +105,9 @@ cdef object _all_gather(Twin self, object seq, double secs, double start, object
                           _meta(self, step, payload, error))
     sizes = [(<int64_t*>(self.slot(r, step) + 8))[0] for r in range(n)]
     failed = [(<int64_t*>(self.slot(r, step) + 8))[1] for r in range(n)]
-    pieces = read_pieces(self, _GATHER, seq, secs, start, call, step, _OFF, sizes, 1, sizes,
+    rows = list(sizes)
+    rows[self.me] = 0  # (its own pickle is unpickled from where it is: no copy)
+    pieces = read_pieces(self, _GATHER, seq, secs, start, call, step, _OFF, rows, 1, sizes,
                          [0] * n, PyBytes_AS_STRING(payload), _BYTES, (), False)
+    pieces[self.me] = payload
     return pieces, failed

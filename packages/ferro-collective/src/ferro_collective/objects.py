@@ -98,8 +98,9 @@ def prepare_all_gather_object(obj, backend: Backend, arg, timeout, algorithm=Non
         """Every rank's pickle rides in the metadata step (or is read from its memory)."""
         _, pieces, failed = pieces_of(metas)
         if not get_pieces(group, call, step, off, [p.size for p in pieces], [0] * len(pieces),
-                          pieces, data):
+                          pieces):
             return messages()
+        pieces[group.me] = payload  # (unpickled from where it is: no copy)
         return gathered(name, group.me, pieces, failed, error)
 
     meta = pack_ints([len(payload), error is not None])
