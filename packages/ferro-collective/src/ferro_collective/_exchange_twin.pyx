@@ -67,7 +67,8 @@ cdef object read_pieces(Twin self, str name, object seq, double secs, double sta
     """After the metadata step of all_to_all, all_gather_v or an object collective:
     ``rows[r]`` rows of ``rb`` bytes from each rank ``r``, who sent ``totals[r]`` bytes in all
     (this rank's piece at ``starts[r]`` of them) in its slot or, beyond it, from its memory;
-    this rank's own from ``own``. The result's arrays, one per rank (``metadata_step.get_pieces``'s reads)."""
+    this rank's own from ``own``. The result's arrays, one per rank
+    (``metadata_step.get_pieces``'s reads)."""
     cdef int n = self.n, me = self.me, i, r
     cdef Py_ssize_t room = self.slot_bytes - off, at = 0, k
     cdef char* theirs
@@ -337,7 +338,8 @@ cdef object _a2a_list(Twin self, object seq, double secs, double start, object x
         totals.append(total - row[r] * rb)
         starts.append(part - (row[r] * rb if r < me else 0))
     return read_pieces(self, "all_to_all", seq, secs, start, call, step, off, rows, rb, totals,
-                   starts, <char*>cnp.PyArray_DATA(<cnp.ndarray>xs[me]), dtype, trailing, zero_d)
+                       starts, <char*>cnp.PyArray_DATA(<cnp.ndarray>xs[me]), dtype, trailing,
+                       zero_d)
 
 
 # ------------------------------------------------------------------ all_gather_v
@@ -395,4 +397,4 @@ cdef object _agv(Twin self, object seq, double secs, double start, object xo, ob
                           seq, secs, start, step, 16 + filled)
     rows = [(<int64_t*>(self.slot(r, step) + 8))[0] for r in range(n)]
     return read_pieces(self, "all_gather_v", seq, secs, start, call, step, off, rows, rb,
-                   [k * rb for k in rows], [0] * n, data, dtype, trailing, zero_d)
+                       [k * rb for k in rows], [0] * n, data, dtype, trailing, zero_d)

@@ -75,20 +75,20 @@ def prepare_all_gather_object(obj, backend: Backend, arg, timeout, algorithm=Non
     payload, error = dumps(name, obj)
     data = np.frombuffer(payload, np.uint8)
 
-    def pieces_of(metas: list[bytes]) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+    def pieces_of(metas: list[bytes]):
+        """A buffer for every rank's pickle, the (start, end) of each in it, a view of each,
+        and every rank's flag (its object could not be pickled)."""
         info = [unpack_ints(m, 2) for m in metas]
-        sizes = [size for size, _ in info]
-        buf = np.empty(sum(sizes), np.uint8)
-        ends = np.cumsum(sizes).tolist()
-        pieces = [buf[e - k:e] for k, e in zip(sizes, ends)]
-        return buf, pieces, [bad for _, bad in info]
+        ends = np.cumsum([size for size, _ in info]).tolist()
+        bounds = [(e - size, e) for (size, _), e in zip(info, ends)]
+        buf = np.empty(ends[-1], np.uint8)
+        return buf, bounds, [buf[s:e] for s, e in bounds], [bad for _, bad in info]
 
     def body(ctx: Ctx, metas: list[bytes]) -> list:
-        buf, pieces, failed = pieces_of(metas)
+        buf, bounds, pieces, failed = pieces_of(metas)
         pieces[ctx.rank][...] = data
         if ctx.n > 1 and buf.size:
-            ends = np.cumsum([p.size for p in pieces]).tolist()
-            all_gather_v_ring(ctx, buf, [(e - p.size, e) for p, e in zip(pieces, ends)])
+            all_gather_v_ring(ctx, buf, bounds)
         return gathered(name, ctx.rank, pieces, failed, error)
 
     def put(group, payload_room: np.ndarray) -> None:
@@ -96,7 +96,7 @@ def prepare_all_gather_object(obj, backend: Backend, arg, timeout, algorithm=Non
 
     def run(group, call, step: int, off: int, metas: list[bytes], messages) -> list:
         """Every rank's pickle rides in the metadata step (or is read from its memory)."""
-        _, pieces, failed = pieces_of(metas)
+        _, _, pieces, failed = pieces_of(metas)
         if not get_pieces(group, call, step, off, [p.size for p in pieces], [0] * len(pieces),
                           pieces):
             return messages()
