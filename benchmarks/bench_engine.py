@@ -248,6 +248,7 @@ def bench_object_call(benchmark, impl, call):
     object (``pickle.loads(pickle.dumps(obj))``: the least either must do)."""
     import pickle
 
+    import ferro_collective as fc
     from ferro_collective.api_uneven import ALL_GATHER_OBJECT, BROADCAST_OBJECT
     from ferro_collective.dispatch import run as dispatch
 
@@ -260,8 +261,7 @@ def bench_object_call(benchmark, impl, call):
             return [pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))]
     else:
         b = one_rank_engine()
-        fc_barrier = __import__("ferro_collective").barrier
-        fc_barrier(b)  # (makes the group and its twin)
+        fc.barrier(b)  # (makes the group and its twin)
         coll, arg = {"broadcast_object": (BROADCAST_OBJECT, 0),
                      "all_gather_object": (ALL_GATHER_OBJECT, None)}[call]
         algorithm = None if impl == "_objects_twin" else "auto"
