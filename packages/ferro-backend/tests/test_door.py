@@ -320,6 +320,20 @@ def test_a_deadline_names_the_ranks_not_arrived_and_breaks_the_communicator(shim
     assert ranks[0].error() == msg
 
 
+def test_a_deadline_is_never_early(shim):
+    """A call's start comes from the kernel's coarse clock moved past now (``ferro_now_late``,
+    _sync.h: 3 ns a read against 25 for CLOCK_MONOTONIC here): its deadline may be a few ms
+    late, never early, also for short timeouts."""
+    for timeout in (0.02, 0.05, 0.11, 0.02, 0.05):
+        ranks = ranks_of(shim, 2)
+        t0 = time.monotonic()
+        assert ranks[0](BARRIER, timeout=timeout) == TIMEOUT
+        elapsed = time.monotonic() - t0
+        assert timeout <= elapsed < timeout + 2.0, (timeout, elapsed)
+        for me in ranks:
+            me.release()
+
+
 def test_a_mismatch_names_what_every_rank_called_on_every_rank_and_the_calls_go_on(shim):
     ranks = ranks_of(shim, 2)
     xs = [np.ones(4, np.float32), np.ones(4, np.int32)]

@@ -370,7 +370,7 @@ static int probe_failed(ferro_comm* c, const char* name, int64_t ticket, int rc,
 
 int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name) {
     int rc;
-    double start = ferro_now();
+    double start = ferro_now_late();
     if (c->running_thread == self_thread())
         return say(FERRO_BUSY, "%s: called from inside another call on this communicator", name);
     rc = wait_turn(c, ticket, timeout < 0 ? start : start + timeout, name, NULL, NULL, NULL);
@@ -503,7 +503,7 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
     k->hook_ctx = o != NULL ? o->wait_ctx : NULL;
     k->hooked = 0;
     k->probed = 0;
-    k->start = ferro_now();
+    k->start = ferro_now_late();  /* (the deadline: never early, at most two ticks late) */
     k->hard = k->start + timeout;
     if (ferro_load(&c->closed))
         return refuse(c, o, say(FERRO_CLOSED, "%s on rank %d: the engine is closed", name,

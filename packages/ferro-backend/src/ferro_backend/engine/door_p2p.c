@@ -120,7 +120,7 @@ int ferro_door_send(ferro_comm* c, const void* buf, size_t nbytes, int dst, uint
     if (ferro_load(&c->closed))
         return ferro_door_say(FERRO_CLOSED, "send to rank %d on rank %d: the engine is closed",
                               dst, c->s.me);
-    deadline = ferro_now() + timeout;
+    deadline = ferro_now_late() + timeout;
     ring_io(c, c->s.me, dst, &io);
     maxp = ferro_ring_max_payload(&io);
     if (o != NULL && o->wait_hook != NULL
@@ -257,7 +257,7 @@ int ferro_door_recv(ferro_comm* c, void* buf, size_t nbytes, int src, uint64_t t
         return ferro_door_say(FERRO_INVALID, "recv: buf is NULL for %zu bytes", nbytes);
     if (ferro_load(&c->closed))
         return ferro_door_say(FERRO_CLOSED, "recv on rank %d: the engine is closed", c->s.me);
-    deadline = ferro_now() + timeout;
+    deadline = ferro_now_late() + timeout;
     for (;;) {
         for (k = 0; k < (src == FERRO_ANY_SOURCE ? n : 1) && !found; k++) {
             r = src != FERRO_ANY_SOURCE ? src : (c->p2p->next_any + k) % n;

@@ -130,7 +130,9 @@ typedef void (*ferro_wait_hook)(void* ctx, int waiting);
 typedef struct ferro_opts {
     uint32_t size;          /* sizeof(ferro_opts) as the client knows it (FERRO_OPTS_INIT) */
     uint32_t flags;         /* none yet: 0 */
-    double timeout;         /* seconds; 0: the communicator's default; INFINITY: none */
+    double timeout;         /* seconds; 0: the communicator's default; INFINITY: none (a
+                             * call times out no sooner, and at most two of the kernel's
+                             * coarse clock ticks later: 8 ms with 4 ms ticks) */
     int64_t ticket;         /* FERRO_TICKET_NOW, or one reserve() returned */
     int32_t ndim;           /* the shape the call's header names for mismatch detection: */
     const int64_t* dims;    /*   ndim dims (0 of them: a scalar); NULL: one dim, the count */
