@@ -124,3 +124,45 @@ def test_the_one_call_path_finds_each_backends_own_group_and_forgets_the_gone():
     assert ferro_collective.allreduce(x, b2).tolist() == x.tolist()
     assert ferro_collective.allreduce(x, one_rank()).tolist() == x.tolist()
     b2.engine.close()
+
+
+def test_the_barrier_takes_its_one_call_entry_and_its_errors_end_at_the_public_call():
+    """``barrier`` goes to ``dispatch.run_barrier``: on an engine with its group made, the
+    group's own checks run (a broken group raises its error, a bad timeout is refused naming
+    the barrier) and the traceback ends within three of ferro's frames; no engine: the
+    general path, as before."""
+    import os
+    import traceback
+
+    import pytest
+
+    from ferro_backend import SimulatedBackend
+    from ferro_backend.engine import Engine, _segment
+
+    (b,) = SimulatedBackend.create_group(1)
+    size = _segment.layout(1, 1 << 16, 4096)["size"]
+    fd = os.memfd_create("ferro-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        b.engine = Engine(0, 1, fd, size, 1 << 16, 4096, b.timeout)
+    finally:
+        os.close(fd)
+    try:
+        ferro_collective.barrier(b)  # (the first call makes the group)
+        step = b.engine.comm.step
+        for _ in range(5):
+            assert ferro_collective.barrier(b) is None
+        assert b.engine.comm.step == step + 5
+        with pytest.raises(ValueError, match="barrier: timeout") as info:
+            ferro_collective.barrier(b, timeout=-1.0)
+        ours = [f for f in traceback.extract_tb(info.value.__traceback__)
+                if "ferro" in f.filename]
+        assert 1 <= len(ours) <= 3, ours
+        b.engine.client.broken = RuntimeError("the group was broken earlier")
+        with pytest.raises(RuntimeError, match="broken earlier"):
+            ferro_collective.barrier(b)
+    finally:
+        b.engine.close()
+    (alone,) = SimulatedBackend.create_group(1)
+    assert ferro_collective.barrier(alone) is None and dispatch.run_barrier.__module__ == \
+        "ferro_collective.dispatch"

@@ -303,26 +303,41 @@ cdef class Core:
         return self._call(self._barrier, None, None, timeout)
 
 
+cdef inline Core _core_of(object backend):
+    """``backend``'s engine's Core (the last one found, or looked up now), or None: no engine,
+    or no group yet (the general path makes it)."""
+    global _last_backend, _last_core
+    if _last_backend is not None and PyWeakref_GetObject(_last_backend) == <PyObject*>backend:
+        last = <object>PyWeakref_GetObject(_last_core)  # (None once that Core is gone)
+        if last is not None:
+            return <Core>last
+    engine = getattr(backend, "engine", None)
+    if engine is None:
+        return None
+    client = engine.client
+    if not isinstance(client, Core):
+        return None
+    _last_backend, _last_core = _weakref(backend), _weakref(client)
+    return <Core>client
+
+
+cdef bint barrier_now(object backend, object timeout) except -1:
+    """A barrier whole on ``backend``'s engine door (True), or False (not taken: no engine, or
+    no group yet): :func:`one_call` of :data:`BARRIER`, without its choice of kind."""
+    cdef Core c = _core_of(backend)
+    if c is None:
+        return False
+    c._barrier_now(timeout)
+    return True
+
+
 cdef object one_call(int kind, object tensor, object backend, object arg, object timeout,
                      object out):
     """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine door, or
     :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
-    global _last_backend, _last_core
-    cdef Core c
-    cdef object last = None
-    if _last_backend is not None and PyWeakref_GetObject(_last_backend) == <PyObject*>backend:
-        last = <object>PyWeakref_GetObject(_last_core)  # (None once that Core is gone)
-    if last is not None:
-        c = <Core>last
-    else:
-        engine = getattr(backend, "engine", None)
-        if engine is None:
-            return _NOT_TAKEN
-        client = engine.client
-        if not isinstance(client, Core):
-            return _NOT_TAKEN
-        c = <Core>client
-        _last_backend, _last_core = _weakref(backend), _weakref(c)
+    cdef Core c = _core_of(backend)
+    if c is None:
+        return _NOT_TAKEN
     if kind <= K_REDUCE_SCATTER:
         return c._fold_now(kind, tensor, out, arg, timeout)
     if kind == K_BROADCAST:

@@ -27,7 +27,7 @@ from ferro_backend import DEFAULT_TIMEOUT, Backend
 
 from . import compressed as _compressed
 from . import wire as _wire
-from .dispatch import run
+from .dispatch import run, run_barrier
 from .ops import ReduceOp
 from .records import (
     ALL_GATHER,
@@ -276,7 +276,7 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     --------
     >>> barrier(backend)  # every rank of backend's group calls it
     """
-    run(BARRIER, None, backend, None, timeout)
+    run_barrier(BARRIER, backend, timeout)
 
 
 def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM, *,
