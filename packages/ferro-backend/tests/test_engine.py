@@ -130,6 +130,24 @@ def test_ring_bytes_shrink_with_the_world_and_follow_the_environment(n, monkeypa
         eng.default_ring_bytes(n)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16, 64])
+def test_split_threshold_rises_while_the_ranks_outnumber_the_cores(n, monkeypatch):
+    """Unset: 32 KiB, or while oversubscribed 512 KiB / n when that is more (one step instead
+    of a pipeline whose waits need ranks the scheduler has not run); set: the setting."""
+    monkeypatch.delenv("FERRO_SHM_SPLIT_BYTES", raising=False)
+    monkeypatch.setattr(eng, "oversubscribed", lambda nranks: False)
+    assert eng.split_bytes(n) == 32 << 10
+    monkeypatch.setattr(eng, "oversubscribed", lambda nranks: nranks == n)
+    assert eng.split_bytes(n) == max(32 << 10, (512 << 10) // n)
+    assert eng.split_bytes(4 if n != 4 else 2) == 32 << 10  # (another job, not oversubscribed)
+    if n in (3, 4):
+        assert eng.split_bytes(n) >= 128 << 10
+    monkeypatch.setenv("FERRO_SHM_SPLIT_BYTES", "16k")
+    assert eng.split_bytes(n) == 16 << 10
+    monkeypatch.setenv("FERRO_SHM_SPLIT_BYTES", "0")
+    assert eng.split_bytes(n) == 0
+
+
 class _FakeRank0:
     """What _serve_fd needs of a backend: rank 0 of 3, whose sends we can read."""
 

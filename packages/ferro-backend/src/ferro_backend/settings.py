@@ -231,7 +231,8 @@ SHM_SLOT_BYTES = _declare("FERRO_SHM_SLOT_BYTES", "bytes", _min_bytes(64), 1 << 
 SHM_SPLIT_BYTES = _declare("FERRO_SHM_SPLIT_BYTES", "bytes", _bytes, 32 << 10, "`ShmBackend`",
                            "allreduces from this size (within a slot) run split: each rank "
                            "folds one part, pipelined in chunks (rank 0's value holds; 0: "
-                           "never)")
+                           "never; unset while the ranks outnumber the cores: 512 KiB / ranks "
+                           "when that is more)")
 SHM_STREAM_BYTES = _declare("FERRO_SHM_STREAM_BYTES", "bytes", _bytes, 256 << 10, "`ShmBackend`",
                             "collectives from 16 KiB up to this size whose data stays put in "
                             "the slot (over half a slot per rank) copy into the shared segment "
