@@ -25,9 +25,13 @@ def test_the_modes_decide_from_the_usable_cores():
         with settings.override(SHM_BIND="off"):
             assert binding.bind(0, 1) is None
         with settings.override(SHM_BIND="auto"):
-            assert binding.bind(0, n + 1) is None  # more ranks than cores
             if n > 1:
+                assert binding.bind(0, n + 1) is None  # more ranks, not a multiple of the cores
                 assert binding.bind(0, n - 1) is None  # a core to spare: auto leaves it
+            for rank in (2 * n - 1, n, 1):  # a whole multiple: k ranks to each core, in turn
+                assert binding.bind(rank, 2 * n) == before
+                assert os.sched_getaffinity(0) == {CORES[rank % n]}
+                binding.unbind(before)
         with settings.override(SHM_BIND="cores"):
             assert binding.bind(n, n) is None  # no such rank
             assert binding.bind(0, 1) == before
@@ -100,3 +104,20 @@ def test_each_rank_runs_on_a_core_of_its_own_until_it_closes(mode):
     for rank, (inside, after, usable) in enumerate(got):
         assert after == CORES and usable == CORES  # given back
         assert inside == ([CORES[rank]] if mode == "cores" else CORES)
+
+
+def _cores_of_a_rank(backend) -> list:
+    """This rank's cores with its engine open, and after it closed."""
+    backend.barrier(timeout=30)
+    inside = sorted(os.sched_getaffinity(0))
+    backend.barrier(timeout=30)
+    backend.close()
+    return [inside, sorted(os.sched_getaffinity(0))]
+
+
+@pytest.mark.skipif(len(CORES) != 2, reason="4 ranks as a whole multiple of 2 usable cores")
+def test_twice_as_many_ranks_as_cores_are_bound_two_to_a_core_until_they_close():
+    with mock.patch.dict(os.environ, {"FERRO_SHM_BIND": "auto"}):
+        got = run_processes(_cores_of_a_rank, 4, transport="shm")
+    for rank, (inside, after) in enumerate(got):
+        assert inside == [CORES[rank % 2]] and after == CORES, (rank, inside, after)

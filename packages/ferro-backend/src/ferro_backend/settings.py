@@ -242,8 +242,9 @@ SHM_STREAM_BYTES = _declare("FERRO_SHM_STREAM_BYTES", "bytes", _bytes, 256 << 10
 SHM_BIND = _declare("FERRO_SHM_BIND", "auto, cores or off", _choice("auto", "cores", "off"),
                     "auto", "`ShmBackend`",
                     "bind each rank of a same-host engine to a core of its own, as MPI does: "
-                    "`auto` when the ranks are exactly as many as the usable cores, `cores` "
-                    "whenever there are enough (one job per host), `off` never")
+                    "`auto` when the ranks are exactly as many as the usable cores (or k times "
+                    "as many: k ranks to a core), `cores` whenever there are enough (one job "
+                    "per host), `off` never")
 SHM_REPROBE = _declare("FERRO_SHM_REPROBE", "seconds", _seconds, 10.0, "`ShmBackend`",
                        "the engine probes the link between its ranks' cores again (every rank, "
                        "after the same call) at least this often while calls run, and sooner "
