@@ -74,30 +74,36 @@ def test_the_wire_formats_run_on_the_compiled_kernel():
     assert wire._kernel is _wire and wire.BLOCK == _wire.BLOCK == 256
 
 
+def _one_rank_engine():
+    """A backend of one rank with an engine of its own (a world of one makes none)."""
+    import os
+
+    from ferro_backend import SimulatedBackend
+    from ferro_backend.engine import Engine, _segment
+
+    (b,) = SimulatedBackend.create_group(1)
+    size = _segment.layout(1, 1 << 16, 4096)["size"]
+    fd = os.memfd_create("ferro-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        b.engine = Engine(0, 1, fd, size, 1 << 16, 4096, b.timeout)
+    finally:
+        os.close(fd)
+    return b
+
+
 def test_the_one_call_path_finds_each_backends_own_group_and_forgets_the_gone():
     """The dispatcher keeps the last backend and its group (weakly): calls alternating between
     backends each run on their own engine, a group bound anew is the one used, and a backend
     that is gone leaves nothing behind."""
     import gc
-    import os
     import weakref
 
     import numpy as np
 
-    from ferro_backend import SimulatedBackend
-    from ferro_backend.engine import Engine, _segment
     from ferro_collective.engine_group import EngineGroup
 
-    def one_rank():
-        (b,) = SimulatedBackend.create_group(1)
-        size = _segment.layout(1, 1 << 16, 4096)["size"]
-        fd = os.memfd_create("ferro-test", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            b.engine = Engine(0, 1, fd, size, 1 << 16, 4096, b.timeout)
-        finally:
-            os.close(fd)
-        return b
+    one_rank = _one_rank_engine
 
     b1, b2 = one_rank(), one_rank()
     x = np.arange(4.0)
@@ -131,22 +137,13 @@ def test_the_barrier_takes_its_one_call_entry_and_its_errors_end_at_the_public_c
     group's own checks run (a broken group raises its error, a bad timeout is refused naming
     the barrier) and the traceback ends within three of ferro's frames; no engine: the
     general path, as before."""
-    import os
     import traceback
 
     import pytest
 
     from ferro_backend import SimulatedBackend
-    from ferro_backend.engine import Engine, _segment
 
-    (b,) = SimulatedBackend.create_group(1)
-    size = _segment.layout(1, 1 << 16, 4096)["size"]
-    fd = os.memfd_create("ferro-test", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        b.engine = Engine(0, 1, fd, size, 1 << 16, 4096, b.timeout)
-    finally:
-        os.close(fd)
+    b = _one_rank_engine()
     try:
         ferro_collective.barrier(b)  # (the first call makes the group)
         step = b.engine.comm.step

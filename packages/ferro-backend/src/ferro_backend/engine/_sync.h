@@ -65,7 +65,7 @@ static inline double ferro_now(void) {
 }
 
 /* A monotonic time a little after now, from the kernel's coarse clock: 3 ns a read here, where
- * CLOCK_MONOTONIC costs 25 ns on this VM's TSC (a sixth of a one-rank barrier through the door).
+ * CLOCK_MONOTONIC costs 25 ns on this VM's TSC (a fifth of a one-rank barrier through the door).
  * The coarse clock is the time of the last tick: 0.7-4.7 ms behind CLOCK_MONOTONIC here, with
  * ticks of 4 ms; two ticks added put it after now, by 3-7 ms. A call's deadline counts from it
  * (ferro_wait compares CLOCK_MONOTONIC with that deadline): never early, at most two ticks
