@@ -38,8 +38,14 @@ the time is that of the writes and the call together, for every implementation a
 Without it every call sends the same untouched buffer, which a peer reading it directly (Open
 MPI's single-copy path) finds in its own cache from the previous call.
 
+The host's state around every launch: ferro's link probe runs as a job of its own just before
+each launch and after the last (``host_state.py``; ``--no-host-probe`` skips it), so every
+implementation's launches, MPI's too, are told apart by where the host's cores were;
+``results.md`` ends with the comparison state by state.
+
 Implementations whose library is not installed are skipped with a message. Writes
-``<out>/results.json``, ``<out>/results.md`` (the tables) and ``<out>/busbw.png`` (the plot).
+``<out>/results.json``, ``<out>/results.md`` (the tables), ``<out>/busbw.png`` (the plot) and
+``<out>/launches.json`` (every launch's rows and the probes either side of it).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import sys
 import time
 from pathlib import Path
 
+import host_state
 import numpy as np
 import tables
 from busbw import busbw
@@ -374,6 +381,9 @@ def _timed(k: int, call) -> float:
 
 def worker(impl: str, out_path: str, ops_filter: list[str], sizes: list[int],
            fresh: bool = False) -> None:
+    if impl == "probe":
+        host_state.probe_worker(out_path)
+        return
     if impl in MPI_IMPLS:
         rank, world, ops, barrier, ones, close = _mpi_ops()
     elif impl in TORCH_IMPLS:
@@ -510,6 +520,34 @@ def launch(impl: str, world: int, out_path: str, ops: list[str], sizes: list[int
         raise RuntimeError(f"{impl} world={world} failed: exit codes {[p.returncode for p in procs]}")
 
 
+class HostProbe:
+    """The host's link probe as a job of its own (``host_state.py``), around the launches: the
+    probe after one launch is the one before the next (when it ran for as many processes)."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out, self.enabled = out, enabled
+        self.last: tuple[int, list | None] | None = None
+
+    def now(self, world: int, fresh: bool = False) -> list | None:
+        """``[rtt_ns, copy_gbps]`` for a launch of ``world`` processes (None: disabled, or the
+        probe did not run); ``fresh``: probe again even if the last probe was for as many."""
+        n = host_state.probe_processes(world)
+        if not self.enabled or n < 2:
+            return None
+        if not fresh and self.last is not None and self.last[0] == n:
+            return self.last[1]
+        path = self.out / f"probe-{n}.json"
+        try:
+            launch("probe", n, str(path), ["barrier"], [0], timeout=120)
+            got = json.loads(path.read_text())
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+            print(f"peers: the host probe failed, left out: {exc}", flush=True)
+            got = None
+        path.unlink(missing_ok=True)
+        self.last = (n, got)
+        return got
+
+
 def best_mpi(results: dict, world: int) -> list[dict] | None:
     """MPI at its best: per row, the fastest of Open MPI default, Open MPI coll/sm and Intel
     MPI (those that ran)."""
@@ -564,13 +602,11 @@ def markdown(results: dict, worlds: list[int], impls: list[str]) -> str:
 def links_markdown(links: dict) -> str:
     """Which state each ferro-shm launch ran in: its engine's link probe (a cache line's round
     trip between the ranks' cores) as the job formed and at its end."""
-    from ferro_backend.engine.link import SHARED_CACHE_NS
-
     lines = ["\nferro-shm's link probe per launch (a cache line's round trip between the ranks' "
              "cores, ns, as the job formed -> at its end; below "
-             f"{SHARED_CACHE_NS:.0f} ns the cores share a cache):"]
+             f"{host_state.SHARED_CACHE_NS:.0f} ns the cores share a cache):"]
     for key, runs in links.items():
-        shared = sum(1 for (start, _end) in runs if start[0] < SHARED_CACHE_NS)
+        shared = sum(1 for (start, _end) in runs if host_state.state_of(start[0]) == "shared")
         trips = ", ".join(f"{start[0]:.0f} -> {end[0]:.0f}" for start, end in runs)
         lines.append(f"- {key.split('/')[1]} processes: {trips} ({shared} of {len(runs)} "
                      "launches formed sharing a cache)")
@@ -669,6 +705,8 @@ def main(argv=None) -> int:
                    help="runs of every implementation (interleaved); rows give the median")
     p.add_argument("--fresh", action="store_true",
                    help="every rank rewrites its input (a byte per cache line) before each call")
+    p.add_argument("--no-host-probe", dest="host_probe", action="store_false",
+                   help="skip the host's link probe around every launch (host_state.py)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -690,12 +728,15 @@ def main(argv=None) -> int:
         impls.append(impl)
     runs: dict[str, list[list[dict]]] = {}
     links: dict[str, list] = {}  # ferro-shm's link probes per launch (engine/link.py)
+    launches: list[dict] = []  # every launch's rows and the host's probes either side of it
+    host = HostProbe(out, args.host_probe and available("ferro-shm") is None)
     for rep in range(args.repeat):  # interleaved, so a noisy minute hits every implementation
         for impl in impls:
             for world in args.worlds:
                 path = out / f"{impl}-{world}.json"
                 print(f"peers: {impl} with {world} processes, run {rep + 1}/{args.repeat}",
                       flush=True)
+                before = host.now(world)
                 try:
                     launch(impl, world, str(path), args.ops, args.sizes, args.timeout,
                            args.fresh)
@@ -703,7 +744,10 @@ def main(argv=None) -> int:
                     print(f"peers: {impl} with {world} processes failed, run left out: {exc}",
                           flush=True)
                     continue
-                runs.setdefault(f"{impl}/{world}", []).append(json.loads(path.read_text()))
+                rows = json.loads(path.read_text())
+                runs.setdefault(f"{impl}/{world}", []).append(rows)
+                launches.append({"impl": impl, "world": world, "rep": rep, "rows": rows,
+                                 "probes": [before, host.now(world, fresh=True)]})
                 path.unlink()
                 probe = Path(f"{path}.link")
                 if probe.exists():
@@ -720,6 +764,9 @@ def main(argv=None) -> int:
     if links:
         (out / "links.json").write_text(json.dumps(links, indent=1))
         md += links_markdown(links)
+    if any(x["probes"][0] for x in launches):
+        (out / "launches.json").write_text(json.dumps(launches, indent=1))
+        md += host_state.states_markdown(launches, args.worlds, MPI_IMPLS)
     (out / "results.md").write_text(md)
     print(md)
     try:

@@ -59,10 +59,13 @@ def is_peers(results: object) -> bool:
         for k, v in results.items())
 
 
-def peers_markdown(results: dict, links: dict | None = None) -> str:
+def peers_markdown(results: dict, links: dict | None = None,
+                   launches: list | None = None) -> str:
     """The ``results.md`` peers.py writes for ``results`` (and ferro-shm's link probes,
-    ``links.json``, where the run has them)."""
+    ``links.json``, and the host's states around the launches, ``launches.json``, where the
+    run has them)."""
     sys.path.insert(0, str(HERE))
+    import host_state
     import peers
 
     worlds = sorted({int(k.split("/")[1]) for k in results})
@@ -73,7 +76,9 @@ def peers_markdown(results: dict, links: dict | None = None) -> str:
             impls.append(impl)
     return (peers.markdown(results, worlds, impls + ["mpi-best"])
             + peers.torch_markdown(results, worlds)
-            + (peers.links_markdown(links) if links else ""))
+            + (peers.links_markdown(links) if links else "")
+            + (host_state.states_markdown(launches, worlds, peers.MPI_IMPLS) if launches
+               else ""))
 
 
 def world_table(markdown: str, world: int) -> str:
@@ -121,9 +126,10 @@ def expected() -> dict[Path, str]:
     for path in sorted(RESULTS.rglob("results.json")):
         data = json.loads(path.read_text())
         if is_peers(data):
-            links = path.with_name("links.json")
+            links, launches = path.with_name("links.json"), path.with_name("launches.json")
             want[path.with_name("results.md")] = peers_markdown(
-                data, json.loads(links.read_text()) if links.exists() else None)
+                data, json.loads(links.read_text()) if links.exists() else None,
+                json.loads(launches.read_text()) if launches.exists() else None)
     text = README.read_text()
 
     def table(m: re.Match) -> str:
