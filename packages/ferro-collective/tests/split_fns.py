@@ -97,10 +97,12 @@ def stream_then_one_step(b, rounds: int) -> list[str]:
     return bad
 
 
-def scatters_equal_star(b, cases: list) -> list[str]:
-    """Each (dtype, items per rank, op) reduce_scatter on the split path (beyond a slot) against
-    the star algorithm, bit for bit: new result, ``out=``, and one rank on the general path (a
-    strided input) while the others take the same step; returns the failures."""
+def scatters_equal_star(b, cases: list, within: bool = False) -> list[str]:
+    """Each (dtype, items per rank, op) reduce_scatter on the split path (beyond a slot; or,
+    ``within``, from 256 KiB within one, where only the other ranks' parts go into this rank's
+    slot) against the star algorithm, bit for bit: new result, ``out=``, and one rank on the
+    general path (a strided input) while the others take the same step; returns the
+    failures."""
     n = b.world_size
     g = group_of(b) or (fc.barrier(b) or group_of(b))
     bad = [] if g.steps.split_bytes > 0 else ["the split path is off"]
@@ -110,11 +112,20 @@ def scatters_equal_star(b, cases: list) -> list[str]:
         x = ((rng.standard_normal(n * per) * 3).astype(dt) if dt.kind == "f"
              else rng.integers(0, 50, n * per).astype(dt))
         label = f"{dtype}[{n}x{per}] {op_name}"
-        if x.nbytes <= g.slot_bytes:  # (the door splits every reduction beyond a slot)
+        if within and not 256 << 10 <= x.nbytes <= g.slot_bytes:
+            bad.append(f"{label}: not from 256 KiB within a slot")
+        elif not within and x.nbytes <= g.slot_bytes:  # (the door splits beyond a slot)
             bad.append(f"{label}: not split beyond a slot")
         with np.errstate(all="ignore"):
             ref = fc.reduce_scatter(x, b, op, algorithm="star").tobytes()
+            sent = b.engine.bytes_sent
             got = fc.reduce_scatter(x, b, op)
+            # split from 256 KiB and 4 split thresholds (an oversubscribed job's is higher)
+            split = not within or x.nbytes >= max(256 << 10, 4 * g.steps.split_bytes)
+            want = x.nbytes - x.nbytes // n if split else x.nbytes
+            if b.engine.bytes_sent - sent != want:
+                bad.append(f"{label}: wrote {b.engine.bytes_sent - sent} bytes into the slot, "
+                           f"{'split' if split else 'one step'} writes {want}")
             out = np.empty(per, dt)
             fc.reduce_scatter(x, b, op, out=out)
             wide = np.repeat(x, 2)

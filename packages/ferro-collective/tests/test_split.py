@@ -1,8 +1,9 @@
-"""The engine's pipelined steps: the split allreduce (ferro_backend/engine/_split.h: every rank
-folds one part, in chunks) and the streamed all_gather (_stream.h: blocks beyond a slot through a
-ring of chunks). Real processes on the same-host engine: the star algorithm's bits for drawn
-world sizes, dtypes, ops and item counts (parts and chunks of unequal sizes), whichever path each
-rank takes, and a late peer's call resumed after the stall report."""
+"""The engine's pipelined steps: the split allreduce and reduce_scatter
+(ferro_backend/engine/_split.h: every rank folds one part, in chunks) and the streamed
+all_gather (_stream.h: blocks beyond a slot through a ring of chunks). Real processes on the
+same-host engine: the star algorithm's bits for drawn world sizes, dtypes, ops and item counts
+(parts and chunks of unequal sizes), whichever path each rank takes, and a late peer's call
+resumed after the stall report."""
 
 import os
 from unittest import mock
@@ -103,6 +104,18 @@ def test_split_reduce_scatter_beyond_a_slot_equals_star(world, cases):
     with mock.patch.dict(os.environ, {"FERRO_SHM_SLOT_BYTES": "4096"}):
         results = run_processes(split_fns.scatters_equal_star, world, cases, transport="shm",
                                 timeout=150)
+    assert results == [[]] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_reduce_scatter_from_256_kib_within_a_slot_runs_split(world):
+    # the default 1 MiB slots: 256 KiB - 1 MiB inputs, parts and chunks of unequal sizes
+    # across dtypes; each rank writes only the others' parts into its slot (3 ranks on 2
+    # cores: from 4 x 170 KiB, the oversubscribed split threshold, the last two cases)
+    cases = [("float32", 65_536 // world + 7, "SUM"), ("float64", 60_000 // world, "MEAN"),
+             ("int32", 200_000 // world, "MAX"), ("uint8", 700_000 // world, "BOR")]
+    results = run_processes(split_fns.scatters_equal_star, world, cases, True, transport="shm",
+                            timeout=150)
     assert results == [[]] * world
 
 

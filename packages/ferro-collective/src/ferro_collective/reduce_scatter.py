@@ -4,8 +4,9 @@ equal slices along dim 0 (dim 0 must be divisible by the world size).
 Where a call runs (:mod:`.dispatch` picks):
 
 - **the engine's door** (``ferro/engine.h``, from the compiled one-call path or the plan's
-  engine body): up to a slot one step (every rank folds its part of every rank's slot, in rank
-  order); beyond a slot each rank folds its part of every rank's input from their input rings,
+  engine body): below 256 KiB (and 4 times the engine's split threshold, which an
+  oversubscribed job raises) one step (every rank folds its part of every rank's slot, in rank
+  order); from there each rank folds its part of every rank's input from their input rings,
   pipelined in chunks (``_split.h``);
 - **hierarchical** (:func:`stages`): the hierarchical allreduce, then this rank's slice;
 - **Python**: the ring or the star.

@@ -4,7 +4,8 @@
  *
  * On the steps of _steps.h. Two forms: the allreduce (split.gather = 1:
  * every rank ends with every part; ferro_api_allreduce runs it for an allreduce of at least
- * split_min bytes) and the reduce_scatter (gather = 0: a rank ends with its own part only).
+ * split_min bytes) and the reduce_scatter (gather = 0: a rank ends with its own part only;
+ * ferro_api_reduce_scatter runs it from FERRO_SPLIT_SCATTER_MIN bytes and 4 split_min).
  * The data splits into n parts (rank r owns part r, items [r*q + min(r, m), ...) for count =
  * n*q + m), each part into K chunks of `chunk` bytes. Rings, in slot units of W = slot_bytes:
  *
@@ -53,12 +54,22 @@ enum { FERRO_KIND_SPLIT = 0, FERRO_KIND_STREAM = 1 };
 /* which progress word a wait reads */
 enum { FERRO_PROG_IN = 0, FERRO_PROG_OUT = 1, FERRO_PROG_GATHER = 2 };
 
-/* chunk bytes: a part in about FERRO_SPLIT_CHUNKS chunks, within these bounds, and at most a
- * quarter of a part's input sub-ring (half in tiny slots), so that a ring of a few chunks
- * pipelines */
+/* chunk bytes: a whole part, within these bounds, and at most a quarter of a part's input
+ * sub-ring (half in tiny slots), so that a ring of a few chunks pipelines. Fewer, larger chunks
+ * won in both of the states this host's two cores were measured in (2 processes, medians of
+ * 10-30 launches each; a part in 4 chunks of at most 64 KiB before): allreduce 64 KiB 3.1 ->
+ * 2.9 us with the cores apart, 8.7 -> 6.4 us with them far apart; 1 MiB 43.5 -> 38.7 and
+ * 66.3 -> 61.9 us. */
 #define FERRO_SPLIT_CHUNK_MIN 4096u
-#define FERRO_SPLIT_CHUNK_MAX 65536u
-#define FERRO_SPLIT_CHUNKS 4u
+#define FERRO_SPLIT_CHUNK_MAX 131072u
+/* a reduce_scatter of this many bytes or more, and of at least 4 times the split threshold
+ * (which oversubscribed jobs raise), runs split even within a slot: each rank copies only the
+ * others' parts into its slot, pipelined, instead of all of its input. 2 processes, 1 MiB:
+ * 35.7 -> 25.0 us with the cores apart, 90.9 -> 34.4 with them far apart; 256 KiB 9.6 -> 5.4
+ * and 11.6 -> 11.8; at 64 KiB the one step was as fast apart and faster far apart (3.4
+ * against 4.3 us). 4 processes on 2 cores: 1 MiB 193 -> 107 us, 256 KiB (split from 128 KiB
+ * there) 28.8 -> 33.4, so that stays one step (the factor 4). */
+#define FERRO_SPLIT_SCATTER_MIN 262144u
 
 /* rank r's part: its first item and its item count */
 static inline void ferro_split_part(const ferro_split* sp, int n, int r, ptrdiff_t* first,
@@ -323,7 +334,7 @@ static inline int ferro_split_start(ferro_slots* s, const unsigned char* header,
     sp->aliased = (const unsigned char*)out < sp->src + nbytes
         && sp->src < (const unsigned char*)out + (gather ? nbytes : (size_t)len * sp->itemsize);
     part = ((size_t)count + (size_t)s->n - 1) / (size_t)s->n * sp->itemsize;
-    chunk = part / FERRO_SPLIT_CHUNKS;
+    chunk = part;
     if (chunk < FERRO_SPLIT_CHUNK_MIN) chunk = FERRO_SPLIT_CHUNK_MIN;
     if (chunk > FERRO_SPLIT_CHUNK_MAX) chunk = FERRO_SPLIT_CHUNK_MAX;
     if (chunk > room / 4) chunk = room / 4;                  /* rings of >= 4 positions */

@@ -7,7 +7,8 @@
  *   barrier         one step, header only
  *   allreduce       one step (post, meet, fold every slot) up to a slot; split (_split.h) from
  *                   the engine's split threshold, and always beyond a slot
- *   reduce_scatter  one step (each rank folds its part) up to a slot, split beyond
+ *   reduce_scatter  one step (each rank folds its part) below FERRO_SPLIT_SCATTER_MIN (256
+ *                   KiB) or 4 split thresholds; split from there, and always beyond a slot
  *   all_gather      one step up to a slot per block, streamed (_stream.h) beyond
  *   broadcast       one step per slot of data (a large one: steps pipelined two deep)
  *   reduce, gather  one step per slot of data per rank, the root folding or copying
@@ -848,7 +849,9 @@ static int api_reduce_scatter(ferro_comm* c, const void* send, void* recv, size_
     rc = begin(&k, c, "reduce_scatter", FERRO_COLL_REDUCE_SCATTER, o, timeout, dtype, count, op,
                -1, nbytes);
     if (rc != FERRO_OK) return rc;
-    if (nbytes > s->L.slot_bytes)
+    if (nbytes > s->L.slot_bytes || (nbytes >= FERRO_SPLIT_SCATTER_MIN
+                                     && nbytes / 4u >= s->split_min
+                                     && ferro_split_fits(s, nbytes, (ptrdiff_t)count)))
         rc = ferro_split_start(s, k.header, FERRO_HEADER_BYTES, k.hash, seq_of(&k), send, nbytes,
                                recv, (ptrdiff_t)count, dtype, op,
                                op == FERRO_AVG ? (double)s->n : 0.0, 0, k.hard);
