@@ -1,16 +1,16 @@
 """The host's state around every launch of a benchmark, whatever runs in it (issue 55).
 
 On this project's VM two processes' cores are found in one of three states, each lasting from
-under a second to minutes: they share a cache (a cache line's round trip 28-60 ns, a copy from
-core to core 24-27 GB/s), they share none (88-133 ns, 5-7 GB/s) or they sit far apart (426-476
-ns, 1.5-2 GB/s). An implementation that launches in a slower state than its peer's reads
-slower for it. ferro's launches probe themselves as they form (``engine.link``); MPI's and
-torch's cannot run ferro's probe. So ``peers.py`` runs the probe as a job of its own, of two
-processes (``min(world, cores)``) bound as ferro binds them, just before every launch and
-once after the last: a launch's state is the one the probes either side of it agree on, else
-``moved``. :func:`states_markdown` then compares the implementations state by state.
+under a second to minutes: they share a cache (a cache line's round trip 28-60 ns), they share
+none (88-133 ns) or they sit far apart (426-550 ns). An implementation that launches in a
+slower state than its peer's reads slower for it. ferro's launches probe themselves as they
+form (``engine.link``); MPI's and torch's cannot run ferro's probe. So ``peers.py`` runs the
+probe as a job of its own, of two processes (``min(world, cores)``) bound as ferro binds them,
+just before every launch and once after the last: a launch's state is the one the probes either
+side of it agree on, else ``moved``. :func:`states_markdown` then compares the implementations
+state by state.
 
-    python benchmarks/host_state.py          # one probe now: "far (448 ns, 1.7 GB/s)"
+    python benchmarks/host_state.py          # one probe now: "apart (113 ns, 40.2 GB/s)"
 """
 
 from __future__ import annotations
@@ -124,20 +124,13 @@ def states_markdown(launches: list[dict], worlds: list[int], mpi_impls: tuple) -
 
 
 if __name__ == "__main__":
-    import subprocess
-    import sys
     import tempfile
 
-    from ferro_backend.testing import free_port
+    import peers
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "probe.json")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                   WORLD_SIZE="2")
-        code = f"import host_state; host_state.probe_worker({out!r})"
-        procs = [subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent,
-                                  env=dict(env, RANK=str(r))) for r in range(2)]
-        for p in procs:
-            p.wait(60)
-        rtt, gbps = json.loads(Path(out).read_text())
-        print(f"{state_of(rtt)} ({rtt:.0f} ns, {gbps:.1f} GB/s)")
+        out = Path(tmp) / "probe.json"
+        peers.launch("probe", probe_processes(2), str(out), ["barrier"], [0], timeout=60)
+        got = json.loads(out.read_text())
+    print("no probe: fewer than 2 cores" if got is None
+          else f"{state_of(got[0])} ({got[0]:.0f} ns, {got[1]:.1f} GB/s)")
