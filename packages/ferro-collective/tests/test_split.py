@@ -109,7 +109,7 @@ def test_split_reduce_scatter_beyond_a_slot_equals_star(world, cases):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_reduce_scatter_from_256_kib_within_a_slot_runs_split(world):
-    # the default 1 MiB slots: 256 KiB - 1 MiB inputs, parts and chunks of unequal sizes
+    # the default 1 MiB slots: 256 KiB - 1 MiB inputs, a part's last chunk short
     # across dtypes; each rank writes only the others' parts into its slot (3 ranks on 2
     # cores: from 4 x 170 KiB, the oversubscribed split threshold, the last two cases)
     cases = [("float32", 65_536 // world + 7, "SUM"), ("float64", 60_000 // world, "MEAN"),
