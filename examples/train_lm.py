@@ -29,6 +29,13 @@ job resumes by itself. Rank 0 shows a progress bar (tqdm) with tokens per second
 held-out loss every ``--eval-every`` steps, writes ``loss_curve.png`` (matplotlib) of every run in
 the checkpoint directory, and at the end prints ``--sample-chars`` characters generated from
 ``--prompt`` (temperature sampling with ``--sample-seed``; ``--temperature 0`` is greedy).
+
+Less on the wire: under FSDP, ``--weights-wire`` and ``--grads-wire`` gather the parameters and
+reduce the gradients compressed (bf16, fp16, or blockwise int8/int4 with error feedback); under
+``--strategy ddp``, ``--grads-wire bf16|fp16|powersgd`` registers a communication hook
+(``ferro_fsdp.comm_hooks``). PowerSGD (``--powersgd-rank``, after ``--powersgd-start`` exact
+steps) keeps its error feedback and warm-start Qs in the checkpoints, so a resumed run on the
+same number of ranks continues with the bits of an unbroken one.
 tqdm and matplotlib are optional (``pip install -r examples/requirements.txt``).
 """
 
@@ -54,6 +61,7 @@ from ferro_fsdp import DDP, FSDP, Module, comm_hooks, nn, optim
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "ddp"]
 WIRES = ["bf16", "fp16", "int8", "int4"]
+GRAD_HOOKS = ["bf16", "fp16", "powersgd"]  # DDP's --grads-wire: a communication hook each
 # tab, newline, printable ASCII; index len(CHARS) stands for any other character
 CHARS = "\t\n" + "".join(chr(c) for c in range(32, 127))
 OTHER = len(CHARS)
@@ -83,9 +91,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "from a secondary shard the forward's gather left (ZeRO++'s hpZ)")
     p.add_argument("--weights-wire", choices=WIRES, default=None,
                    help="FSDP: gather the parameters in this wire format (int8: ZeRO++'s)")
-    p.add_argument("--grads-wire", choices=WIRES, default=None,
+    p.add_argument("--grads-wire", choices=WIRES + ["powersgd"], default=None,
                    help="FSDP: reduce the gradients in this wire format (int8/int4: with "
-                        "error feedback); DDP: a compressing hook (bf16, fp16)")
+                        "error feedback); DDP: a compressing hook (bf16, fp16, or powersgd: "
+                        "low rank with error feedback and warm start, its state checkpointed)")
+    p.add_argument("--powersgd-rank", type=int, default=4,
+                   help="DDP --grads-wire powersgd: the rank of each gradient's approximation")
+    p.add_argument("--powersgd-start", type=int, default=10,
+                   help="DDP --grads-wire powersgd: steps averaged exactly before it starts")
     p.add_argument("--steps", type=int, default=500, help="total steps (a resume continues)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -258,6 +271,28 @@ def newest_step(manager: CheckpointManager, backend) -> int | None:
     return None if step < 0 else step
 
 
+def resume_powersgd(powersgd, tensors: dict, extra: dict, rank: int) -> None:
+    """Take a restored checkpoint's PowerSGD state out of ``tensors``: into ``powersgd`` (a
+    PowerSGDState, or None where this run has no PowerSGD) where both have one. Its error
+    feedback is per rank: kept on the world size that saved it, started afresh on another;
+    a checkpoint without it (an exact run's) starts PowerSGD afresh, exact steps first."""
+    held = any(k.startswith("powersgd.") for k in tensors)
+    note = None
+    if powersgd is None:
+        for k in [k for k in tensors if k.startswith("powersgd.")]:
+            del tensors[k]
+        if held:
+            note = "the checkpoint's PowerSGD state is left unused: this run averages exactly"
+    elif not held:
+        note = (f"the checkpoint holds no PowerSGD state: PowerSGD starts afresh "
+                f"({powersgd.start_powerSGD_iter} exact steps first)")
+    elif not powersgd.load_sharded_state_dict(tensors):
+        note = (f"the checkpoint was saved by {extra.get('world_size')} ranks: PowerSGD's error "
+                "feedback and Qs start afresh on this world size")
+    if note and rank == 0:
+        print(f"train_lm: {note}", flush=True)
+
+
 def history_path(args) -> Path:
     return args.checkpoint_dir / "loss_history.json"
 
@@ -301,6 +336,11 @@ def main(argv=None) -> int:
                          f"{world} ranks")
     if args.resume and args.checkpoint_dir is None:
         raise SystemExit("train_lm: --resume needs --checkpoint-dir")
+    if args.grads_wire == "powersgd" and args.strategy != "ddp":
+        raise SystemExit("train_lm: --grads-wire powersgd is a DDP hook: it needs --strategy ddp")
+    if args.powersgd_rank < 1 or args.powersgd_start < 0:
+        raise SystemExit(f"train_lm: --powersgd-rank {args.powersgd_rank} (>= 1) and "
+                         f"--powersgd-start {args.powersgd_start} (>= 0)")
     restart = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
     if args.resume and not restart and not args.checkpoint_dir.is_dir():
         raise SystemExit(f"train_lm: --resume: no checkpoint directory {args.checkpoint_dir}; "
@@ -319,13 +359,21 @@ def main(argv=None) -> int:
 
     model = build_model(cfg, args.seed, args.dropout)
     n_params = model.num_parameters()
+    powersgd = None  # DDP --grads-wire powersgd: its state (error feedback, Qs) is checkpointed
     if args.strategy == "ddp":
         wrapper = DDP(model, backend)
-        hooks = {"bf16": comm_hooks.bf16_compress_hook, "fp16": comm_hooks.fp16_compress_hook}
-        if args.grads_wire in hooks and not args.weights_wire:
+        if args.weights_wire or args.grads_wire not in (None, *GRAD_HOOKS):
+            raise SystemExit("train_lm: with --strategy ddp only --grads-wire "
+                             + ", ".join(GRAD_HOOKS))
+        if args.grads_wire == "powersgd":
+            powersgd = comm_hooks.PowerSGDState(
+                backend, matrix_approximation_rank=args.powersgd_rank,
+                start_powerSGD_iter=args.powersgd_start)
+            wrapper.register_comm_hook(powersgd, comm_hooks.powerSGD_hook)
+        elif args.grads_wire is not None:
+            hooks = {"bf16": comm_hooks.bf16_compress_hook,
+                     "fp16": comm_hooks.fp16_compress_hook}
             wrapper.register_comm_hook(backend, hooks[args.grads_wire])
-        elif args.grads_wire or args.weights_wire:
-            raise SystemExit("train_lm: with --strategy ddp only --grads-wire bf16 or fp16")
     else:
         intra = None
         if args.strategy == "hybrid_shard" or args.secondary_shard:
@@ -361,6 +409,7 @@ def main(argv=None) -> int:
         if saved_cfg != cfg:
             raise SystemExit(f"train_lm: the checkpoint in {args.checkpoint_dir} is of another "
                              f"model {saved_cfg}; this run asks for {cfg}")
+        resume_powersgd(powersgd, tensors, extra, rank)
         wrapper.load_sharded_state_dict(tensors, opt)
         step = int(extra["step"])
         if rank == 0:
@@ -398,6 +447,9 @@ def main(argv=None) -> int:
 
     def save(step_now: int, blocking: bool = False) -> None:
         tensors, specs = wrapper.sharded_state_dict(opt)
+        if powersgd is not None:  # (its error feedback: each rank its own row)
+            rows, row_specs = powersgd.sharded_state_dict()
+            tensors, specs = {**tensors, **rows}, {**specs, **row_specs}
         meta = ShardMetadata(world, {k: TensorShardSpec(*v) for k, v in specs.items()})
         extra = {"step": step_now, "seed": args.seed, "world_size": world,
                  "strategy": args.strategy, "model": cfg, "corpus_sha256": digest}
@@ -481,6 +533,9 @@ def main(argv=None) -> int:
             "weights_wire": args.weights_wire, "grads_wire": args.grads_wire,
             "secondary_shard": args.secondary_shard,
         }
+        if powersgd is not None:
+            summary["powersgd"] = {"rank": powersgd.matrix_approximation_rank,
+                                   "start": powersgd.start_powerSGD_iter}
         print("summary: " + json.dumps(summary), flush=True)
         print(f"{done} steps in {elapsed:.1f}s ({summary['tokens_per_s']:.0f} tokens/s) on "
               f"{world} ranks, held-out loss {val:.4f} nats/char "

@@ -104,3 +104,43 @@ def test_int8_gradients_resume_with_the_bits_of_an_unbroken_run(tmp_path):
     assert [s for s, _ in broken[1]["losses"]] == [5, 6, 7, 8]
     assert broken[1]["losses"] == straight[0]["losses"][4:]  # the same floats, bit for bit
 
+
+
+@pytest.mark.timeout(180)
+def test_powersgd_state_resumes_with_the_bits_of_an_unbroken_run(tmp_path):
+    """DDP with --grads-wire powersgd: each rank's error feedback and warm-start Qs go into the
+    checkpoint, so a run stopped after compression started ends with the unbroken run's bits;
+    the same steps averaged exactly end elsewhere."""
+    wire = ["--strategy", "ddp", "--grads-wire", "powersgd", "--powersgd-rank", 2,
+            "--powersgd-start", 2, "--checkpoint-every", 4]
+    ferrorun(2, *TINY, *wire, "--steps", 8, "--checkpoint-dir", tmp_path / "straight")
+    ferrorun(2, *TINY, *wire, "--steps", 4, "--checkpoint-dir", tmp_path / "broken")
+    resumed = ferrorun(2, *TINY, *wire, "--steps", 8, "--checkpoint-dir", tmp_path / "broken",
+                       "--resume")
+    assert "PowerSGD" not in resumed.stdout     # (no "starts afresh": its state was there)
+    summary = json.loads((tmp_path / "broken" / "summary.json").read_text())
+    assert summary["powersgd"] == {"rank": 2, "start": 2} and summary["grads_wire"] == "powersgd"
+    straight = json.loads((tmp_path / "straight" / "loss_history.json").read_text())
+    broken = json.loads((tmp_path / "broken" / "loss_history.json").read_text())
+    assert [s for s, _ in broken[1]["losses"]] == [5, 6, 7, 8]
+    assert broken[1]["losses"] == straight[0]["losses"][4:]  # the same floats, bit for bit
+    ferrorun(2, *TINY, "--strategy", "ddp", "--steps", 8, "--checkpoint-dir", tmp_path / "exact")
+    exact = json.loads((tmp_path / "exact" / "loss_history.json").read_text())
+    assert exact[0]["losses"][:3] == straight[0]["losses"][:3]   # exact until it starts
+    assert exact[0]["losses"][4:] != straight[0]["losses"][4:]   # then low rank
+    # switched over a resume: PowerSGD's state left unused; PowerSGD started afresh
+    r = ferrorun(1, *TINY, "--strategy", "ddp", "--steps", 9, "--checkpoint-dir",
+                 tmp_path / "broken", "--resume")
+    assert "PowerSGD state is left unused: this run averages exactly" in r.stdout
+    r = ferrorun(2, *TINY, *wire, "--steps", 9, "--checkpoint-dir", tmp_path / "exact",
+                 "--resume")
+    assert "holds no PowerSGD state: PowerSGD starts afresh (2 exact steps first)" in r.stdout
+
+
+def test_powersgd_is_refused_outside_ddp_and_with_a_bad_rank():
+    for extra, said in [(["--grads-wire", "powersgd"], "it needs --strategy ddp"),
+                        (["--strategy", "ddp", "--grads-wire", "powersgd", "--powersgd-rank",
+                          "0"], "--powersgd-rank 0 (>= 1)")]:
+        r = subprocess.run([sys.executable, str(SCRIPT), *map(str, TINY), "--steps", "1", *extra],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)
+        assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
