@@ -474,6 +474,7 @@ def main(argv=None) -> int:
             (progress.write(msg) if progress is not None else print(msg, flush=True))
 
     tokens_per_step = args.batch_size * args.seq
+    sent0 = getattr(backend, "bytes_sent", 0)   # (counted by the transports that count them)
     t0 = time.perf_counter()
     first_step = step
     val = float("nan")
@@ -504,6 +505,8 @@ def main(argv=None) -> int:
             run["val"].append((step, val))
             say(f"step {step}: loss {global_loss:.4f}, held-out loss {val:.4f}")
     elapsed = time.perf_counter() - t0
+    sent = float(allreduce(np.array([getattr(backend, "bytes_sent", 0) - sent0], np.float64),
+                           backend, ReduceOp.MEAN)[0])
     if progress is not None:
         progress.close()
     val = evaluate()
@@ -532,6 +535,7 @@ def main(argv=None) -> int:
             "steps_per_s": done / elapsed if done and elapsed else 0.0,
             "weights_wire": args.weights_wire, "grads_wire": args.grads_wire,
             "secondary_shard": args.secondary_shard,
+            "bytes_sent_per_rank_per_step": sent / done if done else 0.0,
         }
         if powersgd is not None:
             summary["powersgd"] = {"rank": powersgd.matrix_approximation_rank,
