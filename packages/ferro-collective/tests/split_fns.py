@@ -147,3 +147,36 @@ def equals_star_streaming(b, cases: list, small_bytes: int, slow_factor: float) 
     rate = g.steps.set_put(small_bytes, slow_factor)
     bad = equals_star(b, cases)
     return bad + ([] if rate >= 0 else [f"calibrated rate {rate}"])
+
+
+def broadcasts_in_half_slots(b, cases: list) -> list[str]:
+    """Each (dtype, items, root) broadcast through the door, from the root's random data, on
+    every rank: the root's bits (new result, ``out=``, a non-root passing None), in the number
+    of steps the door takes: one a slot, or one a half slot for more than half a slot up to
+    8 MiB (items equal across the steps); returns the failures."""
+    g = group_of(b) or (fc.barrier(b) or group_of(b))
+    bad = []
+    for dtype, count, root in cases:
+        dt = np.dtype(dtype)
+        data = np.random.default_rng(count).integers(0, 250, count).astype(dt)
+        label = f"{dtype}[{count}] from {root}"
+        x = data if b.rank == root else np.zeros(count, dt)
+        item, slot = dt.itemsize, g.slot_bytes // dt.itemsize * dt.itemsize
+        half = slot // 2 // item * item
+        if half < x.nbytes <= 8 << 20:
+            pieces = -(-x.nbytes // half)
+            chunk = -(-count // pieces) * item
+        else:
+            chunk = slot
+        want = max(1, -(-x.nbytes // chunk))
+        before = b.engine.comm.step
+        got = fc.broadcast(x, b, root)
+        if b.engine.comm.step - before != want:
+            bad.append(f"{label}: {b.engine.comm.step - before} steps, want {want}")
+        out = np.empty(count, dt)
+        fc.broadcast(x, b, root, out=out)
+        none = fc.broadcast(x if b.rank == root else None, b, root)
+        for name, res in (("new", got), ("out=", out), ("None", none)):
+            if res.tobytes() != data.tobytes():
+                bad.append(f"{label} {name}")
+    return bad

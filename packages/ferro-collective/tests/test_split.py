@@ -127,3 +127,15 @@ def test_every_way_into_the_segment_gives_the_bits_of_the_star(small_bytes, slow
     results = run_processes(split_fns.equals_star_streaming, 2, cases, small_bytes, slow_factor,
                             transport="shm", timeout=120)
     assert results == [[], []]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_broadcast_over_half_a_slot_up_to_8_mib_moves_in_half_slots(world):
+    # the default 1 MiB slots: at and under half a slot one step; over it, up to 8 MiB, steps
+    # of at most half a slot (600,000 bytes: two of 300,000; 3 MiB + 8 float64s: 7 steps, the
+    # last short); beyond 8 MiB, whole slots
+    cases = [("float32", 131_072, 0), ("uint8", 600_000, world - 1), ("float32", 262_144, 1),
+             ("float64", 393_224, 0), ("int16", 4 << 20, 1), ("uint8", 9 << 20, 0)]
+    results = run_processes(split_fns.broadcasts_in_half_slots, world, cases, transport="shm",
+                            timeout=150)
+    assert results == [[]] * world

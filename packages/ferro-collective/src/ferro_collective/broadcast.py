@@ -6,7 +6,7 @@ Where a call runs (:mod:`.dispatch` picks):
 - **the engine's door** (``ferro/engine.h``, from the compiled one-call path or the plan's
   engine body): one step per slot of data (the root writes its slot, every other rank copies
   it out; a large broadcast's steps pipelined two deep, the root filling one slot while the
-  others read the other);
+  others read the other); over half a slot and up to 8 MiB, one step per half slot;
 - **hierarchical** (:func:`stages`): across nodes from the root's node, then inside every node
   from the root's local index;
 - **Python**: a binomial tree (:func:`broadcast_tree`, ``ceil(log2 n)`` rounds) or the star.
