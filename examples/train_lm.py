@@ -339,8 +339,8 @@ def main(argv=None) -> int:
     if args.grads_wire == "powersgd" and args.strategy != "ddp":
         raise SystemExit("train_lm: --grads-wire powersgd is a DDP hook: it needs --strategy ddp")
     if args.powersgd_rank < 1 or args.powersgd_start < 0:
-        raise SystemExit(f"train_lm: --powersgd-rank {args.powersgd_rank} (>= 1) and "
-                         f"--powersgd-start {args.powersgd_start} (>= 0)")
+        raise SystemExit(f"train_lm: --powersgd-rank must be >= 1 and --powersgd-start >= 0 "
+                         f"(got {args.powersgd_rank} and {args.powersgd_start})")
     restart = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
     if args.resume and not restart and not args.checkpoint_dir.is_dir():
         raise SystemExit(f"train_lm: --resume: no checkpoint directory {args.checkpoint_dir}; "
@@ -363,8 +363,8 @@ def main(argv=None) -> int:
     if args.strategy == "ddp":
         wrapper = DDP(model, backend)
         if args.weights_wire or args.grads_wire not in (None, *GRAD_HOOKS):
-            raise SystemExit("train_lm: with --strategy ddp only --grads-wire "
-                             + ", ".join(GRAD_HOOKS))
+            raise SystemExit("train_lm: --strategy ddp takes --grads-wire "
+                             + ", ".join(GRAD_HOOKS) + " and no --weights-wire")
         if args.grads_wire == "powersgd":
             powersgd = comm_hooks.PowerSGDState(
                 backend, matrix_approximation_rank=args.powersgd_rank,

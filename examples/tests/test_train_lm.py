@@ -138,9 +138,13 @@ def test_powersgd_state_resumes_with_the_bits_of_an_unbroken_run(tmp_path):
 
 
 def test_powersgd_is_refused_outside_ddp_and_with_a_bad_rank():
-    for extra, said in [(["--grads-wire", "powersgd"], "it needs --strategy ddp"),
-                        (["--strategy", "ddp", "--grads-wire", "powersgd", "--powersgd-rank",
-                          "0"], "--powersgd-rank 0 (>= 1)")]:
+    ddp = ["--strategy", "ddp", "--grads-wire"]
+    for extra, said in [
+            (["--grads-wire", "powersgd"], "it needs --strategy ddp"),
+            ([*ddp, "powersgd", "--powersgd-rank", "0"],
+             "--powersgd-rank must be >= 1 and --powersgd-start >= 0 (got 0 and 10)"),
+            ([*ddp, "int8"], "--strategy ddp takes --grads-wire bf16, fp16, powersgd and no "
+                             "--weights-wire")]:
         r = subprocess.run([sys.executable, str(SCRIPT), *map(str, TINY), "--steps", "1", *extra],
                            capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)
         assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]

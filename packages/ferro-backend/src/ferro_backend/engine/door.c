@@ -706,9 +706,9 @@ static size_t slot_items(const ferro_slots* s, size_t item) {
     return s->L.slot_bytes / item * item;
 }
 
-/* A broadcast of more than half a slot and at most this many bytes moves in steps of at most
- * half a slot, equal to the item: the root fills one slot while the others copy the other out,
- * and a step's data stays in the cores' caches. 2 processes on this project's 2-core VM, us,
+/* A broadcast of more than half a slot and at most this many bytes moves in equal steps (to
+ * the item) of at most half a slot: the root fills one slot while the others copy the other
+ * out, and a step's data stays in the cores' caches. 2 processes on this project's 2-core VM, us,
  * median of 3 launches, whole slots -> half slots: cores apart 1 MiB 20.7 -> 18.3 (Intel MPI
  * 17.9), 2 MiB 47.9 -> 39.0, 4 MiB 98 -> 79, 8 MiB 205 -> 158, 10 MiB 241 -> 198; but 12 MiB
  * 366 -> 612 and 16 MiB 562 -> 908 (in the far state, 16 MiB 605 -> 551: every size gains
