@@ -105,7 +105,6 @@ def test_int8_gradients_resume_with_the_bits_of_an_unbroken_run(tmp_path):
     assert broken[1]["losses"] == straight[0]["losses"][4:]  # the same floats, bit for bit
 
 
-
 @pytest.mark.timeout(180)
 def test_powersgd_state_resumes_with_the_bits_of_an_unbroken_run(tmp_path):
     """DDP with --grads-wire powersgd: each rank's error feedback and warm-start Qs go into the
