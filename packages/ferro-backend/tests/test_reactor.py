@@ -1,6 +1,7 @@
 """The TCP mesh's receive loop (FERRO_TCP_READER=loop, the default): one thread per process
 whatever the number of peers, the backend contract on both readers, a peer stalled mid-frame
-holding up only its own link, large frames parked until their receive is posted, and a process
+holding up only its own link, large frames parked until their receive is posted (never ahead
+of a frame another receive waits for), and a process
 of 64 ranks over TCP with its thread count measured."""
 
 import os
@@ -109,6 +110,40 @@ def test_a_large_frame_waits_for_its_receive_without_blocking_others():
         np.testing.assert_array_equal(out2, big)
     finally:
         close_all([b0, b1, b2])
+
+
+@pytest.mark.parametrize("reader", ["loop", "threads"])
+def test_a_large_frame_is_not_held_back_while_a_receive_behind_it_waits(reader, monkeypatch):
+    """Rank 0 waits for a small frame on tag 1; rank 1 sends a large one on tag 9 (nobody asks
+    for it yet), then the small one behind it on the same link. Held back until its receive
+    is posted, the large frame would hold the small one up behind it: two collectives in
+    flight at once (async workers, DDP's buckets) each sat out the wait. With the wait set to
+    30 s, a held frame would time the small receive out."""
+    from ferro_backend.mesh import framing, reactor
+
+    monkeypatch.setattr(reactor, "LARGE_FRAME_WAIT", 30.0)
+    monkeypatch.setattr(framing, "LARGE_FRAME_WAIT", 30.0)
+    monkeypatch.setenv("FERRO_TCP_READER", reader)
+    b0, b1 = group(2, connect="eager")
+    try:
+        big = np.random.default_rng(2).integers(0, 255, 4 * LARGE_FRAME, dtype=np.uint8)
+        small = np.empty(4)
+        waiting = b0.irecv(small, 1, tag=1)
+
+        def send_both():
+            b1.send(big, 0, tag=9)
+            b1.send(np.arange(4.0), 0, tag=1)
+
+        sender = threading.Thread(target=send_both)
+        sender.start()
+        waiting.wait(5)
+        assert list(small) == [0.0, 1.0, 2.0, 3.0]
+        out = np.empty_like(big)
+        b0.recv(out, 1, tag=9, timeout=10)
+        sender.join(10)
+        np.testing.assert_array_equal(out, big)
+    finally:
+        close_all([b0, b1])
 
 
 def test_a_wrong_length_frame_is_refused_and_the_link_goes_on():

@@ -180,8 +180,13 @@ class Mailbox:
                 req.order = self._order
                 self.posted_any.setdefault(tag, deque()).append(req)
                 self.cond.notify_all()
-                return req
-            msg = self._pop_unexpected(src, tag)
+            else:
+                msg = self._pop_unexpected(src, tag)
+        if src is None:
+            hook = self.on_post
+            if hook is not None:
+                hook(ANY_SOURCE, tag)
+            return req
         req.source = src
         if len(msg) != len(view):
             raise size_mismatch("recv", src, self.rank, tag, len(view), len(msg))
@@ -277,12 +282,26 @@ class Mailbox:
                 self.posted.setdefault((req.src, req.tag), deque()).appendleft(req)
             self.cond.notify_all()
 
+    def others_wait(self, src: int, tag: int) -> bool:
+        """Whether a receive is posted now that a message from ``src`` on another tag than
+        ``tag`` would complete (or one from any rank on another tag). A transport that holds
+        back ``src``'s frame on ``tag`` (a large frame whose receive is not posted yet) holds
+        up every frame behind it on that link: while this is true it must not."""
+        with self.cond:
+            return self._others_wait(src, tag)
+
+    def _others_wait(self, src: int, tag: int) -> bool:
+        if any(t != tag for t in self.posted_any):
+            return True
+        return any(s == src and t != tag for s, t in self.posted)
+
     def claim_wait(self, src: int, tag: int, timeout: float,
                    may_wait: Callable[[], bool] | None = None) -> PostedRecv | None:
         """Like :meth:`claim`, waiting up to ``timeout`` for the receive to be posted (a large
         frame that is about to be asked for is worth a short wait: no buffer, no extra copy).
         With ``may_wait``, the wait also ends (None) as soon as that says no, checked at least
-        every millisecond."""
+        every millisecond. It ends at once (None) when a receive waits for a message from
+        ``src`` on another tag (:meth:`others_wait`): that message may be behind this one."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
@@ -290,7 +309,8 @@ class Mailbox:
                 if req is not None:
                     return req
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.closed or self.aborted is not None:
+                if remaining <= 0 or self.closed or self.aborted is not None \
+                        or self._others_wait(src, tag):
                     return None
                 if may_wait is None:
                     self.cond.wait(remaining)

@@ -11,7 +11,10 @@ the socket holds, frame by frame, with the same delivery rules as the reader thr
 * a large frame (>= LARGE_FRAME) whose receive is not posted yet is *parked*: its link is left
   unread for up to LARGE_FRAME_WAIT seconds (the sender's bytes wait in the kernel) until the
   receive is posted (the mailbox's ``on_post`` wakes the loop at once), and only if no send of
-  this process is stuck (``may_wait``), as the reader threads did; the other links keep flowing;
+  this process is stuck (``may_wait``), as the reader threads did; the other links keep flowing.
+  Never while a receive from the same peer on another tag waits (``Mailbox.others_wait``): that
+  frame may be behind the parked one, and collectives in flight at once (async workers, DDP's
+  buckets, FSDP's gathers) would each sit out the wait in turn;
 * ABORT, CLOSE, EOF and errors become failures on the mailbox; a peer that stops mid-frame
   (SIGSTOP) holds up only its own link.
 
@@ -33,6 +36,7 @@ import numpy as np
 from ..checks import size_mismatch
 from ..errors import PeerClosedError, ProtocolError
 from ..mailbox import CLOSED_CLEANLY, Mailbox, PostedRecv
+from ..posted import ANY_SOURCE
 from .framing import FRAME, K_ABORT, K_CLOSE, K_DATA, LARGE_FRAME, LARGE_FRAME_WAIT, Link, _sockio
 from .incoming import DONE, HEADER, PARKED, PAYLOAD, Incoming, allocate
 from .lead import Lead
@@ -86,8 +90,11 @@ class Reactor(Lead):
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     def _posted(self, src: int, tag: int) -> None:
-        """Mailbox hook: a receive was posted; wake the loop if its frame is parked."""
-        if self._parked and (src, tag) in self._parked:
+        """Mailbox hook: a receive was posted; wake the loop if its frame is parked, or if a
+        frame parked on the same link (another tag) may hold up the one it waits for."""
+        parked = self._parked
+        if parked and ((src, tag) in parked or any(
+                src in (peer, ANY_SOURCE) for peer, _ in list(parked))):
             self._wake()
 
     def finish(self, wait: float) -> None:
@@ -205,7 +212,8 @@ class Reactor(Lead):
         can_wait = self.may_wait()
         for key, inc in list(self._parked.items()):
             req = self.box.claim(inc.link.peer, inc.tag)
-            if req is not None or now >= inc.parked_until or not can_wait:
+            if req is not None or now >= inc.parked_until or not can_wait \
+                    or self.box.others_wait(inc.link.peer, inc.tag):
                 del self._parked[key]
                 try:
                     self._begin_payload(inc, req)
@@ -261,7 +269,8 @@ class Reactor(Lead):
         inc.kind, inc.tag, inc.length = kind, tag, length
         if kind == K_DATA:
             req = self.box.claim(inc.link.peer, tag)
-            if req is None and length >= LARGE_FRAME and self.may_wait():
+            if req is None and length >= LARGE_FRAME and self.may_wait() \
+                    and not self.box.others_wait(inc.link.peer, tag):
                 inc.state = PARKED
                 inc.parked_until = time.monotonic() + LARGE_FRAME_WAIT
                 self._parked[(inc.link.peer, tag)] = inc
