@@ -99,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DDP --grads-wire powersgd: the rank of each gradient's approximation")
     p.add_argument("--powersgd-start", type=int, default=10,
                    help="DDP --grads-wire powersgd: steps averaged exactly before it starts")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP: the largest gradient bucket in MiB (default 25, torch's): smaller "
+                        "buckets start their allreduces earlier in the backward, which pays on "
+                        "a slow link")
     p.add_argument("--steps", type=int, default=500, help="total steps (a resume continues)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -338,6 +342,9 @@ def main(argv=None) -> int:
         raise SystemExit("train_lm: --resume needs --checkpoint-dir")
     if args.grads_wire == "powersgd" and args.strategy != "ddp":
         raise SystemExit("train_lm: --grads-wire powersgd is a DDP hook: it needs --strategy ddp")
+    if args.bucket_cap_mb is not None and (args.strategy != "ddp" or not args.bucket_cap_mb > 0):
+        raise SystemExit(f"train_lm: --bucket-cap-mb is DDP's bucket size: it needs --strategy "
+                         f"ddp and a size > 0 (got {args.bucket_cap_mb} with {args.strategy})")
     if args.powersgd_rank < 1 or args.powersgd_start < 0:
         raise SystemExit(f"train_lm: --powersgd-rank must be >= 1 and --powersgd-start >= 0 "
                          f"(got {args.powersgd_rank} and {args.powersgd_start})")
@@ -361,7 +368,7 @@ def main(argv=None) -> int:
     n_params = model.num_parameters()
     powersgd = None  # DDP --grads-wire powersgd: its state (error feedback, Qs) is checkpointed
     if args.strategy == "ddp":
-        wrapper = DDP(model, backend)
+        wrapper = DDP(model, backend, bucket_cap_mb=args.bucket_cap_mb or 25.0)
         if args.weights_wire or args.grads_wire not in (None, *GRAD_HOOKS):
             raise SystemExit("train_lm: --strategy ddp takes --grads-wire "
                              + ", ".join(GRAD_HOOKS) + " and no --weights-wire")
@@ -537,6 +544,8 @@ def main(argv=None) -> int:
             "secondary_shard": args.secondary_shard,
             "bytes_sent_per_rank_per_step": sent / done if done else 0.0,
         }
+        if isinstance(wrapper, DDP):
+            summary["ddp_buckets"] = len(wrapper.buckets)
         if powersgd is not None:
             summary["powersgd"] = {"rank": powersgd.matrix_approximation_rank,
                                    "start": powersgd.start_powerSGD_iter}

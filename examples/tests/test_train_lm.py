@@ -136,6 +136,26 @@ def test_powersgd_state_resumes_with_the_bits_of_an_unbroken_run(tmp_path):
     assert "holds no PowerSGD state: PowerSGD starts afresh (2 exact steps first)" in r.stdout
 
 
+@pytest.mark.timeout(120)
+def test_smaller_ddp_buckets_give_the_same_bits(tmp_path):
+    """--bucket-cap-mb splits DDP's gradients into more buckets (each averaged as soon as the
+    backward has written it): the losses are the one-bucket run's, bit for bit."""
+    runs = {}
+    for cap in (None, 0.01):
+        extra = [] if cap is None else ["--bucket-cap-mb", cap]
+        ferrorun(2, *TINY, "--strategy", "ddp", "--steps", 4, "--checkpoint-dir",
+                 tmp_path / str(cap), *extra)
+        runs[cap] = (json.loads((tmp_path / str(cap) / "summary.json").read_text()),
+                     json.loads((tmp_path / str(cap) / "loss_history.json").read_text()))
+    assert runs[None][0]["ddp_buckets"] == 1 and runs[0.01][0]["ddp_buckets"] > 4
+    assert runs[0.01][1][0]["losses"] == runs[None][1][0]["losses"]
+    for extra in (["--bucket-cap-mb", "1"], ["--strategy", "ddp", "--bucket-cap-mb", "0"]):
+        r = subprocess.run([sys.executable, str(SCRIPT), *map(str, TINY), "--steps", "1", *extra],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)
+        assert r.returncode != 0 and "--bucket-cap-mb is DDP's bucket size: it needs " \
+            "--strategy ddp and a size > 0" in r.stderr, r.stderr[-2000:]
+
+
 def test_powersgd_is_refused_outside_ddp_and_with_a_bad_rank():
     ddp = ["--strategy", "ddp", "--grads-wire"]
     for extra, said in [
