@@ -31,6 +31,12 @@ def test_the_ranks_on_this_host_come_from_the_hierarchy_the_engine_or_the_launch
     with settings.override(HOST_RANKS=8):  # emulated nodes sharing this host
         assert ranks_on_this_host(engine) == 8 and ranks_on_this_host(multi) == 8
         assert runs_in_background(multi, None) is (usable_cores() > 8)
+        # one rank a node over TCP (no engine, no hierarchy): the launcher's count, and the
+        # other emulated nodes' ranks on this host too (it counted 1 of 2 on 2 cores before,
+        # so FSDP's collectives ran in the background beside a core-bound peer)
+        with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "1"}):
+            assert ranks_on_this_host(SimpleNamespace()) == 8
+            assert runs_in_background(SimpleNamespace(), None) is (usable_cores() > 8)
 
 
 def test_auto_runs_in_background_only_with_a_core_to_spare():

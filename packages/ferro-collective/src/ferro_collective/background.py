@@ -31,7 +31,7 @@ def ranks_on_this_host(backend: Any) -> int | None:
     if engine is not None:
         return binding.host_ranks(int(engine.nranks))
     local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return int(local) if local.isdigit() and int(local) > 0 else None
+    return binding.host_ranks(int(local)) if local.isdigit() and int(local) > 0 else None
 
 
 def usable_cores() -> int:
