@@ -368,7 +368,8 @@ def main(argv=None) -> int:
     n_params = model.num_parameters()
     powersgd = None  # DDP --grads-wire powersgd: its state (error feedback, Qs) is checkpointed
     if args.strategy == "ddp":
-        wrapper = DDP(model, backend, bucket_cap_mb=args.bucket_cap_mb or 25.0)
+        caps = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        wrapper = DDP(model, backend, **caps)
         if args.weights_wire or args.grads_wire not in (None, *GRAD_HOOKS):
             raise SystemExit("train_lm: --strategy ddp takes --grads-wire "
                              + ", ".join(GRAD_HOOKS) + " and no --weights-wire")

@@ -76,6 +76,32 @@ def test_the_loop_thread_reads_while_nobody_waits():
         close_all([b0, b1])
 
 
+def _six_waiters(b0, b1, before_sends: float, between=lambda: None) -> None:
+    """Six threads on ``b1`` each wait for ``b0``'s frame on tags 0-5; after ``before_sends``
+    seconds (and ``between()``) ``b0`` sends them, the last waiter's first; every frame must
+    arrive whole."""
+    got = {tag: np.empty(2) for tag in range(6)}
+    errors: list = []
+
+    def wait(tag):
+        try:
+            b1.recv(got[tag], 0, tag=tag, timeout=20)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    waiters = [threading.Thread(target=wait, args=(tag,)) for tag in got]
+    for t in waiters:
+        t.start()
+    time.sleep(before_sends)
+    between()
+    for tag in reversed(got):
+        b0.send(np.array([tag, tag + 0.5]), 1, tag=tag)
+    for t in waiters:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in waiters), errors
+    assert all(list(got[tag]) == [tag, tag + 0.5] for tag in got)
+
+
 def test_several_waiting_threads_share_the_lead():
     b0, b1 = group(2, connect="eager")
     loop = b1._reactor
@@ -94,25 +120,7 @@ def test_several_waiting_threads_share_the_lead():
 
     loop._turn = counted
     try:
-        got = {tag: np.empty(2) for tag in range(6)}
-        errors: list = []
-
-        def wait(tag):
-            try:
-                b1.recv(got[tag], 0, tag=tag, timeout=20)
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        waiters = [threading.Thread(target=wait, args=(tag,)) for tag in got]
-        for t in waiters:
-            t.start()
-        time.sleep(0.05)
-        for tag in reversed(got):  # the last waiter's frame first
-            b0.send(np.array([tag, tag + 0.5]), 1, tag=tag)
-        for t in waiters:
-            t.join(30)
-        assert not errors and not any(t.is_alive() for t in waiters), errors
-        assert all(list(got[tag]) == [tag, tag + 0.5] for tag in got)
+        _six_waiters(b0, b1, 0.05)
         assert most[0] == 1, "two threads read the sockets at once"
     finally:
         loop._turn = turn
@@ -134,26 +142,9 @@ def test_threads_waiting_without_the_lead_do_not_wake_each_other():
 
     loop.drive = counted
     try:
-        got = {tag: np.empty(2) for tag in range(6)}
-        errors: list = []
-
-        def wait(tag):
-            try:
-                b1.recv(got[tag], 0, tag=tag, timeout=20)
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        waiters = [threading.Thread(target=wait, args=(tag,)) for tag in got]
-        for t in waiters:
-            t.start()
-        time.sleep(0.4)
-        quiet = trips[0]
-        for tag in got:
-            b0.send(np.array([tag, tag + 0.5]), 1, tag=tag)
-        for t in waiters:
-            t.join(30)
-        assert not errors and not any(t.is_alive() for t in waiters), errors
-        assert all(list(got[tag]) == [tag, tag + 0.5] for tag in got)
+        seen: list[int] = []
+        _six_waiters(b0, b1, 0.4, lambda: seen.append(trips[0]))
+        quiet = seen[0]
         # 5 threads looking every 10 ms for 0.4 s: about 200 trips; allow for a slow host
         assert quiet < 1500, f"{quiet} trips through drive in 0.4 s with nothing to read"
     finally:

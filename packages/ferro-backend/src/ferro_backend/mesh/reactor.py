@@ -93,8 +93,7 @@ class Reactor(Lead):
         """Mailbox hook: a receive was posted; wake the loop if its frame is parked, or if a
         frame parked on the same link (another tag) may hold up the one it waits for."""
         parked = self._parked
-        if parked and ((src, tag) in parked or any(
-                src in (peer, ANY_SOURCE) for peer, _ in list(parked))):
+        if parked and (src == ANY_SOURCE or any(peer == src for peer, _ in list(parked))):
             self._wake()
 
     def finish(self, wait: float) -> None:
