@@ -13,6 +13,8 @@ first error is raised.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +27,19 @@ from . import _wire as _kernel
 from .dispatch import run
 from .executors import prepared
 from .ops import ReduceOp
-from .per_backend import state
+from .per_backend import WORKER_PREFIX, state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
 from .scratch import POOL
 from .wire import FOLD, check_floats, decode_into, encode, encode_into, encoded_bytes
 from .work import Work
+
+#: a bf16/fp16 allreduce of at least twice this many encoded bytes is cut in pieces of at least
+#: this many (at most MAX_PIECES), run at once on the async workers: one piece's encode, fold
+#: and decode, and its second collective, overlap the others' bytes on the link (elementwise
+#: formats only: the bits are the same as in one piece)
+PIECE_BYTES = 1 << 20
+MAX_PIECES = 4
+_ELEMENTWISE = ("bf16", "fp16")
 
 
 def _chunk(count: int, n: int, wire: str) -> int:
@@ -106,9 +116,11 @@ class Steps:
     machine) and go back when the call has run whole (a failed call keeps them: a message may
     still land in one)."""
 
-    def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout) -> None:
+    def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout,
+                 trace: bool = True) -> None:
         self.name, self.wire, self.tensor, self.backend, self.timeout = (
             name, wire, tensor, backend, timeout)
+        self.trace = trace  # (False: a piece of a call that records one event for all)
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         self.result: Any = None
         self.borrowed: list[np.ndarray] = []
@@ -125,11 +137,10 @@ class Steps:
     def run(self, background: bool):
         """The result now, or (``background``) a :class:`Work` that gives it."""
         if not background:
-            return traced(self.name, self.wire, self.tensor, self.backend, self._now)
+            return self._traced(self._now)
         runs = [prepared(coll, send, group, arg, self.timeout, out)
                 for coll, send, group, arg, out, _ in self.calls]  # numbered now, in order
-        future = state(self.backend).submit(
-            lambda: traced(self.name, self.wire, self.tensor, self.backend, self._later, runs))
+        future = state(self.backend).submit(lambda: self._traced(self._later, runs))
         return Work(self.name, runs[0][0], future)
 
     def _now(self):
@@ -153,6 +164,11 @@ class Steps:
             raise error
         POOL.give(*self.borrowed)
         return self.result
+
+    def _traced(self, call, *args):
+        if not self.trace:
+            return call(*args)
+        return traced(self.name, self.wire, self.tensor, self.backend, call, *args)
 
 
 def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
@@ -201,10 +217,94 @@ def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
               background: bool = False):
     """:func:`~ferro_collective.allreduce` with ``wire``; ``background``: a :class:`Work`
     (``allreduce_async``). On a multi-node job the node stages are exact, the cross-node
-    stage compressed."""
+    stage compressed. A large bf16/fp16 call runs in pieces at once (:data:`PIECE_BYTES`)."""
     x = np.asarray(tensor)
     check_floats(x, op, "allreduce")
-    s = Steps("allreduce", wire, tensor, backend, timeout)
+    pieces = _pieces(x.size, wire)
+    if len(pieces) > 1:
+        return _in_pieces(x, pieces, backend, op, wire, timeout, out, background)
+    return _allreduce(x, tensor, backend, op, wire, timeout, out, background)
+
+
+def _pieces(count: int, wire: str) -> list[tuple[int, int]]:
+    """Where a compressed allreduce of ``count`` values is cut: at most :data:`MAX_PIECES`
+    pieces of at least :data:`PIECE_BYTES` encoded each; one piece for int8/int4 (their blocks
+    would move) and for small calls. (The same on every rank: it depends on nothing else.)"""
+    k = min(MAX_PIECES, encoded_bytes(count, wire) // PIECE_BYTES)
+    if wire not in _ELEMENTWISE or k < 2:
+        return [(0, count)]
+    step = -(-count // k)
+    return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
+
+
+def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, op: ReduceOp,
+               wire: str, timeout, out, background: bool):
+    """The allreduce of ``x`` as one compressed allreduce a piece, issued now (numbered in
+    order) and run on the workers at once, each writing its values into its slice of the
+    result; one :class:`Work` (``background``) or the result. The timeline gets one event."""
+    flat = x.reshape(-1)
+    fits = (isinstance(out, np.ndarray) and out.shape == x.shape and out.dtype == x.dtype
+            and out.flags.c_contiguous and out.flags.writeable)
+    into = out.reshape(-1) if fits else np.empty(x.size, x.dtype)
+    t0 = _timeline._now_us() if _timeline.active() else None
+    # (a blocking call made on a worker runs its pieces one after another: waiting there for
+    # the others could wait for itself)
+    at_once = background or not threading.current_thread().name.startswith(WORKER_PREFIX)
+    works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
+                        at_once, trace=False) for lo, hi in pieces]
+
+    def finish():
+        if t0 is not None:
+            _timeline.record(f"allreduce[{wire}]", "collective", t0, _timeline._now_us() - t0,
+                             bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
+                             wire_bytes=sum(encoded_bytes(hi - lo, wire) for lo, hi in pieces),
+                             rank=backend.rank, world=backend.world_size, pieces=len(pieces))
+        if fits:
+            return out
+        result = into.reshape(x.shape)
+        if out is None:
+            return result
+        if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"allreduce: out= must be an array of shape {x.shape} and dtype "
+                             f"{x.dtype}")
+        out[...] = result
+        return out
+
+    if not at_once:
+        return finish()
+    work = _together("allreduce", works, finish)
+    return work if background else work.wait()
+
+
+def _together(name: str, works: list[Work], finish: Callable[[], Any]) -> Work:
+    """One :class:`Work` for ``works``: once all have run, ``finish()``'s value, or the first
+    error (raised only when every one has run: none still writes into the result)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    left, lock = [len(works)], threading.Lock()
+
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [w.future.exception() for w in works if w.future.exception() is not None]
+        try:
+            if errors:
+                raise errors[0]
+            future.set_result(finish())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    for w in works:
+        w.future.add_done_callback(one_done)
+    return Work(name, works[0].seq, future)
+
+
+def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
+               background: bool, trace: bool = True):
+    """One compressed allreduce of ``x`` (flat, or the node stages exact and the cross-node
+    stage compressed)."""
+    s = Steps("allreduce", wire, tensor, backend, timeout, trace)
     h = getattr(backend, "hierarchy", None)
     if h is None or h.num_nodes <= 1:
         flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)

@@ -24,6 +24,8 @@ from ._doorplan import SeqCounter
 TAG_BASE = USER_TAG_LIMIT
 STEPS_PER_CALL = 1 << 12
 SEQ_SLOTS = (1 << 19) - 1
+#: the async workers' thread names start with this
+WORKER_PREFIX = "ferro-collective-async"
 
 
 class BackendState:
@@ -43,7 +45,7 @@ class BackendState:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    settings.ASYNC_WORKERS.get(), thread_name_prefix="ferro-collective-async")
+                    settings.ASYNC_WORKERS.get(), thread_name_prefix=WORKER_PREFIX)
         return self._pool.submit(job)
 
     def __del__(self) -> None:

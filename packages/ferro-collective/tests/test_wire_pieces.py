@@ -1,0 +1,139 @@
+"""A large bf16/fp16 allreduce runs in pieces at once (ferro_collective.compressed): the same
+bits as the reference in one piece, on every rank, now and in the background, into ``out=`` or
+a new array; a blocking call made on an async worker runs its pieces in line (no wait on
+itself); the timeline keeps one event for the call."""
+
+import json
+from contextlib import contextmanager
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_wire import expected_allreduce, inputs
+
+import ferro_collective as fc
+from ferro_backend import SimulatedBackend, trace
+from ferro_backend import settings as fsettings
+from ferro_backend.testing import run_ranks, run_threads
+from ferro_collective import ReduceOp, compressed
+from ferro_collective.per_backend import state
+
+pytest.importorskip("ml_dtypes")
+pytestmark = pytest.mark.timeout(120)
+
+
+@contextmanager
+def small_pieces(piece_bytes=16):
+    """Pieces of ``piece_bytes`` encoded bytes; yields the list of piece sizes each
+    ``_allreduce`` call was given (pieces only: the one-piece calls are traced)."""
+    sizes: list[int] = []
+    real = compressed._allreduce
+
+    def spy(x, *args, trace=True, **kw):
+        if not trace:
+            sizes.append(x.size)
+        return real(x, *args, trace=trace, **kw)
+
+    with mock.patch.object(compressed, "PIECE_BYTES", piece_bytes), \
+            mock.patch.object(compressed, "_allreduce", spy):
+        yield sizes
+
+
+def test_the_pieces_cover_the_values_in_at_most_max_pieces():
+    assert compressed._pieces(10**6, "int8") == [(0, 10**6)]  # blocks would move
+    assert compressed._pieces(compressed.PIECE_BYTES - 1, "bf16") == [
+        (0, compressed.PIECE_BYTES - 1)]  # under twice PIECE_BYTES encoded
+    for count in (compressed.PIECE_BYTES, 3_000_001, 10**8):
+        pieces = compressed._pieces(count, "fp16")
+        assert 2 <= len(pieces) <= compressed.MAX_PIECES
+        assert pieces[0][0] == 0 and pieces[-1][1] == count
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert all(2 * (hi - lo) >= compressed.PIECE_BYTES - 8 for lo, hi in pieces)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 4), size=st.integers(100, 3000), wire=st.sampled_from(["bf16", "fp16"]),
+       op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX]),
+       dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+       background=st.booleans())
+def test_pieces_give_the_reference_on_every_rank(n, size, wire, op, dtype, background):
+    xs = inputs(n, size, dtype, seed=size)
+
+    def body(b):
+        x = xs[b.rank].reshape(size, 1)
+        if background:
+            return fc.allreduce_async(x, b, op, wire=wire).wait(30)
+        return fc.allreduce(x, b, op, wire=wire)
+
+    with small_pieces() as sizes:
+        got = run_ranks(body, n)
+    assert len(sizes) == n * compressed.MAX_PIECES and sum(sizes) == n * size
+    want = expected_allreduce(xs, wire, op).astype(dtype).reshape(size, 1)
+    for g in got:
+        assert g.dtype == dtype and g.shape == (size, 1)
+        np.testing.assert_array_equal(g, want)
+
+
+def test_in_place_and_into_out_and_a_bad_out_after_the_pieces():
+    xs = inputs(3, 2000, np.float32, seed=7)
+    want = expected_allreduce(xs, "bf16", ReduceOp.MEAN)
+
+    def body(b):
+        mine = xs[b.rank].copy()
+        same = fc.allreduce(mine, b, ReduceOp.MEAN, wire="bf16", out=mine)  # DDP's bucket
+        wide = np.empty(2000, np.float64)
+        into = fc.allreduce_async(xs[b.rank].astype(np.float64), b, ReduceOp.MEAN, wire="bf16",
+                                  out=wide).wait(30)
+        strided = np.empty(4000, np.float32)[::2]
+        fc.allreduce(xs[b.rank], b, ReduceOp.MEAN, wire="bf16", out=strided)
+        with pytest.raises(ValueError, match=r"out= must be an array of shape \(2000,\)"):
+            fc.allreduce(xs[b.rank], b, wire="bf16", out=np.empty(1999, np.float32))
+        after = fc.allreduce(np.ones(3), b, timeout=10)  # the pieces all ran: the calls meet
+        return same is mine, mine, into is wide, wide, strided, after.tolist()
+
+    with small_pieces() as sizes:
+        got = run_ranks(body, 3)
+    assert len(sizes) == 3 * 4 * compressed.MAX_PIECES
+    for is_mine, mine, is_wide, wide, strided, after in got:
+        assert is_mine and is_wide and after == [3.0] * 3
+        np.testing.assert_array_equal(mine, want)
+        np.testing.assert_array_equal(wide, want.astype(np.float64))
+        np.testing.assert_array_equal(strided, want)
+
+
+def test_a_blocking_call_on_a_worker_runs_its_pieces_in_line():
+    """With one async worker, a blocking pieced call made on it would wait for pieces queued
+    behind itself; it runs them one after another there instead."""
+    xs = inputs(2, 2000, np.float32, seed=3)
+
+    def body(b):
+        job = state(b).submit(lambda: fc.allreduce(xs[b.rank], b, wire="fp16", timeout=20))
+        return job.result(timeout=60)
+
+    with fsettings.override(ASYNC_WORKERS=1), small_pieces() as sizes:
+        got = run_ranks(body, 2)
+    assert len(sizes) == 2 * compressed.MAX_PIECES
+    for g in got:
+        np.testing.assert_array_equal(g, expected_allreduce(xs, "fp16", ReduceOp.SUM))
+
+
+def test_the_timeline_has_one_event_for_a_call_in_pieces(tmp_path):
+    path = tmp_path / "t.json"
+
+    def body(b):
+        x = np.ones(1000, np.float32)
+        if b.rank == 0:
+            with trace(path, backend=b):
+                fc.allreduce(x, b, wire="bf16")
+        else:
+            fc.allreduce(x, b, wire="bf16")
+
+    with small_pieces():
+        run_threads(body, SimulatedBackend.create_group(2), timeout=60)
+    events = [e["args"] for e in json.loads(path.read_text())["traceEvents"]
+              if e["ph"] == "X" and e["name"] == "allreduce[bf16]" and e["args"]["rank"] == 0]
+    assert len(events) == 1
+    assert events[0]["bytes"] == 4000 and events[0]["wire_bytes"] == 2000
+    assert events[0]["pieces"] == compressed.MAX_PIECES
