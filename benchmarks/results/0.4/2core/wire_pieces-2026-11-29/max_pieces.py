@@ -1,0 +1,6 @@
+import os, runpy, sys
+import ferro_collective.compressed as c
+c.MAX_PIECES = int(os.environ.get("MAXP", "4"))
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
