@@ -27,14 +27,14 @@ pytestmark = pytest.mark.timeout(120)
 @contextmanager
 def small_pieces(piece_bytes=16):
     """Pieces of ``piece_bytes`` encoded bytes; yields the list of piece sizes each
-    ``_allreduce`` call was given (pieces only: the one-piece calls are traced)."""
+    ``_allreduce`` call was given (pieces only: a call in one piece has no ``on_error``)."""
     sizes: list[int] = []
     real = compressed._allreduce
 
-    def spy(x, *args, trace=True, **kw):
-        if not trace:
+    def spy(x, *args, on_error=None, **kw):
+        if on_error is not None:
             sizes.append(x.size)
-        return real(x, *args, trace=trace, **kw)
+        return real(x, *args, on_error=on_error, **kw)
 
     with mock.patch.object(compressed, "PIECE_BYTES", piece_bytes), \
             mock.patch.object(compressed, "_allreduce", spy):
@@ -137,3 +137,25 @@ def test_the_timeline_has_one_event_for_a_call_in_pieces(tmp_path):
     assert len(events) == 1
     assert events[0]["bytes"] == 4000 and events[0]["wire_bytes"] == 2000
     assert events[0]["pieces"] == compressed.MAX_PIECES
+
+
+def test_ranks_that_disagree_on_the_size_get_the_mismatch_error_at_once():
+    """Rank 0 cuts its call in 4 pieces, rank 1's is one piece: both raise the mismatch of
+    the first collective without waiting for rank 0's other pieces (which rank 1 never issues)
+    to time out."""
+    import time
+
+    from test_rooted import collect
+
+    def body(b):
+        t0 = time.monotonic()
+        try:
+            fc.allreduce(np.ones(2000 if b.rank == 0 else 3, np.float32), b, wire="bf16",
+                         timeout=30)
+        finally:
+            assert time.monotonic() - t0 < 15
+
+    with small_pieces():
+        errors = collect(body, 2)
+    assert len(errors) == 2, errors
+    assert all(isinstance(e, fc.CollectiveMismatchError) for e in errors.values()), errors

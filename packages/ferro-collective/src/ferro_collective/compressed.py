@@ -117,10 +117,12 @@ class Steps:
     still land in one)."""
 
     def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout,
-                 trace: bool = True) -> None:
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.name, self.wire, self.tensor, self.backend, self.timeout = (
             name, wire, tensor, backend, timeout)
-        self.trace = trace  # (False: a piece of a call that records one event for all)
+        #: set for a piece of a call (which records one event for all): told of the first
+        #: error as it happens, in the background
+        self.on_error = on_error
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         self.result: Any = None
         self.borrowed: list[np.ndarray] = []
@@ -159,6 +161,8 @@ class Steps:
                 if error is None:
                     step(got)
             except BaseException as exc:  # (raised once the rest have run)
+                if error is None and self.on_error is not None:
+                    self.on_error(exc)
                 error = error or exc
         if error is not None:
             raise error
@@ -166,7 +170,7 @@ class Steps:
         return self.result
 
     def _traced(self, call, *args):
-        if not self.trace:
+        if self.on_error is not None:
             return call(*args)
         return traced(self.name, self.wire, self.tensor, self.backend, call, *args)
 
@@ -250,8 +254,6 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
     # (a blocking call made on a worker runs its pieces one after another: waiting there for
     # the others could wait for itself)
     at_once = background or not threading.current_thread().name.startswith(WORKER_PREFIX)
-    works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
-                        at_once, trace=False) for lo, hi in pieces]
 
     def finish():
         if t0 is not None:
@@ -270,41 +272,53 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         out[...] = result
         return out
 
+    joined = _Joined(len(pieces), finish)
+    works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
+                        at_once, on_error=joined.fail) for lo, hi in pieces]
     if not at_once:
         return finish()
-    work = _together("allreduce", works, finish)
+    for w in works:
+        w.future.add_done_callback(joined.one_done)
+    work = Work("allreduce", works[0].seq, joined.future)
     return work if background else work.wait()
 
 
-def _together(name: str, works: list[Work], finish: Callable[[], Any]) -> Work:
-    """One :class:`Work` for ``works``: once all have run, ``finish()``'s value, or the first
-    error (raised only when every one has run: none still writes into the result)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    left, lock = [len(works)], threading.Lock()
+class _Joined:
+    """One future for a call's pieces: ``finish()``'s value once all have run; the first error
+    as soon as a piece meets it (:meth:`fail`, from the piece's steps: ranks that disagree on
+    the call's size cut it in different numbers of pieces, and a piece a peer never issues
+    would wait for it until its timeout)."""
 
-    def one_done(_):
-        with lock:
-            left[0] -= 1
-            if left[0]:
+    def __init__(self, count: int, finish: Callable[[], Any]) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.left, self.finish, self.lock = count, finish, threading.Lock()
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if not self.future.done():
+                self.future.set_exception(error)
+
+    def one_done(self, done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        if error is not None:
+            self.fail(error)
+            return
+        with self.lock:
+            self.left -= 1
+            if self.left or self.future.done():
                 return
-        errors = [w.future.exception() for w in works if w.future.exception() is not None]
-        try:
-            if errors:
-                raise errors[0]
-            future.set_result(finish())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    for w in works:
-        w.future.add_done_callback(one_done)
-    return Work(name, works[0].seq, future)
+            try:
+                self.future.set_result(self.finish())
+            except BaseException as exc:
+                self.future.set_exception(exc)
 
 
 def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
-               background: bool, trace: bool = True):
+               background: bool, on_error: Callable[[BaseException], None] | None = None):
     """One compressed allreduce of ``x`` (flat, or the node stages exact and the cross-node
-    stage compressed)."""
-    s = Steps("allreduce", wire, tensor, backend, timeout, trace)
+    stage compressed); ``on_error``: it is a piece of a call (no event of its own; told of
+    its first error at once)."""
+    s = Steps("allreduce", wire, tensor, backend, timeout, on_error)
     h = getattr(backend, "hierarchy", None)
     if h is None or h.num_nodes <= 1:
         flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)

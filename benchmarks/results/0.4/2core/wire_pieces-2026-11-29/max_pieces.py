@@ -1,5 +1,11 @@
-import os, runpy, sys
+"""Run a script (argv[1], its arguments after it) with ``compressed.MAX_PIECES`` from MAXP."""
+
+import os
+import runpy
+import sys
+
 import ferro_collective.compressed as c
+
 c.MAX_PIECES = int(os.environ.get("MAXP", "4"))
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
