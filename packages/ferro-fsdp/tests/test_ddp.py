@@ -216,6 +216,41 @@ def test_buckets_start_during_backward(monkeypatch):
         assert kinds.count("allreduce") == len(buckets)
 
 
+def test_a_linear_bucket_starts_before_its_input_gradient(monkeypatch):
+    """A Linear says its gradients are final before it computes its input's
+    (``Module.grads_ready``): its bucket's allreduce starts inside its backward, not after it
+    returned; a module that does not say so starts its bucket when its backward returns."""
+    events = []
+    lock = threading.Lock()
+    real = background_mod.allreduce_async
+
+    def logged(tensor, backend, *args, **kwargs):
+        with lock:
+            events.append((backend.rank, "allreduce", tensor.size))
+        return real(tensor, backend, *args, **kwargs)
+
+    monkeypatch.setattr(background_mod, "allreduce_async", logged)
+    x, y = make_data(8)
+
+    def body(b):
+        model = make_mlp()
+        last = model[len(model) - 1]
+        last.register_backward_hook(
+            lambda m, args, out: events.append((b.rank, "last layer returned", 0)))
+        d = DDP(model, b, bucket_cap_mb=400 / (1 << 20))
+        loss_fn = nn.CrossEntropyLoss()
+        loss_fn(d(x[:4]), y[:4])
+        d.backward(loss_fn.backward())
+        sizes = dict((name, p.size) for name, p in model.named_parameters())
+        name = f"{len(model) - 1}.weight"
+        bucket = next(names for names in d.buckets if name in names)
+        return sum(sizes[n] for n in bucket)
+
+    for r, size in enumerate(run(body, 2)):
+        kinds = [(k, n) for rank, k, n in events if rank == r]
+        assert kinds.index(("allreduce", size)) < kinds.index(("last layer returned", 0))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_overlap_gives_the_same_bits_as_after_backward(world):
     x, y = make_data(40)

@@ -106,3 +106,33 @@ def test_parameter_basics():
     assert frozen.grad is None
     assert "shape=(2,)" in repr(p)
     assert "Linear(in_features=3" in repr(Net())
+
+
+def test_grads_ready_hooks_fire_inside_a_linear_backward_once_its_gradients_are_written():
+    layer = nn.Linear(3, 2, rng=0)
+    seen = []
+    layer.register_grads_ready_hook(
+        lambda m: seen.append(("ready", m is layer, layer.weight.grad is not None)))
+    layer.register_backward_hook(lambda m, args, out: seen.append(("returned",)))
+    x = np.ones((4, 3), np.float32)
+    layer(x)
+    layer.backward(np.ones((4, 2), np.float32))
+    assert seen == [("ready", True, True), ("returned",)]
+    with pytest.raises(TypeError, match="is not callable"):
+        layer.register_grads_ready_hook(3)
+
+    class Plain(Module):  # says nothing: only its backward hooks fire
+        def forward(self, x):
+            return x
+
+        def backward(self, g):
+            return g
+
+    plain, calls = Plain(), []
+    handle = plain.register_grads_ready_hook(lambda m: calls.append(m))
+    plain(x)
+    plain.backward(x)
+    plain.grads_ready()  # (a module's own backward would call it)
+    handle.remove()
+    plain.grads_ready()
+    assert calls == [plain]

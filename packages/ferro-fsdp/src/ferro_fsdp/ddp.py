@@ -8,9 +8,11 @@ parameter's ``.grad`` is a view into it (torch's ``gradient_as_bucket_view``): l
 gradients straight into the bucket, nothing is packed per step, and the allreduce is in place.
 
 Overlap: during ``DDP.backward`` a hook on every module that owns parameters marks them ready when
-the module's backward returns; as soon as a bucket's last gradient is written its allreduce starts
-in the background while the rest of the backward runs (or, when no core is free for it, runs
-there in the training thread, on gradients still in the cache: ``ferro_fsdp.background``).
+the module says its gradients are final (``Module.grads_ready``: a ``Linear`` does before it
+computes its input's gradient) or else when its backward returns; as soon as a bucket's last
+gradient is written its allreduce starts in the background while the rest of the backward runs
+(or, when no core is free for it, runs there in the training thread, on gradients still in the
+cache: ``ferro_fsdp.background``).
 Buckets start in bucket order on every rank (a ready bucket waits for the ones before it), so all
 ranks issue the same collectives in the same order.
 """
@@ -197,14 +199,17 @@ class DistributedDataParallel(ModuleWrapper):
                 self._owners[i] = self._owners.get(i, 0) + 1
             self._hook_handles.append(m.register_backward_pre_hook(
                 lambda mod, args, mine=mine: self._before_backward(mine)))
+            self._hook_handles.append(m.register_grads_ready_hook(
+                lambda mod, mine=mine: self._grads_ready(mod, mine)))
             self._hook_handles.append(m.register_backward_hook(
-                lambda mod, args, out, mine=mine: self._after_backward(mine)))
+                lambda mod, args, out, mine=mine: self._backward_done(mod, mine)))
 
     def _reset(self) -> None:
         self._works: list[Work | None] = [None] * len(self._buckets)
         self._next = 0
         self._missing = [len(b) for b in self._buckets]
         self._fired = dict.fromkeys(self._owners, 0)
+        self._early: set[int] = set()  # modules whose gradients were counted before they returned
 
     # -- accessors --------------------------------------------------------------------------
     @property
@@ -278,6 +283,7 @@ class DistributedDataParallel(ModuleWrapper):
         object
         """
         self._armed = self._sync and self._overlap
+        self._early.clear()
         try:
             out = self._module.backward(grad_output)
         except BaseException:
@@ -307,6 +313,18 @@ class DistributedDataParallel(ModuleWrapper):
                     f"DDP.backward: parameter {self._names[i]!r} gets another gradient after its "
                     "bucket's allreduce started (is its module called twice in forward?); use "
                     "DDP(..., overlap=False) for such models")
+
+    def _grads_ready(self, module: Any, mine: list[int]) -> None:
+        """``module``'s gradients are final before its backward returns: count them now."""
+        if self._armed and id(module) not in self._early:
+            self._early.add(id(module))
+            self._after_backward(mine)
+
+    def _backward_done(self, module: Any, mine: list[int]) -> None:
+        if id(module) in self._early:
+            self._early.discard(id(module))  # (counted when it said so)
+        else:
+            self._after_backward(mine)
 
     def _after_backward(self, mine: list[int]) -> None:
         if not self._armed:

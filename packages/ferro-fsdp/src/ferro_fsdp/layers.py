@@ -148,6 +148,7 @@ class Linear(Module):
                 b.grad = np.sum(g2, axis=0, out=slot)
             else:
                 b.accumulate_grad(g2.sum(axis=0), owned=True)
+        self.grads_ready()  # (DDP may start their bucket while the input's gradient computes)
         return g @ w.data if self.input_grad else None
 
     def extra_repr(self) -> str:

@@ -9,7 +9,8 @@ parameters (adding to a gradient already there, as torch accumulates) and return
 wrt the input.
 
 Hooks: ``register_forward_pre_hook``, ``register_forward_hook``, ``register_backward_pre_hook``
-and ``register_backward_hook`` run around a module's ``forward``/``backward`` however it is
+and ``register_backward_hook`` (and ``register_grads_ready_hook``, inside a backward that calls
+``grads_ready()``) run around a module's ``forward``/``backward`` however it is
 called (``m(x)``, ``m.forward(x)``, a container's ``child.backward(g)``): every subclass's
 ``forward`` and ``backward`` are wrapped once, when the class is defined, and the hooks fire at
 the outermost call only (a ``super().backward`` inside does not fire them twice). DDP uses them
@@ -41,7 +42,7 @@ class RemovableHandle:
             self._hooks.remove(self._hook)
 
 
-_HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
+_HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward", "grads_ready")
 
 
 def _hooked(method: Callable, pre: str, post: str) -> Callable:
@@ -212,6 +213,31 @@ class Module:
         RemovableHandle
         """
         return self._add_hook("backward", hook)
+
+    def register_grads_ready_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(module)`` when this module's ``backward`` says its parameters' gradients are
+        final (:meth:`grads_ready`), before it computes the gradient wrt its input; a module
+        that never says so fires only its backward hooks. (DDP starts a bucket's allreduce
+        there: :class:`~ferro_fsdp.layers.Linear`'s input gradient is as costly as its weight's.)
+
+        Parameters
+        ----------
+        hook : callable
+
+        Returns
+        -------
+        RemovableHandle
+        """
+        return self._add_hook("grads_ready", hook)
+
+    def grads_ready(self) -> None:
+        """Called by a ``backward`` once it has written this module's parameters' gradients
+        (and before it computes its input's): runs the grads-ready hooks.
+        """
+        hooks = self.__dict__.get("_ferro_hooks")
+        if hooks:
+            for hook in list(hooks["grads_ready"]):
+                hook(self)
 
     def _items(self) -> Iterator[tuple[str, Parameter | Module]]:
         for name in list(self._reg()):
