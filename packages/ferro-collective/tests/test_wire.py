@@ -269,6 +269,8 @@ def test_on_two_nodes_only_the_cross_node_stage_is_on_the_wire():
     if not AVAILABLE:
         pytest.skip("the node stages need the engine (Linux)")
     assert run_processes(wire_fns.hierarchical, 4, ("a", "a", "b", "b")) == [[]] * 4
+    # the nodes' ranks interleaved: the reduce_scatter's blocks regrouped by local index
+    assert run_processes(wire_fns.hierarchical, 4, ("a", "b", "a", "b")) == [[]] * 4
 
 
 def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):

@@ -124,4 +124,37 @@ def hierarchical(b, nodes) -> list[str]:
             with mock.patch.object(compressed, "PIECE_BYTES", 16):
                 if fc.allreduce(xs[r], b, wire=wire).tobytes() != got.tobytes():
                     bad.append("hierarchical allreduce bf16 in pieces")
+    return bad + hierarchical_reduce_scatter(b, members)
+
+
+def hierarchical_reduce_scatter(b, members) -> list[str]:
+    """bf16/fp16 reduce_scatter on two nodes: each node's exact float32 sum of this rank's
+    block (in rank order), through the wire, folded across nodes in node order; the async
+    form the same bits; int8 flat (every rank's own blocks through the wire, folded in rank
+    order)."""
+    n, r = b.world_size, b.rank
+    rows = 3
+    xs = [np.linspace(-1, 1, n * rows * 2, dtype=np.float32).reshape(n * rows, 2) * (k + 1)
+          + 0.01 * k for k in range(n)]
+    bad: list[str] = []
+    for wire, op in (("bf16", ReduceOp.SUM), ("fp16", ReduceOp.MEAN), ("bf16", ReduceOp.MAX)):
+        fold = np.maximum if op is ReduceOp.MAX else np.add
+        acc = None
+        for m in members:
+            node = xs[m[0]][r * rows:(r + 1) * rows].copy()
+            for q in m[1:]:
+                node = fold(node, xs[q][r * rows:(r + 1) * rows])
+            t = _through(node, wire).reshape(rows, 2)
+            acc = t if acc is None else fold(acc, t)
+        if op is ReduceOp.MEAN:
+            acc = acc / np.float32(n)
+        got = fc.reduce_scatter(xs[r], b, op, wire=wire)
+        if got.shape != (rows, 2) or not np.array_equal(got, acc):
+            bad.append(f"hierarchical reduce_scatter {wire} {op.name}: {got} != {acc}")
+        if fc.reduce_scatter_async(xs[r], b, op, wire=wire).wait(60).tobytes() != \
+                got.tobytes():
+            bad.append(f"hierarchical reduce_scatter_async {wire} {op.name}")
+    acc = sum(_through(x[r * rows:(r + 1) * rows], "int8") for x in xs).reshape(rows, 2)
+    if not np.array_equal(fc.reduce_scatter(xs[r], b, wire="int8"), acc):
+        bad.append("reduce_scatter int8 on two nodes (flat)")
     return bad

@@ -386,6 +386,11 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
                                 f"the world size {n}")
     shape = (x.shape[0] // n, *x.shape[1:])
     per = int(np.prod(shape))
+    h = getattr(backend, "hierarchy", None)
+    if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1 and \
+            len({len(m) for m in h.members}) == 1:
+        return _reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
+                                     background)
     c = _chunk(per, 1, wire)
     s = Steps("reduce_scatter", wire, tensor, backend, timeout)
     width = encoded_bytes(c, wire)
@@ -401,6 +406,44 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
         s.result = _deliver(fill, x, shape, out, "reduce_scatter")
 
     s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), rows, folded)
+    return s.run(background)
+
+
+def _reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceOp, wire: str,
+                          timeout, out, shape: tuple, background: bool):
+    """The bf16/fp16 reduce_scatter of a multi-node job: exact inside the node, compressed
+    across nodes. Local rank ``i`` of every node gets, from an exact reduce_scatter over its
+    node, its node's sum of the blocks of the ranks of local index ``i`` (in node order); those
+    are encoded, all-to-all'd across the nodes and folded in node order. (int8/int4 stay flat:
+    their error feedback needs what this rank's own blocks lost in the encoding.)"""
+    n, local, nodes = backend.world_size, h.local_world, h.num_nodes
+    per = int(np.prod(shape))
+    s = Steps("reduce_scatter", wire, tensor, backend, timeout)
+    blocks = x.reshape(n, per)
+    grouped = s.take(local, nodes, per, dtype=x.dtype)
+    for k, members in enumerate(h.members):
+        for i, r in enumerate(members):
+            grouped[i, k] = blocks[r]
+    node_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    node_sum = s.take(nodes * per, dtype=x.dtype)
+    width = encoded_bytes(per, wire)
+    sent, rows, acc = s.take(nodes, width), s.take(nodes, width), s.take(per, dtype=np.float32)
+
+    def summed(got):
+        _encode_chunks(np.ascontiguousarray(got, dtype=np.float32), per, per, wire, sent)
+
+    def folded(got):
+        _fold_rows(got.reshape(nodes, width), wire, node_op, acc)
+        if op is ReduceOp.MEAN:
+            np.divide(acc, np.float32(n), out=acc)
+
+        def fill(dest):
+            dest[...] = acc
+
+        s.result = _deliver(fill, x, shape, out, "reduce_scatter")
+
+    s.then(REDUCE_SCATTER, grouped.reshape(-1), h.node, node_op, node_sum, summed)
+    s.then(ALL_TO_ALL_SINGLE, sent, h.cross, (None, None), rows, folded)
     return s.run(background)
 
 
