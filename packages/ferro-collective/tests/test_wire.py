@@ -273,7 +273,9 @@ def test_on_two_nodes_only_the_cross_node_stage_is_on_the_wire():
     assert run_processes(wire_fns.hierarchical, 4, ("a", "b", "a", "b")) == [[]] * 4
 
 
-def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):
+def traced_on_rank_0(tmp_path, calls) -> list[tuple[str, dict]]:
+    """``calls(b)`` on 2 simulated ranks with rank 0 traced: rank 0's compressed calls' events
+    (name, args)."""
     import json
 
     from ferro_backend import SimulatedBackend, trace
@@ -282,18 +284,21 @@ def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):
     path = tmp_path / "t.json"
 
     def body(b):
-        x = np.ones(1000, np.float32)
         if b.rank == 0:
             with trace(path, backend=b):
-                fc.allreduce(x, b, wire="int8")
-                fc.all_gather(x, b, wire="bf16")
+                calls(b)
         else:
-            fc.allreduce(x, b, wire="int8")
-            fc.all_gather(x, b, wire="bf16")
+            calls(b)
 
     run_threads(body, SimulatedBackend.create_group(2), timeout=60)
-    events = {e["name"]: e["args"] for e in json.loads(path.read_text())["traceEvents"]
-              if e["ph"] == "X" and "[" in e["name"]}
+    return [(e["name"], e["args"]) for e in json.loads(path.read_text())["traceEvents"]
+            if e["ph"] == "X" and "[" in e["name"] and e["args"].get("rank") == 0]
+
+
+def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):
+    x = np.ones(1000, np.float32)
+    events = dict(traced_on_rank_0(tmp_path, lambda b: (fc.allreduce(x, b, wire="int8"),
+                                                        fc.all_gather(x, b, wire="bf16"))))
     assert events["allreduce[int8]"]["bytes"] == 4000
     assert events["allreduce[int8]"]["wire_bytes"] == 4 * (256 + 4)  # 4 blocks, 4 scales
     assert events["all_gather[bf16]"]["wire_bytes"] == 2000

@@ -3,7 +3,6 @@ bits as the reference in one piece, on every rank, now and in the background, in
 a new array; a blocking call made on an async worker runs its pieces in line (no wait on
 itself); the timeline keeps one event for the call."""
 
-import json
 from contextlib import contextmanager
 from unittest import mock
 
@@ -11,12 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_wire import expected_allreduce, inputs
+from test_wire import expected_allreduce, inputs, traced_on_rank_0
 
 import ferro_collective as fc
-from ferro_backend import SimulatedBackend, trace
 from ferro_backend import settings as fsettings
-from ferro_backend.testing import run_ranks, run_threads
+from ferro_backend.testing import run_ranks
 from ferro_collective import ReduceOp, compressed
 from ferro_collective.per_backend import state
 
@@ -120,20 +118,10 @@ def test_a_blocking_call_on_a_worker_runs_its_pieces_in_line():
 
 
 def test_the_timeline_has_one_event_for_a_call_in_pieces(tmp_path):
-    path = tmp_path / "t.json"
-
-    def body(b):
-        x = np.ones(1000, np.float32)
-        if b.rank == 0:
-            with trace(path, backend=b):
-                fc.allreduce(x, b, wire="bf16")
-        else:
-            fc.allreduce(x, b, wire="bf16")
-
     with small_pieces():
-        run_threads(body, SimulatedBackend.create_group(2), timeout=60)
-    events = [e["args"] for e in json.loads(path.read_text())["traceEvents"]
-              if e["ph"] == "X" and e["name"] == "allreduce[bf16]" and e["args"]["rank"] == 0]
+        events = [args for name, args in traced_on_rank_0(
+            tmp_path, lambda b: fc.allreduce(np.ones(1000, np.float32), b, wire="bf16"))
+                  if name == "allreduce[bf16]"]
     assert len(events) == 1
     assert events[0]["bytes"] == 4000 and events[0]["wire_bytes"] == 2000
     assert events[0]["pieces"] == compressed.MAX_PIECES
