@@ -387,8 +387,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     shape = (x.shape[0] // n, *x.shape[1:])
     per = int(np.prod(shape))
     h = getattr(backend, "hierarchy", None)
-    if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1 and \
-            len({len(m) for m in h.members}) == 1:
+    if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1:
         return _reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
                                      background)
     c = _chunk(per, 1, wire)
@@ -414,8 +413,9 @@ def _reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: Reduce
     """The bf16/fp16 reduce_scatter of a multi-node job: exact inside the node, compressed
     across nodes. Local rank ``i`` of every node gets, from an exact reduce_scatter over its
     node, its node's sum of the blocks of the ranks of local index ``i`` (in node order); those
-    are encoded, all-to-all'd across the nodes and folded in node order. (int8/int4 stay flat:
-    their error feedback needs what this rank's own blocks lost in the encoding.)"""
+    are encoded, all-to-all'd across the nodes and folded in node order (every hierarchy's nodes
+    hold the same number of ranks). (int8/int4 stay flat: their error feedback needs what this
+    rank's own blocks lost in the encoding.)"""
     n, local, nodes = backend.world_size, h.local_world, h.num_nodes
     per = int(np.prod(shape))
     s = Steps("reduce_scatter", wire, tensor, backend, timeout)
