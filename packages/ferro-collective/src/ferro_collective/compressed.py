@@ -2,21 +2,19 @@
 allreduce, reduce_scatter and all_gather, now or in the background.
 
 Each is a few exact collectives on encoded bytes with local steps between them (encode, decode
-and fold in rank order), which :class:`Steps` lists: the first collective's bytes are encoded
-when the call is made; each later one's are made by the step after the collective before it.
-The blocking form runs the collectives as they come; the ``*_async`` form checks and numbers
-every one of them when it is issued (so the call keeps its place in the backend's order of
-calls however long it waits for a worker) and runs them on a worker thread. If one fails, the
-ones after it still run, on zeros (every rank takes part in each, as its peers expect), and the
-first error is raised.
+and fold in rank order), which a :class:`~.compressed_steps.Steps` lists: the first
+collective's bytes are encoded when the call is made; each later one's are made by the step
+after the collective before it. The blocking form runs the collectives as they come; the
+``*_async`` form checks and numbers every one of them when it is issued (so the call keeps its
+place in the backend's order of calls however long it waits for a worker) and runs them on a
+worker thread. If one fails, the ones after it still run, on zeros (every rank takes part in
+each, as its peers expect), and the first error is raised.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -24,13 +22,11 @@ from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
-from .dispatch import run
-from .executors import prepared
+from .compressed_steps import Joined, Steps, chunk, decode_rows, deliver, encode_chunks, fold_rows
 from .ops import ReduceOp
-from .per_backend import WORKER_PREFIX, state
+from .per_backend import WORKER_PREFIX
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
-from .scratch import POOL
-from .wire import FOLD, check_floats, decode_into, encode, encode_into, encoded_bytes
+from .wire import check_floats, decode_into, encode, encode_into, encoded_bytes
 from .work import Work
 
 #: a bf16/fp16 allreduce of at least twice this many encoded bytes is cut in pieces of at least
@@ -42,156 +38,6 @@ MAX_PIECES = 4
 _ELEMENTWISE = ("bf16", "fp16")
 
 
-def _chunk(count: int, n: int, wire: str) -> int:
-    """Values per chunk when ``count`` values are cut in ``n`` (int8, int4: whole blocks)."""
-    c = max(1, -(-count // n))
-    return -(-c // _kernel.BLOCK) * _kernel.BLOCK if wire in ("int8", "int4") else c
-
-
-def _encode_chunks(flat: np.ndarray, step: int, c: int, wire: str, sent: np.ndarray) -> None:
-    """``flat`` cut in ``len(sent)`` pieces of ``step`` values, each padded with zeros to ``c``
-    values (the allreduce's chunks: ``step == c``, the last one short; the reduce-scatter's
-    dim-0 blocks: padded to whole int8/int4 blocks) and encoded into its row of ``sent``."""
-    for r in range(sent.shape[0]):
-        chunk = flat[r * step:(r + 1) * step]
-        if chunk.size < c:
-            chunk = np.concatenate([chunk, np.zeros(c - chunk.size, np.float32)])
-        encode_into(chunk, wire, sent[r])
-
-
-def _fold_rows(rows: np.ndarray, wire: str, op: ReduceOp, acc: np.ndarray) -> np.ndarray:
-    """Decode every rank's chunk into ``acc`` (float32, a chunk's values), folded in rank
-    order."""
-    decode_into(rows[0], wire, acc, _kernel.COPY)
-    for r in range(1, rows.shape[0]):
-        decode_into(rows[r], wire, acc, FOLD[op])
-    if op is ReduceOp.MEAN:
-        acc /= np.float32(rows.shape[0])
-    return acc
-
-
-def _decode_rows(rows: np.ndarray, c: int, wire: str, dest: np.ndarray) -> None:
-    """Every row's ``c`` values into float32 ``dest``, one after another, as many as it holds
-    (a last chunk cut short goes through a scratch chunk)."""
-    for r in range(rows.shape[0]):
-        lo, hi = r * c, min((r + 1) * c, dest.size)
-        if hi <= lo:
-            break
-        if hi - lo == c:
-            decode_into(rows[r], wire, dest[lo:hi], _kernel.COPY)
-        else:
-            tmp = POOL.take(c, np.float32)
-            decode_into(rows[r], wire, tmp, _kernel.COPY)
-            dest[lo:hi] = tmp[:hi - lo]
-            POOL.give(tmp)
-
-
-def _deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
-             out: np.ndarray | None, name: str):
-    """The result: ``fill(dest)`` writes its float32 values straight into ``out`` where that
-    is a float32 C-contiguous array of the result's shape (no copy, no new memory), else into
-    a new array, returned in ``like``'s dtype or copied into ``out`` (checked here, once the
-    collectives have run: a bad ``out`` on one rank does not leave its peers waiting)."""
-    if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == like.dtype == \
-            np.float32 and out.flags.c_contiguous and out.flags.writeable:
-        fill(out.reshape(-1))
-        return out
-    result = np.empty(int(np.prod(shape)), np.float32)
-    fill(result)
-    result = result.reshape(shape)
-    if out is None:
-        return result if like.dtype == np.float32 else result.astype(like.dtype)
-    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != like.dtype:
-        raise ValueError(f"{name}: out= must be an array of shape {shape} and dtype "
-                         f"{like.dtype}")
-    out[...] = result
-    return out
-
-
-class Steps:
-    """A compressed call's exact collectives in order: :meth:`then` adds one (its record, the
-    bytes it sends, the group, its argument, where its result goes) with the step that takes
-    its result (and fills the next one's bytes, or sets :attr:`result`). Its buffers come from
-    the scratch pool (:meth:`take`: fresh memory costs more than the codec on a virtual
-    machine) and go back when the call has run whole (a failed call keeps them: a message may
-    still land in one)."""
-
-    def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
-        self.name, self.wire, self.tensor, self.backend, self.timeout = (
-            name, wire, tensor, backend, timeout)
-        #: set for a piece of a call (which records one event for all): told of the first
-        #: error as it happens, in the background
-        self.on_error = on_error
-        self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
-        self.result: Any = None
-        self.borrowed: list[np.ndarray] = []
-
-    def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
-        a = POOL.take(int(np.prod(shape)), np.dtype(dtype))
-        self.borrowed.append(a)
-        return a.reshape(shape)
-
-    def then(self, coll, send: np.ndarray, group: Backend, arg, out,
-             step: Callable[[Any], None]) -> None:
-        self.calls.append((coll, send, group, arg, out, step))
-
-    def run(self, background: bool):
-        """The result now, or (``background``) a :class:`Work` that gives it."""
-        if not background:
-            return self._traced(self._now)
-        runs = [prepared(coll, send, group, arg, self.timeout, out)
-                for coll, send, group, arg, out, _ in self.calls]  # numbered now, in order
-        future = state(self.backend).submit(lambda: self._traced(self._later, runs))
-        return Work(self.name, runs[0][0], future)
-
-    def _now(self):
-        for coll, send, group, arg, out, step in self.calls:
-            step(run(coll, send, group, arg, self.timeout, None, out))
-        POOL.give(*self.borrowed)
-        return self.result
-
-    def _later(self, runs: list[tuple[int, Callable[[], Any]]]):
-        error: BaseException | None = None
-        for (_, go), (_, send, _, _, _, step) in zip(runs, self.calls):
-            if error is not None:
-                send[...] = 0  # taking part, as the peers expect
-            try:
-                got = go()
-                if error is None:
-                    step(got)
-            except BaseException as exc:  # (raised once the rest have run)
-                if error is None and self.on_error is not None:
-                    self.on_error(exc)
-                error = error or exc
-        if error is not None:
-            raise error
-        POOL.give(*self.borrowed)
-        return self.result
-
-    def _traced(self, call, *args):
-        if self.on_error is not None:
-            return call(*args)
-        return traced(self.name, self.wire, self.tensor, self.backend, call, *args)
-
-
-def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
-    """``call(*args)``; while tracing, one timeline event for the compressed call: the input's
-    bytes and the bytes of its encoding (``wire_bytes``), beside the events of the collectives
-    it runs."""
-    if not _timeline.active():
-        return call(*args)
-    x = np.asarray(tensor)
-    t0 = _timeline._now_us()
-    try:
-        return call(*args)
-    finally:
-        _timeline.record(f"{name}[{wire}]", "collective", t0, _timeline._now_us() - t0,
-                         bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
-                         wire_bytes=encoded_bytes(int(x.size), wire), rank=backend.rank,
-                         world=backend.world_size)
-
-
 # ---------------------------------------------------------------------------- the calls
 def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
                     done: Callable[[Callable[[np.ndarray], None]], None]) -> Callable[[], None]:
@@ -201,20 +47,20 @@ def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     Returns what encodes ``flat`` into the first one's bytes (call it once ``flat`` holds the
     values)."""
     n, wire = group.world_size, s.wire
-    c = _chunk(flat.size, n, wire)
+    c = chunk(flat.size, n, wire)
     width = encoded_bytes(c, wire)
     sent, rows, mine = s.take(n, width), s.take(n, width), s.take(width)
     acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
 
     def folded(got):
-        encode_into(_fold_rows(got.reshape(n, width), wire, op, acc), wire, mine)
+        encode_into(fold_rows(got.reshape(n, width), wire, op, acc), wire, mine)
 
     def ended(got):
-        done(lambda dest: _decode_rows(got.reshape(n, width), c, wire, dest))
+        done(lambda dest: decode_rows(got.reshape(n, width), c, wire, dest))
 
     s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
     s.then(ALL_GATHER, mine, group, None, gathered, ended)
-    return lambda: _encode_chunks(flat, c, c, wire, sent)
+    return lambda: encode_chunks(flat, c, c, wire, sent)
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -272,7 +118,7 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         out[...] = result
         return out
 
-    joined = _Joined(len(pieces), finish)
+    joined = Joined(len(pieces), finish)
     works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
                         at_once, on_error=joined.fail) for lo, hi in pieces]
     if not at_once:
@@ -281,36 +127,6 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         w.future.add_done_callback(joined.one_done)
     work = Work("allreduce", works[0].seq, joined.future)
     return work if background else work.wait()
-
-
-class _Joined:
-    """One future for a call's pieces: ``finish()``'s value once all have run; the first error
-    as soon as a piece meets it (:meth:`fail`, from the piece's steps: ranks that disagree on
-    the call's size cut it in different numbers of pieces, and a piece a peer never issues
-    would wait for it until its timeout)."""
-
-    def __init__(self, count: int, finish: Callable[[], Any]) -> None:
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self.left, self.finish, self.lock = count, finish, threading.Lock()
-
-    def fail(self, error: BaseException) -> None:
-        with self.lock:
-            if not self.future.done():
-                self.future.set_exception(error)
-
-    def one_done(self, done: concurrent.futures.Future) -> None:
-        error = done.exception()
-        if error is not None:
-            self.fail(error)
-            return
-        with self.lock:
-            self.left -= 1
-            if self.left or self.future.done():
-                return
-            try:
-                self.future.set_result(self.finish())
-            except BaseException as exc:
-                self.future.set_exception(exc)
 
 
 def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -324,7 +140,7 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
         flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)
 
         def done(fill):
-            s.result = _deliver(fill, x, x.shape, out, "allreduce")
+            s.result = deliver(fill, x, x.shape, out, "allreduce")
 
         _flat_allreduce(s, flat, backend, op, done)()
         return s.run(background)
@@ -358,7 +174,7 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
         def fill(dest):
             dest[...] = got
 
-        s.result = _deliver(fill, x, x.shape, out, "allreduce")
+        s.result = deliver(fill, x, x.shape, out, "allreduce")
 
     s.then(REDUCE_SCATTER, padded, h.node, node_op, node_sum, summed)
     encode_cross = _flat_allreduce(s, part32, h.cross, node_op, crossed)
@@ -390,19 +206,19 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1:
         return _reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
                                      background)
-    c = _chunk(per, 1, wire)
+    c = chunk(per, 1, wire)
     s = Steps("reduce_scatter", wire, tensor, backend, timeout)
     width = encoded_bytes(c, wire)
     sent, rows, acc = s.take(n, width), s.take(n, width), s.take(c, dtype=np.float32)
-    _encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire, sent)
+    encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire, sent)
 
     def folded(got):
-        _fold_rows(got.reshape(n, width), wire, op, acc)
+        fold_rows(got.reshape(n, width), wire, op, acc)
 
         def fill(dest):
             dest[...] = acc[:per]
 
-        s.result = _deliver(fill, x, shape, out, "reduce_scatter")
+        s.result = deliver(fill, x, shape, out, "reduce_scatter")
 
     s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), rows, folded)
     return s.run(background)
@@ -430,17 +246,17 @@ def _reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: Reduce
     sent, rows, acc = s.take(nodes, width), s.take(nodes, width), s.take(per, dtype=np.float32)
 
     def summed(got):
-        _encode_chunks(np.ascontiguousarray(got, dtype=np.float32), per, per, wire, sent)
+        encode_chunks(np.ascontiguousarray(got, dtype=np.float32), per, per, wire, sent)
 
     def folded(got):
-        _fold_rows(got.reshape(nodes, width), wire, node_op, acc)
+        fold_rows(got.reshape(nodes, width), wire, node_op, acc)
         if op is ReduceOp.MEAN:
             np.divide(acc, np.float32(n), out=acc)
 
         def fill(dest):
             dest[...] = acc
 
-        s.result = _deliver(fill, x, shape, out, "reduce_scatter")
+        s.result = deliver(fill, x, shape, out, "reduce_scatter")
 
     s.then(REDUCE_SCATTER, grouped.reshape(-1), h.node, node_op, node_sum, summed)
     s.then(ALL_TO_ALL_SINGLE, sent, h.cross, (None, None), rows, folded)
@@ -460,7 +276,7 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine)
 
     def decoded(got):
-        s.result = _deliver(lambda dest: _decode_rows(got.reshape(n, width), x.size, wire,
+        s.result = deliver(lambda dest: decode_rows(got.reshape(n, width), x.size, wire,
                                                       dest), x, shape, out, "all_gather")
 
     s.then(ALL_GATHER, mine, backend, None, gathered, decoded)
@@ -497,9 +313,9 @@ def sent_values(x: np.ndarray, n: int, wire: str, name: str) -> np.ndarray:
         return out.reshape(np.shape(x))
     if name != "allreduce":
         raise ValueError(f"sent_values: name {name!r}, expected 'reduce_scatter' or 'allreduce'")
-    c = _chunk(flat.size, n, wire)
+    c = chunk(flat.size, n, wire)
     sent = np.empty((n, encoded_bytes(c, wire)), np.uint8)
-    _encode_chunks(flat, c, c, wire, sent)
+    encode_chunks(flat, c, c, wire, sent)
     out = np.empty(flat.size, np.float32)
-    _decode_rows(sent, c, wire, out)
+    decode_rows(sent, c, wire, out)
     return out.reshape(np.shape(x))

@@ -1,0 +1,206 @@
+"""The parts every compressed call is made of (:mod:`.compressed` has the calls): its chunks,
+encoded into rows and folded or decoded out of them; its result delivered into ``out=``;
+:class:`Steps`, its exact collectives in order, now or on a worker; its timeline event; and
+:class:`Joined`, one future for a call cut in pieces.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ferro_backend import Backend
+from ferro_backend import timeline as _timeline
+
+from . import _wire as _kernel
+from .dispatch import run
+from .executors import prepared
+from .ops import ReduceOp
+from .per_backend import state
+from .scratch import POOL
+from .wire import FOLD, decode_into, encode_into, encoded_bytes
+from .work import Work
+
+
+def chunk(count: int, n: int, wire: str) -> int:
+    """Values per chunk when ``count`` values are cut in ``n`` (int8, int4: whole blocks)."""
+    c = max(1, -(-count // n))
+    return -(-c // _kernel.BLOCK) * _kernel.BLOCK if wire in ("int8", "int4") else c
+
+
+def encode_chunks(flat: np.ndarray, step: int, c: int, wire: str, sent: np.ndarray) -> None:
+    """``flat`` cut in ``len(sent)`` pieces of ``step`` values, each padded with zeros to ``c``
+    values (the allreduce's chunks: ``step == c``, the last one short; the reduce-scatter's
+    dim-0 blocks: padded to whole int8/int4 blocks) and encoded into its row of ``sent``."""
+    for r in range(sent.shape[0]):
+        chunk = flat[r * step:(r + 1) * step]
+        if chunk.size < c:
+            chunk = np.concatenate([chunk, np.zeros(c - chunk.size, np.float32)])
+        encode_into(chunk, wire, sent[r])
+
+
+def fold_rows(rows: np.ndarray, wire: str, op: ReduceOp, acc: np.ndarray) -> np.ndarray:
+    """Decode every rank's chunk into ``acc`` (float32, a chunk's values), folded in rank
+    order."""
+    decode_into(rows[0], wire, acc, _kernel.COPY)
+    for r in range(1, rows.shape[0]):
+        decode_into(rows[r], wire, acc, FOLD[op])
+    if op is ReduceOp.MEAN:
+        acc /= np.float32(rows.shape[0])
+    return acc
+
+
+def decode_rows(rows: np.ndarray, c: int, wire: str, dest: np.ndarray) -> None:
+    """Every row's ``c`` values into float32 ``dest``, one after another, as many as it holds
+    (a last chunk cut short goes through a scratch chunk)."""
+    for r in range(rows.shape[0]):
+        lo, hi = r * c, min((r + 1) * c, dest.size)
+        if hi <= lo:
+            break
+        if hi - lo == c:
+            decode_into(rows[r], wire, dest[lo:hi], _kernel.COPY)
+        else:
+            tmp = POOL.take(c, np.float32)
+            decode_into(rows[r], wire, tmp, _kernel.COPY)
+            dest[lo:hi] = tmp[:hi - lo]
+            POOL.give(tmp)
+
+
+def deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
+             out: np.ndarray | None, name: str):
+    """The result: ``fill(dest)`` writes its float32 values straight into ``out`` where that
+    is a float32 C-contiguous array of the result's shape (no copy, no new memory), else into
+    a new array, returned in ``like``'s dtype or copied into ``out`` (checked here, once the
+    collectives have run: a bad ``out`` on one rank does not leave its peers waiting)."""
+    if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == like.dtype == \
+            np.float32 and out.flags.c_contiguous and out.flags.writeable:
+        fill(out.reshape(-1))
+        return out
+    result = np.empty(int(np.prod(shape)), np.float32)
+    fill(result)
+    result = result.reshape(shape)
+    if out is None:
+        return result if like.dtype == np.float32 else result.astype(like.dtype)
+    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != like.dtype:
+        raise ValueError(f"{name}: out= must be an array of shape {shape} and dtype "
+                         f"{like.dtype}")
+    out[...] = result
+    return out
+
+
+class Steps:
+    """A compressed call's exact collectives in order: :meth:`then` adds one (its record, the
+    bytes it sends, the group, its argument, where its result goes) with the step that takes
+    its result (and fills the next one's bytes, or sets :attr:`result`). Its buffers come from
+    the scratch pool (:meth:`take`: fresh memory costs more than the codec on a virtual
+    machine) and go back when the call has run whole (a failed call keeps them: a message may
+    still land in one)."""
+
+    def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.name, self.wire, self.tensor, self.backend, self.timeout = (
+            name, wire, tensor, backend, timeout)
+        #: set for a piece of a call (which records one event for all): told of the first
+        #: error as it happens, in the background
+        self.on_error = on_error
+        self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
+        self.result: Any = None
+        self.borrowed: list[np.ndarray] = []
+
+    def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
+        a = POOL.take(int(np.prod(shape)), np.dtype(dtype))
+        self.borrowed.append(a)
+        return a.reshape(shape)
+
+    def then(self, coll, send: np.ndarray, group: Backend, arg, out,
+             step: Callable[[Any], None]) -> None:
+        self.calls.append((coll, send, group, arg, out, step))
+
+    def run(self, background: bool):
+        """The result now, or (``background``) a :class:`Work` that gives it."""
+        if not background:
+            return self._traced(self._now)
+        runs = [prepared(coll, send, group, arg, self.timeout, out)
+                for coll, send, group, arg, out, _ in self.calls]  # numbered now, in order
+        future = state(self.backend).submit(lambda: self._traced(self._later, runs))
+        return Work(self.name, runs[0][0], future)
+
+    def _now(self):
+        for coll, send, group, arg, out, step in self.calls:
+            step(run(coll, send, group, arg, self.timeout, None, out))
+        POOL.give(*self.borrowed)
+        return self.result
+
+    def _later(self, runs: list[tuple[int, Callable[[], Any]]]):
+        error: BaseException | None = None
+        for (_, go), (_, send, _, _, _, step) in zip(runs, self.calls):
+            if error is not None:
+                send[...] = 0  # taking part, as the peers expect
+            try:
+                got = go()
+                if error is None:
+                    step(got)
+            except BaseException as exc:  # (raised once the rest have run)
+                if error is None and self.on_error is not None:
+                    self.on_error(exc)
+                error = error or exc
+        if error is not None:
+            raise error
+        POOL.give(*self.borrowed)
+        return self.result
+
+    def _traced(self, call, *args):
+        if self.on_error is not None:
+            return call(*args)
+        return traced(self.name, self.wire, self.tensor, self.backend, call, *args)
+
+
+def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
+    """``call(*args)``; while tracing, one timeline event for the compressed call: the input's
+    bytes and the bytes of its encoding (``wire_bytes``), beside the events of the collectives
+    it runs."""
+    if not _timeline.active():
+        return call(*args)
+    x = np.asarray(tensor)
+    t0 = _timeline._now_us()
+    try:
+        return call(*args)
+    finally:
+        _timeline.record(f"{name}[{wire}]", "collective", t0, _timeline._now_us() - t0,
+                         bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
+                         wire_bytes=encoded_bytes(int(x.size), wire), rank=backend.rank,
+                         world=backend.world_size)
+
+
+class Joined:
+    """One future for a call's pieces: ``finish()``'s value once all have run; the first error
+    as soon as a piece meets it (:meth:`fail`, from the piece's steps: ranks that disagree on
+    the call's size cut it in different numbers of pieces, and a piece a peer never issues
+    would wait for it until its timeout)."""
+
+    def __init__(self, count: int, finish: Callable[[], Any]) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.left, self.finish, self.lock = count, finish, threading.Lock()
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if not self.future.done():
+                self.future.set_exception(error)
+
+    def one_done(self, done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        if error is not None:
+            self.fail(error)
+            return
+        with self.lock:
+            self.left -= 1
+            if self.left or self.future.done():
+                return
+            try:
+                self.future.set_result(self.finish())
+            except BaseException as exc:
+                self.future.set_exception(exc)
