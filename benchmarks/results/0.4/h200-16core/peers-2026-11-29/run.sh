@@ -1,0 +1,68 @@
+#!/bin/bash
+# Issue 55 on the lent 16-core machine: peers at 2 (nearest / farthest cores), 8 (close / spread)
+# and 16 ranks; ferro-shm against Open MPI (default, coll/sm) and Intel MPI (shm).
+# env: OUT (results come back from there), BUDGET (s), SMOKE=1 (a short local check).
+set -u
+P=$PWD/.devpay; R=/tmp/res; rm -rf $R; mkdir -p $R
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+T0=$(date +%s); BUDGET=${BUDGET:-480}
+el() { echo $(( $(date +%s) - T0 )); }
+pack() { tar czf $OUT/res.tgz -C $R . 2>/dev/null; }
+PY=${PY:-python3}
+{ date; uname -a; nproc; lscpu; grep -m1 "model name" /proc/cpuinfo
+  for c in /sys/devices/system/cpu/cpu*/cache/index*/; do
+    echo "$c L$(cat $c/level) $(cat $c/type) $(cat $c/size) shared=$(cat $c/shared_cpu_list)"; done
+  ls /sys/devices/system/node/; cat /sys/devices/system/cpu/cpu0/topology/*_list
+  free -g; $PY --version; cat /sys/kernel/mm/transparent_hugepage/enabled; } > $R/topo.txt 2>&1
+$P/core_pairs > $R/core_pairs.txt 2>&1; $P/core_pairs > $R/core_pairs2.txt 2>&1
+eval "$($PY $P/placement.py $R/core_pairs.txt | tee $R/placement.txt)"
+pack; echo "topology at $(el) s: $(cat $R/placement.txt)"
+if [ -z "${NOSETUP:-}" ]; then
+  # (python3 there is itself a virtualenv's: ours see its packages through a .pth file)
+  SITE=$($PY -c "import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))")
+  for v in fv impi; do $PY -m venv /tmp/$v && echo $SITE > $(/tmp/$v/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_host.pth; done
+  /tmp/fv/bin/pip install -q --no-index --no-deps $P/whl/*.whl
+  /tmp/impi/bin/pip install -q --no-index --no-deps $P/whl/mpi4py-*.whl && tar xJf $P/impi_trim.tar.xz -C /tmp/impi
+  /tmp/fv/bin/python -c "import numpy, mpi4py, ferro_backend; print(numpy.__version__, mpi4py.__file__, ferro_backend.__file__)" > $R/venv_check.txt 2>&1
+fi
+F=/tmp/fv/bin/python
+cat > /tmp/hello.py <<'PY'
+from mpi4py import MPI
+import numpy as np
+c = MPI.COMM_WORLD; a = np.ones(1 << 16, np.float32); b = np.empty_like(a); c.Allreduce(a, b)
+print(c.rank, c.size, b[0], MPI.Get_library_version().split("\n")[0][:60], flush=True)
+PY
+IMPLS="ferro-shm"
+timeout 40 /tmp/fv/bin/mpirun -n 2 --oversubscribe $F /tmp/hello.py > $R/hello_ompi.txt 2>&1 && IMPLS="$IMPLS mpi mpi-sm"
+I_MPI_FABRICS=shm timeout 40 /tmp/impi/bin/mpiexec -n 2 /tmp/impi/bin/python /tmp/hello.py > $R/hello_impi.txt 2>&1 && IMPLS="$IMPLS impi"
+timeout 20 $F -c "import ferro_backend, ferro_collective; print(ferro_backend.__file__)" > $R/hello_ferro.txt 2>&1
+echo "impls: $IMPLS at $(el) s"; pack
+(while :; do echo "t=$(el)"; ps -eLo psr,pid,comm | grep -i python | sort -n | awk '{print $1}' | uniq -c | tr '\n' ' '; echo; sleep 4; done) > $R/psr.log 2>&1 &
+SAMPLER=$!
+OPS="allreduce all_gather reduce_scatter broadcast barrier"
+SIZES=""; REP=3
+[ -n "${SMOKE:-}" ] && { OPS="allreduce barrier"; SIZES="--sizes 4096 65536"; REP=1; }
+step() {  # name, estimate (s), cpus, world, extra args
+  local name=$1 est=$2 cpus=$3 world=$4; shift 4
+  if [ $(( $(el) + est )) -gt $BUDGET ]; then echo "skip $name at $(el) s"; echo "$name skipped at $(el)" >> $R/skipped.txt; return; fi
+  echo "== $name on cpus $cpus at $(el) s"; local t=$(date +%s)
+  I_MPI_PIN_PROCESSOR_LIST=$cpus timeout $(( BUDGET - $(el) + 5 )) taskset -c $cpus $F benchmarks/peers.py --worlds $world \
+    --impls $IMPLS --impi-venv /tmp/impi --ops $OPS $SIZES --repeat $REP --no-host-probe \
+    --timeout 90 --out $R/$name "$@" > $R/$name.log 2>&1
+  echo "$name rc=$? in $(( $(date +%s) - t )) s"; pack
+}
+# what the MPIs report: their pinning (and Intel MPI's tuning file) under the 8-core placement
+I_MPI_DEBUG=6 I_MPI_FABRICS=shm I_MPI_PIN_PROCESSOR_LIST=0-7 timeout 40 taskset -c 0-7 /tmp/impi/bin/mpiexec -n 8 /tmp/impi/bin/python /tmp/hello.py > $R/debug_impi8.txt 2>&1
+timeout 40 taskset -c 0-7 /tmp/fv/bin/mpirun -n 8 --oversubscribe --report-bindings $F /tmp/hello.py > $R/debug_ompi8.txt 2>&1
+I_MPI_DEBUG=6 I_MPI_FABRICS=shm I_MPI_PIN_PROCESSOR_LIST=$FAR timeout 40 taskset -c $FAR /tmp/impi/bin/mpiexec -n 2 /tmp/impi/bin/python /tmp/hello.py > $R/debug_impi2.txt 2>&1
+pack
+step p8 90 0-7 8
+step p16 130 $(taskset -pc $$ | awk -F': ' '{print $2}') 16
+step p2near 50 $NEAR 2
+[ "$DISTINCT" = 1 ] && step p2far 50 $FAR 2
+
+[ "$DISTINCT" = 1 ] && step p2far_fresh 50 $FAR 2 --fresh
+step p2near_fresh 50 $NEAR 2 --fresh
+kill $SAMPLER 2>/dev/null
+$P/core_pairs > $R/core_pairs_end.txt 2>&1
+echo "done at $(el) s"; pack
