@@ -1,7 +1,11 @@
 #!/bin/bash
-# Issue 55 on the lent 16-core machine: peers at 2 (nearest / farthest cores), 8 (close / spread)
-# and 16 ranks; ferro-shm against Open MPI (default, coll/sm) and Intel MPI (shm).
-# env: OUT (results come back from there), BUDGET (s), SMOKE=1 (a short local check).
+# Issue 55 on a lent 16-core machine, as one call of the `device` tool (prepare.sh first, then
+# `OUT=$OUT BUDGET=470 bash .devpay/run_peers.sh` with .devpay carried): the machine's topology
+# and every pair of cores' round trip (core_pairs), what the MPIs report of their pinning, then
+# peers.py (ferro-shm, Open MPI default and coll/sm, Intel MPI shm) at 8 ranks on cores 0-7,
+# 16, and 2 on the nearest and the farthest pair of cores, plain and fresh; each step is
+# skipped if it would pass BUDGET seconds; everything comes back as $OUT/res.tgz.
+# env: OUT, BUDGET, PY (the Python to use), NOSETUP=1 (the venvs exist), SMOKE=1 (a short check).
 set -u
 P=$PWD/.devpay; R=/tmp/res; rm -rf $R; mkdir -p $R
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -60,7 +64,6 @@ step p8 90 0-7 8
 step p16 130 $(taskset -pc $$ | awk -F': ' '{print $2}') 16
 step p2near 50 $NEAR 2
 [ "$DISTINCT" = 1 ] && step p2far 50 $FAR 2
-
 [ "$DISTINCT" = 1 ] && step p2far_fresh 50 $FAR 2 --fresh
 step p2near_fresh 50 $NEAR 2 --fresh
 kill $SAMPLER 2>/dev/null
