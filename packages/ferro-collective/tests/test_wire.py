@@ -273,6 +273,18 @@ def test_on_two_nodes_only_the_cross_node_stage_is_on_the_wire():
     assert run_processes(wire_fns.hierarchical, 4, ("a", "b", "a", "b")) == [[]] * 4
 
 
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_a_multi_node_allreduce_in_pieces_overlaps_its_cross_stages(workers, monkeypatch):
+    """The node stages of every piece first, the cross-node stages at once: the same bits as
+    one piece, with one async worker too (every job waits only for jobs queued before it)."""
+    from ferro_backend.engine import AVAILABLE
+
+    if not AVAILABLE:
+        pytest.skip("the node stages need the engine (Linux)")
+    monkeypatch.setenv("FERRO_ASYNC_WORKERS", workers)
+    assert run_processes(wire_fns.hierarchical_pieces, 4, ("a", "b", "a", "b")) == [[]] * 4
+
+
 def traced_on_rank_0(tmp_path, calls) -> list[tuple[str, dict]]:
     """``calls(b)`` on 2 simulated ranks with rank 0 traced: rank 0's compressed calls' events
     (name, args)."""

@@ -127,6 +127,30 @@ def hierarchical(b, nodes) -> list[str]:
     return bad + hierarchical_reduce_scatter(b, members)
 
 
+def hierarchical_pieces(b, nodes) -> list[str]:
+    """A multi-node bf16 allreduce in pieces (every piece's node stage, the pieces' cross-node
+    stages at once, the node all_gathers in order): the bits of the call in one piece, blocking
+    and three in the background at once, with an exact call issued after them."""
+    from ferro_backend.hierarchy import attach_hierarchy
+
+    attach_hierarchy(b, nodes)
+    n, r = b.world_size, b.rank
+    xs = [np.linspace(-1, 1, 2000, dtype=np.float32) * (k + 1) + 0.01 * r for k in range(3)]
+    whole = [fc.allreduce(x, b, ReduceOp.MEAN, wire="bf16") for x in xs]  # one piece each
+    bad: list[str] = []
+    with mock.patch.object(compressed, "PIECE_BYTES", 64):
+        if fc.allreduce(xs[0], b, ReduceOp.MEAN, wire="bf16").tobytes() != whole[0].tobytes():
+            bad.append("blocking, in pieces")
+        works = [fc.allreduce_async(x, b, ReduceOp.MEAN, wire="bf16") for x in xs]
+        exact = fc.allreduce(np.ones(3), b)
+        got = [w.wait(60) for w in works]
+    if [g.tobytes() for g in got] != [w.tobytes() for w in whole]:
+        bad.append("three in the background, in pieces")
+    if exact.tolist() != [n] * 3:
+        bad.append("the exact call issued after them")
+    return bad
+
+
 def hierarchical_reduce_scatter(b, members) -> list[str]:
     """bf16/fp16 reduce_scatter on two nodes: each node's exact float32 sum of this rank's
     block (in rank order), through the wire, folded across nodes in node order; the async

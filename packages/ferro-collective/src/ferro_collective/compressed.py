@@ -24,7 +24,7 @@ from ferro_backend import timeline as _timeline
 from . import _wire as _kernel
 from .compressed_steps import Joined, Steps, chunk, decode_rows, deliver, encode_chunks, fold_rows
 from .ops import ReduceOp
-from .per_backend import WORKER_PREFIX
+from .per_backend import WORKER_PREFIX, state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
 from .wire import check_floats, decode_into, encode, encode_into, encoded_bytes
 from .work import Work
@@ -118,14 +118,27 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         out[...] = result
         return out
 
-    joined = Joined(len(pieces), finish)
-    works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
-                        at_once, on_error=joined.fail) for lo, hi in pieces]
-    if not at_once:
-        return finish()
-    for w in works:
-        w.future.add_done_callback(joined.one_done)
-    work = Work("allreduce", works[0].seq, joined.future)
+    h = getattr(backend, "hierarchy", None)
+    if h is not None and h.num_nodes > 1:
+        joined = Joined(1, finish)
+        seq, jobs = _node_pieces(flat, pieces, h, backend, op, wire, timeout, into,
+                                 joined.fail)
+        if not at_once:
+            for job in jobs:
+                job()
+            return finish()
+        futures = [state(backend).submit(job) for job in jobs]
+        futures[-1].add_done_callback(joined.one_done)
+    else:
+        joined = Joined(len(pieces), finish)
+        works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
+                            at_once, on_error=joined.fail) for lo, hi in pieces]
+        if not at_once:
+            return finish()
+        for w in works:
+            w.future.add_done_callback(joined.one_done)
+        seq = works[0].seq
+    work = Work("allreduce", seq, joined.future)
     return work if background else work.wait()
 
 
@@ -144,7 +157,15 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
 
         _flat_allreduce(s, flat, backend, op, done)()
         return s.run(background)
-    flat = x.reshape(-1)
+    _node_calls(s, x, h, op, out)
+    return s.run(background)
+
+
+def _node_calls(s: Steps, x: np.ndarray, h, op: ReduceOp, out) -> None:
+    """Add the multi-node allreduce of ``x`` to ``s``: the node's exact reduce_scatter (call
+    0), the compressed allreduce across the nodes of this local rank's slice (calls 1, 2), the
+    node's all_gather (call 3); then ``s.result``."""
+    flat, backend = x.reshape(-1), s.backend
     local = h.local_world
     per = -(-max(1, flat.size) // local)
     padded = s.take(per * local, dtype=x.dtype)
@@ -179,7 +200,57 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     s.then(REDUCE_SCATTER, padded, h.node, node_op, node_sum, summed)
     encode_cross = _flat_allreduce(s, part32, h.cross, node_op, crossed)
     s.then(ALL_GATHER, part, h.node, None, whole, gathered)
-    return s.run(background)
+
+
+def _node_pieces(flat: np.ndarray, pieces: list[tuple[int, int]], h, backend: Backend,
+                 op: ReduceOp, wire: str, timeout, into: np.ndarray,
+                 on_error: Callable[[BaseException], None]) -> tuple[int, list]:
+    """A multi-node allreduce in pieces whose cross-node stages overlap: the node
+    reduce_scatters of every piece one after another, each piece's compressed cross-node
+    allreduce as soon as its node stage is done, the node all_gathers in order as the pieces
+    come back. (Each piece a whole hierarchical call would run its node all_gather before the
+    next piece's reduce_scatter: the engine runs a group's calls in their order, so the
+    pieces' cross stages could not overlap.) Every call is numbered now, each group's in the
+    same order on every rank. Returns the first call's number and the jobs, to run in order
+    (each waits only for jobs before it, so the workers, which start jobs in order, run them
+    whatever their number)."""
+    ss = [Steps("allreduce", wire, flat[lo:hi], backend, timeout, on_error)
+          for lo, hi in pieces]
+    for (lo, hi), s in zip(pieces, ss):
+        _node_calls(s, flat[lo:hi], h, op, into[lo:hi])
+    for calls in ([0], [1, 2], [3]):  # node: every reduce_scatter, then every all_gather
+        for s in ss:
+            s.number(calls)
+    node_done = [threading.Event() for _ in ss]
+    cross_done = [threading.Event() for _ in ss]
+
+    def part(s: Steps, calls: list[int], after: threading.Event | None = None,
+             done: threading.Event | None = None) -> Callable[[], None]:
+        """A job: once ``after`` is set, run piece ``s``'s ``calls``; then set ``done``."""
+        def job():
+            try:
+                if after is not None:
+                    after.wait()
+                s.run_numbered(calls)
+            except BaseException as exc:
+                s.fail(exc)
+            finally:
+                if done is not None:
+                    done.set()
+        return job
+
+    def node_stages():
+        for s, done in zip(ss, node_done):
+            part(s, [0], done=done)()
+
+    def gathers():
+        for s, crossed in zip(ss, cross_done):
+            part(s, [3], after=crossed)()
+        for s in ss:
+            s.close()
+
+    crosses = [part(s, [1, 2], after, done) for s, after, done in zip(ss, node_done, cross_done)]
+    return ss[0].runs[0][0], [node_stages, *crosses, gathers]
 
 
 def _filled(fill: Callable[[np.ndarray], None], count: int) -> np.ndarray:

@@ -108,7 +108,10 @@ class Steps:
         #: error as it happens, in the background
         self.on_error = on_error
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
+        #: the calls numbered so far (:meth:`number`): index -> (seq, what runs it)
+        self.runs: dict[int, tuple[int, Callable[[], Any]]] = {}
         self.result: Any = None
+        self.error: BaseException | None = None
         self.borrowed: list[np.ndarray] = []
 
     def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
@@ -124,10 +127,46 @@ class Steps:
         """The result now, or (``background``) a :class:`Work` that gives it."""
         if not background:
             return self._traced(self._now)
-        runs = [prepared(coll, send, group, arg, self.timeout, out)
-                for coll, send, group, arg, out, _ in self.calls]  # numbered now, in order
-        future = state(self.backend).submit(lambda: self._traced(self._later, runs))
-        return Work(self.name, runs[0][0], future)
+        self.number(range(len(self.calls)))  # numbered now, in order
+        future = state(self.backend).submit(lambda: self._traced(self._later))
+        return Work(self.name, self.runs[0][0], future)
+
+    def number(self, indices) -> None:
+        """Check and number the calls at ``indices`` now: their places in their groups' order
+        of calls (:meth:`run_numbered` runs them later)."""
+        for i in indices:
+            coll, send, group, arg, out, _ = self.calls[i]
+            self.runs[i] = prepared(coll, send, group, arg, self.timeout, out)
+
+    def run_numbered(self, indices) -> None:
+        """Run the numbered calls at ``indices``, each followed by its step. After a failure
+        the later calls still run, on zeros (every rank takes part in each, as its peers
+        expect); the first error is kept (:meth:`close` raises it)."""
+        for i in indices:
+            send, step = self.calls[i][1], self.calls[i][5]
+            if self.error is not None:
+                send[...] = 0
+            try:
+                got = self.runs[i][1]()
+                if self.error is None:
+                    step(got)
+            except BaseException as exc:  # (raised by close, once the rest have run)
+                self.fail(exc)
+
+    def fail(self, error: BaseException) -> None:
+        """Keep the call's first error; a piece's tells ``on_error`` at once."""
+        if self.error is None:
+            self.error = error
+            if self.on_error is not None:
+                self.on_error(error)
+
+    def close(self):
+        """Once every call has run: the first error raised, else the buffers given back and
+        the result."""
+        if self.error is not None:
+            raise self.error
+        POOL.give(*self.borrowed)
+        return self.result
 
     def _now(self):
         for coll, send, group, arg, out, step in self.calls:
@@ -135,23 +174,9 @@ class Steps:
         POOL.give(*self.borrowed)
         return self.result
 
-    def _later(self, runs: list[tuple[int, Callable[[], Any]]]):
-        error: BaseException | None = None
-        for (_, go), (_, send, _, _, _, step) in zip(runs, self.calls):
-            if error is not None:
-                send[...] = 0  # taking part, as the peers expect
-            try:
-                got = go()
-                if error is None:
-                    step(got)
-            except BaseException as exc:  # (raised once the rest have run)
-                if error is None and self.on_error is not None:
-                    self.on_error(exc)
-                error = error or exc
-        if error is not None:
-            raise error
-        POOL.give(*self.borrowed)
-        return self.result
+    def _later(self):
+        self.run_numbered(range(len(self.calls)))
+        return self.close()
 
     def _traced(self, call, *args):
         if self.on_error is not None:
