@@ -21,14 +21,8 @@ PY=${PY:-python3}
 $P/core_pairs > $R/core_pairs.txt 2>&1; $P/core_pairs > $R/core_pairs2.txt 2>&1
 eval "$($PY $P/placement.py $R/core_pairs.txt | tee $R/placement.txt)"
 pack; echo "topology at $(el) s: $(cat $R/placement.txt)"
-if [ -z "${NOSETUP:-}" ]; then
-  # (python3 there is itself a virtualenv's: ours see its packages through a .pth file)
-  SITE=$($PY -c "import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))")
-  for v in fv impi; do $PY -m venv /tmp/$v && echo $SITE > $(/tmp/$v/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_host.pth; done
-  /tmp/fv/bin/pip install -q --no-index --no-deps $P/whl/*.whl
-  /tmp/impi/bin/pip install -q --no-index --no-deps $P/whl/mpi4py-*.whl && tar xJf $P/impi_trim.tar.xz -C /tmp/impi
-  /tmp/fv/bin/python -c "import numpy, mpi4py, ferro_backend; print(numpy.__version__, mpi4py.__file__, ferro_backend.__file__)" > $R/venv_check.txt 2>&1
-fi
+[ -n "${NOSETUP:-}" ] || bash $P/venvs.sh $PY
+/tmp/fv/bin/python -c "import numpy, mpi4py, ferro_backend; print(numpy.__version__, mpi4py.__file__, ferro_backend.__file__)" > $R/venv_check.txt 2>&1
 F=/tmp/fv/bin/python
 cat > /tmp/hello.py <<'PY'
 from mpi4py import MPI

@@ -3,8 +3,8 @@
 # Intel MPI with each of its allreduce presets (I_MPI_ADJUST_ALLREDUCE=1..24; "default" is its
 # own choice: the preset whose times match it is what it picks) and ferro's split with 1, 2 and
 # 4 MiB slots, interleaved, 2 rounds. After prepare.sh, in the same call as run_peers.sh or
-# alone: `OUT=$OUT BUDGET=240 bash .devpay/study_allreduce.sh` (the venvs of run_peers.sh are
-# made if missing). Results: $OUT/study.tgz (impi.jsonl, ferro-*/results.json).
+# alone: `OUT=$OUT BUDGET=240 bash .devpay/study_allreduce.sh` (venvs.sh makes the venvs if
+# missing). Results: $OUT/study.tgz (impi.jsonl, ferro-*/results.json).
 set -u
 P=$PWD/.devpay; R=/tmp/study; rm -rf $R; mkdir -p $R
 export PYTHONUNBUFFERED=1
@@ -12,12 +12,7 @@ T0=$(date +%s); BUDGET=${BUDGET:-240}
 el() { echo $(( $(date +%s) - T0 )); }
 pack() { tar czf $OUT/study.tgz -C $R . 2>/dev/null; }
 PY=${PY:-python3}
-if [ ! -x /tmp/impi/bin/mpiexec ] || [ ! -x /tmp/fv/bin/python ]; then
-  SITE=$($PY -c "import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))")
-  for v in fv impi; do $PY -m venv /tmp/$v && echo $SITE > $(/tmp/$v/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_host.pth; done
-  /tmp/fv/bin/pip install -q --no-index --no-deps $P/whl/*.whl
-  /tmp/impi/bin/pip install -q --no-index --no-deps $P/whl/mpi4py-*.whl && tar xJf $P/impi_trim.tar.xz -C /tmp/impi
-fi
+bash $P/venvs.sh $PY
 SIZES="65536 1048576 16777216"
 for rep in 1 2; do
   for w in ${WORLDS:-8 16}; do
