@@ -1,5 +1,6 @@
-"""Placements from core_pairs' matrix: the nearest and farthest pair of cores, and 8 cores
-close together / spread over the groups the round trips form. Prints shell assignments."""
+"""Placements from core_pairs' matrix: the nearest and farthest pair of cores, whether they
+differ (DISTINCT: the farthest over 1.3x the nearest), and the groups the round trips form (a
+record: cores below the midpoint of the two from a group's first). Prints shell assignments."""
 import sys
 
 lines = open(sys.argv[1]).read().split("\n")
@@ -23,16 +24,6 @@ while left:
     groups.append(g)
     left = [j for j in left if j not in g]
 distinct = hi[0] > 1.3 * lo[0]
-k = min(8, n)
-seed = lo[1]
-close = sorted(range(n), key=lambda j: (0 if j == seed else m[seed][j]))[:k]
-spread, gi = [], [list(g) for g in groups]
-while len(spread) < k and any(gi):
-    for g in gi:
-        if g and len(spread) < k:
-            spread.append(g.pop(0))
 print(f"NEAR={near} NEAR_NS={lo[0]:.0f} FAR={far} FAR_NS={hi[0]:.0f} "
       f"DISTINCT={1 if distinct else 0} NGROUPS={len(groups) if distinct else 1} "
-      f"GROUPS='{';'.join(','.join(str(cpus[j]) for j in g) for g in groups)}' "
-      f"CLOSE8={','.join(str(cpus[j]) for j in sorted(close))} "
-      f"SPREAD8={','.join(str(cpus[j]) for j in sorted(spread))}")
+      f"GROUPS='{';'.join(','.join(str(cpus[j]) for j in g) for g in groups)}'")
