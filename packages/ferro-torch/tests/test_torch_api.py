@@ -74,6 +74,14 @@ def test_point_to_point_messages_keep_order_per_tag_and_never_wait_on_another_ta
     assert ": Timed out waiting 1000ms " in msg and 0.9 < secs < 5, p2p
 
 
+def test_small_receives_complete_by_poll_future_or_wait_in_the_order_sent(ranks):
+    # (the checks ran in rank 0; rank 1 sent)
+    for r in (0, 1):
+        made = ranks[r]["p2p"]["threads_made"]
+        if ranks[r]["kind"] == "compiled":  # the receives ran in the waiting thread
+            assert made == 0, ranks[r]["p2p"]
+
+
 def test_a_receive_pending_when_its_group_ends_raises_instead_of_hanging(ranks):
     for r in range(N):
         p2p = ranks[r]["p2p"]

@@ -339,6 +339,61 @@ def check_point_to_point(n: int, me: int, kind: str) -> dict:
     return out
 
 
+def check_small_receives(n: int, me: int, kind: str) -> dict:
+    """Small receives between ranks 0 and 1, however they are completed: a poll of
+    is_completed() alone, get_future(), two on one tag waited for in reverse order (they keep
+    the order sent), more on distinct tags than the compiled backend parks (80 of them, sent in
+    reverse order, waited for in reverse order). On the compiled backend a synchronous round
+    trip makes no thread (its receives run in the waiting thread)."""
+    out: dict = {}
+    if me > 1:
+        return out
+    peer = 1 - me
+    group = dist.new_group([0, 1])
+    deadline = time.monotonic() + 20
+    if me == 1:
+        dist.send(torch.full((3,), 10.0), 0, tag=10, group=group)
+        dist.send(torch.full((3,), 11.0), 0, tag=11, group=group)
+        for i in range(2):
+            dist.send(torch.full((2,), float(i)), 0, tag=12, group=group)
+        for t in reversed(range(80)):
+            dist.send(torch.full((1,), float(t)), 0, tag=100 + t, group=group)
+    else:
+        polled = torch.empty(3)
+        w = dist.irecv(polled, 1, tag=10, group=group)
+        while not w.is_completed():  # never waited for
+            assert time.monotonic() < deadline, "a polled receive never completed"
+            time.sleep(0.001)
+        assert torch.equal(polled, torch.full((3,), 10.0)), polled
+        fut = torch.empty(3)
+        got = dist.irecv(fut, 1, tag=11, group=group).get_future().wait()
+        assert torch.equal(fut, torch.full((3,), 11.0)) and got[0] is fut, fut
+        a, b = torch.empty(2), torch.empty(2)
+        wa, wb = dist.irecv(a, 1, tag=12, group=group), dist.irecv(b, 1, tag=12, group=group)
+        wb.wait()
+        assert wa.is_completed() and a[0] == 0 and b[0] == 1, (a, b)
+        bufs = [torch.empty(1) for _ in range(80)]
+        works = [dist.irecv(x, 1, tag=100 + t, group=group) for t, x in enumerate(bufs)]
+        for w in reversed(works):
+            w.wait()
+        assert [int(x) for x in bufs] == list(range(80)), bufs
+    # a synchronous round trip of small messages: on the compiled backend no thread is made
+    dist.barrier(group=group)
+    tasks = len(os.listdir("/proc/self/task"))
+    x = torch.zeros(16)
+    for _ in range(50):
+        if me == 0:
+            dist.send(x, peer, group=group)
+            dist.recv(x, peer, group=group)
+        else:
+            dist.recv(x, peer, group=group)
+            dist.send(x + 1, peer, group=group)
+    out["threads_made"] = len(os.listdir("/proc/self/task")) - tasks
+    assert me == 1 or x[0] == 50, x
+    dist.destroy_process_group(group)
+    return out
+
+
 def scenario_torch_api() -> None:
     kind = init(timeout=60)
     assert kind == os.environ["TEST_KIND"], (kind, os.environ["TEST_KIND"])
@@ -351,6 +406,7 @@ def scenario_torch_api() -> None:
     timeout = check_timeout_words(me)
     any_source = check_any_source(n, me)
     p2p = check_point_to_point(n, me, kind)
+    p2p.update(check_small_receives(n, me, kind))
     dist.barrier()
     report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync,
            kind=kind, p2p=p2p)

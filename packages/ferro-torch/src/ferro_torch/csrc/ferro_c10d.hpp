@@ -96,30 +96,78 @@ class Tickets {
 // The threads that run point-to-point operations (p2p.cpp): a lane's operations one after
 // another in the order they were posted, different lanes at once; a thread more whenever
 // every thread is busy (a receive may wait for its message as long as its timeout).
+//
+// A thread that waits for an operation no pool thread has started runs it itself (run_here),
+// with the operations posted before it in its lane: a synchronous dist.send / dist.recv costs
+// no hand-over between threads. A small receive is parked when posted (no thread woken for
+// it: its message waits in the ring whether or not a receive runs) until its Work is waited
+// for, polled or asked for its future, another operation comes in its lane, or more than
+// kMaxParked operations are parked; a lane with anything else starts at once.
 class Lanes {
  public:
   // (0, destination, 0) for sends; (1, source or FERRO_ANY_SOURCE, tag) for receives
   using Key = std::tuple<int, int, int>;
+  // one posted operation (its body is let go once it ran)
+  struct Job {
+    std::function<void()> body;
+  };
+  static constexpr size_t kMaxParked = 64;
   ~Lanes();
-  void post(Key key, std::function<void()> job);
-  bool idle(Key key);  // nothing of the lane pending
-  bool busy();         // something of any lane pending
-  void stop();         // after what was posted has run
+  // queue `body` in lane `key`; park: it may wait for run_here or start() (see above)
+  std::shared_ptr<Job> post(Key key, std::function<void()> body, bool park = false);
+  // run `job` (and what its lane holds before it) in this thread if no thread runs its lane
+  // (true); else false (a pool thread runs it, or ran it)
+  bool run_here(Key key, const std::shared_ptr<Job>& job);
+  void start(Key key);  // a parked lane to the pool
+  bool idle(Key key);   // nothing of the lane pending
+  bool busy();          // something of any lane pending
+  void stop();          // after what was posted has run (and what run_here runs has ended)
 
  private:
   struct Lane {
-    std::deque<std::function<void()>> jobs;
-    bool running = false;
+    std::deque<std::shared_ptr<Job>> jobs;
+    bool queued = false;   // its key is in ready_
+    bool running = false;  // a thread runs its operations
   };
   void run();
+  // the next operation of ready_'s first lane (mu_ held by g; released meanwhile)
+  void run_next(std::unique_lock<std::mutex>& g);
+  // (mu_ held) a lane neither queued nor running to ready_, and a thread woken for it
+  void schedule(const Key& key, Lane& lane);
+  // (mu_ held) after a lane's operation ended: its next one to ready_, or the lane forgotten
+  void ended(const Key& key);
 
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable here_cv_;  // run_here's operations ending (stop waits for them)
   std::map<Key, Lane> lanes_;
   std::deque<Key> ready_;
   size_t idle_ = 0;
+  size_t here_ = 0;    // lanes run_here runs now
+  size_t parked_ = 0;  // operations in lanes neither queued nor running
   bool stopping_ = false;
   std::vector<std::thread> threads_;
+};
+
+// A point-to-point operation's Work: wait() with no timeout runs the operation in the waiting
+// thread when no pool thread has started it; a wait with a timeout, a poll or its future
+// starts a parked one on the pool; recv from any source says who sent.
+class LaneWork : public FerroWork {
+ public:
+  using FerroWork::FerroWork;
+  bool wait(Ms timeout = ::kNoTimeout) override;
+  bool isCompleted() override;
+  FuturePtr getFuture() override;
+  int sourceRank() const override { return source_.load(); }
+  void posted(std::weak_ptr<Lanes> lanes, Lanes::Key key, std::shared_ptr<Lanes::Job> job);
+  std::atomic<int> source_{-1};
+
+ private:
+  std::mutex posted_mu_;
+  std::weak_ptr<Lanes> lanes_;
+  Lanes::Key key_;
+  std::shared_ptr<Lanes::Job> job_;
+  std::shared_ptr<Lanes> lanes(Lanes::Key* key, std::shared_ptr<Lanes::Job>* job);
 };
 
 // The Python side (python.cpp): the group's ProcessGroupFerro, for what stays on it.
@@ -263,8 +311,9 @@ class FerroBackend : public c10d::Backend {
   std::deque<std::pair<c10::intrusive_ptr<FerroWork>, FuturePtr>> callbacks_;
   std::thread callback_thread_;
   bool worker_done_ = false;
-  // point-to-point operations (declared last: its threads stop first)
-  Lanes p2p_;
+  // point-to-point operations (declared last: its threads stop first; shared with the
+  // Works that may run one of them, which hold it weakly)
+  std::shared_ptr<Lanes> p2p_ = std::make_shared<Lanes>();
 };
 
 template <class F>

@@ -8,7 +8,14 @@
 // lane's operations in issue order, different lanes at once (a receive that waits never holds
 // up another tag's or another peer's). A small send to a destination with nothing pending
 // runs in the caller's thread: it only writes into the ring, and returns a finished Work.
+// A Work waited for with no timeout before any pool thread took its operation (a synchronous
+// dist.recv or dist.send, batch_isend_irecv's waits) runs it in the waiting thread, and a
+// small receive is parked until then (Lanes): no thread wakes another for it. The pool still
+// runs every other operation at once, so a rank that receives while it sends never waits for
+// itself.
 #include "ferro_c10d.hpp"
+
+#include <algorithm>
 
 namespace ferro_torch {
 
@@ -30,35 +37,101 @@ size_t bytes_of(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t
 
 }  // namespace
 
-// A Work that also says who sent its message (recv from any source).
-class RecvWork : public FerroWork {
- public:
-  using FerroWork::FerroWork;
-  int sourceRank() const override { return source_.load(); }
-  std::atomic<int> source_{-1};
-};
-
 // ---------------------------------------------------------------------------- Lanes
 Lanes::~Lanes() { stop(); }
 
-void Lanes::post(Key key, std::function<void()> job) {
+std::shared_ptr<Lanes::Job> Lanes::post(Key key, std::function<void()> body, bool park) {
+  auto job = std::make_shared<Job>(Job{std::move(body)});
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(!stopping_, "ferro: the process group was shut down");
   Lane& lane = lanes_[key];
-  lane.jobs.push_back(std::move(job));
-  if (lane.running) return;  // its thread takes it after the ones before it
-  lane.running = true;
+  lane.jobs.push_back(job);
+  if (lane.running || lane.queued) return job;  // taken after the ones before it
+  if (park && lane.jobs.size() == 1 && parked_ < kMaxParked) {
+    ++parked_;
+    return job;
+  }
+  parked_ -= lane.jobs.size() - 1;  // (what the lane held was parked)
+  schedule(key, lane);
+  return job;
+}
+
+void Lanes::schedule(const Key& key, Lane& lane) {
+  lane.queued = true;
   ready_.push_back(key);
-  if (ready_.size() > idle_)  // every thread is busy (a receive may wait long): one more
+  if (ready_.size() > idle_ && !stopping_)  // every thread is busy: one more
     threads_.emplace_back([this] { run(); });
   else
     cv_.notify_one();
 }
 
-bool Lanes::idle(Key key) {
+void Lanes::start(Key key) {
   std::lock_guard<std::mutex> g(mu_);
   auto it = lanes_.find(key);
-  return it == lanes_.end() || !it->second.running;
+  if (it == lanes_.end() || it->second.running || it->second.queued) return;
+  parked_ -= it->second.jobs.size();
+  schedule(key, it->second);
+}
+
+bool Lanes::run_here(Key key, const std::shared_ptr<Job>& job) {
+  std::unique_lock<std::mutex> g(mu_);
+  if (stopping_) return false;  // (stop runs it)
+  auto it = lanes_.find(key);
+  if (it == lanes_.end() || it->second.running) return false;
+  Lane& lane = it->second;
+  if (std::find(lane.jobs.begin(), lane.jobs.end(), job) == lane.jobs.end()) return false;
+  if (lane.queued) {  // a thread was woken for it, and has not taken it
+    lane.queued = false;
+    ready_.erase(std::find(ready_.begin(), ready_.end(), key));
+  } else {
+    parked_ -= lane.jobs.size();
+  }
+  lane.running = true;
+  ++here_;
+  for (;;) {  // the lane's operations up to `job`, in order
+    std::shared_ptr<Job> next = std::move(lane.jobs.front());
+    lane.jobs.pop_front();
+    g.unlock();
+    next->body();  // (completes its Work: never throws)
+    next->body = nullptr;
+    g.lock();
+    if (next == job) break;
+  }
+  ended(key);
+  --here_;
+  g.unlock();
+  here_cv_.notify_all();
+  return true;
+}
+
+void Lanes::ended(const Key& key) {
+  Lane& lane = lanes_[key];  // (the map may have grown meanwhile; nodes stay put)
+  lane.running = false;
+  if (lane.jobs.empty())
+    lanes_.erase(key);
+  else
+    schedule(key, lane);  // behind the other lanes waiting
+}
+
+void Lanes::run_next(std::unique_lock<std::mutex>& g) {
+  Key key = ready_.front();
+  ready_.pop_front();
+  Lane& lane = lanes_[key];
+  lane.queued = false;
+  lane.running = true;
+  std::shared_ptr<Job> job = std::move(lane.jobs.front());
+  lane.jobs.pop_front();
+  g.unlock();
+  job->body();  // (completes its Work: never throws)
+  job->body = nullptr;
+  job.reset();
+  g.lock();
+  ended(key);
+}
+
+bool Lanes::idle(Key key) {
+  std::lock_guard<std::mutex> g(mu_);
+  return lanes_.find(key) == lanes_.end();
 }
 
 void Lanes::run() {
@@ -68,20 +141,7 @@ void Lanes::run() {
     cv_.wait(g, [this] { return stopping_ || !ready_.empty(); });
     --idle_;
     if (ready_.empty()) return;  // stopping, and nothing left to run
-    Key key = ready_.front();
-    ready_.pop_front();
-    Lane& lane = lanes_[key];
-    std::function<void()> job = std::move(lane.jobs.front());
-    lane.jobs.pop_front();
-    g.unlock();
-    job();  // (completes its Work: never throws)
-    job = nullptr;
-    g.lock();
-    Lane& after = lanes_[key];  // (the map may have grown meanwhile; nodes stay put)
-    if (after.jobs.empty())
-      lanes_.erase(key);
-    else
-      ready_.push_back(key);  // behind the other lanes waiting
+    run_next(g);
   }
 }
 
@@ -95,6 +155,9 @@ void Lanes::stop() {
   {
     std::lock_guard<std::mutex> g(mu_);
     stopping_ = true;
+    for (auto& [key, lane] : lanes_)  // the parked lanes run too
+      if (!lane.running && !lane.queued) schedule(key, lane);
+    parked_ = 0;
     threads.swap(threads_);
   }
   cv_.notify_all();
@@ -105,6 +168,59 @@ void Lanes::stop() {
     else
       t.join();
   }
+  // what is left runs here: lanes queued with no thread to take them (none starts once
+  // stopping), and the next operations of a lane run_here ran, which may end after the threads
+  std::unique_lock<std::mutex> g(mu_);
+  for (;;) {
+    if (!ready_.empty())
+      run_next(g);
+    else if (here_ == 0)
+      return;
+    else
+      here_cv_.wait(g);
+  }
+}
+
+// ---------------------------------------------------------------------------- LaneWork
+void LaneWork::posted(std::weak_ptr<Lanes> lanes, Lanes::Key key,
+                      std::shared_ptr<Lanes::Job> job) {
+  std::lock_guard<std::mutex> g(posted_mu_);
+  lanes_ = std::move(lanes);
+  key_ = key;
+  job_ = std::move(job);
+}
+
+std::shared_ptr<Lanes> LaneWork::lanes(Lanes::Key* key, std::shared_ptr<Lanes::Job>* job) {
+  std::lock_guard<std::mutex> g(posted_mu_);
+  *key = key_;
+  *job = job_;
+  return job_ ? lanes_.lock() : nullptr;
+}
+
+bool LaneWork::wait(Ms timeout) {
+  if (!FerroWork::isCompleted()) {
+    Lanes::Key key;
+    std::shared_ptr<Lanes::Job> job;
+    if (auto lanes = this->lanes(&key, &job)) {
+      if (timeout != ::kNoTimeout || !lanes->run_here(key, job)) lanes->start(key);
+    }
+  }
+  return FerroWork::wait(timeout);
+}
+
+bool LaneWork::isCompleted() {
+  if (FerroWork::isCompleted()) return true;
+  Lanes::Key key;
+  std::shared_ptr<Lanes::Job> job;
+  if (auto lanes = this->lanes(&key, &job)) lanes->start(key);  // a poll: let it run
+  return FerroWork::isCompleted();
+}
+
+FuturePtr LaneWork::getFuture() {
+  Lanes::Key key;
+  std::shared_ptr<Lanes::Job> job;
+  if (auto lanes = this->lanes(&key, &job)) lanes->start(key);
+  return FerroWork::getFuture();
 }
 
 // ---------------------------------------------------------------------------- send, recv
@@ -112,7 +228,7 @@ WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_message("send", tensors, dst, size_, tag);
   TORCH_CHECK(!closed_, "ferro: the process group was shut down");
   at::Tensor buf = dense(tensors[0]);  // (a copy of a non-contiguous tensor, taken now)
-  auto work = c10::make_intrusive<FerroWork>(c10d::OpType::SEND, tensors);
+  auto work = c10::make_intrusive<LaneWork>(c10d::OpType::SEND, tensors);
   const double secs = seconds(Ms(0));
   auto body = [this, work, buf, dst, tag, secs]() {
     std::exception_ptr error;
@@ -128,10 +244,10 @@ WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
     work->complete(error);
   };
   const Lanes::Key key{0, dst, 0};
-  if (bytes_of(buf) <= kInlineSend && p2p_.idle(key))
+  if (bytes_of(buf) <= kInlineSend && p2p_->idle(key))
     body();  // (an error is raised at wait(), as from the pool)
   else
-    p2p_.post(key, std::move(body));
+    work->posted(p2p_, key, p2p_->post(key, std::move(body)));
   return noted(work);
 }
 
@@ -148,10 +264,12 @@ WorkPtr FerroBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
 WorkPtr FerroBackend::receive(std::vector<at::Tensor>& tensors, int src, int tag,
                               c10d::OpType type) {
   TORCH_CHECK(!closed_, "ferro: the process group was shut down");
-  auto work = c10::make_intrusive<RecvWork>(type, tensors);
+  auto work = c10::make_intrusive<LaneWork>(type, tensors);
   const double secs = seconds(Ms(0));
   at::Tensor out = tensors[0];
-  p2p_.post(Lanes::Key{1, src, tag}, [this, work, out, src, tag, secs]() {
+  const Lanes::Key key{1, src, tag};
+  const bool park = bytes_of(out) <= kInlineSend;  // (its message waits in the ring)
+  auto job = p2p_->post(key, [this, work, out, src, tag, secs]() {
     std::exception_ptr error;
     try {
       at::Tensor buf = dense(out);
@@ -167,7 +285,8 @@ WorkPtr FerroBackend::receive(std::vector<at::Tensor>& tensors, int src, int tag
       error = std::current_exception();
     }
     work->complete(error);
-  });
+  }, park);
+  work->posted(p2p_, key, std::move(job));
   return noted(work);
 }
 

@@ -62,8 +62,8 @@ FerroBackend::~FerroBackend() {
   {
     WithoutGil unlocked;
     stop_worker();
-    if (p2p_.busy()) api_->close(comm_);  // a receive nobody will send to ends now
-    p2p_.stop();
+    if (p2p_->busy()) api_->close(comm_);  // a receive nobody will send to ends now
+    p2p_->stop();
   }
   py_release();
   api_->release(comm_);
@@ -92,8 +92,8 @@ void FerroBackend::shutdown() {
   WithoutGil unlocked;
   // point-to-point operations still pending (a receive nobody sends to) end now, with the
   // engine's "closed"; then their threads stop
-  if (p2p_.busy()) api_->close(comm_);
-  p2p_.stop();
+  if (p2p_->busy()) api_->close(comm_);
+  p2p_->stop();
 }
 
 void FerroBackend::abort() {
@@ -101,7 +101,7 @@ void FerroBackend::abort() {
   {
     WithoutGil unlocked;
     stop_worker();
-    p2p_.stop();
+    p2p_->stop();
   }
   closed_ = true;
   py::gil_scoped_acquire gil;
