@@ -1,10 +1,9 @@
 """Data-parallel training of a small MLP in JAX with optax, gradients averaged by ferro_jax.
 
 Every rank holds the whole model and trains on its own rows of each global batch; inside the
-jitted step, ``ferro_jax.allreduce((grads, loss), "mean")`` averages the gradients and the loss
-across the ranks (one FFI call per large parameter array and one for all the small ones with the
-loss, on the engine's door under ferrorun on one host), so every rank applies the same update
-and the replicas stay bit-identical (checked at the end).
+jitted step, ``ferro_jax.allreduce(grads, "mean")`` averages the gradients across the ranks (one
+FFI call per parameter array, on the engine's door under ferrorun on one host), so every rank
+applies the same update and the replicas stay bit-identical (checked at the end).
 
     ferrorun --nproc 2 examples/jax_data_parallel.py --steps 300
     ferrorun --nproc 2 examples/jax_data_parallel.py --no-sync --steps 300   # the yardstick
@@ -303,7 +302,8 @@ def main() -> None:
     def step(params, state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         if not args.no_sync:  # the mean gradient over the ranks, inside the jitted step
-            grads, loss = ferro_jax.allreduce((grads, loss), "mean")
+            grads = jax.tree.map(lambda g: ferro_jax.allreduce(g, "mean"), grads)
+            loss = ferro_jax.allreduce(loss, "mean")
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 

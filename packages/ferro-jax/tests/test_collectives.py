@@ -44,15 +44,6 @@ def test_every_call_on_the_python_path_over_tcp():
     _check(results, 2, "Python path")
 
 
-@pytest.mark.parametrize("transport,path", [("shm", "engine slot"), ("tcp", "Python path")])
-def test_a_pytree_shares_calls_among_small_leaves_with_the_bits_of_a_call_per_leaf(transport,
-                                                                                  path):
-    results = run_processes(workers.tree_allreduce, 2, transport=transport, timeout=180)
-    _check(results, 2, path)
-    # 7 leaves: "w" (20 KiB) alone; float32 "b", "s"'s two, "v" in one; bfloat16 "n"; int32 "i"
-    assert [r["calls"] for r in results] == [4, 4]
-
-
 def test_scalars_zero_size_and_barrier():
     results = run_processes(workers.scalars_and_barrier, 2, transport="shm", timeout=120)
     assert results == [[[1.0, 2.0], 3.0, 1.0, [0, 2], 2]] * 2

@@ -268,44 +268,6 @@ def grads(backend) -> dict:
     return out
 
 
-def tree_allreduce(backend) -> dict:
-    """allreduce of a pytree (a dict of mixed sizes and dtypes, a 0-d and an empty leaf): inside
-    and outside jit, with a token, and its gradient, the same bits as a call per leaf; the
-    lowered computation's count of ferro calls (small leaves share one per dtype)."""
-    fj.init(backend)
-    n, rank = backend.world_size, backend.rank
-    f32 = np.dtype(np.float32)
-    tree = {"w": data(rank, f32, (64, 80)), "b": data(rank, f32, (80,)),
-            "n": data(rank, BF16, (7,)), "i": data(rank, np.dtype(np.int32), (3, 2)),
-            "s": [np.float32(rank + 1), np.zeros((0,), f32)], "v": data(rank, f32, (9,))}
-    tree = jax.tree.map(jnp.asarray, tree)
-    per_leaf = jax.tree.map(lambda a: np.asarray(fj.allreduce(a)), tree)
-    runs = {"jit": jax.jit(lambda t: fj.allreduce(t))(tree), "eager": fj.allreduce(tree)}
-    tok = jnp.zeros(())
-    runs["token"], tok = jax.jit(lambda t, k: fj.allreduce(t, token=k))(tree, tok)
-    bad = []
-    for how, got in runs.items():
-        if jax.tree.structure(got) != jax.tree.structure(per_leaf):
-            bad.append(f"{how}: structure")
-            continue
-        for path, (a, b) in zip(jax.tree.leaves(jax.tree_util.tree_map_with_path(
-                lambda p, *_: jax.tree_util.keystr(p), per_leaf)),
-                zip(jax.tree.leaves(got), jax.tree.leaves(per_leaf))):
-            a = np.asarray(a)
-            if a.dtype != b.dtype or a.shape != b.shape or _bits(a) != _bits(b):
-                bad.append(f"{how} {path}")
-    floats = {"w": tree["w"], "b": tree["b"], "v": tree["v"]}
-    g = jax.jit(jax.grad(lambda t: sum(jnp.sum(v * 2) for v in fj.allreduce(t).values())))(
-        floats)
-    if any(not np.array_equal(np.asarray(v), np.full(v.shape, 2.0 * n, np.float32))
-           for v in g.values()):
-        bad.append("grad")
-    text = jax.jit(lambda t: fj.allreduce(t)).lower(tree).as_text()
-    digest = hashlib.sha256(b"".join(_bits(np.asarray(v)) for v in jax.tree.leaves(runs["jit"])))
-    return {"bad": bad, "digest": digest.hexdigest(), "comm": repr(fj.comm()),
-            "calls": text.count("custom_call @ferro_jax_")}
-
-
 def mismatch(backend) -> str:
     """Ranks call allreduce on different shapes inside jit: every rank gets the mismatch."""
     fj.init(backend)

@@ -21,17 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax._src import core
 
 from ._api import _op, _rank, _run, _tag, _timeout, comm
-
-#: in a pytree given to :func:`allreduce`, leaves of at most this many bytes are reduced
-#: together: one call per dtype for each run of them up to :data:`BUCKET_BYTES` (concatenated,
-#: then split back; the same bits as a call per leaf), the larger leaves one call each
-SMALL_LEAF_BYTES = 16 << 10
-BUCKET_BYTES = 256 << 10
 
 
 def allreduce(x: Any, op: Any = "sum", *, backend: Any = None, timeout: float | None = None,
@@ -43,15 +36,9 @@ def allreduce(x: Any, op: Any = "sum", *, backend: Any = None, timeout: float | 
     bfloat16 are folded in float32 and rounded once, in rank order. Differentiable for sum
     and mean (the cotangent's allreduce).
 
-    ``x`` may be a pytree (a model's gradients with its loss, say): each leaf is reduced, and
-    the small ones (:data:`SMALL_LEAF_BYTES`) share calls, one per dtype for up to
-    :data:`BUCKET_BYTES` of them, as torch's DDP buckets gradients: fewer meetings of the
-    ranks, the same bits as one call per leaf. Every rank passes a tree of the same structure,
-    shapes and dtypes (else the mismatch error).
-
     Parameters
     ----------
-    x : jax.Array, array_like or a pytree of them
+    x : jax.Array or array_like
         This rank's contribution.
     op : str or ferro_collective.ReduceOp, default "sum"
         The reduction.
@@ -64,52 +51,14 @@ def allreduce(x: Any, op: Any = "sum", *, backend: Any = None, timeout: float | 
 
     Returns
     -------
-    jax.Array, pytree or tuple
-        The reduction, of ``x``'s structure, shapes and dtypes, on every rank;
+    jax.Array or tuple
+        The reduction, of ``x``'s shape and dtype, on every rank;
         ``(result, token)`` where a token was passed.
     """
-    leaves, tree = jax.tree.flatten(x)
+    x = jnp.asarray(x)
     c = comm(backend)
-    if jax.tree_util.treedef_is_leaf(tree):
-        x = jnp.asarray(x)
-        return _run("allreduce", (x,), token, comm=c, op=_op(op, x.dtype, "allreduce"),
-                    timeout=_timeout(timeout))
-    leaves = [jnp.asarray(leaf) for leaf in leaves]
-    out: list[Any] = [None] * len(leaves)
-    for group in _buckets(leaves):
-        parts = [leaves[i] for i in group]
-        flat = parts[0] if len(parts) == 1 else jnp.concatenate([a.ravel() for a in parts])
-        res = _run("allreduce", (flat,), token, comm=c, op=_op(op, flat.dtype, "allreduce"),
-                   timeout=_timeout(timeout))
-        if token is not None:
-            res, token = res
-        if len(parts) == 1:
-            out[group[0]] = res
-            continue
-        at = 0
-        for i, a in zip(group, parts):
-            out[i] = res[at:at + a.size].reshape(a.shape)
-            at += a.size
-    result = jax.tree.unflatten(tree, out)
-    return result if token is None else (result, token)
-
-
-def _buckets(leaves: list) -> list[list[int]]:
-    """The calls of a pytree's allreduce: lists of leaf indices (the same on every rank: it
-    depends on the leaves' sizes and dtypes only)."""
-    calls: list[list[int]] = []
-    open_by_dtype: dict[Any, tuple[list[int], int]] = {}
-    for i, a in enumerate(leaves):
-        if a.nbytes > SMALL_LEAF_BYTES:
-            calls.append([i])
-            continue
-        bucket, size = open_by_dtype.get(a.dtype, (None, 0))
-        if bucket is None or size + a.nbytes > BUCKET_BYTES:
-            bucket, size = [], 0
-            calls.append(bucket)
-        bucket.append(i)
-        open_by_dtype[a.dtype] = (bucket, size + a.nbytes)
-    return calls
+    return _run("allreduce", (x,), token, comm=c, op=_op(op, x.dtype, "allreduce"),
+                timeout=_timeout(timeout))
 
 
 def reduce(x: Any, root: int = 0, op: Any = "sum", *, backend: Any = None,
