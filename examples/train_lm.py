@@ -103,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DDP: the largest gradient bucket in MiB (default 25, torch's): smaller "
                         "buckets start their allreduces earlier in the backward, which pays on "
                         "a slow link")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=None,
+                   help="DDP: the first bucket's cap in MiB (default: --bucket-cap-mb; torch "
+                        "uses 1): the head's gradients on the link before the rest are written")
     p.add_argument("--steps", type=int, default=500, help="total steps (a resume continues)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -342,9 +345,11 @@ def main(argv=None) -> int:
         raise SystemExit("train_lm: --resume needs --checkpoint-dir")
     if args.grads_wire == "powersgd" and args.strategy != "ddp":
         raise SystemExit("train_lm: --grads-wire powersgd is a DDP hook: it needs --strategy ddp")
-    if args.bucket_cap_mb is not None and (args.strategy != "ddp" or not args.bucket_cap_mb > 0):
-        raise SystemExit(f"train_lm: --bucket-cap-mb is DDP's bucket size: it needs --strategy "
-                         f"ddp and a size > 0 (got {args.bucket_cap_mb} with {args.strategy})")
+    for flag, cap in (("--bucket-cap-mb", args.bucket_cap_mb),
+                      ("--first-bucket-cap-mb", args.first_bucket_cap_mb)):
+        if cap is not None and (args.strategy != "ddp" or not cap > 0):
+            raise SystemExit(f"train_lm: {flag} is DDP's bucket size: it needs --strategy ddp "
+                             f"and a size > 0 (got {cap} with {args.strategy})")
     if args.powersgd_rank < 1 or args.powersgd_start < 0:
         raise SystemExit(f"train_lm: --powersgd-rank must be >= 1 and --powersgd-start >= 0 "
                          f"(got {args.powersgd_rank} and {args.powersgd_start})")
@@ -368,7 +373,9 @@ def main(argv=None) -> int:
     n_params = model.num_parameters()
     powersgd = None  # DDP --grads-wire powersgd: its state (error feedback, Qs) is checkpointed
     if args.strategy == "ddp":
-        caps = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        caps = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb),
+                                  ("first_bucket_cap_mb", args.first_bucket_cap_mb))
+                if v is not None}
         wrapper = DDP(model, backend, **caps)
         if args.weights_wire or args.grads_wire not in (None, *GRAD_HOOKS):
             raise SystemExit("train_lm: --strategy ddp takes --grads-wire "

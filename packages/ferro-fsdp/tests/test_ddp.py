@@ -56,6 +56,29 @@ def test_buckets_in_reverse_order_each_one_message(monkeypatch):
     assert sorted(calls) == [(0, 13 + 65 + 5), (0, 91), (1, 13 + 65 + 5), (1, 91)]
 
 
+def test_a_small_first_bucket_then_the_cap_with_the_same_grads():
+    """first_bucket_cap_mb caps the first bucket (the last layer's parameters) alone; the
+    gradients are those of one bucket, bit for bit."""
+    x, y = make_data(8)
+
+    def body(b, first):
+        d = DDP(make_mlp(), b, first_bucket_cap_mb=first)
+        loss_fn = nn.CrossEntropyLoss()
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        loss_fn(d(x[sl]), y[sl])
+        d.backward(loss_fn.backward())
+        return d.buckets, d.first_bucket_cap_bytes, [p.grad.copy() for p in d.module.parameters()]
+
+    small = run(lambda b: body(b, 600 / (1 << 20)), 2)
+    one = run(lambda b: body(b, None), 2)
+    for (buckets, first, grads), (one_buckets, one_first, one_grads) in zip(small, one):
+        # float64: 2.bias 40 B and 2.weight 520 B fit 600 B; 0.bias would not
+        assert buckets == [["2.bias", "2.weight"], ["0.bias", "0.weight"]]
+        assert first == 600 and one_first == 25 << 20 and len(one_buckets) == 1
+        for g, h in zip(grads, one_grads):
+            np.testing.assert_array_equal(g, h)
+
+
 def test_default_cap_is_one_bucket_and_grads_are_the_mean():
     x, y = make_data(8)
 
@@ -129,6 +152,8 @@ def test_state_dict_and_errors():
     b = SimulatedBackend.create_group(1)[0]
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DDP(make_mlp(), b, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb -1"):
+        DDP(make_mlp(), b, first_bucket_cap_mb=-1)
     with pytest.raises(TypeError, match="Module"):
         DDP(object(), b)
     d = DDP(make_mlp(), b)

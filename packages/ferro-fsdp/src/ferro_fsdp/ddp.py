@@ -51,6 +51,10 @@ class DistributedDataParallel(ModuleWrapper):
     backend : ferro_backend.Backend
     bucket_cap_mb : float, default 25.0
         Largest bucket, in MiB (torch's default, 25).
+    first_bucket_cap_mb : float, optional
+        Largest first bucket (the last parameters', whose gradients the backward writes first),
+        in MiB: a small one starts the link early in the backward, as torch's DDP does with 1
+        MiB. None (the default): ``bucket_cap_mb``.
     broadcast_parameters : bool, default True
         Broadcast rank 0's parameters at construction (default True).
     timeout : float, optional
@@ -69,7 +73,8 @@ class DistributedDataParallel(ModuleWrapper):
     Raises
     ------
     TypeError, ValueError
-        ``module`` is not a Module; ``bucket_cap_mb`` is not a number > 0.
+        ``module`` is not a Module; ``bucket_cap_mb`` or ``first_bucket_cap_mb`` is not a
+        number > 0.
 
     Examples
     --------
@@ -78,19 +83,26 @@ class DistributedDataParallel(ModuleWrapper):
     """
 
     def __init__(self, module: Module, backend: Backend, *, bucket_cap_mb: float = 25.0,
-                 broadcast_parameters: bool = True, timeout: float | None = None,
-                 overlap: bool = True, background: bool | None = None) -> None:
+                 first_bucket_cap_mb: float | None = None, broadcast_parameters: bool = True,
+                 timeout: float | None = None, overlap: bool = True,
+                 background: bool | None = None) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"DDP: module is a {type(module).__name__}, expected a ferro_fsdp.Module")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-                or not bucket_cap_mb > 0:
-            raise ValueError(f"DDP: bucket_cap_mb {bucket_cap_mb!r}, expected a number > 0")
+        for name, cap in (("bucket_cap_mb", bucket_cap_mb),
+                          ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if cap is None and name == "first_bucket_cap_mb":
+                continue
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ValueError(f"DDP: {name} {cap!r}, expected a number > 0")
         self._module = module
         self._backend = backend
         self._timeout = timeout
         self._background_asked = background
         self._background = runs_in_background(backend, background)
         self._cap = int(bucket_cap_mb * (1 << 20))
+        self._first_cap = self._cap if first_bucket_cap_mb is None \
+            else int(first_bucket_cap_mb * (1 << 20))
+        self._first_cap_asked = first_bucket_cap_mb
         self._sync = True
         named = module.named_parameters()
         self._names = [n for n, _ in named]
@@ -154,17 +166,22 @@ class DistributedDataParallel(ModuleWrapper):
         self._hook = (state, hook)
 
     def _plan_buckets(self, order: list[int]) -> list[list[int]]:
+        """Parameters (indices, in ``order``) in buckets of one dtype each, at most the cap
+        (each dtype's first bucket: the first bucket's cap, as torch's DDP plans them)."""
         buckets: list[list[int]] = []
         open_by_dtype: dict[np.dtype, tuple[list[int], int]] = {}
+        opened: dict[np.dtype, int] = {}
         for i in order:
             p = self._params[i]
-            nbytes = p.data.nbytes
-            bucket, size = open_by_dtype.get(p.data.dtype, (None, 0))
-            if bucket is None or (size + nbytes > self._cap and bucket):
+            nbytes, dtype = p.data.nbytes, p.data.dtype
+            bucket, size = open_by_dtype.get(dtype, (None, 0))
+            cap = self._first_cap if opened.get(dtype) == 1 else self._cap
+            if bucket is None or (size + nbytes > cap and bucket):
                 bucket, size = [], 0
                 buckets.append(bucket)
+                opened[dtype] = opened.get(dtype, 0) + 1
             bucket.append(i)
-            open_by_dtype[p.data.dtype] = (bucket, size + nbytes)
+            open_by_dtype[dtype] = (bucket, size + nbytes)
         return buckets
 
     def _make_buckets(self) -> None:
@@ -225,6 +242,12 @@ class DistributedDataParallel(ModuleWrapper):
         return self._cap
 
     @property
+    def first_bucket_cap_bytes(self) -> int:
+        """The first bucket's cap in bytes (``first_bucket_cap_mb`` times 2**20, rounded down;
+        ``bucket_cap_bytes`` unless it was given)."""
+        return self._first_cap
+
+    @property
     def overlap(self) -> bool:
         """Whether buckets start their allreduce during the backward."""
         return self._overlap
@@ -262,6 +285,7 @@ class DistributedDataParallel(ModuleWrapper):
             p.grad = None
         hook = self._hook
         self.__init__(self._module, backend, bucket_cap_mb=self._cap / (1 << 20),
+                      first_bucket_cap_mb=self._first_cap_asked,
                       broadcast_parameters=False, timeout=self._timeout,
                       overlap=self._overlap_asked, background=self._background_asked)
         self._hook = hook  # it stays; a state holding the old backend (PowerSGDState) follows
