@@ -247,6 +247,14 @@ def test_two_ranks_sending_each_other_descriptors_take_them_without_the_watch_th
     assert max(slowest) < 2.0
 
 
+def test_two_ranks_streaming_to_each_other_take_each_others_chunks_while_they_wait():
+    # both stream 1 MiB (more than a ring holds), each with a receive from the other posted:
+    # a sender waiting for room takes what its peer sent, so both go on without the watch
+    # threads (each would otherwise wait for the other's, here 10 s)
+    slowest = run_job(EXCHANGE, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
+    assert max(slowest) < 2.0
+
+
 IRECV = """
 if b.rank == 0:
     time.sleep(0.2)

@@ -153,14 +153,22 @@ class Delivery:
                     box.cond.notify_all()
         return True
 
-    def try_progress(self, src: int) -> None:
-        """Drain the ring from ``src`` if no other thread is at it (never waits)."""
+    def try_progress(self, src: int, idle: float = STREAM_IDLE) -> None:
+        """Drain the ring from ``src`` if no other thread is at it (never waits for the lock);
+        a streamed message's next chunk is waited for up to ``idle`` seconds (0: what is
+        there)."""
         lock = self.locks[src]
         if self.inc[src].pending() and lock.acquire(False):
             try:
-                self._drain(src)
+                self._drain(src, idle)
             finally:
                 lock.release()
+
+    def progress_all(self) -> None:
+        """Take what every peer's ring holds now, into its receives or the mailbox, where no
+        other thread is at that ring (never waits: a streamed message's next chunk included)."""
+        for src in self._peers:
+            self.try_progress(src, 0.0)
 
     def withdraw(self, req: PostedRecv) -> bool:
         """Take a pending receive back from the mailbox; False if a drain already claimed it
@@ -203,18 +211,18 @@ class Delivery:
         if problem is not None:
             raise self._corrupt(src, f"{problem}, tag {tag}")
 
-    def _drain(self, src: int) -> None:
+    def _drain(self, src: int, idle: float = STREAM_IDLE) -> None:
         """Move every entry of the ring from ``src`` into its receive (or the mailbox's queue
         of unexpected messages); the caller holds the ring's lock. ProtocolError if the ring
         holds an entry no producer writes (the segment is corrupt)."""
         try:
-            self._drain_entries(src)
+            self._drain_entries(src, idle)
         except DistributedError:
             raise
         except _CORRUPT as exc:
             raise self._corrupt(src, f"{type(exc).__name__}: {exc}") from exc
 
-    def _drain_entries(self, src: int) -> None:
+    def _drain_entries(self, src: int, idle: float) -> None:
         ring, box = self.inc[src], self.box
         while True:
             entry = ring.peek()
@@ -236,12 +244,12 @@ class Delivery:
                     req.complete()
                 self.received += length
             elif kind == _ring.CHUNK:
-                self._chunk(ring, src, length, tag, total, aux)
+                self._chunk(ring, src, length, tag, total, aux, idle)
             else:
                 self._read_remote(ring, src, tag, total, aux)
 
     def _chunk(self, ring: _ring.Ring, src: int, length: int, tag: int, total: int,
-               offset: int) -> None:
+               offset: int, idle: float) -> None:
         box = self.box
         part = self._partial.get(src)
         if part is None:
@@ -258,7 +266,7 @@ class Delivery:
             ring.skip()
             offset += length
         else:  # the sender streams the rest right behind: copy while it comes
-            _rc, offset = ring.take_stream(target, tag, offset, time.monotonic() + STREAM_IDLE)
+            _rc, offset = ring.take_stream(target, tag, offset, time.monotonic() + idle)
         if offset < total:
             return
         self.received += total
