@@ -132,6 +132,8 @@ class Lanes {
   void run();
   // the next operation of ready_'s first lane (mu_ held by g; released meanwhile)
   void run_next(std::unique_lock<std::mutex>& g);
+  // run the running lane's first operation with mu_ (held by g) released; it, done
+  std::shared_ptr<Job> run_front(Lane& lane, std::unique_lock<std::mutex>& g);
   // (mu_ held) a lane neither queued nor running to ready_, and a thread woken for it
   void schedule(const Key& key, Lane& lane);
   // (mu_ held) after a lane's operation ended: its next one to ready_, or the lane forgotten

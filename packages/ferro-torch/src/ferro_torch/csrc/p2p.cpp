@@ -88,15 +88,8 @@ bool Lanes::run_here(Key key, const std::shared_ptr<Job>& job) {
   }
   lane.running = true;
   ++here_;
-  for (;;) {  // the lane's operations up to `job`, in order
-    std::shared_ptr<Job> next = std::move(lane.jobs.front());
-    lane.jobs.pop_front();
-    g.unlock();
-    next->body();  // (completes its Work: never throws)
-    next->body = nullptr;
-    g.lock();
-    if (next == job) break;
-  }
+  while (run_front(lane, g) != job) {
+  }  // (the lane's operations up to `job`, in order)
   ended(key);
   --here_;
   g.unlock();
@@ -119,14 +112,18 @@ void Lanes::run_next(std::unique_lock<std::mutex>& g) {
   Lane& lane = lanes_[key];
   lane.queued = false;
   lane.running = true;
+  run_front(lane, g);
+  ended(key);
+}
+
+std::shared_ptr<Lanes::Job> Lanes::run_front(Lane& lane, std::unique_lock<std::mutex>& g) {
   std::shared_ptr<Job> job = std::move(lane.jobs.front());
   lane.jobs.pop_front();
-  g.unlock();
+  g.unlock();  // (a running lane is not erased: `lane` stays)
   job->body();  // (completes its Work: never throws)
   job->body = nullptr;
-  job.reset();
   g.lock();
-  ended(key);
+  return job;
 }
 
 bool Lanes::idle(Key key) {
