@@ -71,14 +71,21 @@ class Lead:
             if not led and self._loop_leads and limit > 0:
                 self._wake()  # the loop thread out of epoll: it steps aside
                 led = self._lead.acquire(timeout=min(limit, 0.01))
-            if not led or self._stop:  # another waiting thread reads: it completes ours too
+            if not led and limit > 0 and not self._stop:
+                # another waiting thread reads: it completes ours too, or says when it leaves.
+                # Look again under the mailbox's lock (a leader leaves, then notifies under it)
+                # rather than ask ``locked()``: a thread that has just taken the lock reads
+                # unlocked until it holds the GIL again, up to a switch interval (5 ms), and a
+                # thread that believed it spun through here thousands of times meanwhile
+                with self.box.cond:
+                    if not req._done:
+                        led = self._lead.acquire(blocking=False)
+                        if not led:
+                            self.box.cond.wait(max(0.0, min(end - time.monotonic(), 0.01)))
+            if not led or self._stop:
                 if led:
                     self._lead.release()
                     led = False
-                elif limit > 0:
-                    with self.box.cond:
-                        if not req._done and self._lead.locked():
-                            self.box.cond.wait(max(0.0, min(end - time.monotonic(), 0.01)))
                 return
             self._leader = threading.get_ident()
             try:
