@@ -8,13 +8,14 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import wire_fns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_wire import expected_allreduce, inputs, traced_on_rank_0
 
 import ferro_collective as fc
 from ferro_backend import settings as fsettings
-from ferro_backend.testing import run_ranks
+from ferro_backend.testing import run_processes, run_ranks
 from ferro_collective import ReduceOp, compressed
 from ferro_collective.per_backend import state
 
@@ -147,3 +148,59 @@ def test_ranks_that_disagree_on_the_size_get_the_mismatch_error_at_once():
         errors = collect(body, 2)
     assert len(errors) == 2, errors
     assert all(isinstance(e, fc.CollectiveMismatchError) for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("transport", ["threads", "shm", "tcp"])
+def test_a_compressed_call_the_ranks_disagree_on_leaves_the_group_in_step(transport):
+    """Every compressed call takes the same count of sequence numbers on every rank whatever
+    its size, wire and kind; a disagreement fails its first collective on every rank, which
+    then give back the rest. Before, sizes that cut a call in different numbers of pieces
+    left the ranks' numbers apart for good: every later call met a mismatch or waited for
+    its timeout. (Rank 0 refuses the dtype and the wire itself: its peer reads why.)"""
+    if transport == "threads":
+        seen = run_ranks(wire_fns.disagreements, 2, timeout=120)
+    else:
+        seen = run_processes(wire_fns.disagreements, 2, transport=transport, timeout=150)
+    cases = ["sizes that cut differently", "the same in the background",
+             "sizes whose first pieces agree", "a refused dtype", "a refused wire",
+             "another compressed collective"]
+    own = {"a refused dtype": "TypeError", "a refused wire": "ValueError"}
+    for rank in (0, 1):
+        raised = [own.get(case, "CollectiveMismatchError") if rank == 0 else
+                  "CollectiveMismatchError" for case in cases]
+        assert seen[rank] == [f"rank {rank}, {case}: {error}"
+                              for case, error in zip(cases, raised)], seen[rank]
+
+
+_KINDS = {
+    "allreduce": lambda x, b, wire, bg: (fc.allreduce_async(x, b, wire=wire, timeout=10).wait(10)
+                                         if bg else fc.allreduce(x, b, wire=wire, timeout=10)),
+    "reduce_scatter": lambda x, b, wire, bg: (
+        fc.reduce_scatter_async(x, b, wire=wire, timeout=10).wait(10) if bg
+        else fc.reduce_scatter(x, b, wire=wire, timeout=10)),
+    "all_gather": lambda x, b, wire, bg: (fc.all_gather_async(x, b, wire=wire, timeout=10).wait(10)
+                                          if bg else fc.all_gather(x, b, wire=wire, timeout=10)),
+}
+_CALL = st.tuples(st.sampled_from(sorted(_KINDS)), st.integers(1, 1500).map(lambda n: 2 * n),
+                  st.sampled_from(["bf16", "fp16", "int8"]), st.booleans())
+
+
+@settings(max_examples=25, deadline=None)
+@given(calls=st.tuples(_CALL, _CALL))
+def test_whatever_compressed_calls_two_ranks_make_the_next_agreeing_calls_work(calls):
+    """Each rank makes its own drawn compressed call (kind, size, wire, in the background or
+    not): they may agree or not, raise or not, but never hang, and the calls after them give
+    the right values on both ranks."""
+    def body(b):
+        kind, size, wire, bg = calls[b.rank]
+        try:
+            _KINDS[kind](np.ones(size, np.float32), b, wire, bg)
+        except fc.CollectiveMismatchError:
+            pass
+        exact = fc.allreduce(np.full(3, b.rank + 1.0), b, timeout=10)
+        pieces = fc.allreduce(np.full(2000, b.rank + 1.0, np.float32), b, wire="bf16",
+                              timeout=10)
+        return exact.tolist(), bool(np.all(pieces == 3.0))
+
+    with small_pieces():
+        assert run_ranks(body, 2, timeout=60) == [([3.0] * 3, True)] * 2

@@ -182,3 +182,43 @@ def hierarchical_reduce_scatter(b, members) -> list[str]:
     if not np.array_equal(fc.reduce_scatter(xs[r], b, wire="int8"), acc):
         bad.append("reduce_scatter int8 on two nodes (flat)")
     return bad
+
+
+def disagreements(b, timeout=20.0) -> list[str]:
+    """Two ranks disagree on a compressed call in several ways, each followed by agreeing
+    calls (exact, then compressed in pieces), which must give the right values: ``"rank
+    r, case: error type"`` for each disagreement, and anything that went wrong."""
+    small = np.ones(3, np.float32)
+    cut = np.ones(2000, np.float32)  # 4 pieces of 16 encoded bytes at least
+    cases = {
+        "sizes that cut differently": lambda: fc.allreduce(
+            cut if b.rank == 0 else small, b, wire="bf16", timeout=timeout),
+        "the same in the background": lambda: fc.allreduce_async(
+            cut if b.rank == 0 else small, b, wire="fp16", timeout=timeout).wait(timeout),
+        "sizes whose first pieces agree": lambda: fc.allreduce(
+            cut if b.rank == 0 else cut[:1999], b, wire="bf16", timeout=timeout),
+        "a refused dtype": lambda: fc.allreduce(
+            np.ones(2000, np.int32) if b.rank == 0 else cut, b, wire="bf16", timeout=timeout),
+        "a refused wire": lambda: fc.allreduce(
+            cut, b, wire="bf17" if b.rank == 0 else "bf16", timeout=timeout),
+        "another compressed collective": lambda: (
+            fc.allreduce(cut, b, wire="bf16", timeout=timeout) if b.rank == 0 else
+            fc.reduce_scatter(cut, b, wire="bf16", timeout=timeout)),
+    }
+    seen: list[str] = []
+    with mock.patch.object(compressed, "PIECE_BYTES", 16):
+        for case, call in cases.items():
+            try:
+                call()
+                seen.append(f"rank {b.rank}, {case}: no error")
+            except Exception as exc:  # each rank says what it raised
+                seen.append(f"rank {b.rank}, {case}: {type(exc).__name__}")
+            mine = np.full(5, b.rank + 1.0, np.float32)
+            got = fc.allreduce(mine, b, timeout=timeout)
+            if not np.array_equal(got, np.full(5, 3.0)):
+                seen.append(f"{case}: the exact allreduce after it gave {got}")
+            got = fc.allreduce_async(np.full(2000, b.rank + 1.0, np.float32), b, wire="bf16",
+                                     timeout=timeout).wait(timeout)
+            if not np.array_equal(got, np.full(2000, 3.0)):
+                seen.append(f"{case}: the allreduce in pieces after it gave {got[:4]}")
+    return seen

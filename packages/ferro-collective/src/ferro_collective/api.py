@@ -26,7 +26,6 @@ import numpy as np
 from ferro_backend import DEFAULT_TIMEOUT, Backend
 
 from . import compressed as _compressed
-from . import wire as _wire
 from .dispatch import run, run_barrier
 from .ops import ReduceOp
 from .records import (
@@ -112,18 +111,9 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0.2001953125, 600.0], [0.2001953125, 600.0]]
     """
     if wire is not None:
-        wire = checked_wire(wire, algorithm, "allreduce")
-        return _compressed.allreduce(tensor, backend, op, wire, timeout, out)
+        return _compressed.allreduce(tensor, backend, op, wire, timeout, out,
+                                     algorithm=algorithm)
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
-
-
-def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
-    """``wire`` when it is a wire format and no ``algorithm`` is forced with it (else
-    ValueError naming the call)."""
-    if algorithm is not None:
-        raise ValueError(f"{name}: algorithm={algorithm!r} and wire={wire!r} together; a "
-                         "compressed call has its own algorithm (ferro_collective.wire)")
-    return _wire.check_wire(wire, name)
 
 
 #: torch.distributed's name for :func:`allreduce`: the same function
@@ -209,8 +199,8 @@ def all_gather(tensor, backend: Backend, *, timeout: float | None = None,
     [[0, 1], [0, 1]]
     """
     if wire is not None:
-        wire = checked_wire(wire, algorithm, "all_gather")
-        return _compressed.all_gather(tensor, backend, wire, timeout, out)
+        return _compressed.all_gather(tensor, backend, wire, timeout, out,
+                                      algorithm=algorithm)
     return run(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
@@ -250,8 +240,8 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0, 3], [6, 9]]
     """
     if wire is not None:
-        wire = checked_wire(wire, algorithm, "reduce_scatter")
-        return _compressed.reduce_scatter(tensor, backend, op, wire, timeout, out)
+        return _compressed.reduce_scatter(tensor, backend, op, wire, timeout, out,
+                                          algorithm=algorithm)
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

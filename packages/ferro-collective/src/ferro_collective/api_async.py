@@ -18,7 +18,6 @@ from .api import (
     REDUCE,
     REDUCE_SCATTER,
     SCATTER,
-    checked_wire,
 )
 from .dispatch import submit
 from .ops import ReduceOp
@@ -43,8 +42,8 @@ def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
     if wire is not None:
-        return _compressed.allreduce(tensor, backend, op, checked_wire(
-            wire, algorithm, "allreduce_async"), timeout, out, background=True)
+        return _compressed.allreduce(tensor, backend, op, wire, timeout, out,
+                                     background=True, algorithm=algorithm)
     return submit(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 
@@ -81,8 +80,8 @@ def all_gather_async(tensor, backend: Backend, *, timeout: float | None = None,
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
     if wire is not None:
-        return _compressed.all_gather(tensor, backend, checked_wire(
-            wire, algorithm, "all_gather_async"), timeout, out, background=True)
+        return _compressed.all_gather(tensor, backend, wire, timeout, out,
+                                      background=True, algorithm=algorithm)
     return submit(ALL_GATHER, tensor, backend, None, timeout, algorithm, out)
 
 
@@ -102,8 +101,8 @@ def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, 
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
     if wire is not None:
-        return _compressed.reduce_scatter(tensor, backend, op, checked_wire(
-            wire, algorithm, "reduce_scatter_async"), timeout, out, background=True)
+        return _compressed.reduce_scatter(tensor, backend, op, wire, timeout, out,
+                                          background=True, algorithm=algorithm)
     return submit(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,11 +23,14 @@ from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
-from .compressed_steps import Joined, Steps, chunk, decode_rows, deliver, encode_chunks, fold_rows
+from .compressed_steps import Joined, Numbers, Steps, chunk, decode_rows, deliver, encode_chunks, fold_rows
+from .executors import ARGUMENT_ERRORS, Refusal, prepared
+from .header import HEADER_SIZE, check_all
+from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import WORKER_PREFIX, state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
-from .wire import check_floats, decode_into, encode, encode_into, encoded_bytes
+from .wire import check_floats, check_wire, decode_into, encode, encode_into, encoded_bytes
 from .work import Work
 
 #: a bf16/fp16 allreduce of at least twice this many encoded bytes is cut in pieces of at least
@@ -36,6 +40,37 @@ from .work import Work
 PIECE_BYTES = 1 << 20
 MAX_PIECES = 4
 _ELEMENTWISE = ("bf16", "fp16")
+#: the sequence numbers every compressed call on one group takes, whatever its size, wire and
+#: kind (:class:`~.compressed_steps.Numbers`): a call in pieces takes one for the check of the
+#: whole call and two a piece
+BLOCK = 1 + 2 * MAX_PIECES
+
+
+def checked(name: str, backend: Backend, timeout, check: Callable[[], Any]) -> Any:
+    """``check()``, a compressed call's own argument checks (its value returned). Where one
+    fails (TypeError, ValueError), this rank refuses the call: its first number carries the
+    refusal, so the peers' first collective of the call raises
+    :class:`~ferro_backend.CollectiveMismatchError` naming this rank and the reason, and the
+    call's other numbers are given back, as the peers give back theirs."""
+    try:
+        return check()
+    except ARGUMENT_ERRORS as exc:
+        refused = Refusal.of(name, backend, timeout, exc)
+        if refused is not None:
+            numbers = Numbers(backend, BLOCK)
+            refused.start()
+            numbers.took()
+            numbers.rest()
+        raise
+
+
+def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
+    """``wire`` when it is a wire format and no ``algorithm`` is forced with it (else
+    ValueError naming the call)."""
+    if algorithm is not None:
+        raise ValueError(f"{name}: algorithm={algorithm!r} and wire={wire!r} together; a "
+                         "compressed call has its own algorithm (ferro_collective.wire)")
+    return check_wire(wire, name)
 
 
 # ---------------------------------------------------------------------------- the calls
@@ -64,12 +99,18 @@ def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
-              background: bool = False):
+              background: bool = False, algorithm: str | None = None):
     """:func:`~ferro_collective.allreduce` with ``wire``; ``background``: a :class:`Work`
     (``allreduce_async``). On a multi-node job the node stages are exact, the cross-node
     stage compressed. A large bf16/fp16 call runs in pieces at once (:data:`PIECE_BYTES`)."""
+    name = "allreduce_async" if background else "allreduce"
     x = np.asarray(tensor)
-    check_floats(x, op, "allreduce")
+
+    def check():
+        check_floats(x, op, "allreduce")
+        return checked_wire(wire, algorithm, name)
+
+    wire = checked("allreduce", backend, timeout, check)
     pieces = _pieces(x.size, wire)
     if len(pieces) > 1:
         return _in_pieces(x, pieces, backend, op, wire, timeout, out, background)
@@ -131,34 +172,90 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         futures[-1].add_done_callback(joined.one_done)
     else:
         joined = Joined(len(pieces), finish)
-        works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout, into[lo:hi],
-                            at_once, on_error=joined.fail) for lo, hi in pieces]
-        if not at_once:
-            return finish()
+        numbers = Numbers(backend, BLOCK)
+        try:
+            seq, check = _check_whole(x, op, wire, backend, timeout, numbers)
+            if not at_once:
+                check()
+                for lo, hi in pieces:
+                    _allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout,
+                               into[lo:hi], False, on_error=joined.fail, numbers=numbers)
+                return finish()
+            checked = threading.Event()  # the pieces' collectives wait for the check
+
+            def check_job():
+                try:
+                    check()
+                except BaseException as exc:
+                    joined.fail(exc)
+                finally:
+                    checked.set()
+
+            state(backend).submit(check_job)
+            works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout,
+                                into[lo:hi], True, on_error=joined.fail, numbers=numbers,
+                                after=checked)
+                     for lo, hi in pieces]
+        finally:
+            numbers.rest()
         for w in works:
             w.future.add_done_callback(joined.one_done)
-        seq = works[0].seq
     work = Work("allreduce", seq, joined.future)
     return work if background else work.wait()
 
 
 def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
-               background: bool, on_error: Callable[[BaseException], None] | None = None):
+               background: bool, on_error: Callable[[BaseException], None] | None = None,
+               numbers: Numbers | None = None, after: threading.Event | None = None):
     """One compressed allreduce of ``x`` (flat, or the node stages exact and the cross-node
     stage compressed); ``on_error``: it is a piece of a call (no event of its own; told of
-    its first error at once)."""
-    s = Steps("allreduce", wire, tensor, backend, timeout, on_error)
+    its first error at once), whose ``numbers`` it takes and whose check (``after``) its
+    collectives wait for in the background."""
     h = getattr(backend, "hierarchy", None)
-    if h is None or h.num_nodes <= 1:
-        flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)
-
-        def done(fill):
-            s.result = deliver(fill, x, x.shape, out, "allreduce")
-
-        _flat_allreduce(s, flat, backend, op, done)()
+    if h is not None and h.num_nodes > 1:
+        s = Steps("allreduce", wire, tensor, backend, timeout, on_error)
+        _node_calls(s, x, h, op, out)
         return s.run(background)
-    _node_calls(s, x, h, op, out)
-    return s.run(background)
+    own = numbers is None
+    if own:
+        numbers = Numbers(backend, BLOCK)
+    s = Steps("allreduce", wire, tensor, backend, timeout, on_error, numbers, after)
+    flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)
+
+    def done(fill):
+        s.result = deliver(fill, x, x.shape, out, "allreduce")
+
+    _flat_allreduce(s, flat, backend, op, done)()
+    try:
+        return s.run(background)
+    finally:
+        if own:
+            numbers.rest()
+
+
+def _check_whole(x: np.ndarray, op: ReduceOp, wire: str, backend: Backend, timeout,
+                 numbers: Numbers) -> tuple[int, Callable[[], None]]:
+    """The check of a call in pieces, numbered now (its first number): an all_gather of the
+    whole call's header, compared on every rank (ranks whose sizes differ may cut pieces of
+    the same size, whose own headers agree). Returns its number and what runs it, which
+    raises :class:`~ferro_backend.CollectiveMismatchError` on every rank where they differ."""
+    n = backend.world_size
+    mine, gathered = np.empty(HEADER_SIZE, np.uint8), np.empty(n * HEADER_SIZE, np.uint8)
+    seq, go = prepared(ALL_GATHER, mine, backend, None, timeout, gathered)
+    numbers.took()
+    mine[:] = np.frombuffer(encode_header("allreduce", x.dtype, x.shape, op, seq=seq),
+                            np.uint8)
+
+    def run():
+        try:
+            got = np.asarray(go()).reshape(n, HEADER_SIZE)
+            check_all(f"allreduce[{wire}]", backend.rank, [row.tobytes() for row in got])
+        except BaseException as exc:
+            numbers.ran_first(exc)
+            raise
+        numbers.ran_first(None)
+
+    return seq, run
 
 
 def _node_calls(s: Steps, x: np.ndarray, h, op: ReduceOp, out) -> None:
@@ -260,17 +357,23 @@ def _filled(fill: Callable[[np.ndarray], None], count: int) -> np.ndarray:
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
-                   background: bool = False):
+                   background: bool = False, algorithm: str | None = None):
     """:func:`~ferro_collective.reduce_scatter` with ``wire``: the allreduce's first half (its
     chunks are the input's dim-0 slices)."""
+    name = "reduce_scatter_async" if background else "reduce_scatter"
     x = np.asarray(tensor)
-    check_floats(x, op, "reduce_scatter")
     n = backend.world_size
-    if x.ndim == 0 or x.shape[0] % n:
-        from ferro_backend.errors import SizeMismatchError
 
-        raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} is not divisible by "
-                                f"the world size {n}")
+    def check():
+        check_floats(x, op, "reduce_scatter")
+        if x.ndim == 0 or x.shape[0] % n:
+            from ferro_backend.errors import SizeMismatchError
+
+            raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} is not "
+                                    f"divisible by the world size {n}")
+        return checked_wire(wire, algorithm, name)
+
+    wire = checked("reduce_scatter", backend, timeout, check)
     shape = (x.shape[0] // n, *x.shape[1:])
     per = int(np.prod(shape))
     h = getattr(backend, "hierarchy", None)
@@ -278,21 +381,28 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
         return _reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
                                      background)
     c = chunk(per, 1, wire)
-    s = Steps("reduce_scatter", wire, tensor, backend, timeout)
+    numbers = Numbers(backend, BLOCK)
+    s = Steps("reduce_scatter", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(c, wire)
     sent, rows, acc = s.take(n, width), s.take(n, width), s.take(c, dtype=np.float32)
     encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire, sent)
 
     def folded(got):
-        fold_rows(got.reshape(n, width), wire, op, acc)
+        fold_rows(got.view(np.uint8).reshape(n, width), wire, op, acc)
 
         def fill(dest):
             dest[...] = acc[:per]
 
         s.result = deliver(fill, x, shape, out, "reduce_scatter")
 
-    s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), rows, folded)
-    return s.run(background)
+    # its bytes travel as int8, the allreduce's first all-to-all's as uint8: their headers
+    # differ where the ranks disagree on which call they make (rows of the same width)
+    s.then(ALL_TO_ALL_SINGLE, sent.view(np.int8), backend, (None, None), rows.view(np.int8),
+           folded)
+    try:
+        return s.run(background)
+    finally:
+        numbers.rest()
 
 
 def _reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceOp, wire: str,
@@ -334,14 +444,22 @@ def _reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: Reduce
     return s.run(background)
 
 
-def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bool = False):
+def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bool = False,
+               algorithm: str | None = None):
     """:func:`~ferro_collective.all_gather` with ``wire``: each rank's block encoded, gathered,
     decoded."""
+    name = "all_gather_async" if background else "all_gather"
     x = np.asarray(tensor)
-    check_floats(x, None, "all_gather")
+
+    def check():
+        check_floats(x, None, "all_gather")
+        return checked_wire(wire, algorithm, name)
+
+    wire = checked("all_gather", backend, timeout, check)
     n = backend.world_size
     shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
-    s = Steps("all_gather", wire, tensor, backend, timeout)
+    numbers = Numbers(backend, BLOCK)
+    s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(x.size, wire)
     mine, gathered = s.take(width), s.take(n * width)
     encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine)
@@ -351,7 +469,10 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
                                                       dest), x, shape, out, "all_gather")
 
     s.then(ALL_GATHER, mine, backend, None, gathered, decoded)
-    return s.run(background)
+    try:
+        return s.run(background)
+    finally:
+        numbers.rest()
 
 
 def sent_values(x: np.ndarray, n: int, wire: str, name: str) -> np.ndarray:

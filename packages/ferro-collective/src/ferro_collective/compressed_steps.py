@@ -92,6 +92,38 @@ def deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
     return out
 
 
+class Numbers:
+    """The sequence numbers a compressed call takes on its group: always ``count``
+    (:data:`.compressed.BLOCK`), whatever its size, wire and kind; those its collectives do
+    not take are given back (:meth:`rest`). Ranks that disagree on a call (sizes that cut it in
+    different numbers of pieces, one rank that refused it) then still number the calls after it
+    alike. Its first collective decides the rest (:meth:`ran_first`): every rank meets a
+    disagreement there (its headers, or the check of the whole call), and once it failed the
+    call's other collectives are given back instead of run, on every rank alike."""
+
+    def __init__(self, group: Backend, count: int) -> None:
+        self.group, self.left, self.state = group, count, state(group)
+        self.decided = False  # the first collective has run
+        self.ended = False    # ... and failed: the others are given back
+
+    def took(self) -> None:
+        """A collective of the call took a number of :attr:`group`."""
+        if self.left <= 0:
+            raise RuntimeError("a compressed call took more sequence numbers than its block")
+        self.left -= 1
+
+    def ran_first(self, error: BaseException | None) -> None:
+        """A collective of the call ran (``error``: it failed); the first one decides."""
+        if not self.decided:
+            self.decided, self.ended = True, error is not None
+
+    def rest(self) -> None:
+        """Take the numbers the call has not taken and give them back (they never run)."""
+        while self.left > 0:
+            self.left -= 1
+            self.state.give_back(self.state.next_seq())
+
+
 class Steps:
     """A compressed call's exact collectives in order: :meth:`then` adds one (its record, the
     bytes it sends, the group, its argument, where its result goes) with the step that takes
@@ -101,12 +133,19 @@ class Steps:
     still land in one)."""
 
     def __init__(self, name: str, wire: str, tensor, backend: Backend, timeout,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None,
+                 numbers: Numbers | None = None,
+                 after: threading.Event | None = None) -> None:
         self.name, self.wire, self.tensor, self.backend, self.timeout = (
             name, wire, tensor, backend, timeout)
         #: set for a piece of a call (which records one event for all): told of the first
         #: error as it happens, in the background
         self.on_error = on_error
+        #: the call's numbers on ``backend`` (a call on one group: every collective on it)
+        self.numbers = numbers
+        #: set once the call's check has run (a call in pieces: in the background, its
+        #: pieces' collectives wait for it)
+        self.after = after
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         #: the calls numbered so far (:meth:`number`): index -> (seq, what runs it)
         self.runs: dict[int, tuple[int, Callable[[], Any]]] = {}
@@ -137,17 +176,32 @@ class Steps:
         for i in indices:
             coll, send, group, arg, out, _ = self.calls[i]
             self.runs[i] = prepared(coll, send, group, arg, self.timeout, out)
+            if self.numbers is not None:
+                self.numbers.took()
 
     def run_numbered(self, indices) -> None:
         """Run the numbered calls at ``indices``, each followed by its step. After a failure
         the later calls still run, on zeros (every rank takes part in each, as its peers
-        expect); the first error is kept (:meth:`close` raises it)."""
+        expect), unless the call's first collective failed (:class:`Numbers`): they are given
+        back then. The first error is kept (:meth:`close` raises it)."""
+        numbers = self.numbers
         for i in indices:
             send, step = self.calls[i][1], self.calls[i][5]
+            seq, go = self.runs[i]
+            if numbers is not None and numbers.ended:
+                numbers.state.give_back(seq)
+                continue
             if self.error is not None:
                 send[...] = 0
             try:
-                got = self.runs[i][1]()
+                try:
+                    got = go()
+                except BaseException as exc:
+                    if numbers is not None:
+                        numbers.ran_first(exc)
+                    raise
+                if numbers is not None:
+                    numbers.ran_first(None)
                 if self.error is None:
                     step(got)
             except BaseException as exc:  # (raised by close, once the rest have run)
@@ -169,12 +223,25 @@ class Steps:
         return self.result
 
     def _now(self):
+        numbers = self.numbers
         for coll, send, group, arg, out, step in self.calls:
-            step(run(coll, send, group, arg, self.timeout, None, out))
+            if numbers is not None:
+                numbers.took()
+            try:
+                got = run(coll, send, group, arg, self.timeout, None, out)
+            except BaseException as exc:
+                if numbers is not None:
+                    numbers.ran_first(exc)
+                raise
+            if numbers is not None:
+                numbers.ran_first(None)
+            step(got)
         POOL.give(*self.borrowed)
         return self.result
 
     def _later(self):
+        if self.after is not None:
+            self.after.wait()
         self.run_numbered(range(len(self.calls)))
         return self.close()
 

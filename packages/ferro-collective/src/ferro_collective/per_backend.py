@@ -34,11 +34,20 @@ class BackendState:
         #: the next sequence number (``counter()``): the engine door's next ticket, else this
         #: backend's own count (atomic under the GIL)
         self.counter = engine.comm.reserve if engine is not None else SeqCounter()
+        #: gives a number taken from ``counter`` back unused (the door skips its turn; a
+        #: backend's own count needs nothing: the number's tags are never used)
+        self._skip = engine.comm.skip if engine is not None else None
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def next_seq(self) -> int:
         return self.counter()
+
+    def give_back(self, seq: int) -> None:
+        """Number ``seq`` (taken, never run) will not run: every rank must give back the same
+        numbers (a peer that ran it would wait for this rank)."""
+        if self._skip is not None and self._skip(seq) != 0:
+            raise RuntimeError(f"could not give back sequence number {seq}")
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``job()`` on this backend's worker threads; jobs start in submission order."""
