@@ -173,34 +173,55 @@ def test_a_compressed_call_the_ranks_disagree_on_leaves_the_group_in_step(transp
 
 
 _KINDS = {
-    "allreduce": lambda x, b, wire, bg: (fc.allreduce_async(x, b, wire=wire, timeout=10).wait(10)
-                                         if bg else fc.allreduce(x, b, wire=wire, timeout=10)),
-    "reduce_scatter": lambda x, b, wire, bg: (
-        fc.reduce_scatter_async(x, b, wire=wire, timeout=10).wait(10) if bg
-        else fc.reduce_scatter(x, b, wire=wire, timeout=10)),
-    "all_gather": lambda x, b, wire, bg: (fc.all_gather_async(x, b, wire=wire, timeout=10).wait(10)
-                                          if bg else fc.all_gather(x, b, wire=wire, timeout=10)),
+    "allreduce": (fc.allreduce, fc.allreduce_async),
+    "reduce_scatter": (fc.reduce_scatter, fc.reduce_scatter_async),
+    "all_gather": (fc.all_gather, fc.all_gather_async),
 }
-_CALL = st.tuples(st.sampled_from(sorted(_KINDS)), st.integers(1, 1500).map(lambda n: 2 * n),
-                  st.sampled_from(["bf16", "fp16", "int8"]), st.booleans())
+_CALL = st.fixed_dictionaries({
+    "kind": st.sampled_from(sorted(_KINDS)), "size": st.integers(1, 1500).map(lambda n: 4 * n),
+    "wire": st.sampled_from(["bf16", "fp16", "int8"]), "background": st.booleans(),
+    "op": st.sampled_from([ReduceOp.SUM, ReduceOp.MAX]),
+    "dtype": st.sampled_from([np.float32, np.float64]), "rows": st.sampled_from([1, 2])})
 
 
-@settings(max_examples=25, deadline=None)
-@given(calls=st.tuples(_CALL, _CALL))
-def test_whatever_compressed_calls_two_ranks_make_the_next_agreeing_calls_work(calls):
-    """Each rank makes its own drawn compressed call (kind, size, wire, in the background or
-    not): they may agree or not, raise or not, but never hang, and the calls after them give
-    the right values on both ranks."""
+def _compressed_call(b, call):
+    shape = (call["size"],) if call["rows"] == 1 else (2, call["size"] // 2)
+    x = np.ones(shape, call["dtype"])
+    now, later = _KINDS[call["kind"]]
+    args = () if call["kind"] == "all_gather" else (call["op"],)
+    if call["background"]:
+        return later(x, b, *args, wire=call["wire"], timeout=10).wait(10)
+    return now(x, b, *args, wire=call["wire"], timeout=10)
+
+
+def _same_call(a, b) -> bool:
+    keys = ["kind", "size", "wire", "dtype", "rows"] + (["op"] if a["kind"] != "all_gather"
+                                                        else [])
+    return all(a[k] == b[k] for k in keys)
+
+
+@settings(max_examples=40, deadline=None)
+@given(first=_CALL, second=_CALL, same=st.booleans())
+def test_compressed_calls_the_ranks_disagree_on_raise_on_both_and_the_next_calls_work(
+        first, second, same):
+    """Each rank makes its own drawn compressed call (kind, size, shape, dtype, op, wire, in the
+    background or not). Calls that differ in anything but being in the background raise
+    CollectiveMismatchError on both ranks, at once (rows of the same width included: the
+    call's identity travels with its first collective), others succeed; the calls after them
+    give the right values on both ranks."""
+    calls = [first, dict(first, background=second["background"]) if same else second]
+
     def body(b):
-        kind, size, wire, bg = calls[b.rank]
         try:
-            _KINDS[kind](np.ones(size, np.float32), b, wire, bg)
+            _compressed_call(b, calls[b.rank])
+            raised = None
         except fc.CollectiveMismatchError:
-            pass
+            raised = "CollectiveMismatchError"
         exact = fc.allreduce(np.full(3, b.rank + 1.0), b, timeout=10)
         pieces = fc.allreduce(np.full(2000, b.rank + 1.0, np.float32), b, wire="bf16",
                               timeout=10)
-        return exact.tolist(), bool(np.all(pieces == 3.0))
+        return raised, exact.tolist(), bool(np.all(pieces == 3.0))
 
+    raised = None if _same_call(*calls) else "CollectiveMismatchError"
     with small_pieces():
-        assert run_ranks(body, 2, timeout=60) == [([3.0] * 3, True)] * 2
+        assert run_ranks(body, 2, timeout=60) == [(raised, [3.0] * 3, True)] * 2

@@ -1,5 +1,6 @@
 """The compressed collectives (the public calls' ``wire=``; :mod:`.wire` has the formats):
-allreduce, reduce_scatter and all_gather, now or in the background.
+allreduce, reduce_scatter and all_gather, now or in the background (a multi-node job's:
+:mod:`.compressed_nodes`).
 
 Each is a few exact collectives on encoded bytes with local steps between them (encode, decode
 and fold in rank order), which a :class:`~.compressed_steps.Steps` lists: the first
@@ -23,13 +24,25 @@ from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
-from .compressed_steps import Joined, Numbers, Steps, chunk, decode_rows, deliver, encode_chunks, fold_rows
+from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes
+from .compressed_steps import (
+    PREFIX,
+    Joined,
+    Numbers,
+    Steps,
+    check_identities,
+    chunk,
+    decode_rows,
+    deliver,
+    encode_chunks,
+    flat_allreduce,
+    fold_rows,
+    identity,
+)
 from .executors import ARGUMENT_ERRORS, Refusal, prepared
-from .header import HEADER_SIZE, check_all
-from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import WORKER_PREFIX, state
-from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
+from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
 from .wire import check_floats, check_wire, decode_into, encode, encode_into, encoded_bytes
 from .work import Work
 
@@ -71,31 +84,6 @@ def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
         raise ValueError(f"{name}: algorithm={algorithm!r} and wire={wire!r} together; a "
                          "compressed call has its own algorithm (ferro_collective.wire)")
     return check_wire(wire, name)
-
-
-# ---------------------------------------------------------------------------- the calls
-def _flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
-                    done: Callable[[Callable[[np.ndarray], None]], None]) -> Callable[[], None]:
-    """Add the compressed allreduce of float32 ``flat`` over ``group`` to ``s``: an
-    all-to-all of the encoded chunks, each rank's chunk folded and encoded, an all-gather,
-    then ``done(fill)`` (``fill(dest)`` decodes the result into ``flat.size`` float32 values).
-    Returns what encodes ``flat`` into the first one's bytes (call it once ``flat`` holds the
-    values)."""
-    n, wire = group.world_size, s.wire
-    c = chunk(flat.size, n, wire)
-    width = encoded_bytes(c, wire)
-    sent, rows, mine = s.take(n, width), s.take(n, width), s.take(width)
-    acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
-
-    def folded(got):
-        encode_into(fold_rows(got.reshape(n, width), wire, op, acc), wire, mine)
-
-    def ended(got):
-        done(lambda dest: decode_rows(got.reshape(n, width), c, wire, dest))
-
-    s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
-    s.then(ALL_GATHER, mine, group, None, gathered, ended)
-    return lambda: encode_chunks(flat, c, c, wire, sent)
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -162,8 +150,8 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
         joined = Joined(1, finish)
-        seq, jobs = _node_pieces(flat, pieces, h, backend, op, wire, timeout, into,
-                                 joined.fail)
+        seq, jobs = node_pieces(flat, pieces, h, backend, op, wire, timeout, into,
+                                joined.fail)
         if not at_once:
             for job in jobs:
                 job()
@@ -214,7 +202,7 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
         s = Steps("allreduce", wire, tensor, backend, timeout, on_error)
-        _node_calls(s, x, h, op, out)
+        node_calls(s, x, h, op, out)
         return s.run(background)
     own = numbers is None
     if own:
@@ -225,7 +213,8 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     def done(fill):
         s.result = deliver(fill, x, x.shape, out, "allreduce")
 
-    _flat_allreduce(s, flat, backend, op, done)()
+    who = identity("allreduce", x, op, wire) if own else None  # (a piece's: the call's check)
+    flat_allreduce(s, flat, backend, op, done, who)()
     try:
         return s.run(background)
     finally:
@@ -236,124 +225,24 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
 def _check_whole(x: np.ndarray, op: ReduceOp, wire: str, backend: Backend, timeout,
                  numbers: Numbers) -> tuple[int, Callable[[], None]]:
     """The check of a call in pieces, numbered now (its first number): an all_gather of the
-    whole call's header, compared on every rank (ranks whose sizes differ may cut pieces of
-    the same size, whose own headers agree). Returns its number and what runs it, which
-    raises :class:`~ferro_backend.CollectiveMismatchError` on every rank where they differ."""
+    whole call's identity (:func:`~.compressed_steps.identity`), compared on every rank (ranks
+    whose sizes differ may cut pieces of the same size, whose own headers agree). Returns its
+    number and what runs it, which raises :class:`~ferro_backend.CollectiveMismatchError` on
+    every rank where they differ."""
     n = backend.world_size
-    mine, gathered = np.empty(HEADER_SIZE, np.uint8), np.empty(n * HEADER_SIZE, np.uint8)
+    mine, gathered = identity("allreduce", x, op, wire), np.empty(n * PREFIX, np.uint8)
     seq, go = prepared(ALL_GATHER, mine, backend, None, timeout, gathered)
     numbers.took()
-    mine[:] = np.frombuffer(encode_header("allreduce", x.dtype, x.shape, op, seq=seq),
-                            np.uint8)
 
     def run():
         try:
-            got = np.asarray(go()).reshape(n, HEADER_SIZE)
-            check_all(f"allreduce[{wire}]", backend.rank, [row.tobytes() for row in got])
+            check_identities(np.asarray(go()).reshape(n, PREFIX), backend.rank)
         except BaseException as exc:
             numbers.ran_first(exc)
             raise
         numbers.ran_first(None)
 
     return seq, run
-
-
-def _node_calls(s: Steps, x: np.ndarray, h, op: ReduceOp, out) -> None:
-    """Add the multi-node allreduce of ``x`` to ``s``: the node's exact reduce_scatter (call
-    0), the compressed allreduce across the nodes of this local rank's slice (calls 1, 2), the
-    node's all_gather (call 3); then ``s.result``."""
-    flat, backend = x.reshape(-1), s.backend
-    local = h.local_world
-    per = -(-max(1, flat.size) // local)
-    padded = s.take(per * local, dtype=x.dtype)
-    padded[:flat.size] = flat
-    padded[flat.size:] = 0
-    node_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-    part32 = s.take(per, dtype=np.float32)   # the node's sum of this local rank's slice
-    part = s.take(per, dtype=x.dtype)         # ... folded across the nodes
-    node_sum = s.take(per, dtype=x.dtype)     # (the node stage's result)
-    whole = s.take(per * local, dtype=x.dtype)
-
-    def summed(got):
-        part32[...] = got
-        encode_cross()
-
-    def crossed(fill):
-        if part.dtype == np.float32:
-            fill(part)
-        else:
-            part[...] = _filled(fill, per)
-
-    def gathered(got):
-        got = got[:flat.size]
-        if op is ReduceOp.MEAN:
-            np.divide(got, np.asarray(backend.world_size, got.dtype), out=got)
-
-        def fill(dest):
-            dest[...] = got
-
-        s.result = deliver(fill, x, x.shape, out, "allreduce")
-
-    s.then(REDUCE_SCATTER, padded, h.node, node_op, node_sum, summed)
-    encode_cross = _flat_allreduce(s, part32, h.cross, node_op, crossed)
-    s.then(ALL_GATHER, part, h.node, None, whole, gathered)
-
-
-def _node_pieces(flat: np.ndarray, pieces: list[tuple[int, int]], h, backend: Backend,
-                 op: ReduceOp, wire: str, timeout, into: np.ndarray,
-                 on_error: Callable[[BaseException], None]) -> tuple[int, list]:
-    """A multi-node allreduce in pieces whose cross-node stages overlap: the node
-    reduce_scatters of every piece one after another, each piece's compressed cross-node
-    allreduce as soon as its node stage is done, the node all_gathers in order as the pieces
-    come back. (Each piece a whole hierarchical call would run its node all_gather before the
-    next piece's reduce_scatter: the engine runs a group's calls in their order, so the
-    pieces' cross stages could not overlap.) Every call is numbered now, each group's in the
-    same order on every rank. Returns the first call's number and the jobs, to run in order
-    (each waits only for jobs before it, so the workers, which start jobs in order, run them
-    whatever their number)."""
-    ss = [Steps("allreduce", wire, flat[lo:hi], backend, timeout, on_error)
-          for lo, hi in pieces]
-    for (lo, hi), s in zip(pieces, ss):
-        _node_calls(s, flat[lo:hi], h, op, into[lo:hi])
-    for calls in ([0], [1, 2], [3]):  # node: every reduce_scatter, then every all_gather
-        for s in ss:
-            s.number(calls)
-    node_done = [threading.Event() for _ in ss]
-    cross_done = [threading.Event() for _ in ss]
-
-    def part(s: Steps, calls: list[int], after: threading.Event | None = None,
-             done: threading.Event | None = None) -> Callable[[], None]:
-        """A job: once ``after`` is set, run piece ``s``'s ``calls``; then set ``done``."""
-        def job():
-            try:
-                if after is not None:
-                    after.wait()
-                s.run_numbered(calls)
-            except BaseException as exc:
-                s.fail(exc)
-            finally:
-                if done is not None:
-                    done.set()
-        return job
-
-    def node_stages():
-        for s, done in zip(ss, node_done):
-            part(s, [0], done=done)()
-
-    def gathers():
-        for s, crossed in zip(ss, cross_done):
-            part(s, [3], after=crossed)()
-        for s in ss:
-            s.close()
-
-    crosses = [part(s, [1, 2], after, done) for s, after, done in zip(ss, node_done, cross_done)]
-    return ss[0].runs[0][0], [node_stages, *crosses, gathers]
-
-
-def _filled(fill: Callable[[np.ndarray], None], count: int) -> np.ndarray:
-    result = np.empty(count, np.float32)
-    fill(result)
-    return result
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -378,70 +267,32 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     per = int(np.prod(shape))
     h = getattr(backend, "hierarchy", None)
     if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1:
-        return _reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
-                                     background)
+        return reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
+                                    background)
     c = chunk(per, 1, wire)
     numbers = Numbers(backend, BLOCK)
     s = Steps("reduce_scatter", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(c, wire)
-    sent, rows, acc = s.take(n, width), s.take(n, width), s.take(c, dtype=np.float32)
-    encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire, sent)
+    who = identity("reduce_scatter", x, op, wire)
+    p = s.carry(who, n)
+    sent, rows, acc = s.take(n, p + width), s.take(n, p + width), s.take(c, dtype=np.float32)
+    sent[:, :p] = who
+    encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire,
+                  sent[:, p:])
 
     def folded(got):
-        fold_rows(got.view(np.uint8).reshape(n, width), wire, op, acc)
+        fold_rows(got.reshape(n, p + width)[:, p:], wire, op, acc)
 
         def fill(dest):
             dest[...] = acc[:per]
 
         s.result = deliver(fill, x, shape, out, "reduce_scatter")
 
-    # its bytes travel as int8, the allreduce's first all-to-all's as uint8: their headers
-    # differ where the ranks disagree on which call they make (rows of the same width)
-    s.then(ALL_TO_ALL_SINGLE, sent.view(np.int8), backend, (None, None), rows.view(np.int8),
-           folded)
+    s.then(ALL_TO_ALL_SINGLE, sent, backend, (None, None), rows, folded)
     try:
         return s.run(background)
     finally:
         numbers.rest()
-
-
-def _reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceOp, wire: str,
-                          timeout, out, shape: tuple, background: bool):
-    """The bf16/fp16 reduce_scatter of a multi-node job: exact inside the node, compressed
-    across nodes. Local rank ``i`` of every node gets, from an exact reduce_scatter over its
-    node, its node's sum of the blocks of the ranks of local index ``i`` (in node order); those
-    are encoded, all-to-all'd across the nodes and folded in node order (every hierarchy's nodes
-    hold the same number of ranks). (int8/int4 stay flat: their error feedback needs what this
-    rank's own blocks lost in the encoding.)"""
-    n, local, nodes = backend.world_size, h.local_world, h.num_nodes
-    per = int(np.prod(shape))
-    s = Steps("reduce_scatter", wire, tensor, backend, timeout)
-    blocks = x.reshape(n, per)
-    grouped = s.take(local, nodes, per, dtype=x.dtype)
-    for k, members in enumerate(h.members):
-        for i, r in enumerate(members):
-            grouped[i, k] = blocks[r]
-    node_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-    node_sum = s.take(nodes * per, dtype=x.dtype)
-    width = encoded_bytes(per, wire)
-    sent, rows, acc = s.take(nodes, width), s.take(nodes, width), s.take(per, dtype=np.float32)
-
-    def summed(got):
-        encode_chunks(np.ascontiguousarray(got, dtype=np.float32), per, per, wire, sent)
-
-    def folded(got):
-        fold_rows(got.reshape(nodes, width), wire, node_op, acc)
-        if op is ReduceOp.MEAN:
-            np.divide(acc, np.float32(n), out=acc)
-
-        def fill(dest):
-            dest[...] = acc
-
-        s.result = deliver(fill, x, shape, out, "reduce_scatter")
-
-    s.then(REDUCE_SCATTER, grouped.reshape(-1), h.node, node_op, node_sum, summed)
-    s.then(ALL_TO_ALL_SINGLE, sent, h.cross, (None, None), rows, folded)
-    return s.run(background)
 
 
 def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bool = False,
@@ -461,12 +312,15 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     numbers = Numbers(backend, BLOCK)
     s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(x.size, wire)
-    mine, gathered = s.take(width), s.take(n * width)
-    encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine)
+    who = identity("all_gather", x, None, wire)
+    p = s.carry(who, n)
+    mine, gathered = s.take(p + width), s.take(n * (p + width))
+    mine[:p] = who
+    encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine[p:])
 
     def decoded(got):
-        s.result = deliver(lambda dest: decode_rows(got.reshape(n, width), x.size, wire,
-                                                      dest), x, shape, out, "all_gather")
+        s.result = deliver(lambda dest: decode_rows(got.reshape(n, p + width)[:, p:], x.size,
+                                                      wire, dest), x, shape, out, "all_gather")
 
     s.then(ALL_GATHER, mine, backend, None, gathered, decoded)
     try:

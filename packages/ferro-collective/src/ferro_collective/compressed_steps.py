@@ -13,14 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend
+from ferro_backend import Backend, CollectiveMismatchError
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
 from .dispatch import run
 from .executors import prepared
+from .header import HEADER_SIZE, describe
+from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import state
+from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
 from .scratch import POOL
 from .wire import FOLD, decode_into, encode_into, encoded_bytes
 from .work import Work
@@ -146,6 +149,8 @@ class Steps:
         #: set once the call's check has run (a call in pieces: in the background, its
         #: pieces' collectives wait for it)
         self.after = after
+        #: checks the first collective's result (:meth:`carry`): part of that collective
+        self.verify: Callable[[Any], None] | None = None
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         #: the calls numbered so far (:meth:`number`): index -> (seq, what runs it)
         self.runs: dict[int, tuple[int, Callable[[], Any]]] = {}
@@ -161,6 +166,18 @@ class Steps:
     def then(self, coll, send: np.ndarray, group: Backend, arg, out,
              step: Callable[[Any], None]) -> None:
         self.calls.append((coll, send, group, arg, out, step))
+
+    def carry(self, who: np.ndarray | None, n: int) -> int:
+        """The first collective (the next :meth:`then`, the first) carries ``who`` (the call's
+        :func:`identity`) ahead of each of its ``n`` rows, checked on every rank as part of that
+        collective: the bytes ahead of each row (:data:`PREFIX`; 0 without ``who``)."""
+        if who is None:
+            return 0
+        if self.calls:
+            raise RuntimeError("a compressed call's identity travels in its first collective")
+        rank = self.backend.rank
+        self.verify = lambda got: check_identities(np.asarray(got).reshape(n, -1), rank)
+        return PREFIX
 
     def run(self, background: bool):
         """The result now, or (``background``) a :class:`Work` that gives it."""
@@ -196,6 +213,8 @@ class Steps:
             try:
                 try:
                     got = go()
+                    if i == 0 and self.verify is not None:
+                        self.verify(got)
                 except BaseException as exc:
                     if numbers is not None:
                         numbers.ran_first(exc)
@@ -224,11 +243,13 @@ class Steps:
 
     def _now(self):
         numbers = self.numbers
-        for coll, send, group, arg, out, step in self.calls:
+        for i, (coll, send, group, arg, out, step) in enumerate(self.calls):
             if numbers is not None:
                 numbers.took()
             try:
                 got = run(coll, send, group, arg, self.timeout, None, out)
+                if i == 0 and self.verify is not None:
+                    self.verify(got)
             except BaseException as exc:
                 if numbers is not None:
                     numbers.ran_first(exc)
@@ -249,6 +270,74 @@ class Steps:
         if self.on_error is not None:
             return call(*args)
         return traced(self.name, self.wire, self.tensor, self.backend, call, *args)
+
+
+def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
+                   done: Callable[[Callable[[np.ndarray], None]], None],
+                   who: np.ndarray | None = None) -> Callable[[], None]:
+    """Add the compressed allreduce of float32 ``flat`` over ``group`` to ``s``: an
+    all-to-all of the encoded chunks, each rank's chunk folded and encoded, an all-gather,
+    then ``done(fill)`` (``fill(dest)`` decodes the result into ``flat.size`` float32 values).
+    ``who``: the call's :func:`identity`, carried ahead of each chunk of the all-to-all (the
+    call's first collective) and checked. Returns what encodes ``flat`` into the first one's
+    bytes (call it once ``flat`` holds the values)."""
+    n, wire = group.world_size, s.wire
+    c = chunk(flat.size, n, wire)
+    width = encoded_bytes(c, wire)
+    p = s.carry(who, n)
+    sent, rows, mine = s.take(n, p + width), s.take(n, p + width), s.take(width)
+    acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
+    if who is not None:
+        sent[:, :p] = who
+
+    def folded(got):
+        encode_into(fold_rows(got.reshape(n, p + width)[:, p:], wire, op, acc), wire, mine)
+
+    def ended(got):
+        done(lambda dest: decode_rows(got.reshape(n, width), c, wire, dest))
+
+    s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
+    s.then(ALL_GATHER, mine, group, None, gathered, ended)
+    return lambda: encode_chunks(flat, c, c, wire, sent[:, p:])
+
+
+#: bytes a compressed call's first collective carries ahead of each rank's data: the call as
+#: the rank made it (:func:`identity`), compared on every rank (:func:`check_identities`).
+#: Its collectives' own headers name bytes only: calls of other sizes, shapes, dtypes, ops,
+#: wires or kinds may send rows of the same width
+PREFIX = 128
+
+
+def identity(name: str, x: np.ndarray, op: ReduceOp | None, wire: str) -> np.ndarray:
+    """A compressed call of collective ``name`` on ``x`` as :data:`PREFIX` bytes: its header
+    (:func:`.header.encode`, sequence number 0), then ``wire``."""
+    out = np.zeros(PREFIX, np.uint8)
+    header = encode_header(name, x.dtype, x.shape, op)
+    out[:HEADER_SIZE] = np.frombuffer(header, np.uint8)
+    out[HEADER_SIZE:HEADER_SIZE + 8] = np.frombuffer(wire.encode().ljust(8, b"\0"), np.uint8)
+    return out
+
+
+def check_identities(rows: np.ndarray, rank: int) -> None:
+    """Raise :class:`~ferro_backend.CollectiveMismatchError` where the ranks' identities (the
+    first :data:`PREFIX` bytes of each of ``rows``, one per rank in rank order) differ: every
+    rank holds them all, so every rank raises, naming what each rank called."""
+    ids = [rows[r, :PREFIX].tobytes() for r in range(rows.shape[0])]
+    if all(i == ids[rank] for i in ids):
+        return
+    groups: dict[bytes, list[int]] = {}
+    for r, i in enumerate(ids):
+        groups.setdefault(i, []).append(r)
+    parts = [f"ranks {rs} called {_described(i)}" for i, rs in groups.items()]
+    raise CollectiveMismatchError(f"{_described(ids[rank]).split('(')[0]}: ranks disagree on "
+                                  "the call: " + "; ".join(parts))
+
+
+def _described(ident: bytes) -> str:
+    """``allreduce[bf16](float32[3], SUM)``: an :func:`identity` in words."""
+    wire = ident[HEADER_SIZE:HEADER_SIZE + 8].rstrip(b"\0").decode(errors="replace")
+    name, _, rest = describe(ident[:HEADER_SIZE]).removesuffix(" (seq 0)").partition("(")
+    return f"{name}[{wire}]({rest}"
 
 
 def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
