@@ -150,22 +150,31 @@ def test_ranks_that_disagree_on_the_size_get_the_mismatch_error_at_once():
     assert all(isinstance(e, fc.CollectiveMismatchError) for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("transport", ["threads", "shm", "tcp"])
+@pytest.mark.parametrize("transport", ["threads", "shm", "tcp", "2 nodes x 2"])
 def test_a_compressed_call_the_ranks_disagree_on_leaves_the_group_in_step(transport):
     """Every compressed call takes the same count of sequence numbers on every rank whatever
     its size, wire and kind; a disagreement fails its first collective on every rank, which
     then give back the rest. Before, sizes that cut a call in different numbers of pieces
     left the ranks' numbers apart for good: every later call met a mismatch or waited for
-    its timeout. (Rank 0 refuses the dtype and the wire itself: its peer reads why.)"""
+    its timeout. (Rank 0 refuses the dtype and the wire itself: its peers read why.) On two
+    nodes every such call starts with a check of the whole call over every rank: a node stage
+    that fails inside one node only left the other node's ranks to go on with the cross-node
+    stage, out of step."""
     if transport == "threads":
         seen = run_ranks(wire_fns.disagreements, 2, timeout=120)
+    elif transport == "2 nodes x 2":
+        from ferro_backend.engine import AVAILABLE
+
+        if not AVAILABLE:
+            pytest.skip("the node stages need the engine (Linux)")
+        seen = run_processes(wire_fns.disagreements, 4, ("a", "a", "b", "b"), timeout=150)
     else:
         seen = run_processes(wire_fns.disagreements, 2, transport=transport, timeout=150)
     cases = ["sizes that cut differently", "the same in the background",
              "sizes whose first pieces agree", "a refused dtype", "a refused wire",
              "another compressed collective"]
     own = {"a refused dtype": "TypeError", "a refused wire": "ValueError"}
-    for rank in (0, 1):
+    for rank in range(len(seen)):
         raised = [own.get(case, "CollectiveMismatchError") if rank == 0 else
                   "CollectiveMismatchError" for case in cases]
         assert seen[rank] == [f"rank {rank}, {case}: {error}"

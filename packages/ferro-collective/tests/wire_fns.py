@@ -184,11 +184,17 @@ def hierarchical_reduce_scatter(b, members) -> list[str]:
     return bad
 
 
-def disagreements(b, timeout=20.0) -> list[str]:
-    """Two ranks disagree on a compressed call in several ways, each followed by agreeing
-    calls (exact, then compressed in pieces), which must give the right values: ``"rank
-    r, case: error type"`` for each disagreement, and anything that went wrong."""
-    small = np.ones(3, np.float32)
+def disagreements(b, nodes=None, timeout=20.0) -> list[str]:
+    """Rank 0 disagrees with the others on a compressed call in several ways, each followed by
+    agreeing calls (exact, then compressed in pieces), which must give the right values:
+    ``"rank r, case: error type"`` for each disagreement, and anything that went wrong.
+    ``nodes``: the ranks' node names (a multi-node job: the node stages on the engine)."""
+    if nodes is not None:
+        from ferro_backend.hierarchy import attach_hierarchy
+
+        attach_hierarchy(b, nodes)
+    total = b.world_size * (b.world_size + 1) / 2
+    small = np.ones(4, np.float32)
     cut = np.ones(2000, np.float32)  # 4 pieces of 16 encoded bytes at least
     cases = {
         "sizes that cut differently": lambda: fc.allreduce(
@@ -215,10 +221,10 @@ def disagreements(b, timeout=20.0) -> list[str]:
                 seen.append(f"rank {b.rank}, {case}: {type(exc).__name__}")
             mine = np.full(5, b.rank + 1.0, np.float32)
             got = fc.allreduce(mine, b, timeout=timeout)
-            if not np.array_equal(got, np.full(5, 3.0)):
+            if not np.array_equal(got, np.full(5, total)):
                 seen.append(f"{case}: the exact allreduce after it gave {got}")
             got = fc.allreduce_async(np.full(2000, b.rank + 1.0, np.float32), b, wire="bf16",
                                      timeout=timeout).wait(timeout)
-            if not np.array_equal(got, np.full(2000, 3.0)):
+            if not np.array_equal(got, np.full(2000, total)):
                 seen.append(f"{case}: the allreduce in pieces after it gave {got[:4]}")
     return seen

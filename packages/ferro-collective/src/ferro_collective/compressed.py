@@ -26,11 +26,10 @@ from ferro_backend import timeline as _timeline
 from . import _wire as _kernel
 from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes
 from .compressed_steps import (
-    PREFIX,
     Joined,
     Numbers,
     Steps,
-    check_identities,
+    WholeCheck,
     chunk,
     decode_rows,
     deliver,
@@ -39,7 +38,7 @@ from .compressed_steps import (
     fold_rows,
     identity,
 )
-from .executors import ARGUMENT_ERRORS, Refusal, prepared
+from .executors import ARGUMENT_ERRORS, Refusal
 from .ops import ReduceOp
 from .per_backend import WORKER_PREFIX, state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
@@ -59,21 +58,30 @@ _ELEMENTWISE = ("bf16", "fp16")
 BLOCK = 1 + 2 * MAX_PIECES
 
 
-def checked(name: str, backend: Backend, timeout, check: Callable[[], Any]) -> Any:
+def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]) -> Any:
     """``check()``, a compressed call's own argument checks (its value returned). Where one
     fails (TypeError, ValueError), this rank refuses the call: its first number carries the
-    refusal, so the peers' first collective of the call raises
+    refusal (on a multi-node job, its :class:`WholeCheck` carries it as this rank's identity),
+    so the peers' first collective of the call raises
     :class:`~ferro_backend.CollectiveMismatchError` naming this rank and the reason, and the
     call's other numbers are given back, as the peers give back theirs."""
     try:
         return check()
     except ARGUMENT_ERRORS as exc:
-        refused = Refusal.of(name, backend, timeout, exc)
-        if refused is not None:
-            numbers = Numbers(backend, BLOCK)
-            refused.start()
-            numbers.took()
+        h = getattr(backend, "hierarchy", None)
+        if h is not None and h.num_nodes > 1 and backend.peer_failure(name, backend.rank) is None:
+            numbers = _numbers(backend)
+            whole = WholeCheck(name, None, None, str(wire), backend, timeout, numbers, exc)
             numbers.rest()
+            threading.Thread(target=whole.job(lambda _: None), daemon=True,
+                             name=f"ferro-refusal-{name}-{whole.seq}").start()
+        else:
+            refused = Refusal.of(name, backend, timeout, exc)
+            if refused is not None:
+                numbers = _numbers(backend)
+                refused.start()
+                numbers.took(backend)
+                numbers.rest()
         raise
 
 
@@ -84,6 +92,28 @@ def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
         raise ValueError(f"{name}: algorithm={algorithm!r} and wire={wire!r} together; a "
                          "compressed call has its own algorithm (ferro_collective.wire)")
     return check_wire(wire, name)
+
+
+def _numbers(backend: Backend) -> Numbers:
+    """A compressed call's numbers: :data:`BLOCK` on ``backend``; on a multi-node job also
+    two a piece on its node group and on its cross-node group (the node and cross-node
+    stages)."""
+    h = getattr(backend, "hierarchy", None)
+    if h is None or h.num_nodes <= 1:
+        return Numbers({backend: BLOCK})
+    return Numbers({backend: BLOCK, h.node: 2 * MAX_PIECES, h.cross: 2 * MAX_PIECES})
+
+
+def _run_checked(s: Steps, check: WholeCheck, background: bool):
+    """Run ``s`` once ``check`` (the call's first) has passed: now, or in the background (its
+    collectives wait for the check; where it failed, they are given back and its error is
+    the Work's)."""
+    if not background:
+        check.run()
+        return s.run(False)
+    s.after = check.done
+    state(s.backend).submit(check.job(s.fail))
+    return s.run(True)
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -98,7 +128,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
         check_floats(x, op, "allreduce")
         return checked_wire(wire, algorithm, name)
 
-    wire = checked("allreduce", backend, timeout, check)
+    wire = checked("allreduce", backend, wire, timeout, check)
     pieces = _pieces(x.size, wire)
     if len(pieces) > 1:
         return _in_pieces(x, pieces, backend, op, wire, timeout, out, background)
@@ -150,39 +180,40 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
         joined = Joined(1, finish)
-        seq, jobs = node_pieces(flat, pieces, h, backend, op, wire, timeout, into,
-                                joined.fail)
-        if not at_once:
-            for job in jobs:
-                job()
-            return finish()
-        futures = [state(backend).submit(job) for job in jobs]
+        numbers = _numbers(backend)
+        try:
+            check = WholeCheck("allreduce", x, op, wire, backend, timeout, numbers)
+            seq = check.seq
+            jobs = node_pieces(flat, pieces, h, backend, op, wire, timeout, into, joined.fail,
+                               numbers, check.done)
+            if not at_once:
+                try:
+                    check.run()
+                finally:  # (where it failed, the pieces give their numbers back)
+                    for job in jobs:
+                        job()
+                return finish()
+            state(backend).submit(check.job(joined.fail))
+            futures = [state(backend).submit(job) for job in jobs]
+        finally:
+            numbers.rest()
         futures[-1].add_done_callback(joined.one_done)
     else:
         joined = Joined(len(pieces), finish)
-        numbers = Numbers(backend, BLOCK)
+        numbers = Numbers({backend: BLOCK})
         try:
-            seq, check = _check_whole(x, op, wire, backend, timeout, numbers)
+            check = WholeCheck("allreduce", x, op, wire, backend, timeout, numbers)
+            seq = check.seq
             if not at_once:
-                check()
+                check.run()
                 for lo, hi in pieces:
                     _allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout,
                                into[lo:hi], False, on_error=joined.fail, numbers=numbers)
                 return finish()
-            checked = threading.Event()  # the pieces' collectives wait for the check
-
-            def check_job():
-                try:
-                    check()
-                except BaseException as exc:
-                    joined.fail(exc)
-                finally:
-                    checked.set()
-
-            state(backend).submit(check_job)
+            state(backend).submit(check.job(joined.fail))  # the pieces wait for it
             works = [_allreduce(flat[lo:hi], flat[lo:hi], backend, op, wire, timeout,
                                 into[lo:hi], True, on_error=joined.fail, numbers=numbers,
-                                after=checked)
+                                after=check.done)
                      for lo, hi in pieces]
         finally:
             numbers.rest()
@@ -201,12 +232,17 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     collectives wait for in the background."""
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
-        s = Steps("allreduce", wire, tensor, backend, timeout, on_error)
-        node_calls(s, x, h, op, out)
-        return s.run(background)
+        numbers = _numbers(backend)
+        try:
+            check = WholeCheck("allreduce", x, op, wire, backend, timeout, numbers)
+            s = Steps("allreduce", wire, tensor, backend, timeout, on_error, numbers)
+            node_calls(s, x, h, op, out)
+            return _run_checked(s, check, background)
+        finally:
+            numbers.rest()
     own = numbers is None
     if own:
-        numbers = Numbers(backend, BLOCK)
+        numbers = _numbers(backend)
     s = Steps("allreduce", wire, tensor, backend, timeout, on_error, numbers, after)
     flat = np.ascontiguousarray(x.reshape(-1), dtype=np.float32)
 
@@ -220,29 +256,6 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     finally:
         if own:
             numbers.rest()
-
-
-def _check_whole(x: np.ndarray, op: ReduceOp, wire: str, backend: Backend, timeout,
-                 numbers: Numbers) -> tuple[int, Callable[[], None]]:
-    """The check of a call in pieces, numbered now (its first number): an all_gather of the
-    whole call's identity (:func:`~.compressed_steps.identity`), compared on every rank (ranks
-    whose sizes differ may cut pieces of the same size, whose own headers agree). Returns its
-    number and what runs it, which raises :class:`~ferro_backend.CollectiveMismatchError` on
-    every rank where they differ."""
-    n = backend.world_size
-    mine, gathered = identity("allreduce", x, op, wire), np.empty(n * PREFIX, np.uint8)
-    seq, go = prepared(ALL_GATHER, mine, backend, None, timeout, gathered)
-    numbers.took()
-
-    def run():
-        try:
-            check_identities(np.asarray(go()).reshape(n, PREFIX), backend.rank)
-        except BaseException as exc:
-            numbers.ran_first(exc)
-            raise
-        numbers.ran_first(None)
-
-    return seq, run
 
 
 def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -262,15 +275,21 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
                                     f"divisible by the world size {n}")
         return checked_wire(wire, algorithm, name)
 
-    wire = checked("reduce_scatter", backend, timeout, check)
+    wire = checked("reduce_scatter", backend, wire, timeout, check)
     shape = (x.shape[0] // n, *x.shape[1:])
     per = int(np.prod(shape))
     h = getattr(backend, "hierarchy", None)
     if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1:
-        return reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
-                                    background)
+        numbers = _numbers(backend)
+        try:
+            check = WholeCheck("reduce_scatter", x, op, wire, backend, timeout, numbers)
+            s = reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
+                                     numbers)
+            return _run_checked(s, check, background)
+        finally:
+            numbers.rest()
     c = chunk(per, 1, wire)
-    numbers = Numbers(backend, BLOCK)
+    numbers = _numbers(backend)
     s = Steps("reduce_scatter", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(c, wire)
     who = identity("reduce_scatter", x, op, wire)
@@ -306,10 +325,10 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
         check_floats(x, None, "all_gather")
         return checked_wire(wire, algorithm, name)
 
-    wire = checked("all_gather", backend, timeout, check)
+    wire = checked("all_gather", backend, wire, timeout, check)
     n = backend.world_size
     shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
-    numbers = Numbers(backend, BLOCK)
+    numbers = _numbers(backend)
     s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(x.size, wire)
     who = identity("all_gather", x, None, wire)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ferro_backend import Backend
 
-from .compressed_steps import Steps, deliver, encode_chunks, flat_allreduce, fold_rows
+from .compressed_steps import Numbers, Steps, deliver, encode_chunks, flat_allreduce, fold_rows
 from .ops import ReduceOp
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
 from .wire import encoded_bytes
@@ -68,18 +68,19 @@ def node_calls(s: Steps, x: np.ndarray, h, op: ReduceOp, out) -> None:
 
 
 def node_pieces(flat: np.ndarray, pieces: list[tuple[int, int]], h, backend: Backend,
-                 op: ReduceOp, wire: str, timeout, into: np.ndarray,
-                 on_error: Callable[[BaseException], None]) -> tuple[int, list]:
+                op: ReduceOp, wire: str, timeout, into: np.ndarray,
+                on_error: Callable[[BaseException], None], numbers: Numbers,
+                checked: threading.Event) -> list:
     """A multi-node allreduce in pieces whose cross-node stages overlap: the node
     reduce_scatters of every piece one after another, each piece's compressed cross-node
     allreduce as soon as its node stage is done, the node all_gathers in order as the pieces
     come back. (Each piece a whole hierarchical call would run its node all_gather before the
     next piece's reduce_scatter: the engine runs a group's calls in their order, so the
     pieces' cross stages could not overlap.) Every call is numbered now, each group's in the
-    same order on every rank. Returns the first call's number and the jobs, to run in order
-    (each waits only for jobs before it, so the workers, which start jobs in order, run them
-    whatever their number)."""
-    ss = [Steps("allreduce", wire, flat[lo:hi], backend, timeout, on_error)
+    same order on every rank, taking the call's ``numbers``; nothing runs before the call's
+    check (``checked``). Returns the jobs, to run in order (each waits only for jobs before it,
+    so the workers, which start jobs in order, run them whatever their number)."""
+    ss = [Steps("allreduce", wire, flat[lo:hi], backend, timeout, on_error, numbers)
           for lo, hi in pieces]
     for (lo, hi), s in zip(pieces, ss):
         node_calls(s, flat[lo:hi], h, op, into[lo:hi])
@@ -105,6 +106,7 @@ def node_pieces(flat: np.ndarray, pieces: list[tuple[int, int]], h, backend: Bac
         return job
 
     def node_stages():
+        checked.wait()
         for s, done in zip(ss, node_done):
             part(s, [0], done=done)()
 
@@ -115,7 +117,7 @@ def node_pieces(flat: np.ndarray, pieces: list[tuple[int, int]], h, backend: Bac
             s.close()
 
     crosses = [part(s, [1, 2], after, done) for s, after, done in zip(ss, node_done, cross_done)]
-    return ss[0].runs[0][0], [node_stages, *crosses, gathers]
+    return [node_stages, *crosses, gathers]
 
 
 def _filled(fill: Callable[[np.ndarray], None], count: int) -> np.ndarray:
@@ -125,16 +127,17 @@ def _filled(fill: Callable[[np.ndarray], None], count: int) -> np.ndarray:
 
 
 def reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceOp, wire: str,
-                         timeout, out, shape: tuple, background: bool):
+                         timeout, out, shape: tuple, numbers: Numbers) -> Steps:
     """The bf16/fp16 reduce_scatter of a multi-node job: exact inside the node, compressed
     across nodes. Local rank ``i`` of every node gets, from an exact reduce_scatter over its
     node, its node's sum of the blocks of the ranks of local index ``i`` (in node order); those
     are encoded, all-to-all'd across the nodes and folded in node order (every hierarchy's nodes
     hold the same number of ranks). (int8/int4 stay flat: their error feedback needs what this
-    rank's own blocks lost in the encoding.)"""
+    rank's own blocks lost in the encoding.) Returns its :class:`Steps` (taking ``numbers``),
+    to run after the call's check."""
     n, local, nodes = backend.world_size, h.local_world, h.num_nodes
     per = int(np.prod(shape))
-    s = Steps("reduce_scatter", wire, tensor, backend, timeout)
+    s = Steps("reduce_scatter", wire, tensor, backend, timeout, numbers=numbers)
     blocks = x.reshape(n, per)
     grouped = s.take(local, nodes, per, dtype=x.dtype)
     for k, members in enumerate(h.members):
@@ -160,4 +163,4 @@ def reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceO
 
     s.then(REDUCE_SCATTER, grouped.reshape(-1), h.node, node_op, node_sum, summed)
     s.then(ALL_TO_ALL_SINGLE, sent, h.cross, (None, None), rows, folded)
-    return s.run(background)
+    return s

@@ -19,7 +19,7 @@ from ferro_backend import timeline as _timeline
 from . import _wire as _kernel
 from .dispatch import run
 from .executors import prepared
-from .header import HEADER_SIZE, describe
+from .header import HEADER_SIZE, describe, refusal
 from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import state
@@ -96,24 +96,34 @@ def deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
 
 
 class Numbers:
-    """The sequence numbers a compressed call takes on its group: always ``count``
-    (:data:`.compressed.BLOCK`), whatever its size, wire and kind; those its collectives do
-    not take are given back (:meth:`rest`). Ranks that disagree on a call (sizes that cut it in
-    different numbers of pieces, one rank that refused it) then still number the calls after it
-    alike. Its first collective decides the rest (:meth:`ran_first`): every rank meets a
-    disagreement there (its headers, or the check of the whole call), and once it failed the
-    call's other collectives are given back instead of run, on every rank alike."""
+    """The sequence numbers a compressed call takes on each of its groups: always as many
+    (``blocks``: group -> count; :data:`.compressed.BLOCK` on one group), whatever its size,
+    wire and kind; those its collectives do not take are given back (:meth:`rest`). Ranks that
+    disagree on a call (sizes that cut it in different numbers of pieces, one rank that refused
+    it) then still number the calls after it alike. Its first collective decides the rest
+    (:meth:`ran_first`): every rank meets a disagreement there (its headers, the identities it
+    carries, or the check of the whole call), and once it failed the call's other collectives
+    are given back instead of run, on every rank alike."""
 
-    def __init__(self, group: Backend, count: int) -> None:
-        self.group, self.left, self.state = group, count, state(group)
+    def __init__(self, blocks: dict) -> None:
+        #: id(group) -> [numbers left, the group's state]
+        self._left = {id(g): [count, state(g)] for g, count in blocks.items()}
         self.decided = False  # the first collective has run
         self.ended = False    # ... and failed: the others are given back
 
-    def took(self) -> None:
-        """A collective of the call took a number of :attr:`group`."""
-        if self.left <= 0:
+    def covers(self, group: Backend) -> bool:
+        return id(group) in self._left
+
+    def took(self, group: Backend) -> None:
+        """A collective of the call took a number of ``group``."""
+        left = self._left[id(group)]
+        if left[0] <= 0:
             raise RuntimeError("a compressed call took more sequence numbers than its block")
-        self.left -= 1
+        left[0] -= 1
+
+    def give_back(self, group: Backend, seq: int) -> None:
+        """A collective numbered ``seq`` on ``group`` will not run."""
+        self._left[id(group)][1].give_back(seq)
 
     def ran_first(self, error: BaseException | None) -> None:
         """A collective of the call ran (``error``: it failed); the first one decides."""
@@ -122,9 +132,53 @@ class Numbers:
 
     def rest(self) -> None:
         """Take the numbers the call has not taken and give them back (they never run)."""
-        while self.left > 0:
-            self.left -= 1
-            self.state.give_back(self.state.next_seq())
+        for left in self._left.values():
+            while left[0] > 0:
+                left[0] -= 1
+                left[1].give_back(left[1].next_seq())
+
+
+class WholeCheck:
+    """The check of a whole compressed call, numbered when it is made (before the call's
+    collectives): an all-gather of every rank's :func:`identity` over the call's backend,
+    compared on every rank. Where the ranks' collectives may not meet a disagreement the same
+    way (a call in pieces: sizes whose first pieces agree; a multi-node call: a node stage
+    fails inside one node only), it decides the call's :class:`Numbers` on every rank alike.
+    :meth:`run` raises where they differ; :attr:`done` is set once it has run."""
+
+    def __init__(self, name: str, x: np.ndarray | None, op: ReduceOp | None, wire: str,
+                 backend: Backend, timeout, numbers: Numbers,
+                 refused: BaseException | None = None) -> None:
+        self.n, self.rank, self.numbers = backend.world_size, backend.rank, numbers
+        mine = identity(name, x, op, wire, refused)
+        self.gathered = np.empty(self.n * PREFIX, np.uint8)
+        self.seq, self._go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered)
+        if numbers.covers(backend):
+            numbers.took(backend)
+        self.done = threading.Event()
+
+    def run(self, fail: Callable[[BaseException], None] | None = None) -> None:
+        """Run it; where it fails, ``fail(error)`` (before :attr:`done` is set), then raise."""
+        error = None
+        try:
+            check_identities(np.asarray(self._go()).reshape(self.n, PREFIX), self.rank)
+        except BaseException as exc:
+            error = exc
+        self.numbers.ran_first(error)
+        if error is not None and fail is not None:
+            fail(error)
+        self.done.set()
+        if error is not None:
+            raise error
+
+    def job(self, fail: Callable[[BaseException], None]) -> Callable[[], None]:
+        """:meth:`run` for a worker: its error goes to ``fail``."""
+        def run():
+            try:
+                self.run(fail)
+            except BaseException:
+                pass  # (given to fail)
+        return run
 
 
 class Steps:
@@ -194,7 +248,7 @@ class Steps:
             coll, send, group, arg, out, _ = self.calls[i]
             self.runs[i] = prepared(coll, send, group, arg, self.timeout, out)
             if self.numbers is not None:
-                self.numbers.took()
+                self.numbers.took(group)
 
     def run_numbered(self, indices) -> None:
         """Run the numbered calls at ``indices``, each followed by its step. After a failure
@@ -203,10 +257,10 @@ class Steps:
         back then. The first error is kept (:meth:`close` raises it)."""
         numbers = self.numbers
         for i in indices:
-            send, step = self.calls[i][1], self.calls[i][5]
+            send, group, step = self.calls[i][1], self.calls[i][2], self.calls[i][5]
             seq, go = self.runs[i]
             if numbers is not None and numbers.ended:
-                numbers.state.give_back(seq)
+                numbers.give_back(group, seq)
                 continue
             if self.error is not None:
                 send[...] = 0
@@ -245,7 +299,7 @@ class Steps:
         numbers = self.numbers
         for i, (coll, send, group, arg, out, step) in enumerate(self.calls):
             if numbers is not None:
-                numbers.took()
+                numbers.took(group)
             try:
                 got = run(coll, send, group, arg, self.timeout, None, out)
                 if i == 0 and self.verify is not None:
@@ -308,13 +362,17 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
 PREFIX = 128
 
 
-def identity(name: str, x: np.ndarray, op: ReduceOp | None, wire: str) -> np.ndarray:
+def identity(name: str, x: np.ndarray | None, op: ReduceOp | None, wire: str,
+             refused: BaseException | None = None) -> np.ndarray:
     """A compressed call of collective ``name`` on ``x`` as :data:`PREFIX` bytes: its header
-    (:func:`.header.encode`, sequence number 0), then ``wire``."""
+    (:func:`.header.encode`, sequence number 0; a refusal's, :func:`.header.refusal`, where
+    this rank ``refused`` the call), then ``wire`` (its first 8 bytes)."""
     out = np.zeros(PREFIX, np.uint8)
-    header = encode_header(name, x.dtype, x.shape, op)
+    header = (refusal(name, 0, refused) if refused is not None
+              else encode_header(name, x.dtype, x.shape, op))
     out[:HEADER_SIZE] = np.frombuffer(header, np.uint8)
-    out[HEADER_SIZE:HEADER_SIZE + 8] = np.frombuffer(wire.encode().ljust(8, b"\0"), np.uint8)
+    out[HEADER_SIZE:HEADER_SIZE + 8] = np.frombuffer(
+        wire.encode(errors="replace")[:8].ljust(8, b"\0"), np.uint8)
     return out
 
 
