@@ -24,19 +24,17 @@ from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
+from .compressed_agreement import Numbers, WholeCheck, identity
 from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes
 from .compressed_steps import (
     Joined,
-    Numbers,
     Steps,
-    WholeCheck,
     chunk,
     decode_rows,
     deliver,
     encode_chunks,
     flat_allreduce,
     fold_rows,
-    identity,
 )
 from .executors import ARGUMENT_ERRORS, Refusal
 from .ops import ReduceOp
@@ -53,7 +51,7 @@ PIECE_BYTES = 1 << 20
 MAX_PIECES = 4
 _ELEMENTWISE = ("bf16", "fp16")
 #: the sequence numbers every compressed call on one group takes, whatever its size, wire and
-#: kind (:class:`~.compressed_steps.Numbers`): a call in pieces takes one for the check of the
+#: kind (:class:`~.compressed_agreement.Numbers`): a call in pieces takes one for the check of the
 #: whole call and two a piece
 BLOCK = 1 + 2 * MAX_PIECES
 
@@ -200,7 +198,7 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         futures[-1].add_done_callback(joined.one_done)
     else:
         joined = Joined(len(pieces), finish)
-        numbers = Numbers({backend: BLOCK})
+        numbers = _numbers(backend)
         try:
             check = WholeCheck("allreduce", x, op, wire, backend, timeout, numbers)
             seq = check.seq

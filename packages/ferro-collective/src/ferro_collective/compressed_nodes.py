@@ -20,7 +20,8 @@ import numpy as np
 
 from ferro_backend import Backend
 
-from .compressed_steps import Numbers, Steps, deliver, encode_chunks, flat_allreduce, fold_rows
+from .compressed_agreement import Numbers
+from .compressed_steps import Steps, deliver, encode_chunks, flat_allreduce, fold_rows
 from .ops import ReduceOp
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, REDUCE_SCATTER
 from .wire import encoded_bytes

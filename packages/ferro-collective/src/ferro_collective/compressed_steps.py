@@ -1,7 +1,8 @@
-"""The parts every compressed call is made of (:mod:`.compressed` has the calls): its chunks,
-encoded into rows and folded or decoded out of them; its result delivered into ``out=``;
-:class:`Steps`, its exact collectives in order, now or on a worker; its timeline event; and
-:class:`Joined`, one future for a call cut in pieces.
+"""The parts every compressed call is made of (:mod:`.compressed` has the calls, and
+:mod:`.compressed_agreement` how its ranks agree on it): its chunks, encoded into rows and
+folded or decoded out of them; its result delivered into ``out=``; :class:`Steps`, its exact
+collectives in order, now or on a worker (the flat allreduce's: :func:`flat_allreduce`); its
+timeline event; and :class:`Joined`, one future for a call cut in pieces.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend, CollectiveMismatchError
+from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
+from .compressed_agreement import PREFIX, Numbers, check_identities
 from .dispatch import run
 from .executors import prepared
-from .header import HEADER_SIZE, describe, refusal
-from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
@@ -93,92 +93,6 @@ def deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
                          f"{like.dtype}")
     out[...] = result
     return out
-
-
-class Numbers:
-    """The sequence numbers a compressed call takes on each of its groups: always as many
-    (``blocks``: group -> count; :data:`.compressed.BLOCK` on one group), whatever its size,
-    wire and kind; those its collectives do not take are given back (:meth:`rest`). Ranks that
-    disagree on a call (sizes that cut it in different numbers of pieces, one rank that refused
-    it) then still number the calls after it alike. Its first collective decides the rest
-    (:meth:`ran_first`): every rank meets a disagreement there (its headers, the identities it
-    carries, or the check of the whole call), and once it failed the call's other collectives
-    are given back instead of run, on every rank alike."""
-
-    def __init__(self, blocks: dict) -> None:
-        #: id(group) -> [numbers left, the group's state]
-        self._left = {id(g): [count, state(g)] for g, count in blocks.items()}
-        self.decided = False  # the first collective has run
-        self.ended = False    # ... and failed: the others are given back
-
-    def covers(self, group: Backend) -> bool:
-        return id(group) in self._left
-
-    def took(self, group: Backend) -> None:
-        """A collective of the call took a number of ``group``."""
-        left = self._left[id(group)]
-        if left[0] <= 0:
-            raise RuntimeError("a compressed call took more sequence numbers than its block")
-        left[0] -= 1
-
-    def give_back(self, group: Backend, seq: int) -> None:
-        """A collective numbered ``seq`` on ``group`` will not run."""
-        self._left[id(group)][1].give_back(seq)
-
-    def ran_first(self, error: BaseException | None) -> None:
-        """A collective of the call ran (``error``: it failed); the first one decides."""
-        if not self.decided:
-            self.decided, self.ended = True, error is not None
-
-    def rest(self) -> None:
-        """Take the numbers the call has not taken and give them back (they never run)."""
-        for left in self._left.values():
-            while left[0] > 0:
-                left[0] -= 1
-                left[1].give_back(left[1].next_seq())
-
-
-class WholeCheck:
-    """The check of a whole compressed call, numbered when it is made (before the call's
-    collectives): an all-gather of every rank's :func:`identity` over the call's backend,
-    compared on every rank. Where the ranks' collectives may not meet a disagreement the same
-    way (a call in pieces: sizes whose first pieces agree; a multi-node call: a node stage
-    fails inside one node only), it decides the call's :class:`Numbers` on every rank alike.
-    :meth:`run` raises where they differ; :attr:`done` is set once it has run."""
-
-    def __init__(self, name: str, x: np.ndarray | None, op: ReduceOp | None, wire: str,
-                 backend: Backend, timeout, numbers: Numbers,
-                 refused: BaseException | None = None) -> None:
-        self.n, self.rank, self.numbers = backend.world_size, backend.rank, numbers
-        mine = identity(name, x, op, wire, refused)
-        self.gathered = np.empty(self.n * PREFIX, np.uint8)
-        self.seq, self._go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered)
-        if numbers.covers(backend):
-            numbers.took(backend)
-        self.done = threading.Event()
-
-    def run(self, fail: Callable[[BaseException], None] | None = None) -> None:
-        """Run it; where it fails, ``fail(error)`` (before :attr:`done` is set), then raise."""
-        error = None
-        try:
-            check_identities(np.asarray(self._go()).reshape(self.n, PREFIX), self.rank)
-        except BaseException as exc:
-            error = exc
-        self.numbers.ran_first(error)
-        if error is not None and fail is not None:
-            fail(error)
-        self.done.set()
-        if error is not None:
-            raise error
-
-    def job(self, fail: Callable[[BaseException], None]) -> Callable[[], None]:
-        """:meth:`run` for a worker: its error goes to ``fail``."""
-        def run():
-            try:
-                self.run(fail)
-            except BaseException:
-                pass  # (given to fail)
-        return run
 
 
 class Steps:
@@ -353,49 +267,6 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
     s.then(ALL_GATHER, mine, group, None, gathered, ended)
     return lambda: encode_chunks(flat, c, c, wire, sent[:, p:])
-
-
-#: bytes a compressed call's first collective carries ahead of each rank's data: the call as
-#: the rank made it (:func:`identity`), compared on every rank (:func:`check_identities`).
-#: Its collectives' own headers name bytes only: calls of other sizes, shapes, dtypes, ops,
-#: wires or kinds may send rows of the same width
-PREFIX = 128
-
-
-def identity(name: str, x: np.ndarray | None, op: ReduceOp | None, wire: str,
-             refused: BaseException | None = None) -> np.ndarray:
-    """A compressed call of collective ``name`` on ``x`` as :data:`PREFIX` bytes: its header
-    (:func:`.header.encode`, sequence number 0; a refusal's, :func:`.header.refusal`, where
-    this rank ``refused`` the call), then ``wire`` (its first 8 bytes)."""
-    out = np.zeros(PREFIX, np.uint8)
-    header = (refusal(name, 0, refused) if refused is not None
-              else encode_header(name, x.dtype, x.shape, op))
-    out[:HEADER_SIZE] = np.frombuffer(header, np.uint8)
-    out[HEADER_SIZE:HEADER_SIZE + 8] = np.frombuffer(
-        wire.encode(errors="replace")[:8].ljust(8, b"\0"), np.uint8)
-    return out
-
-
-def check_identities(rows: np.ndarray, rank: int) -> None:
-    """Raise :class:`~ferro_backend.CollectiveMismatchError` where the ranks' identities (the
-    first :data:`PREFIX` bytes of each of ``rows``, one per rank in rank order) differ: every
-    rank holds them all, so every rank raises, naming what each rank called."""
-    ids = [rows[r, :PREFIX].tobytes() for r in range(rows.shape[0])]
-    if all(i == ids[rank] for i in ids):
-        return
-    groups: dict[bytes, list[int]] = {}
-    for r, i in enumerate(ids):
-        groups.setdefault(i, []).append(r)
-    parts = [f"ranks {rs} called {_described(i)}" for i, rs in groups.items()]
-    raise CollectiveMismatchError(f"{_described(ids[rank]).split('(')[0]}: ranks disagree on "
-                                  "the call: " + "; ".join(parts))
-
-
-def _described(ident: bytes) -> str:
-    """``allreduce[bf16](float32[3], SUM)``: an :func:`identity` in words."""
-    wire = ident[HEADER_SIZE:HEADER_SIZE + 8].rstrip(b"\0").decode(errors="replace")
-    name, _, rest = describe(ident[:HEADER_SIZE]).removesuffix(" (seq 0)").partition("(")
-    return f"{name}[{wire}]({rest}"
 
 
 def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
