@@ -25,7 +25,7 @@ from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
 from .compressed_agreement import Numbers, WholeCheck, identity
-from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes
+from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes, refuse
 from .compressed_steps import (
     Joined,
     Steps,
@@ -59,27 +59,31 @@ BLOCK = 1 + 2 * MAX_PIECES
 def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]) -> Any:
     """``check()``, a compressed call's own argument checks (its value returned). Where one
     fails (TypeError, ValueError), this rank refuses the call: its first number carries the
-    refusal (on a multi-node job, its :class:`WholeCheck` carries it as this rank's identity),
+    refusal (on a multi-node job: its first collectives, :func:`.compressed_nodes.refuse`),
     so the peers' first collective of the call raises
     :class:`~ferro_backend.CollectiveMismatchError` naming this rank and the reason, and the
-    call's other numbers are given back, as the peers give back theirs."""
+    call's other numbers are given back, as the peers give back theirs. (A multi-node
+    all_gather or int8/int4 reduce_scatter refused on one rank leaves its peers to their
+    deadline.)"""
     try:
         return check()
     except ARGUMENT_ERRORS as exc:
         h = getattr(backend, "hierarchy", None)
-        if h is not None and h.num_nodes > 1 and backend.peer_failure(name, backend.rank) is None:
-            numbers = _numbers(backend)
-            whole = WholeCheck(name, None, None, str(wire), backend, timeout, numbers, exc)
-            numbers.rest()
-            threading.Thread(target=whole.job(lambda _: None), daemon=True,
-                             name=f"ferro-refusal-{name}-{whole.seq}").start()
-        else:
-            refused = Refusal.of(name, backend, timeout, exc)
-            if refused is not None:
+        if h is not None and h.num_nodes > 1:
+            if (name == "allreduce" or wire not in ("int8", "int4")) and name != "all_gather" \
+                    and backend.peer_failure(name, backend.rank) is None:
                 numbers = _numbers(backend)
-                refused.start()
-                numbers.took(backend)
-                numbers.rest()
+                try:
+                    refuse(name, backend, h, wire, timeout, exc, numbers)
+                finally:
+                    numbers.rest()
+            raise
+        refused = Refusal.of(name, backend, timeout, exc)
+        if refused is not None:
+            numbers = _numbers(backend)
+            refused.start()
+            numbers.took(backend)
+            numbers.rest()
         raise
 
 
@@ -94,24 +98,12 @@ def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
 
 def _numbers(backend: Backend) -> Numbers:
     """A compressed call's numbers: :data:`BLOCK` on ``backend``; on a multi-node job also
-    two a piece on its node group and on its cross-node group (the node and cross-node
-    stages)."""
+    two a piece on its node group (and one for the node's agreement on the call's decider)
+    and on its cross-node group (the node and cross-node stages)."""
     h = getattr(backend, "hierarchy", None)
     if h is None or h.num_nodes <= 1:
         return Numbers({backend: BLOCK})
-    return Numbers({backend: BLOCK, h.node: 2 * MAX_PIECES, h.cross: 2 * MAX_PIECES})
-
-
-def _run_checked(s: Steps, check: WholeCheck, background: bool):
-    """Run ``s`` once ``check`` (the call's first) has passed: now, or in the background (its
-    collectives wait for the check; where it failed, they are given back and its error is
-    the Work's)."""
-    if not background:
-        check.run()
-        return s.run(False)
-    s.after = check.done
-    state(s.backend).submit(check.job(s.fail))
-    return s.run(True)
+    return Numbers({backend: BLOCK, h.node: 2 * MAX_PIECES + 1, h.cross: 2 * MAX_PIECES})
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -180,18 +172,12 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
         joined = Joined(1, finish)
         numbers = _numbers(backend)
         try:
-            check = WholeCheck("allreduce", x, op, wire, backend, timeout, numbers)
-            seq = check.seq
-            jobs = node_pieces(flat, pieces, h, backend, op, wire, timeout, into, joined.fail,
-                               numbers, check.done)
+            seq, jobs = node_pieces(flat, pieces, h, backend, op, wire, timeout, into,
+                                    joined.fail, numbers, identity("allreduce", x, op, wire))
             if not at_once:
-                try:
-                    check.run()
-                finally:  # (where it failed, the pieces give their numbers back)
-                    for job in jobs:
-                        job()
+                for job in jobs:
+                    job()
                 return finish()
-            state(backend).submit(check.job(joined.fail))
             futures = [state(backend).submit(job) for job in jobs]
         finally:
             numbers.rest()
@@ -232,10 +218,9 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     if h is not None and h.num_nodes > 1:
         numbers = _numbers(backend)
         try:
-            check = WholeCheck("allreduce", x, op, wire, backend, timeout, numbers)
             s = Steps("allreduce", wire, tensor, backend, timeout, on_error, numbers)
-            node_calls(s, x, h, op, out)
-            return _run_checked(s, check, background)
+            node_calls(s, x, h, op, out, identity("allreduce", x, op, wire))
+            return s.run(background)
         finally:
             numbers.rest()
     own = numbers is None
@@ -280,10 +265,9 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1:
         numbers = _numbers(backend)
         try:
-            check = WholeCheck("reduce_scatter", x, op, wire, backend, timeout, numbers)
             s = reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
-                                     numbers)
-            return _run_checked(s, check, background)
+                                     numbers, identity("reduce_scatter", x, op, wire))
+            return s.run(background)
         finally:
             numbers.rest()
     c = chunk(per, 1, wire)
@@ -291,7 +275,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     s = Steps("reduce_scatter", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(c, wire)
     who = identity("reduce_scatter", x, op, wire)
-    p = s.carry(who, n)
+    p = s.carry(who, backend)
     sent, rows, acc = s.take(n, p + width), s.take(n, p + width), s.take(c, dtype=np.float32)
     sent[:, :p] = who
     encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire,
@@ -330,7 +314,7 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(x.size, wire)
     who = identity("all_gather", x, None, wire)
-    p = s.carry(who, n)
+    p = s.carry(who, backend)
     mine, gathered = s.take(p + width), s.take(n * (p + width))
     mine[:p] = who
     encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine[p:])

@@ -8,22 +8,23 @@ timeline event; and :class:`Joined`, one future for a call cut in pieces.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend
+from ferro_backend import Backend, CollectiveMismatchError
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
-from .compressed_agreement import PREFIX, Numbers, check_identities
+from .compressed_agreement import PREFIX, Numbers, check_identities, identity
 from .dispatch import run
 from .executors import prepared
 from .ops import ReduceOp
 from .per_backend import state
-from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
+from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, ALLREDUCE
 from .scratch import POOL
 from .wire import FOLD, decode_into, encode_into, encoded_bytes
 from .work import Work
@@ -117,8 +118,13 @@ class Steps:
         #: set once the call's check has run (a call in pieces: in the background, its
         #: pieces' collectives wait for it)
         self.after = after
-        #: checks the first collective's result (:meth:`carry`): part of that collective
-        self.verify: Callable[[Any], None] | None = None
+        #: the collective that carries the call's identity (:meth:`carry`) and checks it
+        #: (``verify``) as part of it; None: the call's check decides (a piece's)
+        self.decider: int | None = None
+        self.verify: Callable[[Any], None] = lambda got: None
+        self._rows = 0
+        #: the node's agreement on the decider (:meth:`agreement`; a multi-node call's)
+        self.agree: int | None = None
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         #: the calls numbered so far (:meth:`number`): index -> (seq, what runs it)
         self.runs: dict[int, tuple[int, Callable[[], Any]]] = {}
@@ -135,17 +141,59 @@ class Steps:
              step: Callable[[Any], None]) -> None:
         self.calls.append((coll, send, group, arg, out, step))
 
-    def carry(self, who: np.ndarray | None, n: int) -> int:
-        """The first collective (the next :meth:`then`, the first) carries ``who`` (the call's
-        :func:`identity`) ahead of each of its ``n`` rows, checked on every rank as part of that
-        collective: the bytes ahead of each row (:data:`PREFIX`; 0 without ``who``)."""
+    def carry(self, who: np.ndarray | None, group: Backend) -> int:
+        """The next collective (:meth:`then`) carries ``who`` (the call's :func:`identity`)
+        ahead of each of its rows (one per rank of ``group``), checked on every rank as part
+        of it, and decides the call (:class:`Numbers`: the first collective of a flat call; a
+        multi-node call's first cross-node one). A rank whose collectives before it failed
+        sends its failure there instead (the identity of a refusal, naming its error), so that
+        every rank of ``group`` fails there too. Returns the bytes ahead of each row
+        (:data:`PREFIX`; 0 without ``who``)."""
         if who is None:
             return 0
-        if self.calls:
-            raise RuntimeError("a compressed call's identity travels in its first collective")
-        rank = self.backend.rank
+        self.decider, self._rows = len(self.calls), group.world_size
+        n, rank = group.world_size, group.rank
         self.verify = lambda got: check_identities(np.asarray(got).reshape(n, -1), rank)
         return PREFIX
+
+    def _on_zeros(self, i: int, send: np.ndarray) -> None:
+        """Collective ``i`` runs after a failure: on zeros, and the decider with this rank's
+        failure as its identity."""
+        send[...] = 0
+        if i == self.decider:
+            send.reshape(self._rows, -1)[:, :PREFIX] = identity(self.name, None, None,
+                                                                self.wire, self.error)
+
+    def _ran(self, i: int, error: BaseException | None) -> None:
+        if i == self.decider and self.numbers is not None:
+            self.numbers.ran_first(error)
+
+    def agreement(self, group: Backend) -> None:
+        """Add, right after the decider, the collective by which every rank of ``group`` (a
+        node) learns whether the decider failed on any of them: an exact MAX allreduce of the
+        flag. (A multi-node call's decider is a cross-node collective, which each rank shares
+        with one rank of every other node: a disagreement that one group meets, another may
+        not; with the node's agreement, every rank of every node ends the call alike.)"""
+        self.agree = len(self.calls)
+        flag, anyone = self.take(1, dtype=np.int32), self.take(1, dtype=np.int32)
+        self.then(ALLREDUCE, flag, group, ReduceOp.MAX, anyone, lambda got: None)
+
+    def _agree(self, go: Callable[[], Any], send: np.ndarray) -> None:
+        """Run the node's agreement (:meth:`agreement`): whatever this rank has met, it takes
+        part; the call ends on this rank where it failed on any rank of the node."""
+        numbers = self.numbers
+        send[0] = int(numbers.ended)
+        try:
+            anyone = int(np.asarray(go())[0])
+        except BaseException as exc:
+            numbers.ended = True
+            self.fail(exc)
+            return
+        if anyone and not numbers.ended:
+            numbers.ended = True
+            self.fail(CollectiveMismatchError(
+                f"{self.name}[{self.wire}]: ranks of another node disagree on the call (their "
+                "error names what each rank called)"))
 
     def run(self, background: bool):
         """The result now, or (``background``) a :class:`Work` that gives it."""
@@ -173,22 +221,23 @@ class Steps:
         for i in indices:
             send, group, step = self.calls[i][1], self.calls[i][2], self.calls[i][5]
             seq, go = self.runs[i]
+            if i == self.agree:
+                self._agree(go, send)
+                continue
             if numbers is not None and numbers.ended:
                 numbers.give_back(group, seq)
                 continue
             if self.error is not None:
-                send[...] = 0
+                self._on_zeros(i, send)
             try:
                 try:
                     got = go()
-                    if i == 0 and self.verify is not None:
+                    if i == self.decider:
                         self.verify(got)
                 except BaseException as exc:
-                    if numbers is not None:
-                        numbers.ran_first(exc)
+                    self._ran(i, exc)
                     raise
-                if numbers is not None:
-                    numbers.ran_first(None)
+                self._ran(i, None)
                 if self.error is None:
                     step(got)
             except BaseException as exc:  # (raised by close, once the rest have run)
@@ -210,21 +259,36 @@ class Steps:
         return self.result
 
     def _now(self):
-        numbers = self.numbers
+        """The calls in order, numbered as they run. A failure before the decider (a node
+        stage) goes on to it, on zeros (its peers of other nodes learn of it there); any other
+        failure is raised at once (the call's owner gives back the numbers not taken)."""
         for i, (coll, send, group, arg, out, step) in enumerate(self.calls):
-            if numbers is not None:
-                numbers.took(group)
+            if self.numbers is not None:
+                self.numbers.took(group)
+            if i == self.agree:
+                self._agree(functools.partial(run, coll, send, group, arg, self.timeout, None,
+                                              out), send)
+                if self.error is not None:
+                    raise self.error
+                continue
+            if self.error is not None:
+                self._on_zeros(i, send)
             try:
                 got = run(coll, send, group, arg, self.timeout, None, out)
-                if i == 0 and self.verify is not None:
+                if i == self.decider:
                     self.verify(got)
             except BaseException as exc:
-                if numbers is not None:
-                    numbers.ran_first(exc)
-                raise
-            if numbers is not None:
-                numbers.ran_first(None)
-            step(got)
+                self._ran(i, exc)
+                # before the decider, or the decider with the node's agreement after it: on
+                if self.decider is not None and (i < self.decider or self.agree == i + 1):
+                    self.fail(exc)
+                    continue
+                raise self.error or exc from None
+            self._ran(i, None)
+            if self.error is None:
+                step(got)
+            elif i == self.decider and self.agree != i + 1:
+                raise self.error
         POOL.give(*self.borrowed)
         return self.result
 
@@ -242,17 +306,19 @@ class Steps:
 
 def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
                    done: Callable[[Callable[[np.ndarray], None]], None],
-                   who: np.ndarray | None = None) -> Callable[[], None]:
+                   who: np.ndarray | None = None, agree: Backend | None = None
+                   ) -> Callable[[], None]:
     """Add the compressed allreduce of float32 ``flat`` over ``group`` to ``s``: an
     all-to-all of the encoded chunks, each rank's chunk folded and encoded, an all-gather,
     then ``done(fill)`` (``fill(dest)`` decodes the result into ``flat.size`` float32 values).
     ``who``: the call's :func:`identity`, carried ahead of each chunk of the all-to-all (the
-    call's first collective) and checked. Returns what encodes ``flat`` into the first one's
-    bytes (call it once ``flat`` holds the values)."""
+    call's first collective, or a multi-node call's first cross-node one, whose node group,
+    ``agree``, then agrees on it: :meth:`Steps.agreement`) and checked. Returns what encodes
+    ``flat`` into the first one's bytes (call it once ``flat`` holds the values)."""
     n, wire = group.world_size, s.wire
     c = chunk(flat.size, n, wire)
     width = encoded_bytes(c, wire)
-    p = s.carry(who, n)
+    p = s.carry(who, group)
     sent, rows, mine = s.take(n, p + width), s.take(n, p + width), s.take(width)
     acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
     if who is not None:
@@ -265,6 +331,8 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
         done(lambda dest: decode_rows(got.reshape(n, width), c, wire, dest))
 
     s.then(ALL_TO_ALL_SINGLE, sent, group, (None, None), rows, folded)
+    if agree is not None and who is not None:
+        s.agreement(agree)
     s.then(ALL_GATHER, mine, group, None, gathered, ended)
     return lambda: encode_chunks(flat, c, c, wire, sent[:, p:])
 
