@@ -83,9 +83,6 @@ class Numbers:
         self.decided = False  # the first collective has run
         self.ended = False    # ... and failed: the others are given back
 
-    def covers(self, group: Backend) -> bool:
-        return id(group) in self._left
-
     def took(self, group: Backend) -> None:
         """A collective of the call took a number of ``group``."""
         left = self._left[id(group)]
@@ -120,15 +117,13 @@ class WholeCheck:
     on the outcome: :meth:`.compressed_steps.Steps.agreement`; this check over every rank cost
     FSDP at 2 x 2 13% of its steps.)"""
 
-    def __init__(self, name: str, x: np.ndarray | None, op: ReduceOp | None, wire: str,
-                 backend: Backend, timeout, numbers: Numbers,
-                 refused: BaseException | None = None) -> None:
+    def __init__(self, name: str, x: np.ndarray, op: ReduceOp | None, wire: str,
+                 backend: Backend, timeout, numbers: Numbers) -> None:
         self.n, self.rank, self.numbers = backend.world_size, backend.rank, numbers
-        mine = identity(name, x, op, wire, refused)
+        mine = identity(name, x, op, wire)
         self.gathered = np.empty(self.n * PREFIX, np.uint8)
         self.seq, self._go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered)
-        if numbers.covers(backend):
-            numbers.took(backend)
+        numbers.took(backend)
         self.done = threading.Event()
 
     def run(self, fail: Callable[[BaseException], None] | None = None) -> None:

@@ -182,6 +182,8 @@ class Steps:
         """Run the node's agreement (:meth:`agreement`): whatever this rank has met, it takes
         part; the call ends on this rank where it failed on any rank of the node."""
         numbers = self.numbers
+        if self.error is not None:  # (its decider may have passed: every peer failed alike)
+            numbers.ended = True
         send[0] = int(numbers.ended)
         try:
             anyone = int(np.asarray(go())[0])
