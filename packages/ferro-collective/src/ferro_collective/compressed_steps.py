@@ -217,33 +217,39 @@ class Steps:
     def run_numbered(self, indices) -> None:
         """Run the numbered calls at ``indices``, each followed by its step. After a failure
         the later calls still run, on zeros (every rank takes part in each, as its peers
-        expect), unless the call's first collective failed (:class:`Numbers`): they are given
-        back then. The first error is kept (:meth:`close` raises it)."""
+        expect), unless the call's decider failed (:class:`Numbers`): they are given back then
+        (the node's agreement still runs). The first error is kept (:meth:`close` raises it)."""
         numbers = self.numbers
         for i in indices:
-            send, group, step = self.calls[i][1], self.calls[i][2], self.calls[i][5]
             seq, go = self.runs[i]
-            if i == self.agree:
-                self._agree(go, send)
+            if i != self.agree and numbers is not None and numbers.ended:
+                numbers.give_back(self.calls[i][2], seq)
                 continue
-            if numbers is not None and numbers.ended:
-                numbers.give_back(group, seq)
-                continue
-            if self.error is not None:
-                self._on_zeros(i, send)
+            self._one(i, go)
+
+    def _one(self, i: int, go: Callable[[], Any]) -> None:
+        """Collective ``i`` (``go()`` runs it) and its step; an error is kept (:meth:`fail`).
+        After an error it runs on zeros (the decider with this rank's failure); the decider's
+        result is checked, and decides; the node's agreement runs whatever came before."""
+        send, step = self.calls[i][1], self.calls[i][5]
+        if i == self.agree:
+            self._agree(go, send)
+            return
+        if self.error is not None:
+            self._on_zeros(i, send)
+        try:
             try:
-                try:
-                    got = go()
-                    if i == self.decider:
-                        self.verify(got)
-                except BaseException as exc:
-                    self._ran(i, exc)
-                    raise
-                self._ran(i, None)
-                if self.error is None:
-                    step(got)
-            except BaseException as exc:  # (raised by close, once the rest have run)
-                self.fail(exc)
+                got = go()
+                if i == self.decider:
+                    self.verify(got)
+            except BaseException as exc:
+                self._ran(i, exc)
+                raise
+            self._ran(i, None)
+            if self.error is None:
+                step(got)
+        except BaseException as exc:  # (raised by close or _now)
+            self.fail(exc)
 
     def fail(self, error: BaseException) -> None:
         """Keep the call's first error; a piece's tells ``on_error`` at once."""
@@ -261,35 +267,16 @@ class Steps:
         return self.result
 
     def _now(self):
-        """The calls in order, numbered as they run. A failure before the decider (a node
-        stage) goes on to it, on zeros (its peers of other nodes learn of it there); any other
-        failure is raised at once (the call's owner gives back the numbers not taken)."""
-        for i, (coll, send, group, arg, out, step) in enumerate(self.calls):
+        """The calls in order, numbered as they run (:meth:`_one` each). An error is raised once
+        the call is decided (its decider, and the node's agreement after it, have run: a node
+        stage's failure goes on to them, on zeros, so that the other nodes' ranks learn of it
+        there); the call's owner gives back the numbers not taken."""
+        decided = self.agree if self.agree is not None else self.decider
+        for i, (coll, send, group, arg, out, _) in enumerate(self.calls):
             if self.numbers is not None:
                 self.numbers.took(group)
-            if i == self.agree:
-                self._agree(functools.partial(run, coll, send, group, arg, self.timeout, None,
-                                              out), send)
-                if self.error is not None:
-                    raise self.error
-                continue
-            if self.error is not None:
-                self._on_zeros(i, send)
-            try:
-                got = run(coll, send, group, arg, self.timeout, None, out)
-                if i == self.decider:
-                    self.verify(got)
-            except BaseException as exc:
-                self._ran(i, exc)
-                # before the decider, or the decider with the node's agreement after it: on
-                if self.decider is not None and (i < self.decider or self.agree == i + 1):
-                    self.fail(exc)
-                    continue
-                raise self.error or exc from None
-            self._ran(i, None)
-            if self.error is None:
-                step(got)
-            elif i == self.decider and self.agree != i + 1:
+            self._one(i, functools.partial(run, coll, send, group, arg, self.timeout, None, out))
+            if self.error is not None and (decided is None or i >= decided):
                 raise self.error
         POOL.give(*self.borrowed)
         return self.result
