@@ -13,6 +13,7 @@ with ``out=`` the output buffer (no copy of ours). An exception becomes the FFI 
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Callable, Sequence
 
@@ -67,13 +68,28 @@ def _trampoline(call, n_in, ins, n_out, outs, err, err_len):
 TRAMPOLINE = _CALLBACK(_trampoline)
 
 
+class _At:
+    """Memory at an address as numpy reads it (``__array_interface__``): a view in 0.7 us,
+    where ``np.frombuffer`` over a ctypes array at the address took 2.9 (two views of a
+    4 KiB ``sendrecv`` cost 5.7 of the 8 us it pays over the same call from Python)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, shape: tuple, typestr: str) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": shape,
+                                    "typestr": typestr, "version": 3}
+
+
 def view(address: int | None, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """A writable numpy view of XLA's buffer at ``address`` (no copy)."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes == 0 or not address:
+    shape = tuple(shape)
+    if not address or dtype.itemsize * math.prod(shape) == 0:
         return np.empty(shape, dtype)
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype).reshape(shape)
+    if dtype.kind != "V":  # numpy's own types: their type string says them whole
+        return np.asarray(_At(address, shape, dtype.str))
+    # ml_dtypes' (bfloat16, float8...) read as void: their bytes, then the type
+    return np.asarray(_At(address, (*shape, dtype.itemsize), "|u1")).view(dtype).reshape(shape)
 
 
 # ---------------------------------------------------------------- what runs there, per kind
