@@ -200,3 +200,17 @@ def test_the_python_paths_views_are_xlas_buffers(dtype, shape):
     if buf.size:
         v[...] = np.ones(shape, dt)
         assert buf.tobytes() == np.ones(shape, dt).tobytes()  # the same memory
+
+
+def test_a_call_site_keeps_its_views_by_address_and_reads_what_is_there_now():
+    from ferro_jax import _pypath
+
+    views = _pypath.Views((4,), np.float32)
+    bufs = [np.full(4, k, np.float32) for k in range(_pypath.Views.KEEP + 2)]
+    first = views(bufs[0].ctypes.data)
+    assert views(bufs[0].ctypes.data) is first  # kept: no new view
+    bufs[0][...] = 7  # a view reads the memory as it is when used
+    assert views(bufs[0].ctypes.data).tolist() == [7.0] * 4
+    for k, b in enumerate(bufs):  # past KEEP addresses the kept ones start again
+        assert views(b.ctypes.data).tolist() == [7.0 if k == 0 else float(k)] * 4
+    assert len(views._made) <= _pypath.Views.KEEP

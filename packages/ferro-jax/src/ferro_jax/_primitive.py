@@ -117,9 +117,12 @@ def _python_call(kind, comm, avals_in, avals_out, params) -> int:
     timeout = params["timeout"] or None
     extra = {k: params[k] for k in ("op", "root", "src", "dst", "tag")}
 
+    x_at = _pypath.Views(avals_in[0].shape, avals_in[0].dtype) if avals_in else None
+    y_at = _pypath.Views(avals_out[0].shape, avals_out[0].dtype)
+
     def call(ins: list[int], outs: list[int]) -> None:
-        x = _pypath.view(ins[0], avals_in[0].shape, avals_in[0].dtype) if ins else None
-        y = _pypath.view(outs[0], avals_out[0].shape, avals_out[0].dtype)
+        x = x_at(ins[0]) if x_at is not None else None
+        y = y_at(outs[0])
         _pypath.run(kind, comm.backend, x, None if kind in SIDE_ONLY else y, timeout=timeout,
                     **extra)
         if kind in SIDE_ONLY:

@@ -92,6 +92,30 @@ def view(address: int | None, shape: Sequence[int], dtype: np.dtype) -> np.ndarr
     return np.asarray(_At(address, (*shape, dtype.itemsize), "|u1")).view(dtype).reshape(shape)
 
 
+class Views:
+    """A call site's views of XLA's buffers of one shape and dtype, by address: XLA hands the
+    same few buffers to a call in a loop, and a view made once serves them again (a dict
+    lookup, where :func:`view` takes 1.3 us). Any view of an address is as good as a new one
+    (no ownership), so a reused address, whatever buffer it now holds, is read right."""
+
+    __slots__ = ("shape", "dtype", "_made")
+
+    #: views kept a call site; past it they are made again from the start
+    KEEP = 8
+
+    def __init__(self, shape: Sequence[int], dtype) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self._made: dict[int, np.ndarray] = {}
+
+    def __call__(self, address: int) -> np.ndarray:
+        made = self._made.get(address)
+        if made is None:
+            if len(self._made) >= self.KEEP:
+                self._made.clear()
+            made = self._made[address] = view(address, self.shape, self.dtype)
+        return made
+
+
 # ---------------------------------------------------------------- what runs there, per kind
 _OPS = {"sum": fc.ReduceOp.SUM, "mean": fc.ReduceOp.MEAN, "max": fc.ReduceOp.MAX,
         "min": fc.ReduceOp.MIN, "prod": fc.ReduceOp.PRODUCT, "band": fc.ReduceOp.BAND,
