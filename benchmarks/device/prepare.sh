@@ -43,5 +43,5 @@ cp "$D"/lib/libmpi.so.12 "$D"/lib/libmpi_shm_heap_proxy.so "$T/impi/lib/"
 cp "$D"/opt/mpi/etc/*.conf "$D"/opt/mpi/etc/tuning_*_shm.dat "$T/impi/opt/mpi/etc/"
 tar -cJf "$P/impi_trim.tar.xz" -C "$T/impi" bin lib opt
 gcc -O2 -static -pthread -o "$P/core_pairs" "$ROOT/benchmarks/device/core_pairs.c"
-cp "$ROOT"/benchmarks/device/{run_peers.sh,study_allreduce.sh,study_split.sh,venvs.sh,placement.py,mpi_allreduce.py} "$P/"
+cp "$ROOT"/benchmarks/device/{call.sh,run_peers.sh,study_allreduce.sh,study_split.sh,venvs.sh,placement.py,mpi_allreduce.py} "$P/"
 du -sh "$P"

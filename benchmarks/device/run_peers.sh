@@ -6,13 +6,8 @@
 # 16, and 2 on the nearest and the farthest pair of cores, plain and fresh; each step is
 # skipped if it would pass BUDGET seconds; everything comes back as $OUT/res.tgz.
 # env: OUT, BUDGET, PY (the Python to use), NOSETUP=1 (the venvs exist), SMOKE=1 (a short check).
-set -u
-P=$PWD/.devpay; R=/tmp/res; rm -rf $R; mkdir -p $R
-export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-T0=$(date +%s); BUDGET=${BUDGET:-480}
-el() { echo $(( $(date +%s) - T0 )); }
-pack() { tar czf $OUT/res.tgz -C $R . 2>/dev/null; }
-PY=${PY:-python3}
+NAME=res; DEFAULT_BUDGET=480
+. "$(dirname "$0")/call.sh"
 { date; uname -a; nproc; lscpu; grep -m1 "model name" /proc/cpuinfo
   for c in /sys/devices/system/cpu/cpu*/cache/index*/; do
     echo "$c L$(cat $c/level) $(cat $c/type) $(cat $c/size) shared=$(cat $c/shared_cpu_list)"; done

@@ -5,13 +5,8 @@
 # 4 MiB slots, interleaved, 2 rounds. After prepare.sh, in the same call as run_peers.sh or
 # alone: `OUT=$OUT BUDGET=240 bash .devpay/study_allreduce.sh` (venvs.sh makes the venvs if
 # missing). Results: $OUT/study.tgz (impi.jsonl, ferro-*/results.json).
-set -u
-P=$PWD/.devpay; R=/tmp/study; rm -rf $R; mkdir -p $R
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); BUDGET=${BUDGET:-240}
-el() { echo $(( $(date +%s) - T0 )); }
-pack() { tar czf $OUT/study.tgz -C $R . 2>/dev/null; }
-PY=${PY:-python3}
+NAME=study; DEFAULT_BUDGET=240
+. "$(dirname "$0")/call.sh"
 bash $P/venvs.sh $PY
 SIZES="65536 1048576 16777216"
 for rep in 1 2; do

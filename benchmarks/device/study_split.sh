@@ -10,13 +10,8 @@
 # The FERRO_STUDY_* knobs are in results/0.4/h200-16core/split-study-2026-11-30/study.patch (not
 # merged): `git apply` it, then prepare.sh, then in the call:
 # `OUT=$OUT BUDGET=380 bash .devpay/study_split.sh`; results: $OUT/split.tgz.
-set -u
-P=$PWD/.devpay; R=/tmp/split; rm -rf $R; mkdir -p $R
-export PYTHONUNBUFFERED=1
-T0=$(date +%s); BUDGET=${BUDGET:-380}
-el() { echo $(( $(date +%s) - T0 )); }
-pack() { tar czf $OUT/split.tgz -C $R . 2>/dev/null; }
-PY=${PY:-python3}
+NAME=split; DEFAULT_BUDGET=380
+. "$(dirname "$0")/call.sh"
 { grep -m1 "model name" /proc/cpuinfo; grep -o -m1 -w cldemote /proc/cpuinfo || echo "no cldemote";
   nproc; } > $R/cpu.txt 2>&1
 bash $P/venvs.sh $PY
