@@ -255,6 +255,37 @@ def test_two_ranks_streaming_to_each_other_take_each_others_chunks_while_they_wa
     assert max(slowest) < 2.0
 
 
+STALLED = """
+import ferro_backend.engine.delivery as delivery
+delivery.WATCH_PERIOD = 10.0  # the watch thread out of the way (after the first exchange)
+take = delivery.Delivery.progress_all
+start = [0.0]
+def off_core(self):  # for the first 20 ms of an exchange both ranks take nothing, as if off
+    if time.monotonic() - start[0] > 0.02:  # their cores
+        take(self)
+delivery.Delivery.progress_all = off_core
+peer, times = 1 - b.rank, []
+for i in range(3):
+    out = np.empty(1 << 20, np.uint8)
+    b.barrier()
+    start[0] = time.monotonic()
+    req = b.irecv(out, peer, tag=50 + i)
+    b.send(np.full(1 << 20, b.rank + i, np.uint8), peer, tag=50 + i)
+    req.wait(30)
+    times.append(time.monotonic() - start[0])
+    assert (out == peer + i).all()
+result = max(times[1:])
+"""
+
+
+def test_an_exchange_whose_senders_both_stopped_taking_goes_on_by_itself():
+    # both ranks stream 1 MiB to each other and, for 20 ms, take nothing between their waits
+    # for room: both stall, then wait longer between takes; neither may sit until a watch
+    # thread (here 10 s) moves the other's message once they take again
+    slowest = run_job(STALLED, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
+    assert max(slowest) < 2.0
+
+
 IRECV = """
 if b.rank == 0:
     time.sleep(0.2)

@@ -153,6 +153,11 @@ class Delivery:
                     box.cond.notify_all()
         return True
 
+    def streaming_in(self) -> bool:
+        """Whether a message streamed to this rank is part-taken (its sender waits for the
+        rest to be taken: a receive claimed it, or it is being kept for one)."""
+        return bool(self._partial)
+
     def try_progress(self, src: int, idle: float = STREAM_IDLE) -> None:
         """Drain the ring from ``src`` if no other thread is at it (never waits for the lock);
         a streamed message's next chunk is waited for up to ``idle`` seconds (0: what is

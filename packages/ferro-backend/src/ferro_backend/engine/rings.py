@@ -56,8 +56,13 @@ CMA_BYTES_PER_S = 5e9
 #: what the peers sent in between (in an exchange each side's watch thread would move it
 #: after a whole WATCH_PERIOD: 1 MiB each way took 1.3 ms, 50 us one way) ...
 EXCHANGE_SLICE = 50e-6
-#: ... until nothing has moved for this long: then it waits as any send does
+#: ... until nothing has moved for this long: then it waits as any send does (a wait that
+#: rings the receiver's doorbell, for its watch thread), in slices of EXCHANGE_STALLED, still
+#: taking what the peers sent between them: two ranks of an exchange whose sends both waited so
+#: (one rank off its core for a millisecond, on a loaded host) would otherwise sit until a
+#: watch thread moved one side's message
 EXCHANGE_PATIENCE = 1e-3
+EXCHANGE_STALLED = 5e-3
 
 
 class RingMesh(Route):
@@ -153,19 +158,19 @@ class RingMesh(Route):
                     stalled = None  # since when no chunk went in
                     while True:
                         now = time.monotonic()
-                        if not self._receiving() or (stalled is not None
-                                                     and now - stalled > EXCHANGE_PATIENCE):
+                        if not self._receiving():
                             rc, reached = ring.put_stream(tag, view, reached, step, until, watch)
                             return rc
                         # receives are posted here: their senders may be waiting for room as
                         # this rank does (an exchange, a ring of ranks). Take what they sent,
                         # so that they go on, between short waits; where that moves nothing
-                        # for a while, wait as above (a wait that rings the receiver's
-                        # doorbell, for its watch thread)
+                        # for a while, between longer ones
                         self.delivery.progress_all()
                         before = reached
+                        wait = EXCHANGE_SLICE if stalled is None or \
+                            now - stalled <= EXCHANGE_PATIENCE else EXCHANGE_STALLED
                         rc, reached = ring.put_stream(tag, view, reached, step,
-                                                      min(until, now + EXCHANGE_SLICE), watch)
+                                                      min(until, now + wait), watch)
                         if rc != _ring.TIME_UP or time.monotonic() >= until:
                             return rc
                         stalled = None if reached > before else (stalled or now)
@@ -176,9 +181,10 @@ class RingMesh(Route):
         self.bytes_sent += nbytes
 
     def _receiving(self) -> bool:
-        """Whether a receive is posted here (its sender may be streaming to this rank)."""
+        """Whether a receive is posted here, or a message streamed to this rank is part-taken
+        (its sender may be waiting for this rank to take the rest)."""
         box = self.box
-        return bool(box.posted) or bool(box.posted_any)
+        return bool(box.posted) or bool(box.posted_any) or self.delivery.streaming_in()
 
     def _send_descriptor(self, ring: _ring.Ring, view: memoryview, dst: int, tag: int,
                          deadline: float, late: Callable[[], str]) -> None:
