@@ -260,8 +260,8 @@ import ferro_backend.engine.delivery as delivery
 delivery.WATCH_PERIOD = 10.0  # the watch thread out of the way (after the first exchange)
 take = delivery.Delivery.progress_all
 start = [0.0]
-def off_core(self):  # for the first 20 ms of an exchange both ranks take nothing, as if off
-    if time.monotonic() - start[0] > 0.02:  # their cores
+def off_core(self):  # the first 20 ms of an exchange both take nothing (as if off their cores)
+    if time.monotonic() - start[0] > 0.02:
         take(self)
 delivery.Delivery.progress_all = off_core
 peer, times = 1 - b.rank, []
@@ -283,6 +283,46 @@ def test_an_exchange_whose_senders_both_stopped_taking_goes_on_by_itself():
     # for room: both stall, then wait longer between takes; neither may sit until a watch
     # thread (here 10 s) moves the other's message once they take again
     slowest = run_job(STALLED, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
+    assert max(slowest) < 2.0
+
+
+PART_TAKEN = """
+import os, signal, threading
+import ferro_backend.engine.delivery as delivery
+delivery.WATCH_PERIOD = 10.0  # the watch thread out of the way (after the first exchange)
+peer, times = 1 - b.rank, []
+pid = np.array([os.getpid()], np.int64)
+theirs = np.empty(1, np.int64)
+req = b.irecv(theirs, peer, tag=59)
+b.send(pid, peer, tag=59)
+req.wait(30)
+for i in range(3):
+    out = np.empty(1 << 20, np.uint8)
+    b.barrier()
+    t0 = time.monotonic()
+    if b.rank == 0:
+        req = b.irecv(out, peer, tag=60 + i)
+        time.sleep(0.01)  # rank 1's message fills the ring meanwhile; then rank 1 stops
+        os.kill(int(theirs[0]), signal.SIGSTOP)  # (off its core: it puts nothing more)
+        threading.Timer(0.03, os.kill, (int(theirs[0]), signal.SIGCONT)).start()
+        b.send(np.full(1 << 20, 10 + i, np.uint8), peer, tag=70 + i)
+        req.wait(30)
+    else:
+        b.send(np.full(1 << 20, 20 + i, np.uint8), peer, tag=60 + i)
+        b.recv(out, peer, tag=70 + i, timeout=30)
+    times.append(time.monotonic() - t0)
+    assert (out == (20 if b.rank == 0 else 10) + i).all()
+result = max(times[1:])
+"""
+
+
+def test_a_sender_takes_the_rest_of_a_message_it_has_begun_to_take():
+    # rank 1 streams 1 MiB to rank 0 and waits for room; rank 0, its receive posted, stops
+    # rank 1 for 30 ms and streams 1 MiB back: between its waits it takes what rank 1's ring
+    # holds (the receive is then no longer posted, the message part-taken) and must go on
+    # taking the rest once rank 1 runs again, so that rank 1 ends its send and receives;
+    # neither may sit until a watch thread (here 10 s) moves a message
+    slowest = run_job(PART_TAKEN, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
     assert max(slowest) < 2.0
 
 
