@@ -42,14 +42,17 @@ SHIM const char* shim_status(void* c, int status) {
     return ferro_api((ferro_comm*)c)->status_name(status);
 }
 
-/* one collective: counts as ferro/engine.h gives them; timeout 0: the default; ticket -1: now */
-SHIM int shim_call(void* cv, int kind, const void* send, void* recv, size_t count, int dtype,
-                   int op, int root, double timeout, long long ticket) {
+/* one collective: counts as ferro/engine.h gives them; timeout 0: the default; ticket -1: now;
+ * flags: the opts' (FERRO_OPTS_SPAN) */
+SHIM int shim_call_flags(void* cv, int kind, const void* send, void* recv, size_t count,
+                         int dtype, int op, int root, double timeout, long long ticket,
+                         unsigned flags) {
     ferro_comm* c = (ferro_comm*)cv;
     const ferro_engine_api* f = ferro_api(c);
     ferro_opts o = FERRO_OPTS_INIT;
     o.timeout = timeout;
     o.ticket = (int64_t)ticket;
+    o.flags = flags;
     switch (kind) {
     case BARRIER: return f->barrier(c, &o);
     case ALLREDUCE: return f->allreduce(c, send, recv, count, dtype, op, &o);
@@ -62,6 +65,11 @@ SHIM int shim_call(void* cv, int kind, const void* send, void* recv, size_t coun
     case ALL_TO_ALL: return f->all_to_all(c, send, recv, count, dtype, &o);
     default: return -1;
     }
+}
+
+SHIM int shim_call(void* cv, int kind, const void* send, void* recv, size_t count, int dtype,
+                   int op, int root, double timeout, long long ticket) {
+    return shim_call_flags(cv, kind, send, recv, count, dtype, op, root, timeout, ticket, 0u);
 }
 
 SHIM int shim_send(void* cv, const void* buf, size_t nbytes, int dst, unsigned long long tag,

@@ -99,6 +99,7 @@ def _build(tmp: Path, cpp: bool, include: str) -> ctypes.CDLL:
     lib.shim_call.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                               ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_double, ctypes.c_longlong]
+    lib.shim_call_flags.argtypes = lib.shim_call.argtypes + [ctypes.c_uint]
     lib.shim_send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                               ctypes.c_ulonglong, ctypes.c_double]
     lib.shim_recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
@@ -125,9 +126,10 @@ class Rank:
         assert self.c, why.value
 
     def __call__(self, kind, send=None, recv=None, count=0, dtype=np.float32, op="SUM", root=0,
-                 timeout=0.0, ticket=-1) -> int:
-        return self.lib.shim_call(self.c, kind, _addr(send), _addr(recv), count,
-                                  DTYPES[np.dtype(dtype)], OPS[op], root, timeout, ticket)
+                 timeout=0.0, ticket=-1, flags=0) -> int:
+        return self.lib.shim_call_flags(self.c, kind, _addr(send), _addr(recv), count,
+                                        DTYPES[np.dtype(dtype)], OPS[op], root, timeout, ticket,
+                                        flags)
 
     def send(self, x: np.ndarray, dst: int, tag: int = 0, timeout: float = 0.0) -> int:
         return self.lib.shim_send(self.c, _addr(x), x.nbytes, dst, tag, timeout)
@@ -350,6 +352,50 @@ def test_a_mismatch_names_what_every_rank_called_on_every_rank_and_the_calls_go_
         assert msg == ("allreduce: ranks disagree on the collective: ranks [0] called "
                        "allreduce(float32[4], SUM) (seq 0); ranks [1] called "
                        "allreduce(int32[4], SUM) (seq 0)")
+
+
+def test_a_call_that_takes_fewer_tickets_than_its_peers_catches_up_after_a_mismatch(shim):
+    """FERRO_OPTS_SPAN(5): rank 0's collective is the first of a call of its own that takes 5
+    tickets (it gives back the other 4, as a compressed call gives back its block's unused
+    numbers); rank 1 made a plain call there. Their headers differ in that alone: both get the
+    mismatch, and rank 1's door gives back 4 tickets of its own, so both number the next call
+    alike (its header carries the ticket) and it runs. A rank that already reserved a ticket
+    after its call keeps it: nothing is given back then. Bits 16-31 are refused."""
+    ranks = ranks_of(shim, 2)
+    x = np.ones(4, np.float32)
+
+    def rank(r):
+        me = ranks[r]
+        rc = me(ALLREDUCE, x, x.copy(), 4, flags=5 if r == 0 else 0)
+        msg = me.error()
+        if r == 0:
+            for _ in range(4):
+                assert me.lib.shim_skip(me.c, me.lib.shim_reserve(me.c)) == OK
+        out = x.copy()
+        after = me(ALLREDUCE, x, out, 4)
+        return rc, msg, after, out.tolist(), me.lib.shim_reserve(me.c)
+
+    got = in_threads([lambda r=r: rank(r) for r in range(2)])
+    for rc, msg, after, out, ticket in got:
+        assert rc == MISMATCH and after == OK and out == [2.0] * 4 and ticket == 6, got
+        assert msg.startswith("allreduce: ranks disagree on the collective: ranks [0] called "
+                              "allreduce(float32[4], SUM) (seq 0); ranks [1] called "), msg
+
+    ranks = ranks_of(shim, 2)
+
+    def reserved_after(r):
+        me = ranks[r]
+        mine = me.lib.shim_reserve(me.c)
+        later = me.lib.shim_reserve(me.c) if r == 1 else None
+        rc = me(ALLREDUCE, x, x.copy(), 4, ticket=mine, flags=3 if r == 0 else 0)
+        if later is not None:
+            assert me.lib.shim_skip(me.c, later) == OK
+        return rc, me.lib.shim_reserve(me.c)
+
+    assert in_threads([lambda r=r: reserved_after(r) for r in range(2)]) == [(MISMATCH, 1),
+                                                                             (MISMATCH, 2)]
+    assert ranks[0](BARRIER, flags=1 << 16) == INVALID
+    assert "only bits 0-15 (FERRO_OPTS_SPAN)" in ranks[0].error()
 
 
 def test_a_peers_failure_ends_the_wait_with_its_reason(shim):

@@ -42,7 +42,8 @@ cdef class Call:
     ``kind`` (:data:`ALLREDUCE`...), ``dtype`` (ferro/engine.h's code), ``op``, ``root``, the
     ``shape`` its header names (a sequence of ints; None: the count) and ``type_name`` (the
     header's element type, numpy's ``dtype.str``, for bytes of a dtype the door does not know;
-    None: ``dtype``'s)."""
+    None: ``dtype``'s); ``span``: the tickets the client's whole call takes where this is its
+    first collective (``ferro_opts.flags``' FERRO_OPTS_SPAN; 0: one)."""
 
     cdef ferro_comm* c
     cdef const ferro_engine_api* api
@@ -55,7 +56,7 @@ cdef class Call:
     cdef readonly int64_t ticket
 
     def __init__(self, comm, int kind, int dtype, int op=0, int root=0, shape=None,
-                 bytes type_name=None):
+                 bytes type_name=None, unsigned int span=0):
         if not 0 <= kind <= K_ALL_TO_ALL:
             raise ValueError(f"Call: kind {kind} is not one of the door's")
         if not 0 <= dtype < FERRO_DTYPE_COUNT:
@@ -66,7 +67,9 @@ cdef class Call:
         self.n, self.item = comm.n, _ITEM_BYTES[dtype]
         self._type_name = type_name
         self.base.size = sizeof(ferro_opts)
-        self.base.flags = 0
+        if span > 0xFFFF:
+            raise ValueError(f"Call: span {span} is more tickets than a header names (65535)")
+        self.base.flags = span  # FERRO_OPTS_SPAN: the tickets the client's call takes (0: one)
         self.base.timeout = 0.0
         self.base.ticket = FERRO_TICKET_NOW
         self.base.ndim = 0

@@ -54,6 +54,7 @@ cdef extern from "_door.h" nogil:
     void ferro_comm_mark_failed(ferro_comm* c, const char* reason)
     int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name)
     void ferro_comm_end(ferro_comm* c, int64_t ticket)
+    int ferro_comm_catch_up(ferro_comm* c, int64_t ticket, int64_t count)
     void ferro_comm_break(ferro_comm* c, int status, const char* message)
 
 #: step and call results (ferro/engine.h's ferro_status)
@@ -242,6 +243,15 @@ cdef class Comm:
     def skip(self, int64_t ticket) -> int:
         """Give back a reserved ticket without running it (a call that never ran)."""
         return _api.skip(self.c, ticket)
+
+    def catch_up(self, int64_t ticket, int64_t count) -> bool:
+        """``ticket``'s call (in its turn) took ``count`` fewer tickets than a peer's call at
+        the same place (their headers' spans, after a mismatch): give the next ``count`` back
+        unrun. False where a call reserved one after it (they keep their tickets)."""
+        rc = ferro_comm_catch_up(self.c, ticket, count)
+        if rc < 0:
+            raise MemoryError("catch_up: no memory to remember the tickets given back")
+        return rc == 1
 
     def begin(self, int64_t ticket, double timeout, str name) -> int:
         """Wait up to ``timeout`` seconds for ``ticket``'s turn, for Python's own steps: OK, or

@@ -81,6 +81,10 @@ void ferro_comm_mark_failed(ferro_comm* c, const char* reason);
  * a status with its message (last_error); the turn is then ferro_comm_end's to give back. */
 int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name);
 void ferro_comm_end(ferro_comm* c, int64_t ticket);
+/* Ticket's call, whose turn this is, took count fewer tickets than a peer's call at the same
+ * place (their headers' spans, after a mismatch): give the next count back unrun, unless a
+ * call reserved one after it. 1: given back; 0: calls were reserved after it; -1: no memory. */
+int ferro_comm_catch_up(ferro_comm* c, int64_t ticket, int64_t count);
 /* Mark the communicator broken with status and message (a Python step's timeout or failure). */
 void ferro_comm_break(ferro_comm* c, int status, const char* message);
 /* ranks that have not published this rank's step yet, into out (at most n); their count */

@@ -10,6 +10,10 @@
  *   5  flags (1: INVALID, a refusal: its rank's arguments were wrong, and its reason's text in
  *      bytes 8..24 and 28..76 in place of dtype, root and dims; 2: UNKNOWN, a broadcast's
  *      non-root that passed no array: no dtype or shape, the root's)
+ *   6  span (uint16): the tickets the rank's whole call takes when this collective is the
+ *      first of several (a compressed call's: its block; ferro_opts.flags' FERRO_OPTS_SPAN),
+ *      0: one; where the ranks' calls disagree, a rank whose call takes fewer gives back the
+ *      difference (ferro_comm_catch_up), so that the calls after it keep one order
  * No Python: the door encodes its calls' headers here, and describes them in its messages.
  */
 #ifndef FERRO_HEADER_H
@@ -30,6 +34,8 @@
 #define FERRO_HEADER_INVALID 1u
 /* header flag: a broadcast's non-root that passed no array (no dtype, no shape) */
 #define FERRO_HEADER_UNKNOWN 2u
+/* where a header holds its span (uint16, little-endian) */
+#define FERRO_SPAN_OFF 6u
 /* bytes of a refusal's reason: 8..24 and 28..76 */
 #define FERRO_REASON_BYTES 64u
 
@@ -94,10 +100,12 @@ static inline int64_t ferro_dims_tail_hash(const int64_t* dims, int ndim) {
 }
 
 /* The header of a call: collective coll, dtype (-1: none, as a barrier; type_name, if not NULL,
- * names another), shape (ndim dims), op (-1: none), root (-1: none), sequence number seq. */
+ * names another), shape (ndim dims), op (-1: none), root (-1: none), sequence number seq,
+ * the tickets its whole call takes (span; 0: one). */
 static inline void ferro_header_encode(unsigned char* h, int coll, int dtype,
                                        const char* type_name, int ndim, const int64_t* dims,
-                                       int op, int64_t root, uint32_t seq, unsigned flags) {
+                                       int op, int64_t root, uint32_t seq, unsigned flags,
+                                       unsigned span) {
     int d;
     memset(h, 0, FERRO_HEADER_BYTES);
     h[0] = 'F';
@@ -106,6 +114,8 @@ static inline void ferro_header_encode(unsigned char* h, int coll, int dtype,
     h[3] = op >= 0 && op < FERRO_OP_COUNT ? FERRO_OP_WIRE[op] : 0;
     h[4] = (unsigned char)(ndim > 255 ? 255 : ndim);
     h[5] = (unsigned char)flags;
+    h[FERRO_SPAN_OFF] = (unsigned char)(span & 0xFFu);
+    h[FERRO_SPAN_OFF + 1] = (unsigned char)((span >> 8) & 0xFFu);
     if (type_name != NULL && dtype >= 0)
         memcpy(h + 8, type_name, strnlen(type_name, 8));
     else if (dtype >= 0 && dtype < FERRO_DTYPE_COUNT)
@@ -115,6 +125,12 @@ static inline void ferro_header_encode(unsigned char* h, int coll, int dtype,
     for (d = 0; d < ndim && d < FERRO_HEADER_DIMS; d++) ferro_put_i64(h + 28 + 8 * d, dims[d]);
     if (ndim > FERRO_HEADER_DIMS)
         ferro_put_i64(h + 28 + 8 * (FERRO_HEADER_DIMS - 1), ferro_dims_tail_hash(dims, ndim));
+}
+
+/* the tickets the call whose header is h takes (its span; 0 there: one) */
+static inline int64_t ferro_header_span(const unsigned char* h) {
+    unsigned span = (unsigned)h[FERRO_SPAN_OFF] | ((unsigned)h[FERRO_SPAN_OFF + 1] << 8);
+    return span ? (int64_t)span : 1;
 }
 
 /* out (len bytes) = a refusal's reason (NUL-terminated; at most FERRO_REASON_BYTES chars) */

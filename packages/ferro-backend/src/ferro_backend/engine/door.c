@@ -286,6 +286,41 @@ static int api_skip(ferro_comm* c, int64_t ticket) {
     return rc;
 }
 
+/* Ticket's call (serving, lock held) took fewer tickets than a peer's call at the same place
+ * (count more: a header's span): give the next count back unrun, if no other call reserved
+ * one after it. 1: given back; 0: calls were reserved after it (they keep their tickets); -1:
+ * no memory. */
+static int catch_up_locked(ferro_comm* c, int64_t ticket, int64_t count) {
+    int64_t after = ticket + 1, t;
+    if (count <= 0) return 1;
+    if (!__atomic_compare_exchange_n(&c->next_ticket, &after, ticket + 1 + count, 0,
+                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return 0;
+    for (t = ticket + 1; t <= ticket + count; t++)
+        if (remember_skip(c, t) != 0) return -1;
+    return 1;
+}
+
+int ferro_comm_catch_up(ferro_comm* c, int64_t ticket, int64_t count) {
+    int rc;
+    pthread_mutex_lock(&c->lock);
+    rc = c->serving == ticket ? catch_up_locked(c, ticket, count) : 0;
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+/* After a mismatch: the tickets this call (header mine) owes to catch up with the peer whose
+ * call took the most (the headers' spans), 0 if none. */
+static int64_t owed(ferro_slots* s, const unsigned char* mine) {
+    int64_t most = ferro_header_span(mine), span;
+    int j;
+    for (j = 0; j < s->n; j++) {
+        span = ferro_header_span(ferro_slots_slot(s, j, s->step)->header);
+        if (span > most) most = span;
+    }
+    return most - ferro_header_span(mine);
+}
+
 void ferro_comm_end(ferro_comm* c, int64_t ticket) {
     pthread_mutex_lock(&c->lock);
     if (c->running_thread == self_thread()) c->running_thread = 0;
@@ -424,6 +459,9 @@ int ferro_door_check_opts(const ferro_opts* o, const char* name, double* timeout
     if (o->ticket < FERRO_TICKET_NOW)
         return say(FERRO_INVALID, "%s: ticket %lld is neither FERRO_TICKET_NOW nor reserved",
                    name, (long long)o->ticket);
+    if (o->flags >> 16)
+        return say(FERRO_INVALID, "%s: opts flags 0x%x: only bits 0-15 (FERRO_OPTS_SPAN) mean "
+                   "anything yet", name, o->flags);
     if (o->ndim < 0 || (o->ndim > 0 && o->dims == NULL))
         return say(FERRO_INVALID, "%s: a shape of %d dims at %p", name, o->ndim,
                    (const void*)o->dims);
@@ -547,7 +585,7 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
         dims = o->dims;
     }
     ferro_header_encode(k->header, coll, dtype, o != NULL ? o->type_name : NULL, ndim, dims, op,
-                        root, 0, 0);
+                        root, 0, 0, o != NULL ? FERRO_OPTS_SPAN(o->flags) : 0u);
     if (memcmp(k->header, c->last_header, FERRO_HEADER_BYTES) != 0) {
         memcpy(c->last_header, k->header, FERRO_HEADER_BYTES);
         c->last_hash = ferro_header_hash(k->header, FERRO_HEADER_BYTES);
@@ -581,6 +619,7 @@ static int finish(door_call* k, int rc) {
     ferro_comm* c = k->c;
     char missing[256], other[128], msg[FERRO_MSG];
     int j, g, at;
+    int64_t behind = 0;
     size_t len;
     c->s.stall = NULL;
     k->hooked = c->s.hooked;  /* (the steps' state is the next call's once the turn is given) */
@@ -625,6 +664,7 @@ static int finish(door_call* k, int rc) {
                 len += (size_t)snprintf(msg + len, sizeof msg - len, "] called %s", other);
         }
         say(FERRO_MISMATCH, "%s", msg);
+        behind = owed(&c->s, k->header);
     } else if (k->probed) {
         /* (probe_failed said why and broke the communicator or found it closed) */
     } else if (rc == FERRO_TIMEOUT) {
@@ -648,7 +688,10 @@ static int finish(door_call* k, int rc) {
     __atomic_store_n(&c->running_thread, 0, __ATOMIC_RELAXED);
     if (k->unreserved) __atomic_store_n(&c->now_thread, 0, __ATOMIC_RELEASE);
     pthread_mutex_lock(&c->lock);
-    if (c->serving == k->ticket) advance(c);
+    if (c->serving == k->ticket) {
+        if (behind > 0) catch_up_locked(c, k->ticket, behind);  /* (else: as the peers say) */
+        advance(c);
+    }
     pthread_mutex_unlock(&c->lock);
     wake_turn(c);
     if (k->hooked) k->hook(k->hook_ctx, 0);

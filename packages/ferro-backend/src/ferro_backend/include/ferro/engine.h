@@ -129,7 +129,13 @@ typedef void (*ferro_wait_hook)(void* ctx, int waiting);
 /* A call's options; NULL means all defaults. Fill with FERRO_OPTS_INIT, then set fields. */
 typedef struct ferro_opts {
     uint32_t size;          /* sizeof(ferro_opts) as the client knows it (FERRO_OPTS_INIT) */
-    uint32_t flags;         /* none yet: 0 */
+    uint32_t flags;         /* bits 0-15, FERRO_OPTS_SPAN(n): this collective is the first of a
+                             * call of the client's that takes n tickets in all (0: one), as a
+                             * compressed call that always reserves a block; its header says so,
+                             * and where the ranks' calls disagree (FERRO_MISMATCH), a rank
+                             * whose call took fewer tickets than a peer's, and that reserved
+                             * none after it, gives back the difference, so that the next call
+                             * is the next call on every rank. Bits 16-31: 0 */
     double timeout;         /* seconds; 0: the communicator's default; INFINITY: none (a
                              * call times out no sooner, and at most two of the kernel's
                              * coarse clock ticks later: 8 ms with 4 ms ticks) */
@@ -142,6 +148,8 @@ typedef struct ferro_opts {
     ferro_wait_hook wait_hook;  /* NULL: none */
     void* wait_ctx;
 } ferro_opts;
+
+#define FERRO_OPTS_SPAN(n) ((uint32_t)(n) & 0xFFFFu)
 
 #define FERRO_OPTS_INIT {sizeof(ferro_opts), 0u, 0.0, FERRO_TICKET_NOW, 0, NULL, NULL, NULL, NULL}
 
