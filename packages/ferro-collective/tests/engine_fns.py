@@ -576,10 +576,13 @@ def moving_slot_data(b, counts: list, calls: int) -> list[str]:
 
 def door_headers(b) -> list[str]:
     """Every door call publishes the header ``header.encode`` packs for it (collective, dtype
-    as numpy names it, shape, op, root; a shape of more than six dims hashed alike), so a rank
-    on either path meets the other's header."""
+    as numpy names it, shape, op, root; a shape of more than six dims hashed alike; the span a
+    compressed call's decider publishes), so a rank on either path meets the other's header."""
+    from ferro_collective.dispatch import run
     from ferro_collective.engine_group import group_of
+    from ferro_collective.executors import prepared
     from ferro_collective.header import _SEQ_OFFSET, encode
+    from ferro_collective.records import ALL_GATHER, ALL_TO_ALL_SINGLE
 
     n, bad = b.world_size, []
     big = np.ones((1, 2, 1, 1, 1, 3, 2, 1), np.float32)
@@ -602,15 +605,25 @@ def door_headers(b) -> list[str]:
         ("reduce", lambda: fc.reduce(np.ones(4, np.uint16), b, n - 1, ReduceOp.PRODUCT),
          (np.uint16, (4,), ReduceOp.PRODUCT, n - 1)),
         ("barrier", lambda: fc.barrier(b), (None, (), None, -1)),
+        # a compressed call's decider: its span (the numbers its whole call takes) in bytes 6-7
+        ("all_gather", lambda: prepared(ALL_GATHER, np.ones(3, np.uint8), b, None, None,
+                                        np.empty(3 * n, np.uint8), span=9)[1](),
+         (np.uint8, (3,), None, -1), 9),
+        ("all_gather", lambda: run(ALL_GATHER, np.ones(3, np.uint8), b, span=9),
+         (np.uint8, (3,), None, -1), 9),  # (the one-call path's)
+        ("all_to_all_single", lambda: run(ALL_TO_ALL_SINGLE, np.ones((n, 2), np.uint8), b,
+                                          (None, None), span=9),
+         (np.uint8, (-1, 2), None, -1), 9),  # (the twin's)
     ]
     if BF16 is not None:
         cases.append(("allreduce", lambda: fc.allreduce(np.ones(4, BF16), b, ReduceOp.MAX),
                       (BF16, (4,), ReduceOp.MAX, -1)))
-    for name, call, (dt, shape, op, root) in cases:
+    for name, call, (dt, shape, op, root), *span in cases:
         call()
         got = group_of(b).steps.headers()[b.rank]
         seq = int.from_bytes(got[_SEQ_OFFSET:_SEQ_OFFSET + 4], "little")
-        want = encode(name, None if dt is None else np.dtype(dt), shape, op, root, seq)
+        want = encode(name, None if dt is None else np.dtype(dt), shape, op, root, seq,
+                      span=span[0] if span else 0)
         if got != want:
             bad.append(f"{name} {dt} {shape}: the door published {got.hex()}, "
                        f"header.encode packs {want.hex()}")

@@ -159,7 +159,10 @@ def test_a_compressed_call_the_ranks_disagree_on_leaves_the_group_in_step(transp
     its timeout. (Rank 0 refuses the dtype and the wire itself: its peers read why.) On two
     nodes every such call starts with a check of the whole call over every rank: a node stage
     that fails inside one node only left the other node's ranks to go on with the cross-node
-    stage, out of step."""
+    stage, out of step. Rank 0's compressed call against its peers' exact one (flat jobs):
+    the exact call takes one number, the compressed call its block; the decider's header says
+    how many and the exact ranks catch up (before, every later call waited for its timeout,
+    or on the engine met a mismatch of sequence numbers, for good)."""
     if transport == "threads":
         seen = run_ranks(wire_fns.disagreements, 2, timeout=120)
     elif transport == "2 nodes x 2":
@@ -173,7 +176,12 @@ def test_a_compressed_call_the_ranks_disagree_on_leaves_the_group_in_step(transp
     cases = ["sizes that cut differently", "the same in the background",
              "sizes whose first pieces agree", "a refused dtype", "a refused wire",
              "another compressed collective"]
-    own = {"a refused dtype": "TypeError", "a refused wire": "ValueError"}
+    if transport != "2 nodes x 2":
+        cases += ["an exact call against one piece", "an exact call against pieces",
+                  "both in the background", "an exact call against a refused wire",
+                  "an exact all_gather", "an exact all_to_all_single"]
+    own = {"a refused dtype": "TypeError", "a refused wire": "ValueError",
+           "an exact call against a refused wire": "ValueError"}
     for rank in range(len(seen)):
         raised = [own.get(case, "CollectiveMismatchError") if rank == 0 else
                   "CollectiveMismatchError" for case in cases]
@@ -188,7 +196,7 @@ _KINDS = {
 }
 _CALL = st.fixed_dictionaries({
     "kind": st.sampled_from(sorted(_KINDS)), "size": st.integers(1, 1500).map(lambda n: 4 * n),
-    "wire": st.sampled_from(["bf16", "fp16", "int8"]), "background": st.booleans(),
+    "wire": st.sampled_from(["bf16", "fp16", "int8", None]), "background": st.booleans(),
     "op": st.sampled_from([ReduceOp.SUM, ReduceOp.MAX]),
     "dtype": st.sampled_from([np.float32, np.float64]), "rows": st.sampled_from([1, 2])})
 
@@ -198,9 +206,10 @@ def _compressed_call(b, call):
     x = np.ones(shape, call["dtype"])
     now, later = _KINDS[call["kind"]]
     args = () if call["kind"] == "all_gather" else (call["op"],)
+    wire = {} if call["wire"] is None else {"wire": call["wire"]}  # None: the exact call
     if call["background"]:
-        return later(x, b, *args, wire=call["wire"], timeout=10).wait(10)
-    return now(x, b, *args, wire=call["wire"], timeout=10)
+        return later(x, b, *args, timeout=10, **wire).wait(10)
+    return now(x, b, *args, timeout=10, **wire)
 
 
 def _same_call(a, b) -> bool:
@@ -214,10 +223,11 @@ def _same_call(a, b) -> bool:
 def test_compressed_calls_the_ranks_disagree_on_raise_on_both_and_the_next_calls_work(
         first, second, same):
     """Each rank makes its own drawn compressed call (kind, size, shape, dtype, op, wire, in the
-    background or not). Calls that differ in anything but being in the background raise
-    CollectiveMismatchError on both ranks, at once (rows of the same width included: the
-    call's identity travels with its first collective), others succeed; the calls after them
-    give the right values on both ranks."""
+    background or not), or an exact one (which takes one sequence number where a compressed
+    call takes its block: the exact rank catches up). Calls that differ in anything but being
+    in the background raise CollectiveMismatchError on both ranks, at once (rows of the same
+    width included: the call's identity travels with its first collective), others succeed;
+    the calls after them give the right values on both ranks."""
     calls = [first, dict(first, background=second["background"]) if same else second]
 
     def body(b):

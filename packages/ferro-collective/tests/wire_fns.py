@@ -211,6 +211,8 @@ def disagreements(b, nodes=None, timeout=20.0) -> list[str]:
             fc.allreduce(cut, b, wire="bf16", timeout=timeout) if b.rank == 0 else
             fc.reduce_scatter(cut, b, wire="bf16", timeout=timeout)),
     }
+    if nodes is None:  # (a multi-node call's decider is a cross-node one: not caught up)
+        cases.update(exact_against(b, small, cut, timeout))
     seen: list[str] = []
     with mock.patch.object(compressed, "PIECE_BYTES", 16):
         for case, call in cases.items():
@@ -228,3 +230,33 @@ def disagreements(b, nodes=None, timeout=20.0) -> list[str]:
             if not np.array_equal(got, np.full(2000, total)):
                 seen.append(f"{case}: the allreduce in pieces after it gave {got[:4]}")
     return seen
+
+
+def exact_against(b, small, cut, timeout) -> dict:
+    """Rank 0's compressed call against its peers' exact call of the same collective (which
+    takes one sequence number where the compressed call takes a block: the exact ranks catch
+    up, the headers saying how many the block is): one piece, in pieces, in the background on
+    both sides, a refused wire, an all_gather."""
+    def pair(compressed_call, exact_call):
+        return lambda: compressed_call() if b.rank == 0 else exact_call()
+
+    return {
+        "an exact call against one piece": pair(
+            lambda: fc.allreduce(small, b, wire="bf16", timeout=timeout),
+            lambda: fc.allreduce(small, b, timeout=timeout)),
+        "an exact call against pieces": pair(
+            lambda: fc.allreduce(cut, b, wire="bf16", timeout=timeout),
+            lambda: fc.allreduce(cut, b, timeout=timeout)),
+        "both in the background": pair(
+            lambda: fc.allreduce_async(cut, b, wire="fp16", timeout=timeout).wait(timeout),
+            lambda: fc.allreduce_async(cut, b, timeout=timeout).wait(timeout)),
+        "an exact call against a refused wire": pair(
+            lambda: fc.allreduce(small, b, wire="bf17", timeout=timeout),
+            lambda: fc.allreduce(small, b, timeout=timeout)),
+        "an exact all_gather": pair(
+            lambda: fc.all_gather(small, b, wire="int8", timeout=timeout),
+            lambda: fc.all_gather(small, b, timeout=timeout)),
+        "an exact all_to_all_single": pair(  # (on the engine: its Python steps catch up)
+            lambda: fc.reduce_scatter(small, b, wire="bf16", timeout=timeout),
+            lambda: fc.all_to_all_single(small, b, timeout=timeout)),
+    }

@@ -38,3 +38,11 @@ cdef class SeqCounter:
     def __call__(self):
         self.value += 1
         return self.value - 1
+
+    def catch_up(self, seq, count):
+        """Number ``seq``'s call took ``count`` fewer numbers than a peer's (after a mismatch):
+        skip the next ``count``, unless a call took one after it (False then)."""
+        if self.value != seq + 1:
+            return False
+        self.value += count
+        return True

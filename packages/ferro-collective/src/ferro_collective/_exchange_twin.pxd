@@ -3,7 +3,7 @@ from ._metacall cimport Twin
 
 
 cdef object all_to_all_single_now(Twin self, object tensor, object splits, object timeout,
-                                  object out)
+                                  object out, unsigned int span)
 cdef object all_to_all_now(Twin self, object tensors, object timeout)
 cdef object all_gather_v_now(Twin self, object tensor, object timeout)
 # (and for the object collectives' twin, _objects_twin.pyx: their pickles move as all_gather_v's

@@ -8,7 +8,7 @@ it does not take, before a ticket is taken: the general path then runs and check
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -100,9 +100,9 @@ cdef object read_pieces(Twin self, str name, object seq, double secs, double sta
 
 # ------------------------------------------------------------------ all_to_all_single
 cdef object all_to_all_single_now(Twin self, object tensor, object splits, object timeout,
-                                  object out):
+                                  object out, unsigned int span):
     """:func:`ferro_collective.all_to_all_single`, or None where the general path must
-    run it."""
+    run it (``span``: its header's, :class:`~.plan.Plan`'s)."""
     cdef cnp.ndarray x
     cdef int n = self.n, d
     cdef int64_t* ints
@@ -136,14 +136,15 @@ cdef object all_to_all_single_now(Twin self, object tensor, object splits, objec
                 ints[n + d] = -1
         elif _ints_into(splits[1], n, ints + n) < 0:
             return None
-        return self.turn("all_to_all_single", secs, _a2a_single, x, None, out, ints)
+        return self.turn("all_to_all_single", secs, _a2a_single, x, span, out, ints)
     finally:
         free(ints)
 
 
 cdef object _a2a_single(Twin self, object seq, double secs, double start, object xo,
-                        object unused, object out, int64_t* ints):
-    """all_to_all_single in its turn (``ints``: this rank's send, then recv splits)."""
+                        object span, object out, int64_t* ints):
+    """all_to_all_single in its turn (``ints``: this rank's send, then recv splits; ``span``:
+    its header's)."""
     cdef cnp.ndarray x = xo
     cdef int n = self.n, me = self.me, d, i, r
     cdef Py_ssize_t block = 8 + 16 * n, off = self.a2a_single_off
@@ -183,7 +184,7 @@ cdef object _a2a_single(Twin self, object seq, double secs, double start, object
             at += ints[d] * rb
     call = self.step_meta("all_to_all_single",
                           _template(self, "all_to_all_single", dtype, (-1, *trailing)), seq,
-                          secs, start, step, block + pos)
+                          secs, start, step, block + pos, <uint16_t>span)
     got, totals, at_peer = _split_of(self, step, block, rb)
     # the result: out as it is, or a new array (a bad out still takes part, then raises;
     # one that overlaps the input is filled at the end)

@@ -1,6 +1,6 @@
 # The twin's declarations, for _onecall.pyx (which calls it in C), _exchange_twin.pyx (the
 # all-to-alls, on the twin's steps) and _metacall.pyx (which defines it).
-from libc.stdint cimport int64_t, uint32_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t
 
 cdef class Twin
 
@@ -36,7 +36,7 @@ cdef class Twin:
     cdef bint usable(self, Py_ssize_t off)
     cdef object timeout_of(self, object timeout, str name)
     cdef object step_meta(self, str name, bytes template, object seq, double secs,
-                          double start, uint32_t step, Py_ssize_t filled)
+                          double start, uint32_t step, Py_ssize_t filled, uint16_t span=*)
     cdef object turn(self, str name, double secs, TurnBody body, object x, object arg,
                      object out, int64_t* ints)
     cdef object scatter(self, object tensor, int root, object timeout, object out)

@@ -23,7 +23,7 @@ without it large data goes over messages, which only the general path runs).
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -51,6 +51,7 @@ cdef Py_ssize_t _SCATTER_OFF = payload_offset(8 + DESC_SIZE)
 cdef int _OK = 0
 cdef int64_t _INVALID = INVALID
 cdef Py_ssize_t _SEQ_AT = 24                         # a header's sequence number (header.py)
+cdef Py_ssize_t _SPAN_AT = 6                         # ... and its span
 cdef object _Backend_timeout = Backend.timeout
 cdef Py_ssize_t _ROTATE_MIN = ROTATE_MIN
 
@@ -141,9 +142,10 @@ cdef class Twin:
             return None
 
     cdef object step_meta(self, str name, bytes template, object seq, double secs,
-                          double start, uint32_t step, Py_ssize_t filled):
+                          double start, uint32_t step, Py_ssize_t filled, uint16_t span=0):
         """The metadata step ``step`` (this rank's slot filled with ``filled`` bytes): publish
-        the header (``template`` with ``seq``), wait, compare headers; then the ranks whose own
+        the header (``template`` with ``seq``, and ``span``: the numbers the caller's whole call
+        takes, a compressed call's decider's), wait, compare headers; then the ranks whose own
         arguments were invalid make it a mismatch. Returns the ``Step`` made for a late wait,
         or None."""
         cdef int rc, r
@@ -151,6 +153,8 @@ cdef class Twin:
                                                       len(template))
         cdef uint32_t s = <uint32_t>(<uint64_t>seq & 0xFFFFFFFF)
         memcpy(PyBytes_AS_STRING(header) + _SEQ_AT, &s, 4)  # (little-endian, as the door)
+        if span:
+            memcpy(PyBytes_AS_STRING(header) + _SPAN_AT, &span, 2)
         call = None
         rc = self.steps.exchange(header, None, filled, None,
                                  start + secs * <double>_p2p["STALL_FRACTION"])

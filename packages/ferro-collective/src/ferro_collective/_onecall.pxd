@@ -33,6 +33,6 @@ cdef class Core:
 
 # a call of ``kind`` whole on the backend's engine door, or NOT_TAKEN
 cdef object one_call(int kind, object tensor, object backend, object arg, object timeout,
-                     object out)
+                     object out, unsigned int span)
 # a barrier whole on the backend's engine door (True), or False: not taken
 cdef bint barrier_now(object backend, object timeout) except -1

@@ -227,7 +227,8 @@ cdef class Core:
         else:
             out = (n,) if not shape else (shape[0] * n, *shape[1:])
         call = _Call(self._comm, _DOOR[kind], _BYTES if code is None else code, 0,
-                     arg if kind != K_ALL_GATHER else 0, shape, name)
+                     arg if kind != K_ALL_GATHER else 0, shape, name,
+                     arg if kind == K_ALL_GATHER else 0)  # (all_gather's arg: its span)
         return DoorPlan(_NAMES[kind], shape, out, call)
 
     def cached(self, int kind, tensor, arg):
@@ -332,11 +333,13 @@ cdef bint barrier_now(object backend, object timeout) except -1:
 
 
 cdef object one_call(int kind, object tensor, object backend, object arg, object timeout,
-                     object out):
+                     object out, unsigned int span):
     """Run a call of ``kind`` (``arg``: its op or root) whole on ``backend``'s engine door, or
-    :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case."""
+    :data:`NOT_TAKEN`: no engine, no group yet (the general path makes it), or not the case.
+    ``span``: what its header says the caller's whole call takes (:class:`~.plan.Plan`'s; a
+    compressed call's decider, an all_gather or all_to_all_single; 0 for any other)."""
     cdef Core c = _core_of(backend)
-    if c is None:
+    if c is None or (span and kind != K_ALL_GATHER and kind != K_ALL_TO_ALL_SINGLE):
         return _NOT_TAKEN
     if kind <= K_REDUCE_SCATTER:
         return c._fold_now(kind, tensor, out, arg, timeout)
@@ -344,8 +347,8 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
         if type(arg) is not int or not 0 <= arg < c.n:
             return _NOT_TAKEN
         return c._copy_now(K_BROADCAST, tensor, out, arg, <Py_ssize_t>arg, timeout)
-    if kind == K_ALL_GATHER:
-        return c._copy_now(K_ALL_GATHER, tensor, out, -1, -1, timeout)
+    if kind == K_ALL_GATHER:  # (a span: a plan of its own, its Call's header saying so)
+        return c._copy_now(K_ALL_GATHER, tensor, out, span, -1 - <Py_ssize_t>span, timeout)
     if kind == K_GATHER:
         if type(arg) is not int or not 0 <= arg < c.n:
             return _NOT_TAKEN
@@ -361,7 +364,7 @@ cdef object one_call(int kind, object tensor, object backend, object arg, object
                 return _NOT_TAKEN if got is None else got[0]
             got = (<Twin>c.twin).scatter(tensor, arg, timeout, out)
         elif kind == K_ALL_TO_ALL_SINGLE:
-            got = all_to_all_single_now(<Twin>c.twin, tensor, arg, timeout, out)
+            got = all_to_all_single_now(<Twin>c.twin, tensor, arg, timeout, out, span)
         elif kind == K_ALL_TO_ALL:
             got = all_to_all_now(<Twin>c.twin, tensor, timeout)
         elif kind == K_ALL_GATHER_V:

@@ -81,6 +81,7 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
         refused = Refusal.of(name, backend, timeout, exc)
         if refused is not None:
             numbers = _numbers(backend)
+            refused.span = numbers.span(backend)
             refused.start()
             numbers.took(backend)
             numbers.rest()

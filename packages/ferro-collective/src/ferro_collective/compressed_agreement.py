@@ -4,7 +4,9 @@ by its first collective and compared on every rank (:func:`check_identities`); t
 whole call before its collectives (:class:`WholeCheck`); and the fixed block of sequence
 numbers every compressed call takes on each of its groups (:class:`Numbers`), so that ranks
 that disagree on one call, which every rank meets in its first collective, still number the
-calls after it alike.
+calls after it alike. That first collective's header says how many numbers the call takes
+(:meth:`Numbers.span`), so that a peer that made an exact call there, which takes one,
+catches up (:func:`.header.owed`).
 """
 
 from __future__ import annotations
@@ -80,8 +82,17 @@ class Numbers:
     def __init__(self, blocks: dict) -> None:
         #: id(group) -> [numbers left, the group's state]
         self._left = {id(g): [count, state(g)] for g, count in blocks.items()}
+        #: the block of a call on one group: its decider's header says so (:meth:`span`)
+        self._one = (id(next(iter(blocks))), next(iter(blocks.values()))) \
+            if len(blocks) == 1 else None
         self.decided = False  # the first collective has run
         self.ended = False    # ... and failed: the others are given back
+
+    def span(self, group: Backend) -> int:
+        """What the decider's header on ``group`` says the call takes (:func:`.header.owed`): the
+        block of a call on that group alone, else 0 (a multi-node call's, whose decider is a
+        cross-node collective: an exact call against it is not caught up)."""
+        return self._one[1] if self._one is not None and self._one[0] == id(group) else 0
 
     def took(self, group: Backend) -> None:
         """A collective of the call took a number of ``group``."""
@@ -122,7 +133,8 @@ class WholeCheck:
         self.n, self.rank, self.numbers = backend.world_size, backend.rank, numbers
         mine = identity(name, x, op, wire)
         self.gathered = np.empty(self.n * PREFIX, np.uint8)
-        self.seq, self._go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered)
+        self.seq, self._go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered,
+                                      numbers.span(backend))
         numbers.took(backend)
         self.done = threading.Event()
 

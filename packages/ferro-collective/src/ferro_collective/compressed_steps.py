@@ -156,6 +156,14 @@ class Steps:
         self.verify = lambda got: check_identities(np.asarray(got).reshape(n, -1), rank)
         return PREFIX
 
+    def _span(self, i: int) -> int:
+        """What collective ``i``'s header says the call takes: the decider's, the call's block
+        on its group (:meth:`.compressed_agreement.Numbers.span`: where a peer made an exact
+        call there, the peer catches up), else 0."""
+        if i != self.decider or self.numbers is None:
+            return 0
+        return self.numbers.span(self.calls[i][2])
+
     def _on_zeros(self, i: int, send: np.ndarray) -> None:
         """Collective ``i`` runs after a failure: on zeros, and the decider with this rank's
         failure as its identity."""
@@ -210,7 +218,7 @@ class Steps:
         of calls (:meth:`run_numbered` runs them later)."""
         for i in indices:
             coll, send, group, arg, out, _ = self.calls[i]
-            self.runs[i] = prepared(coll, send, group, arg, self.timeout, out)
+            self.runs[i] = prepared(coll, send, group, arg, self.timeout, out, self._span(i))
             if self.numbers is not None:
                 self.numbers.took(group)
 
@@ -275,7 +283,8 @@ class Steps:
         for i, (coll, send, group, arg, out, _) in enumerate(self.calls):
             if self.numbers is not None:
                 self.numbers.took(group)
-            self._one(i, functools.partial(run, coll, send, group, arg, self.timeout, None, out))
+            self._one(i, functools.partial(run, coll, send, group, arg, self.timeout, None, out,
+                                           self._span(i)))
             if self.error is not None and (decided is None or i >= decided):
                 raise self.error
         POOL.give(*self.borrowed)

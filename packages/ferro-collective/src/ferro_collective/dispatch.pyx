@@ -40,14 +40,16 @@ cdef object _traced = tracing.traced_call
 cdef dict _timeline = _backend_timeline.__dict__
 
 
-def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
+def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None, span=0):
     """One call of ``coll`` (a record), now: its one-call path where it has one and the call
     is its case, else its plan on the executor chosen for it; its result. ``arg``: the
-    collective's own argument (op, root or None)."""
+    collective's own argument (op, root or None); ``span``: the numbers the caller's whole call
+    takes where this is its first collective (:class:`~.plan.Plan`'s; a compressed call's)."""
     try:
         if _timeline["_events"] is not None:
-            return _traced(run_direct, coll, tensor, backend, arg, timeout, algorithm, out)
-        return _run(coll, tensor, backend, arg, timeout, algorithm, out)
+            return _traced(run_direct, coll, tensor, backend, arg, timeout, algorithm, out,
+                           span)
+        return _run(coll, tensor, backend, arg, timeout, algorithm, out, span)
     except Exception as exc:  # its traceback ends here (ferro_backend.tracebacks.user_facing)
         raise _user_facing(exc)
 
@@ -64,17 +66,20 @@ def run_barrier(coll, backend, timeout=None):
     return run(coll, None, backend, None, timeout)
 
 
-def run_direct(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
+def run_direct(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None,
+               span=0):
     """:func:`run` untraced (what the tracer times)."""
-    return _run(coll, tensor, backend, arg, timeout, algorithm, out)
+    return _run(coll, tensor, backend, arg, timeout, algorithm, out, span)
 
 
-cdef object _run(coll, tensor, backend, arg, timeout, algorithm, out):
+cdef object _run(coll, tensor, backend, arg, timeout, algorithm, out, span):
     if algorithm is None:
         kind = <object>PyTuple_GET_ITEM(coll, 2) if PyTuple_Check(coll) and \
             PyTuple_GET_SIZE(coll) > 2 else None
         if kind is not None:
-            done = one_call(<int>kind, tensor, backend, arg, timeout, out)
+            done = one_call(<int>kind, tensor, backend, arg, timeout, out, <unsigned int>span)
             if done is not _NOT_TAKEN:
                 return done
+    if span:
+        return _general(coll, tensor, backend, arg, timeout, algorithm, out, span)
     return _general(coll, tensor, backend, arg, timeout, algorithm, out)

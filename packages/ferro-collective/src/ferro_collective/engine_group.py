@@ -35,7 +35,7 @@ from ferro_backend import engine as host_engine
 from . import p2p
 from ._metacall import Twin
 from ._onecall import NOT_TAKEN, Core
-from .header import check_all
+from .per_backend import check_headers
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -68,10 +68,11 @@ _monotonic = time.monotonic
 class Step:
     """One call in progress on the engine: names and deadlines for its steps and errors."""
 
-    __slots__ = ("name", "seq", "timeout", "start", "soft", "hard", "reported")
+    __slots__ = ("name", "seq", "timeout", "start", "soft", "hard", "reported", "span")
 
-    def __init__(self, name: str, seq: int, timeout: float, start: float | None = None) -> None:
-        self.name, self.seq, self.timeout = name, seq, timeout
+    def __init__(self, name: str, seq: int, timeout: float, start: float | None = None,
+                 span: int = 0) -> None:
+        self.name, self.seq, self.timeout, self.span = name, seq, timeout, span
         self.start = _monotonic() if start is None else start
         self.hard = self.start + timeout
         self.soft = self.start + timeout * p2p.STALL_FRACTION
@@ -121,7 +122,7 @@ class EngineGroup(Core):
     # ------------------------------------------------------------------ running a call
     def run(self, plan: Plan) -> Any:
         """Run ``plan`` (its ticket taken) on the engine in its ticket's turn."""
-        call = Step(plan.name, plan.seq, plan.timeout)
+        call = Step(plan.name, plan.seq, plan.timeout, span=plan.span)
         try:
             if self.broken is not None:
                 raise self.broken
@@ -141,7 +142,7 @@ class EngineGroup(Core):
         """One of the door's collectives (``kind``: ``_comm.ALLREDUCE``...) as ``call``, on
         contiguous arrays (``send``/``recv`` None where a rank passes nothing); ``shape``: the
         one its header names (every rank's must agree)."""
-        rc = door_calls.Call(self.comm, kind, code, op, root, shape, type_name).run(
+        rc = door_calls.Call(self.comm, kind, code, op, root, shape, type_name, call.span).run(
             send, recv, call.seq, call.timeout)
         if rc != OK:
             self._raise(rc, call.name, call.seq, call.timeout)
@@ -237,7 +238,7 @@ class EngineGroup(Core):
             if rc == OK and not self.steps.headers_agree():
                 rc = MISMATCH
         if rc == MISMATCH:
-            check_all(call.name, self.me, self.steps.headers())
+            check_headers(call.name, self.me, self.steps.headers(), self.backend, call.seq)
         elif rc == FAILED:
             raise self._failure(call, self.steps.missing())
         elif rc != OK:

@@ -62,18 +62,23 @@ def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out) ->
 
 
 def prepared(coll: Collective, tensor, backend, arg, timeout,
-             out=None) -> tuple[int, Callable[[], Any]]:
+             out=None, span: int = 0) -> tuple[int, Callable[[], Any]]:
     """A call of ``coll`` checked and numbered now (its place in the backend's order of calls
     taken) and its executor, to run later, once: ``(seq, run)``. ``tensor`` is the buffer it
-    will send, which may be filled until ``run()`` (:mod:`.compressed`'s background calls)."""
+    will send, which may be filled until ``run()`` (:mod:`.compressed`'s background calls).
+    ``span``: the numbers the caller's whole call takes (:class:`~.plan.Plan`'s)."""
     plan = _prepare(coll, tensor, backend, arg, timeout, None, out)
+    plan.span = span
     go = executor(plan)
     return plan.seq, go
 
 
-def general(coll: Collective, tensor, backend, arg, timeout, algorithm, out):
-    """A call the one-call path did not take: its plan, on the executor chosen now."""
-    return executor(_prepare(coll, tensor, backend, arg, timeout, algorithm, out))()
+def general(coll: Collective, tensor, backend, arg, timeout, algorithm, out, span: int = 0):
+    """A call the one-call path did not take: its plan, on the executor chosen now
+    (``span``: :class:`~.plan.Plan`'s)."""
+    plan = _prepare(coll, tensor, backend, arg, timeout, algorithm, out)
+    plan.span = span
+    return executor(plan)()
 
 
 def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,
@@ -119,7 +124,7 @@ class Refusal(Plan):
             return cls(name, backend, None, exc)
 
     def encoded(self) -> bytes:
-        return refusal(self.name, self.seq, self.exc)
+        return refusal(self.name, self.seq, self.exc, self.span)
 
     def run_python(self) -> None:
         ctx = self.context()

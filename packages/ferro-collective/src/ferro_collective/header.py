@@ -9,6 +9,9 @@ passed None, which takes the root's dtype and shape from the root's header). The
 exchange uses Bruck's all-gather (ceil(log2 n) rounds of small messages), so every rank learns
 every rank's header, and either all ranks proceed or all raise :class:`CollectiveMismatchError`
 naming what each rank called — never a hang, never garbage. The same exchange is the barrier.
+A call that takes several sequence numbers (a compressed call's block) says how many in its
+first collective's header (its span, bytes 6-7): where the headers disagree, a rank whose call
+took fewer catches up (:func:`owed`), so the next call is the next call on every rank.
 """
 
 from __future__ import annotations
@@ -75,19 +78,22 @@ def mismatch_check_enabled() -> bool:
 
 
 _SEQ_OFFSET = 24  # where the sequence number sits in a packed header
+_SPAN_OFFSET = 6  # ... and the numbers its whole call takes (uint16; 0: one)
 _templates: dict[tuple, bytes] = {}
 
 
 def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
-           redop: ReduceOp | None = None, root: int = -1, seq: int = 0, *, flags: int = 0
-           ) -> bytes:
-    """The header of one call (cached per call signature; only ``seq`` is packed each time)."""
-    key = (op, dtype, shape, redop, root, flags)
+           redop: ReduceOp | None = None, root: int = -1, seq: int = 0, *, flags: int = 0,
+           span: int = 0) -> bytes:
+    """The header of one call (cached per call signature; only ``seq`` is packed each time).
+    ``span``: the sequence numbers the caller's whole call takes where this collective is the
+    first of several (a compressed call's block; 0: one): :func:`owed`."""
+    key = (op, dtype, shape, redop, root, flags, span)
     template = _templates.get(key)
     if template is None:
         if len(_templates) > 4096:
             _templates.clear()
-        template = _templates[key] = _encode(op, dtype, shape, redop, root, 0, flags)
+        template = _templates[key] = _encode(op, dtype, shape, redop, root, 0, flags, span)
     return template[:_SEQ_OFFSET] + (seq & 0xFFFFFFFF).to_bytes(4, "little") + \
         template[_SEQ_OFFSET + 4:]
 
@@ -103,30 +109,43 @@ def _tail_hash(dims: tuple[int, ...]) -> int:
 
 
 def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
-            redop: ReduceOp | None, root: int, seq: int, flags: int = 0) -> bytes:
+            redop: ReduceOp | None, root: int, seq: int, flags: int = 0, span: int = 0) -> bytes:
     dims = list(shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     if len(shape) > _MAX_DIMS:
         dims[-1] = _tail_hash(tuple(shape[_MAX_DIMS - 1:]))
     dstr = (np.dtype(dtype).str if dtype is not None else "").encode()[:8]
     wire_op = 0 if redop is None else OPS[redop].wire
     return _HEADER.pack(b"FC", collective_code(op), wire_op, min(len(shape), 255), flags,
-                        0, dstr, root, seq & 0xFFFFFFFF, *dims)
+                        span, dstr, root, seq & 0xFFFFFFFF, *dims)
 
 
-def refusal(op: str, seq: int, exc: BaseException) -> bytes:
+def refusal(op: str, seq: int, exc: BaseException, span: int = 0) -> bytes:
     """The header of a call this rank refused (its arguments were wrong): ``op``'s code, the
     INVALID flag and the first :data:`REASON_BYTES` bytes of ``"TypeName: message"`` (the door's
-    messages describe it the same way, ``_header.h``)."""
+    messages describe it the same way, ``_header.h``); ``span`` as :func:`encode`'s."""
     text = f"{type(exc).__name__}: {str(exc).removeprefix(op + ': ')}".encode(errors="replace")
     if len(text) > REASON_BYTES:
         text = text[:REASON_BYTES - 3] + b"..."
     text = text.ljust(REASON_BYTES, b"\0")
-    h = bytearray(_encode(op, None, (), None, -1, seq, INVALID))
+    h = bytearray(_encode(op, None, (), None, -1, seq, INVALID, span))
     at = 0
     for a, b in _REASON:
         h[a:b] = text[at:at + b - a]
         at += b - a
     return bytes(h)
+
+
+def span_of(header: bytes) -> int:
+    """The sequence numbers the call whose header is ``header`` takes (bytes 6-7; 0 there:
+    one)."""
+    return header[_SPAN_OFFSET] | header[_SPAN_OFFSET + 1] << 8 or 1
+
+
+def owed(headers: list[bytes], rank: int) -> int:
+    """After a mismatch: the numbers ``rank``'s call must give back to catch up with the
+    peer whose call takes the most (every rank then numbers the next call alike: a compressed
+    call takes a block, :mod:`.compressed_agreement`), 0 if none."""
+    return max(span_of(h) for h in headers) - span_of(headers[rank])
 
 
 def reason(header: bytes) -> str:

@@ -196,8 +196,8 @@ class MetaPlan(Plan):
         """The header every rank compares: a refusal naming this rank's argument error where
         it has one (its peers' mismatch then gives the reason)."""
         if self.invalid is not None:
-            return refusal(self.name, self.seq, self.invalid)
-        return encode(self.name, *self.header, seq=self.seq)
+            return refusal(self.name, self.seq, self.invalid, self.span)
+        return encode(self.name, *self.header, seq=self.seq, span=self.span)
 
     def _ctx(self) -> Ctx:
         """The point-to-point context of this call (made once, when needed)."""

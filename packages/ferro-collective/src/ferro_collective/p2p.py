@@ -25,9 +25,9 @@ import numpy as np
 from ferro_backend import CollectiveTimeoutError
 from ferro_backend.partition import split_bounds
 
-from .header import HEADER_SIZE, check_all
+from .header import HEADER_SIZE
 from .ops import ReduceOp, accumulate
-from .per_backend import STEPS_PER_CALL
+from .per_backend import STEPS_PER_CALL, check_headers
 from .scratch import POOL
 
 log = logging.getLogger("ferro_collective")
@@ -152,11 +152,13 @@ def bruck_all_gather(ctx: Ctx, block: bytes, tag: int, what: str) -> list[bytes]
 
 def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
     """Bruck all-gather of every rank's header (on the call's first tag); raises
-    CollectiveMismatchError on every rank when they disagree, else returns them in rank order.
-    Doubles as the barrier: nobody leaves before every rank has arrived."""
+    CollectiveMismatchError on every rank when they disagree (a rank whose call takes fewer
+    sequence numbers than a peer's catching up first: :func:`.per_backend.check_headers`), else
+    returns them in rank order. Doubles as the barrier: nobody leaves before every rank has
+    arrived."""
     assert len(header) == HEADER_SIZE
     headers = bruck_all_gather(ctx, header, ctx.tag_base, "the collective header")
-    check_all(ctx.name, ctx.rank, headers)
+    check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
     return headers
 
 

@@ -19,6 +19,7 @@ from ferro_backend import settings
 from ferro_backend.base import USER_TAG_LIMIT
 
 from ._doorplan import SeqCounter
+from .header import check_all, owed
 
 #: collectives use tags in [2**31, 2**32 - 1): 2**19 - 1 sequence slots of 4096 step tags each
 TAG_BASE = USER_TAG_LIMIT
@@ -37,6 +38,8 @@ class BackendState:
         #: gives a number taken from ``counter`` back unused (the door skips its turn; a
         #: backend's own count needs nothing: the number's tags are never used)
         self._skip = engine.comm.skip if engine is not None else None
+        #: skips numbers after a call that took fewer than a peer's (:meth:`catch_up`)
+        self._catch_up = engine.comm.catch_up if engine is not None else self.counter.catch_up
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -48,6 +51,16 @@ class BackendState:
         numbers (a peer that ran it would wait for this rank)."""
         if self._skip is not None and self._skip(seq) != 0:
             raise RuntimeError(f"could not give back sequence number {seq}")
+
+    def catch_up(self, seq: int, headers: list[bytes], rank: int) -> None:
+        """Number ``seq``'s call met a mismatch (``headers``: every rank's, in rank order):
+        where a peer's call takes more numbers than this rank's (a compressed call's block
+        against an exact call), skip the difference, so that every rank numbers the next call
+        alike; not where this rank already numbered a call after it (that call keeps its
+        number, and meets its peers' calls apart)."""
+        count = owed(headers, rank)
+        if count > 0:
+            self._catch_up(seq, count)
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``job()`` on this backend's worker threads; jobs start in submission order."""
@@ -80,6 +93,17 @@ def reserve(*backends) -> list[int]:
     """The next sequence number of each backend, taken now (a hierarchical call reserves its
     stages' on the node and cross groups when it is issued)."""
     return [state(b).next_seq() for b in backends]
+
+
+def check_headers(name: str, rank: int, headers: list[bytes], backend, seq: int) -> None:
+    """:func:`.header.check_all` of call ``seq`` on ``backend``; where the ranks disagree, this
+    rank also catches up with the peer whose call takes the most numbers
+    (:meth:`BackendState.catch_up`) before the mismatch is raised."""
+    try:
+        check_all(name, rank, headers)
+    except Exception:
+        state(backend).catch_up(seq, headers, rank)
+        raise
 
 
 def tag_base(seq: int) -> int:

@@ -63,9 +63,12 @@ class Plan:
     """One checked call (see the module docstring). ``header``: ``(dtype, shape, op, root)``;
     ``seq``: its sequence number when the caller reserved one (a hierarchical stage), else the
     dispatcher takes the backend's next. A forced ``algorithm`` keeps the call on the Python
-    body (the engine and the stages run "auto" only)."""
+    body (the engine and the stages run "auto" only). ``span``: the sequence numbers the
+    caller's whole call takes where this is its first collective (a compressed call's block; 0:
+    one), which its header publishes (:func:`.header.owed`)."""
 
-    __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq")
+    __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
+                 "span")
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
                  python: Callable[[Ctx], Any], engine: Callable | None = None,
@@ -80,10 +83,11 @@ class Plan:
         self.engine = engine if auto else None
         self.stages = stages if auto else None
         self.seq = seq
+        self.span = 0
 
     def encoded(self) -> bytes:
         """The header every rank compares, with this call's sequence number."""
-        return encode(self.name, *self.header, seq=self.seq)
+        return encode(self.name, *self.header, seq=self.seq, span=self.span)
 
     def context(self) -> Ctx:
         """This call's point-to-point context (tags from its sequence number, deadlines)."""

@@ -45,12 +45,13 @@ class _EngineWaits:
         return {"wait_us": round((self.steps.timed_waits(False) - self.start) * 1e6, 1)}
 
 
-def traced_call(run, coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None):
-    """One collective, ``run(coll, tensor, backend, arg, timeout, algorithm, out)``, timed (what
-    the dispatcher does with a call while tracing)."""
+def traced_call(run, coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None,
+                span=0):
+    """One collective, ``run(coll, tensor, backend, arg, timeout, algorithm, out, span)``,
+    timed (what the dispatcher does with a call while tracing)."""
     t0, waits = _now(), _EngineWaits(backend)
     try:
-        return run(coll, tensor, backend, arg, timeout, algorithm, out)
+        return run(coll, tensor, backend, arg, timeout, algorithm, out, span)
     finally:
         timeline.record(coll.name, "collective", t0, _now() - t0,
                         **_describe(tensor, backend, algorithm), **waits.args())
