@@ -292,12 +292,21 @@ static int api_skip(ferro_comm* c, int64_t ticket) {
  * no memory. */
 static int catch_up_locked(ferro_comm* c, int64_t ticket, int64_t count) {
     int64_t after = ticket + 1, t;
+    size_t room = c->skip_room;
+    int64_t* grown;
     if (count <= 0) return 1;
+    while (room < c->nskipped + (size_t)count) room = room ? 2 * room : 16;
+    if (room != c->skip_room) {  /* (room first: a ticket taken and not remembered would hang) */
+        grown = (int64_t*)realloc(c->skipped, room * sizeof(int64_t));
+        if (grown == NULL) return -1;
+        c->skipped = grown;
+        c->skip_room = room;
+    }
     if (!__atomic_compare_exchange_n(&c->next_ticket, &after, ticket + 1 + count, 0,
                                      __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return 0;
     for (t = ticket + 1; t <= ticket + count; t++)
-        if (remember_skip(c, t) != 0) return -1;
+        remember_skip(c, t);  /* (the room is there) */
     return 1;
 }
 
