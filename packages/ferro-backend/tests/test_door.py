@@ -398,6 +398,27 @@ def test_a_call_that_takes_fewer_tickets_than_its_peers_catches_up_after_a_misma
     assert "only bits 0-15 (FERRO_OPTS_SPAN)" in ranks[0].error()
 
 
+def test_python_steps_catch_up_in_their_turn_and_only_with_nothing_reserved_after():
+    """``Comm.catch_up`` (what ferro's Python steps call after a mismatch): in the call's
+    turn, with no ticket reserved after it, the next ``count`` tickets are given back, so the
+    next reserved ticket's turn comes as soon as this one ends; with one reserved after it,
+    nothing is given back; outside the call's turn, nothing either."""
+    me = comms(2)[0]
+    t = me.reserve()
+    assert me.begin(t, 5.0, "test") == _comm.OK
+    assert me.catch_up(t, 3)
+    me.end(t)
+    nxt = me.reserve()
+    assert nxt == t + 4
+    assert me.begin(nxt, 0.5, "test") == _comm.OK  # (its turn: the three were given back)
+    later = me.reserve()
+    assert not me.catch_up(nxt, 3)
+    me.end(nxt)
+    assert not me.catch_up(later + 1, 2)  # (not its turn: it is later's)
+    assert me.begin(later, 0.5, "test") == _comm.OK and me.reserve() == later + 1
+    me.end(later)
+
+
 def test_a_peers_failure_ends_the_wait_with_its_reason(shim):
     ranks = ranks_of(shim, 2)
     threading.Timer(0.2, lambda: ranks[0].comm.mark_failed("rank 1 is gone (test)")).start()

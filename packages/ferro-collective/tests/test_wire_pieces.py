@@ -189,6 +189,27 @@ def test_a_compressed_call_the_ranks_disagree_on_leaves_the_group_in_step(transp
                               for case, error in zip(cases, raised)], seen[rank]
 
 
+@settings(max_examples=60, deadline=None)
+@given(spans=st.lists(st.integers(0, 0xFFFF), min_size=1, max_size=6), data=st.data())
+def test_a_header_says_how_many_numbers_its_call_takes_and_who_owes_how_many(spans, data):
+    """Bytes 6-7 of a header, its span (0: one number), round trip; after a mismatch a rank
+    owes the most any rank's call takes less what its own takes. A backend's own count skips
+    what is owed only where no call took a number after the failed one."""
+    from ferro_collective._doorplan import SeqCounter
+    from ferro_collective.header import encode, owed, span_of
+
+    headers = [encode("allreduce", np.dtype(np.float32), (3,), ReduceOp.SUM, seq=7, span=s)
+               for s in spans]
+    assert [span_of(h) for h in headers] == [s or 1 for s in spans]
+    rank = data.draw(st.integers(0, len(spans) - 1))
+    assert owed(headers, rank) == max(s or 1 for s in spans) - (spans[rank] or 1)
+    count = SeqCounter()
+    seq = count()
+    assert count.catch_up(seq, 8) and count() == seq + 9
+    failed, after = count(), count()
+    assert not count.catch_up(failed, 8) and count() == after + 1
+
+
 _KINDS = {
     "allreduce": (fc.allreduce, fc.allreduce_async),
     "reduce_scatter": (fc.reduce_scatter, fc.reduce_scatter_async),
