@@ -83,8 +83,8 @@ class Numbers:
         #: id(group) -> [numbers left, the group's state]
         self._left = {id(g): [count, state(g)] for g, count in blocks.items()}
         #: the block of a call on one group: its decider's header says so (:meth:`span`)
-        self._one = (id(next(iter(blocks))), next(iter(blocks.values()))) \
-            if len(blocks) == 1 else None
+        only = [(id(g), count) for g, count in blocks.items()]
+        self._one = only[0] if len(only) == 1 else None
         self.decided = False  # the first collective has run
         self.ended = False    # ... and failed: the others are given back
 

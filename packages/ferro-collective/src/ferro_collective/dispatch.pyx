@@ -80,6 +80,4 @@ cdef object _run(coll, tensor, backend, arg, timeout, algorithm, out, span):
             done = one_call(<int>kind, tensor, backend, arg, timeout, out, <unsigned int>span)
             if done is not _NOT_TAKEN:
                 return done
-    if span:
-        return _general(coll, tensor, backend, arg, timeout, algorithm, out, span)
-    return _general(coll, tensor, backend, arg, timeout, algorithm, out)
+    return _general(coll, tensor, backend, arg, timeout, algorithm, out, span)

@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from ferro_backend import settings
+from ferro_backend import CollectiveMismatchError, settings
 from ferro_backend.base import USER_TAG_LIMIT
 
 from ._doorplan import SeqCounter
@@ -101,7 +101,7 @@ def check_headers(name: str, rank: int, headers: list[bytes], backend, seq: int)
     (:meth:`BackendState.catch_up`) before the mismatch is raised."""
     try:
         check_all(name, rank, headers)
-    except Exception:
+    except CollectiveMismatchError:
         state(backend).catch_up(seq, headers, rank)
         raise
 
