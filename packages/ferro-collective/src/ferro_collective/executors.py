@@ -49,16 +49,21 @@ from .work import Work
 ARGUMENT_ERRORS = (TypeError, ValueError)
 
 
-def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out) -> Plan:
-    """``coll``'s plan for this call; where its own arguments are wrong, the call is refused
-    (:class:`Refusal`, published in the background) and the argument error raised."""
+def _prepare(coll: Collective, tensor, backend, arg, timeout, algorithm, out,
+             span: int = 0) -> Plan:
+    """``coll``'s plan for this call (``span``: :class:`~.plan.Plan`'s); where its own
+    arguments are wrong, the call is refused (:class:`Refusal`, published in the background,
+    with the same span) and the argument error raised."""
     try:
-        return coll.prepare(tensor, backend, arg, timeout, algorithm, out)
+        plan = coll.prepare(tensor, backend, arg, timeout, algorithm, out)
     except ARGUMENT_ERRORS as exc:
         refused = Refusal.of(coll.name, backend, timeout, exc)
         if refused is not None:
+            refused.span = span
             refused.start()
         raise
+    plan.span = span
+    return plan
 
 
 def prepared(coll: Collective, tensor, backend, arg, timeout,
@@ -67,8 +72,7 @@ def prepared(coll: Collective, tensor, backend, arg, timeout,
     taken) and its executor, to run later, once: ``(seq, run)``. ``tensor`` is the buffer it
     will send, which may be filled until ``run()`` (:mod:`.compressed`'s background calls).
     ``span``: the numbers the caller's whole call takes (:class:`~.plan.Plan`'s)."""
-    plan = _prepare(coll, tensor, backend, arg, timeout, None, out)
-    plan.span = span
+    plan = _prepare(coll, tensor, backend, arg, timeout, None, out, span)
     go = executor(plan)
     return plan.seq, go
 
@@ -76,9 +80,7 @@ def prepared(coll: Collective, tensor, backend, arg, timeout,
 def general(coll: Collective, tensor, backend, arg, timeout, algorithm, out, span: int = 0):
     """A call the one-call path did not take: its plan, on the executor chosen now
     (``span``: :class:`~.plan.Plan`'s)."""
-    plan = _prepare(coll, tensor, backend, arg, timeout, algorithm, out)
-    plan.span = span
-    return executor(plan)()
+    return executor(_prepare(coll, tensor, backend, arg, timeout, algorithm, out, span))()
 
 
 def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,
