@@ -59,16 +59,62 @@ def suite(b, nodes):
     return out
 
 
-def mismatch(b, nodes):
-    attach_hierarchy(b, nodes)
-    try:
-        if b.rank == 0:
-            allreduce(np.ones(4), b, timeout=3)
-        else:
-            broadcast(np.ones(4), b, root=0, timeout=3)
-    except DistributedError as exc:
-        return type(exc).__name__
-    return "no error"
+#: disagreeing calls: (name, rank 0's call, node 0's other ranks', node 1's); each takes
+#: (x, b, timeout) (1_200_001 values: 3 pipelined pieces, so more numbers on each group)
+DISAGREEMENTS = {
+    "collective": (lambda x, b, t: allreduce(np.ones(4), b, timeout=t),
+                   lambda x, b, t: broadcast(np.ones(4), b, root=0, timeout=t),
+                   lambda x, b, t: broadcast(np.ones(4), b, root=0, timeout=t)),
+    "size": (lambda x, b, t: allreduce(np.ones(600, np.float32), b, timeout=t),
+             lambda x, b, t: allreduce(np.ones(601, np.float32), b, timeout=t),
+             lambda x, b, t: allreduce(np.ones(601, np.float32), b, timeout=t)),
+    "between nodes": (lambda x, b, t: allreduce(np.ones(600), b, timeout=t),
+                      lambda x, b, t: allreduce(np.ones(600), b, timeout=t),
+                      lambda x, b, t: allreduce(np.ones(600, np.float32), b, timeout=t)),
+    "pieces": (lambda x, b, t: allreduce(np.ones(1000), b, timeout=t),
+               lambda x, b, t: allreduce(np.ones(1_200_001), b, timeout=t),
+               lambda x, b, t: allreduce(np.ones(1_200_001), b, timeout=t)),
+    "pieces between nodes": (lambda x, b, t: allreduce(np.ones(1_200_001), b, timeout=t),
+                             lambda x, b, t: allreduce(np.ones(1_200_001), b, timeout=t),
+                             lambda x, b, t: allreduce(np.ones(10), b, timeout=t)),
+    "gather and barrier": (lambda x, b, t: all_gather(np.ones(3), b, timeout=t),
+                           lambda x, b, t: barrier(b, timeout=t),
+                           lambda x, b, t: barrier(b, timeout=t)),
+    "root": (lambda x, b, t: broadcast(np.ones(5), b, root=0, timeout=t),
+             lambda x, b, t: broadcast(np.ones(5), b, root=3, timeout=t),
+             lambda x, b, t: broadcast(np.ones(5), b, root=3, timeout=t)),
+    "refused": (lambda x, b, t: allreduce(np.ones(4), b, "not an op", timeout=t),
+                lambda x, b, t: allreduce(np.ones(4), b, timeout=t),
+                lambda x, b, t: allreduce(np.ones(4), b, timeout=t)),
+}
+#: the cases whose rank 0 raises its own argument error (its peers the mismatch)
+REFUSED = {"refused": "ValueError"}
+
+
+def mismatch(b, nodes=None, timeout=6.0, cases=tuple(DISAGREEMENTS)):
+    """The disagreements of :data:`DISAGREEMENTS` named in ``cases`` in turn (``nodes`` None:
+    ``b`` has its hierarchy, a simulated one), each followed by an allreduce that
+    must agree: per case, (the error's type, seconds to it, the next allreduce's result)."""
+    import time
+
+    h = attach_hierarchy(b, nodes) if nodes is not None else b.hierarchy
+    which = 0 if b.rank == 0 else 1 if h.members.index(h.node.global_ranks) == 0 else 2
+    out = {}
+    for name in cases:
+        calls = DISAGREEMENTS[name]
+        t = time.monotonic()
+        try:
+            calls[which](None, b, timeout)
+            got = "no error"
+        except (DistributedError, TypeError, ValueError) as exc:
+            got = type(exc).__name__
+        took = time.monotonic() - t
+        try:
+            after = allreduce(np.full(3, b.rank + 1.0), b, timeout=timeout).tolist()
+        except DistributedError as exc:
+            after = type(exc).__name__
+        out[name] = (got, took, after)
+    return out
 
 
 def learned(b, nodes):

@@ -4,11 +4,14 @@ rank, and a mismatch that errors on every rank instead of hanging."""
 
 import numpy as np
 import pytest
-from hier_fns import SIZES, mismatch, reprobes, suite
+from hier_fns import DISAGREEMENTS, REFUSED, SIZES, mismatch, reprobes, suite
 
+from ferro_backend import CollectiveMismatchError, SimulatedBackend
 from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.hierarchy import node_members
-from ferro_backend.testing import run_processes
+from ferro_backend.netsim import Network
+from ferro_backend.testing import run_processes, run_threads
+from ferro_collective import allreduce, barrier
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")]
@@ -54,10 +57,81 @@ def test_hierarchical_collectives(layout):
     assert first["async"] == [list(range(world)), [sum(range(world))] * 3, [world] * 5]
 
 
-def test_a_mismatch_errors_on_every_rank():
-    got = run_processes(mismatch, 4, LAYOUTS["node-major"])
-    assert all(name != "no error" for name in got), got
-    assert "CollectiveMismatchError" in got[:2], got  # the node where the calls differ
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_mismatch_errors_on_every_rank_at_once_and_the_next_call_agrees(layout):
+    """Inside a node, between nodes, other collectives, sizes cut in other numbers of pieces,
+    roots whose cross stages differ: every rank raises CollectiveMismatchError long before the
+    call's deadline (6 s), and the next allreduce gives the right sum on every rank."""
+    got = run_processes(mismatch, 4, LAYOUTS[layout], timeout=150)
+    world = 4
+    for case in DISAGREEMENTS:
+        for r, res in enumerate(got):
+            error, took, after = res[case]
+            want = REFUSED[case] if r == 0 and case in REFUSED else "CollectiveMismatchError"
+            assert error == want, (case, r, res[case])
+            assert took < 3.0, (case, r, res[case])
+            assert after == [sum(range(1, world + 1))] * 3, (case, r, res[case])
+
+
+def test_a_mismatch_on_a_simulated_hierarchy_errors_on_every_rank_and_the_next_call_agrees():
+    """The same disagreements on threads over a simulated 2 x 2 cluster (no engine: the node
+    groups number their calls themselves), but a refused call: on a simulated network the
+    peers may run a call flat or staged by its size, which a refusing rank cannot know (it
+    publishes nothing there; the peers meet their deadline)."""
+    net = Network.cluster(gbit=10, latency_us=20, ranks_per_node=2)
+    group = SimulatedBackend.create_group(4, network=net, hierarchical=True, timeout=30)
+    cases = [c for c in DISAGREEMENTS if c not in REFUSED]
+    got = run_threads(lambda b: mismatch(b, None, 6.0, cases), group, timeout=120)
+    for case in cases:
+        for r, res in enumerate(got):
+            assert res[case][0] == "CollectiveMismatchError", (case, r, res[case])
+            assert res[case][1] < 3.0 and res[case][2] == [10.0] * 3, (case, r, res[case])
+
+
+def test_the_stages_exchange_no_header_of_their_own(monkeypatch):
+    """The whole-call check exchanges one header on the node and one across nodes; the stages'
+    own exchanges are skipped (a barrier's last node stage is the barrier: it keeps its)."""
+    from ferro_collective import plan, stage_check
+
+    counts = {"stages": 0, "check": 0}
+
+    def counting(key, real):
+        def exchange(ctx, header):
+            counts[key] += 1  # (+= on a dict entry: one bytecode each, the GIL held)
+            return real(ctx, header)
+        return exchange
+
+    monkeypatch.setattr(plan, "header_exchange", counting("stages", plan.header_exchange))
+    monkeypatch.setattr(stage_check, "header_exchange",
+                        counting("check", stage_check.header_exchange))
+    net = Network.cluster(gbit=10, latency_us=20, ranks_per_node=2)
+    group = SimulatedBackend.create_group(4, network=net, hierarchical=True, timeout=30)
+    got = run_threads(lambda b: allreduce(np.full(1000, b.rank + 1.0), b).tolist(), group)
+    assert got == [[10.0] * 1000] * 4
+    assert counts == {"stages": 0, "check": 8}
+    run_threads(lambda b: barrier(b), group)
+    assert counts == {"stages": 4, "check": 16}
+
+
+def test_a_mismatch_names_the_jobs_ranks():
+    """The error names global ranks and what each called, inside a node and across nodes (a
+    refusal from the node that disagreed)."""
+    net = Network.cluster(gbit=10, latency_us=20, ranks_per_node=2)
+    group = SimulatedBackend.create_group(4, network=net, hierarchical=True, timeout=30)
+
+    def run(b):
+        try:
+            allreduce(np.ones(5 if b.rank == 3 else 4), b, timeout=5)
+        except CollectiveMismatchError as exc:
+            return str(exc)
+
+    got = run_threads(run, group, timeout=60)
+    for r in (2, 3):
+        assert "ranks [2] called allreduce(float64[4], SUM)" in got[r], got[r]
+        assert "ranks [3] called allreduce(float64[5], SUM)" in got[r], got[r]
+    for r in (0, 1):
+        assert f"rank {r + 2} refused the call" in got[r], got[r]
+        assert "ranks [2, 3] of its node disagree" in got[r], got[r]
 
 
 #: run by hand (ferro_backend.testing.Job: ``result`` comes back) and under ferrorun (the

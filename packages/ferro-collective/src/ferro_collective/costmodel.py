@@ -14,10 +14,11 @@ Every collective first exchanges its header (mismatch detection, Bruck's all-gat
 :func:`predict` gives one algorithm's time, :func:`best` the fastest; :func:`choose_auto` is
 what ``algorithm="auto"`` uses beyond the few ranks the fixed thresholds were measured on.
 
-Several nodes: ``predict(name, "hierarchical", ...)`` composes the stages of
-the hierarchical stages of the collectives (node stage, cross stages of every local index at once,
-node stage; each with its header exchange and auto's algorithm for its group and links) on one
-schedule of the job's ranks, as a simulated hierarchy runs them
+Several nodes: ``predict(name, "hierarchical", ...)`` composes the whole-call check (the
+call's header exchanged on every node, then across nodes: :mod:`.stage_check`) and the
+hierarchical stages of the collectives (node stage, cross stages of every local index at once,
+node stage; each with auto's algorithm for its group and links, and no header exchange of its
+own: the check covered it) on one schedule of the job's ranks, as a simulated hierarchy runs them
 (``SimulatedBackend.create_group(..., hierarchical=True)``), and :func:`choose_hierarchical`
 is how "auto" decides between them and the flat algorithm on a backend with a node layout.
 """
@@ -100,10 +101,10 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
     input: the whole buffer for allreduce/broadcast/reduce_scatter, the block for all_gather),
     from the algorithm's message schedule on ``p``'s links.
 
-    ``algorithm="hierarchical"``: the stages the collectives run on nodes
-    of ``p.ranks_per_node`` ranks, each stage with its own header exchange and the algorithm
-    "auto" picks for it (:func:`hierarchical_stages`), the node stages over the intra-node
-    links (as on a simulated network); ``"hierarchical_engine"``: the same with each node stage
+    ``algorithm="hierarchical"``: the whole-call check, then the stages the collectives run
+    on nodes of ``p.ranks_per_node`` ranks, each with the algorithm "auto" picks for it
+    (:func:`hierarchical_stages`; a barrier's last node stage alone follows the check), the
+    node stages over the intra-node links (as on a simulated network); ``"hierarchical_engine"``: the same with each node stage
     one step through the node's shared-memory engine (a real multi-node job).
     """
     if n <= 1:
@@ -215,7 +216,13 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
     ia, ib = p.link(False)
     xa, xb = p.link(True)
     step = ia if p.engine_step is None else p.engine_step
-    for group, stage, algorithm, size in hierarchical_stages(name, nbytes, n, p):
+    stages = hierarchical_stages(name, nbytes, n, p)
+    if header:  # the whole-call check on every node first; across nodes the first cross stage
+        # exchanges it (every cross group: a broadcast's others check alone, at once), a
+        # barrier's cross stage is the check, its first node stage the node's
+        stages = [("node", "check", "flat", 0)] + (stages[1:] if name == "barrier" else stages)
+    crossed = not header or name == "barrier"
+    for group, stage, algorithm, size in stages:
         if group == "node" and engine:
             # one step through the node's segment: everyone arrives, then copies the stage's
             # bytes over the intra-node link (the engine checks headers in the same step)
@@ -227,17 +234,21 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
             continue
         if group == "node":
             groups = [(members, size) for members in nodes]
-        elif name == "broadcast":
+        elif name == "broadcast" and stage != "check":
             groups = [(crosses[0], size)]  # the root's local index only (root 0)
         elif stage == "allreduce":
             groups = [(members, pieces[j]) for j, members in enumerate(crosses)]
         else:
             groups = [(members, size) for members in crosses]
+        if group == "cross" and not crossed:
+            crossed = True
+            for members in crosses:
+                message_schedule.View(s, members).rounds(
+                    message_schedule.header_rounds(len(members)))
         for members, size_j in groups:
             view = message_schedule.View(s, members)
-            if header:
+            if stage in ("check", "barrier"):  # (a barrier's exchange is the barrier)
                 view.rounds(message_schedule.header_rounds(len(members)))
-            if stage == "barrier":
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)

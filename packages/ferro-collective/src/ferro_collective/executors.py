@@ -40,9 +40,9 @@ from ferro_backend.tracebacks import user_facing
 from . import costmodel, records, tracing
 from .engine_group import group_of
 from .header import mismatch_check_enabled, refusal
-from .p2p import header_exchange
 from .per_backend import state
 from .plan import Collective, Plan, choose
+from .stage_check import Check, Refused, StageSet
 from .work import Work
 
 #: a call's own argument errors: the rank that makes one refuses the call (:class:`Refusal`)
@@ -94,7 +94,7 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
 
 
-class Refusal(Plan):
+class Refusal(Check):
     """A call this rank refused because its arguments were wrong (``exc``): it takes the
     call's place in the order and publishes, where the call's header would be, a header saying
     so with ``exc``'s type and message (:func:`.header.refusal`); its peers' header check then
@@ -105,35 +105,35 @@ class Refusal(Plan):
 
     def __init__(self, name: str, backend: Backend, timeout: float | None,
                  exc: BaseException) -> None:
-        super().__init__(name, backend, timeout, (None, (), None, -1), lambda ctx: None)
+        super().__init__(name, backend, timeout, self._encode)
         self.exc = exc
 
     @classmethod
-    def of(cls, name: str, backend, timeout, exc: BaseException) -> Refusal | None:
+    def of(cls, name: str, backend, timeout, exc: BaseException) -> Refusal | Refused | None:
         """The refusal of a call of ``name`` on ``backend`` that raised ``exc``, or None where
         the peers could not learn of it: no backend (or one rank), a closed one (closed means
         closed: nothing is published), no header exchange (the mismatch check off without an
-        engine), or a multi-node job's stages (its peers' first messages are in node groups)."""
+        engine), or a multi-node job's collective whose peers may run it flat or staged (a job
+        that learned its network, a simulated one). On real nodes a collective with stages is
+        refused in its whole-call check's places (:class:`.stage_check.Refused`)."""
         if not isinstance(backend, Backend) or backend.world_size < 2 or \
                 backend.peer_failure(name, backend.rank) is not None:
             return None
-        if group_of(backend) is None and (usable_hierarchy(backend) is not None
-                                          or not mismatch_check_enabled()):
+        if group_of(backend) is None and not mismatch_check_enabled():
+            return None
+        h = usable_hierarchy(backend) if group_of(backend) is None else None
+        staged = h is not None and name in costmodel.HIERARCHICAL
+        if staged and (h.node.engine is None or costmodel.learned(backend) is not None):
             return None
         try:
-            return cls(name, backend, timeout, exc)
+            return Refused(name, backend, h, timeout, exc) if staged else \
+                cls(name, backend, timeout, exc)
         except ARGUMENT_ERRORS:  # the timeout was the wrong argument: the backend's
-            return cls(name, backend, None, exc)
+            return Refused(name, backend, h, None, exc) if staged else \
+                cls(name, backend, None, exc)
 
-    def encoded(self) -> bytes:
-        return refusal(self.name, self.seq, self.exc, self.span)
-
-    def run_python(self) -> None:
-        ctx = self.context()
-        header_exchange(ctx, self.encoded())
-
-    def run_engine(self, group, call) -> None:
-        group.exchange(call, self.encoded())
+    def _encode(self, seq: int) -> bytes:
+        return refusal(self.name, seq, self.exc, self.span)
 
     def start(self) -> None:
         """Take the call's place in the order now and publish the refusal in the background,
@@ -186,6 +186,8 @@ def executor(plan: Plan) -> Callable[[], Any]:
     if plan.stages is not None:
         h = usable_hierarchy(backend)
         if h is not None and prefer_hierarchical(plan.name, plan.header, backend, h):
+            if mismatch_check_enabled():  # the whole call checked first, numbered now
+                return StageSet(plan, h, execute)
             stages = plan.stages(h)  # reserves the stages' sequence numbers now, in order
             return functools.partial(stages, execute)
     return plan.run_python

@@ -217,12 +217,15 @@ def resolve_unknown(headers: list[bytes]) -> list[bytes]:
     return out
 
 
-def check_all(name: str, rank: int, headers: list[bytes]) -> None:
+def check_all(name: str, rank: int, headers: list[bytes],
+              members: tuple[int, ...] | None = None) -> None:
     """Raise :class:`CollectiveMismatchError` on every rank when the ranks' ``headers`` (one per
     rank, in rank order) disagree, naming what each rank called, and first the ranks that
     refused the call and why. A broadcast's non-root that passed None agrees with its root
-    (:func:`resolve_unknown`)."""
+    (:func:`resolve_unknown`). ``members``: the ranks the message names (a subgroup's ranks in
+    its parent), default the headers' indices."""
     headers = resolve_unknown(headers)
+    ranks = members if members is not None else range(len(headers))
     mine = headers[rank]
     if all(h == mine for h in headers):
         return
@@ -232,10 +235,10 @@ def check_all(name: str, rank: int, headers: list[bytes]) -> None:
         theirs = headers[root] if 0 <= root < len(headers) else b""
         if theirs[:3] == headers[blind[0]][:3] and theirs[4] > _MAX_DIMS:
             raise CollectiveMismatchError(
-                f"{name}: ranks {blind} passed None to a broadcast whose root (rank {root}) "
-                f"passes an array of {theirs[4]} dims; its header names at most {_MAX_DIMS}: "
-                "pass an array of the root's shape and dtype there")
-    refused = [(r, h) for r, h in enumerate(headers) if h[5] & INVALID]
+                f"{name}: ranks {[ranks[r] for r in blind]} passed None to a broadcast whose "
+                f"root (rank {root}) passes an array of {theirs[4]} dims; its header names at "
+                f"most {_MAX_DIMS}: pass an array of the root's shape and dtype there")
+    refused = [(ranks[r], h) for r, h in enumerate(headers) if h[5] & INVALID]
     if refused and len(refused) < len(headers):
         r, h = refused[0]
         seq = _HEADER.unpack(h)[8]
@@ -245,6 +248,6 @@ def check_all(name: str, rank: int, headers: list[bytes]) -> None:
             + "".join(f"; {o}" for o in others) + "; every rank raises, none waits for it")
     groups: dict[bytes, list[int]] = {}
     for r, h in enumerate(headers):
-        groups.setdefault(h, []).append(r)
+        groups.setdefault(h, []).append(ranks[r])
     parts = [f"ranks {rs} called {describe(h)}" for h, rs in groups.items()]
     raise CollectiveMismatchError(f"{name}: ranks disagree on the collective: " + "; ".join(parts))

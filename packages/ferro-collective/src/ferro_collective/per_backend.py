@@ -25,6 +25,8 @@ from .header import check_all, owed
 TAG_BASE = USER_TAG_LIMIT
 STEPS_PER_CALL = 1 << 12
 SEQ_SLOTS = (1 << 19) - 1
+#: the longest a call waits for a refusal's catch-up before it takes its number anyway
+HOLD_SECONDS = 600.0
 #: the async workers' thread names start with this
 WORKER_PREFIX = "ferro-collective-async"
 
@@ -40,11 +42,24 @@ class BackendState:
         self._skip = engine.comm.skip if engine is not None else None
         #: skips numbers after a call that took fewer than a peer's (:meth:`catch_up`)
         self._catch_up = engine.comm.catch_up if engine is not None else self.counter.catch_up
+        self._comm = engine.comm if engine is not None else None
         self._lock = threading.Lock()
+        #: set while a refusal's catch-up is due (:meth:`hold`)
+        self.held: threading.Event | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def next_seq(self) -> int:
+        held = self.held
+        if held is not None:  # a refusal's catch-up first (:meth:`hold`)
+            held.wait(HOLD_SECONDS)
         return self.counter()
+
+    def hold(self, until: threading.Event) -> None:
+        """The next number waits for ``until`` (at most :data:`HOLD_SECONDS`): a refused
+        hierarchical call publishes its refusal in the background, and its exchange may owe
+        numbers to the peers' call (their spans), which only a rank that numbered nothing after
+        it can skip (:class:`.stage_check.Refused`)."""
+        self.held = until
 
     def give_back(self, seq: int) -> None:
         """Number ``seq`` (taken, never run) will not run: every rank must give back the same
@@ -61,6 +76,27 @@ class BackendState:
         count = owed(headers, rank)
         if count > 0:
             self._catch_up(seq, count)
+
+    def abandon(self, unrun: list[int], count: int, timeout: float) -> None:
+        """A call's numbers ``unrun`` (taken in order, after one it ran) will not run: give
+        them back, and where a peer's call took ``count`` more numbers, skip those after the
+        last as :meth:`catch_up` does (on an engine, in the last one's turn: waiting for it at
+        most ``timeout`` seconds)."""
+        if not unrun:
+            return
+        for seq in unrun[:-1] if count > 0 else unrun:
+            self.give_back(seq)
+        if count <= 0:
+            return
+        last = unrun[-1]
+        if self._comm is None:
+            self._catch_up(last, count)
+            return
+        try:
+            if self._comm.begin(last, timeout, "catch-up") == 0:
+                self._catch_up(last, count)
+        finally:
+            self._comm.end(last)
 
     def submit(self, job: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``job()`` on this backend's worker threads; jobs start in submission order."""
@@ -89,19 +125,42 @@ def state(backend) -> BackendState:
     return st
 
 
+_recording = threading.local()
+
+
 def reserve(*backends) -> list[int]:
     """The next sequence number of each backend, taken now (a hierarchical call reserves its
-    stages' on the node and cross groups when it is issued)."""
-    return [state(b).next_seq() for b in backends]
+    stages' on the node and cross groups when it is issued; :func:`recorded` collects them)."""
+    seqs = [state(b).next_seq() for b in backends]
+    taken = getattr(_recording, "taken", None)
+    if taken is not None:
+        for b, s in zip(backends, seqs, strict=True):
+            taken.setdefault(b, []).append(s)
+    return seqs
+
+
+class recorded:
+    """``with recorded() as taken:`` collects the numbers :func:`reserve` hands out on this
+    thread meanwhile, per backend, in order (``taken[backend]``: a list)."""
+
+    def __enter__(self) -> dict:
+        self.outer = getattr(_recording, "taken", None)
+        _recording.taken = {}
+        return _recording.taken
+
+    def __exit__(self, *exc) -> None:
+        _recording.taken = self.outer
 
 
 def check_headers(name: str, rank: int, headers: list[bytes], backend, seq: int) -> None:
     """:func:`.header.check_all` of call ``seq`` on ``backend``; where the ranks disagree, this
     rank also catches up with the peer whose call takes the most numbers
-    (:meth:`BackendState.catch_up`) before the mismatch is raised."""
+    (:meth:`BackendState.catch_up`) before the mismatch is raised, which carries the headers
+    (its ``headers`` attribute: every rank's, in rank order)."""
     try:
         check_all(name, rank, headers)
-    except CollectiveMismatchError:
+    except CollectiveMismatchError as exc:
+        exc.headers = headers
         state(backend).catch_up(seq, headers, rank)
         raise
 

@@ -65,10 +65,12 @@ class Plan:
     dispatcher takes the backend's next. A forced ``algorithm`` keeps the call on the Python
     body (the engine and the stages run "auto" only). ``span``: the sequence numbers the
     caller's whole call takes where this is its first collective (a compressed call's block; 0:
-    one), which its header publishes (:func:`.header.owed`)."""
+    one), which its header publishes (:func:`.header.owed`). ``checked``: a stage of a
+    hierarchical call whose whole-call check passed (:mod:`.stage_check`): its Python body
+    skips its own header exchange (a barrier's is the barrier: it keeps it)."""
 
     __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
-                 "span")
+                 "span", "checked")
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
                  python: Callable[[Ctx], Any], engine: Callable | None = None,
@@ -84,6 +86,7 @@ class Plan:
         self.stages = stages if auto else None
         self.seq = seq
         self.span = 0
+        self.checked = False
 
     def encoded(self) -> bytes:
         """The header every rank compares, with this call's sequence number."""
@@ -97,7 +100,8 @@ class Plan:
         """Over point-to-point messages: the header exchange (the mismatch check; for a barrier
         the whole barrier), then the body."""
         ctx = self.context()
-        if ctx.n > 1 and (mismatch_check_enabled() or self.name == "barrier"):
+        if ctx.n > 1 and (self.name == "barrier" or
+                          (mismatch_check_enabled() and not self.checked)):
             header_exchange(ctx, self.encoded())
         result = self.python(ctx)
         ctx.release()  # its working arrays, for the next call (not after a failure)
