@@ -24,7 +24,8 @@ and, on a group whose ranks' spans differ (the same collective at another size t
 number of pieces), the ranks whose call took fewer skip the difference, so the next call is
 the next call on every rank (unless this rank numbered a call after it: then, as on a flat
 job, that call meets its peers' calls apart). The stages' own header exchanges over
-point-to-point messages are skipped: the whole call agrees, so every stage does. The check
+point-to-point messages are skipped (the whole call agrees, so every stage does), but a
+pipelined call's later cross-node pieces', whose round trips pace their data. The check
 costs a call one engine step on the node; it is off with the mismatch check
 (:func:`.header.set_mismatch_check`).
 """
@@ -161,7 +162,7 @@ class _Checked:
     exchanges over point-to-point messages (the whole call's check covered them); the first
     cross-node stage, where it carries the check, first exchanges the whole call's header on
     its number (its body's messages follow on the same number's tags), and the later
-    cross-node stages start only once that exchange passed."""
+    cross-node stages start only once that exchange passed (they keep their own exchange)."""
 
     __slots__ = ("calls", "execute")
 
@@ -192,7 +193,9 @@ class _Checked:
                         CollectiveTimeoutError(f"{calls.plan.name} (seq {plan.seq}): its first "
                                                "cross-node exchange did not end")
         calls.started.add((i, plan.seq))
-        plan.checked = True
+        # (a pipelined call's later cross-node pieces keep their headers' round trip: it paces
+        # their data onto the link, 16 MiB at 2 x 2 and 1 Gbit/s 2% faster than without)
+        plan.checked = i == 0 or not calls.carried or plan.seq == calls.numbers[1][0]
         return self.execute(plan)
 
     def prepare(self, name: str, *args) -> Plan:
