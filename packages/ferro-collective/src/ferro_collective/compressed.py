@@ -72,7 +72,7 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
         if h is not None and h.num_nodes > 1:
             if (name == "allreduce" or wire not in ("int8", "int4")) and name != "all_gather" \
                     and backend.peer_failure(name, backend.rank) is None:
-                numbers = _numbers(backend)
+                numbers = _numbers(backend, staged=True)
                 try:
                     refuse(name, backend, h, wire, timeout, exc, numbers)
                 finally:
@@ -97,14 +97,18 @@ def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
     return check_wire(wire, name)
 
 
-def _numbers(backend: Backend) -> Numbers:
+def _numbers(backend: Backend, staged: bool = False) -> Numbers:
     """A compressed call's numbers: :data:`BLOCK` on ``backend``; on a multi-node job also
     two a piece on its node group (and one for the node's agreement on the call's decider)
-    and on its cross-node group (the node and cross-node stages)."""
+    and on its cross-node group (the node and cross-node stages). A multi-node call that runs
+    as node and cross-node stages (``staged``) takes one on ``backend``, as an exact
+    hierarchical call does (:mod:`.stage_check`): where ranks disagree on which they make,
+    the numbers on every group still match."""
     h = getattr(backend, "hierarchy", None)
     if h is None or h.num_nodes <= 1:
         return Numbers({backend: BLOCK})
-    return Numbers({backend: BLOCK, h.node: 2 * MAX_PIECES + 1, h.cross: 2 * MAX_PIECES})
+    return Numbers({backend: 1 if staged else BLOCK, h.node: 2 * MAX_PIECES + 1,
+                    h.cross: 2 * MAX_PIECES})
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -171,7 +175,7 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
         joined = Joined(1, finish)
-        numbers = _numbers(backend)
+        numbers = _numbers(backend, staged=True)
         try:
             seq, jobs = node_pieces(flat, pieces, h, backend, op, wire, timeout, into,
                                     joined.fail, numbers, identity("allreduce", x, op, wire))
@@ -217,7 +221,7 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
     collectives wait for in the background."""
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
-        numbers = _numbers(backend)
+        numbers = _numbers(backend, staged=True)
         try:
             s = Steps("allreduce", wire, tensor, backend, timeout, on_error, numbers)
             node_calls(s, x, h, op, out, identity("allreduce", x, op, wire))
@@ -264,7 +268,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     per = int(np.prod(shape))
     h = getattr(backend, "hierarchy", None)
     if wire in _ELEMENTWISE and h is not None and h.num_nodes > 1:
-        numbers = _numbers(backend)
+        numbers = _numbers(backend, staged=True)
         try:
             s = reduce_scatter_nodes(x, tensor, h, backend, op, wire, timeout, out, shape,
                                      numbers, identity("reduce_scatter", x, op, wire))

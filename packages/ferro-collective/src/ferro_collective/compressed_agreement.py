@@ -82,17 +82,16 @@ class Numbers:
     def __init__(self, blocks: dict) -> None:
         #: id(group) -> [numbers left, the group's state]
         self._left = {id(g): [count, state(g)] for g, count in blocks.items()}
-        #: the block of a call on one group: its decider's header says so (:meth:`span`)
-        only = [(id(g), count) for g, count in blocks.items()]
-        self._one = only[0] if len(only) == 1 else None
+        #: the blocks, which the call's first collective on each group says (:meth:`span`)
+        self._blocks = {id(g): count for g, count in blocks.items()}
         self.decided = False  # the first collective has run
         self.ended = False    # ... and failed: the others are given back
 
     def span(self, group: Backend) -> int:
-        """What the decider's header on ``group`` says the call takes (:func:`.header.owed`): the
-        block of a call on that group alone, else 0 (a multi-node call's, whose decider is a
-        cross-node collective: an exact call against it is not caught up)."""
-        return self._one[1] if self._one is not None and self._one[0] == id(group) else 0
+        """What the call's first collective on ``group`` says in its header the call takes
+        there (:func:`.header.owed`): its block on that group (where a peer made an exact call
+        there instead, the peer catches up)."""
+        return self._blocks.get(id(group), 0)
 
     def took(self, group: Backend) -> None:
         """A collective of the call took a number of ``group``."""

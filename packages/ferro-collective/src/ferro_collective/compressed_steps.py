@@ -125,6 +125,10 @@ class Steps:
         self._rows = 0
         #: the node's agreement on the decider (:meth:`agreement`; a multi-node call's)
         self.agree: int | None = None
+        #: the call's first collective failed with a mismatch on the agreement's group: every
+        #: rank of that group met it, so none runs the agreement (a peer there may have made
+        #: an exact call, which has none)
+        self.skip_agree = False
         self.calls: list[tuple[Any, np.ndarray, Backend, Any, Any, Callable[[Any], None]]] = []
         #: the calls numbered so far (:meth:`number`): index -> (seq, what runs it)
         self.runs: dict[int, tuple[int, Callable[[], Any]]] = {}
@@ -157,12 +161,16 @@ class Steps:
         return PREFIX
 
     def _span(self, i: int) -> int:
-        """What collective ``i``'s header says the call takes: the decider's, the call's block
-        on its group (:meth:`.compressed_agreement.Numbers.span`: where a peer made an exact
+        """What collective ``i``'s header says the call takes: where these steps carry the
+        call's identity (a decider), their first collective on each group says the call's
+        block there (:meth:`.compressed_agreement.Numbers.span`: where a peer made an exact
         call there, the peer catches up), else 0."""
-        if i != self.decider or self.numbers is None:
+        if self.decider is None or self.numbers is None:
             return 0
-        return self.numbers.span(self.calls[i][2])
+        group = self.calls[i][2]
+        if any(c[2] is group for c in self.calls[:i]):
+            return 0
+        return self.numbers.span(group)
 
     def _on_zeros(self, i: int, send: np.ndarray) -> None:
         """Collective ``i`` runs after a failure: on zeros, and the decider with this rank's
@@ -230,7 +238,7 @@ class Steps:
         numbers = self.numbers
         for i in indices:
             seq, go = self.runs[i]
-            if i != self.agree and numbers is not None and numbers.ended:
+            if numbers is not None and (numbers.ended if i != self.agree else self.skip_agree):
                 numbers.give_back(self.calls[i][2], seq)
                 continue
             self._one(i, go)
@@ -252,6 +260,10 @@ class Steps:
                     self.verify(got)
             except BaseException as exc:
                 self._ran(i, exc)
+                if i == 0 and self.agree is not None and isinstance(
+                        exc, CollectiveMismatchError) and self.calls[0][2] is self.calls[
+                            self.agree][2]:
+                    self.skip_agree = True
                 raise
             self._ran(i, None)
             if self.error is None:
@@ -281,6 +293,9 @@ class Steps:
         there); the call's owner gives back the numbers not taken."""
         decided = self.agree if self.agree is not None else self.decider
         for i, (coll, send, group, arg, out, _) in enumerate(self.calls):
+            if i == self.agree and self.skip_agree:  # (decided: its first collective failed)
+                raise self.error if self.error is not None else RuntimeError(
+                    f"{self.name}: the agreement skipped without an error")
             if self.numbers is not None:
                 self.numbers.took(group)
             self._one(i, functools.partial(run, coll, send, group, arg, self.timeout, None, out,

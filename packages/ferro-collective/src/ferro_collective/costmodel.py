@@ -104,8 +104,9 @@ def predict(name: str, algorithm: str, nbytes: int, n: int, p: Params = DEFAULT,
     ``algorithm="hierarchical"``: the whole-call check, then the stages the collectives run
     on nodes of ``p.ranks_per_node`` ranks, each with the algorithm "auto" picks for it
     (:func:`hierarchical_stages`; a barrier's last node stage alone follows the check), the
-    node stages over the intra-node links (as on a simulated network); ``"hierarchical_engine"``: the same with each node stage
-    one step through the node's shared-memory engine (a real multi-node job).
+    node stages over the intra-node links (as on a simulated network);
+    ``"hierarchical_engine"``: the same with each node stage one step through the node's
+    shared-memory engine (a real multi-node job).
     """
     if n <= 1:
         return 0.0
