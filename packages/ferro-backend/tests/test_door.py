@@ -360,7 +360,7 @@ def test_a_call_that_takes_fewer_tickets_than_its_peers_catches_up_after_a_misma
     numbers); rank 1 made a plain call there. Their headers differ in that alone: both get the
     mismatch, and rank 1's door gives back 4 tickets of its own, so both number the next call
     alike (its header carries the ticket) and it runs. A rank that already reserved a ticket
-    after its call keeps it: nothing is given back then. Bits 16-31 are refused."""
+    after its call keeps it: nothing is given back then."""
     ranks = ranks_of(shim, 2)
     x = np.ones(4, np.float32)
 
@@ -394,8 +394,33 @@ def test_a_call_that_takes_fewer_tickets_than_its_peers_catches_up_after_a_misma
 
     assert in_threads([lambda r=r: reserved_after(r) for r in range(2)]) == [(MISMATCH, 1),
                                                                              (MISMATCH, 2)]
-    assert ranks[0](BARRIER, flags=1 << 16) == INVALID
-    assert "only bits 0-15 (FERRO_OPTS_SPAN)" in ranks[0].error()
+
+
+def test_a_call_names_the_collective_and_op_its_client_called(shim):
+    """FERRO_OPTS_CALL(code) and FERRO_OPTS_OP(wire): the header names another collective and
+    op than the door's own (a multi-node job's node stage names the user's call): ranks that
+    name the same run the call; where they name different ones, every rank gets the mismatch
+    naming what each named; an op wire code past 8 is refused."""
+    ranks = ranks_of(shim, 2)
+    x = np.ones(4, np.float32)
+    allreduce_mean = 2 << 16 | 2 << 24  # (collective code 2: allreduce; op wire code 2: MEAN)
+
+    def rank(r, mine):
+        me = ranks[r]
+        out = x.copy()
+        rc = me(ALLREDUCE, x, out, 4, flags=mine)
+        return rc, me.error() if rc != OK else out.tolist()
+
+    both = in_threads([lambda r=r: rank(r, allreduce_mean) for r in range(2)])
+    assert both == [(OK, [2.0] * 4)] * 2  # (the door still sums: only the header names MEAN)
+    apart = in_threads([lambda r=r: rank(r, allreduce_mean if r == 0 else 4 << 16)
+                        for r in range(2)])
+    for rc, msg in apart:
+        assert rc == MISMATCH, apart
+        assert "ranks [0] called allreduce(float32[4], MEAN)" in msg, msg
+        assert "ranks [1] called all_gather(float32[4], SUM)" in msg, msg
+    assert ranks[0](BARRIER, flags=9 << 24) == INVALID
+    assert "FERRO_OPTS_OP(9) is no op's wire code (1-8)" in ranks[0].error()
 
 
 def test_python_steps_catch_up_in_their_turn_and_only_with_nothing_reserved_after():

@@ -405,16 +405,20 @@ def test_a_message_the_bucket_holds_costs_only_its_latency():
 
 
 def test_the_engine_step_prices_each_node_stage():
-    """A staged allreduce on nodes with engines has three node steps (the whole-call check's
-    and two stages'): pricing the engine step apart from the intra-node messages' latency moves
-    the call by three times the difference."""
+    """A staged allreduce on nodes with engines has two node steps (the whole-call check
+    rides in the first): pricing the engine step apart from the intra-node messages' latency
+    moves the call by twice the difference; a broadcast, which checks its node on its own
+    first, has two as well (the check and its node stage)."""
     p = cm.Params(2e-4, 125e6, 1e-6, 5e9, 2, shared_link=True)
     slow = dataclasses.replace(p, engine_step=3e-4)
     same = dataclasses.replace(p, engine_step=1e-6)
     base = cm.predict("allreduce", "hierarchical_engine", 4096, 8, p)
     assert cm.predict("allreduce", "hierarchical_engine", 4096, 8, same) == base
     assert cm.predict("allreduce", "hierarchical_engine", 4096, 8, slow) == \
-        pytest.approx(base + 3 * (3e-4 - 1e-6), rel=1e-9)
+        pytest.approx(base + 2 * (3e-4 - 1e-6), rel=1e-9)
+    base = cm.predict("broadcast", "hierarchical_engine", 4096, 8, p)
+    assert cm.predict("broadcast", "hierarchical_engine", 4096, 8, slow) == \
+        pytest.approx(base + 2 * (3e-4 - 1e-6), rel=1e-9)
 
 
 def test_shared_link_serializes_a_roots_incoming_messages():

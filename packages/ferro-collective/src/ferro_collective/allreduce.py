@@ -20,6 +20,7 @@ as "star" does, so their bits equal ``algorithm="star"``'s on every rank.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import numpy as np
@@ -187,7 +188,8 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
                         me = node.rank * chunk
                         part = whole[me:me + chunk].copy()
                     parts[p] = (whole, part)
-                    pending[p] = worker.submit(functools.partial(across, p, part, execute))
+                    job = functools.partial(across, p, part, execute)
+                    pending[p] = worker.submit(job) if k > 1 else _in_line(job)
                 else:
                     pending.pop(p).result()
                     whole, part = parts.pop(p)
@@ -202,6 +204,17 @@ def stages(h, x: np.ndarray, op: ReduceOp, wd: np.dtype, timeout, out):
         return finish(result, x.dtype, out)
 
     return run
+
+
+def _in_line(job) -> concurrent.futures.Future:
+    """``job()`` run now, as a future (a call in one piece: its cross-node stage in this
+    thread, without a worker's round trip)."""
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        f.set_result(job())
+    except BaseException as exc:  # (raised where its result is asked for, as a worker's)
+        f.set_exception(exc)
+    return f
 
 
 ALLREDUCE = Collective("allreduce", prepare, _onecall.ALLREDUCE,

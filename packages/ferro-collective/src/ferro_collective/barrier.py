@@ -12,7 +12,6 @@ from __future__ import annotations
 from . import _onecall
 from .arguments import check_backend
 from .engine_group import EngineGroup, Step, door_calls
-from .header import mismatch_check_enabled
 from .p2p import Ctx
 from .per_backend import reserve
 from .plan import Collective, Plan
@@ -33,13 +32,9 @@ def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = Non
 
 
 def stages(h, timeout):
-    """Node, cross, node; returns ``run(execute)``. With the mismatch check on, the whole-call
-    check (:mod:`.stage_check`) runs first, on the node then across nodes: the last node stage
-    alone completes the barrier."""
+    """Node, cross, node; returns ``run(execute)`` (with the mismatch check on, the first two
+    carry the whole-call check: :mod:`.stage_check`)."""
     node, cross = h.node, h.cross
-    if mismatch_check_enabled():
-        (last,) = reserve(node)
-        return lambda execute: execute(prepare(None, node, None, timeout, None, None, last))
     s1, s3 = reserve(node, node)
     (s2,) = reserve(cross)
 

@@ -92,6 +92,10 @@ ALGORITHMS_MODELLED = {
 #: the collectives that have a hierarchical form (node and cross stages); "barrier" is
 #: modelled as "flat" (the header exchange alone) and "hierarchical"
 HIERARCHICAL = ("allreduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+#: the hierarchical collectives whose stages start on the node (its first stage carries the
+#: node's whole-call check, :mod:`.stage_check`); a broadcast's start across nodes for the
+#: ranks of the root's local index, and check the node on their own first
+NODE_FIRST = frozenset({"allreduce", "reduce_scatter", "all_gather", "barrier"})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -218,12 +222,13 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
     xa, xb = p.link(True)
     step = ia if p.engine_step is None else p.engine_step
     stages = hierarchical_stages(name, nbytes, n, p)
-    if header:  # the whole-call check on every node first; across nodes the first cross stage
-        # exchanges it (every cross group: a broadcast's others check alone, at once), a
-        # barrier's cross stage is the check, its first node stage the node's
-        stages = [("node", "check", "flat", 0)] + (stages[1:] if name == "barrier" else stages)
-    crossed = not header or name == "barrier"
+    # the whole-call check: each group's first stage exchanges it (across nodes on every cross
+    # group at once: a broadcast's others check alone), a broadcast's node first on its own
+    carries = {"node": header and name in NODE_FIRST, "cross": header}
+    if header and name not in NODE_FIRST:
+        stages = [("node", "check", "flat", 0)] + stages
     for group, stage, algorithm, size in stages:
+        first, carries[group] = carries[group], False
         if group == "node" and engine:
             # one step through the node's segment: everyone arrives, then copies the stage's
             # bytes over the intra-node link (the engine checks headers in the same step)
@@ -241,15 +246,16 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
             groups = [(members, pieces[j]) for j, members in enumerate(crosses)]
         else:
             groups = [(members, size) for members in crosses]
-        if group == "cross" and not crossed:
-            crossed = True
+        if group == "cross" and first:
             for members in crosses:
                 message_schedule.View(s, members).rounds(
                     message_schedule.header_rounds(len(members)))
         for members, size_j in groups:
             view = message_schedule.View(s, members)
-            if stage in ("check", "barrier"):  # (a barrier's exchange is the barrier)
+            if (group == "node" and first) or stage == "check" or (stage == "barrier" and
+                                                                   not first):
                 view.rounds(message_schedule.header_rounds(len(members)))
+            if stage in ("check", "barrier"):  # (a barrier's exchange is the barrier)
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)

@@ -68,11 +68,15 @@ _monotonic = time.monotonic
 class Step:
     """One call in progress on the engine: names and deadlines for its steps and errors."""
 
-    __slots__ = ("name", "seq", "timeout", "start", "soft", "hard", "reported", "span")
+    __slots__ = ("name", "seq", "timeout", "start", "soft", "hard", "reported", "span",
+                 "whole")
 
     def __init__(self, name: str, seq: int, timeout: float, start: float | None = None,
-                 span: int = 0) -> None:
+                 span: int = 0, whole: Any = None) -> None:
         self.name, self.seq, self.timeout, self.span = name, seq, timeout, span
+        #: what the door's header names instead of the call itself (a hierarchical call's
+        #: first node stage names the whole call: :class:`.stage_check.Whole`), or None
+        self.whole = whole
         self.start = _monotonic() if start is None else start
         self.hard = self.start + timeout
         self.soft = self.start + timeout * p2p.STALL_FRACTION
@@ -122,7 +126,7 @@ class EngineGroup(Core):
     # ------------------------------------------------------------------ running a call
     def run(self, plan: Plan) -> Any:
         """Run ``plan`` (its ticket taken) on the engine in its ticket's turn."""
-        call = Step(plan.name, plan.seq, plan.timeout, span=plan.span)
+        call = Step(plan.name, plan.seq, plan.timeout, span=plan.span, whole=plan.whole)
         try:
             if self.broken is not None:
                 raise self.broken
@@ -141,9 +145,16 @@ class EngineGroup(Core):
              type_name: bytes | None = None) -> None:
         """One of the door's collectives (``kind``: ``_comm.ALLREDUCE``...) as ``call``, on
         contiguous arrays (``send``/``recv`` None where a rank passes nothing); ``shape``: the
-        one its header names (every rank's must agree)."""
-        rc = door_calls.Call(self.comm, kind, code, op, root, shape, type_name, call.span).run(
-            send, recv, call.seq, call.timeout)
+        one its header names (every rank's must agree); where ``call`` publishes a whole call
+        (:attr:`Step.whole`), its header names that call instead."""
+        whole = call.whole
+        if whole is None:
+            prepared = door_calls.Call(self.comm, kind, code, op, root, shape, type_name,
+                                       call.span)
+        else:
+            prepared = door_calls.Call(self.comm, kind, code, op, root, whole.shape,
+                                       whole.type_name, call.span, whole.code, whole.op)
+        rc = prepared.run(send, recv, call.seq, call.timeout)
         if rc != OK:
             self._raise(rc, call.name, call.seq, call.timeout)
 
@@ -158,7 +169,9 @@ class EngineGroup(Core):
         a timeout or a dead peer breaks the group."""
         msg = last_error()
         if rc == MISMATCH:
-            raise CollectiveMismatchError(msg)
+            exc = CollectiveMismatchError(msg)
+            exc.headers = self.steps.headers()  # (the step's: every rank's, their spans)
+            raise exc
         if rc == TIMEOUT or rc == FAILED:
             exc: BaseException = (CollectiveTimeoutError(msg) if rc == TIMEOUT else
                                   self._failure(Step(name, seq, timeout), self.steps.missing()))

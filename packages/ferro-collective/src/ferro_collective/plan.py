@@ -67,10 +67,12 @@ class Plan:
     caller's whole call takes where this is its first collective (a compressed call's block; 0:
     one), which its header publishes (:func:`.header.owed`). ``checked``: a stage of a
     hierarchical call whose whole-call check passed (:mod:`.stage_check`): its Python body
-    skips its own header exchange (a barrier's is the barrier: it keeps it)."""
+    skips its own header exchange (a barrier's is the barrier: it keeps it). ``whole``: a
+    hierarchical call's first node stage on an engine publishes the whole call's header in
+    its own place (:class:`.stage_check.Whole`), else None."""
 
     __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
-                 "span", "checked")
+                 "span", "checked", "whole")
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
                  python: Callable[[Ctx], Any], engine: Callable | None = None,
@@ -87,9 +89,13 @@ class Plan:
         self.seq = seq
         self.span = 0
         self.checked = False
+        self.whole = None
 
     def encoded(self) -> bytes:
-        """The header every rank compares, with this call's sequence number."""
+        """The header every rank compares, with this call's sequence number (a stage that
+        publishes its whole call's, :attr:`whole`: that one's)."""
+        if self.whole is not None:
+            return self.whole.header(self.seq)
         return encode(self.name, *self.header, seq=self.seq, span=self.span)
 
     def context(self) -> Ctx:

@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from ferro_backend import CollectiveMismatchError, CollectiveTimeoutError, DistributedError
 
+from .costmodel import NODE_FIRST
 from .engine_group import group_of
-from .header import check_all, encode, refusal, span_of
+from .header import check_all, collective_code, encode, refusal, span_of
+from .ops import OPS
 from .p2p import header_exchange
 from .per_backend import recorded, reserve, state
 from .plan import Plan
@@ -76,25 +80,39 @@ class Check(Plan):
             self.run_python()
 
 
+class Whole(NamedTuple):
+    """What a hierarchical call's first node stage publishes in its own place on an engine:
+    ``header(seq)``, the whole call's header (Python's steps), and for the door's header the
+    collective and op codes and the shape and element type it names instead of its own."""
+
+    header: Callable[[int], bytes]
+    code: int
+    op: int
+    shape: tuple
+    type_name: bytes | None
+
+
 class StageSet:
-    """A hierarchical call of ``plan`` on hierarchy ``h``, numbered now: its check's number on
-    the node, its stages' (``plan.stages(h)``, run by ``execute``), and on the cross group a
-    check of its own where no stage carries it (the stages take no cross-node number here, as
-    a broadcast's ranks of other local indexes than the root's, or the group has an engine)."""
+    """A hierarchical call of ``plan`` on hierarchy ``h``, numbered now: its stages' numbers
+    (``plan.stages(h)``, run by ``execute``), and on a group where no stage carries the check
+    (:data:`NODE_FIRST`; the cross group's first stage, unless this rank's stages take no
+    cross-node number there, as a broadcast's ranks of other local indexes than the root's, or
+    the group has an engine) a number for a check of its own, taken first."""
 
     def __init__(self, plan: Plan, h, execute) -> None:
         self.plan = plan
         node, cross = self.groups = (h.node, h.cross)
-        first = reserve(node)
-        ahead = reserve(cross) if group_of(cross) is not None else []  # (in its ticket order)
+        ahead = reserve(node) if plan.name not in NODE_FIRST else []
+        across = reserve(cross) if group_of(cross) is not None else []  # (in ticket order)
         with recorded() as taken:
             self.stages = plan.stages(h)
-        crossing = ahead + taken.get(cross, [])
-        #: the first cross-node stage exchanges the whole call's header (its own skipped)
-        self.carried = not ahead and bool(crossing)
-        #: every number the call takes on each group, in order (the checks' first)
-        self.numbers = [first + taken.get(node, []), crossing or reserve(cross)]
-        self.started: set[tuple[int, int]] = {(0, first[0])}
+        #: every number the call takes on each group, in order (a check of its own first)
+        self.numbers = [ahead + taken.get(node, []), across + taken.get(cross, [])]
+        #: the group's first stage exchanges the whole call's header (node: in its own place)
+        self.carried = [not ahead and bool(self.numbers[0]), not across and bool(self.numbers[1])]
+        if not self.numbers[1]:
+            self.numbers[1] = reserve(cross)
+        self.started: set[tuple[int, int]] = set()
         self.failed: dict[int, BaseException] = {}
         #: set once the first cross-node exchange has run (the later cross-node stages wait)
         self.decided = threading.Event()
@@ -105,44 +123,67 @@ class StageSet:
         try:
             return self.stages(self.execute)
         except CollectiveMismatchError as exc:
-            if isinstance(self.failed.get(1), CollectiveMismatchError):
-                self.abandon()
-                raise _named(exc, self.plan.name, self.groups[1]) from None
-            raise
+            if isinstance(self.failed.get(0), CollectiveMismatchError):
+                self.refuse_across(self.failed[0])  # (the node's first stage met it)
+            if not any(isinstance(e, CollectiveMismatchError) for e in self.failed.values()):
+                raise
+            self.abandon()
+            group, first = min(self.failed.items())
+            raise _named(first if isinstance(first, CollectiveMismatchError) else exc,
+                         self.plan.name, self.groups[group]) from None
 
     def header(self, group: int) -> Callable[[int], bytes]:
         """The whole call's header on group ``group`` (0: node, 1: cross), by number."""
         plan, span = self.plan, len(self.numbers[group])
         return lambda seq: encode(plan.name, *plan.header, seq=seq, span=span)
 
-    def check(self) -> None:
-        """The whole call's header on the node, then across nodes (here, where no stage
-        carries it; a refusal where the node disagreed); after a disagreement no stage runs,
-        their numbers are given back and the mismatch raised."""
-        name, timeout = self.plan.name, self.plan.timeout
-        node, cross = self.groups
-        try:
-            Check(name, node, timeout, self.header(0), self.numbers[0][0]).run()
-            if self.carried:
-                return
-            cross_header = self.header(1)
-        except CollectiveMismatchError as exc:
-            self.failed[0] = exc
-            why = CollectiveMismatchError(f"ranks {list(node.global_ranks)} of its node "
-                                          "disagree")
-            span = len(self.numbers[1])
+    def whole(self) -> Whole:
+        """What the first node stage publishes on an engine (:class:`Whole`)."""
+        dtype, shape, op = (*self.plan.header, None)[:3]  # (a barrier's names no op)
+        return Whole(self.header(0), collective_code(self.plan.name),
+                     0 if op is None else OPS[op].wire, tuple(shape),
+                     None if dtype is None else np.dtype(dtype).str.encode())
 
-            def cross_header(seq: int) -> bytes:
-                return refusal(name, seq, why, span)
-        self.started.add((1, self.numbers[1][0]))
-        try:
-            Check(name, cross, timeout, cross_header, self.numbers[1][0]).run()
-        except CollectiveMismatchError as exc:
-            self.failed[1] = exc
+    def check(self) -> None:
+        """The whole call's header on the node, then across nodes, where no stage carries it
+        (a refusal across nodes where the node disagreed); after a disagreement no stage runs,
+        their numbers are given back and the mismatch raised."""
+        if all(self.carried):
+            return
+        name, timeout = self.plan.name, self.plan.timeout
+        node = self.groups[0]
+        if not self.carried[0]:
+            self.started.add((0, self.numbers[0][0]))
+            try:
+                Check(name, node, timeout, self.header(0), self.numbers[0][0]).run()
+            except CollectiveMismatchError as exc:
+                self.failed[0] = exc
+                self.refuse_across(exc)
+        if not self.failed and not self.carried[1]:
+            self.started.add((1, self.numbers[1][0]))
+            try:
+                Check(name, self.groups[1], timeout, self.header(1), self.numbers[1][0]).run()
+            except CollectiveMismatchError as exc:
+                self.failed[1] = exc
         if self.failed:
             self.abandon()
             group, exc = min(self.failed.items())
             raise _named(exc, name, self.groups[group]) from None
+
+    def refuse_across(self, exc: CollectiveMismatchError) -> None:
+        """The node disagreed (``exc``): say so in the call's first cross-node exchange (its
+        peers there raise; what they called may owe this rank numbers: their spans)."""
+        name, node, span = self.plan.name, self.groups[0], len(self.numbers[1])
+        why = CollectiveMismatchError(f"ranks {list(node.global_ranks)} of its node disagree")
+
+        def header(seq: int) -> bytes:
+            return refusal(name, seq, why, span)
+
+        self.started.add((1, self.numbers[1][0]))
+        try:
+            Check(name, self.groups[1], self.plan.timeout, header, self.numbers[1][0]).run()
+        except CollectiveMismatchError as theirs:
+            self.failed[1] = theirs
 
     def abandon(self) -> None:
         """No more stage starts: give back every number no stage started, and skip, where a
@@ -159,10 +200,12 @@ class StageSet:
 
 class _Checked:
     """``execute`` for the stages of a :class:`StageSet`: their plans skip their own header
-    exchanges over point-to-point messages (the whole call's check covered them); the first
-    cross-node stage, where it carries the check, first exchanges the whole call's header on
-    its number (its body's messages follow on the same number's tags), and the later
-    cross-node stages start only once that exchange passed (they keep their own exchange)."""
+    exchanges over point-to-point messages (the whole call's check covered them). A group's
+    first stage, where it carries the check, publishes the whole call's header: on an engine in
+    its own place (:class:`Whole`), over point-to-point messages in an exchange on its number
+    before its body (whose messages follow on the same number's tags; a barrier's body is that
+    exchange); the later cross-node stages start only once the cross-node exchange passed
+    (they keep their own exchange)."""
 
     __slots__ = ("calls", "execute")
 
@@ -172,30 +215,41 @@ class _Checked:
     def __call__(self, plan: Plan) -> Any:
         calls = self.calls
         i = 1 if plan.backend is calls.groups[1] else 0
-        if i == 1 and calls.carried:
-            if plan.seq == calls.numbers[1][0]:
-                calls.started.add((1, plan.seq))
-                try:
-                    Check(calls.plan.name, plan.backend, plan.timeout, calls.header(1),
-                          plan.seq).run()
-                except BaseException as exc:
-                    calls.failed[1] = exc
-                    raise
-                finally:
-                    calls.decided.set()
-            else:
-                calls.decided.wait(plan.timeout)
-                failed = calls.failed.get(1)
-                if failed is not None or not calls.decided.is_set():
-                    raise CollectiveMismatchError(
-                        f"{calls.plan.name}: the call's first cross-node exchange failed") \
-                        if isinstance(failed, CollectiveMismatchError) else \
-                        CollectiveTimeoutError(f"{calls.plan.name} (seq {plan.seq}): its first "
-                                               "cross-node exchange did not end")
+        first = calls.carried[i] and plan.seq == calls.numbers[i][0]
         calls.started.add((i, plan.seq))
+        if first:
+            return self._first(i, plan)
+        if i == 1 and calls.carried[1]:
+            calls.decided.wait(plan.timeout)
+            failed = calls.failed.get(1)
+            if failed is not None or not calls.decided.is_set():
+                raise CollectiveMismatchError(
+                    f"{calls.plan.name}: the call's first cross-node exchange failed") \
+                    if isinstance(failed, CollectiveMismatchError) else \
+                    CollectiveTimeoutError(f"{calls.plan.name} (seq {plan.seq}): its first "
+                                           "cross-node exchange did not end")
         # (a pipelined call's later cross-node pieces keep their headers' round trip: it paces
         # their data onto the link, 16 MiB at 2 x 2 and 1 Gbit/s 2% faster than without)
-        plan.checked = i == 0 or not calls.carried or plan.seq == calls.numbers[1][0]
+        plan.checked = i == 0 or not calls.carried[1]
+        return self.execute(plan)
+
+    def _first(self, i: int, plan: Plan) -> Any:
+        """Group ``i``'s first stage, carrying the whole call's check."""
+        calls = self.calls
+        try:
+            if i == 0 and group_of(plan.backend) is not None:
+                plan.whole, plan.span = calls.whole(), len(calls.numbers[0])
+                return self.execute(plan)
+            Check(calls.plan.name, plan.backend, plan.timeout, calls.header(i), plan.seq).run()
+        except BaseException as exc:
+            calls.failed[i] = exc
+            raise
+        finally:
+            if i == 1:
+                calls.decided.set()
+        if plan.name == "barrier":  # (its exchange was the barrier)
+            return None
+        plan.checked = True
         return self.execute(plan)
 
     def prepare(self, name: str, *args) -> Plan:

@@ -43,7 +43,9 @@ cdef class Call:
     ``shape`` its header names (a sequence of ints; None: the count) and ``type_name`` (the
     header's element type, numpy's ``dtype.str``, for bytes of a dtype the door does not know;
     None: ``dtype``'s); ``span``: the tickets the client's whole call takes where this is its
-    first collective (``ferro_opts.flags``' FERRO_OPTS_SPAN; 0: one)."""
+    first collective (``ferro_opts.flags``' FERRO_OPTS_SPAN; 0: one); ``names_call`` and
+    ``names_op``: the collective and op wire codes its header names instead of its own (0: its
+    own; FERRO_OPTS_CALL, FERRO_OPTS_OP: a whole call's first collective names the call)."""
 
     cdef ferro_comm* c
     cdef const ferro_engine_api* api
@@ -56,7 +58,8 @@ cdef class Call:
     cdef readonly int64_t ticket
 
     def __init__(self, comm, int kind, int dtype, int op=0, int root=0, shape=None,
-                 bytes type_name=None, unsigned int span=0):
+                 bytes type_name=None, unsigned int span=0, unsigned int names_call=0,
+                 unsigned int names_op=0):
         if not 0 <= kind <= K_ALL_TO_ALL:
             raise ValueError(f"Call: kind {kind} is not one of the door's")
         if not 0 <= dtype < FERRO_DTYPE_COUNT:
@@ -69,7 +72,12 @@ cdef class Call:
         self.base.size = sizeof(ferro_opts)
         if span > 0xFFFF:
             raise ValueError(f"Call: span {span} is more tickets than a header names (65535)")
-        self.base.flags = span  # FERRO_OPTS_SPAN: the tickets the client's call takes (0: one)
+        if names_call > 0xFF or names_op > 8:
+            raise ValueError(f"Call: the header names collective code {names_call} (0-255) "
+                             f"and op wire code {names_op} (0-8)")
+        # FERRO_OPTS_SPAN: the tickets the client's call takes (0: one); FERRO_OPTS_CALL and
+        # FERRO_OPTS_OP: what its header names instead of this collective (0: its own)
+        self.base.flags = span | names_call << 16 | names_op << 24
         self.base.timeout = 0.0
         self.base.ticket = FERRO_TICKET_NOW
         self.base.ndim = 0

@@ -468,9 +468,9 @@ int ferro_door_check_opts(const ferro_opts* o, const char* name, double* timeout
     if (o->ticket < FERRO_TICKET_NOW)
         return say(FERRO_INVALID, "%s: ticket %lld is neither FERRO_TICKET_NOW nor reserved",
                    name, (long long)o->ticket);
-    if (o->flags >> 16)
-        return say(FERRO_INVALID, "%s: opts flags 0x%x: only bits 0-15 (FERRO_OPTS_SPAN) mean "
-                   "anything yet", name, o->flags);
+    if ((o->flags >> 24) > 8)
+        return say(FERRO_INVALID, "%s: opts flags 0x%x: FERRO_OPTS_OP(%u) is no op's wire code "
+                   "(1-8)", name, o->flags, o->flags >> 24);
     if (o->ndim < 0 || (o->ndim > 0 && o->dims == NULL))
         return say(FERRO_INVALID, "%s: a shape of %d dims at %p", name, o->ndim,
                    (const void*)o->dims);
@@ -595,6 +595,10 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
     }
     ferro_header_encode(k->header, coll, dtype, o != NULL ? o->type_name : NULL, ndim, dims, op,
                         root, 0, 0, o != NULL ? FERRO_OPTS_SPAN(o->flags) : 0u);
+    if (o != NULL && (o->flags >> 16 & 0xFFu) != 0)  /* the client's call, named (its stage) */
+        k->header[2] = (unsigned char)(o->flags >> 16 & 0xFFu);
+    if (o != NULL && (o->flags >> 24) != 0)
+        k->header[3] = (unsigned char)(o->flags >> 24);
     if (memcmp(k->header, c->last_header, FERRO_HEADER_BYTES) != 0) {
         memcpy(c->last_header, k->header, FERRO_HEADER_BYTES);
         c->last_hash = ferro_header_hash(k->header, FERRO_HEADER_BYTES);

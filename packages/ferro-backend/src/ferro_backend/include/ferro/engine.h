@@ -135,7 +135,13 @@ typedef struct ferro_opts {
                              * and where the ranks' calls disagree (FERRO_MISMATCH), a rank
                              * whose call took fewer tickets than a peer's, and that reserved
                              * none after it, gives back the difference, so that the next call
-                             * is the next call on every rank. Bits 16-31: 0 */
+                             * is the next call on every rank. Bits 16-23,
+                             * FERRO_OPTS_CALL(code), and 24-31, FERRO_OPTS_OP(wire): the
+                             * collective and op codes its header names instead of its own (0:
+                             * its own), so that a client's call made of several collectives
+                             * (a multi-node job's stages) publishes in its first one what was
+                             * called, which the ranks compare (op wire codes 1-8: SUM, MEAN,
+                             * MAX, MIN, PRODUCT, BAND, BOR, BXOR) */
     double timeout;         /* seconds; 0: the communicator's default; INFINITY: none (a
                              * call times out no sooner, and at most two of the kernel's
                              * coarse clock ticks later: 8 ms with 4 ms ticks) */
@@ -150,6 +156,8 @@ typedef struct ferro_opts {
 } ferro_opts;
 
 #define FERRO_OPTS_SPAN(n) ((uint32_t)(n) & 0xFFFFu)
+#define FERRO_OPTS_CALL(code) (((uint32_t)(code) & 0xFFu) << 16)
+#define FERRO_OPTS_OP(wire) (((uint32_t)(wire) & 0xFFu) << 24)
 
 #define FERRO_OPTS_INIT {sizeof(ferro_opts), 0u, 0.0, FERRO_TICKET_NOW, 0, NULL, NULL, NULL, NULL}
 
