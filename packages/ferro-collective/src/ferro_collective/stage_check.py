@@ -7,9 +7,12 @@ nodes' ranks waiting for it in a cross-node stage until their deadline, and the 
 numbers out of step after it. So the call checks itself whole, on both groups, before any
 stage that could meet a disagreement (:class:`StageSet`):
 
-1. on the node, before any stage, every rank publishes the call's own header (what the user
-   called: collective, dtype, shape, op, root) with its span there, the numbers the call takes
-   on the node (one step on the node's engine);
+1. on the node, before any cross-node stage, every rank publishes the call's own header (what
+   the user called: collective, dtype, shape, op, root) with its span there, the numbers the
+   call takes on the node: in its first node stage's place where the call starts on the node
+   (:data:`.costmodel.NODE_FIRST`; on an engine the door's header names the user's call,
+   ``FERRO_OPTS_CALL``/``FERRO_OPTS_OP``: no step of its own), else (a broadcast) in a step
+   of its own first;
 2. across nodes, the same with the span there, or, where its node disagreed, a refusal that
    says so: as the first cross-node stage's header exchange (that stage's body follows on its
    tags, and the call's later cross-node stages start once it passed), or as a check of its
@@ -26,8 +29,9 @@ the next call on every rank (unless this rank numbered a call after it: then, as
 job, that call meets its peers' calls apart). The stages' own header exchanges over
 point-to-point messages are skipped (the whole call agrees, so every stage does), but a
 pipelined call's later cross-node pieces', whose round trips pace their data. The check
-costs a call one engine step on the node; it is off with the mismatch check
-(:func:`.header.set_mismatch_check`).
+costs an allreduce, reduce_scatter, all_gather or barrier no message or step of its own, a
+broadcast one engine step and, on the ranks of other local indexes than the root's, one
+cross-node exchange; it is off with the mismatch check (:func:`.header.set_mismatch_check`).
 """
 
 from __future__ import annotations
