@@ -106,8 +106,11 @@ class StageSet:
     def __init__(self, plan: Plan, h, execute) -> None:
         self.plan = plan
         node, cross = self.groups = (h.node, h.cross)
-        ahead = reserve(node) if plan.name not in NODE_FIRST else []
-        across = reserve(cross) if group_of(cross) is not None else []  # (in ticket order)
+        # (a cross group on an engine checks in a step of its own, first: the node then does
+        # too, so that its verdict comes before any cross-node exchange)
+        engine_across = group_of(cross) is not None
+        ahead = reserve(node) if plan.name not in NODE_FIRST or engine_across else []
+        across = reserve(cross) if engine_across else []  # (in ticket order)
         with recorded() as taken:
             self.stages = plan.stages(h)
         #: every number the call takes on each group, in order (a check of its own first)
