@@ -110,7 +110,7 @@ DISAGREEMENTS = {
 REFUSED = {"refused": "ValueError"}
 
 
-def mismatch(b, nodes=None, timeout=6.0, cases=tuple(DISAGREEMENTS)):
+def mismatch(b, nodes=None, timeout=12.0, cases=tuple(DISAGREEMENTS)):
     """The disagreements of :data:`DISAGREEMENTS` named in ``cases`` in turn (``nodes`` None:
     ``b`` has its hierarchy, a simulated one), each followed by an allreduce that
     must agree: per case, (the error's type, seconds to it, the next allreduce's result)."""

@@ -61,7 +61,7 @@ def test_hierarchical_collectives(layout):
 def test_a_mismatch_errors_on_every_rank_at_once_and_the_next_call_agrees(layout):
     """Inside a node, between nodes, other collectives, sizes cut in other numbers of pieces,
     roots whose cross stages differ: every rank raises CollectiveMismatchError long before the
-    call's deadline (6 s), and the next allreduce gives the right sum on every rank."""
+    call's deadline (12 s; under 6 s even on a loaded host), and the next allreduce gives the right sum on every rank."""
     got = run_processes(mismatch, 4, LAYOUTS[layout], timeout=150)
     world = 4
     for case in DISAGREEMENTS:
@@ -69,7 +69,7 @@ def test_a_mismatch_errors_on_every_rank_at_once_and_the_next_call_agrees(layout
             error, took, after = res[case]
             want = REFUSED[case] if r == 0 and case in REFUSED else "CollectiveMismatchError"
             assert error == want, (case, r, res[case])
-            assert took < 3.0, (case, r, res[case])
+            assert took < 6.0, (case, r, res[case])
             assert after == [sum(range(1, world + 1))] * 3, (case, r, res[case])
 
 
@@ -81,11 +81,11 @@ def test_a_mismatch_on_a_simulated_hierarchy_errors_on_every_rank_and_the_next_c
     net = Network.cluster(gbit=10, latency_us=20, ranks_per_node=2)
     group = SimulatedBackend.create_group(4, network=net, hierarchical=True, timeout=30)
     cases = [c for c in DISAGREEMENTS if c not in REFUSED]
-    got = run_threads(lambda b: mismatch(b, None, 6.0, cases), group, timeout=120)
+    got = run_threads(lambda b: mismatch(b, None, 12.0, cases), group, timeout=240)
     for case in cases:
         for r, res in enumerate(got):
             assert res[case][0] == "CollectiveMismatchError", (case, r, res[case])
-            assert res[case][1] < 3.0 and res[case][2] == [10.0] * 3, (case, r, res[case])
+            assert res[case][1] < 6.0 and res[case][2] == [10.0] * 3, (case, r, res[case])
 
 
 def test_the_stages_exchange_no_header_of_their_own(monkeypatch):
