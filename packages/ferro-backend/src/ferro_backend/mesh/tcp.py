@@ -60,7 +60,8 @@ class TcpBackend(FixedRanks, Composable, Backend):
         the ``FERRO_TOKEN`` environment variable; without one, connections are checked for the
         protocol magic and version only.
     connect_timeout : float, optional
-        Seconds the rendezvous may take (default: ``timeout``).
+        Seconds the rendezvous may take (default: ``timeout``); a :class:`ShmBackend`'s engine
+        segment takes as long again to set up at most.
     listener : socket.socket, optional
         Rank 0 only: a socket already bound and listening, taken over for the rendezvous
         instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
@@ -104,6 +105,8 @@ class TcpBackend(FixedRanks, Composable, Backend):
         self._world = world_size
         self.timeout = timeout
         setup = self.resolve_timeout(connect_timeout, "TcpBackend: connect_timeout")
+        #: seconds the job's setup steps may take (the rendezvous; a ShmBackend's engine)
+        self.connect_timeout = setup
         mode = settings.TCP_CONNECT.parse(connect) if connect is not None else \
             settings.TCP_CONNECT.get()
         self.lazy = world_size > 1 and (mode == "lazy" or (mode == "auto" and
