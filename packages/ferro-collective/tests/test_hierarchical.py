@@ -61,7 +61,8 @@ def test_hierarchical_collectives(layout):
 def test_a_mismatch_errors_on_every_rank_at_once_and_the_next_call_agrees(layout):
     """Inside a node, between nodes, other collectives, sizes cut in other numbers of pieces,
     roots whose cross stages differ: every rank raises CollectiveMismatchError long before the
-    call's deadline (12 s; under 6 s even on a loaded host), and the next allreduce gives the right sum on every rank."""
+    call's deadline (12 s; under 6 s even on a loaded host), and the next allreduce gives the
+    right sum on every rank."""
     got = run_processes(mismatch, 4, LAYOUTS[layout], timeout=150)
     world = 4
     for case in DISAGREEMENTS:
