@@ -54,7 +54,9 @@ def attach_engine(group: Any, slot_bytes: int | None = None) -> Engine:
     if nodes is not None and len({nodes[r] for r in members}) > 1:
         raise ValueError(f"attach_engine: the members {list(members)} are on several hosts "
                          f"({sorted({nodes[r] for r in members})})")
-    engine = group.engine = Engine.join(group, slot_bytes=slot_bytes)
+    # (within the job's connect_timeout too, not a call's alone: see ShmBackend)
+    setup = max(group.timeout, getattr(root, "connect_timeout", 0.0) or 0.0)
+    engine = group.engine = Engine.join(group, slot_bytes=slot_bytes, timeout=setup)
 
     def on_failure() -> None:
         # a member gone, an abort, this rank closing: every wait ends now; a rank outside the

@@ -73,10 +73,10 @@ class ShmBackend(TcpBackend):
         super().__init__(rank, world_size, master_addr, **kwargs)
         if world_size > 1 and use_engine:
             try:
-                # (set up within connect_timeout, not a call's: a short call timeout must not
-                # fail the setup on a loaded host)
+                # (set up within connect_timeout too, not a call's alone: a short call timeout
+                # must not fail the setup on a loaded host)
                 self.engine = Engine.join(self, slot_bytes=slot_bytes,
-                                          timeout=self.connect_timeout)
+                                          timeout=max(self.timeout, self.connect_timeout))
             except BaseException:
                 self.abort("the engine segment could not be set up")
                 raise

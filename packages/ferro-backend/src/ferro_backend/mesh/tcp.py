@@ -60,8 +60,8 @@ class TcpBackend(FixedRanks, Composable, Backend):
         the ``FERRO_TOKEN`` environment variable; without one, connections are checked for the
         protocol magic and version only.
     connect_timeout : float, optional
-        Seconds the rendezvous may take (default: ``timeout``); a :class:`ShmBackend`'s engine
-        segment takes as long again to set up at most.
+        Seconds the rendezvous may take (default: ``timeout``); an engine segment's setup
+        (a :class:`ShmBackend`'s, a node's) may take as long again, or ``timeout`` if longer.
     listener : socket.socket, optional
         Rank 0 only: a socket already bound and listening, taken over for the rendezvous
         instead of binding ``master_addr`` (how :func:`~ferro_backend.init_from_env` uses a
