@@ -500,12 +500,12 @@ TestFramingThreads.settings = settings(_MACHINE, max_examples=6)
 
 
 # ---------------------------------------------------------------------------------- the engine
-def _shm_pair() -> list:
+def _shm_pair(timeout: float = 0.5) -> list:
     addr = f"127.0.0.1:{free_port()}"
     pair: list = [None, None]
 
     def build(r):  # a short default timeout: a send into a ring made full by garbage waits it
-        pair[r] = ShmBackend(r, 2, addr, timeout=0.5, connect_timeout=20)
+        pair[r] = ShmBackend(r, 2, addr, timeout=timeout, connect_timeout=20)
 
     threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
     for t in threads:

@@ -198,11 +198,10 @@ def test_a_short_call_timeout_does_not_bound_the_engines_setup(monkeypatch):
     """The engine segment is set up within ``connect_timeout``, not the call timeout: a pair
     with 0.2 s calls forms although its link probe takes 0.4 s (a loaded host's CI lane once
     failed a 0.5 s pair there), and its calls still time out after 0.2 s."""
-    import threading
+    from test_fuzz_protocol import _shm_pair
 
     from ferro_backend import CollectiveTimeoutError, PeerClosedError
     from ferro_backend.engine import segment
-    from ferro_backend.testing import free_port
 
     real = segment._link.probe
 
@@ -212,23 +211,8 @@ def test_a_short_call_timeout_does_not_bound_the_engines_setup(monkeypatch):
 
     monkeypatch.setattr(segment._link, "probe", slow)
     monkeypatch.setattr(segment, "oversubscribed", lambda n: False)  # (the probe always runs)
-    addr = f"127.0.0.1:{free_port()}"
-    pair: list = [None, None]
-    errors: list = []
-
-    def build(r):
-        try:
-            pair[r] = ShmBackend(r, 2, addr, timeout=0.2, connect_timeout=20)
-        except Exception as exc:  # (named below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    pair = _shm_pair(timeout=0.2)  # (it asserts that the pair formed)
     try:
-        assert all(pair) and not errors, errors
         start = time.monotonic()
         with pytest.raises((CollectiveTimeoutError, PeerClosedError, TimeoutError)):
             pair[0].recv(np.empty(1), 1)  # nobody sends: the call timeout holds
