@@ -293,9 +293,8 @@ class Steps:
         there); the call's owner gives back the numbers not taken."""
         decided = self.agree if self.agree is not None else self.decider
         for i, (coll, send, group, arg, out, _) in enumerate(self.calls):
-            if i == self.agree and self.skip_agree:  # (decided: its first collective failed)
-                raise self.error if self.error is not None else RuntimeError(
-                    f"{self.name}: the agreement skipped without an error")
+            if i == self.agree and self.skip_agree and self.error is not None:
+                raise self.error  # (decided: its first collective met the disagreement)
             if self.numbers is not None:
                 self.numbers.took(group)
             self._one(i, functools.partial(run, coll, send, group, arg, self.timeout, None, out,

@@ -149,12 +149,12 @@ class EngineGroup(Core):
         (:attr:`Step.whole`), its header names that call instead."""
         whole = call.whole
         if whole is None:
-            prepared = door_calls.Call(self.comm, kind, code, op, root, shape, type_name,
-                                       call.span)
+            door_call = door_calls.Call(self.comm, kind, code, op, root, shape, type_name,
+                                        call.span)
         else:
-            prepared = door_calls.Call(self.comm, kind, code, op, root, whole.shape,
-                                       whole.type_name, call.span, whole.code, whole.op)
-        rc = prepared.run(send, recv, call.seq, call.timeout)
+            door_call = door_calls.Call(self.comm, kind, code, op, root, whole.shape,
+                                        whole.type_name, call.span, whole.code, whole.op)
+        rc = door_call.run(send, recv, call.seq, call.timeout)
         if rc != OK:
             self._raise(rc, call.name, call.seq, call.timeout)
 
