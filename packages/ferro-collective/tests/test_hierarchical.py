@@ -2,16 +2,22 @@
 segment), node-major and interleaved rank layouts; results against numpy, the same bits on every
 rank, and a mismatch that errors on every rank instead of hanging."""
 
+import time
+from unittest import mock
+
 import numpy as np
 import pytest
 from hier_fns import DISAGREEMENTS, REFUSED, SIZES, mismatch, reprobes, suite
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import ferro_collective
 from ferro_backend import CollectiveMismatchError, SimulatedBackend
 from ferro_backend.engine import AVAILABLE as SAME_HOST_ENGINE
 from ferro_backend.hierarchy import node_members
 from ferro_backend.netsim import Network
 from ferro_backend.testing import run_processes, run_threads
-from ferro_collective import allreduce, barrier
+from ferro_collective import allreduce, barrier, broadcast, executors
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")]
@@ -112,6 +118,51 @@ def test_the_stages_exchange_no_header_of_their_own(monkeypatch):
     assert counts == {"stages": 0, "check": 8}
     run_threads(lambda b: barrier(b), group)
     assert counts == {"stages": 4, "check": 16}
+
+
+#: calls a rank may make: (collective, dtype, size or root)
+CALLS = st.one_of(
+    st.tuples(st.sampled_from(["allreduce", "all_gather", "reduce_scatter"]),
+              st.sampled_from(["float32", "float64"]), st.sampled_from([4, 8, 600, 604])),
+    st.tuples(st.just("broadcast"), st.just("float64"), st.integers(0, 3)),
+    st.tuples(st.just("barrier"), st.just(""), st.just(0)))
+
+
+def _call(b, call, timeout):
+    name, dtype, arg = call
+    if name == "barrier":
+        return barrier(b, timeout=timeout)
+    if name == "broadcast":
+        return broadcast(np.ones(5), b, root=arg, timeout=timeout)
+    return getattr(ferro_collective, name)(np.ones(arg, dtype), b, timeout=timeout)
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls=st.tuples(CALLS, CALLS, CALLS))
+def test_any_disagreement_on_a_simulated_cluster_errors_everywhere_and_the_job_goes_on(calls):
+    """Rank 0, node 0's other rank and node 1 each make a drawn call (always as stages, as
+    real nodes do): where they all made the same one every rank gets its result; else every
+    rank raises CollectiveMismatchError long before its deadline; either way the next allreduce
+    gives the right sum on every rank."""
+    net = Network.cluster(gbit=10, latency_us=20, ranks_per_node=2)
+    group = SimulatedBackend.create_group(4, network=net, hierarchical=True, timeout=30)
+    which = (0, 1, 2, 2)
+
+    def run(b):
+        start = time.monotonic()
+        try:
+            _call(b, calls[which[b.rank]], 12.0)
+            got = "ok"
+        except CollectiveMismatchError:
+            got = "mismatch"
+        took = time.monotonic() - start
+        return got, took, allreduce(np.full(3, b.rank + 1.0), b, timeout=12.0).tolist()
+
+    with mock.patch.object(executors, "prefer_hierarchical", lambda *args: True):
+        got = run_threads(run, group, timeout=120)
+    want = "ok" if len(set(calls)) == 1 else "mismatch"
+    for r, (outcome, took, after) in enumerate(got):
+        assert outcome == want and took < 6.0 and after == [10.0] * 3, (calls, r, got[r])
 
 
 def test_a_mismatch_names_the_jobs_ranks():
