@@ -144,10 +144,10 @@ class StageSet:
         plan, span = self.plan, len(self.numbers[group])
         return lambda seq: encode(plan.name, *plan.header, seq=seq, span=span)
 
-    def whole(self) -> Whole:
-        """What the first node stage publishes on an engine (:class:`Whole`)."""
+    def whole(self, group: int = 0) -> Whole:
+        """What group ``group``'s first stage publishes in its own place (:class:`Whole`)."""
         dtype, shape, op = (*self.plan.header, None)[:3]  # (a barrier's names no op)
-        return Whole(self.header(0), collective_code(self.plan.name),
+        return Whole(self.header(group), collective_code(self.plan.name),
                      0 if op is None else OPS[op].wire, tuple(shape),
                      None if dtype is None else np.dtype(dtype).str.encode())
 
@@ -208,11 +208,11 @@ class StageSet:
 class _Checked:
     """``execute`` for the stages of a :class:`StageSet`: their plans skip their own header
     exchanges over point-to-point messages (the whole call's check covered them). A group's
-    first stage, where it carries the check, publishes the whole call's header: on an engine in
-    its own place (:class:`Whole`), over point-to-point messages in an exchange on its number
-    before its body (whose messages follow on the same number's tags; a barrier's body is that
-    exchange); the later cross-node stages start only once the cross-node exchange passed
-    (they keep their own exchange)."""
+    first stage, where it carries the check, publishes the whole call's header in its own place
+    (:class:`Whole`; the door's header on an engine, its header exchange over point-to-point
+    messages), but a pipelined allreduce's first cross-node piece, whose later pieces wait for
+    its exchange alone: that exchange runs first on its number (its body's messages follow on
+    the same number's tags), and the later pieces keep their own."""
 
     __slots__ = ("calls", "execute")
 
@@ -244,8 +244,9 @@ class _Checked:
         """Group ``i``'s first stage, carrying the whole call's check."""
         calls = self.calls
         try:
-            if i == 0 and group_of(plan.backend) is not None:
-                plan.whole, plan.span = calls.whole(), len(calls.numbers[0])
+            if i == 0 or len(calls.numbers[1]) == 1:  # (no later stage waits for its exchange
+                # alone: its own exchange publishes the whole call's header)
+                plan.whole, plan.span = calls.whole(i), len(calls.numbers[i])
                 return self.execute(plan)
             Check(calls.plan.name, plan.backend, plan.timeout, calls.header(i), plan.seq).run()
         except BaseException as exc:
