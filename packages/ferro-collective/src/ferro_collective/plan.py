@@ -68,8 +68,8 @@ class Plan:
     one), which its header publishes (:func:`.header.owed`). ``checked``: a stage of a
     hierarchical call whose whole-call check passed (:mod:`.stage_check`): its Python body
     skips its own header exchange (a barrier's is the barrier: it keeps it). ``whole``: a
-    hierarchical call's first node stage on an engine publishes the whole call's header in
-    its own place (:class:`.stage_check.Whole`), else None."""
+    hierarchical call's first stage on a group publishes the whole call's header in its own
+    place, the door's or its own exchange's (:class:`.stage_check.Whole`), else None."""
 
     __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
                  "span", "checked", "whole")

@@ -255,8 +255,6 @@ class _Checked:
         finally:
             if i == 1:
                 calls.decided.set()
-        if plan.name == "barrier":  # (its exchange was the barrier)
-            return None
         plan.checked = True
         return self.execute(plan)
 
