@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _onecall
+from . import _onecall, pair
 from .arguments import as_array, check_out
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES
@@ -68,8 +68,14 @@ def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = Non
         door_bytes(group, call, door_calls.ALL_GATHER, x, result)
         return result
 
+    def two(ctx: Ctx, header: bytes) -> np.ndarray:
+        block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        return pair.all_gather(ctx, header, block,
+                               np.empty(shape, dtype=x.dtype) if out is None else out)
+
     return Plan("all_gather", backend, timeout, (x.dtype, x.shape, None, -1), python, engine,
-                lambda h: stages(h, x, shape, timeout, out), algorithm, seq)
+                lambda h: stages(h, x, shape, timeout, out), algorithm, seq,
+                two if n == 2 and 0 < x.nbytes <= pair.FUSE_MAX else None)
 
 
 # ----------------------------------------------------------------------------- Python

@@ -27,7 +27,7 @@ import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _onecall, all_gather, per_backend
+from . import _onecall, all_gather, pair, per_backend
 from .arguments import as_array, check_out, finish
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, fold, work_dtype
@@ -64,8 +64,12 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
                    OPS[op].door, shape=x.shape)
         return result
 
+    def two(ctx: Ctx, header: bytes) -> np.ndarray:
+        return pair.allreduce(ctx, header, x, wd, op, out)
+
     return Plan("allreduce", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
-                lambda h: stages(h, x, op, wd, timeout, out), algorithm, seq)
+                lambda h: stages(h, x, op, wd, timeout, out), algorithm, seq,
+                two if n == 2 and x.size * wd.itemsize <= pair.FUSE_MAX else None)
 
 
 # ----------------------------------------------------------------------------- Python

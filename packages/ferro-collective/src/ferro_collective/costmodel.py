@@ -9,7 +9,8 @@ simulated network, whose virtual time counts the same: the tests hold the model 
 10% at 8-256 ranks; what :func:`.learn.learn_network` measured on a real job).
 
 Every collective first exchanges its header (mismatch detection, Bruck's all-gather:
-``ceil(log2 n)`` rounds of growing blocks of ``HEADER_SIZE`` bytes); the model includes it.
+``ceil(log2 n)`` rounds of growing blocks of ``HEADER_SIZE`` bytes); the model includes it
+(a hierarchical stage of two ranks that sends it with its data, :mod:`.pair`, as such).
 
 :func:`predict` gives one algorithm's time, :func:`best` the fastest; :func:`choose_auto` is
 what ``algorithm="auto"`` uses beyond the few ranks the fixed thresholds were measured on.
@@ -33,6 +34,8 @@ import weakref
 
 from . import message_schedule
 from .costparams import DEFAULT, Params, placement
+from .header import HEADER_SIZE
+from .pair import FUSE_MAX
 
 #: backend -> the parameters :func:`ferro_collective.learn_network` measured on it
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -247,20 +250,30 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
         else:
             groups = [(members, size) for members in crosses]
         if group == "cross" and first:
-            for members in crosses:
-                message_schedule.View(s, members).rounds(
-                    message_schedule.header_rounds(len(members)))
+            sizes = dict(groups)
+            for members in crosses:  # (a stage of two ranks sends it with its data)
+                if not paired(stage, len(members), sizes.get(members, -1)):
+                    message_schedule.View(s, members).rounds(
+                        message_schedule.header_rounds(len(members)))
         for members, size_j in groups:
             view = message_schedule.View(s, members)
-            if (group == "node" and first) or stage == "check" or (stage == "barrier" and
-                                                                   not first):
+            fused = first and paired(stage, len(members), size_j)
+            if (group == "node" and first and not fused) or stage == "check" or (
+                    stage == "barrier" and not first):
                 view.rounds(message_schedule.header_rounds(len(members)))
             if stage in ("check", "barrier"):  # (a barrier's exchange is the barrier)
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)
-            message_schedule.run(view, stage, algorithm, size_j)
+            message_schedule.run(view, stage, algorithm, size_j + (HEADER_SIZE if fused else 0))
     return max(s.clock)
+
+
+def paired(stage: str, n: int, nbytes: int) -> bool:
+    """Whether a stage of ``n`` ranks and ``nbytes`` (a block for all_gather) sends its header
+    with its data (:mod:`.pair`: two ranks, a symmetric collective, up to ``FUSE_MAX``)."""
+    return n == 2 and stage in ("allreduce", "all_gather") and 0 <= nbytes <= FUSE_MAX and (
+        nbytes > 0 or stage == "allreduce")
 
 
 def best(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> tuple[str, float]:

@@ -2,8 +2,9 @@
 
 - :class:`Ctx`: one call's backend, tags, deadlines and names for its errors and stall reports;
 - :func:`bruck_all_gather`: every rank's fixed-size block, in ``ceil(log2 n)`` rounds; the
-  mismatch header's exchange (:func:`header_exchange`, which is also the barrier) and the
-  metadata round of the collectives whose sizes only some ranks know run on it;
+  mismatch header's exchange (:func:`header_exchange`, which is also the barrier; on two ranks
+  one message each way, :mod:`.pair`, which some calls send their data with) and the metadata
+  round of the collectives whose sizes only some ranks know run on it;
 - the two phases of the ring (:func:`reduce_scatter_ring_into`, :func:`all_gather_ring_into`),
   shared by allreduce, reduce_scatter, all_gather and reduce, and the star's rank-order fold at
   rank 0 (:func:`fold_at_root`), shared by allreduce and reduce_scatter.
@@ -25,6 +26,7 @@ import numpy as np
 from ferro_backend import CollectiveTimeoutError
 from ferro_backend.partition import split_bounds
 
+from . import pair
 from .header import HEADER_SIZE
 from .ops import ReduceOp, accumulate
 from .per_backend import STEPS_PER_CALL, check_headers
@@ -110,6 +112,7 @@ class Ctx:
         """Wait for ``req`` from ``src``: a stall report at the soft deadline, then the error."""
         if not self.reported:
             if req.poll(max(0.0, self.soft_deadline - time.monotonic())):
+                req.wait(0.0)  # (done: returns, or raises how it failed, as a wrong size)
                 return
             self.reported = True
             waiting = sorted(missing) if missing is not None else [src]
@@ -157,6 +160,8 @@ def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
     returns them in rank order. Doubles as the barrier: nobody leaves before every rank has
     arrived."""
     assert len(header) == HEADER_SIZE
+    if ctx.n == 2:  # (the message a call of two ranks may send its data with: :mod:`.pair`)
+        return pair.header_exchange(ctx, header)
     headers = bruck_all_gather(ctx, header, ctx.tag_base, "the collective header")
     check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
     return headers

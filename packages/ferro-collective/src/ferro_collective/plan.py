@@ -69,15 +69,18 @@ class Plan:
     hierarchical call whose whole-call check passed (:mod:`.stage_check`): its Python body
     skips its own header exchange (a barrier's is the barrier: it keeps it). ``whole``: a
     hierarchical call's first stage on a group publishes the whole call's header in its own
-    place, the door's or its own exchange's (:class:`.stage_check.Whole`), else None."""
+    place, the door's or its own exchange's (:class:`.stage_check.Whole`), else None.
+    ``pair(ctx, header)``: the body of a symmetric call of two ranks that sends its data with
+    its header (:mod:`.pair`), where the collective has one for this call ("auto" only)."""
 
     __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
-                 "span", "checked", "whole")
+                 "span", "checked", "whole", "pair")
 
     def __init__(self, name: str, backend: Backend, timeout: float | None, header: tuple,
                  python: Callable[[Ctx], Any], engine: Callable | None = None,
                  stages: Callable | None = None, algorithm: str | None = None,
-                 seq: int | None = None) -> None:
+                 seq: int | None = None, pair: Callable[[Ctx, bytes], Any] | None = None
+                 ) -> None:
         self.name = name
         self.backend = backend
         self.timeout = backend.resolve_timeout(timeout, f"{name}: timeout")
@@ -86,6 +89,7 @@ class Plan:
         auto = algorithm in (None, "auto")
         self.engine = engine if auto else None
         self.stages = stages if auto else None
+        self.pair = pair if auto else None
         self.seq = seq
         self.span = 0
         self.checked = False
@@ -104,10 +108,15 @@ class Plan:
 
     def run_python(self) -> Any:
         """Over point-to-point messages: the header exchange (the mismatch check; for a barrier
-        the whole barrier), then the body."""
+        the whole barrier), then the body; on two ranks, where the call has one, the body that
+        sends its data with its header (:attr:`pair`)."""
         ctx = self.context()
         if ctx.n > 1 and (self.name == "barrier" or
                           (mismatch_check_enabled() and not self.checked)):
+            if ctx.n == 2 and self.pair is not None:
+                result = self.pair(ctx, self.encoded())
+                ctx.release()
+                return result
             header_exchange(ctx, self.encoded())
         result = self.python(ctx)
         ctx.release()  # its working arrays, for the next call (not after a failure)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ferro_backend import SizeMismatchError
 
-from . import _onecall, allreduce
+from . import _onecall, allreduce, pair
 from .arguments import as_array, check_out
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, as_op, work_dtype
@@ -60,7 +60,9 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
 
     return Plan("reduce_scatter", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
                 lambda h: stages(h, x, op, wd, out_shape, timeout, out, backend.rank),
-                algorithm, seq)
+                algorithm, seq,
+                (lambda ctx, header: pair.reduce_scatter(ctx, header, x, wd, op, out, out_shape))
+                if n == 2 and 0 < x.size * wd.itemsize // 2 <= pair.FUSE_MAX else None)
 
 
 # ----------------------------------------------------------------------------- Python

@@ -1,0 +1,162 @@
+"""Two ranks over point-to-point messages: the header rides with the data.
+
+A checked call over point-to-point messages (TCP, MPI, a simulated job, a multi-node job's
+cross-node stage between two nodes) first exchanges the ranks' headers (the mismatch check,
+:func:`.p2p.header_exchange`), then its data. On two ranks that is two messages each way where
+one would carry both, and over TCP a small message costs most of a small call's time (2
+processes on this host, 4 KiB: allreduce 60 us with the check, 35 without). So a symmetric call
+of two ranks, in which each rank sends the other one block and receives one (allreduce,
+all_gather, reduce_scatter up to :data:`FUSE_MAX` bytes, ``algorithm="auto"``), sends its block
+with its header after it as one message on the call's first tag, the tag the header exchange
+uses (:func:`exchange`); the header exchange of two ranks is the same message with no block.
+The block comes first, so that it lands aligned.
+
+A disagreement shows on both ranks at that first message: its header differs, or its length
+(a call of another size, or one that exchanges its header alone), which the transports report
+as :class:`~ferro_backend.SizeMismatchError` and drop. Then both ranks exchange their headers
+alone on the call's last tag (:func:`settle`) and raise
+:class:`~ferro_backend.CollectiveMismatchError` naming what each called, as the header
+exchange does. Every rank that meets a disagreement at its first message settles, whichever
+way it met it, so neither waits for the other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ferro_backend import CollectiveMismatchError, SizeMismatchError
+
+from .arguments import finish
+from .header import HEADER_SIZE, describe
+from .ops import ReduceOp, fold
+from .per_backend import STEPS_PER_CALL, check_headers
+
+if TYPE_CHECKING:  # (p2p's header exchange calls this module's for two ranks)
+    from .p2p import Ctx
+
+#: the largest block a call of two ranks sends with its header (larger ones exchange the
+#: header first: 2 processes over TCP here, the one message is faster up to 1-2 MiB and slower
+#: at 4 MiB, where the ring's segments overlap the copies that one message cannot)
+FUSE_MAX = 1 << 20
+#: the tag offset (in a call's tags) of the headers' exchange after a disagreement
+SETTLE_STEP = STEPS_PER_CALL - 1
+
+
+def outbox(ctx: Ctx, nbytes: int) -> np.ndarray:
+    """A message of ``nbytes`` of data (to fill: ``box[:nbytes]``) and room for the header,
+    borrowed from the scratch pool for the call (:meth:`.p2p.Ctx.take`)."""
+    return ctx.take(nbytes + HEADER_SIZE, np.uint8)
+
+
+def exchange(ctx: Ctx, header: bytes, box: np.ndarray, incoming: int
+             ) -> tuple[list[bytes], np.ndarray]:
+    """Send ``box`` (an :func:`outbox`, filled) with ``header`` after its data to the peer and
+    receive the peer's message of ``incoming`` bytes of data on the call's first tag; returns
+    the headers in rank order and the peer's data (a view of its message, borrowed from the
+    scratch pool until the call's end). Raises :class:`~ferro_backend.CollectiveMismatchError`
+    on both ranks where they disagree."""
+    peer = 1 - ctx.rank
+    inbox = ctx.take(incoming + HEADER_SIZE, np.uint8)
+    try:
+        req = ctx.irecv(inbox, peer, ctx.tag_base)
+    except SizeMismatchError:  # (the peer's message was there already: the peer still waits
+        req = None  # for this rank's first message before it settles)
+    box[box.size - HEADER_SIZE:] = np.frombuffer(header, np.uint8)
+    ctx.send(box, peer, ctx.tag_base)
+    try:
+        if req is None:
+            raise SizeMismatchError("the peer's first message")
+        ctx.wait(req, peer, "the collective header")
+    except SizeMismatchError:
+        settle(ctx, header, None)  # (raises)
+    theirs = inbox[incoming:].tobytes()
+    headers = [header, theirs] if ctx.rank == 0 else [theirs, header]
+    if theirs != header:
+        try:
+            check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
+        except CollectiveMismatchError:
+            settle(ctx, header, headers)
+            raise
+    return headers, inbox[:incoming]
+
+
+def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
+    """After a disagreement at a call's first message (``seen``: the headers it carried, None
+    where its length differed): the ranks exchange their headers alone on the call's last tag;
+    where the first message's length differed, raise the mismatch they name (or, where they
+    agree, that the ranks ran the call in different forms)."""
+    peer = 1 - ctx.rank
+    theirs = bytearray(HEADER_SIZE)
+    tag = ctx.tag_base + SETTLE_STEP
+    req = ctx.irecv(theirs, peer, tag)
+    ctx.send(header, peer, tag)
+    ctx.wait(req, peer, "the collective header, after a disagreement")
+    if seen is not None:
+        return
+    headers = [header, bytes(theirs)] if ctx.rank == 0 else [bytes(theirs), header]
+    check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)  # (raises where they differ)
+    raise CollectiveMismatchError(
+        f"{ctx.name}: ranks 0 and 1 both called {describe(header)}, but their first messages "
+        "differ in length: one ran it in another form (an algorithm= the other did not ask "
+        "for, or the mismatch check set apart)")
+
+
+def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
+    """The header exchange of two ranks (:func:`.p2p.header_exchange`): the same message as
+    :func:`exchange`'s with no data."""
+    return exchange(ctx, header, np.empty(HEADER_SIZE, np.uint8), 0)[0]
+
+
+def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out) -> np.ndarray:
+    """allreduce of two ranks: each sends its array (in the work dtype ``wd``) with the header
+    and folds the two in rank order (recursive doubling's bits)."""
+    n = x.size
+    box = outbox(ctx, n * wd.itemsize)
+    mine = box[:n * wd.itemsize].view(wd)
+    mine[...] = x.reshape(-1)
+    _, data = exchange(ctx, header, box, n * wd.itemsize)
+    theirs = data.view(wd)
+    dst = out.reshape(-1) if out is not None and wd == x.dtype else np.empty(n, wd)
+    fold(dst, [mine, theirs] if ctx.rank == 0 else [theirs, mine], op,
+         2 if op is ReduceOp.MEAN else None)
+    return finish(dst.reshape(x.shape), x.dtype, out)
+
+
+def all_gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray) -> np.ndarray:
+    """all_gather of two ranks: each sends its block (bytes) with the header."""
+    flat = result.reshape(-1).view(np.uint8)
+    size, me = block.size, ctx.rank
+    box = outbox(ctx, size)
+    box[:size] = block
+    _, data = exchange(ctx, header, box, size)
+    flat[me * size:(me + 1) * size] = block
+    flat[(1 - me) * size:(2 - me) * size] = data
+    return result
+
+
+def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
+                   out: np.ndarray | None, out_shape: tuple) -> np.ndarray:
+    """reduce_scatter of two ranks: each sends the other's half (in ``wd``) with the header
+    and folds its own half with the one it receives (the ring's order: its own first)."""
+    flat = x.reshape(-1)
+    half, me = flat.size // 2, ctx.rank
+    nbytes = half * wd.itemsize
+    box = outbox(ctx, nbytes)
+    box[:nbytes].view(wd)[...] = flat[(1 - me) * half:(2 - me) * half]
+    _, data = exchange(ctx, header, box, nbytes)
+    mine = np.ascontiguousarray(flat[me * half:(me + 1) * half], dtype=wd)
+    direct = out is not None and wd == x.dtype and not np.may_share_memory(out, x)
+    dst = out.reshape(-1) if direct else np.empty(half, wd)
+    fold(dst, [mine, data.view(wd)], op, 2 if op is ReduceOp.MEAN else None)
+    if direct:
+        return out
+    if out is None:
+        return dst.astype(x.dtype, copy=False).reshape(out_shape)
+    np.copyto(out.reshape(-1), dst, casting="unsafe")
+    return out
+
+
+__all__ = ["FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange", "header_exchange",
+           "outbox", "reduce_scatter", "settle"]

@@ -1,0 +1,87 @@
+"""Module-level rank functions for the tests of two-rank calls that send their header with
+their data (:mod:`ferro_collective.pair`): threads and spawned processes run the same."""
+
+import time
+
+import numpy as np
+
+from ferro_backend import CollectiveMismatchError
+from ferro_collective import (
+    ReduceOp,
+    all_gather,
+    allreduce,
+    barrier,
+    broadcast,
+    gather,
+    reduce_scatter,
+)
+
+
+def _allreduce(n, **kw):
+    return lambda b, t: allreduce(np.ones(n, np.float32), b, timeout=t, **kw)
+
+
+#: disagreements of two ranks: (name, rank 0's call, rank 1's call, what the error names)
+#: (each call: ``f(backend, timeout)``), each meeting the disagreement another way at its
+#: first message: headers that differ in a message of the right length, messages of other
+#: lengths (a call of another size, one whose header travels alone), the same call run in
+#: another form
+DISAGREEMENTS = [
+    ("sizes", _allreduce(600), _allreduce(601), ["float32[600]", "float32[601]"]),
+    ("ops", _allreduce(8), _allreduce(8, op=ReduceOp.MEAN), ["SUM", "MEAN"]),
+    ("broadcast", _allreduce(4), lambda b, t: broadcast(np.zeros(4, np.float32), b, 0,
+                                                         timeout=t),
+     ["allreduce(float32[4], SUM)", "broadcast(float32[4], root=0)"]),
+    ("gather", lambda b, t: all_gather(np.ones(3), b, timeout=t),
+     lambda b, t: gather(np.ones(3), b, 0, timeout=t), ["all_gather", "gather"]),
+    ("kinds", lambda b, t: reduce_scatter(np.ones(8, np.float32), b, timeout=t),
+     lambda b, t: all_gather(np.ones(4, np.float32), b, timeout=t),
+     ["reduce_scatter(float32[8]", "all_gather(float32[4]"]),
+    ("large", _allreduce(16), _allreduce(1 << 19), ["float32[16]", "float32[524288]"]),
+    ("barrier", lambda b, t: barrier(b, timeout=t), _allreduce(4), ["barrier", "allreduce"]),
+    ("form", _allreduce(16), _allreduce(16, algorithm="ring"), ["another form"]),
+]
+
+
+def disagree(b, timeout: float = 8.0):
+    """Every disagreement in turn, each followed by an agreeing allreduce: per case, what this
+    rank raised (its type and message), how long it took, and the next call's result."""
+    out = {}
+    for name, mine, theirs, _ in DISAGREEMENTS:
+        t0 = time.monotonic()
+        try:
+            (mine if b.rank == 0 else theirs)(b, timeout)
+            got = ("returned", "")
+        except Exception as exc:  # (the test compares what each rank raised)
+            got = (type(exc).__name__, str(exc))
+        took = time.monotonic() - t0
+        after = allreduce(np.full(3, b.rank + 1.0), b, timeout=timeout).tolist()
+        out[name] = (got, took, after)
+    return out
+
+
+def counted(b, sizes):
+    """How many messages this rank sends per allreduce / all_gather / reduce_scatter of each
+    size (bytes of float32), with the mismatch check on."""
+    sent = [0]
+    real = b.send
+
+    def send(data, dst, *, tag=0):
+        sent[0] += 1
+        return real(data, dst, tag=tag)
+
+    b.send = send
+    out = {}
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        for name, call, kw in (("allreduce", allreduce, {}), ("all_gather", all_gather, {}),
+                               ("reduce_scatter", reduce_scatter, {}),
+                               ("ring", allreduce, {"algorithm": "ring"})):
+            sent[0] = 0
+            call(x, b, **kw)
+            out[f"{name} {nbytes}"] = sent[0]
+    del b.send
+    return out
+
+
+__all__ = ["DISAGREEMENTS", "CollectiveMismatchError", "counted", "disagree"]

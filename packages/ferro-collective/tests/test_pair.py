@@ -1,0 +1,99 @@
+"""Calls of two ranks over point-to-point messages that send their header with their data
+(:mod:`ferro_collective.pair`): one message each way, the bits of the algorithms they stand
+for, and every disagreement raised on both ranks at once, the next call in step."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pair_fns import DISAGREEMENTS, counted, disagree
+
+from ferro_backend import SimulatedBackend, SizeMismatchError
+from ferro_backend.testing import run_processes, run_ranks
+from ferro_collective import ReduceOp, all_gather, allreduce, reduce_scatter
+from ferro_collective.ops import BFLOAT16
+from ferro_collective.pair import FUSE_MAX
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _check_disagreements(res: list[dict]) -> None:
+    for name, _, _, names in DISAGREEMENTS:
+        for r in range(2):
+            (kind, msg), took, after = res[r][name]
+            assert kind == "CollectiveMismatchError", (name, r, kind, msg)
+            for part in names:
+                assert part in msg, (name, r, msg)
+            assert took < 4.0, (name, r, took)  # (their deadline: 8 s)
+            assert after == [3.0] * 3, (name, r, after)
+
+
+def test_disagreements_raise_on_both_ranks_threads():
+    _check_disagreements(run_ranks(disagree, 2, timeout=90))
+
+
+def test_disagreements_raise_on_both_ranks_tcp():
+    _check_disagreements(run_processes(disagree, 2, timeout=100))
+
+
+def test_one_message_each_way_up_to_fuse_max():
+    small, large = 4096, 2 * FUSE_MAX + 8
+    for res in run_ranks(lambda b: counted(b, [small, large]), 2, timeout=60):
+        for name in ("allreduce", "all_gather", "reduce_scatter"):
+            assert res[f"{name} {small}"] == 1, (name, res)
+            assert res[f"{name} {large}"] >= 2, (name, res)  # the header alone first
+        assert res[f"ring {small}"] >= 2, res  # a forced algorithm keeps its own messages
+
+
+DTYPES = [np.float32, np.float64, np.float16, BFLOAT16, np.int32, np.int64]
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), size=st.integers(1, 300),
+       op=st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
+                           ReduceOp.MEAN]),
+       use_out=st.booleans(), seed=st.integers(0, 2**16))
+def test_bits_equal_the_algorithms_they_stand_for(dtype, size, op, use_out, seed):
+    """allreduce, reduce_scatter and all_gather of two ranks give the bits of the star
+    (rank-order folds) on both ranks, with and without ``out=``."""
+    dtype = np.dtype(dtype)
+    if op is ReduceOp.MEAN and dtype.kind == "i":
+        op = ReduceOp.SUM
+    rng = np.random.default_rng(seed)
+    xs = [rng.uniform(-4, 4, 2 * size).astype(dtype) for _ in range(2)]
+
+    def fn(b):
+        x = xs[b.rank]
+        got = {}
+        for name, call, shape in (
+                ("allreduce", lambda **k: allreduce(x, b, op, **k), x.shape),
+                ("reduce_scatter", lambda **k: reduce_scatter(x, b, op, **k), (size,)),
+                ("all_gather", lambda **k: all_gather(x, b, **k), (4 * size,))):
+            out = np.empty(shape, dtype) if use_out else None
+            mine = call(out=out) if use_out else call()
+            assert out is None or mine is out
+            ref = call(algorithm="star") if name != "all_gather" else np.concatenate(xs)
+            got[name] = (mine.tobytes(), np.asarray(ref).tobytes(), mine.dtype.str)
+        return got
+
+    res = run_ranks(fn, 2, timeout=60)
+    for name in ("allreduce", "reduce_scatter", "all_gather"):
+        for r in range(2):
+            mine, ref, kind = res[r][name]
+            assert kind == dtype.str and mine == ref, (name, r)
+    assert res[0]["allreduce"][0] == res[1]["allreduce"][0]
+
+
+def test_a_receive_that_failed_raises_in_the_wait():
+    """A receive that failed before the call waited for it (a message of another length)
+    raises there: the wait no longer takes a poll that saw it done for its success."""
+    from ferro_collective.p2p import Ctx
+
+    b0, b1 = SimulatedBackend.create_group(2, timeout=5)
+    ctx = Ctx(b1, "allreduce", 0, 1 << 20, 5.0)
+    req = ctx.irecv(np.empty(4, np.uint8), 0, (1 << 20) + 1)
+    b0.send(np.zeros(8, np.uint8), 1, tag=(1 << 20) + 1)  # (fails the posted receive)
+    with pytest.raises(SizeMismatchError, match="has 8 bytes"):
+        ctx.wait(req, 0, "the data")
+    for b in (b0, b1):
+        b.close()
