@@ -9,6 +9,9 @@ from ferro_backend import CollectiveMismatchError
 from ferro_collective import (
     ReduceOp,
     all_gather,
+    all_gather_v,
+    all_to_all,
+    all_to_all_single,
     allreduce,
     barrier,
     broadcast,
@@ -40,6 +43,13 @@ DISAGREEMENTS = [
     ("large", _allreduce(16), _allreduce(1 << 19), ["float32[16]", "float32[524288]"]),
     ("barrier", lambda b, t: barrier(b, timeout=t), _allreduce(4), ["barrier", "allreduce"]),
     ("form", _allreduce(16), _allreduce(16, algorithm="ring"), ["another form"]),
+    # collectives with a metadata round (header and metadata in one message each way)
+    ("metadata", lambda b, t: all_to_all([np.ones(2), np.ones(3)], b, timeout=t),
+     lambda b, t: all_gather_v(np.ones(2), b, timeout=t), ["all_to_all", "all_gather_v"]),
+    ("metadata-fused", lambda b, t: all_to_all_single(np.ones(4, np.float32), b, timeout=t),
+     _allreduce(4), ["all_to_all_single", "allreduce(float32[4], SUM)"]),
+    ("metadata-dims", lambda b, t: all_gather_v(np.ones((2, 3)), b, timeout=t),
+     lambda b, t: all_gather_v(np.ones((2, 4)), b, timeout=t), ["[*, 3]", "[*, 4]"]),
 ]
 
 
@@ -76,7 +86,8 @@ def counted(b, sizes):
         x = np.ones(nbytes // 4, np.float32)
         for name, call, kw in (("allreduce", allreduce, {}), ("all_gather", all_gather, {}),
                                ("reduce_scatter", reduce_scatter, {}),
-                               ("ring", allreduce, {"algorithm": "ring"})):
+                               ("ring", allreduce, {"algorithm": "ring"}),
+                               ("all_to_all_single", all_to_all_single, {})):
             sent[0] = 0
             call(x, b, **kw)
             out[f"{name} {nbytes}"] = sent[0]

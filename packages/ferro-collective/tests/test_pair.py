@@ -17,7 +17,7 @@ from pair_fns import DISAGREEMENTS, counted, disagree
 
 from ferro_backend import SimulatedBackend, SizeMismatchError
 from ferro_backend.testing import run_processes, run_ranks
-from ferro_collective import ReduceOp, all_gather, allreduce, reduce_scatter
+from ferro_collective import ReduceOp, all_gather, all_to_all, allreduce, reduce_scatter
 from ferro_collective.ops import BFLOAT16
 from ferro_collective.pair import FUSE_MAX
 
@@ -69,6 +69,24 @@ def test_disagreements_raise_on_both_ranks_mpi(tmp_path):
     _check_disagreements(res)  # (both ranks alike: their order does not matter)
 
 
+def test_a_refused_call_with_a_metadata_round_raises_on_both_ranks():
+    """A rank whose own arguments are wrong (an all_to_all list of the wrong length) raises
+    its own error; its peer raises the mismatch naming it; the next call works."""
+    def fn(b):
+        tensors = [np.ones(2)] * (3 if b.rank == 1 else 2)
+        try:
+            all_to_all(tensors, b, timeout=8)
+            got = "returned"
+        except Exception as exc:  # (the test compares what each rank raised)
+            got = f"{type(exc).__name__}: {exc}"
+        return got, allreduce(np.full(3, b.rank + 1.0), b, timeout=8).tolist()
+
+    (mine, after0), (theirs, after1) = run_ranks(fn, 2, timeout=60)
+    assert mine.startswith("CollectiveMismatchError") and "rank 1 refused" in mine, mine
+    assert not theirs.startswith("CollectiveMismatchError") and "2" in theirs, theirs
+    assert after0 == after1 == [3.0] * 3
+
+
 def test_one_message_each_way_up_to_fuse_max():
     small, large = 4096, 2 * FUSE_MAX + 8
     for res in run_ranks(lambda b: counted(b, [small, large]), 2, timeout=60):
@@ -76,6 +94,8 @@ def test_one_message_each_way_up_to_fuse_max():
             assert res[f"{name} {small}"] == 1, (name, res)
             assert res[f"{name} {large}"] >= 2, (name, res)  # the header alone first
         assert res[f"ring {small}"] >= 2, res  # a forced algorithm keeps its own messages
+        # header and metadata in one message, then the data
+        assert res[f"all_to_all_single {small}"] == 2, res
 
 
 DTYPES = [np.float32, np.float64, np.float16, BFLOAT16, np.int32, np.int64]

@@ -13,6 +13,10 @@ all-gather of fixed-size blocks before their data moves. A :class:`MetaPlan` is 
    the first 8 bytes of which say whether this rank's own arguments were valid;
 3. ``body(ctx, metas)`` with every rank's metadata, in rank order.
 
+On two ranks over point-to-point messages steps 1 and 2 are one message each way, the metadata
+block with the header after it (:mod:`.pair`; a disagreement there, in the header or the
+message's length, raises on both ranks as the header exchange does).
+
 On a ``ShmBackend`` steps 1 and 2 are one step of the same-host engine (header and metadata in
 the slots), so that a mismatch with a collective on the engine's fast path is caught there too.
 A collective with an engine path (``engine_path=(put, run)``: scatter, the all-to-alls) puts its
@@ -39,6 +43,7 @@ import numpy as np
 from ferro_backend import Backend, CollectiveMismatchError
 from ferro_backend.engine import AVAILABLE as _ENGINE
 
+from . import pair
 from .header import INVALID, encode, mismatch_check_enabled, refusal
 from .p2p import Ctx, bruck_all_gather, header_exchange
 from .plan import Plan
@@ -152,6 +157,8 @@ class MetaPlan(Plan):
         ctx = self.context()
         if ctx.n == 1:
             return self._finish(ctx, [self._block()])
+        if ctx.n == 2 and mismatch_check_enabled():
+            return self._finish(ctx, self._two(ctx))
         if mismatch_check_enabled():
             try:
                 header_exchange(ctx, self.encoded())
@@ -162,6 +169,21 @@ class MetaPlan(Plan):
         blocks = bruck_all_gather(ctx, self._block(), ctx.next_tag(),
                                   "the collective's metadata")
         return self._finish(ctx, blocks)
+
+    def _two(self, ctx: Ctx) -> list[bytes]:
+        """Two ranks: the header and the metadata block in one message each way
+        (:func:`.pair.exchange`); the blocks in rank order."""
+        block = self._block()
+        box = pair.outbox(ctx, len(block))
+        box[:len(block)] = np.frombuffer(block, np.uint8)
+        try:
+            _, data = pair.exchange(ctx, self.encoded(), box, len(block))
+        except CollectiveMismatchError:
+            if self.invalid is not None:
+                raise self.invalid from None
+            raise
+        theirs = data.tobytes()
+        return [block, theirs] if ctx.rank == 0 else [theirs, block]
 
     def run_engine(self, g, call):
         """On the same-host engine: the header, the metadata and (with an engine path) the data

@@ -1,8 +1,12 @@
-import json, os, sys, time
+import json
+import os
+import time
+
 import numpy as np
+
 import ferro_collective as fc
-from ferro_collective import pair
 from ferro_backend import init_from_env
+from ferro_collective import pair
 
 if os.environ.get("PAIR_OFF"):
     pair.FUSE_MAX = -1
@@ -15,11 +19,11 @@ for name, n in cases:
     if name == "barrier":
         f = lambda: fc.barrier(b)
     elif name == "allreduce":
-        f = lambda: fc.allreduce(x, b)
+        f = lambda x=x: fc.allreduce(x, b)
     elif name == "all_gather":
-        f = lambda: fc.all_gather(x, b)
+        f = lambda x=x: fc.all_gather(x, b)
     else:
-        f = lambda: fc.reduce_scatter(x, b)
+        f = lambda x=x: fc.reduce_scatter(x, b)
     for _ in range(3):
         f()
     ts = []

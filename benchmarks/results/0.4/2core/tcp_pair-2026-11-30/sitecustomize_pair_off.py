@@ -1,4 +1,5 @@
 import os
+
 if os.environ.get("PAIR_OFF"):
     import ferro_collective.pair as _p
     _p.FUSE_MAX = -1

@@ -1,7 +1,10 @@
-import time, os
+import time
+
 import numpy as np
+
 import ferro_collective as fc
 from ferro_collective import pair
+
 
 def bench(backend, sizes, iters, mode):
     if mode == "off":
@@ -16,17 +19,17 @@ def bench(backend, sizes, iters, mode):
             n = nb // 4
             x = np.ones(n, np.float32)
             if name == "allreduce":
-                f = lambda: fc.allreduce(x, backend)
+                f = lambda x=x: fc.allreduce(x, backend)
             elif name == "all_gather":
-                f = lambda: fc.all_gather(x, backend)
+                f = lambda x=x: fc.all_gather(x, backend)
             elif name == "reduce_scatter":
-                f = lambda: fc.reduce_scatter(x, backend)
+                f = lambda x=x: fc.reduce_scatter(x, backend)
             else:
                 f = lambda: fc.barrier(backend)
             for _ in range(50):
                 f()
             best = []
-            for r in range(5):
+            for _ in range(5):
                 t = time.perf_counter()
                 for _ in range(iters):
                     f()
