@@ -16,6 +16,7 @@ from ferro_collective import (
     barrier,
     broadcast,
     gather,
+    reduce,
     reduce_scatter,
 )
 
@@ -43,6 +44,11 @@ DISAGREEMENTS = [
     ("large", _allreduce(16), _allreduce(1 << 19), ["float32[16]", "float32[524288]"]),
     ("barrier", lambda b, t: barrier(b, timeout=t), _allreduce(4), ["barrier", "allreduce"]),
     ("form", _allreduce(16), _allreduce(16, algorithm="ring"), ["another form"]),
+    # to a root: the root's message is its header alone
+    ("roots", lambda b, t: gather(np.ones(3), b, 0, timeout=t),
+     lambda b, t: gather(np.ones(3), b, 1, timeout=t), ["root=0", "root=1"]),
+    ("rooted", lambda b, t: reduce(np.ones(4, np.float32), b, 1, timeout=t),
+     lambda b, t: gather(np.ones(4, np.float32), b, 1, timeout=t), ["reduce(", "gather("]),
     # collectives with a metadata round (header and metadata in one message each way)
     ("metadata", lambda b, t: all_to_all([np.ones(2), np.ones(3)], b, timeout=t),
      lambda b, t: all_gather_v(np.ones(2), b, timeout=t), ["all_to_all", "all_gather_v"]),
@@ -87,7 +93,8 @@ def counted(b, sizes):
         for name, call, kw in (("allreduce", allreduce, {}), ("all_gather", all_gather, {}),
                                ("reduce_scatter", reduce_scatter, {}),
                                ("ring", allreduce, {"algorithm": "ring"}),
-                               ("all_to_all_single", all_to_all_single, {})):
+                               ("all_to_all_single", all_to_all_single, {}),
+                               ("gather", gather, {}), ("reduce", reduce, {"root": 1})):
             sent[0] = 0
             call(x, b, **kw)
             out[f"{name} {nbytes}"] = sent[0]

@@ -17,7 +17,15 @@ from pair_fns import DISAGREEMENTS, counted, disagree
 
 from ferro_backend import SimulatedBackend, SizeMismatchError
 from ferro_backend.testing import run_processes, run_ranks
-from ferro_collective import ReduceOp, all_gather, all_to_all, allreduce, reduce_scatter
+from ferro_collective import (
+    ReduceOp,
+    all_gather,
+    all_to_all,
+    allreduce,
+    gather,
+    reduce,
+    reduce_scatter,
+)
 from ferro_collective.ops import BFLOAT16
 from ferro_collective.pair import FUSE_MAX
 
@@ -89,7 +97,11 @@ def test_a_refused_call_with_a_metadata_round_raises_on_both_ranks():
 
 def test_one_message_each_way_up_to_fuse_max():
     small, large = 4096, 2 * FUSE_MAX + 8
-    for res in run_ranks(lambda b: counted(b, [small, large]), 2, timeout=60):
+    both = run_ranks(lambda b: counted(b, [small, large]), 2, timeout=60)
+    for name in ("gather", "reduce"):  # (a root sends its header alone either way)
+        assert [res[f"{name} {small}"] for res in both] == [1, 1], (name, both)
+        assert sum(res[f"{name} {large}"] for res in both) >= 3, (name, both)
+    for res in both:
         for name in ("allreduce", "all_gather", "reduce_scatter"):
             assert res[f"{name} {small}"] == 1, (name, res)
             assert res[f"{name} {large}"] >= 2, (name, res)  # the header alone first
@@ -107,8 +119,9 @@ DTYPES = [np.float32, np.float64, np.float16, BFLOAT16, np.int32, np.int64]
                            ReduceOp.MEAN]),
        use_out=st.booleans(), seed=st.integers(0, 2**16))
 def test_bits_equal_the_algorithms_they_stand_for(dtype, size, op, use_out, seed):
-    """allreduce, reduce_scatter and all_gather of two ranks give the bits of the star
-    (rank-order folds) on both ranks, with and without ``out=``."""
+    """allreduce, reduce_scatter, all_gather, reduce and gather of two ranks give the bits
+    of the algorithms they stand for (the star's rank-order folds, the tree's) on both ranks,
+    with and without ``out=``."""
     dtype = np.dtype(dtype)
     if op is ReduceOp.MEAN and dtype.kind == "i":
         op = ReduceOp.SUM
@@ -127,11 +140,23 @@ def test_bits_equal_the_algorithms_they_stand_for(dtype, size, op, use_out, seed
             assert out is None or mine is out
             ref = call(algorithm="star") if name != "all_gather" else np.concatenate(xs)
             got[name] = (mine.tobytes(), np.asarray(ref).tobytes(), mine.dtype.str)
+        for name, call, shape in (
+                ("reduce", lambda **k: reduce(x, b, 1, op, **k), x.shape),
+                ("gather", lambda **k: gather(x, b, 1, **k), (4 * size,))):
+            out = np.empty(shape, dtype) if use_out and b.rank == 1 else None
+            mine = call(out=out) if out is not None else call()
+            ref = allreduce(x, b, op, algorithm="star") if name == "reduce" else \
+                np.concatenate(xs)
+            if b.rank == 1:
+                assert out is None or mine is out
+                got[name] = (mine.tobytes(), np.asarray(ref).tobytes(), mine.dtype.str)
+            else:
+                assert mine is None
         return got
 
     res = run_ranks(fn, 2, timeout=60)
-    for name in ("allreduce", "reduce_scatter", "all_gather"):
-        for r in range(2):
+    for name in ("allreduce", "reduce_scatter", "all_gather", "reduce", "gather"):
+        for r in (1,) if name in ("reduce", "gather") else range(2):
             mine, ref, kind = res[r][name]
             assert kind == dtype.str and mine == ref, (name, r)
     assert res[0]["allreduce"][0] == res[1]["allreduce"][0]

@@ -5,10 +5,12 @@ cross-node stage between two nodes) first exchanges the ranks' headers (the mism
 :func:`.p2p.header_exchange`), then its data. On two ranks that is two messages each way where
 one would carry both, and over TCP a small message costs most of a small call's time (2
 processes on this host, 4 KiB: allreduce 60 us with the check, 35 without). So a symmetric call
-of two ranks, in which each rank sends the other one block and receives one (allreduce,
-all_gather, reduce_scatter up to :data:`FUSE_MAX` bytes, ``algorithm="auto"``), sends its block
-with its header after it as one message on the call's first tag, the tag the header exchange
-uses (:func:`exchange`); the header exchange of two ranks is the same message with no block.
+of two ranks, in which each rank sends the other at most one block and receives at most one
+(allreduce, all_gather, reduce_scatter, and to a root gather and reduce, up to
+:data:`FUSE_MAX` bytes, ``algorithm="auto"``), sends its block with its header after it as
+one message on the call's first tag, the tag the header exchange uses (:func:`exchange`); the
+header exchange of two ranks is the same message with no block. (A broadcast is not among
+them: a non-root may pass None and learn the size from the root's header alone.)
 The block comes first, so that it lands aligned.
 
 A disagreement shows on both ranks at that first message: its header differs, or its length
@@ -158,5 +160,42 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
     return out
 
 
-__all__ = ["FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange", "header_exchange",
-           "outbox", "reduce_scatter", "settle"]
+def gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray | None,
+           root: int) -> np.ndarray | None:
+    """gather of two ranks: the other rank sends its block (bytes) with its header, the root
+    its header alone."""
+    size, peer = block.size, 1 - ctx.rank
+    box = outbox(ctx, 0 if result is not None else size)
+    if result is None:
+        box[:size] = block
+    _, data = exchange(ctx, header, box, size if result is not None else 0)
+    if result is None:
+        return None
+    flat = result.reshape(-1).view(np.uint8)
+    flat[root * size:(root + 1) * size] = block
+    flat[peer * size:(peer + 1) * size] = data
+    return result
+
+
+def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: int
+           ) -> np.ndarray | None:
+    """reduce of two ranks: the other rank sends its array (in ``wd``) with its header, the
+    root its header alone and folds its own array with the one it receives (the tree's order:
+    its own first)."""
+    nbytes = x.size * wd.itemsize
+    mine = ctx.rank == root
+    box = outbox(ctx, 0 if mine else nbytes)
+    if not mine:
+        box[:nbytes].view(wd)[...] = x.reshape(-1)
+    _, data = exchange(ctx, header, box, nbytes if mine else 0)
+    if not mine:
+        return None
+    own = np.ascontiguousarray(x.reshape(-1), dtype=wd)
+    direct = out is not None and wd == x.dtype and not np.may_share_memory(out, x)
+    dst = out.reshape(-1) if direct else np.empty(x.size, wd)
+    fold(dst, [own, data.view(wd)], op, 2 if op is ReduceOp.MEAN else None)
+    return out if direct else finish(dst.reshape(x.shape), x.dtype, out)
+
+
+__all__ = ["FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange", "gather",
+           "header_exchange", "outbox", "reduce", "reduce_scatter", "settle"]

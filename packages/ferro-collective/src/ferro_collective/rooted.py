@@ -27,7 +27,7 @@ import numpy as np
 from ferro_backend import Backend
 from ferro_backend.partition import split_bounds
 
-from . import _onecall
+from . import _onecall, pair
 from .all_gather import door_bytes
 from .arguments import as_array, check_backend, check_out, check_root, finish
 from .engine_group import EngineGroup, Step, door_calls
@@ -190,8 +190,12 @@ def prepare_reduce(tensor, backend: Backend, arg, timeout, algorithm, out,
                    OPS[op].door, root, shape=x.shape)
         return result
 
+    def two(ctx: Ctx, header: bytes) -> np.ndarray | None:
+        return pair.reduce(ctx, header, x, wd, op, out, root)
+
     return Plan("reduce", backend, timeout, (x.dtype, x.shape, op, root), python, engine,
-                algorithm=algorithm, seq=seq)
+                algorithm=algorithm, seq=seq,
+                pair=two if n == 2 and x.size * wd.itemsize <= pair.FUSE_MAX else None)
 
 
 # ----------------------------------------------------------------------------- gather
@@ -225,8 +229,13 @@ def prepare_gather(tensor, backend: Backend, root, timeout, algorithm, out,
         door_bytes(group, call, door_calls.GATHER, x, res, root)
         return res
 
+    def two(ctx: Ctx, header: bytes) -> np.ndarray | None:
+        block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        return pair.gather(ctx, header, block, result() if mine else None, root)
+
     return Plan("gather", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
-                algorithm=algorithm, seq=seq)
+                algorithm=algorithm, seq=seq,
+                pair=two if n == 2 and 0 < x.nbytes <= pair.FUSE_MAX else None)
 
 
 # ----------------------------------------------------------------------------- scatter
