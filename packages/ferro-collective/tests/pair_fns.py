@@ -49,6 +49,17 @@ DISAGREEMENTS = [
      lambda b, t: gather(np.ones(3), b, 1, timeout=t), ["root=0", "root=1"]),
     ("rooted", lambda b, t: reduce(np.ones(4, np.float32), b, 1, timeout=t),
      lambda b, t: gather(np.ones(4, np.float32), b, 1, timeout=t), ["reduce(", "gather("]),
+    ("broadcast-roots", lambda b, t: broadcast(np.ones(4), b, 0, timeout=t),
+     lambda b, t: broadcast(np.ones(4), b, 1, timeout=t), ["root=0", "root=1"]),
+    # a broadcast's non-root that passed None (it cannot receive a message of unknown length)
+    ("none-allreduce", _allreduce(4), lambda b, t: broadcast(None, b, 0, timeout=t),
+     ["allreduce(float32[4], SUM)", "broadcast"]),
+    ("none-barrier", lambda b, t: barrier(b, timeout=t),
+     lambda b, t: broadcast(None, b, 0, timeout=t), ["barrier", "broadcast"]),
+    ("none-dims", lambda b, t: broadcast(np.ones((1,) * 7), b, 0, timeout=t),
+     lambda b, t: broadcast(None, b, 0, timeout=t), ["7 dims"]),
+    ("none-none", lambda b, t: broadcast(None, b, 1, timeout=t),
+     lambda b, t: broadcast(None, b, 0, timeout=t), ["broadcast"]),
     # collectives with a metadata round (header and metadata in one message each way)
     ("metadata", lambda b, t: all_to_all([np.ones(2), np.ones(3)], b, timeout=t),
      lambda b, t: all_gather_v(np.ones(2), b, timeout=t), ["all_to_all", "all_gather_v"]),
@@ -94,7 +105,8 @@ def counted(b, sizes):
                                ("reduce_scatter", reduce_scatter, {}),
                                ("ring", allreduce, {"algorithm": "ring"}),
                                ("all_to_all_single", all_to_all_single, {}),
-                               ("gather", gather, {}), ("reduce", reduce, {"root": 1})):
+                               ("gather", gather, {}), ("reduce", reduce, {"root": 1}),
+                               ("broadcast", broadcast, {})):
             sent[0] = 0
             call(x, b, **kw)
             out[f"{name} {nbytes}"] = sent[0]
@@ -102,4 +114,31 @@ def counted(b, sizes):
     return out
 
 
-__all__ = ["DISAGREEMENTS", "CollectiveMismatchError", "counted", "disagree"]
+def from_root(b, steps):
+    """Broadcasts from rank 0, one per step ``(nbytes, none)``: ``nbytes`` of float32 (0:
+    bfloat16 of shape (2, 3)), rank 1 passing None where ``none`` (mpi4py's habit) else an
+    array; returns per step what this rank got (shape, whether right) and how many messages it
+    sent."""
+    from ferro_collective.ops import BFLOAT16
+
+    sent = [0]
+    real = b.send
+
+    def send(data, dst, *, tag=0):
+        sent[0] += 1
+        return real(data, dst, tag=tag)
+
+    b.send = send
+    out = []
+    for nbytes, none in steps:
+        x = np.arange(nbytes // 4, dtype=np.float32) if nbytes else \
+            np.arange(6).reshape(2, 3).astype(BFLOAT16)
+        sent[0] = 0
+        mine = x if b.rank == 0 else None if none else np.empty_like(x)
+        got = broadcast(mine, b, 0, timeout=8)
+        out.append((got.shape, got.tobytes() == x.tobytes(), sent[0]))
+    del b.send
+    return out
+
+
+__all__ = ["DISAGREEMENTS", "CollectiveMismatchError", "counted", "disagree", "from_root"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pair_fns import DISAGREEMENTS, counted, disagree
+from pair_fns import DISAGREEMENTS, counted, disagree, from_root
 
 from ferro_backend import SimulatedBackend, SizeMismatchError
 from ferro_backend.testing import run_processes, run_ranks
@@ -77,6 +77,28 @@ def test_disagreements_raise_on_both_ranks_mpi(tmp_path):
     _check_disagreements(res)  # (both ranks alike: their order does not matter)
 
 
+#: (nbytes, rank 1 passes None), and the messages each rank sends: a root sends its data with
+#: its header (1, 1); a non-root that passed None cannot receive a message of a length it does
+#: not know: it drops it and the root sends its header alone and its data again (3, 2); both
+#: ranks remember it, so the next broadcast exchanges its header first (2, 1, as over FUSE_MAX),
+#: until one where the non-root passed an array; a call over FUSE_MAX changes nothing
+BIG = 2 * FUSE_MAX + 8
+BROADCASTS = [((BIG, True), (2, 1)), ((4096, False), (1, 1)), ((4096, True), (3, 2)),
+              ((BIG, True), (2, 1)), ((0, True), (2, 1)), ((4096, False), (2, 1)),
+              ((0, False), (1, 1)), ((BIG, False), (2, 1))]
+
+
+@pytest.mark.parametrize("ranks", ["threads", "tcp"])
+def test_a_non_root_that_passes_none_gets_the_root_s_array(ranks):
+    steps = [step for step, _ in BROADCASTS]
+    res = run_ranks(lambda b: from_root(b, steps), 2, timeout=60) if ranks == "threads" else \
+        run_processes(from_root, 2, steps, timeout=60)
+    shapes = [(n // 4,) if n else (2, 3) for n, _ in steps]
+    for r, out in enumerate(res):
+        assert [o[:2] for o in out] == [(shape, True) for shape in shapes], (r, out)
+        assert [o[2] for o in out] == [sends[r] for _, sends in BROADCASTS], (r, out)
+
+
 def test_a_refused_call_with_a_metadata_round_raises_on_both_ranks():
     """A rank whose own arguments are wrong (an all_to_all list of the wrong length) raises
     its own error; its peer raises the mismatch naming it; the next call works."""
@@ -98,7 +120,7 @@ def test_a_refused_call_with_a_metadata_round_raises_on_both_ranks():
 def test_one_message_each_way_up_to_fuse_max():
     small, large = 4096, 2 * FUSE_MAX + 8
     both = run_ranks(lambda b: counted(b, [small, large]), 2, timeout=60)
-    for name in ("gather", "reduce"):  # (a root sends its header alone either way)
+    for name in ("gather", "reduce", "broadcast"):  # (one rank sends its header alone)
         assert [res[f"{name} {small}"] for res in both] == [1, 1], (name, both)
         assert sum(res[f"{name} {large}"] for res in both) >= 3, (name, both)
     for res in both:

@@ -18,11 +18,11 @@ import numpy as np
 
 from ferro_backend import CollectiveMismatchError, InvalidRankError
 
-from . import _onecall
+from . import _onecall, pair
 from .all_gather import door_bytes
 from .arguments import as_array, check_backend, check_out
 from .engine_group import OK, EngineGroup, Step, door_calls
-from .header import check_all, decode_array, mismatch_check_enabled, unknown
+from .header import UNKNOWN, check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
 from .per_backend import reserve
 from .plan import Collective, Plan, choose
@@ -62,8 +62,21 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
         door_bytes(group, call, door_calls.BROADCAST, x, buf, root, send=backend.rank == root)
         return buf
 
+    def two(ctx: Ctx, header: bytes) -> np.ndarray:
+        buf = result() if backend.rank == root else \
+            np.empty(x.shape, x.dtype) if out is None else out
+
+        def plain() -> None:  # (the header exchange, then the tree)
+            headers = header_exchange(ctx, header)
+            broadcast_tree(ctx, buf.reshape(-1).view(np.uint8), root)
+            pair.none_last(backend, bool(headers[1 - root][5] & UNKNOWN))
+
+        pair.broadcast(ctx, header, buf.reshape(-1).view(np.uint8), root, plain)
+        return buf
+
     return Plan("broadcast", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
-                lambda h: stages(h, x, root, timeout, out), algorithm, seq)
+                lambda h: stages(h, x, root, timeout, out), algorithm, seq,
+                two if n == 2 and 0 < x.nbytes <= pair.FUSE_MAX else None)
 
 
 class FromRoot(Plan):
@@ -109,10 +122,16 @@ class FromRoot(Plan):
 
     def run_python(self) -> np.ndarray:
         ctx = self.context()
-        headers = header_exchange(ctx, self.encoded())  # raises on every rank if no root's
-        plan = self._plan(headers[self.root])
+        if ctx.n == 2:  # (a root of two ranks may send its data with its header: :mod:`.pair`)
+            root_header = pair.from_root(ctx, self.encoded())
+        else:
+            root_header = header_exchange(ctx, self.encoded())[self.root]  # (raises on every
+            # rank if no root's)
+        plan = self._plan(root_header)
         assert plan is not None  # (header_exchange checked it)
         result = plan.python(ctx)
+        if ctx.n == 2 and plan.pair is not None:  # (as the root records it: pair.broadcast)
+            pair.none_last(self.backend, True)
         ctx.release()
         return result
 

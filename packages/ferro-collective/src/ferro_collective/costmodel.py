@@ -271,9 +271,10 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
 
 def paired(stage: str, n: int, nbytes: int) -> bool:
     """Whether a stage of ``n`` ranks and ``nbytes`` (a block for all_gather) sends its header
-    with its data (:mod:`.pair`: two ranks, a symmetric collective, up to ``FUSE_MAX``)."""
-    return n == 2 and stage in ("allreduce", "all_gather") and 0 <= nbytes <= FUSE_MAX and (
-        nbytes > 0 or stage == "allreduce")
+    with its data (:mod:`.pair`: two ranks, up to ``FUSE_MAX``; a broadcast's other rank sends
+    its header alone meanwhile, which the root's longer message covers)."""
+    return n == 2 and stage in ("allreduce", "all_gather", "broadcast") and \
+        0 <= nbytes <= FUSE_MAX and (nbytes > 0 or stage == "allreduce")
 
 
 def best(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> tuple[str, float]:

@@ -6,11 +6,12 @@ cross-node stage between two nodes) first exchanges the ranks' headers (the mism
 one would carry both, and over TCP a small message costs most of a small call's time (2
 processes on this host, 4 KiB: allreduce 60 us with the check, 35 without). So a symmetric call
 of two ranks, in which each rank sends the other at most one block and receives at most one
-(allreduce, all_gather, reduce_scatter, and to a root gather and reduce, up to
+(allreduce, all_gather, reduce_scatter, and from or to a root broadcast, gather and reduce, up to
 :data:`FUSE_MAX` bytes, ``algorithm="auto"``), sends its block with its header after it as
 one message on the call's first tag, the tag the header exchange uses (:func:`exchange`); the
-header exchange of two ranks is the same message with no block. (A broadcast is not among
-them: a non-root may pass None and learn the size from the root's header alone.)
+header exchange of two ranks is the same message with no block. A broadcast's root does the
+same, but where its peer passed None (which cannot receive a message of a length it does not
+know) it sends its header and then its data again (:func:`from_root`).
 The block comes first, so that it lands aligned.
 
 A disagreement shows on both ranks at that first message: its header differs, or its length
@@ -24,6 +25,7 @@ way it met it, so neither waits for the other.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +33,7 @@ import numpy as np
 from ferro_backend import CollectiveMismatchError, SizeMismatchError
 
 from .arguments import finish
-from .header import HEADER_SIZE, describe
+from .header import HEADER_SIZE, UNKNOWN, describe
 from .ops import ReduceOp, fold
 from .per_backend import STEPS_PER_CALL, check_headers
 
@@ -44,6 +46,9 @@ if TYPE_CHECKING:  # (p2p's header exchange calls this module's for two ranks)
 FUSE_MAX = 1 << 20
 #: the tag offset (in a call's tags) of the headers' exchange after a disagreement
 SETTLE_STEP = STEPS_PER_CALL - 1
+#: groups of two ranks whose last broadcast over point-to-point messages had a non-root that
+#: passed None (:func:`broadcast`)
+_NONE_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def outbox(ctx: Ctx, nbytes: int) -> np.ndarray:
@@ -89,15 +94,10 @@ def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
     where its length differed): the ranks exchange their headers alone on the call's last tag;
     where the first message's length differed, raise the mismatch they name (or, where they
     agree, that the ranks ran the call in different forms)."""
-    peer = 1 - ctx.rank
-    theirs = bytearray(HEADER_SIZE)
-    tag = ctx.tag_base + SETTLE_STEP
-    req = ctx.irecv(theirs, peer, tag)
-    ctx.send(header, peer, tag)
-    ctx.wait(req, peer, "the collective header, after a disagreement")
+    theirs = _headers_alone(ctx, header)
     if seen is not None:
         return
-    headers = [header, bytes(theirs)] if ctx.rank == 0 else [bytes(theirs), header]
+    headers = [header, theirs] if ctx.rank == 0 else [theirs, header]
     check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)  # (raises where they differ)
     raise CollectiveMismatchError(
         f"{ctx.name}: ranks 0 and 1 both called {describe(header)}, but their first messages "
@@ -160,6 +160,84 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
     return out
 
 
+def broadcast(ctx: Ctx, header: bytes, buf: np.ndarray, root: int, plain) -> None:
+    """broadcast of two ranks (``buf``: the result's bytes, the root's data on the root): the
+    root sends its data with its header, the other rank its header alone. A non-root that
+    passed None (:class:`.broadcast.FromRoot`) cannot receive a message of a length it does
+    not know: it drops it, and the root, seeing its header, sends its header alone on the
+    call's last tag and its data on the next tag (:func:`from_root`), which costs that call
+    an exchange more (4 KiB over TCP 130 us against 80). So where the last broadcast on this
+    group had such a non-root, both ranks know it (the root from its header), and this call
+    runs ``plain()`` instead: the header exchange, then the tree (:func:`none_last`)."""
+    peer, size = 1 - ctx.rank, buf.size
+    if _NONE_LAST.get(ctx.backend, False):
+        plain()
+        return
+    if ctx.rank != root:
+        buf[...] = exchange(ctx, header, outbox(ctx, 0), size)[1]
+        return
+    box = outbox(ctx, size)
+    box[:size] = buf
+    headers, _ = exchange(ctx, header, box, 0)
+    if headers[peer][5] & UNKNOWN:
+        _headers_alone(ctx, header, lambda: ctx.send(buf, peer, ctx.tag_base + 1))
+        _NONE_LAST[ctx.backend] = True
+
+
+def none_last(backend, passed_none: bool) -> None:
+    """After a broadcast of two ranks over point-to-point messages: whether its non-root
+    passed None (the root learns it from its header), which both ranks record alike."""
+    if passed_none:
+        _NONE_LAST[backend] = True
+    else:
+        _NONE_LAST.pop(backend, None)
+
+
+def from_root(ctx: Ctx, header: bytes) -> bytes:
+    """The header exchange of a broadcast's non-root of two ranks that passed None
+    (``header``: its own, naming no shape); returns the root's header. Its data then comes on
+    the call's next tag (the tree's), whether the root sent its header alone (a call over
+    :data:`FUSE_MAX`) or with its data: that message, of a length this rank cannot know, is
+    dropped, and the root, seeing this rank's header, sends its header again alone on the
+    call's last tag and its data after it (:func:`broadcast`)."""
+    peer = 1 - ctx.rank
+    inbox = ctx.take(HEADER_SIZE, np.uint8)
+    try:
+        req = ctx.irecv(inbox, peer, ctx.tag_base)
+    except SizeMismatchError:
+        req = None
+    ctx.send(header, peer, ctx.tag_base)
+    alone = False
+    try:
+        if req is None:
+            raise SizeMismatchError("the peer's first message")
+        ctx.wait(req, peer, "the collective header")
+        theirs = inbox.tobytes()
+    except SizeMismatchError:  # (the root's data came with its header; or another call)
+        theirs, alone = _headers_alone(ctx, header), True
+    headers = [header, theirs] if ctx.rank == 0 else [theirs, header]
+    try:
+        check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
+    except CollectiveMismatchError:
+        if not alone:  # (the peer met it at the first message: it settles)
+            _headers_alone(ctx, header)
+        raise
+    return theirs
+
+
+def _headers_alone(ctx: Ctx, header: bytes, meanwhile=None) -> bytes:
+    """This rank's header for the peer's on the call's last tag (:func:`settle`'s exchange);
+    ``meanwhile()`` runs once this rank's has gone (a broadcast root's data)."""
+    peer = 1 - ctx.rank
+    theirs = bytearray(HEADER_SIZE)
+    req = ctx.irecv(theirs, peer, ctx.tag_base + SETTLE_STEP)
+    ctx.send(header, peer, ctx.tag_base + SETTLE_STEP)
+    if meanwhile is not None:
+        meanwhile()
+    ctx.wait(req, peer, "the collective header, alone")
+    return bytes(theirs)
+
+
 def gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray | None,
            root: int) -> np.ndarray | None:
     """gather of two ranks: the other rank sends its block (bytes) with its header, the root
@@ -197,5 +275,6 @@ def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: 
     return out if direct else finish(dst.reshape(x.shape), x.dtype, out)
 
 
-__all__ = ["FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange", "gather",
-           "header_exchange", "outbox", "reduce", "reduce_scatter", "settle"]
+__all__ = ["FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce", "broadcast", "exchange",
+           "from_root", "gather", "header_exchange", "none_last", "outbox", "reduce",
+           "reduce_scatter", "settle"]
