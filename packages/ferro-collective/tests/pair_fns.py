@@ -87,9 +87,8 @@ def disagree(b, timeout: float = 8.0):
     return out
 
 
-def counted(b, sizes):
-    """How many messages this rank sends per allreduce / all_gather / reduce_scatter of each
-    size (bytes of float32), with the mismatch check on."""
+def sends(b, calls):
+    """How many messages this rank sends in each of ``calls`` (name -> no-argument function)."""
     sent = [0]
     real = b.send
 
@@ -99,6 +98,19 @@ def counted(b, sizes):
 
     b.send = send
     out = {}
+    try:
+        for name, call in calls:
+            sent[0] = 0
+            out[name] = (call(), sent[0])
+    finally:
+        del b.send
+    return out
+
+
+def counted(b, sizes):
+    """How many messages this rank sends per allreduce / all_gather / reduce_scatter of each
+    size (bytes of float32), with the mismatch check on."""
+    calls = []
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         for name, call, kw in (("allreduce", allreduce, {}), ("all_gather", all_gather, {}),
@@ -107,11 +119,8 @@ def counted(b, sizes):
                                ("all_to_all_single", all_to_all_single, {}),
                                ("gather", gather, {}), ("reduce", reduce, {"root": 1}),
                                ("broadcast", broadcast, {})):
-            sent[0] = 0
-            call(x, b, **kw)
-            out[f"{name} {nbytes}"] = sent[0]
-    del b.send
-    return out
+            calls.append((f"{name} {nbytes}", lambda c=call, x=x, kw=kw: c(x, b, **kw)))
+    return {name: count for name, (_, count) in sends(b, calls).items()}
 
 
 def from_root(b, steps):
@@ -121,24 +130,16 @@ def from_root(b, steps):
     sent."""
     from ferro_collective.ops import BFLOAT16
 
-    sent = [0]
-    real = b.send
-
-    def send(data, dst, *, tag=0):
-        sent[0] += 1
-        return real(data, dst, tag=tag)
-
-    b.send = send
-    out = []
-    for nbytes, none in steps:
+    def call(nbytes, none):
         x = np.arange(nbytes // 4, dtype=np.float32) if nbytes else \
             np.arange(6).reshape(2, 3).astype(BFLOAT16)
-        sent[0] = 0
-        mine = x if b.rank == 0 else None if none else np.empty_like(x)
-        got = broadcast(mine, b, 0, timeout=8)
-        out.append((got.shape, got.tobytes() == x.tobytes(), sent[0]))
-    del b.send
-    return out
+        got = broadcast(x if b.rank == 0 else None if none else np.empty_like(x), b, 0,
+                        timeout=8)
+        return got.shape, got.tobytes() == x.tobytes()
+
+    got = sends(b, [(i, lambda step=step: call(*step)) for i, step in enumerate(steps)])
+    return [(*got[i][0], got[i][1]) for i in range(len(steps))]
 
 
-__all__ = ["DISAGREEMENTS", "CollectiveMismatchError", "counted", "disagree", "from_root"]
+__all__ = ["DISAGREEMENTS", "CollectiveMismatchError", "counted", "disagree", "from_root",
+           "sends"]

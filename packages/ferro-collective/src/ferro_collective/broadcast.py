@@ -76,7 +76,7 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
 
     return Plan("broadcast", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
                 lambda h: stages(h, x, root, timeout, out), algorithm, seq,
-                two if n == 2 and 0 < x.nbytes <= pair.FUSE_MAX else None)
+                two if n == 2 and 0 < x.nbytes <= pair.BROADCAST_FUSE_MAX else None)
 
 
 class FromRoot(Plan):

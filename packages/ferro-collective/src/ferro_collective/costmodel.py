@@ -35,7 +35,7 @@ import weakref
 from . import message_schedule
 from .costparams import DEFAULT, Params, placement
 from .header import HEADER_SIZE
-from .pair import FUSE_MAX
+from .pair import BROADCAST_FUSE_MAX, FUSE_MAX
 
 #: backend -> the parameters :func:`ferro_collective.learn_network` measured on it
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -273,8 +273,9 @@ def paired(stage: str, n: int, nbytes: int) -> bool:
     """Whether a stage of ``n`` ranks and ``nbytes`` (a block for all_gather) sends its header
     with its data (:mod:`.pair`: two ranks, up to ``FUSE_MAX``; a broadcast's other rank sends
     its header alone meanwhile, which the root's longer message covers)."""
+    most = BROADCAST_FUSE_MAX if stage == "broadcast" else FUSE_MAX
     return n == 2 and stage in ("allreduce", "all_gather", "broadcast") and \
-        0 <= nbytes <= FUSE_MAX and (nbytes > 0 or stage == "allreduce")
+        0 <= nbytes <= most and (nbytes > 0 or stage == "allreduce")
 
 
 def best(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> tuple[str, float]:

@@ -4,15 +4,15 @@ A checked call over point-to-point messages (TCP, MPI, a simulated job, a multi-
 cross-node stage between two nodes) first exchanges the ranks' headers (the mismatch check,
 :func:`.p2p.header_exchange`), then its data. On two ranks that is two messages each way where
 one would carry both, and over TCP a small message costs most of a small call's time (2
-processes on this host, 4 KiB: allreduce 60 us with the check, 35 without). So a symmetric call
-of two ranks, in which each rank sends the other at most one block and receives at most one
-(allreduce, all_gather, reduce_scatter, and from or to a root broadcast, gather and reduce, up to
-:data:`FUSE_MAX` bytes, ``algorithm="auto"``), sends its block with its header after it as
-one message on the call's first tag, the tag the header exchange uses (:func:`exchange`); the
-header exchange of two ranks is the same message with no block. A broadcast's root does the
-same, but where its peer passed None (which cannot receive a message of a length it does not
-know) it sends its header and then its data again (:func:`from_root`).
-The block comes first, so that it lands aligned.
+processes on this host, 4 KiB: allreduce 60 us with the check, 35 without). So a call of two
+ranks, in which each rank sends the other at most one block and receives at most one
+(allreduce, all_gather, reduce_scatter, and to or from a root gather, reduce and broadcast,
+up to :data:`FUSE_MAX` bytes, a broadcast :data:`BROADCAST_FUSE_MAX`; ``algorithm="auto"``),
+sends its block with its header after it as one message on the call's first tag, the tag the
+header exchange uses (:func:`exchange`); the header exchange of two ranks is the same message
+with no block. A broadcast's root does the same, but where its peer passed None (which cannot
+receive a message of a length it does not know) it sends its header and then its data again
+(:func:`from_root`). The block comes first, so that it lands aligned.
 
 A disagreement shows on both ranks at that first message: its header differs, or its length
 (a call of another size, or one that exchanges its header alone), which the transports report
@@ -44,6 +44,10 @@ if TYPE_CHECKING:  # (p2p's header exchange calls this module's for two ranks)
 #: header first: 2 processes over TCP here, the one message is faster up to 1-2 MiB and slower
 #: at 4 MiB, where the ring's segments overlap the copies that one message cannot)
 FUSE_MAX = 1 << 20
+#: a broadcast's: its one message costs two copies the tree does not make (into the message,
+#: out of it), which from 1 MiB cost what the header's round trip saves (the median of 6
+#: launches 319 us against 316)
+BROADCAST_FUSE_MAX = 512 << 10
 #: the tag offset (in a call's tags) of the headers' exchange after a disagreement
 SETTLE_STEP = STEPS_PER_CALL - 1
 #: groups of two ranks whose last broadcast over point-to-point messages had a non-root that
@@ -102,7 +106,7 @@ def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
     raise CollectiveMismatchError(
         f"{ctx.name}: ranks 0 and 1 both called {describe(header)}, but their first messages "
         "differ in length: one ran it in another form (an algorithm= the other did not ask "
-        "for, or the mismatch check set apart)")
+        "for, or the mismatch check set differently on the two)")
 
 
 def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
@@ -275,6 +279,6 @@ def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: 
     return out if direct else finish(dst.reshape(x.shape), x.dtype, out)
 
 
-__all__ = ["FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce", "broadcast", "exchange",
-           "from_root", "gather", "header_exchange", "none_last", "outbox", "reduce",
-           "reduce_scatter", "settle"]
+__all__ = ["BROADCAST_FUSE_MAX", "FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce",
+           "broadcast", "exchange", "from_root", "gather", "header_exchange", "none_last",
+           "outbox", "reduce", "reduce_scatter", "settle"]
