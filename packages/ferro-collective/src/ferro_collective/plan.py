@@ -70,8 +70,8 @@ class Plan:
     skips its own header exchange (a barrier's is the barrier: it keeps it). ``whole``: a
     hierarchical call's first stage on a group publishes the whole call's header in its own
     place, the door's or its own exchange's (:class:`.stage_check.Whole`), else None.
-    ``pair(ctx, header)``: the body of a symmetric call of two ranks that sends its data with
-    its header (:mod:`.pair`), where the collective has one for this call ("auto" only)."""
+    ``pair(ctx, header)``: the body of a call of two ranks that sends its data with its header
+    (:mod:`.pair`), where the collective has one for this call ("auto" only)."""
 
     __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
                  "span", "checked", "whole", "pair")
