@@ -157,33 +157,20 @@ class MetaPlan(Plan):
         ctx = self.context()
         if ctx.n == 1:
             return self._finish(ctx, [self._block()])
-        if ctx.n == 2 and mismatch_check_enabled():
-            return self._finish(ctx, self._two(ctx))
-        if mismatch_check_enabled():
-            try:
-                header_exchange(ctx, self.encoded())
-            except CollectiveMismatchError:
-                if self.invalid is not None:
-                    raise self.invalid from None
-                raise
-        blocks = bruck_all_gather(ctx, self._block(), ctx.next_tag(),
-                                  "the collective's metadata")
-        return self._finish(ctx, blocks)
-
-    def _two(self, ctx: Ctx) -> list[bytes]:
-        """Two ranks: the header and the metadata block in one message each way
-        (:func:`.pair.exchange`); the blocks in rank order."""
-        block = self._block()
-        box = pair.outbox(ctx, len(block))
-        box[:len(block)] = np.frombuffer(block, np.uint8)
+        if not mismatch_check_enabled():
+            return self._finish(ctx, bruck_all_gather(ctx, self._block(), ctx.next_tag(),
+                                                      "the collective's metadata"))
         try:
-            _, data = pair.exchange(ctx, self.encoded(), box, len(block))
+            if ctx.n == 2:  # (header and metadata in one message each way)
+                return self._finish(ctx, pair.metadata(ctx, self.encoded(), self._block()))
+            header_exchange(ctx, self.encoded())
         except CollectiveMismatchError:
             if self.invalid is not None:
                 raise self.invalid from None
             raise
-        theirs = data.tobytes()
-        return [block, theirs] if ctx.rank == 0 else [theirs, block]
+        blocks = bruck_all_gather(ctx, self._block(), ctx.next_tag(),
+                                  "the collective's metadata")
+        return self._finish(ctx, blocks)
 
     def run_engine(self, g, call):
         """On the same-host engine: the header, the metadata and (with an engine path) the data

@@ -10,7 +10,8 @@ ranks, in which each rank sends the other at most one block and receives at most
 up to :data:`FUSE_MAX` bytes, a broadcast :data:`BROADCAST_FUSE_MAX`; ``algorithm="auto"``),
 sends its block with its header after it as one message on the call's first tag, the tag the
 header exchange uses (:func:`exchange`); the header exchange of two ranks is the same message
-with no block. A broadcast's root does the same, but where its peer passed None (which cannot
+with no block, and a collective with a metadata round sends its metadata block there
+(:func:`metadata`). A broadcast's root does the same, but where its peer passed None (which cannot
 receive a message of a length it does not know) it sends its header and then its data again
 (:func:`from_root`). The block comes first, so that it lands aligned.
 
@@ -113,6 +114,16 @@ def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
     """The header exchange of two ranks (:func:`.p2p.header_exchange`): the same message as
     :func:`exchange`'s with no data."""
     return exchange(ctx, header, np.empty(HEADER_SIZE, np.uint8), 0)[0]
+
+
+def metadata(ctx: Ctx, header: bytes, block: bytes) -> list[bytes]:
+    """The header and metadata round of a collective whose sizes only some ranks know
+    (:class:`.metadata_step.MetaPlan`), on two ranks: the block with the header after it, one
+    message each way; every rank's block, in rank order."""
+    box = outbox(ctx, len(block))
+    box[:len(block)] = np.frombuffer(block, np.uint8)
+    theirs = exchange(ctx, header, box, len(block))[1].tobytes()
+    return [block, theirs] if ctx.rank == 0 else [theirs, block]
 
 
 def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out) -> np.ndarray:
@@ -280,5 +291,5 @@ def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: 
 
 
 __all__ = ["BROADCAST_FUSE_MAX", "FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce",
-           "broadcast", "exchange", "from_root", "gather", "header_exchange", "none_last",
-           "outbox", "reduce", "reduce_scatter", "settle"]
+           "broadcast", "exchange", "from_root", "gather", "header_exchange", "metadata",
+           "none_last", "outbox", "reduce", "reduce_scatter", "settle"]
