@@ -196,7 +196,7 @@ def broadcast(ctx: Ctx, header: bytes, buf: np.ndarray, root: int, plain) -> Non
     headers, _ = exchange(ctx, header, box, 0)
     if headers[peer][5] & UNKNOWN:
         _headers_alone(ctx, header, lambda: ctx.send(buf, peer, ctx.tag_base + 1))
-        _NONE_LAST[ctx.backend] = True
+        none_last(ctx.backend, True)
 
 
 def none_last(backend, passed_none: bool) -> None:
@@ -212,7 +212,7 @@ def from_root(ctx: Ctx, header: bytes) -> bytes:
     """The header exchange of a broadcast's non-root of two ranks that passed None
     (``header``: its own, naming no shape); returns the root's header. Its data then comes on
     the call's next tag (the tree's), whether the root sent its header alone (a call over
-    :data:`FUSE_MAX`) or with its data: that message, of a length this rank cannot know, is
+    :data:`BROADCAST_FUSE_MAX`) or with its data: that message, of a length this rank cannot know, is
     dropped, and the root, seeing this rank's header, sends its header again alone on the
     call's last tag and its data after it (:func:`broadcast`)."""
     peer = 1 - ctx.rank
