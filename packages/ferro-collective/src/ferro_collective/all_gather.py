@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _onecall, pair
+from . import _onecall, gathered, pair
 from .arguments import as_array, check_out
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES
 from .p2p import Ctx, all_gather_ring_into
 from .per_backend import reserve
-from .plan import Collective, Plan, choose
+from .plan import Collective, Plan, choose, gathered_or_first
 
 
 def gathered_shape(x: np.ndarray, n: int) -> tuple[int, ...]:
@@ -68,14 +68,15 @@ def prepare(tensor, backend, arg, timeout, algorithm, out, seq: int | None = Non
         door_bytes(group, call, door_calls.ALL_GATHER, x, result)
         return result
 
-    def two(ctx: Ctx, header: bytes) -> np.ndarray:
+    def two(ctx: Ctx, header: bytes) -> np.ndarray:  # (or more: :mod:`.gathered`)
         block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-        return pair.all_gather(ctx, header, block,
-                               np.empty(shape, dtype=x.dtype) if out is None else out)
+        result = np.empty(shape, dtype=x.dtype) if out is None else out
+        return (pair if n == 2 else gathered).all_gather(ctx, header, block, result)
 
     return Plan("all_gather", backend, timeout, (x.dtype, x.shape, None, -1), python, engine,
                 lambda h: stages(h, x, shape, timeout, out), algorithm, seq,
-                two if n == 2 and 0 < x.nbytes <= pair.FUSE_MAX else None)
+                (two if 0 < x.nbytes <= pair.FUSE_MAX else None) if n == 2 else
+                gathered_or_first("all_gather", x.nbytes, n, backend, two, python))
 
 
 # ----------------------------------------------------------------------------- Python

@@ -27,14 +27,14 @@ import numpy as np
 
 from ferro_backend.partition import split_bounds
 
-from . import _onecall, all_gather, pair, per_backend
+from . import _onecall, all_gather, gathered, pair, per_backend
 from .arguments import as_array, check_out, finish
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, fold, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
 from .per_backend import reserve
 from .pipeline import PIPELINE_MIN, PIPELINE_PIECE, schedule, writable_into
-from .plan import Collective, Plan, choose
+from .plan import Collective, Plan, choose, gathered_or_first
 from .scratch import POOL
 
 
@@ -67,9 +67,14 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
     def two(ctx: Ctx, header: bytes) -> np.ndarray:
         return pair.allreduce(ctx, header, x, wd, op, out)
 
+    def many(ctx: Ctx, header: bytes) -> np.ndarray:
+        return gathered.allreduce(ctx, header, x, wd, op, out)
+
+    nbytes = x.size * wd.itemsize
     return Plan("allreduce", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
                 lambda h: stages(h, x, op, wd, timeout, out), algorithm, seq,
-                two if n == 2 and x.size * wd.itemsize <= pair.FUSE_MAX else None)
+                (two if nbytes <= pair.FUSE_MAX else None) if n == 2 else
+                gathered_or_first("allreduce", nbytes, n, backend, many, python))
 
 
 # ----------------------------------------------------------------------------- Python

@@ -9,8 +9,10 @@ simulated network, whose virtual time counts the same: the tests hold the model 
 10% at 8-256 ranks; what :func:`.learn.learn_network` measured on a real job).
 
 Every collective first exchanges its header (mismatch detection, Bruck's all-gather:
-``ceil(log2 n)`` rounds of growing blocks of ``HEADER_SIZE`` bytes); the model includes it
-(a hierarchical stage of two ranks that sends it with its data, :mod:`.pair`, as such).
+``ceil(log2 n)`` rounds of growing blocks of ``HEADER_SIZE`` bytes, the ranks numbered node by
+node, :meth:`.Params.node_major`); the model includes it (a call or stage of two ranks that
+sends it with its data, :mod:`.pair`, and a small one of more gathered in its rounds,
+:mod:`.gathered`, :func:`gathers`, as such).
 
 :func:`predict` gives one algorithm's time, :func:`best` the fastest; :func:`choose_auto` is
 what ``algorithm="auto"`` uses beyond the few ranks the fixed thresholds were measured on.
@@ -34,6 +36,7 @@ import weakref
 
 from . import message_schedule
 from .costparams import DEFAULT, Params, placement
+from .gathered import GATHER_MAX
 from .header import HEADER_SIZE
 from .pair import BROADCAST_FUSE_MAX, FUSE_MAX
 
@@ -73,15 +76,30 @@ def params_for(backend) -> Params:
     if network is not None:
         return Params.of(network)
     nodes = getattr(backend, "nodes", None)
-    if nodes:
-        index = {name: k for k, name in enumerate(dict.fromkeys(nodes))}
-        node_of = tuple(index[v] for v in nodes)
-        counts = set(collections.Counter(node_of).values())
-        if len(counts) == 1:
-            per_node = counts.pop()
-            return dataclasses.replace(DEFAULT, ranks_per_node=per_node,
-                                       node_of=placement(node_of, per_node))
-    return Params(DEFAULT.alpha, DEFAULT.beta)
+    return _of_nodes(tuple(nodes)) if nodes else _UNKNOWN
+
+
+#: the links "auto" plans with where the layout is unknown: every link between nodes
+_UNKNOWN = Params(DEFAULT.alpha, DEFAULT.beta)
+
+
+@functools.lru_cache(maxsize=64)
+def _of_nodes(nodes: tuple) -> Params:
+    """:data:`DEFAULT`'s links with the node layout ``nodes`` (each rank's node's name)."""
+    index = {name: k for k, name in enumerate(dict.fromkeys(nodes))}
+    node_of = tuple(index[v] for v in nodes)
+    counts = set(collections.Counter(node_of).values())
+    if len(counts) != 1:
+        return _UNKNOWN
+    per_node = counts.pop()
+    return dataclasses.replace(DEFAULT, ranks_per_node=per_node,
+                               node_of=placement(node_of, per_node))
+
+
+def node_major(backend, n: int) -> tuple[int, ...] | None:
+    """The order in which the header exchange of ``n`` ranks on ``backend`` numbers them
+    (:meth:`.Params.node_major` of what "auto" plans with); None: rank order."""
+    return params_for(backend).node_major(n)
 
 
 ALGORITHMS_MODELLED = {
@@ -249,19 +267,26 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
             groups = [(members, pieces[j]) for j, members in enumerate(crosses)]
         else:
             groups = [(members, size) for members in crosses]
+        link = Params(xa, xb) if group == "cross" else Params(ia, ib)
         if group == "cross" and first:
             sizes = dict(groups)
-            for members in crosses:  # (a stage of two ranks sends it with its data)
-                if not paired(stage, len(members), sizes.get(members, -1)):
-                    message_schedule.View(s, members).rounds(
-                        message_schedule.header_rounds(len(members)))
+            for members in crosses:  # (a stage that sends it with its data: below)
+                m = len(members)
+                if not (paired(stage, m, sizes.get(members, -1)) or
+                        members in sizes and gathers(stage, sizes[members], m, link)):
+                    message_schedule.View(s, members).rounds(message_schedule.header_rounds(m))
         for members, size_j in groups:
             view = message_schedule.View(s, members)
             fused = first and paired(stage, len(members), size_j)
-            if (group == "node" and first and not fused) or stage == "check" or (
-                    stage == "barrier" and not first):
+            gathered = first and not fused and stage != "check" and \
+                gathers(stage, size_j, len(members), link)
+            if (group == "node" and first and not fused and not gathered) or \
+                    stage == "check" or (stage == "barrier" and not first):
                 view.rounds(message_schedule.header_rounds(len(members)))
             if stage in ("check", "barrier"):  # (a barrier's exchange is the barrier)
+                continue
+            if gathered:  # (the data in the header exchange's rounds: :mod:`.gathered`)
+                view.rounds(message_schedule.header_rounds(len(members), size_j + HEADER_SIZE))
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)
@@ -301,10 +326,35 @@ def choose_auto(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> str:
 
 def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
     """The flat call's modelled time with the algorithm "auto" runs (barrier: the header
-    exchange)."""
+    exchange; a small allreduce or all_gather gathered in its rounds where :func:`gathers`)."""
     if name == "barrier":
         return predict("barrier", "flat", 0, n, p)
+    if gathers(name, nbytes, n, p):
+        return gathered_time(name, nbytes, n, p)
     return predict(name, auto_pick(name, nbytes, n, p), nbytes, n, p)
+
+
+def gathered_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
+    """A small allreduce or all_gather of ``n`` ranks gathered with the headers in the header
+    exchange's rounds (:mod:`.gathered`): units of ``nbytes`` and a header; an allreduce copies
+    its input first and folds the ``n`` arrays last."""
+    s = message_schedule.Schedule(p, [0.0] * n)
+    message_schedule.View(s, p.node_major(n) or range(n)).rounds(
+        message_schedule.header_rounds(n, nbytes + HEADER_SIZE))
+    local = p.copy(nbytes) + p.fold((n - 1) * nbytes) if name == "allreduce" else 0.0
+    return max(s.clock) + p.call + local
+
+
+@functools.lru_cache(maxsize=4096)
+def gathers(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> bool:
+    """Whether "auto" runs a call of ``n`` > 2 ranks gathered in the header exchange's rounds
+    (:mod:`.gathered`): an allreduce or all_gather of up to ``GATHER_MAX`` bytes gathered a
+    rank, where the model rates it faster than the header exchange and auto's algorithm."""
+    if n < 3 or name not in ("allreduce", "all_gather") or n * nbytes > GATHER_MAX or (
+            nbytes == 0 and name == "all_gather"):
+        return False
+    return gathered_time(name, nbytes, n, p) < predict(name, auto_pick(name, nbytes, n, p),
+                                                        nbytes, n, p)
 
 
 #: a real job (the engine in each node, whose cost the model only estimates) leaves its stages
@@ -314,10 +364,10 @@ ENGINE_MARGIN = 0.9
 
 @functools.lru_cache(maxsize=1024)
 def _hier_wins(name: str, bucket: int, n: int, p: Params, engine: bool) -> bool:
+    flat = flat_time(name, bucket, n, p)
     if engine:
-        return not flat_time(name, bucket, n, p) < ENGINE_MARGIN * predict(
-            name, "hierarchical_engine", bucket, n, p)
-    return predict(name, "hierarchical", bucket, n, p) < flat_time(name, bucket, n, p)
+        return not flat < ENGINE_MARGIN * predict(name, "hierarchical_engine", bucket, n, p)
+    return predict(name, "hierarchical", bucket, n, p) < flat
 
 
 def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
@@ -339,5 +389,6 @@ def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
 
 __all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL",
            "SMALL_MESSAGE_BYTES", "Params", "auto_pick", "best", "choose_auto",
-           "choose_hierarchical", "flat_time", "hierarchical_stages", "measured_pick",
+           "choose_hierarchical", "flat_time", "gathered_time", "gathers", "hierarchical_stages",
+           "measured_pick", "node_major",
            "forget", "learned", "params_for", "predict", "remember", "terms"]

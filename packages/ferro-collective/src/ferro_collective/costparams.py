@@ -79,6 +79,14 @@ class Params:
             by_node.setdefault(self.node(rank), []).append(rank)
         return [tuple(by_node[k]) for k in sorted(by_node)]
 
+    def node_major(self, n: int) -> tuple[int, ...] | None:
+        """The ranks of an ``n``-rank job node by node (the order in which the header exchange's
+        rounds, :mod:`.gathered`, number them, so that their cost does not depend on how the
+        job names its ranks on its nodes); None where that is rank order."""
+        if self.node_of is None or len(self.node_of) != n:
+            return None
+        return tuple(rank for members in self.members(n) for rank in members)
+
     def fold(self, nbytes: float) -> float:
         """Seconds a rank takes to fold ``nbytes`` into its buffer."""
         if self.gamma_mem is not None and nbytes > self.cache_bytes:

@@ -125,13 +125,14 @@ class View(Schedule):
         return self.s.send(self.members[src], self.members[dst], nbytes)
 
 
-def header_rounds(n: int) -> list:
+def header_rounds(n: int, unit: int = HEADER_SIZE) -> list:
     """Bruck's all-gather of the headers: round ``k`` (distance ``d = 2^k``), rank ``me``
-    sends ``min(d, n - count)`` headers to ``me - d``."""
+    sends ``min(d, n - count)`` headers to ``me - d`` (``unit``: each with a small call's
+    data before it, :mod:`.gathered`)."""
     rounds, count, d = [], 1, 1
     while count < n:
         take = min(d, n - count)
-        rounds.append((lambda me, d=d: (me - d) % n, take * HEADER_SIZE))
+        rounds.append((lambda me, d=d: (me - d) % n, take * unit))
         count += take
         d *= 2
     return rounds
@@ -139,7 +140,7 @@ def header_rounds(n: int) -> list:
 
 def header_clocks(p: Params, n: int) -> list[float]:
     s = Schedule(p, [0.0] * n)
-    s.rounds(header_rounds(n))
+    View(s, p.node_major(n) or range(n)).rounds(header_rounds(n))  # (node by node: .gathered)
     return s.clock
 
 

@@ -26,10 +26,10 @@ import numpy as np
 from ferro_backend import CollectiveTimeoutError
 from ferro_backend.partition import split_bounds
 
-from . import pair
+from . import costmodel, gathered, pair
 from .header import HEADER_SIZE
 from .ops import ReduceOp, accumulate
-from .per_backend import STEPS_PER_CALL, check_headers
+from .per_backend import STEPS_PER_CALL
 from .scratch import POOL
 
 log = logging.getLogger("ferro_collective")
@@ -74,6 +74,15 @@ class Ctx:
         self.reported = False
         self.step = 1  # tag offset 0 is the header exchange
         self._borrowed: list[np.ndarray] = []
+        self._order: tuple[int, ...] | None | bool = False
+
+    @property
+    def order(self) -> tuple[int, ...] | None:
+        """The order in which the header exchange's rounds number the ranks (node by node,
+        :func:`.costmodel.node_major`); None: rank order."""
+        if self._order is False:
+            self._order = costmodel.node_major(self.backend, self.n)
+        return self._order
 
     def take(self, count: int, dtype) -> np.ndarray:
         """A 1-d working array of ``count`` items (contents undefined), borrowed from the
@@ -162,9 +171,7 @@ def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
     assert len(header) == HEADER_SIZE
     if ctx.n == 2:  # (the message a call of two ranks may send its data with: :mod:`.pair`)
         return pair.header_exchange(ctx, header)
-    headers = bruck_all_gather(ctx, header, ctx.tag_base, "the collective header")
-    check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
-    return headers
+    return gathered.header_exchange(ctx, header)  # (the rounds small calls send data in)
 
 
 # ----------------------------------------------------------------------------- ring and star

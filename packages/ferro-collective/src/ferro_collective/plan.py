@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from ferro_backend import Backend
 
-from . import costmodel
+from . import costmodel, gathered
 from .header import encode, mismatch_check_enabled
 from .p2p import Ctx, header_exchange
 from .per_backend import tag_base
@@ -70,8 +70,9 @@ class Plan:
     skips its own header exchange (a barrier's is the barrier: it keeps it). ``whole``: a
     hierarchical call's first stage on a group publishes the whole call's header in its own
     place, the door's or its own exchange's (:class:`.stage_check.Whole`), else None.
-    ``pair(ctx, header)``: the body of a call of two ranks that sends its data with its header
-    (:mod:`.pair`), where the collective has one for this call ("auto" only)."""
+    ``pair(ctx, header)``: the body that sends the call's data with its header (two ranks:
+    :mod:`.pair`; more: :mod:`.gathered`), where the collective has one for this call ("auto"
+    only)."""
 
     __slots__ = ("name", "backend", "timeout", "header", "python", "engine", "stages", "seq",
                  "span", "checked", "whole", "pair")
@@ -108,12 +109,12 @@ class Plan:
 
     def run_python(self) -> Any:
         """Over point-to-point messages: the header exchange (the mismatch check; for a barrier
-        the whole barrier), then the body; on two ranks, where the call has one, the body that
-        sends its data with its header (:attr:`pair`)."""
+        the whole barrier), then the body; where the call has one, the body that sends its data
+        with its header (:attr:`pair`)."""
         ctx = self.context()
         if ctx.n > 1 and (self.name == "barrier" or
                           (mismatch_check_enabled() and not self.checked)):
-            if ctx.n == 2 and self.pair is not None:
+            if self.pair is not None:
                 result = self.pair(ctx, self.encoded())
                 ctx.release()
                 return result
@@ -130,4 +131,24 @@ class Plan:
         return self.engine(group, call, self.encoded())
 
 
-__all__ = ["Collective", "Plan", "choose"]
+def gathered_or_first(name: str, nbytes: int, n: int, backend, body: Callable,
+                      python: Callable) -> Callable | None:
+    """The :attr:`Plan.pair` of a small allreduce or all_gather of ``n`` > 2 ranks (``nbytes``
+    a rank, at most :data:`.gathered.GATHER_MAX` gathered): ``body(ctx, header)`` (the call
+    gathered in the header exchange's rounds, :mod:`.gathered`) where the cost model rates it
+    faster on ``backend``'s links, decided when the call runs over point-to-point messages
+    (never on the engine's path), else the header exchange and ``python(ctx)``; None for larger
+    calls."""
+    if not 0 < n * nbytes <= gathered.GATHER_MAX:
+        return None
+
+    def run(ctx: Ctx, header: bytes) -> Any:
+        if costmodel.gathers(name, nbytes, n, costmodel.params_for(backend)):
+            return body(ctx, header)
+        header_exchange(ctx, header)
+        return python(ctx)
+
+    return run
+
+
+__all__ = ["Collective", "Plan", "choose", "gathered_or_first"]

@@ -1,0 +1,58 @@
+"""`python run.py N MODE ITERS SIZES`: small allreduce, all_gather and barrier of N processes
+over TCP (127.0.0.1), printed as one JSON line, each cell the slowest rank's median over 5
+loops of ITERS calls (after 20 warm-up calls), us. MODE "gathered": as shipped (a small call of
+three ranks or more rides the header exchange's rounds, `ferro_collective.gathered`); "off":
+the same code exchanging the header first (`gathered.GATHER_MAX = 0`). SIZES: bytes,
+comma-separated. The mode a size ran in is checked from the messages a rank sends."""
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from ferro_backend.testing import run_processes
+
+
+def bench(b, mode: str, iters: int, sizes: list[int]) -> dict:
+    import ferro_collective as fc
+    from ferro_collective import gathered
+
+    if mode == "off":
+        gathered.GATHER_MAX = 0
+    sent = [0]
+    real = b.send
+
+    def send(data, dst, *, tag=0):
+        sent[0] += 1
+        return real(data, dst, tag=tag)
+
+    b.send = send
+    out = {}
+    calls = [("barrier", lambda: fc.barrier(b))]
+    for nb in sizes:
+        x = np.ones(nb // 4, np.float32)
+        calls += [(f"allreduce {nb}", lambda x=x: fc.allreduce(x, b)),
+                  (f"all_gather {nb}", lambda x=x: fc.all_gather(x, b))]
+    for label, f in calls:
+        sent[0] = 0
+        f()
+        out[f"sends {label}"] = sent[0]
+        for _ in range(20):
+            f()
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(iters):
+                f()
+            ts.append((time.perf_counter() - t) / iters * 1e6)
+        out[label] = round(sorted(ts)[2], 1)
+    return out
+
+
+if __name__ == "__main__":
+    n, mode, iters = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    sizes = [int(x) for x in sys.argv[4].split(",")]
+    res = run_processes(bench, n, mode, iters, sizes, timeout=1800)
+    print(json.dumps({"n": n, "mode": mode, **{k: max(r[k] for r in res) for k in res[0]}}),
+          flush=True)

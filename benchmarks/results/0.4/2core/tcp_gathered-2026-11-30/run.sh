@@ -1,0 +1,8 @@
+# The runs of results.md, from this folder (OPENBLAS_NUM_THREADS=1), modes alternating.
+for i in 1 2 3; do
+  for n in 3 4; do
+    for mode in gathered off; do
+      python run.py $n $mode 200 8,4096,16384,65536
+    done
+  done
+done > calls.jsonl

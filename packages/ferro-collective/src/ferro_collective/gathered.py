@@ -1,0 +1,141 @@
+"""Three ranks or more over point-to-point messages: the header rides the header exchange's own
+rounds, with the data of a small call.
+
+The header exchange is Bruck's all-gather (``ceil(log2 n)`` rounds; in round ``k`` each rank
+sends what it knows to ``me - 2^k`` and receives from ``me + 2^k``, the ranks numbered node by
+node where the job's nodes do not hold consecutive ranks, :meth:`.Params.node_major`: its cost
+is then the same however the job names its ranks, which the cost model relies on when it
+weighs a small call gathered in those rounds against the hierarchical stages). A small allreduce or
+all_gather (``algorithm="auto"``, up to :data:`GATHER_MAX` bytes gathered on each rank) runs in
+those same rounds: each rank's unit is its data with its header after it, so every rank ends
+with every rank's data and header, and an allreduce folds them in rank order (the star's bits)
+(:func:`exchange`, :func:`allreduce`, :func:`all_gather`): ``ceil(log2 n)`` messages a rank
+instead of as many for the headers and as many again for the data (4 processes over TCP, a
+4 KiB allreduce 109-112 us in a prototype against 261-282).
+
+A call of another size or form sends units of another length: the transports report
+:class:`~ferro_backend.SizeMismatchError` and drop the message. A rank that meets one sends a
+one-byte message in each of its later rounds instead of what it knows, and still takes its
+peers' messages, so every rank that would have learned a block through it meets one too (each
+block reaches each rank along one path); a rank that met none holds every header and compares
+them. Every rank that met a disagreement either way then exchanges its header alone on the
+call's last tag (:func:`settle`) and raises :class:`~ferro_backend.CollectiveMismatchError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ferro_backend import CollectiveMismatchError, SizeMismatchError
+
+from .arguments import finish
+from .header import HEADER_SIZE, describe
+from .ops import ReduceOp, fold
+from .per_backend import STEPS_PER_CALL, check_headers
+
+if TYPE_CHECKING:  # (p2p's header exchange calls this module's for three ranks or more)
+    from .p2p import Ctx
+
+#: the most bytes a small call gathers on each rank in the header exchange's rounds (larger
+#: ones exchange the header first and run their own algorithm)
+GATHER_MAX = 256 << 10
+#: the tag offset (in a call's tags) of the headers' exchange after a disagreement
+SETTLE_STEP = STEPS_PER_CALL - 1
+#: what a rank that met a disagreement sends in its later rounds (no unit is one byte long)
+_POISON = np.zeros(1, np.uint8)
+
+
+def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
+             ) -> tuple[list[bytes], np.ndarray]:
+    """Bruck's all-gather of every rank's ``block`` (bytes) with ``header`` after it, on the
+    call's first tag (``settling``: the last tag, headers alone, no settling again); returns
+    the headers and the blocks (an ``(n, len(block))`` array, borrowed from the scratch pool
+    until the call's end), both in rank order. Raises
+    :class:`~ferro_backend.CollectiveMismatchError` on every rank where they disagree."""
+    n, order = ctx.n, ctx.order
+    rank = range(n) if order is None else order  # (position -> rank: node by node)
+    me = ctx.rank if order is None else order.index(ctx.rank)  # (this rank's position)
+    size = block.size
+    unit = size + HEADER_SIZE
+    known = ctx.take(n * unit, np.uint8)  # units of positions me, me + 1, ... (mod n)
+    known[:size] = block
+    known[size:unit] = np.frombuffer(header, np.uint8)
+    tag = ctx.tag_base + (SETTLE_STEP if settling else 0)
+    count, distance, met = 1, 1, False
+    while count < n:
+        take = min(distance, n - count)
+        src, dst = rank[(me + distance) % n], rank[(me - distance) % n]
+        try:  # (the receiver, me - distance, knows as much as this rank: it takes the next)
+            req = ctx.irecv(known[count * unit:(count + take) * unit], src, tag)
+        except SizeMismatchError:
+            req, met = None, True
+        ctx.send(_POISON if met else known[:take * unit], dst, tag)
+        if req is not None:
+            try:
+                ctx.wait(req, src, "the collective header",
+                         {rank[(me + count + i) % n] for i in range(n - count)})
+            except SizeMismatchError:
+                met = True
+        count += take
+        distance *= 2
+    if met:
+        settle(ctx, header, None)  # (raises)
+    rows = known.reshape(n, unit)
+    where = [0] * n  # rank r's row
+    for i, r in enumerate(rank):
+        where[r] = (i - me) % n
+    headers = [rows[i, size:].tobytes() for i in where]
+    if any(h != header for h in headers):
+        try:
+            check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
+        except CollectiveMismatchError:
+            if not settling:
+                settle(ctx, header, headers)
+            raise
+    return headers, rows[where, :size]
+
+
+def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
+    """After a disagreement (``seen``: the headers this rank holds, None where it met a message
+    of another length): every rank exchanges its header alone on the call's last tag; where
+    this rank did not hold them all, raise the mismatch they name (or, where they agree, that
+    the ranks ran the call in different forms)."""
+    headers, _ = exchange(ctx, header, np.empty(0, np.uint8), settling=True)
+    if seen is not None:
+        return
+    check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)  # (raises where they differ)
+    raise CollectiveMismatchError(
+        f"{ctx.name}: every rank called {describe(header)}, but their messages differ in "
+        "length: some ran it in another form (an algorithm= the others did not ask for, or "
+        "the mismatch check set differently)")
+
+
+def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
+    """The header exchange of three ranks or more (:func:`.p2p.header_exchange`)."""
+    return exchange(ctx, header, np.empty(0, np.uint8))[0]
+
+
+def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out) -> np.ndarray:
+    """A small allreduce: every rank's array (in the work dtype ``wd``) gathered with the
+    headers, folded in rank order (the star's bits, MEAN's divide in the last step)."""
+    n = ctx.n
+    mine = ctx.take(x.size, wd)
+    mine[...] = x.reshape(-1)
+    _, blocks = exchange(ctx, header, mine.view(np.uint8))
+    dst = out.reshape(-1) if out is not None and wd == x.dtype else np.empty(x.size, wd)
+    fold(dst, [np.ascontiguousarray(blocks[r]).view(wd) for r in range(n)], op,
+         n if op is ReduceOp.MEAN else None)
+    return finish(dst.reshape(x.shape), x.dtype, out)
+
+
+def all_gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray) -> np.ndarray:
+    """A small all_gather: every rank's block (bytes) gathered with the headers."""
+    _, blocks = exchange(ctx, header, block)
+    result.reshape(-1).view(np.uint8).reshape(ctx.n, block.size)[...] = blocks
+    return result
+
+
+__all__ = ["GATHER_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange",
+           "header_exchange", "settle"]

@@ -1,0 +1,149 @@
+"""Calls of three ranks or more over point-to-point messages whose small data rides the header
+exchange's rounds (:mod:`ferro_collective.gathered`): ``ceil(log2 n)`` messages a rank, the
+star's bits, every disagreement raised on every rank with the next call in step, and rounds
+that number the ranks node by node, so that their cost does not depend on how a job names them."""
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi_ranks import run_mpi
+from pair_fns import DISAGREEMENTS, TWO_ONLY, disagree, sends
+
+from ferro_backend.testing import run_processes, run_ranks
+from ferro_collective import ReduceOp, all_gather, allreduce, broadcast, costmodel
+from ferro_collective import message_schedule as ms
+from ferro_collective.gathered import GATHER_MAX
+from ferro_collective.ops import BFLOAT16
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _check_disagreements(res: list[dict], n: int) -> None:
+    assert len(res) == n
+    for name, _, _, names in DISAGREEMENTS:
+        if name in TWO_ONLY:
+            continue
+        for r in range(n):
+            (kind, msg), took, after = res[r][name]
+            assert kind == "CollectiveMismatchError", (name, r, kind, msg)
+            for part in names:
+                assert part in msg, (name, r, msg)
+            assert took < 4.0, (name, r, took)  # (their deadline: 8 s)
+            assert after == [float(n)] * 3, (name, r, after)
+
+
+@pytest.mark.parametrize("n, odd", [(3, 1), (4, 2), (5, 4), (6, 3)])
+def test_disagreements_raise_on_every_rank_threads(n, odd):
+    _check_disagreements(run_ranks(lambda b: disagree(b, odd=odd), n, timeout=120), n)
+
+
+def test_disagreements_raise_on_every_rank_tcp():
+    _check_disagreements(run_processes(functools.partial(disagree, odd=2), 4, timeout=120), 4)
+
+
+def test_disagreements_raise_on_every_rank_mpi(tmp_path):
+    _check_disagreements(run_mpi("pair_fns", "disagree", 3, tmp_path, timeout=120), 3)
+
+
+def _counted(b, sizes):
+    calls = []
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        calls += [(f"allreduce {nbytes}", lambda x=x: allreduce(x, b)),
+                  (f"all_gather {nbytes}", lambda x=x: all_gather(x, b)),
+                  (f"ring {nbytes}", lambda x=x: allreduce(x, b, algorithm="ring")),
+                  (f"broadcast {nbytes}", lambda x=x: broadcast(x, b, 0))]
+    return {name: count for name, (_, count) in sends(b, calls).items()}
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_ceil_log2_n_messages_a_rank_for_small_calls(n):
+    small, large = 512, 2 * GATHER_MAX  # (what "auto" gathers on one node's links at 8 ranks)
+    rounds = (n - 1).bit_length()
+    for res in run_ranks(lambda b: _counted(b, [small, large]), n, timeout=60):
+        assert res[f"allreduce {small}"] == rounds, res
+        assert res[f"all_gather {small}"] == rounds, res
+        assert res[f"allreduce {large}"] > rounds, res  # the header alone first
+        assert res[f"ring {small}"] > rounds, res  # a forced algorithm keeps its own messages
+        assert res[f"broadcast {small}"] >= rounds, res  # (its header exchange, then its tree)
+
+
+DTYPES = [np.float32, np.float64, np.float16, BFLOAT16, np.int32, np.int64]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(3, 6), dtype=st.sampled_from(DTYPES), size=st.integers(1, 200),
+       op=st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
+                           ReduceOp.MEAN]),
+       use_out=st.booleans(), dealt=st.booleans(), seed=st.integers(0, 2**16))
+def test_bits_equal_the_star_s(n, dtype, size, op, use_out, dealt, seed):
+    """A gathered allreduce gives the star's rank-order fold's bits on every rank, an
+    all_gather every rank's block in rank order, with and without ``out=``, on ranks named
+    consecutively or dealt out over two nodes."""
+    dtype = np.dtype(dtype)
+    if op is ReduceOp.MEAN and dtype.kind == "i":
+        op = ReduceOp.SUM
+    rng = np.random.default_rng(seed)
+    xs = [rng.uniform(-4, 4, size).astype(dtype) for _ in range(n)]
+    nodes = tuple("ab"[r % 2] if dealt else "ab"[2 * r // n] for r in range(n))
+
+    def fn(b):
+        b.nodes = nodes
+        x = xs[b.rank]
+        got = {}
+        for name, call, shape in (("allreduce", lambda **k: allreduce(x, b, op, **k), x.shape),
+                                  ("all_gather", lambda **k: all_gather(x, b, **k), (n * size,))):
+            out = np.empty(shape, dtype) if use_out else None
+            mine = call(out=out) if use_out else call()
+            assert out is None or mine is out
+            got[name] = mine.tobytes()
+        got["star"] = allreduce(x, b, op, algorithm="star").tobytes()
+        return got
+
+    res = run_ranks(fn, n, timeout=60)
+    for r in range(n):
+        assert res[r]["allreduce"] == res[r]["star"], r
+        assert res[r]["all_gather"] == np.concatenate(xs).tobytes(), r
+    assert len({res[r]["allreduce"] for r in range(n)}) == 1
+
+
+def test_rounds_number_the_ranks_node_by_node():
+    """On nodes that hold ranks dealt out (a, b, a, b, ...), each rank sends to the ranks a
+    node-by-node numbering (0, 2, 4, 1, 3, 5) names: round 1 to the position before its own,
+    round 2 to the one two before; the model rates those rounds the same for either naming."""
+    n = 6
+    dealt = tuple("ab"[r % 2] for r in range(n))
+    order = (0, 2, 4, 1, 3, 5)
+
+    def fn(b):
+        b.nodes = dealt
+        seen = []
+        real = b.send
+
+        def send(data, dst, *, tag=0):
+            seen.append(dst)
+            return real(data, dst, tag=tag)
+
+        b.send = send
+        try:
+            got = allreduce(np.full(4, b.rank + 1.0, np.float32), b)
+        finally:
+            del b.send
+        return seen, got.tolist()
+
+    for r, (seen, got) in enumerate(run_ranks(fn, n, timeout=60)):
+        me = order.index(r)
+        assert seen == [order[(me - d) % n] for d in (1, 2, 4)], (r, seen)
+        assert got == [21.0] * 4
+    p = costmodel.params_for(type("B", (), {"nodes": dealt})())
+    assert p.node_of is not None and p.node_major(n) == order
+    consecutive = dataclasses.replace(p, node_of=None)
+    for nbytes in (8, 4096, 65536):
+        for name in ("allreduce", "all_gather"):
+            assert costmodel.gathered_time(name, nbytes, n, p) == pytest.approx(
+                costmodel.gathered_time(name, nbytes, n, consecutive), rel=1e-12)
+    assert ms.header_time(p, n) == pytest.approx(ms.header_time(consecutive, n), rel=1e-12)
