@@ -1,7 +1,8 @@
 """Calls of three ranks or more over point-to-point messages whose small data rides the header
 exchange's rounds (:mod:`ferro_collective.gathered`): ``ceil(log2 n)`` messages a rank, the
-star's bits, every disagreement raised on every rank with the next call in step, and rounds
-that number the ranks node by node, so that their cost does not depend on how a job names them."""
+bits of the star (allreduce) and the ring (reduce_scatter), every disagreement raised on every
+rank with the next call in step, and rounds that number the ranks node by node, so that their
+cost does not depend on how a job names them."""
 
 import dataclasses
 import functools
@@ -14,7 +15,14 @@ from mpi_ranks import run_mpi
 from pair_fns import DISAGREEMENTS, TWO_ONLY, disagree, sends
 
 from ferro_backend.testing import run_processes, run_ranks
-from ferro_collective import ReduceOp, all_gather, allreduce, broadcast, costmodel
+from ferro_collective import (
+    ReduceOp,
+    all_gather,
+    allreduce,
+    broadcast,
+    costmodel,
+    reduce_scatter,
+)
 from ferro_collective import message_schedule as ms
 from ferro_collective.gathered import GATHER_MAX
 from ferro_collective.ops import BFLOAT16
@@ -52,9 +60,10 @@ def test_disagreements_raise_on_every_rank_mpi(tmp_path):
 def _counted(b, sizes):
     calls = []
     for nbytes in sizes:
-        x = np.ones(nbytes // 4, np.float32)
+        x = np.ones(nbytes // 4 // b.world_size * b.world_size, np.float32)
         calls += [(f"allreduce {nbytes}", lambda x=x: allreduce(x, b)),
                   (f"all_gather {nbytes}", lambda x=x: all_gather(x, b)),
+                  (f"reduce_scatter {nbytes}", lambda x=x: reduce_scatter(x, b)),
                   (f"ring {nbytes}", lambda x=x: allreduce(x, b, algorithm="ring")),
                   (f"broadcast {nbytes}", lambda x=x: broadcast(x, b, 0))]
     return {name: count for name, (_, count) in sends(b, calls).items()}
@@ -67,6 +76,8 @@ def test_ceil_log2_n_messages_a_rank_for_small_calls(n):
     for res in run_ranks(lambda b: _counted(b, [small, large]), n, timeout=60):
         assert res[f"allreduce {small}"] == rounds, res
         assert res[f"all_gather {small}"] == rounds, res
+        assert res[f"reduce_scatter {small}"] == rounds, res
+        assert res[f"reduce_scatter {large}"] > rounds, res
         assert res[f"allreduce {large}"] > rounds, res  # the header alone first
         assert res[f"ring {small}"] > rounds, res  # a forced algorithm keeps its own messages
         assert res[f"broadcast {small}"] >= rounds, res  # (its header exchange, then its tree)
@@ -80,33 +91,37 @@ DTYPES = [np.float32, np.float64, np.float16, BFLOAT16, np.int32, np.int64]
        op=st.sampled_from([ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
                            ReduceOp.MEAN]),
        use_out=st.booleans(), dealt=st.booleans(), seed=st.integers(0, 2**16))
-def test_bits_equal_the_star_s(n, dtype, size, op, use_out, dealt, seed):
-    """A gathered allreduce gives the star's rank-order fold's bits on every rank, an
-    all_gather every rank's block in rank order, with and without ``out=``, on ranks named
-    consecutively or dealt out over two nodes."""
+def test_bits_equal_the_algorithms_they_stand_for(n, dtype, size, op, use_out, dealt, seed):
+    """A gathered allreduce gives the star's rank-order fold's bits on every rank, a
+    reduce_scatter the ring's, an all_gather every rank's block in rank order, with and
+    without ``out=``, on ranks named consecutively or dealt out over two nodes."""
     dtype = np.dtype(dtype)
     if op is ReduceOp.MEAN and dtype.kind == "i":
         op = ReduceOp.SUM
     rng = np.random.default_rng(seed)
-    xs = [rng.uniform(-4, 4, size).astype(dtype) for _ in range(n)]
+    xs = [rng.uniform(-4, 4, n * size).astype(dtype) for _ in range(n)]
     nodes = tuple("ab"[r % 2] if dealt else "ab"[2 * r // n] for r in range(n))
 
     def fn(b):
         b.nodes = nodes
         x = xs[b.rank]
         got = {}
-        for name, call, shape in (("allreduce", lambda **k: allreduce(x, b, op, **k), x.shape),
-                                  ("all_gather", lambda **k: all_gather(x, b, **k), (n * size,))):
+        for name, call, shape in (
+                ("allreduce", lambda **k: allreduce(x, b, op, **k), x.shape),
+                ("reduce_scatter", lambda **k: reduce_scatter(x, b, op, **k), (size,)),
+                ("all_gather", lambda **k: all_gather(x, b, **k), (n * n * size,))):
             out = np.empty(shape, dtype) if use_out else None
             mine = call(out=out) if use_out else call()
             assert out is None or mine is out
             got[name] = mine.tobytes()
         got["star"] = allreduce(x, b, op, algorithm="star").tobytes()
+        got["ring"] = reduce_scatter(x, b, op, algorithm="ring").tobytes()
         return got
 
     res = run_ranks(fn, n, timeout=60)
     for r in range(n):
         assert res[r]["allreduce"] == res[r]["star"], r
+        assert res[r]["reduce_scatter"] == res[r]["ring"], r
         assert res[r]["all_gather"] == np.concatenate(xs).tobytes(), r
     assert len({res[r]["allreduce"] for r in range(n)}) == 1
 
@@ -147,3 +162,26 @@ def test_rounds_number_the_ranks_node_by_node():
             assert costmodel.gathered_time(name, nbytes, n, p) == pytest.approx(
                 costmodel.gathered_time(name, nbytes, n, consecutive), rel=1e-12)
     assert ms.header_time(p, n) == pytest.approx(ms.header_time(consecutive, n), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_refused_call_raises_on_every_rank(n):
+    """A rank whose own arguments are wrong (an ``out=`` of another shape) raises its own
+    error; its peers, whose small allreduce rides the header exchange's rounds, raise the
+    mismatch naming its refusal; the next call works on every rank."""
+    def fn(b):
+        x = np.ones(16, np.float32)
+        try:
+            allreduce(x, b, out=np.empty(15 if b.rank == 1 else 16, np.float32), timeout=8)
+            got = "returned"
+        except Exception as exc:  # (the test compares what each rank raised)
+            got = f"{type(exc).__name__}: {exc}"
+        return got, allreduce(x, b, timeout=8).tolist()
+
+    res = run_ranks(fn, n, timeout=60)
+    for r, (got, after) in enumerate(res):
+        assert after == [float(n)] * 16, (r, after)
+        if r == 1:
+            assert not got.startswith("CollectiveMismatchError") and "out" in got, got
+        else:
+            assert got.startswith("CollectiveMismatchError") and "rank 1 refused" in got, got

@@ -335,23 +335,26 @@ def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
 
 
 def gathered_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
-    """A small allreduce or all_gather of ``n`` ranks gathered with the headers in the header
-    exchange's rounds (:mod:`.gathered`): units of ``nbytes`` and a header; an allreduce copies
-    its input first and folds the ``n`` arrays last."""
+    """A small allreduce, all_gather or reduce_scatter of ``n`` ranks gathered with the headers
+    in the header exchange's rounds (:mod:`.gathered`): units of ``nbytes`` (each rank's input)
+    and a header; an allreduce copies its input first and folds the ``n`` arrays last, a
+    reduce_scatter folds its own part of them."""
     s = message_schedule.Schedule(p, [0.0] * n)
     message_schedule.View(s, p.node_major(n) or range(n)).rounds(
         message_schedule.header_rounds(n, nbytes + HEADER_SIZE))
-    local = p.copy(nbytes) + p.fold((n - 1) * nbytes) if name == "allreduce" else 0.0
+    local = 0.0 if name == "all_gather" else \
+        p.copy(nbytes) + p.fold((n - 1) * nbytes / (n if name == "reduce_scatter" else 1))
     return max(s.clock) + p.call + local
 
 
 @functools.lru_cache(maxsize=4096)
 def gathers(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> bool:
     """Whether "auto" runs a call of ``n`` > 2 ranks gathered in the header exchange's rounds
-    (:mod:`.gathered`): an allreduce or all_gather of up to ``GATHER_MAX`` bytes gathered a
-    rank, where the model rates it faster than the header exchange and auto's algorithm."""
-    if n < 3 or name not in ("allreduce", "all_gather") or n * nbytes > GATHER_MAX or (
-            nbytes == 0 and name == "all_gather"):
+    (:mod:`.gathered`): an allreduce, all_gather or reduce_scatter of up to ``GATHER_MAX``
+    bytes gathered a rank (``nbytes``: each rank's input), where the model rates it faster than
+    the header exchange and auto's algorithm."""
+    if n < 3 or name not in ("allreduce", "all_gather", "reduce_scatter") or \
+            not 0 < n * nbytes <= GATHER_MAX:
         return False
     return gathered_time(name, nbytes, n, p) < predict(name, auto_pick(name, nbytes, n, p),
                                                         nbytes, n, p)

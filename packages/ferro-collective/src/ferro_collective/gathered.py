@@ -5,13 +5,16 @@ The header exchange is Bruck's all-gather (``ceil(log2 n)`` rounds; in round ``k
 sends what it knows to ``me - 2^k`` and receives from ``me + 2^k``, the ranks numbered node by
 node where the job's nodes do not hold consecutive ranks, :meth:`.Params.node_major`: its cost
 is then the same however the job names its ranks, which the cost model relies on when it
-weighs a small call gathered in those rounds against the hierarchical stages). A small allreduce or
-all_gather (``algorithm="auto"``, up to :data:`GATHER_MAX` bytes gathered on each rank) runs in
-those same rounds: each rank's unit is its data with its header after it, so every rank ends
-with every rank's data and header, and an allreduce folds them in rank order (the star's bits)
-(:func:`exchange`, :func:`allreduce`, :func:`all_gather`): ``ceil(log2 n)`` messages a rank
-instead of as many for the headers and as many again for the data (4 processes over TCP, a
-4 KiB allreduce 109-112 us in a prototype against 261-282).
+weighs a small call gathered in those rounds against the hierarchical stages). A small
+allreduce, all_gather or reduce_scatter (``algorithm="auto"``, up to :data:`GATHER_MAX` bytes
+gathered on each rank, where :func:`.costmodel.gathers` rates it faster) runs in those same
+rounds: each rank's unit is its data with its header after it, so every rank ends with every
+rank's data and header; an allreduce folds them in rank order (the star's bits), a
+reduce_scatter its own part of them in the ring's order (the ring's bits) (:func:`exchange`,
+:func:`allreduce`, :func:`all_gather`, :func:`reduce_scatter`): ``ceil(log2 n)`` messages a
+rank instead of as many for the headers and as many again or more for the data (4 processes
+over TCP, a 4 KiB allreduce 190-204 us against 301-311; `benchmarks/results/0.4/2core/
+tcp_gathered-2026-11-30`).
 
 A call of another size or form sends units of another length: the transports report
 :class:`~ferro_backend.SizeMismatchError` and drop the message. A rank that meets one sends a
@@ -48,11 +51,11 @@ _POISON = np.zeros(1, np.uint8)
 
 
 def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
-             ) -> tuple[list[bytes], np.ndarray]:
+             ) -> tuple[list[bytes], list[np.ndarray]]:
     """Bruck's all-gather of every rank's ``block`` (bytes) with ``header`` after it, on the
     call's first tag (``settling``: the last tag, headers alone, no settling again); returns
-    the headers and the blocks (an ``(n, len(block))`` array, borrowed from the scratch pool
-    until the call's end), both in rank order. Raises
+    the headers and the blocks (views of an array borrowed from the scratch pool until the
+    call's end), both in rank order. Raises
     :class:`~ferro_backend.CollectiveMismatchError` on every rank where they disagree."""
     n, order = ctx.n, ctx.order
     rank = range(n) if order is None else order  # (position -> rank: node by node)
@@ -94,7 +97,7 @@ def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
             if not settling:
                 settle(ctx, header, headers)
             raise
-    return headers, rows[where, :size]
+    return headers, [rows[i, :size] for i in where]
 
 
 def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
@@ -125,7 +128,7 @@ def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out) -> 
     mine[...] = x.reshape(-1)
     _, blocks = exchange(ctx, header, mine.view(np.uint8))
     dst = out.reshape(-1) if out is not None and wd == x.dtype else np.empty(x.size, wd)
-    fold(dst, [np.ascontiguousarray(blocks[r]).view(wd) for r in range(n)], op,
+    fold(dst, [blocks[r].view(wd) for r in range(n)], op,
          n if op is ReduceOp.MEAN else None)
     return finish(dst.reshape(x.shape), x.dtype, out)
 
@@ -133,9 +136,30 @@ def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out) -> 
 def all_gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray) -> np.ndarray:
     """A small all_gather: every rank's block (bytes) gathered with the headers."""
     _, blocks = exchange(ctx, header, block)
-    result.reshape(-1).view(np.uint8).reshape(ctx.n, block.size)[...] = blocks
+    rows = result.reshape(-1).view(np.uint8).reshape(ctx.n, block.size)
+    for r, data in enumerate(blocks):
+        rows[r] = data
     return result
 
 
+def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
+                   out: np.ndarray | None, out_shape: tuple) -> np.ndarray:
+    """A small reduce_scatter: every rank's whole input (in the work dtype ``wd``) gathered
+    with the headers; each rank folds its own part in the ring's order (the parts of ranks
+    ``me + 1``, ``me + 2``, ..., ``me``: the ring's bits, MEAN's divide in the last step)."""
+    n, me = ctx.n, ctx.rank
+    flat = x.reshape(-1)
+    mine = ctx.take(flat.size, wd)
+    mine[...] = flat
+    _, blocks = exchange(ctx, header, mine.view(np.uint8))
+    part = flat.size // n
+    a, b = me * part * wd.itemsize, (me + 1) * part * wd.itemsize
+    direct = out is not None and wd == x.dtype and not np.may_share_memory(out, x)
+    dst = out.reshape(-1) if direct else np.empty(part, wd)
+    fold(dst, [blocks[(me + 1 + i) % n][a:b].view(wd) for i in range(n)], op,
+         n if op is ReduceOp.MEAN else None)
+    return finish(dst.reshape(out_shape), x.dtype, out)
+
+
 __all__ = ["GATHER_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange",
-           "header_exchange", "settle"]
+           "header_exchange", "reduce_scatter", "settle"]

@@ -18,12 +18,12 @@ import numpy as np
 
 from ferro_backend import SizeMismatchError
 
-from . import _onecall, allreduce, pair
+from . import _onecall, allreduce, gathered, pair
 from .arguments import as_array, check_out
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, as_op, work_dtype
 from .p2p import Ctx, fold_at_root, reduce_scatter_ring_into
-from .plan import Collective, Plan, choose
+from .plan import Collective, Plan, choose, gathered_or_first
 
 
 def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -58,11 +58,18 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
                    CODES[x.dtype], OPS[op].door, shape=x.shape)
         return result
 
+    def two(ctx: Ctx, header: bytes) -> np.ndarray:
+        return pair.reduce_scatter(ctx, header, x, wd, op, out, out_shape)
+
+    def many(ctx: Ctx, header: bytes) -> np.ndarray:
+        return gathered.reduce_scatter(ctx, header, x, wd, op, out, out_shape)
+
+    nbytes = x.size * wd.itemsize
     return Plan("reduce_scatter", backend, timeout, (x.dtype, x.shape, op, -1), python, engine,
                 lambda h: stages(h, x, op, wd, out_shape, timeout, out, backend.rank),
                 algorithm, seq,
-                (lambda ctx, header: pair.reduce_scatter(ctx, header, x, wd, op, out, out_shape))
-                if n == 2 and 0 < x.size * wd.itemsize // 2 <= pair.FUSE_MAX else None)
+                (two if 0 < nbytes // 2 <= pair.FUSE_MAX else None) if n == 2 else
+                gathered_or_first("reduce_scatter", nbytes, n, backend, many, python))
 
 
 # ----------------------------------------------------------------------------- Python

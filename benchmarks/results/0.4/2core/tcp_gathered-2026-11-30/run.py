@@ -1,4 +1,5 @@
-"""`python run.py N MODE ITERS SIZES`: small allreduce, all_gather and barrier of N processes
+"""`python run.py N MODE ITERS SIZES [rs]`: small allreduce, all_gather (and with "rs",
+reduce_scatter) and barrier of N processes
 over TCP (127.0.0.1), printed as one JSON line, each cell the slowest rank's median over 5
 loops of ITERS calls (after 20 warm-up calls), us. MODE "gathered": as shipped (a small call of
 three ranks or more rides the header exchange's rounds, `ferro_collective.gathered`); "off":
@@ -14,7 +15,7 @@ import numpy as np
 from ferro_backend.testing import run_processes
 
 
-def bench(b, mode: str, iters: int, sizes: list[int]) -> dict:
+def bench(b, mode: str, iters: int, sizes: list[int], rs: bool = False) -> dict:
     import ferro_collective as fc
     from ferro_collective import gathered
 
@@ -34,6 +35,9 @@ def bench(b, mode: str, iters: int, sizes: list[int]) -> dict:
         x = np.ones(nb // 4, np.float32)
         calls += [(f"allreduce {nb}", lambda x=x: fc.allreduce(x, b)),
                   (f"all_gather {nb}", lambda x=x: fc.all_gather(x, b))]
+        if rs:  # (an input of NB bytes, rounded down to a multiple of N elements)
+            y = np.ones(nb // 4 // b.world_size * b.world_size, np.float32)
+            calls.append((f"reduce_scatter {nb}", lambda y=y: fc.reduce_scatter(y, b)))
     for label, f in calls:
         sent[0] = 0
         f()
@@ -53,6 +57,7 @@ def bench(b, mode: str, iters: int, sizes: list[int]) -> dict:
 if __name__ == "__main__":
     n, mode, iters = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     sizes = [int(x) for x in sys.argv[4].split(",")]
-    res = run_processes(bench, n, mode, iters, sizes, timeout=1800)
+    res = run_processes(bench, n, mode, iters, sizes, len(sys.argv) > 5 and sys.argv[5] == "rs",
+                        timeout=1800)
     print(json.dumps({"n": n, "mode": mode, **{k: max(r[k] for r in res) for k in res[0]}}),
           flush=True)

@@ -6,3 +6,11 @@ for i in 1 2 3; do
     done
   done
 done > calls.jsonl
+# reduce_scatter (after gathered.reduce_scatter), the calls above with it
+for i in 1 2 3; do
+  for n in 3 4; do
+    for mode in gathered off; do
+      python run.py $n $mode 200 4096,16384,65536 rs
+    done
+  done
+done > calls_rs.jsonl
