@@ -13,6 +13,11 @@ So a call borrows its temporaries (:meth:`ferro_collective.p2p.Ctx.take`) from o
 process and gives them back when it returns. A call that fails keeps them: a receive posted
 into one may still land. The pool keeps at most ``FERRO_SCRATCH_BYTES`` (the buffers given
 back longest ago go first); thread-safe.
+
+Arrays under :data:`SMALLEST` bytes are not pooled: the allocator serves them from its heap,
+whose pages stay mapped (glibc maps a fresh block from 128 KiB), and a pool's take and give
+cost more than that. Two 4-64 KiB arrays, each page touched: 0.9 us fresh against 3.9 us
+through the pool; 256 KiB: 149 us fresh against 4.2 us pooled.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import numpy as np
 
 from ferro_backend import settings
 
+#: the smallest array (bytes) the pool keeps; smaller ones are allocated fresh every time
+SMALLEST = 64 << 10
+
 
 class ScratchPool:
     """Arrays handed out by (count, dtype) and given back for the next call of that size.
@@ -32,12 +40,15 @@ class ScratchPool:
     ----------
     keep_bytes : int, optional
         The most the pool holds between calls; None: ``FERRO_SCRATCH_BYTES`` when asked.
+    smallest : int, optional
+        Arrays of fewer bytes are allocated fresh, never kept (default :data:`SMALLEST`).
     """
 
-    def __init__(self, keep_bytes: int | None = None) -> None:
+    def __init__(self, keep_bytes: int | None = None, smallest: int = SMALLEST) -> None:
         self._keep = keep_bytes
-        self._free: OrderedDict[int, tuple[tuple[int, str], np.ndarray]] = OrderedDict()
-        self._by_key: dict[tuple[int, str], list[int]] = {}
+        self._smallest = smallest
+        self._free: OrderedDict[int, tuple[tuple[int, np.dtype], np.ndarray]] = OrderedDict()
+        self._by_key: dict[tuple[int, np.dtype], list[int]] = {}
         self._held = 0
         self._lock = threading.Lock()
 
@@ -46,7 +57,10 @@ class ScratchPool:
 
     def take(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A 1-d array of ``count`` items of ``dtype`` (contents undefined)."""
-        key = (int(count), np.dtype(dtype).str)
+        dtype = np.dtype(dtype)
+        if count * dtype.itemsize < self._smallest:
+            return np.empty(count, dtype)
+        key = (int(count), dtype)
         with self._lock:
             ids = self._by_key.get(key)
             if ids:
@@ -57,13 +71,16 @@ class ScratchPool:
 
     def give(self, *arrays: np.ndarray | None) -> None:
         """Keep ``arrays`` (each as :meth:`take` made it; None: nothing) for reuse, within the
-        pool's bytes."""
+        pool's bytes (none under its smallest)."""
+        arrays = [a for a in arrays if a is not None and a.nbytes >= self._smallest]
+        if not arrays:
+            return
         keep = self.keep_bytes()
         with self._lock:
             for arr in arrays:
-                if arr is None or arr.nbytes > keep or id(arr) in self._free:
+                if arr.nbytes > keep or id(arr) in self._free:
                     continue
-                key = (arr.size, arr.dtype.str)
+                key = (arr.size, arr.dtype)
                 self._free[id(arr)] = (key, arr)
                 self._by_key.setdefault(key, []).append(id(arr))
                 self._held += arr.nbytes
@@ -88,4 +105,4 @@ class ScratchPool:
 #: the process's pool
 POOL = ScratchPool()
 
-__all__ = ["POOL", "ScratchPool"]
+__all__ = ["POOL", "SMALLEST", "ScratchPool"]

@@ -18,7 +18,7 @@ class BufferPool(ScratchPool):
     was in use at once; thread-safe (reductions give their buffers back when they finish)."""
 
     def __init__(self) -> None:
-        super().__init__(keep_bytes=1 << 62)
+        super().__init__(keep_bytes=1 << 62, smallest=0)  # (every size: its units reuse theirs)
 
 
 __all__ = ["BufferPool"]
