@@ -6,6 +6,7 @@ cost does not depend on how a job names them."""
 
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 import pytest
@@ -185,3 +186,41 @@ def test_a_refused_call_raises_on_every_rank(n):
             assert not got.startswith("CollectiveMismatchError") and "out" in got, got
         else:
             assert got.startswith("CollectiveMismatchError") and "rank 1 refused" in got, got
+
+
+def test_a_metadata_round_costs_the_check_no_message_of_its_own():
+    """The collectives with a metadata round (the all-to-alls, all_gather_v, the object
+    collectives) send their metadata in the header exchange's rounds: as many messages with
+    the mismatch check on as with it off."""
+    from ferro_collective import (
+        all_gather_object,
+        all_gather_v,
+        all_to_all_single,
+        set_mismatch_check,
+    )
+
+    sync = threading.Barrier(4, timeout=30)  # (the setting is the process's: every rank's)
+
+    def fn(b):
+        x = np.ones(8, np.float32)
+        calls = [("all_to_all_single", lambda: all_to_all_single(x, b)),
+                 ("all_gather_v", lambda: all_gather_v(x[:b.rank + 1], b)),
+                 ("all_gather_object", lambda: all_gather_object({"r": b.rank}, b))]
+        on = sends(b, calls)
+        if sync.wait() == 0:
+            set_mismatch_check(False)
+        sync.wait()
+        try:
+            off = sends(b, calls)
+        finally:
+            if sync.wait() == 0:
+                set_mismatch_check(True)
+            sync.wait()
+        return {k: (on[k][1], off[k][1]) for k in on}
+
+    try:
+        for res in run_ranks(fn, 4, timeout=60):
+            for name, (on, off) in res.items():
+                assert on == off >= 2, (name, on, off)
+    finally:
+        set_mismatch_check(True)

@@ -13,9 +13,10 @@ all-gather of fixed-size blocks before their data moves. A :class:`MetaPlan` is 
    the first 8 bytes of which say whether this rank's own arguments were valid;
 3. ``body(ctx, metas)`` with every rank's metadata, in rank order.
 
-On two ranks over point-to-point messages steps 1 and 2 are one message each way, the metadata
-block with the header after it (:mod:`.pair`; a disagreement there, in the header or the
-message's length, raises on both ranks as the header exchange does).
+Over point-to-point messages steps 1 and 2 are one: on two ranks one message each way, the
+metadata block with the header after it (:mod:`.pair`), on more the header exchange's Bruck
+rounds with each rank's block before its header (:mod:`.gathered`); a disagreement there, in
+the header or a message's length, raises on every rank as the header exchange does.
 
 On a ``ShmBackend`` steps 1 and 2 are one step of the same-host engine (header and metadata in
 the slots), so that a mismatch with a collective on the engine's fast path is caught there too.
@@ -43,9 +44,9 @@ import numpy as np
 from ferro_backend import Backend, CollectiveMismatchError
 from ferro_backend.engine import AVAILABLE as _ENGINE
 
-from . import pair
+from . import gathered, pair
 from .header import INVALID, encode, mismatch_check_enabled, refusal
-from .p2p import Ctx, bruck_all_gather, header_exchange
+from .p2p import Ctx, bruck_all_gather
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -163,14 +164,14 @@ class MetaPlan(Plan):
         try:
             if ctx.n == 2:  # (header and metadata in one message each way)
                 return self._finish(ctx, pair.metadata(ctx, self.encoded(), self._block()))
-            header_exchange(ctx, self.encoded())
+            # (more ranks: the metadata rides the header exchange's rounds)
+            _, views = gathered.exchange(ctx, self.encoded(),
+                                         np.frombuffer(self._block(), np.uint8))
         except CollectiveMismatchError:
             if self.invalid is not None:
                 raise self.invalid from None
             raise
-        blocks = bruck_all_gather(ctx, self._block(), ctx.next_tag(),
-                                  "the collective's metadata")
-        return self._finish(ctx, blocks)
+        return self._finish(ctx, [v.tobytes() for v in views])
 
     def run_engine(self, g, call):
         """On the same-host engine: the header, the metadata and (with an engine path) the data

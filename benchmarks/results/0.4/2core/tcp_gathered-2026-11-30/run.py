@@ -1,5 +1,5 @@
-"""`python run.py N MODE ITERS SIZES [rs]`: small allreduce, all_gather (and with "rs",
-reduce_scatter) and barrier of N processes
+"""`python run.py N MODE ITERS SIZES [rs|meta]`: small allreduce, all_gather (with "rs",
+reduce_scatter; with "meta", the collectives with a metadata round) and barrier of N processes
 over TCP (127.0.0.1), printed as one JSON line, each cell the slowest rank's median over 5
 loops of ITERS calls (after 20 warm-up calls), us. MODE "gathered": as shipped (a small call of
 three ranks or more rides the header exchange's rounds, `ferro_collective.gathered`); "off":
@@ -15,11 +15,11 @@ import numpy as np
 from ferro_backend.testing import run_processes
 
 
-def bench(b, mode: str, iters: int, sizes: list[int], rs: bool = False) -> dict:
+def bench(b, mode: str, iters: int, sizes: list[int], extra: str = "") -> dict:
     import ferro_collective as fc
     from ferro_collective import gathered
 
-    if mode == "off":
+    if mode == "off":  # (the runs with "meta" add sitecustomize_gathered_off.py's metadata)
         gathered.GATHER_MAX = 0
     sent = [0]
     real = b.send
@@ -35,9 +35,15 @@ def bench(b, mode: str, iters: int, sizes: list[int], rs: bool = False) -> dict:
         x = np.ones(nb // 4, np.float32)
         calls += [(f"allreduce {nb}", lambda x=x: fc.allreduce(x, b)),
                   (f"all_gather {nb}", lambda x=x: fc.all_gather(x, b))]
-        if rs:  # (an input of NB bytes, rounded down to a multiple of N elements)
+        if extra == "rs":  # (an input of NB bytes, rounded down to a multiple of N elements)
             y = np.ones(nb // 4 // b.world_size * b.world_size, np.float32)
             calls.append((f"reduce_scatter {nb}", lambda y=y: fc.reduce_scatter(y, b)))
+        if extra == "meta":  # (the collectives with a metadata round)
+            y = np.ones(nb // 4 // b.world_size * b.world_size, np.float32)
+            calls += [(f"all_to_all_single {nb}", lambda y=y: fc.all_to_all_single(y, b)),
+                      (f"all_gather_v {nb}", lambda y=y: fc.all_gather_v(y[:y.size // 2], b)),
+                      (f"all_gather_object {nb}",
+                       lambda nb=nb: fc.all_gather_object({"a": nb}, b))]
     for label, f in calls:
         sent[0] = 0
         f()
@@ -57,7 +63,7 @@ def bench(b, mode: str, iters: int, sizes: list[int], rs: bool = False) -> dict:
 if __name__ == "__main__":
     n, mode, iters = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     sizes = [int(x) for x in sys.argv[4].split(",")]
-    res = run_processes(bench, n, mode, iters, sizes, len(sys.argv) > 5 and sys.argv[5] == "rs",
+    res = run_processes(bench, n, mode, iters, sizes, sys.argv[5] if len(sys.argv) > 5 else "",
                         timeout=1800)
     print(json.dumps({"n": n, "mode": mode, **{k: max(r[k] for r in res) for k in res[0]}}),
           flush=True)

@@ -14,3 +14,11 @@ for i in 1 2 3; do
     done
   done
 done > calls_rs.jsonl
+# the metadata round (after metadata_step's use of gathered.exchange); "off" with
+# sitecustomize_gathered_off.py copied as sitecustomize.py into $GOFF on PYTHONPATH
+for i in 1 2 3; do
+  for n in 3 4; do
+    python run.py $n gathered 200 4096 meta
+    PYTHONPATH=$GOFF GATHERED_OFF=1 python run.py $n off 200 4096 meta
+  done
+done > calls_meta.jsonl
