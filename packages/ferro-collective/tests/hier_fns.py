@@ -99,9 +99,9 @@ DISAGREEMENTS = {
                           lambda x, b, t: allreduce(np.ones(3_000_000, np.float32), b,
                                                     timeout=t)),
     "compressed reduce_scatter": (
-        lambda x, b, t: reduce_scatter(np.ones(8, np.float32), b, timeout=t),
-        lambda x, b, t: reduce_scatter(np.ones(8, np.float32), b, timeout=t),
-        lambda x, b, t: reduce_scatter(np.ones(8, np.float32), b, timeout=t, wire="fp16")),
+        lambda x, b, t: reduce_scatter(np.ones(24, np.float32), b, timeout=t),
+        lambda x, b, t: reduce_scatter(np.ones(24, np.float32), b, timeout=t),
+        lambda x, b, t: reduce_scatter(np.ones(24, np.float32), b, timeout=t, wire="fp16")),
     "refused": (lambda x, b, t: allreduce(np.ones(4), b, "not an op", timeout=t),
                 lambda x, b, t: allreduce(np.ones(4), b, timeout=t),
                 lambda x, b, t: allreduce(np.ones(4), b, timeout=t)),

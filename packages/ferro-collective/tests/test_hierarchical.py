@@ -1,6 +1,7 @@
 """Hierarchical collectives: 4 TcpBackend processes on two "nodes" (each node maps its own engine
-segment), node-major and interleaved rank layouts; results against numpy, the same bits on every
-rank, and a mismatch that errors on every rank instead of hanging."""
+segment), node-major and interleaved rank layouts, and 6 on three (dealt out); results against
+numpy, the same bits on every rank, and a mismatch that errors on every rank instead of
+hanging."""
 
 import time
 from unittest import mock
@@ -22,7 +23,9 @@ from ferro_collective import allreduce, barrier, broadcast, executors
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not SAME_HOST_ENGINE, reason="the engine needs Linux")]
 
-LAYOUTS = {"node-major": ("a", "a", "b", "b"), "interleaved": ("a", "b", "a", "b")}
+LAYOUTS = {"node-major": ("a", "a", "b", "b"), "interleaved": ("a", "b", "a", "b"),
+           # cross-node groups of 3: their small calls ride the header exchange's rounds
+           "three nodes": ("a", "b", "c", "a", "b", "c")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -69,8 +72,8 @@ def test_a_mismatch_errors_on_every_rank_at_once_and_the_next_call_agrees(layout
     roots whose cross stages differ: every rank raises CollectiveMismatchError long before the
     call's deadline (12 s; under 6 s even on a loaded host), and the next allreduce gives the
     right sum on every rank."""
-    got = run_processes(mismatch, 4, LAYOUTS[layout], timeout=150)
-    world = 4
+    world = len(LAYOUTS[layout])
+    got = run_processes(mismatch, world, LAYOUTS[layout], timeout=150)
     for case in DISAGREEMENTS:
         for r, res in enumerate(got):
             error, took, after = res[case]
