@@ -326,7 +326,8 @@ def choose_auto(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> str:
 
 def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
     """The flat call's modelled time with the algorithm "auto" runs (barrier: the header
-    exchange; a small allreduce or all_gather gathered in its rounds where :func:`gathers`)."""
+    exchange; a small allreduce, all_gather or reduce_scatter gathered in its rounds where
+    :func:`gathers`)."""
     if name == "barrier":
         return predict("barrier", "flat", 0, n, p)
     if gathers(name, nbytes, n, p):
