@@ -6,15 +6,15 @@ sends what it knows to ``me - 2^k`` and receives from ``me + 2^k``, the ranks nu
 node where the job's nodes do not hold consecutive ranks, :meth:`.Params.node_major`: its cost
 is then the same however the job names its ranks, which the cost model relies on when it
 weighs a small call gathered in those rounds against the hierarchical stages). A small
-allreduce, all_gather or reduce_scatter (``algorithm="auto"``, up to :data:`GATHER_MAX` bytes
-gathered on each rank, where :func:`.costmodel.gathers` rates it faster) runs in those same
-rounds: each rank's unit is its data with its header after it, so every rank ends with every
-rank's data and header; an allreduce folds them in rank order (the star's bits), a
-reduce_scatter its own part of them in the ring's order (the ring's bits) (:func:`exchange`,
-:func:`allreduce`, :func:`all_gather`, :func:`reduce_scatter`): ``ceil(log2 n)`` messages a
-rank instead of as many for the headers and as many again or more for the data (4 processes
-over TCP, a 4 KiB allreduce 190-204 us against 301-311; `benchmarks/results/0.4/2core/
-tcp_gathered-2026-11-30`).
+allreduce, all_gather or reduce_scatter, or a reduce or gather (``algorithm="auto"``, up to
+:data:`GATHER_MAX` bytes gathered on each rank, where :func:`.costmodel.gathers` rates it
+faster) runs in those same rounds: each rank's unit is its data with its header after it, so
+every rank ends with every rank's data and header; an allreduce (a reduce: its root) folds
+them in rank order (the star's bits), a reduce_scatter its own part of them in the ring's
+order (the ring's bits) (:func:`exchange`, :func:`allreduce`, :func:`all_gather`,
+:func:`reduce_scatter`): ``ceil(log2 n)`` messages a rank instead of as many for the headers
+and as many again or more for the data (4 processes over TCP, a 4 KiB allreduce 190-204 us
+against 301-311; `benchmarks/results/0.4/2core/tcp_gathered-2026-11-30`).
 
 A call of another size or form sends units of another length: the transports report
 :class:`~ferro_backend.SizeMismatchError` and drop the message. A rank that meets one sends a
@@ -120,22 +120,30 @@ def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
     return exchange(ctx, header, np.empty(0, np.uint8))[0]
 
 
-def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out) -> np.ndarray:
+def allreduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out,
+              root: int | None = None) -> np.ndarray | None:
     """A small allreduce: every rank's array (in the work dtype ``wd``) gathered with the
-    headers, folded in rank order (the star's bits, MEAN's divide in the last step)."""
+    headers, folded in rank order (the star's bits, MEAN's divide in the last step); a small
+    reduce (``root``): the same, folded on the root alone (None elsewhere)."""
     n = ctx.n
     mine = ctx.take(x.size, wd)
     mine[...] = x.reshape(-1)
     _, blocks = exchange(ctx, header, mine.view(np.uint8))
+    if root is not None and ctx.rank != root:
+        return None
     dst = out.reshape(-1) if out is not None and wd == x.dtype else np.empty(x.size, wd)
     fold(dst, [blocks[r].view(wd) for r in range(n)], op,
          n if op is ReduceOp.MEAN else None)
     return finish(dst.reshape(x.shape), x.dtype, out)
 
 
-def all_gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray) -> np.ndarray:
-    """A small all_gather: every rank's block (bytes) gathered with the headers."""
+def all_gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray | None
+               ) -> np.ndarray | None:
+    """A small all_gather: every rank's block (bytes) gathered with the headers; a small gather
+    (``result`` None on the ranks that are not its root) the same."""
     _, blocks = exchange(ctx, header, block)
+    if result is None:
+        return None
     rows = result.reshape(-1).view(np.uint8).reshape(ctx.n, block.size)
     for r, data in enumerate(blocks):
         rows[r] = data

@@ -27,7 +27,7 @@ import numpy as np
 from ferro_backend import Backend
 from ferro_backend.partition import split_bounds
 
-from . import _onecall, pair
+from . import _onecall, gathered, pair
 from .all_gather import door_bytes
 from .arguments import as_array, check_backend, check_out, check_root, finish
 from .engine_group import EngineGroup, Step, door_calls
@@ -35,7 +35,7 @@ from .metadata_sizes import scatter_block
 from .metadata_step import MetaPlan, get_pieces, guard, pack_desc, put_pieces
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, work_dtype
 from .p2p import Ctx, reduce_scatter_ring_into
-from .plan import Collective, Plan, choose
+from .plan import Collective, Plan, choose, gathered_or_first
 
 
 def _children(v: int, n: int) -> tuple[list[int], int]:
@@ -193,9 +193,14 @@ def prepare_reduce(tensor, backend: Backend, arg, timeout, algorithm, out,
     def two(ctx: Ctx, header: bytes) -> np.ndarray | None:
         return pair.reduce(ctx, header, x, wd, op, out, root)
 
+    def many(ctx: Ctx, header: bytes) -> np.ndarray | None:
+        return gathered.allreduce(ctx, header, x, wd, op, out, root)
+
+    nbytes = x.size * wd.itemsize
     return Plan("reduce", backend, timeout, (x.dtype, x.shape, op, root), python, engine,
                 algorithm=algorithm, seq=seq,
-                pair=two if n == 2 and x.size * wd.itemsize <= pair.FUSE_MAX else None)
+                pair=(two if nbytes <= pair.FUSE_MAX else None) if n == 2 else
+                gathered_or_first("allreduce", nbytes, n, backend, many, python))
 
 
 # ----------------------------------------------------------------------------- gather
@@ -229,13 +234,16 @@ def prepare_gather(tensor, backend: Backend, root, timeout, algorithm, out,
         door_bytes(group, call, door_calls.GATHER, x, res, root)
         return res
 
-    def two(ctx: Ctx, header: bytes) -> np.ndarray | None:
+    def two(ctx: Ctx, header: bytes) -> np.ndarray | None:  # (or more: :mod:`.gathered`)
         block = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+        if n > 2:
+            return gathered.all_gather(ctx, header, block, result() if mine else None)
         return pair.gather(ctx, header, block, result() if mine else None, root)
 
     return Plan("gather", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
                 algorithm=algorithm, seq=seq,
-                pair=two if n == 2 and 0 < x.nbytes <= pair.FUSE_MAX else None)
+                pair=(two if 0 < x.nbytes <= pair.FUSE_MAX else None) if n == 2 else
+                gathered_or_first("all_gather", x.nbytes, n, backend, two, python))
 
 
 # ----------------------------------------------------------------------------- scatter

@@ -22,3 +22,11 @@ for i in 1 2 3; do
     PYTHONPATH=$GOFF GATHERED_OFF=1 python run.py $n off 200 4096 meta
   done
 done > calls_meta.jsonl
+# reduce and gather (after gathered's rooted forms)
+for i in 1 2 3; do
+  for n in 3 4; do
+    for mode in gathered off; do
+      python run.py $n $mode 200 4096,16384 rooted
+    done
+  done
+done > calls_rooted.jsonl
