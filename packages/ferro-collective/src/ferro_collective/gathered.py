@@ -27,7 +27,7 @@ call's last tag (:func:`settle`) and raises :class:`~ferro_backend.CollectiveMis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -106,8 +106,14 @@ def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
     this rank did not hold them all, raise the mismatch they name (or, where they agree, that
     the ranks ran the call in different forms)."""
     headers, _ = exchange(ctx, header, np.empty(0, np.uint8), settling=True)
-    if seen is not None:
-        return
+    if seen is None:
+        another_form(ctx, header, headers)
+
+
+def another_form(ctx: Ctx, header: bytes, headers: list[bytes]) -> NoReturn:
+    """After messages of another length (here and in :mod:`.pair`): raise the mismatch
+    ``headers`` (every rank's, exchanged alone) name, or, where they agree, that some rank ran
+    the call in another form."""
     check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)  # (raises where they differ)
     raise CollectiveMismatchError(
         f"{ctx.name}: every rank called {describe(header)}, but their messages differ in "
@@ -169,5 +175,5 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
     return finish(dst.reshape(out_shape), x.dtype, out)
 
 
-__all__ = ["GATHER_MAX", "SETTLE_STEP", "all_gather", "allreduce", "exchange",
+__all__ = ["GATHER_MAX", "SETTLE_STEP", "all_gather", "allreduce", "another_form", "exchange",
            "header_exchange", "reduce_scatter", "settle"]

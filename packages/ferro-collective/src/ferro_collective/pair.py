@@ -34,7 +34,8 @@ import numpy as np
 from ferro_backend import CollectiveMismatchError, SizeMismatchError
 
 from .arguments import finish
-from .header import HEADER_SIZE, UNKNOWN, describe
+from .gathered import another_form
+from .header import HEADER_SIZE, UNKNOWN
 from .ops import ReduceOp, fold
 from .per_backend import STEPS_PER_CALL, check_headers
 
@@ -100,14 +101,8 @@ def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
     where the first message's length differed, raise the mismatch they name (or, where they
     agree, that the ranks ran the call in different forms)."""
     theirs = _headers_alone(ctx, header)
-    if seen is not None:
-        return
-    headers = [header, theirs] if ctx.rank == 0 else [theirs, header]
-    check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)  # (raises where they differ)
-    raise CollectiveMismatchError(
-        f"{ctx.name}: ranks 0 and 1 both called {describe(header)}, but their first messages "
-        "differ in length: one ran it in another form (an algorithm= the other did not ask "
-        "for, or the mismatch check set differently on the two)")
+    if seen is None:
+        another_form(ctx, header, [header, theirs] if ctx.rank == 0 else [theirs, header])
 
 
 def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
