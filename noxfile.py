@@ -433,6 +433,16 @@ def leaks(session: nox.Session) -> None:
 
 
 @nox.session
+def loaded(session: nox.Session) -> None:
+    """The transports' and the point-to-point collectives' tests beside busy loops
+    (tools/loaded.py), where the races CI found on its 2 cores showed: `nox -s loaded --
+    --loops 2 --repeat 3`. Not part of `nox -s tests`."""
+    _install_layers(session, "ferro-collective", extras="test")
+    _install(session, *MPI_DEPS)  # (the backend's test extra: its tests under mpirun)
+    session.run("python", str(ROOT / "tools" / "loaded.py"), *session.posargs)
+
+
+@nox.session
 def soak(session: nox.Session) -> None:
     """Chaos soak (tools/soak.py): training under random SIGKILL and SIGSTOP/SIGCONT of ranks,
     elastic (examples/train_elastic.py, checked against a reference run with the same
