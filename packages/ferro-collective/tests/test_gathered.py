@@ -224,3 +224,42 @@ def test_a_metadata_round_costs_the_check_no_message_of_its_own():
                 assert on == off >= 2, (name, on, off)
     finally:
         set_mismatch_check(True)
+
+
+#: broadcasts from rank 0, ``(nbytes, the non-roots pass None)`` (0: bfloat16 of shape (2, 3)),
+#: and how rank 0 runs each on three ranks or more: gathered in the header exchange's rounds
+#: ("g"), the header exchange then the data ("h"), or gathered, met a non-root that passed None
+#: and went on as the header's settling and the data ("m"); a small call after one with such
+#: a non-root exchanges its header first, every rank remembering it alike, until one where
+#: every rank passed an array; a call over the limit changes nothing
+BIG = 2 * GATHER_MAX + 8
+NONE_STEPS = [((4096, False), "g"), ((BIG, True), "h"), ((4096, False), "g"),
+              ((4096, True), "m"), ((4096, True), "h"), ((BIG, False), "h"), ((0, True), "h"),
+              ((4096, False), "h"), ((0, False), "g"), ((4096, True), "m"), ((BIG, False), "h"),
+              ((4096, False), "h"), ((4096, False), "g")]
+
+
+@pytest.mark.parametrize("n, ranks", [(3, "threads"), (4, "threads"), (5, "threads"),
+                                      (3, "tcp")])
+def test_non_roots_that_pass_none_get_the_root_s_array(n, ranks):
+    from pair_fns import from_root
+
+    steps = [step for step, _ in NONE_STEPS]
+    res = run_ranks(lambda b: from_root(b, steps), n, timeout=60) if ranks == "threads" else \
+        run_processes(from_root, n, steps, timeout=90)
+    shapes = [(nb // 4,) if nb else (2, 3) for nb, _ in steps]
+    for r, out in enumerate(res):
+        assert [o[:2] for o in out] == [(shape, True) for shape in shapes], (r, out)
+    rounds = (n - 1).bit_length()
+    root = [o[2] for o in res[0]]
+    # (the root's sends of a 4 KiB call's own algorithm: the tree's or the star's)
+    data = root[NONE_STEPS.index(((4096, True), "h"))] - rounds
+    assert data >= 1, root
+    for (step, how), sent in zip(NONE_STEPS, root):
+        if step[0] == BIG:
+            assert how == "h" and sent >= rounds + 1, (step, how, root)  # (its own algorithm)
+        elif step[0] == 4096:
+            assert sent == {"g": rounds, "h": rounds + data, "m": 2 * rounds + data}[how], \
+                (step, how, root)
+        else:  # (12 bytes: the same forms, the data in as many sends or fewer)
+            assert (sent == rounds) if how == "g" else (sent > rounds), (step, how, root)

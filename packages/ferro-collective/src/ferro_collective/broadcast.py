@@ -18,14 +18,14 @@ import numpy as np
 
 from ferro_backend import CollectiveMismatchError, InvalidRankError
 
-from . import _onecall, pair
+from . import _onecall, costmodel, gathered, pair
 from .all_gather import door_bytes
 from .arguments import as_array, check_backend, check_out
 from .engine_group import OK, EngineGroup, Step, door_calls
 from .header import UNKNOWN, check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
 from .per_backend import reserve
-from .plan import Collective, Plan, choose
+from .plan import Collective, Plan, choose, gathered_or_first
 
 
 def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -66,17 +66,26 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
         buf = result() if backend.rank == root else \
             np.empty(x.shape, x.dtype) if out is None else out
 
-        def plain() -> None:  # (the header exchange, then the tree)
-            headers = header_exchange(ctx, header)
-            broadcast_tree(ctx, buf.reshape(-1).view(np.uint8), root)
-            pair.none_last(backend, bool(headers[1 - root][5] & UNKNOWN))
+        flat = buf.reshape(-1).view(np.uint8)
+        # (what a non-root that passed None runs once it has the root's header: FromRoot)
+        move = broadcast_tree if n == 2 else IMPLEMENTATIONS[algo]
 
-        pair.broadcast(ctx, header, buf.reshape(-1).view(np.uint8), root, plain)
+        def plain() -> None:  # (the header exchange, then the data)
+            headers = header_exchange(ctx, header)
+            move(ctx, flat, root)
+            gathered.none_last(backend, any(h[5] & UNKNOWN for h in headers))
+
+        if n == 2:
+            pair.broadcast(ctx, header, flat, root, plain)
+        else:  # (three ranks or more: :mod:`.gathered`)
+            gathered.broadcast(ctx, header, np.ascontiguousarray(x).reshape(-1).view(np.uint8),
+                               flat, root, plain, lambda: move(ctx, flat, root))
         return buf
 
     return Plan("broadcast", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
                 lambda h: stages(h, x, root, timeout, out), algorithm, seq,
-                two if n == 2 and 0 < x.nbytes <= pair.BROADCAST_FUSE_MAX else None)
+                (two if 0 < x.nbytes <= pair.BROADCAST_FUSE_MAX else None) if n == 2 else
+                gathered_or_first("broadcast", x.nbytes, n, backend, two, python))
 
 
 class FromRoot(Plan):
@@ -125,15 +134,27 @@ class FromRoot(Plan):
         if ctx.n == 2:  # (a root of two ranks may send its data with its header: :mod:`.pair`)
             root_header = pair.from_root(ctx, self.encoded())
         else:
-            root_header = header_exchange(ctx, self.encoded())[self.root]  # (raises on every
-            # rank if no root's)
+            try:  # (raises on every rank if no root's)
+                root_header = header_exchange(ctx, self.encoded())[self.root]
+            except gathered.FromRootMet as met:  # (the others sent their data in its rounds)
+                root_header = met.headers[self.root]
         plan = self._plan(root_header)
         assert plan is not None  # (header_exchange checked it)
         result = plan.python(ctx)
-        if ctx.n == 2 and plan.pair is not None:  # (as the root records it: pair.broadcast)
-            pair.none_last(self.backend, True)
+        if not gathered.none_was_last(self.backend) and self._took_pair(plan, result.nbytes):
+            gathered.none_last(self.backend, True)  # (as the others record it: .gathered)
         ctx.release()
         return result
+
+    def _took_pair(self, plan: Plan, nbytes: int) -> bool:
+        """Whether the ranks that passed an array ran this call through its :attr:`Plan.pair`
+        (where they record whether a non-root passed None: :func:`.gathered.none_last`): on
+        two ranks where it has one, on more where the cost model rates it gathered, as
+        :func:`.plan.gathered_or_first` decides."""
+        if plan.pair is None:
+            return False
+        return self.backend.world_size == 2 or costmodel.gathers(
+            "broadcast", nbytes, self.backend.world_size, costmodel.params_for(self.backend))
 
     def _engine(self, group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
         rc, theirs = group.steps.peek(self.root, call.hard)

@@ -343,7 +343,7 @@ def gathered_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
     s = message_schedule.Schedule(p, [0.0] * n)
     message_schedule.View(s, p.node_major(n) or range(n)).rounds(
         message_schedule.header_rounds(n, nbytes + HEADER_SIZE))
-    local = 0.0 if name == "all_gather" else \
+    local = 0.0 if name in ("all_gather", "broadcast") else \
         p.copy(nbytes) + p.fold((n - 1) * nbytes / (n if name == "reduce_scatter" else 1))
     return max(s.clock) + p.call + local
 
@@ -354,7 +354,7 @@ def gathers(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> bool:
     (:mod:`.gathered`): an allreduce, all_gather or reduce_scatter of up to ``GATHER_MAX``
     bytes gathered a rank (``nbytes``: each rank's input), where the model rates it faster than
     the header exchange and auto's algorithm."""
-    if n < 3 or name not in ("allreduce", "all_gather", "reduce_scatter") or \
+    if n < 3 or name not in ("allreduce", "all_gather", "reduce_scatter", "broadcast") or \
             not 0 < n * nbytes <= GATHER_MAX:
         return False
     return gathered_time(name, nbytes, n, p) < predict(name, auto_pick(name, nbytes, n, p),

@@ -27,6 +27,7 @@ call's last tag (:func:`settle`) and raises :class:`~ferro_backend.CollectiveMis
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -34,7 +35,7 @@ import numpy as np
 from ferro_backend import CollectiveMismatchError, SizeMismatchError
 
 from .arguments import finish
-from .header import HEADER_SIZE, describe
+from .header import HEADER_SIZE, UNKNOWN, describe
 from .ops import ReduceOp, fold
 from .per_backend import STEPS_PER_CALL, check_headers
 
@@ -48,6 +49,9 @@ GATHER_MAX = 256 << 10
 SETTLE_STEP = STEPS_PER_CALL - 1
 #: what a rank that met a disagreement sends in its later rounds (no unit is one byte long)
 _POISON = np.zeros(1, np.uint8)
+#: groups whose last broadcast over point-to-point messages had a non-root that passed None
+#: (:func:`broadcast`, :func:`.pair.broadcast`)
+_NONE_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
@@ -100,13 +104,27 @@ def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
     return headers, [rows[i, :size] for i in where]
 
 
+class FromRootMet(Exception):
+    """Messages of another length where the headers agree and a broadcast's non-root passed
+    None (it sends its header alone: it cannot know the root's length): every rank raises this
+    with the headers, and the broadcast goes on as the tree (:func:`broadcast`)."""
+
+    def __init__(self, headers: list[bytes]) -> None:
+        super().__init__("a broadcast's non-root passed None")
+        self.headers = headers
+
+
 def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
     """After a disagreement (``seen``: the headers this rank holds, None where it met a message
     of another length): every rank exchanges its header alone on the call's last tag; where
-    this rank did not hold them all, raise the mismatch they name (or, where they agree, that
-    the ranks ran the call in different forms)."""
+    this rank did not hold them all, raise the mismatch they name, :class:`FromRootMet` where
+    they agree and a broadcast's non-root passed None, or else that the ranks ran the call in
+    different forms."""
     headers, _ = exchange(ctx, header, np.empty(0, np.uint8), settling=True)
     if seen is None:
+        check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)  # (raises if differ)
+        if any(h[5] & UNKNOWN for h in headers):
+            raise FromRootMet(headers)
         another_form(ctx, header, headers)
 
 
@@ -156,6 +174,42 @@ def all_gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray | 
     return result
 
 
+def none_last(backend, passed_none: bool) -> None:
+    """After a broadcast over point-to-point messages: whether a non-root passed None (every
+    rank learns it from the headers), which every rank records alike."""
+    if passed_none:
+        _NONE_LAST[backend] = True
+    else:
+        _NONE_LAST.pop(backend, None)
+
+
+def none_was_last(backend) -> bool:
+    """Whether the last broadcast on ``backend``'s group had a non-root that passed None."""
+    return _NONE_LAST.get(backend, False)
+
+
+def broadcast(ctx: Ctx, header: bytes, x: np.ndarray, buf: np.ndarray, root: int, plain,
+              tree) -> None:
+    """A small broadcast into ``buf`` (the result's bytes; ``x``: this rank's array's bytes,
+    the root's data on the root): every rank's array gathered with the headers, the root's
+    kept. Where the last broadcast on this group had a non-root that passed None (every rank
+    learned it from the headers), ``plain()`` instead: the header exchange, then the tree. A
+    non-root that passes None now (:class:`.broadcast.FromRoot`) sends its header alone: every
+    rank meets :class:`FromRootMet` and ``tree()`` delivers the root's data."""
+    if none_was_last(ctx.backend):
+        plain()
+        return
+    try:
+        _, blocks = exchange(ctx, header, x)
+    except FromRootMet:
+        tree()
+        none_last(ctx.backend, True)
+        return
+    if ctx.rank != root:
+        buf[...] = blocks[root]
+    none_last(ctx.backend, False)
+
+
 def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
                    out: np.ndarray | None, out_shape: tuple) -> np.ndarray:
     """A small reduce_scatter: every rank's whole input (in the work dtype ``wd``) gathered
@@ -175,5 +229,6 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
     return finish(dst.reshape(out_shape), x.dtype, out)
 
 
-__all__ = ["GATHER_MAX", "SETTLE_STEP", "all_gather", "allreduce", "another_form", "exchange",
-           "header_exchange", "reduce_scatter", "settle"]
+__all__ = ["GATHER_MAX", "SETTLE_STEP", "FromRootMet", "all_gather", "allreduce", "another_form",
+           "broadcast", "exchange", "header_exchange", "none_last", "none_was_last",
+           "reduce_scatter", "settle"]

@@ -26,7 +26,6 @@ way it met it, so neither waits for the other.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +33,7 @@ import numpy as np
 from ferro_backend import CollectiveMismatchError, SizeMismatchError
 
 from .arguments import finish
-from .gathered import another_form
+from .gathered import another_form, none_last, none_was_last
 from .header import HEADER_SIZE, UNKNOWN
 from .ops import ReduceOp, fold
 from .per_backend import STEPS_PER_CALL, check_headers
@@ -52,9 +51,6 @@ FUSE_MAX = 1 << 20
 BROADCAST_FUSE_MAX = 512 << 10
 #: the tag offset (in a call's tags) of the headers' exchange after a disagreement
 SETTLE_STEP = STEPS_PER_CALL - 1
-#: groups of two ranks whose last broadcast over point-to-point messages had a non-root that
-#: passed None (:func:`broadcast`)
-_NONE_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def outbox(ctx: Ctx, nbytes: int) -> np.ndarray:
@@ -178,9 +174,9 @@ def broadcast(ctx: Ctx, header: bytes, buf: np.ndarray, root: int, plain) -> Non
     call's last tag and its data on the next tag (:func:`from_root`), which costs that call
     an exchange more (4 KiB over TCP 130 us against 80). So where the last broadcast on this
     group had such a non-root, both ranks know it (the root from its header), and this call
-    runs ``plain()`` instead: the header exchange, then the tree (:func:`none_last`)."""
+    runs ``plain()`` instead: the header exchange, then the tree (:func:`.gathered.none_last`)."""
     peer, size = 1 - ctx.rank, buf.size
-    if _NONE_LAST.get(ctx.backend, False):
+    if none_was_last(ctx.backend):
         plain()
         return
     if ctx.rank != root:
@@ -192,15 +188,6 @@ def broadcast(ctx: Ctx, header: bytes, buf: np.ndarray, root: int, plain) -> Non
     if headers[peer][5] & UNKNOWN:
         _headers_alone(ctx, header, lambda: ctx.send(buf, peer, ctx.tag_base + 1))
         none_last(ctx.backend, True)
-
-
-def none_last(backend, passed_none: bool) -> None:
-    """After a broadcast of two ranks over point-to-point messages: whether its non-root
-    passed None (the root learns it from its header), which both ranks record alike."""
-    if passed_none:
-        _NONE_LAST[backend] = True
-    else:
-        _NONE_LAST.pop(backend, None)
 
 
 def from_root(ctx: Ctx, header: bytes) -> bytes:
@@ -287,4 +274,4 @@ def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: 
 
 __all__ = ["BROADCAST_FUSE_MAX", "FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce",
            "broadcast", "exchange", "from_root", "gather", "header_exchange", "metadata",
-           "none_last", "outbox", "reduce", "reduce_scatter", "settle"]
+           "outbox", "reduce", "reduce_scatter", "settle"]

@@ -1,6 +1,7 @@
-"""`python run.py N MODE ITERS SIZES [rs|meta|rooted]`: small allreduce, all_gather (with
-"rs", reduce_scatter; "meta", the collectives with a metadata round; "rooted", reduce and
-gather, each loop ending with a barrier) and barrier of N processes
+"""`python run.py N MODE ITERS SIZES [rs|meta|rooted|broadcast]`: small allreduce, all_gather
+(with "rs", reduce_scatter; "meta", the collectives with a metadata round; "rooted", reduce
+and gather; "broadcast", broadcasts with arrays, then with None on the non-roots; the last two
+each loop ending with a barrier) and barrier of N processes
 over TCP (127.0.0.1), printed as one JSON line, each cell the slowest rank's median over 5
 loops of ITERS calls (after 20 warm-up calls), us. MODE "gathered": as shipped (a small call of
 three ranks or more rides the header exchange's rounds, `ferro_collective.gathered`); "off":
@@ -42,6 +43,10 @@ def bench(b, mode: str, iters: int, sizes: list[int], extra: str = "") -> dict:
         if extra == "rooted":  # (reduce and gather, to rank 1; a barrier after each loop)
             calls += [(f"reduce {nb}", lambda x=x: fc.reduce(x, b, 1)),
                       (f"gather {nb}", lambda x=x: fc.gather(x, b, 1))]
+        if extra == "broadcast":  # (from rank 1, every rank passing an array, then None)
+            calls += [(f"broadcast {nb}", lambda x=x: fc.broadcast(x, b, 1)),
+                      (f"broadcast None {nb}",
+                       lambda x=x: fc.broadcast(x if b.rank == 1 else None, b, 1))]
         if extra == "meta":  # (the collectives with a metadata round)
             y = np.ones(nb // 4 // b.world_size * b.world_size, np.float32)
             calls += [(f"all_to_all_single {nb}", lambda y=y: fc.all_to_all_single(y, b)),
@@ -59,7 +64,7 @@ def bench(b, mode: str, iters: int, sizes: list[int], extra: str = "") -> dict:
             t = time.perf_counter()
             for _ in range(iters):
                 f()
-            if extra == "rooted":  # (a non-root would otherwise run ahead)
+            if extra in ("rooted", "broadcast"):  # (a non-root would otherwise run ahead)
                 fc.barrier(b)
             ts.append((time.perf_counter() - t) / iters * 1e6)
         out[label] = round(sorted(ts)[2], 1)

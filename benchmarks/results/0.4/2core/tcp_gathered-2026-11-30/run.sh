@@ -30,3 +30,11 @@ for i in 1 2 3; do
     done
   done
 done > calls_rooted.jsonl
+# broadcast (after gathered.broadcast): every rank an array, then the non-roots passing None
+for i in 1 2 3; do
+  for n in 3 4; do
+    for mode in gathered off; do
+      python run.py $n $mode 200 4096,16384 broadcast
+    done
+  done
+done > calls_broadcast.jsonl
