@@ -351,8 +351,8 @@ def gathered_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
 @functools.lru_cache(maxsize=4096)
 def gathers(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> bool:
     """Whether "auto" runs a call of ``n`` > 2 ranks gathered in the header exchange's rounds
-    (:mod:`.gathered`): an allreduce, all_gather or reduce_scatter of up to ``GATHER_MAX``
-    bytes gathered a rank (``nbytes``: each rank's input), where the model rates it faster than
+    (:mod:`.gathered`): an allreduce, all_gather, reduce_scatter or broadcast of up to
+    ``GATHER_MAX`` bytes gathered a rank (``nbytes``: each rank's input), where the model rates it faster than
     the header exchange and auto's algorithm."""
     if n < 3 or name not in ("allreduce", "all_gather", "reduce_scatter", "broadcast") or \
             not 0 < n * nbytes <= GATHER_MAX:

@@ -6,15 +6,16 @@ sends what it knows to ``me - 2^k`` and receives from ``me + 2^k``, the ranks nu
 node where the job's nodes do not hold consecutive ranks, :meth:`.Params.node_major`: its cost
 is then the same however the job names its ranks, which the cost model relies on when it
 weighs a small call gathered in those rounds against the hierarchical stages). A small
-allreduce, all_gather or reduce_scatter, or a reduce or gather (``algorithm="auto"``, up to
+allreduce, all_gather, reduce_scatter, reduce, gather or broadcast (``algorithm="auto"``, up to
 :data:`GATHER_MAX` bytes gathered on each rank, where :func:`.costmodel.gathers` rates it
 faster) runs in those same rounds: each rank's unit is its data with its header after it, so
 every rank ends with every rank's data and header; an allreduce (a reduce: its root) folds
 them in rank order (the star's bits), a reduce_scatter its own part of them in the ring's
-order (the ring's bits) (:func:`exchange`, :func:`allreduce`, :func:`all_gather`,
-:func:`reduce_scatter`): ``ceil(log2 n)`` messages a rank instead of as many for the headers
-and as many again or more for the data (4 processes over TCP, a 4 KiB allreduce 190-204 us
-against 301-311; `benchmarks/results/0.4/2core/tcp_gathered-2026-11-30`).
+order (the ring's bits), a broadcast keeps the root's (:func:`exchange`, :func:`allreduce`,
+:func:`all_gather`, :func:`reduce_scatter`, :func:`broadcast`): ``ceil(log2 n)`` messages a
+rank instead of as many for the headers and as many again or more for the data (4 processes
+over TCP, a 4 KiB allreduce 190-204 us against 301-311;
+`benchmarks/results/0.4/2core/tcp_gathered-2026-11-30`).
 
 A call of another size or form sends units of another length: the transports report
 :class:`~ferro_backend.SizeMismatchError` and drop the message. A rank that meets one sends a

@@ -136,8 +136,8 @@ def gathered_or_first(name: str, nbytes: int, n: int, backend, body: Callable,
     """The :attr:`Plan.pair` of a small call of ``n`` > 2 ranks (``nbytes`` a rank, at most
     :data:`.gathered.GATHER_MAX` gathered): ``body(ctx, header)`` (the call gathered in the
     header exchange's rounds, :mod:`.gathered`) where the cost model rates ``name`` (an
-    allreduce, all_gather or reduce_scatter: a reduce is rated as the allreduce it gathers
-    like, a gather as the all_gather) faster on ``backend``'s links, decided when the call runs
+    allreduce, all_gather, reduce_scatter or broadcast: a reduce is rated as the allreduce it
+    gathers like, a gather as the all_gather) faster on ``backend``'s links, decided when the call runs
     over point-to-point messages (never on the engine's path), else the header exchange and
     ``python(ctx)``; None for larger calls."""
     if not 0 < n * nbytes <= gathered.GATHER_MAX:
