@@ -18,14 +18,14 @@ import numpy as np
 
 from ferro_backend import CollectiveMismatchError, InvalidRankError
 
-from . import _onecall, costmodel, gathered, pair
+from . import _onecall, gathered, pair
 from .all_gather import door_bytes
 from .arguments import as_array, check_backend, check_out
 from .engine_group import OK, EngineGroup, Step, door_calls
 from .header import UNKNOWN, check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
 from .per_backend import reserve
-from .plan import Collective, Plan, choose, gathered_or_first
+from .plan import Collective, Plan, choose, gathered_or_first, gathers_now
 
 
 def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = None) -> Plan:
@@ -153,8 +153,8 @@ class FromRoot(Plan):
         :func:`.plan.gathered_or_first` decides."""
         if plan.pair is None:
             return False
-        return self.backend.world_size == 2 or costmodel.gathers(
-            "broadcast", nbytes, self.backend.world_size, costmodel.params_for(self.backend))
+        n = self.backend.world_size
+        return n == 2 or gathers_now("broadcast", nbytes, n, self.backend)
 
     def _engine(self, group: EngineGroup, call: Step, header: bytes) -> np.ndarray:
         rc, theirs = group.steps.peek(self.root, call.hard)

@@ -108,7 +108,7 @@ def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
 class FromRootMet(Exception):
     """Messages of another length where the headers agree and a broadcast's non-root passed
     None (it sends its header alone: it cannot know the root's length): every rank raises this
-    with the headers, and the broadcast goes on as the tree (:func:`broadcast`)."""
+    with the headers, and the broadcast goes on as its own algorithm (:func:`broadcast`)."""
 
     def __init__(self, headers: list[bytes]) -> None:
         super().__init__("a broadcast's non-root passed None")
@@ -190,20 +190,21 @@ def none_was_last(backend) -> bool:
 
 
 def broadcast(ctx: Ctx, header: bytes, x: np.ndarray, buf: np.ndarray, root: int, plain,
-              tree) -> None:
+              own) -> None:
     """A small broadcast into ``buf`` (the result's bytes; ``x``: this rank's array's bytes,
     the root's data on the root): every rank's array gathered with the headers, the root's
     kept. Where the last broadcast on this group had a non-root that passed None (every rank
-    learned it from the headers), ``plain()`` instead: the header exchange, then the tree. A
-    non-root that passes None now (:class:`.broadcast.FromRoot`) sends its header alone: every
-    rank meets :class:`FromRootMet` and ``tree()`` delivers the root's data."""
+    learned it from the headers), ``plain()`` instead: the header exchange, then the call's own
+    algorithm. A non-root that passes None now (:class:`.broadcast.FromRoot`) sends its header
+    alone: every rank meets :class:`FromRootMet` and ``own()`` (the call's own algorithm, the
+    tree or the star, as that non-root runs it) delivers the root's data."""
     if none_was_last(ctx.backend):
         plain()
         return
     try:
         _, blocks = exchange(ctx, header, x)
     except FromRootMet:
-        tree()
+        own()
         none_last(ctx.backend, True)
         return
     if ctx.rank != root:

@@ -144,7 +144,7 @@ def gathered_or_first(name: str, nbytes: int, n: int, backend, body: Callable,
         return None
 
     def run(ctx: Ctx, header: bytes) -> Any:
-        if costmodel.gathers(name, nbytes, n, costmodel.params_for(backend)):
+        if gathers_now(name, nbytes, n, backend):
             return body(ctx, header)
         header_exchange(ctx, header)
         return python(ctx)
@@ -152,4 +152,11 @@ def gathered_or_first(name: str, nbytes: int, n: int, backend, body: Callable,
     return run
 
 
-__all__ = ["Collective", "Plan", "choose", "gathered_or_first"]
+def gathers_now(name: str, nbytes: int, n: int, backend) -> bool:
+    """The decision :func:`gathered_or_first`'s plan takes when it runs (the cost model on
+    ``backend``'s links, :func:`.costmodel.gathers`), which a broadcast's non-root that passed
+    None takes again once it knows the root's size (:class:`.broadcast.FromRoot`)."""
+    return costmodel.gathers(name, nbytes, n, costmodel.params_for(backend))
+
+
+__all__ = ["Collective", "Plan", "choose", "gathered_or_first", "gathers_now"]
