@@ -51,6 +51,14 @@ DISAGREEMENTS = [
      lambda b, t: gather(np.ones(4, np.float32), b, 1, timeout=t), ["reduce(", "gather("]),
     ("broadcast-roots", lambda b, t: broadcast(np.ones(4), b, 0, timeout=t),
      lambda b, t: broadcast(np.ones(4), b, 1, timeout=t), ["root=0", "root=1"]),
+    # (three ranks or more: only the root's unit carries data, so messages of the expected
+    # length may hold units placed for another size or root)
+    ("broadcast-sizes", lambda b, t: broadcast(np.ones(4), b, 0, timeout=t),
+     lambda b, t: broadcast(np.ones(5), b, 0, timeout=t), ["float64[4]", "float64[5]"]),
+    ("broadcast-form", lambda b, t: broadcast(np.ones(4), b, 0, timeout=t),
+     lambda b, t: broadcast(np.ones(4), b, 0, timeout=t, algorithm="tree"),
+     ["another form"]),
+
     # a broadcast's non-root that passed None (it cannot receive a message of unknown length)
     ("none-allreduce", _allreduce(4), lambda b, t: broadcast(None, b, 0, timeout=t),
      ["allreduce(float32[4], SUM)", "broadcast"]),
@@ -93,6 +101,30 @@ def disagree(b, timeout: float = 8.0, odd: int = 1):
         took = time.monotonic() - t0
         after = allreduce(np.full(3, 1.0), b, timeout=timeout).tolist()
         out[name] = (got, took, after)
+    return out
+
+
+def other_form(b, timeout: float = 8.0) -> dict:
+    """A gather and a reduce of two ranks to either root where rank 1 runs them in another
+    form (``pair.FUSE_MAX`` -1 there: its header exchange, then the tree, as a rank set up
+    otherwise would): what each rank raised, how long it took, and an agreeing allreduce
+    after it. A root's message without data must not read as the header exchange's."""
+    from ferro_collective import pair
+
+    out, fuse = {}, pair.FUSE_MAX
+    for root in (0, 1):
+        for name, call in (("gather", gather), ("reduce", reduce)):
+            t0 = time.monotonic()
+            pair.FUSE_MAX = -1 if b.rank == 1 else fuse
+            try:
+                call(np.ones(3), b, root, timeout=timeout)
+                got = ("returned", "")
+            except Exception as exc:  # (the test compares what each rank raised)
+                got = (type(exc).__name__, str(exc))
+            pair.FUSE_MAX = fuse
+            took = time.monotonic() - t0
+            after = allreduce(np.full(3, 1.0), b, timeout=timeout).tolist()
+            out[f"{name} {root}"] = (got, took, after)
     return out
 
 

@@ -25,7 +25,8 @@ from ferro_collective import (
     reduce_scatter,
 )
 from ferro_collective import message_schedule as ms
-from ferro_collective.gathered import GATHER_MAX
+from ferro_collective.gathered import GATHER_MAX, PAD
+from ferro_collective.header import HEADER_SIZE
 from ferro_collective.ops import BFLOAT16
 
 pytestmark = pytest.mark.timeout(150)
@@ -81,7 +82,33 @@ def test_ceil_log2_n_messages_a_rank_for_small_calls(n):
         assert res[f"reduce_scatter {large}"] > rounds, res
         assert res[f"allreduce {large}"] > rounds, res  # the header alone first
         assert res[f"ring {small}"] > rounds, res  # a forced algorithm keeps its own messages
-        assert res[f"broadcast {small}"] >= rounds, res  # (its header exchange, then its tree)
+        assert res[f"broadcast {small}"] == rounds, res
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+def test_a_gathered_broadcast_sends_the_root_s_data_once_to_each_rank(n):
+    """Only the root's unit carries data: the ranks together send its bytes ``n - 1`` times,
+    as the tree does (not every rank's array to every rank), with the headers, in
+    ``ceil(log2 n)`` messages a rank; every rank returns the root's array."""
+    nbytes = 4096
+
+    def fn(b):
+        sent, real = [0, 0], b.send
+
+        def send(data, dst, *, tag=0):
+            sent[0] += 1
+            sent[1] += np.asarray(data).nbytes
+            return real(data, dst, tag=tag)
+
+        b.send = send
+        got = broadcast(np.full(nbytes // 8, float(b.rank)), b, 1)
+        return sent, got
+
+    res = run_ranks(fn, n, timeout=60)
+    assert all(r[0][0] == (n - 1).bit_length() for r in res), res
+    total = sum(r[0][1] for r in res)
+    assert (n - 1) * nbytes <= total <= (n - 1) * (nbytes + n * (HEADER_SIZE + PAD)), total
+    assert all((got == 1.0).all() for _, got in res)
 
 
 DTYPES = [np.float32, np.float64, np.float16, BFLOAT16, np.int32, np.int64]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpi_ranks import run_mpi
-from pair_fns import DISAGREEMENTS, counted, disagree, from_root
+from pair_fns import DISAGREEMENTS, counted, disagree, from_root, other_form
 
 from ferro_backend import SimulatedBackend, SizeMismatchError
 from ferro_backend.testing import run_processes, run_ranks
@@ -47,6 +47,16 @@ def test_disagreements_raise_on_both_ranks_tcp():
 
 def test_disagreements_raise_on_both_ranks_mpi(tmp_path):
     _check_disagreements(run_mpi("pair_fns", "disagree", 2, tmp_path))
+
+
+def test_a_root_without_data_meets_a_peer_of_another_form():
+    """A gather's or reduce's root sends no data: its message is not the header exchange's,
+    so a peer that runs the call in another form raises at once, as the root does."""
+    for res in run_processes(other_form, 2, timeout=100):
+        for name, ((kind, msg), took, after) in res.items():
+            assert kind == "CollectiveMismatchError" and "another form" in msg, (name, msg)
+            assert took < 4.0, (name, took)  # (their deadline: 8 s)
+            assert after == [2.0] * 3, (name, after)
 
 
 #: (nbytes, rank 1 passes None), and the messages each rank sends: a root sends its data with

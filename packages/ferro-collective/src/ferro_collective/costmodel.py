@@ -36,7 +36,7 @@ import weakref
 
 from . import message_schedule
 from .costparams import DEFAULT, Params, placement
-from .gathered import GATHER_MAX
+from .gathered import GATHER_MAX, PAD
 from .header import HEADER_SIZE
 from .pair import BROADCAST_FUSE_MAX, FUSE_MAX
 
@@ -286,7 +286,7 @@ def _hierarchical(name: str, nbytes: int, n: int, p: Params, engine: bool,
             if stage in ("check", "barrier"):  # (a barrier's exchange is the barrier)
                 continue
             if gathered:  # (the data in the header exchange's rounds: :mod:`.gathered`)
-                view.rounds(message_schedule.header_rounds(len(members), size_j + HEADER_SIZE))
+                view.rounds(gathered_rounds(stage, size_j, len(members)))
                 continue
             if group == "cross" and stage == "allreduce" and size_j != size:
                 algorithm = _stage_pick("allreduce", size_j, N, xa, xb)
@@ -336,16 +336,25 @@ def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
 
 
 def gathered_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
-    """A small allreduce, all_gather or reduce_scatter of ``n`` ranks gathered with the headers
-    in the header exchange's rounds (:mod:`.gathered`): units of ``nbytes`` (each rank's input)
-    and a header; an allreduce copies its input first and folds the ``n`` arrays last, a
+    """A small allreduce, all_gather, reduce_scatter or broadcast of ``n`` ranks gathered with
+    the headers in the header exchange's rounds (:mod:`.gathered`, :func:`gathered_rounds`;
+    ``nbytes``: each rank's input); an allreduce copies its input first and folds the ``n`` arrays last, a
     reduce_scatter folds its own part of them."""
     s = message_schedule.Schedule(p, [0.0] * n)
     message_schedule.View(s, p.node_major(n) or range(n)).rounds(
-        message_schedule.header_rounds(n, nbytes + HEADER_SIZE))
+        gathered_rounds(name, nbytes, n))
     local = 0.0 if name in ("all_gather", "broadcast") else \
         p.copy(nbytes) + p.fold((n - 1) * nbytes / (n if name == "reduce_scatter" else 1))
     return max(s.clock) + p.call + local
+
+
+def gathered_rounds(name: str, nbytes: int, n: int) -> list:
+    """The rounds of a call gathered in the header exchange's (:mod:`.gathered`): every rank's
+    unit ``nbytes`` and a header; a broadcast's units :data:`.gathered.PAD` bytes and a header
+    but the root's, whose data each message carries on the path it takes."""
+    if name == "broadcast":
+        return message_schedule.header_rounds(n, PAD + HEADER_SIZE, nbytes)
+    return message_schedule.header_rounds(n, nbytes + HEADER_SIZE)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -393,6 +402,6 @@ def choose_hierarchical(name: str, nbytes: int, n: int, p: Params = DEFAULT, *,
 
 __all__ = ["ALGORITHMS_MODELLED", "DEFAULT", "ENGINE_MARGIN", "HIERARCHICAL",
            "SMALL_MESSAGE_BYTES", "Params", "auto_pick", "best", "choose_auto",
-           "choose_hierarchical", "flat_time", "gathered_time", "gathers", "hierarchical_stages",
-           "measured_pick", "node_major",
-           "forget", "learned", "params_for", "predict", "remember", "terms"]
+           "choose_hierarchical", "flat_time", "forget", "gathered_rounds", "gathered_time",
+           "gathers", "hierarchical_stages", "learned", "measured_pick", "node_major",
+           "params_for", "predict", "remember", "terms"]

@@ -11,11 +11,13 @@ allreduce, all_gather, reduce_scatter, reduce, gather or broadcast (``algorithm=
 faster) runs in those same rounds: each rank's unit is its data with its header after it, so
 every rank ends with every rank's data and header; an allreduce (a reduce: its root) folds
 them in rank order (the star's bits), a reduce_scatter its own part of them in the ring's
-order (the ring's bits), a broadcast keeps the root's (:func:`exchange`, :func:`allreduce`,
-:func:`all_gather`, :func:`reduce_scatter`, :func:`broadcast`): ``ceil(log2 n)`` messages a
-rank instead of as many for the headers and as many again or more for the data (4 processes
-over TCP, a 4 KiB allreduce 190-204 us against 301-311;
-`benchmarks/results/0.4/2core/tcp_gathered-2026-11-30`).
+order (the ring's bits) (:func:`exchange`, :func:`allreduce`, :func:`all_gather`,
+:func:`reduce_scatter`): ``ceil(log2 n)`` messages a rank instead of as many for the headers
+and as many again or more for the data (4 processes over TCP, a 4 KiB allreduce 190-204 us
+against 301-311; `benchmarks/results/0.4/2core/tcp_gathered-2026-11-30`). In a broadcast
+only the root's unit holds data (the others' hold :data:`PAD` bytes and the header): its
+data reaches each rank once, along the binomial tree the rounds form from the root, as the
+tree broadcast sends it, with the headers in the same messages (:func:`broadcast`).
 
 A call of another size or form sends units of another length: the transports report
 :class:`~ferro_backend.SizeMismatchError` and drop the message. A rank that meets one sends a
@@ -50,36 +52,51 @@ GATHER_MAX = 256 << 10
 SETTLE_STEP = STEPS_PER_CALL - 1
 #: what a rank that met a disagreement sends in its later rounds (no unit is one byte long)
 _POISON = np.zeros(1, np.uint8)
+#: the bytes before a broadcast's non-root's header in its unit (:func:`exchange`'s ``root``):
+#: its units differ in length from the header exchange's, so a rank that runs the call as
+#: the header exchange and its own algorithm (another form) meets messages of another length
+PAD = 8
 #: groups whose last broadcast over point-to-point messages had a non-root that passed None
 #: (:func:`broadcast`, :func:`.pair.broadcast`)
 _NONE_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
-             ) -> tuple[list[bytes], list[np.ndarray]]:
+def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False,
+             root: int | None = None) -> tuple[list[bytes], list[np.ndarray]]:
     """Bruck's all-gather of every rank's ``block`` (bytes) with ``header`` after it, on the
     call's first tag (``settling``: the last tag, headers alone, no settling again); returns
     the headers and the blocks (views of an array borrowed from the scratch pool until the
-    call's end), both in rank order. Raises
-    :class:`~ferro_backend.CollectiveMismatchError` on every rank where they disagree."""
+    call's end), both in rank order. ``root``: only that rank's block travels (a broadcast's),
+    every other rank's unit is :data:`PAD` bytes and its header (its block in the result:
+    those bytes); where a rank's units were placed for another root or size, the messages
+    may still have the lengths this rank expects, and the headers read from them are not
+    what the ranks sent: where any differs, every rank exchanges its header alone
+    (:func:`settle`). Raises :class:`~ferro_backend.CollectiveMismatchError` on every rank
+    where they disagree."""
     n, order = ctx.n, ctx.order
     rank = range(n) if order is None else order  # (position -> rank: node by node)
     me = ctx.rank if order is None else order.index(ctx.rank)  # (this rank's position)
     size = block.size
-    unit = size + HEADER_SIZE
-    known = ctx.take(n * unit, np.uint8)  # units of positions me, me + 1, ... (mod n)
-    known[:size] = block
-    known[size:unit] = np.frombuffer(header, np.uint8)
+    # the units of positions me, me + 1, ... (mod n) in that order: where each starts
+    if root is None:
+        sizes, starts = (size,) * n, range(0, (n + 1) * (size + HEADER_SIZE), size + HEADER_SIZE)
+    else:
+        at = ((order.index(root) if order is not None else root) - me) % n  # (its position)
+        sizes = (PAD,) * at + (size,) + (PAD,) * (n - 1 - at)
+        starts = [i * (PAD + HEADER_SIZE) + (size - PAD if i > at else 0) for i in range(n + 1)]
+    known = ctx.take(starts[n], np.uint8)
+    known[:sizes[0]] = block if sizes[0] == size else 0
+    known[sizes[0]:starts[1]] = np.frombuffer(header, np.uint8)
     tag = ctx.tag_base + (SETTLE_STEP if settling else 0)
     count, distance, met = 1, 1, False
     while count < n:
         take = min(distance, n - count)
         src, dst = rank[(me + distance) % n], rank[(me - distance) % n]
         try:  # (the receiver, me - distance, knows as much as this rank: it takes the next)
-            req = ctx.irecv(known[count * unit:(count + take) * unit], src, tag)
+            req = ctx.irecv(known[starts[count]:starts[count + take]], src, tag)
         except SizeMismatchError:
             req, met = None, True
-        ctx.send(_POISON if met else known[:take * unit], dst, tag)
+        ctx.send(_POISON if met else known[:starts[take]], dst, tag)
         if req is not None:
             try:
                 ctx.wait(req, src, "the collective header",
@@ -90,19 +107,20 @@ def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False
         distance *= 2
     if met:
         settle(ctx, header, None)  # (raises)
-    rows = known.reshape(n, unit)
-    where = [0] * n  # rank r's row
+    where = [0] * n  # rank r's position, counted from this rank's
     for i, r in enumerate(rank):
         where[r] = (i - me) % n
-    headers = [rows[i, size:].tobytes() for i in where]
+    headers = [known[starts[i + 1] - HEADER_SIZE:starts[i + 1]].tobytes() for i in where]
     if any(h != header for h in headers):
+        if root is not None:  # (units placed by another root or size: the headers alone)
+            settle(ctx, header, None)  # (raises)
         try:
             check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
         except CollectiveMismatchError:
             if not settling:
                 settle(ctx, header, headers)
             raise
-    return headers, [rows[i, :size] for i in where]
+    return headers, [known[starts[i]:starts[i] + sizes[i]] for i in where]
 
 
 class FromRootMet(Exception):
@@ -192,17 +210,18 @@ def none_was_last(backend) -> bool:
 def broadcast(ctx: Ctx, header: bytes, x: np.ndarray, buf: np.ndarray, root: int, plain,
               own) -> None:
     """A small broadcast into ``buf`` (the result's bytes; ``x``: this rank's array's bytes,
-    the root's data on the root): every rank's array gathered with the headers, the root's
-    kept. Where the last broadcast on this group had a non-root that passed None (every rank
-    learned it from the headers), ``plain()`` instead: the header exchange, then the call's own
-    algorithm. A non-root that passes None now (:class:`.broadcast.FromRoot`) sends its header
-    alone: every rank meets :class:`FromRootMet` and ``own()`` (the call's own algorithm, the
-    tree or the star, as that non-root runs it) delivers the root's data."""
+    the root's data on the root): the root's array gathered with every rank's header (the
+    others' units carry no data: :func:`exchange`'s ``root``). Where the last broadcast on this
+    group had a non-root that passed None (every rank learned it from the headers),
+    ``plain()`` instead: the header exchange, then the call's own algorithm. A non-root that
+    passes None now (:class:`.broadcast.FromRoot`) sends its header alone: every rank meets
+    :class:`FromRootMet` and ``own()`` (the call's own algorithm, the tree or the star, as that
+    non-root runs it) delivers the root's data."""
     if none_was_last(ctx.backend):
         plain()
         return
     try:
-        _, blocks = exchange(ctx, header, x)
+        _, blocks = exchange(ctx, header, x, root=root)
     except FromRootMet:
         own()
         none_last(ctx.backend, True)
@@ -231,6 +250,6 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
     return finish(dst.reshape(out_shape), x.dtype, out)
 
 
-__all__ = ["GATHER_MAX", "SETTLE_STEP", "FromRootMet", "all_gather", "allreduce", "another_form",
-           "broadcast", "exchange", "header_exchange", "none_last", "none_was_last",
+__all__ = ["GATHER_MAX", "PAD", "SETTLE_STEP", "FromRootMet", "all_gather", "allreduce",
+           "another_form", "broadcast", "exchange", "header_exchange", "none_last", "none_was_last",
            "reduce_scatter", "settle"]

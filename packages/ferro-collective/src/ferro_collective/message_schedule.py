@@ -125,14 +125,15 @@ class View(Schedule):
         return self.s.send(self.members[src], self.members[dst], nbytes)
 
 
-def header_rounds(n: int, unit: int = HEADER_SIZE) -> list:
+def header_rounds(n: int, unit: int = HEADER_SIZE, extra: int = 0) -> list:
     """Bruck's all-gather of the headers: round ``k`` (distance ``d = 2^k``), rank ``me``
     sends ``min(d, n - count)`` headers to ``me - d`` (``unit``: each with a small call's
-    data before it, :mod:`.gathered`)."""
+    data before it, :mod:`.gathered`; ``extra``: bytes each message carries besides, a
+    broadcast's data on the ranks it passes, counted in every message)."""
     rounds, count, d = [], 1, 1
     while count < n:
         take = min(d, n - count)
-        rounds.append((lambda me, d=d: (me - d) % n, take * unit))
+        rounds.append((lambda me, d=d: (me - d) % n, take * unit + extra))
         count += take
         d *= 2
     return rounds

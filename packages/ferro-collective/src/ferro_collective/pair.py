@@ -11,9 +11,12 @@ up to :data:`FUSE_MAX` bytes, a broadcast :data:`BROADCAST_FUSE_MAX`; ``algorith
 sends its block with its header after it as one message on the call's first tag, the tag the
 header exchange uses (:func:`exchange`); the header exchange of two ranks is the same message
 with no block, and a collective with a metadata round sends its metadata block there
-(:func:`metadata`). A broadcast's root does the same, but where its peer passed None (which cannot
-receive a message of a length it does not know) it sends its header and then its data again
-(:func:`from_root`). The block comes first, so that it lands aligned.
+(:func:`metadata`). A rank with no block to send (a broadcast's other rank, a gather's or
+reduce's root) sends :data:`.gathered.PAD` bytes in its place (:func:`no_data`): a message
+of the call's own form is never the header exchange's. A broadcast's root does the same, but
+where its peer passed None (which cannot receive a message of a length it does not know) it
+sends its header and then its data again (:func:`from_root`). The block comes first, so that
+it lands aligned.
 
 A disagreement shows on both ranks at that first message: its header differs, or its length
 (a call of another size, or one that exchanges its header alone), which the transports report
@@ -33,7 +36,7 @@ import numpy as np
 from ferro_backend import CollectiveMismatchError, SizeMismatchError
 
 from .arguments import finish
-from .gathered import another_form, none_last, none_was_last
+from .gathered import PAD, another_form, none_last, none_was_last
 from .header import HEADER_SIZE, UNKNOWN
 from .ops import ReduceOp, fold
 from .per_backend import STEPS_PER_CALL, check_headers
@@ -59,13 +62,25 @@ def outbox(ctx: Ctx, nbytes: int) -> np.ndarray:
     return ctx.take(nbytes + HEADER_SIZE, np.uint8)
 
 
-def exchange(ctx: Ctx, header: bytes, box: np.ndarray, incoming: int
-             ) -> tuple[list[bytes], np.ndarray]:
+def no_data(ctx: Ctx) -> np.ndarray:
+    """The message of a rank that sends no data in its call (a broadcast's other rank, a
+    gather's or reduce's root): :data:`.gathered.PAD` zero bytes and room for the header, so
+    that it differs in length from the header exchange's (a peer that runs the call in another
+    form, the header exchange and its own algorithm, meets a message of another length)."""
+    box = outbox(ctx, PAD)
+    box[:PAD] = 0
+    return box
+
+
+def exchange(ctx: Ctx, header: bytes, box: np.ndarray, incoming: int, none=None
+             ) -> tuple[list[bytes], np.ndarray | None]:
     """Send ``box`` (an :func:`outbox`, filled) with ``header`` after its data to the peer and
     receive the peer's message of ``incoming`` bytes of data on the call's first tag; returns
     the headers in rank order and the peer's data (a view of its message, borrowed from the
     scratch pool until the call's end). Raises :class:`~ferro_backend.CollectiveMismatchError`
-    on both ranks where they disagree."""
+    on both ranks where they disagree. ``none()`` (a broadcast's root): what to run where the
+    peer's message had another length and its header, exchanged alone, says it passed None
+    (the data is then None)."""
     peer = 1 - ctx.rank
     inbox = ctx.take(incoming + HEADER_SIZE, np.uint8)
     try:
@@ -79,7 +94,7 @@ def exchange(ctx: Ctx, header: bytes, box: np.ndarray, incoming: int
             raise SizeMismatchError("the peer's first message")
         ctx.wait(req, peer, "the collective header")
     except SizeMismatchError:
-        settle(ctx, header, None)  # (raises)
+        return settle(ctx, header, None, none), None  # (raises, unless none() ran)
     theirs = inbox[incoming:].tobytes()
     headers = [header, theirs] if ctx.rank == 0 else [theirs, header]
     if theirs != header:
@@ -91,14 +106,22 @@ def exchange(ctx: Ctx, header: bytes, box: np.ndarray, incoming: int
     return headers, inbox[:incoming]
 
 
-def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None) -> None:
+def settle(ctx: Ctx, header: bytes, seen: list[bytes] | None, none=None) -> list[bytes]:
     """After a disagreement at a call's first message (``seen``: the headers it carried, None
     where its length differed): the ranks exchange their headers alone on the call's last tag;
     where the first message's length differed, raise the mismatch they name (or, where they
-    agree, that the ranks ran the call in different forms)."""
+    agree, that the ranks ran the call in different forms), but where ``none`` is given and
+    the peer's header says it passed None to a broadcast, run ``none()`` and return the
+    headers."""
     theirs = _headers_alone(ctx, header)
+    headers = [header, theirs] if ctx.rank == 0 else [theirs, header]
     if seen is None:
-        another_form(ctx, header, [header, theirs] if ctx.rank == 0 else [theirs, header])
+        if none is not None and theirs[5] & UNKNOWN:
+            check_headers(ctx.name, ctx.rank, headers, ctx.backend, ctx.seq)
+            none()
+            return headers
+        another_form(ctx, header, headers)
+    return headers
 
 
 def header_exchange(ctx: Ctx, header: bytes) -> list[bytes]:
@@ -168,10 +191,11 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
 
 def broadcast(ctx: Ctx, header: bytes, buf: np.ndarray, root: int, plain) -> None:
     """broadcast of two ranks (``buf``: the result's bytes, the root's data on the root): the
-    root sends its data with its header, the other rank its header alone. A non-root that
-    passed None (:class:`.broadcast.FromRoot`) cannot receive a message of a length it does
-    not know: it drops it, and the root, seeing its header, sends its header alone on the
-    call's last tag and its data on the next tag (:func:`from_root`), which costs that call
+    root sends its data with its header, the other rank its header after :func:`no_data`'s
+    bytes. A non-root that passed None (:class:`.broadcast.FromRoot`) sends its header alone
+    and cannot receive a message of a length it does not know: both drop the other's message,
+    exchange their headers alone on the call's last tag, and the root, seeing the peer's,
+    sends its data on the next tag (:func:`from_root`), which costs that call
     an exchange more (4 KiB over TCP 130 us against 80). So where the last broadcast on this
     group had such a non-root, both ranks know it (the root from its header), and this call
     runs ``plain()`` instead: the header exchange, then the tree (:func:`.gathered.none_last`)."""
@@ -180,13 +204,11 @@ def broadcast(ctx: Ctx, header: bytes, buf: np.ndarray, root: int, plain) -> Non
         plain()
         return
     if ctx.rank != root:
-        buf[...] = exchange(ctx, header, outbox(ctx, 0), size)[1]
+        buf[...] = exchange(ctx, header, no_data(ctx), size)[1]
         return
     box = outbox(ctx, size)
     box[:size] = buf
-    headers, _ = exchange(ctx, header, box, 0)
-    if headers[peer][5] & UNKNOWN:
-        _headers_alone(ctx, header, lambda: ctx.send(buf, peer, ctx.tag_base + 1))
+    if exchange(ctx, header, box, PAD, lambda: ctx.send(buf, peer, ctx.tag_base + 1))[1] is None:
         none_last(ctx.backend, True)
 
 
@@ -222,15 +244,12 @@ def from_root(ctx: Ctx, header: bytes) -> bytes:
     return theirs
 
 
-def _headers_alone(ctx: Ctx, header: bytes, meanwhile=None) -> bytes:
-    """This rank's header for the peer's on the call's last tag (:func:`settle`'s exchange);
-    ``meanwhile()`` runs once this rank's has gone (a broadcast root's data)."""
+def _headers_alone(ctx: Ctx, header: bytes) -> bytes:
+    """This rank's header for the peer's on the call's last tag (:func:`settle`'s exchange)."""
     peer = 1 - ctx.rank
     theirs = bytearray(HEADER_SIZE)
     req = ctx.irecv(theirs, peer, ctx.tag_base + SETTLE_STEP)
     ctx.send(header, peer, ctx.tag_base + SETTLE_STEP)
-    if meanwhile is not None:
-        meanwhile()
     ctx.wait(req, peer, "the collective header, alone")
     return bytes(theirs)
 
@@ -238,12 +257,12 @@ def _headers_alone(ctx: Ctx, header: bytes, meanwhile=None) -> bytes:
 def gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray | None,
            root: int) -> np.ndarray | None:
     """gather of two ranks: the other rank sends its block (bytes) with its header, the root
-    its header alone."""
+    its header after :func:`no_data`'s bytes."""
     size, peer = block.size, 1 - ctx.rank
-    box = outbox(ctx, 0 if result is not None else size)
+    box = no_data(ctx) if result is not None else outbox(ctx, size)
     if result is None:
         box[:size] = block
-    _, data = exchange(ctx, header, box, size if result is not None else 0)
+    _, data = exchange(ctx, header, box, size if result is not None else PAD)
     if result is None:
         return None
     flat = result.reshape(-1).view(np.uint8)
@@ -255,14 +274,14 @@ def gather(ctx: Ctx, header: bytes, block: np.ndarray, result: np.ndarray | None
 def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: int
            ) -> np.ndarray | None:
     """reduce of two ranks: the other rank sends its array (in ``wd``) with its header, the
-    root its header alone and folds its own array with the one it receives (the tree's order:
-    its own first)."""
+    root its header after :func:`no_data`'s bytes and folds its own array with the one it
+    receives (the tree's order: its own first)."""
     nbytes = x.size * wd.itemsize
     mine = ctx.rank == root
-    box = outbox(ctx, 0 if mine else nbytes)
+    box = no_data(ctx) if mine else outbox(ctx, nbytes)
     if not mine:
         box[:nbytes].view(wd)[...] = x.reshape(-1)
-    _, data = exchange(ctx, header, box, nbytes if mine else 0)
+    _, data = exchange(ctx, header, box, nbytes if mine else PAD)
     if not mine:
         return None
     own = np.ascontiguousarray(x.reshape(-1), dtype=wd)
@@ -274,4 +293,4 @@ def reduce(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op, out, root: 
 
 __all__ = ["BROADCAST_FUSE_MAX", "FUSE_MAX", "SETTLE_STEP", "all_gather", "allreduce",
            "broadcast", "exchange", "from_root", "gather", "header_exchange", "metadata",
-           "outbox", "reduce", "reduce_scatter", "settle"]
+           "no_data", "outbox", "reduce", "reduce_scatter", "settle"]
