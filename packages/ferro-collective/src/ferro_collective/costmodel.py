@@ -338,8 +338,8 @@ def flat_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
 def gathered_time(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> float:
     """A small allreduce, all_gather, reduce_scatter or broadcast of ``n`` ranks gathered with
     the headers in the header exchange's rounds (:mod:`.gathered`, :func:`gathered_rounds`;
-    ``nbytes``: each rank's input); an allreduce copies its input first and folds the ``n`` arrays last, a
-    reduce_scatter folds its own part of them."""
+    ``nbytes``: each rank's input); an allreduce copies its input first and folds the ``n``
+    arrays last, a reduce_scatter folds its own part of them."""
     s = message_schedule.Schedule(p, [0.0] * n)
     message_schedule.View(s, p.node_major(n) or range(n)).rounds(
         gathered_rounds(name, nbytes, n))

@@ -52,9 +52,10 @@ GATHER_MAX = 256 << 10
 SETTLE_STEP = STEPS_PER_CALL - 1
 #: what a rank that met a disagreement sends in its later rounds (no unit is one byte long)
 _POISON = np.zeros(1, np.uint8)
-#: the bytes before a broadcast's non-root's header in its unit (:func:`exchange`'s ``root``):
-#: its units differ in length from the header exchange's, so a rank that runs the call as
-#: the header exchange and its own algorithm (another form) meets messages of another length
+#: the bytes before the header of a unit without data (a broadcast's non-root's,
+#: :func:`exchange`'s ``root``; a message of two ranks without data, :func:`.pair.no_data`):
+#: it differs in length from the header exchange's, so a rank that runs the call as the
+#: header exchange and its own algorithm (another form) meets messages of another length
 PAD = 8
 #: groups whose last broadcast over point-to-point messages had a non-root that passed None
 #: (:func:`broadcast`, :func:`.pair.broadcast`)
@@ -85,7 +86,7 @@ def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False,
         sizes = (PAD,) * at + (size,) + (PAD,) * (n - 1 - at)
         starts = [i * (PAD + HEADER_SIZE) + (size - PAD if i > at else 0) for i in range(n + 1)]
     known = ctx.take(starts[n], np.uint8)
-    known[:sizes[0]] = block if sizes[0] == size else 0
+    known[:sizes[0]] = block if root is None or at == 0 else 0  # (a unit without data: zeros)
     known[sizes[0]:starts[1]] = np.frombuffer(header, np.uint8)
     tag = ctx.tag_base + (SETTLE_STEP if settling else 0)
     count, distance, met = 1, 1, False
