@@ -68,6 +68,8 @@ def _counted(b, sizes):
                   (f"reduce_scatter {nbytes}", lambda x=x: reduce_scatter(x, b)),
                   (f"ring {nbytes}", lambda x=x: allreduce(x, b, algorithm="ring")),
                   (f"broadcast {nbytes}", lambda x=x: broadcast(x, b, 0))]
+    mid = np.ones(GATHER_MAX // 8, np.float32)  # (n x its bytes is over GATHER_MAX)
+    calls.append(("broadcast mid", lambda: broadcast(mid, b, 0)))
     return {name: count for name, (_, count) in sends(b, calls).items()}
 
 
@@ -83,6 +85,7 @@ def test_ceil_log2_n_messages_a_rank_for_small_calls(n):
         assert res[f"allreduce {large}"] > rounds, res  # the header alone first
         assert res[f"ring {small}"] > rounds, res  # a forced algorithm keeps its own messages
         assert res[f"broadcast {small}"] == rounds, res
+        assert res["broadcast mid"] == rounds, res  # (it gathers the root's bytes alone)
 
 
 @pytest.mark.parametrize("n", [3, 4, 6])

@@ -36,7 +36,7 @@ import weakref
 
 from . import message_schedule
 from .costparams import DEFAULT, Params, placement
-from .gathered import GATHER_MAX, PAD
+from .gathered import GATHER_MAX, PAD, gathered_bytes
 from .header import HEADER_SIZE
 from .pair import BROADCAST_FUSE_MAX, FUSE_MAX
 
@@ -361,10 +361,11 @@ def gathered_rounds(name: str, nbytes: int, n: int) -> list:
 def gathers(name: str, nbytes: int, n: int, p: Params = DEFAULT) -> bool:
     """Whether "auto" runs a call of ``n`` > 2 ranks gathered in the header exchange's rounds
     (:mod:`.gathered`): an allreduce, all_gather, reduce_scatter or broadcast of up to
-    ``GATHER_MAX`` bytes gathered a rank (``nbytes``: each rank's input), where the model rates it faster than
+    ``GATHER_MAX`` bytes gathered a rank (``nbytes``: each rank's input; a broadcast gathers
+    the root's alone: :func:`.gathered.gathered_bytes`), where the model rates it faster than
     the header exchange and auto's algorithm."""
     if n < 3 or name not in ("allreduce", "all_gather", "reduce_scatter", "broadcast") or \
-            not 0 < n * nbytes <= GATHER_MAX:
+            not 0 < gathered_bytes(name, nbytes, n) <= GATHER_MAX:
         return False
     return gathered_time(name, nbytes, n, p) < predict(name, auto_pick(name, nbytes, n, p),
                                                         nbytes, n, p)

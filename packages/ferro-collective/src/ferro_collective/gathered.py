@@ -62,6 +62,12 @@ PAD = 8
 _NONE_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def gathered_bytes(name: str, nbytes: int, n: int) -> int:
+    """The bytes a call of ``n`` ranks and ``nbytes`` a rank gathers on each rank in the rounds
+    (what :data:`GATHER_MAX` bounds): every rank's, a broadcast's the root's alone."""
+    return nbytes if name == "broadcast" else n * nbytes
+
+
 def exchange(ctx: Ctx, header: bytes, block: np.ndarray, settling: bool = False,
              root: int | None = None) -> tuple[list[bytes], list[np.ndarray]]:
     """Bruck's all-gather of every rank's ``block`` (bytes) with ``header`` after it, on the
@@ -252,5 +258,5 @@ def reduce_scatter(ctx: Ctx, header: bytes, x: np.ndarray, wd: np.dtype, op,
 
 
 __all__ = ["GATHER_MAX", "PAD", "SETTLE_STEP", "FromRootMet", "all_gather", "allreduce",
-           "another_form", "broadcast", "exchange", "header_exchange", "none_last", "none_was_last",
-           "reduce_scatter", "settle"]
+           "another_form", "broadcast", "exchange", "gathered_bytes", "header_exchange",
+           "none_last", "none_was_last", "reduce_scatter", "settle"]

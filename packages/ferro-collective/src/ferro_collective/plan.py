@@ -140,7 +140,7 @@ def gathered_or_first(name: str, nbytes: int, n: int, backend, body: Callable,
     gathers like, a gather as the all_gather) faster on ``backend``'s links, decided when the call runs
     over point-to-point messages (never on the engine's path), else the header exchange and
     ``python(ctx)``; None for larger calls."""
-    if not 0 < n * nbytes <= gathered.GATHER_MAX:
+    if not 0 < gathered.gathered_bytes(name, nbytes, n) <= gathered.GATHER_MAX:
         return None
 
     def run(ctx: Ctx, header: bytes) -> Any:
