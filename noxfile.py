@@ -309,8 +309,9 @@ def lint(session: nox.Session) -> None:
     checker's own tests, then tools/check_layers.py --static: no upward import between the
     distributions (PACKAGES), no import cycle inside one (a package's __init__ counted), no
     source module over 500 lines (over 360: reported as a smell to look at, not a failure).
-    The tools' tests include the benchmark tables' (numpy: peers.py renders them)."""
-    _install(session, "ruff", "cython-lint", "pycodestyle", "pytest", "numpy")
+    The tools' tests include the benchmark tables' (numpy: peers.py renders them) and the
+    property sweep's (hypothesis)."""
+    _install(session, "ruff", "cython-lint", "pycodestyle", "pytest", "numpy", "hypothesis")
     session.run("ruff", "check", str(ROOT))
     pyx = sorted(str(p) for p in PACKAGES_DIR.glob("*/src/**/*.px[id]"))
     if pyx:
@@ -440,6 +441,17 @@ def loaded(session: nox.Session) -> None:
     _install_layers(session, "ferro-collective", extras="test")
     _install(session, *MPI_DEPS)  # (the backend's test extra: its tests under mpirun)
     session.run("python", str(ROOT / "tools" / "loaded.py"), *session.posargs)
+
+
+@nox.session
+def properties(session: nox.Session) -> None:
+    """Every package's property tests (hypothesis) under several seeds (tools/properties.py):
+    the test line draws new examples each run, so a property that fails on a rare draw fails
+    CI by chance; `nox -s properties -- --seeds 5`. Not part of `nox -s tests`."""
+    for dist in ("ferro-collective", "ferro-fsdp", "ferro-checkpoint"):
+        _install_layers(session, dist, extras="test")
+    _install(session, *MPI_DEPS)  # (the backend's test extra: its tests under mpirun)
+    session.run("python", str(ROOT / "tools" / "properties.py"), *session.posargs)
 
 
 @nox.session
