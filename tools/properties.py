@@ -1,9 +1,10 @@
 """Every package's property tests (hypothesis) under several seeds (``nox -s properties``; not
 part of the test line).
 
-The test line draws hypothesis's examples afresh on each run, so a property whose premise fails
-on a rare draw fails CI by chance, on any change: 0.4 found a gathered allreduce compared with
-the star's bits on a size the cost model keeps header-first this way. This runs each package's
+The test line draws the same examples every run (``noxfile.HYPOTHESIS``: a derandomized
+profile), so a property whose premise fails only on a rare draw is found here, not by CI on an
+unrelated change (0.4 found a gathered allreduce compared with the star's bits on a size the
+cost model keeps header-first, when the line still drew afresh). This runs each package's
 ``-m hypothesis`` tests once per seed (``--hypothesis-seed``, seeds ``--first`` to ``--first +
 --seeds - 1``), prints each run's outcome and duration, and the output of every run that
 failed; exit code 1 if any did. A failing seed repeats with ``pytest -m hypothesis

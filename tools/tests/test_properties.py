@@ -35,3 +35,43 @@ def test_a_passing_and_a_failing_property_under_seeds(tmp_path, capsys):
 def test_bad_counts_are_refused():
     with pytest.raises(SystemExit):
         properties.main(["--seeds", "0"])
+
+
+def _drawn(folder, *args) -> str:
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
+                    str(folder / "tests")], cwd=folder, check=True, capture_output=True)
+    return (folder / "drawn.txt").read_text()
+
+
+def test_the_line_draws_the_same_examples_whatever_the_seed(tmp_path):
+    """The test line passes noxfile.HYPOTHESIS; each property package's conftest registers that
+    profile. Under it two seeds draw the same examples; without it they differ."""
+    import ast
+    from pathlib import Path
+    root = Path(properties.ROOT)
+    nox_tree = ast.parse((root / "noxfile.py").read_text())
+    consts = {t.id: ast.literal_eval(node.value) for node in nox_tree.body
+              if isinstance(node, ast.Assign) for t in node.targets
+              if isinstance(t, ast.Name) and t.id in ("HYPOTHESIS", "PROPERTY_PACKAGES")}
+    profile = consts["HYPOTHESIS"]
+    holding = sorted(p.parents[1].name for p in root.glob("packages/*/tests/*.py")
+                     if "hypothesis" in p.read_text())
+    assert sorted(set(holding)) == sorted(consts["PROPERTY_PACKAGES"])  # none drawn at random
+    registration = 'settings.register_profile("line", derandomize=True)'
+    for name in consts["PROPERTY_PACKAGES"]:
+        conftest = root / "packages" / name / "tests" / "conftest.py"
+        assert registration in conftest.read_text(), conftest
+    # one of them, run: under the profile two seeds draw the same examples, without it not
+    folder = _package(tmp_path, "@given(st.lists(st.integers(), min_size=3))\n"
+                                "def test_draw(xs):\n"
+                                "    with open('drawn.txt', 'a') as f:\n"
+                                "        f.write(repr(xs))\n")
+    conftest = root / "packages" / "ferro-collective" / "tests" / "conftest.py"
+    (folder / "tests" / "conftest.py").write_text(conftest.read_text())
+    for args, same in (([profile], True), ([], False)):
+        first = _drawn(folder, *args, "--hypothesis-seed=1")
+        second = _drawn(folder, *args, "--hypothesis-seed=2")[len(first):]
+        (folder / "drawn.txt").unlink()
+        assert (first == second) is same, args

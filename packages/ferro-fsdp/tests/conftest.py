@@ -1,4 +1,7 @@
 import pytest
+from hypothesis import settings
+
+settings.register_profile("line", derandomize=True)  # the test line's: noxfile.HYPOTHESIS
 
 
 def pytest_collection_modifyitems(items):
