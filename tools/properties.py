@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: need >= 1")
-    folders = [Path(p) for p in args.packages] or [ROOT / "packages" / p for p in PACKAGES]
+    # (absolute: each run's working directory is its package's folder)
+    folders = [Path(p).resolve() for p in args.packages] or [ROOT / "packages" / p for p in PACKAGES]
     failed = runs = 0
     for folder in folders:
         for seed in range(args.first, args.first + args.seeds):
