@@ -100,7 +100,7 @@ class _RankSaves:
     its last background save."""
 
     def __init__(self, op: str, rank: int, world_size: int, backend) -> None:
-        check_rank_world(op, rank, world_size)
+        rank, world_size = check_rank_world(op, rank, world_size)
         self.rank = rank
         self.world_size = world_size
         self.backend = backend

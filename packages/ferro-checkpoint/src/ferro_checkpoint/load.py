@@ -275,7 +275,7 @@ def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, 
     >>> reshard("ckpt", 4, 2, 1)["weight"].shape  # rows 5..9 of a (10, 3) tensor
     (5, 3)
     """
-    check_rank_world("reshard", new_rank, new_world_size)
+    new_rank, new_world_size = check_rank_world("reshard", new_rank, new_world_size)
     opts = ReadOptions.of("reshard", verify, mmap, out, threads)
     ckpt = checkpoint or open_checkpoint(directory)
     if ckpt.num_ranks != old_world_size:
@@ -346,7 +346,7 @@ def load_distributed(directory, rank: int, world_size: int, *,
     >>> load_distributed("ckpt", 0, 2, mmap=True)["weight"].flags.writeable  # the file itself
     False
     """
-    check_rank_world("load_distributed", rank, world_size)
+    rank, world_size = check_rank_world("load_distributed", rank, world_size)
     opts = ReadOptions.of("load_distributed", verify, mmap, out, threads)
     ckpt = checkpoint or open_checkpoint(directory)
     return _read(ckpt, world_size, rank, opts)

@@ -174,6 +174,9 @@ class CheckpointManager(_RankSaves):
             return (directory / METADATA).is_file()
         except FileNotFoundError:
             return False  # deleted meanwhile
+        except NotADirectoryError as exc:  # a file where a step's folder belongs
+            raise CheckpointIOError(f"{directory} is a file, not a checkpoint's folder: "
+                                    f"{exc}") from exc
 
     def steps(self) -> list[int]:
         """The committed steps, ascending.

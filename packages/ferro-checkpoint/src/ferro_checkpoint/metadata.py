@@ -43,13 +43,19 @@ FORMAT_VERSION = 2  # what saves write
 READABLE_VERSIONS = (1, 2)  # what loads read
 
 
-def check_rank_world(op: str, rank: int, world_size: int) -> None:
-    """Raise InvalidArgumentError unless ``0 <= rank < world_size``; ``op`` names the caller."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgumentError(f"{op}: world_size {world_size!r} must be >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"{op}: rank {rank!r} is out of range for world_size "
-                                   f"{world_size}")
+def check_rank_world(op: str, rank: int, world_size: int) -> tuple[int, int]:
+    """``(rank, world_size)`` as ints; InvalidArgumentError unless both are integers (Python's
+    or numpy's, not bool) with ``0 <= rank < world_size``; ``op`` names the caller."""
+    for what, v in (("world_size", world_size), ("rank", rank)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgumentError(f"{op}: {what} must be an int, not "
+                                       f"{type(v).__name__} ({v!r:.40})")
+    if world_size < 1:
+        raise InvalidArgumentError(f"{op}: world_size {int(world_size)} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"{op}: rank {int(rank)} is out of range for world_size "
+                                   f"{int(world_size)}")
+    return int(rank), int(world_size)
 
 
 def compute_shard_sizes(full: int, world_size: int) -> tuple[int, ...]:

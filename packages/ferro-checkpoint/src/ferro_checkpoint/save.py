@@ -35,6 +35,7 @@ used otherwise; a crashed save's leftovers are then only safe once every rank sa
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -45,7 +46,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointIOError, InvalidArgumentError, ShardMismatchError, TensorError
+from . import errors
+from .errors import (
+    CheckpointIOError,
+    DistCheckpointError,
+    InvalidArgumentError,
+    ShardMismatchError,
+    TensorError,
+)
 from .layout import (
     CHECKPOINT_ID_RE,
     METADATA,
@@ -69,11 +77,20 @@ from .safetensors_io import (
 )
 
 _ID_TAG = (1 << 30) + 7  # user-range tag for the checkpoint id (on a private subgroup)
+_VERDICT_TAG = _ID_TAG + 1  # rank 0's commit verdict
+_VERDICT_BYTES = 1024  # its size: a flag byte, then the error's class and message
+#: a shard header's digest of what its rank's save would commit (:func:`meta_digest`)
+SPEC_KEY = "ferro.spec"
 
 
 def _checked_arrays(state_dict: Mapping[str, np.ndarray], rank: int, spec: ShardMetadata
                     ) -> dict[str, np.ndarray]:
     """This rank's tensors as arrays, after checking names, shapes and dtypes against ``spec``."""
+    for name in state_dict:
+        if not isinstance(name, str) or name == "__metadata__":
+            raise TensorError(f"save_distributed: rank {rank}'s state dict names a tensor "
+                              f"{name!r}: names are str, and '__metadata__' is safetensors' "
+                              "own header entry")
     names, expected = set(state_dict), set(spec.tensor_specs)
     if names != expected:
         raise TensorError(f"save_distributed: rank {rank}'s state dict has tensors "
@@ -133,34 +150,92 @@ def _default_id(directory: Path) -> str:
     return f"g{n + 1}"
 
 
-def _tmp_shard_ids(directory: Path, ckpt_id: str, world_size: int) -> tuple[str, ...] | None:
+def _shard_disagreement(header: SafetensorsFile, rank: int, meta: ShardMetadata) -> str | None:
+    """What rank ``rank``'s temp shard holds that ``meta`` (the committer's record) does not
+    say: a save whose ranks passed different specs, names or dtypes must not commit."""
+    digest = header.metadata.get(SPEC_KEY)
+    if digest == meta_digest(meta):
+        return None
+    got = {n: (code, shape) for n, (code, shape, _, _) in header.entries.items()}
+    want = {n: (s.dtype, s.shard_shape(rank)) for n, s in meta.tensor_specs.items()}
+    for name in sorted(set(got) | set(want)):
+        if got.get(name) != want.get(name):
+            def say(e):
+                return "no such tensor" if e is None else f"{e[0]}{tuple(e[1])}"
+            return (f"its tensor {name!r} is {say(got.get(name))}, the committing rank's "
+                    f"spec and dtypes make it {say(want.get(name))}")
+    if digest is None:
+        return None  # (no digest to compare: its tensors agree)
+    return "its shard spec (full shapes, shard dims or sizes) differs from the committing rank's"
+
+
+def _tmp_shard_ids(directory: Path, meta: ShardMetadata) -> tuple[str, ...] | None:
     """Every rank's shard id, read from its temp shard's header; None if one was already
-    renamed (another rank committed this save)."""
-    ids = []
-    for r in range(world_size):
+    renamed (another rank committed this save). TensorError where a shard disagrees with
+    ``meta`` (nothing is committed; the previous checkpoint stays)."""
+    ids, ckpt_id = [], meta.checkpoint_id
+    for r in range(meta.num_ranks):
         path = tmp_shard_path(directory, r, ckpt_id)
         try:
-            header = SafetensorsFile(path).metadata
+            shard = SafetensorsFile(path)
         except FileNotFoundError:
             return None
+        header = shard.metadata
         got = header.get(SHARD_ID_KEY)
         if got is None or header.get(CHECKPOINT_ID_KEY) != ckpt_id:
             raise ShardMismatchError(
                 f"save_distributed: {path} carries checkpoint id "
                 f"{header.get(CHECKPOINT_ID_KEY)!r} and shard id {got!r}, expected "
                 f"checkpoint id {ckpt_id!r} and a shard id; not committing")
+        differs = _shard_disagreement(shard, r, meta)
+        if differs is not None:
+            raise TensorError(f"save_distributed: the ranks disagree on what they save: "
+                              f"rank {r}'s shard {path}: {differs}; not committing (the "
+                              f"previous checkpoint in {directory} stays)")
         ids.append(got)
     return tuple(ids)
+
+
+def meta_digest(meta: ShardMetadata) -> str:
+    """A digest of what a save commits (id, world size, every tensor's spec and dtype; no shard
+    ids): each rank writes its own into its shard header, so the committer sees any rank whose
+    spec or dtypes differ from its own."""
+    return hashlib.sha256(ShardMetadata(meta.num_ranks, meta.tensor_specs,
+                                        meta.checkpoint_id).to_json().encode()).hexdigest()[:32]
 
 
 def _commit(directory: Path, meta: ShardMetadata) -> None:
     """Write the commit record with every shard's id (the commit point), then roll the save
     forward."""
-    ids = _tmp_shard_ids(directory, meta.checkpoint_id, meta.num_ranks)
+    ids = _tmp_shard_ids(directory, meta)
     if ids is not None:
         meta.shard_ids = ids
         write_json_durably(commit_path(directory, meta.checkpoint_id), meta.to_json())
     recover(directory)
+
+
+def _commit_for_all(group, directory: Path, meta: ShardMetadata) -> None:
+    """Rank 0 of ``group`` commits and sends every rank its verdict (this is also the save's
+    last barrier): a commit refused or failed raises the same error on every rank, not on
+    rank 0 alone while the others wait for a barrier's deadline."""
+    verdict = bytearray(_VERDICT_BYTES)
+    if group.rank == 0:
+        try:
+            _commit(directory, meta)
+        except DistCheckpointError as exc:
+            said = f"{type(exc).__name__}:{exc}".encode()[:_VERDICT_BYTES - 1]
+            verdict[:len(said) + 1] = b"\x01" + said
+            for r in range(1, group.world_size):
+                group.send(verdict, r, tag=_VERDICT_TAG)
+            raise
+        for r in range(1, group.world_size):
+            group.send(verdict, r, tag=_VERDICT_TAG)
+        return
+    group.recv(verdict, 0, tag=_VERDICT_TAG)
+    if verdict[0]:
+        kind, _, message = bytes(verdict[1:]).rstrip(b"\x00").decode(errors="replace") \
+            .partition(":")
+        raise getattr(errors, kind, DistCheckpointError)(f"{message} (rank 0's commit)")
 
 
 def _on_timeline(name: str):
@@ -230,7 +305,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     ...                  checkpoint_id="step100")  # committed once rank 1 saved too
     'step100'
     """
-    check_rank_world("save_distributed", rank, world_size)
+    rank, world_size = check_rank_world("save_distributed", rank, world_size)
     if shard_spec.num_ranks != world_size:
         raise InvalidArgumentError(f"save_distributed: shard_spec.num_ranks "
                                    f"{shard_spec.num_ranks} != world_size {world_size}")
@@ -252,8 +327,12 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     # widest items first: every tensor then starts at a multiple of its item size, so zero-copy
     # loads (mmap=True) get aligned arrays
     names = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
+    specs = {n: TensorShardSpec(s.full_shape, s.shard_dim, s.shard_sizes,
+                                dtype_code(arrays[n].dtype, n))
+             for n, s in shard_spec.tensor_specs.items()}
+    final = ShardMetadata(world_size, specs, ckpt_id)
     meta = {CHECKPOINT_ID_KEY: ckpt_id, SHARD_ID_KEY: uuid.uuid4().hex, "ferro.rank": str(rank),
-            "ferro.world_size": str(world_size)}
+            "ferro.world_size": str(world_size), SPEC_KEY: meta_digest(final)}
     if extra_json is not None:
         meta[EXTRA_KEY] = extra_json
     part = part_shard_path(directory, rank, ckpt_id)
@@ -267,16 +346,10 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
             raise CheckpointIOError(f"save_distributed: cannot write {part}: {exc}") from exc
         raise
     fsync_dir(directory)
-    specs = {n: TensorShardSpec(s.full_shape, s.shard_dim, s.shard_sizes,
-                                dtype_code(arrays[n].dtype, n))
-             for n, s in shard_spec.tensor_specs.items()}
-    final = ShardMetadata(world_size, specs, ckpt_id)
     if backend is not None:
         group = _checkpoint_group(backend)
         group.barrier()
-        if rank == 0:
-            _commit(directory, final)
-        group.barrier()
+        _commit_for_all(group, directory, final)
     elif all_tmp_shards_written(directory, ckpt_id, world_size):
         _commit(directory, final)
     return ckpt_id
