@@ -244,9 +244,20 @@ def test_dropout_is_the_identity_in_eval_and_at_p_zero():
     assert (d(x) == 0).any()
 
 
+def test_dropout_at_p_one_gives_zeros_as_torch():
+    import torch
+
+    x = randn((4, 5), np.float32)
+    d = nn.Dropout(1.0, rng=0)
+    want = torch.nn.Dropout(1.0)(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(d(x), want)
+    assert not d(x).any() and d(x).dtype == x.dtype
+    np.testing.assert_array_equal(d.backward(np.ones_like(x)), np.zeros_like(x))
+
+
 def test_dropout_errors():
-    for p in (-0.1, 1.0, 1.5):
-        with pytest.raises(ValueError, match=rf"p {p} outside \[0, 1\)"):
+    for p in (-0.1, 1.01, 1.5):
+        with pytest.raises(ValueError, match=rf"p {p} outside \[0, 1\]"):
             nn.Dropout(p)
     with pytest.raises(RuntimeError, match="before forward"):
         nn.Dropout(0.1).backward(np.ones(2))

@@ -384,21 +384,22 @@ class LayerNorm(Module):
 
 class Dropout(Module):
     """In ``train()`` mode zero each element with probability ``p`` and scale the rest by
-    ``1/(1-p)``; in ``eval()`` mode, or with ``p == 0``, the identity. ``backward`` applies the
-    mask of the last forward. ``rng``: a seed or a ``numpy.random.Generator``.
+    ``1/(1-p)``; in ``eval()`` mode, or with ``p == 0``, the identity; with ``p == 1`` zeros (as
+    torch's). ``backward`` applies the mask of the last forward. ``rng``: a seed or a
+    ``numpy.random.Generator``.
 
     Parameters
     ----------
     p : float, default 0.5
-        Probability of zeroing an element, in ``[0, 1)`` (else ValueError).
+        Probability of zeroing an element, in ``[0, 1]`` (else ValueError).
     rng : int, numpy.random.Generator or None, default None
         Seed or generator of the masks.
     """
 
     def __init__(self, p: float = 0.5, *, rng: Any = None) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"Dropout: p {p} outside [0, 1)")
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"Dropout: p {p} outside [0, 1]")
         self.p = float(p)
         self._gen = _rng(rng)
         self._scale: np.ndarray | None = None
@@ -407,7 +408,7 @@ class Dropout(Module):
     def forward(self, x: Any) -> np.ndarray:
         """In training mode, zero each element with probability ``p`` (a fresh mask from ``rng``
         every call) and scale the kept ones by ``1/(1-p)``; the identity in eval mode or at
-        ``p == 0`` (``x`` itself is returned, not a copy).
+        ``p == 0`` (``x`` itself is returned, not a copy); zeros at ``p == 1``.
 
         Parameters
         ----------
@@ -424,6 +425,9 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self._scale = None
             return x
+        if self.p == 1.0:  # every element dropped (torch's zeros; no mask drawn)
+            self._scale = np.zeros(x.shape, x.dtype)
+            return x * self._scale
         keep = self._gen.random(x.shape) >= self.p
         self._scale = keep * np.asarray(1.0 / (1.0 - self.p), dtype=x.dtype)
         return x * self._scale
