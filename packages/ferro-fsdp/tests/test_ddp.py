@@ -7,8 +7,9 @@ import pytest
 from _helpers import make_data, make_mlp, run
 
 import ferro_fsdp.background as background_mod
-from ferro_backend import SimulatedBackend
+from ferro_backend import CollectiveTimeoutError, SimulatedBackend
 from ferro_fsdp import DDP, DistributedDataParallel, Module, Parameter, nn
+from ferro_fsdp.wrapper import ModuleWrapper
 
 
 def count_allreduces(monkeypatch):
@@ -163,8 +164,14 @@ def test_state_dict_and_errors():
     d.module.zero_grad()
     d.load_sharded_state_dict(tensors)
     d.module.parameters()[0].grad = np.ones(3)
+    lone = SimulatedBackend.create_group(2)[0]  # a rank of two whose peer never comes:
+    with pytest.raises(CollectiveTimeoutError, match="all_gather"):  # the construction's check
+        DDP(d.module, lone, broadcast_parameters=False, timeout=0.2)
+    with pytest.MonkeyPatch.context() as mp:  # past that check, to the gradient's shape
+        mp.setattr(ModuleWrapper, "_check_same_parameters", lambda *args: None)
+        lone_ddp = DDP(d.module, lone, broadcast_parameters=False)
     with pytest.raises(ValueError, match="shape"):
-        DDP(d.module, SimulatedBackend.create_group(2)[0], broadcast_parameters=False).sync_gradients()
+        lone_ddp.sync_gradients()
 
 
 # -- persistent buckets and overlap (0.2) ------------------------------------------------------

@@ -109,6 +109,9 @@ class DistributedDataParallel(ModuleWrapper):
         self._params = [p for _, p in named]
         self._buckets = self._plan_buckets([i for i in reversed(range(len(named)))
                                             if self._params[i].requires_grad])
+        self._check_same_parameters(
+            "DDP", [(n, p.data.shape, p.data.dtype.str, p.requires_grad) for n, p in named],
+            backend, timeout)
         if broadcast_parameters and backend.world_size > 1:
             every = self._plan_buckets(list(reversed(range(len(named)))))
             for bucket in every:  # one fused broadcast per bucket, into the arrays in place

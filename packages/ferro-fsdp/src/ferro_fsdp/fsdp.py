@@ -202,6 +202,9 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
                   for p in self._params]
         self._layout = FlatLayout(shapes, dtype, shard_world)
         self._full_layout = FlatLayout(shapes, dtype, 1)
+        self._check_same_parameters(
+            "FSDP", [(n, tuple(shape), dtype.str, p.requires_grad)
+                     for n, p, shape in zip(self._names, self._params, shapes)], backend, timeout)
 
         if sync_module_states and world > 1 and own:
             flat = self._pack_full([self._params[i].data for i in own],

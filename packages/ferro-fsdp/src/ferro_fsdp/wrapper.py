@@ -1,17 +1,20 @@
 """``ModuleWrapper``: the base class of FSDP and DDP, wrappers of one module over one backend.
 
 Besides the accessors both wrappers share, it holds the one gradient clipping behind their
-``clip_grad_norm_``: they differ only in which ranks' squared sums add up to the global norm.
+``clip_grad_norm_``: they differ only in which ranks' squared sums add up to the global norm,
+and the check at construction that every rank wraps the same parameters.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
 import numpy as np
 
-from ferro_collective import allreduce
+from ferro_backend import CollectiveMismatchError
+from ferro_collective import all_gather, all_gather_object, allreduce
 
 from .module import Module
 from .parameter import Parameter
@@ -69,6 +72,30 @@ class ModuleWrapper:
             The module's output.
         """
         raise NotImplementedError
+
+    @staticmethod
+    def _check_same_parameters(op: str, described: list[tuple], backend, timeout) -> None:
+        """Every rank wraps the same parameters (``described``: name, full shape, dtype and
+        ``requires_grad`` of each, in order): one all-gather of a 16-byte digest at construction,
+        as torch's DDP verifies parameter shapes. Where a rank's differ, every rank raises
+        CollectiveMismatchError naming the first such rank and the first parameter that differs
+        (before, a rank with more parameters waited in a collective its peers never called
+        until its deadline)."""
+        if backend.world_size == 1:
+            return
+        digest = np.frombuffer(hashlib.sha256(repr(described).encode()).digest()[:16], np.uint8)
+        every = all_gather(digest, backend, timeout=timeout).reshape(backend.world_size, -1)
+        if (every == every[0]).all():
+            return
+        theirs = all_gather_object(described, backend, timeout=timeout)
+        r = next(r for r in range(1, len(theirs)) if theirs[r] != theirs[0])
+        if len(theirs[r]) != len(theirs[0]):
+            how = f"rank 0 has {len(theirs[0])} parameters, rank {r} {len(theirs[r])}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(theirs[0], theirs[r])) if a != b)
+            how = f"parameter {i}: rank 0's is {theirs[0][i]}, rank {r}'s {theirs[r][i]}"
+        raise CollectiveMismatchError(f"{op}: the ranks wrap different parameters (name, shape, "
+                                      f"dtype, requires_grad): {how}")
 
     def _clip(self, max_norm: float, op: str, norm_group) -> float:
         """Scale every ``.grad`` so that the global L2 norm is at most ``max_norm``; return the
