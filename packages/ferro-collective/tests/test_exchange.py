@@ -125,6 +125,45 @@ def test_async_forms_out_and_inputs_kept():
         assert is_x and x == [r, 100 + r, 200 + r]
 
 
+def _list_outs(b):
+    """The list collectives' ``out=`` (a list of one array a rank), sync and async, and a
+    wrong one, which raises on its rank alone after the call: the next call is in step."""
+    r, n = b.rank, b.world_size
+    agv = [np.empty(s, np.int64) for s in range(n)]
+    got = all_gather_v(np.full(r, r), b, out=agv, timeout=20)
+    a2a = [np.empty(2, np.int64) for _ in range(n)]
+    work = all_to_all_async([np.full(2, 10 * r + d) for d in range(n)], b, out=a2a, timeout=20)
+    late = all_gather_v_async(np.full(r, r), b, out=agv[::-1] if r == 1 else agv, timeout=20)
+    agv2 = [np.empty(s, np.int64) for s in range(n)]
+    a2a2 = [np.empty(2, np.int64) for _ in range(n)]
+    res = (all(g is o for g, o in zip(got, agv)), [a.tolist() for a in agv],
+           all(g is o for g, o in zip(work.wait(20), a2a)), [a.tolist() for a in a2a])
+    try:
+        late.wait(20)
+        wrong = None
+    except SizeMismatchError as exc:
+        wrong = str(exc)
+    all_gather_v_async(np.full(r, r), b, out=agv2).wait(20)
+    all_to_all([np.full(2, 10 * r + d) for d in range(n)], b, out=a2a2, timeout=20)
+    return res + (wrong, [a.tolist() for a in agv2], [a.tolist() for a in a2a2])
+
+
+def test_list_collectives_fill_a_list_out():
+    for r, (same, agv, same2, a2a, wrong, agv2, a2a2) in enumerate(run_ranks(_list_outs, 3,
+                                                                              timeout=60)):
+        assert same and same2
+        assert agv == agv2 == [[], [1], [2, 2]]
+        assert a2a == a2a2 == [[10 * s + r] * 2 for s in range(3)]
+        assert (wrong is None) == (r != 1)
+        if r == 1:
+            assert "all_gather_v: out[0]: out is int64[2], the result is int64[0]" in wrong
+    (b,) = SimulatedBackend.create_group(1)
+    with pytest.raises(TypeError, match="out must be a list of 1 numpy arrays, got ndarray"):
+        all_gather_v(np.ones(2), b, out=np.empty(2))
+    with pytest.raises(ValueError, match="out has 2 arrays, the result 1"):
+        all_to_all([np.ones(2)], b, out=[np.empty(2), np.empty(2)])
+
+
 def test_all_gather_v_mismatched_dtype_or_trailing_shape_on_every_rank():
     def fn(b):
         x = np.zeros((b.rank + 1, 3), np.float32) if b.rank != 2 else np.zeros((1, 4), np.float32)

@@ -210,6 +210,10 @@ class SimulatedBackend(FixedRanks, Backend):
     def link_transports(self) -> tuple[str, str]:
         return "in-process (threads, one copy per message)", "none (one process)"
 
+    def peer_failure(self, op: str, peer: int) -> BaseException | None:
+        # (as the TCP mesh: a closed or aborted backend says so before a call's own checks)
+        return self._box.failure(op, peer)
+
     def abort(self, reason: str) -> None:
         for box in self._boxes:
             box.abort(self._rank, reason)

@@ -95,6 +95,25 @@ cdef object _last_backend = None
 cdef object _last_core = None
 
 
+cdef bint _overlaps(int kind, cnp.ndarray x, cnp.ndarray out, int me) noexcept:
+    """Whether ``out`` shares bytes with the input ``x`` other than as the door takes them (the
+    same buffer; all_gather's and gather's input at this rank's block of ``out``;
+    reduce_scatter's ``out`` at this rank's block of ``x``): the door refuses those, so the
+    call goes into a new array, copied into ``out`` after it (the result every transport
+    gives; an ``out=`` overlapping the input otherwise made the door refuse on this rank
+    alone, its peers waiting for it)."""
+    cdef char* a = <char*>cnp.PyArray_DATA(x)
+    cdef char* b = <char*>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t na = cnp.PyArray_NBYTES(x), nb = cnp.PyArray_NBYTES(out)
+    if na == 0 or nb == 0 or a + na <= b or b + nb <= a:
+        return False
+    if kind == K_ALL_GATHER or kind == K_GATHER:
+        return a != b + na * me
+    if kind == K_REDUCE_SCATTER:
+        return b != a + nb * me
+    return a != b
+
+
 cdef class Core:
     """The compiled half of :class:`~.engine_group.EngineGroup`: the one-call paths (the order of
     calls is the door's). The two methods a subclass must define, :meth:`_resolve` and
@@ -277,6 +296,11 @@ cdef class Core:
         res = self._result(p, x, out)
         if res is None:
             return _NOT_TAKEN
+        if res is out and _overlaps(kind, x, <cnp.ndarray>res, self.me):
+            res = self._result(p, x, None)
+            self._call(p, x, <cnp.ndarray>res, timeout)
+            cnp.PyArray_CopyInto(<cnp.ndarray>out, <cnp.ndarray>res)
+            return out
         self._call(p, x, <cnp.ndarray>res, timeout)
         return res
 
@@ -296,8 +320,14 @@ cdef class Core:
         res = self._result(p, x, out) if mine else None
         if mine and res is None:
             return _NOT_TAKEN
-        self._call(p, None if kind == K_BROADCAST and self.me != key else x,
-                   None if res is None else <cnp.ndarray>res, timeout)
+        send = None if kind == K_BROADCAST and self.me != key else x
+        if send is not None and res is out and res is not None \
+                and _overlaps(kind, x, <cnp.ndarray>res, self.me):
+            res = self._result(p, x, None)
+            self._call(p, send, <cnp.ndarray>res, timeout)
+            cnp.PyArray_CopyInto(<cnp.ndarray>out, <cnp.ndarray>res)
+            return out
+        self._call(p, send, None if res is None else <cnp.ndarray>res, timeout)
         return res
 
     cdef int _barrier_now(self, object timeout) except -1:

@@ -28,7 +28,7 @@ import numpy as np
 from ferro_backend.partition import split_bounds
 
 from . import _onecall, all_gather, gathered, pair, per_backend
-from .arguments import as_array, check_out, finish
+from .arguments import as_array, check_out, finish, same_buffer
 from .engine_group import EngineGroup, Step, door_calls
 from .ops import CODES, OPS, ReduceOp, accumulate, as_op, fold, work_dtype
 from .p2p import Ctx, all_gather_ring_into, fold_at_root, reduce_scatter_ring_into
@@ -50,7 +50,7 @@ def prepare(tensor, backend, op, timeout, algorithm, out, seq: int | None = None
     def python(ctx: Ctx) -> np.ndarray:
         if out is not None and wd == x.dtype:
             buf = out.reshape(-1)
-            if not np.may_share_memory(out, x):
+            if not same_buffer(out, x):  # (numpy copies an overlapping x as if read first)
                 buf[...] = x.reshape(-1)
         else:
             buf = np.array(x, dtype=wd, order="C", copy=True).reshape(-1)

@@ -6,12 +6,14 @@ broadcast_object and all_gather_object (:mod:`.objects`), each with a metadata r
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 
 import numpy as np
 
 from ferro_backend import Backend
 
+from .arguments import check_out
 from .dispatch import run, submit
 from .records import (
     ALL_GATHER_OBJECT,
@@ -23,7 +25,8 @@ from .records import (
 from .work import Work
 
 
-def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> list[np.ndarray]:
+def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None,
+                 out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """Every rank's ``tensor``, in rank order; dim 0 may differ between ranks.
 
     Every rank passes the same dtype and the same shape after dim 0 (or every rank a 0-d
@@ -39,6 +42,10 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> l
     backend : ferro_backend.Backend
     timeout : float, optional
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+    out : sequence of numpy.ndarray, optional
+        ``world_size`` writable C-contiguous arrays, entry ``r`` of rank ``r``'s shape and the
+        dtype, filled and returned (as a list). Checked once the data moved: a wrong one raises
+        on this rank alone, its peers' calls complete.
 
     Returns
     -------
@@ -60,15 +67,16 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None) -> l
     ...  run_ranks(lambda b: all_gather_v(np.arange(b.rank + 1), b), 2)]
     [[[0], [0, 1]], [[0], [0, 1]]]
     """
-    return run(ALL_GATHER_V, tensor, backend, None, timeout)
+    return _into("all_gather_v", out, run(ALL_GATHER_V, tensor, backend, None, timeout))
 
 
-def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None) -> Work:
+def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None,
+                       out: Sequence[np.ndarray] | None = None) -> Work:
     """:func:`all_gather_v` in the background; ``Work.wait()`` returns the list.
 
     Parameters
     ----------
-    tensor, backend, timeout
+    tensor, backend, timeout, out
         As for :func:`all_gather_v`.
 
     Returns
@@ -76,11 +84,11 @@ def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None
     Work
         Its :meth:`~Work.wait` returns the list, or raises its error.
     """
-    return submit(ALL_GATHER_V, tensor, backend, None, timeout)
+    return _into_later("all_gather_v", out, submit(ALL_GATHER_V, tensor, backend, None, timeout))
 
 
-def all_to_all(tensors: Sequence, backend: Backend, *,
-               timeout: float | None = None) -> list[np.ndarray]:
+def all_to_all(tensors: Sequence, backend: Backend, *, timeout: float | None = None,
+               out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """Send ``tensors[r]`` to rank ``r``; return the list whose entry ``r`` came from rank ``r``.
 
     ``tensors``: a list of ``world_size`` arrays of one dtype and one shape after dim 0 (dim 0
@@ -96,6 +104,10 @@ def all_to_all(tensors: Sequence, backend: Backend, *,
     backend : ferro_backend.Backend
     timeout : float, optional
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
+    out : sequence of numpy.ndarray, optional
+        ``world_size`` writable C-contiguous arrays, entry ``r`` of the shape rank ``r`` sends
+        here and the dtype, filled and returned (as a list). Checked once the data moved: a
+        wrong one raises on this rank alone, its peers' calls complete.
 
     Returns
     -------
@@ -120,16 +132,16 @@ def all_to_all(tensors: Sequence, backend: Backend, *,
     >>> [[a.tolist() for a in r] for r in res]
     [[[0], [10]], [[1], [11]]]
     """
-    return run(ALL_TO_ALL, tensors, backend, None, timeout)
+    return _into("all_to_all", out, run(ALL_TO_ALL, tensors, backend, None, timeout))
 
 
-def all_to_all_async(tensors: Sequence, backend: Backend, *,
-                     timeout: float | None = None) -> Work:
+def all_to_all_async(tensors: Sequence, backend: Backend, *, timeout: float | None = None,
+                     out: Sequence[np.ndarray] | None = None) -> Work:
     """:func:`all_to_all` in the background.
 
     Parameters
     ----------
-    tensors, backend, timeout
+    tensors, backend, timeout, out
         As for :func:`all_to_all`.
 
     Returns
@@ -137,7 +149,7 @@ def all_to_all_async(tensors: Sequence, backend: Backend, *,
     Work
         Its :meth:`~Work.wait` returns the list, or raises its error.
     """
-    return submit(ALL_TO_ALL, tensors, backend, None, timeout)
+    return _into_later("all_to_all", out, submit(ALL_TO_ALL, tensors, backend, None, timeout))
 
 
 def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
@@ -292,6 +304,39 @@ def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) ->
     [[('rank', 0), ('rank', 1)], [('rank', 0), ('rank', 1)]]
     """
     return run(ALL_GATHER_OBJECT, obj, backend, None, timeout)
+
+
+def _into(name: str, out, got: list[np.ndarray]) -> list[np.ndarray]:
+    """``got`` (a list collective's result) copied into ``out`` (a sequence of ``world_size``
+    arrays, each checked as any collective's ``out=``) and returned as a list; ``got`` itself
+    where ``out`` is None. The call has completed on every rank by now, so a wrong ``out``
+    raises here alone."""
+    if out is None:
+        return got
+    if isinstance(out, np.ndarray) or not isinstance(out, Sequence):
+        raise TypeError(f"{name}: out must be a list of {len(got)} numpy arrays, got "
+                        f"{type(out).__name__}")
+    if len(out) != len(got):
+        raise ValueError(f"{name}: out has {len(out)} arrays, the result {len(got)} (one per rank)")
+    for r, (o, g) in enumerate(zip(out, got)):
+        np.copyto(check_out(f"{name}: out[{r}]", o, g.shape, g.dtype), g)
+    return list(out)
+
+
+def _into_later(name: str, out, work: Work) -> Work:
+    """``work``, whose result goes into ``out`` (:func:`_into`) when it completes."""
+    if out is None:
+        return work
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(_into(name, out, f.result()))
+        except BaseException as exc:  # (the collective's error, or a wrong out)
+            future.set_exception(exc)
+
+    work.future.add_done_callback(done)
+    return Work(work.name, work.seq, future)
 
 
 __all__ = ["all_gather_object", "all_gather_v", "all_gather_v_async", "all_to_all",

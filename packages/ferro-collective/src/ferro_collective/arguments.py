@@ -63,11 +63,19 @@ def check_backend(name: str, backend) -> None:
         raise failure
 
 
+def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same bytes in the same layout (an in-place call), not
+    merely arrays that share some bytes (an ``out=`` overlapping the input elsewhere, which
+    must be written as if the input were read first)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype)
+
+
 def finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
     """``result`` in ``dtype``, in ``out`` when given (no copy when it already is ``out``)."""
     if out is None:
         return result if result.dtype == dtype else result.astype(dtype)
-    if not np.may_share_memory(result, out):
+    if result is not out and not same_buffer(result, out):
         np.copyto(out, result, casting="unsafe")
     return out
 
@@ -86,4 +94,4 @@ def deliver(res: np.ndarray, out: np.ndarray | None, late: BaseException | None)
 
 
 __all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_root", "deliver",
-           "fast_array", "finish"]
+           "fast_array", "finish", "same_buffer"]

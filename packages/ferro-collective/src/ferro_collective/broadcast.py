@@ -20,7 +20,7 @@ from ferro_backend import CollectiveMismatchError, InvalidRankError
 
 from . import _onecall, gathered, pair
 from .all_gather import door_bytes
-from .arguments import as_array, check_backend, check_out
+from .arguments import as_array, check_backend, check_out, same_buffer
 from .engine_group import OK, EngineGroup, Step, door_calls
 from .header import UNKNOWN, check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
@@ -46,7 +46,7 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
 
     def result() -> np.ndarray:
         buf = np.empty(x.shape, x.dtype) if out is None else out
-        if not np.may_share_memory(buf, x):
+        if not same_buffer(buf, x):
             buf[...] = x
         return buf
 
@@ -78,8 +78,11 @@ def prepare(tensor, backend, root, timeout, algorithm, out, seq: int | None = No
         if n == 2:
             pair.broadcast(ctx, header, flat, root, plain)
         else:  # (three ranks or more: :mod:`.gathered`)
-            gathered.broadcast(ctx, header, np.ascontiguousarray(x).reshape(-1).view(np.uint8),
-                               flat, root, plain, lambda: move(ctx, flat, root))
+            # (the root sends its result, which holds x as read before an out= overlapping it
+            # was written)
+            data = flat if backend.rank == root else \
+                np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            gathered.broadcast(ctx, header, data, flat, root, plain, lambda: move(ctx, flat, root))
         return buf
 
     return Plan("broadcast", backend, timeout, (x.dtype, x.shape, None, root), python, engine,
@@ -215,7 +218,7 @@ def stages(h, x: np.ndarray, root: int, timeout, out):
 
     def run(execute) -> np.ndarray:
         buf = np.empty(x.shape, x.dtype) if out is None else out
-        if not np.may_share_memory(buf, x):
+        if not same_buffer(buf, x):
             buf[...] = x
         if first:
             execute(prepare(buf, cross, root_node, timeout, None, buf, s1))

@@ -93,6 +93,25 @@ def group_of(backend: Any) -> EngineGroup | None:
     return group if group is not None else EngineGroup(backend, engine)
 
 
+def _overlapping(kind: int, send, recv, me: int) -> np.ndarray | None:
+    """A new array for the door to write where ``recv`` shares bytes with ``send`` otherwise
+    than the door takes them (the same buffer; all_gather's and gather's block at this rank's
+    place in ``recv``; reduce_scatter's and scatter's ``recv`` at this rank's place in
+    ``send``), copied into ``recv`` after the call; else None. The door refuses such a call on
+    this rank alone, after its turn was taken, which left its peers waiting for it; every
+    other transport gives the result as if the input were read first, and so does this."""
+    if send is None or recv is None or not np.may_share_memory(send, recv):
+        return None
+    a, b = send.__array_interface__["data"][0], recv.__array_interface__["data"][0]
+    if kind in (door_calls.ALL_GATHER, door_calls.GATHER):
+        fits = a == b + send.nbytes * me
+    elif kind in (door_calls.REDUCE_SCATTER, door_calls.SCATTER):
+        fits = b == a + recv.nbytes * me
+    else:
+        fits = a == b and send.nbytes == recv.nbytes
+    return None if fits else np.empty_like(recv)
+
+
 class EngineGroup(Core):
     """The collectives' state for one backend's engine (see the module docstring); the
     one-call paths are its compiled base's (:class:`._onecall.Core`)."""
@@ -154,9 +173,12 @@ class EngineGroup(Core):
         else:
             door_call = door_calls.Call(self.comm, kind, code, op, root, whole.shape,
                                         whole.type_name, call.span, whole.code, whole.op)
-        rc = door_call.run(send, recv, call.seq, call.timeout)
+        staged = _overlapping(kind, send, recv, self.me)
+        rc = door_call.run(send, recv if staged is None else staged, call.seq, call.timeout)
         if rc != OK:
             self._raise(rc, call.name, call.seq, call.timeout)
+        if staged is not None:
+            np.copyto(recv, staged)
 
     def _resolve(self, timeout: float | None, name: str) -> float:
         """The call's timeout, checked before it takes a ticket."""

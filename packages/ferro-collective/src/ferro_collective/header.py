@@ -164,7 +164,8 @@ def decode_array(header: bytes) -> tuple[np.dtype, tuple[int, ...]] | None:
     at most six dims; None otherwise)."""
     magic, _, _, ndim, flags, _, dstr, _, _, *dims = _HEADER.unpack(header)
     dstr = dstr.rstrip(b"\0")
-    if magic != b"FC" or flags or not dstr or ndim > _MAX_DIMS or any(d < 0 for d in dims):
+    if magic != b"FC" or flags or not dstr or ndim > _MAX_DIMS or any(d < 0 for d in dims) \
+            or dstr.startswith(b"|V"):  # (a structured dtype's string names its size alone)
         return None
     return dtype_of(dstr.decode()), tuple(dims[:ndim])
 
@@ -192,8 +193,9 @@ def describe(header: bytes) -> str:
     args = []
     if dstr.rstrip(b"\x00"):  # collectives whose data only some ranks know name no dtype
         dtype = np.dtype(dstr.rstrip(b"\x00").decode())
-        shape = ", ".join(str(d) if d >= 0 else "*" for d in dims[:min(ndim, _MAX_DIMS)])
-        args.append(f"{dtype.name}[{shape}]")
+        tail = ndim > _MAX_DIMS  # (the last dim's place holds a hash of the rest)
+        shape = ", ".join(str(d) if d >= 0 else "*" for d in dims[:min(ndim, _MAX_DIMS) - tail])
+        args.append(f"{dtype.name}[{shape}{f', ... ({ndim} dims)' if tail else ''}]")
     if redop:
         args.append(_REDOP_NAMES.get(redop, f"op#{redop}"))
     if root >= 0:
@@ -238,6 +240,12 @@ def check_all(name: str, rank: int, headers: list[bytes],
                 f"{name}: ranks {[ranks[r] for r in blind]} passed None to a broadcast whose "
                 f"root (rank {root}) passes an array of {theirs[4]} dims; its header names at "
                 f"most {_MAX_DIMS}: pass an array of the root's shape and dtype there")
+        if theirs[:3] == headers[blind[0]][:3] and theirs[8:10] == b"|V":
+            raise CollectiveMismatchError(
+                f"{name}: ranks {[ranks[r] for r in blind]} passed None to a broadcast whose "
+                f"root (rank {root}) passes an array of a structured or void dtype "
+                f"({theirs[8:16].rstrip(bytes(1)).decode()}), which its header cannot name: "
+                "pass an array of the root's shape and dtype there")
     refused = [(ranks[r], h) for r, h in enumerate(headers) if h[5] & INVALID]
     if refused and len(refused) < len(headers):
         r, h = refused[0]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arguments import same_buffer
+
 #: a hierarchical allreduce of at least PIPELINE_MIN bytes runs as a pipeline of pieces of about
 #: PIPELINE_PIECE bytes
 PIPELINE_PIECE = 4 << 20
@@ -32,8 +34,7 @@ def writable_into(out: np.ndarray | None, x: np.ndarray) -> bool:
     and either apart from x or x itself (each piece is read before its result is written)."""
     return (out is not None and out.dtype == x.dtype and out.flags.c_contiguous
             and (not np.may_share_memory(out, x)
-                 or (x.flags.c_contiguous and out.shape == x.shape
-                     and out.__array_interface__["data"][0] == x.__array_interface__["data"][0])))
+                 or (x.flags.c_contiguous and same_buffer(out, x))))
 
 
 __all__ = ["PIPELINE_MIN", "PIPELINE_PIECE", "schedule", "writable_into"]

@@ -149,7 +149,7 @@ static inline void ferro_header_describe(const unsigned char* h, size_t hlen, ch
     char dt[9], args[400];
     const char* name;
     size_t at = 0;
-    int coll, d, ndim, k;
+    int coll, d, ndim, k, tail;
     int64_t root;
     uint32_t seq;
     if (len == 0) return;
@@ -184,7 +184,8 @@ static inline void ferro_header_describe(const unsigned char* h, size_t hlen, ch
             if (strcmp(dt, FERRO_DTYPE_STR[k]) == 0) dname = FERRO_DTYPE_NAMES[k];
         at += (size_t)snprintf(args + at, sizeof args - at, "%s[", dname);
         ndim = h[4] < FERRO_HEADER_DIMS ? h[4] : FERRO_HEADER_DIMS;
-        for (d = 0; d < ndim && at < sizeof args; d++) {
+        tail = h[4] > FERRO_HEADER_DIMS;  /* (the last dim's place holds a hash of the rest) */
+        for (d = 0; d < ndim - tail && at < sizeof args; d++) {
             int64_t v = ferro_get_i64(h + 28 + 8 * d);
             if (v >= 0)
                 at += (size_t)snprintf(args + at, sizeof args - at, "%s%lld", d ? ", " : "",
@@ -192,6 +193,8 @@ static inline void ferro_header_describe(const unsigned char* h, size_t hlen, ch
             else
                 at += (size_t)snprintf(args + at, sizeof args - at, "%s*", d ? ", " : "");
         }
+        if (tail && at < sizeof args)
+            at += (size_t)snprintf(args + at, sizeof args - at, ", ... (%d dims)", (int)h[4]);
         if (at < sizeof args) at += (size_t)snprintf(args + at, sizeof args - at, "]");
     }
     if (h[3] != 0 && at < sizeof args)
