@@ -89,3 +89,19 @@ def test_a_receive_pending_when_its_group_ends_raises_instead_of_hanging(ranks):
         # at once (its group's deadline is 60 s off), on both backends: the Python one ends
         # its subgroup's pending receives when the group ends (it waited for their deadline)
         assert p2p["end_seconds"] < 10, p2p
+
+
+def test_what_gloo_checks_is_checked(ranks):
+    """all_to_all blocks against their receivers' outputs on every rank (a block smaller than
+    its output was broadcast into it), outputs of another shape refused, complex reduce and
+    reduce_scatter summed (they raised TypeError), a receive from this rank refused at once
+    (it waited for the group's deadline)."""
+    for r in range(N):
+        h = ranks[r]["habits"]
+        assert "rank 0 sends 1 rows to rank 1, whose recv_splits[0] is 2" in h["a2a"], h
+        assert h["a2a_then"] == [10.0 * s + r for s in range(N)]
+        assert "[3, 2]" in h["all_gather_shape"] and "[2, 3]" in h["all_gather_shape"]
+        total = sum(k + 1 for k in range(N))
+        assert h["complex_reduce_scatter"] == [[1.0 * total, 2.0 * total], [3.0 * total, -total]]
+        assert h["recv_self"][1] < 1.0
+    assert ranks[0]["habits"]["complex_reduce"] == [[6.0, 12.0], [18.0, -6.0]]

@@ -394,6 +394,35 @@ def check_small_receives(n: int, me: int, kind: str) -> dict:
     return out
 
 
+def check_gloo_habits(n: int, me: int) -> dict:
+    """What gloo checks, checked alike (every rank's arguments wrong alike, or a disagreement
+    every rank learns of): all_to_all blocks against their receivers' outputs, outputs of
+    another shape, complex reductions, a receive from this rank."""
+    out: dict = {}
+    ins = [torch.full((1,), float(10 * me + d)) for d in range(n)]
+    outs = [torch.zeros(2 if me == 1 else 1) for _ in range(n)]  # rank 1 expects 2 a block
+    out["a2a"] = expect_error(lambda: dist.all_to_all(outs, ins), "SizeMismatchError",
+                              "recv_splits")[0]
+    outs = [torch.zeros(1) for _ in range(n)]
+    dist.all_to_all(outs, ins)  # (in step after it)
+    out["a2a_then"] = [o.item() for o in outs]
+    x = torch.arange(6.0).reshape(2, 3) + me
+    out["all_gather_shape"] = expect_error(
+        lambda: dist.all_gather([torch.zeros(3, 2) for _ in range(n)], x), "does not match",
+        kind=ValueError)[0]
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (me + 1)
+    r = c.clone()
+    dist.reduce(r, 0)
+    out["complex_reduce"] = [[v.real, v.imag] for v in r.tolist()] if me == 0 else None
+    whole = torch.stack([c] * n).reshape(-1)
+    got = torch.zeros(2, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(got, whole)
+    out["complex_reduce_scatter"] = [[v.real, v.imag] for v in got.tolist()]
+    out["recv_self"] = expect_error(lambda: dist.recv(torch.zeros(1), src=me), "this rank",
+                                    kind=ValueError)
+    return out
+
+
 def scenario_torch_api() -> None:
     kind = init(timeout=60)
     assert kind == os.environ["TEST_KIND"], (kind, os.environ["TEST_KIND"])
@@ -407,9 +436,10 @@ def scenario_torch_api() -> None:
     any_source = check_any_source(n, me)
     p2p = check_point_to_point(n, me, kind)
     p2p.update(check_small_receives(n, me, kind))
+    habits = check_gloo_habits(n, me)
     dist.barrier()
     report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync,
-           kind=kind, p2p=p2p)
+           kind=kind, p2p=p2p, habits=habits)
     os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
 
 

@@ -16,6 +16,8 @@ ALL_GATHER_OBJECT: int
 BARRIER: int
 GATHER: int
 
+def overlaps(kind: int, x: Any, out: Any, me: int) -> bool: ...
+
 class Core:
     broken: BaseException | None
     n: int

@@ -109,9 +109,15 @@ cdef bint _overlaps(int kind, cnp.ndarray x, cnp.ndarray out, int me) noexcept:
         return False
     if kind == K_ALL_GATHER or kind == K_GATHER:
         return a != b + na * me
-    if kind == K_REDUCE_SCATTER:
+    if kind == K_REDUCE_SCATTER or kind == K_SCATTER:
         return b != a + nb * me
     return a != b
+
+
+def overlaps(int kind, cnp.ndarray x, cnp.ndarray out, int me):
+    """:func:`_overlaps` for Python (the engine's general path, ``EngineGroup.door``); ``kind``
+    one of this module's collective numbers (ALLREDUCE... SCATTER)."""
+    return _overlaps(kind, x, out, me)
 
 
 cdef class Core:

@@ -34,7 +34,16 @@ from ferro_backend import engine as host_engine
 
 from . import p2p
 from ._metacall import Twin
-from ._onecall import NOT_TAKEN, Core
+from ._onecall import (
+    ALL_GATHER,
+    ALLREDUCE,
+    GATHER,
+    NOT_TAKEN,
+    REDUCE_SCATTER,
+    SCATTER,
+    Core,
+    overlaps,
+)
 from .per_backend import check_headers
 
 if TYPE_CHECKING:
@@ -100,16 +109,16 @@ def _overlapping(kind: int, send, recv, me: int) -> np.ndarray | None:
     ``send``), copied into ``recv`` after the call; else None. The door refuses such a call on
     this rank alone, after its turn was taken, which left its peers waiting for it; every
     other transport gives the result as if the input were read first, and so does this."""
-    if send is None or recv is None or not np.may_share_memory(send, recv):
+    if send is None or recv is None or not overlaps(_KINDS.get(kind, ALLREDUCE), send, recv, me):
         return None
-    a, b = send.__array_interface__["data"][0], recv.__array_interface__["data"][0]
-    if kind in (door_calls.ALL_GATHER, door_calls.GATHER):
-        fits = a == b + send.nbytes * me
-    elif kind in (door_calls.REDUCE_SCATTER, door_calls.SCATTER):
-        fits = b == a + recv.nbytes * me
-    else:
-        fits = a == b and send.nbytes == recv.nbytes
-    return None if fits else np.empty_like(recv)
+    return np.empty_like(recv)
+
+
+#: the door's collectives by this package's numbers, where :func:`._onecall.overlaps` tells
+#: them apart (the others: the same buffer or none)
+_KINDS = {} if door_calls is None else {
+    door_calls.ALL_GATHER: ALL_GATHER, door_calls.GATHER: GATHER,
+    door_calls.REDUCE_SCATTER: REDUCE_SCATTER, door_calls.SCATTER: SCATTER}
 
 
 class EngineGroup(Core):

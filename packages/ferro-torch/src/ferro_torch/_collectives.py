@@ -75,7 +75,7 @@ class Collectives(Allreduce):
             if len(outs) != n:
                 raise ValueError(f"allgather: {len(outs)} output tensors, expected {n}")
             for o in outs:
-                if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                if o.shape != inp.shape or o.dtype != inp.dtype:  # (as gloo: no reshaping)
                     raise ValueError(f"allgather: output {o.dtype}{list(o.shape)} does not match "
                                      f"the input {inp.dtype}{list(inp.shape)}")
         timeout = self._timeout(opts)
@@ -170,6 +170,8 @@ class Collectives(Allreduce):
         return self._run("reduce_scatter", list(output_tensors), opts, run)
 
     def _reduce_scatter_into(self, x: np.ndarray, op, timeout, out: np.ndarray) -> None:
+        if x.dtype.kind == "c":  # (its parts, each rank's block of them its block's)
+            x, op, out = as_reducible("reduce_scatter", x, op, out)
         if x.dtype == np.bool_ or isinstance(op, str):  # via allreduce: rare dtypes and ops
             full = np.empty_like(x)
             self._reduce_into(x, op, timeout, full)
@@ -213,7 +215,15 @@ class Collectives(Allreduce):
 
         def run() -> None:
             xs = [readable(t) for t in input_tensors]
-            for o, r in zip(output_tensors, fc.all_to_all(xs, self._b, timeout=timeout)):
+            if len({t.dtype for t in (*input_tensors, *output_tensors)}) > 1:
+                got = fc.all_to_all(xs, self._b, timeout=timeout)  # (its refusal: on every rank)
+            else:  # every block's size checked against its receiver's output, on every rank
+                sizes = [o.numel() for o in output_tensors]
+                whole = fc.all_to_all_single(np.concatenate(xs), self._b,
+                                             send_splits=[x.size for x in xs],
+                                             recv_splits=sizes, timeout=timeout)
+                got = np.split(whole, np.cumsum(sizes)[:-1])
+            for o, r in zip(output_tensors, got):
                 with writable(o) as dst:
                     dst[...] = r.reshape(-1)
 
@@ -285,8 +295,17 @@ class Collectives(Allreduce):
             for i, inp in enumerate(input_tensors):
                 x = readable(inp)
                 result = fc.gather(x, self._b, root, timeout=timeout)
-                if self._b.rank == root:
-                    for r, o in enumerate(output_tensors[i]):
+                if self._b.rank == root:  # (checked once the data moved: the others are done)
+                    outs = output_tensors[i] if i < len(output_tensors) else []
+                    bad = [r for r, o in enumerate(outs) if o.shape != inp.shape
+                           or o.dtype != inp.dtype]
+                    if len(outs) != self._b.world_size or bad:
+                        raise ValueError(
+                            f"gather: the root's outputs must be {self._b.world_size} tensors "
+                            f"of {inp.dtype}{list(inp.shape)}: "
+                            + (f"output {bad[0]} is {outs[bad[0]].dtype}"
+                               f"{list(outs[bad[0]].shape)}" if bad else f"got {len(outs)}"))
+                    for r, o in enumerate(outs):
                         with writable(o) as dst:
                             dst[...] = result[r * x.size:(r + 1) * x.size]
 
@@ -299,6 +318,14 @@ class Collectives(Allreduce):
         root, timeout = opts.rootRank, self._timeout(opts)
         n, me = self._b.world_size, self._b.rank
         self._check("scatter", [*output_tensors, *(i for ins in input_tensors for i in ins)])
+        if me == root:  # (as gloo: every input of the output's shape, one a rank)
+            for out, ins in zip(output_tensors, input_tensors):
+                bad = [i for i in ins if i.shape != out.shape or i.dtype != out.dtype]
+                if len(ins) != n or bad:
+                    raise ValueError(f"scatter: the root's inputs must be {n} tensors of "
+                                     f"{out.dtype}{list(out.shape)}: " + (
+                                         f"one is {bad[0].dtype}{list(bad[0].shape)}" if bad
+                                         else f"got {len(ins)}"))
 
         def run() -> None:
             for k, out in enumerate(output_tensors):

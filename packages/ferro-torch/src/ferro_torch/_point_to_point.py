@@ -69,6 +69,9 @@ class PointToPoint(GroupCore):
         self._check_tag(name, tag)
         if len(tensors) != 1:
             raise ValueError(f"{name}: {len(tensors)} tensors, expected 1")
+        if src is not None and src == self._b.rank:  # (its deadline, else)
+            raise ValueError(f"{name}: rank {src} is this rank: no message from itself ever "
+                             "comes")
         (t,) = tensors
         staged = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         out = flat(staged).view(np.uint8)

@@ -40,7 +40,13 @@ def ferro_op(name: str, op) -> ReduceOp | str:
 
 def as_reducible(name: str, a: np.ndarray, op, out: np.ndarray | None):
     """``(a, op, out)`` as ferro reduces them: bool tensors reduce as bytes (SUM/PRODUCT as
-    torch's or/and)."""
+    torch's or/and), complex ones as their real and imaginary parts (SUM and AVG, as gloo)."""
+    if a.dtype.kind == "c":
+        if op is not ReduceOp.SUM and op is not ReduceOp.MEAN:
+            raise TypeError(f"{name}: {getattr(op, 'name', op)} is not defined on complex "
+                            f"tensors ({a.dtype}): SUM and AVG are")
+        parts = a.real.dtype
+        return a.view(parts), op, None if out is None else out.view(parts)
     if a.dtype != np.bool_:
         return a, op, out
     if op is ReduceOp.MEAN:

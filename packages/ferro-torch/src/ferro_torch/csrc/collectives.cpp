@@ -18,7 +18,8 @@ void check_blocks(const char* name, const std::vector<at::Tensor>& ts, size_t n,
   TORCH_CHECK_VALUE(ts.size() == n, name, ": ", ts.size(), " ", what, " tensors, expected ", n);
   for (const auto& t : ts) {
     check_cpu(name, t);
-    TORCH_CHECK_VALUE(t.numel() == like.numel() && t.scalar_type() == like.scalar_type(), name,
+    // (the shape, not only the count: as gloo, a block is not reshaped silently)
+    TORCH_CHECK_VALUE(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), name,
                       ": ", what, " ", t.scalar_type(), t.sizes(), " does not match ",
                       like.scalar_type(), like.sizes());
   }

@@ -250,6 +250,9 @@ WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
 
 WorkPtr FerroBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_message("recv", tensors, src, size_, tag);
+  // (torch refuses a send to oneself; a receive from oneself would wait for its deadline)
+  TORCH_CHECK_VALUE(src != rank_, "recv: rank ", src, " is this rank: no message from itself "
+                    "ever comes");
   return receive(tensors, src, tag, c10d::OpType::RECV);
 }
 
