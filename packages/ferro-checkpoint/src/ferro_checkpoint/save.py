@@ -220,16 +220,17 @@ def _commit_for_all(group, directory: Path, meta: ShardMetadata) -> None:
     rank 0 alone while the others wait for a barrier's deadline."""
     verdict = bytearray(_VERDICT_BYTES)
     if group.rank == 0:
+        failure = None
         try:
             _commit(directory, meta)
         except DistCheckpointError as exc:
+            failure = exc
             said = f"{type(exc).__name__}:{exc}".encode()[:_VERDICT_BYTES - 1]
             verdict[:len(said) + 1] = b"\x01" + said
-            for r in range(1, group.world_size):
-                group.send(verdict, r, tag=_VERDICT_TAG)
-            raise
         for r in range(1, group.world_size):
             group.send(verdict, r, tag=_VERDICT_TAG)
+        if failure is not None:
+            raise failure
         return
     group.recv(verdict, 0, tag=_VERDICT_TAG)
     if verdict[0]:

@@ -25,6 +25,8 @@ cdef class Core:
     cdef DoorPlan _plan(self, int kind, cnp.ndarray x, object arg, Py_ssize_t arg_key)
     cdef DoorPlan _make(self, int kind, cnp.ndarray x, object arg)
     cdef object _result(self, DoorPlan p, cnp.ndarray x, object out)
+    cdef object _through_new(self, DoorPlan p, object send, cnp.ndarray x, object out,
+                             object timeout)
     cdef object _fold_now(self, int kind, object tensor, object out, object op, object timeout)
     cdef object _copy_now(self, int kind, object tensor, object out, object arg,
                           Py_ssize_t key, object timeout)

@@ -289,6 +289,15 @@ cdef class Core:
             return None
         return out
 
+    cdef object _through_new(self, DoorPlan p, object send, cnp.ndarray x, object out,
+                             object timeout):
+        """The call into a new array, then copied into ``out`` (which shares bytes with the
+        input otherwise than the door takes them: :func:`_overlaps`); returns ``out``."""
+        res = self._result(p, x, None)
+        self._call(p, send, <cnp.ndarray>res, timeout)
+        cnp.PyArray_CopyInto(<cnp.ndarray>out, <cnp.ndarray>res)
+        return out
+
     # ------------------------------------------------------------------ one-call paths
     cdef object _fold_now(self, int kind, object tensor, object out, object op, object timeout):
         """allreduce and reduce_scatter."""
@@ -303,10 +312,7 @@ cdef class Core:
         if res is None:
             return _NOT_TAKEN
         if res is out and _overlaps(kind, x, <cnp.ndarray>res, self.me):
-            res = self._result(p, x, None)
-            self._call(p, x, <cnp.ndarray>res, timeout)
-            cnp.PyArray_CopyInto(<cnp.ndarray>out, <cnp.ndarray>res)
-            return out
+            return self._through_new(p, x, x, out, timeout)
         self._call(p, x, <cnp.ndarray>res, timeout)
         return res
 
@@ -329,10 +335,7 @@ cdef class Core:
         send = None if kind == K_BROADCAST and self.me != key else x
         if send is not None and res is out and res is not None \
                 and _overlaps(kind, x, <cnp.ndarray>res, self.me):
-            res = self._result(p, x, None)
-            self._call(p, send, <cnp.ndarray>res, timeout)
-            cnp.PyArray_CopyInto(<cnp.ndarray>out, <cnp.ndarray>res)
-            return out
+            return self._through_new(p, send, x, out, timeout)
         self._call(p, send, None if res is None else <cnp.ndarray>res, timeout)
         return res
 
