@@ -394,7 +394,7 @@ def check_small_receives(n: int, me: int, kind: str) -> dict:
     return out
 
 
-def check_gloo_habits(n: int, me: int) -> dict:
+def check_gloo_habits(n: int, me: int, kind: str) -> dict:
     """What gloo checks, checked alike (every rank's arguments wrong alike, or a disagreement
     every rank learns of): all_to_all blocks against their receivers' outputs, outputs of
     another shape, complex reductions, a receive from this rank."""
@@ -420,6 +420,25 @@ def check_gloo_habits(n: int, me: int) -> dict:
     out["complex_reduce_scatter"] = [[v.real, v.imag] for v in got.tolist()]
     out["recv_self"] = expect_error(lambda: dist.recv(torch.zeros(1), src=me), "this rank",
                                     kind=ValueError)
+    # a receive's wait that times out says which call (the compiled backend's words were c10d's
+    # "Operation timed out!"): there the receive stays posted and a later wait completes it;
+    # the Python backend's is withdrawn and the message goes to a later receive
+    if me == 1:
+        got = torch.zeros(2)
+        work = dist.irecv(got, src=0)
+        out["wait_timeout"] = expect_error(
+            lambda: work.wait(timeout=timedelta(milliseconds=300)),
+            "ferro recv: Timed out waiting 300ms",
+            *(["the work goes on"] if kind == "compiled" else []))[0]
+    dist.barrier()
+    if me == 0:
+        dist.send(torch.full((2,), 7.0), dst=1)
+    if me == 1:
+        if kind == "compiled":
+            work.wait()
+        else:
+            dist.recv(got, src=0)
+        out["wait_then"] = got.tolist()
     return out
 
 
@@ -436,7 +455,7 @@ def scenario_torch_api() -> None:
     any_source = check_any_source(n, me)
     p2p = check_point_to_point(n, me, kind)
     p2p.update(check_small_receives(n, me, kind))
-    habits = check_gloo_habits(n, me)
+    habits = check_gloo_habits(n, me, kind)
     dist.barrier()
     report(rank=me, monitored=monitored, timeout=timeout, any_source=any_source, sync=sync,
            kind=kind, p2p=p2p, habits=habits)

@@ -68,7 +68,9 @@ class FerroWork(dist.Work):
         secs = seconds(timeout)
         if not self._done.wait(secs):
             raise FerroTorchError(f"ferro {self._name}: Timed out waiting {secs * 1000:.0f}ms "
-                                  f"for {self._name} to complete (Work.wait's timeout)")
+                                  f"for {self._name} to complete (Work.wait's timeout); the "
+                                  "work goes on: a later wait() can still complete it, and a "
+                                  "receive still takes the message it waits for")
         if self._exc is not None:
             raise self._exc
         return True

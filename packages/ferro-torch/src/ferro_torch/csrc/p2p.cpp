@@ -16,6 +16,7 @@
 #include "ferro_c10d.hpp"
 
 #include <algorithm>
+#include <cctype>
 
 namespace ferro_torch {
 
@@ -202,7 +203,21 @@ bool LaneWork::wait(Ms timeout) {
       if (timeout != ::kNoTimeout || !lanes->run_here(key, job)) lanes->start(key);
     }
   }
-  return FerroWork::wait(timeout);
+  if (timeout == ::kNoTimeout) return FerroWork::wait(timeout);
+  try {
+    return FerroWork::wait(timeout);
+  } catch (const c10::Error&) {
+    if (FerroWork::isCompleted()) throw;  // (the message's own error)
+    // c10d's own words are a bare "Operation timed out!": say which call, and that it goes on
+    std::string op = c10d::opTypeToString(retrieveOpType());
+    std::transform(op.begin(), op.end(), op.begin(), [](unsigned char ch) {
+      return static_cast<char>(std::tolower(ch));
+    });
+    std::rethrow_exception(backend_error(
+        "ferro " + op + ": Timed out waiting " + std::to_string(timeout.count()) + "ms for " +
+        op + " to complete (Work.wait's timeout); the work goes on: a later wait() can still "
+        "complete it, and a receive still takes the message it waits for"));
+  }
 }
 
 bool LaneWork::isCompleted() {
