@@ -15,34 +15,54 @@ from .errors import InvalidRankError, InvalidWorldSizeError, SizeMismatchError
 MAX_TAG = (1 << 64) - 1
 
 
+def _no_objects(op: str, data: Any, mv: memoryview) -> None:
+    """TypeError for a buffer of Python objects: its bytes are pointers, valid in this process
+    alone (a receiver that used them crashed)."""
+    dtype = getattr(mv.obj if isinstance(data, memoryview) else data, "dtype", None)
+    if getattr(dtype, "hasobject", False) or mv.format.lstrip("@=<>!|") == "O":
+        raise TypeError(f"{op}: a buffer of Python objects (dtype {dtype or 'O'}) holds pointers "
+                        "valid in this process alone: send its values in a numeric dtype, or "
+                        "pickle it (ferro_collective.broadcast_object / all_gather_object)")
+
+
 def as_send_view(data: Any) -> memoryview:
-    """A flat byte view of ``data`` without copying; non-contiguous buffers are refused."""
+    """A flat byte view of ``data`` without copying; non-contiguous buffers and buffers of Python
+    objects are refused."""
     mv = data if isinstance(data, memoryview) else memoryview(data)
+    _no_objects("send", data, mv)
     if not mv.c_contiguous:
         raise ValueError(
             f"send: buffer of shape {mv.shape} is not C-contiguous; pass np.ascontiguousarray(x)"
         )
     if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
+        mv = mv.cast("B") if mv.nbytes else memoryview(b"")  # (no cast of a zero in a shape)
     return mv
 
 
 def as_recv_view(out: Any) -> memoryview:
-    """A flat writable byte view of ``out`` without copying; read-only buffers are refused."""
+    """A flat writable byte view of ``out`` without copying; read-only buffers and buffers of
+    Python objects are refused."""
     mv = out if isinstance(out, memoryview) else memoryview(out)
+    _no_objects("recv", out, mv)
     if mv.readonly:
         raise ValueError(f"recv: the output buffer ({type(out).__name__}) is read-only")
     if not mv.c_contiguous:
         raise ValueError(f"recv: output buffer of shape {mv.shape} is not C-contiguous")
     if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
+        mv = mv.cast("B") if mv.nbytes else memoryview(bytearray())  # (as send's)
     return mv
 
 
 def check_tag(tag: int, limit: int = MAX_TAG) -> int:
     if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= limit:
-        raise ValueError(f"tag {tag!r} is not an integer in [0, {limit}]")
+        raise ValueError(f"tag {tag!r} is not an integer in [0, {limit}]{_not_int(tag)}")
     return tag
+
+
+def _not_int(value) -> str:
+    """The hint for a numpy integer where Python's int is taken (its value may be right)."""
+    return (f" (numpy.{type(value).__name__}, not an int: pass int(...))"
+            if hasattr(value, "dtype") and getattr(value.dtype, "kind", "") in "iu" else "")
 
 
 def check_world_size(world_size: int, minimum: int = 1) -> int:
@@ -53,7 +73,8 @@ def check_world_size(world_size: int, minimum: int = 1) -> int:
 
 def check_rank(rank: int, world_size: int, what: str = "rank") -> int:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise InvalidRankError(f"{what} {rank!r} is out of range for world_size {world_size}")
+        raise InvalidRankError(f"{what} {rank!r} is " + (
+            _not_int(rank)[2:-1] if _not_int(rank) else f"out of range for world_size {world_size}"))
     return rank
 
 

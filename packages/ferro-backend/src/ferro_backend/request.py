@@ -136,6 +136,8 @@ class _LazyRecv(Request):
 
 class _DoneRequest(Request):
     def wait(self, timeout: float | None = None) -> None:
+        if timeout is not None:  # (validated as every request's: NaN, negative -> ValueError)
+            check_timeout(timeout, "isend: timeout")
         return None
 
     def is_completed(self) -> bool:

@@ -215,6 +215,8 @@ class SimulatedBackend(FixedRanks, Backend):
         return self._box.failure(op, peer)
 
     def abort(self, reason: str) -> None:
+        if self._box.closed:  # (as the TCP mesh: a closed backend publishes nothing)
+            return
         for box in self._boxes:
             box.abort(self._rank, reason)
         self.close()

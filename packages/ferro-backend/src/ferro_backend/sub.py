@@ -8,13 +8,14 @@ hash of the members' global ranks (and an optional ``name``), the same on every 
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
 from .base import GROUP_TAG_SHIFT, Backend, FixedRanks, Request
 from .checks import check_rank, check_tag
-from .errors import InvalidRankError, InvalidWorldSizeError
+from .errors import InvalidRankError, InvalidWorldSizeError, PeerClosedError
 
 
 class SubBackend(FixedRanks, Backend):
@@ -51,11 +52,14 @@ class SubBackend(FixedRanks, Backend):
             raise InvalidWorldSizeError("SubBackend: members is empty, expected at least one rank")
         pw = parent.world_size
         for m in members:
-            if not isinstance(m, int) or not 0 <= m < pw:
+            if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+                raise InvalidRankError(f"SubBackend: member {m!r} is not an int")
+            if not 0 <= m < pw:
                 raise InvalidRankError(
                     f"SubBackend: member {m!r} is out of range for the parent's world_size {pw}"
                 )
-        self._members = tuple(sorted(set(members)))
+        self._members = tuple(sorted({int(m) for m in members}))  # (numpy integers taken)
+        self._closed = False
         self._world = len(self._members)
         self._parent = parent
         try:
@@ -122,6 +126,9 @@ class SubBackend(FixedRanks, Backend):
         -------
         BaseException or None
         """
+        if self._closed:
+            return PeerClosedError(f"{op}: rank {self._rank}'s subgroup backend is closed",
+                                   peer=self._rank)
         return self._root.peer_failure(op, self._global[peer])
 
     def to_global(self, local: int) -> int:
@@ -163,7 +170,17 @@ class SubBackend(FixedRanks, Backend):
     def _route(self, op: str, peer: int, tag: int) -> tuple[int, int]:
         check_rank(peer, len(self._members), f"SubBackend.{op}: peer")
         check_tag(tag, (1 << GROUP_TAG_SHIFT) - 1)
+        if self._closed:
+            raise self.peer_failure(op, peer)
         return self._global[peer], self._tag_base | tag
+
+    def _local_of_root(self, root_rank: int) -> int | None:
+        """The local rank of the root transport's rank ``root_rank`` (a receive's sender), or
+        None if it is not a member."""
+        try:
+            return self._global.index(root_rank)
+        except ValueError:
+            return None
 
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
         g, t = self._route("send", dst, tag)
@@ -175,7 +192,7 @@ class SubBackend(FixedRanks, Backend):
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         g, t = self._route("irecv", src, tag)
-        return _LocalSource(self._root.irecv(out, g, tag=t), self.to_local)
+        return _LocalSource(self._root.irecv(out, g, tag=t), self._local_of_root)
 
     def irecv_any(self, out: Any, *, tag: int = 0) -> Request:
         """From any member: the subgroup's tags are its own, so only members' messages match.
@@ -191,7 +208,10 @@ class SubBackend(FixedRanks, Backend):
             Once complete, its ``source`` is the sender's local rank.
         """
         check_tag(tag, (1 << GROUP_TAG_SHIFT) - 1)
-        return _LocalSource(self._root.irecv_any(out, tag=self._tag_base | tag), self.to_local)
+        if self._closed:
+            raise self.peer_failure("irecv_any", 0)
+        return _LocalSource(self._root.irecv_any(out, tag=self._tag_base | tag),
+                            self._local_of_root)
 
     def isend(self, data: Any, dst: int, *, tag: int = 0) -> Request:
         g, t = self._route("isend", dst, tag)
@@ -205,10 +225,13 @@ class SubBackend(FixedRanks, Backend):
         reason : str
             Why (peers' :class:`PeerAbortedError` carries it).
         """
-        self._root.abort(reason)
+        if not self._closed:  # (a closed backend publishes nothing)
+            self._root.abort(reason)
 
     def close(self) -> None:
-        """Closing a view releases nothing: the parent owns the transport."""
+        """Every later call on this view raises PeerClosedError on this rank; it releases
+        nothing else (the parent owns the transport, which stays open)."""
+        self._closed = True
 
     def __repr__(self) -> str:
         return (f"<SubBackend rank={self.rank} world_size={self.world_size} "

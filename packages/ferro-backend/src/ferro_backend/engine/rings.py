@@ -100,6 +100,7 @@ class RingMesh(Route):
         box = self.box
         if (type(data) is np.ndarray and type(tag) is int and 0 <= tag <= MAX_TAG
                 and data.nbytes <= self.eager_max and data.flags.c_contiguous
+                and data.dtype.kind not in "OMm"  # (what no buffer holds: as_send_view's error)
                 and box.aborted is None and not box.closed
                 and dst not in box.closed_peers):  # a small array, checked at a glance
             deadline = time.monotonic() + self.timeout()
@@ -242,7 +243,8 @@ class RingMesh(Route):
         delivery = self.delivery
         if (type(out) is np.ndarray and type(tag) is int and 0 <= tag <= MAX_TAG
                 and (timeout is None or type(timeout) is float and timeout >= 0)
-                and out.flags.c_contiguous and out.flags.writeable):  # checked at a glance
+                and out.flags.c_contiguous and out.flags.writeable
+                and out.dtype.kind not in "OMm"):  # checked at a glance
             limit = self.timeout() if timeout is None else timeout
             deadline = time.monotonic() + limit
             done = delivery.recv_now(out, out.nbytes, src, tag, deadline)

@@ -97,6 +97,8 @@ def _int(env: Mapping[str, str], name: str) -> int:
         raise LauncherError(f"init_from_env: {name}={raw!r} is not a whole number") from None
     if value < 0:
         raise LauncherError(f"init_from_env: {name}={raw!r} is negative")
+    if name == "MASTER_PORT" and value > 65535:
+        raise LauncherError(f"init_from_env: {name}={raw!r} is not a port (0-65535)")
     return value
 
 

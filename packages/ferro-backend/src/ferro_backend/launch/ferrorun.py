@@ -61,6 +61,21 @@ class _Version(argparse.Action):
         print(f"ferrorun (ferro-backend {version('ferro-backend')})")
         parser.exit()
 
+def _bounded(kind, low: float, high: float | None = None, what: str = ""):
+    """An argparse type: ``kind(text)`` in ``[low, high]`` (NaN refused), else the usage error
+    naming the range, before any rank starts."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not (value >= low and (high is None or value <= high)):  # (NaN fails both)
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {what or f'>= {low}'}")
+        return value
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferrorun", description=_DESCRIPTION, epilog=_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    help="rank 0's host (default: MASTER_ADDR, else 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=_env_port(),
+    p.add_argument("--master-port", type=_bounded(int, 0, 65535, "a port (0-65535)"),
+                   default=_env_port(),
                    help="rank 0's port (default: MASTER_PORT, else a free port; required with "
                         "--nnodes > 1)")
     p.add_argument("--transport", choices=["tcp", "shm"], default=None,
@@ -80,20 +96,20 @@ def _parser() -> argparse.ArgumentParser:
                         "on several nodes TCP between nodes and the engine inside each)")
     p.add_argument("--token", default=None, help="job secret (default: FERRO_TOKEN, or a fresh "
                    "one for a single-node job)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=_bounded(float, 0.0), default=None,
                    help="default timeout of blocking calls in the ranks, seconds (FERRO_TIMEOUT)")
     p.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=_bounded(int, 0), default=0,
                    help="on a rank's failure, stop every rank and start the whole job again, up "
                         "to this many times (each rank sees FERRO_RESTART_COUNT; default 0)")
-    p.add_argument("--settle", type=float, default=10.0,
+    p.add_argument("--settle", type=_bounded(float, 0.0), default=10.0,
                    help="elastic jobs: seconds a silent (stopped, cut off) rank may delay a new "
                         "membership before it is excluded (default 10)")
-    p.add_argument("--join-timeout", type=float, default=60.0,
+    p.add_argument("--join-timeout", type=_bounded(float, 0.0), default=60.0,
                    help="elastic jobs: seconds a replacement ferrorun started is waited for "
                         "while the job is below its minimum (default 60; a member lost with no "
                         "replacement coming ends the job after --settle)")
-    p.add_argument("--grace", type=float, default=5.0,
+    p.add_argument("--grace", type=_bounded(float, 0.0), default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument("--log-dir", type=Path, default=None,
