@@ -49,6 +49,26 @@ def test_scalars_zero_size_and_barrier():
     assert results == [[[1.0, 2.0], 3.0, 1.0, [0, 2], 2]] * 2
 
 
+def test_odd_arrays_point_to_point_and_sub_byte_dtypes_refused():
+    """0-d complex and bfloat16, zero-size arrays of two dims and float8_e5m2 failed on the
+    Python path (a 0-d view, a flat cast, a type string numpy cannot read); int4 was read a
+    byte a value past XLA's buffers (a wrong gather; a segfault at 2**22 values)."""
+    results = run_processes(workers.odd_arrays, 2, transport="shm", timeout=180)
+    for me, got in enumerate(results):
+        peer = 1 - me
+        *calls, int4 = got
+        want = [(1 + 2j) * (peer + 1), float(peer + 1), None, None,
+                [float(v + peer) for v in range(4)]]
+        for k, (how, dtype, shape, values) in enumerate(calls):
+            w = want[k // 2]
+            if w is None:
+                assert values == [] and shape in ([0, 3], [0]), (how, dtype, shape)
+            else:
+                assert values == (w if isinstance(w, list) else [w] if shape else w), (
+                    how, dtype, values)
+        assert "dtype int4 packs several values in a byte" in int4
+
+
 def test_send_and_recv_inside_jit_never_deadlock():
     r0, r1 = run_processes(workers.ordering, 2, 50, transport="shm", timeout=120)
     # rank 0 received rank 1's a + b = x0 + 2 x0; rank 1 received x0; the allreduce x0 + x1

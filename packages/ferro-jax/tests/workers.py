@@ -136,6 +136,30 @@ def scalars_and_barrier(backend) -> list:
     return [np.asarray(g).tolist(), float(s), float(b), list(z.shape), n]
 
 
+def odd_arrays(backend) -> list:
+    """What a bug hunt found on the Python path and the door: point-to-point calls of 0-d
+    complex and bfloat16, of zero-size arrays of two dims, of float8_e5m2 (numpy does not read
+    its type string), in and out of jit; int4 refused before any call (XLA packs two a byte)."""
+    fj.init(backend)
+    rank, peer = backend.rank, 1 - backend.rank
+    out = []
+    for x in (jnp.complex64(1 + 2j) * (rank + 1), jnp.bfloat16(rank + 1),
+              jnp.zeros((0, 3)), jnp.zeros((0,), jnp.bfloat16),
+              jnp.arange(4).astype(ml_dtypes.float8_e5m2) + rank):
+        for how, call in (("eager", fj.sendrecv), ("jit", jax.jit(fj.sendrecv,
+                                                                  static_argnums=(1, 2)))):
+            got = np.asarray(call(x, peer, peer))
+            out.append((how, str(got.dtype), list(got.shape),
+                         got.astype(np.complex128).tolist() if got.size else []))
+    try:
+        fj.all_gather(jnp.ones(4, ml_dtypes.int4))
+        out.append("int4 gathered")
+    except TypeError as exc:
+        out.append(str(exc))
+    fj.barrier()
+    return out
+
+
 def ordering(backend, rounds: int) -> list:
     """Send and receive inside one jitted function, in an order XLA could reorder (no data
     dependence between the send and the receive), many times over."""

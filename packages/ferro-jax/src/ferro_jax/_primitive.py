@@ -78,10 +78,21 @@ def bind(*args: Any, kind: str, comm: _lib.Comm, op: str = "sum", root: int = 0,
                         tag=tag, timeout=float(timeout), like=like)
 
 
+#: dtypes XLA packs below a byte a value (ml_dtypes' int4...): the door and the Python path
+#: would read and write a byte a value, past the buffers' ends
+SUB_BYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
+
+
 def out_avals(avals, kind: str, comm: _lib.Comm, like) -> list[core.ShapedArray]:
     """What a call of ``kind`` returns, from its inputs' avals (ValueError if it cannot run);
     barrier and send: the internal done flag."""
     n = comm.world_size
+    for a in (*avals, *([like] if like is not None else [])):
+        if np.dtype(a.dtype).name in SUB_BYTE:
+            raise TypeError(
+                f"ferro_jax.{kind}: dtype {np.dtype(a.dtype).name} packs several values in a byte "
+                "of XLA's buffers, which ferro reads a whole byte a value: cast it (to int8, "
+                "say) first")
     if kind in SIDE_ONLY:
         return [DONE]
     if kind == "recv":

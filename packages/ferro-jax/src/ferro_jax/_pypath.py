@@ -13,6 +13,7 @@ with ``out=`` the output buffer (no copy of ours). An exception becomes the FFI 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -80,13 +81,23 @@ class _At:
                                     "typestr": typestr, "version": 3}
 
 
+@functools.cache
+def _typestr_says(dtype: np.dtype) -> bool:
+    """Whether numpy reads ``dtype`` back from its type string (float8_e5m2's ``<f1`` is not
+    understood: such a type is read as its bytes)."""
+    try:
+        return np.dtype(dtype.str) == dtype
+    except TypeError:
+        return False
+
+
 def view(address: int | None, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """A writable numpy view of XLA's buffer at ``address`` (no copy)."""
     dtype = np.dtype(dtype)
     shape = tuple(shape)
     if not address or dtype.itemsize * math.prod(shape) == 0:
         return np.empty(shape, dtype)
-    if dtype.kind != "V":  # numpy's own types: their type string says them whole
+    if dtype.kind != "V" and _typestr_says(dtype):  # numpy's own: their type string says all
         return np.asarray(_At(address, shape, dtype.str))
     # ml_dtypes' (bfloat16, float8...) read as void: their bytes, then the type
     return np.asarray(_At(address, (*shape, dtype.itemsize), "|u1")).view(dtype).reshape(shape)
@@ -125,10 +136,10 @@ _OPS = {"sum": fc.ReduceOp.SUM, "mean": fc.ReduceOp.MEAN, "max": fc.ReduceOp.MAX
 def _as_native(a: np.ndarray, reduces: bool) -> np.ndarray:
     """A view ferro-collective takes: complex as pairs of floats; for calls that only move
     data, a type it does not know (float8...) as its bytes."""
-    if a.dtype.kind == "c":
-        return a.view(a.dtype.type(0).real.dtype).reshape(*a.shape, 2)
-    if not reduces and a.dtype.kind not in "biuf":
-        return a.view(np.uint8).reshape(*a.shape, a.dtype.itemsize)
+    if a.dtype.kind == "c":  # (reshape(-1) first: a 0-d array's dtype cannot change size)
+        return a.reshape(-1).view(a.dtype.type(0).real.dtype).reshape(*a.shape, 2)
+    if not reduces and (a.dtype.kind not in "biuf" or not _typestr_says(a.dtype)):
+        return a.reshape(-1).view(np.uint8).reshape(*a.shape, a.dtype.itemsize)
     return a
 
 
