@@ -1,9 +1,10 @@
 """What a misuse gets, alike on every transport (found by a bug hunt against the API): buffers
 of Python objects and of datetimes refused on both sides (an object array's pointers crashed
 the receiving process), zero-size buffers of two dims taken, a closed subgroup view refusing
-every call, a closed backend's abort publishing nothing, a nested subgroup's receives naming
-the sender's local rank, an isend's wait validating its timeout, numpy integers named as such,
-and ferrorun's and init_from_env's numbers checked before any rank starts."""
+every call, a closed backend's abort publishing nothing, an isend's wait validating its
+timeout, numpy integers named as such, and ferrorun's and init_from_env's numbers checked
+before any rank starts. (A nested subgroup's receives naming the sender's local rank: in
+test_sub.py's nested-subgroup test.)"""
 
 import math
 import os
@@ -89,25 +90,6 @@ def test_a_closed_backend_aborts_nothing():
         return bytes(got)
 
     assert run_ranks(fn, 3, timeout=30)[2] == b"x"
-
-
-def test_a_nested_subgroups_receives_name_the_senders_local_rank():
-    def fn(b):
-        outer = SubBackend(b, [1, 2, 3]) if b.rank else None
-        inner = SubBackend(outer, [1, 2]) if b.rank in (2, 3) else None  # global ranks 2 and 3
-        if inner is None:
-            return None
-        if inner.rank == 0:
-            inner.send(b"a", 1, tag=3)
-            inner.send(b"b", 1, tag=4)
-            return None
-        named = inner.irecv(bytearray(1), 0, tag=3)
-        named.wait(10)
-        anyone = inner.irecv_any(bytearray(1), tag=4)
-        anyone.wait(10)
-        return named.source, anyone.source
-
-    assert run_ranks(fn, 4, timeout=30)[3] == (0, 0)
 
 
 def test_an_isends_wait_validates_its_timeout_and_numpy_ranks_are_named():

@@ -109,12 +109,17 @@ def test_nested_subgroups_route_to_global_ranks():
         inner = SubBackend(outer, [1, 2])  # outer-local ranks 1, 2 = global 3, 5
         if inner.rank == 0:
             inner.send(b"hi", 1)
+            inner.send(b"a", 1, tag=4)
             return None
         buf = bytearray(2)
-        inner.recv(buf, 0, timeout=5)
-        return bytes(buf)
+        named = inner.irecv(buf, 0)
+        named.wait(5)
+        anyone = inner.irecv_any(bytearray(1), tag=4)
+        anyone.wait(5)
+        # (a receive names the sender's local rank: it was mapped through the parent's ranks)
+        return bytes(buf), named.source, anyone.source
 
-    assert run_ranks(fn, 6, timeout=10)[5] == b"hi"
+    assert run_ranks(fn, 6, timeout=10)[5] == (b"hi", 0, 0)
 
 
 def test_overlapping_subgroup_barriers_do_not_interfere():
