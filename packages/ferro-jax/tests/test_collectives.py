@@ -88,6 +88,20 @@ def test_gradients():
             assert lhs == pytest.approx(rhs, rel=1e-10), name
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ranks_that_disagree_on_differentiating_a_call_fail_at_it(transport):
+    """A rank whose input to a linear call is a constant makes no derivative call: its peers'
+    reduce (broadcast's transpose) met its next call (a mismatch naming other calls) or waited
+    until the deadline. Now the forward call fails on every rank, saying why."""
+    for rank, res in enumerate(run_processes(workers.differentiation_disagrees, 2,
+                                             transport=transport, timeout=180)):
+        for how in ("eager", "jit"):
+            assert res[how].startswith("CollectiveMismatchError: broadcast"), res[how]
+            assert "whose rank differentiates it" in res[how], res[how]
+        assert res["fixed"] == ([3.0] * 3 if rank == 0 else [0.0] * 3)
+        assert res["shapes"] == [True, True]
+
+
 def test_vmap_batches_collectives_and_refuses_point_to_point():
     for same, refused in run_processes(workers.vmapped, 2, transport="shm", timeout=120):
         assert same == ["all_gather", "all_to_all", "allreduce", "gather_scalars",

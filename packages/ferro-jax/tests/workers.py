@@ -292,6 +292,42 @@ def grads(backend) -> dict:
     return out
 
 
+def differentiation_disagrees(backend) -> dict:
+    """Rank 0 differentiates a broadcast, its peers pass a constant (they make no derivative
+    call): every rank gets the mismatch, with the hint, in and out of jit, at the forward call,
+    and the communicator goes on. Then the fix (p * 0) and marked calls of the shapes the
+    Python path views differently (a 0-d all_gather, a reduce_scatter) against the formula."""
+    fj.init(backend)
+    n, rank = backend.world_size, backend.rank
+    p = jnp.arange(1.0, 4.0) * (rank + 1)
+
+    def loss(p, dummy):
+        x = p if rank == 0 else dummy(p)
+        return jnp.sum(fj.broadcast(x, root=0, timeout=30) * (rank + 1))
+
+    out = {}
+    for how, wrap in (("eager", lambda f: f), ("jit", jax.jit)):
+        try:
+            with fj.typed_errors():
+                np.asarray(wrap(jax.grad(lambda p: loss(p, jnp.zeros_like)))(p))
+            out[how] = "no error"
+        except Exception as exc:
+            out[how] = f"{type(exc).__name__}: {exc}"
+    fj.barrier(timeout=30)
+    out["fixed"] = np.asarray(jax.jit(jax.grad(lambda p: loss(p, lambda p: p * 0)))(p)).tolist()
+
+    def shapes(q):
+        gathered = fj.all_gather(jnp.sum(q), timeout=30)  # 0-d in, (n,) out
+        scattered = fj.reduce_scatter(jnp.tile(q, n), timeout=30)
+        return jnp.sum(gathered ** 2) + jnp.sum(scattered ** 2)
+
+    qs = [np.arange(1.0, 4.0) * (r + 1) for r in range(n)]
+    want = 2 * n * qs[rank].sum() + 2 * n * np.sum(qs, axis=0)
+    got = [np.asarray(g(p)) for g in (jax.grad(shapes), jax.jit(jax.grad(shapes)))]
+    out["shapes"] = [bool(np.allclose(g, want, rtol=1e-12)) for g in got]
+    return out
+
+
 def mismatch(backend) -> str:
     """Ranks call allreduce on different shapes inside jit: every rank gets the mismatch."""
     fj.init(backend)

@@ -17,9 +17,18 @@ sendrecv(src, dst)        sendrecv(src=dst, dst=src)
 ========================  =====================================================
 
 A tangent is never skipped as a symbolic zero: every rank makes the tangent's call whether its
-own tangent is zero or not (another rank's may not be). Not differentiable (a clear error when a
-non-zero tangent reaches them): max, min, prod and the bitwise reductions, send (use sendrecv),
-recv and barrier (no input to differentiate). Integer inputs have no tangent.
+own tangent is zero or not (another rank's may not be). But JAX differentiates a call only on a
+rank whose input depends on the differentiated variables: a rank whose input is a constant (a
+broadcast's non-root passing ``jnp.zeros_like(p)``, say) makes no derivative call. So that this
+fails at once instead of hanging, or pairing one rank's derivative call with another's next
+call, a collective that its rank will differentiate is *marked* (:func:`._primitive.bind`): the
+shape its header names gets a trailing dim of 1, and ranks that disagree raise
+CollectiveMismatchError at that call, with a hint (:mod:`.errors`). sendrecv is not marked (a
+point-to-point message has no header): there the waiting side times out.
+
+Not differentiable (a clear error when a non-zero tangent reaches them): max, min, prod and the
+bitwise reductions, send (use sendrecv), recv and barrier (no input to differentiate). Integer
+inputs have no tangent.
 """
 
 from __future__ import annotations
@@ -40,28 +49,34 @@ def _differentiable(kind: str, op: str) -> bool:
 
 
 def _jvp(primals, tangents, *, kind, **params):
-    outs = ferro_p.bind(*primals, kind=kind, **params)
-    zeros = [ad_util.p2tz(o) for o in outs]
     if kind in SIDE_ONLY:  # barrier, send: only the internal done flag comes out
         if any(type(t) is not ad.Zero for t in tangents):
             raise TypeError(f"ferro_jax.{kind} is not differentiable (a tangent reached it); "
                             "sendrecv is: it exchanges with both peers")
-        return outs, zeros
-    if not jnp.issubdtype(outs[0].dtype, jnp.inexact):
-        return outs, zeros
+        return _primal_only(primals, kind, params)
+    like = params["like"]  # (sendrecv's and recv's output, where given)
+    if not jnp.issubdtype(primals[0].dtype if like is None else like.dtype, jnp.inexact):
+        return _primal_only(primals, kind, params)
     if not _differentiable(kind, params["op"]) or (kind == "sendrecv" and
                                                     params["like"] is not None):
         if all(type(t) is ad.Zero for t in tangents):
-            return outs, zeros
+            return _primal_only(primals, kind, params)
         what = f"{kind} with op={params['op']!r}" if kind in ("allreduce", "reduce",
                                                              "reduce_scatter") else kind
         raise TypeError(f"ferro_jax.{what} is not differentiable")
+    # the derivative's call follows (the tangent's, or in reverse mode its transpose): marked
+    outs = ferro_p.bind(*primals, kind=kind, **{**params, "marked": kind != "sendrecv"})
     t = ad.instantiate_zeros(tangents[0])  # every rank calls, whatever its own tangent
     return outs, ferro_p.bind(t, kind=kind, **params)
 
 
-def _transpose(cts, x, *, kind, comm, op, root, src, dst, tag, timeout, like):
-    del like
+def _primal_only(primals, kind, params):
+    outs = ferro_p.bind(*primals, kind=kind, **params)
+    return outs, [ad_util.p2tz(o) for o in outs]
+
+
+def _transpose(cts, x, *, kind, comm, op, root, src, dst, tag, timeout, like, marked):
+    del like, marked
     (ct,) = cts
     ct = ad.instantiate_zeros(ct)
     common = dict(comm=comm, root=root, tag=tag, timeout=timeout)

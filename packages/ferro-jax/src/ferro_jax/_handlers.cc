@@ -129,7 +129,7 @@ inline void pin_this_thread() {
 
 ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t slot, int32_t kind, int32_t op,
-                    int32_t root, double timeout) {
+                    int32_t root, double timeout, int32_t marked) {
   pin_this_thread();
   ferro_comm* c = nullptr;
   if (ffi::Error e = comm_of(slot, &c); e.failure()) return e;
@@ -147,6 +147,7 @@ ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   if (t.per_item != 1) shape.push_back(t.per_item);  // complex pairs, bytes of odd types
+  if (marked) shape.push_back(1);  // its rank makes its derivative's call later (_ad.py)
   o.ndim = static_cast<int32_t>(shape.size());
   o.dims = shape.data();
   const void* send = x.untyped_data();
@@ -243,7 +244,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ferro_jax_door, DoorImpl,
                                   .Attr<int32_t>("kind")
                                   .Attr<int32_t>("op")
                                   .Attr<int32_t>("root")
-                                  .Attr<double>("timeout"));
+                                  .Attr<double>("timeout")
+                                  .Attr<int32_t>("marked"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ferro_jax_barrier, BarrierImpl,
                               ffi::Ffi::Bind()

@@ -72,10 +72,14 @@ ferro_p.def_impl(functools.partial(dispatch.apply_primitive, ferro_p))
 
 def bind(*args: Any, kind: str, comm: _lib.Comm, op: str = "sum", root: int = 0,
          src: int = -1, dst: int = -1, tag: int = 0, timeout: float = 0.0,
-         like: core.ShapedArray | None = None) -> list[Any]:
-    """One ``ferro`` equation; its outputs (a list: empty for barrier and send)."""
+         like: core.ShapedArray | None = None, marked: bool = False) -> list[Any]:
+    """One ``ferro`` equation; its outputs (a list: empty for barrier and send). ``marked``: a
+    collective whose rank makes its derivative's call later (:mod:`._ad`); its header names
+    the shape with a trailing dim of 1 (:data:`MARK`), so that ranks that disagree on it fail
+    at this call with a mismatch instead of hanging or pairing the derivative's call with
+    another."""
     return ferro_p.bind(*args, kind=kind, comm=comm, op=op, root=root, src=src, dst=dst,
-                        tag=tag, timeout=float(timeout), like=like)
+                        tag=tag, timeout=float(timeout), like=like, marked=marked)
 
 
 #: dtypes XLA packs below a byte a value (ml_dtypes' int4...): the door and the Python path
@@ -127,9 +131,13 @@ def _door_runs(kind: str, comm: _lib.Comm, avals) -> bool:
 def _python_call(kind, comm, avals_in, avals_out, params) -> int:
     timeout = params["timeout"] or None
     extra = {k: params[k] for k in ("op", "root", "src", "dst", "tag")}
+    mark = (1,) if params["marked"] else ()  # the collective's arrays as (*shape, 1)
 
-    x_at = _pypath.Views(avals_in[0].shape, avals_in[0].dtype) if avals_in else None
-    y_at = _pypath.Views(avals_out[0].shape, avals_out[0].dtype)
+    x_shape = avals_in[0].shape if avals_in else ()
+    if mark and kind == "all_gather" and not x_shape:
+        x_shape = (1,)  # a 0-d input gathers to (world_size,): as (1, 1) to (world_size, 1)
+    x_at = _pypath.Views((*x_shape, *mark), avals_in[0].dtype) if avals_in else None
+    y_at = _pypath.Views((*avals_out[0].shape, *mark), avals_out[0].dtype)
 
     def call(ins: list[int], outs: list[int]) -> None:
         x = x_at(ins[0]) if x_at is not None else None
@@ -142,7 +150,8 @@ def _python_call(kind, comm, avals_in, avals_out, params) -> int:
     return _pypath.register(call)
 
 
-def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeout, **params):
+def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeout, marked,
+              **params):
     token = ctx.tokens_in.get(EFFECT)
     if kind == "barrier" and comm.door:
         target, attrs = _lib.BARRIER, {"slot": np.int64(comm.slot),
@@ -151,10 +160,11 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeou
         target, attrs = _lib.DOOR, {"slot": np.int64(comm.slot),
                                     "kind": np.int32(DOOR_KINDS[kind]),
                                     "op": np.int32(DOOR_OPS[op]), "root": np.int32(root),
-                                    "timeout": np.float64(timeout)}
+                                    "timeout": np.float64(timeout),
+                                    "marked": np.int32(marked)}
     else:
         call = _python_call(kind, comm, ctx.avals_in, ctx.avals_out,
-                            dict(op=op, root=root, timeout=timeout, **params))
+                            dict(op=op, root=root, timeout=timeout, marked=marked, **params))
         target, attrs = _lib.PYTHON, {"call": np.int64(call)}
     sub = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
                               avals_out=[core.abstract_token, *ctx.avals_out])

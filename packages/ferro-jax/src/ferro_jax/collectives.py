@@ -153,7 +153,9 @@ def all_gather(x: Any, *, backend: Any = None, timeout: float | None = None,
 def broadcast(x: Any, root: int = 0, *, backend: Any = None, timeout: float | None = None,
               token: Any = None) -> Any:
     """``root``'s ``x`` on every rank (the others pass an array of its shape and dtype).
-    Differentiable (the cotangents summed on root).
+    Differentiable (the cotangents summed on root): under ``jax.grad`` every rank's ``x`` must
+    depend on the differentiated variables (``p * 0`` on the others, not ``jnp.zeros_like(p)``),
+    or the ranks raise CollectiveMismatchError (see the README's Differentiation).
 
     Parameters
     ----------

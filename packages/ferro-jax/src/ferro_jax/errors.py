@@ -77,12 +77,31 @@ def translate(exc: BaseException) -> BaseException:
     if cls is None:
         return exc
     message = found.group(2).strip()
+    if cls is CollectiveMismatchError:
+        message += differentiation_hint(message)
     try:
         typed = cls(message)
     except TypeError:  # a class whose constructor wants more: keep JAX's error
         return exc
     typed.__cause__ = exc
     return typed
+
+
+_CALLED = re.compile(r"called (.+?) \(seq \d+\)")
+_MARKED_DIM = re.compile(r"(?:, 1|(?<=\[)1)\]")
+
+
+def differentiation_hint(message: str) -> str:
+    """What to add to a mismatch's message where the ranks' calls differ only by the trailing
+    dim of 1 that marks a call its rank differentiates (``_ad.py``): "" elsewhere."""
+    called = _CALLED.findall(message)
+    if not any(a != b and _MARKED_DIM.sub("]", a, count=1) == b for a in called for b in called):
+        return ""
+    return ("; the calls differ only in the trailing dim of 1 that marks a call whose rank "
+            "differentiates it: JAX differentiates a call only on a rank whose input depends on "
+            "the differentiated variables, and a rank that passes a constant (jnp.zeros_like(p), "
+            "say) makes no derivative call; make every rank's input depend on them (x = p if "
+            "rank == root else p * 0), or differentiate on every rank or on none")
 
 
 @contextlib.contextmanager
