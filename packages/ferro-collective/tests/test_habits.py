@@ -47,6 +47,20 @@ def test_every_call_on_a_closed_backend_raises_on_every_rank(transport):
     assert res == [[("closed", True)] * 4] * 2
 
 
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_a_compressed_call_on_a_closed_backend_names_the_call(wire):
+    # it named the inner collective that found the backend closed (all_to_all_single)
+    (b,) = SimulatedBackend.create_group(1)
+    b.close()
+    for name, call in (("allreduce", lambda: fc.allreduce(np.ones(8, np.float32), b, wire=wire)),
+                       ("allreduce", lambda: fc.allreduce_async(np.ones(8, np.float32), b,
+                                                                wire=wire).wait(5)),
+                       ("reduce_scatter",
+                        lambda: fc.reduce_scatter(np.ones(8, np.float32), b, wire=wire))):
+        with pytest.raises(PeerClosedError, match=f"^{name}: rank 0's backend is closed"):
+            call()
+
+
 EXIT_SCRIPT = """
 import atexit
 import numpy as np

@@ -100,3 +100,18 @@ def test_ferrorun_trace_shows_the_engine_calls_of_every_rank(tmp_path):
     barrier_wait = {e["pid"]: e["args"]["wait_us"] for e in events
                     if e.get("cat") == "collective" and e["name"] == "barrier"}
     assert barrier_wait[0] > 250_000 and barrier_wait[1] < 100_000, barrier_wait
+
+
+def test_a_call_refused_for_an_argument_json_has_no_type_for_keeps_the_trace(tmp_path):
+    # a numpy-integer peer or an algorithm given as bytes was recorded as it was: leaving the
+    # block raised TypeError (not JSON serializable) and no trace was written
+    group = SimulatedBackend.create_group(2)
+    path = tmp_path / "trace.json"
+    with trace(path, backend=group[0]):
+        with pytest.raises(ValueError):
+            allreduce(np.ones(2), group[0], algorithm=b"ring")
+        with pytest.raises(Exception, match="int"):
+            group[0].recv(np.empty(3), np.int64(1), timeout=1)
+    events = json.loads(path.read_text())["traceEvents"]
+    said = json.dumps(events)
+    assert "b'ring'" in said and "allreduce" in said

@@ -64,3 +64,34 @@ def test_work_wait_refuses_bad_timeouts():
     with pytest.raises(CollectiveTimeoutError):
         work.wait()
     assert work.is_completed() and work.future.done()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("forever", [float("inf"), 1e300, 1e10], ids=repr)
+def test_work_wait_takes_an_unbounded_timeout_as_the_collectives_do(forever):
+    # beyond threading.TIMEOUT_MAX, concurrent.futures.wait raised OverflowError
+    group = SimulatedBackend.create_group(2, timeout=10)
+    work = fc.allreduce_async(np.ones(2), group[0])
+    late = fc.allreduce_async(np.ones(2), group[1])
+    np.testing.assert_array_equal(work.wait(forever), [2.0, 2.0])
+    np.testing.assert_array_equal(late.wait(forever), [2.0, 2.0])
+
+
+@pytest.mark.timeout(30)
+def test_the_timeout_names_the_ranks_not_heard_from_as_such():
+    # with Bruck's relays one absent rank holds back others: the message says so
+    group = SimulatedBackend.create_group(4, timeout=0.5)
+    from ferro_backend.testing import run_threads
+
+    def call(b):
+        if b.rank == 2:
+            return None
+        try:
+            fc.allreduce(np.ones(2), b)
+        except CollectiveTimeoutError as exc:
+            return str(exc)
+        return "no error"
+
+    said = [m for m in run_threads(call, group, timeout=20) if m is not None]
+    assert all("ranks not heard from yet" in m for m in said), said
+    assert any("the absent one is among these" in m for m in said), said

@@ -101,7 +101,7 @@ def _stop(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"traceEvents": [*meta, *(events or [])],
-                               "displayTimeUnit": "ns"}))
+                               "displayTimeUnit": "ns"}, default=_plain))
     os.replace(tmp, path)
     return path
 
@@ -214,6 +214,18 @@ def start_from_env(backend, directory: str) -> None:
     import atexit
 
     atexit.register(finish)
+
+
+def _plain(value: Any) -> Any:
+    """What the trace's JSON holds for an argument JSON has no type for (a call refused for
+    it, as a numpy integer rank or an algorithm given as bytes, is recorded too)."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()  # numpy scalars
+        except (TypeError, ValueError):
+            pass
+    return repr(value)
 
 
 def merge(files, out) -> Path:

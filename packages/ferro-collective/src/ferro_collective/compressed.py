@@ -65,6 +65,9 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
     call's other numbers are given back, as the peers give back theirs. (A multi-node
     all_gather or int8/int4 reduce_scatter refused on one rank leaves its peers to their
     deadline.)"""
+    failure = backend.peer_failure(name, backend.rank)  # closed or aborted: the call's name
+    if failure is not None:
+        raise failure
     try:
         return check()
     except ARGUMENT_ERRORS as exc:

@@ -36,6 +36,10 @@ log = logging.getLogger("ferro_collective")
 
 #: fraction of the timeout after which a waiting collective logs a stall report
 STALL_FRACTION = 0.5
+#: a header exchange's missing ranks are those whose headers have not come, directly or
+#: relayed (Bruck's rounds): one absent rank holds back the others it would have relayed
+_RELAYED = (" (headers come directly or relayed by another rank, so one absent rank holds "
+            "back the ones it relays: the absent one is among these)")
 
 
 def set_stall_report(fraction: float) -> None:
@@ -126,7 +130,7 @@ class Ctx:
             self.reported = True
             waiting = sorted(missing) if missing is not None else [src]
             log.warning("%s (seq %d) on rank %d: still waiting for %s from rank %d after %.1fs; "
-                        "ranks not arrived: %s", self.name, self.seq, self.rank, what, src,
+                        "ranks not heard from yet: %s", self.name, self.seq, self.rank, what, src,
                         time.monotonic() - self.start, waiting)
         remaining = self.deadline - time.monotonic()
         try:
@@ -135,8 +139,9 @@ class Ctx:
             waiting = sorted(missing) if missing is not None else [src]
             raise CollectiveTimeoutError(
                 f"{self.name} (seq {self.seq}) on rank {self.rank}: timed out after "
-                f"{self.timeout:g}s waiting for {what} from rank {src}; ranks not arrived: "
-                f"{waiting}") from None
+                f"{self.timeout:g}s waiting for {what} from rank {src}; ranks not heard from "
+                f"yet: {waiting}{_RELAYED if missing is not None and len(waiting) > 1 else ''}"
+            ) from None
 
 
 # ----------------------------------------------------------------------------- Bruck

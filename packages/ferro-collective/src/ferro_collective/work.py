@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import numpy as np
 
@@ -83,6 +84,8 @@ class Work:
         """
         if timeout is not None:
             timeout = check_timeout(timeout, "Work.wait: timeout")
+            if timeout >= threading.TIMEOUT_MAX:  # (inf: as long as it takes, as None)
+                timeout = None
         # (not future.result(timeout): the collective's own CollectiveTimeoutError is a
         # TimeoutError too, and must come out as it is)
         done, _ = concurrent.futures.wait([self.future], timeout)
