@@ -125,6 +125,38 @@ def test_powersgd_is_exact_before_its_start_then_compresses_the_matrices():
             assert a.tobytes() == b_.tobytes()  # the same bits on every rank
 
 
+def test_a_matrix_at_exactly_the_minimum_rate_is_averaged_exactly_as_torchs():
+    # torch compresses only when (n + m) r min_compression_rate < n m: a 4x4 matrix at rank 1
+    # and rate 2 (16 == 16) stays exact (ferro approximated it)
+    from ferro_fsdp import Module, Parameter
+
+    class Square(Module):
+        def __init__(self, rank):
+            super().__init__()
+            self.w = Parameter(np.zeros((4, 4)))
+            self.rank = rank
+
+        def forward(self, x):
+            return x
+
+        def backward(self, g):
+            self.w.accumulate_grad(np.random.default_rng(self.rank).standard_normal((4, 4)))
+            return g
+
+    def body(b):
+        m = Square(b.rank)
+        d = DDP(m, b)
+        d.register_comm_hook(PowerSGDState(b, matrix_approximation_rank=1, start_powerSGD_iter=0,
+                                           min_compression_rate=2), powerSGD_hook)
+        d(np.zeros(1))
+        d.backward(np.zeros(1))
+        return m.w.grad
+
+    want = np.mean([np.random.default_rng(r).standard_normal((4, 4)) for r in range(2)], axis=0)
+    for got in run(body, 2):
+        np.testing.assert_allclose(got, want, rtol=1e-14)
+
+
 def test_error_feedback_loses_nothing_over_the_steps():
     # the same gradients every step: the steps' applied means plus the ranks' mean error left
     # equal T times the exact mean, and the error stays bounded

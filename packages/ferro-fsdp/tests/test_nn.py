@@ -127,6 +127,10 @@ def test_relu_gradient_at_zero_is_zero():
 
 
 def test_errors():
+    relu = nn.ReLU()
+    relu(np.ones(3))
+    with pytest.raises(ValueError, match=r"ReLU.backward: grad_output of shape \(2, 3\)"):
+        relu.backward(np.ones((2, 3)))  # it was broadcast against the input
     with pytest.raises(ValueError):
         nn.Linear(0, 2)
     with pytest.raises(TypeError):

@@ -72,6 +72,34 @@ def test_adam_matches_torch_rule(wd):
     assert opt.state[p]["step"] == len(GRADS)
 
 
+@pytest.mark.parametrize("make", [optim.Adam, optim.AdamW])
+def test_adam_takes_a_complex_parameter_as_torch_does_two_real_ones(make):
+    # torch.optim views a complex parameter as real pairs; d * d of a complex d was wrong
+    rng = np.random.default_rng(2)
+    p0 = rng.standard_normal(3) + 1j * rng.standard_normal(3)
+    grads = rng.standard_normal((4, 3)) + 1j * rng.standard_normal((4, 3))
+    p = Parameter(p0.copy())
+    opt = make([p], lr=0.05, weight_decay=0.1)
+    pairs = Parameter(np.stack([p0.real, p0.imag], axis=-1))
+    twin = make([pairs], lr=0.05, weight_decay=0.1)
+    for g in grads:
+        p.grad = g.copy()
+        pairs.grad = np.stack([g.real, g.imag], axis=-1)
+        opt.step()
+        twin.step()
+    np.testing.assert_allclose(p.data.real, pairs.data[:, 0], rtol=1e-13)
+    np.testing.assert_allclose(p.data.imag, pairs.data[:, 1], rtol=1e-13)
+
+
+@pytest.mark.parametrize("make, kw", [(optim.Adam, {"lr": np.nan}), (optim.Adam, {"eps": np.nan}),
+                                      (optim.AdamW, {"weight_decay": np.nan}),
+                                      (optim.SGD, {"lr": np.nan}),
+                                      (optim.SGD, {"lr": 0.1, "momentum": np.nan})], ids=str)
+def test_a_nan_hyperparameter_is_refused(make, kw):
+    with pytest.raises(ValueError, match="nan"):
+        make([Parameter(np.ones(2))], **kw)
+
+
 def test_adam_with_a_constant_gradient_moves_lr_per_step():
     # m_hat = g and v_hat = g^2 exactly, so each step moves lr * g / (|g| + eps)
     out, _, _ = run_opt(lambda ps: optim.Adam(ps, lr=0.1, eps=0.0), [np.full(3, 2.5)] * 4, np.zeros(3))

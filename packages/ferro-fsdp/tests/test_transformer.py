@@ -284,6 +284,15 @@ def test_attention_is_causal():
     np.testing.assert_array_equal(attn(x2)[0, :3], y[0, :3])
 
 
+def test_attention_on_an_empty_sequence_is_empty_as_torchs():
+    # the softmax's max() over no keys raised numpy's "zero-size array" error
+    attn = nn.CausalSelfAttention(8, 2, dtype=np.float64, rng=0)
+    y = attn(np.ones((2, 0, 8)))
+    assert y.shape == (2, 0, 8)
+    g = attn.backward(np.ones((2, 0, 8)))
+    assert g.shape == (2, 0, 8)
+
+
 def test_attention_errors_and_names():
     with pytest.raises(ValueError, match="embed_dim 6 is not divisible by num_heads 4"):
         nn.CausalSelfAttention(6, 4)

@@ -58,10 +58,15 @@ class ReLU(Module):
         ------
         RuntimeError
             No forward ran before.
+        ValueError
+            ``grad_output`` of another shape (it was broadcast against the input).
         """
         if self._off is None:
             raise RuntimeError("ReLU.backward: called before forward")
         g = np.asarray(grad_output)
+        if g.shape != self._off.shape:
+            raise ValueError(f"ReLU.backward: grad_output of shape {g.shape}, expected "
+                             f"{self._off.shape}")
         return np.where(self._off, np.zeros((), dtype=g.dtype), g)
 
 

@@ -19,6 +19,8 @@ from .module import Module
 
 
 def _softmax(s: np.ndarray) -> np.ndarray:
+    if s.size == 0:  # a sequence of length 0: nothing to weigh (max() has no identity)
+        return s.copy()
     e = np.exp(s - s.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 

@@ -26,6 +26,7 @@ A training step::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -149,16 +150,18 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         world, rank = backend.world_size, backend.rank
         self._intra: Backend | None = None
         self._inter: Backend | None = None
+        mine = _instance_suffix(backend)
         if spec.shard_group == "intra":
-            self._intra = _node_group(backend, intra_node_size, strategy.name, "fsdp-intra")
+            self._intra = _node_group(backend, intra_node_size, strategy.name,
+                                      f"fsdp-intra{mine}")
             self._inter = SubBackend(backend, range(rank % intra_node_size, world, intra_node_size),
-                                     name="fsdp-inter")
+                                     name=f"fsdp-inter{mine}")
         elif secondary_shard:
             if strategy is not ShardingStrategy.FULL_SHARD:
                 raise ValueError(f"FSDP: secondary_shard is for FULL_SHARD (a node's copy of the "
                                  f"parameters for the backward's gather), got {strategy.name}")
             self._intra = _node_group(backend, intra_node_size, "secondary_shard",
-                                      "fsdp-secondary")
+                                      f"fsdp-secondary{mine}")
         elif intra_node_size is not None:
             raise ValueError(f"FSDP: intra_node_size {intra_node_size} is only valid for HYBRID_SHARD "
                              f"(or FULL_SHARD with secondary_shard), got {strategy.name}")
@@ -375,6 +378,23 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
+
+
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _instance_suffix(backend: Backend) -> str:
+    """What this FSDP's subgroups' names end with: "" for the first FSDP built on ``backend``,
+    "#k" for the k-th after it (every rank builds its FSDPs in one order, so the same k). A
+    subgroup's tags come from its members and name: a nested FSDP's node groups had its
+    parent's, and their calls in flight at once crossed (a mismatch, or two same-sized units'
+    gradients swapped)."""
+    try:
+        k = _BUILT.get(backend, 0)
+        _BUILT[backend] = k + 1
+    except TypeError:  # a backend that takes no weak reference: names as before
+        return ""
+    return f"#{k}" if k else ""
 
 
 def _node_group(backend: Backend, intra_node_size: Any, what: str, name: str) -> Backend:

@@ -227,7 +227,7 @@ class SGD(Optimizer):
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, *, dampening: float = 0.0, nesterov: bool = False,
                  fused: bool = True) -> None:
-        if lr < 0 or momentum < 0 or weight_decay < 0:
+        if not (lr >= 0 and momentum >= 0 and weight_decay >= 0):  # (NaN too)
             raise ValueError(f"SGD: lr {lr}, momentum {momentum} and weight_decay {weight_decay} "
                              "must be >= 0")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -298,7 +298,8 @@ class Adam(Optimizer):
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, fused: bool = True) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1
+                and 0 <= betas[1] < 1):  # (NaN fails every comparison)
             raise ValueError(f"{type(self).__name__}: invalid lr {lr}, betas {betas}, eps {eps} "
                              f"or weight_decay {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
@@ -332,6 +333,11 @@ class Adam(Optimizer):
         m *= beta1
         m += (1.0 - beta1) * d
         v *= beta2
+        if np.iscomplexobj(v):  # as torch: a complex value's two parts as two real values
+            v += (1.0 - beta2) * (d.real * d.real + 1j * (d.imag * d.imag))
+            re, im = (np.sqrt(part) / bias2_sqrt + group["eps"] for part in (v.real, v.imag))
+            p.data -= (group["lr"] / bias1) * (m.real / re + 1j * (m.imag / im))
+            return
         v += (1.0 - beta2) * (d * d)
         denom = np.sqrt(v) / bias2_sqrt + group["eps"]
         p.data -= (group["lr"] / bias1) * (m / denom)

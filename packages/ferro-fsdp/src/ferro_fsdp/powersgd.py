@@ -40,7 +40,8 @@ class PowerSGDState:
     start_powerSGD_iter : int, default 1000
         Steps averaged exactly before compression starts (its first steps are the noisiest).
     min_compression_rate : float, default 2
-        A matrix is compressed only when ``n m / ((n + m) r)`` reaches this.
+        A matrix is compressed only when ``n m / ((n + m) r)`` exceeds this (as torch's hook:
+        at exactly the rate it is averaged exactly).
     use_error_feedback : bool, default True
         Add what the approximation left out to the next step's gradients.
     warm_start : bool, default True
@@ -250,7 +251,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
         rows = g.shape[0] if g.ndim >= 2 else 0
         cols = g.size // rows if rows else 0
         rate = rows * cols / ((rows + cols) * r) if rows else 0
-        (mats if g.ndim >= 2 and rate >= state.min_compression_rate else rest).append(g)
+        (mats if g.ndim >= 2 and rate > state.min_compression_rate else rest).append(g)
     if rest:  # exactly: one mean allreduce of them all
         joined = np.concatenate([g.reshape(-1) for g in rest])
         allreduce(joined, backend, ReduceOp.MEAN, out=joined)
