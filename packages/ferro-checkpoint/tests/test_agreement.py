@@ -76,6 +76,61 @@ def test_with_a_backend_every_rank_raises_at_once(tmp_path):
     _still_the_first(tmp_path)
 
 
+def test_after_a_save_one_rank_refused_the_next_saves_commit(tmp_path):
+    """Rank 1 refuses a save (a wrong shape) while rank 0 times out waiting: rank 0's unread id
+    message then paired with rank 1's next save, so every later save wrote other ids on the
+    two ranks and returned on both without committing. A save's messages carry its number."""
+    pytest.importorskip("ferro_backend")
+    from ferro_backend.testing import run_ranks
+
+    spec = spec_for(FULL, 2)
+
+    def fn(b):
+        b.timeout = 2
+        said = []
+        for k in range(3):
+            mine = shards_of(FULL, spec, b.rank)["w"] + k
+            try:
+                save_distributed({"w": mine[:1] if (k == 0 and b.rank) else mine}, tmp_path,
+                                 b.rank, 2, spec, backend=b)
+                said.append("saved")
+            except Exception as exc:
+                said.append(type(exc).__name__)
+            b.barrier(timeout=20)
+        return said
+
+    said = run_ranks(fn, 2, timeout=60)
+    assert said[0][1:] == said[1][1:] == ["saved", "saved"], said
+    got = np.concatenate([load_distributed(tmp_path, r, 2)["w"] for r in range(2)])
+    np.testing.assert_array_equal(got, FULL["w"] + 2)
+
+
+def test_two_checkpointers_on_one_backend_keep_their_saves_apart(tmp_path):
+    pytest.importorskip("ferro_backend")
+    from ferro_backend.testing import run_ranks
+    from ferro_checkpoint import AsyncCheckpointer
+
+    spec = spec_for(FULL, 2)
+
+    def fn(b):
+        one = AsyncCheckpointer(tmp_path / "model", b.rank, 2, spec, backend=b)
+        two = AsyncCheckpointer(tmp_path / "optim", b.rank, 2, spec, backend=b)
+        for k in range(4):
+            mine = shards_of(FULL, spec, b.rank)["w"]
+            f1, f2 = one.save_async({"w": mine + k}), two.save_async({"w": mine - k})
+            f1.wait(30)
+            f2.wait(30)
+            b.barrier(timeout=20)
+            for d, want in (("model", FULL["w"] + k), ("optim", FULL["w"] - k)):
+                got = np.concatenate([load_distributed(tmp_path / d, r, 2)["w"]
+                                      for r in range(2)])
+                np.testing.assert_array_equal(got, want)
+            b.barrier(timeout=20)
+        return True
+
+    assert run_ranks(fn, 2, timeout=120) == [True, True]
+
+
 @pytest.mark.parametrize("name", ["__metadata__", 3])
 def test_names_safetensors_cannot_hold_are_refused_before_writing(tmp_path, name):
     spec = ShardMetadata(1, {name: TensorShardSpec((2,), 0, (2,))})

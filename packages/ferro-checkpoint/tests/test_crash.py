@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from ferro_checkpoint import MetadataError, load_distributed
+from ferro_checkpoint import MetadataError, load_distributed, save_distributed
 
 SAVER = textwrap.dedent("""
     import sys
@@ -123,3 +123,29 @@ def test_open_recovers_a_save_committed_before_a_crash(tmp_path):
          shard_path(tmp_path, 1).name])  # rank_2 of the old 3-rank world is deleted
     recover(tmp_path)  # idempotent: nothing left to do
     assert uncommitted.read_bytes() == b"an uncommitted save's shard"
+
+
+@pytest.mark.parametrize("next_id", [None, "step6"])
+def test_a_save_after_a_crash_past_the_commit_point_keeps_the_committed_save(tmp_path,
+                                                                                 next_id):
+    """A save committed but not rolled forward (a crash after its commit record), then a rank
+    saving again before any open: with default ids the new save took the committed one's id
+    and committed rank 0's new shard with rank 1's old one (it loaded, mixed); with its own id
+    the committed save's temp shard was deleted as stale (no load worked)."""
+    from _util import save_all, shards_of, spec_for
+
+    from ferro_checkpoint import save as save_mod
+
+    save_all({"w": np.full(4, 1.0)}, tmp_path, 2)  # g1
+    real = save_mod.recover
+    save_mod.recover = lambda d: None  # the crash: the commit record written, nothing renamed
+    try:
+        save_all({"w": np.full(4, 2.0)}, tmp_path, 2)  # g2, committed
+    finally:
+        save_mod.recover = real
+    assert any(p.name.startswith(".commit.") for p in tmp_path.iterdir())
+    spec = spec_for({"w": np.zeros(4)}, 2)
+    save_distributed(shards_of({"w": np.full(4, 3.0)}, spec, 0), tmp_path, 0, 2, spec,
+                     checkpoint_id=next_id)  # rank 0 alone: not committed
+    got = np.concatenate([load_distributed(tmp_path, r, 2)["w"] for r in range(2)])
+    np.testing.assert_array_equal(got, np.full(4, 2.0))

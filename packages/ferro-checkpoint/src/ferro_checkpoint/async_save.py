@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import AsyncCheckpointError, InvalidArgumentError
 from .metadata import ShardMetadata, check_rank_world
-from .save import encode_extra, save_distributed
+from .save import encode_extra, next_save, save_distributed
 
 
 def _run_in_background(fn: Callable[[], str], name: str) -> concurrent.futures.Future:
@@ -207,6 +207,10 @@ class AsyncCheckpointer(_RankSaves):
         InvalidArgumentError
             ``extra`` is not a JSON-serializable dict.
         """
+        # numbered now, in the program's order (the same on every rank), not when a background
+        # thread starts it (two checkpointers' saves in flight at once keep their tags apart),
+        # and before anything this rank may refuse (the ranks' later saves keep matching)
+        number = None if self.backend is None else next_save(self.backend)
         if self._pending is not None and not self._pending.is_done():
             raise AsyncCheckpointError(f"a save to {self.directory} is still in flight; wait() "
                                        "for it before starting another")
@@ -217,6 +221,6 @@ class AsyncCheckpointer(_RankSaves):
         def save() -> str:
             return save_distributed(staged, self.directory, self.rank, self.world_size, spec,
                                     backend=self.backend, checkpoint_id=checkpoint_id,
-                                    extra=extra)
+                                    extra=extra, _save=number)
 
         return self._save_in_background(self.directory, save, f"ferro-checkpoint-{self.rank}")

@@ -81,7 +81,8 @@ def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str) -> None:
     this, when it saves again."""
     for p in Path(directory).iterdir():
         m = _TMP_SHARD_RE.fullmatch(p.name)
-        if m and int(m.group(1)) == rank and m.group(2) != ckpt_id:
+        if m and int(m.group(1)) == rank and m.group(2) != ckpt_id \
+                and not commit_path(directory, m.group(2)).exists():  # (committed: recover's)
             p.unlink(missing_ok=True)
         m = _PART_SHARD_RE.fullmatch(p.name)
         if m and int(m.group(1)) == rank:
@@ -107,7 +108,9 @@ def recover(directory: Path) -> None:
     no commit record present this only lists the directory. Every step is idempotent, so
     concurrent or repeated calls, and a crash during one, are safe.
 
-    Called by every save right after it writes its commit record, and by every open of a
+    Called by every save before it picks its id and removes its stale temp shards (so a
+    committed save is never overwritten nor deleted as stale) and right after it writes its
+    commit record, and by every open of a
     checkpoint (``open_checkpoint``, hence ``load_distributed``, ``reshard``, ``consolidate``)
     before it reads ``metadata.json``: a save that crashed after its commit point is finished
     by the next open, which therefore needs write access to the directory in that case.

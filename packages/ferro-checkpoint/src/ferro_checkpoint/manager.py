@@ -64,7 +64,7 @@ from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
 from .load import load_distributed, open_checkpoint
 from .metadata import ShardMetadata
 from .read_options import ReadOptions
-from .save import _checked_arrays, encode_extra, save_distributed
+from .save import _checked_arrays, encode_extra, next_save, save_distributed
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
 _TOMBSTONE = ".deleting."
@@ -248,6 +248,9 @@ class CheckpointManager(_RankSaves):
         AsyncCheckpointError
             The previous asynchronous save failed.
         """
+        # numbered first, in the program's order: a save this rank refuses below counts too,
+        # so the ranks' later saves keep matching numbers (their messages' tags)
+        number = None if self.backend is None else next_save(self.backend)
         step = _check_step("CheckpointManager.save", step)
         if shard_spec.num_ranks != self.world_size:
             raise InvalidArgumentError(f"CheckpointManager.save: shard_spec.num_ranks "
@@ -262,22 +265,23 @@ class CheckpointManager(_RankSaves):
 
             def run() -> str:
                 return self._save_and_prune(staged, shard_spec, directory, ckpt_id,
-                                            extra_snapshot)
+                                            extra_snapshot, number)
 
             return self._save_in_background(directory, run,
                                             f"ferro-checkpoint-step{step}-{self.rank}")
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(self._save_and_prune(arrays, shard_spec, directory, ckpt_id,
-                                             extra_snapshot))
+                                             extra_snapshot, number))
         return CheckpointFuture(directory, done)
 
     def _save_and_prune(self, arrays, shard_spec, directory: Path, ckpt_id: str | None,
-                        extra_json: str | None) -> str:
+                        extra_json: str | None, number: int | None) -> str:
         if self.world_size == 1 and directory.exists() and not self._committed(directory):
             self._remove(directory)  # rule 4: a crashed save's leftovers, no other writer
         extra = None if extra_json is None else json.loads(extra_json)
         saved = save_distributed(arrays, directory, self.rank, self.world_size, shard_spec,
-                                 backend=self.backend, checkpoint_id=ckpt_id, extra=extra)
+                                 backend=self.backend, checkpoint_id=ckpt_id, extra=extra,
+                                 _save=number)
         if self.rank == 0:
             self._prune()
         return saved

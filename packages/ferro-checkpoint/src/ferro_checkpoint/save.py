@@ -41,6 +41,7 @@ import os
 import re
 import sys
 import uuid
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from .errors import (
     CheckpointIOError,
     DistCheckpointError,
     InvalidArgumentError,
+    MissingShardError,
     ShardMismatchError,
     TensorError,
 )
@@ -76,8 +78,22 @@ from .safetensors_io import (
     write_safetensors,
 )
 
-_ID_TAG = (1 << 30) + 7  # user-range tag for the checkpoint id (on a private subgroup)
-_VERDICT_TAG = _ID_TAG + 1  # rank 0's commit verdict
+_TAGS = (1 << 30) + 7  # user-range tags (on a private subgroup): three a save, by its number
+_SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> saves begun
+
+
+def next_save(backend) -> int:
+    """The number of this collective save on ``backend`` (every rank begins its saves in one
+    order): its messages' tags, so that one save's messages never meet another's (a failed
+    save's unread id, or two checkpointers' saves in flight at once)."""
+    k = _SAVES.get(backend, 0)
+    _SAVES[backend] = k + 1
+    return k
+
+
+def _tag(save: int, what: int) -> int:
+    """The tag of a save's id (0), its ranks' "written" (1) and rank 0's verdict (2)."""
+    return _TAGS + 3 * (save % (1 << 20)) + what
 _VERDICT_BYTES = 1024  # its size: a flag byte, then the error's class and message
 #: a shard header's digest of what its rank's save would commit (:func:`meta_digest`)
 SPEC_KEY = "ferro.spec"
@@ -127,16 +143,16 @@ def _checkpoint_group(backend):
     return SubBackend(backend, range(backend.world_size), name="ferro-checkpoint")
 
 
-def _agree_on_id(backend) -> str:
+def _agree_on_id(backend, save: int) -> str:
     """Rank 0 draws a random id and sends it to every rank."""
     group = _checkpoint_group(backend)
     buf = bytearray(32)
     if group.rank == 0:
         buf[:] = uuid.uuid4().hex.encode()
         for r in range(1, group.world_size):
-            group.send(buf, r, tag=_ID_TAG)
+            group.send(buf, r, tag=_tag(save, 0))
     else:
-        group.recv(buf, 0, tag=_ID_TAG)
+        group.recv(buf, 0, tag=_tag(save, 0))
     return buf.decode()
 
 
@@ -204,35 +220,46 @@ def meta_digest(meta: ShardMetadata) -> str:
                                         meta.checkpoint_id).to_json().encode()).hexdigest()[:32]
 
 
-def _commit(directory: Path, meta: ShardMetadata) -> None:
+def _commit(directory: Path, meta: ShardMetadata, collective: bool = False) -> None:
     """Write the commit record with every shard's id (the commit point), then roll the save
-    forward."""
+    forward. ``collective``: rank 0 commits once every rank said its shard is written, so a
+    temp shard missing is an error (not another rank's commit)."""
     ids = _tmp_shard_ids(directory, meta)
+    if ids is None and collective:
+        raise MissingShardError(
+            f"save_distributed: a temp shard of save {meta.checkpoint_id!r} is missing from "
+            f"{directory} after every rank wrote its own (another process removed it, or the "
+            "ranks see different directories); not committing")
     if ids is not None:
         meta.shard_ids = ids
         write_json_durably(commit_path(directory, meta.checkpoint_id), meta.to_json())
     recover(directory)
 
 
-def _commit_for_all(group, directory: Path, meta: ShardMetadata) -> None:
-    """Rank 0 of ``group`` commits and sends every rank its verdict (this is also the save's
-    last barrier): a commit refused or failed raises the same error on every rank, not on
-    rank 0 alone while the others wait for a barrier's deadline."""
+def _commit_for_all(group, directory: Path, meta: ShardMetadata, save: int) -> None:
+    """Every rank tells rank 0 of ``group`` that its shard is written; rank 0 commits and sends
+    every rank its verdict (the save's barrier, on the save's own tags): a commit refused or
+    failed raises the same error on every rank, not on rank 0 alone while the others wait for
+    a barrier's deadline."""
     verdict = bytearray(_VERDICT_BYTES)
     if group.rank == 0:
+        written = bytearray(1)
+        for r in range(1, group.world_size):
+            group.recv(written, r, tag=_tag(save, 1))
         failure = None
         try:
-            _commit(directory, meta)
+            _commit(directory, meta, collective=True)
         except DistCheckpointError as exc:
             failure = exc
             said = f"{type(exc).__name__}:{exc}".encode()[:_VERDICT_BYTES - 1]
             verdict[:len(said) + 1] = b"\x01" + said
         for r in range(1, group.world_size):
-            group.send(verdict, r, tag=_VERDICT_TAG)
+            group.send(verdict, r, tag=_tag(save, 2))
         if failure is not None:
             raise failure
         return
-    group.recv(verdict, 0, tag=_VERDICT_TAG)
+    group.send(bytearray(b"\x01"), 0, tag=_tag(save, 1))
+    group.recv(verdict, 0, tag=_tag(save, 2))
     if verdict[0]:
         kind, _, message = bytes(verdict[1:]).rstrip(b"\x00").decode(errors="replace") \
             .partition(":")
@@ -258,7 +285,8 @@ def _on_timeline(name: str):
 @_on_timeline("checkpoint.save")
 def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                      world_size: int, shard_spec: ShardMetadata, *, backend=None,
-                     checkpoint_id: str | None = None, extra: Mapping | None = None) -> str:
+                     checkpoint_id: str | None = None, extra: Mapping | None = None,
+                     _save: int | None = None) -> str:
     """Save this rank's shards of a distributed checkpoint; returns the checkpoint id.
 
     Parameters
@@ -306,6 +334,8 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     ...                  checkpoint_id="step100")  # committed once rank 1 saved too
     'step100'
     """
+    if backend is not None and _save is None:  # (first: a save refused below counts too)
+        _save = next_save(backend)
     rank, world_size = check_rank_world("save_distributed", rank, world_size)
     if shard_spec.num_ranks != world_size:
         raise InvalidArgumentError(f"save_distributed: shard_spec.num_ranks "
@@ -317,8 +347,11 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointIOError(f"save_distributed: cannot create {directory}: {exc}") from exc
+    # a save that crashed past its commit point is finished before this one picks its id or
+    # removes temp shards (it would reuse the id, or delete the committed save's shard)
+    recover(directory)
     if backend is not None:
-        ckpt_id = _agree_on_id(backend)
+        ckpt_id = _agree_on_id(backend, _save)
     else:
         ckpt_id = checkpoint_id or _default_id(directory)
     if not CHECKPOINT_ID_RE.fullmatch(ckpt_id):
@@ -348,9 +381,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         raise
     fsync_dir(directory)
     if backend is not None:
-        group = _checkpoint_group(backend)
-        group.barrier()
-        _commit_for_all(group, directory, final)
+        _commit_for_all(_checkpoint_group(backend), directory, final, _save)
     elif all_tmp_shards_written(directory, ckpt_id, world_size):
         _commit(directory, final)
     return ckpt_id
