@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ferro_collective as fc
-from ferro_backend import CollectiveTimeoutError, SimulatedBackend, SubBackend
+from ferro_backend import CollectiveTimeoutError, PeerAbortedError, SimulatedBackend, SubBackend
 
 CALLS = {
     "allreduce": lambda b, **kw: fc.allreduce(np.ones(4), b, **kw),
@@ -35,6 +35,7 @@ def test_per_call_timeout_wins_and_subgroups_inherit_the_parent_timeout():
     with pytest.raises(CollectiveTimeoutError, match="0.2s"):
         fc.allreduce(np.ones(3), rank0, timeout=0.2)
     assert time.monotonic() - t0 < 2.0
+    rank0, _silent = SimulatedBackend.create_group(2, timeout=30)  # (a timeout ended the last)
     rank0.timeout = 0.3
     sub = SubBackend(rank0, [0, 1])
     t0 = time.monotonic()
@@ -88,10 +89,43 @@ def test_the_timeout_names_the_ranks_not_heard_from_as_such():
             return None
         try:
             fc.allreduce(np.ones(2), b)
-        except CollectiveTimeoutError as exc:
+        except (CollectiveTimeoutError, PeerAbortedError) as exc:  # (the first one's abort)
             return str(exc)
         return "no error"
 
     said = [m for m in run_threads(call, group, timeout=20) if m is not None]
     assert all("ranks not heard from yet" in m for m in said), said
     assert any("the absent one is among these" in m for m in said), said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on(how):
+    # rank 0 timed out; rank 1's later call took rank 0's header and data, already sent, for
+    # a live call and returned [102, 102] while rank 0 had raised (threads, TCP, the engine)
+    import threading
+
+    from ferro_backend.testing import run_threads
+
+    group = SimulatedBackend.create_group(2, timeout=10)
+    gave_up = threading.Event()
+
+    def call(b, x):
+        if how == "sync":
+            return fc.allreduce(x, b, timeout=0.5 if b.rank == 0 else 5)
+        return fc.allreduce_async(x, b, timeout=0.5 if b.rank == 0 else 5).wait()
+
+    def body(b):
+        if b.rank == 1:
+            gave_up.wait(20)
+        try:
+            got = call(b, np.full(2, 100.0 if b.rank == 0 else 2.0))
+            return ("result", got.tolist())
+        except (CollectiveTimeoutError, PeerAbortedError) as exc:
+            return (type(exc).__name__, str(exc))
+        finally:
+            gave_up.set()
+
+    said = run_threads(body, group, timeout=40, abort_on_error=False, raise_first=False)
+    assert said[0][0] == "CollectiveTimeoutError", said
+    assert said[1][0] == "PeerAbortedError" and "rank 0" in said[1][1], said

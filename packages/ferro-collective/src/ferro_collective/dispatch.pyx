@@ -34,6 +34,7 @@ from ._onecall cimport barrier_now, one_call
 submit = executors.submit
 cdef object _NOT_TAKEN = NOT_TAKEN
 cdef object _general = executors.general
+cdef object _abandon = executors.abandon
 cdef object _traced = tracing.traced_call
 # ferro_backend.timeline's state, read per call (one dict lookup): its events list while this
 # process traces, else None. Read, not registered for: nothing below calls back up here.
@@ -51,6 +52,7 @@ def run(coll, tensor, backend, arg=None, timeout=None, algorithm=None, out=None,
                            span)
         return _run(coll, tensor, backend, arg, timeout, algorithm, out, span)
     except Exception as exc:  # its traceback ends here (ferro_backend.tracebacks.user_facing)
+        _abandon(backend, exc)  # a deadline passed: no peer completes the call without us
         raise _user_facing(exc)
 
 
@@ -62,6 +64,7 @@ def run_barrier(coll, backend, timeout=None):
         if _timeline["_events"] is None and barrier_now(backend, timeout):
             return None
     except Exception as exc:
+        _abandon(backend, exc)
         raise _user_facing(exc)
     return run(coll, None, backend, None, timeout)
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend, DistributedError
+from ferro_backend import Backend, CollectiveTimeoutError, DistributedError, SubBackend
 from ferro_backend.tracebacks import user_facing
 
 from . import costmodel, records, tracing
@@ -83,6 +83,38 @@ def general(coll: Collective, tensor, backend, arg, timeout, algorithm, out, spa
     return executor(_prepare(coll, tensor, backend, arg, timeout, algorithm, out, span))()
 
 
+def abandon(backend: Backend, exc: BaseException) -> None:
+    """This rank gave up on a collective (``exc``: its deadline passed): abort ``backend``,
+    so that no peer completes the call without it. Its messages are already on their way (a
+    header, data): a late peer would otherwise take them for a live call and return a result
+    built from an abandoned one, while this rank raised. Its peers' calls, the late one's
+    included, raise PeerAbortedError naming this rank and the call; its own later calls
+    PeerClosedError (as after ``abort``). A subgroup's view is closed instead (its later calls
+    on it raise PeerClosedError): aborting it would abort the whole job, every group (a view
+    cannot tell its members alone), where torch's groups end one at a time. Nothing if ``exc``
+    is no collective's timeout."""
+    if not isinstance(exc, CollectiveTimeoutError) or backend is None:
+        return
+    try:
+        if isinstance(backend, SubBackend):
+            backend.close()
+        else:
+            backend.abort(f"it gave up on a collective: {exc}")
+    except Exception:  # (the timeout is the error to raise; a failed abort adds nothing)
+        pass
+
+
+def _abandoning(job: Callable[[], Any], backend: Backend) -> Callable[[], Any]:
+    def run():
+        try:
+            return job()
+        except CollectiveTimeoutError as exc:
+            abandon(backend, exc)
+            raise
+
+    return run
+
+
 def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=None,
            out=None) -> Work:
     """One call of ``coll``, in the background (its place in the order of calls taken now)."""
@@ -90,7 +122,8 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
         plan = _prepare(coll, tensor, backend, arg, timeout, algorithm, out)
     except Exception as exc:
         raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
-    job = tracing.traced_job(plan.name, executor(plan), tensor, backend, algorithm)
+    job = tracing.traced_job(plan.name, _abandoning(executor(plan), backend), tensor, backend,
+                             algorithm)
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
 
 
