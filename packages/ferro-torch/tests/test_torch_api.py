@@ -48,6 +48,15 @@ def test_synchronous_calls_run_in_the_callers_thread(ranks):
         assert sync["inline_async"] == (N >= sync["cores"]), sync
 
 
+def test_async_calls_on_two_groups_issued_in_other_orders_complete_as_on_gloo(ranks):
+    total = float(sum(range(1, N + 1)))
+    for r in range(N):
+        got = ranks[r]["across"]
+        assert got["world"] == [total, total], got
+        assert got["pair"] == ([3.0, 3.0] if r < 2 else None), got
+        assert got["seconds"] < 15, got  # (a deadlock met the group's 20 s deadline)
+
+
 def test_a_timeout_is_worded_as_torch_words_it_with_ferros_detail_after(ranks):
     t = ranks[0]["timeout"]
     assert ": Timed out waiting 1000ms " in t["message"], t

@@ -15,6 +15,12 @@ from ferro_collective.background import runs_in_background
 from ._convert import check_cpu
 from ._work import DoneWork, FerroWork, Runner, seconds
 
+#: this process's ferro groups not shut down: an asynchronous operation runs in the issuing
+#: call (FERRO_BACKGROUND's auto) only while its group is the only one (with two, a rank may
+#: issue an async call on one and then a call on the other while its peer does the reverse:
+#: run at once, each waits for the other, where gloo completes the program)
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
 
 class GroupCore(dist.ProcessGroup):
     """A torch ProcessGroup over the ferro transport ``backend``: the base of
@@ -30,6 +36,7 @@ class GroupCore(dist.ProcessGroup):
         #: auto does so when this host's ranks fill its cores, where a worker thread would
         #: time-slice the caller's core; their Works still complete or fail at wait())
         self._inline_async = not runs_in_background(backend, None)
+        _OPEN.add(self)
         #: the Work of every synchronous operation without outputs that ran at once
         self._done = DoneWork("operation", [])
         self._closed = False
@@ -49,7 +56,7 @@ class GroupCore(dist.ProcessGroup):
             # torch's wait() has nothing left to do (one shared Work where there is no output)
             return DoneWork(name, outputs) if outputs else self._done
         work = FerroWork(name, outputs, self._deadline(opts))
-        inline = synchronous or self._inline_async
+        inline = synchronous or (self._inline_async and len(_OPEN) == 1)
         return self._issued(self._runner.submit(work, fn, inline=inline))
 
     def _deadline(self, opts) -> float:

@@ -23,6 +23,7 @@ from . import _compiled
 from ._collectives import Collectives
 from ._connect import connect
 from ._device_backend import DeviceBackend
+from ._group_core import _OPEN
 from ._point_to_point import TAG_LIMIT, PointToPoint
 from .errors import as_torch_error
 
@@ -71,6 +72,7 @@ class ProcessGroupFerro(Collectives, PointToPoint, DeviceBackend):
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self._runner.stop()
         # a receive still pending ends now, not at its deadline (a subgroup's transport goes
         # on: nothing else would end it)

@@ -256,6 +256,17 @@ class FerroBackend : public c10d::Backend {
 
   PyState& python() { return *py_; }
   bool inline_async() const { return inline_async_; }
+  // The ferro backends of this process not shut down: an asynchronous operation runs in the
+  // issuing call (inline_async_) only while its backend is the only one. With two groups a
+  // rank may issue an async call on one, then a call on the other, while its peer does the
+  // reverse: run at once, each waits for the other (gloo completes such a program).
+  static std::atomic<int>& open_backends() {
+    static std::atomic<int> open{0};
+    return open;
+  }
+  void uncount() {
+    if (counted_.exchange(false)) open_backends().fetch_sub(1);
+  }
   // `work`, noted as part of the coalesced block torch has open, if any
   WorkPtr noted(WorkPtr work);
 
@@ -295,6 +306,7 @@ class FerroBackend : public c10d::Backend {
   const ferro_engine_api* api_;
   Ms timeout_;
   bool inline_async_;
+  std::atomic<bool> counted_{true};
   std::unique_ptr<PyState> py_;
   std::atomic<uint64_t> seq_{0};
   bool closed_ = false;
@@ -325,7 +337,7 @@ WorkPtr FerroBackend::issue(c10d::OpType type, bool async_op, Ms timeout, size_t
   ++seq_;
   const double secs = seconds(timeout);
   auto work = c10::make_intrusive<FerroWork>(type, std::move(outputs));
-  if (!async_op || inline_async_) {
+  if (!async_op || (inline_async_ && open_backends().load(std::memory_order_relaxed) == 1)) {
     std::exception_ptr error;
     try {
       Tickets t(comm_, api_, calls);

@@ -56,9 +56,12 @@ FerroBackend::FerroBackend(ferro_comm* comm, int rank, int size, Ms timeout, boo
       api_(ferro_api(comm)),
       timeout_(timeout),
       inline_async_(inline_async),
-      py_(std::move(py)) {}
+      py_(std::move(py)) {
+  open_backends().fetch_add(1);
+}
 
 FerroBackend::~FerroBackend() {
+  uncount();
   {
     WithoutGil unlocked;
     stop_worker();
@@ -85,6 +88,7 @@ void FerroBackend::shutdown() {
     stop_worker();  // every operation issued runs first
   }
   closed_ = true;
+  uncount();
   {
     py::gil_scoped_acquire gil;
     py_->group.attr("shutdown")();  // (closes the transport the group owns)
@@ -104,6 +108,7 @@ void FerroBackend::abort() {
     p2p_->stop();
   }
   closed_ = true;
+  uncount();
   py::gil_scoped_acquire gil;
   py_->group.attr("abort")();
 }
