@@ -10,6 +10,7 @@ import pytest
 from _util import save_all
 
 from ferro_checkpoint import (
+    CheckpointIOError,
     CheckpointManager,
     DistCheckpointError,
     MetadataError,
@@ -259,3 +260,53 @@ def test_zero_length_tensors_do_not_overlap(tmp_path):
                              b"\x00" * 8))
     f = SafetensorsFile(p)
     assert f.tensor("a").shape == (0,) and f.tensor("w").shape == (2,)
+
+
+def test_consolidate_refuses_an_empty_name_and_leaves_no_temp_file(tmp_path):
+    from ferro_checkpoint import InvalidArgumentError
+
+    d = tmp_path / "ckpt"
+    save_all({"w": np.arange(6.0)}, d, 2)
+    with pytest.raises(InvalidArgumentError, match="names no file"):
+        consolidate(d, "")
+    (tmp_path / "out").mkdir()  # a directory where the file goes: the rename fails
+    with pytest.raises(CheckpointIOError):
+        consolidate(d, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # (no .tmp left)
+
+
+def test_a_directory_named_metadata_json_is_a_metadata_error(tmp_path):
+    save_all({"w": np.arange(4.0)}, tmp_path, 1)
+    (tmp_path / "metadata.json").unlink()
+    (tmp_path / "metadata.json").mkdir()
+    with pytest.raises(MetadataError, match="cannot be read"):
+        load_distributed(tmp_path, 0, 1)
+
+
+def test_a_lazy_membership_test_reads_nothing(tmp_path):
+    # Mapping's `in` read the tensor and verified it: a corrupt one raised there
+    from ferro_checkpoint import ChecksumMismatchError
+
+    save_all({"w": np.arange(4.0), "v": np.ones(2)}, tmp_path, 1)
+    shard = tmp_path / "rank_0.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x40  # the last tensor's last byte ("w": the widest first, then by name)
+    shard.write_bytes(bytes(raw))
+    tensors = load_distributed(tmp_path, 0, 1, mmap=True, verify="lazy")
+    assert "w" in tensors and "x" not in tensors
+    with pytest.raises(ChecksumMismatchError):
+        tensors["w"]
+
+
+@pytest.mark.parametrize("bad", [np.int64(2), True, 2.5])
+def test_world_sizes_and_shard_sizes_are_integers(bad):
+    from ferro_checkpoint import InvalidArgumentError, TensorShardSpec, flat_shard_metadata
+
+    if isinstance(bad, np.integer):  # a numpy integer is one
+        assert flat_shard_metadata({"w": np.zeros(2)}, bad).num_ranks == 2
+        assert TensorShardSpec((4,), 0, (bad, bad)).shard_sizes == (2, 2)
+        return
+    with pytest.raises(InvalidArgumentError, match="is not an int"):
+        flat_shard_metadata({"w": np.zeros(2)}, bad)
+    with pytest.raises(InvalidArgumentError, match="is not an int"):
+        TensorShardSpec((4,), 0, (bad, 4 - bad))

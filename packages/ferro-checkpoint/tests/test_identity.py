@@ -268,3 +268,30 @@ def test_a_save_is_a_span_on_ferro_backends_timeline_when_it_traces(tmp_path, mo
     fake.active = lambda: False
     save_distributed({"w": np.ones(4)}, tmp_path / "d", 0, 1, spec)
     assert len(spans) == 1
+
+
+def test_a_rank_a_save_ahead_of_its_peer_never_mixes_two_saves(tmp_path):
+    """Without a backend, rank 0's next save read the same committed generation while rank 1
+    still wrote the previous one, reused its id and overwrote its own uncommitted shard: rank
+    1's late shard then committed rank 0's save 2 with its own save 1 ([2, 2, 1, 1]), and no
+    later save ever committed. Each checkpointer now numbers its saves."""
+    from ferro_checkpoint import AsyncCheckpointer, ShardMetadata, TensorShardSpec
+
+    spec = ShardMetadata(2, {"w": TensorShardSpec((4,), 0, (2, 2))})
+    ck = [AsyncCheckpointer(tmp_path, r, 2, spec) for r in range(2)]
+
+    def state(k):
+        return {"w": np.full(2, float(k), np.float32)}
+
+    ck[0].save_async(state(1)).wait(30)
+    ck[0].save_async(state(2)).wait(30)
+    ck[1].save_async(state(1)).wait(30)  # late: rank 0 has moved on (its save 1 is dropped)
+    ck[1].save_async(state(2)).wait(30)
+    assert load_distributed(tmp_path, 0, 1)["w"].tolist() == [2.0] * 4
+    ck[0].save_async(state(3)).wait(30)
+    ck[1].save_async(state(3)).wait(30)
+    assert load_distributed(tmp_path, 0, 1)["w"].tolist() == [3.0] * 4
+    again = AsyncCheckpointer(tmp_path, 0, 1, ShardMetadata(1, {"w": TensorShardSpec((4,), 0,
+                                                                                      (4,))}))
+    assert again.save_async({"w": np.zeros(4, np.float32)}).wait(30) is None
+    assert load_distributed(tmp_path, 0, 1)["w"].tolist() == [0.0] * 4

@@ -110,6 +110,55 @@ def test_keep_last_with_several_ranks_lags_at_most_one_save(tmp_path):
     assert np.array_equal(restored_full(tmp_path, 1)[0]["w"], full_at(7)["w"])
 
 
+def test_a_step_below_the_newest_committed_one_is_refused(tmp_path):
+    # it was saved and pruned at once (one rank), or its directory deleted under the other
+    # ranks' saves (several): every save of a rollback was lost without a word
+    m = CheckpointManager(tmp_path, 0, 1, keep_last=1)
+    m.save(300, full_at(300), spec_for(FULL, 1))
+    with pytest.raises(InvalidArgumentError, match="step 210 is below the newest committed "
+                                                   "step 300"):
+        m.save(210, full_at(210), spec_for(FULL, 1))
+    m.save(300, full_at(301), spec_for(FULL, 1))  # re-saving the newest: replaced
+    assert m.steps() == [300]
+    assert np.array_equal(m.restore()[0]["b"], full_at(301)["b"])
+
+
+def test_a_manager_built_to_restore_leaves_another_jobs_save_in_flight(tmp_path):
+    # a one-rank restorer removed the shard a two-rank job had written of a step its other
+    # rank had not yet: that step never committed
+    trainers = [CheckpointManager(tmp_path, r, 2) for r in range(2)]
+    save_step(trainers, 1, full_at(1))
+    spec = spec_for(full_at(2), 2)
+    trainers[0].save(2, shards_of(full_at(2), spec, 0), spec)
+    tensors, _ = CheckpointManager(tmp_path, 0, 1).restore()
+    assert np.array_equal(tensors["b"], full_at(1)["b"])
+    trainers[1].save(2, shards_of(full_at(2), spec, 1), spec)
+    assert trainers[0].steps() == [1, 2]
+
+
+def test_an_async_save_in_flight_at_exit_is_finished(tmp_path):
+    # the writer was a daemon thread killed at exit: the last step silently missing
+    script = textwrap.dedent(f"""
+        import time
+        import numpy as np
+        import ferro_checkpoint.save as save_mod
+        from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
+        slow = save_mod.write_safetensors
+        def write(*args, **kwargs):
+            time.sleep(1.0)
+            return slow(*args, **kwargs)
+        save_mod.write_safetensors = write
+        spec = ShardMetadata(1, {{"w": TensorShardSpec((3,), 0, (3,))}})
+        m = CheckpointManager({str(tmp_path)!r}, 0, 1)
+        m.save(1, {{"w": np.ones(3)}}, spec, blocking=False)
+        print("exiting", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr
+    assert CheckpointManager(tmp_path, 0, 1).steps() == [1]
+
+
 def test_steps_ascending_and_latest(tmp_path):
     m = CheckpointManager(tmp_path, 0, 1, keep_last=10)
     assert m.latest_step() is None

@@ -2,28 +2,57 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import json
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from .errors import AsyncCheckpointError, InvalidArgumentError
+from .errors import AsyncCheckpointError, DistCheckpointError, InvalidArgumentError
+from .layout import recover
 from .metadata import ShardMetadata, check_rank_world
-from .save import encode_extra, next_save, save_distributed
+from .save import _default_id, encode_extra, next_save, save_distributed
+
+#: saves still running: (future, directory, seconds the exit waits for it; None: no limit)
+_RUNNING: set[tuple[concurrent.futures.Future, Path, float | None]] = set()
+_RUNNING_LOCK = threading.Lock()
 
 
-def _run_in_background(fn: Callable[[], str], name: str) -> concurrent.futures.Future:
+def _finish_at_exit() -> None:
+    """At interpreter exit, let the saves still running finish: a save without a backend
+    writes its own files and cannot hang (it ends); a collective one waits for its peers, for at
+    most its backend's timeout. One that does not end is named on stderr (it is not
+    committed: the previous checkpoint stays), never dropped without a word."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for future, directory, limit in running:
+        concurrent.futures.wait([future], limit)
+        if not future.done():
+            sys.stderr.write(f"ferro-checkpoint: the save to {directory} was still running at "
+                             f"exit after {limit:g} s more; it is not committed\n")
+
+
+atexit.register(_finish_at_exit)
+
+
+def _run_in_background(fn: Callable[[], str], name: str, directory: Path = Path("."),
+                       limit: float | None = None) -> concurrent.futures.Future:
     """Run ``fn`` on a new daemon thread; its result or exception lands in the returned future.
 
-    Not a ThreadPoolExecutor: its workers are joined at interpreter exit, so a collective save
-    waiting on a dead peer would block exit; a daemon thread does not (an unfinished save is
-    simply not committed).
+    Not a ThreadPoolExecutor: its workers are joined at interpreter exit with no limit, so a
+    collective save waiting on a dead peer would block exit for ever; a daemon thread is waited
+    for by :func:`_finish_at_exit` for at most ``limit`` seconds (None: until it ends).
     """
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
+    entry = (future, Path(directory), limit)
+    with _RUNNING_LOCK:
+        _RUNNING.add(entry)
+    future.add_done_callback(lambda _f: _discard(entry))
 
     def run() -> None:
         try:
@@ -35,6 +64,22 @@ def _run_in_background(fn: Callable[[], str], name: str) -> concurrent.futures.F
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def _committed_generation(directory: Path) -> int:
+    """N of the checkpoint ``g<N>`` committed in ``directory`` (0: none, or another id), once a
+    save committed before a crash is finished."""
+    if directory.is_dir():
+        try:
+            recover(directory)
+        except (OSError, DistCheckpointError):
+            pass  # (the first save reports what is wrong with the directory)
+    return int(_default_id(directory)[1:]) - 1
+
+
+def _discard(entry) -> None:
+    with _RUNNING_LOCK:
+        _RUNNING.discard(entry)
 
 
 class CheckpointFuture:
@@ -72,7 +117,9 @@ class CheckpointFuture:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save is committed. Idempotent; raises AsyncCheckpointError (the
+        """Block until this rank's save is done: committed with a backend (a collective save);
+        without one, its shard is written, and the save is committed once every rank's is (the
+        last rank's save commits it). Idempotent; raises AsyncCheckpointError (the
         cause chained) every time if the save failed.
 
         Parameters
@@ -110,7 +157,9 @@ class _RankSaves:
                             thread_name: str) -> CheckpointFuture:
         """Run ``save`` (which must only read copies made now) on a background thread; its
         future becomes the pending one."""
-        self._pending = CheckpointFuture(directory, _run_in_background(save, thread_name))
+        limit = None if self.backend is None else float(self.backend.timeout)
+        self._pending = CheckpointFuture(directory, _run_in_background(save, thread_name,
+                                                                       directory, limit))
         return self._pending
 
 
@@ -156,6 +205,13 @@ class AsyncCheckpointer(_RankSaves):
                                        f"{shard_spec.num_ranks} != world_size {world_size}")
         self.directory = Path(directory)
         self.shard_spec = shard_spec
+        # without a backend, saves without an id are numbered by this checkpointer: g<N+1>,
+        # g<N+2>... after the generation N committed when it was built (every rank builds its
+        # checkpointer before its first save), not by each save's reading of metadata.json: a
+        # rank whose previous save was not committed yet (a peer still writing it) read the
+        # same N, reused the id, and its new shard was committed with the peer's old one
+        self._generation = None if backend is not None else _committed_generation(
+            self.directory)
 
     @property
     def dir(self) -> Path:
@@ -198,7 +254,8 @@ class AsyncCheckpointer(_RankSaves):
         Returns
         -------
         CheckpointFuture
-            The save's future: ``wait()`` returns once it is committed.
+            The save's future: ``wait()`` returns once it is committed (with a backend;
+            without one, once this rank's shard is written: see :meth:`CheckpointFuture.wait`).
 
         Raises
         ------
@@ -217,6 +274,9 @@ class AsyncCheckpointer(_RankSaves):
         staged = {k: np.array(v, copy=True) for k, v in state_dict.items()}
         extra = json.loads(encode_extra(extra, "save_async") or "null")  # a snapshot, now
         spec = shard_spec or self.shard_spec
+        if checkpoint_id is None and self._generation is not None:
+            self._generation += 1
+            checkpoint_id = f"g{self._generation}"
 
         def save() -> str:
             return save_distributed(staged, self.directory, self.rank, self.world_size, spec,

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from .copy_plan import read_tensors
-from .errors import CheckpointIOError, TensorError
+from .errors import CheckpointIOError, InvalidArgumentError, TensorError
 from .layout import METADATA, fsync_dir
 from .load import open_checkpoint, shards_of
 from .read_options import resolve_threads, resolve_verify
@@ -77,6 +77,8 @@ def consolidate(directory, output_file, *, verify: bool | None = None,
         codes[n] = specs[n].dtype or found.pop()
         code_dtype(codes[n], f"{ckpt.checkpoint_dir / METADATA}: tensor {n!r}")
     out = Path(output_file)
+    if not out.name or out.name in (".", ".."):  # (Path("") is "."; with_name would refuse it)
+        raise InvalidArgumentError(f"consolidate: output_file {output_file!r} names no file")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         write_safetensors(tmp, [(n, codes[n], specs[n].full_shape) for n in names],
@@ -88,6 +90,10 @@ def consolidate(directory, output_file, *, verify: bool | None = None,
         raise
     try:
         os.replace(tmp, out)
+    except OSError as exc:  # (a directory there, say): the model-sized temp file goes too
+        tmp.unlink(missing_ok=True)
+        raise CheckpointIOError(f"consolidate: cannot write {out}: {exc}") from exc
+    try:
         fsync_dir(out.parent if str(out.parent) else Path("."))
     except OSError as exc:
         raise CheckpointIOError(f"consolidate: cannot write {out}: {exc}") from exc

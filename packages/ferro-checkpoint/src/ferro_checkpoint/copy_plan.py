@@ -280,6 +280,9 @@ class LazyTensors(Mapping):
                     del self._pending[name]
         return array
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays  # (Mapping's would read and verify the tensor)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._arrays)
 

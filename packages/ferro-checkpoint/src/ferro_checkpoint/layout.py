@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from .metadata import ShardMetadata
@@ -75,17 +76,21 @@ def all_tmp_shards_written(directory: Path, ckpt_id: str, world_size: int) -> bo
     return all(tmp_shard_path(directory, r, ckpt_id).exists() for r in range(world_size))
 
 
-def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str) -> None:
+def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str,
+                            mine: Callable[[Path], bool] | None = None) -> None:
     """Delete rank ``rank``'s temp shards of saves other than ``ckpt_id`` and all its partly
     written ones (left by a crash before their commit). Only the rank that wrote them calls
-    this, when it saves again."""
+    this, when it saves again. ``mine``: where given, only the temp shards it says are this
+    job's go, and no partly written one (a manager built to restore must not delete the shard
+    another job is saving)."""
     for p in Path(directory).iterdir():
         m = _TMP_SHARD_RE.fullmatch(p.name)
         if m and int(m.group(1)) == rank and m.group(2) != ckpt_id \
-                and not commit_path(directory, m.group(2)).exists():  # (committed: recover's)
+                and not commit_path(directory, m.group(2)).exists() \
+                and (mine is None or mine(p)):  # (committed: recover's)
             p.unlink(missing_ok=True)
         m = _PART_SHARD_RE.fullmatch(p.name)
-        if m and int(m.group(1)) == rank:
+        if m and int(m.group(1)) == rank and mine is None:
             p.unlink(missing_ok=True)
 
 

@@ -186,6 +186,8 @@ def open_checkpoint(directory) -> DistributedCheckpoint:
     except FileNotFoundError:
         raise MetadataError(f"{path} is missing: no committed checkpoint in {directory}") \
             from None
+    except OSError as exc:  # a directory of that name, no permission...
+        raise MetadataError(f"{path} cannot be read: {exc}") from exc
     return DistributedCheckpoint(directory, ShardMetadata.from_json(text, source=str(path)))
 
 

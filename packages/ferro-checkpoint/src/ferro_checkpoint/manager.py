@@ -36,13 +36,18 @@ Deletion rule (only **rank 0** deletes; the other ranks never delete a directory
    it returns, so rank 0 prunes right after the commit.
 3. A new manager finishes every step committed before a crash (``layout.recover``), then
    removes its own rank's temp shards left in any step directory by a crash (files named with
-   its rank only), so a re-save of a crashed step without a backend cannot commit a stale shard
-   of that rank. Construct the managers of all ranks before any of them
-   saves (without a backend; with one the id is random and this does not matter).
+   its rank only, saved by a job of its world size: a manager of another world, one built to
+   restore while the job saves, leaves them), so a re-save of a crashed step without a
+   backend cannot commit a stale shard of that rank. Construct the managers of all ranks
+   before any of them saves (without a backend; with one the id is random and this does not
+   matter).
 4. With ``world_size == 1`` a save into an uncommitted ``step_<n>/`` first deletes it.
 
-Steps are meant to increase; re-saving a committed step replaces it atomically (the usual
-protocol), and steps newer than it stay listed.
+Steps are meant to increase: a save of a step below the newest committed one that would be
+lost is refused (InvalidArgumentError: ``keep_last`` committed steps are newer, so rule 1 would
+delete it at once; or, without a backend on several ranks, rank 0's pruning would delete its
+directory under the other ranks' saves); re-saving a committed step replaces
+it atomically (the usual protocol), and steps newer than it stay listed.
 """
 
 from __future__ import annotations
@@ -59,11 +64,12 @@ from pathlib import Path
 import numpy as np
 
 from .async_save import CheckpointFuture, _RankSaves
-from .errors import CheckpointIOError, InvalidArgumentError, MissingStepError
+from .errors import CheckpointIOError, DistCheckpointError, InvalidArgumentError, MissingStepError
 from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
 from .load import load_distributed, open_checkpoint
 from .metadata import ShardMetadata
 from .read_options import ReadOptions
+from .safetensors_io import SafetensorsFile
 from .save import _checked_arrays, encode_extra, next_save, save_distributed
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
@@ -130,11 +136,21 @@ class CheckpointManager(_RankSaves):
             self.root.mkdir(parents=True, exist_ok=True)
             for d in self._step_dirs().values():  # rule 3: this rank's crash leftovers
                 recover(d)  # first finish a save committed before the crash: it needs them
-                remove_stale_tmp_shards(d, rank, "")
+                remove_stale_tmp_shards(d, rank, "", self._same_world)
         except FileNotFoundError:
             pass  # a step directory deleted meanwhile by rank 0
         except OSError as exc:
             raise CheckpointIOError(f"CheckpointManager: cannot use {self.root}: {exc}") from exc
+
+    def _same_world(self, tmp_shard: Path) -> bool:
+        """Whether a temp shard of this rank was saved by a job of this manager's world size
+        (or cannot be read: a crash's): only those are this job's leftovers. A manager of
+        another world (one rank restoring while a job of two saves) must leave it alone."""
+        try:
+            saved = SafetensorsFile(tmp_shard).metadata.get("ferro.world_size")
+        except (OSError, DistCheckpointError, ValueError):
+            return True
+        return saved is None or saved == str(self.world_size)
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.root)!r}, rank={self.rank}, "
@@ -258,6 +274,18 @@ class CheckpointManager(_RankSaves):
         arrays = _checked_arrays(state_dict, self.rank, shard_spec)
         extra_snapshot = encode_extra(extra, "CheckpointManager.save")
         self._wait_pending()
+        newer = [s for s in self.steps() if s > step]
+        if len(newer) >= self.keep_last or (newer and self.backend is None
+                                            and self.world_size > 1):
+            # rule 1 would delete it at once, or (without a backend, several ranks) rank 0
+            # would delete its directory, below the newest committed step, under the others
+            why = (f"keep_last={self.keep_last} keeps newer steps only" if
+                   len(newer) >= self.keep_last else "without a backend rank 0's pruning "
+                   "deletes an uncommitted step below the newest while the others write it")
+            raise InvalidArgumentError(
+                f"CheckpointManager.save: step {step} is below the newest committed step "
+                f"{newer[-1]} under {self.root}, and would be lost ({why}); to go back to "
+                f"step {step}, delete the step_<n> directories above it first")
         directory = self.step_dir(step)
         ckpt_id = None if self.backend is not None else f"step{step}"
         if not blocking:

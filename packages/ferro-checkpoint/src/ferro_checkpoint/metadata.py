@@ -43,6 +43,14 @@ FORMAT_VERSION = 2  # what saves write
 READABLE_VERSIONS = (1, 2)  # what loads read
 
 
+def _whole(v, what: str) -> int:
+    """``v`` as an int where it is an integer (Python's or numpy's, not bool): a float or a
+    bool was truncated silently ((2.5, 1.5) became (2, 1), True became 1)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidArgumentError(f"{what}: {v!r:.40} is not an int")
+    return int(v)
+
+
 def check_rank_world(op: str, rank: int, world_size: int) -> tuple[int, int]:
     """``(rank, world_size)`` as ints; InvalidArgumentError unless both are integers (Python's
     or numpy's, not bool) with ``0 <= rank < world_size``; ``op`` names the caller."""
@@ -119,9 +127,10 @@ class TensorShardSpec:
     dtype: str | None = None  # safetensors dtype code, filled in by save
 
     def __post_init__(self) -> None:
-        self.full_shape = tuple(int(s) for s in self.full_shape)
-        self.shard_sizes = tuple(int(s) for s in self.shard_sizes)
-        self.shard_dim = int(self.shard_dim)
+        for what in ("full_shape", "shard_sizes"):
+            self.__dict__[what] = tuple(_whole(s, f"TensorShardSpec: {what}")
+                                        for s in getattr(self, what))
+        self.shard_dim = _whole(self.shard_dim, "TensorShardSpec: shard_dim")
         if not self.full_shape:
             raise InvalidArgumentError("TensorShardSpec: a 0-d tensor cannot be sharded; "
                                        "reshape it to (1,)")
@@ -230,7 +239,10 @@ class ShardMetadata:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+        if isinstance(self.num_ranks, np.integer) and not isinstance(self.num_ranks, bool):
+            self.num_ranks = int(self.num_ranks)
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or \
+                self.num_ranks < 1:
             raise InvalidArgumentError(f"ShardMetadata: num_ranks {self.num_ranks!r} must be >= 1")
         self.shard_ids = tuple(self.shard_ids)
         if self.shard_ids and (len(self.shard_ids) != self.num_ranks or
@@ -366,6 +378,7 @@ def flat_shard_metadata(state_dict: Mapping[str, np.ndarray], world_size: int) -
     >>> flat_shard_metadata({"w": np.zeros(4)}, world_size=2).tensor_specs["w"].full_shape
     (8,)
     """
+    world_size = _whole(world_size, "flat_shard_metadata: world_size")
     if world_size < 1:
         raise InvalidArgumentError(f"flat_shard_metadata: world_size {world_size} must be >= 1")
     numels = {name: int(np.asarray(t).size) for name, t in state_dict.items()}
