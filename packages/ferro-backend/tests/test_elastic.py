@@ -2,6 +2,8 @@
 as threads over TCP (the ferrorun end to end test is examples/tests/test_train_elastic.py)."""
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -314,3 +316,51 @@ def test_a_silent_coordinator_is_named_at_the_members_deadline():
         lsock.close()
     # ferrorun gives its ranks a deadline that covers the coordinator's own waits
     assert elastic_timeout(3.0, 60.0, 2.0) == 75.0 and elastic_timeout(3.0, 60.0, None) == 73.0
+
+
+# ---- ferrorun --nproc MIN:MAX, end to end ----
+
+FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
+
+JOINS = """
+import os, sys
+from ferro_backend import elastic
+job = elastic.join()
+job.backend.barrier()
+print("member", job.member_id, "rank", job.rank, "of", job.world_size, flush=True)
+# no job.close(): the README's outline of the loop never calls it
+"""
+
+
+def _ferrorun(tmp_path, body, *args):
+    script = tmp_path / "job.py"
+    script.write_text(body)
+    return subprocess.run([*FERRORUN, "--nproc", "2:2", "--settle", "2", *args, str(script)],
+                          capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.parametrize("body", [JOINS, "print('never joins', flush=True)\n"],
+                         ids=["joins", "never-joins"])
+def test_an_elastic_job_whose_processes_all_exit_0_exits_0(tmp_path, body):
+    """Every process exited 0, without ElasticJob.close(): the job succeeded (as torchrun
+    says), not "cannot go on: every member of generation 0 is gone" and exit code 1."""
+    r = _ferrorun(tmp_path, body)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cannot go on" not in r.stderr and "no member said" not in r.stderr, r.stderr
+    assert r.stdout.count("member ") == 2 or r.stdout.count("never joins") == 2, r.stdout
+
+
+def test_an_elastic_job_with_a_failed_process_and_no_done_says_why_it_fails(tmp_path):
+    r = _ferrorun(tmp_path, "import os, sys\nsys.exit(3 if os.environ['LOCAL_RANK'] == '1' "
+                  "else 0)\n")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "no member said the elastic job was done (ElasticJob.close())" in r.stderr, r.stderr
+
+
+def test_elastic_output_is_prefixed_with_the_process_not_a_rank(tmp_path):
+    """The prefix numbers the processes ferrorun started (a rank changes with each generation):
+    it says ``proc``, not ``rank``, and each line's number is its process's own."""
+    r = _ferrorun(tmp_path, "import os\nprint('local', os.environ['LOCAL_RANK'], flush=True)\n")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[proc 0] local 0", "[proc 1] local 1"]
+    assert "[rank" not in r.stdout + r.stderr

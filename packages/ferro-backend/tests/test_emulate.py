@@ -138,6 +138,14 @@ def test_agent_command_is_a_node_of_a_multi_node_job():
     assert "--token" not in line  # the secret travels in the environment
 
 
+def test_agent_command_carries_the_attempt():
+    """Attempt 2 of an emulated job: the agent's ranks see FERRO_RESTART_COUNT=2 and its log
+    files are appended to (before, every agent ran as attempt 0)."""
+    assert "--restart-count" not in emulate.agent_command(_args(), 1, 2, "10.213.0.1", 29500)
+    cmd = emulate.agent_command(_args(), 1, 2, "10.213.0.1", 29502, 2)
+    assert " --restart-count 2 " in " ".join(cmd) and cmd[-3:] == ["train.py", "--epochs", "1"]
+
+
 def test_ferrorun_rejects_link_options_without_emulation():
     r = subprocess.run([*FERRORUN, "--link-rate", "1gbit", "x.py"], capture_output=True,
                        text=True, timeout=30)
@@ -312,3 +320,32 @@ def test_a_killed_node_gives_the_survivors_a_typed_error(tmp_path):
             out
         assert took < 3 + 5, took
     assert wait_until(lambda: namespaces() <= before, 10)
+
+
+RESTARTS = """
+import os, sys, time
+r, c = int(os.environ["RANK"]), int(os.environ["FERRO_RESTART_COUNT"])
+print(f"rank {r} attempt {c}", flush=True)
+time.sleep(1.5)     # (every rank has printed, however slowly it started)
+if r == 1 and c < 2:
+    sys.exit(9)     # fails on attempts 0 and 1
+"""
+
+
+@needs_namespaces
+def test_emulated_restarts_count_attempts_and_append_the_logs(tmp_path):
+    """--emulate-nodes with --max-restarts: each attempt's ranks see its FERRO_RESTART_COUNT
+    (a script resumes from its checkpoint on > 0), and --log-dir keeps every attempt."""
+    script = tmp_path / "restarts.py"
+    script.write_text(RESTARTS)
+    logs = tmp_path / "logs"
+    before = namespaces()
+    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--grace", "1",
+                        "--max-restarts", "3", "--log-dir", str(logs), str(script)],
+                       capture_output=True, text=True, timeout=80)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "restarting the job (2 of 3)" in r.stderr and "(3 of 3)" not in r.stderr
+    for rank in (0, 1):
+        assert (logs / f"rank_{rank}.log").read_text().split("\n")[:-1] == [
+            f"rank {rank} attempt {c}" for c in range(3)]
+    assert wait_until(lambda: namespaces() <= before, 5)

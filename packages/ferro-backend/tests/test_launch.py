@@ -328,3 +328,101 @@ def test_ctrl_c_gives_one_line_per_rank_and_names_the_signal(tmp_path):
     assert p.returncode == 130
     assert "Traceback" not in err
     assert err.count("interrupted (rank") == 2
+
+
+STUBBORN = """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: print("ignoring SIGTERM", flush=True))
+    print("up", os.getpid(), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("nproc", ["2", "2:2"])
+def test_ranks_that_outlive_the_grace_after_sigterm_get_sigkill(tmp_path, nproc):
+    """SIGTERM to ferrorun reaches the ranks; a rank whose handler carries on is SIGKILLed
+    --grace seconds later, plain and elastic (before, ferrorun waited for it for ever)."""
+    script = write(tmp_path, "stubborn.py", STUBBORN)
+    p = subprocess.Popen([*FERRORUN, "--nproc", nproc, "--grace", "1", str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        while len(pids) < 2:
+            line = p.stdout.readline()
+            assert line, "ferrorun ended early"
+            if " up " in line:
+                pids.append(int(line.split()[-1]))
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = p.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert out.count("ignoring SIGTERM") == 2, out + err
+    assert 0.9 < took < 15, took
+    assert "after SIGTERM; sending SIGKILL" in err, err
+    assert p.returncode == 128 + signal.SIGTERM
+    assert not any(alive(pid) for pid in pids)
+
+
+SLEEPER = """
+    import os, time
+    print("up", os.getpid(), flush=True)
+    time.sleep(30)
+"""
+
+
+def _sigterm_while_starting(monkeypatch, module, name):
+    """Make ``module.name`` (what starts the ranks) send ferrorun's process a SIGTERM once it
+    has started them, before ferrorun registers them: the window where a signal was lost."""
+    real = getattr(module, name)
+
+    def starting(*a, **kw):
+        started = real(*a, **kw)
+        os.kill(os.getpid(), signal.SIGTERM)   # the handler runs here, in the main thread
+        return started
+
+    monkeypatch.setattr(module, name, starting)
+
+
+@pytest.mark.parametrize("nproc, restarts", [("2", 0), ("2", 1), ("2:2", 0)])
+def test_a_sigterm_while_the_ranks_start_stops_the_job(tmp_path, monkeypatch, capfd, nproc,
+                                                       restarts):
+    """A SIGTERM that reaches ferrorun while it starts the ranks (or restarts them) is passed on
+    once they are registered: the job stops within --grace, not when the ranks end (30 s)."""
+    from ferro_backend.launch import elastic_run, ferrorun
+
+    script = write(tmp_path, "sleeper.py", SLEEPER)
+    if ":" in nproc:
+        _sigterm_while_starting(monkeypatch, elastic_run.ElasticRun, "_start")
+    elif restarts:   # the restart's window: attempt 0 fails, the SIGTERM comes with attempt 1
+        script = write(tmp_path, "sleeper.py", """
+            import os, sys, time
+            if os.environ["FERRO_RESTART_COUNT"] == "0":
+                sys.exit(3)
+            time.sleep(30)
+        """)
+        real = ferrorun._local_job
+
+        def local_job(args, token, caps, restart):
+            job = real(args, token, caps, restart)
+            if restart:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return job
+
+        monkeypatch.setattr(ferrorun, "_local_job", local_job)
+    else:
+        _sigterm_while_starting(monkeypatch, ferrorun, "_local_job")
+    t0 = time.monotonic()
+    code = ferrorun.main(["--nproc", nproc, "--grace", "1", "--max-restarts", str(restarts),
+                          str(script)])
+    took = time.monotonic() - t0
+    assert code == 128 + signal.SIGTERM
+    assert took < 20, took
+    assert signal.getsignal(signal.SIGTERM) is not None   # ferrorun put the old handler back
+    capfd.readouterr()

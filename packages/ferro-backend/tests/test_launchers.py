@@ -247,6 +247,53 @@ def test_bad_variables(env, words):
         assert word in str(info.value)
 
 
+M = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, words", [
+    # rank 1 would dial port 0 until the connect timeout
+    ({"RANK": "1", "WORLD_SIZE": "2", **M, "MASTER_PORT": "0"}, ["MASTER_PORT=0", "2 ranks"]),
+    ({**TORCHRUN, "MASTER_PORT": "0"}, ["MASTER_PORT=0"]),
+    ({**SLURM, "MASTER_PORT": "0"}, ["MASTER_PORT=0"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", **M, "MASTER_ADDR": ""}, ["MASTER_ADDR=''", "empty"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", **M, "MASTER_ADDR": "  "}, ["MASTER_ADDR='  '"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "2", **M},
+     ["LOCAL_RANK=5", "LOCAL_WORLD_SIZE=2"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", **M}, ["LOCAL_RANK=2", "WORLD_SIZE=2"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "3", **M},
+     ["LOCAL_WORLD_SIZE=3", "WORLD_SIZE=2"]),
+    ({**TORCHRUN, "LOCAL_RANK": "4"}, ["LOCAL_RANK=4", "LOCAL_WORLD_SIZE=4"]),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, ["OMPI_COMM_WORLD_LOCAL_RANK=2"]),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "7"}, ["MPI_LOCALRANKID=7"]),
+    # int() reads "1_0" as 10, "+1" as 1: a launcher writes plain digits
+    ({"RANK": "1_0", "WORLD_SIZE": "20", **M}, ["RANK='1_0'", "not a whole number"]),
+    ({"RANK": "+1", "WORLD_SIZE": "2", **M}, ["RANK='+1'", "not a whole number"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", **M, "MASTER_PORT": "29_500"}, ["MASTER_PORT='29_500'"]),
+    ({**SLURM, "SLURM_NTASKS": "1_0", "SLURM_STEP_NUM_TASKS": ""}, ["SLURM_NTASKS='1_0'"]),
+    # an srun task that does not say how many tasks there are: not a lone rank 0
+    ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, ["SLURM_PROCID=1", "SLURM_NTASKS"]),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}, ["SLURM_PROCID=0", "SLURM_NTASKS"]),
+    ({"SLURM_PROCID": "3"}, ["SLURM_PROCID=3", "SLURM_NTASKS"]),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+      "SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "9"}, ["SLURM_LOCALID=9", "SLURM_NTASKS=2"]),
+])
+def test_environments_that_cannot_work_are_refused_naming_the_variable(env, words):
+    with pytest.raises(LauncherError) as info:
+        detect_launcher(env)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("env", [
+    {"RANK": "0", "WORLD_SIZE": "1", **M, "MASTER_PORT": "0"},   # one rank: nobody dials it
+    {"RANK": " 1 ", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", **M},
+    {"SLURM_PROCID": "0"},   # not a step, the first task: nothing to join
+])
+def test_environments_that_work_are_still_accepted(env):
+    detect_launcher(env)
+
+
 @pytest.mark.parametrize("nodelist, first", [
     ("cn01", "cn01"),
     ("cn[01-04,07]", "cn01"),                 # range and list

@@ -125,3 +125,42 @@ def test_ferro_timeout_env_is_validated(monkeypatch):
     monkeypatch.setenv("FERRO_TIMEOUT", "2.5")
     with TcpBackend.from_env(rank=0, world_size=1, master_addr="127.0.0.1:1") as b:
         assert b.timeout == 2.5
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["TcpBackend", "ShmBackend"])
+def test_a_timeout_of_inf_builds_the_backend_and_waits_without_a_deadline(backend):
+    """inf means "wait for ever" (check_timeout): the rendezvous, the engine's setup and the
+    calls take it (socket timeouts and lock waits are clamped to threading.TIMEOUT_MAX; before,
+    the rendezvous raised an untyped OverflowError on one rank and the other waited for ever)."""
+    body = f"""
+    b = {backend}.from_env(timeout=float("inf"))
+    assert b.timeout == float("inf") and b.connect_timeout == float("inf")
+    peer = 1 - b.rank
+    b.barrier()
+    x = np.arange(4.0) + b.rank
+    b.send(x, peer, tag=3)
+    got = np.empty(4)
+    b.recv(got, peer, tag=3)
+    b.barrier()
+    b.close()
+    result = got.tolist()
+    """
+    assert run_job(body, 2, connect=False, timeout=30.0, backend=backend) == [
+        [1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0]]
+
+
+@pytest.mark.timeout(90)
+def test_ferrorun_timeout_inf_runs_the_job(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text("import ferro_backend\nb = ferro_backend.init_from_env()\n"
+                      "b.barrier()\nprint('joined', b.rank, b.timeout, flush=True)\nb.close()\n")
+    r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", "2",
+                        "--timeout", "inf", str(script)], capture_output=True, text=True,
+                       timeout=80)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(line.split("joined ")[1] for line in r.stdout.splitlines()
+                  if "joined" in line) == ["0 inf", "1 inf"]

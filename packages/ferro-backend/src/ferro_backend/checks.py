@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Any
 
 from .errors import InvalidRankError, InvalidWorldSizeError, SizeMismatchError
@@ -110,6 +111,14 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float:
     return value
 
 
+def wait_limit(seconds: float) -> float:
+    """``seconds`` as blocking calls take it: at most :data:`threading.TIMEOUT_MAX` (about 292
+    years). A timeout of inf is allowed (:func:`check_timeout`), but ``socket.settimeout``,
+    ``Lock.acquire`` and ``Condition.wait`` raise OverflowError for it (or for any number past
+    that limit), so every wait derived from a deadline that may be inf goes through here."""
+    return min(seconds, threading.TIMEOUT_MAX)
+
+
 def timeout_from_env() -> float | None:
     """``FERRO_TIMEOUT`` (set by ``ferrorun --timeout``) validated, or None when unset."""
     from . import settings
@@ -118,4 +127,4 @@ def timeout_from_env() -> float | None:
 
 
 __all__ = ["MAX_TAG", "as_recv_view", "as_send_view", "check_peer", "check_rank", "check_tag",
-           "check_timeout", "check_world_size", "size_mismatch", "timeout_from_env"]
+           "check_timeout", "check_world_size", "size_mismatch", "timeout_from_env", "wait_limit"]

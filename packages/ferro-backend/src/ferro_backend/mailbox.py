@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from . import _wire
-from .checks import size_mismatch
+from .checks import size_mismatch, wait_limit
 from .errors import PeerAbortedError, PeerClosedError
 from .posted import ANY_SOURCE, PostedRecv
 
@@ -313,7 +313,7 @@ class Mailbox:
                         or self._others_wait(src, tag):
                     return None
                 if may_wait is None:
-                    self.cond.wait(remaining)
+                    self.cond.wait(wait_limit(remaining))
                 elif may_wait():
                     self.cond.wait(min(remaining, 1e-3))
                 else:

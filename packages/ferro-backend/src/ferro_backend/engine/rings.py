@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..checks import MAX_TAG, as_recv_view, as_send_view, check_tag, check_timeout
+from ..checks import MAX_TAG, as_recv_view, as_send_view, check_tag, check_timeout, wait_limit
 from ..errors import CollectiveTimeoutError, PeerClosedError
 from ..mailbox import Mailbox
 from ..mesh.route import Route
@@ -142,7 +142,7 @@ class RingMesh(Route):
             return (f"send: rank {self.rank} -> {dst} (tag {tag}): {nbytes} bytes not taken "
                     f"by the peer within {self.timeout():g}s")
 
-        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not lock.acquire(timeout=wait_limit(max(0.0, deadline - time.monotonic()))):
             raise CollectiveTimeoutError(late())
         try:
             if nbytes <= self.eager_max:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import settings
+from ..checks import wait_limit
 from ..errors import CollectiveTimeoutError, PeerClosedError, RendezvousError
 from ..mesh.handshake import recv_exactly
 from . import _comm, _ring, _segment, _steps, _watch, binding
@@ -355,7 +356,7 @@ def _serve_fd(backend: Backend, fd: int, deadline: float) -> None:
             backend.send(name + keys[peer], peer, tag=SETUP_TAG)
         served: set[int] = set()
         while len(served) < n - 1:
-            lsock.settimeout(max(0.01, deadline - time.monotonic()))
+            lsock.settimeout(wait_limit(max(0.01, deadline - time.monotonic())))
             try:
                 conn, _ = lsock.accept()
             except TimeoutError:
@@ -384,7 +385,7 @@ def _fetch_fd(backend: Backend, deadline: float) -> int:
     backend.recv(msg, 0, tag=SETUP_TAG, timeout=max(0.01, deadline - time.monotonic()))
     name, key = bytes(msg[:_NAME_BYTES]), bytes(msg[_NAME_BYTES:])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        sock.settimeout(wait_limit(max(0.01, deadline - time.monotonic())))
         try:
             sock.connect(name)
             sock.sendall(backend.rank.to_bytes(4, "little") + key)

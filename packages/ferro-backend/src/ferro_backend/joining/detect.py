@@ -90,11 +90,14 @@ class Launcher:
 
 # ------------------------------------------------------------------------------ detection
 def _int(env: Mapping[str, str], name: str) -> int:
+    """``env[name]`` as a whole number >= 0 (a port for MASTER_PORT), else a LauncherError
+    naming it. Plain ASCII digits only: ``int()`` also reads ``"1_0"`` (as 10), ``"+1"`` and
+    other scripts' digits, none of which a launcher writes (a typo would pick another rank)."""
     raw = env[name]
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise LauncherError(f"init_from_env: {name}={raw!r} is not a whole number") from None
+    text = raw.strip()
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise LauncherError(f"init_from_env: {name}={raw!r} is not a whole number")
+    value = int(text)
     if value < 0:
         raise LauncherError(f"init_from_env: {name}={raw!r} is negative")
     if name == "MASTER_PORT" and value > 65535:
@@ -107,6 +110,44 @@ def _opt_int(env: Mapping[str, str], *names: str) -> int | None:
         if env.get(name, "").strip():
             return _int(env, name)
     return None
+
+
+def _local_rank(env: Mapping[str, str], names: tuple[str, ...], world: int, world_name: str,
+                size_name: str | None = None) -> int:
+    """This rank's index on its node: the first of ``names`` set (0 when none is), which must
+    lie below the node's rank count ``size_name`` (where set; itself at most the world size)
+    and below the world size: a local rank past them picks a device or a core that is not
+    this rank's, and the engine's slot of a rank that does not exist."""
+    size = _opt_int(env, size_name) if size_name else None
+    if size is not None and not 1 <= size <= world:
+        raise LauncherError(f"init_from_env: {size_name}={size} ranks on this node but "
+                            f"{world_name}={world} in the job: need 1 <= {size_name} <= "
+                            f"{world_name}")
+    name = next((n for n in names if env.get(n, "").strip()), None)
+    if name is None:
+        return 0
+    local = _int(env, name)
+    limit, limit_name = (size, size_name) if size is not None else (world, world_name)
+    if local >= limit:
+        raise LauncherError(f"init_from_env: {name}={local} but {limit_name}={limit}: the local "
+                            f"rank must lie in [0, {limit})")
+    return local
+
+
+def _master(env: Mapping[str, str], world: int, addr: str | None = None) -> tuple[str, int]:
+    """``MASTER_ADDR`` (or ``addr``) and ``MASTER_PORT``, where rank 0 listens: an empty
+    address, or port 0 in a job of several ranks (rank 0 would listen on a port nobody knows,
+    and the others dial port 0 until the connect timeout), is a LauncherError naming it."""
+    addr = env["MASTER_ADDR"] if addr is None else addr
+    if not addr.strip():
+        raise LauncherError(f"init_from_env: MASTER_ADDR={addr!r} is empty: rank 0's address "
+                            "is unknown (set it to rank 0's host)")
+    port = _int(env, "MASTER_PORT")
+    if port == 0 and world > 1:
+        raise LauncherError(f"init_from_env: MASTER_PORT=0 in a job of {world} ranks: the "
+                            "other ranks cannot reach rank 0 on port 0 (set the port rank 0 "
+                            "listens on)")
+    return addr, port
 
 
 @dataclass(frozen=True)
@@ -128,8 +169,13 @@ def slurm_step(env: Mapping[str, str]) -> bool:
     has SLURM_PROCID=0 and SLURM_NTASKS, inherited by everything it runs (mpirun, ferrorun, a
     plain ``python``): those describe the batch step, not this process, and are ignored."""
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
-    return "SLURM_PROCID" in env and step.isdigit() and bool(
-        env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "")).strip())
+    return "SLURM_PROCID" in env and step.isdigit() and bool(_slurm_tasks(env))
+
+
+def _slurm_tasks(env: Mapping[str, str]) -> str:
+    """The task count of an srun step as written (SLURM_STEP_NUM_TASKS, else SLURM_NTASKS; an
+    empty one counts as unset), or ``""``."""
+    return (env.get("SLURM_STEP_NUM_TASKS", "").strip() or env.get("SLURM_NTASKS", "").strip())
 
 
 #: the variables a launcher sets together: one of a pair alone is half a launcher's environment
@@ -147,6 +193,15 @@ def _claims(env: Mapping[str, str]) -> dict[str, _Claim]:
                 f"init_from_env: {have}={env[have]} is set but {missing} is not: half a "
                 f"launcher's environment (set both, unset {have}, or start the job with "
                 "ferrorun, torchrun, mpirun or srun)")
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
+    if env.get("SLURM_PROCID", "").strip() and not _slurm_tasks(env) and (
+            step or env["SLURM_PROCID"].strip() != "0"):
+        # an srun task (a step, or a task other than the first) that does not say how many
+        # tasks there are: running as a lone rank 0 would hide the mistake (as for the pairs)
+        raise LauncherError(
+            f"init_from_env: SLURM_PROCID={env['SLURM_PROCID']} is set but neither "
+            "SLURM_NTASKS nor SLURM_STEP_NUM_TASKS is: the job's size is unknown (set "
+            "SLURM_NTASKS, unset SLURM_PROCID, or start the job with srun)")
     claims: dict[str, _Claim] = {}
     if "RANK" in env and "WORLD_SIZE" in env:
         claims["env"] = _Claim("env", _int(env, "RANK"), _int(env, "WORLD_SIZE"),
@@ -159,7 +214,8 @@ def _claims(env: Mapping[str, str]) -> dict[str, _Claim]:
         claims["mpich"] = _Claim("mpich", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
                                  ("PMI_RANK", "PMI_SIZE"))
     if slurm_step(env):
-        world = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+        world = ("SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS", "").strip()
+                 else "SLURM_NTASKS")
         claims["slurm"] = _Claim("slurm", _int(env, "SLURM_PROCID"), _int(env, world),
                                  ("SLURM_PROCID", world))
     for c in claims.values():
@@ -244,24 +300,27 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
                  else None)
         # ferrorun --nnodes sets GROUP_RANK (its --node-rank): the node id
         group = env.get("GROUP_RANK", "").strip() or None
-        return Launcher(source, primary.rank, primary.world, _opt_int(env, "LOCAL_RANK") or 0,
-                        override or group, env["MASTER_ADDR"], _int(env, "MASTER_PORT"), nodes,
-                        seen)
+        local = _local_rank(env, ("LOCAL_RANK",), primary.world, "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE")
+        return Launcher(source, primary.rank, primary.world, local, override or group,
+                        *_master(env, primary.world), nodes, seen)
     if source == "torchrun":
         group = env.get("GROUP_RANK", "").strip() or None
-        return Launcher(source, primary.rank, primary.world, _opt_int(env, "LOCAL_RANK") or 0,
-                        override or group, env["MASTER_ADDR"], _int(env, "MASTER_PORT"),
-                        _opt_int(env, "GROUP_WORLD_SIZE"), seen)
+        local = _local_rank(env, ("LOCAL_RANK",), primary.world, "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE")
+        return Launcher(source, primary.rank, primary.world, local, override or group,
+                        *_master(env, primary.world), _opt_int(env, "GROUP_WORLD_SIZE"), seen)
     if source == "openmpi":
-        return Launcher(source, primary.rank, primary.world,
-                        _opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0, override, seen=seen)
+        local = _local_rank(env, ("OMPI_COMM_WORLD_LOCAL_RANK",), primary.world,
+                            "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        return Launcher(source, primary.rank, primary.world, local, override, seen=seen)
     if source == "mpich":
         # srun --mpi=pmi2 sets PMI_RANK but no MPI_LOCALRANKID: SLURM_LOCALID, same process
         same = "slurm" in claims and claims["slurm"].world == primary.world
         slurm_local = ("SLURM_LOCALID",) if same else ()
-        return Launcher(source, primary.rank, primary.world,
-                        _opt_int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK", *slurm_local) or 0, override,
-                        seen=seen)
+        local = _local_rank(env, ("MPI_LOCALRANKID", "PMI_LOCAL_RANK", *slurm_local),
+                            primary.world, "PMI_SIZE")
+        return Launcher(source, primary.rank, primary.world, local, override, seen=seen)
     # Slurm srun
     num_nodes = _opt_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     if env.get("MASTER_ADDR", "").strip():
@@ -275,15 +334,17 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
                                 "SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST: rank 0's host is "
                                 "unknown (set MASTER_ADDR)")
         addr = first_host(nodelist)
-    port = _opt_int(env, "MASTER_PORT")
+    port = _master(env, primary.world, addr)[1] if env.get("MASTER_PORT", "").strip() else None
     if port is None:
         port = settings.MASTER_PORT.get(env)
     if port is None:
         port = slurm_port(env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "0")),
                           env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0")))
     node = override or (env.get("SLURM_NODEID", "").strip() or None)
-    return Launcher(source, primary.rank, primary.world, _opt_int(env, "SLURM_LOCALID") or 0,
-                    node, addr, port, num_nodes, seen)
+    # (one node: every task of the step is on it, so SLURM_LOCALID < the task count)
+    local = _local_rank(env, ("SLURM_LOCALID",), primary.world, primary.names[1])
+    return Launcher(source, primary.rank, primary.world, local, node, addr, port, num_nodes,
+                    seen)
 
 
 _SEEN = {

@@ -27,6 +27,7 @@ from typing import Any
 
 from .. import settings
 from ..base import DEFAULT_TIMEOUT, Backend
+from ..checks import wait_limit
 from ..engine import AVAILABLE as SAME_HOST_ENGINE
 from ..engine.shm import ShmBackend
 from ..errors import LauncherError, RendezvousError
@@ -214,7 +215,8 @@ def via_torch_store(launcher: Launcher, transport: str | None, env: Mapping[str,
               f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_store_joins}/")
     where = f"torchrun's store at {host}:{port}"
     try:
-        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        store = TCPStore(host, port, is_master=False,
+                         timeout=timedelta(seconds=wait_limit(timeout)))
     except Exception as exc:  # the store's own errors (a timeout, a refused connection)
         raise RendezvousError(f"rank {launcher.rank}: {where}: {exc}") from exc
     try:

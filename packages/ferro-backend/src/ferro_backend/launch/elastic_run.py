@@ -7,8 +7,14 @@ the survivors form the next generation among themselves (``ferro_collective.elas
 ferrorun starts a replacement for it, up to ``--max-restarts`` times, which the survivors take
 in at a step boundary. The job fails when fewer than MIN nodes x MIN ranks remain.
 
-Exit code: 0 when the job finished (a member said it was done) and no member still ran then
-failed; else the last failure's code (1 when the coordinator ended the job).
+Exit code: 0 when every process ferrorun started exited 0 (as torchrun: a script need not
+call ``ElasticJob.close()``, whose connection then closes as a lost member's would), or when
+the job finished (a member said it was done) and no member still ran then failed; else the
+last failure's code (1 when the coordinator ended the job).
+
+Output lines are prefixed ``[proc N]``: N numbers the processes this ferrorun started (node
+``--node-rank`` x 1000 + a counter; a replacement gets the next number), not their rank, which
+changes with every generation (each process's log files are ``rank_<N>.*`` with the same N).
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class ElasticRun:
         self.jobs: list[Job] = []
         self.local_of: list[int] = []   # each process's LOCAL_RANK (a replacement takes it over)
         self.started = 0
+        self.signal: int | None = None  # the SIGINT/SIGTERM ferrorun passed on (the first)
         for local in range(nproc[1]):
             self._start(local)
 
@@ -91,10 +98,17 @@ class ElasticRun:
         label = self.args.node_rank * 1000 + self.started  # a fresh number per process
         self.started += 1
         self.local_of.append(local)
-        self.jobs.append(Job([self.cmd], [env], [label], self.grace, not self.args.no_prefix,
-                             self.args.log_dir))
+        job = Job([self.cmd], [env], [label], self.grace, not self.args.no_prefix,
+                  self.args.log_dir, label="proc")
+        self.jobs.append(job)
+        if self.signal is not None:  # a signal came while it started: it stops too
+            job.interrupt(self.signal)
 
     def interrupt(self, sig: int) -> None:
+        """Pass ``sig`` (sent to ferrorun) on to every process (:meth:`.Job.interrupt`: those
+        still running ``--grace`` seconds later get SIGKILL, from :meth:`_watch`)."""
+        if self.signal is None:
+            self.signal = sig
         for job in self.jobs:
             job.interrupt(sig)
 
@@ -113,12 +127,13 @@ class ElasticRun:
         ok = 0
         while True:
             state = self.coordinator.snapshot() if self.coordinator else None
-            if state and state["failed"]:
+            if state and state["failed"] and not self._ending_cleanly(done):
                 sys.stderr.write(f"ferrorun: the elastic job cannot go on: {state['failed']}\n")
                 self._stop()
                 return last_failure or 1
             running = 0
             for i, job in enumerate(self.jobs):
+                job.kill_overdue()
                 code = job.procs[0].poll()
                 if code is None:
                     running += 1
@@ -132,9 +147,11 @@ class ElasticRun:
                 last_failure = code if code > 0 else 128 - code
                 finished = state is not None and state["finished"]
                 more = self.replacements_left > 0 and not received and not finished
-                sys.stderr.write(f"ferrorun: process {job.ranks[0]} {_describe(code)}; the "
-                                 f"elastic job goes on without it"
-                                 f"{' and starts a replacement' if more else ''}\n")
+                goes_on = ("" if received else
+                           f"; the elastic job goes on without it"
+                           f"{' and starts a replacement' if more else ''}")
+                sys.stderr.write(f"ferrorun: proc {job.ranks[0]} {_describe(code)}"
+                                 f"{goes_on}\n")
                 if more:
                     self.replacements_left -= 1
                     self._expect_replacement()
@@ -146,8 +163,27 @@ class ElasticRun:
                     return 128 + received[0]
                 if self.coordinator is not None:
                     self._report()
-                return 0 if ok and (state is None or state["finished"]) else (last_failure or 1)
+                clean = ok == len(self.jobs)   # every process exited 0
+                if ok and (state is None or state["finished"] or clean):
+                    return 0
+                sys.stderr.write(f"ferrorun: a process failed (exit code {last_failure}) and no "
+                                 "member said the elastic job was done (ElasticJob.close())\n")
+                return last_failure or 1
             time.sleep(0.05)
+
+    def _ending_cleanly(self, done: set[int]) -> bool:
+        """Whether the processes not yet seen to end (all but ``done``) are all ending with 0
+        (waiting up to 2 s for them, less when one fails): ranks that exit 0 without
+        ``ElasticJob.close()`` close their coordinator connections a moment before ferrorun
+        sees them end, and the coordinator has then taken them for lost members ("every
+        member ... is gone"). That job ended well, and is not stopped as a failed one."""
+        rest = [job.procs[0] for i, job in enumerate(self.jobs) if i not in done]
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and any(p.poll() is None for p in rest):
+            if any(p.poll() not in (None, 0) for p in rest):
+                return False
+            time.sleep(0.05)
+        return all(p.poll() == 0 for p in rest)
 
     def _expect_replacement(self) -> None:
         """Tell the coordinator a replacement is coming, so that the job waits for it (up to

@@ -70,8 +70,12 @@ def validate(args) -> list[Cut]:
     return cuts
 
 
-def agent_command(args, node: int, nodes: int, addr: str, port: int) -> list[str]:
-    """The ferrorun command line of node ``node``'s agent (its token travels in the env)."""
+def agent_command(args, node: int, nodes: int, addr: str, port: int, restart: int = 0
+                  ) -> list[str]:
+    """The ferrorun command line of node ``node``'s agent (its token travels in the env) for
+    attempt ``restart`` of the job: the agent runs that one attempt (ferrorun's restart loop is
+    the outer one's), and passes the count on (its ranks' FERRO_RESTART_COUNT, its log files
+    appended to rather than emptied, as in a plain ferrorun)."""
     elastic = getattr(args, "min_nodes", None)
     cmd = [sys.executable, "-u", "-m", "ferro_backend.launch", "--nproc", str(args.nproc),
            "--nnodes", f"{elastic}:{nodes}" if elastic else str(nodes), "--node-rank", str(node),
@@ -85,6 +89,8 @@ def agent_command(args, node: int, nodes: int, addr: str, port: int) -> list[str
             cmd += [flag, str(value)]
     if args.no_prefix:
         cmd.append("--no-prefix")
+    if restart:
+        cmd += ["--restart-count", str(restart)]
     return cmd + (["-m"] if args.module else []) + [args.script, *args.args]
 
 
@@ -109,9 +115,12 @@ def _schedule(cluster: EmulatedCluster, cuts: list[Cut], stop: threading.Event) 
             sys.stderr.write(f"ferrorun: could not cut node {cut.node}'s link: {exc}\n")
 
 
-def run(args, caps: dict[str, str], supervise) -> int:
+def run(args, caps: dict[str, str], supervise, received: list[int] | None = None,
+        set_current=None) -> int:
     """Run the job of ``args`` on ``args.emulate_nodes`` emulated nodes. ``supervise(make_job)``
-    is ferrorun's restart loop; ``make_job(attempt)`` returns the :class:`.Job` of the agents."""
+    is ferrorun's restart loop; ``make_job(attempt)`` returns the :class:`.Job` of the agents.
+    An elastic job's agents run once, outside that loop: ``set_current`` registers them with
+    ferrorun's signal handler, and a signal already in ``received`` is passed on to them."""
     cuts = validate(args)
     n = args.emulate_nodes
     token = args.token or settings.TOKEN.get() or secrets.token_hex(16)
@@ -122,7 +131,7 @@ def run(args, caps: dict[str, str], supervise) -> int:
         def make_job(attempt: int) -> Job:
             port = BASE_PORT + attempt
             addr = cluster.nodes[0].address
-            cmds = [agent_command(args, i, n, addr, port) for i in range(n)]
+            cmds = [agent_command(args, i, n, addr, port, attempt) for i in range(n)]
             env = dict(os.environ, **caps, PYTHONUNBUFFERED="1")
             env[settings.TOKEN.name] = token
             env.pop("MASTER_ADDR", None)
@@ -137,7 +146,12 @@ def run(args, caps: dict[str, str], supervise) -> int:
 
         try:
             if getattr(args, "min_nodes", None) is not None:
-                return _elastic(make_job(0))
+                job = make_job(0)
+                if set_current is not None:
+                    set_current(job)
+                if received:
+                    job.interrupt(received[-1])
+                return _elastic(job)
             return supervise(make_job)
         finally:
             stop.set()
@@ -149,6 +163,7 @@ def _elastic(job: Job) -> int:
     agent left (a cut-off node waiting for a coordinator it cannot reach) is stopped."""
     reported: set[int] = set()
     while job.procs[0].poll() is None:
+        job.kill_overdue()
         for i, p in enumerate(job.procs[1:], 1):
             code = p.poll()
             if code not in (None, 0) and i not in reported:

@@ -9,11 +9,13 @@ Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MAST
 FERRO_TOKEN (fresh per single-node job) and FERRO_TRANSPORT, so ``ferro_backend.init_from_env()``
 joins the job, and OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS = max(1, cores //
 local ranks) unless they are set already. Every line a rank prints is prefixed with
-``[rank N]`` (once; a progress bar redrawn with ``\\r`` animates on a terminal and is written
-once, as it last read, to a file or pipe: :mod:`.output`). When a rank fails, the others are
+``[rank N]``, once (``[proc N]`` in an elastic job, whose ranks change: :mod:`.elastic_run`;
+a progress bar redrawn with ``\\r`` animates on a terminal and is written once, as it last
+read, to a file or pipe: :mod:`.output`). When a rank fails, the others are
 stopped (SIGTERM, then SIGKILL after ``--grace`` seconds; each rank runs in its own process
 group, so its children go too) and ferrorun exits with that rank's exit code. SIGINT and
-SIGTERM sent to ferrorun reach every rank.
+SIGTERM sent to ferrorun reach every rank (even a signal that came while the ranks were
+starting); the ranks still running ``--grace`` seconds later get SIGKILL.
 """
 
 from __future__ import annotations
@@ -131,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="write each rank's timeline to DIR/rank_<r>.json (FERRO_TRACE) and merge "
                         "them into DIR/trace.json for https://ui.perfetto.dev")
+    # an emulated node's agent (emulate.agent_command) runs one attempt of the outer ferrorun's
+    # restart loop: its ranks see that attempt's FERRO_RESTART_COUNT, and its --log-dir files
+    # are appended to from the first restart on, as a plain ferrorun's are
+    p.add_argument("--restart-count", type=_bounded(int, 0), default=0, help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", action="store_true",
                    help="run the target as a module (python -m)")
     p.add_argument("script", help="the script (or module with -m) every rank runs")
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.emulate_nodes is not None:
             try:
-                return emulate.run(args, caps, run)
+                return emulate.run(args, caps, run, received, current.append)
             except EmulationError as exc:
                 sys.stderr.write(f"ferrorun: {exc}\n")
                 return 2
@@ -239,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                    str(os.getpid()), *target, *args.args]
             job = ElasticRun(args, token, caps, cmd, nproc, nnodes, args.settle)
             current.append(job)
+            if received:  # a signal came while the ranks started: forward() could not pass it on
+                job.interrupt(received[-1])
             return job.wait(received)
-        return run(lambda restart: _local_job(args, token, caps, restart))
+        return run(lambda restart: _local_job(args, token, caps, args.restart_count + restart))
     except LogDirError as exc:   # a rank's log file that cannot be written: no rank started
         sys.stderr.write(f"ferrorun: {exc}\n")
         return 2

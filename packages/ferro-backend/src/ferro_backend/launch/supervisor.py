@@ -42,6 +42,8 @@ class Job:
         self.label = label
         self.failure: tuple[int, int] | None = None  # (rank, return code) of the first failure
         self.interrupted = False  # ferrorun passed a SIGINT/SIGTERM on to every process
+        self.signal: int | None = None  # the signal it passed on (the first one)
+        self.kill_at: float | None = None  # when the processes still running then get SIGKILL
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.stop_pumps = threading.Event()
@@ -62,7 +64,7 @@ class Job:
         for i, (cmd, env, rank) in enumerate(zip(cmds, envs, ranks)):
             p = spawn(i, cmd, env)
             self.procs.append(p)
-            tag = f"[rank {rank}] " if prefix else ""
+            tag = f"[{label} {rank}] " if prefix else ""
             for name, stream in (("stdout", p.stdout), ("stderr", p.stderr)):
                 logs = [files[i][k] for k in ("log", name) if k in files[i]]
                 t = threading.Thread(target=pump, name=f"ferrorun-{name}-{rank}", daemon=True,
@@ -78,22 +80,44 @@ class Job:
                 pass
 
     def interrupt(self, sig: int) -> None:
-        """Pass ``sig`` (sent to ferrorun) on to every process; each gets the grace period to
-        end on its own before :meth:`stop_all` (one that ends first must not cut the others'
-        own handling short)."""
-        self.interrupted = True
+        """Pass ``sig`` (sent to ferrorun) on to every process; each gets the grace period,
+        counted from the first signal, to end on its own (one that ends first must not cut the
+        others' own handling short); then :meth:`kill_overdue` (or :meth:`stop_all`) sends
+        SIGKILL to the rest, as ``--grace`` says (a rank whose SIGTERM handler carries on, or
+        hangs, must not keep the job for ever)."""
+        if not self.interrupted:
+            self.interrupted, self.signal = True, sig
+            self.kill_at = time.monotonic() + self.grace
         self.signal_all(sig)
 
-    def _await_all(self) -> None:
-        end = time.monotonic() + self.grace
+    def kill_overdue(self) -> bool:
+        """After :meth:`interrupt`, once the grace period is over: SIGKILL to the processes
+        still running (each process group whole); True when it sent it (once)."""
+        if self.kill_at is None or time.monotonic() < self.kill_at:
+            return False
+        alive = [rank for p, rank in zip(self.procs, self.ranks) if p.poll() is None]
+        if not alive:
+            return False
+        self.kill_at = float("inf")
+        who = (f"{self.label} {alive[0]}" if len(alive) == 1
+               else f"{self.label}s {', '.join(map(str, alive))}")
+        sys.stderr.write(f"ferrorun: {who} still running {self.grace:g} s after "
+                         f"{signal.Signals(self.signal).name}; sending SIGKILL\n")
+        self.signal_all(signal.SIGKILL)
+        return True
+
+    def _await_all(self, end: float | None = None) -> None:
+        end = time.monotonic() + self.grace if end is None else end
         while time.monotonic() < end and any(p.poll() is None for p in self.procs):
             time.sleep(0.05)
 
     def stop_all(self) -> None:
         if self.interrupted:
+            # they have had the signal: what is left of the grace period, then SIGKILL
+            self._await_all(self.kill_at)
+        else:
+            self.signal_all(signal.SIGTERM)
             self._await_all()
-        self.signal_all(signal.SIGTERM)
-        self._await_all()
         self.signal_all(signal.SIGKILL)
         for p in self.procs:
             p.wait()
@@ -103,6 +127,10 @@ class Job:
         (128 + N for a rank killed by signal N); :attr:`failure` names the failed rank (among
         ranks found ended at once, one killed by a signal)."""
         while True:
+            if self.kill_overdue():
+                for p in self.procs:
+                    p.wait()
+                return 128 + self.signal
             codes = [p.poll() for p in self.procs]
             # a rank killed by a signal first: when one is killed, its peers soon exit with an
             # error of their own (a peer gone), and one poll can find both ended
@@ -138,11 +166,17 @@ class Job:
 def supervise(make_job: Callable[[int], Job], max_restarts: int, received: list[int],
               set_current: Callable[[Job], None]) -> int:
     """Run ``make_job(attempt)`` until it succeeds, is interrupted (``received`` holds the
-    signals ferrorun was sent) or has failed ``max_restarts`` + 1 times; returns the exit code."""
+    signals ferrorun was sent) or has failed ``max_restarts`` + 1 times; returns the exit code.
+
+    A signal that came while ``make_job`` started the processes (before ``set_current``
+    registered them, so ferrorun's handler could not pass it on) is passed on as soon as they
+    are registered: it must stop the job, not wait for it to end by itself."""
     restart = 0
     while True:
         job = make_job(restart)
         set_current(job)
+        if received and not job.interrupted:
+            job.interrupt(received[-1])
         try:
             code = job.wait()
         finally:

@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 
+from ..checks import wait_limit
 from ..errors import AuthenticationError, DistributedError, ProtocolError, RendezvousError
 from .handshake import (
     ST_BAD,
@@ -110,7 +111,7 @@ def connect_to(host: str, port: int, deadline: float, rank: int, world: int, pee
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
             continue
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        sock.settimeout(wait_limit(max(0.05, deadline - time.monotonic())))
         info = encode_info(rank, world, "", listen_port, node)
         where = f"rank {rank} -> rank {peer} at {host}:{port}"
         try:
@@ -203,7 +204,7 @@ class Rendezvous:
             port = lsock.getsockname()[1]
             master = self._connect(self.host, self.port, deadline, 0, port)
             socks[0] = master
-            master.settimeout(max(0.05, deadline - time.monotonic()))
+            master.settimeout(wait_limit(max(0.05, deadline - time.monotonic())))
             try:
                 (n,) = struct.unpack("<Q", recv_exactly(master, 8))
                 if n > world * _TABLE_ROW_MAX:
