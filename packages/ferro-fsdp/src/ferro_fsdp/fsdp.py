@@ -99,7 +99,10 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         "int4" each rank feeds back what the encoding of its reduce-scatter (or NO_SHARD
         allreduce) contribution rounded away into its next step's gradients (error feedback:
         a buffer of the unit's full gradient size per rank, saved with the sharded state
-        dict), so the error summed over steps stays that of one step. None: exact.
+        dict), so the error summed over steps stays that of one step under FULL_SHARD and
+        SHARD_GRAD_OP. Under NO_SHARD and HYBRID_SHARD the allreduce's second encoding (the
+        folded chunk re-encoded for its all-gather) and HYBRID_SHARD's cross-replica allreduce
+        are not fed back: their summed error grows with the steps. None: exact.
     secondary_shard : bool, default False
         FULL_SHARD across nodes of ``intra_node_size`` ranks (ZeRO++'s hpZ): the forward's
         all-gather over the world leaves each rank a secondary shard of the parameters it
