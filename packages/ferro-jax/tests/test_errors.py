@@ -100,3 +100,9 @@ def _eager_mismatch(backend):
     except Exception as exc:
         return type(exc).__name__
     return "no error"
+
+
+def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on():
+    first, late = run_processes(workers.late_peer, 2, transport="shm", timeout=120)
+    assert first.startswith("CollectiveTimeoutError"), first
+    assert "rank 0 aborted the job" in late, late

@@ -328,6 +328,25 @@ def differentiation_disagrees(backend) -> dict:
     return out
 
 
+def late_peer(backend) -> str:
+    """Rank 0's jitted allreduce times out (1 s) while rank 1 sleeps; rank 1's call, late, took
+    rank 0's contribution from the engine's slots and returned [102, 102, 102]. Now rank 0's
+    door aborts the backend and the late call raises."""
+    import time
+
+    fj.init(backend)
+    me = backend.rank
+    call = jax.jit(lambda x: fj.allreduce(x, timeout=1.0 if me == 0 else 20.0))
+    if me == 1:
+        time.sleep(2.5)
+    try:
+        with fj.typed_errors():
+            got = call(jnp.full(3, 100.0 if me == 0 else 2.0))
+            return str(np.asarray(got).tolist())
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def mismatch(backend) -> str:
     """Ranks call allreduce on different shapes inside jit: every rank gets the mismatch."""
     fj.init(backend)

@@ -57,6 +57,16 @@ def test_async_calls_on_two_groups_issued_in_other_orders_complete_as_on_gloo(ra
         assert got["seconds"] < 15, got  # (a deadlock met the group's 20 s deadline)
 
 
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on(kind):
+    run = ferrorun("late_peer", 2, timeout=90, script=SCRIPT,
+                   args=("--transport", "shm"), env={BACKEND.name: kind})
+    assert run.returncodes == [0], run.output[-4000:]
+    got = run.by_rank()
+    assert got[0]["kind"] == kind and "Timed out" in got[0]["got"], got
+    assert isinstance(got[1]["got"], str) and "rank 0 aborted the job" in got[1]["got"], got
+
+
 def test_a_timeout_is_worded_as_torch_words_it_with_ferros_detail_after(ranks):
     t = ranks[0]["timeout"]
     assert ": Timed out waiting 1000ms " in t["message"], t

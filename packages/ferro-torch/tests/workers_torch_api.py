@@ -491,5 +491,24 @@ def scenario_torch_api() -> None:
     os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
 
 
+def scenario_late_peer() -> None:
+    """Rank 0's all_reduce times out (1 s) while rank 1 sleeps; rank 1's call then came late
+    and returned a sum with rank 0's abandoned contribution (the door: [102, 102]), while rank
+    0 had raised. Now a rank that gives up on a collective aborts the transport: the late
+    call raises."""
+    kind = init(timeout=1)
+    me = dist.get_rank()
+    if me == 1:
+        time.sleep(2.5)
+    t = torch.full((2,), 100.0 if me == 0 else 2.0)
+    try:
+        dist.all_reduce(t)
+        got = t.tolist()
+    except Exception as exc:  # (the test reads what each rank got)
+        got = f"{type(exc).__name__}: {exc}"
+    report(rank=me, kind=kind, got=got)
+    os._exit(0)
+
+
 if __name__ == "__main__":
     globals()["scenario_" + sys.argv[1]]()

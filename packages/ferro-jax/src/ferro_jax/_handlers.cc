@@ -99,6 +99,19 @@ ffi::Error door_error(ferro_comm* c, int status) {
   return ffi::Error(code_of(status), msg);
 }
 
+// Python's function that aborts the backend of a slot whose collective timed out
+// (ferro_jax_set_abandon): its messages are on their way, and a late peer would otherwise take
+// them for a live call and return a result built from one this rank gave up on
+using AbandonFn = void (*)(int64_t, const char*);
+std::atomic<AbandonFn> g_abandon{nullptr};
+
+ffi::Error collective_error(int64_t slot, ferro_comm* c, int status) {
+  ffi::Error error = door_error(c, status);
+  AbandonFn abandon = g_abandon.load(std::memory_order_acquire);
+  if (status == FERRO_TIMEOUT && abandon != nullptr) abandon(slot, error.message().c_str());
+  return error;
+}
+
 ffi::Error comm_of(int64_t slot, ferro_comm** out) {
   if (slot < 0 || slot >= g_used.load(std::memory_order_acquire)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -182,7 +195,7 @@ ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "[ferro FERRO_INVALID] ferro_jax: unknown kind " + std::to_string(kind));
   }
-  if (rc != FERRO_OK) return door_error(c, rc);
+  if (rc != FERRO_OK) return collective_error(slot, c, rc);
   return ffi::Error::Success();
 }
 
@@ -194,7 +207,7 @@ ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::Any
   ferro_opts o = FERRO_OPTS_INIT;
   o.timeout = timeout;
   int rc = ferro_api(c)->barrier(c, &o);
-  if (rc != FERRO_OK) return door_error(c, rc);
+  if (rc != FERRO_OK) return collective_error(slot, c, rc);
   std::memset(done->untyped_data(), 1, done->size_bytes());
   return ffi::Error::Success();
 }
@@ -292,6 +305,10 @@ FJ_EXPORT int ferro_jax_world_size(int64_t slot) {
 }
 
 FJ_EXPORT void ferro_jax_set_python(PyFn fn) { g_python.store(fn, std::memory_order_release); }
+
+FJ_EXPORT void ferro_jax_set_abandon(AbandonFn fn) {
+  g_abandon.store(fn, std::memory_order_release);
+}
 
 // every thread that runs a handler from now on takes these cores (once per thread); n = 0: none
 FJ_EXPORT void ferro_jax_pin_threads(const int* cores, int n) {

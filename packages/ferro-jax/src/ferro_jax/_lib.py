@@ -33,8 +33,28 @@ def library() -> ctypes.CDLL:
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
                                             platform="cpu")
             lib.ferro_jax_set_python(ctypes.cast(_pypath.TRAMPOLINE, ctypes.c_void_p))
+            lib.ferro_jax_set_abandon(ctypes.cast(_ABANDON, ctypes.c_void_p))
             _lib = lib
     return _lib
+
+
+def _abandon(slot: int, message: bytes) -> None:
+    """A door collective of ``slot`` timed out (the handler calls this from XLA's thread): as
+    ferro's own collectives do (``ferro_collective.executors.abandon``), abort its backend, so
+    that no peer completes the call with this rank's messages already sent."""
+    try:
+        from ferro_backend import CollectiveTimeoutError
+        from ferro_collective.executors import abandon
+
+        for comm in list(_comms.values()):
+            if comm.slot == slot:
+                abandon(comm.backend, CollectiveTimeoutError(message.decode(errors="replace")))
+                return
+    except Exception:  # (the timeout is the error the call raises)
+        pass
+
+
+_ABANDON = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_char_p)(_abandon)
 
 
 class Comm:

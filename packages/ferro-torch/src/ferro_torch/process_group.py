@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ferro_backend import Backend, PeerClosedError, SubBackend
+from ferro_backend import Backend, CollectiveTimeoutError, PeerClosedError, SubBackend
 from ferro_backend.engine import attach_engine
 
 from . import _compiled
@@ -83,6 +83,15 @@ class ProcessGroupFerro(Collectives, PointToPoint, DeviceBackend):
         if self._owns:
             _forget_root(self)
             end_transport()
+
+    def _abandon(self, reason: str) -> None:
+        """The compiled backend gave up on a collective (its deadline passed): as ferro's own
+        collectives do (``ferro_collective.executors.abandon``), abort the transport (every
+        peer's call, a late one's included, raises instead of completing the call with this
+        rank's messages already sent) or, on a subgroup, close the view."""
+        from ferro_collective.executors import abandon
+
+        abandon(self._b, CollectiveTimeoutError(reason))
 
     def shutdown(self) -> None:
         """Stop the worker; close the transport if this group owns it."""

@@ -618,6 +618,11 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
         hook_on(k->hook, k->hook_ctx, &k->hooked);
         c->s.hooked = k->hooked;
     }
+    if (ferro_load(&c->failed))
+        /* a peer died, closed or aborted before this call began: what it left in the slots may
+         * be a call it gave up on (its deadline passed), which a late rank would otherwise
+         * complete with it; the call fails, as its waits would */
+        return finish(k, FERRO_FAILED);
     if ((rc = probe_if_asked(c, ticket, timeout)) != FERRO_OK) {
         k->probed = 1;
         return finish(k, probe_failed(c, name, ticket, rc, timeout));  /* (the turn goes on) */

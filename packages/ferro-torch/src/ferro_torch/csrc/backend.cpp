@@ -3,6 +3,7 @@
 #include "ferro_c10d.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 
 namespace ferro_torch {
@@ -19,6 +20,8 @@ double FerroBackend::seconds(Ms timeout) const {
 
 void FerroBackend::fail(const char* name, int rc, double secs) const {
   std::string detail = c10::str(api_->status_name(rc), ": ", api_->last_error());
+  if (rc == FERRO_TIMEOUT && std::strcmp(name, "send") != 0 && std::strcmp(name, "recv") != 0)
+    abandon(c10::str(name, ": ", detail));
   if (rc == FERRO_TIMEOUT)  // as torch's backends word it, the door's detail after
     C10_THROW_ERROR(DistBackendError,
                     c10::str("ferro ", name, ": Timed out waiting ", std::llround(secs * 1000),

@@ -295,6 +295,10 @@ class FerroBackend : public c10d::Backend {
     if (rc != FERRO_OK) fail(name, rc, secs);
   }
   [[noreturn]] void fail(const char* name, int rc, double secs) const;
+  // A collective this rank gave up on (its deadline passed): its messages are on their way,
+  // and a late peer would take them for a live call; the Python group aborts the transport it
+  // owns (the peers' calls then fail), as ferro_collective does (python.cpp).
+  void abandon(const std::string& why) const;
   WorkPtr receive(std::vector<at::Tensor>& tensors, int src, int tag, c10d::OpType type);
   double seconds(Ms timeout) const;
   void loop();

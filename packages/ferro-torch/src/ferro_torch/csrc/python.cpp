@@ -82,6 +82,16 @@ void FerroBackend::py_release() {
   py_.reset();
 }
 
+void FerroBackend::abandon(const std::string& why) const {
+  py::gil_scoped_acquire gil;
+  if (!py_) return;
+  try {
+    py_->group.attr("_abandon")(why);
+  } catch (py::error_already_set& e) {  // the timeout is the error to raise
+    e.discard_as_unraisable(__func__);
+  }
+}
+
 void FerroBackend::shutdown() {
   {
     WithoutGil unlocked;
