@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ferro_backend import CollectiveTimeoutError
+
 from .errors import FerroTorchError, as_torch_error
 
 
@@ -160,6 +162,22 @@ class RequestWork(FerroWork):
         with self._wait_lock:
             if self._done.is_set():
                 return
+            poll = getattr(self._request, "poll", None)
+            if secs is not None and poll is not None:
+                # Work.wait's own timeout, as on the compiled backend: the receive goes on (a
+                # later wait completes it; it takes the message it waits for), where it was
+                # withdrawn and the message went to the next receive under its tag
+                try:
+                    ready = poll(secs)
+                except BaseException as exc:
+                    self._finish(as_torch_error(exc, f"ferro {self._name}", secs))
+                    return
+                if not ready:
+                    raise as_torch_error(CollectiveTimeoutError(
+                        f"{self._name} not complete after {secs:g}s (Work.wait's timeout); the "
+                        "work goes on: a later wait() can still complete it, and a receive "
+                        "still takes the message it waits for"), f"ferro {self._name}", secs)
+                secs = None  # (complete: what follows finds it done)
             wait = self._timeout if secs is None else secs
             try:
                 self._request.wait(wait)
