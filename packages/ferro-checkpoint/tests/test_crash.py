@@ -149,3 +149,17 @@ def test_a_save_after_a_crash_past_the_commit_point_keeps_the_committed_save(tmp
                      checkpoint_id=next_id)  # rank 0 alone: not committed
     got = np.concatenate([load_distributed(tmp_path, r, 2)["w"] for r in range(2)])
     np.testing.assert_array_equal(got, np.full(4, 2.0))
+
+
+def test_a_stray_commit_record_is_not_rolled_forward_over_a_good_checkpoint(tmp_path):
+    """A commit record whose shards are not here (copied in, or another save's leftover) was
+    renamed over a good metadata.json by the next open: no load worked after it."""
+    from _util import save_all
+
+    save_all({"w": np.arange(4.0)}, tmp_path, 2)
+    good = (tmp_path / "metadata.json").read_text()
+    (tmp_path / ".commit.zz.json").write_text(good.replace('"g1"', '"zz"'))
+    for _ in range(2):
+        got = np.concatenate([load_distributed(tmp_path, r, 2)["w"] for r in range(2)])
+        np.testing.assert_array_equal(got, np.arange(4.0))
+    assert (tmp_path / "metadata.json").read_text() == good

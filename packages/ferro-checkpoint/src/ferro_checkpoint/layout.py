@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import DistCheckpointError
 from .metadata import ShardMetadata
 
 METADATA = "metadata.json"
@@ -94,6 +95,28 @@ def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str,
             p.unlink(missing_ok=True)
 
 
+def _rolls_forward(directory: Path, meta: ShardMetadata, ckpt_id: str) -> bool:
+    """Whether commit record ``meta`` (of ``ckpt_id``) names shards that are here: each rank's
+    temp shard, or its shard already renamed (its header carries the recorded shard id). A
+    record whose shards are gone was rolled forward over a good ``metadata.json`` before, and
+    no load worked after it."""
+    from .safetensors_io import CHECKPOINT_ID_KEY, SHARD_ID_KEY, SafetensorsFile
+
+    for r in range(meta.num_ranks):
+        if tmp_shard_path(directory, r, ckpt_id).exists():
+            continue
+        if not meta.shard_ids:
+            return False
+        try:
+            header = SafetensorsFile(shard_path(directory, r)).metadata
+        except (OSError, ValueError, DistCheckpointError):
+            return False
+        if header.get(SHARD_ID_KEY) != meta.shard_ids[r] or \
+                header.get(CHECKPOINT_ID_KEY) != ckpt_id:
+            return False
+    return True
+
+
 def recover(directory: Path) -> None:
     """Finish every committed save in ``directory`` whose files were not all renamed yet.
 
@@ -135,6 +158,8 @@ def recover(directory: Path) -> None:
             meta = ShardMetadata.from_json(record.read_bytes(), source=str(record))
         except FileNotFoundError:
             continue  # another process finished it
+        if not _rolls_forward(directory, meta, ckpt_id):
+            continue  # a stray record (copied, or left by a crash of another save): not ours
         for r in range(meta.num_ranks):
             try:
                 os.replace(tmp_shard_path(directory, r, ckpt_id), shard_path(directory, r))

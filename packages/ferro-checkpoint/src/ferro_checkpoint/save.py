@@ -80,14 +80,19 @@ from .safetensors_io import (
 
 _TAGS = (1 << 30) + 7  # user-range tags (on a private subgroup): three a save, by its number
 _SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> saves begun
+_SAVES_BY_ID: dict[int, int] = {}
 
 
 def next_save(backend) -> int:
     """The number of this collective save on ``backend`` (every rank begins its saves in one
     order): its messages' tags, so that one save's messages never meet another's (a failed
     save's unread id, or two checkpointers' saves in flight at once)."""
-    k = _SAVES.get(backend, 0)
-    _SAVES[backend] = k + 1
+    try:
+        k = _SAVES.get(backend, 0)
+        _SAVES[backend] = k + 1
+    except TypeError:  # a backend that takes no weak reference (an outside transport's)
+        k = _SAVES_BY_ID.get(id(backend), 0)
+        _SAVES_BY_ID[id(backend)] = k + 1
     return k
 
 
