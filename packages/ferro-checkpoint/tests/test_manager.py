@@ -77,6 +77,18 @@ def test_round_trip_with_extra_and_rng_state(tmp_path):
     assert m.restore(101)[1] == {}  # extra=None restores as {}
 
 
+def test_a_flipped_bit_in_extra_is_a_checksum_error(tmp_path):
+    # the tensors' CRCs do not cover the header: restore() returned {"data_position": 323456}
+    m = CheckpointManager(tmp_path, 0, 1)
+    m.save(1, full_at(1), spec_for(FULL, 1), extra={"data_position": 123456})
+    shard = tmp_path / "step_1" / "rank_0.safetensors"
+    raw = shard.read_bytes()
+    assert raw.count(b"123456") == 1
+    shard.write_bytes(raw.replace(b"123456", b"323456"))
+    with pytest.raises(ferro_checkpoint.ChecksumMismatchError, match="extra"):
+        m.restore(1)
+
+
 def test_per_rank_extra(tmp_path):
     managers = [CheckpointManager(tmp_path, r, 2) for r in range(2)]
     save_step(managers, 5, FULL, extra=lambda r: {"rank": r})

@@ -17,6 +17,7 @@ import numpy as np
 
 from .copy_plan import LazyTensors, VerifiedShards, read_tensors
 from .errors import (
+    ChecksumMismatchError,
     InvalidArgumentError,
     MetadataError,
     MissingShardError,
@@ -27,7 +28,14 @@ from .errors import (
 from .layout import METADATA, recover, shard_path
 from .metadata import ShardMetadata, check_rank_world
 from .read_options import ReadOptions
-from .safetensors_io import CHECKPOINT_ID_KEY, EXTRA_KEY, SHARD_ID_KEY, SafetensorsFile
+from .safetensors_io import (
+    CHECKPOINT_ID_KEY,
+    EXTRA_CRC_KEY,
+    EXTRA_KEY,
+    SHARD_ID_KEY,
+    SafetensorsFile,
+    extra_crc,
+)
 
 
 @dataclass
@@ -139,6 +147,10 @@ class DistributedCheckpoint:
         text = f.metadata.get(EXTRA_KEY)
         if text is None:
             return None
+        crc = f.metadata.get(EXTRA_CRC_KEY)
+        if crc is not None and crc != extra_crc(text):
+            raise ChecksumMismatchError(f"{f.path}: the extra saved with rank {rank}'s shard "
+                                        f"fails its checksum ({extra_crc(text)}, recorded {crc})")
         try:
             value = json.loads(text)
         except (ValueError, TypeError, RecursionError) as exc:

@@ -21,6 +21,7 @@ import math
 import mmap
 import os
 import struct
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -45,6 +46,14 @@ if _BF16 is not None:
 _DTYPES = {v: k for k, v in _CODES.items()}
 MAX_HEADER = 100 << 20
 EXTRA_KEY = "ferro.extra"  # header ``__metadata__`` key of a rank's JSON ``extra`` (optional)
+EXTRA_CRC_KEY = "ferro.extra_crc32"  # its CRC-32 (hex), where ``extra`` is saved
+
+
+def extra_crc(text: str) -> str:
+    """The checksum ``EXTRA_CRC_KEY`` holds for an ``extra``'s JSON text: the tensors' CRCs do
+    not cover the header, and a flipped bit there (an RNG state, a data position) was returned
+    by ``restore()`` as it was."""
+    return format(zlib.crc32(text.encode()), "08x")
 CHECKPOINT_ID_KEY = "ferro.checkpoint_id"  # the save's id, shared by its ranks
 SHARD_ID_KEY = "ferro.shard_id"  # the random id of this shard of this save (metadata shard_ids)
 CHUNK = 1 << 20  # bytes per checksummed chunk of a tensor (format 2)

@@ -71,10 +71,12 @@ from .layout import (
 from .metadata import ShardMetadata, TensorShardSpec, check_rank_world
 from .safetensors_io import (
     CHECKPOINT_ID_KEY,
+    EXTRA_CRC_KEY,
     EXTRA_KEY,
     SHARD_ID_KEY,
     SafetensorsFile,
     dtype_code,
+    extra_crc,
     write_safetensors,
 )
 
@@ -374,6 +376,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
             "ferro.world_size": str(world_size), SPEC_KEY: meta_digest(final)}
     if extra_json is not None:
         meta[EXTRA_KEY] = extra_json
+        meta[EXTRA_CRC_KEY] = extra_crc(extra_json)
     part = part_shard_path(directory, rank, ckpt_id)
     try:
         write_safetensors(part, [(n, dtype_code(arrays[n].dtype, n), arrays[n].shape)
