@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 import ferro_collective as fc
-from ferro_backend import CollectiveTimeoutError, PeerClosedError
+from ferro_backend import CollectiveTimeoutError, PeerAbortedError, PeerClosedError
 from ferro_collective import ReduceOp
 from ferro_collective._onecall import BROADCAST
 
@@ -175,9 +175,11 @@ def late_peer(b, delay: float) -> dict:
     cpu0 = resource.getrusage(resource.RUSAGE_THREAD).ru_utime
     t0 = time.monotonic()
     # rank 0 is the one measured; a rank beyond 1 that the machine's load started late may
-    # meet rank 0's close (after rank 0's own deadline) before its own deadline: a peer gone
-    expected = CollectiveTimeoutError if b.rank == 0 else (CollectiveTimeoutError,
-                                                           PeerClosedError)
+    # meet rank 0's close (after rank 0's own deadline) before its own deadline: a peer gone;
+    # where such a rank times out first, it aborts the job and rank 0 raises PeerAbortedError
+    # carrying that timeout's words (a timeout ends the group)
+    expected = (CollectiveTimeoutError, PeerAbortedError) if b.rank == 0 else (
+        CollectiveTimeoutError, PeerClosedError)
     try:
         fc.allreduce(np.ones(4), b, timeout=0.5)
         out["error"] = None

@@ -15,7 +15,7 @@ import numpy as np
 from .errors import AsyncCheckpointError, DistCheckpointError, InvalidArgumentError
 from .layout import recover
 from .metadata import ShardMetadata, check_rank_world
-from .save import _default_id, encode_extra, next_save, save_distributed
+from .save import _default_id, encode_extra, next_save, numbered, save_distributed
 
 #: saves still running: (future, directory, seconds the exit waits for it; None: no limit)
 _RUNNING: set[tuple[concurrent.futures.Future, Path, float | None]] = set()
@@ -279,8 +279,9 @@ class AsyncCheckpointer(_RankSaves):
             checkpoint_id = f"g{self._generation}"
 
         def save() -> str:
-            return save_distributed(staged, self.directory, self.rank, self.world_size, spec,
-                                    backend=self.backend, checkpoint_id=checkpoint_id,
-                                    extra=extra, _save=number)
+            with numbered(number):
+                return save_distributed(staged, self.directory, self.rank, self.world_size,
+                                        spec, backend=self.backend,
+                                        checkpoint_id=checkpoint_id, extra=extra)
 
         return self._save_in_background(self.directory, save, f"ferro-checkpoint-{self.rank}")

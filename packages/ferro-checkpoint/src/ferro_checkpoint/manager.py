@@ -70,7 +70,7 @@ from .load import load_distributed, open_checkpoint
 from .metadata import ShardMetadata
 from .read_options import ReadOptions
 from .safetensors_io import SafetensorsFile
-from .save import _checked_arrays, encode_extra, next_save, save_distributed
+from .save import _checked_arrays, encode_extra, next_save, numbered, save_distributed
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
 _TOMBSTONE = ".deleting."
@@ -307,9 +307,9 @@ class CheckpointManager(_RankSaves):
         if self.world_size == 1 and directory.exists() and not self._committed(directory):
             self._remove(directory)  # rule 4: a crashed save's leftovers, no other writer
         extra = None if extra_json is None else json.loads(extra_json)
-        saved = save_distributed(arrays, directory, self.rank, self.world_size, shard_spec,
-                                 backend=self.backend, checkpoint_id=ckpt_id, extra=extra,
-                                 _save=number)
+        with numbered(number):
+            saved = save_distributed(arrays, directory, self.rank, self.world_size, shard_spec,
+                                     backend=self.backend, checkpoint_id=ckpt_id, extra=extra)
         if self.rank == 0:
             self._prune()
         return saved

@@ -34,6 +34,8 @@ used otherwise; a crashed save's leftovers are then only safe once every rank sa
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -42,7 +44,7 @@ import re
 import sys
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +98,23 @@ def next_save(backend) -> int:
         k = _SAVES_BY_ID.get(id(backend), 0)
         _SAVES_BY_ID[id(backend)] = k + 1
     return k
+
+
+#: the number a checkpointer or manager took for the save its thread runs (:func:`numbered`)
+_NUMBER: contextvars.ContextVar[int | None] = contextvars.ContextVar("ferro_checkpoint_save",
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def numbered(number: int | None) -> Iterator[None]:
+    """Within the block, a collective :func:`save_distributed` takes ``number`` (taken by
+    :func:`next_save` in the program's order when the save was asked for, not when a
+    background thread runs it) instead of the next one."""
+    token = _NUMBER.set(number)
+    try:
+        yield
+    finally:
+        _NUMBER.reset(token)
 
 
 def _tag(save: int, what: int) -> int:
@@ -292,8 +311,7 @@ def _on_timeline(name: str):
 @_on_timeline("checkpoint.save")
 def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                      world_size: int, shard_spec: ShardMetadata, *, backend=None,
-                     checkpoint_id: str | None = None, extra: Mapping | None = None,
-                     _save: int | None = None) -> str:
+                     checkpoint_id: str | None = None, extra: Mapping | None = None) -> str:
     """Save this rank's shards of a distributed checkpoint; returns the checkpoint id.
 
     Parameters
@@ -341,6 +359,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     ...                  checkpoint_id="step100")  # committed once rank 1 saved too
     'step100'
     """
+    _save = _NUMBER.get() if backend is not None else None  # (numbered by its caller)
     if backend is not None and _save is None:  # (first: a save refused below counts too)
         _save = next_save(backend)
     rank, world_size = check_rank_world("save_distributed", rank, world_size)
