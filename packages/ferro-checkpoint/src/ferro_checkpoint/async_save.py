@@ -15,7 +15,7 @@ import numpy as np
 from .errors import AsyncCheckpointError, DistCheckpointError, InvalidArgumentError
 from .layout import recover
 from .metadata import ShardMetadata, check_rank_world
-from .save import _default_id, encode_extra, next_save, numbered, save_distributed
+from .save import committed_generation, encode_extra, next_save, numbered, save_distributed
 
 #: saves still running: (future, directory, seconds the exit waits for it; None: no limit)
 _RUNNING: set[tuple[concurrent.futures.Future, Path, float | None]] = set()
@@ -74,7 +74,7 @@ def _committed_generation(directory: Path) -> int:
             recover(directory)
         except (OSError, DistCheckpointError):
             pass  # (the first save reports what is wrong with the directory)
-    return int(_default_id(directory)[1:]) - 1
+    return committed_generation(directory)
 
 
 def _discard(entry) -> None:

@@ -182,14 +182,18 @@ def _agree_on_id(backend, save: int) -> str:
     return buf.decode()
 
 
-def _default_id(directory: Path) -> str:
-    """Without a backend or an explicit id: 'g<N+1>' after the committed generation N."""
+def committed_generation(directory: Path) -> int:
+    """N of the checkpoint ``g<N>`` committed in ``directory`` (0: none, or another id)."""
     try:
         current = ShardMetadata.from_json((directory / METADATA).read_text()).checkpoint_id
     except (OSError, ValueError):
         current = ""
-    n = int(current[1:]) if re.fullmatch(r"g\d+", current) else 0
-    return f"g{n + 1}"
+    return int(current[1:]) if re.fullmatch(r"g\d+", current) else 0
+
+
+def _default_id(directory: Path) -> str:
+    """Without a backend or an explicit id: 'g<N+1>' after the committed generation N."""
+    return f"g{committed_generation(directory) + 1}"
 
 
 def _shard_disagreement(header: SafetensorsFile, rank: int, meta: ShardMetadata) -> str | None:
