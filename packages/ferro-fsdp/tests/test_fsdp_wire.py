@@ -69,16 +69,23 @@ def test_gradients_reduced_on_the_wire_are_near_the_exact_ones(strategy, wire, b
             np.testing.assert_allclose(g, e, rtol=0, atol=step + 1e-7)
 
 
-def test_int4_gradients_feed_their_error_back_so_the_sum_over_steps_stays_near():
+@pytest.mark.parametrize("strategy,world", [("full_shard", 2), ("no_shard", 2),
+                                            ("hybrid_shard", 4)])
+def test_int4_gradients_feed_their_error_back_so_the_sum_over_steps_stays_near(strategy,
+                                                                              world):
     """The same batch every step, no update: the reduced int4 gradients summed over 12 steps
-    differ from 12 exact ones by about one step's rounding (error feedback), not twelve."""
-    x, y = make_data(8, DIMS, dtype=np.float32)
+    differ from 12 exact ones by about one step's rounding (error feedback), not twelve:
+    under NO_SHARD and HYBRID_SHARD too (their allreduces' second encoding, of the folded
+    chunk, and the cross-replica allreduce are fed back)."""
+    x, y = make_data(4 * world, DIMS, dtype=np.float32)
     steps = 12
+    kw = {"intra_node_size": 2} if strategy == "hybrid_shard" else {}
 
     def body(b):
         sl = slice(4 * b.rank, 4 * b.rank + 4)
-        exact = backward(FSDP(make_mlp(DIMS, dtype=np.float32), b), x[sl], y[sl])
-        f = FSDP(make_mlp(DIMS, dtype=np.float32), b, grads_wire="int4")
+        exact = backward(FSDP(make_mlp(DIMS, dtype=np.float32), b, strategy, **kw),
+                         x[sl], y[sl])
+        f = FSDP(make_mlp(DIMS, dtype=np.float32), b, strategy, grads_wire="int4", **kw)
         first = backward(f, x[sl], y[sl])
         total = [g.copy() for g in first]
         for _ in range(steps - 1):
@@ -88,7 +95,7 @@ def test_int4_gradients_feed_their_error_back_so_the_sum_over_steps_stays_near()
                 t += g
         return exact, first, total
 
-    for exact, first, total in run(body, 2):
+    for exact, first, total in run(body, world):
         one = max(np.abs(g - e).max() for g, e in zip(first, exact))
         summed = max(np.abs(t - steps * e).max() for t, e in zip(total, exact))
         assert one > 0 and summed < 2.5 * one, (one, summed)  # (without feedback: ~12x)
@@ -108,13 +115,15 @@ def test_wire_options_are_checked():
     assert run(body, 1) == [True]
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard", "hybrid_shard"])
 def test_a_resumed_int8_run_goes_on_with_the_bits_of_an_unbroken_one(strategy):
     """The error feedback is in the sharded state dict: loaded, the next steps give the
     unbroken run's bits; left out, they do not (so the test can tell)."""
     from _helpers import make_opt, train_steps
 
-    x, y = make_data(8, DIMS, dtype=np.float32)
+    world = 4 if strategy == "hybrid_shard" else 2
+    kw = {"intra_node_size": 2} if strategy == "hybrid_shard" else {}
+    x, y = make_data(4 * world, DIMS, dtype=np.float32)
 
     def steps(f, opt, b, ks):
         sl = slice(4 * b.rank, 4 * b.rank + 4)
@@ -122,7 +131,8 @@ def test_a_resumed_int8_run_goes_on_with_the_bits_of_an_unbroken_one(strategy):
         return [np.array(p.data) for p in f.module.parameters()]
 
     def fresh(b):
-        f = FSDP(make_mlp(DIMS, seed=7, dtype=np.float32), b, strategy, grads_wire="int8")
+        f = FSDP(make_mlp(DIMS, seed=7, dtype=np.float32), b, strategy, grads_wire="int8",
+                 **kw)
         return f, make_opt("adam", f.parameters())
 
     def body(b):
@@ -140,10 +150,12 @@ def test_a_resumed_int8_run_goes_on_with_the_bits_of_an_unbroken_one(strategy):
         keys = {k: specs[k] for k in tensors if k.startswith("wire_error.")}
         return unbroken, resumed, without, keys
 
-    for unbroken, resumed, without, keys in run(body, 2):
-        assert keys["wire_error.world"] == ((2,), 0, (1, 1))
-        assert len(keys) > 1 and all(full == (2 * sizes[0],) for k, (full, _, sizes) in
+    for unbroken, resumed, without, keys in run(body, world):
+        assert keys["wire_error.world"] == ((world,), 0, (1,) * world)
+        assert len(keys) > 1 and all(full == (world * sizes[0],) for k, (full, _, sizes) in
                                      keys.items() if k != "wire_error.world")
+        if strategy != "full_shard":  # the allreduces' own: both encodings'
+            assert {k.rpartition("-")[2] for k in keys if "-" in k} == {"sent", "folded"}
         assert [a.tobytes() for a in resumed] == [a.tobytes() for a in unbroken]
         assert [a.tobytes() for a in without] != [a.tobytes() for a in unbroken]
 

@@ -38,6 +38,7 @@ from .records import (
     REDUCE_SCATTER,
     SCATTER,
 )
+from .wire import Feedback
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`~ferro_backend.Backend.timeout` (60 s). A collective's deadline is its backend's
@@ -45,7 +46,8 @@ DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 
 def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
               timeout: float | None = None, algorithm: str | None = None,
-              out: np.ndarray | None = None, wire: str | None = None) -> np.ndarray:
+              out: np.ndarray | None = None, wire: str | None = None,
+              feedback: Feedback | None = None) -> np.ndarray:
     """Reduce ``tensor`` element-wise across all ranks; every rank gets the result.
 
     Parameters
@@ -72,6 +74,12 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         values with a float32 scale each) and is folded in float32 (:mod:`ferro_collective.wire`); on a
         multi-node job only the cross-node stage is compressed. Float dtypes; SUM, MEAN, MAX,
         MIN, PRODUCT; not with ``algorithm``.
+    feedback : ferro_collective.wire.Feedback, optional
+        With ``wire``, SUM or MEAN: error feedback. What this call's encodings round away (this
+        rank's input, and the chunk it folds before the all-gather) is kept there and added
+        to the next call's, so the error of a sum over a series of calls stays that of one
+        call (gradients over steps). One per series of same-sized calls; this rank's own.
+        Without ``wire`` it is left as it is (an exact call rounds nothing away).
 
     Returns
     -------
@@ -112,7 +120,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     """
     if wire is not None:
         return _compressed.allreduce(tensor, backend, op, wire, timeout, out,
-                                     algorithm=algorithm)
+                                     algorithm=algorithm, feedback=feedback)
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 

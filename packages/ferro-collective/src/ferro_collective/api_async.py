@@ -21,20 +21,22 @@ from .api import (
 )
 from .dispatch import submit
 from .ops import ReduceOp
+from .wire import Feedback
 from .work import Work
 
 
 def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
                     timeout: float | None = None, algorithm: str | None = None,
-                    out: np.ndarray | None = None, wire: str | None = None) -> Work:
+                    out: np.ndarray | None = None, wire: str | None = None,
+                    feedback: Feedback | None = None) -> Work:
     """:func:`allreduce` in the background; ``Work.wait()`` returns its result.
 
     Parameters
     ----------
-    tensor, backend, op, timeout, algorithm, out, wire
+    tensor, backend, op, timeout, algorithm, out, wire, feedback
         As for :func:`allreduce`. With ``wire``, every collective of the compressed call
         takes its place in the order of calls now, and the input is encoded now (it may
-        change once this returns).
+        change once this returns); ``feedback`` is updated by the time the Work is done.
 
     Returns
     -------
@@ -43,7 +45,7 @@ def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     """
     if wire is not None:
         return _compressed.allreduce(tensor, backend, op, wire, timeout, out,
-                                     background=True, algorithm=algorithm)
+                                     background=True, algorithm=algorithm, feedback=feedback)
     return submit(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
 

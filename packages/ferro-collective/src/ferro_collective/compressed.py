@@ -40,7 +40,16 @@ from .executors import ARGUMENT_ERRORS, Refusal
 from .ops import ReduceOp
 from .per_backend import WORKER_PREFIX, state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
-from .wire import check_floats, check_wire, decode_into, encode, encode_into, encoded_bytes
+from .wire import (
+    Feedback,
+    check_feedback,
+    check_floats,
+    check_wire,
+    decode_into,
+    encode,
+    encode_into,
+    encoded_bytes,
+)
 from .work import Work
 
 #: a bf16/fp16 allreduce of at least twice this many encoded bytes is cut in pieces of at least
@@ -115,22 +124,26 @@ def _numbers(backend: Backend, staged: bool = False) -> Numbers:
 
 
 def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
-              background: bool = False, algorithm: str | None = None):
+              background: bool = False, algorithm: str | None = None,
+              feedback: Feedback | None = None):
     """:func:`~ferro_collective.allreduce` with ``wire``; ``background``: a :class:`Work`
     (``allreduce_async``). On a multi-node job the node stages are exact, the cross-node
-    stage compressed. A large bf16/fp16 call runs in pieces at once (:data:`PIECE_BYTES`)."""
+    stage compressed. A large bf16/fp16 call runs in pieces at once (:data:`PIECE_BYTES`),
+    unless it feeds back its error (``feedback``: :class:`~.wire.Feedback`)."""
     name = "allreduce_async" if background else "allreduce"
     x = np.asarray(tensor)
 
     def check():
         check_floats(x, op, "allreduce")
+        check_feedback(feedback, op, name)
         return checked_wire(wire, algorithm, name)
 
     wire = checked("allreduce", backend, wire, timeout, check)
     pieces = _pieces(x.size, wire)
-    if len(pieces) > 1:
+    if len(pieces) > 1 and feedback is None:
         return _in_pieces(x, pieces, backend, op, wire, timeout, out, background)
-    return _allreduce(x, tensor, backend, op, wire, timeout, out, background)
+    return _allreduce(x, tensor, backend, op, wire, timeout, out, background,
+                      feedback=feedback)
 
 
 def _pieces(count: int, wire: str) -> list[tuple[int, int]]:
@@ -217,17 +230,19 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
 
 def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
                background: bool, on_error: Callable[[BaseException], None] | None = None,
-               numbers: Numbers | None = None, after: threading.Event | None = None):
+               numbers: Numbers | None = None, after: threading.Event | None = None,
+               feedback: Feedback | None = None):
     """One compressed allreduce of ``x`` (flat, or the node stages exact and the cross-node
     stage compressed); ``on_error``: it is a piece of a call (no event of its own; told of
     its first error at once), whose ``numbers`` it takes and whose check (``after``) its
-    collectives wait for in the background."""
+    collectives wait for in the background; ``feedback``: its compressed stage's error
+    feedback."""
     h = getattr(backend, "hierarchy", None)
     if h is not None and h.num_nodes > 1:
         numbers = _numbers(backend, staged=True)
         try:
             s = Steps("allreduce", wire, tensor, backend, timeout, on_error, numbers)
-            node_calls(s, x, h, op, out, identity("allreduce", x, op, wire))
+            node_calls(s, x, h, op, out, identity("allreduce", x, op, wire), feedback)
             return s.run(background)
         finally:
             numbers.rest()
@@ -241,7 +256,7 @@ def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str,
         s.result = deliver(fill, x, x.shape, out, "allreduce")
 
     who = identity("allreduce", x, op, wire) if own else None  # (a piece's: the call's check)
-    flat_allreduce(s, flat, backend, op, done, who)()
+    flat_allreduce(s, flat, backend, op, done, who, feedback=feedback)()
     try:
         return s.run(background)
     finally:
@@ -342,8 +357,9 @@ def sent_values(x: np.ndarray, n: int, wire: str, name: str) -> np.ndarray:
     """What the peers decode of this rank's ``x`` in a compressed ``name`` ("reduce_scatter":
     ``x``'s ``n`` dim-0 blocks; "allreduce": ``n`` chunks of the flat values) over ``n`` ranks,
     as float32 of ``x``'s shape: ``x`` less what its encoding rounds away, for error feedback
-    (``x - sent_values(x, ...)`` is the error; the flat allreduce's second encoding, of the
-    folded chunk, and a multi-node job's cross-node stage are not this rank's to feed back).
+    (``x - sent_values(x, ...)`` is the error; the allreduce's second encoding, of the folded
+    chunk, and a multi-node job's cross-node stage are fed back by the call itself: its
+    ``feedback=``, :class:`~.wire.Feedback`).
 
     Parameters
     ----------

@@ -28,12 +28,12 @@ from .wire import encoded_bytes
 
 
 def node_calls(s: Steps, x: np.ndarray, h, op: ReduceOp, out,
-               who: np.ndarray | None = None) -> None:
+               who: np.ndarray | None = None, feedback=None) -> None:
     """Add the multi-node allreduce of ``x`` to ``s``: the node's exact reduce_scatter (call
     0), the compressed allreduce across the nodes of this local rank's slice (calls 1, 2; with
     ``who``, the call's identity, the first carries it and decides the call, and the node
     agrees on that between them: :meth:`Steps.agreement`), the node's all_gather (the last
-    call); then ``s.result``."""
+    call); then ``s.result``. ``feedback``: the cross-node stage's (:class:`~.wire.Feedback`)."""
     flat, backend = x.reshape(-1), s.backend
     local = h.local_world
     per = -(-max(1, flat.size) // local)
@@ -67,7 +67,7 @@ def node_calls(s: Steps, x: np.ndarray, h, op: ReduceOp, out,
         s.result = deliver(fill, x, x.shape, out, "allreduce")
 
     s.then(REDUCE_SCATTER, padded, h.node, node_op, node_sum, summed)
-    encode_cross = flat_allreduce(s, part32, h.cross, node_op, crossed, who, h.node)
+    encode_cross = flat_allreduce(s, part32, h.cross, node_op, crossed, who, h.node, feedback)
     s.then(ALL_GATHER, part, h.node, None, whole, gathered)
 
 

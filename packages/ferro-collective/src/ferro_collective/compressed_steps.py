@@ -318,15 +318,17 @@ class Steps:
 
 def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
                    done: Callable[[Callable[[np.ndarray], None]], None],
-                   who: np.ndarray | None = None, agree: Backend | None = None
-                   ) -> Callable[[], None]:
+                   who: np.ndarray | None = None, agree: Backend | None = None,
+                   feedback=None) -> Callable[[], None]:
     """Add the compressed allreduce of float32 ``flat`` over ``group`` to ``s``: an
     all-to-all of the encoded chunks, each rank's chunk folded and encoded, an all-gather,
     then ``done(fill)`` (``fill(dest)`` decodes the result into ``flat.size`` float32 values).
     ``who``: the call's :func:`identity`, carried ahead of each chunk of the all-to-all (the
     call's first collective, or a multi-node call's first cross-node one, whose node group,
     ``agree``, then agrees on it: :meth:`Steps.agreement`) and checked. Returns what encodes
-    ``flat`` into the first one's bytes (call it once ``flat`` holds the values)."""
+    ``flat`` into the first one's bytes (call it once ``flat`` holds the values).
+    ``feedback`` (:class:`~.wire.Feedback`): both encodings' last residuals are added to
+    what they encode (``flat`` is not changed) and replaced by theirs."""
     n, wire = group.world_size, s.wire
     c = chunk(flat.size, n, wire)
     width = encoded_bytes(c, wire)
@@ -337,7 +339,15 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
         sent[:, :p] = who
 
     def folded(got):
-        encode_into(fold_rows(got.reshape(n, p + width)[:, p:], wire, op, acc), wire, mine)
+        fold_rows(got.reshape(n, p + width)[:, p:], wire, op, acc)
+        if feedback is not None:
+            feedback.add_folded(acc)
+        encode_into(acc, wire, mine)
+        if feedback is not None:
+            decoded = POOL.take(c, np.float32)
+            decode_into(mine, wire, decoded, _kernel.COPY)
+            np.subtract(acc, decoded, out=feedback.folded)
+            POOL.give(decoded)
 
     def ended(got):
         done(lambda dest: decode_rows(got.reshape(n, width), c, wire, dest))
@@ -346,7 +356,18 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     if agree is not None and who is not None:
         s.agreement(agree)
     s.then(ALL_GATHER, mine, group, None, gathered, ended)
-    return lambda: encode_chunks(flat, c, c, wire, sent[:, p:])
+    if feedback is None:
+        return lambda: encode_chunks(flat, c, c, wire, sent[:, p:])
+
+    def encode_fed_back():
+        x = feedback.add_sent(flat)
+        encode_chunks(x, c, c, wire, sent[:, p:])
+        decoded = POOL.take(flat.size, np.float32)
+        decode_rows(sent[:, p:], c, wire, decoded)
+        np.subtract(x, decoded, out=feedback.sent)
+        POOL.give(decoded)
+
+    return encode_fed_back
 
 
 def traced(name: str, wire: str, tensor, backend: Backend, call, *args):

@@ -161,6 +161,95 @@ def decode_into(buf: np.ndarray, wire: str, acc: np.ndarray, op: int) -> None:
                                  buf[blocks * 4:blocks * (BLOCK // 2 + 4)], acc, op)
 
 
+class Feedback:
+    """Error feedback for a compressed allreduce (its ``feedback=``): what this rank's
+    encodings rounded away in one call, added to what they encode in the next, so the error
+    of a sum over many calls (gradients over steps) stays that of one call instead of growing
+    with their count.
+
+    A compressed allreduce encodes twice: each rank's input (its contribution, ``sent``) and,
+    on the rank that folds it, each folded chunk before the all-gather (``folded``; on a
+    multi-node job, the cross-node stage's contribution and folded chunk). A rank keeps both
+    residuals here, as float32 arrays that the calls it is passed to update in place (None
+    before the first; replaced by zeros when a call's sizes differ from the last one's). Pass
+    one to a single series of calls with the same size, world and wire (one per gradient
+    buffer), never to two calls in flight at once (the second would add residuals the first
+    has not replaced yet). SUM and MEAN only.
+
+    Parameters
+    ----------
+    sent, folded : numpy.ndarray, optional
+        Residuals to start from (a resumed run's saved ones); float32 copies are kept.
+
+    Examples
+    --------
+    >>> from ferro_backend.testing import run_ranks
+    >>> from ferro_collective import allreduce
+    >>> def error_of_100_calls(b, feedback):
+    ...     g = np.linspace(-1, 1, 1000)  # on both ranks: the sum is 2 g
+    ...     total = sum(allreduce(g, b, wire="int4", feedback=feedback) for _ in range(100))
+    ...     return round(float(np.abs(total - 100 * 2 * g).max()), 2)
+    >>> run_ranks(lambda b: error_of_100_calls(b, None), 2)
+    [14.27, 14.27]
+    >>> run_ranks(lambda b: error_of_100_calls(b, Feedback()), 2)
+    [0.15, 0.15]
+    """
+
+    __slots__ = ("folded", "sent")
+
+    def __init__(self, sent: np.ndarray | None = None, folded: np.ndarray | None = None) -> None:
+        self.sent = None if sent is None else np.array(sent, np.float32).reshape(-1)
+        self.folded = None if folded is None else np.array(folded, np.float32).reshape(-1)
+
+    def add_sent(self, x: np.ndarray) -> np.ndarray:
+        """``x`` plus the last contribution's residual (zeros where there was none, or of
+        another size).
+
+        Parameters
+        ----------
+        x : numpy.ndarray
+            float32 values, flat (not changed: it may be the caller's input).
+
+        Returns
+        -------
+        numpy.ndarray
+            A new float32 array.
+        """
+        if self.sent is None or self.sent.size != x.size:
+            self.sent = np.zeros(x.size, np.float32)
+        return np.add(x, self.sent, dtype=np.float32)
+
+    def add_folded(self, acc: np.ndarray) -> None:
+        """Add the last folded chunk's residual to ``acc`` in place (zeros where there was
+        none, or of another size).
+
+        Parameters
+        ----------
+        acc : numpy.ndarray
+            float32, flat: a folded chunk.
+        """
+        if self.folded is None or self.folded.size != acc.size:
+            self.folded = np.zeros(acc.size, np.float32)
+        acc += self.folded
+
+    def __repr__(self) -> str:
+        sizes = [None if a is None else a.size for a in (self.sent, self.folded)]
+        return f"<Feedback sent={sizes[0]} folded={sizes[1]}>"
+
+
+def check_feedback(feedback, op: ReduceOp, name: str) -> None:
+    """``feedback`` is None or a :class:`Feedback`, with SUM or MEAN (else TypeError,
+    ValueError naming the call)."""
+    if feedback is None:
+        return
+    if not isinstance(feedback, Feedback):
+        raise TypeError(f"{name}: feedback= must be a ferro_collective.wire.Feedback, not "
+                        f"{type(feedback).__name__}")
+    if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+        raise ValueError(f"{name}: feedback= with op {op.name}: error feedback is for SUM "
+                         "and MEAN")
+
+
 # (the compressed collectives, ferro_collective.compressed, are reached through the public calls'
 # ``wire=``)
-__all__ = ["BLOCK", "WIRES", "decode", "encode", "encoded_bytes"]
+__all__ = ["BLOCK", "WIRES", "Feedback", "decode", "encode", "encoded_bytes"]

@@ -96,13 +96,11 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
     grads_wire : {None, "bf16", "fp16", "int8", "int4"}
         Reduce the gradients in that wire format (the reduce-scatter, NO_SHARD's allreduce and
         HYBRID_SHARD's allreduce across the replicas), folded in float32. With "int8" and
-        "int4" each rank feeds back what the encoding of its reduce-scatter (or NO_SHARD
-        allreduce) contribution rounded away into its next step's gradients (error feedback:
-        a buffer of the unit's full gradient size per rank, saved with the sharded state
-        dict), so the error summed over steps stays that of one step under FULL_SHARD and
-        SHARD_GRAD_OP. Under NO_SHARD and HYBRID_SHARD the allreduce's second encoding (the
-        folded chunk re-encoded for its all-gather) and HYBRID_SHARD's cross-replica allreduce
-        are not fed back: their summed error grows with the steps. None: exact.
+        "int4" each rank feeds back what every encoding it makes rounded away into the next
+        step's (error feedback: its reduce-scatter or allreduce contribution, a buffer of the
+        unit's full gradient size per rank, and the chunk an allreduce folds on it before its
+        all-gather; ``ferro_collective.wire.Feedback``; saved with the sharded state dict), so
+        the error summed over steps stays that of one step, under every strategy. None: exact.
     secondary_shard : bool, default False
         FULL_SHARD across nodes of ``intra_node_size`` ranks (ZeRO++'s hpZ): the forward's
         all-gather over the world leaves each rank a secondary shard of the parameters it

@@ -32,6 +32,7 @@ from ferro_collective import (
     reduce_scatter_async,
 )
 from ferro_collective.compressed import sent_values
+from ferro_collective.wire import Feedback
 
 from .background import start
 from .flat import FlatLayout
@@ -90,6 +91,9 @@ class Unit:
         self.grad_buf: np.ndarray | None = None    # backs the full gradients (pooled)
         self.result: np.ndarray | None = None      # the reduced gradient .grad views (persistent)
         self.errors: dict[int, np.ndarray] | None = None  # grads_wire's error feedback, by array
+        #: grads_wire's error feedback of the allreduces (NO_SHARD's, HYBRID_SHARD's across the
+        #: replicas), by series: "allreduce<i>" (a step's i-th reduction), "replicas"
+        self.feedbacks: dict[str, Feedback] | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.name or '<root>'!r}, {len(self.idx)} params, numel={self.layout.numel})"
@@ -300,10 +304,9 @@ class Unit:
                       for g, s in zip(grads, self.layout.shapes)], out=flat.view(np.uint8))
             group = owner._backend
             if group.world_size > 1 and numel:
-                self.feed_back(flat, group.world_size, "allreduce", 0)
                 work = start(owner._background, allreduce_async, allreduce, flat, group,
                              ReduceOp.MEAN, timeout=owner._timeout, out=flat,
-                             **_wire(owner._grads_wire))
+                             **self.wired(f"allreduce{len(self.reductions)}"))
             else:
                 work = DoneWork(flat)
         else:
@@ -314,7 +317,7 @@ class Unit:
             if self.direct and self.layout.numel and all(
                     g is not None and g.flags.c_contiguous for g in grads):
                 for k, g in enumerate(grads):
-                    self.feed_back(g.reshape(-1), group.world_size, "reduce_scatter", k)
+                    self.feed_back(g.reshape(-1), group.world_size, k)
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
                     works = [start(owner._background, reduce_scatter_async, reduce_scatter,
@@ -333,7 +336,7 @@ class Unit:
             send = self.layout.full_to_scatter(
                 grads, out=pool.take(self.layout.padded_numel, self.dtype))
             if group is not None and group.world_size > 1 and self.layout.numel:
-                self.feed_back(send, group.world_size, "reduce_scatter", 0)
+                self.feed_back(send, group.world_size, 0)
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
                                    numel=self.layout.numel):
                     work = start(owner._background, reduce_scatter_async, reduce_scatter,
@@ -350,10 +353,11 @@ class Unit:
         pool.give(self.grad_buf)
         self.grad_buf = None
 
-    def feed_back(self, x: np.ndarray, n: int, name: str, k: int) -> None:
+    def feed_back(self, x: np.ndarray, n: int, k: int) -> None:
         """Error feedback of ``grads_wire`` int8 / int4 (else nothing): add to ``x`` (the
-        ``k``-th array this unit sends to the ``name`` reduction over ``n`` ranks, in place)
-        what last step's encoding of it rounded away, and keep what this one's will."""
+        ``k``-th array this unit sends to its reduce-scatter over ``n`` ranks, in place) what
+        last step's encoding of it rounded away, and keep what this one's will. (Its result,
+        the rank's own chunk, is not encoded again.)"""
         if self.owner._grads_wire not in ("int8", "int4"):
             return
         if self.errors is None:
@@ -362,7 +366,7 @@ class Unit:
         if error is None or error.shape != x.shape:
             error = self.errors[k] = np.zeros_like(x)
         np.add(x, error, out=x)
-        np.subtract(x, sent_values(x, n, self.owner._grads_wire, name), out=error)
+        np.subtract(x, sent_values(x, n, self.owner._grads_wire, "reduce_scatter"), out=error)
 
     def finish_reduce(self) -> np.ndarray:
         """Wait for the started reductions; this rank's averaged flat gradient (chunk, or the
@@ -382,8 +386,22 @@ class Unit:
         group = owner._replicate_group
         if group is not None and group.world_size > 1 and self.layout.numel:
             total = allreduce(total, group, ReduceOp.MEAN, timeout=owner._timeout, out=total,
-                              **_wire(owner._grads_wire))
+                              **self.wired("replicas"))
         return total
+
+    def wired(self, series: str) -> dict[str, Any]:
+        """An allreduce's ``wire=`` keyword (none: exact) and, for int8 / int4, its error
+        feedback: the unit's ``series`` of calls (a :class:`~ferro_collective.wire.Feedback`
+        each: the call feeds back both its encodings, this rank's contribution and the chunk
+        it folds; a step's second reduction, outside ``no_sync``, is a series of its own, as
+        it may run beside the first)."""
+        wire = self.owner._grads_wire
+        kw = _wire(wire)
+        if wire in ("int8", "int4"):
+            if self.feedbacks is None:
+                self.feedbacks = {}
+            kw["feedback"] = self.feedbacks.setdefault(series, Feedback())
+        return kw
 
 
 __all__ = ["Unit", "freed"]

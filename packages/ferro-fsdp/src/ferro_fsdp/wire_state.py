@@ -2,9 +2,13 @@
 the bits an unbroken one would have.
 
 With ``grads_wire="int8"`` or ``"int4"`` each rank keeps, per unit and per array it reduces,
-what its last encoding rounded away (``Unit.errors``) and adds it to the next step's gradient.
-It is this rank's own residual (of its own batch's gradient, at its own place in the group), so
-it is saved as a piece per rank: ``wire_error.<unit>.<k>`` of full shape ``(world * n,)``, rank
+what its last encoding rounded away (``Unit.errors``) and adds it to the next step's gradient;
+for an allreduce (NO_SHARD's, HYBRID_SHARD's across the replicas), also what its encoding of
+the chunk it folded rounded away (``Unit.feedbacks``: a
+:class:`~ferro_collective.wire.Feedback` a series of calls). They are this rank's own residuals
+(of its own batch's gradient, at its own place in the group), so each is saved as a piece per
+rank: ``wire_error.<unit>.<k>`` (a reduce-scatter's array ``k``) or
+``wire_error.<unit>.<series>-sent`` and ``-folded`` of full shape ``(world * n,)``, rank
 ``r``'s ``n`` elements at ``r * n``, and ``wire_error.world``, the world it was saved on (one
 int64 per rank). It loads back on the same world size (from the pieces, or from the full
 tensors on every rank); saved on another world size, or not saved at all, the feedback starts
@@ -20,7 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from ferro_collective.wire import Feedback
+
 PREFIX = "wire_error."
+#: a Feedback's residuals: this rank's contribution's, its folded chunk's
+_PARTS = ("sent", "folded")
 WORLD_KEY = PREFIX + "world"
 
 
@@ -33,7 +41,11 @@ def save(units: list[Any], world: int) -> tuple[dict[str, np.ndarray], dict[str,
     tensors: dict[str, np.ndarray] = {}
     specs: dict[str, tuple] = {}
     for unit in units:
-        for k, error in sorted((unit.errors or {}).items()):
+        arrays = [(str(k), error) for k, error in sorted((unit.errors or {}).items())]
+        for series, fb in sorted((getattr(unit, "feedbacks", None) or {}).items()):
+            arrays += [(f"{series}-{part}", getattr(fb, part)) for part in _PARTS
+                       if getattr(fb, part) is not None]
+        for k, error in arrays:
             key = f"{PREFIX}{_name(unit)}.{k}"
             tensors[key] = np.array(error, copy=True).reshape(-1)
             n = tensors[key].size
@@ -55,7 +67,7 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
     tensors :func:`split` took out; empty: every unit starts afresh). Raises ValueError for a
     key that names no unit or a piece that does not fit the world."""
     for unit in units:
-        unit.errors = None
+        unit.errors = unit.feedbacks = None
     if not saved:
         return
     if WORLD_KEY not in saved:
@@ -75,7 +87,8 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
             continue
         name, _, k = key[len(PREFIX):].rpartition(".")
         unit = by_name.get(name)
-        if unit is None or not k.isdigit():
+        series, _, part = k.rpartition("-")
+        if unit is None or not (k.isdigit() or (series and part in _PARTS)):
             raise ValueError(f"load_sharded_state_dict: {key!r} names no unit of this model "
                              f"(units: {sorted(by_name)})")
         piece = np.asarray(value).reshape(-1)
@@ -85,6 +98,12 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
                                  f"not a piece for each of {world} ranks")
             n = piece.size // world
             piece = piece[rank * n:(rank + 1) * n]
+        if not k.isdigit():
+            if unit.feedbacks is None:
+                unit.feedbacks = {}
+            setattr(unit.feedbacks.setdefault(series, Feedback()), part,
+                    np.array(piece, dtype=np.float32, copy=True))
+            continue
         if unit.errors is None:
             unit.errors = {}
         unit.errors[int(k)] = np.array(piece, dtype=unit.dtype, copy=True)
