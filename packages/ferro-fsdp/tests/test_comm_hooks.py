@@ -217,6 +217,40 @@ def test_a_resumed_powersgd_state_continues_exactly():
                 assert a.tobytes() == b_.tobytes()
 
 
+def test_a_state_restored_under_another_bucket_plan_starts_its_errors_afresh():
+    """A resumed run whose buckets are cut otherwise (another ``bucket_cap_mb``): each saved
+    error that no longer fits its bucket starts afresh, with a warning naming the bucket (it
+    failed in numpy's broadcasting before), and the step is the fresh state's."""
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        state = PowerSGDState(b, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)  # one bucket
+        d.register_comm_hook(state, powerSGD_hook)
+        for _ in range(2):
+            for p in d.module.parameters():
+                p.grad = None
+            step_grads(d, b, x, y)
+        grads = []
+        for saved in (state.state_dict(), None):
+            s2 = PowerSGDState(b, start_powerSGD_iter=1)
+            if saved is not None:
+                s2.load_state_dict(saved)
+                s2.q_memory_dict = {}  # (Qs of another size start afresh by themselves)
+            d2 = DDP(make_mlp(DIMS, dtype=np.float32), b, bucket_cap_mb=0.001)
+            d2.register_comm_hook(s2, powerSGD_hook)
+            s2.iter = 5
+            grads.append(step_grads(d2, b, x, y))
+            assert len(d2.buckets) > 1
+        return grads
+
+    with pytest.warns(RuntimeWarning, match=r"powerSGD_hook: the error feedback of bucket 0 "
+                                            r"has \d+ values, the bucket \d+ .* it starts afresh"):
+        got = run(body, 2)
+    for restored, fresh in got:
+        assert [g.tobytes() for g in restored] == [g.tobytes() for g in fresh]
+
+
 def test_the_sharded_state_is_each_ranks_row_and_a_new_world_starts_it_afresh():
     """``sharded_state_dict``: every array a row of a tensor of world-size rows (each rank's
     own error feedback); loaded as the same world restores it: the state whole; as another

@@ -184,3 +184,27 @@ def test_error_feedback_loads_from_full_tensors_and_starts_afresh_on_another_wor
                                   "wire_error.nothere.0": np.zeros(3)}, 1, 0)
     with pytest.raises(ValueError, match="without 'wire_error.world'"):
         wire_state.load(units(), {"wire_error.root.0": np.zeros(3)}, 1, 0)
+
+
+def test_a_job_resumed_without_grads_wire_drops_the_saved_error_feedback():
+    """Its steps feed nothing back: the loaded residuals were carried, unchanged, into every
+    checkpoint it saved, and a later int8 resume fed back a residual many steps old."""
+    from _helpers import make_opt, train_steps
+
+    x, y = make_data(8, DIMS, dtype=np.float32)
+
+    def body(b):
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        f = FSDP(make_mlp(DIMS, seed=7, dtype=np.float32), b, grads_wire="int8")
+        opt = make_opt("adam", f.parameters())
+        train_steps(f, opt, nn.CrossEntropyLoss(), x[sl], y[sl], 1)
+        tensors, _ = f.sharded_state_dict(opt)
+        g = FSDP(make_mlp(DIMS, seed=7, dtype=np.float32), b)
+        opt2 = make_opt("adam", g.parameters())
+        g.load_sharded_state_dict(tensors, opt2)
+        train_steps(g, opt2, nn.CrossEntropyLoss(), x[sl], y[sl], 1)
+        return ([k for k in tensors if k.startswith("wire_error.")],
+                [k for k in g.sharded_state_dict(opt2)[0] if k.startswith("wire_error.")])
+
+    for saved, resaved in run(body, 2):
+        assert saved and resaved == []

@@ -176,6 +176,33 @@ def test_state_dict_round_trip_continues_identically():
         make([Parameter(np.ones(1)), Parameter(np.ones(1))]).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("make,key", [
+    (lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), "momentum_buffer"),
+    (lambda ps: optim.Adam(ps, lr=0.01), "exp_avg"),
+    (lambda ps: optim.AdamW(ps, lr=0.01), "exp_avg_sq")])
+def test_a_state_the_step_cannot_take_is_refused_and_nothing_changes(make, key):
+    """A state array of another size (another world's shard) would have the compiled step
+    read and write past its end (a crash); an incomplete Adam state would lose its moments."""
+    p = Parameter(np.ones(4096, np.float32))
+    opt = make([p])
+    p.grad = np.ones_like(p.data)
+    opt.step()
+    sd = opt.state_dict()
+    before = opt.state_dict()
+    short = {**sd, "state": {0: {**sd["state"][0], key: np.zeros(64, np.float32)}}}
+    with pytest.raises(ValueError, match=rf"parameter 0's '{key}' has shape \(64,\), its "
+                                         r"parameter \(4096,\)"):
+        opt.load_state_dict(short)
+    after = opt.state_dict()
+    assert all(np.array_equal(after["state"][0][k], v) for k, v in before["state"][0].items())
+    if isinstance(opt, optim.Adam):
+        for gone in ("step", "exp_avg_sq"):
+            partial = {**sd, "state": {0: {k: v for k, v in sd["state"][0].items() if k != gone}}}
+            with pytest.raises(ValueError, match=rf"parameter 0's state lacks \['{gone}'\]"):
+                opt.load_state_dict(partial)
+    opt.load_state_dict({**sd, "state": {0: {}}})  # nothing yet: as a parameter never stepped
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_dtype_is_kept(dtype):
     p = Parameter(np.ones(3, dtype))

@@ -183,6 +183,40 @@ def test_bad_state_dicts_raise_on_every_rank():
     assert all(m and "present on ranks [1] only" in m for m in msgs)
 
 
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_a_transposed_full_tensor_or_an_incomplete_adam_state_is_refused_on_every_rank(wrapper):
+    """A full tensor of the parameter's size but another shape loaded scrambled, and Adam's
+    moments without their step count (or one moment) loaded, then failed or reset at the
+    step: both are refused before anything is loaded."""
+    from ferro_fsdp import DDP
+
+    per_rank, specs, _ = train_and_save(FS, 2, None, "adam", 1)
+    full = consolidate(per_rank, specs)  # (flat)
+    shape = make_mlp().state_dict()["0.weight"].shape
+
+    def attempt(pieces):
+        def body(b):
+            model = make_mlp()
+            w = FSDP(model, b) if wrapper == "fsdp" else DDP(model, b)
+            opt = make_opt("adam", w.module.parameters())
+            before = [p.data.copy() for p in w.module.parameters()]
+            with pytest.raises(ValueError) as exc:
+                w.load_sharded_state_dict(dict(pieces[b.rank]), opt)
+            assert all(np.array_equal(p.data, q) for p, q in zip(w.module.parameters(), before))
+            return str(exc.value)
+
+        return run(body, 2)
+
+    bad = dict(full, **{"0.weight": full["0.weight"].reshape(shape).T.copy()})
+    msgs = attempt([bad, dict(full)])  # (rank 1's is right: it refuses too)
+    assert all("full tensors of another shape on ranks [0]" in m for m in msgs), msgs
+    assert f"'0.weight' has shape {shape[::-1]}, its parameter {shape}" in msgs[0]
+    for gone in ("step", "exp_avg_sq"):
+        key = f"optim.0.weight.{gone}"
+        msgs = attempt([{k: v for k, v in d.items() if k != key} for d in per_rank])
+        assert all(f"optimizer state of '0.weight' lacks ['{key}']" in m for m in msgs), msgs
+
+
 def test_optimizer_must_hold_the_parameters():
     def body(b):
         w = FSDP(make_mlp(), b)

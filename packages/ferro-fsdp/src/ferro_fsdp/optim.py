@@ -63,6 +63,8 @@ class Optimizer:
     array_state_keys: ClassVar[tuple[str, ...]] = ()
     #: state entries that are Python numbers
     scalar_state_keys: ClassVar[tuple[str, ...]] = ()
+    #: the entries a parameter's state holds all of once it has any (SGD's buffer may be absent)
+    required_state_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], defaults: dict[str, Any]) -> None:
         self.defaults = dict(defaults)
@@ -178,7 +180,9 @@ class Optimizer:
         Raises
         ------
         ValueError
-            A different number of groups, or of parameters in a group.
+            A different number of groups, or of parameters in a group; a parameter's state
+            without one of :attr:`required_state_keys`, or an array entry not of its
+            parameter's shape (nothing is changed then).
         IndexError, KeyError
             A malformed ``state_dict`` (an index past the parameters, a missing key).
         """
@@ -187,13 +191,45 @@ class Optimizer:
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)):
             raise ValueError(f"{type(self).__name__}.load_state_dict: parameter groups do not match")
-        for g, mine in zip(groups, self.param_groups):
-            mine.update({k: v for k, v in g.items() if k != "params"})
-        self.state = {}
+        state = {}
         for i, s in state_dict["state"].items():
             p = params[int(i)]
-            self.state[p] = {k: (np.array(v, dtype=p.data.dtype, copy=True) if isinstance(v, np.ndarray)
-                                 else v) for k, v in s.items()}
+            state[p] = {k: (np.array(v, dtype=p.data.dtype, copy=True) if isinstance(v, np.ndarray)
+                            else v) for k, v in s.items()}
+            self.check_state(state[p], p, f"parameter {int(i)}")
+        for g, mine in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in g.items() if k != "params"})
+        self.state = state
+
+    def check_state(self, state: dict[str, Any], p: Parameter, who: str) -> None:
+        """Refuse a parameter's state that the step cannot take: an array entry (of
+        :attr:`array_state_keys`) not of the parameter's shape (the compiled step would read
+        and write past its end), or, once it holds anything, a missing one of
+        :attr:`required_state_keys`.
+
+        Parameters
+        ----------
+        state : dict
+            The parameter's state entries.
+        p : Parameter
+        who : str
+            The parameter, in the error's words.
+
+        Raises
+        ------
+        ValueError
+            Naming the optimizer, ``who``, the entry and the shapes.
+        """
+        name = type(self).__name__
+        for k in self.array_state_keys:
+            v = state.get(k)
+            if v is not None and np.shape(v) != p.data.shape:
+                raise ValueError(f"{name}.load_state_dict: {who}'s {k!r} has shape "
+                                 f"{np.shape(v)}, its parameter {p.data.shape}")
+        missing = [k for k in self.required_state_keys if k not in state]
+        if state and missing:
+            raise ValueError(f"{name}.load_state_dict: {who}'s state lacks {missing} (it has "
+                             f"{sorted(state)})")
 
 
 class SGD(Optimizer):
@@ -293,6 +329,7 @@ class Adam(Optimizer):
 
     array_state_keys = ("exp_avg", "exp_avg_sq")
     scalar_state_keys = ("step",)
+    required_state_keys = ("step", "exp_avg", "exp_avg_sq")
     _decoupled: ClassVar[bool] = False
 
     def __init__(self, params: Iterable[Parameter] | Iterable[dict], lr: float = 1e-3,

@@ -14,6 +14,7 @@ its two allreduces, so it runs in the training thread.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -241,6 +242,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
     key, r = bucket.index(), state.matrix_approximation_rank
     if state.use_error_feedback:
         error = state.error_dict.get(key)
+        if error is not None and error.shape != flat.shape:
+            # (restored from a run whose buckets were cut otherwise: not this bucket's)
+            warnings.warn(f"powerSGD_hook: the error feedback of bucket {key} has "
+                          f"{error.size} values, the bucket {flat.size} (restored from a run "
+                          "with another bucket plan?): it starts afresh", RuntimeWarning,
+                          stacklevel=2)
+            error = None
         if error is None:
             error = state.error_dict[key] = np.zeros_like(flat)
         flat += error

@@ -131,18 +131,30 @@ def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
     keys = _keys(plan, optimizer)
     known = {k for k, *_ in keys}
     unexpected = sorted(k for k in tensors if k not in known)
+    # a tensor of more than one dim is a full one: of its parameter's shape, not only its size
+    # (a transposed weight would load scrambled)
+    misshaped = [(k, np.shape(tensors[k]), plan.layout.shapes[i]) for k, i, kind, _ in keys
+                 if kind != "scalar" and k in tensors and np.ndim(tensors[k]) > 1
+                 and np.shape(tensors[k]) != tuple(plan.layout.shapes[i])]
     lengths = np.array([np.asarray(tensors[k]).size if k in tensors else -1 for k, *_ in keys]
-                       + [len(unexpected)], dtype=np.int64)
+                       + [len(unexpected), len(misshaped)], dtype=np.int64)
     if plan.world > 1:
         table = all_gather(lengths, plan.backend, timeout=plan.timeout).reshape(plan.world, -1)
     else:
         table = lengths.reshape(1, -1)
-    if table[:, -1].any():
+    if table[:, -2].any():
         raise ValueError(f"load_sharded_state_dict: unexpected keys {unexpected} on rank {plan.rank} "
-                         f"({int(table[:, -1].sum())} over all ranks)")
+                         f"({int(table[:, -2].sum())} over all ranks)")
+    if table[:, -1].any():
+        where = np.flatnonzero(table[:, -1]).tolist()
+        said = "; ".join(f"{k!r} has shape {got}, its parameter {want}"
+                         for k, got, want in misshaped) or "see theirs"
+        raise ValueError(f"load_sharded_state_dict: full tensors of another shape on ranks "
+                         f"{where} ({said})")
     missing = [k for j, (k, _, kind, _) in enumerate(keys) if kind == "param" and (table[:, j] < 0).all()]
     if missing:
         raise ValueError(f"load_sharded_state_dict: missing parameter keys {missing}")
+    _check_complete(plan, keys, table, optimizer)
     new_state: dict[int, dict[str, Any]] = {}
     for j, (key, i, kind, k) in enumerate(keys):
         col = table[:, j]
@@ -172,6 +184,23 @@ def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
                 optimizer.state[p] = new_state[i]
             else:
                 optimizer.state.pop(p, None)
+
+
+def _check_complete(plan: Plan, keys: list, table: np.ndarray, optimizer: Any) -> None:
+    """Refuse (on every rank: ``table`` is every rank's) optimizer state that names a
+    parameter without all of the optimizer's ``required_state_keys`` (Adam's moments without
+    its step count, or one moment)."""
+    required = getattr(optimizer, "required_state_keys", ())
+    held: dict[int, set[str]] = {}
+    for j, (_, i, kind, k) in enumerate(keys):
+        if kind != "param" and (table[:, j] >= 0).any():
+            held.setdefault(i, set()).add(k)
+    for i, ks in held.items():
+        lacking = [k for k in required if k not in ks]
+        if lacking:
+            raise ValueError(f"load_sharded_state_dict: the optimizer state of "
+                             f"{plan.names[i]!r} lacks {[f'optim.{plan.names[i]}.{k}' for k in lacking]} "
+                             f"(it has {sorted(ks)})")
 
 
 def _gather_pieces(plan: Plan, piece: np.ndarray, col: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -325,6 +354,8 @@ class ShardedStateDicts:
         """
         rest, errors = wire_state.split(tensors)
         load(self._state_plan(), rest, optimizer)
+        if self._grads_wire not in ("int8", "int4"):  # (fed back by no step: not kept either,
+            errors = {}                                # lest a later save carry it stale)
         wire_state.load(self._units, errors, self._backend.world_size, self._backend.rank)
 
     def _state_plan(self) -> Plan:
