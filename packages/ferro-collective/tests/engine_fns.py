@@ -661,3 +661,27 @@ def through_the_door(b) -> list[str]:
                 if got.tobytes() != ref.tobytes():
                     bad.append(f"{np.dtype(dt)} {op.name} of {count}: other bits than star")
     return bad
+
+
+def subgroup_engine_late_and_closed(b) -> list:
+    """A subgroup whose engine is attached after a collective ran on it over messages (its
+    numbers then come from the door: the state is made again), then closed on rank 0: its
+    later collectives raise PeerClosedError at once (the view's engine is closed with it)."""
+    from ferro_backend import SubBackend
+    from ferro_backend.engine import attach_engine
+
+    s = SubBackend(b, range(b.world_size), name="late")
+    out = [fc.allreduce(np.ones(3), s, timeout=20).tolist()]
+    attach_engine(s)
+    out.append(fc.allreduce(np.full(3, 1.0 + b.rank), s, timeout=20).tolist())
+    out.append(fc.all_gather(np.array([b.rank]), s, timeout=20).tolist())
+    fc.barrier(s, timeout=20)
+    if b.rank == 0:
+        s.close()
+        t0 = time.monotonic()
+        try:
+            fc.allreduce(np.ones(3), s, timeout=20)
+            out.append("ran on a closed view")
+        except PeerClosedError:
+            out.append(("closed", time.monotonic() - t0 < 5))
+    return out

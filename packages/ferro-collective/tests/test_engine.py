@@ -296,3 +296,14 @@ def test_the_collectives_run_on_the_engines_door():
 def test_a_bad_timeout_on_the_engine_raises_and_takes_no_sequence_number():
     assert run_processes(engine_fns.bad_timeouts, 2, transport="shm", timeout=60) == \
         [[True, True, True]] * 2
+
+
+def test_a_subgroup_engine_attached_late_runs_and_its_view_closed_refuses():
+    """attach_engine(sub) after a collective on sub: every later one timed out (its numbers
+    were still the view's own count, the door's tickets began at 0); a closed view with an
+    engine still ran collectives (only its point-to-point calls refused)."""
+    got = run_processes(engine_fns.subgroup_engine_late_and_closed, 2, transport="shm",
+                        timeout=120, backend_timeout=20)
+    for out in got:
+        assert out[:3] == [[2.0] * 3, [3.0] * 3, [0, 1]], out
+    assert got[0][3] == ("closed", True), got[0]

@@ -230,8 +230,12 @@ class SubBackend(FixedRanks, Backend):
 
     def close(self) -> None:
         """Every later call on this view raises PeerClosedError on this rank; it releases
-        nothing else (the parent owns the transport, which stays open)."""
+        nothing else (the parent owns the transport, which stays open) but the view's own
+        engine, if one was attached (``attach_engine(view)``: its calls end too)."""
         self._closed = True
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def __repr__(self) -> str:
         return (f"<SubBackend rank={self.rank} world_size={self.world_size} "

@@ -34,6 +34,8 @@ WORKER_PREFIX = "ferro-collective-async"
 class BackendState:
     def __init__(self, backend) -> None:
         engine = getattr(backend, "engine", None)
+        #: the engine the numbers come from (None: this backend's own count)
+        self.engine = engine
         #: the next sequence number (``counter()``): the engine door's next ticket, else this
         #: backend's own count (atomic under the GIL)
         self.counter = engine.comm.reserve if engine is not None else SeqCounter()
@@ -116,11 +118,14 @@ _states_lock = threading.Lock()
 
 
 def state(backend) -> BackendState:
+    """``backend``'s state, made at its first call, and made again where an engine was
+    attached since (``attach_engine`` after collectives ran over messages: from then on the
+    numbers are the door's tickets, which every member's attach starts alike)."""
     st = _states.get(backend)  # the common case needs no lock
-    if st is None:
+    if st is None or st.engine is not getattr(backend, "engine", None):
         with _states_lock:
             st = _states.get(backend)
-            if st is None:
+            if st is None or st.engine is not getattr(backend, "engine", None):
                 st = _states[backend] = BackendState(backend)
     return st
 
