@@ -106,3 +106,8 @@ def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on():
     first, late = run_processes(workers.late_peer, 2, transport="shm", timeout=120)
     assert first.startswith("CollectiveTimeoutError"), first
     assert "rank 0 aborted the job" in late, late
+
+
+def test_after_close_eager_calls_raise_peer_closed_and_a_new_default_reaches_jitted_ones():
+    for out in run_processes(workers.closed_then_again, 2, transport="shm", timeout=180):
+        assert out == [[3.0, 3.0], "barrier closed", "allreduce closed", [30.0, 30.0]], out

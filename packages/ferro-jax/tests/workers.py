@@ -408,3 +408,34 @@ def reprobes_inside_jit(backend, seconds: float) -> list:
         if got[1]:
             break
     return [first, backend.engine.link.probe, right]
+
+
+def closed_then_again(backend) -> list:
+    """A subgroup with an engine as the default, closed: eager calls (barrier's too) raise
+    PeerClosedError; a second one made the default: a function jitted for the first runs on
+    the second (JAX's cache held the first's closed communicator in the compiled call)."""
+    from ferro_backend import PeerClosedError, SubBackend
+    from ferro_backend.engine import attach_engine
+
+    out = []
+    first = SubBackend(backend, range(backend.world_size), name="first")
+    attach_engine(first)
+    fj.init(first)
+    step = jax.jit(fj.allreduce)
+    out.append(np.asarray(step(jnp.full(2, 1.0 + backend.rank))).tolist())
+    fj.barrier()
+    first.close()
+    for name, call in (("barrier", fj.barrier), ("allreduce", lambda: fj.allreduce(jnp.ones(2)))):
+        try:
+            call()
+            out.append(f"{name} ran")
+        except PeerClosedError:
+            out.append(f"{name} closed")
+        except Exception as exc:
+            out.append(f"{name} {type(exc).__name__}: {exc}")
+    second = SubBackend(backend, range(backend.world_size), name="second")
+    attach_engine(second)
+    fj.init(second)
+    with fj.typed_errors():
+        out.append(np.asarray(step(jnp.full(2, 10.0 * (1 + backend.rank)))).tolist())
+    return out

@@ -33,9 +33,11 @@ def init(backend: Any = None, **kwargs: Any) -> Any:
     Without ``backend``: :func:`ferro_backend.init_from_env` (``kwargs`` passed on) finds the
     launcher (ferrorun, torchrun, mpirun, srun; alone: one rank) and returns its backend: a
     ShmBackend on one host, whose engine's door the calls inside jit use. With ``backend``:
-    that one. Where ``jax.distributed`` was initialized too, ferro's rank must be JAX's process
-    index (the same numbering): RuntimeError otherwise. The handlers are built (or loaded from
-    the cache) here.
+    that one. Where it replaces an earlier default (after its ``close()``, say), JAX's caches
+    are cleared: functions jitted before trace their calls again, for this backend. Where
+    ``jax.distributed`` was initialized too, ferro's rank must be JAX's process index (the
+    same numbering): RuntimeError otherwise. The handlers are built (or loaded from the cache)
+    here.
 
     Parameters
     ----------
@@ -54,6 +56,11 @@ def init(backend: Any = None, **kwargs: Any) -> Any:
         backend = ferro_backend.init_from_env(**kwargs)
     _check_numbering(backend)
     _lib.comm_for(backend)
+    if _default is not None and backend is not _default:
+        # a function jitted before traced its calls for the old backend (its communicator is
+        # in the compiled call, and JAX caches it by the function and its inputs alone): it
+        # is traced again, for this one
+        jax.clear_caches()
     _default = backend
     return backend
 

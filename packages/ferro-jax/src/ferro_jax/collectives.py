@@ -13,8 +13,9 @@ token : jax array, optional
     returns ``(result, token)`` with the token ready after the call. ferro_jax orders its calls
     without tokens; a token only adds this data dependency.
 
-Errors: inside jit, JAX raises :class:`jax.errors.JaxRuntimeError` with ferro's message
-(:func:`ferro_jax.typed_errors` turns it into ferro's exception); outside jit, ferro's exception.
+Errors: inside jit, JAX raises :class:`jax.errors.JaxRuntimeError` (a cancelled call, on a
+closed backend: ValueError) with ferro's message (:func:`ferro_jax.typed_errors` turns it into
+ferro's exception); outside jit, ferro's exception.
 """
 
 from __future__ import annotations

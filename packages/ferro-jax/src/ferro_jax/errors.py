@@ -68,7 +68,7 @@ def translate(exc: BaseException) -> BaseException:
         ferro's exception (its class and message, ``exc`` as ``__cause__``), or ``exc``
         itself where it did not come from ferro_jax.
     """
-    if not isinstance(exc, JaxRuntimeError):
+    if not isinstance(exc, (JaxRuntimeError, ValueError)):  # (a CANCELLED status: ValueError)
         return exc
     found = _MARK.search(str(exc))
     if found is None:
@@ -118,7 +118,7 @@ def typed_errors() -> Iterator[None]:
     """
     try:
         yield
-    except JaxRuntimeError as exc:
+    except (JaxRuntimeError, ValueError) as exc:
         typed = translate(exc)
         if typed is exc:
             raise
