@@ -17,7 +17,8 @@ def test_the_public_calls_are_compiled_with_their_python_signatures():
     assert api.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), api
     assert ferro_collective.allreduce is api.allreduce
     sig = inspect.signature(api.allreduce)
-    assert list(sig.parameters) == ["tensor", "backend", "op", "timeout", "algorithm", "out", "wire"]
+    assert list(sig.parameters) == ["tensor", "backend", "op", "timeout", "algorithm", "out", "wire",
+                                    "feedback"]
     assert sig.parameters["timeout"].kind is inspect.Parameter.KEYWORD_ONLY
     assert sig.parameters["op"].default is ferro_collective.ReduceOp.SUM
     assert "Reduce ``tensor`` element-wise" in api.allreduce.__doc__

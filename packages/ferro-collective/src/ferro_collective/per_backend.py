@@ -34,8 +34,6 @@ WORKER_PREFIX = "ferro-collective-async"
 class BackendState:
     def __init__(self, backend) -> None:
         engine = getattr(backend, "engine", None)
-        #: the engine the numbers come from (None: this backend's own count)
-        self.engine = engine
         #: the next sequence number (``counter()``): the engine door's next ticket, else this
         #: backend's own count (atomic under the GIL)
         self.counter = engine.comm.reserve if engine is not None else SeqCounter()
@@ -122,12 +120,20 @@ def state(backend) -> BackendState:
     attached since (``attach_engine`` after collectives ran over messages: from then on the
     numbers are the door's tickets, which every member's attach starts alike)."""
     st = _states.get(backend)  # the common case needs no lock
-    if st is None or st.engine is not getattr(backend, "engine", None):
+    if st is None or st._comm is not _comm_of(backend):
         with _states_lock:
             st = _states.get(backend)
-            if st is None or st.engine is not getattr(backend, "engine", None):
+            if st is None or st._comm is not _comm_of(backend):
                 st = _states[backend] = BackendState(backend)
     return st
+
+
+def _comm_of(backend):
+    """The door of ``backend``'s engine, or None. (The state holds the door, never the
+    engine: the engine holds its group, and a state holding its backend would keep it alive
+    in the weak table.)"""
+    engine = getattr(backend, "engine", None)
+    return None if engine is None else engine.comm
 
 
 _recording = threading.local()
