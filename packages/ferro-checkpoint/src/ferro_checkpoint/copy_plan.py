@@ -116,18 +116,19 @@ def plan(shards: VerifiedShards, name: str, new_world: int,
     """Shape, dtype and parts of rank ``new_rank``'s shard of ``name`` in a world of
     ``new_world`` (only the old shards holding some of its rows are opened)."""
     spec = shards.md.tensor_specs[name]
-    new = spec.resharded(new_world)
+    # on the world that saved it, each rank's own shard (an uneven split as it was saved);
+    # on another, the even split
+    new = spec if len(spec.shard_sizes) == new_world else spec.resharded(new_world)
     lo, hi = new.start(new_rank), new.start(new_rank) + new.shard_sizes[new_rank]
     shape = new.shard_shape(new_rank)
     dim = spec.shard_dim
     parts: list[Part] = []
-    code = spec.dtype
+    code = spec.dtype or _one_dtype(shards, name, len(spec.shard_sizes))
     pos = 0
     for r, size in enumerate(spec.shard_sizes):
         s, e = max(lo, pos), min(hi, pos + size)
         if s < e:
             f = shards.file(r)
-            code = code or f.entries[name][0]
             itemsize = code_dtype(code, f"{f.path}: tensor {name!r}").itemsize
             old = spec.shard_shape(r)
             outer, inner = math.prod(old[:dim]), math.prod(old[dim + 1:]) * itemsize
@@ -136,9 +137,19 @@ def plan(shards: VerifiedShards, name: str, new_world: int,
             _window(p)
             parts.append(p)
         pos += size
-    if code is None:  # an old metadata.json without dtypes, and no rows here: ask a shard
-        code = shards.file(len(spec.shard_sizes) - 1).entries[name][0]
     return shape, code_dtype(code, f"metadata.json: tensor {name!r}"), parts
+
+
+def _one_dtype(shards: VerifiedShards, name: str, count: int) -> str:
+    """The dtype of ``name`` where metadata.json records none (an old one, or one written
+    beside plain safetensors shards): every shard's, which must agree (TensorError naming
+    them: shards of float32 and float64 rows would load as garbage)."""
+    codes = [shards.file(r).entries[name][0] for r in range(count)]
+    if len(set(codes)) > 1:
+        said = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
+        raise TensorError(f"tensor {name!r}: its shards disagree on the dtype ({said}) and "
+                          "metadata.json records none")
+    return codes[0]
 
 
 def _window(p: Part) -> None:

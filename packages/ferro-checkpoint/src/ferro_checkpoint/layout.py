@@ -6,9 +6,11 @@ Files of a checkpoint directory ``D`` (``<id>``: letters, digits, ``_``, ``-``):
 
 - ``D/metadata.json``: the committed checkpoint's metadata (schema in ``metadata.py``).
 - ``D/rank_<r>.safetensors``: rank ``r``'s committed shard.
-- ``D/.rank_<r>.<id>.safetensors.part``: rank ``r``'s shard of save ``<id>`` while it is being
-  written; renamed to the ``.tmp`` name below only once complete and fsynced, so a ``.tmp``
-  shard that exists is always whole (another rank may read its header to commit the save).
+- ``D/.rank_<r>.<id>.safetensors.part.<pid>-<thread>``: rank ``r``'s shard of save ``<id>``
+  while the writer (that process and thread) writes it; renamed to the ``.tmp`` name below only
+  once complete and fsynced, so a ``.tmp`` shard that exists is always whole (another rank may
+  read its header to commit the save). Each writer has a file of its own: two saves of one id
+  at once (two jobs in one directory, a misuse) never write into one file.
 - ``D/.rank_<r>.<id>.safetensors.tmp``: rank ``r``'s shard of save ``<id>``, not yet renamed.
 - ``D/.commit.<id>.json``: the commit record of save ``<id>``: once it exists, save ``<id>`` is
   committed, and :func:`recover` finishes it.
@@ -29,7 +31,7 @@ METADATA = "metadata.json"
 CHECKPOINT_ID_RE = re.compile(r"[0-9A-Za-z_-]+")
 _SHARD_RE = re.compile(r"rank_(\d+)\.safetensors")
 _TMP_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.tmp")
-_PART_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.part")
+_PART_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.part(?:\.\d+-\d+)?")
 _COMMIT_RE = re.compile(r"\.commit\.([0-9A-Za-z_-]+)\.json")
 
 
@@ -44,8 +46,10 @@ def tmp_shard_path(directory: Path, rank: int, ckpt_id: str) -> Path:
 
 
 def part_shard_path(directory: Path, rank: int, ckpt_id: str) -> Path:
-    """``D/.rank_<rank>.<id>.safetensors.part``: a shard being written."""
-    return Path(directory) / f".rank_{rank}.{ckpt_id}.safetensors.part"
+    """``D/.rank_<rank>.<id>.safetensors.part.<pid>-<thread>``: a shard this process and
+    thread write (before 0.4 without the suffix: still recognized as one)."""
+    return Path(directory) / (f".rank_{rank}.{ckpt_id}.safetensors.part."
+                              f"{os.getpid()}-{threading.get_ident()}")
 
 
 def commit_path(directory: Path, ckpt_id: str) -> Path:

@@ -9,6 +9,7 @@ of every byte read, in the pass that reads it (``copy_plan.py``); the error name
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +93,13 @@ class DistributedCheckpoint:
         -------
         SafetensorsFile
             Its shard file, checked against metadata.json (identity, tensors, shapes, dtypes).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``rank`` is not an int of the saving world.
         """
-        return _open_verified_shard(self, rank)
+        return _open_verified_shard(self, self._saved_rank("shard", rank))
 
     def load(self, rank: int, world_size: int, *, verify: bool | str | None = None,
              mmap: bool = False, out: Mapping[str, np.ndarray] | None = None,
@@ -122,6 +128,16 @@ class DistributedCheckpoint:
         return load_distributed(self.checkpoint_dir, rank, world_size, checkpoint=self,
                                 verify=verify, mmap=mmap, out=out, threads=threads)
 
+    def _saved_rank(self, what: str, rank) -> int:
+        """``rank`` as an int of the saving world (numpy's integers too; not a bool), else
+        InvalidArgumentError naming ``what``."""
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise InvalidArgumentError(f"{what}: rank {rank!r} is not an int")
+        if not 0 <= rank < self.num_ranks:
+            raise InvalidArgumentError(f"{what}: rank {int(rank)} is out of range for a "
+                                       f"checkpoint of {self.num_ranks} ranks")
+        return int(rank)
+
     def extra(self, rank: int) -> dict | None:
         """The ``extra`` dict rank ``rank`` saved with its shard (None if it saved none).
 
@@ -140,10 +156,7 @@ class DistributedCheckpoint:
         InvalidArgumentError, SerializationError
             ``rank`` is out of range; the stored ``extra`` (or the shard) is corrupt.
         """
-        if not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
-            raise InvalidArgumentError(f"extra: rank {rank!r} is out of range for a checkpoint "
-                                       f"of {self.num_ranks} ranks")
-        f = _open_verified_shard(self, rank)
+        f = _open_verified_shard(self, self._saved_rank("extra", rank))
         text = f.metadata.get(EXTRA_KEY)
         if text is None:
             return None
@@ -190,6 +203,8 @@ def open_checkpoint(directory) -> DistributedCheckpoint:
     """
     directory = Path(directory)
     if not directory.is_dir():
+        if directory.exists():
+            raise MissingShardError(f"checkpoint directory {directory} is not a directory")
         raise MissingShardError(f"checkpoint directory {directory} does not exist")
     recover(directory)  # deliberate: a committed save is finished before metadata.json is read
     path = directory / METADATA
@@ -290,6 +305,8 @@ def reshard(directory, old_world_size: int, new_world_size: int, new_rank: int, 
     (5, 3)
     """
     new_rank, new_world_size = check_rank_world("reshard", new_rank, new_world_size)
+    if isinstance(old_world_size, bool) or not isinstance(old_world_size, numbers.Integral):
+        raise InvalidArgumentError(f"reshard: old_world_size {old_world_size!r} is not an int")
     opts = ReadOptions.of("reshard", verify, mmap, out, threads)
     ckpt = checkpoint or open_checkpoint(directory)
     if ckpt.num_ranks != old_world_size:

@@ -142,6 +142,13 @@ def write_safetensors(path: Path, entries: Iterable[tuple[str, str, tuple[int, .
         for name, _, _ in entries:  # placeholders, as long as the checksums will be
             meta[CRC32C_PREFIX + name] = "0" * 8 * num_chunks(sizes[name], crc_chunk)
     raw = _header(entries, meta)
+    if len(raw) > MAX_HEADER:  # (no reader would open it: refused before a byte is written)
+        big = max(meta.items(), key=lambda kv: len(kv[1]))
+        raise SerializationError(f"{path}: its header would be {len(raw)} bytes, over the "
+                                 f"{MAX_HEADER}-byte limit of safetensors readers ({len(entries)} "
+                                 f"tensors; the largest metadata entry, {big[0]!r}, is "
+                                 f"{len(big[1])} characters: a large extra= belongs in a "
+                                 "tensor)")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
                      0o666)

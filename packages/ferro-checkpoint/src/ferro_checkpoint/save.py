@@ -133,6 +133,11 @@ def _checked_arrays(state_dict: Mapping[str, np.ndarray], rank: int, spec: Shard
             raise TensorError(f"save_distributed: rank {rank}'s state dict names a tensor "
                               f"{name!r}: names are str, and '__metadata__' is safetensors' "
                               "own header entry")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: no other safetensors reader opens it
+            raise TensorError(f"save_distributed: rank {rank}'s state dict names a tensor "
+                              f"{name!r}, which is not valid Unicode (a lone surrogate)") from None
     names, expected = set(state_dict), set(spec.tensor_specs)
     if names != expected:
         raise TensorError(f"save_distributed: rank {rank}'s state dict has tensors "
