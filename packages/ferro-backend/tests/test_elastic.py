@@ -1,6 +1,8 @@
 """Elastic membership: the coordinator's quorum, fencing, newcomers and refusals, with members
 as threads over TCP (the ferrorun end to end test is examples/tests/test_train_elastic.py)."""
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -364,3 +366,58 @@ def test_elastic_output_is_prefixed_with_the_process_not_a_rank(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(r.stdout.splitlines()) == ["[proc 0] local 0", "[proc 1] local 1"]
     assert "[rank" not in r.stdout + r.stderr
+
+
+# A member that stops itself (SIGSTOP: hung, not dead) once the job has formed; the others go
+# on, and say the job is done or not (SAY_DONE). Every process writes its pid, for the clean-up.
+STOPS = """
+import os, signal, sys, time
+from ferro_backend import elastic
+with open(os.path.join(os.environ["PIDS"], str(os.getpid())), "w"):
+    pass
+job = elastic.join()
+job.backend.barrier()
+if os.environ["LOCAL_RANK"] == "2":
+    os.kill(os.getpid(), signal.SIGSTOP)
+    print("continued", flush=True)
+    sys.exit(0)
+time.sleep(0.5)
+if os.environ["SAY_DONE"] == "1":
+    job.close()
+print("survivor done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("say_done, code", [("1", 0), ("0", 128 + signal.SIGTERM)],
+                         ids=["done", "not-done"])
+def test_a_stopped_member_is_ended_once_the_others_are_done(tmp_path, say_done, code):
+    """One member SIGSTOPs itself; the others finish. ferrorun ends the stopped one (SIGTERM
+    and SIGCONT) --settle seconds on, naming it, and exits: 0 when a member said the job was
+    done, else the stopped one's code, as a failed one's (before, it waited for ever)."""
+    script, pids = tmp_path / "job.py", tmp_path / "pids"
+    script.write_text(STOPS)
+    pids.mkdir()
+    env = dict(os.environ, PIDS=str(pids), SAY_DONE=say_done)
+    proc = subprocess.Popen([*FERRORUN, "--nproc", "2:3", "--settle", "2", "--grace", "2",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in map(int, os.listdir(pids)):   # a rank left behind (it dies with ferrorun)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    mine = str(script).encode() in f.read()
+                if mine:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert out.count("survivor done") == 2, out + err
+    assert "continued" not in out, out + err
+    assert "has been stopped (SIGSTOP)" in err and "sending SIGTERM" in err, err
+    assert "was killed by SIGTERM (stopped; ferrorun ended it)" in err, err
+    assert "starts a replacement" not in err, err
+    assert proc.returncode == code, out + err

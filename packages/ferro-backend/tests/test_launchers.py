@@ -412,6 +412,47 @@ def test_ferrorun_variables_by_hand(who):
     check_one_job(res, 2, TcpBackend, local_ranks=[0, 1])
 
 
+def _by_hand(rank: int, world: int, port: str, **extra: str) -> dict[str, str]:
+    return clean_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=port, **extra)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("claims, words", [
+    # rank 1 started with another WORLD_SIZE than rank 0
+    ([(0, 2), (1, 3)], ["rank 1", "says WORLD_SIZE=3", "rank 0 expects WORLD_SIZE=2"]),
+    # a rank past rank 0's world size (its own WORLD_SIZE lets it start)
+    ([(0, 2), (3, 4)], ["rank 3", "says WORLD_SIZE=4", "rank 0 expects WORLD_SIZE=2"]),
+    # two processes given the same RANK
+    ([(0, 3), (1, 3), (1, 3)], ["two processes claim rank 1"]),
+])
+def test_ranks_that_disagree_fail_at_once_naming_the_ranks(who, transport, claims, words):
+    """A misconfigured job (WORLD_SIZE or RANK wrong on one process): rank 0 and the process
+    it refuses raise RendezvousError naming the ranks and world sizes within seconds, not a
+    "did not join" after the 30 s connect timeout (the ranks' timeout)."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, who], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_by_hand(r, w, port, FERRO_TRANSPORT=transport))
+             for r, w in claims]
+    outs = []
+    try:
+        for p in procs:   # well within the 30 s a rank waits for the others
+            out, err = p.communicate(timeout=25)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    for rc, _, err in outs:
+        assert rc != 0
+        assert "RendezvousError" in err, err[-2000:]
+        for word in words:
+            assert word in err, err[-2000:]
+        assert "within the connect timeout" not in err, err[-2000:]
+
+
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_torchrun_variables_without_torch(who, nodes):
     # torch not importable: ferro's own port (FERRO_MASTER_PORT) on MASTER_ADDR

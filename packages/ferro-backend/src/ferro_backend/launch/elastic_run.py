@@ -10,7 +10,11 @@ in at a step boundary. The job fails when fewer than MIN nodes x MIN ranks remai
 Exit code: 0 when every process ferrorun started exited 0 (as torchrun: a script need not
 call ``ElasticJob.close()``, whose connection then closes as a lost member's would), or when
 the job finished (a member said it was done) and no member still ran then failed; else the
-last failure's code (1 when the coordinator ended the job).
+last failure's code (1 when the coordinator ended the job). A process stopped (SIGSTOP: hung,
+not dead) for ``--settle`` seconds once the job is over without it (a member said it was done,
+or every other process of this ferrorun has ended) is not waited for: ferrorun names it and
+ends it (SIGTERM and SIGCONT, SIGKILL ``--grace`` seconds later), a failure as any other, with
+no replacement.
 
 Output lines are prefixed ``[proc N]``: N numbers the processes this ferrorun started (node
 ``--node-rank`` x 1000 + a counter; a replacement gets the next number), not their rank, which
@@ -25,7 +29,7 @@ import time
 
 from .. import settings
 from .coordinator import Coordinator, announce_replacement
-from .supervisor import Job, _describe
+from .supervisor import Job, _describe, stopped
 
 
 def parse_range(raw: str, what: str) -> tuple[int, int]:
@@ -52,7 +56,10 @@ class ElasticRun:
 
     def __init__(self, args, token: str, caps: dict[str, str], cmd: list[str],
                  nproc: tuple[int, int], nnodes: tuple[int, int], settle: float) -> None:
-        self.args, self.cmd, self.grace = args, cmd, args.grace
+        self.args, self.cmd, self.grace, self.settle = args, cmd, args.grace, settle
+        #: processes seen stopped (SIGSTOP), index -> since when; those ferrorun ended itself
+        self.stopped_since: dict[int, float] = {}
+        self.ended: set[int] = set()
         self.coordinator: Coordinator | None = None
         if args.node_rank == 0:
             host = "127.0.0.1" if nnodes[1] == 1 else ("::" if ":" in args.master_addr
@@ -146,8 +153,10 @@ class ElasticRun:
                     continue
                 last_failure = code if code > 0 else 128 - code
                 finished = state is not None and state["finished"]
-                more = self.replacements_left > 0 and not received and not finished
+                more = (self.replacements_left > 0 and not received and not finished
+                        and i not in self.ended)
                 goes_on = ("" if received else
+                           " (stopped; ferrorun ended it)" if i in self.ended else
                            f"; the elastic job goes on without it"
                            f"{' and starts a replacement' if more else ''}")
                 sys.stderr.write(f"ferrorun: proc {job.ranks[0]} {_describe(code)}"
@@ -156,6 +165,8 @@ class ElasticRun:
                     self.replacements_left -= 1
                     self._expect_replacement()
                     self._start(self.local_of[i])
+            if running and not received:
+                self._end_stopped(done, state)
             if not running and len(done) == len(self.jobs):
                 for job in self.jobs:
                     job.finish_output()
@@ -171,13 +182,42 @@ class ElasticRun:
                 return last_failure or 1
             time.sleep(0.05)
 
+    def _end_stopped(self, done: set[int], state: dict | None) -> None:
+        """End the processes that are stopped (SIGSTOP: hung, not dead, so ferrorun would wait
+        for them for ever) once the job is over without them: a member said it was done, or
+        every other process this ferrorun started has ended. One stopped for less than
+        ``--settle`` seconds (the time the coordinator gives a silent member) is left alone:
+        it may be continued."""
+        now = time.monotonic()
+        live = [i for i, job in enumerate(self.jobs) if i not in done]
+        for i in live:
+            if i in self.ended or not stopped(self.jobs[i].procs[0].pid):
+                self.stopped_since.pop(i, None)
+            else:
+                self.stopped_since.setdefault(i, now)
+        hung = [i for i, since in self.stopped_since.items() if now - since >= self.settle]
+        if not hung:
+            return
+        finished = state is not None and state["finished"]
+        if not finished and (not done or any(i not in self.stopped_since for i in live)):
+            return   # other processes still run (or none has ended yet): they may need it
+        why = ("a member said the elastic job was done" if finished else
+               "every other process of this ferrorun has ended")
+        for i in hung:
+            self.ended.add(i)
+            del self.stopped_since[i]
+            self.jobs[i].terminate(f"proc {self.jobs[i].ranks[0]} (pid "
+                                   f"{self.jobs[i].procs[0].pid}) has been stopped (SIGSTOP) "
+                                   f"for {self.settle:g} s and {why}: not waiting for it")
+
     def _ending_cleanly(self, done: set[int]) -> bool:
         """Whether the processes not yet seen to end (all but ``done``) are all ending with 0
         (waiting up to 2 s for them, less when one fails): ranks that exit 0 without
         ``ElasticJob.close()`` close their coordinator connections a moment before ferrorun
         sees them end, and the coordinator has then taken them for lost members ("every
         member ... is gone"). That job ended well, and is not stopped as a failed one."""
-        rest = [job.procs[0] for i, job in enumerate(self.jobs) if i not in done]
+        rest = [job.procs[0] for i, job in enumerate(self.jobs)
+                if i not in done and i not in self.ended]   # (those ended: _end_stopped)
         end = time.monotonic() + 2.0
         while time.monotonic() < end and any(p.poll() is None for p in rest):
             if any(p.poll() not in (None, 0) for p in rest):

@@ -26,6 +26,18 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP: state ``T`` in /proc; not one a
+    debugger holds, ``t``); False where /proc does not tell (not Linux, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 1:].split()   # the command name may hold anything
+    return bool(fields) and fields[0] == b"T"
+
+
 Spawn = Callable[[int, list[str], dict[str, str]], subprocess.Popen]
 
 
@@ -89,6 +101,16 @@ class Job:
             self.interrupted, self.signal = True, sig
             self.kill_at = time.monotonic() + self.grace
         self.signal_all(sig)
+
+    def terminate(self, why: str) -> None:
+        """End every process ferrorun decided not to wait for (``why`` says which and why):
+        SIGTERM, then SIGCONT (a stopped process acts on its SIGTERM only once continued), and
+        :meth:`kill_overdue` sends SIGKILL to those still running ``--grace`` seconds later."""
+        sys.stderr.write(f"ferrorun: {why}; sending SIGTERM\n")
+        if self.kill_at is None:
+            self.signal, self.kill_at = signal.SIGTERM, time.monotonic() + self.grace
+        self.signal_all(signal.SIGTERM)
+        self.signal_all(signal.SIGCONT)
 
     def kill_overdue(self) -> bool:
         """After :meth:`interrupt`, once the grace period is over: SIGKILL to the processes

@@ -170,7 +170,7 @@ class Rendezvous:
     def _as_root(self, socks: dict[int, socket.socket], deadline: float) -> None:
         lsock = self.listener if self.listener is not None else self._listen(self.host, self.port)
         try:
-            joined = self._accept(lsock, set(range(1, self.world)), deadline)
+            joined = self._accept(lsock, set(range(1, self.world)), deadline, tell_joined=True)
         except BaseException:
             lsock.close()
             raise
@@ -211,9 +211,14 @@ class Rendezvous:
                     raise ValueError(f"an address table of {n} bytes for {world} ranks, at "
                                      f"most {world * _TABLE_ROW_MAX}")
                 rows = json.loads(recv_exactly(master, n))
+                if isinstance(rows, dict) and "error" in rows:  # rank 0 gave up (_tell_joined)
+                    raise _RootGaveUp(str(rows["error"]))
                 if len(rows) != world:
                     raise ValueError(f"a table of {len(rows)} ranks for a job of {world}")
                 self._keep_table(rows)
+            except _RootGaveUp as exc:
+                raise RendezvousError(f"rank {rank}: rank 0 at {self.host}:{self.port} ended "
+                                      f"the rendezvous: {exc}") from None
             except (OSError, ValueError, TypeError) as exc:
                 raise RendezvousError(f"rank {rank}: no address table from rank 0 at "
                                       f"{self.host}:{self.port}: {exc}") from exc
@@ -240,13 +245,17 @@ class Rendezvous:
         return connect_to(host, port, deadline, self.rank, self.world, peer, listen_port,
                           self.key, self.node)
 
-    def _accept(self, lsock: socket.socket, expected: set[int], deadline: float
-                ) -> dict[int, tuple[socket.socket, str, int, str]]:
+    def _accept(self, lsock: socket.socket, expected: set[int], deadline: float, *,
+                tell_joined: bool = False) -> dict[int, tuple[socket.socket, str, int, str]]:
         """Accept authenticated connections until every rank in ``expected`` has joined.
 
         Each connection's handshake runs in a thread of its own, so a stranger that connects
         and says nothing (or a hundred of them) cannot hold up the ranks behind it; the ranks'
-        claims are checked here, one at a time.
+        claims are checked here, one at a time. A process that knows the job's token but
+        claims another world size, a rank outside this job or a rank that already joined is a
+        misconfigured job, not a stranger: it is refused with the reason, and this rank raises
+        RendezvousError at once rather than waiting for the deadline (``tell_joined``, rank 0:
+        the ranks that joined already, waiting for the address table, get the reason instead).
         """
         joined: dict[int, tuple[socket.socket, str, int, str]] = {}
         host, port = lsock.getsockname()[:2]
@@ -270,7 +279,13 @@ class Rendezvous:
                                      daemon=True, name=f"ferro-handshake-{self.rank}").start()
                 while not arrivals.empty():
                     sock, peer_addr, info = arrivals.get()
-                    self._admit(sock, peer_addr, info, expected, joined)
+                    problem = self._admit(sock, peer_addr, info, expected, joined)
+                    if problem is not None:
+                        message = (f"rank {self.rank} listening on {host}:{port}: {problem}; "
+                                   "the job's ranks were not started alike")
+                        if tell_joined:
+                            self._tell_joined(joined, message)
+                        raise RendezvousError(message)
         except BaseException:
             for s, _, _, _ in joined.values():
                 s.close()
@@ -287,15 +302,24 @@ class Rendezvous:
             sock.close()
 
     def _admit(self, sock: socket.socket, peer_addr, info: tuple[int, int, str, int, str],
-               expected: set[int], joined: dict) -> None:
+               expected: set[int], joined: dict) -> str | None:
+        """Admit a rank's claim into ``joined``, or refuse it (telling the peer why, never
+        raising); the reason a refused claim shows the job misconfigured, else None."""
         prank, pworld, phost, pport, pnode = info
+        at = _where(peer_addr)
         problem = None
         if pworld != self.world:
-            problem = f"world_size {pworld} differs from this job's {self.world}"
-        elif prank not in expected:
-            problem = f"rank {prank} is not expected here (expected {sorted(expected)})"
+            problem = (f"rank {prank} (from {at}) says WORLD_SIZE={pworld}, rank {self.rank} "
+                       f"expects WORLD_SIZE={self.world}")
         elif prank in joined:
-            problem = f"rank {prank} joined twice"
+            problem = (f"two processes claim rank {prank} (from {_where(joined[prank][0])} "
+                       f"and from {at})")
+        elif prank not in expected:
+            problem = (f"rank {prank} (from {at}) is not expected here (expected ranks "
+                       f"{_ranks(expected)} of WORLD_SIZE={self.world})")
+            if prank == self.rank:
+                problem = (f"two processes claim rank {prank} (this one and the one from "
+                           f"{at})")
         try:
             if problem:
                 send_status(sock, ST_BAD, problem)
@@ -304,8 +328,45 @@ class Rendezvous:
         except (ProtocolError, OSError) as exc:
             log.warning("rank %d: refused a connection from %s: %s", self.rank, peer_addr, exc)
             sock.close()
-            return
+            return problem
         joined[prank] = (sock, phost or peer_addr[0], pport, pnode)
+        return None
+
+    @staticmethod
+    def _tell_joined(joined: dict, message: str) -> None:
+        """Rank 0 gives up: send the ranks that joined ``{"error": message}`` where they wait
+        for the address table (best effort: the sockets are closed right after)."""
+        payload = json.dumps({"error": message}).encode()
+        for sock, _, _, _ in joined.values():
+            try:
+                sock.settimeout(1.0)
+                sock.sendall(struct.pack("<Q", len(payload)) + payload)
+            except OSError:
+                pass
+
+
+class _RootGaveUp(Exception):
+    """Rank 0 sent its reason in place of the address table."""
+
+
+def _where(peer) -> str:
+    """``host:port`` of a peer address or a connected socket, for messages."""
+    if isinstance(peer, socket.socket):
+        try:
+            peer = peer.getpeername()
+        except OSError:
+            return "?"
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)
+
+
+def _ranks(ranks: set[int]) -> str:
+    """``{1, 2, 3}`` -> ``"1..3"`` where contiguous (a big job's list stays short)."""
+    s = sorted(ranks)
+    if len(s) > 2 and s[-1] - s[0] == len(s) - 1:
+        return f"{s[0]}..{s[-1]}"
+    return str(s)
 
 
 #: where free_port looks first: below Linux's default ephemeral range (32768-60999), so that no
