@@ -133,3 +133,68 @@ def test_backend_contract_under_mpirun(tmp_path, n):
     assert any("has 10" in res.get("mismatch", [""])[0] for res in results)
     aborted = [res["abort"] for res in results if res["abort"] != "sent"]
     assert aborted == [[n - 1, "mpi abort test"]] * (n - 1)
+
+
+FAILURES = textwrap.dedent("""
+    import json, time
+    import numpy as np
+    from ferro_backend import MpiBackend, PeerAbortedError, PeerClosedError
+    closing, aborting = MpiBackend(timeout=30), MpiBackend(timeout=30)
+    me = closing.rank
+    out = {}
+    # a peer that closed: its earlier message is still taken, then every call raises
+    # PeerClosedError at once (not at the 30 s timeout)
+    if me == 1:
+        closing.send(b"hi", 0, tag=3)
+        closing.close()
+    else:
+        time.sleep(0.5)
+        buf = bytearray(2)
+        closing.recv(buf, 1, tag=3, timeout=30)
+        out["before close"] = bytes(buf).decode()
+        calls = {"recv": lambda: closing.recv(bytearray(2), 1, tag=3),
+                 "recv_any": lambda: closing.recv_any(bytearray(2), tag=3),
+                 "send": lambda: closing.send(b"x", 1, tag=3)}
+        for name, call in calls.items():
+            t0 = time.monotonic()
+            try:
+                call()
+                out[name] = "no error"
+            except PeerClosedError as exc:
+                out[name] = [exc.peer, exc.clean, time.monotonic() - t0]
+        closing.close()
+    # a peer that gave up (timed out) and aborted after its data had gone: the late peer's
+    # receive raises PeerAbortedError, it does not take the abandoned data
+    if me == 0:
+        aborting.send(np.arange(4.0), 1, tag=5)
+        aborting.abort("gave up")
+    else:
+        time.sleep(1.0)  # the data and the abort have both arrived
+        buf = np.zeros(4)
+        try:
+            aborting.recv(buf, 0, tag=5, timeout=10)
+            out["late"] = ["returned", buf.tolist()]
+        except PeerAbortedError as exc:
+            out["late"] = [exc.peer, exc.reason]
+        aborting.close()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_a_closed_peer_fails_calls_at_once_and_an_abort_wins_over_arrived_data(tmp_path):
+    script = tmp_path / "failures.py"
+    script.write_text(FAILURES)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run([mpirun(), "-n", "2", "--oversubscribe", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=150, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(res) == 2
+    first = next(x for x in res if "before close" in x)
+    late = next(x for x in res if "late" in x)
+    assert first["before close"] == "hi"
+    for name in ("recv", "recv_any", "send"):
+        peer, clean, took = first[name]
+        assert (peer, clean) == ((None if name == "recv_any" else 1), True), name
+        assert took < 10, (name, took)  # at once, not at the 30 s timeout
+    assert late["late"] == [0, "gave up"]

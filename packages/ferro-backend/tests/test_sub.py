@@ -152,3 +152,50 @@ def test_subgroup_abort_aborts_the_job():
             return type(exc).__name__
 
     assert run_threads(fn, g, timeout=10) == ["aborted", "PeerAbortedError", "PeerAbortedError"]
+
+
+def test_subgroups_of_differently_named_parents_never_share_tags():
+    """The same ranks under parents told apart by name (and directly under the root): each a
+    tag space of its own, the same id on every member; sent in one order, received in another."""
+
+    def fn(b):
+        everyone = range(b.world_size)
+        groups = {"A": SubBackend(SubBackend(b, everyone, name="A"), [0, 1]),
+                  "B": SubBackend(SubBackend(b, everyone, name="B"), [0, 1]),
+                  "direct": SubBackend(b, [0, 1]),
+                  "nested twice": SubBackend(SubBackend(SubBackend(b, everyone, name="A"),
+                                                        everyone), [0, 1])}
+        ids = {k: g.group_id for k, g in groups.items()}
+        if b.rank == 0:
+            for i, g in enumerate(groups.values()):
+                g.send(np.array([i], np.int64), 1, tag=5)
+            return ids, None
+        got = {}
+        for k in reversed(list(groups)):
+            out = np.empty(1, np.int64)
+            groups[k].recv(out, 0, tag=5, timeout=5)
+            got[k] = int(out[0])
+        return ids, got
+
+    (ids0, _), (ids1, got) = run_ranks(fn, 2, timeout=20)
+    assert ids0 == ids1  # made the same way on every member: the same ids
+    assert len(set(ids0.values())) == 4
+    assert got == {"A": 0, "B": 1, "direct": 2, "nested twice": 3}
+
+
+def test_ordered_subgroup_keeps_the_members_order():
+    def fn(b):
+        sub = SubBackend(b, [2, 0, 2, 1], ordered=True)
+        # local rank i is the i-th member listed: 2 -> 0, 0 -> 1, 1 -> 2
+        nxt, prev = (sub.rank + 1) % 3, (sub.rank - 1) % 3
+        sub.send(np.array([b.rank], np.int64), nxt, tag=1)
+        out = np.empty(1, np.int64)
+        sub.recv(out, prev, tag=1, timeout=5)
+        return sub.members, sub.rank, sub.global_ranks, int(out[0]), sub.group_id
+
+    res = run_ranks(fn, 3, timeout=20)
+    assert [r[1] for r in res] == [1, 2, 0]
+    assert {r[0] for r in res} == {r[2] for r in res} == {(2, 0, 1)}
+    assert [r[3] for r in res] == [2, 0, 1]  # from the member listed before it
+    assert len({r[4] for r in res}) == 1
+    assert res[0][4] != SubBackend(SimulatedBackend.create_group(3)[0], [0, 1, 2]).group_id

@@ -93,7 +93,10 @@ def attach_hierarchy(backend: Any, nodes: tuple[str, ...] | list[str] | None = N
     mine = next(m for m in members if backend.rank in m)
     local = mine.index(backend.rank)
     node = SubBackend(backend, mine, name="ferro-node")
-    cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}")
+    # in node order, not sorted: cross rank k is on node k (members[k]) for every local index
+    # (on a layout like A B B A, local index 1's ranks ascending would be nodes B, A)
+    cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}",
+                       ordered=True)
     # the node's engine: its waits end on an abort, this rank's close, or a node peer gone (a
     # rank of another node that finished and closed does not break this node's calls: the
     # cross stages see that rank's failures on the mesh)
@@ -134,7 +137,8 @@ def attach_simulated_hierarchy(backend: Any) -> Hierarchy:
     mine = members[backend.rank // L]
     local = backend.rank % L
     node = SubBackend(backend, mine, name="ferro-node")
-    cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}")
+    cross = SubBackend(backend, [m[local] for m in members], name=f"ferro-cross-{local}",
+                       ordered=True)
     node.network = Network(network.intra or network.inter)
     cross.network = Network(network.inter)
     hierarchy = Hierarchy(node, cross, members, simulated=True)

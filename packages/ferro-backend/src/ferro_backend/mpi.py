@@ -10,10 +10,13 @@ Every ferro message is two MPI messages on the same (source, MPI tag), which MPI
 a 16-byte header (ferro's 64-bit tag, payload length), then the payload, received straight into
 the caller's buffer. ferro's 64-bit tags are folded into MPI's tag range; the header tells the
 rare folded collision apart (that message is queued under its real tag). Receives poll
-(``improbe``) with back-off, so they honour timeouts, and ``abort`` reaches peers as a control
-message. The collectives of ferro-collective run over it with ferro's own algorithms
-(bit-identical results whatever the MPI); no MPI collective is called. A peer that dies is
-reported by MPI itself (most MPIs end the job) or, at the latest, by the timeout.
+(``improbe``) with back-off, so they honour timeouts. ``abort`` and ``close`` reach the peers as
+control messages (on MPI's highest tag): a receive checks for an abort before it takes data (a
+late peer never completes a collective that another rank gave up on), and a receive from a peer
+that closed raises PeerClosedError once that peer's earlier messages are taken. The collectives
+of ferro-collective run over it with ferro's own algorithms (bit-identical results whatever the
+MPI); no MPI collective is called. A peer that dies is reported by MPI itself (most MPIs end the
+job) or, at the latest, by the timeout.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ import numpy as np
 
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
 from .checks import as_recv_view, check_tag, check_timeout, size_mismatch
-from .errors import CollectiveTimeoutError
-from .mailbox import ANY_SOURCE, Mailbox
+from .errors import CollectiveTimeoutError, PeerAbortedError
+from .mailbox import ANY_SOURCE, CLOSED_CLEANLY, Mailbox
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
+# the control messages' first byte (on the control tag): this rank aborted (the reason follows),
+# or it closed its backend
+_ABORT, _CLOSE = b"A", b"C"
 
 
 class MpiBackend(FixedRanks, Backend):
@@ -61,7 +67,7 @@ class MpiBackend(FixedRanks, Backend):
         self._rank = self._comm.Get_rank()
         self._world = self._comm.Get_size()
         ub = self._comm.Get_attr(MPI.TAG_UB) or 32767
-        self._abort_tag = int(ub)
+        self._control_tag = int(ub)  # aborts and closes (_ABORT, _CLOSE)
         self._tag_space = int(ub)  # data tags in [0, ub)
         # messages that arrived under a folded tag before their receive, and the failures
         self._box = Mailbox(self._rank, lambda: self.timeout, self._world)
@@ -138,18 +144,52 @@ class MpiBackend(FixedRanks, Backend):
     def _mpi_tag(self, tag: int) -> int:
         return (tag ^ (tag >> 31) ^ (tag >> 47)) % self._tag_space
 
-    def _fail_if_down(self, op: str, peer: int) -> None:
-        """Raise if a peer aborted the job (polled here), this backend closed, or peer is gone."""
+    def _poll_control(self) -> None:
+        """Take the peers' control messages that have arrived: aborts and closes (recorded in
+        the mailbox). Nothing once this rank knows of an abort or closed (its communicator may
+        be freed)."""
         box = self._box
-        if box.aborted is None and not box.closed:
-            MPI = self._MPI
+        MPI = self._MPI
+        misses = 0
+        while box.aborted is None and not box.closed:
             st = MPI.Status()
-            msg = self._comm.improbe(MPI.ANY_SOURCE, self._abort_tag, status=st)
-            if msg is not None:
-                buf = bytearray(st.Get_count(MPI.BYTE))
-                msg.Recv([buf, MPI.BYTE])
-                box.abort(st.Get_source(), buf.decode(errors="replace"))
-        box.check(op, peer)
+            msg = self._comm.improbe(MPI.ANY_SOURCE, self._control_tag, status=st)
+            if msg is None:
+                # a probe looks before it drives MPI's progress (Open MPI's does): what that
+                # progress brought in (an abort that arrived behind a peer's data) shows on the
+                # next probe only, so look twice before the data is taken
+                misses += 1
+                if misses == 2:
+                    return
+                continue
+            buf = bytearray(st.Get_count(MPI.BYTE))
+            msg.Recv([buf, MPI.BYTE])
+            if bytes(buf[:1]) == _CLOSE:
+                box.peer_closed(st.Get_source(), CLOSED_CLEANLY)
+            else:
+                box.abort(st.Get_source(), buf[1:].decode(errors="replace"))
+
+    def _fail_if_down(self, op: str, peer: int) -> None:
+        """Raise if a peer aborted the job (polled here), this backend closed, or peer is gone
+        (closed: polled here too)."""
+        self._poll_control()
+        self._box.check(op, peer)
+
+    def _down(self, op: str, peer: int) -> BaseException | None:
+        """:meth:`_fail_if_down`'s error, returned instead of raised."""
+        self._poll_control()
+        return self._box.failure(op, peer)
+
+    def _control(self, kind: bytes, data: bytes = b"") -> None:
+        """Send a control message to every peer (waits up to 2 s for the sends to finish)."""
+        msg = kind + data
+        reqs = [self._comm.Isend([msg, self._MPI.BYTE], r, self._control_tag)
+                for r in range(self._world) if r != self._rank]
+        deadline = time.monotonic() + 2.0
+        while reqs and time.monotonic() < deadline:
+            reqs = [r for r in reqs if not r.Test()]
+            if reqs:
+                time.sleep(0.001)
 
     # ------------------------------------------------------------------ data path
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
@@ -188,8 +228,14 @@ class MpiBackend(FixedRanks, Backend):
 
     def _progress(self, src: int, tag: int, view: memoryview) -> int | None:
         """Try once to complete a receive; the sender's rank when done, else None (raises
-        its errors). ``src`` may be ANY_SOURCE."""
+        its errors). ``src`` may be ANY_SOURCE. An abort that has arrived wins over data that
+        has arrived too (the abort travels on its own tag, unordered with the data): as on the
+        other transports, no receive completes once the job is known to be aborted."""
         self._progress_sends()
+        self._poll_control()
+        box = self._box
+        if box.aborted is not None or box.closed:
+            raise box.failure("recv", src)
         with self._recv_lock:
             if src == ANY_SOURCE:  # the oldest message queued on the tag, else MPI's
                 with self._box.cond:
@@ -248,20 +294,20 @@ class MpiBackend(FixedRanks, Backend):
         """
         if self._box.closed:
             return
-        data = reason.encode()[:60000]
-        reqs = [self._comm.Isend([data, self._MPI.BYTE], r, self._abort_tag)
-                for r in range(self._world) if r != self._rank]
-        deadline = time.monotonic() + 2.0
-        while reqs and time.monotonic() < deadline:
-            reqs = [r for r in reqs if not r.Test()]
-            time.sleep(0.001)
+        self._control(_ABORT, reason.encode()[:60000])
         self._box.abort(self._rank, reason)
         self._box.close()
 
     def close(self) -> None:
-        """Finish the sends in flight (up to the timeout), then free the communicator."""
+        """Finish the sends in flight (up to the timeout), tell the peers (their receives from
+        this rank raise PeerClosedError once they have taken its earlier messages), then free
+        the communicator."""
         if not self._box.closed:
             self._flush_sends(self.timeout)
+            try:  # (sent after the data: MPI matches a pair's messages in the order sent)
+                self._control(_CLOSE)
+            except Exception:
+                pass  # an MPI that cannot send any more: the peers' timeouts still end them
             self._box.close()
             for closer in self._closers:  # e.g. the node's engine of a hierarchy
                 closer()
@@ -287,7 +333,13 @@ class _MpiRecv(Request):
         deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
         pause = 2e-5
         while not self.is_completed():
-            self._b._fail_if_down("recv", self._src)
+            failure = self._b._down("recv", self._src)
+            if failure is not None:
+                # a closed peer's messages sent before it closed are still taken (they may
+                # have arrived with its goodbye); an abort fails the receive whatever arrived
+                if isinstance(failure, PeerAbortedError) or not self.is_completed():
+                    raise failure
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(pause)

@@ -1,9 +1,11 @@
 """Subgroups: a ``Backend`` view of some ranks of a parent backend.
 
-Local rank ``i`` is the ``i``-th smallest member. Every message of a subgroup travels on the
-root transport with the subgroup's id in the upper 32 bits of the tag, so it can never be taken
-for a message of the parent or of another subgroup between the same pair of ranks. The id is a
-hash of the members' global ranks (and an optional ``name``), the same on every member.
+Local rank ``i`` is the ``i``-th smallest member (or the ``i``-th member given, with
+``ordered=True``). Every message of a subgroup travels on the root transport with the subgroup's
+id in the upper 32 bits of the tag, so it can never be taken for a message of the parent or of
+another subgroup between the same pair of ranks. The id is a hash of the members' global ranks
+(in local-rank order), the optional ``name`` and, for a subgroup of a subgroup, the parent's id:
+the same on every member.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ class SubBackend(FixedRanks, Backend):
         The parent ranks of the subgroup (duplicates ignored); local rank ``i`` is the
         ``i``-th smallest. Must include ``parent.rank``.
     name : str, default ""
-        Tells apart subgroups of the same members (it enters the subgroup's tag id).
+        Tells apart subgroups of the same members (it enters the subgroup's tag id, as does the
+        parent's id when ``parent`` is a subgroup: subgroups of differently named parents never
+        share tags).
+    ordered : bool, default False
+        Keep ``members`` in the order given (duplicates after the first ignored): local rank
+        ``i`` is the ``i``-th member listed, not the ``i``-th smallest. Every member must list
+        them in the same order.
 
     Raises
     ------
@@ -46,7 +54,8 @@ class SubBackend(FixedRanks, Backend):
     >>> evens.barrier()
     """
 
-    def __init__(self, parent: Backend, members: Iterable[int], *, name: str = "") -> None:
+    def __init__(self, parent: Backend, members: Iterable[int], *, name: str = "",
+                 ordered: bool = False) -> None:
         members = list(members)
         if not members:
             raise InvalidWorldSizeError("SubBackend: members is empty, expected at least one rank")
@@ -58,7 +67,9 @@ class SubBackend(FixedRanks, Backend):
                 raise InvalidRankError(
                     f"SubBackend: member {m!r} is out of range for the parent's world_size {pw}"
                 )
-        self._members = tuple(sorted({int(m) for m in members}))  # (numpy integers taken)
+        # (numpy integers taken)
+        self._members = (tuple(dict.fromkeys(int(m) for m in members)) if ordered
+                         else tuple(sorted({int(m) for m in members})))
         self._closed = False
         self._world = len(self._members)
         self._parent = parent
@@ -75,7 +86,10 @@ class SubBackend(FixedRanks, Backend):
         else:
             self._root = parent
             self._global = self._members
-        key = repr((self._global, name)).encode()
+        # a subgroup of a subgroup folds in its parent's id: the same members under differently
+        # named parents (or directly under the root) must not share a tag space
+        key = repr((self._global, name) if parent is self._root
+                   else (self._global, name, parent._group_id)).encode()
         self._group_id = (zlib.crc32(key) & 0x7FFFFFFF) | 0x80000000
         self._tag_base = self._group_id << GROUP_TAG_SHIFT
         self.timeout = parent.timeout
@@ -83,7 +97,8 @@ class SubBackend(FixedRanks, Backend):
     # -- the subgroup's identity ------------------------------------------------------------
     @property
     def members(self) -> tuple[int, ...]:
-        """The parent ranks of this subgroup, ascending; the index is the local rank."""
+        """The parent ranks of this subgroup, ascending (as given with ``ordered=True``); the
+        index is the local rank."""
         return self._members
 
     @property
@@ -96,8 +111,8 @@ class SubBackend(FixedRanks, Backend):
     @property
     def group_id(self) -> int:
         """The subgroup's 32-bit tag prefix, the same on every member: derived from the members'
-        global ranks and the ``name``, it keeps this subgroup's messages apart from the parent's
-        and from other subgroups'.
+        global ranks, the ``name`` and (for a subgroup of a subgroup) the parent's id, it keeps
+        this subgroup's messages apart from the parent's and from other subgroups'.
         """
         return self._group_id
 
