@@ -199,3 +199,51 @@ def test_ordered_subgroup_keeps_the_members_order():
     assert [r[3] for r in res] == [2, 0, 1]  # from the member listed before it
     assert len({r[4] for r in res}) == 1
     assert res[0][4] != SubBackend(SimulatedBackend.create_group(3)[0], [0, 1, 2]).group_id
+
+
+@pytest.mark.timeout(60)
+def test_abort_group_ends_the_subgroup_alone_on_every_member():
+    """A member's abort_group: the others' receives on the subgroup, waiting or later, and
+    their sends raise PeerAbortedError naming it; the parent and another subgroup of the same
+    members go on; the aborting rank's own later calls raise too."""
+    import threading
+    import time
+
+    from ferro_backend import PeerAbortedError
+
+    group = SimulatedBackend.create_group(3, timeout=20)
+    posted = threading.Event()
+
+    def body(b):
+        sub = SubBackend(b, [0, 1, 2], name="ends")
+        other = SubBackend(b, [0, 1, 2], name="stays")
+        got = []
+        if b.rank == 0:
+            posted.wait(10)
+            time.sleep(0.2)
+            sub.abort_group("a test gave up")
+        else:
+            req = sub.irecv(np.empty(2), 0, tag=5)  # waiting when the notice comes
+            posted.set()
+            t0 = time.monotonic()
+            try:
+                req.wait(10)
+                got.append("received")
+            except PeerAbortedError as exc:
+                got.append((exc.peer, "rank 0 gave up on this subgroup: a test gave up"
+                            in str(exc), time.monotonic() - t0 < 5))
+        for call in (lambda: sub.send(np.ones(2), (sub.rank + 1) % 3, tag=1),
+                     lambda: sub.recv(np.empty(2), (sub.rank + 1) % 3, tag=1, timeout=5)):
+            try:
+                call()
+                got.append("ran")
+            except PeerAbortedError as exc:
+                got.append(("aborted", exc.peer))
+        other.barrier()
+        b.barrier()
+        return got
+
+    said = run_threads(body, group, timeout=40)
+    assert said[0] == [("aborted", 0), ("aborted", 0)], said
+    for got in said[1:]:
+        assert got == [(0, True, True), ("aborted", 0), ("aborted", 0)], said

@@ -34,3 +34,32 @@ def suite(b, seed):
     barrier(b)
     out["inputs"] = x.tobytes()
     return out
+
+
+def subgroup_gave_up(b, engine=False) -> list:
+    """Ranks 0 and 2 of 3 share a subgroup (its own engine with ``engine``); rank 0's
+    allreduce on it times out, rank 2 calls late: it raises PeerAbortedError naming rank 0
+    (before: it completed the call with rank 0's abandoned data, or waited out its deadline).
+    Then the parent's allreduce runs on every rank: only the subgroup ended."""
+    import time
+
+    from ferro_backend import SubBackend
+
+    out = []
+    if b.rank != 1:
+        sub = SubBackend(b, [0, 2], name="gave-up")
+        if engine:
+            from ferro_backend.engine import attach_engine
+
+            attach_engine(sub)
+        if b.rank == 2:
+            time.sleep(2.0)
+        t0 = time.monotonic()
+        try:
+            got = allreduce(np.full(2, 100.0 if b.rank == 0 else 2.0), sub,
+                            timeout=0.5 if b.rank == 0 else 20)
+            out.append(("result", got.tolist()))
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc), time.monotonic() - t0 < 10))
+    out.append(allreduce(np.ones(2), b, timeout=30).tolist())
+    return out

@@ -129,3 +129,35 @@ def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on(how):
     said = run_threads(body, group, timeout=40, abort_on_error=False, raise_first=False)
     assert said[0][0] == "CollectiveTimeoutError", said
     assert said[1][0] == "PeerAbortedError" and "rank 0" in said[1][1], said
+
+
+def _subgroup_verdicts(said):
+    first, outside, late = said
+    assert first[0][0] == "CollectiveTimeoutError", first
+    assert late[0][0] == "PeerAbortedError" and "rank 0 gave up on this subgroup" in late[0][1], late
+    assert late[0][2], late  # at once, not at its own deadline
+    assert first[-1] == late[-1] == outside[-1] == [3.0, 3.0]  # the parent goes on
+
+
+@pytest.mark.timeout(90)
+def test_a_late_member_of_a_subgroup_never_completes_a_call_another_gave_up_on():
+    """A subgroup's timeout aborts the subgroup alone (SubBackend.abort_group): its late
+    member raises PeerAbortedError naming the rank, the parent and its other ranks go on."""
+    import tcp_fns
+
+    from ferro_backend.testing import run_threads
+
+    said = run_threads(tcp_fns.subgroup_gave_up, SimulatedBackend.create_group(3, timeout=30),
+                       timeout=60)
+    _subgroup_verdicts(said)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport,engine", [("tcp", False), ("shm", False), ("shm", True)])
+def test_a_subgroup_gives_up_alone_between_processes(transport, engine):
+    import tcp_fns
+
+    from ferro_backend.testing import run_processes
+
+    _subgroup_verdicts(run_processes(tcp_fns.subgroup_gave_up, 3, engine, transport=transport,
+                                     timeout=150, backend_timeout=30))

@@ -30,6 +30,9 @@ GROUP_TAG_SHIFT = 32
 """Subgroup ids live in the bits above this one (see :class:`SubBackend`)."""
 BARRIER_TAG = (1 << 32) - 1
 """The tag the default :meth:`Backend.barrier` uses."""
+GROUP_ABORT_TAG = (1 << 32) - 2
+"""In a subgroup's tag space: its abort notice (:meth:`SubBackend.abort_group`), above every
+collective's tags."""
 
 
 class Backend(abc.ABC):

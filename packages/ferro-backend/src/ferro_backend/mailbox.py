@@ -22,12 +22,14 @@ from collections import deque
 from collections.abc import Callable
 
 from . import _wire
+from .base import GROUP_ABORT_TAG, GROUP_TAG_SHIFT
 from .checks import size_mismatch, wait_limit
 from .errors import PeerAbortedError, PeerClosedError
 from .posted import ANY_SOURCE, PostedRecv
 
 #: why a peer is gone when it said goodbye (``Backend.close``) instead of dying
 CLOSED_CLEANLY = "it closed its backend"
+_LOW = (1 << GROUP_TAG_SHIFT) - 1  # a tag's bits within its subgroup's tag space
 
 
 def copy_into(dst: memoryview, src) -> None:
@@ -60,6 +62,10 @@ class Mailbox:
         self._order = 0
         self.closed_peers: dict[int, str] = {}
         self.aborted: tuple[int, str] | None = None
+        #: subgroup id -> (the rank that gave up on it, why): its receives fail
+        self.aborted_groups: dict[int, tuple[int, str]] = {}
+        #: subgroup id -> called (no arguments) once it is aborted
+        self.on_group_abort: dict[int, list[Callable[[], None]]] = {}
         self.closed = False
         #: called (no arguments, from the thread that saw it) on every failure: a peer gone,
         #: an abort, this rank's close (e.g. to wake waits that do not use this mailbox)
@@ -133,6 +139,44 @@ class Mailbox:
             self.cond.notify_all()
         self._failed()
 
+    # -- a subgroup's abort ---------------------------------------------------------------
+    def group_failure(self, op: str, group: int) -> BaseException | None:
+        """The error an ``op`` on subgroup ``group`` (its id) must raise now, if a member gave
+        up on it (lock-free read)."""
+        aborted = self.aborted_groups.get(group)
+        if aborted is None:
+            return None
+        who, reason = aborted
+        return PeerAbortedError(f"{op}: rank {who} gave up on this subgroup: {reason}",
+                                peer=who, reason=reason)
+
+    def abort_group(self, group: int, who: int, reason: str) -> None:
+        """Rank ``who`` gave up on subgroup ``group``: fail every receive posted on its tags,
+        and every later one, with PeerAbortedError; then call its ``on_group_abort``
+        callbacks. The rest of the job (other tags) goes on."""
+        with self.cond:
+            self.aborted_groups.setdefault(group, (who, reason))
+            failed = []
+            for key in [k for k in self.posted if k[1] >> GROUP_TAG_SHIFT == group]:
+                failed.extend(self.posted.pop(key))
+            for tag in [t for t in self.posted_any if t >> GROUP_TAG_SHIFT == group]:
+                failed.extend(self.posted_any.pop(tag))
+            callbacks = self.on_group_abort.pop(group, [])
+            self.cond.notify_all()
+        for req in failed:
+            req.fail(self.group_failure("recv", group))
+        for callback in callbacks:
+            callback()
+
+    def add_group_abort_callback(self, group: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once subgroup ``group`` is aborted (at once if it already is)."""
+        with self.cond:
+            done = group in self.aborted_groups
+            if not done:
+                self.on_group_abort.setdefault(group, []).append(callback)
+        if done:
+            callback()
+
     # -- receive side ---------------------------------------------------------------------
     def post(self, src: int, tag: int, view: memoryview, *, check: bool = True) -> PostedRecv:
         """Post ``view`` for the next message from ``src`` on ``tag`` (completed at once if one
@@ -142,6 +186,8 @@ class Mailbox:
         with self.cond:
             if self.aborted is not None or self.closed:
                 raise self.failure("recv", src)
+            if self.aborted_groups and tag >> GROUP_TAG_SHIFT in self.aborted_groups:
+                raise self.group_failure("recv", tag >> GROUP_TAG_SHIFT)
             msg = self._pop_unexpected(src, tag)
             if msg is None:
                 if check:
@@ -169,6 +215,8 @@ class Mailbox:
         with self.cond:
             if self.aborted is not None or self.closed:
                 raise self.failure("recv", ANY_SOURCE)
+            if self.aborted_groups and tag >> GROUP_TAG_SHIFT in self.aborted_groups:
+                raise self.group_failure("recv", tag >> GROUP_TAG_SHIFT)
             arrived = self.arrivals.get(tag)
             src = arrived[0] if arrived else None
             req = PostedRecv(self, ANY_SOURCE, tag, view)
@@ -320,7 +368,11 @@ class Mailbox:
                     return None
 
     def deliver(self, src: int, tag: int, data) -> None:
-        """Hand over a complete message: into a receive posted meanwhile, else into the queue."""
+        """Hand over a complete message: into a receive posted meanwhile, else into the queue
+        (a subgroup's abort notice: :meth:`abort_group`)."""
+        if tag & _LOW == GROUP_ABORT_TAG and tag >> GROUP_TAG_SHIFT:
+            self.abort_group(tag >> GROUP_TAG_SHIFT, src, bytes(data).decode("utf-8", "replace"))
+            return
         key = (src, tag)
         with self.cond:
             req = self._pop_posted(src, tag)
@@ -340,4 +392,39 @@ class Mailbox:
         req.complete()
 
 
-__all__ = ["ANY_SOURCE", "CLOSED_CLEANLY", "Mailbox", "PostedRecv", "copy_into"]
+class SubgroupAborts:
+    """A transport's side of :meth:`SubBackend.abort_group`, for a transport whose receives
+    all go through its :class:`Mailbox` (``self._box``): a subgroup's abort notice travels to
+    its members as a message on the subgroup's :data:`~ferro_backend.base.GROUP_ABORT_TAG`,
+    which each member's mailbox takes for what it is (:meth:`Mailbox.deliver`)."""
+
+    def abort_subgroup(self, group: int, members, reason: str) -> None:
+        """Tell ``members`` (this transport's ranks) that this rank gave up on subgroup
+        ``group`` (its id), and record it here too."""
+        notice = reason.encode("utf-8", "replace")[:60000]
+        tag = (group << GROUP_TAG_SHIFT) | GROUP_ABORT_TAG
+        for r in members:
+            if r != self.rank:
+                try:
+                    self._send_notice(notice, r, tag)
+                except Exception:  # (a member gone or a transport closed: none to tell)
+                    pass
+        self._box.abort_group(group, self.rank, reason)
+
+    def _send_notice(self, notice: bytes, dst: int, tag: int) -> None:
+        """Send an abort notice (a transport whose other routes deliver only when a receive
+        drains them sends it where its receive loop reads unasked: the TCP mesh)."""
+        self.isend(notice, dst, tag=tag)
+
+    def subgroup_failure(self, op: str, group: int) -> BaseException | None:
+        """The error an ``op`` on subgroup ``group`` must raise, if a member gave up on it."""
+        return self._box.group_failure(op, group)
+
+    def on_subgroup_abort(self, group: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (no arguments, from the thread that delivers the notice) once a
+        member gives up on subgroup ``group``."""
+        self._box.add_group_abort_callback(group, callback)
+
+
+__all__ = ["ANY_SOURCE", "CLOSED_CLEANLY", "Mailbox", "PostedRecv", "SubgroupAborts",
+           "copy_into"]

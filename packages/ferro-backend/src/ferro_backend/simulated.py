@@ -12,11 +12,11 @@ from typing import Any
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
 from .checks import as_recv_view, check_tag, check_timeout, check_world_size
 from .errors import CollectiveTimeoutError, PeerClosedError
-from .mailbox import Mailbox
+from .mailbox import Mailbox, SubgroupAborts
 from .netsim import Network, TimedRequest, VirtualTime
 
 
-class SimulatedBackend(FixedRanks, Backend):
+class SimulatedBackend(FixedRanks, SubgroupAborts, Backend):
     """One rank of an in-process group made by :meth:`~ferro_backend.SimulatedBackend.create_group`.
 
     Build groups with :meth:`create_group`; the constructor is its building block.

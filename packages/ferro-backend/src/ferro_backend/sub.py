@@ -11,6 +11,7 @@ the same on every member.
 from __future__ import annotations
 
 import numbers
+import weakref
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -93,6 +94,18 @@ class SubBackend(FixedRanks, Backend):
         self._group_id = (zlib.crc32(key) & 0x7FFFFFFF) | 0x80000000
         self._tag_base = self._group_id << GROUP_TAG_SHIFT
         self.timeout = parent.timeout
+        #: a member gave up on this subgroup (:meth:`abort_group`): later calls raise its error
+        self._given_up = False
+        watch = getattr(self._root, "on_subgroup_abort", None)
+        if watch is not None:
+            mine = weakref.ref(self)
+
+            def given_up() -> None:
+                view = mine()
+                if view is not None:
+                    view._on_given_up()
+
+            watch(self._group_id, given_up)
 
     # -- the subgroup's identity ------------------------------------------------------------
     @property
@@ -142,6 +155,10 @@ class SubBackend(FixedRanks, Backend):
         BaseException or None
         """
         if self._closed:
+            if self._given_up:
+                failure = self._root.subgroup_failure(op, self._group_id)
+                if failure is not None:
+                    return failure
             return PeerClosedError(f"{op}: rank {self._rank}'s subgroup backend is closed",
                                    peer=self._rank)
         return self._root.peer_failure(op, self._global[peer])
@@ -242,6 +259,35 @@ class SubBackend(FixedRanks, Backend):
         """
         if not self._closed:  # (a closed backend publishes nothing)
             self._root.abort(reason)
+
+    def abort_group(self, reason: str) -> None:
+        """This rank gives up on the subgroup alone: every member's calls on it, those waiting
+        and every later one, raise PeerAbortedError naming this rank and ``reason``, and this
+        view is closed; the parent and the other subgroups go on (as torch's groups end one at
+        a time). A collective that times out on a subgroup calls it (a late member then never
+        completes the call with this rank's abandoned data). On a root transport that cannot
+        tell the members (MPI's, an outside one) it closes this view only.
+
+        Parameters
+        ----------
+        reason : str
+            Why (the members' PeerAbortedError carries it).
+        """
+        if self._closed:
+            return
+        tell = getattr(self._root, "abort_subgroup", None)
+        if tell is not None:
+            tell(self._group_id, self._global, reason)
+        self.close()
+
+    def _on_given_up(self) -> None:
+        """A member gave up on the subgroup (this rank too, maybe): every later call raises its
+        error, and the view's engine (if any) ends the calls waiting on it."""
+        self._given_up = True
+        self._closed = True
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.mark_failed(str(self._root.subgroup_failure("engine", self._group_id)))
 
     def close(self) -> None:
         """Every later call on this view raises PeerClosedError on this rank; it releases

@@ -89,15 +89,15 @@ def abandon(backend: Backend, exc: BaseException) -> None:
     header, data): a late peer would otherwise take them for a live call and return a result
     built from an abandoned one, while this rank raised. Its peers' calls, the late one's
     included, raise PeerAbortedError naming this rank and the call; its own later calls
-    PeerClosedError (as after ``abort``). A subgroup's view is closed instead (its later calls
-    on it raise PeerClosedError): aborting it would abort the whole job, every group (a view
-    cannot tell its members alone), where torch's groups end one at a time. Nothing if ``exc``
-    is no collective's timeout."""
+    PeerClosedError (as after ``abort``). On a subgroup, the subgroup alone ends
+    (:meth:`~ferro_backend.SubBackend.abort_group`: its members' calls on it raise
+    PeerAbortedError, the parent and other groups go on, as torch's groups end one at a time).
+    Nothing if ``exc`` is no collective's timeout."""
     if not isinstance(exc, CollectiveTimeoutError) or backend is None:
         return
     try:
         if isinstance(backend, SubBackend):
-            backend.close()
+            backend.abort_group(f"it gave up on a collective: {exc}")
         else:
             backend.abort(f"it gave up on a collective: {exc}")
     except Exception:  # (the timeout is the error to raise; a failed abort adds nothing)

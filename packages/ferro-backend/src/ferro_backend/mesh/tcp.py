@@ -22,7 +22,7 @@ from .. import settings
 from ..base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
 from ..checks import as_recv_view, check_rank, check_tag, check_world_size, timeout_from_env
 from ..errors import DistributedError, PeerClosedError, RendezvousError
-from ..mailbox import Mailbox
+from ..mailbox import Mailbox, SubgroupAborts
 from ..posted import PumpedRecv
 from .compose import Composable
 from .framing import K_DATA, Link, read_frames
@@ -30,7 +30,7 @@ from .lazy import Connector
 from .reactor import Reactor
 from .rendezvous import Rendezvous, parse_addr
 from .route import Route
-from .teardown import release, say_goodbye, send_abort
+from .teardown import CONTROL_FRAME_TIMEOUT, release, say_goodbye, send_abort
 
 __all__ = ["LAZY_ABOVE", "TcpBackend", "parse_addr"]
 
@@ -43,7 +43,7 @@ LAZY_ABOVE = 32
 ABORT_REACH = 2.0
 
 
-class TcpBackend(FixedRanks, Composable, Backend):
+class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
     """One rank of a multi-process job over TCP (full mesh).
 
     Parameters
@@ -241,6 +241,13 @@ class TcpBackend(FixedRanks, Composable, Backend):
         would sit out the whole wait (benchmarks/README.md, "Measurements behind the
         defaults")."""
         return not any(link.lock.locked() for link in list(self._links.values()))
+
+    def _send_notice(self, notice: bytes, dst: int, tag: int) -> None:
+        # on the socket, whatever the pair's route: its reader delivers it unasked, where a
+        # ring's messages reach the mailbox only as a receive drains them (behind the data a
+        # late member would take first)
+        self._link(dst, "abort_group").send_frame(K_DATA, tag, memoryview(notice),
+                                                  time.monotonic() + CONTROL_FRAME_TIMEOUT)
 
     # ------------------------------------------------------------------ data path
     def send(self, data: Any, dst: int, *, tag: int = 0) -> None:
