@@ -421,3 +421,29 @@ def test_a_stopped_member_is_ended_once_the_others_are_done(tmp_path, say_done, 
     assert "was killed by SIGTERM (stopped; ferrorun ended it)" in err, err
     assert "starts a replacement" not in err, err
     assert proc.returncode == code, out + err
+
+
+FAILS_AFTER_DONE = """
+import sys, time
+from ferro_backend import elastic
+job = elastic.join()
+job.backend.barrier()
+if job.backend.rank == 1:
+    job.close()
+    sys.exit(0)
+time.sleep(1.0)
+sys.exit(7)
+"""
+
+
+def test_a_member_failing_after_the_job_was_done_is_the_exit_code(tmp_path):
+    """One member says the job is done and exits 0; the other fails a second later: ferrorun
+    exits 7 and says so (it printed "the elastic job goes on without it" and exited 0: a
+    crash writing results after the training looked like success)."""
+    script = tmp_path / "job.py"
+    script.write_text(FAILS_AFTER_DONE)
+    proc = subprocess.run([*FERRORUN, "--nproc", "2:2", str(script)], capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert "exited with code 7 after a member said the elastic job was done" in proc.stderr
+    assert "failed (exit code 7) after the elastic job was done" in proc.stderr

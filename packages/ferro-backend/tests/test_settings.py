@@ -116,3 +116,24 @@ def test_override_wins_over_the_environment_and_ends_with_the_block(monkeypatch)
     with pytest.raises(TypeError, match="no settings"):
         with settings.override(NO_SUCH=1):
             pass
+
+
+@pytest.mark.parametrize("raw", ["inf", str(1 << 62), "2g"])
+def test_engine_sizes_beyond_a_gib_are_refused_naming_the_variable(monkeypatch, raw):
+    """FERRO_SHM_SLOT_BYTES=inf (a documented byte count) overflowed the segment's size: a
+    segment too small, written past (SIGSEGV)."""
+    for name in ("FERRO_SHM_SLOT_BYTES", "FERRO_SHM_RING_BYTES"):
+        monkeypatch.setenv(name, raw)
+        setting = settings.SHM_SLOT_BYTES if "SLOT" in name else settings.SHM_RING_BYTES
+        with pytest.raises(SettingError, match=re.escape(f"{name} {raw!r}") + f".*<= {1 << 30}"):
+            setting.get()
+        monkeypatch.delenv(name)
+
+
+def test_an_engine_refuses_a_slot_beyond_a_gib_before_it_maps_anything():
+    from ferro_backend import SimulatedBackend
+    from ferro_backend.engine.segment import Engine
+
+    (b,) = SimulatedBackend.create_group(1)
+    with pytest.raises(ValueError, match="slot_bytes 4611686018427387904, expected an int"):
+        Engine.join(b, slot_bytes=1 << 62)

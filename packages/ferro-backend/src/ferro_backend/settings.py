@@ -102,20 +102,29 @@ def _choice(*choices: str, aliases: Mapping[str, str] | None = None) -> Callable
     return parse
 
 
-def _min_bytes(minimum: int) -> Callable[[str], int]:
+def _min_bytes(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         value = _bytes(raw)
         if value < minimum:
             raise ValueError(f"expected a byte count >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"expected a byte count <= {maximum} ({maximum >> 30} GiB)")
         return value
 
     return parse
+
+
+#: the most bytes an engine slot or ring may take (a segment holds 2 slots a rank and a ring
+#: a pair: beyond this its size would not fit the address space, and "inf" means no limit)
+ENGINE_BYTES_MAX = 1 << 30
 
 
 def _power_of_two_bytes(raw: str) -> int:
     value = _bytes(raw)
     if value < 4096 or value & (value - 1):
         raise ValueError("expected a power of two >= 4096")
+    if value > ENGINE_BYTES_MAX:
+        raise ValueError(f"expected a byte count <= {ENGINE_BYTES_MAX} (1 GiB)")
     return value
 
 
@@ -225,7 +234,8 @@ LOG_LEVEL = _declare("FERRO_LOG_LEVEL", "debug, info, warning or error",
                      "`ferro_checkpoint` loggers (`ferrorun --log-level`)")
 SHM_ENGINE = _declare("FERRO_SHM_ENGINE", "bool", _bool, True, "`ShmBackend`",
                       "`0` turns the same-host engine off (messages then travel the sockets)")
-SHM_SLOT_BYTES = _declare("FERRO_SHM_SLOT_BYTES", "bytes", _min_bytes(64), 1 << 20, "`ShmBackend`",
+SHM_SLOT_BYTES = _declare("FERRO_SHM_SLOT_BYTES", "bytes, 64 to 1 GiB",
+                          _min_bytes(64, ENGINE_BYTES_MAX), 1 << 20, "`ShmBackend`",
                           "data bytes per rank and slot: collectives up to this size take one "
                           "engine step")
 SHM_SPLIT_BYTES = _declare("FERRO_SHM_SPLIT_BYTES", "bytes", _bytes, 32 << 10, "`ShmBackend`",

@@ -272,6 +272,11 @@ class Engine:
         """
         rank, n = backend.rank, backend.world_size
         slot_bytes = settings.SHM_SLOT_BYTES.get() if slot_bytes is None else slot_bytes
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) \
+                or not 64 <= slot_bytes <= settings.ENGINE_BYTES_MAX:
+            # (beyond it the segment's size overflows: a segment too small, written past)
+            raise ValueError(f"Engine.join: slot_bytes {slot_bytes!r}, expected an int from 64 "
+                             f"to {settings.ENGINE_BYTES_MAX} (1 GiB)")
         ring_bytes = default_ring_bytes(n)
         size = _segment.layout(n, slot_bytes, ring_bytes)["size"]
         deadline = time.monotonic() + (backend.timeout if timeout is None else timeout)

@@ -132,6 +132,7 @@ class ElasticRun:
         last_failure = 0
         done: set[int] = set()
         ok = 0
+        late = 0  # the code of a member that failed after the job was done (not one ended here)
         while True:
             state = self.coordinator.snapshot() if self.coordinator else None
             if state and state["failed"] and not self._ending_cleanly(done):
@@ -153,10 +154,13 @@ class ElasticRun:
                     continue
                 last_failure = code if code > 0 else 128 - code
                 finished = state is not None and state["finished"]
+                if finished and i not in self.ended:
+                    late = last_failure
                 more = (self.replacements_left > 0 and not received and not finished
                         and i not in self.ended)
                 goes_on = ("" if received else
                            " (stopped; ferrorun ended it)" if i in self.ended else
+                           " after a member said the elastic job was done" if finished else
                            f"; the elastic job goes on without it"
                            f"{' and starts a replacement' if more else ''}")
                 sys.stderr.write(f"ferrorun: proc {job.ranks[0]} {_describe(code)}"
@@ -175,6 +179,10 @@ class ElasticRun:
                 if self.coordinator is not None:
                     self._report()
                 clean = ok == len(self.jobs)   # every process exited 0
+                if late:
+                    sys.stderr.write(f"ferrorun: a member failed (exit code {late}) after the "
+                                     "elastic job was done\n")
+                    return late
                 if ok and (state is None or state["finished"] or clean):
                     return 0
                 sys.stderr.write(f"ferrorun: a process failed (exit code {last_failure}) and no "
