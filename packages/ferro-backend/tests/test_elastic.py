@@ -447,3 +447,28 @@ def test_a_member_failing_after_the_job_was_done_is_the_exit_code(tmp_path):
     assert proc.returncode == 7, proc.stdout + proc.stderr
     assert "exited with code 7 after a member said the elastic job was done" in proc.stderr
     assert "failed (exit code 7) after the elastic job was done" in proc.stderr
+
+
+STOPPED_THEN_FAILED = """
+import os, signal, sys, time
+from ferro_backend import init_from_env
+b = init_from_env()
+if b.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(0.5)
+sys.exit(3)
+"""
+
+
+def test_a_stopped_rank_is_continued_so_it_ends_when_a_peer_fails(tmp_path):
+    """A plain job: rank 0 fails while rank 1 is stopped. ferrorun's SIGTERM to the rest is
+    followed by SIGCONT (a stopped process acts on SIGTERM only once continued): it ends at
+    once, not after the whole --grace and SIGKILL."""
+    script = tmp_path / "job.py"
+    script.write_text(STOPPED_THEN_FAILED)
+    t0 = time.monotonic()
+    proc = subprocess.run([*FERRORUN, "--nproc", "2", "--grace", "40", str(script)],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 30, proc.stderr
+    assert "SIGKILL" not in proc.stderr, proc.stderr

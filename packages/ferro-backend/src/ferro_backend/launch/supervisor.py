@@ -139,6 +139,7 @@ class Job:
             self._await_all(self.kill_at)
         else:
             self.signal_all(signal.SIGTERM)
+            self.signal_all(signal.SIGCONT)  # (a stopped rank acts on it once continued)
             self._await_all()
         self.signal_all(signal.SIGKILL)
         for p in self.procs:
