@@ -86,8 +86,9 @@ def results(text: str) -> list[dict]:
     return sorted(out, key=lambda r: r["rank"])
 
 
-def run_ranks(who: str, envs: list[dict[str, str]], timeout: float = 60.0) -> list[dict]:
-    """Start one process per environment, wait (with a timeout) and reap them all."""
+def reaped(who: str, envs: list[dict[str, str]], timeout: float) -> list[tuple[int, str, str]]:
+    """Start one process per environment, wait (each at most ``timeout``) and reap them all:
+    their ``(returncode, stdout, stderr)``."""
     procs = [subprocess.Popen([sys.executable, who], env=e, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for e in envs]
     outs = []
@@ -100,6 +101,12 @@ def run_ranks(who: str, envs: list[dict[str, str]], timeout: float = 60.0) -> li
             if p.poll() is None:
                 p.kill()
                 p.wait(5)
+    return outs
+
+
+def run_ranks(who: str, envs: list[dict[str, str]], timeout: float = 60.0) -> list[dict]:
+    """:func:`reaped`, every process ending well: their results."""
+    outs = reaped(who, envs, timeout)
     for rc, out, err in outs:
         assert rc == 0, f"rc {rc}:\n{out}\n{err[-3000:]}"
     return results("".join(out for _, out, _ in outs))
@@ -431,20 +438,8 @@ def test_ranks_that_disagree_fail_at_once_naming_the_ranks(who, transport, claim
     it refuses raise RendezvousError naming the ranks and world sizes within seconds, not a
     "did not join" after the 30 s connect timeout (the ranks' timeout)."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, who], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=_by_hand(r, w, port, FERRO_TRANSPORT=transport))
-             for r, w in claims]
-    outs = []
-    try:
-        for p in procs:   # well within the 30 s a rank waits for the others
-            out, err = p.communicate(timeout=25)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+    # (well within the 30 s a rank waits for the others)
+    outs = reaped(who, [_by_hand(r, w, port, FERRO_TRANSPORT=transport) for r, w in claims], 25)
     for rc, _, err in outs:
         assert rc != 0
         assert "RendezvousError" in err, err[-2000:]
