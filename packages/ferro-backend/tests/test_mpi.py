@@ -198,3 +198,42 @@ def test_a_closed_peer_fails_calls_at_once_and_an_abort_wins_over_arrived_data(t
         assert (peer, clean) == ((None if name == "recv_any" else 1), True), name
         assert took < 10, (name, took)  # at once, not at the 30 s timeout
     assert late["late"] == [0, "gave up"]
+
+
+SUBGROUP = textwrap.dedent("""
+    import json, time
+    import numpy as np
+    from ferro_backend import MpiBackend, PeerAbortedError, SubBackend
+    b = MpiBackend(timeout=30)
+    out = {}
+    if b.rank != 1:
+        sub = SubBackend(b, [0, 2], name="gives-up")
+        if b.rank == 0:  # its data went out, then it gave up on the subgroup
+            sub.send(np.arange(4.0), 1, tag=5)
+            sub.abort_group("gave up")
+        else:
+            time.sleep(1.0)  # the data and the notice have both arrived
+            t0 = time.monotonic()
+            try:
+                buf = np.zeros(4)
+                sub.recv(buf, 0, tag=5, timeout=20)
+                out["late"] = ["returned", buf.tolist()]
+            except PeerAbortedError as exc:
+                out["late"] = [exc.peer, exc.reason, time.monotonic() - t0 < 5]
+    b.barrier()  # the parent goes on
+    out["parent"] = "ok"
+    b.close()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_a_subgroup_given_up_on_fails_its_late_member_and_the_parent_goes_on(tmp_path):
+    script = tmp_path / "subgroup.py"
+    script.write_text(SUBGROUP)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run([mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=150, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [x["parent"] for x in res] == ["ok"] * 3
+    assert [x["late"] for x in res if "late" in x] == [[0, "gave up", True]]

@@ -28,18 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
+from .base import DEFAULT_TIMEOUT, GROUP_TAG_SHIFT, Backend, FixedRanks, Request
 from .checks import as_recv_view, check_tag, check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError, PeerAbortedError
-from .mailbox import ANY_SOURCE, CLOSED_CLEANLY, Mailbox
+from .mailbox import ANY_SOURCE, CLOSED_CLEANLY, Mailbox, SubgroupAborts
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
 # the control messages' first byte (on the control tag): this rank aborted (the reason follows),
-# or it closed its backend
-_ABORT, _CLOSE = b"A", b"C"
+# it closed its backend, or it gave up on a subgroup (the group's id, 8 bytes, and the reason)
+_ABORT, _CLOSE, _GROUP = b"A", b"C", b"G"
+_GROUP_ID = struct.Struct("<Q")
 
 
-class MpiBackend(FixedRanks, Backend):
+class MpiBackend(FixedRanks, SubgroupAborts, Backend):
     """A ferro ``Backend`` over an MPI communicator (default: a duplicate of COMM_WORLD).
 
     Parameters
@@ -166,6 +167,10 @@ class MpiBackend(FixedRanks, Backend):
             msg.Recv([buf, MPI.BYTE])
             if bytes(buf[:1]) == _CLOSE:
                 box.peer_closed(st.Get_source(), CLOSED_CLEANLY)
+            elif bytes(buf[:1]) == _GROUP:
+                (group,) = _GROUP_ID.unpack_from(buf, 1)
+                box.abort_group(group, st.Get_source(),
+                                buf[1 + _GROUP_ID.size:].decode(errors="replace"))
             else:
                 box.abort(st.Get_source(), buf[1:].decode(errors="replace"))
 
@@ -179,6 +184,12 @@ class MpiBackend(FixedRanks, Backend):
         """:meth:`_fail_if_down`'s error, returned instead of raised."""
         self._poll_control()
         return self._box.failure(op, peer)
+
+    def _send_notice(self, notice: bytes, dst: int, tag: int) -> None:
+        # a subgroup's abort (SubgroupAborts): a control message, which every receive reads
+        # before it takes data (MPI's data messages never pass the mailbox's delivery)
+        msg = _GROUP + _GROUP_ID.pack(tag >> GROUP_TAG_SHIFT) + notice
+        self._comm.Send([msg, self._MPI.BYTE], dst, self._control_tag)
 
     def _control(self, kind: bytes, data: bytes = b"") -> None:
         """Send a control message to every peer (waits up to 2 s for the sends to finish)."""
@@ -236,6 +247,10 @@ class MpiBackend(FixedRanks, Backend):
         box = self._box
         if box.aborted is not None or box.closed:
             raise box.failure("recv", src)
+        if box.aborted_groups and tag >> GROUP_TAG_SHIFT:  # (a subgroup's: given up on?)
+            failure = box.group_failure("recv", tag >> GROUP_TAG_SHIFT)
+            if failure is not None:
+                raise failure
         with self._recv_lock:
             if src == ANY_SOURCE:  # the oldest message queued on the tag, else MPI's
                 with self._box.cond:

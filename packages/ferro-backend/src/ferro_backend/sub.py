@@ -266,7 +266,7 @@ class SubBackend(FixedRanks, Backend):
         view is closed; the parent and the other subgroups go on (as torch's groups end one at
         a time). A collective that times out on a subgroup calls it (a late member then never
         completes the call with this rank's abandoned data). On a root transport that cannot
-        tell the members (MPI's, an outside one) it closes this view only.
+        tell the members (an outside one) it closes this view only.
 
         Parameters
         ----------
