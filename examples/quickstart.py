@@ -3,7 +3,7 @@ import numpy as np
 from ferro_backend import init_from_env
 from ferro_fsdp import FSDP, nn, optim
 
-backend = init_from_env()                      # TCP under ferrorun, one rank otherwise
+backend = init_from_env()                      # ferrorun's job (shm on one host), else one rank
 model = nn.Sequential(nn.Linear(16, 64, rng=0), nn.ReLU(), nn.Linear(64, 1, rng=1))
 fsdp = FSDP(model, backend, "full_shard")      # each rank keeps 1/world of the parameters
 opt = optim.SGD(fsdp.module.parameters(), lr=0.05, momentum=0.9)
