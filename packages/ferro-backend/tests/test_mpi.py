@@ -181,15 +181,22 @@ FAILURES = textwrap.dedent("""
 """)
 
 
-def test_a_closed_peer_fails_calls_at_once_and_an_abort_wins_over_arrived_data(tmp_path):
-    script = tmp_path / "failures.py"
-    script.write_text(FAILURES)
+def mpirun_results(tmp_path, text: str, n: int) -> list[dict]:
+    """``text`` run as a script on ``n`` ranks under mpirun (every rank ending well): each
+    rank's ``RESULT`` line."""
+    script = tmp_path / "job.py"
+    script.write_text(text)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run([mpirun(), "-n", "2", "--oversubscribe", sys.executable, str(script)],
+    r = subprocess.run([mpirun(), "-n", str(n), "--oversubscribe", sys.executable, str(script)],
                        capture_output=True, text=True, timeout=150, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(res) == 2
+    assert len(res) == n, r.stdout[-2000:]
+    return res
+
+
+def test_a_closed_peer_fails_calls_at_once_and_an_abort_wins_over_arrived_data(tmp_path):
+    res = mpirun_results(tmp_path, FAILURES, 2)
     first = next(x for x in res if "before close" in x)
     late = next(x for x in res if "late" in x)
     assert first["before close"] == "hi"
@@ -228,12 +235,6 @@ SUBGROUP = textwrap.dedent("""
 
 
 def test_a_subgroup_given_up_on_fails_its_late_member_and_the_parent_goes_on(tmp_path):
-    script = tmp_path / "subgroup.py"
-    script.write_text(SUBGROUP)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run([mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=150, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    res = mpirun_results(tmp_path, SUBGROUP, 3)
     assert [x["parent"] for x in res] == ["ok"] * 3
     assert [x["late"] for x in res if "late" in x] == [[0, "gave up", True]]
