@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 4 <= args.min_bytes <= args.max_bytes:
         p.error(f"need 4 <= --min-bytes ({args.min_bytes}) <= --max-bytes ({args.max_bytes})")
+    if not (0 < args.seconds < float("inf")):  # (NaN fails too)
+        p.error(f"--seconds must be a finite number > 0 (got {args.seconds})")
     return args
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import time
 from pathlib import Path
 
@@ -152,10 +153,11 @@ class Checkpoints:
 
     NAMES = ("params", "adam_mu", "adam_nu")
 
-    def __init__(self, root: str, backend, layout: FlatLayout):
+    def __init__(self, root: str, backend, layout: FlatLayout, model: dict):
         from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 
         self.rank, self.world, self.layout = backend.rank, backend.world_size, layout
+        self.root, self.model = root, model
         self.manager = CheckpointManager(root, self.rank, self.world, keep_last=3,
                                          backend=backend)
         spec = TensorShardSpec((layout.n,), 0, layout.sizes)
@@ -166,7 +168,7 @@ class Checkpoints:
         ``layout.sizes[rank]`` elements); Adam's step count, the loss history and the
         parameters' SHA-256 in ``extra``."""
         extra = {"step": step, "adam_count": count, "losses": losses, "world_size": self.world,
-                 "params_sha256": params_sha256}
+                 "params_sha256": params_sha256, "model": self.model}
         self.manager.save(step, {k: np.asarray(v) for k, v in rows.items()}, self.spec,
                           extra=extra).wait()
 
@@ -179,6 +181,10 @@ class Checkpoints:
         if step < 0:
             return None
         tensors, extra = self.manager.restore(step)
+        saved = extra.get("model", self.model)  # (checkpoints of older runs: not recorded)
+        if saved != self.model:
+            raise SystemExit(f"--resume: the checkpoint in {self.root} is of another model "
+                             f"{saved}; this run asks for {self.model}")
         blocks = {k: self.layout.pad(tensors[k]) for k in self.NAMES}
         return step, blocks, extra
 
@@ -202,11 +208,23 @@ def parse_args(description: str, sync_flag: bool = True):
     ap.add_argument("--params-out", metavar="FILE.npy",
                     help="rank 0 writes the final parameters (flat, float32) here")
     args = ap.parse_args()
+    for flag, low in (("--steps", 0), ("--batch", 1), ("--features", 1), ("--hidden", 1),
+                      ("--save-every", 1)):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < low:
+            ap.error(f"{flag} must be >= {low} (got {value})")
+    if not math.isfinite(args.lr):
+        ap.error(f"--lr must be a finite number (got {args.lr})")
     if args.resume and not args.checkpoint:
         ap.error("--resume needs --checkpoint DIR")
     if getattr(args, "no_sync", False) and args.checkpoint:
         ap.error("--no-sync trains replicas that differ: nothing to checkpoint")
     return args
+
+
+def model_of(args) -> dict:
+    """The model's shape, saved with each checkpoint: a resume of another model is refused."""
+    return {"features": args.features, "hidden": args.hidden}
 
 
 def start_run(args, rank: int, unravel, layout: FlatLayout, ckpt: Checkpoints | None):
@@ -290,7 +308,8 @@ def main() -> None:
     layout = FlatLayout(flat.size, world)
     opt = optax.adam(args.lr)
     state = opt.init(params)
-    ckpt = Checkpoints(args.checkpoint, backend, layout) if args.checkpoint else None
+    ckpt = (Checkpoints(args.checkpoint, backend, layout, model_of(args)) if args.checkpoint
+            else None)
     start, losses, restored = start_run(args, rank, unravel, layout, ckpt)
     if restored is not None:  # every rank's slices of Adam's moments, gathered
         params, blocks, count = restored

@@ -42,6 +42,7 @@ from jax_data_parallel import (
     init_params,
     loss_fn,
     make_data,
+    model_of,
     parse_args,
     sha256,
     start_run,
@@ -58,7 +59,8 @@ def main() -> None:
     layout = FlatLayout(flat.size, world)
     opt = optax.adam(args.lr)
     state = opt.init(jnp.zeros(layout.block, flat.dtype))  # this rank's block only
-    ckpt = Checkpoints(args.checkpoint, backend, layout) if args.checkpoint else None
+    ckpt = (Checkpoints(args.checkpoint, backend, layout, model_of(args)) if args.checkpoint
+            else None)
     start, losses, restored = start_run(args, rank, unravel, layout, ckpt)
     if restored is not None:  # this rank's slices of Adam's moments, resharded: kept as they are
         params, blocks, count = restored

@@ -38,11 +38,20 @@ import numpy as np
 from train_mlp import StepFile, build_model, load_data, newest_step, resume
 from train_mlp import parse_args as mlp_args
 
-from ferro_backend import elastic, init_from_env
+from ferro_backend import elastic, init_from_env, settings
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 from ferro_collective import ReduceOp, allreduce
 from ferro_collective.elastic import RECOVERABLE, ElasticState
 from ferro_fsdp import DDP, FSDP, nn, optim
+
+
+def member_at_step(text: str) -> tuple[int, int]:
+    """``--kill MEMBER@STEP``: two whole numbers >= 0 (an argparse type)."""
+    member, at, step = text.partition("@")
+    if not (at and member.strip().isdigit() and step.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not MEMBER@STEP (two whole numbers >= 0, "
+                                         "e.g. 1@40)")
+    return int(member), int(step)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--kill", default=None, metavar="MEMBER@STEP",
+    p.add_argument("--kill", type=member_at_step, default=None, metavar="MEMBER@STEP",
                    help="fault injection: the process of member MEMBER SIGKILLs itself after "
                         "completing step STEP (first membership only)")
     p.add_argument("--step-file", type=Path, default=None, metavar="DIR",
@@ -69,7 +78,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true",
                    help="fixed-size runs: continue from the newest checkpoint")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse numbers no run can use, one line naming the flag (exit 2), before any backend,
+    data or model is made."""
+    def refuse(message: str) -> None:
+        p.exit(2, f"train_elastic: {message}\n")
+
+    for flag, low in (("--batch-size", 1), ("--steps", 0), ("--start", 0),
+                      ("--checkpoint-every", 0)):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < low:
+            refuse(f"{flag} must be >= {low} (got {value})")
+    if args.resume and args.checkpoint_dir is None:
+        refuse("--resume needs --checkpoint-dir")
 
 
 def capture(model, opt) -> dict:
@@ -162,7 +188,7 @@ def main(argv=None) -> int:
     mlp = mlp_args(["--dtype", args.dtype, "--seed", str(args.seed)])
     x_tr, y_tr, _, _, classes = load_data(mlp)
     loss_fn = nn.CrossEntropyLoss()
-    if os.environ.get("FERRO_ELASTIC"):
+    if settings.ELASTIC.get():
         try:
             job = elastic.join()
         except elastic.JobFinishedError as exc:  # a replacement that came too late
@@ -190,8 +216,11 @@ def main(argv=None) -> int:
     step = state.step if state is not None else args.start
     if args.resume:
         step = t.resume(backend)
-    kill = tuple(int(v) for v in args.kill.split("@")) if args.kill else None
+    kill = args.kill
     steps_per_epoch = len(x_tr) // args.batch_size
+    if not steps_per_epoch:
+        raise SystemExit(f"train_elastic: --batch-size {args.batch_size} is more than the "
+                         f"{len(x_tr)} training samples")
     history = {"losses": [], "changes": []}
     step_file = StepFile(args.step_file)
     while step < args.steps:

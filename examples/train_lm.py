@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ferro_backend import init_from_env
+from ferro_backend import SettingError, init_from_env, settings
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 from ferro_collective import ReduceOp, all_gather, allreduce, broadcast
 from ferro_fsdp import DDP, FSDP, Module, comm_hooks, nn, optim
@@ -128,7 +128,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dump-params", type=Path, default=None,
                    help="write the final full parameters (rank 0) to this .npz")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse numbers no run can use, one line naming the flag (exit 2), before any backend,
+    corpus or model is made."""
+    def refuse(message: str) -> None:
+        p.exit(2, f"train_lm: {message}\n")
+
+    for flag, low in (("--dim", 1), ("--layers", 1), ("--heads", 1), ("--seq", 1),
+                      ("--batch-size", 1), ("--eval-batches", 1), ("--corpus-chars", 1),
+                      ("--steps", 0), ("--warmup", 0), ("--checkpoint-every", 0),
+                      ("--eval-every", 0), ("--sample-chars", 0)):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < low:
+            refuse(f"{flag} must be >= {low} (got {value})")
+    if args.dim % args.heads:
+        refuse(f"--heads {args.heads} does not divide --dim {args.dim}")
+    if not 0 < args.val_fraction < 1:
+        refuse(f"--val-fraction must be between 0 and 1, exclusive (got {args.val_fraction}): "
+               "the held-out part evaluates the model")
+    if not 0 <= args.dropout < 1:
+        refuse(f"--dropout must be in [0, 1) (got {args.dropout})")
 
 
 # ------------------------------------------------------------------------------ data
@@ -353,7 +377,10 @@ def main(argv=None) -> int:
     if args.powersgd_rank < 1 or args.powersgd_start < 0:
         raise SystemExit(f"train_lm: --powersgd-rank must be >= 1 and --powersgd-start >= 0 "
                          f"(got {args.powersgd_rank} and {args.powersgd_start})")
-    restart = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
+    try:
+        restart = settings.RESTART_COUNT.get()  # how many times ferrorun restarted the job
+    except SettingError as exc:
+        raise SystemExit(f"train_lm: {exc}") from None
     if args.resume and not restart and not args.checkpoint_dir.is_dir():
         raise SystemExit(f"train_lm: --resume: no checkpoint directory {args.checkpoint_dir}; "
                          "check the path")
@@ -365,8 +392,11 @@ def main(argv=None) -> int:
     train, held = encode(train_text), encode(held_text)
     tokens = np.concatenate([train, held])
     if len(train) < args.seq + 2 or len(held) < args.seq + 2:
-        raise SystemExit(f"train_lm: {len(tokens)} characters are too few for --seq {args.seq}; "
-                         "raise --corpus-chars")
+        part = "training" if len(train) < args.seq + 2 else "held-out"
+        raise SystemExit(f"train_lm: the {part} part of the corpus ({len(train)} training, "
+                         f"{len(held)} held-out characters of {len(tokens)}, --val-fraction "
+                         f"{args.val_fraction}) is too short for --seq {args.seq}; raise "
+                         "--corpus-chars" + (" or --val-fraction" if part == "held-out" else ""))
     digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:12]
 
     model = build_model(cfg, args.seed, args.dropout)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ferro_backend import init_from_env
+from ferro_backend import SettingError, init_from_env, settings
 from ferro_checkpoint import CheckpointManager, ShardMetadata, TensorShardSpec
 from ferro_collective import ReduceOp, all_gather, allreduce, broadcast
 from ferro_fsdp import DDP, FSDP, comm_hooks, nn, optim
@@ -91,7 +91,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-file", type=Path, default=None, metavar="DIR",
                    help="write each completed step to DIR/<pid> (tools/soak.py ties its faults "
                         "to the job's progress through it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse numbers no run can use, one line naming the flag (exit 2), before any backend,
+    data or model is made."""
+    def refuse(message: str) -> None:
+        p.exit(2, f"train_mlp: {message}\n")
+
+    for flag, low in (("--batch-size", 1), ("--hidden", 1), ("--params", 1), ("--samples", 2),
+                      ("--epochs", 0), ("--steps", 0), ("--checkpoint-every", 0),
+                      ("--powersgd-rank", 1), ("--powersgd-start", 0)):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < low:
+            refuse(f"{flag} must be >= {low} (got {value})")
+    if args.lr is not None and not (args.lr >= 0 and math.isfinite(args.lr)):
+        refuse(f"--lr must be a finite number >= 0 (got {args.lr})")
+    train = int(args.samples * 0.8)  # load_data holds out the other fifth
+    if args.dataset == "synthetic" and train < args.batch_size:
+        refuse(f"--samples {args.samples} leaves {train} training samples, fewer than one "
+               f"--batch-size {args.batch_size}")
 
 
 # ------------------------------------------------------------------------------ data
@@ -255,7 +277,10 @@ def main(argv=None) -> int:
         raise SystemExit("train_mlp: --resume needs --checkpoint-dir")
     # under `ferrorun --max-restarts`, a restarted job resumes by itself from its newest
     # committed checkpoint (or starts over if it failed before the first one)
-    restart = int(os.environ.get("FERRO_RESTART_COUNT", "0"))
+    try:
+        restart = settings.RESTART_COUNT.get()
+    except SettingError as exc:
+        raise SystemExit(f"train_mlp: {exc}") from None
     if args.resume and not restart and not args.checkpoint_dir.is_dir():
         raise SystemExit(f"train_mlp: --resume: no checkpoint directory {args.checkpoint_dir}; "
                          "check the path")
@@ -271,13 +296,16 @@ def main(argv=None) -> int:
         wrapper = FSDP(model, backend, args.strategy, intra_node_size=intra,
                        sync_module_states=True)
     powersgd = comm_hook(args, wrapper, backend)
-    lr = args.lr or (2e-3 if args.optimizer == "adam" else 0.05)
+    lr = args.lr if args.lr is not None else (2e-3 if args.optimizer == "adam" else 0.05)
     params = wrapper.module.parameters()
     opt = optim.Adam(params, lr=lr) if args.optimizer == "adam" else \
         optim.SGD(params, lr=lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
     steps_per_epoch = len(x_tr) // args.batch_size
+    if not steps_per_epoch:
+        raise SystemExit(f"train_mlp: --batch-size {args.batch_size} is more than the "
+                         f"{len(x_tr)} training samples of --dataset {args.dataset}")
     total = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     step = 0
     manager = None

@@ -426,3 +426,68 @@ def test_a_sigterm_while_the_ranks_start_stops_the_job(tmp_path, monkeypatch, ca
     assert took < 20, took
     assert signal.getsignal(signal.SIGTERM) is not None   # ferrorun put the old handler back
     capfd.readouterr()
+
+
+@pytest.mark.parametrize("target, message", [
+    (["missing.py"], "ferrorun: can't open file 'missing.py': No such file or directory"),
+    (["adir"], "ferrorun: can't find '__main__' module in 'adir'"),
+    (["-m", "no_such_module_xyz.sub"], "ferrorun: No module named 'no_such_module_xyz'"),
+])
+def test_a_missing_script_is_one_line_before_any_rank_starts(tmp_path, target, message):
+    (tmp_path / "adir").mkdir()
+    r = subprocess.run([*FERRORUN, "--nproc", "2", *target], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", message + "\n")
+
+
+def test_a_trace_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    script = write(tmp_path, "ok.py", "print('ran')\n")
+    r = subprocess.run([*FERRORUN, "--trace", str(tmp_path / "afile"), str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "ran" not in r.stdout
+    assert r.stderr == (f"ferrorun: --trace: cannot create the directory "
+                        f"'{tmp_path / 'afile'}': File exists\n")
+
+
+def test_the_users_ferro_transport_is_kept_and_checked(tmp_path):
+    script = write(tmp_path, "which.py", """
+        import ferro_backend
+        with ferro_backend.init_from_env() as b:
+            print("backend", type(b).__name__, flush=True)
+    """)
+    r = subprocess.run([*FERRORUN, "--nproc", "2", str(script)], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, FERRO_TRANSPORT="tcp"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("backend TcpBackend") == 2
+    r = subprocess.run([*FERRORUN, "--nproc", "2", str(script)], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, FERRO_TRANSPORT="bogus"))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("ferrorun: FERRO_TRANSPORT 'bogus' is invalid, expected one of tcp, shm, "
+                        "mpi\n")
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--transport", "tcp", str(script)],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, FERRO_TRANSPORT="bogus"))  # the option wins
+    assert r.returncode == 0 and r.stdout.count("backend TcpBackend") == 2, r.stderr
+
+
+def test_a_bad_ferro_log_level_is_one_line_and_log_level_wins(tmp_path):
+    script = write(tmp_path, "level.py", """
+        import logging
+        import ferro_backend
+        print("level", logging.getLogger("ferro_backend").getEffectiveLevel(), flush=True)
+    """)
+    env = dict(os.environ, FERRO_LOG_LEVEL="verbose")
+    r = subprocess.run([*FERRORUN, "--nproc", "2", str(script)], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("ferrorun: FERRO_LOG_LEVEL 'verbose' is invalid, expected one of debug, "
+                        "info, warning, error\n")
+    r = subprocess.run([*FERRORUN, "--nproc", "2", "--log-level", "info", str(script)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("level 20") == 2
+    # anywhere else the import still refuses the value
+    r = subprocess.run([sys.executable, "-c", "import ferro_backend"], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "SettingError: FERRO_LOG_LEVEL 'verbose'" in r.stderr

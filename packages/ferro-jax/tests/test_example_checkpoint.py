@@ -112,3 +112,15 @@ def test_zero_matches_data_parallel(runs):
     assert diff <= ZERO_ATOL, f"ZeRO's parameters {diff:.3g} from data parallel's"
     np.testing.assert_allclose(curve(runs[ZERO] / "saved.csv"), curve(runs[DP] / "saved.csv"),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("example", [DP, ZERO])
+def test_a_resume_of_another_model_says_so(runs, example):
+    r = subprocess.run(command(1, example, "--hidden", "16", "--steps", str(RESUMED + 2),
+                               "--checkpoint", "ckpt", "--resume", "--out", "other.csv"),
+                       capture_output=True, text=True, timeout=120, cwd=runs[example])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "--resume: the checkpoint in ckpt is of another model {'features': 16, 'hidden': 32}; "
+        "this run asks for {'features': 16, 'hidden': 16}")
+    assert not (runs[example] / "other.csv").exists()

@@ -35,7 +35,25 @@ from .sub import SubBackend
 from .timeline import trace
 from .wire import pack, packed_nbytes, unpack
 
-configure_logging()
+
+def _is_ferrorun() -> bool:
+    """Whether this process is ``ferrorun`` itself (the command, or ``python -m
+    ferro_backend.launch``): it reports a bad ``FERRO_LOG_LEVEL`` as one line, and its
+    ``--log-level`` replaces the variable's value (:mod:`.launch.ferrorun`)."""
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if _os.path.basename(sys.argv[0] if sys.argv else "") == "ferrorun":
+        return True
+    return any(a == "-m" and b in ("ferro_backend.launch", "ferro_backend.launch.ferrorun")
+               for a, b in zip(argv, argv[1:]))
+
+
+try:
+    configure_logging()
+except SettingError:
+    if not _is_ferrorun():
+        raise
 
 
 def get_include() -> str:

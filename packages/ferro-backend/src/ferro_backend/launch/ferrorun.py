@@ -6,9 +6,10 @@
              --token $SECRET train.py
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-FERRO_TOKEN (fresh per single-node job) and FERRO_TRANSPORT, so ``ferro_backend.init_from_env()``
-joins the job, and OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS = max(1, cores //
-local ranks) unless they are set already. Every line a rank prints is prefixed with
+FERRO_TOKEN (fresh per single-node job) and FERRO_TRANSPORT (``--transport``, else the user's
+own, else the fastest), so ``ferro_backend.init_from_env()`` joins the job, and
+OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS = max(1, cores // local ranks) unless
+they are set already. Every line a rank prints is prefixed with
 ``[rank N]``, once (``[proc N]`` in an elastic job, whose ranks change: :mod:`.elastic_run`;
 a progress bar redrawn with ``\\r`` animates on a terminal and is written once, as it last
 read, to a file or pipe: :mod:`.output`). When a rank fails, the others are
@@ -21,6 +22,7 @@ starting); the ranks still running ``--grace`` seconds later get SIGKILL.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import secrets
 import signal
@@ -28,6 +30,7 @@ import sys
 from pathlib import Path
 
 from .. import settings, timeline
+from ..errors import SettingError
 from ..joining.meet import choose_transport
 from ..mesh.rendezvous import free_port
 from . import emulate
@@ -94,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="rank 0's port (default: MASTER_PORT, else a free port; required with "
                         "--nnodes > 1)")
     p.add_argument("--transport", choices=["tcp", "shm"], default=None,
-                   help="transport for init_from_env (default: shm on one node when available; "
-                        "on several nodes TCP between nodes and the engine inside each)")
+                   help="transport for init_from_env (default: FERRO_TRANSPORT if set, else shm "
+                        "on one node when available; on several nodes TCP between nodes and the "
+                        "engine inside each)")
     p.add_argument("--token", default=None, help="job secret (default: FERRO_TOKEN, or a fresh "
                    "one for a single-node job)")
     p.add_argument("--timeout", type=_bounded(float, 0.0), default=None,
@@ -167,6 +171,52 @@ def thread_caps(local_ranks: int, environ: dict[str, str] | None = None,
     return {var: per_rank for var in THREAD_VARS if var not in environ}
 
 
+def _target_error(script: str, module: bool) -> str | None:
+    """Why every rank would fail to start ``script`` (a path, or a module with ``-m``), as
+    Python says it, or None; checked once here rather than as a traceback per rank. A module's
+    top-level package only is looked up (in this environment, from the working directory as the
+    ranks' ``python -m`` does), so nothing of the user's is imported here."""
+    if module:
+        top = script.partition(".")[0]
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        return None if found else f"No module named {top!r}"
+    if os.path.isdir(script):
+        if any(os.path.isfile(os.path.join(script, f"__main__.{ext}")) for ext in ("py", "pyc")):
+            return None
+        return f"can't find '__main__' module in {script!r}"
+    try:
+        with open(script, "rb"):
+            return None
+    except OSError as exc:
+        return f"can't open file {script!r}: {exc.strerror}"
+
+
+def _env_settings(args) -> str | None:
+    """Check the ``FERRO_*`` settings ferrorun passes on to its ranks (a bad value: one line
+    before any rank starts, not a traceback in each): ``FERRO_TRANSPORT`` and
+    ``FERRO_LOG_LEVEL`` unless ``--transport``/``--log-level`` replace them, and the user's
+    ``FERRO_TRANSPORT`` kept as ``args.transport``. Returns the error, or None."""
+    try:
+        if args.log_level is None:
+            settings.LOG_LEVEL.get()
+        if args.transport is None:
+            args.transport = settings.TRANSPORT.get()
+    except SettingError as exc:
+        return str(exc)
+    if args.transport == "mpi":
+        return (f"{settings.TRANSPORT.name}=mpi: ferrorun's ranks are no MPI job (start them with "
+                "mpirun or srun), unset it or give --transport tcp|shm")
+    if args.transport == "shm" and args.nnodes > 1 and args.emulate_nodes is None:
+        return f"transport shm needs every rank on one host; --nnodes {args.nnodes}: use tcp"
+    return None
+
+
 def _default_transport(nnodes: int) -> str | None:
     """The engine on one Linux node, TCP on one node elsewhere
     (:func:`ferro_backend.joining.meet.choose_transport`); on several nodes None: init_from_env
@@ -194,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--link-rate and --cut-link shape the links of --emulate-nodes")
     if args.nnodes > 1 and args.master_port is None and args.emulate_nodes is None:
         _parser().error("--master-port is required with --nnodes > 1")
+    problem = _target_error(args.script, args.module) or _env_settings(args)
+    if problem is not None:
+        sys.stderr.write(f"ferrorun: {problem}\n")
+        return 2
     token = args.token or settings.TOKEN.get()
     if token is None:
         if args.nnodes > 1 and args.emulate_nodes is None:
@@ -205,6 +259,19 @@ def main(argv: list[str] | None = None) -> int:
         except LogDirError as exc:
             sys.stderr.write(f"ferrorun: {exc}\n")
             return 2
+    if args.trace is not None:   # made here: every rank writes its timeline there
+        try:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            for stale in args.trace.glob("rank_*.json"):
+                stale.unlink()
+        except OSError as exc:
+            sys.stderr.write(f"ferrorun: --trace: cannot create the directory "
+                             f"{str(args.trace)!r}: {exc.strerror or exc}\n")
+            return 2
+        if not os.access(args.trace, os.W_OK | os.X_OK):
+            sys.stderr.write(f"ferrorun: --trace: cannot write to the directory "
+                             f"{str(args.trace)!r}: Permission denied\n")
+            return 2
     local = args.nproc * (args.emulate_nodes or 1)  # ranks sharing this machine's cores
     caps = thread_caps(local)
     if caps:
@@ -215,9 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         # every emulated node's ranks run on this machine's cores: the engines count them all
         caps = dict(caps, **{settings.HOST_RANKS.name: str(local)})
     if args.trace is not None:
-        args.trace.mkdir(parents=True, exist_ok=True)
-        for stale in args.trace.glob("rank_*.json"):
-            stale.unlink()
         caps = dict(caps, **{settings.TRACE.name: str(args.trace.resolve())})
     received: list[int] = []
     current: list[Job] = []

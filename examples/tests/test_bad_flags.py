@@ -1,0 +1,76 @@
+"""Bad numbers on an example's command line: one line naming the flag (or the variable) and
+exit status 2, at once, before any backend, data or model is made."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+pytestmark = pytest.mark.timeout(120)
+
+BAD = [
+    ("train_lm", ["--batch-size", "0"], "--batch-size must be >= 1"),
+    ("train_lm", ["--batch-size", "-2"], "--batch-size must be >= 1"),
+    ("train_lm", ["--eval-batches", "-1"], "--eval-batches must be >= 1"),
+    ("train_lm", ["--layers", "0"], "--layers must be >= 1"),
+    ("train_lm", ["--heads", "0"], "--heads must be >= 1"),
+    ("train_lm", ["--heads", "-2"], "--heads must be >= 1"),
+    ("train_lm", ["--heads", "3"], "--heads 3 does not divide --dim 256"),
+    ("train_lm", ["--dim", "0"], "--dim must be >= 1"),
+    ("train_lm", ["--seq", "0"], "--seq must be >= 1"),
+    ("train_lm", ["--corpus-chars", "-5"], "--corpus-chars must be >= 1"),
+    ("train_lm", ["--val-fraction", "0"], "--val-fraction must be between 0 and 1"),
+    ("train_lm", ["--val-fraction", "-0.5"], "--val-fraction must be between 0 and 1"),
+    ("train_lm", ["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    ("train_lm", ["--eval-every", "-1"], "--eval-every must be >= 0"),
+    ("train_mlp", ["--batch-size", "0"], "--batch-size must be >= 1"),
+    ("train_mlp", ["--batch-size", "-4"], "--batch-size must be >= 1"),
+    ("train_mlp", ["--dataset", "synthetic", "--samples", "3"],
+     "--samples 3 leaves 2 training samples, fewer than one --batch-size 96"),
+    ("train_mlp", ["--params", "0"], "--params must be >= 1"),
+    ("train_mlp", ["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    ("train_mlp", ["--lr", "nan"], "--lr must be a finite number >= 0"),
+    ("train_elastic", ["--batch-size", "0"], "--batch-size must be >= 1"),
+    ("train_elastic", ["--kill", "x"], "argument --kill: 'x' is not MEMBER@STEP"),
+    ("train_elastic", ["--kill", "1@x"], "argument --kill: '1@x' is not MEMBER@STEP"),
+    ("train_elastic", ["--resume"], "--resume needs --checkpoint-dir"),
+    ("train_elastic", ["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    ("jax_zero", ["--save-every", "0"], "--save-every must be >= 1"),
+    ("jax_data_parallel", ["--save-every", "0"], "--save-every must be >= 1"),
+    ("jax_data_parallel", ["--batch", "0"], "--batch must be >= 1"),
+    ("bus_bandwidth", ["--seconds", "nan"], "--seconds must be a finite number > 0"),
+    ("bus_bandwidth", ["--seconds", "-1"], "--seconds must be a finite number > 0"),
+    ("bus_bandwidth", ["--seconds", "inf"], "--seconds must be a finite number > 0"),
+]
+
+
+def run(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "FERRO_ELASTIC", "FERRO_RESTART_COUNT")}
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{script}.py"), *args],
+                          capture_output=True, text=True, timeout=90, cwd=ROOT,
+                          env=dict(environ, **env))
+
+
+@pytest.mark.parametrize("script, args, message", BAD,
+                         ids=[f"{s}{''.join(a)}" for s, a, _ in BAD])
+def test_a_bad_flag_is_one_line_naming_it(script, args, message):
+    r = run(script, args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert message in last, r.stderr
+    if last.startswith(f"{script}: "):  # the scripts' own style: that one line only
+        assert r.stderr == last + "\n"
+
+
+@pytest.mark.parametrize("script", ["train_lm", "train_mlp"])
+def test_a_bad_ferro_restart_count_names_the_variable(script):
+    r = run(script, ["--no-progress"], FERRO_RESTART_COUNT="abc")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == (f"{script}: FERRO_RESTART_COUNT 'abc' is invalid, expected a whole "
+                        "number >= 0\n")
