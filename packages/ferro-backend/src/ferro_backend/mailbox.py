@@ -393,14 +393,25 @@ class Mailbox:
 
 
 class SubgroupAborts:
-    """A transport's side of :meth:`SubBackend.abort_group`, for a transport whose receives
-    all go through its :class:`Mailbox` (``self._box``): a subgroup's abort notice travels to
-    its members as a message on the subgroup's :data:`~ferro_backend.base.GROUP_ABORT_TAG`,
+    """A transport's side of :meth:`ferro_backend.SubBackend.abort_group`, for a transport
+    whose receives all go through its :class:`Mailbox` (``self._box``): a subgroup's abort
+    notice travels to its members as a message on the subgroup's
+    :data:`~ferro_backend.base.GROUP_ABORT_TAG`,
     which each member's mailbox takes for what it is (:meth:`Mailbox.deliver`)."""
 
     def abort_subgroup(self, group: int, members, reason: str) -> None:
-        """Tell ``members`` (this transport's ranks) that this rank gave up on subgroup
-        ``group`` (its id), and record it here too."""
+        """Tell ``members`` that this rank gave up on a subgroup, and record it here too
+        (what :meth:`ferro_backend.SubBackend.abort_group` calls).
+
+        Parameters
+        ----------
+        group : int
+            The subgroup's id (:attr:`ferro_backend.SubBackend.group_id`).
+        members : iterable of int
+            Its ranks on this transport.
+        reason : str
+            Why (the members' PeerAbortedError carries it).
+        """
         notice = reason.encode("utf-8", "replace")[:60000]
         tag = (group << GROUP_TAG_SHIFT) | GROUP_ABORT_TAG
         for r in members:
@@ -417,12 +428,32 @@ class SubgroupAborts:
         self.isend(notice, dst, tag=tag)
 
     def subgroup_failure(self, op: str, group: int) -> BaseException | None:
-        """The error an ``op`` on subgroup ``group`` must raise, if a member gave up on it."""
+        """The error an operation on a subgroup must raise, if a member gave up on it.
+
+        Parameters
+        ----------
+        op : str
+            The operation (named in the error).
+        group : int
+            The subgroup's id.
+
+        Returns
+        -------
+        BaseException or None
+            PeerAbortedError naming the member and its reason, or None.
+        """
         return self._box.group_failure(op, group)
 
     def on_subgroup_abort(self, group: int, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (no arguments, from the thread that delivers the notice) once a
-        member gives up on subgroup ``group``."""
+        """Call ``callback`` once a member gives up on a subgroup (at once if one has).
+
+        Parameters
+        ----------
+        group : int
+            The subgroup's id.
+        callback : callable
+            Called with no arguments, from the thread that takes the notice.
+        """
         self._box.add_group_abort_callback(group, callback)
 
 
