@@ -124,3 +124,16 @@ def test_a_resume_of_another_model_says_so(runs, example):
         "--resume: the checkpoint in ckpt is of another model {'features': 16, 'hidden': 32}; "
         "this run asks for {'features': 16, 'hidden': 16}")
     assert not (runs[example] / "other.csv").exists()
+
+
+@pytest.mark.parametrize("example, args, message", [
+    (ZERO, ["--save-every", "0"], "--save-every must be >= 1"),
+    (DP, ["--save-every", "0"], "--save-every must be >= 1"),
+    (DP, ["--batch", "0"], "--batch must be >= 1")])
+def test_a_bad_flag_is_one_line_naming_it(example, args, message):
+    """Refused at once, exit 2, naming the flag (a ZeroDivisionError at the first checkpoint,
+    or a loss of nan, before)."""
+    r = subprocess.run([sys.executable, str(EXAMPLES / example), *args], capture_output=True,
+                       text=True, timeout=90)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert message in r.stderr.strip().splitlines()[-1], r.stderr
