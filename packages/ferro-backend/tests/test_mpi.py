@@ -114,17 +114,23 @@ def mpirun() -> str:
     return path
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_backend_contract_under_mpirun(tmp_path, n):
-    script = tmp_path / "suite.py"
-    script.write_text(SUITE)
+def mpirun_results(tmp_path, text: str, n: int) -> list[dict]:
+    """``text`` run as a script on ``n`` ranks under mpirun (every rank ending well): each
+    rank's ``RESULT`` line."""
+    script = tmp_path / "job.py"
+    script.write_text(text)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     r = subprocess.run([mpirun(), "-n", str(n), "--oversubscribe", sys.executable, str(script)],
                        capture_output=True, text=True, timeout=150, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    results = [json.loads(line[7:]) for line in r.stdout.splitlines()
-               if line.startswith("RESULT ")]
-    assert len(results) == n
+    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(res) == n, r.stdout[-2000:]
+    return res
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_backend_contract_under_mpirun(tmp_path, n):
+    results = mpirun_results(tmp_path, SUITE, n)
     for res in results:
         assert res["pairs"] is True and 0.2 < res["timeout"] < 5
         assert res["bad_timeouts"] == ["ok"] * 10
@@ -179,20 +185,6 @@ FAILURES = textwrap.dedent("""
         aborting.close()
     print("RESULT " + json.dumps(out), flush=True)
 """)
-
-
-def mpirun_results(tmp_path, text: str, n: int) -> list[dict]:
-    """``text`` run as a script on ``n`` ranks under mpirun (every rank ending well): each
-    rank's ``RESULT`` line."""
-    script = tmp_path / "job.py"
-    script.write_text(text)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run([mpirun(), "-n", str(n), "--oversubscribe", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=150, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(res) == n, r.stdout[-2000:]
-    return res
 
 
 def test_a_closed_peer_fails_calls_at_once_and_an_abort_wins_over_arrived_data(tmp_path):
