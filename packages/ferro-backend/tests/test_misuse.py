@@ -112,7 +112,10 @@ def test_numbers_out_of_range_stop_before_any_rank_starts(tmp_path, monkeypatch)
     script = tmp_path / "ok.py"
     script.write_text("print('ran')\n")
     for args, said in ((["--master-port", "99999"], "is not a port (0-65535)"),
-                       (["--timeout", "nan"], "'nan' is not >= 0.0"),
+                       (["--timeout", "nan"], "'nan' is not a number of seconds > 0"),
+                       (["--timeout", "0"], "'0' is not a number of seconds > 0"),
+                       (["--grace", "inf"], "'inf' is not a finite number of seconds"),
+                       (["--settle", "-1"], "'-1' is not >= 0.0"),
                        (["--max-restarts", "-1"], "'-1' is not >= 0")):
         r = subprocess.run([*FERRORUN, "--nproc", "2", *args, str(script)], capture_output=True,
                            text=True, timeout=60)

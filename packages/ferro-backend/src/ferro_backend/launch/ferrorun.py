@@ -66,17 +66,19 @@ class _Version(argparse.Action):
         print(f"ferrorun (ferro-backend {version('ferro-backend')})")
         parser.exit()
 
-def _bounded(kind, low: float, high: float | None = None, what: str = ""):
-    """An argparse type: ``kind(text)`` in ``[low, high]`` (NaN refused), else the usage error
-    naming the range, before any rank starts."""
+def _bounded(kind, low: float, high: float | None = None, what: str = "",
+             above: bool = False):
+    """An argparse type: ``kind(text)`` in ``[low, high]`` (``(low, high]`` with ``above``;
+    NaN refused), else the usage error naming the range, before any rank starts."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not (value >= low and (high is None or value <= high)):  # (NaN fails both)
+        if not ((value > low if above else value >= low)  # (NaN fails every comparison)
+                and (high is None or value <= high)):
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not {what or f'>= {low}'}")
+                f"{text!r} is not {what or ('> ' if above else '>= ') + str(low)}")
         return value
     return parse
 
@@ -102,8 +104,11 @@ def _parser() -> argparse.ArgumentParser:
                         "engine inside each)")
     p.add_argument("--token", default=None, help="job secret (default: FERRO_TOKEN, or a fresh "
                    "one for a single-node job)")
-    p.add_argument("--timeout", type=_bounded(float, 0.0), default=None,
-                   help="default timeout of blocking calls in the ranks, seconds (FERRO_TIMEOUT)")
+    p.add_argument("--timeout", type=_bounded(float, 0.0, above=True,
+                                              what="a number of seconds > 0 (inf: no deadline)"),
+                   default=None,
+                   help="default timeout of blocking calls in the ranks, seconds > 0, inf for "
+                        "none (FERRO_TIMEOUT)")
     p.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     p.add_argument("--max-restarts", type=_bounded(int, 0), default=0,
                    help="on a rank's failure, stop every rank and start the whole job again, up "
@@ -115,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="elastic jobs: seconds a replacement ferrorun started is waited for "
                         "while the job is below its minimum (default 60; a member lost with no "
                         "replacement coming ends the job after --settle)")
-    p.add_argument("--grace", type=_bounded(float, 0.0), default=5.0,
+    p.add_argument("--grace", type=_bounded(float, 0.0, float(sys.float_info.max),
+                                            "a finite number of seconds >= 0"), default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument("--log-dir", type=Path, default=None,
