@@ -110,6 +110,9 @@ def test_wire_options_are_checked():
             p.data = p.data.astype(np.complex64)
         with pytest.raises(TypeError, match="grads_wire='bf16': wire formats compress real"):
             FSDP(model, b, grads_wire="bf16")
+        with pytest.raises(ValueError, match="weights_wire='int8' compresses the parameters' "
+                                             "all-gather, and NO_SHARD gathers none"):
+            FSDP(make_mlp(DIMS, dtype=np.float32), b, "no_shard", weights_wire="int8")
         return True
 
     assert run(body, 1) == [True]

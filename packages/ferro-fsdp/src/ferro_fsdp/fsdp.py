@@ -92,7 +92,8 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
     weights_wire : {None, "bf16", "fp16", "int8", "int4"}
         Gather the parameters in that wire format (``ferro_collective.wire``; ZeRO++'s
         quantized weights): every rank computes with the same decoded full parameters (its own
-        shard's too), while the optimizer updates the exact shards. None: exact.
+        shard's too), while the optimizer updates the exact shards. None: exact. Refused
+        under NO_SHARD, which gathers no parameters.
     grads_wire : {None, "bf16", "fp16", "int8", "int4"}
         Reduce the gradients in that wire format (the reduce-scatter, NO_SHARD's allreduce and
         HYBRID_SHARD's allreduce across the replicas), folded in float32. With "int8" and
@@ -116,7 +117,8 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         HYBRID_SHARD without a valid ``intra_node_size`` (a divisor of the world size).
     ValueError
         ``intra_node_size`` with another strategy, an unknown strategy or wire format, a nested FSDP on
-        another backend or strategy, an unknown unit name in ``reshard_after_forward``.
+        another backend or strategy, an unknown unit name in ``reshard_after_forward``,
+        ``weights_wire`` under NO_SHARD.
     TypeError
         Not a Module, parameters of mixed or non-floating dtypes, a ``wrap`` of another kind.
 
@@ -168,6 +170,10 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
                              f"(or FULL_SHARD with secondary_shard), got {strategy.name}")
         self._intra_node_size = intra_node_size
         self._secondary = bool(secondary_shard)
+        if weights_wire is not None and spec.shard_group is None:
+            raise ValueError(f"FSDP: weights_wire={weights_wire!r} compresses the parameters' "
+                             f"all-gather, and {strategy.name} gathers none (each rank keeps "
+                             "them whole); grads_wire compresses its gradients' allreduce")
 
         unit_modules, nested = find_units(module, wrap, lambda m: isinstance(m, FSDP))
         for name, inner in nested:
