@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from train_mlp import StepFile, build_model, load_data, newest_step, resume
+from train_mlp import StepFile, build_model, load_data, newest_step, resume, unwritable
 from train_mlp import parse_args as mlp_args
 
 from ferro_backend import elastic, init_from_env, settings
@@ -96,6 +96,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             refuse(f"{flag} must be >= {low} (got {value})")
     if args.resume and args.checkpoint_dir is None:
         refuse("--resume needs --checkpoint-dir")
+    why = unwritable(args.history)
+    if why:
+        refuse(f"--history: {why}")
 
 
 def capture(model, opt) -> dict:

@@ -133,6 +133,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def unwritable(path: Path | None) -> str | None:
+    """Why the output file ``path`` could not be written at the end of the run, or None: a
+    flag's bad path is told before training, not after it."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not path.parent.is_dir():
+        return f"no directory {path.parent}"
+    if not os.access(path.parent, os.W_OK):
+        return f"{path.parent} is not writable"
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse numbers no run can use, one line naming the flag (exit 2), before any backend,
     corpus or model is made."""
@@ -153,6 +167,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                "the held-out part evaluates the model")
     if not 0 <= args.dropout < 1:
         refuse(f"--dropout must be in [0, 1) (got {args.dropout})")
+    if args.weights_wire is not None and args.strategy == "no_shard":
+        refuse("--weights-wire compresses FSDP's all-gather of the parameters and --strategy "
+               "no_shard gathers none; --grads-wire compresses its gradients")
+    why = unwritable(args.dump_params)
+    if why:
+        refuse(f"--dump-params: {why}")
 
 
 # ------------------------------------------------------------------------------ data
@@ -454,6 +474,11 @@ def main(argv=None) -> int:
         if saved_cfg != cfg:
             raise SystemExit(f"train_lm: the checkpoint in {args.checkpoint_dir} is of another "
                              f"model {saved_cfg}; this run asks for {cfg}")
+        if extra.get("corpus_sha256", digest) != digest and rank == 0:
+            print(f"train_lm: resuming a model trained on another corpus (sha256 "
+                  f"{extra['corpus_sha256']}, this run's {digest}: another --corpus-chars, "
+                  "--val-fraction or Python): its held-out losses are not comparable with "
+                  "the saved run's", flush=True)
         resume_powersgd(powersgd, tensors, extra, rank)
         wrapper.load_sharded_state_dict(tensors, opt)
         step = int(extra["step"])

@@ -96,6 +96,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def unwritable(path: Path | None) -> str | None:
+    """Why the output file ``path`` could not be written at the end of the run, or None: a
+    flag's bad path is told before training, not after it."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not path.parent.is_dir():
+        return f"no directory {path.parent}"
+    if not os.access(path.parent, os.W_OK):
+        return f"{path.parent} is not writable"
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse numbers no run can use, one line naming the flag (exit 2), before any backend,
     data or model is made."""
@@ -114,6 +128,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.dataset == "synthetic" and train < args.batch_size:
         refuse(f"--samples {args.samples} leaves {train} training samples, fewer than one "
                f"--batch-size {args.batch_size}")
+    why = unwritable(args.dump_params)
+    if why:
+        refuse(f"--dump-params: {why}")
 
 
 # ------------------------------------------------------------------------------ data

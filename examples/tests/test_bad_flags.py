@@ -40,6 +40,13 @@ BAD = [
     ("train_elastic", ["--kill", "1@x"], "argument --kill: '1@x' is not MEMBER@STEP"),
     ("train_elastic", ["--resume"], "--resume needs --checkpoint-dir"),
     ("train_elastic", ["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    ("train_lm", ["--strategy", "no_shard", "--weights-wire", "int8"],
+     "--weights-wire compresses FSDP's all-gather of the parameters and --strategy no_shard "
+     "gathers none"),
+    ("train_lm", ["--dump-params", "/nonexistent-dir/p.npz"],
+     "--dump-params: no directory /nonexistent-dir"),
+    ("train_mlp", ["--dump-params", "examples"], "--dump-params: examples is a directory"),
+    ("train_elastic", ["--history", "README.md/h.json"], "--history: no directory README.md"),
     ("bus_bandwidth", ["--seconds", "nan"], "--seconds must be a finite number > 0"),
     ("bus_bandwidth", ["--seconds", "-1"], "--seconds must be a finite number > 0"),
     ("bus_bandwidth", ["--seconds", "inf"], "--seconds must be a finite number > 0"),

@@ -35,7 +35,7 @@ def ferrorun(nproc: int, *args) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_train_lm_on_2_ranks_then_resume_on_1(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = ferrorun(2, *TINY, "--steps", 30, "--checkpoint-every", 10, "--checkpoint-dir", ckpt)
@@ -63,6 +63,12 @@ def test_train_lm_on_2_ranks_then_resume_on_1(tmp_path):
     assert json.loads((ckpt / "summary.json").read_text())["steps"] == 40
     if importlib.util.find_spec("matplotlib") is not None:
         assert (ckpt / "loss_curve.png").stat().st_size > 1000
+    assert "another corpus" not in second.stdout
+    # resuming on another corpus goes on (fine-tuning) and says so: its held-out loss is another's
+    third = ferrorun(1, *TINY, "--corpus-chars", 50_000, "--steps", 41, "--sample-chars", 0,
+                     "--checkpoint-dir", ckpt, "--resume")
+    assert "resumed from step 40" in third.stdout
+    assert "train_lm: resuming a model trained on another corpus (sha256 " in third.stdout
 
 
 def test_train_lm_data_is_deterministic_and_round_trips():
