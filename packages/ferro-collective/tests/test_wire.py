@@ -285,9 +285,8 @@ def test_a_multi_node_allreduce_in_pieces_overlaps_its_cross_stages(workers, mon
     assert run_processes(wire_fns.hierarchical_pieces, 4, ("a", "b", "a", "b")) == [[]] * 4
 
 
-def traced_on_rank_0(tmp_path, calls) -> list[tuple[str, dict]]:
-    """``calls(b)`` on 2 simulated ranks with rank 0 traced: rank 0's compressed calls' events
-    (name, args)."""
+def traced_events(tmp_path, calls) -> list[dict]:
+    """``calls(b)`` on 2 simulated ranks with rank 0 traced: rank 0's complete events."""
     import json
 
     from ferro_backend import SimulatedBackend, trace
@@ -303,8 +302,13 @@ def traced_on_rank_0(tmp_path, calls) -> list[tuple[str, dict]]:
             calls(b)
 
     run_threads(body, SimulatedBackend.create_group(2), timeout=60)
-    return [(e["name"], e["args"]) for e in json.loads(path.read_text())["traceEvents"]
-            if e["ph"] == "X" and "[" in e["name"] and e["args"].get("rank") == 0]
+    return [e for e in json.loads(path.read_text())["traceEvents"]
+            if e["ph"] == "X" and e["args"].get("rank") == 0]
+
+
+def traced_on_rank_0(tmp_path, calls) -> list[tuple[str, dict]]:
+    """Rank 0's compressed calls' events (name, args) (:func:`traced_events`)."""
+    return [(e["name"], e["args"]) for e in traced_events(tmp_path, calls) if "[" in e["name"]]
 
 
 def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):
@@ -312,5 +316,29 @@ def test_the_timeline_records_the_bytes_before_and_after_compression(tmp_path):
     events = dict(traced_on_rank_0(tmp_path, lambda b: (fc.allreduce(x, b, wire="int8"),
                                                         fc.all_gather(x, b, wire="bf16"))))
     assert events["allreduce[int8]"]["bytes"] == 4000
-    assert events["allreduce[int8]"]["wire_bytes"] == 4 * (256 + 4)  # 4 blocks, 4 scales
+    # 2 chunks of 500 values, each padded to 2 blocks of 256 with a scale each
+    assert events["allreduce[int8]"]["wire_bytes"] == 2 * (512 + 2 * 4)
     assert events["all_gather[bf16]"]["wire_bytes"] == 2000
+
+
+def test_wire_bytes_are_the_bytes_encoded_and_async_calls_show_their_collectives(tmp_path):
+    """int8/int4 chunks are padded to whole blocks (wire_bytes said the unpadded size: 780
+    for 600 int8 values on 2 ranks, which encode 1040); an async compressed call is a
+    collective.async event above its collectives (they were missing)."""
+    def calls(b):
+        fc.allreduce(np.ones(600, np.float32), b, wire="int8")
+        fc.allreduce(np.ones(10, np.float32), b, wire="int4")
+        fc.reduce_scatter(np.ones(1200, np.float32), b, wire="int8")
+        fc.allreduce_async(np.ones(600, np.float32), b, wire="int8").wait(timeout=30)
+
+    events = traced_events(tmp_path, calls)
+    wired = [(e["name"], e["cat"], e["args"]["wire_bytes"]) for e in events if "[" in e["name"]]
+    assert wired == [("allreduce[int8]", "collective", 2 * (512 + 2 * 4)),
+                     ("allreduce[int4]", "collective", 2 * (128 + 4)),
+                     ("reduce_scatter[int8]", "collective", 2 * (768 + 3 * 4)),
+                     ("allreduce[int8]", "collective.async", 2 * (512 + 2 * 4))]
+    parent = next(e for e in events if e["cat"] == "collective.async" and "[" in e["name"])
+    inside = sorted(e["name"] for e in events if "[" not in e["name"]
+                    and parent["ts"] <= e["ts"] <= parent["ts"] + parent["dur"]
+                    and e["cat"].startswith("collective"))
+    assert inside == ["all_gather", "all_to_all_single"], inside

@@ -33,6 +33,7 @@ from .compressed_steps import (
     decode_rows,
     deliver,
     encode_chunks,
+    encoded_size,
     flat_allreduce,
     fold_rows,
 )
@@ -173,9 +174,10 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
 
     def finish():
         if t0 is not None:
-            _timeline.record(f"allreduce[{wire}]", "collective", t0, _timeline._now_us() - t0,
-                             bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
-                             wire_bytes=sum(encoded_bytes(hi - lo, wire) for lo, hi in pieces),
+            _timeline.record(f"allreduce[{wire}]",
+                             "collective.async" if background else "collective", t0,
+                             _timeline._now_us() - t0, bytes=int(x.nbytes), dtype=str(x.dtype),
+                             wire=wire, wire_bytes=_pieces_encoded(pieces, backend, wire),
                              rank=backend.rank, world=backend.world_size, pieces=len(pieces))
         if fits:
             return out
@@ -226,6 +228,16 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
             w.future.add_done_callback(joined.one_done)
     work = Work("allreduce", seq, joined.future)
     return work if background else work.wait()
+
+
+def _pieces_encoded(pieces: list[tuple[int, int]], backend: Backend, wire: str) -> int:
+    """The bytes a call in ``pieces`` encodes this rank's values into (a multi-node call's:
+    its slice of each piece, across the nodes)."""
+    h = getattr(backend, "hierarchy", None)
+    if h is not None and h.num_nodes > 1:
+        return sum(encoded_size(-(-max(1, hi - lo) // h.local_world), h.num_nodes, wire)
+                   for lo, hi in pieces)
+    return sum(encoded_size(hi - lo, backend.world_size, wire) for lo, hi in pieces)
 
 
 def _allreduce(x: np.ndarray, tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
@@ -297,6 +309,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     numbers = _numbers(backend)
     s = Steps("reduce_scatter", wire, tensor, backend, timeout, numbers=numbers)
     width = encoded_bytes(c, wire)
+    s.encoded = n * width
     who = identity("reduce_scatter", x, op, wire)
     p = s.carry(who, backend)
     sent, rows, acc = s.take(n, p + width), s.take(n, p + width), s.take(c, dtype=np.float32)
@@ -335,7 +348,7 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
     numbers = _numbers(backend)
     s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
-    width = encoded_bytes(x.size, wire)
+    width = s.encoded = encoded_bytes(x.size, wire)
     who = identity("all_gather", x, None, wire)
     p = s.carry(who, backend)
     mine, gathered = s.take(p + width), s.take(n * (p + width))

@@ -184,6 +184,7 @@ def reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceO
     node_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
     node_sum = s.take(nodes * per, dtype=x.dtype)
     width = encoded_bytes(per, wire)
+    s.encoded = nodes * width
 
     def summed(got):
         encode_chunks(np.ascontiguousarray(got, dtype=np.float32), per, per, wire, sent[:, p:])

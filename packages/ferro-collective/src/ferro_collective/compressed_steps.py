@@ -19,6 +19,7 @@ from ferro_backend import Backend, CollectiveMismatchError
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
+from . import tracing
 from .compressed_agreement import PREFIX, Numbers, check_identities, identity
 from .dispatch import run
 from .executors import prepared
@@ -135,6 +136,9 @@ class Steps:
         self.result: Any = None
         self.error: BaseException | None = None
         self.borrowed: list[np.ndarray] = []
+        #: the bytes this rank's values are encoded into (chunks padded to whole blocks; a
+        #: multi-node call's cross-node stage): the timeline's ``wire_bytes``
+        self.encoded = 0
 
     def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
         a = POOL.take(int(np.prod(shape)), np.dtype(dtype))
@@ -218,7 +222,8 @@ class Steps:
         if not background:
             return self._traced(self._now)
         self.number(range(len(self.calls)))  # numbered now, in order
-        future = state(self.backend).submit(lambda: self._traced(self._later))
+        future = state(self.backend).submit(
+            lambda: self._traced(self._later, cat="collective.async"))
         return Work(self.name, self.runs[0][0], future)
 
     def number(self, indices) -> None:
@@ -226,7 +231,9 @@ class Steps:
         of calls (:meth:`run_numbered` runs them later)."""
         for i in indices:
             coll, send, group, arg, out, _ = self.calls[i]
-            self.runs[i] = prepared(coll, send, group, arg, self.timeout, out, self._span(i))
+            seq, go = prepared(coll, send, group, arg, self.timeout, out, self._span(i))
+            # (the blocking path's calls go through the dispatcher, which times them)
+            self.runs[i] = seq, tracing.traced_job(coll.name, go, send, group, None)
             if self.numbers is not None:
                 self.numbers.took(group)
 
@@ -310,10 +317,11 @@ class Steps:
         self.run_numbered(range(len(self.calls)))
         return self.close()
 
-    def _traced(self, call, *args):
+    def _traced(self, call, *args, cat: str = "collective"):
         if self.on_error is not None:
             return call(*args)
-        return traced(self.name, self.wire, self.tensor, self.backend, call, *args)
+        return traced(self.name, self.wire, self.tensor, self.backend, self.encoded, cat, call,
+                      *args)
 
 
 def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
@@ -332,6 +340,7 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     n, wire = group.world_size, s.wire
     c = chunk(flat.size, n, wire)
     width = encoded_bytes(c, wire)
+    s.encoded += n * width
     p = s.carry(who, group)
     sent, rows, mine = s.take(n, p + width), s.take(n, p + width), s.take(width)
     acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
@@ -370,10 +379,11 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     return encode_fed_back
 
 
-def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
-    """``call(*args)``; while tracing, one timeline event for the compressed call: the input's
-    bytes and the bytes of its encoding (``wire_bytes``), beside the events of the collectives
-    it runs."""
+def traced(name: str, wire: str, tensor, backend: Backend, wire_bytes: int, cat: str, call,
+           *args):
+    """``call(*args)``; while tracing, one timeline event (category ``cat``) for the
+    compressed call: the input's bytes and the bytes this rank encodes (``wire_bytes``:
+    :attr:`Steps.encoded`), above the events of the collectives it runs."""
     if not _timeline.active():
         return call(*args)
     x = np.asarray(tensor)
@@ -381,10 +391,16 @@ def traced(name: str, wire: str, tensor, backend: Backend, call, *args):
     try:
         return call(*args)
     finally:
-        _timeline.record(f"{name}[{wire}]", "collective", t0, _timeline._now_us() - t0,
+        _timeline.record(f"{name}[{wire}]", cat, t0, _timeline._now_us() - t0,
                          bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
-                         wire_bytes=encoded_bytes(int(x.size), wire), rank=backend.rank,
+                         wire_bytes=int(wire_bytes), rank=backend.rank,
                          world=backend.world_size)
+
+
+def encoded_size(count: int, n: int, wire: str) -> int:
+    """The bytes a compressed allreduce of ``count`` values over ``n`` ranks encodes each
+    rank's values into (``n`` chunks, padded to whole int8/int4 blocks)."""
+    return n * encoded_bytes(chunk(count, n, wire), wire)
 
 
 class Joined:
