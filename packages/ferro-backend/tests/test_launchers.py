@@ -231,6 +231,9 @@ def test_a_script_started_with_half_a_launchers_environment_stops_at_init():
      ["PMI_RANK=1", "SLURM_PROCID=2"]),
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "PMI_RANK": "0",
       "PMI_SIZE": "2"}, ["OMPI_COMM_WORLD_RANK=1", "PMI_RANK=0"]),
+    # RANK/WORLD_SIZE without MASTER_ADDR/PORT started nothing: not an "outer launcher"
+    ({**SLURM, "RANK": "0", "WORLD_SIZE": "1"}, ["RANK=0, WORLD_SIZE=1", "SLURM_STEP_NUM_TASKS=4"]),
+    ({**SLURM, "RANK": "1", "WORLD_SIZE": "2"}, ["WORLD_SIZE=2", "SLURM_STEP_NUM_TASKS=4"]),
 ])
 def test_disagreeing_variables(env, names):
     with pytest.raises(LauncherError, match="disagree") as info:
@@ -282,6 +285,18 @@ M = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     ({"SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}, ["SLURM_PROCID=1", "SLURM_NTASKS"]),
     ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}, ["SLURM_PROCID=0", "SLURM_NTASKS"]),
     ({"SLURM_PROCID": "3"}, ["SLURM_PROCID=3", "SLURM_NTASKS"]),
+    # task 1 of 2 without an srun step: not a lone rank 0 (the batch script is task 0)
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "42"},
+     ["SLURM_PROCID=1", "SLURM_NTASKS=2", "SLURM_STEP_ID is not set"]),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "batch"},
+     ["SLURM_PROCID=1", "SLURM_STEP_ID='batch'"]),
+    ({**SLURM, "SLURM_STEP_ID": ""}, ["SLURM_PROCID=1", "SLURM_STEP_ID=''"]),
+    ({**SLURM, "SLURM_STEP_NUM_NODES": "0"}, ["SLURM_STEP_NUM_NODES='0'"]),
+    ({**{k: v for k, v in SLURM.items() if k != "SLURM_STEP_NUM_NODES"}, "SLURM_NNODES": "0"},
+     ["SLURM_NNODES='0'"]),
+    ({**{k: v for k, v in SLURM.items() if k not in ("SLURM_STEP_NODELIST",
+                                                     "SLURM_JOB_NODELIST")},
+      "SLURM_NODELIST": "cn[05-06]"}, ["SLURM_NODELIST='cn[05-06]'", "SLURM_STEP_NODELIST"]),
     ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
       "SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "9"}, ["SLURM_LOCALID=9", "SLURM_NTASKS=2"]),
 ])
@@ -290,6 +305,18 @@ def test_environments_that_cannot_work_are_refused_naming_the_variable(env, word
         detect_launcher(env)
     for word in words:
         assert word in str(info.value)
+
+
+def test_a_later_slurm_task_without_a_step_stops_at_init(monkeypatch):
+    # it ran as a lone SimulatedBackend rank 0 of 1: N copies of a one-rank job
+    for k in list(os.environ):
+        if k in LAUNCHER_VARS or k.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(k)
+    for k, v in dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1", SLURM_JOB_ID="42",
+                     SLURM_STEP_NODELIST="localhost", SLURM_NNODES="1").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(LauncherError, match="SLURM_PROCID=1 .SLURM_NTASKS=2. but SLURM_STEP_ID"):
+        init_from_env()
 
 
 @pytest.mark.parametrize("env", [

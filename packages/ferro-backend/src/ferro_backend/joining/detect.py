@@ -202,6 +202,21 @@ def _claims(env: Mapping[str, str]) -> dict[str, _Claim]:
             f"init_from_env: SLURM_PROCID={env['SLURM_PROCID']} is set but neither "
             "SLURM_NTASKS nor SLURM_STEP_NUM_TASKS is: the job's size is unknown (set "
             "SLURM_NTASKS, unset SLURM_PROCID, or start the job with srun)")
+    procid = env.get("SLURM_PROCID", "").strip()
+    if procid and procid != "0" and not slurm_step(env):
+        # a task other than the first, yet no srun step: the batch script (the one place
+        # SLURM_PROCID and SLURM_NTASKS come without a step) is task 0, so these were copied
+        # or set by hand; as a lone rank 0 the job would run N copies of itself
+        step_name = "SLURM_STEPID" if "SLURM_STEPID" in env and "SLURM_STEP_ID" not in env \
+            else "SLURM_STEP_ID"
+        tasks = ", ".join(f"{k}={env[k]}" for k in ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+                          if env.get(k, "").strip())
+        step_text = (f"{step_name}={env[step_name]!r} is not a step number"
+                     if step_name in env else f"{step_name} is not set")
+        raise LauncherError(
+            f"init_from_env: SLURM_PROCID={env['SLURM_PROCID']} ({tasks}) but {step_text}: "
+            "not an srun task, and not the batch script (task 0); unset the SLURM_ "
+            "variables copied from another job, or start the job with srun")
     claims: dict[str, _Claim] = {}
     if "RANK" in env and "WORLD_SIZE" in env:
         claims["env"] = _Claim("env", _int(env, "RANK"), _int(env, "WORLD_SIZE"),
@@ -236,6 +251,8 @@ def _check_agreement(primary: _Claim, claims: dict[str, _Claim]) -> None:
         if other.world == primary.world:
             if other.rank == primary.rank:
                 continue
+        elif other.source == "env":
+            pass  # RANK/WORLD_SIZE without MASTER_ADDR/PORT started nothing: stale, not outer
         elif other.world < primary.world and primary.world % other.world == 0:
             continue  # an outer launcher that started the primary one, a few per task
         elif primary.source in ("openmpi", "mpich") and other.source == "slurm":
@@ -264,8 +281,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
         Variables that are not numbers, a rank outside the world, launchers' variables that
         disagree (``RANK`` vs ``SLURM_PROCID``, ``WORLD_SIZE`` vs ``OMPI_COMM_WORLD_SIZE``...),
         half a launcher's pair (``RANK`` without ``WORLD_SIZE`` or the other way round, the same
-        for Open MPI's and PMI's), or ``RANK``/``WORLD_SIZE`` of a multi-rank job without
-        ``MASTER_ADDR``/``MASTER_PORT``.
+        for Open MPI's and PMI's), ``RANK``/``WORLD_SIZE`` of a multi-rank job without
+        ``MASTER_ADDR``/``MASTER_PORT``, or a Slurm task other than the first
+        (``SLURM_PROCID`` > 0) outside an srun step (no ``SLURM_STEP_ID``).
 
     Examples
     --------
@@ -323,6 +341,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
         return Launcher(source, primary.rank, primary.world, local, override, seen=seen)
     # Slurm srun
     num_nodes = _opt_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if num_nodes == 0:
+        name = next(n for n in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+                    if env.get(n, "").strip())
+        raise LauncherError(f"init_from_env: {name}={env[name]!r}: a step of "
+                            f"{primary.world} task(s) runs on at least one node")
     if env.get("MASTER_ADDR", "").strip():
         addr = env["MASTER_ADDR"].strip()
     elif num_nodes == 1:
@@ -330,9 +353,12 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
     else:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
         if not nodelist.strip():
+            extra = (f" (SLURM_NODELIST={env['SLURM_NODELIST']!r} is not read: it does not say "
+                     "which of the job's nodes run this step)"
+                     if env.get("SLURM_NODELIST", "").strip() else "")
             raise LauncherError("init_from_env: Slurm srun variables but neither "
-                                "SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST: rank 0's host is "
-                                "unknown (set MASTER_ADDR)")
+                                "SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST" + extra + ": rank "
+                                "0's host is unknown (set SLURM_STEP_NODELIST or MASTER_ADDR)")
         addr = first_host(nodelist)
     port = _master(env, primary.world, addr)[1] if env.get("MASTER_PORT", "").strip() else None
     if port is None:
