@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ferro_fsdp.units as units_mod
-from ferro_fsdp import FSDP, Module, nn
+from ferro_fsdp import FSDP, Module, Parameter, nn
 
 DIMS = (7, 13, 11, 5)  # three Linear layers, no size divisible by 2, 3 or 4
 
@@ -329,3 +329,101 @@ def test_a_pooled_buffer_goes_back_only_once_every_reduction_reading_it_is_done(
         assert pool.held_bytes() == 0
         futures[i].set_result(None)
     assert pool.take(8, buf.dtype) is buf
+
+
+class _Scaled(Module):
+    """``act(lin(x)) * scale`` (``scale`` a size-1 Parameter the caller may share)."""
+
+    def __init__(self, lin, scale):
+        super().__init__()
+        self.lin, self.scale, self.act = lin, scale, nn.ReLU()
+
+    def forward(self, x):
+        self._h = self.act(self.lin(x))
+        return self._h * self.scale.data
+
+    def backward(self, g):
+        self.scale.accumulate_grad(np.array([np.sum(g * self._h)]))
+        return self.lin.backward(self.act.backward(g * self.scale.data))
+
+
+class _Tied(Module):
+    """Two ``_Scaled`` blocks sharing one Linear weight, one ``scale`` shared by the first
+    block and the root itself (which scales the head's output by it)."""
+
+    def __init__(self, width, seed):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        scale = Parameter(np.array([1.5]))
+        a, b = (nn.Linear(width, width, rng=rng, dtype=np.float64) for _ in range(2))
+        b.weight = a.weight  # tied: one Parameter under "0.lin.weight" and "1.lin.weight"
+        self.blocks = nn.Sequential(_Scaled(a, scale), _Scaled(b, Parameter(np.array([0.5]))))
+        self.head = nn.Linear(width, 3, rng=rng, dtype=np.float64)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.head(self.blocks(x)) * self.scale.data
+
+    def backward(self, g):
+        return self.blocks.backward(self.head.backward(g * self.scale.data))
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=st.sampled_from([(FS, 2, None), (FS, 3, None), (SGO, 2, None), (NS, 2, None),
+                             (HS, 4, 2)]),
+       width=st.integers(1, 6), reshard=st.booleans())
+def test_a_parameter_shared_by_units_gives_the_bits_of_one_unit(case, width, reshard):
+    # a weight tied between two units was gathered and reduced by the first only: the second
+    # computed on the flat shard (FULL_SHARD: a shape error) or its gradient was dropped
+    # (NO_SHARD, SHARD_GRAD_OP); a size-1 scale of a unit also used by the root: rank 1
+    # computed with its zero padding. Such a parameter is its users' common unit's.
+    strategy, world, intra = case
+    x = np.random.default_rng(0).standard_normal((4 * world, width))
+    y = np.random.default_rng(1).integers(0, 3, 4 * world)
+
+    def body(b, wrap):
+        f = FSDP(_Tied(width, 3), b, strategy, wrap=wrap, intra_node_size=intra,
+                 reshard_after_forward=reshard if strategy in (FS, HS) else None)
+        o = make_opt("sgd", f.module.parameters())
+        lo = slice(4 * b.rank, 4 * b.rank + 4)
+        losses = train_steps(f, o, nn.CrossEntropyLoss(), x[lo], y[lo], 2)
+        tensors, _ = f.sharded_state_dict(o)
+        f.load_sharded_state_dict(tensors, o)
+        return f.units, losses, f.full_state_dict(), tensors
+
+    one = run(lambda b: body(b, None), world)
+    many = run(lambda b: body(b, _Scaled), world)
+    for (_, l1, s1, t1), (units, l2, s2, t2) in zip(one, many):
+        assert units == ["", "blocks.0", "blocks.1"]
+        assert l1 == l2
+        assert list(s1) == list(s2) and list(t1) == list(t2)
+        for k in s1:
+            np.testing.assert_array_equal(s1[k], s2[k])
+        for k in t1:
+            np.testing.assert_array_equal(t1[k], t2[k])
+
+
+def test_a_shared_parameter_belongs_to_the_innermost_unit_holding_all_its_users():
+    class Pair(Module):  # a unit around both blocks (and a parameter of its own)
+        def __init__(self, blocks):
+            super().__init__()
+            self.blocks, self.bias = blocks, Parameter(np.zeros(4))
+
+    def body(b):
+        tied = _Tied(4, 0)
+        units = FSDP(tied, b, FS, wrap=_Scaled)._units
+        tied = _Tied(4, 0)
+        tied.blocks = Pair(tied.blocks)
+        nested = FSDP(tied, b, FS, wrap=(_Scaled, Pair))
+        return [{u.name: sorted(f._names[i] for i in u.idx) for u in f._units}
+                for f in (units[0].owner, nested)]
+
+    flat, nested = run(body, 2)[0]
+    # the tied weight: no unit but the root holds both blocks; scale: block 0's and the root's
+    assert flat == {"": ["blocks.0.lin.weight", "blocks.0.scale", "head.bias", "head.weight"],
+                    "blocks.0": ["blocks.0.lin.bias"],
+                    "blocks.1": ["blocks.1.lin.bias", "blocks.1.scale"]}
+    assert nested == {"": ["blocks.blocks.0.scale", "head.bias", "head.weight"],
+                      "blocks": ["blocks.bias", "blocks.blocks.0.lin.weight"],
+                      "blocks.blocks.0": ["blocks.blocks.0.lin.bias"],
+                      "blocks.blocks.1": ["blocks.blocks.1.lin.bias", "blocks.blocks.1.scale"]}

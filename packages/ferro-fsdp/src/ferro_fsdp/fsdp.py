@@ -66,8 +66,12 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         None: the whole module is one unit. A Module subclass (or a tuple of them): every
         submodule of those types is its own unit. An int: submodules whose parameters (not
         already in a deeper unit) add up to at least that many elements are units, in module
-        order. The parameters no unit claims form the root unit. Units change when parameters
-        are gathered and gradients reduced, never the results (the same bits as ``wrap=None``).
+        order. The parameters no unit claims form the root unit. A parameter registered under
+        modules of several units (a tied weight), or under a unit and outside every unit,
+        belongs to the innermost unit that holds all of them (the root unit when none does),
+        so it is full whenever any of its users runs and its gradient sums every use. Units
+        change when parameters are gathered and gradients reduced, never the results (the
+        same bits as ``wrap=None``).
         An FSDP built on a submodule beforehand (same backend and strategy) may also sit inside
         ``module``: it stays its own unit, and this FSDP's ``sync_gradients``, state dicts and
         ``clip_grad_norm_`` cover its parameters too.
@@ -253,15 +257,10 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
             per_unit = {k: bool(v) and default for k, v in reshard.items()}
         elif reshard is not None:
             default = bool(reshard) and default
-        index = {id(self._params[i]): i for i in own}
-        taken: set[int] = set()
-        subs = []
-        for name, m in unit_modules:  # deepest first: a unit keeps what no deeper unit took
-            idx = sorted(index[id(p)] for p in m.parameters()
-                         if id(p) in index and index[id(p)] not in taken)
-            taken.update(idx)
-            subs.append(Unit(self, name, m, idx, per_unit.get(name, default)))
-        root = Unit(self, "", None, [i for i in own if i not in taken],
+        owner = _owners(self._module, unit_modules, {id(self._params[i]): i for i in own})
+        subs = [Unit(self, name, m, sorted(i for i in own if owner[i] == name),
+                     per_unit.get(name, default)) for name, m in unit_modules]
+        root = Unit(self, "", None, [i for i in own if owner[i] == ""],
                     per_unit.get("", default))
         order = {name: k for k, (name, _) in enumerate(sorted(unit_modules, key=lambda t: (
             self._first_param(t[1]), t[0])))}
@@ -385,6 +384,38 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
+
+
+def _owners(root: Module, unit_modules: list[tuple[str, Module]],
+            index: dict[int, int]) -> dict[int, str]:
+    """The unit (its name; ``""``: the root unit) that holds each parameter of ``index`` (id of
+    a Parameter to its index): the innermost unit whose module holds every place the parameter
+    appears in the module tree. A parameter of one module is that module's innermost unit's; one
+    shared by modules of several units (tied weights) belongs to a unit enclosing all of them
+    (the root unit when no other does), so it is gathered whenever any of its users runs and
+    its gradient sums every use."""
+    unit_of = {id(m): name for name, m in unit_modules}
+    chains: dict[int, list[tuple[str, ...]]] = {}
+
+    def walk(m: Module, chain: tuple[str, ...], path: set[int]) -> None:
+        if id(m) in path or (isinstance(m, FSDP) and m is not root):
+            return  # (a module inside itself: walked once; a nested FSDP keeps its own)
+        if id(m) in unit_of and m is not root:
+            chain = (*chain, unit_of[id(m)])
+        for _, p in m.named_parameters(recurse=False):
+            if id(p) in index:
+                chains.setdefault(index[id(p)], []).append(chain)
+        for _, child in m.named_children():
+            walk(child, chain, path | {id(m)})
+
+    while isinstance(root, FSDP):  # (an FSDP given to an FSDP: its module's tree)
+        root = root._module
+    walk(root, ("",), set())
+    owner = {}
+    for i, found in chains.items():
+        common = set(found[0]).intersection(*found[1:])
+        owner[i] = next(name for name in reversed(found[0]) if name in common)
+    return owner
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
