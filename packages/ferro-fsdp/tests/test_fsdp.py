@@ -17,6 +17,8 @@ from _helpers import (
     run,
     wrap,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ferro_fsdp.fsdp as fsdp_mod
 import ferro_fsdp.grad_sync as grad_sync_mod
@@ -186,6 +188,7 @@ def test_gradient_accumulation_over_two_backwards(strategy):
             f.backward(loss_fn.backward())
         f.sync_gradients()
         acc = [p.grad.copy() for p in f.module.parameters()]
+        f.module.zero_grad()  # (a sync adds to the gradient a sync left)
         loss_fn(f(x), y)
         f.backward(loss_fn.backward())
         f.sync_gradients()
@@ -194,6 +197,73 @@ def test_gradient_accumulation_over_two_backwards(strategy):
     for acc, whole in run(body, 2):
         for a, w in zip(acc, whole):
             np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=st.sampled_from([(FS, 2, None), (FS, 3, None), (SGO, 3, None), (NS, 2, None),
+                             (HS, 4, 2)]), wrap_linear=st.booleans(), micro=st.integers(2, 3))
+def test_sync_gradients_adds_to_the_gradient_an_earlier_sync_left(case, wrap_linear, micro):
+    # each sync overwrote .grad: micro-steps each synced, no zero_grad between, stepped on the
+    # last one's gradient only (DDP and torch sum them); the last sync's .grad views the
+    # buffer the next reduction writes into, so it must be copied out first
+    strategy, world, intra = case
+    x, y = make_data(4 * micro * world)
+
+    def body(b, zero):
+        f = FSDP(make_mlp(seed=3), b, strategy, intra_node_size=intra,
+                 wrap=nn.Linear if wrap_linear else None)
+        loss_fn = nn.CrossEntropyLoss(reduction="sum")
+        synced = []
+        for k in range(micro):
+            lo = 4 * (k * world + b.rank)
+            loss_fn(f(x[lo:lo + 4]), y[lo:lo + 4])
+            f.backward(loss_fn.backward())
+            f.sync_gradients()
+            synced.append([p.grad.copy() for p in f.module.parameters()])
+            if zero:
+                f.module.zero_grad()
+        return synced
+
+    each = run(lambda b: body(b, True), world)
+    acc = run(lambda b: body(b, False), world)
+    for mine, total in zip(each, acc):
+        for k in range(micro):
+            for j in range(len(mine[0])):
+                want = mine[0][j]
+                for step in mine[1:k + 1]:
+                    want = want + step[j]
+                np.testing.assert_array_equal(total[k][j], want)
+
+
+def test_synced_micro_steps_give_the_bits_of_one_process():
+    # every rank the same batch: the MEAN is each rank's own gradient, bit for bit
+    x, y = make_data(8)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    model = make_mlp(seed=3)
+    for half in (slice(0, 4), slice(4, 8)):
+        loss_fn(model(x[half]), y[half])
+        model.backward(loss_fn.backward())
+    ref = [p.grad for p in model.parameters()]
+
+    def body(b, strategy):
+        f = FSDP(make_mlp(seed=3), b, strategy)
+        for half in (slice(0, 4), slice(4, 8)):
+            loss_fn(f(x[half]), y[half])
+            f.backward(loss_fn.backward())
+            f.sync_gradients()
+        return [(f.layout.region(i, f._shard_rank), p.grad.copy())
+                for i, p in enumerate(f.module.parameters())]
+
+    for strategy in (FS, SGO, NS):
+        for got in run(lambda b, s=strategy: body(b, s), 2):
+            for (start, length), g, r in zip((t[0] for t in got), (t[1] for t in got), ref):
+                if strategy is FS:
+                    g = g[:length]
+                    r = r.reshape(-1)[start:start + length]
+                elif strategy is SGO:
+                    r = r.reshape(-1)[start:start + length]
+                    g = g.reshape(-1)[start:start + length]
+                np.testing.assert_array_equal(g, r)
 
 
 def test_hybrid_prefetch_and_world_one_prefetch():

@@ -21,7 +21,9 @@ class GradientSync:
     """``sync_gradients``, ``broadcast_updated_params`` and ``update_shards`` of FSDP."""
 
     def sync_gradients(self) -> None:
-        """Average the full gradients of ``backward`` across ranks into ``module.<p>.grad``.
+        """Average the full gradients of ``backward`` across ranks into ``module.<p>.grad``
+        (added to a ``.grad`` that an earlier sync left there, as torch accumulates: call the
+        optimizer's ``zero_grad`` between steps).
 
         Per unit (one for ``wrap=None``): FULL_SHARD: one reduce-scatter (MEAN) of the unit's
         flat gradient, ``.grad`` = this rank's chunk. HYBRID_SHARD: intra-node reduce-scatter,
@@ -52,7 +54,14 @@ class GradientSync:
                 layout = unit.full_layout if spec.grad_reduce == "allreduce" else unit.layout
                 for i, view in zip(unit.idx, layout.shard_views(flat)):
                     p = self._params[i]
-                    p.grad = self._grad_as(spec.grad_form, i, view) if p.requires_grad else None
+                    if not p.requires_grad:
+                        p.grad = None
+                        continue
+                    grad = self._grad_as(spec.grad_form, i, view)
+                    # a gradient a sync left (and no zero_grad cleared): add to it, as torch;
+                    # start_reduce copied it out of the result buffer this one is written to
+                    p.grad = grad if p.grad is None or np.shape(p.grad) != grad.shape \
+                        else p.grad + grad
         finally:
             for unit in self._units:
                 unit.reductions = []

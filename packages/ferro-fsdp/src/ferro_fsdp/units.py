@@ -294,6 +294,12 @@ class Unit:
         grads = self.full_grads(op)
         owner, pool = self.owner, self.owner._pool
         first = not self.reductions
+        if first and self.result is not None:
+            # the last sync's .grad may view the result buffer this reduction writes into: a
+            # copy of it is what the sync adds the new gradient to
+            for p in self.params:
+                if p.grad is not None and np.may_share_memory(p.grad, self.result):
+                    p.grad = np.array(p.grad, copy=True)
         if owner._spec.grad_reduce == "allreduce":
             numel = self.full_layout.numel
             if first and self.result is None:
