@@ -23,6 +23,8 @@ from _helpers import (
     train_steps,
     wrap,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferro_fsdp import FSDP, nn, split_sizes
 
@@ -247,3 +249,33 @@ def test_resume_into_a_model_of_another_shape_names_the_shapes_and_sizes():
         assert f"add up to {n} (e.g. {list(split_sizes(n, 2))})" in msg
         assert f"got shard sizes {saved} ({sum(saved)} elements in all" in msg  # what it got
         assert "another shape" in msg
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=st.sampled_from([(FS, 2, None), (FS, 3, None), (SGO, 3, None), (NS, 2, None),
+                             (HS, 4, 2)]), seed=st.integers(0, 3))
+def test_state_dict_is_the_full_tensors_and_loads_back(case, seed):
+    # FSDP.state_dict() gave this rank's padded flat shards under the full parameters' names,
+    # and load_state_dict(full_state_dict()) failed: torch's FSDP.state_dict is full tensors
+    strategy, world, intra = case
+    want = make_mlp(seed=seed).state_dict()
+
+    def body(b):
+        f = FSDP(make_mlp(seed=9), b, strategy, intra_node_size=intra)
+        f.load_state_dict(want)  # a one-process model's
+        loaded = f.state_dict()
+        shards = [p.data.copy() for p in f.module.parameters()]
+        f.load_state_dict(f.full_state_dict())
+        again = [p.data for p in f.module.parameters()]
+        with pytest.raises(KeyError, match="missing keys"):
+            f.load_state_dict({k: v for k, v in want.items() if k != "0.bias"})
+        with pytest.raises(ValueError, match="has shape"):
+            f.load_state_dict({k: v.reshape(-1) for k, v in want.items()})
+        return loaded, shards, again
+
+    for loaded, shards, again in run(body, world):
+        assert list(loaded) == list(want)
+        for k in want:
+            np.testing.assert_array_equal(loaded[k], want[k])
+        for s, a in zip(shards, again):
+            np.testing.assert_array_equal(s, a)

@@ -42,7 +42,7 @@ from .grad_sync import GradientSync
 from .module import Module
 from .parameter import Parameter
 from .schedule import UnitSchedule
-from .sharded_state import ShardedStateDicts
+from .sharded_state import ShardedStateDicts, load
 from .strategy import ShardingStrategy
 from .units import Unit
 from .wrap_policy import find_units
@@ -236,6 +236,50 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         self._units = self._make_units(unit_modules, own, reshard_after_forward)
         self._root = self._units[0]
         self._init_schedule()
+
+    # -- whole-model state dicts: full tensors, as torch's FSDP.state_dict --------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """``{name: full parameter}`` on every rank (copies), as torch's ``FSDP.state_dict``:
+        :meth:`~ferro_fsdp.FSDP.full_state_dict` (not this rank's flat shards, which
+        :meth:`~ferro_fsdp.FSDP.sharded_state_dict` saves). Collective for the sharded
+        strategies.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            In ``named_parameters`` order.
+        """
+        return self.full_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load full parameters (what :meth:`~ferro_fsdp.FSDP.state_dict` returns, or a
+        one-process model's ``state_dict``), the same on every rank: each rank keeps its
+        shard (or, NO_SHARD, the whole). The optimizer's state and ``grads_wire``'s error
+        feedback are left as they are (:meth:`~ferro_fsdp.FSDP.load_sharded_state_dict` loads
+        them). Collective: every rank must call it.
+
+        Parameters
+        ----------
+        state : dict of str to array_like
+            Every parameter's full tensor under its name (cast to the parameters' dtype).
+
+        Raises
+        ------
+        KeyError
+            Missing or unexpected names.
+        ValueError
+            A tensor of another shape than its parameter.
+        """
+        missing = [n for n in self._names if n not in state]
+        unexpected = [n for n in state if n not in self._names]
+        if missing or unexpected:
+            raise KeyError(f"FSDP.load_state_dict: missing keys {missing}, unexpected keys "
+                           f"{unexpected}")
+        for name, shape in zip(self._names, self._layout.shapes):
+            if np.shape(state[name]) != tuple(shape):
+                raise ValueError(f"FSDP.load_state_dict: {name!r} has shape "
+                                 f"{np.shape(state[name])}, expected the full {tuple(shape)}")
+        load(self._state_plan(), state)
 
     def _nested_full_shape(self, p: Parameter) -> tuple[int, ...]:
         for inner in self._nested:
