@@ -71,6 +71,18 @@ def test_a_killed_rank_is_survived_and_replaced_and_the_model_equals_the_referen
     states_equal(elastic, previous)
 
 
+def test_an_elastic_run_under_trace_merges_both_members_collectives(tmp_path):
+    # elastic.join traced nothing: `ferrorun --trace` of an elastic job left the directory empty
+    out = tmp_path / "tl"
+    r = ferrorun("2:2", "--steps", 5, extra=["--trace", out])
+    assert "timeline of 2 ranks" in r.stderr, r.stderr[-3000:]
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    reduces = [e for e in events if e["name"] == "allreduce" and e["cat"] == "collective"]
+    assert {e["pid"] for e in reduces} == {0, 1}
+    assert {e["args"]["world"] for e in reduces} == {2}
+    assert len(reduces) >= 2 * 5
+
+
 def test_below_the_minimum_the_job_fails_with_a_clear_message(tmp_path):
     r = subprocess.run([*FERRORUN, "--nproc", "3:3", "--settle", "1", str(SCRIPT), *COMMON,
                         "--steps", "400", "--kill", "0@5"], capture_output=True, text=True,

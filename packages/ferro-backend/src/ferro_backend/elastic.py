@@ -16,6 +16,10 @@ in the job's current *generation* (ranks, world size, a backend) as the job's co
   ``ElasticJob.step``): the others copy it from that rank (``ferro_collective.elastic.ElasticState``
   does the agreement and the copy).
 
+Under ``FERRO_TRACE`` (``ferrorun --trace DIR``) each process writes one timeline for the whole
+job, ``DIR/rank_<member id>.json`` (its rank changes with the generation, its member id does
+not), with every generation's collectives and point-to-point calls; ferrorun merges the files.
+
 What it guarantees: no process restarts and no checkpoint is read while at least MIN members
 live; every rank of a generation continues from the same step with the same state. What it
 does not: a job whose coordinator's node (ferrorun's node 0) dies ends; a rank that is fenced
@@ -31,7 +35,7 @@ import socket
 import time
 from typing import Any
 
-from . import settings
+from . import settings, timeline
 from .base import Backend
 from .errors import DistributedError, LauncherError, RendezvousError
 from .joining.meet import build, choose_transport, node_key
@@ -46,6 +50,30 @@ class ElasticError(LauncherError):
 
 class JobFinishedError(ElasticError):
     """This rank (a replacement) arrived after the job finished: nothing is left to do."""
+
+
+class _Member:
+    """What :func:`ferro_backend.timeline.start_from_env` traces for an elastic member
+    (``FERRO_TRACE``): the process's one file for the whole job, ``rank_<member id>.json``
+    (ranks change between generations, the id does not), written when the job closes, the
+    process exits or SIGTERM ends it. Each generation's backend is traced on its own
+    (``timeline._wrap_p2p``); this stand-in carries no calls."""
+
+    def __init__(self, member_id: int) -> None:
+        self.rank = member_id
+        self._closing: list = []
+
+    def _no_calls(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("elastic: the trace's stand-in backend carries no calls")
+
+    send = recv = irecv = _no_calls
+
+    def on_close(self, callback) -> None:
+        self._closing.append(callback)
+
+    def close(self) -> None:
+        for callback in self._closing:
+            callback()
 
 
 class ElasticJob:
@@ -95,6 +123,11 @@ class ElasticJob:
         self.step = -1
         self.source: int | None = None
         self.history: list[dict[str, Any]] = []
+        self._traced: _Member | None = None
+        self._untrace = _nothing
+        trace_dir = settings.TRACE.get()
+        if trace_dir is not None and not timeline.active():
+            timeline.check_env_dir(trace_dir)  # a path that cannot be written: said at once
         try:
             self._sock = socket.create_connection((self._host, int(port)),
                                                   timeout=join_timeout)
@@ -107,6 +140,10 @@ class ElasticJob:
         send_line(self._sock, {"op": "hello", "mac": mac(token, challenge["nonce"]),
                                "node": self._node, "pid": os.getpid(), "addr": addr})
         self.member_id = int(self._read("welcome")["id"])
+        if trace_dir is not None and not timeline.active():
+            self._traced = _Member(self.member_id)
+            timeline.start_from_env(self._traced, trace_dir)
+            timeline._name = f"member {self.member_id}"  # its rank changes with the generation
         self._enter(listener)
 
     # ------------------------------------------------------------------ public
@@ -151,6 +188,8 @@ class ElasticJob:
             The job cannot go on.
         """
         old, self.backend = self.backend, None
+        self._untrace()
+        self._untrace = _nothing
         if old is not None:
             try:
                 old.abort(reason) if reason is not None else old.close()
@@ -166,10 +205,16 @@ class ElasticJob:
             send_line(self._sock, {"op": "done"})
         except OSError:
             pass
-        if self.backend is not None:
-            self.backend.close()
-            self.backend = None
-        self._sock.close()
+        self._untrace()
+        self._untrace = _nothing
+        try:
+            if self.backend is not None:
+                self.backend.close()
+                self.backend = None
+        finally:
+            self._sock.close()
+            if self._traced is not None:  # FERRO_TRACE: the member's file, now
+                self._traced.close()
 
     def __enter__(self) -> ElasticJob:
         return self
@@ -229,6 +274,8 @@ class ElasticJob:
         if transport == "tcp" and len(set(nodes)) > 1 and settings.HIERARCHY.get():
             from .hierarchy import attach_hierarchy
             attach_hierarchy(backend)
+        if self._traced is not None and timeline.active():
+            self._untrace = timeline._wrap_p2p(backend)
         self.backend = backend
         self._pending = False  # a newcomer announced before this generation is in it now
         self.generation, self.step = int(msg["generation"]), int(msg["step"])
@@ -294,10 +341,16 @@ class ElasticJob:
                                       "coordinator during a generation")
 
 
+def _nothing() -> None:
+    pass
+
+
 def join(**backend_kwargs: Any) -> ElasticJob:
     """Join the elastic job ferrorun started this rank in (``FERRO_ELASTIC`` names its
     coordinator, ``FERRO_TOKEN`` the secret); blocks until this rank is in a generation.
-    Keyword arguments go to each generation's backend constructor.
+    Keyword arguments go to each generation's backend constructor. Under ``FERRO_TRACE``
+    (``ferrorun --trace DIR``) the process's timeline, every generation's, is written to
+    ``DIR/rank_<member id>.json`` when the job closes or the process exits.
 
     Parameters
     ----------
@@ -313,6 +366,8 @@ def join(**backend_kwargs: Any) -> ElasticJob:
     ElasticError
         Not started by ``ferrorun --nproc MIN:MAX`` / ``--nnodes MIN:MAX``, the coordinator is
         unreachable, or the job cannot go on.
+    SettingError
+        ``FERRO_TRACE`` is a file or a directory that cannot be created or written.
 
     Examples
     --------
