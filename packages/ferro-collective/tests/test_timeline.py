@@ -115,3 +115,24 @@ def test_a_call_refused_for_an_argument_json_has_no_type_for_keeps_the_trace(tmp
     events = json.loads(path.read_text())["traceEvents"]
     said = json.dumps(events)
     assert "b'ring'" in said and "allreduce" in said
+
+
+def test_a_call_that_raised_is_recorded_with_its_error(tmp_path):
+    # a failed call was recorded like a success
+    (b,) = SimulatedBackend.create_group(1)
+    path = tmp_path / "trace.json"
+
+    def fails():
+        raise ZeroDivisionError
+
+    with trace(path, backend=b):
+        allreduce(np.ones(2), b)
+        with pytest.raises(ValueError):
+            allreduce(np.ones(2), b, algorithm="no such algorithm")
+        job = ctl.traced_job("allreduce", fails, np.ones(2), b, None)
+        with pytest.raises(ZeroDivisionError):
+            job()
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["cat"], e["args"].get("error")) for e in events] == [
+        ("allreduce", "collective", None), ("allreduce", "collective", "ValueError"),
+        ("allreduce", "collective.async", "ZeroDivisionError")]

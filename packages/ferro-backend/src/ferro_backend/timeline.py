@@ -11,26 +11,44 @@ which https://ui.perfetto.dev (or chrome://tracing) opens.
 
 Off (the default) it costs nothing on the hot paths: the collectives' compiled entry checks one
 C pointer, and backends are wrapped only while traced.
+
+A rank stopped by SIGTERM (ferrorun stopping the others after a rank failed, ``scancel``) still
+writes its file under ``FERRO_TRACE``: the calls it was inside then appear with
+``unfinished=True``. A call that raised has ``error=<the exception's type>`` in its args.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import logging
+import math
 import os
+import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["active", "add_hook", "merge", "record", "span", "start_from_env", "trace"]
+__all__ = ["active", "add_hook", "check_env_dir", "merge", "rank_files", "record", "span",
+           "start_from_env", "trace"]
 
-_lock = threading.Lock()
+log = logging.getLogger("ferro_backend.timeline")
+
+_lock = threading.RLock()  # re-entrant: the SIGTERM handler writes from whatever the thread held
 _events: list[dict] | None = None  # None: not tracing
 _rank = 0
+_name: str | None = None  # the process's name in the file (default "rank <r>")
 _label: str | None = None  # the process's label in the file (where its ranks' cores stand)
 _hooks: list[Callable[[bool], None]] = []
+_open: dict[int, tuple] = {}  # the traced calls in flight: id(entry) -> entry (see _begin)
+_written: set[Path] = set()  # the files FERRO_TRACE had this process write (a later init appends)
+_in_recv = threading.local()  # .on: inside a traced recv (its inner wait is not recorded again)
+#: a rank's file in a FERRO_TRACE / ``ferrorun --trace`` directory (not ``rank_0_metrics.json``)
+_RANK_FILE = re.compile(r"rank_\d+\.json")
 
 
 def _now_us() -> float:
@@ -50,28 +68,94 @@ def add_hook(hook: Callable[[bool], None]) -> None:
         hook(True)
 
 
-def record(name: str, cat: str, start_us: float, dur_us: float, **args: Any) -> None:
-    """One complete event (Chrome's "X" phase) on this thread; nothing when not tracing."""
+def record(name: str, cat: str, start_us: float, dur_us: float, /, **args: Any) -> None:
+    """One complete event (Chrome's "X" phase) on this thread; nothing when not tracing.
+
+    Parameters
+    ----------
+    name : str
+        The event's name (positional only: any keyword, ``start_us`` too, is an argument).
+    cat : str
+        Its category.
+    start_us : float
+        When it started, in microseconds since the epoch.
+    dur_us : float
+        How long it took, in microseconds.
+    **args
+        Shown with the event (a non-finite float is written as a string: ``"nan"``).
+    """
+    _append(name, cat, start_us, dur_us, threading.get_ident(), args)
+
+
+def _append(name: str, cat: str, start_us: float, dur_us: float, tid: int, args: dict) -> None:
     events = _events
     if events is None:
         return
     ev = {"name": name, "cat": cat, "ph": "X", "ts": start_us, "dur": dur_us, "pid": _rank,
-          "tid": threading.get_ident() & 0xFFFFFFFF, "args": args}
+          "tid": tid & 0xFFFFFFFF, "args": args}
     with _lock:
         events.append(ev)
 
 
+def _begin(name: str, cat: str, args: dict) -> list:
+    """A traced call starts: kept in flight (a SIGTERM then records it as unfinished) until
+    :func:`_end` records it."""
+    entry = [name, cat, _now_us(), threading.get_ident(), args]
+    _open[id(entry)] = entry
+    return entry
+
+
+def _end(entry: list, error: BaseException | None = None, **more: Any) -> None:
+    """The call ``entry`` (:func:`_begin`) ended: one event, ``error=<type>`` if it raised."""
+    if _open.pop(id(entry), None) is None:
+        return  # already written as unfinished
+    name, cat, t0, tid, args = entry
+    if more:
+        args = {**args, **more}
+    if error is not None:
+        args = {**args, "error": type(error).__name__}
+    _append(name, cat, t0, _now_us() - t0, tid, args)
+
+
+def _record_unfinished() -> None:
+    """The calls in flight now, as events marked ``unfinished=True`` (before a SIGTERM ends
+    the process)."""
+    now = _now_us()
+    for key in list(_open):
+        entry = _open.pop(key, None)
+        if entry is not None:
+            name, cat, t0, tid, args = entry
+            _append(name, cat, t0, now - t0, tid, {**args, "unfinished": True})
+
+
 @contextlib.contextmanager
-def span(name: str, cat: str = "span", **args: Any) -> Iterator[None]:
-    """Record the time spent inside the block as one event (when tracing)."""
+def span(name: str, cat: str = "span", /, **args: Any) -> Iterator[None]:
+    """Record the time spent inside the block as one event (when tracing).
+
+    Parameters
+    ----------
+    name : str
+        The event's name (positional only, as ``cat``: every keyword is an argument).
+    cat : str, default "span"
+        Its category.
+    **args
+        Shown with the event; ``error=<the exception's type>`` is added when the block raises.
+
+    Yields
+    ------
+    None
+        The block runs timed.
+    """
     if _events is None:
         yield
         return
-    t0 = _now_us()
+    entry = _begin(name, cat, args)
     try:
         yield
-    finally:
-        record(name, cat, t0, _now_us() - t0, **args)
+    except BaseException as exc:
+        _end(entry, exc)
+        raise
+    _end(entry)
 
 
 def _start(rank: int, backend=None) -> None:
@@ -87,60 +171,82 @@ def _start(rank: int, backend=None) -> None:
         hook(True)
 
 
-def _stop(path: Path) -> Path:
-    """Stop tracing and write the events (with this rank's process name) to ``path``."""
-    global _events
+def _stop(path: Path, before: list | None = None) -> Path:
+    """Stop tracing and write the events (with this rank's process name) to ``path``, after
+    ``before`` (the events of an earlier file kept)."""
+    global _events, _name
     with _lock:
         events, _events = _events, None
+        _open.clear()
     for hook in _hooks:
         hook(False)
-    meta = [{"name": "process_name", "ph": "M", "pid": _rank, "args": {"name": f"rank {_rank}"}}]
+    name, _name = _name or f"rank {_rank}", None
+    meta = [{"name": "process_name", "ph": "M", "pid": _rank, "args": {"name": name}}]
     if _label is not None:
         meta.append({"name": "process_labels", "ph": "M", "pid": _rank,
                      "args": {"labels": _label}})
+    for ev in events or ():
+        ev["args"] = {k: _finite(v) for k, v in ev["args"].items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": [*meta, *(events or [])],
+    tmp.write_text(json.dumps({"traceEvents": [*meta, *(before or []), *(events or [])],
                                "displayTimeUnit": "ns"}, default=_plain))
     os.replace(tmp, path)
     return path
 
 
 def _wrap_p2p(backend) -> Callable[[], None]:
-    """Trace ``backend``'s send/recv/irecv (instance attributes over the class's methods);
-    returns what undoes it."""
+    """Trace ``backend``'s send/recv/irecv/recv_any/irecv_any (instance attributes over the
+    class's methods); returns what undoes it. A receive's inner wait (a TCP ``recv`` waits on
+    its own ``irecv``) is not recorded again under it."""
     send, recv, irecv = backend.send, backend.recv, backend.irecv
+    recv_any, irecv_any = getattr(backend, "recv_any", None), getattr(backend, "irecv_any", None)
     transport = type(backend).__name__
 
+    def nbytes(buf):
+        return getattr(buf, "nbytes", None)
+
     def t_send(data, dst, *, tag=0):
-        t0 = _now_us()
+        entry, error = _begin("send", "p2p", {"peer": dst, "tag": tag, "bytes": nbytes(data),
+                                              "transport": transport}), None
         try:
             return send(data, dst, tag=tag)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            record("send", "p2p", t0, _now_us() - t0, peer=dst, tag=tag,
-                   bytes=getattr(data, "nbytes", None), transport=transport)
+            _end(entry, error)
+
+    def receiving(name, call, args, source):
+        """Run ``call()`` (a blocking receive) as one event ``name``: its ``wait_us`` is its
+        duration; ``source(result)`` names the sender when ``peer`` is not known before."""
+        if getattr(_in_recv, "on", False):  # inside a traced receive: that one records it
+            return call()
+        entry, error, result = _begin(name, "p2p", args), None, None
+        _in_recv.on = True
+        try:
+            result = call()
+            return result
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _in_recv.on = False
+            more = {"wait_us": _now_us() - entry[2]}
+            if source is not None and error is None:
+                more["peer"] = source(result)
+            _end(entry, error, **more)
 
     def t_recv(out, src, *, tag=0, timeout=None):
-        t0 = _now_us()
-        try:
-            return recv(out, src, tag=tag, timeout=timeout)
-        finally:
-            dur = _now_us() - t0
-            record("recv", "p2p", t0, dur, peer=src, tag=tag, bytes=getattr(out, "nbytes", None),
-                   transport=transport, wait_us=dur)
+        return receiving("recv", lambda: recv(out, src, tag=tag, timeout=timeout),
+                         {"peer": src, "tag": tag, "bytes": nbytes(out),
+                          "transport": transport}, None)
 
-    def t_irecv(out, src, *, tag=0):
-        req = irecv(out, src, tag=tag)
+    def timed_wait(req, name, args, source):
         wait = req.wait
 
         def t_wait(timeout=None):
-            t0 = _now_us()
-            try:
-                return wait(timeout)
-            finally:
-                record("recv.wait", "p2p", t0, _now_us() - t0, peer=src, tag=tag,
-                       bytes=getattr(out, "nbytes", None), transport=transport,
-                       wait_us=_now_us() - t0)
+            return receiving(name, lambda: wait(timeout), args, source)
 
         try:
             req.wait = t_wait
@@ -148,10 +254,34 @@ def _wrap_p2p(backend) -> Callable[[], None]:
             pass
         return req
 
+    def t_irecv(out, src, *, tag=0):
+        req = irecv(out, src, tag=tag)
+        if getattr(_in_recv, "on", False):
+            return req
+        return timed_wait(req, "recv.wait", {"peer": src, "tag": tag, "bytes": nbytes(out),
+                                             "transport": transport}, None)
+
+    def t_recv_any(out, *, tag=0, timeout=None):
+        return receiving("recv_any", lambda: recv_any(out, tag=tag, timeout=timeout),
+                         {"peer": None, "tag": tag, "bytes": nbytes(out),
+                          "transport": transport}, lambda source: source)
+
+    def t_irecv_any(out, *, tag=0):
+        req = irecv_any(out, tag=tag)
+        if getattr(_in_recv, "on", False):
+            return req
+        return timed_wait(req, "recv_any.wait", {"peer": None, "tag": tag, "bytes": nbytes(out),
+                                                 "transport": transport},
+                          lambda _: getattr(req, "source", None))
+
+    names = ["send", "recv", "irecv"]
     backend.send, backend.recv, backend.irecv = t_send, t_recv, t_irecv
+    if recv_any is not None and irecv_any is not None:
+        backend.recv_any, backend.irecv_any = t_recv_any, t_irecv_any
+        names += ["recv_any", "irecv_any"]
 
     def undo() -> None:
-        for name in ("send", "recv", "irecv"):
+        for name in names:
             backend.__dict__.pop(name, None)
 
     return undo
@@ -196,24 +326,142 @@ def trace(path, *, backend=None, rank: int | None = None) -> Iterator[None]:
         _stop(Path(path))
 
 
+def check_env_dir(directory: str) -> Path:
+    """``FERRO_TRACE=directory``: made now (before the job starts), so that a path that is a
+    file or cannot be created is said at once, not found when the rank exits.
+
+    Parameters
+    ----------
+    directory : str
+        The value of ``FERRO_TRACE``.
+
+    Returns
+    -------
+    pathlib.Path
+        The directory, which exists.
+
+    Raises
+    ------
+    ferro_backend.errors.SettingError
+        It cannot be a directory this process writes to: the message names ``FERRO_TRACE``
+        and the path.
+    """
+    from . import settings
+    from .errors import SettingError
+
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        what = ("it is a file, not a directory" if path.exists() and not path.is_dir()
+                else f"cannot create the directory: {exc.strerror or exc}")
+        raise SettingError(f"{settings.TRACE.name} {directory!r} is invalid, {what}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingError(f"{settings.TRACE.name} {directory!r} is invalid, cannot write to "
+                           "the directory: Permission denied")
+    return path
+
+
 def start_from_env(backend, directory: str) -> None:
     """``FERRO_TRACE=directory``: trace ``backend``'s rank until it closes (or the process
-    exits): then ``directory/rank_<r>.json``."""
+    exits, SIGTERM included): then ``directory/rank_<r>.json``.
+
+    A second backend of the same process (init, close, init) adds its events to the file the
+    first wrote. Called from the main thread while SIGTERM has its default action, it installs
+    a handler that writes the file (the calls in flight marked ``unfinished=True``), then
+    lets SIGTERM end the process as it would have; the handler is removed when tracing stops.
+    The process's name in the file says the attempt under ``ferrorun --max-restarts``
+    (``FERRO_RESTART_COUNT``).
+
+    Parameters
+    ----------
+    backend : ferro_backend.Backend
+        The backend whose rank is traced (its point-to-point calls too).
+    directory : str
+        Where the rank's file goes (``FERRO_TRACE``).
+    """
+    global _name
+    from . import settings
+
     _start(backend.rank, backend)
+    try:
+        restart = settings.RESTART_COUNT.get()
+    except ValueError:
+        restart = 0
+    if restart:
+        _name = f"rank {backend.rank} (restart {restart})"
     undo = _wrap_p2p(backend)
     target = Path(directory) / f"rank_{backend.rank}.json"
     done = threading.Event()
+    handler: list = []  # [the handler installed, the one it replaced]
 
-    def finish() -> None:
-        if not done.is_set():
-            done.set()
-            undo()
-            _stop(target)
+    def finish(unfinished: bool = False) -> None:
+        if done.is_set():
+            return
+        done.set()
+        undo()
+        if unfinished:
+            _record_unfinished()
+        before = _earlier_events(target) if target in _written else None
+        try:
+            _stop(target, before)
+            _written.add(target)
+        except Exception as exc:  # a trace that cannot be written must not fail the close
+            log.warning("ferro trace: could not write %s: %s", target, exc)
+        atexit.unregister(finish)
+        if handler and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, TypeError):
+                if signal.getsignal(signal.SIGTERM) is handler[0]:
+                    signal.signal(signal.SIGTERM, handler[1])
 
-    backend.on_close(finish) if hasattr(backend, "on_close") else None
-    import atexit
+    def on_sigterm(signum, frame) -> None:
+        try:
+            finish(unfinished=True)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # killed by SIGTERM, as without the trace
 
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, TypeError):
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, on_sigterm)
+                handler[:] = [on_sigterm, signal.SIG_DFL]
+    if hasattr(backend, "on_close"):
+        backend.on_close(finish)
     atexit.register(finish)
+
+
+def _earlier_events(path: Path) -> list:
+    """The events (not the metadata) of ``path``, which this process wrote before."""
+    try:
+        return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") != "M"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def rank_files(directory) -> list[Path]:
+    """The ranks' files in a ``FERRO_TRACE`` directory: ``rank_<r>.json`` only (not a
+    ``rank_0_metrics.json`` of the user's), sorted by rank.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        The directory.
+
+    Returns
+    -------
+    list of pathlib.Path
+        Its entries named ``rank_<digits>.json``.
+    """
+    found = [p for p in Path(directory).iterdir() if _RANK_FILE.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:-5]))
+
+
+def _finite(value: Any) -> Any:
+    """A non-finite float as a string (JSON has no NaN: chrome://tracing refuses the file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def _plain(value: Any) -> Any:
@@ -222,17 +470,40 @@ def _plain(value: Any) -> Any:
     item = getattr(value, "item", None)
     if callable(item):
         try:
-            return item()  # numpy scalars
+            return _finite(item())  # numpy scalars
         except (TypeError, ValueError):
             pass
     return repr(value)
 
 
 def merge(files, out) -> Path:
-    """One trace of the whole job from the ranks' files (``ferrorun --trace``)."""
+    """One trace of the whole job from the ranks' files (``ferrorun --trace``).
+
+    Parameters
+    ----------
+    files : iterable of str or os.PathLike
+        The ranks' trace-event files.
+    out : str or os.PathLike
+        The merged file written.
+
+    Returns
+    -------
+    pathlib.Path
+        ``out``.
+
+    Raises
+    ------
+    ValueError
+        A file is no trace-event JSON (the message names it).
+    OSError
+        A file cannot be read, or ``out`` written.
+    """
     events: list = []
     for f in sorted(map(Path, files)):
-        events.extend(json.loads(f.read_text())["traceEvents"])
+        try:
+            events.extend(json.loads(f.read_text())["traceEvents"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{f} is no trace-event JSON ({type(exc).__name__}: {exc})") from None
     out = Path(out)
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     return out

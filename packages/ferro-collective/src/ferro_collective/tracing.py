@@ -6,7 +6,9 @@ process running several ranks as threads records them all, told apart by rank an
 On the same-host engine it also gives ``wait_us``: how long the call's engine steps waited for
 their peers (the engine times its waits only while a call is traced); over the other transports
 the backend's ``recv.wait`` events under the call show it. Off, the dispatcher checks one flag
-(:mod:`.dispatch`, which hands its calls to :func:`traced_call` while tracing)."""
+(:mod:`.dispatch`, which hands its calls to :func:`traced_call` while tracing). A call that
+raised has ``error=<the exception's type>`` in its args; one still running when a SIGTERM ends
+the rank, ``unfinished=True``."""
 
 from __future__ import annotations
 
@@ -49,12 +51,15 @@ def traced_call(run, coll, tensor, backend, arg=None, timeout=None, algorithm=No
                 span=0):
     """One collective, ``run(coll, tensor, backend, arg, timeout, algorithm, out, span)``,
     timed (what the dispatcher does with a call while tracing)."""
-    t0, waits = _now(), _EngineWaits(backend)
+    entry = timeline._begin(coll.name, "collective", _describe(tensor, backend, algorithm))
+    waits, error = _EngineWaits(backend), None
     try:
         return run(coll, tensor, backend, arg, timeout, algorithm, out, span)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        timeline.record(coll.name, "collective", t0, _now() - t0,
-                        **_describe(tensor, backend, algorithm), **waits.args())
+        timeline._end(entry, error, **waits.args())
 
 
 def traced_job(name: str, job, tensor, backend, algorithm):
@@ -63,12 +68,15 @@ def traced_job(name: str, job, tensor, backend, algorithm):
         return job
 
     def run():
-        t0, waits = _now(), _EngineWaits(backend)
+        entry = timeline._begin(name, "collective.async", _describe(tensor, backend, algorithm))
+        waits, error = _EngineWaits(backend), None
         try:
             return job()
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            timeline.record(name, "collective.async", t0, _now() - t0,
-                            **_describe(tensor, backend, algorithm), **waits.args())
+            timeline._end(entry, error, **waits.args())
 
     return run
 

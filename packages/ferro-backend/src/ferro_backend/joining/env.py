@@ -78,7 +78,8 @@ def init_from_env(**kwargs: Any) -> Backend:
     RendezvousError, AuthenticationError
         The ranks could not meet (as :class:`TcpBackend`).
     SettingError
-        A ``FERRO_*`` variable with an invalid value (``FERRO_TIMEOUT``, ``FERRO_TRANSPORT``).
+        A ``FERRO_*`` variable with an invalid value (``FERRO_TIMEOUT``, ``FERRO_TRANSPORT``,
+        a ``FERRO_TRACE`` that is a file or cannot be created), before any connection.
 
     Examples
     --------
@@ -91,6 +92,9 @@ def init_from_env(**kwargs: Any) -> Backend:
     ...         out = np.empty(4)
     ...         backend.recv(out, src=0)
     """
+    trace_dir = settings.TRACE.get()
+    if trace_dir is not None and not timeline.active():
+        timeline.check_env_dir(trace_dir)  # a path that cannot be written: said before joining
     launcher = detect_launcher()
     if launcher is not None:
         backend = connect(launcher, **kwargs)
@@ -99,7 +103,6 @@ def init_from_env(**kwargs: Any) -> Backend:
         if env_timeout is not None:
             kwargs.setdefault("timeout", env_timeout)
         (backend,) = SimulatedBackend.create_group(1, **kwargs)
-    trace_dir = settings.TRACE.get()
     if trace_dir is not None and not timeline.active():
         timeline.start_from_env(backend, trace_dir)
     return backend

@@ -268,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace is not None:   # made here: every rank writes its timeline there
         try:
             args.trace.mkdir(parents=True, exist_ok=True)
-            for stale in args.trace.glob("rank_*.json"):
-                stale.unlink()
         except OSError as exc:
             sys.stderr.write(f"ferrorun: --trace: cannot create the directory "
                              f"{str(args.trace)!r}: {exc.strerror or exc}\n")
+            return 2
+        problem = _clear_trace(args.trace)
+        if problem is not None:
+            sys.stderr.write(f"ferrorun: --trace: {problem}\n")
             return 2
         if not os.access(args.trace, os.W_OK | os.X_OK):
             sys.stderr.write(f"ferrorun: --trace: cannot write to the directory "
@@ -300,7 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def run(make_job) -> int:
-        return supervise(make_job, args.max_restarts, received, current.append)
+        if args.trace is None:
+            return supervise(make_job, args.max_restarts, received, current.append)
+
+        def fresh_job(restart):  # each attempt's timeline alone: the earlier one's files go
+            if restart:
+                _clear_trace(args.trace)
+            return make_job(restart)
+
+        return supervise(fresh_job, args.max_restarts, received, current.append)
 
     try:
         if args.emulate_nodes is not None:
@@ -326,11 +336,35 @@ def main(argv: list[str] | None = None) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         if args.trace is not None:
-            files = sorted(args.trace.glob("rank_*.json"))
-            if files:
-                out = timeline.merge(files, args.trace / "trace.json")
-                sys.stderr.write(f"ferrorun: timeline of {len(files)} ranks: {out} (open it in "
-                                 "https://ui.perfetto.dev)\n")
+            _merge_trace(args.trace)
+
+
+def _clear_trace(directory: Path) -> str | None:
+    """Remove the ranks' files (``rank_<r>.json``) an earlier run or attempt left in the
+    ``--trace`` directory, and only those. Returns the problem, or None."""
+    try:
+        stale = timeline.rank_files(directory)
+    except OSError as exc:
+        return f"cannot list the directory {str(directory)!r}: {exc.strerror or exc}"
+    for path in stale:
+        try:
+            path.unlink()
+        except OSError as exc:
+            return f"cannot remove {str(path)!r}: {exc.strerror or exc}"
+    return None
+
+
+def _merge_trace(directory: Path) -> None:
+    """The ranks' files merged into ``directory/trace.json``; a failure is one line on stderr
+    (ferrorun's exit code stays the ranks')."""
+    try:
+        files = timeline.rank_files(directory)
+        if files:
+            out = timeline.merge(files, directory / "trace.json")
+            sys.stderr.write(f"ferrorun: timeline of {len(files)} ranks: {out} (open it in "
+                             "https://ui.perfetto.dev)\n")
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"ferrorun: --trace: could not merge the ranks' timelines: {exc}\n")
 
 
 def _local_job(args, token: str, caps: dict[str, str], restart: int) -> Job:

@@ -11,6 +11,7 @@ This module puts them together behind the :class:`~ferro_backend.Backend` contra
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -33,6 +34,8 @@ from .route import Route
 from .teardown import CONTROL_FRAME_TIMEOUT, release, say_goodbye, send_abort
 
 __all__ = ["LAZY_ABOVE", "TcpBackend", "parse_addr"]
+
+log = logging.getLogger("ferro_backend.tcp")
 
 #: ``connect="auto"`` (the default) makes connections on first use in jobs of more ranks than
 #: this: the full mesh's n(n-1)/2 handshakes and n - 1 reader threads per rank cost seconds
@@ -327,20 +330,32 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
         self._teardown(wait=0.5)
 
     def _teardown(self, wait: float) -> None:
-        """Mark this backend closed (once), then release links and readers."""
+        """Mark this backend closed (once), then release links and readers: every step runs
+        even when one raises (a closer of the user's, a trace that cannot be written); the
+        first error is raised after all ran."""
         with self._state_lock:
             if self._box.closed:
                 return
             self._box.close()
-        for route in self._route_list:
-            route.close()
-        for closer in self._closers:  # e.g. an engine's segment (ShmBackend, hierarchy)
-            closer()
+        steps: list[Callable[[], object]] = [route.close for route in self._route_list]
+        steps += self._closers  # e.g. an engine's segment (ShmBackend, hierarchy)
         if self._connector is not None:
-            self._connector.close()
+            steps.append(self._connector.close)
         if self._reactor is not None:
-            self._reactor.finish(wait)
-        release(list(self._links.values()), self._readers, wait)
+            reactor = self._reactor
+            steps.append(lambda: reactor.finish(wait))
+        steps.append(lambda: release(list(self._links.values()), self._readers, wait))
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                if first is None:
+                    first = exc
+                else:
+                    log.warning("TcpBackend close: %s also failed: %r", step, exc)
+        if first is not None:
+            raise first
 
     def _reach_all(self, seconds: float) -> None:
         """Lazy mesh, before an abort: connect to the peers not connected yet, for at most
