@@ -15,7 +15,7 @@ from _helpers import (
     wrap,
 )
 
-from ferro_fsdp import FSDP, nn
+from ferro_fsdp import DDP, FSDP, nn
 
 STEPS, MAX_NORM = 4, 0.05
 
@@ -81,6 +81,54 @@ def test_bad_max_norm_is_refused():
         w = wrap(make_mlp(), b, "full_shard")
         with pytest.raises(ValueError, match="max_norm -1"):
             w.clip_grad_norm_(-1)
+        return True
+
+    assert run(body, 2) == [True, True]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "full_shard", "shard_grad_op", "no_shard"])
+def test_nan_gradients_come_out_nan_and_numpy_numbers_are_max_norms(kind):
+    # NaN gradients: the norm was NaN but the gradients were left as they were (`scale < 1`
+    # is False for NaN); torch's clip_grad_norm_ makes them NaN. np.int64(1) and
+    # np.float32(0.5) were refused as "not a number > 0"
+    x, y = make_data(8)
+
+    def body(b):
+        w = wrap(make_mlp(), b, kind)
+        loss_fn = nn.CrossEntropyLoss()
+        norms = []
+        for max_norm in (np.int64(1), 1, np.float32(0.1), float("inf")):
+            w.module.zero_grad()
+            loss_fn(w(x[4 * b.rank:4 * b.rank + 4]), y[4 * b.rank:4 * b.rank + 4])
+            w.backward(loss_fn.backward())
+            if isinstance(w, FSDP):
+                w.sync_gradients()
+            norms.append(w.clip_grad_norm_(max_norm))
+            norms.append([p.grad.copy() for p in w.module.parameters()])
+        first = next(p for p in w.module.parameters())
+        first.grad.reshape(-1)[0] = np.nan
+        nan_norm = w.clip_grad_norm_(1.0)
+        with pytest.raises(ValueError, match="max_norm np.True_"):
+            w.clip_grad_norm_(np.bool_(True))
+        return norms, nan_norm, [p.grad for p in w.module.parameters()]
+
+    for norms, nan_norm, grads in run(body, 2):
+        assert math.isnan(nan_norm)
+        assert all(np.isnan(g).all() for g in grads)
+        (n1, g1), (n2, g2), (n3, g3), (n4, g4) = zip(norms[::2], norms[1::2])
+        assert n1 == n2 == n3 == n4 > 0.1  # the same gradient each time (no step between)
+        for a, c in zip(g1, g2):
+            np.testing.assert_array_equal(a, c)  # np.int64(1) clips as 1 does
+        assert not all(np.array_equal(a, c) for a, c in zip(g3, g4))  # np.float32(0.1) clips
+        assert math.sqrt(sum(float(np.vdot(g, g)) for g in g3)) <= 0.1 * (1 + 1e-5)
+
+
+def test_ddp_bucket_caps_take_numpy_numbers_and_refuse_non_finite():
+    def body(b):
+        DDP(make_mlp(), b, bucket_cap_mb=np.float32(1.0), first_bucket_cap_mb=np.int64(1))
+        for bad in (float("inf"), float("nan"), np.bool_(True), "1"):
+            with pytest.raises(ValueError, match="bucket_cap_mb"):
+                DDP(make_mlp(), b, bucket_cap_mb=bad)
         return True
 
     assert run(body, 2) == [True, True]

@@ -20,6 +20,8 @@ ranks issue the same collectives in the same order.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -74,7 +76,7 @@ class DistributedDataParallel(ModuleWrapper):
     ------
     TypeError, ValueError
         ``module`` is not a Module; ``bucket_cap_mb`` or ``first_bucket_cap_mb`` is not a
-        number > 0.
+        finite real number > 0 (numpy's included).
 
     Examples
     --------
@@ -92,8 +94,9 @@ class DistributedDataParallel(ModuleWrapper):
                           ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if cap is None and name == "first_bucket_cap_mb":
                 continue
-            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-                raise ValueError(f"DDP: {name} {cap!r}, expected a number > 0")
+            if isinstance(cap, bool | np.bool_) or not isinstance(cap, numbers.Real) \
+                    or not 0 < cap < math.inf:
+                raise ValueError(f"DDP: {name} {cap!r}, expected a finite number > 0")
         self._module = module
         self._backend = backend
         self._timeout = timeout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -101,7 +102,7 @@ class ModuleWrapper:
         """Scale every ``.grad`` so that the global L2 norm is at most ``max_norm``; return the
         norm before clipping. ``norm_group``: the ranks whose squared sums add up to the global
         one (None when every rank holds the whole gradient)."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float, np.floating)) \
+        if isinstance(max_norm, bool | np.bool_) or not isinstance(max_norm, numbers.Real) \
                 or not max_norm > 0:
             raise ValueError(f"{op}: max_norm {max_norm!r} must be a number > 0")
         grads = [p.grad for p in self._module.parameters() if p.grad is not None]
@@ -110,7 +111,7 @@ class ModuleWrapper:
             local = allreduce(local, norm_group)
         norm = math.sqrt(float(local[0]))
         scale = float(max_norm) / (norm + 1e-6)
-        if scale < 1.0:
+        if not scale >= 1.0:  # NaN too: NaN gradients come out NaN, as torch's
             for g in grads:
                 g *= g.dtype.type(scale)
         return norm
