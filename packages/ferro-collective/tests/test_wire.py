@@ -3,6 +3,8 @@ blockwise reference, and allreduce / reduce_scatter / all_gather with ``wire=`` 
 reference written without chunks or all-to-all: every rank the same bits, world sizes 1-4, on
 threads (simulated) and real processes (TCP, the same-host engine)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import wire_fns
@@ -342,3 +344,30 @@ def test_wire_bytes_are_the_bytes_encoded_and_async_calls_show_their_collectives
                     and parent["ts"] <= e["ts"] <= parent["ts"] + parent["dur"]
                     and e["cat"].startswith("collective"))
     assert inside == ["all_gather", "all_to_all_single"], inside
+
+
+def test_a_compressed_call_that_failed_says_so_on_the_timeline(tmp_path):
+    """A compressed call that raised (here: the ranks disagree on its size) is an event with
+    ``error=<type>``, in one piece and in pieces, blocking and async (it looked like a
+    success)."""
+    from test_wire_pieces import small_pieces
+
+    from ferro_backend import CollectiveMismatchError
+
+    def calls(b):
+        for wire, n, pieces in (("int8", 600, False), ("bf16", 1000, True)):
+            x = np.ones(n + 100 * b.rank, np.float32)
+            for background in (False, True):
+                with small_pieces() if pieces else contextlib.nullcontext():
+                    with pytest.raises(CollectiveMismatchError):
+                        if background:
+                            fc.allreduce_async(x, b, wire=wire, timeout=20).wait(20)
+                        else:
+                            fc.allreduce(x, b, wire=wire, timeout=20)
+
+    events = traced_events(tmp_path, calls)
+    failed = [(e["name"], e["cat"], e["args"].get("error")) for e in events if "[" in e["name"]]
+    assert failed == [("allreduce[int8]", "collective", "CollectiveMismatchError"),
+                      ("allreduce[int8]", "collective.async", "CollectiveMismatchError"),
+                      ("allreduce[bf16]", "collective", "CollectiveMismatchError"),
+                      ("allreduce[bf16]", "collective.async", "CollectiveMismatchError")]

@@ -162,23 +162,39 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
                wire: str, timeout, out, background: bool):
     """The allreduce of ``x`` as one compressed allreduce a piece, issued now (numbered in
     order) and run on the workers at once, each writing its values into its slice of the
-    result; one :class:`Work` (``background``) or the result. The timeline gets one event."""
+    result; one :class:`Work` (``background``) or the result. The timeline gets one event
+    (``error=<type>`` if the call failed)."""
+    if not _timeline.active():
+        return _pieces_call(x, pieces, backend, op, wire, timeout, out, background)
+    entry = _timeline._begin(
+        f"allreduce[{wire}]", "collective.async" if background else "collective",
+        {"bytes": int(x.nbytes), "dtype": str(x.dtype), "wire": wire,
+         "wire_bytes": _pieces_encoded(pieces, backend, wire), "rank": backend.rank,
+         "world": backend.world_size, "pieces": len(pieces)})
+    try:
+        result = _pieces_call(x, pieces, backend, op, wire, timeout, out, background)
+    except BaseException as exc:
+        _timeline._end(entry, exc)
+        raise
+    if background:
+        result.future.add_done_callback(lambda done: _timeline._end(entry, done.exception()))
+    else:
+        _timeline._end(entry)
+    return result
+
+
+def _pieces_call(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, op: ReduceOp,
+                 wire: str, timeout, out, background: bool):
+    """:func:`_in_pieces` untimed."""
     flat = x.reshape(-1)
     fits = (isinstance(out, np.ndarray) and out.shape == x.shape and out.dtype == x.dtype
             and out.flags.c_contiguous and out.flags.writeable)
     into = out.reshape(-1) if fits else np.empty(x.size, x.dtype)
-    t0 = _timeline._now_us() if _timeline.active() else None
     # (a blocking call made on a worker runs its pieces one after another: waiting there for
     # the others could wait for itself)
     at_once = background or not threading.current_thread().name.startswith(WORKER_PREFIX)
 
     def finish():
-        if t0 is not None:
-            _timeline.record(f"allreduce[{wire}]",
-                             "collective.async" if background else "collective", t0,
-                             _timeline._now_us() - t0, bytes=int(x.nbytes), dtype=str(x.dtype),
-                             wire=wire, wire_bytes=_pieces_encoded(pieces, backend, wire),
-                             rank=backend.rank, world=backend.world_size, pieces=len(pieces))
         if fits:
             return out
         result = into.reshape(x.shape)

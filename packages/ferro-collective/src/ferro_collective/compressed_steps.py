@@ -383,18 +383,22 @@ def traced(name: str, wire: str, tensor, backend: Backend, wire_bytes: int, cat:
            *args):
     """``call(*args)``; while tracing, one timeline event (category ``cat``) for the
     compressed call: the input's bytes and the bytes this rank encodes (``wire_bytes``:
-    :attr:`Steps.encoded`), above the events of the collectives it runs."""
+    :attr:`Steps.encoded`), above the events of the collectives it runs (``error=<type>`` if
+    it raised)."""
     if not _timeline.active():
         return call(*args)
     x = np.asarray(tensor)
-    t0 = _timeline._now_us()
+    entry = _timeline._begin(f"{name}[{wire}]", cat, {
+        "bytes": int(x.nbytes), "dtype": str(x.dtype), "wire": wire,
+        "wire_bytes": int(wire_bytes), "rank": backend.rank, "world": backend.world_size})
+    error = None
     try:
         return call(*args)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        _timeline.record(f"{name}[{wire}]", cat, t0, _timeline._now_us() - t0,
-                         bytes=int(x.nbytes), dtype=str(x.dtype), wire=wire,
-                         wire_bytes=int(wire_bytes), rank=backend.rank,
-                         world=backend.world_size)
+        _timeline._end(entry, error)
 
 
 def encoded_size(count: int, n: int, wire: str) -> int:
