@@ -247,6 +247,46 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
                 pass
 
 
+@pytest.mark.parametrize("handler", ["ours", "ignored"])
+def test_a_sigkilled_launcher_ends_what_the_ranks_started(tmp_path, handler):
+    """kill -9 of ferrorun: each rank's own children go with it (they were left to PID 1); with
+    the death signal ignored by the script, the parent watch still ends them."""
+    script = write(tmp_path, "parent.py", f"""
+        import os, signal, subprocess, time
+        from ferro_backend.launch._rank_main import DEATH_SIGNAL
+        if {handler!r} == "ignored":
+            signal.signal(DEATH_SIGNAL, signal.SIG_IGN)
+        child = subprocess.Popen(["sleep", "60"])
+        print("pids", os.getpid(), child.pid, flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([*FERRORUN, "--nproc", "2", str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    pids = []
+    try:
+        end = time.monotonic() + 30
+        while len(pids) < 4 and time.monotonic() < end:
+            line = p.stdout.readline()
+            if " pids " in line:
+                pids += [int(x) for x in line.split(" pids ")[1].split()]
+        assert len(pids) == 4
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        end = time.monotonic() + 5
+        while any(alive(pid) for pid in pids) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert [pid for pid in pids if alive(pid)] == []
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_two_node_job_restarts_on_both_nodes(tmp_path):
     """Two ferrorun agents (--nnodes 2 on this host): a rank of node 1 fails on the first
     attempt; both agents restart their ranks and the job completes on attempt 1."""

@@ -1,5 +1,6 @@
 """TcpBackend with real processes on 127.0.0.1: mesh, tags, failures, strangers, start-up errors."""
 
+import os
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ from ferro_backend import (
     InvalidRankError,
     InvalidWorldSizeError,
     RendezvousError,
+    ShmBackend,
     TcpBackend,
 )
 from ferro_backend.mesh.tcp import parse_addr
@@ -310,3 +312,91 @@ def test_from_env_reports_missing_variables(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RendezvousError, match="RANK"):
         TcpBackend.from_env()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+@pytest.mark.parametrize("cls", [TcpBackend, ShmBackend])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failed_rendezvous_leaves_no_thread_or_fd(cls, rank):
+    """A constructor that raises releases its receive loop (thread, epoll fd, pipe): each
+    failed attempt left them all."""
+    threads, fds = threading.active_count(), _fds()
+    for _ in range(5):
+        with pytest.raises(RendezvousError):
+            cls(rank, 2, f"127.0.0.1:{free_port()}", connect_timeout=0.2)
+    assert threading.active_count() == threads, threading.enumerate()
+    assert _fds() == fds
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_setup_that_fails_after_the_rendezvous_releases_its_links():
+    """A failure once links exist (here: taking over the second socket) closes them and the
+    receive loop; the peer that formed the job is unaffected by the leftovers."""
+    class Failing(TcpBackend):
+        def _add_link(self, peer, sock):
+            if self._links:
+                sock.close()
+                raise OSError("no more links")
+            super()._add_link(peer, sock)
+
+    threads, fds = threading.active_count(), _fds()
+    addr = f"127.0.0.1:{free_port()}"
+    errors, others = [], []
+
+    def other(r):
+        try:
+            others.append(TcpBackend(r, 3, addr, timeout=5, connect_timeout=10))
+        except Exception as exc:  # the job did not form for them either: closed below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=other, args=(r,)) for r in (1, 2)]
+    for t in ts:
+        t.start()
+    with pytest.raises(OSError, match="no more links"):
+        Failing(0, 3, addr, timeout=5, connect_timeout=10)
+    for t in ts:
+        t.join(30)
+    for b in others:
+        b.close()
+    deadline = time.monotonic() + 10
+    while (threading.active_count(), _fds()) != (threads, fds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == threads, threading.enumerate()
+    assert _fds() == fds
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_shm_backend_whose_rings_fail_releases_its_engine_and_loop(monkeypatch):
+    """A failure after the engine segment is joined (installing the rings) aborts the backend:
+    the segment's fd, the receive loop and the sockets go (they stayed, with the job open)."""
+    from ferro_backend.engine import rings
+
+    def refuse(*args, **kwargs):
+        raise OSError("no rings")
+
+    monkeypatch.setattr(rings, "RingMesh", refuse)
+    threads, fds = threading.active_count(), _fds()
+    addr = f"127.0.0.1:{free_port()}"
+    errors = []
+
+    def member(r):
+        try:
+            ShmBackend(r, 2, addr, timeout=5, connect_timeout=10)
+        except Exception as exc:
+            errors.append(str(exc))
+
+    ts = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert errors == ["no rings"] * 2
+    deadline = time.monotonic() + 10
+    while (threading.active_count(), _fds()) != (threads, fds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == threads, threading.enumerate()
+    assert _fds() == fds

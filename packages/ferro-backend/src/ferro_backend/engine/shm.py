@@ -77,12 +77,12 @@ class ShmBackend(TcpBackend):
                 # must not fail the setup on a loaded host)
                 self.engine = Engine.join(self, slot_bytes=slot_bytes,
                                           timeout=max(self.timeout, self.connect_timeout))
+                self.on_close(self.engine.close)  # (run after the routes' close)
+                self.on_failure(lambda: self.engine.mark_failed(self._failure_reason()))
+                self.install_route(RingMesh(self.engine, self.mailbox, lambda: self.timeout))
             except BaseException:
                 self.abort("the engine segment could not be set up")
                 raise
-            self.on_failure(lambda: self.engine.mark_failed(self._failure_reason()))
-            self.install_route(RingMesh(self.engine, self.mailbox, lambda: self.timeout))
-            self.on_close(self.engine.close)
 
     def _failure_reason(self) -> str:
         """What the engine's door says when a peer's failure ends its waits: the first peer

@@ -130,11 +130,13 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
         self._connector: Connector | None = None
         #: the receive loop (FERRO_TCP_READER=loop), else a reader thread per link
         self._reactor: Reactor | None = None
-        if world_size > 1 and settings.TCP_READER.get() == "loop":
-            self._reactor = Reactor(rank, self._box, self._may_wait_for_receive)
         if world_size == 1 and listener is not None:
             listener.close()
-        if world_size > 1:
+        if world_size == 1:
+            return
+        try:
+            if settings.TCP_READER.get() == "loop":
+                self._reactor = Reactor(rank, self._box, self._may_wait_for_receive)
             meet = Rendezvous(rank, world_size, host, port, key, listener, node=node or "",
                               lazy=self.lazy)
             socks = meet.run(time.monotonic() + setup)
@@ -146,6 +148,14 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
                 self._connector = Connector(rank, world_size, key, meet.kept_listener,
                                             meet.table, node or "", self._add_link,
                                             self._links.__contains__)
+        except BaseException:
+            # a job that did not form: its receive loop (a thread, an epoll fd and a pipe) and
+            # any link made so far go now, not with the garbage collector (never, for the loop)
+            try:
+                self._teardown(wait=0.0)
+            except Exception as exc:
+                log.warning("TcpBackend: releasing a failed setup also failed: %r", exc)
+            raise
 
     def _add_link(self, peer: int, sock: socket.socket) -> None:
         """``sock`` (handshaken) becomes the link to ``peer``, drained by the receive loop or
