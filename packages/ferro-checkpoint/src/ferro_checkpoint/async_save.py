@@ -99,6 +99,8 @@ class CheckpointFuture:
     def __init__(self, directory: Path, future: concurrent.futures.Future) -> None:
         self.directory = directory
         self._future = future
+        #: whether wait() raised the save's failure (a manager's next save does not raise it again)
+        self._failure_reported = False
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -137,6 +139,7 @@ class CheckpointFuture:
             raise AsyncCheckpointError(f"save to {self.directory} not done after {timeout}s")
         error = self._future.exception()
         if error is not None:
+            self._failure_reported = True
             raise AsyncCheckpointError(f"asynchronous save to {self.directory} failed: "
                                        f"{type(error).__name__}: {error}") from error
 

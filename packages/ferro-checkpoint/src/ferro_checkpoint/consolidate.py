@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .copy_plan import read_tensors
 from .errors import CheckpointIOError, InvalidArgumentError, TensorError
-from .layout import METADATA, fsync_dir
+from .layout import METADATA, fsync_dir, remove_quietly
 from .load import open_checkpoint, shards_of
 from .read_options import resolve_threads, resolve_verify
 from .safetensors_io import code_dtype, write_safetensors
@@ -86,12 +86,12 @@ def consolidate(directory, output_file, *, verify: bool | None = None,
                           {"format": "np", "ferro.checkpoint_id": ckpt.checkpoint_id},
                           checksums=False)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)  # (an error of its own, EROFS say, must not replace this one)
         raise
     try:
         os.replace(tmp, out)
     except OSError as exc:  # (a directory there, say): the model-sized temp file goes too
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)
         raise CheckpointIOError(f"consolidate: cannot write {out}: {exc}") from exc
     try:
         fsync_dir(out.parent if str(out.parent) else Path("."))

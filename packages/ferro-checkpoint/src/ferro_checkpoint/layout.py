@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import DistCheckpointError
+from .errors import CheckpointIOError, DistCheckpointError
 from .metadata import ShardMetadata
 
 METADATA = "metadata.json"
@@ -66,15 +66,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def remove_quietly(path: Path) -> None:
+    """Delete ``path`` if it exists, ignoring any error: cleanup after a failure, which must
+    never replace the error being reported (a read-only or full disk refuses the unlink too)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def write_json_durably(path: Path, text: str) -> None:
-    """Write ``path`` atomically and durably: temp file, fsync, rename, directory fsync."""
+    """Write ``path`` atomically and durably: temp file, fsync, rename, directory fsync.
+
+    On failure (a full or read-only disk) the temp file is removed and CheckpointIOError, naming
+    ``path``, is raised; ``path`` itself is untouched unless the rename happened.
+    """
     tmp = path.with_name(f"{path.name}.part.{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        remove_quietly(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointIOError):
+            raise CheckpointIOError(f"cannot write {path}: {exc}") from exc
+        raise
+    try:
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise CheckpointIOError(f"cannot make {path} durable (fsync of its directory): "
+                                f"{exc}") from exc
 
 
 def all_tmp_shards_written(directory: Path, ckpt_id: str, world_size: int) -> bool:

@@ -218,9 +218,13 @@ class CheckpointManager(_RankSaves):
     # -- saving ----------------------------------------------------------------------------
 
     def _wait_pending(self) -> None:
-        """Wait for the previous asynchronous save; its failure is raised here, once."""
+        """Wait for the previous asynchronous save; its failure is raised here, once, unless
+        its future's ``wait()`` raised it already (the caller saw it: this save goes on)."""
         fut = self._pending
         if fut is None:
+            return
+        if fut.is_done() and fut._failure_reported:
+            self._pending = None
             return
         try:
             fut.wait(self.wait_timeout_s)
@@ -232,8 +236,11 @@ class CheckpointManager(_RankSaves):
              *, extra: dict | None = None, blocking: bool = True) -> CheckpointFuture:
         """Save this rank's shard of ``step`` into ``root/step_<step>/`` with ``extra``.
 
-        Waits first for the previous asynchronous save of this manager (raising
-        AsyncCheckpointError if it failed). ``blocking=False`` copies the tensors and ``extra``
+        Waits first for the previous asynchronous save of this manager, raising
+        AsyncCheckpointError if it failed, unless its future's
+        :meth:`~ferro_checkpoint.CheckpointFuture.wait` raised that failure already (reported
+        once: this save then goes on). A failure never observed is raised here, and this save
+        is not made. ``blocking=False`` copies the tensors and ``extra``
         now and writes in the background; the returned future's ``wait(timeout)`` reports
         the result. Afterwards rank 0 prunes (module docstring).
 
@@ -262,7 +269,7 @@ class CheckpointManager(_RankSaves):
         TensorError, CheckpointIOError
             As :func:`save_distributed`.
         AsyncCheckpointError
-            The previous asynchronous save failed.
+            The previous asynchronous save failed, and its future's ``wait()`` did not raise it.
         """
         # numbered first, in the program's order: a save this rank refuses below counts too,
         # so the ranks' later saves keep matching numbers (their messages' tags)
@@ -372,7 +379,8 @@ class CheckpointManager(_RankSaves):
         MissingStepError
             The step is not committed, or no step is.
         InvalidArgumentError, AsyncCheckpointError
-            A bad ``step`` or keyword; the pending asynchronous save failed.
+            A bad ``step`` or keyword; the pending asynchronous save failed (and its future's
+            ``wait()`` did not raise it).
         ShardMismatchError, ChecksumMismatchError, MetadataError, SerializationError
             And the other errors of :func:`load_distributed`.
         """

@@ -27,9 +27,15 @@ aside). Two ranks committing at once read the same headers and write the same re
 committer that finds a temp shard already renamed leaves the commit to the one that did.
 
 With ``backend=`` (any ferro_backend.Backend) the save is collective: rank 0 draws a random id
-and sends it to every rank, all ranks write, barrier, rank 0 commits, barrier. Without one, pass
-the same ``checkpoint_id`` on every rank (a default derived from the directory's last commit is
-used otherwise; a crashed save's leftovers are then only safe once every rank saved again).
+and sends it to every rank, all ranks write, barrier, rank 0 commits, barrier. Without one, every
+rank of a world of several passes the same ``checkpoint_id`` (its step, say): the id is the only
+thing the ranks share, so it is what tells one save from another. No default can: one derived
+from the directory's last commit (``g<N+1>``) is the same for a save and its retry, so the rank
+committing a retry took a peer's temp shard left by the failed attempt, and from then on that
+peer's ids ran a generation ahead and every checkpoint mixed two saves. A save with the id of an
+earlier attempt is that save: a peer's shard written by the earlier attempt may be committed
+with it (give each attempt its own id where their shards differ). A single rank
+(``world_size=1``) mixes nothing, and its id defaults to ``g<N+1>``.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from .layout import (
     fsync_dir,
     part_shard_path,
     recover,
+    remove_quietly,
     remove_stale_tmp_shards,
     tmp_shard_path,
     write_json_durably,
@@ -337,8 +344,10 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     backend : ferro_backend.Backend, optional
         Makes the save collective and crash-safe across ranks.
     checkpoint_id : str, optional
-        Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend
-        (default: ``g<N+1>`` after the directory's committed ``g<N>``).
+        Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend:
+        required there when ``world_size > 1`` (a new id for each save, such as its step; see
+        the module's notes), ``g<N+1>`` after the directory's committed ``g<N>`` by default for
+        a single rank. Ignored with a backend.
     extra : mapping, optional
         A JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
         so it is committed atomically with the shard; read it back with
@@ -352,7 +361,8 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     Raises
     ------
     InvalidArgumentError
-        A bad rank, world size, ``checkpoint_id`` or ``extra``, or a spec of another world size.
+        A bad rank, world size, ``checkpoint_id`` or ``extra``, a spec of another world size,
+        or no ``checkpoint_id`` for several ranks without a backend.
     TensorError
         The state dict's names, shapes or dtypes do not match ``shard_spec``.
     CheckpointIOError
@@ -377,6 +387,13 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                                    f"{shard_spec.num_ranks} != world_size {world_size}")
     arrays = _checked_arrays(state_dict, rank, shard_spec)
     extra_json = encode_extra(extra, "save_distributed")
+    if backend is None and checkpoint_id is None and world_size > 1:
+        raise InvalidArgumentError(
+            f"save_distributed: rank {rank} of {world_size} saves without a backend and without "
+            "a checkpoint_id: pass the same checkpoint_id on every rank (its step, say), or "
+            "backend=; a default derived from the directory is the same for a save and its "
+            "retry, so a peer's shard left by a failed attempt would be committed with the "
+            "retry's (a mix of two saves)")
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -411,7 +428,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                                  for n in names], arrays.__getitem__, meta)
         os.replace(part, tmp_shard_path(directory, rank, ckpt_id))
     except BaseException as exc:
-        part.unlink(missing_ok=True)
+        remove_quietly(part)  # (an error of its own must not replace this one)
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointIOError):
             raise CheckpointIOError(f"save_distributed: cannot write {part}: {exc}") from exc
         raise
