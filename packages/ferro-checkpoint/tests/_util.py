@@ -1,9 +1,6 @@
-from pathlib import Path
-
 import numpy as np
 
 from ferro_checkpoint import ShardMetadata, TensorShardSpec, compute_shard_sizes, save_distributed
-from ferro_checkpoint.save import committed_generation
 
 
 def spec_for(full: dict, world: int, dims: dict | None = None) -> ShardMetadata:
@@ -25,11 +22,7 @@ def shards_of(full: dict, spec: ShardMetadata, rank: int) -> dict:
 
 
 def save_all(full: dict, directory, world: int, dims=None, **kwargs) -> ShardMetadata:
-    """Every rank's shard of ``full``, one after another; without a backend or an id, several
-    ranks share ``g<N+1>`` after the directory's committed ``g<N>`` (what one rank defaults to)."""
     spec = spec_for(full, world, dims)
-    if world > 1 and kwargs.get("backend") is None and kwargs.get("checkpoint_id") is None:
-        kwargs["checkpoint_id"] = f"g{committed_generation(Path(directory)) + 1}"
     for r in range(world):
         save_distributed(shards_of(full, spec, r), directory, r, world, spec, **kwargs)
     return spec

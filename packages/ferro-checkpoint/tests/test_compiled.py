@@ -48,8 +48,7 @@ def test_safetensors_library_is_not_imported(tmp_path):
         d = sys.argv[1]
         spec = fc.ShardMetadata(2, {"w": fc.TensorShardSpec((4, 3), 0, (2, 2))})
         for r in range(2):
-            fc.save_distributed({"w": np.full((2, 3), r, np.float32)}, d, r, 2, spec,
-                                checkpoint_id="s")
+            fc.save_distributed({"w": np.full((2, 3), r, np.float32)}, d, r, 2, spec)
         fc.load_distributed(d, 0, 2)
         fc.reshard(d, 2, 3, 1)
         fc.consolidate(d, d + "/full.safetensors")

@@ -17,7 +17,6 @@ from ferro_checkpoint import (
     AsyncCheckpointError,
     CheckpointIOError,
     CheckpointManager,
-    InvalidArgumentError,
     ShardMetadata,
     TensorShardSpec,
     load_distributed,
@@ -36,18 +35,12 @@ def _loaded(directory):
     return load_distributed(directory, 0, 1)["w"][:, 0].tolist()
 
 
-def test_several_ranks_without_a_backend_must_name_their_save(tmp_path):
-    """The default id g<N+1> was the same for a save and its retry: the retry's committer took
-    the peer's shard of the failed attempt, and the peer's ids ran a generation ahead for good
-    ([30, 30, 21, 21] after both ranks saved step 3). Several ranks now pass an id."""
-    d = tmp_path / "c"
-    with pytest.raises(InvalidArgumentError, match="without a checkpoint_id: pass the same"):
-        _save(d, 1, 2)
-    assert not d.exists()  # refused before anything was written
-    single = ShardMetadata(1, {"w": TensorShardSpec((4,), 0, (4,))})
-    for k in (1, 2):  # one rank alone still numbers its saves g1, g2...
-        assert save_distributed({"w": np.full(4, k, np.float32)}, tmp_path / "one", 0, 1,
-                                single) == f"g{k}"
+def test_the_contracts_call_numbers_its_saves_without_a_backend(tmp_path):
+    """``save_distributed(state, directory, rank, world_size, spec)`` (API.md's call, no id,
+    no backend) saves and commits on several ranks, one after another: g1, then g2."""
+    for step in (1, 2):
+        assert [_save(tmp_path, r, step) for r in (0, 1)] == [f"g{step}"] * 2
+        assert _loaded(tmp_path) == [step * 10, step * 10, step * 10 + 1, step * 10 + 1]
 
 
 def test_a_retried_step_commits_the_step_and_later_steps_are_never_mixed(tmp_path):

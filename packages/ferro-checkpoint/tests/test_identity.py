@@ -222,7 +222,7 @@ def test_a_failed_write_leaves_no_temp_shard_and_a_crash_leftover_is_removed(tmp
 
     monkeypatch.setattr(save_mod, "write_safetensors", dies_midway)
     with pytest.raises(OSError, match="disk full"):
-        save_distributed(shards_of(FULL, spec, 0), tmp_path, 0, 2, spec, checkpoint_id="g1")
+        save_distributed(shards_of(FULL, spec, 0), tmp_path, 0, 2, spec)
     assert list(tmp_path.iterdir()) == []  # no .tmp another rank could take as written
     monkeypatch.setattr(save_mod, "write_safetensors", real)
     (tmp_path / ".rank_1.old.safetensors.part").write_bytes(b"left by a SIGKILL")

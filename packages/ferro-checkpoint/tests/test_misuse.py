@@ -38,8 +38,7 @@ def test_the_saving_world_gets_each_ranks_own_uneven_shard_back(tmp_path, sizes)
     spec = ShardMetadata(world, {"w": TensorShardSpec((n, 2), 0, sizes)})
     starts = np.cumsum((0,) + sizes)
     for r in range(world):
-        save_distributed({"w": full[starts[r]:starts[r + 1]]}, tmp_path / "d", r, world, spec,
-                         checkpoint_id="g1")
+        save_distributed({"w": full[starts[r]:starts[r + 1]]}, tmp_path / "d", r, world, spec)
     managers = [CheckpointManager(tmp_path / "m", r, world) for r in range(world)]
     for r, m in enumerate(managers):
         m.save(1, {"w": full[starts[r]:starts[r + 1]]}, spec)
@@ -132,8 +131,7 @@ def test_a_name_that_is_not_unicode_is_refused(tmp_path):
 def test_arguments_are_named_for_what_is_wrong(tmp_path):
     spec = ShardMetadata(2, {"w": TensorShardSpec((4,), 0, (2, 2))})
     for r in range(2):
-        save_distributed({"w": np.full(2, r, np.float32)}, tmp_path, r, 2, spec,
-                         checkpoint_id="g1")
+        save_distributed({"w": np.full(2, r, np.float32)}, tmp_path, r, 2, spec)
     ck = open_checkpoint(tmp_path)
     with pytest.raises(InvalidArgumentError, match="reshard: old_world_size '2' is not an int"):
         reshard(tmp_path, "2", 1, 0)

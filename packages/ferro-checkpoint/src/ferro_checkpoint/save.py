@@ -27,15 +27,14 @@ aside). Two ranks committing at once read the same headers and write the same re
 committer that finds a temp shard already renamed leaves the commit to the one that did.
 
 With ``backend=`` (any ferro_backend.Backend) the save is collective: rank 0 draws a random id
-and sends it to every rank, all ranks write, barrier, rank 0 commits, barrier. Without one, every
-rank of a world of several passes the same ``checkpoint_id`` (its step, say): the id is the only
-thing the ranks share, so it is what tells one save from another. No default can: one derived
-from the directory's last commit (``g<N+1>``) is the same for a save and its retry, so the rank
-committing a retry took a peer's temp shard left by the failed attempt, and from then on that
-peer's ids ran a generation ahead and every checkpoint mixed two saves. A save with the id of an
-earlier attempt is that save: a peer's shard written by the earlier attempt may be committed
-with it (give each attempt its own id where their shards differ). A single rank
-(``world_size=1``) mixes nothing, and its id defaults to ``g<N+1>``.
+and sends it to every rank, all ranks write, barrier, rank 0 commits, barrier. Without one, pass
+the same ``checkpoint_id`` on every rank, a new one for each save (its step, say). The default,
+``g<N+1>`` after the directory's committed ``g<N>`` (the contract's five-argument call), is
+right while every rank's saves succeed or fail together; it is the same for a save and its
+retry, so after a save that failed on some ranks only, a rank's next save can find a peer's
+shard left by the failed attempt under its id and commit it with its own (a mix of two saves:
+ids are all such ranks share, and nothing else tells the attempts apart). A save under the id of
+an earlier attempt is that save: give each attempt its own id where their shards differ.
 """
 
 from __future__ import annotations
@@ -344,10 +343,10 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     backend : ferro_backend.Backend, optional
         Makes the save collective and crash-safe across ranks.
     checkpoint_id : str, optional
-        Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend:
-        required there when ``world_size > 1`` (a new id for each save, such as its step; see
-        the module's notes), ``g<N+1>`` after the directory's committed ``g<N>`` by default for
-        a single rank. Ignored with a backend.
+        Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend
+        (default: ``g<N+1>`` after the directory's committed ``g<N>``; several ranks whose saves
+        may fail apart pass a new id for each save, such as its step: see the module's notes).
+        Ignored with a backend.
     extra : mapping, optional
         A JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
         so it is committed atomically with the shard; read it back with
@@ -361,8 +360,7 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     Raises
     ------
     InvalidArgumentError
-        A bad rank, world size, ``checkpoint_id`` or ``extra``, a spec of another world size,
-        or no ``checkpoint_id`` for several ranks without a backend.
+        A bad rank, world size, ``checkpoint_id`` or ``extra``, or a spec of another world size.
     TensorError
         The state dict's names, shapes or dtypes do not match ``shard_spec``.
     CheckpointIOError
@@ -387,13 +385,6 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
                                    f"{shard_spec.num_ranks} != world_size {world_size}")
     arrays = _checked_arrays(state_dict, rank, shard_spec)
     extra_json = encode_extra(extra, "save_distributed")
-    if backend is None and checkpoint_id is None and world_size > 1:
-        raise InvalidArgumentError(
-            f"save_distributed: rank {rank} of {world_size} saves without a backend and without "
-            "a checkpoint_id: pass the same checkpoint_id on every rank (its step, say), or "
-            "backend=; a default derived from the directory is the same for a save and its "
-            "retry, so a peer's shard left by a failed attempt would be committed with the "
-            "retry's (a mix of two saves)")
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
