@@ -6,6 +6,7 @@ communicator, the thread rule, bad arguments, another ABI."""
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import subprocess
 import sys
@@ -777,3 +778,47 @@ def test_a_rank_missing_the_probe_times_the_call_out_naming_the_probe(shim):
     assert ranks[0](BARRIER) == TIMEOUT and ranks[0].error() == msg  # broken, as a timeout
     for me in ranks:
         me.release()
+
+
+_PIPELINED_LOOP = """
+from ferro_backend.engine import _calls, _comm
+comm = b.engine.comm
+reports = []
+comm.set_stall_report(reports.append)
+call = _calls.Call(comm, _calls.ALLREDUCE, 0)  # (float32, SUM)
+x = np.ones(2_000_000, np.float32)  # 8 MB: pipelined steps, beyond a slot
+out = np.empty_like(x)
+rc, end = _comm.OK, time.monotonic() + 60
+print("LOOPING", flush=True)
+while rc == _comm.OK and time.monotonic() < end:
+    rc = call.run(x, out, timeout=3.0)
+result = [rc, _comm.last_error(), reports]
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_stopped_inside_a_pipelined_allreduce_is_named_by_the_others(world):
+    """Every rank reached the pipelined step, so no step counter is behind: the stall report
+    and the timeout name the rank whose chunks stopped coming (SIGSTOPped mid-loop)."""
+    import os
+    import signal
+
+    from ferro_backend.testing import Job
+
+    with Job(_PIPELINED_LOOP, world, backend="ShmBackend", timeout=30.0) as job:
+        victim = job.procs[1]
+        try:
+            for r in range(world):
+                job.wait_for_line(r, "LOOPING", 60)
+            time.sleep(0.5)
+            os.kill(victim.pid, signal.SIGSTOP)
+            for r in (0, 2)[:world - 1]:
+                out, err = job.procs[r].communicate(timeout=60)
+                assert job.procs[r].returncode == 0, err[-3000:]
+                rc, msg, reports = json.loads(out.split("RESULT ", 1)[1])
+                assert rc == TIMEOUT, msg
+                assert f"on rank {r}: timed out after 3s waiting for ranks [1]" in msg, msg
+                assert reports and "still waiting for ranks [1]" in reports[0], reports
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+            job.kill()

@@ -49,6 +49,9 @@ typedef struct {
     double mean_divisor;
     uint32_t step;             /* the call's first step (its inputs' slots; results: step + 1) */
     uint32_t* bases;           /* every rank's in_base, out_base, g_base, read at the start (3n) */
+    int wait_which, wait_k;    /* the progress wait under way, or the last that ended early:
+                                * its word (FERRO_PROG_*) and chunk (-1: none; stall and
+                                * timeout messages name the ranks behind it) */
     unsigned char* scratch;    /* a chunk (FERRO_SPLIT_CHUNK_MAX + 256 bytes) folded first */
 } ferro_split;
 

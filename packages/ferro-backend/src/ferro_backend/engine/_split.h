@@ -130,8 +130,11 @@ static inline int ferro_split_wait_one(ferro_slots* s, int j, int which, int k,
                          : which == FERRO_PROG_OUT ? &c->out_sleepers : &c->g_sleepers;
     int rc;
     double t0 = s->clock ? ferro_now() : 0.0;
+    s->split.wait_which = which;  /* (what ferro_comm_missing names the late ranks by) */
+    s->split.wait_k = k;
     rc = ferro_slots_wait_word(s, word, target, sleepers, deadline);
     if (s->clock) s->waited += ferro_now() - t0;
+    if (rc == FERRO_OK) s->split.wait_which = -1;
     return rc;
 }
 

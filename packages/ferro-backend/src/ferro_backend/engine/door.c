@@ -117,6 +117,7 @@ ferro_comm* ferro_comm_create(int fd, size_t size, int nranks, int rank, size_t 
     c->s.pol.spin = spin;
     c->s.pol.yields = yields;
     c->s.failed = &c->failed;
+    c->s.split.wait_which = -1;
     if (ferro_p2p_init(c) != 0) {
         api_release(c);
         snprintf(why, why_len, "no memory for a communicator");
@@ -198,15 +199,28 @@ static void api_set_stall_report(ferro_comm* c, ferro_stall_fn fn, void* ctx) {
 }
 
 int ferro_comm_missing(ferro_comm* c, int* out) {
-    int j, k = 0;
+    int j, k = 0, which = c->s.split.wait_which;
+    ferro_ctrl* ctrl;
+    uint32_t word, target;
     for (j = 0; j < c->s.n; j++)
         if (j != c->s.me && (int32_t)(ferro_load(&ferro_ctrl_of(c->base, &c->s.L, j)->step)
                                       - c->s.step) < 0)
             out[k++] = j;
+    if (k > 0 || which < 0 || c->s.split.bases == NULL) return k;
+    /* every rank reached the step: inside a pipelined one (_split.h, _stream.h), the ranks
+     * whose progress word is behind the chunk this rank waits for */
+    for (j = 0; j < c->s.n; j++) {
+        if (j == c->s.me) continue;
+        ctrl = ferro_ctrl_of(c->base, &c->s.L, j);
+        word = ferro_load(which == FERRO_PROG_IN ? &ctrl->inprog
+                          : which == FERRO_PROG_OUT ? &ctrl->outprog : &ctrl->gprog);
+        target = c->s.split.bases[3 * j + which] + (uint32_t)c->s.split.wait_k + 1u;
+        if ((int32_t)(word - target) < 0) out[k++] = j;
+    }
     return k;
 }
 
-/* "[1, 3]" of the ranks not at this rank's step */
+/* "[1, 3]" of the ranks not at this rank's step, or behind the pipelined chunk it waits for */
 static void missing_text(ferro_comm* c, char* out, size_t len) {
     int few[64], *ranks = few, k, j;
     size_t at;
@@ -421,6 +435,7 @@ int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* 
     rc = wait_turn(c, ticket, timeout < 0 ? start : start + timeout, name, NULL, NULL, NULL);
     if (rc == FERRO_OK) {
         pthread_mutex_lock(&c->lock);
+        c->s.split.wait_which = -1;
         c->running_thread = self_thread();
         pthread_mutex_unlock(&c->lock);
         rc = probe_if_asked(c, ticket, timeout);
@@ -611,6 +626,7 @@ static int begin(door_call* k, ferro_comm* c, const char* name, int coll, const 
     c->s.stall = c->stall != NULL ? report_stall : NULL;
     c->s.soft = k->start + timeout * c->stall_fraction;
     c->s.reported = 0;
+    c->s.split.wait_which = -1;
     c->s.hook = k->hook;
     c->s.hook_ctx = k->hook_ctx;
     c->s.hooked = k->hooked;
