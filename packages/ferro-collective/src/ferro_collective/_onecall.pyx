@@ -29,6 +29,7 @@ from weakref import ref as _weakref
 
 from . import p2p
 from .arguments import fast_array
+from .header import dtype_code
 from .ops import CODES, OPS, ReduceOp
 
 from ferro_backend import Backend as _Backend
@@ -246,7 +247,7 @@ cdef class Core:
             return DoorPlan(_NAMES[kind], shape, (shape[0] // n, *shape[1:]), call)
         if dtype.hasobject or dtype.itemsize == 0:
             return DoorPlan.not_taken()
-        name = None if code is not None else dtype.str.encode()
+        name = None if code is not None else dtype_code(dtype)
         if kind == K_BROADCAST:
             out = shape
         else:

@@ -18,6 +18,7 @@ import numpy as np
 from . import _onecall, gathered, pair
 from .arguments import as_array, check_out
 from .engine_group import EngineGroup, Step, door_calls
+from .header import dtype_code
 from .ops import CODES
 from .p2p import Ctx, all_gather_ring_into
 from .per_backend import reserve
@@ -36,7 +37,7 @@ def door_bytes(group: EngineGroup, call: Step, kind: int, x: np.ndarray, out: np
     (``send``: this rank's input is read; ``out`` None: this rank gets nothing)."""
     block = np.ascontiguousarray(x)
     code = CODES.get(x.dtype)
-    name = None if code is not None else x.dtype.str.encode()
+    name = None if code is not None else dtype_code(x.dtype)
     if code is None:
         code = CODES[np.dtype(np.uint8)]
         block = block.reshape(-1).view(np.uint8)

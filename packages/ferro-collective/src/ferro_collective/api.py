@@ -140,8 +140,10 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     tensor : array_like or None
         On ``root`` the array to send; elsewhere one of its shape and dtype, or None (mpi4py's
         ``bcast`` habit): the root's header gives the shape and dtype (arrays of at most six
-        dims; on a multi-node job's stages, and with the mismatch check off away from the
-        engine, non-roots pass arrays). Not modified.
+        dims of a dtype the header rebuilds: not a structured dtype or a datetime of a long
+        unit, for which every rank raises CollectiveMismatchError; on a multi-node job's
+        stages, and with the mismatch check off away from the engine, non-roots pass
+        arrays). Not modified.
     backend : ferro_backend.Backend
     root : int, default 0
         The rank whose ``tensor`` every rank returns.
@@ -368,7 +370,9 @@ def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = 
     ----------
     tensor : array_like or None
         On ``root``: the array to split (dim 0 divisible by the world size, as for
-        :func:`reduce_scatter`). The other ranks pass None (anything they pass is ignored).
+        :func:`reduce_scatter`), not of a structured dtype (TypeError there, a
+        CollectiveMismatchError elsewhere: the other ranks could not rebuild it). The other
+        ranks pass None (anything they pass is ignored).
     backend : ferro_backend.Backend
     root : int, default 0
         The rank whose ``tensor`` is split.

@@ -12,10 +12,20 @@ naming what each rank called — never a hang, never garbage. The same exchange 
 A call that takes several sequence numbers (a compressed call's block) says how many in its
 first collective's header (its span, bytes 6-7): where the headers disagree, a rank whose call
 took fewer catches up (:func:`owed`), so the next call is the next call on every rank.
+
+The dtype is a code of at most 8 bytes (:func:`dtype_code`) that tells any two dtypes apart:
+numpy's ``dtype.str`` where it rebuilds the dtype, a fixed code per ml_dtypes type
+(:data:`EXTENSION_DTYPES`; float8 types all have ``dtype.str`` ``<V1``), else ``#`` and a hash
+(structured dtypes, datetimes of long units), which detects a mismatch but names no dtype a
+rank can build: a broadcast whose root passes such an array and whose non-roots pass None
+raises :class:`CollectiveMismatchError` on every rank (the root cannot know, before the
+exchange, that a non-root passed None), and the next call is the next call on every rank.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import struct
 import zlib
 
@@ -50,6 +60,146 @@ UNKNOWN = 2
 #: a refusal's reason: bytes 8..24 (dtype and root) and 28..76 (the dims) of its header
 _REASON = ((8, 24), (28, 28 + 8 * _MAX_DIMS))
 REASON_BYTES = sum(b - a for a, b in _REASON)
+
+#: The header's code of each extension dtype whose numpy ``str`` names its size alone
+#: (``<V1``, ``<V2``) or that numpy cannot parse (float8_e5m2's ``<f1``): ``(code, name in
+#: ml_dtypes)``. The codes are part of the wire format (other ranks, other versions, the
+#: engine's door, ``_header.h``, whose bfloat16 is ``<V2``): never change or reuse one; add
+#: new ones at the end.
+EXTENSION_DTYPES = (
+    ("<V2", "bfloat16"), ("f8e3m4", "float8_e3m4"), ("f8e4m3", "float8_e4m3"),
+    ("f8e4m3bz", "float8_e4m3b11fnuz"), ("f8e4m3fn", "float8_e4m3fn"),
+    ("f8e4m3fz", "float8_e4m3fnuz"), ("f8e5m2", "float8_e5m2"), ("f8e5m2fz", "float8_e5m2fnuz"),
+    ("f8e8m0fu", "float8_e8m0fnu"), ("f6e2m3fn", "float6_e2m3fn"),
+    ("f6e3m2fn", "float6_e3m2fn"), ("f4e2m1fn", "float4_e2m1fn"), ("int1", "int1"),
+    ("int2", "int2"), ("int4", "int4"), ("uint1", "uint1"), ("uint2", "uint2"),
+    ("uint4", "uint4"), ("c32", "complex32"), ("bc32", "bcomplex32"))
+_EXT_BY_CODE = {c.encode(): name for c, name in EXTENSION_DTYPES}
+_EXT_BY_NAME = {name: c.encode() for c, name in EXTENSION_DTYPES}
+_dtype_codes: dict[tuple[str, str, int], bytes] = {}
+_code_dtypes: dict[bytes, np.dtype | None] = {}
+
+
+def dtype_code(dtype: np.dtype, width: int = 8) -> bytes:
+    """The code naming ``dtype`` in a header (``width`` bytes at most; a descriptor's 16).
+
+    Two dtypes have two codes, and every rank computes the same one; :func:`dtype_from_code`
+    rebuilds the dtype from it where it can.
+
+    Parameters
+    ----------
+    dtype : numpy.dtype
+        The dtype (anything ``numpy.dtype`` takes).
+    width : int
+        The bytes the code may take (8 in a header).
+
+    Returns
+    -------
+    bytes
+        At most ``width`` ASCII bytes, none NUL: numpy's ``dtype.str`` where ``numpy.dtype``
+        rebuilds ``dtype`` from it (``<f4``; its byte order dropped, or its ``name``, where
+        that fits instead), an ml_dtypes type's code (:data:`EXTENSION_DTYPES`), else ``#``
+        and a hash of the dtype's name and layout (structured dtypes, datetimes with long
+        units), which tells dtypes apart but cannot rebuild one.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.names is not None:  # (numpy's == of dtypes is loose, and not symmetric)
+        return _make_code(dtype, width)
+    key = (dtype.str, dtype.name, width)
+    code = _dtype_codes.get(key)
+    if code is None:
+        code = _make_code(dtype, width)
+        if len(_dtype_codes) > 1024:
+            _dtype_codes.clear()
+        _dtype_codes[key] = code
+    return code
+
+
+def _make_code(dtype: np.dtype, width: int) -> bytes:
+    ext = _EXT_BY_NAME.get(dtype.name)
+    if ext is not None and getattr(dtype.type, "__module__", "").startswith("ml_dtypes"):
+        return ext
+    candidates = [dtype.str, dtype.name]
+    if dtype.str[:1] in "<|=":  # (this host's order: numpy's default)
+        candidates.insert(1, dtype.str[1:])
+    for name in candidates:
+        code = name.encode("ascii", "replace")
+        if len(code) > width or code in _EXT_BY_CODE or b"\0" in code:
+            continue
+        try:
+            parsed = np.dtype(name)
+        except (TypeError, ValueError):
+            continue
+        if parsed == dtype and dtype == parsed and parsed.str == dtype.str:
+            return code
+    try:
+        layout = repr(dtype.descr)
+    except (TypeError, ValueError):
+        layout = str(dtype)
+    digest = hashlib.blake2b(f"{dtype.name};{dtype.itemsize};{layout}".encode()).digest()
+    return b"#" + base64.b64encode(digest)[:width - 1]
+
+
+def dtype_from_code(code: bytes) -> np.dtype | None:
+    """The dtype a code names (:func:`dtype_code`; trailing NULs ignored), or None where it
+    cannot be rebuilt: a hashed code, an ml_dtypes type this process cannot import, a string
+    numpy does not parse. Never raises.
+
+    Parameters
+    ----------
+    code : bytes
+        A dtype's code, as a header carries it.
+
+    Returns
+    -------
+    numpy.dtype or None
+        The dtype, or None.
+    """
+    code = bytes(code).rstrip(b"\0")
+    if code in _code_dtypes:
+        return _code_dtypes[code]
+    dtype: np.dtype | None = None
+    try:
+        name = _EXT_BY_CODE.get(code)
+        if name is not None:
+            import ml_dtypes
+
+            dtype = np.dtype(getattr(ml_dtypes, name))
+        elif code and not code.startswith(b"#"):
+            dtype = np.dtype(code.decode("ascii"))
+    except Exception:  # (an old ml_dtypes, a string numpy cannot parse: not rebuilt)
+        dtype = None
+    if len(_code_dtypes) > 1024:
+        _code_dtypes.clear()
+    _code_dtypes[code] = dtype
+    return dtype
+
+
+def dtype_name(code: bytes) -> str:
+    """A readable name of the dtype a code names (:func:`dtype_code`): numpy's or ml_dtypes'
+    (``float32``, ``float8_e4m3fn``), else the code itself (``#`` and a hash: a dtype without
+    a short name, as a structured one). Never raises.
+
+    Parameters
+    ----------
+    code : bytes
+        A dtype's code, as a header carries it.
+
+    Returns
+    -------
+    str
+        The name.
+    """
+    code = bytes(code).rstrip(b"\0")
+    name = _EXT_BY_CODE.get(code)
+    if name is not None:
+        return name
+    text = code.decode("ascii", "replace")
+    if text.startswith("#"):  # (as the engine's door prints it too)
+        return text
+    dtype = dtype_from_code(code)
+    return dtype.name if dtype is not None else text
+
 
 _check: bool | None = None  # None: FERRO_COLLECTIVE_CHECK decides, at the first call
 
@@ -113,7 +263,7 @@ def _encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
     dims = list(shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
     if len(shape) > _MAX_DIMS:
         dims[-1] = _tail_hash(tuple(shape[_MAX_DIMS - 1:]))
-    dstr = (np.dtype(dtype).str if dtype is not None else "").encode()[:8]
+    dstr = dtype_code(dtype) if dtype is not None else b""
     wire_op = 0 if redop is None else OPS[redop].wire
     return _HEADER.pack(b"FC", collective_code(op), wire_op, min(len(shape), 255), flags,
                         span, dstr, root, seq & 0xFFFFFFFF, *dims)
@@ -161,22 +311,20 @@ def unknown(op: str, root: int, seq: int) -> bytes:
 
 def decode_array(header: bytes) -> tuple[np.dtype, tuple[int, ...]] | None:
     """The dtype and shape a header names, where it names them whole (a header of an array of
-    at most six dims; None otherwise)."""
+    at most six dims whose dtype's code rebuilds it, :func:`dtype_from_code`; None otherwise).
+    Never raises."""
     magic, _, _, ndim, flags, _, dstr, _, _, *dims = _HEADER.unpack(header)
-    dstr = dstr.rstrip(b"\0")
-    if magic != b"FC" or flags or not dstr or ndim > _MAX_DIMS or any(d < 0 for d in dims) \
-            or dstr.startswith(b"|V"):  # (a structured dtype's string names its size alone)
+    if magic != b"FC" or flags or not dstr.rstrip(b"\0") or ndim > _MAX_DIMS or \
+            any(d < 0 for d in dims):
         return None
-    return dtype_of(dstr.decode()), tuple(dims[:ndim])
+    dtype = dtype_of(dstr)
+    return None if dtype is None else (dtype, tuple(dims[:ndim]))
 
 
-def dtype_of(dstr: str) -> np.dtype:
-    """The numpy dtype of a header's dtype string (bfloat16's is ``<V2``: ml_dtypes')."""
-    if dstr == "<V2":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dstr)
+def dtype_of(dstr: bytes | str) -> np.dtype | None:
+    """The numpy dtype of a header's dtype code (:func:`dtype_from_code`), or None where it
+    cannot be rebuilt. Never raises."""
+    return dtype_from_code(dstr.encode("ascii", "replace") if isinstance(dstr, str) else dstr)
 
 
 def describe(header: bytes) -> str:
@@ -192,10 +340,10 @@ def describe(header: bytes) -> str:
         return f"{name}(None, root={root}) (seq {seq})"
     args = []
     if dstr.rstrip(b"\x00"):  # collectives whose data only some ranks know name no dtype
-        dtype = np.dtype(dstr.rstrip(b"\x00").decode())
+        dtype = dtype_name(dstr)
         tail = ndim > _MAX_DIMS  # (the last dim's place holds a hash of the rest)
         shape = ", ".join(str(d) if d >= 0 else "*" for d in dims[:min(ndim, _MAX_DIMS) - tail])
-        args.append(f"{dtype.name}[{shape}{f', ... ({ndim} dims)' if tail else ''}]")
+        args.append(f"{dtype}[{shape}{f', ... ({ndim} dims)' if tail else ''}]")
     if redop:
         args.append(_REDOP_NAMES.get(redop, f"op#{redop}"))
     if root >= 0:
@@ -240,12 +388,14 @@ def check_all(name: str, rank: int, headers: list[bytes],
                 f"{name}: ranks {[ranks[r] for r in blind]} passed None to a broadcast whose "
                 f"root (rank {root}) passes an array of {theirs[4]} dims; its header names at "
                 f"most {_MAX_DIMS}: pass an array of the root's shape and dtype there")
-        if theirs[:3] == headers[blind[0]][:3] and theirs[8:10] == b"|V":
+        if theirs[:3] == headers[blind[0]][:3] and not theirs[5] and \
+                dtype_from_code(theirs[8:16]) is None:
             raise CollectiveMismatchError(
                 f"{name}: ranks {[ranks[r] for r in blind]} passed None to a broadcast whose "
-                f"root (rank {root}) passes an array of a structured or void dtype "
-                f"({theirs[8:16].rstrip(bytes(1)).decode()}), which its header cannot name: "
-                "pass an array of the root's shape and dtype there")
+                f"root (rank {root}) passes an array of a dtype its header names but cannot "
+                f"rebuild ({dtype_name(theirs[8:16])}: a structured dtype, a datetime of a "
+                "long unit, an ml_dtypes type this process cannot import): pass an array of "
+                "the root's shape and dtype there")
     refused = [(ranks[r], h) for r, h in enumerate(headers) if h[5] & INVALID]
     if refused and len(refused) < len(headers):
         r, h = refused[0]

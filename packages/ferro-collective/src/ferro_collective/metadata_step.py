@@ -45,7 +45,8 @@ from ferro_backend import Backend, CollectiveMismatchError
 from ferro_backend.engine import AVAILABLE as _ENGINE
 
 from . import gathered, pair
-from .header import INVALID, encode, mismatch_check_enabled, refusal
+from .header import INVALID, dtype_from_code, dtype_name, encode, mismatch_check_enabled, refusal
+from .header import dtype_code as header_dtype_code
 from .p2p import Ctx, bruck_all_gather
 from .plan import Plan
 
@@ -72,32 +73,25 @@ _DESC = struct.Struct(f"<16sq{MAX_DIMS}q")
 DESC_SIZE = _DESC.size
 
 
-_codes: dict[np.dtype, bytes] = {}
 _descs: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
 _ints: dict[int, struct.Struct] = {}
 
 
 def dtype_code(dtype: np.dtype) -> bytes:
-    """A short name from which ``np.dtype`` rebuilds ``dtype`` on another rank (``str`` keeps
-    the byte order; ``name`` covers extension dtypes such as bfloat16), or a ValueError."""
-    code = _codes.get(dtype)
-    if code is not None:
-        return code
-    for name in (dtype.str, dtype.name):
-        try:
-            if len(name) <= 16 and np.dtype(name) == dtype:
-                if len(_codes) < 256:
-                    _codes[dtype] = name.encode()
-                return name.encode()
-        except TypeError:
-            pass
-    raise ValueError(f"dtype {dtype} has no short name another rank can rebuild it from "
-                     "(structured dtypes are not supported here)")
+    """The code from which another rank rebuilds ``dtype`` (:func:`.header.dtype_code`, up to
+    16 bytes), or a TypeError where there is none (a structured dtype: its code only tells
+    dtypes apart)."""
+    code = header_dtype_code(dtype, 16)
+    if code.startswith(b"#"):
+        raise TypeError(f"dtype {dtype} has no short name another rank can rebuild it from "
+                        "(structured dtypes are not supported here)")
+    return code
 
 
 def pack_desc(x: np.ndarray | None) -> bytes:
-    """A fixed-size descriptor of ``x``'s dtype and shape (zeros for None); a ValueError for
-    a dtype without a short name or more than ``MAX_DIMS`` dims."""
+    """A fixed-size descriptor of ``x``'s dtype and shape (zeros for None); a TypeError for
+    a dtype without a short name (:func:`dtype_code`), a ValueError for more than
+    ``MAX_DIMS`` dims."""
     if x is None:
         return bytes(DESC_SIZE)
     if x.ndim > MAX_DIMS:
@@ -110,7 +104,10 @@ def unpack_desc(block: bytes) -> tuple[np.dtype, tuple[int, ...]]:
     got = _descs.get(desc)  # the same few descriptors come back call after call
     if got is None:
         dstr, ndim, *dims = _DESC.unpack(desc)
-        got = np.dtype(dstr.rstrip(b"\x00").decode()), tuple(dims[:ndim])
+        dtype = dtype_from_code(dstr)
+        if dtype is None:  # (an ml_dtypes type this process cannot import)
+            raise TypeError(f"dtype {dtype_name(dstr)} cannot be rebuilt on this rank")
+        got = dtype, tuple(dims[:ndim])
         if len(_descs) > 256:
             _descs.clear()
         _descs[desc] = got

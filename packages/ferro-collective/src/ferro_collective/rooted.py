@@ -263,8 +263,8 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
         x = as_array("scatter", tensor, backend)
         try:
             return x, pack_desc(x)
-        except ValueError as exc:
-            raise ValueError(f"scatter: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"scatter: {exc}") from None
 
     choose(SCATTER, algorithm, 0, n)  # an unknown algorithm is refused now
     x, meta, invalid = None, pack_desc(None), None

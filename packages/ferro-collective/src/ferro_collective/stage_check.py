@@ -40,13 +40,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ferro_backend import CollectiveMismatchError, CollectiveTimeoutError, DistributedError
 
 from .costmodel import NODE_FIRST
 from .engine_group import group_of
-from .header import check_all, collective_code, encode, refusal, span_of
+from .header import check_all, collective_code, dtype_code, encode, refusal, span_of
 from .ops import OPS
 from .p2p import header_exchange
 from .per_backend import recorded, reserve, state
@@ -149,7 +147,7 @@ class StageSet:
         dtype, shape, op = (*self.plan.header, None)[:3]  # (a barrier's names no op)
         return Whole(self.header(group), collective_code(self.plan.name),
                      0 if op is None else OPS[op].wire, tuple(shape),
-                     None if dtype is None else np.dtype(dtype).str.encode())
+                     None if dtype is None else dtype_code(dtype))
 
     def check(self) -> None:
         """The whole call's header on the node, then across nodes, where no stage carries it
