@@ -66,6 +66,31 @@ class PeerAbortedError(PeerClosedError):
         self.reason = reason
 
 
+class ForkedBackendError(PeerClosedError):
+    """A backend used in a forked child of the process that made it: its sockets, shared
+    memory and order of calls are the parent's, so every operation in the child raises this
+    (the parent's job goes on untouched) and ``close()`` in the child drops the child's copies
+    only. Make a backend in the child instead.
+
+    Parameters
+    ----------
+    message : str
+        The error message (names both processes).
+    made_pid : int
+        The process that made the backend, kept as the ``made_pid`` attribute.
+    pid : int
+        The forked process that used it, kept as the ``pid`` attribute.
+    rank : int, optional
+        The backend's rank, kept as the ``peer`` attribute.
+    """
+
+    def __init__(self, message: str, *, made_pid: int, pid: int,
+                 rank: int | None = None) -> None:
+        super().__init__(message, peer=rank)
+        self.made_pid = made_pid
+        self.pid = pid
+
+
 class CollectiveMismatchError(DistributedError):
     """Ranks called different collectives, or the same one with other dtypes or shapes."""
 

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from . import _wire
+from . import _wire, forks
 from .base import GROUP_ABORT_TAG, GROUP_TAG_SHIFT
 from .checks import size_mismatch, wait_limit
 from .errors import PeerAbortedError, PeerClosedError
@@ -45,9 +45,14 @@ class Mailbox:
     ``Backend.timeout`` reaches receives that are already posted).
     """
 
+    #: (the process that made this mailbox, the forked one it is in): set in a forked child,
+    #: where it reads as closed (``forks``)
+    forked: tuple[int, int] | None = None
+
     def __init__(self, rank: int, timeout: Callable[[], float],
                  world_size: int | None = None) -> None:
         self.rank = rank
+        forks.track(self, forks.mark_mailbox)
         self.timeout = timeout
         #: the ranks that may send here (known: a receive from any rank fails once all are gone)
         self.world_size = world_size
@@ -93,6 +98,8 @@ class Mailbox:
     # -- failures -------------------------------------------------------------------------
     def failure(self, op: str, peer: int) -> BaseException | None:
         """The error an ``op`` with ``peer`` must raise now, if any (lock-free read)."""
+        if self.forked is not None:  # (a forked child's copy: closed, whatever else it knew)
+            return forks.forked_error(op, *self.forked, rank=self.rank)
         aborted = self.aborted
         if aborted is not None:
             who, reason = aborted

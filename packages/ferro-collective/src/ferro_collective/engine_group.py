@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ferro_backend import CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
+from ferro_backend import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ForkedBackendError,
+    PeerClosedError,
+)
 from ferro_backend import engine as host_engine
 
 from . import p2p
@@ -209,6 +214,10 @@ class EngineGroup(Core):
             self.broken = exc
             raise exc
         if rc == CLOSED:
+            # (a forked child's copy of the engine is closed there: the backend says so)
+            forked = self.backend.peer_failure(name, self.me)
+            if isinstance(forked, ForkedBackendError):
+                raise forked
             raise PeerClosedError(msg, peer=self.me)
         if rc == INVALID:
             raise ValueError(msg)

@@ -25,6 +25,8 @@ include "_engine.pxi"
 
 from ferro.engine cimport *
 
+from ferro_backend.forks import track as _track
+
 cdef extern from "_door.h" nogil:
     ctypedef struct ferro_put:
         double ewma_ns
@@ -52,6 +54,7 @@ cdef extern from "_door.h" nogil:
                                   char* why, size_t why_len)
     const ferro_engine_api* ferro_engine_table()
     void ferro_comm_mark_failed(ferro_comm* c, const char* reason)
+    void ferro_comm_forked(ferro_comm* c)
     int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name)
     void ferro_comm_end(ferro_comm* c, int64_t ticket)
     int ferro_comm_catch_up(ferro_comm* c, int64_t ticket, int64_t count)
@@ -92,6 +95,10 @@ cdef void _stall_report(void* ctx, const char* message) noexcept nogil:
             pass
 
 
+def _mark_forked(comm, made_pid, pid):
+    comm.mark_forked()
+
+
 cdef class Comm:
     """This rank's communicator on the segment in ``fd`` (``size`` bytes, the layout of
     ``nranks`` ranks with ``slot_bytes`` slots and ``ring_bytes`` rings); waits spin ``spin``
@@ -103,6 +110,7 @@ cdef class Comm:
     cdef ferro_slots* s
     cdef readonly object _stall
     cdef Py_ssize_t exports
+    cdef object __weakref__
 
     def __cinit__(self, int fd, size_t size, int nranks, int rank, size_t slot_bytes,
                   size_t ring_bytes, int spin, int yields, double timeout):
@@ -115,6 +123,7 @@ cdef class Comm:
                              f"{why.decode('utf-8', 'replace')}")
         self.impl = <ferro_comm_impl*>self.c
         self.s = &self.impl.s
+        _track(self, _mark_forked)
 
     def __dealloc__(self):
         if self.c != NULL:
@@ -168,6 +177,11 @@ cdef class Comm:
         the segment ends now, and every later call reports it."""
         cdef bytes why = reason.encode("utf-8", "replace")
         ferro_comm_mark_failed(self.c, why)
+
+    def mark_forked(self):
+        """This communicator is a forked child's copy: closed in this process only (every call
+        here: CLOSED), with nothing written to the shared segment and nobody woken."""
+        ferro_comm_forked(self.c)
 
     def close(self):
         """Every later call: CLOSED; calls in flight end at once."""

@@ -77,6 +77,8 @@ const ferro_engine_api* ferro_engine_table(void);
 /* A peer died, closed or aborted (reason, kept if it is the first), or this rank closes: raise
  * the failure flag and wake every wait on the segment (steps, rings, the turn). */
 void ferro_comm_mark_failed(ferro_comm* c, const char* reason);
+/* a forked child's copy: closed in this process only (door.c) */
+void ferro_comm_forked(ferro_comm* c);
 /* Wait (until timeout seconds from now) for ticket's turn, for Python's own steps: FERRO_OK, or
  * a status with its message (last_error); the turn is then ferro_comm_end's to give back. */
 int ferro_comm_begin(ferro_comm* c, int64_t ticket, double timeout, const char* name);

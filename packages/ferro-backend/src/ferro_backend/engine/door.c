@@ -180,6 +180,17 @@ static int api_close(ferro_comm* c) {
     return FERRO_OK;
 }
 
+/* In a forked child (one thread, the parent's other threads gone): closed, for this process
+ * only. Nothing is written to the segment and nobody is woken (the peers' and the parent's
+ * waits are theirs), and the lock a parent thread may have held at the fork is made anew. */
+void ferro_comm_forked(ferro_comm* c) {
+    pthread_mutex_init(&c->lock, NULL);
+    __atomic_store_n(&c->running_thread, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&c->now_thread, 0, __ATOMIC_RELAXED);
+    ferro_store(&c->closed, 1u);
+    ferro_store(&c->failed, 1u);
+}
+
 void ferro_comm_break(ferro_comm* c, int status, const char* message) {
     pthread_mutex_lock(&c->lock);
     if (!c->broken) {

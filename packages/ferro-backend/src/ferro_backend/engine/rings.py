@@ -240,6 +240,8 @@ class RingMesh(Route):
         return RingRecv(self.delivery, self.box.post(src, tag, view, check=False), self.timeout)
 
     def recv(self, out: Any, src: int, tag: int, timeout: float | None) -> None:
+        if self.box.closed:  # (a forked child's copy must not take the parent's messages)
+            raise self.box.failure("recv", src)
         delivery = self.delivery
         if (type(out) is np.ndarray and type(tag) is int and 0 <= tag <= MAX_TAG
                 and (timeout is None or type(timeout) is float and timeout >= 0)
@@ -262,6 +264,8 @@ class RingMesh(Route):
         RingRecv(delivery, req, self.timeout).wait_until(deadline, limit)
 
     def pump(self) -> None:
+        if self.box.closed:  # (as recv)
+            return
         for src in self.peers:
             self.delivery.try_progress(src)
 

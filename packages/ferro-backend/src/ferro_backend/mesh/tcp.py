@@ -258,7 +258,9 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
     def _send_notice(self, notice: bytes, dst: int, tag: int) -> None:
         # on the socket, whatever the pair's route: its reader delivers it unasked, where a
         # ring's messages reach the mailbox only as a receive drains them (behind the data a
-        # late member would take first)
+        # late member would take first); never on a forked child's copies of the sockets
+        if self._box.forked is not None:
+            self._box.check("abort_group", dst)
         self._link(dst, "abort_group").send_frame(K_DATA, tag, memoryview(notice),
                                                   time.monotonic() + CONTROL_FRAME_TIMEOUT)
 
@@ -331,7 +333,13 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
         self._teardown(wait=0.0)
 
     def close(self) -> None:
-        """Say goodbye to every peer and release the sockets. Idempotent."""
+        """Say goodbye to every peer and release the sockets. Idempotent. In a forked child of
+        the process that made it, only the child's copies of the sockets are closed (no
+        goodbye, no shutdown: the parent's job goes on)."""
+        if self._box.forked is not None:
+            for link in list(self._links.values()):
+                link.sock.close()
+            return
         if self._box.closed:
             return
         if self._connector is not None:
