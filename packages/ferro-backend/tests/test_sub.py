@@ -247,3 +247,46 @@ def test_abort_group_ends_the_subgroup_alone_on_every_member():
     assert said[0] == [("aborted", 0), ("aborted", 0)], said
     for got in said[1:]:
         assert got == [(0, True, True), ("aborted", 0), ("aborted", 0)], said
+
+
+def test_a_subgroups_abort_names_global_and_subgroup_ranks_apart():
+    """Members [1, 2, 3]: the abort names the aborting member by its global rank and says the
+    reason's ranks are the subgroup's (global rank 3 quoting its "rank 2 ... rank 1" read as
+    global ranks)."""
+    from ferro_backend import PeerAbortedError
+
+    group = SimulatedBackend.create_group(4, timeout=20)
+    said = {}
+
+    def body(b):
+        if b.rank == 0:
+            return None
+        sub = SubBackend(b, [1, 2, 3])
+        if b.rank == 3:
+            sub.abort_group(f"allreduce on rank {sub.rank}: waiting for rank 1")
+        try:
+            sub.recv(np.empty(1), (sub.rank + 1) % 3, timeout=10)
+        except PeerAbortedError as exc:
+            said[b.rank] = str(exc)
+        return None
+
+    run_threads(body, group, timeout=40)
+    assert said[1] == said[2] == (
+        "recv: global rank 3 gave up on this subgroup: allreduce on rank 2: waiting for rank 1 "
+        "(ranks of this subgroup, whose ranks 0 to 2 are global ranks [1, 2, 3])"), said
+    # the same members as the job's own ranks: nothing to tell apart
+    group = SimulatedBackend.create_group(2, timeout=20)
+    said.clear()
+
+    def same(b):
+        sub = SubBackend(b, [0, 1])
+        if b.rank == 0:
+            sub.abort_group("rank 0 stops")
+        else:
+            try:
+                sub.recv(np.empty(1), 0, timeout=10)
+            except PeerAbortedError as exc:
+                said[b.rank] = str(exc)
+
+    run_threads(same, group, timeout=40)
+    assert said[1] == "recv: global rank 0 gave up on this subgroup: rank 0 stops", said

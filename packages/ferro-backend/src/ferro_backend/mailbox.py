@@ -154,7 +154,9 @@ class Mailbox:
         if aborted is None:
             return None
         who, reason = aborted
-        return PeerAbortedError(f"{op}: rank {who} gave up on this subgroup: {reason}",
+        # ``who`` is a rank of the transport (the job's), not of the subgroup: said so, since
+        # the reason (SubBackend.abort_group) names the subgroup's own
+        return PeerAbortedError(f"{op}: global rank {who} gave up on this subgroup: {reason}",
                                 peer=who, reason=reason)
 
     def abort_group(self, group: int, who: int, reason: str) -> None:

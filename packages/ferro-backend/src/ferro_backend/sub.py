@@ -11,6 +11,7 @@ the same on every member.
 from __future__ import annotations
 
 import numbers
+import re
 import weakref
 import zlib
 from collections.abc import Iterable
@@ -268,6 +269,10 @@ class SubBackend(FixedRanks, Backend):
         completes the call with this rank's abandoned data). On a root transport that cannot
         tell the members (an outside one) it closes this view only.
 
+        The error names the aborting member by its global rank (the root transport's); a
+        ``reason`` naming ranks names the subgroup's (a collective's on it does), so where the
+        two numberings differ the reason says which global rank each of the subgroup's is.
+
         Parameters
         ----------
         reason : str
@@ -275,6 +280,10 @@ class SubBackend(FixedRanks, Backend):
         """
         if self._closed:
             return
+        if self._global != tuple(range(self._world)) and re.search(r"\brank", reason):
+            shown = ", ".join(map(str, self._global[:32])) + (", ..." if self._world > 32 else "")
+            reason = (f"{reason} (ranks of this subgroup, whose ranks 0 to {self._world - 1} are "
+                      f"global ranks [{shown}])")
         tell = getattr(self._root, "abort_subgroup", None)
         if tell is not None:
             tell(self._group_id, self._global, reason)
