@@ -130,3 +130,18 @@ def test_scatter_of_a_structured_dtype_is_a_type_error():
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_over_real_processes(transport):
     assert run_processes(dtype_code_fns.suite, 2, transport=transport, timeout=120) == [[]] * 2
+
+
+def test_the_engine_doors_messages_name_the_same_extension_dtypes():
+    from pathlib import Path
+
+    import ferro_backend
+    from ferro_collective.header import EXTENSION_DTYPES
+
+    source = Path(ferro_backend.__file__).parent / "engine" / "_header.h"
+    if not source.exists():
+        pytest.skip("the engine's _header.h is not installed here")
+    text = source.read_text()
+    for code, name in EXTENSION_DTYPES[1:]:  # (bfloat16's "<V2" is among the door's dtypes)
+        assert f'{{"{code}", "{name}"}}' in text
+    assert f"FERRO_EXT_DTYPE_COUNT {len(EXTENSION_DTYPES) - 1}" in text

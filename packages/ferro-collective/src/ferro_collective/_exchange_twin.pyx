@@ -48,7 +48,7 @@ cdef Py_ssize_t _ints_into(object values, int n, int64_t* into):
 
 cdef bytes _template(Twin self, str name, object dtype, tuple shape):
     """The header's template of ``name`` on ``dtype`` and ``shape`` (the last one's again)."""
-    key = (name, dtype, shape)
+    key = (name, dtype, dtype.str, shape)  # (numpy: M8[1000ns] == M8[us], not back)
     if key != self.a2a_key:
         self.a2a_template, self.a2a_key = encode(name, dtype, shape, None, -1), key
     return self.a2a_template

@@ -238,7 +238,8 @@ def encode(op: str, dtype: np.dtype | None, shape: tuple[int, ...],
     """The header of one call (cached per call signature; only ``seq`` is packed each time).
     ``span``: the sequence numbers the caller's whole call takes where this collective is the
     first of several (a compressed call's block; 0: one): :func:`owed`."""
-    key = (op, dtype, shape, redop, root, flags, span)
+    # (the dtype's str too: numpy has M8[1000ns] == M8[us], not the other way round)
+    key = (op, dtype, getattr(dtype, "str", None), shape, redop, root, flags, span)
     template = _templates.get(key)
     if template is None:
         if len(_templates) > 4096:

@@ -3,7 +3,7 @@
  * is used, and name what each called when they did not.
  *
  * 76 bytes, little-endian, the layout ferro-collective's header.py packs ("<2sBBBBH8sqI6q"):
- *   0  "FC"                 8  dtype, numpy's dtype.str, NUL-padded ("<f4", "|b1", "<V2")
+ *   0  "FC"                 8  dtype, header.py's code, NUL-padded ("<f4", "|b1", "<V2")
  *   2  collective code      16 root (int64; -1: none)
  *   3  op code (0: none)    24 sequence number (uint32: the call's ticket)
  *   4  ndim (<= 255)        28 six dims (int64); with ndim > 6 the sixth is a hash of dims 6..
@@ -64,6 +64,18 @@ static const char* const FERRO_DTYPE_STR[FERRO_DTYPE_COUNT] = {
 static const char* const FERRO_DTYPE_NAMES[FERRO_DTYPE_COUNT] = {
     "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
     "uint64", "float16", "bfloat16", "bool"};
+
+/* the codes header.py gives ml_dtypes' types (its EXTENSION_DTYPES, part of the wire format:
+ * "<V2" is bfloat16's, above), and their names */
+#define FERRO_EXT_DTYPE_COUNT 19
+static const char* const FERRO_EXT_DTYPE_CODES[FERRO_EXT_DTYPE_COUNT][2] = {
+    {"f8e3m4", "float8_e3m4"}, {"f8e4m3", "float8_e4m3"}, {"f8e4m3bz", "float8_e4m3b11fnuz"},
+    {"f8e4m3fn", "float8_e4m3fn"}, {"f8e4m3fz", "float8_e4m3fnuz"}, {"f8e5m2", "float8_e5m2"},
+    {"f8e5m2fz", "float8_e5m2fnuz"}, {"f8e8m0fu", "float8_e8m0fnu"},
+    {"f6e2m3fn", "float6_e2m3fn"}, {"f6e3m2fn", "float6_e3m2fn"},
+    {"f4e2m1fn", "float4_e2m1fn"}, {"int1", "int1"}, {"int2", "int2"}, {"int4", "int4"},
+    {"uint1", "uint1"}, {"uint2", "uint2"}, {"uint4", "uint4"}, {"c32", "complex32"},
+    {"bc32", "bcomplex32"}};
 
 static inline void ferro_put_u32(unsigned char* p, uint32_t v) {
     int i;
@@ -182,6 +194,9 @@ static inline void ferro_header_describe(const unsigned char* h, size_t hlen, ch
         const char* dname = dt;
         for (k = 0; k < FERRO_DTYPE_COUNT; k++)
             if (strcmp(dt, FERRO_DTYPE_STR[k]) == 0) dname = FERRO_DTYPE_NAMES[k];
+        for (k = 0; k < FERRO_EXT_DTYPE_COUNT; k++)
+            if (strcmp(dt, FERRO_EXT_DTYPE_CODES[k][0]) == 0)
+                dname = FERRO_EXT_DTYPE_CODES[k][1];
         at += (size_t)snprintf(args + at, sizeof args - at, "%s[", dname);
         ndim = h[4] < FERRO_HEADER_DIMS ? h[4] : FERRO_HEADER_DIMS;
         tail = h[4] > FERRO_HEADER_DIMS;  /* (the last dim's place holds a hash of the rest) */
