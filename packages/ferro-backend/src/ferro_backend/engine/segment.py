@@ -25,13 +25,18 @@ compiled ``_segment.layout``. What the engine offers its users (ferro-collective
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hmac
+import logging
+import mmap
 import os
 import secrets
 import socket
 import struct
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -120,8 +125,9 @@ class Engine:
         self.steps = _steps.Steps(self.comm)
         self._bytes: np.ndarray | None = np.frombuffer(self.comm, dtype=np.uint8)
         self.address = self._bytes.ctypes.data
-        self._map = _segment.SegmentMap(self._bytes, nranks, rank, slot_bytes, ring_bytes,
-                                        self.comm.failed_address)
+        self._size = size
+        self._map: _segment.SegmentMap | None = _segment.SegmentMap(
+            self._bytes, nranks, rank, slot_bytes, ring_bytes, self.comm.failed_address)
         self._ring_policy = (SPIN, 0) if busy else (0, settings.SHM_RING_YIELDS.get())
         lay = self.layout
         self._data = [[self._bytes[a + lay["head_bytes"]:a + lay["head_bytes"] + slot_bytes]
@@ -141,6 +147,7 @@ class Engine:
     def slot_data(self, rank: int, step: int) -> np.ndarray:
         """``rank``'s slot data (bytes) of ``step``: the next step's, for this rank to fill
         before :meth:`SlotEngine.exchange`, or a finished step's, to read."""
+        self._view()  # (closed: raises PeerClosedError)
         return self._data[rank][step & 1]
 
     def ring(self, src: int, dst: int) -> _ring.Ring:
@@ -220,6 +227,8 @@ class Engine:
         job formed, on request (:meth:`probe_link`) or the door's own re-probe
         (``FERRO_SHM_REPROBE``); None where none ran (one rank, or more ranks than cores: the
         probe spins)."""
+        if self._map is None:  # closed: the segment is gone
+            return self._link
         probes, rtt, gbps, at = self._map.link_state()
         if probes and (self._link is None or self._link.probe != probes):
             self._link = _link.Link(rtt, gbps, at, probes)
@@ -253,13 +262,21 @@ class Engine:
         return self.link
 
     def close(self) -> None:
-        """Close the communicator (every later call: closed) and let the mapping go: it is
-        unmapped once nothing holds it (this engine's views, a C client's reference)."""
+        """Close the communicator (every later call: closed) and let the segment go: its pages
+        are released as soon as no view of them is left (at once, unless a ring or an array of
+        the caller's still holds one), even while this engine or its communicator is still
+        referenced (by a closed backend, a C client)."""
         self.comm.close()
         if self._bound[0] == threading.get_ident():  # the thread it bound: its cores back
             binding.unbind(self._bound[1])
-        self._bytes = None
-        self._data = []
+        views, self._bytes, self._data, self._map = self._bytes, None, [], None
+        self.client = None  # (the collectives' state holds slot views: a call in flight keeps it)
+        if views is not None:
+            # (the communicator, an argument, outlives the finalizer: the range stays its own)
+            release = weakref.finalize(views, _release_pages, self.comm, self.address,
+                                       self._size)
+            release.atexit = False  # (at exit the process's pages go anyway, threads or not)
+        del views
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -345,6 +362,30 @@ class Engine:
         except OSError:
             return False
         return int(out[0]) == 0xC0FFEE00 + peer
+
+
+log = logging.getLogger("ferro_backend.engine")
+_libc: Any = None
+
+
+def _release_pages(comm: _comm.Comm, address: int, size: int) -> None:
+    """A closed engine's segment, no view of it left: zero pages of this process's own take
+    its place, at the same address (``MAP_FIXED``), so the shared pages (and the memfd, once
+    every rank's are gone) are freed now, not when the communicator ``comm`` goes, while a
+    pointer into the range (a call still ending, a C client's) stays valid. The communicator
+    unmaps the range when it goes, as before."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long]
+    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+             | getattr(mmap, "MAP_FIXED", 0x10))
+    got = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if got != address:  # (left mapped: freed with the communicator, as before)
+        log.debug("engine: could not release a closed segment's pages: %s",
+                  os.strerror(ctypes.get_errno()))
 
 
 def _serve_fd(backend: Backend, fd: int, deadline: float) -> None:

@@ -78,11 +78,26 @@ class ShmBackend(TcpBackend):
                 self.engine = Engine.join(self, slot_bytes=slot_bytes,
                                           timeout=max(self.timeout, self.connect_timeout))
                 self.on_close(self.engine.close)  # (run after the routes' close)
+                self.on_close(self._drop_rings)
                 self.on_failure(lambda: self.engine.mark_failed(self._failure_reason()))
                 self.install_route(RingMesh(self.engine, self.mailbox, lambda: self.timeout))
             except BaseException:
                 self.abort("the engine segment could not be set up")
                 raise
+
+    #: (bytes sent, bytes received) through the rings' route, kept when it is dropped at close
+    _ring_bytes = (0, 0)
+
+    def _drop_rings(self) -> None:
+        """At close, after the route's own close: drop the (closed) rings' route, and with it its
+        views of the segment, so the engine's pages are released (:meth:`Engine.close
+        <ferro_backend.engine.segment.Engine.close>`) even while this backend is referenced.
+        Later calls meet the closed mailbox, as they did on the route."""
+        routes = self.routes()
+        self._ring_bytes = (sum(r.bytes_sent for r in routes),
+                            sum(r.bytes_received for r in routes))
+        self._routes.clear()
+        self._route_list.clear()
 
     def _failure_reason(self) -> str:
         """What the engine's door says when a peer's failure ends its waits: the first peer
@@ -95,20 +110,22 @@ class ShmBackend(TcpBackend):
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]
         """Payload bytes sent over the sockets, the rings, and by the engine's collectives."""
-        return super().bytes_sent + (0 if self.engine is None else self.engine.bytes_sent)
+        return (super().bytes_sent + self._ring_bytes[0]
+                + (0 if self.engine is None else self.engine.bytes_sent))
 
     @property
     def bytes_received(self) -> int:  # type: ignore[override]
         """Payload bytes received over the sockets, the rings, and by the engine's collectives."""
-        return super().bytes_received + (0 if self.engine is None else self.engine.bytes_received)
+        return (super().bytes_received + self._ring_bytes[1]
+                + (0 if self.engine is None else self.engine.bytes_received))
 
     def link_transports(self) -> tuple[str, str]:
         if self.engine is None:
             within = "TCP loopback (the engine is off)"
         else:
-            (route,) = self.routes()
-            big = ("cross-memory copy" if route.cma_threshold is not None
-                   else "streamed through the ring")
+            routes = self.routes()  # (none once closed)
+            big = ("streamed through the ring" if routes and routes[0].cma_threshold is None
+                   else "cross-memory copy" if routes else "as the job chose")
             within = (f"shared-memory engine (collectives: {self.engine.slot_bytes >> 10} KiB "
                       f"slots; point-to-point: {self.engine.ring_bytes >> 10} KiB rings, "
                       f"large messages {big}), TCP loopback for control")
