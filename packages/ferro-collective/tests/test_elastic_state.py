@@ -166,3 +166,21 @@ def test_sync_carries_any_shapes(shapes):
         for j in jobs:
             j.close()
         c.close()
+
+
+def test_sync_carries_extension_dtypes_as_themselves():
+    """bfloat16, float8 and int4 state arrives in its own dtype (their .str, '<V2' and '<V1',
+    was sent: the newcomer got void arrays, and float8 and int4 shared one flat buffer)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    c, jobs, holders, states = start(2)
+    try:
+        dtypes = [ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4, np.float32]
+        holders[0].state["params"] = [np.arange(6).astype(d).reshape(2, 3) for d in dtypes]
+        holders[1].state["params"] = []
+        assert outcomes(lambda s: s.sync(), [(s,) for s in states]) == [None, None]
+        assert [p.dtype for p in holders[1].state["params"]] == [np.dtype(d) for d in dtypes]
+        assert_same(holders[1].state, holders[0].state)
+    finally:
+        for j in jobs:
+            j.close()
+        c.close()

@@ -142,13 +142,14 @@ class ElasticState:
         head = None
         if backend.rank == source:
             skeleton = _split(self._capture(), arrays)
-            head = (self.step, skeleton, [(a.shape, a.dtype.str) for a in arrays])
+            # (the dtypes themselves: their .str names bfloat16, float8 and int4 alike, '<V1')
+            head = (self.step, skeleton, [(a.shape, a.dtype) for a in arrays])
         step, skeleton, specs = broadcast_object(head, backend, source)
         if backend.rank != source:
-            arrays = [np.empty(shape, np.dtype(dt)) for shape, dt in specs]
-        for dt in sorted({dt for _, dt in specs}):
-            members = [i for i, (_, d) in enumerate(specs) if d == dt]
-            flat = np.empty(sum(arrays[i].size for i in members), np.dtype(dt))
+            arrays = [np.empty(shape, dt) for shape, dt in specs]
+        for key in sorted({repr(dt) for _, dt in specs}):
+            members = [i for i, (_, d) in enumerate(specs) if repr(d) == key]
+            flat = np.empty(sum(arrays[i].size for i in members), specs[members[0]][1])
             if backend.rank == source:
                 np.concatenate([arrays[i].ravel() for i in members], out=flat)
             if flat.size:
