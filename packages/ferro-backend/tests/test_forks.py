@@ -4,51 +4,14 @@ only, and the parent's job goes on untouched."""
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import signal
 import threading
-import time
-import warnings
 
 import numpy as np
 import pytest
 
 from ferro_backend import ForkedBackendError, SimulatedBackend
-from ferro_backend.testing import run_job
-
-
-def _in_child(fn, timeout: float = 30.0):
-    """Run ``fn()`` in a forked child; its JSON result back through a pipe (the child killed
-    if it does not answer within ``timeout`` seconds)."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # (a threaded process forks)
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            out = json.dumps(fn())
-        except BaseException as exc:
-            out = json.dumps(["child failed", repr(exc)])
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    data, end = b"", time.monotonic() + timeout
-    try:
-        while time.monotonic() < end:
-            if select.select([r], [], [], max(0.0, end - time.monotonic()))[0]:
-                chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                data += chunk
-    finally:
-        os.close(r)
-        if not data:
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    assert data, f"the child did not answer in {timeout:g}s"
-    return json.loads(data)
+from ferro_backend.testing import in_fork, run_job
 
 
 def _outcomes(ops):
@@ -86,7 +49,7 @@ def test_a_simulated_group_in_a_forked_child_raises_and_the_parent_goes_on():
         got["pid"] = os.getpid()
         return got
 
-    got = _in_child(child)
+    got = in_fork(child)
     _check_child(got, os.getpid(), ["send", "recv", "irecv", "barrier"])
     assert f"process {got['pid']} is a fork" in got["send"][1]
     # the parent's group is untouched: both ranks exchange and meet
@@ -113,45 +76,35 @@ def test_the_error_is_a_closed_backend_error_naming_both_processes():
 
 
 _FORKED_RANK_0 = """
-import select
 from ferro_backend.engine import _calls, _comm
+from ferro_backend.testing import in_fork
 x = np.arange(1000, dtype=np.float32)
 engine = b.engine
 child = None
+
+
+def in_child():
+    got = {}
+    def run(name, call):
+        try:
+            call()
+            got[name] = "returned"
+        except BaseException as exc:
+            got[name] = [type(exc).__name__, str(exc)]
+    run("send", lambda: b.send(x, 1, tag=5))
+    run("recv", lambda: b.recv(np.empty_like(x), 1, tag=5, timeout=2.0))
+    run("irecv", lambda: b.irecv(np.empty_like(x), 1, tag=5))
+    run("barrier", lambda: b.barrier(timeout=2.0))
+    if engine is not None:  # the door: closed here, nothing published
+        got["door"] = _calls.Call(engine.comm, _calls.ALLREDUCE, 0).run(
+            x.copy(), np.empty_like(x), timeout=2.0)
+    run("close", b.close)
+    got["pid"] = os.getpid()
+    return got
+
+
 if b.rank == 0:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        got = {}
-        def run(name, call):
-            try:
-                call()
-                got[name] = "returned"
-            except BaseException as exc:
-                got[name] = [type(exc).__name__, str(exc)]
-        run("send", lambda: b.send(x, 1, tag=5))
-        run("recv", lambda: b.recv(np.empty_like(x), 1, tag=5, timeout=2.0))
-        run("irecv", lambda: b.irecv(np.empty_like(x), 1, tag=5))
-        run("barrier", lambda: b.barrier(timeout=2.0))
-        if engine is not None:  # the door: closed here, nothing published
-            got["door"] = _calls.Call(engine.comm, _calls.ALLREDUCE, 0).run(
-                x.copy(), np.empty_like(x), timeout=2.0)
-        run("close", b.close)
-        got["pid"] = os.getpid()
-        os.write(w, json.dumps(got).encode())
-        os._exit(0)
-    os.close(w)
-    data, end = b"", time.monotonic() + 30
-    while time.monotonic() < end:
-        if select.select([r], [], [], 1.0)[0]:
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            data += chunk
-    if not data:
-        os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    child = [json.loads(data), os.getpid()]
+    child = [in_fork(in_child), os.getpid()]
 # the parent's job goes on: messages, a barrier, the engine's door in its order
 out = np.empty_like(x)
 for i in range(3):

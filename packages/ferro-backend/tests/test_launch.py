@@ -219,34 +219,6 @@ def test_restarts_run_out_with_the_last_failures_code(tmp_path):
     assert r.stderr.count("restarting the job") == 1
 
 
-def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
-    script = write(tmp_path, "sleepy.py", """
-        import os, time
-        print("pid", os.getpid(), flush=True)
-        time.sleep(60)
-    """)
-    p = subprocess.Popen([*FERRORUN, "--nproc", "2", str(script)], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    pids = []
-    try:
-        end = time.monotonic() + 30
-        while len(pids) < 2 and time.monotonic() < end:
-            line = p.stdout.readline()
-            if " pid " in line:
-                pids.append(int(line.split(" pid ")[1]))
-        assert len(pids) == 2
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(10)
-        time.sleep(2)
-        assert [pid for pid in pids if alive(pid)] == []
-    finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.parametrize("handler", ["ours", "ignored"])
 def test_a_sigkilled_launcher_ends_what_the_ranks_started(tmp_path, handler):
     """kill -9 of ferrorun: each rank's own children go with it (they were left to PID 1); with

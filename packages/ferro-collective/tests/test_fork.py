@@ -9,39 +9,29 @@ import pytest
 from ferro_backend.testing import run_job
 
 _BODY = """
-import select
 import ferro_collective as fc
+from ferro_backend.testing import in_fork
 x = np.ones(1000, np.float32)
 fc.allreduce(x, b)
 child = None
+
+
+def in_child():
+    got = {}
+    for name, call in [("allreduce", lambda: fc.allreduce(x, b, timeout=3)),
+                       ("broadcast", lambda: fc.broadcast(x, b, root=0, timeout=3)),
+                       ("all_gather_object", lambda: fc.all_gather_object(1, b)),
+                       ("barrier", lambda: fc.barrier(b))]:
+        try:
+            call()
+            got[name] = "returned"
+        except BaseException as exc:
+            got[name] = [type(exc).__name__, str(exc)]
+    return [got, os.getpid()]
+
+
 if b.rank == 0:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        got = {}
-        for name, call in [("allreduce", lambda: fc.allreduce(x, b, timeout=3)),
-                           ("broadcast", lambda: fc.broadcast(x, b, root=0, timeout=3)),
-                           ("all_gather_object", lambda: fc.all_gather_object(1, b)),
-                           ("barrier", lambda: fc.barrier(b))]:
-            try:
-                call()
-                got[name] = "returned"
-            except BaseException as exc:
-                got[name] = [type(exc).__name__, str(exc)]
-        os.write(w, json.dumps([got, os.getpid()]).encode())
-        os._exit(0)
-    os.close(w)
-    data, end = b"", time.monotonic() + 30
-    while time.monotonic() < end:
-        if select.select([r], [], [], 1.0)[0]:
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            data += chunk
-    if not data:
-        os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    child = json.loads(data) + [os.getpid()]
+    child = in_fork(in_child) + [os.getpid()]
 fc.barrier(b)
 for _ in range(5):
     y = fc.allreduce(x, b)

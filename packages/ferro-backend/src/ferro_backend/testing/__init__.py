@@ -15,7 +15,7 @@ Real processes on 127.0.0.1 (every package's multi-process tests use these two, 
 
 Both reap every process they started, on success, failure and timeout alike.
 :func:`free_port` finds a free TCP port on 127.0.0.1, :func:`find_mpirun` the ``mpirun`` a test
-under MPI runs. :func:`check_backend` (from
+under MPI runs, :func:`in_fork` runs a function in a forked child. :func:`check_backend` (from
 :mod:`.conformance`) checks a transport written outside ferro against the Backend contract,
 :func:`check_any_source` its receives from any rank.
 """
@@ -23,9 +23,9 @@ under MPI runs. :func:`check_backend` (from
 from ..mesh.rendezvous import free_port
 from .any_source import check_any_source
 from .conformance import check_backend
-from .processes import Job, RankResult, find_mpirun, run_job, run_processes
+from .processes import Job, RankResult, find_mpirun, in_fork, run_job, run_processes
 from .threads import RankFailure, outcomes, run_ranks, run_threads
 
 __all__ = ["Job", "RankFailure", "RankResult", "check_any_source", "check_backend",
-           "find_mpirun", "free_port", "outcomes", "run_job", "run_processes", "run_ranks",
+           "find_mpirun", "free_port", "in_fork", "outcomes", "run_job", "run_processes", "run_ranks",
            "run_threads"]

@@ -299,6 +299,62 @@ class Job:
         self._cleanup()
 
 
+
+def in_fork(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Run ``fn()`` in a forked child of this process and return its result (JSON-serializable:
+    it comes back through a pipe); the child is killed if it does not answer within ``timeout``
+    seconds. For tests of what a forked process may do with objects it inherited.
+
+    Parameters
+    ----------
+    fn : callable
+        Called in the child with no arguments.
+    timeout : float, default 30
+        Seconds to wait for the child's answer.
+
+    Returns
+    -------
+    Any
+        ``fn()``'s value, through JSON; ``["child failed", repr(error)]`` if it raised.
+
+    Raises
+    ------
+    AssertionError
+        The child did not answer in time.
+    """
+    import select
+    import signal
+    import warnings
+
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (a threaded process forks)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            out = json.dumps(fn())
+        except BaseException as exc:
+            out = json.dumps(["child failed", repr(exc)])
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    data, end = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            if select.select([r], [], [], max(0.0, end - time.monotonic()))[0]:
+                chunk = os.read(r, 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        os.close(r)
+        if not data:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert data, f"the forked child did not answer in {timeout:g}s"
+    return json.loads(data)
+
+
 def run_job(body: str, world: int, **kwargs: Any) -> list[Any]:
     """Run a :class:`Job` to completion; every rank must exit 0. Returns each rank's result."""
     results = Job(body, world, **kwargs).finish()
