@@ -32,7 +32,8 @@ BARRIER_TAG = (1 << 32) - 1
 """The tag the default :meth:`Backend.barrier` uses."""
 GROUP_ABORT_TAG = (1 << 32) - 2
 """In a subgroup's tag space: its abort notice (:meth:`SubBackend.abort_group`), above every
-collective's tags."""
+collective's tags. Every ferro transport takes a message on such a tag (a subgroup id above
+:data:`GROUP_TAG_SHIFT`, these low bits) for the notice: no other message may use one."""
 
 
 class Backend(abc.ABC):
