@@ -259,8 +259,10 @@ def make(pg, timeout: float, store):
 
     try:
         capsule = comm_capsule(pg.ferro_backend)
+        # (the size of the engine's point-to-point rings: which sends fit one entry)
+        ring_bytes = int(getattr(pg.ferro_backend.engine, "ring_bytes", 0) or 0)
         backend = mod.FerroBackend(capsule, pg, pg.rank(), pg.size(), timeout,
-                                   pg._inline_async)
+                                   pg._inline_async, ring_bytes)
     except RuntimeError as exc:  # no engine, or an engine of another door ABI
         if choice() == "compiled":
             raise FerroTorchError(f"ferro-torch: FERRO_TORCH_BACKEND=compiled, but {exc}") from exc

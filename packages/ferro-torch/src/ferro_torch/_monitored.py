@@ -14,6 +14,7 @@ import time
 
 from ferro_backend import Backend
 
+from ._work import hand_over_deferred
 from .errors import FerroTorchError
 
 #: the messages of a monitored barrier: a tag of ferro's own range ([2**31, 2**32)) that
@@ -38,6 +39,7 @@ def monitored_barrier(b: Backend, timeout: float, wait_all_ranks: bool = False) 
     n, me = b.world_size, b.rank
     if n == 1:
         return
+    hand_over_deferred()  # (point-to-point messages: a peer may wait in a deferred collective)
     ms = f"{timeout * 1000:.0f}"
     token = bytearray(1)
     if me != 0:

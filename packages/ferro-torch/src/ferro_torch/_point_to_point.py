@@ -10,7 +10,7 @@ from ferro_backend.base import USER_TAG_LIMIT
 
 from ._convert import flat, readable
 from ._group_core import GroupCore
-from ._work import FerroWork, RequestWork
+from ._work import DEFERRING, FerroWork, RequestWork, hand_over_deferred
 from .errors import as_torch_error
 
 #: torch's send/recv tags must stay below ferro's user tag limit
@@ -32,6 +32,8 @@ class PointToPoint(GroupCore):
         completes when it is sent."""
         self._check("send", tensors)
         self._check_tag("send", tag)
+        if DEFERRING:  # (the peer may need these before it receives)
+            hand_over_deferred()
         work = FerroWork("send", list(tensors), self._b.timeout)
         try:
             for t in tensors:
@@ -72,6 +74,8 @@ class PointToPoint(GroupCore):
         if src is not None and src == self._b.rank:  # (its deadline, else)
             raise ValueError(f"{name}: rank {src} is this rank: no message from itself ever "
                              "comes")
+        if DEFERRING:  # (the peer may need these before it sends)
+            hand_over_deferred()
         (t,) = tensors
         staged = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         out = flat(staged).view(np.uint8)

@@ -3,13 +3,18 @@
 Each process group runs its collectives one at a time in the order they were issued, which is
 the order every rank issues them in (torch's rule), so every rank's ferro calls line up. A
 call issued with ``async_op=False`` while nothing of its group is pending runs at once in the
-caller's thread; so does an asynchronous one where this host's ranks fill its cores
-(``FERRO_BACKGROUND``, as ferro-fsdp's wrappers). Anything else goes to the group's worker
-thread, so DDP's gradient allreduces run while autograd computes.
+caller's thread. An asynchronous one where this host's ranks fill its cores
+(``FERRO_BACKGROUND``, as ferro-fsdp's wrappers) is deferred: it runs in the thread that first
+waits for, polls or asks its Work's future, or issues the group's next collective; it goes to
+the worker when a point-to-point operation is issued in the process (its peer may need that
+message before it joins the collective, as gloo's thread would have run it meanwhile) or its
+Work is waited for with a timeout. Anything else goes to the group's worker thread, so DDP's
+gradient allreduces run while autograd computes.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import queue
 import threading
@@ -37,6 +42,9 @@ def seconds(timeout: Any) -> float | None:
 class FerroWork(dist.Work):
     """One operation of a ferro process group: ``wait()``, ``is_completed()``,
     ``get_future()`` (its value: the operation's output tensors), ``exception()``."""
+
+    #: the Runner holding it deferred (None: it was not deferred)
+    _owner: Runner | None = None
 
     def __init__(self, name: str, outputs: list[torch.Tensor], timeout: float | None = None
                  ) -> None:
@@ -66,8 +74,18 @@ class FerroWork(dist.Work):
             fut.set_result(self._outputs)
 
     # -- torch's side ---------------------------------------------------------------------
+    def _claim(self, secs: float | None = None) -> None:
+        """A deferred operation: run it here (and what its group deferred before it), or, for a
+        wait with a timeout, hand it to the group's worker."""
+        if self._owner is not None and not self._done.is_set():
+            if secs is None:
+                self._owner.run_deferred(self)
+            else:
+                self._owner.hand_over()
+
     def wait(self, timeout: Any = None) -> bool:
         secs = seconds(timeout)
+        self._claim(secs)
         if not self._done.wait(secs):
             raise FerroTorchError(f"ferro {self._name}: Timed out waiting {secs * 1000:.0f}ms "
                                   f"for {self._name} to complete (Work.wait's timeout); the "
@@ -78,6 +96,7 @@ class FerroWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
+        self._claim()
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -91,6 +110,7 @@ class FerroWork(dist.Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        self._claim()
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future()
@@ -242,14 +262,27 @@ def all_of(name: str, works: list[FerroWork], timeout: float) -> FerroWork:
     return RequestWork(name, [t for w in works for t in w._outputs], AllDone(works), timeout)
 
 
+#: the Runners holding deferred operations (a point-to-point call hands them to their workers)
+DEFERRING: set = set()
+
+
+def hand_over_deferred() -> None:
+    """Every deferred operation of this process to its group's worker (a point-to-point call
+    is issued: the peer may need its message before it joins the collective)."""
+    for runner in list(DEFERRING):
+        runner.hand_over()
+
+
 class Runner:
     """Runs one process group's operations one at a time, in issue order."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._lock = threading.Lock()  # guards _pending, the queue and the thread
-        self._running = threading.Lock()  # held while an operation runs
-        self._pending = 0
+        self._lock = threading.Lock()  # guards _pending, _deferred, the queue and the thread
+        # held while an operation runs (re-entrant: a future's callback may run a deferred one)
+        self._running = threading.RLock()
+        self._pending = 0  # (the deferred ones included)
+        self._deferred: collections.deque = collections.deque()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -281,10 +314,7 @@ class Runner:
             if inline:
                 self._running.acquire()  # free: nothing of this group is pending
             else:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                    name=f"ferro-torch-{self._name}")
-                    self._thread.start()
+                self._start()
                 self._queue.put((work, fn))
         if inline:
             try:
@@ -294,6 +324,61 @@ class Runner:
                 with self._lock:
                     self._pending -= 1
         return work
+
+    def defer(self, work: FerroWork, fn: Callable[[], None]) -> FerroWork:
+        """Hold ``work`` until its Work is claimed (:meth:`FerroWork._claim`), the group's next
+        operation, or a hand-over; to the worker at once if the worker has some pending."""
+        with self._lock:
+            if self._pending != len(self._deferred):
+                return self.submit_locked(work, fn)
+            self._pending += 1
+            work._owner = self
+            self._deferred.append((work, fn))
+            DEFERRING.add(self)
+        return work
+
+    def submit_locked(self, work: FerroWork, fn: Callable[[], None]) -> FerroWork:
+        """(``_lock`` held) ``work`` to the worker."""
+        self._pending += 1
+        self._start()
+        self._queue.put((work, fn))
+        return work
+
+    def _start(self) -> None:
+        """(``_lock`` held) the worker thread, made if it was not."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"ferro-torch-{self._name}")
+            self._thread.start()
+
+    def run_deferred(self, upto: FerroWork | None = None) -> None:
+        """The deferred operations in this thread, in issue order, up to ``upto`` (None: all)."""
+        while True:
+            with self._running:
+                with self._lock:
+                    if not self._deferred or (upto is not None and not any(
+                            w is upto for w, _ in self._deferred)):
+                        return  # (another thread runs it, or the worker does)
+                    work, fn = self._deferred.popleft()
+                    if not self._deferred:
+                        DEFERRING.discard(self)
+                try:
+                    self._execute(work, fn)
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+            if work is upto:
+                return
+
+    def hand_over(self) -> None:
+        """The deferred operations to the worker, in issue order."""
+        with self._lock:
+            DEFERRING.discard(self)
+            if not self._deferred:
+                return
+            self._start()
+            while self._deferred:
+                self._queue.put(self._deferred.popleft())
 
     @staticmethod
     def _execute(work: FerroWork, fn: Callable[[], None]) -> None:
@@ -315,10 +400,12 @@ class Runner:
                 self._pending -= 1
 
     def stop(self) -> None:
+        self.hand_over()  # (run first, on the worker)
         with self._lock:
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread = None
 
 
-__all__ = ["AllDone", "DoneWork", "FerroWork", "RequestWork", "Runner", "all_of", "seconds"]
+__all__ = ["DEFERRING", "AllDone", "DoneWork", "FerroWork", "RequestWork", "Runner", "all_of",
+           "hand_over_deferred", "seconds"]

@@ -2,6 +2,7 @@
 // reduce or broadcast tensors in place: barrier, broadcast, allreduce, reduce.
 #include "ferro_c10d.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -74,7 +75,49 @@ void FerroBackend::callback_loop() {
   }
 }
 
+void FerroBackend::start_worker() {
+  if (!worker_.joinable() && !worker_done_) worker_ = std::thread([this] { loop(); });
+}
+
+void FerroBackend::hand_over() {
+  size_t n;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    n = deferred_.size();
+    if (n == 0) return;
+    for (auto& job : deferred_) queue_.push_back(std::move(job));  // (tickets in order)
+    deferred_.clear();
+    start_worker();
+  }
+  n_deferred_.fetch_sub(n, std::memory_order_acq_rel);
+  deferred_anywhere().fetch_sub(static_cast<int>(n), std::memory_order_acq_rel);
+  cv_.notify_one();
+}
+
+namespace {
+std::mutex enrolled_mu;
+std::vector<FerroBackend*>& enrolled() {
+  static std::vector<FerroBackend*> backends;
+  return backends;
+}
+}  // namespace
+
+void FerroBackend::enroll(FerroBackend* b, bool add) {
+  std::lock_guard<std::mutex> g(enrolled_mu);
+  auto& v = enrolled();
+  if (add)
+    v.push_back(b);
+  else
+    v.erase(std::remove(v.begin(), v.end(), b), v.end());
+}
+
+void FerroBackend::hand_over_all() {
+  std::lock_guard<std::mutex> g(enrolled_mu);  // (a backend leaves it first as it ends)
+  for (FerroBackend* b : enrolled()) b->hand_over();
+}
+
 void FerroBackend::stop_worker() {
+  hand_over();  // (what was deferred runs first, on the worker)
   {
     std::lock_guard<std::mutex> g(mu_);
     stopping_ = true;

@@ -2,10 +2,14 @@
 //
 // FerroBackend runs a group's collectives as the door's calls on raw tensor memory, without
 // Python and without the GIL: a synchronous call (asyncOp false) in the caller's thread, an
-// asynchronous one on the backend's worker thread (or in the caller's where the host's ranks
-// fill its cores, as the Python backend does: FERRO_BACKGROUND=auto). Every operation reserves
-// its door tickets when it is issued, in issue order, so the door runs the calls of every
-// thread (and ferro's own Python collectives on the same engine) in that order on every rank.
+// asynchronous one on the backend's worker thread, or, where the host's ranks fill its cores
+// (FERRO_BACKGROUND=auto, as the Python backend does), deferred: run in the thread that first
+// waits for, polls or asks its Work's future, or issues the group's next collective; handed to
+// the worker when a point-to-point operation is issued in the process (which its peer may need
+// before it joins the collective, as on gloo) or its Work is waited for with a timeout. Every
+// operation reserves its door tickets when it is issued, in issue order, so the door runs the
+// calls of every thread (and ferro's own Python collectives on the same engine) in that order
+// on every rank.
 //
 // Point-to-point messages run on the door's send and recv (p2p.cpp), on a pool of threads of
 // their own. What the door cannot do (sparse tensors, a reduction of a dtype or op it lacks,
@@ -54,6 +58,10 @@ class FerroWork : public c10d::Work {
   void settle(const FuturePtr& future);
   std::vector<at::Tensor> result() override;
   FuturePtr getFuture() override;
+
+ protected:
+  // c10d's wait, its timeout worded as ferro's (which call; that the work goes on)
+  bool wait_worded(Ms timeout);
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -177,8 +185,9 @@ struct PyState;
 
 class FerroBackend : public c10d::Backend {
  public:
+  // ring_bytes: the engine's point-to-point ring size (0: unknown; no send runs inline)
   FerroBackend(ferro_comm* comm, int rank, int size, Ms timeout, bool inline_async,
-               std::unique_ptr<PyState> py);
+               size_t ring_bytes, std::unique_ptr<PyState> py);
   ~FerroBackend() override;
 
   const std::string getBackendName() const override { return "ferro"; }
@@ -270,6 +279,30 @@ class FerroBackend : public c10d::Backend {
   // `work`, noted as part of the coalesced block torch has open, if any
   WorkPtr noted(WorkPtr work);
 
+  // -- deferred asynchronous collectives (see the top)
+  // run them in this thread, in issue order, up to and including `upto` (nullptr: all)
+  void run_deferred(const c10d::Work* upto);
+  // before another collective of this group: run them here (handed to the worker while
+  // another ferro group is open, as an asynchronous call then goes there)
+  void flush_deferred() {
+    if (n_deferred_.load(std::memory_order_acquire) == 0) return;
+    if (open_backends().load(std::memory_order_relaxed) == 1)
+      run_deferred(nullptr);
+    else
+      hand_over();
+  }
+  // to the worker, in order (which it runs at once)
+  void hand_over();
+  // every backend's of this process: a point-to-point operation is issued
+  static void hand_over_all();
+  // the backends of this process hand_over_all reaches (add: one made; else: one ending)
+  static void enroll(FerroBackend* b, bool add);
+  // deferred collectives not yet run or handed over, in every backend of the process
+  static std::atomic<int>& deferred_anywhere() {
+    static std::atomic<int> n{0};
+    return n;
+  }
+
  private:
   using Body = std::function<void(Tickets&, double)>;
   struct Job {
@@ -306,10 +339,14 @@ class FerroBackend : public c10d::Backend {
   void stop_worker();
   void py_release();
 
+  // the worker to start if it was not (mu_ held)
+  void start_worker();
+
   ferro_comm* comm_;
   const ferro_engine_api* api_;
   Ms timeout_;
   bool inline_async_;
+  size_t inline_send_;  // a send up to this size is tried in the caller's thread (p2p.cpp)
   std::atomic<bool> counted_{true};
   std::unique_ptr<PyState> py_;
   std::atomic<uint64_t> seq_{0};
@@ -321,6 +358,8 @@ class FerroBackend : public c10d::Backend {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> queue_;
+  std::deque<Job> deferred_;  // (their tickets reserved at issue, after queue_'s)
+  std::atomic<size_t> n_deferred_{0};
   bool stopping_ = false;
   std::thread worker_;
   // the futures of the worker's operations complete on a thread of their own (their
@@ -334,30 +373,57 @@ class FerroBackend : public c10d::Backend {
   std::shared_ptr<Lanes> p2p_ = std::make_shared<Lanes>();
 };
 
+// An asynchronous collective deferred (see the top): wait() with no timeout, isCompleted()
+// and getFuture() run it (and the ones deferred before it) in this thread; wait() with a
+// timeout hands them to the worker first.
+class DeferredWork : public FerroWork {
+ public:
+  DeferredWork(c10d::OpType type, std::vector<at::Tensor> outputs,
+               c10::weak_intrusive_ptr<FerroBackend> owner);
+  bool wait(Ms timeout = ::kNoTimeout) override;
+  bool isCompleted() override;
+  FuturePtr getFuture() override;
+
+ private:
+  c10::weak_intrusive_ptr<FerroBackend> owner_;
+};
+
 template <class F>
 WorkPtr FerroBackend::issue(c10d::OpType type, bool async_op, Ms timeout, size_t calls,
                             std::vector<at::Tensor> outputs, F&& body) {
   TORCH_CHECK(!closed_, "ferro: the process group was shut down");
   ++seq_;
   const double secs = seconds(timeout);
-  auto work = c10::make_intrusive<FerroWork>(type, std::move(outputs));
-  if (!async_op || (inline_async_ && open_backends().load(std::memory_order_relaxed) == 1)) {
-    std::exception_ptr error;
-    try {
+  flush_deferred();  // (the group's collectives keep their order)
+  if (!async_op) {
+    auto work = c10::make_intrusive<FerroWork>(type, std::move(outputs));
+    {
       Tickets t(comm_, api_, calls);
-      body(t, secs);
-    } catch (...) {
-      if (!async_op) throw;  // a synchronous call raises
-      error = std::current_exception();
+      body(t, secs);  // (a synchronous call raises)
     }
-    work->complete(error);
+    work->complete();
     return noted(work);
   }
+  if (inline_async_ && open_backends().load(std::memory_order_relaxed) == 1) {
+    auto work = c10::make_intrusive<DeferredWork>(
+        type, std::move(outputs),
+        c10::weak_intrusive_ptr<FerroBackend>(
+            c10::intrusive_ptr<FerroBackend>::unsafe_reclaim_from_nonowning(this)));
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      deferred_.push_back(
+          Job{work, Tickets(comm_, api_, calls), secs, Body(std::forward<F>(body))});
+    }
+    n_deferred_.fetch_add(1, std::memory_order_release);
+    deferred_anywhere().fetch_add(1, std::memory_order_release);
+    return noted(work);
+  }
+  auto work = c10::make_intrusive<FerroWork>(type, std::move(outputs));
   {
     // tickets reserved in the order operations enter the queue: the worker's order
     std::lock_guard<std::mutex> g(mu_);
     queue_.push_back(Job{work, Tickets(comm_, api_, calls), secs, Body(std::forward<F>(body))});
-    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    start_worker();
   }
   cv_.notify_one();
   return noted(work);

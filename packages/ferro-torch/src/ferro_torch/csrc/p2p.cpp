@@ -6,8 +6,9 @@
 // at once, so a message runs on a thread of the group's point-to-point pool (Lanes): one lane
 // per destination for sends, per (source, tag) for receives (per tag for any source), each
 // lane's operations in issue order, different lanes at once (a receive that waits never holds
-// up another tag's or another peer's). A small send to a destination with nothing pending
-// runs in the caller's thread: it only writes into the ring, and returns a finished Work.
+// up another tag's or another peer's). A small send to a destination with nothing pending is
+// tried in the caller's thread: it only writes into the ring if there is room (a finished
+// Work), and goes to the pool if there is none.
 // A Work waited for with no timeout before any pool thread took its operation (a synchronous
 // dist.recv or dist.send, batch_isend_irecv's waits) runs it in the waiting thread, and a
 // small receive is parked until then (Lanes): no thread wakes another for it. The pool still
@@ -22,9 +23,15 @@ namespace ferro_torch {
 
 namespace {
 
-// messages up to this size are sent in the caller's thread when their lane is idle (they fit
-// the ring's room unless the peer has left thousands of messages unread)
+// messages up to this size (and within a quarter of the ring: one entry) are tried in the
+// caller's thread when their lane is idle: a door send whose deadline has passed, which puts
+// the message if the ring has room for it and otherwise gives up without writing it (then the
+// pool sends it, waiting for room as long as its timeout: a peer that posts its receives after
+// its own sends has not read the ring yet, and would never read it while this thread waited)
 constexpr size_t kInlineSend = 64 << 10;
+// that deadline (0 is "the default timeout"): the door gives up within two of the kernel's
+// coarse clock ticks (under 8 ms) when there is no room
+constexpr double kTrySend = 1e-9;
 
 void check_message(const char* name, const std::vector<at::Tensor>& tensors, int peer,
                    int size, int tag) {
@@ -203,21 +210,7 @@ bool LaneWork::wait(Ms timeout) {
       if (timeout != ::kNoTimeout || !lanes->run_here(key, job)) lanes->start(key);
     }
   }
-  if (timeout == ::kNoTimeout) return FerroWork::wait(timeout);
-  try {
-    return FerroWork::wait(timeout);
-  } catch (const c10::Error&) {
-    if (FerroWork::isCompleted()) throw;  // (the message's own error)
-    // c10d's own words are a bare "Operation timed out!": say which call, and that it goes on
-    std::string op = c10d::opTypeToString(retrieveOpType());
-    std::transform(op.begin(), op.end(), op.begin(), [](unsigned char ch) {
-      return static_cast<char>(std::tolower(ch));
-    });
-    std::rethrow_exception(backend_error(
-        "ferro " + op + ": Timed out waiting " + std::to_string(timeout.count()) + "ms for " +
-        op + " to complete (Work.wait's timeout); the work goes on: a later wait() can still "
-        "complete it, and a receive still takes the message it waits for"));
-  }
+  return wait_worded(timeout);
 }
 
 bool LaneWork::isCompleted() {
@@ -239,6 +232,7 @@ FuturePtr LaneWork::getFuture() {
 WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_message("send", tensors, dst, size_, tag);
   TORCH_CHECK(!closed_, "ferro: the process group was shut down");
+  if (deferred_anywhere().load(std::memory_order_acquire) > 0) hand_over_all();
   at::Tensor buf = dense(tensors[0]);  // (a copy of a non-contiguous tensor, taken now)
   auto work = c10::make_intrusive<LaneWork>(c10d::OpType::SEND, tensors);
   const double secs = seconds(Ms(0));
@@ -256,10 +250,24 @@ WorkPtr FerroBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
     work->complete(error);
   };
   const Lanes::Key key{0, dst, 0};
-  if (bytes_of(buf) <= kInlineSend && p2p_->idle(key))
-    body();  // (an error is raised at wait(), as from the pool)
-  else
-    work->posted(p2p_, key, p2p_->post(key, std::move(body)));
+  if (bytes_of(buf) <= inline_send_ && p2p_->idle(key)) {
+    // tried here: never waits for room (see kInlineSend)
+    ferro_opts o = FERRO_OPTS_INIT;
+    o.timeout = kTrySend;
+    int rc = api_->send(comm_, buf.data_ptr(), bytes_of(buf), dst, static_cast<uint64_t>(tag),
+                        &o);
+    if (rc != FERRO_TIMEOUT) {
+      std::exception_ptr error;
+      try {
+        if (rc != FERRO_OK) fail("send", rc, secs);
+      } catch (...) {
+        error = std::current_exception();  // (raised at wait(), as from the pool)
+      }
+      work->complete(error);
+      return noted(work);
+    }
+  }
+  work->posted(p2p_, key, p2p_->post(key, std::move(body)));
   return noted(work);
 }
 
@@ -279,6 +287,8 @@ WorkPtr FerroBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
 WorkPtr FerroBackend::receive(std::vector<at::Tensor>& tensors, int src, int tag,
                               c10d::OpType type) {
   TORCH_CHECK(!closed_, "ferro: the process group was shut down");
+  // (the peer may need this rank's deferred collectives to run before it sends)
+  if (deferred_anywhere().load(std::memory_order_acquire) > 0) hand_over_all();
   auto work = c10::make_intrusive<LaneWork>(type, tensors);
   const double secs = seconds(Ms(0));
   at::Tensor out = tensors[0];

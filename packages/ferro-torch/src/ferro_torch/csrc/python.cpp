@@ -7,6 +7,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <optional>
+
 #include "ferro/engine_python.h"
 #include "ferro_c10d.hpp"
 
@@ -34,6 +37,7 @@ struct WithoutGil {
 template <class Opts, class F>
 WorkPtr in_python(FerroBackend& b, c10d::OpType type, std::vector<at::Tensor> outputs,
                   const Opts& opts, F&& call) {
+  b.flush_deferred();  // (the group's collectives keep their order)
   Opts sync = opts;
   sync.asyncOp = false;
   {
@@ -50,17 +54,21 @@ WorkPtr in_python(FerroBackend& b, c10d::OpType type, std::vector<at::Tensor> ou
 
 // ---------------------------------------------------------------------------- lifetime
 FerroBackend::FerroBackend(ferro_comm* comm, int rank, int size, Ms timeout, bool inline_async,
-                           std::unique_ptr<PyState> py)
+                           size_t ring_bytes, std::unique_ptr<PyState> py)
     : c10d::Backend(rank, size),
       comm_(comm),
       api_(ferro_api(comm)),
       timeout_(timeout),
       inline_async_(inline_async),
+      // (a message of one ring entry: at most a quarter of the ring, less its header)
+      inline_send_(ring_bytes >= 256 ? std::min<size_t>(64 << 10, ring_bytes / 4 - 32) : 0),
       py_(std::move(py)) {
   open_backends().fetch_add(1);
+  enroll(this, true);
 }
 
 FerroBackend::~FerroBackend() {
+  enroll(this, false);
   uncount();
   {
     WithoutGil unlocked;
@@ -125,10 +133,42 @@ void FerroBackend::abort() {
 
 // ---------------------------------------------------------------------------- monitored barrier
 void FerroBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  flush_deferred();
   py::gil_scoped_acquire gil;
   py::object timeout = opts.timeout.count() < 0 ? py::object(py::none())
                                                 : py::object(py::float_(opts.timeout.count() / 1000.0));
   py_->group.attr("monitored_barrier")(timeout, wait_all_ranks);
+}
+
+// ---------------------------------------------------------------------------- deferred
+// (here: the GIL is let go while they run, as torch lets it go for an issue or a wait)
+void FerroBackend::run_deferred(const c10d::Work* upto) {
+  WithoutGil unlocked;
+  for (;;) {
+    std::optional<Job> job;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (deferred_.empty()) return;
+      if (upto != nullptr && std::none_of(deferred_.begin(), deferred_.end(), [&](const Job& j) {
+            return j.work.get() == upto;
+          }))
+        return;  // (another thread runs it, or the worker does)
+      job.emplace(std::move(deferred_.front()));
+      deferred_.pop_front();
+    }
+    n_deferred_.fetch_sub(1, std::memory_order_acq_rel);
+    deferred_anywhere().fetch_sub(1, std::memory_order_acq_rel);
+    std::exception_ptr error;
+    try {
+      job->body(job->tickets, job->seconds);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    auto work = std::move(job->work);
+    job.reset();  // its unused tickets given back, its tensors let go
+    work->complete(error);  // (its future's callbacks run here)
+    if (work.get() == upto) return;
+  }
 }
 
 // ---------------------------------------------------------------------------- collectives
@@ -199,7 +239,8 @@ class FerroProcessGroup : public c10d::ProcessGroup {
 };
 
 c10::intrusive_ptr<FerroBackend> make_backend(py::object capsule, py::object group, int rank,
-                                              int size, double timeout, bool inline_async) {
+                                              int size, double timeout, bool inline_async,
+                                              size_t ring_bytes) {
   char why[512];
   ferro_comm* c = ferro_attach_capsule(capsule.ptr(), why, sizeof why);
   if (c == nullptr) throw std::runtime_error(why);
@@ -215,7 +256,7 @@ c10::intrusive_ptr<FerroBackend> make_backend(py::object capsule, py::object gro
   py->group = std::move(group);
   return c10::make_intrusive<FerroBackend>(
       c, rank, size, ferro_torch::Ms(static_cast<int64_t>(timeout * 1000.0)), inline_async,
-      std::move(py));
+      ring_bytes, std::move(py));
 }
 
 }  // namespace
@@ -225,7 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_::import("torch.distributed");  // (c10d::Backend's Python type, our base)
   py::class_<FerroBackend, c10d::Backend, c10::intrusive_ptr<FerroBackend>>(m, "FerroBackend")
       .def(py::init(&make_backend), py::arg("capsule"), py::arg("python_group"),
-           py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("inline_async"))
+           py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("inline_async"),
+           py::arg("ring_bytes") = 0)
       .def_property_readonly("python_group",
                              [](FerroBackend& b) { return b.python().group; })
       .def_property_readonly("inline_async", &FerroBackend::inline_async)

@@ -5,6 +5,9 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cctype>
+
 namespace ferro_torch {
 
 FuturePtr tensor_future() {
@@ -59,6 +62,53 @@ FuturePtr FerroWork::getFuture() {
   g.unlock();
   ferro_torch::settle(f, outputs_, error);
   return f;
+}
+
+bool FerroWork::wait_worded(Ms timeout) {
+  if (timeout == ::kNoTimeout) return c10d::Work::wait(timeout);
+  try {
+    return c10d::Work::wait(timeout);
+  } catch (const c10::Error&) {
+    if (c10d::Work::isCompleted()) throw;  // (the operation's own error)
+    // c10d's own words are a bare "Operation timed out!": say which call, and that it goes on
+    std::string op = c10d::opTypeToString(retrieveOpType());
+    std::transform(op.begin(), op.end(), op.begin(), [](unsigned char ch) {
+      return static_cast<char>(std::tolower(ch));
+    });
+    std::rethrow_exception(backend_error(
+        "ferro " + op + ": Timed out waiting " + std::to_string(timeout.count()) + "ms for " +
+        op + " to complete (Work.wait's timeout); the work goes on: a later wait() can still "
+        "complete it, and a receive still takes the message it waits for"));
+  }
+}
+
+// ---------------------------------------------------------------------------- DeferredWork
+DeferredWork::DeferredWork(c10d::OpType type, std::vector<at::Tensor> outputs,
+                           c10::weak_intrusive_ptr<FerroBackend> owner)
+    : FerroWork(type, std::move(outputs)), owner_(std::move(owner)) {}
+
+bool DeferredWork::wait(Ms timeout) {
+  if (!c10d::Work::isCompleted()) {
+    if (auto b = owner_.lock()) {
+      if (timeout == ::kNoTimeout)
+        b->run_deferred(this);
+      else
+        b->hand_over();  // (the worker runs it while this thread waits as long as it says)
+    }
+  }
+  return wait_worded(timeout);
+}
+
+bool DeferredWork::isCompleted() {
+  if (!c10d::Work::isCompleted())
+    if (auto b = owner_.lock()) b->run_deferred(this);
+  return c10d::Work::isCompleted();
+}
+
+FuturePtr DeferredWork::getFuture() {
+  if (!c10d::Work::isCompleted())
+    if (auto b = owner_.lock()) b->run_deferred(this);
+  return FerroWork::getFuture();
 }
 
 // ---------------------------------------------------------------------------- CoalescedWork
