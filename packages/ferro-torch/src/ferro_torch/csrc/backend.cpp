@@ -41,14 +41,7 @@ void FerroBackend::loop() {
       job.emplace(std::move(queue_.front()));
       queue_.pop_front();
     }
-    std::exception_ptr error;
-    try {
-      job->body(job->tickets, job->seconds);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    auto work = std::move(job->work);
-    job.reset();  // its unused tickets given back, its tensors let go
+    auto [work, error] = run_job(job);
     FuturePtr f = work->finish(error);
     if (!f) continue;
     {

@@ -311,6 +311,20 @@ class FerroBackend : public c10d::Backend {
     double seconds;
     Body body;
   };
+  // Run `job`'s body (the worker's and a deferred one's): its Work and the error it raised;
+  // the job let go (its unused tickets given back, its tensors released).
+  static std::pair<c10::intrusive_ptr<FerroWork>, std::exception_ptr> run_job(
+      std::optional<Job>& job) {
+    std::exception_ptr error;
+    try {
+      job->body(job->tickets, job->seconds);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    auto work = std::move(job->work);
+    job.reset();
+    return {std::move(work), error};
+  }
 
   // Issue an operation of `calls` door calls: run body(tickets, seconds) now in this thread
   // (synchronous, or asynchronous where those run inline) or queue it for the worker.

@@ -158,14 +158,7 @@ void FerroBackend::run_deferred(const c10d::Work* upto) {
     }
     n_deferred_.fetch_sub(1, std::memory_order_acq_rel);
     deferred_anywhere().fetch_sub(1, std::memory_order_acq_rel);
-    std::exception_ptr error;
-    try {
-      job->body(job->tickets, job->seconds);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    auto work = std::move(job->work);
-    job.reset();  // its unused tickets given back, its tensors let go
+    auto [work, error] = run_job(job);
     work->complete(error);  // (its future's callbacks run here)
     if (work.get() == upto) return;
   }
