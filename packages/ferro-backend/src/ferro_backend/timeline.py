@@ -25,13 +25,14 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from .trace_files import _earlier_events, check_env_dir, merge, rank_files
 
 __all__ = ["active", "add_hook", "check_env_dir", "merge", "rank_files", "record", "span",
            "start_from_env", "trace"]
@@ -47,8 +48,6 @@ _hooks: list[Callable[[bool], None]] = []
 _open: dict[int, tuple] = {}  # the traced calls in flight: id(entry) -> entry (see _begin)
 _written: set[Path] = set()  # the files FERRO_TRACE had this process write (a later init appends)
 _in_recv = threading.local()  # .on: inside a traced recv (its inner wait is not recorded again)
-#: a rank's file in a FERRO_TRACE / ``ferrorun --trace`` directory (not ``rank_0_metrics.json``)
-_RANK_FILE = re.compile(r"rank_\d+\.json")
 
 
 def _now_us() -> float:
@@ -326,42 +325,6 @@ def trace(path, *, backend=None, rank: int | None = None) -> Iterator[None]:
         _stop(Path(path))
 
 
-def check_env_dir(directory: str) -> Path:
-    """``FERRO_TRACE=directory``: made now (before the job starts), so that a path that is a
-    file or cannot be created is said at once, not found when the rank exits.
-
-    Parameters
-    ----------
-    directory : str
-        The value of ``FERRO_TRACE``.
-
-    Returns
-    -------
-    pathlib.Path
-        The directory, which exists.
-
-    Raises
-    ------
-    ferro_backend.errors.SettingError
-        It cannot be a directory this process writes to: the message names ``FERRO_TRACE``
-        and the path.
-    """
-    from . import settings
-    from .errors import SettingError
-
-    path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        what = ("it is a file, not a directory" if path.exists() and not path.is_dir()
-                else f"cannot create the directory: {exc.strerror or exc}")
-        raise SettingError(f"{settings.TRACE.name} {directory!r} is invalid, {what}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SettingError(f"{settings.TRACE.name} {directory!r} is invalid, cannot write to "
-                           "the directory: Permission denied")
-    return path
-
-
 def start_from_env(backend, directory: str) -> None:
     """``FERRO_TRACE=directory``: trace ``backend``'s rank until it closes (or the process
     exits, SIGTERM included): then ``directory/rank_<r>.json``.
@@ -431,32 +394,6 @@ def start_from_env(backend, directory: str) -> None:
     atexit.register(finish)
 
 
-def _earlier_events(path: Path) -> list:
-    """The events (not the metadata) of ``path``, which this process wrote before."""
-    try:
-        return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") != "M"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
-
-
-def rank_files(directory) -> list[Path]:
-    """The ranks' files in a ``FERRO_TRACE`` directory: ``rank_<r>.json`` only (not a
-    ``rank_0_metrics.json`` of the user's), sorted by rank.
-
-    Parameters
-    ----------
-    directory : str or os.PathLike
-        The directory.
-
-    Returns
-    -------
-    list of pathlib.Path
-        Its entries named ``rank_<digits>.json``.
-    """
-    found = [p for p in Path(directory).iterdir() if _RANK_FILE.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name[5:-5]))
-
-
 def _finite(value: Any) -> Any:
     """A non-finite float as a string (JSON has no NaN: chrome://tracing refuses the file)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -474,36 +411,3 @@ def _plain(value: Any) -> Any:
         except (TypeError, ValueError):
             pass
     return repr(value)
-
-
-def merge(files, out) -> Path:
-    """One trace of the whole job from the ranks' files (``ferrorun --trace``).
-
-    Parameters
-    ----------
-    files : iterable of str or os.PathLike
-        The ranks' trace-event files.
-    out : str or os.PathLike
-        The merged file written.
-
-    Returns
-    -------
-    pathlib.Path
-        ``out``.
-
-    Raises
-    ------
-    ValueError
-        A file is no trace-event JSON (the message names it).
-    OSError
-        A file cannot be read, or ``out`` written.
-    """
-    events: list = []
-    for f in sorted(map(Path, files)):
-        try:
-            events.extend(json.loads(f.read_text())["traceEvents"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{f} is no trace-event JSON ({type(exc).__name__}: {exc})") from None
-    out = Path(out)
-    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
-    return out
