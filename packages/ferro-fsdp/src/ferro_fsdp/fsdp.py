@@ -45,7 +45,7 @@ from .schedule import UnitSchedule
 from .sharded_state import ShardedStateDicts, load
 from .strategy import ShardingStrategy
 from .units import Unit
-from .wrap_policy import find_units
+from .wrap_policy import find_units, owners
 from .wrapper import ModuleWrapper
 
 
@@ -301,7 +301,8 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
             per_unit = {k: bool(v) and default for k, v in reshard.items()}
         elif reshard is not None:
             default = bool(reshard) and default
-        owner = _owners(self._module, unit_modules, {id(self._params[i]): i for i in own})
+        owner = owners(self._module, unit_modules, {id(self._params[i]): i for i in own},
+                       lambda m: isinstance(m, FSDP))
         subs = [Unit(self, name, m, sorted(i for i in own if owner[i] == name),
                      per_unit.get(name, default)) for name, m in unit_modules]
         root = Unit(self, "", None, [i for i in own if owner[i] == ""],
@@ -428,38 +429,6 @@ class FSDP(UnitSchedule, ModuleWrapper, Module, GradientSync, ShardedStateDicts)
         if self._layout.world > 1 and self._layout.numel:
             flat = all_gather(flat, self._shard_group, timeout=self._timeout)
         return self._layout.gathered_to_full(flat)
-
-
-def _owners(root: Module, unit_modules: list[tuple[str, Module]],
-            index: dict[int, int]) -> dict[int, str]:
-    """The unit (its name; ``""``: the root unit) that holds each parameter of ``index`` (id of
-    a Parameter to its index): the innermost unit whose module holds every place the parameter
-    appears in the module tree. A parameter of one module is that module's innermost unit's; one
-    shared by modules of several units (tied weights) belongs to a unit enclosing all of them
-    (the root unit when no other does), so it is gathered whenever any of its users runs and
-    its gradient sums every use."""
-    unit_of = {id(m): name for name, m in unit_modules}
-    chains: dict[int, list[tuple[str, ...]]] = {}
-
-    def walk(m: Module, chain: tuple[str, ...], path: set[int]) -> None:
-        if id(m) in path or (isinstance(m, FSDP) and m is not root):
-            return  # (a module inside itself: walked once; a nested FSDP keeps its own)
-        if id(m) in unit_of and m is not root:
-            chain = (*chain, unit_of[id(m)])
-        for _, p in m.named_parameters(recurse=False):
-            if id(p) in index:
-                chains.setdefault(index[id(p)], []).append(chain)
-        for _, child in m.named_children():
-            walk(child, chain, path | {id(m)})
-
-    while isinstance(root, FSDP):  # (an FSDP given to an FSDP: its module's tree)
-        root = root._module
-    walk(root, ("",), set())
-    owner = {}
-    for i, found in chains.items():
-        common = set(found[0]).intersection(*found[1:])
-        owner[i] = next(name for name in reversed(found[0]) if name in common)
-    return owner
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -66,4 +66,39 @@ def find_units(root: Module, wrap: Any, is_nested: Callable[[Module], bool]
     return units, nested
 
 
-__all__ = ["find_units"]
+
+
+def owners(root: Module, unit_modules: list[tuple[str, Module]], index: dict[int, int],
+           is_nested: Callable[[Module], bool]) -> dict[int, str]:
+    """The unit (its name; ``""``: the root unit) that holds each parameter of ``index`` (id of
+    a Parameter to its index): the innermost unit whose module holds every place the parameter
+    appears in the module tree. A parameter of one module is that module's innermost unit's; one
+    shared by modules of several units (tied weights) belongs to a unit enclosing all of them
+    (the root unit when no other does), so it is gathered whenever any of its users runs and
+    its gradient sums every use. ``is_nested(m)``: ``m`` is an FSDP (a nested one keeps its
+    own parameters; the root given as one stands for its module's tree)."""
+    unit_of = {id(m): name for name, m in unit_modules}
+    chains: dict[int, list[tuple[str, ...]]] = {}
+
+    def walk(m: Module, chain: tuple[str, ...], path: set[int]) -> None:
+        if id(m) in path or (is_nested(m) and m is not root):
+            return  # (a module inside itself: walked once; a nested FSDP keeps its own)
+        if id(m) in unit_of and m is not root:
+            chain = (*chain, unit_of[id(m)])
+        for _, p in m.named_parameters(recurse=False):
+            if id(p) in index:
+                chains.setdefault(index[id(p)], []).append(chain)
+        for _, child in m.named_children():
+            walk(child, chain, path | {id(m)})
+
+    while is_nested(root):  # (an FSDP given to an FSDP: its module's tree)
+        root = root._module
+    walk(root, ("",), set())
+    owner = {}
+    for i, found in chains.items():
+        common = set(found[0]).intersection(*found[1:])
+        owner[i] = next(name for name in reversed(found[0]) if name in common)
+    return owner
+
+
+__all__ = ["find_units", "owners"]
