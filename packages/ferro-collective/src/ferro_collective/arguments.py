@@ -33,15 +33,21 @@ def fast_array(tensor) -> np.ndarray | None:
     return np.asarray(tensor) if isinstance(tensor, SCALARS) else None
 
 
-def check_out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-    """``out=`` checked: a writable C-contiguous ndarray of the result's shape and dtype."""
-    if out is None:
-        return None
+def check_out_like(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """``out=`` an ndarray (else TypeError) of the result's shape and dtype (else
+    SizeMismatchError, naming both)."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
                                 f"{np.dtype(dtype)}{list(shape)}")
+
+
+def check_out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """``out=`` checked: a writable C-contiguous ndarray of the result's shape and dtype."""
+    if out is None:
+        return None
+    check_out_like(name, out, shape, dtype)
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"{name}: out must be writable and C-contiguous")
     return out

@@ -24,6 +24,7 @@ from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
+from .arguments import check_out_like
 from .compressed_agreement import Numbers, WholeCheck, identity
 from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes, refuse
 from .compressed_steps import (
@@ -200,9 +201,7 @@ def _pieces_call(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend,
         result = into.reshape(x.shape)
         if out is None:
             return result
-        if not isinstance(out, np.ndarray) or out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"allreduce: out= must be an array of shape {x.shape} and dtype "
-                             f"{x.dtype}")
+        check_out_like("allreduce", out, x.shape, x.dtype)
         out[...] = result
         return out
 

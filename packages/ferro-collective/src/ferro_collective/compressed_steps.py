@@ -20,6 +20,7 @@ from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
 from . import tracing
+from .arguments import check_out_like
 from .compressed_agreement import PREFIX, Numbers, check_identities, identity
 from .dispatch import run
 from .executors import prepared
@@ -90,9 +91,7 @@ def deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
     result = result.reshape(shape)
     if out is None:
         return result if like.dtype == np.float32 else result.astype(like.dtype)
-    if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != like.dtype:
-        raise ValueError(f"{name}: out= must be an array of shape {shape} and dtype "
-                         f"{like.dtype}")
+    check_out_like(name, out, shape, like.dtype)
     out[...] = result
     return out
 
