@@ -1,6 +1,8 @@
 """What torch and mpi4py users' hands expect: torch's names, an op passed where the root goes,
 and a closed backend that stays closed (on threads, TCP and the engine)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,35 @@ def test_a_compressed_call_on_a_closed_backend_names_the_call(wire):
                         lambda: fc.reduce_scatter(np.ones(8, np.float32), b, wire=wire))):
         with pytest.raises(PeerClosedError, match=f"^{name}: rank 0's backend is closed"):
             call()
+
+
+def _peer_closes_during(b, kind):
+    """Rank 1 closes its backend while rank 0 waits in an allreduce (blocking or async)."""
+    if b.rank == 1:
+        time.sleep(0.3)
+        b.close()
+        return None
+    try:
+        if kind == "sync":
+            fc.allreduce(np.ones(1000), b, timeout=20)
+        else:
+            fc.allreduce_async(np.ones(1000), b, timeout=20).wait(20)
+    except PeerClosedError as exc:
+        return type(exc).__name__, str(exc)
+    return "returned"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])
+def test_a_peers_close_during_a_call_names_the_call(transport, kind):
+    # it named only the transport's operation: "recv: rank 0 <-> 1: peer rank 1 is gone"
+    if transport == "threads":
+        res = run_ranks(lambda b: _peer_closes_during(b, kind), 2)
+    else:
+        res = run_processes(_peer_closes_during, 2, kind, transport=transport, timeout=60)
+    name, msg = res[0]
+    assert name == "PeerClosedError" and msg.startswith("allreduce") and "rank 1" in msg, msg
+    assert res[1] is None
 
 
 EXIT_SCRIPT = """

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ferro_backend import CollectiveTimeoutError
+from ferro_backend import CollectiveTimeoutError, PeerClosedError
 from ferro_backend.partition import split_bounds
 
 from . import costmodel, gathered, pair
@@ -120,6 +120,13 @@ class Ctx:
 
     def send(self, data: np.ndarray, dst: int, tag: int) -> None:
         self.backend.send(data, dst, tag=tag)
+
+    def name_failure(self, exc: PeerClosedError) -> None:
+        """Name this call in ``exc``'s message (the transport's names only its own operation,
+        ``recv`` or ``send``, and the two ranks), keeping its type and attributes."""
+        prefix = f"{self.name} (seq {self.seq}) on rank {self.rank}"
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(prefix):
+            exc.args = (f"{prefix}: {exc.args[0]}",) + exc.args[1:]
 
     def wait(self, req, src: int, what: str, missing=None) -> None:
         """Wait for ``req`` from ``src``: a stall report at the soft deadline, then the error."""

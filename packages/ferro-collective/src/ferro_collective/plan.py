@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ferro_backend import Backend
+from ferro_backend import Backend, PeerClosedError
 
 from . import costmodel, gathered
 from .header import encode, mismatch_check_enabled
@@ -112,14 +112,18 @@ class Plan:
         the whole barrier), then the body; where the call has one, the body that sends its data
         with its header (:attr:`pair`)."""
         ctx = self.context()
-        if ctx.n > 1 and (self.name == "barrier" or
-                          (mismatch_check_enabled() and not self.checked)):
-            if self.pair is not None:
-                result = self.pair(ctx, self.encoded())
-                ctx.release()
-                return result
-            header_exchange(ctx, self.encoded())
-        result = self.python(ctx)
+        try:
+            if ctx.n > 1 and (self.name == "barrier" or
+                              (mismatch_check_enabled() and not self.checked)):
+                if self.pair is not None:
+                    result = self.pair(ctx, self.encoded())
+                    ctx.release()
+                    return result
+                header_exchange(ctx, self.encoded())
+            result = self.python(ctx)
+        except PeerClosedError as exc:
+            ctx.name_failure(exc)
+            raise
         ctx.release()  # its working arrays, for the next call (not after a failure)
         return result
 
