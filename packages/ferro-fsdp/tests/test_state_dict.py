@@ -251,6 +251,45 @@ def test_resume_into_a_model_of_another_shape_names_the_shapes_and_sizes():
         assert "another shape" in msg
 
 
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+def test_shards_of_a_model_twice_as_wide_are_not_taken_for_full_tensors(wrapper):
+    """Hidden width halved on 2 ranks: every rank's piece has the new parameter's size, and
+    was loaded as "the full tensor on every rank" (rank 0 the first half, rank 1 the second).
+    It is refused on every rank before anything is loaded; the full tensors still load."""
+    from ferro_fsdp import DDP
+
+    wide, narrow = (4, 8, 2), (4, 4, 2)
+
+    def save(b):
+        w = FSDP(make_mlp(wide), b)
+        opt = make_opt("sgd", w.module.parameters())
+        train_steps(w, opt, nn.CrossEntropyLoss(), *make_data(4, wide), 1)
+        return w.sharded_state_dict(opt)[0], FSDP(make_mlp(narrow, seed=4), b).full_state_dict()
+
+    saved = run(save, 2)
+    full = saved[0][1]
+
+    def load(b):
+        model = make_mlp(narrow, seed=7)
+        w = FSDP(model, b) if wrapper == "fsdp" else DDP(model, b)
+        opt = make_opt("sgd", w.module.parameters())
+        before = [p.data.copy() for p in w.module.parameters()]
+        with pytest.raises(ValueError) as exc:
+            w.load_sharded_state_dict(saved[b.rank][0], opt)
+        assert all(np.array_equal(p.data, q) for p, q in zip(w.module.parameters(), before))
+        msgs = [str(exc.value)]
+        for given_ in (full, {k: v.reshape(-1) for k, v in full.items()}):
+            w.load_sharded_state_dict(dict(given_))  # the full tensors on every rank
+            got = w.full_state_dict() if wrapper == "fsdp" else w.module.state_dict()
+            msgs.append(all(np.array_equal(got[k], full[k]) for k in full))
+        return msgs
+
+    for msg, *loaded in run(load, 2):
+        assert "'0.weight' does not fit this model's parameter of shape (4, 4)" in msg, msg
+        assert "ranks [1] hold other values than rank 0" in msg and "another shape" in msg
+        assert loaded == [True, True]
+
+
 @settings(max_examples=10, deadline=None)
 @given(case=st.sampled_from([(FS, 2, None), (FS, 3, None), (SGO, 3, None), (NS, 2, None),
                              (HS, 4, 2)]), seed=st.integers(0, 3))

@@ -4,12 +4,13 @@ A *piece layout* is what a ``TensorShardSpec((n,), 0, sizes)`` describes: the pi
 in rank order, concatenate to the flattened tensor. Saving writes pieces in such a layout without
 communication. Loading learns the layout of the pieces it is given from one small all-gather of
 their lengths (so it takes ferro-checkpoint's reshard split, the layout it saved, or the full
-tensor on every rank) and only all-gathers a tensor's data when some rank's piece does not cover
-the region that rank needs.
+tensor on every rank, checked to be the same on every rank by a CRC-32 of each) and only
+all-gathers a tensor's data when some rank's piece does not cover the region that rank needs.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,7 @@ def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
     if missing:
         raise ValueError(f"load_sharded_state_dict: missing parameter keys {missing}")
     _check_complete(plan, keys, table, optimizer)
+    _check_full_claims(plan, keys, tensors, table)
     new_state: dict[int, dict[str, Any]] = {}
     for j, (key, i, kind, k) in enumerate(keys):
         col = table[:, j]
@@ -201,6 +203,42 @@ def _check_complete(plan: Plan, keys: list, table: np.ndarray, optimizer: Any) -
             raise ValueError(f"load_sharded_state_dict: the optimizer state of "
                              f"{plan.names[i]!r} lacks {[f'optim.{plan.names[i]}.{k}' for k in lacking]} "
                              f"(it has {sorted(ks)})")
+
+
+def _check_full_claims(plan: Plan, keys: list, tensors: dict[str, Any], table: np.ndarray) -> None:
+    """Refuse (on every rank, before anything is loaded) pieces taken for the full tensor on
+    every rank that are not the same on every rank.
+
+    Every rank holding exactly ``n`` elements of a parameter of ``n`` elements is either the full
+    tensor on every rank or the shards of a tensor ``world`` times larger (a checkpoint of a
+    model of another shape: hidden width halved on 2 ranks). One all-gather of a CRC-32 of each
+    such piece tells them apart.
+    """
+    if plan.world <= 1:
+        return
+    claims = []
+    for j, (key, i, kind, _) in enumerate(keys):
+        n = plan.layout.numels[i]
+        col = table[:, j]
+        if kind != "scalar" and n > 0 and (col == n).all():
+            claims.append((key, i))
+    if not claims:
+        return
+    sums = np.array([zlib.crc32(np.ascontiguousarray(np.asarray(tensors[key]).reshape(-1),
+                                                     dtype=plan.layout.dtype).tobytes())
+                     for key, _ in claims], dtype=np.int64)
+    every = all_gather(sums, plan.backend, timeout=plan.timeout).reshape(plan.world, -1)
+    for c, (key, i) in enumerate(claims):
+        differ = np.flatnonzero(every[:, c] != every[0, c]).tolist()
+        if differ:
+            n = plan.layout.numels[i]
+            raise ValueError(
+                f"load_sharded_state_dict: {key!r} does not fit this model's parameter of shape "
+                f"{plan.layout.shapes[i]} ({n} elements): every one of the {plan.world} ranks "
+                f"holds {n} elements, but ranks {differ} hold other values than rank 0, so they "
+                f"are not the full tensor on every rank but shards of a tensor of "
+                f"{n * plan.world} elements. Was the checkpoint saved from a model of another "
+                "shape?")
 
 
 def _gather_pieces(plan: Plan, piece: np.ndarray, col: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -327,7 +365,9 @@ class ShardedStateDicts:
 
         ``tensors`` is this rank's piece of each tensor such that the pieces of all ranks, in
         rank order, concatenate to the flattened tensor (what ferro-checkpoint's
-        ``load_distributed``/``reshard`` return), or the full tensor on every rank. Optimizer
+        ``load_distributed``/``reshard`` return), or the full tensor on every rank (the same
+        on every rank: pieces of the parameter's size that differ between ranks are the shards
+        of a model of another shape, and are refused). Optimizer
         state is loaded into ``optimizer`` (built on ``module.parameters()``); keys it does not
         find start fresh, and so does ``grads_wire``'s error feedback where it was not saved or
         was saved on another world size (with a RuntimeWarning). Collective: every rank must
@@ -343,7 +383,8 @@ class ShardedStateDicts:
         Raises
         ------
         ValueError
-            Missing parameter keys, unexpected keys, or pieces that do not add up (same on all ranks).
+            Missing parameter keys, unexpected keys, pieces that do not add up, or "full
+            tensors" that differ between ranks (same on all ranks).
         TypeError
             ``optimizer`` has no ``.state``.
 
