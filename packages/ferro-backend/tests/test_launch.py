@@ -130,6 +130,27 @@ def test_module_mode_and_bad_arguments(tmp_path):
     assert r.returncode == 2 and "--master-port is required" in r.stderr
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["s.py", "--", "--x"], ["--", "--x"]),  # (argparse dropped this "--")
+    (["s.py", "--"], ["--"]),
+    (["--", "s.py", "--", "z"], ["--", "z"]),  # (ferrorun's own "--" goes)
+    (["s.py", "a", "--", "b"], ["a", "--", "b"]),
+    (["--nproc", "1", "s.py", "--x"], ["--x"]),
+])
+def test_the_scripts_arguments_are_what_python_would_pass(tmp_path, argv, expected):
+    write(tmp_path, "s.py", """
+        import sys
+        print("ARGV", sys.argv[1:])
+    """)
+    r = subprocess.run([*FERRORUN, "--no-prefix", *argv], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"ARGV {expected}" in r.stdout, r.stdout
+    alone = subprocess.run([sys.executable, *argv[argv.index("s.py"):]], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path)
+    assert f"ARGV {expected}" in alone.stdout, alone.stdout
+
+
 def test_init_from_env_outside_ferrorun(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)

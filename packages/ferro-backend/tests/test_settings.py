@@ -79,8 +79,10 @@ def test_byte_counts_any_number_and_unit(number, unit):
     (settings.SHM_RING_BYTES, "5000", "a power of two >= 4096"),
     (settings.TRANSPORT, "carrier-pigeon", "one of tcp, shm, mpi"),
     (settings.SHM_ENGINE, "maybe", "1/0, true/false"),
-    (settings.TIMEOUT, "nan", "a number of seconds >= 0"),
-    (settings.TIMEOUT, "-1", "a number of seconds >= 0"),
+    (settings.TIMEOUT, "nan", "a number of seconds > 0 (inf: no deadline)"),
+    (settings.TIMEOUT, "-1", "a number of seconds > 0 (inf: no deadline)"),
+    (settings.TIMEOUT, "0", "a number of seconds > 0"),  # (every call then failed to connect)
+    (settings.ELASTIC_TIMEOUT, "-1", "a number of seconds >= 0"),
     (settings.MASTER_PORT, "70000", "a TCP port"),
     (settings.ASYNC_WORKERS, "0", "a whole number >= 1"),
 ])

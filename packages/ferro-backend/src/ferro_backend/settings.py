@@ -67,6 +67,17 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _deadline(raw: str) -> float:
+    """A deadline: seconds > 0, or inf for none (0 would end every call at once)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds > 0 (inf: no deadline)") from None
+    if math.isnan(value) or value <= 0:
+        raise ValueError("expected a number of seconds > 0 (inf: no deadline)")
+    return value
+
+
 def _count(minimum: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         word = raw.strip()
@@ -217,7 +228,7 @@ MASTER_ADDR = _declare("FERRO_MASTER_ADDR", "host", _text, None, "`init_from_env
 HIERARCHY = _declare("FERRO_HIERARCHY", "bool", _bool, True, "`init_from_env`",
                      "`0`: a multi-node job keeps plain TCP (or MPI, `FERRO_TRANSPORT=mpi`) for "
                      "everything (no engine per node)")
-TIMEOUT = _declare("FERRO_TIMEOUT", "seconds", _seconds, None,
+TIMEOUT = _declare("FERRO_TIMEOUT", "seconds", _deadline, None,
                    "every backend made from the environment",
                    "`Backend.timeout`: the default deadline of every blocking call")
 RESTART_COUNT = _declare("FERRO_RESTART_COUNT", "count", _count(0), 0, "your script",

@@ -230,8 +230,20 @@ def _default_transport(nnodes: int) -> str | None:
     return None if nnodes > 1 else choose_transport(None, True, "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; a ``--`` right after the script is the script's own argument (as
+    ``python script.py -- ...`` passes it), though argparse drops the first ``--`` it meets."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    n = len(args.args)
+    if (len(argv) >= n + 2 and argv[len(argv) - n - 1] == "--"
+            and argv[len(argv) - n - 2] == args.script and "--" not in argv[:len(argv) - n - 1]):
+        args.args = ["--", *args.args]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     try:
         nproc, nnodes = parse_range(args.nproc, "--nproc"), parse_range(args.nnodes, "--nnodes")
     except ValueError as exc:
