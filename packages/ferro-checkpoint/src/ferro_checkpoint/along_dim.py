@@ -28,6 +28,13 @@ def _check_dim(op: str, ndim: int, dim: int) -> int:
     return dim % ndim
 
 
+def _check_plain(op: str, what: str, dtype: np.dtype) -> None:
+    """TensorError for a dtype of Python objects: their bytes are references, not data."""
+    if dtype.hasobject:
+        raise TensorError(f"{op}: {what} has dtype {dtype}, which holds Python objects: only "
+                          "arrays of plain data (numbers, bool, fixed-size bytes) are copied")
+
+
 def copy_slab_into(src: np.ndarray, dst: np.ndarray, dim: int, src_start: int, dst_start: int,
                    count: int) -> None:
     """``dst[(..., dst_start:dst_start+count along dim, ...)] = src[... src_start ...]``.
@@ -44,7 +51,8 @@ def copy_slab_into(src: np.ndarray, dst: np.ndarray, dim: int, src_start: int, d
 
 def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
                      out: np.ndarray | None = None) -> np.ndarray:
-    """``np.concatenate(arrays, axis=dim)``, written into ``out`` if given (any dtype).
+    """``np.concatenate(arrays, axis=dim)``, written into ``out`` if given (any dtype of plain
+    data).
 
     Parameters
     ----------
@@ -65,7 +73,8 @@ def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
     InvalidArgumentError
         No arrays, or ``dim`` out of range.
     TensorError
-        The dtypes or the shapes outside ``dim`` differ, or ``out`` does not fit.
+        The dtypes or the shapes outside ``dim`` differ, the dtype holds Python objects, or
+        ``out`` does not fit (another shape or dtype, not C-contiguous, or read-only).
 
     Examples
     --------
@@ -77,6 +86,7 @@ def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
         raise InvalidArgumentError("concat_along_dim: no arrays")
     first = arrays[0]
     dim = _check_dim("concat_along_dim", first.ndim, dim)
+    _check_plain("concat_along_dim", "array 0", first.dtype)
     for i, a in enumerate(arrays):
         if a.dtype != first.dtype:
             raise TensorError(f"concat_along_dim: array {i} has dtype {a.dtype}, "
@@ -92,6 +102,8 @@ def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
     elif out.shape != tuple(shape) or out.dtype != first.dtype or not out.flags.c_contiguous:
         raise TensorError(f"concat_along_dim: out is {out.dtype}{out.shape}, expected a "
                           f"C-contiguous {first.dtype}{tuple(shape)}")
+    elif not out.flags.writeable:
+        raise TensorError(f"concat_along_dim: out ({out.dtype}{out.shape}) is read-only")
     offset = 0
     for a in arrays:
         copy_slab_into(a, out, dim, 0, offset, a.shape[dim])
@@ -100,7 +112,7 @@ def concat_along_dim(arrays: Sequence[np.ndarray], dim: int,
 
 
 def slice_along_dim(array: np.ndarray, dim: int, start: int, stop: int) -> np.ndarray:
-    """A new C-contiguous copy of ``array[start:stop]`` along ``dim`` (any dtype).
+    """A new C-contiguous copy of ``array[start:stop]`` along ``dim`` (any dtype of plain data).
 
     Parameters
     ----------
@@ -121,6 +133,8 @@ def slice_along_dim(array: np.ndarray, dim: int, start: int, stop: int) -> np.nd
     ------
     InvalidArgumentError
         ``dim`` or the range is out of bounds.
+    TensorError
+        The dtype holds Python objects.
 
     Examples
     --------
@@ -128,6 +142,7 @@ def slice_along_dim(array: np.ndarray, dim: int, start: int, stop: int) -> np.nd
     [[1, 2], [5, 6], [9, 10]]
     """
     array = np.ascontiguousarray(array)
+    _check_plain("slice_along_dim", "array", array.dtype)
     dim = _check_dim("slice_along_dim", array.ndim, dim)
     if not 0 <= start <= stop <= array.shape[dim]:
         raise InvalidArgumentError(f"slice_along_dim: [{start}, {stop}) is out of range for "

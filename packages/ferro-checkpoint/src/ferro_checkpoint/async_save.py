@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .collective_save import next_save, numbered, refuse_in_background
 from .errors import AsyncCheckpointError, DistCheckpointError, InvalidArgumentError
 from .layout import recover
 from .metadata import ShardMetadata, check_rank_world
-from .save import committed_generation, encode_extra, next_save, numbered, save_distributed
+from .save import committed_generation, encode_extra, save_distributed
 
 #: saves still running: (future, directory, seconds the exit waits for it; None: no limit)
 _RUNNING: set[tuple[concurrent.futures.Future, Path, float | None]] = set()
@@ -271,11 +272,16 @@ class AsyncCheckpointer(_RankSaves):
         # thread starts it (two checkpointers' saves in flight at once keep their tags apart),
         # and before anything this rank may refuse (the ranks' later saves keep matching)
         number = None if self.backend is None else next_save(self.backend)
-        if self._pending is not None and not self._pending.is_done():
-            raise AsyncCheckpointError(f"a save to {self.directory} is still in flight; wait() "
-                                       "for it before starting another")
-        staged = {k: np.array(v, copy=True) for k, v in state_dict.items()}
-        extra = json.loads(encode_extra(extra, "save_async") or "null")  # a snapshot, now
+        try:
+            if self._pending is not None and not self._pending.is_done():
+                raise AsyncCheckpointError(f"a save to {self.directory} is still in flight; "
+                                           "wait() for it before starting another")
+            staged = {k: np.array(v, copy=True) for k, v in state_dict.items()}
+            extra = json.loads(encode_extra(extra, "save_async") or "null")  # a snapshot, now
+        except Exception as exc:
+            if number is not None:  # its peers hear of it at once (collective_save.py)
+                refuse_in_background(self.backend, number, exc)
+            raise
         spec = shard_spec or self.shard_spec
         if checkpoint_id is None and self._generation is not None:
             self._generation += 1

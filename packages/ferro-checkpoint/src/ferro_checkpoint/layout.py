@@ -33,6 +33,13 @@ _SHARD_RE = re.compile(r"rank_(\d+)\.safetensors")
 _TMP_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.tmp")
 _PART_SHARD_RE = re.compile(r"\.rank_(\d+)\.([0-9A-Za-z_-]+)\.safetensors\.part(?:\.\d+-\d+)?")
 _COMMIT_RE = re.compile(r"\.commit\.([0-9A-Za-z_-]+)\.json")
+_WRITING_RE = re.compile(r"(?:metadata|\.commit\.[0-9A-Za-z_-]+)\.json\.part\.\d+\.\d+")
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file named ``name`` is one of this module's (a checkpoint directory's)."""
+    return name == METADATA or any(r.fullmatch(name) for r in (
+        _SHARD_RE, _TMP_SHARD_RE, _PART_SHARD_RE, _COMMIT_RE, _WRITING_RE))
 
 
 def shard_path(directory: Path, rank: int) -> Path:
@@ -104,19 +111,67 @@ def all_tmp_shards_written(directory: Path, ckpt_id: str, world_size: int) -> bo
     return all(tmp_shard_path(directory, r, ckpt_id).exists() for r in range(world_size))
 
 
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def superseded_since(directory: Path, rank: int) -> int | None:
+    """When rank ``rank``'s part of the committed checkpoint was written (its committed shard's
+    modification time, kept by the renames; ``metadata.json``'s where that checkpoint has no
+    such rank), or None if nothing is committed: a temp shard of this rank written before it is
+    of a save that can no longer commit (see :func:`remove_stale_tmp_shards`)."""
+    directory = Path(directory)
+    if _mtime_ns(directory / METADATA) is None:
+        return None
+    mine = _mtime_ns(shard_path(directory, rank))
+    return mine if mine is not None else _mtime_ns(directory / METADATA)
+
+
+def _committed_id(directory: Path) -> str | None:
+    try:
+        return ShardMetadata.from_json((directory / METADATA).read_bytes()).checkpoint_id
+    except (OSError, ValueError):
+        return None
+
+
 def remove_stale_tmp_shards(directory: Path, rank: int, ckpt_id: str,
                             mine: Callable[[Path], bool] | None = None) -> None:
-    """Delete rank ``rank``'s temp shards of saves other than ``ckpt_id`` and all its partly
-    written ones (left by a crash before their commit). Only the rank that wrote them calls
-    this, when it saves again. ``mine``: where given, only the temp shards it says are this
-    job's go, and no partly written one (a manager built to restore must not delete the shard
-    another job is saving)."""
-    for p in Path(directory).iterdir():
+    """Delete rank ``rank``'s temp shards that no commit can use any more, and all its partly
+    written ones (left by a crash or a failed write). Only the rank that wrote them calls this,
+    when it saves again.
+
+    A complete temp shard of another save than ``ckpt_id`` (without a commit record: a
+    committed one is :func:`recover`'s) is stale once the committed checkpoint's shard of this
+    rank was written after it (:func:`superseded_since`): every rank saves in one order, so the
+    committed save's ranks all wrote that save's shards, and none will save the older one again.
+    A temp shard of the committed save's own id is stale too (another attempt at a save that is
+    committed: a failed save's retry, whose peer committed the first attempt's shard). Any other
+    is kept: without a backend a peer may still be writing that save (this rank ran ahead, its
+    shard of the previous save not committed yet), and the peer's save commits it. Leftovers of
+    a crash or of a failed save therefore go at this rank's first save after the next commit.
+    ``mine``: where given (a new manager's cleanup of a crash), every
+    complete temp shard of this rank that it says is this job's goes, whenever written, and no
+    partly written one (a manager built to restore must not delete the shard another job is
+    saving).
+    """
+    directory = Path(directory)
+    since = superseded_since(directory, rank) if mine is None else None
+    done = _committed_id(directory) if since is not None else None
+    for p in directory.iterdir():
         m = _TMP_SHARD_RE.fullmatch(p.name)
         if m and int(m.group(1)) == rank and m.group(2) != ckpt_id \
-                and not commit_path(directory, m.group(2)).exists() \
-                and (mine is None or mine(p)):  # (committed: recover's)
-            p.unlink(missing_ok=True)
+                and not commit_path(directory, m.group(2)).exists():  # (committed: recover's)
+            if mine is None:
+                written = _mtime_ns(p)
+                stale = m.group(2) == done or (since is not None and written is not None
+                                               and written < since)
+            else:
+                stale = mine(p)
+            if stale:
+                p.unlink(missing_ok=True)
         m = _PART_SHARD_RE.fullmatch(p.name)
         if m and int(m.group(1)) == rank and mine is None:
             p.unlink(missing_ok=True)
@@ -159,8 +214,10 @@ def recover(directory: Path) -> None:
        older checkpoint saved by more ranks).
 
     Nothing else is touched: temp shards of saves without a commit record (a crash before the
-    commit point) stay until their rank saves again (:func:`remove_stale_tmp_shards`), and with
-    no commit record present this only lists the directory. Every step is idempotent, so
+    commit point, or a save still waiting for a peer) stay until their rank saves again after a
+    newer commit (:func:`remove_stale_tmp_shards`), and with no commit record present this only
+    lists the directory. A rename or fsync refused (a read-only disk) raises CheckpointIOError
+    naming the directory: finishing the committed save needs write access. Every step is idempotent, so
     concurrent or repeated calls, and a crash during one, are safe.
 
     Called by every save before it picks its id and removes its stale temp shards (so a
@@ -180,25 +237,40 @@ def recover(directory: Path) -> None:
 
     records = sorted((p for p in directory.iterdir() if _COMMIT_RE.fullmatch(p.name)), key=mtime)
     for record in records:
-        ckpt_id = _COMMIT_RE.fullmatch(record.name).group(1)
         try:
-            meta = ShardMetadata.from_json(record.read_bytes(), source=str(record))
+            _roll_forward(directory, record)
         except FileNotFoundError:
-            continue  # another process finished it
-        if not _rolls_forward(directory, meta, ckpt_id):
-            continue  # a stray record (copied, or left by a crash of another save): not ours
-        for r in range(meta.num_ranks):
-            try:
-                os.replace(tmp_shard_path(directory, r, ckpt_id), shard_path(directory, r))
-            except FileNotFoundError:
-                pass
-        fsync_dir(directory)
+            raise  # (the directory deleted meanwhile: its callers' case)
+        except OSError as exc:
+            if isinstance(exc, CheckpointIOError):
+                raise
+            raise CheckpointIOError(
+                f"cannot finish the save committed in {directory} ({record.name}, written "
+                f"before a crash or by a save still running): {exc}; finishing the committed "
+                f"save needs write access to {directory}") from exc
+
+
+def _roll_forward(directory: Path, record: Path) -> None:
+    """:func:`recover`'s steps for one commit record."""
+    ckpt_id = _COMMIT_RE.fullmatch(record.name).group(1)
+    try:
+        meta = ShardMetadata.from_json(record.read_bytes(), source=str(record))
+    except FileNotFoundError:
+        return  # another process finished it
+    if not _rolls_forward(directory, meta, ckpt_id):
+        return  # a stray record (copied, or left by a crash of another save): not ours
+    for r in range(meta.num_ranks):
         try:
-            os.replace(record, directory / METADATA)
+            os.replace(tmp_shard_path(directory, r, ckpt_id), shard_path(directory, r))
         except FileNotFoundError:
-            continue
-        fsync_dir(directory)
-        for p in directory.iterdir():
-            m = _SHARD_RE.fullmatch(p.name)
-            if m and int(m.group(1)) >= meta.num_ranks:
-                p.unlink(missing_ok=True)
+            pass
+    fsync_dir(directory)
+    try:
+        os.replace(record, directory / METADATA)
+    except FileNotFoundError:
+        return
+    fsync_dir(directory)
+    for p in directory.iterdir():
+        m = _SHARD_RE.fullmatch(p.name)
+        if m and int(m.group(1)) >= meta.num_ranks:
+            p.unlink(missing_ok=True)

@@ -8,7 +8,9 @@ Files of a root ``R``:
   are listed by ``steps()`` / ``latest_step()`` and restored.
 - ``R/.deleting.step_<n>.<hex>/``: a step being deleted. A step is first renamed out of the
   way (atomic), then removed, so nobody ever sees a half-deleted step; leftovers of a crash
-  during a deletion are removed by rank 0's next save.
+  during a deletion are removed by rank 0's next save. A ``step_<n>`` that is a symbolic link
+  to a folder elsewhere (a step put on another disk) is deleted as its link, the checkpoint's
+  files in the folder it points to, and that folder once empty; other files there stay.
 
 ``extra`` (JSON: RNG state, data position...) is stored in each rank's shard header (key
 ``ferro.extra``), so the existing protocol commits it with the shard: it is durable before the
@@ -64,13 +66,14 @@ from pathlib import Path
 import numpy as np
 
 from .async_save import CheckpointFuture, _RankSaves
+from .collective_save import next_save, numbered, refuse_in_background
 from .errors import CheckpointIOError, DistCheckpointError, InvalidArgumentError, MissingStepError
-from .layout import METADATA, fsync_dir, recover, remove_stale_tmp_shards
+from .layout import METADATA, fsync_dir, is_checkpoint_file, recover, remove_stale_tmp_shards
 from .load import load_distributed, open_checkpoint
 from .metadata import ShardMetadata
 from .read_options import ReadOptions
 from .safetensors_io import SafetensorsFile
-from .save import _checked_arrays, encode_extra, next_save, numbered, save_distributed
+from .save import _checked_arrays, encode_extra, save_distributed
 
 _STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)")
 _TOMBSTONE = ".deleting."
@@ -80,6 +83,31 @@ def _check_step(op: str, step) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise InvalidArgumentError(f"{op}: step {step!r} must be an int >= 0")
     return int(step)
+
+
+def _delete_tombstone(tombstone: Path) -> None:
+    """Delete a step renamed out of the way. A step that is a symbolic link (its files on
+    another disk) loses its checkpoint's files (``layout.is_checkpoint_file``), then the
+    folder the link points to if that leaves it empty, then the link: nothing else outside
+    ``root`` is deleted (``shutil.rmtree`` refuses links: the data stayed, and the link for
+    ever)."""
+    if not tombstone.is_symlink():
+        shutil.rmtree(tombstone, ignore_errors=True)
+        return
+    target = tombstone.resolve()
+    try:
+        for p in target.iterdir():
+            if is_checkpoint_file(p.name) and not p.is_dir():
+                p.unlink(missing_ok=True)
+        target.rmdir()
+    except OSError:
+        pass  # (gone already, or it holds other files: they stay)
+    try:
+        tombstone.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise CheckpointIOError(f"deleting the link {tombstone} (to {target}): {exc}") from exc
 
 
 class CheckpointManager(_RankSaves):
@@ -274,6 +302,32 @@ class CheckpointManager(_RankSaves):
         # numbered first, in the program's order: a save this rank refuses below counts too,
         # so the ranks' later saves keep matching numbers (their messages' tags)
         number = None if self.backend is None else next_save(self.backend)
+        try:
+            step, arrays, extra_snapshot = self._checked(step, state_dict, shard_spec, extra)
+        except Exception as exc:
+            if number is not None:  # its peers hear of it at once (collective_save.py)
+                refuse_in_background(self.backend, number, exc)
+            raise
+        directory = self.step_dir(step)
+        ckpt_id = None if self.backend is not None else f"step{step}"
+        if not blocking:
+            staged = {k: np.array(v, copy=True) for k, v in arrays.items()}
+
+            def run() -> str:
+                return self._save_and_prune(staged, shard_spec, directory, ckpt_id,
+                                            extra_snapshot, number)
+
+            return self._save_in_background(directory, run,
+                                            f"ferro-checkpoint-step{step}-{self.rank}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self._save_and_prune(arrays, shard_spec, directory, ckpt_id,
+                                             extra_snapshot, number))
+        return CheckpointFuture(directory, done)
+
+    def _checked(self, step, state_dict, shard_spec: ShardMetadata, extra
+                 ) -> tuple[int, dict[str, np.ndarray], str | None]:
+        """:meth:`save`'s checks, and its wait for the previous save: the step, the arrays and
+        ``extra`` as JSON."""
         step = _check_step("CheckpointManager.save", step)
         if shard_spec.num_ranks != self.world_size:
             raise InvalidArgumentError(f"CheckpointManager.save: shard_spec.num_ranks "
@@ -293,21 +347,7 @@ class CheckpointManager(_RankSaves):
                 f"CheckpointManager.save: step {step} is below the newest committed step "
                 f"{newer[-1]} under {self.root}, and would be lost ({why}); to go back to "
                 f"step {step}, delete the step_<n> directories above it first")
-        directory = self.step_dir(step)
-        ckpt_id = None if self.backend is not None else f"step{step}"
-        if not blocking:
-            staged = {k: np.array(v, copy=True) for k, v in arrays.items()}
-
-            def run() -> str:
-                return self._save_and_prune(staged, shard_spec, directory, ckpt_id,
-                                            extra_snapshot, number)
-
-            return self._save_in_background(directory, run,
-                                            f"ferro-checkpoint-step{step}-{self.rank}")
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(self._save_and_prune(arrays, shard_spec, directory, ckpt_id,
-                                             extra_snapshot, number))
-        return CheckpointFuture(directory, done)
+        return step, arrays, extra_snapshot
 
     def _save_and_prune(self, arrays, shard_spec, directory: Path, ckpt_id: str | None,
                         extra_json: str | None, number: int | None) -> str:
@@ -331,13 +371,13 @@ class CheckpointManager(_RankSaves):
         except OSError as exc:
             raise CheckpointIOError(f"deleting {directory}: {exc}") from exc
         fsync_dir(self.root)
-        shutil.rmtree(tombstone, ignore_errors=True)
+        _delete_tombstone(tombstone)
 
     def _prune(self) -> None:
         """Rank 0 only: the deletion rule of the module docstring."""
         for p in self.root.iterdir():
-            if p.name.startswith(_TOMBSTONE) and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith(_TOMBSTONE) and (p.is_symlink() or p.is_dir()):
+                _delete_tombstone(p)
         dirs = self._step_dirs()
         committed = sorted(s for s, d in dirs.items() if self._committed(d))
         if not committed:

@@ -26,38 +26,50 @@ files it commits; a file of any other save carries another ``S_r`` (a 2**-128 co
 aside). Two ranks committing at once read the same headers and write the same record; a
 committer that finds a temp shard already renamed leaves the commit to the one that did.
 
-With ``backend=`` (any ferro_backend.Backend) the save is collective: rank 0 draws a random id
-and sends it to every rank, all ranks write, barrier, rank 0 commits, barrier. Without one, pass
-the same ``checkpoint_id`` on every rank, a new one for each save (its step, say). The default,
-``g<N+1>`` after the directory's committed ``g<N>`` (the contract's five-argument call), is
-right while every rank's saves succeed or fail together; it is the same for a save and its
-retry, so after a save that failed on some ranks only, a rank's next save can find a peer's
-shard left by the failed attempt under its id and commit it with its own (a mix of two saves:
-ids are all such ranks share, and nothing else tells the attempts apart). A save under the id of
-an earlier attempt is that save: give each attempt its own id where their shards differ.
+With ``backend=`` (any ferro_backend.Backend) the save is collective (``collective_save.py``):
+rank 0 draws a random id and sends it to every rank, all ranks write and tell rank 0, rank 0
+commits and sends every rank its verdict. A rank that refuses its save (a shard of the wrong
+shape or dtype, a bad ``extra``, a write that failed) still takes part, telling rank 0 why, so
+every rank raises at once (the others an error of its class naming that rank and its error)
+and the next save works.
+
+Without a backend, pass the same ``checkpoint_id`` on every rank, a new one for each save (its
+step, say), or let the default number the saves (the contract's five-argument call): ``g<N+1>``,
+N the larger of the directory's committed ``g<N>`` and the last default id this process saved
+there as this rank (of this world size). A rank that runs ahead of its peers (its previous save
+not committed yet: a peer still writes it) so takes a new id, and its shard of the pending save
+stays until a peer commits it (``layout.remove_stale_tmp_shards``); a fresh process (every rank
+restarting) starts after the committed one, the same on every rank. A save that failed on this
+rank does not advance it: its retry reuses the id, right while every rank's saves succeed or fail
+together. After a save that failed on some ranks only, a rank's next save can find a peer's shard
+left by the failed attempt under its id and commit it with its own (a mix of two saves: ids are
+all such ranks share, and nothing else tells the attempts apart). A save under the id of an
+earlier attempt is that save: give each attempt its own id where their shards differ.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import hashlib
 import json
 import os
 import re
 import sys
+import threading
 import uuid
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from . import errors
+from .collective_save import (
+    agree_on_id,
+    checkpoint_group,
+    commit_for_all,
+    save_number,
+)
 from .errors import (
     CheckpointIOError,
-    DistCheckpointError,
     InvalidArgumentError,
     MissingShardError,
     ShardMismatchError,
@@ -88,45 +100,8 @@ from .safetensors_io import (
     write_safetensors,
 )
 
-_TAGS = (1 << 30) + 7  # user-range tags (on a private subgroup): three a save, by its number
-_SAVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> saves begun
-_SAVES_BY_ID: dict[int, int] = {}
-
-
-def next_save(backend) -> int:
-    """The number of this collective save on ``backend`` (every rank begins its saves in one
-    order): its messages' tags, so that one save's messages never meet another's (a failed
-    save's unread id, or two checkpointers' saves in flight at once)."""
-    try:
-        k = _SAVES.get(backend, 0)
-        _SAVES[backend] = k + 1
-    except TypeError:  # a backend that takes no weak reference (an outside transport's)
-        k = _SAVES_BY_ID.get(id(backend), 0)
-        _SAVES_BY_ID[id(backend)] = k + 1
-    return k
-
-
-#: the number a checkpointer or manager took for the save its thread runs (:func:`numbered`)
-_NUMBER: contextvars.ContextVar[int | None] = contextvars.ContextVar("ferro_checkpoint_save",
-                                                                      default=None)
-
-
-@contextlib.contextmanager
-def numbered(number: int | None) -> Iterator[None]:
-    """Within the block, a collective :func:`save_distributed` takes ``number`` (taken by
-    :func:`next_save` in the program's order when the save was asked for, not when a
-    background thread runs it) instead of the next one."""
-    token = _NUMBER.set(number)
-    try:
-        yield
-    finally:
-        _NUMBER.reset(token)
-
-
-def _tag(save: int, what: int) -> int:
-    """The tag of a save's id (0), its ranks' "written" (1) and rank 0's verdict (2)."""
-    return _TAGS + 3 * (save % (1 << 20)) + what
-_VERDICT_BYTES = 1024  # its size: a flag byte, then the error's class and message
+_LAST_DEFAULT: dict[tuple[str, int, int], int] = {}  # (directory, rank, world) -> last g<N>
+_LAST_LOCK = threading.Lock()
 #: a shard header's digest of what its rank's save would commit (:func:`meta_digest`)
 SPEC_KEY = "ferro.spec"
 
@@ -173,26 +148,6 @@ def encode_extra(extra: Mapping | None, op: str) -> str | None:
         raise InvalidArgumentError(f"{op}: extra is not JSON-serializable: {exc}") from exc
 
 
-def _checkpoint_group(backend):
-    """The private subgroup of all ranks the save's messages travel on."""
-    from ferro_backend import SubBackend
-
-    return SubBackend(backend, range(backend.world_size), name="ferro-checkpoint")
-
-
-def _agree_on_id(backend, save: int) -> str:
-    """Rank 0 draws a random id and sends it to every rank."""
-    group = _checkpoint_group(backend)
-    buf = bytearray(32)
-    if group.rank == 0:
-        buf[:] = uuid.uuid4().hex.encode()
-        for r in range(1, group.world_size):
-            group.send(buf, r, tag=_tag(save, 0))
-    else:
-        group.recv(buf, 0, tag=_tag(save, 0))
-    return buf.decode()
-
-
 def committed_generation(directory: Path) -> int:
     """N of the checkpoint ``g<N>`` committed in ``directory`` (0: none, or another id)."""
     try:
@@ -202,9 +157,29 @@ def committed_generation(directory: Path) -> int:
     return int(current[1:]) if re.fullmatch(r"g\d+", current) else 0
 
 
-def _default_id(directory: Path) -> str:
-    """Without a backend or an explicit id: 'g<N+1>' after the committed generation N."""
-    return f"g{committed_generation(directory) + 1}"
+def _default_key(directory: Path, rank: int, world_size: int) -> tuple[str, int, int]:
+    try:
+        where = str(directory.resolve())
+    except OSError:
+        where = os.path.abspath(directory)
+    return where, rank, world_size
+
+
+def _default_id(directory: Path, rank: int, world_size: int) -> str:
+    """Without a backend or an explicit id: ``g<N+1>``, N the larger of the directory's
+    committed generation and the last one this process saved there as this rank (of this
+    world size): a rank that runs ahead (its previous save not committed yet, a peer still
+    writing it) takes a new id, not the pending save's again."""
+    last = _LAST_DEFAULT.get(_default_key(directory, rank, world_size), 0)
+    return f"g{max(committed_generation(directory), last) + 1}"
+
+
+def _saved_default(directory: Path, rank: int, world_size: int, ckpt_id: str) -> None:
+    """This rank saved ``ckpt_id`` (a default id) into ``directory``: the next default is after
+    it."""
+    key = _default_key(directory, rank, world_size)
+    with _LAST_LOCK:
+        _LAST_DEFAULT[key] = max(_LAST_DEFAULT.get(key, 0), int(ckpt_id[1:]))
 
 
 def _shard_disagreement(header: SafetensorsFile, rank: int, meta: ShardMetadata) -> str | None:
@@ -277,36 +252,6 @@ def _commit(directory: Path, meta: ShardMetadata, collective: bool = False) -> N
     recover(directory)
 
 
-def _commit_for_all(group, directory: Path, meta: ShardMetadata, save: int) -> None:
-    """Every rank tells rank 0 of ``group`` that its shard is written; rank 0 commits and sends
-    every rank its verdict (the save's barrier, on the save's own tags): a commit refused or
-    failed raises the same error on every rank, not on rank 0 alone while the others wait for
-    a barrier's deadline."""
-    verdict = bytearray(_VERDICT_BYTES)
-    if group.rank == 0:
-        written = bytearray(1)
-        for r in range(1, group.world_size):
-            group.recv(written, r, tag=_tag(save, 1))
-        failure = None
-        try:
-            _commit(directory, meta, collective=True)
-        except DistCheckpointError as exc:
-            failure = exc
-            said = f"{type(exc).__name__}:{exc}".encode()[:_VERDICT_BYTES - 1]
-            verdict[:len(said) + 1] = b"\x01" + said
-        for r in range(1, group.world_size):
-            group.send(verdict, r, tag=_tag(save, 2))
-        if failure is not None:
-            raise failure
-        return
-    group.send(bytearray(b"\x01"), 0, tag=_tag(save, 1))
-    group.recv(verdict, 0, tag=_tag(save, 2))
-    if verdict[0]:
-        kind, _, message = bytes(verdict[1:]).rstrip(b"\x00").decode(errors="replace") \
-            .partition(":")
-        raise getattr(errors, kind, DistCheckpointError)(f"{message} (rank 0's commit)")
-
-
 def _on_timeline(name: str):
     """Put each call on ferro-backend's timeline (``ferro_backend.trace``) when that layer is
     loaded and tracing; this layer imports nothing of it (it needs only numpy)."""
@@ -344,8 +289,9 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         Makes the save collective and crash-safe across ranks.
     checkpoint_id : str, optional
         Id shared by all ranks of this save (letters, digits, ``_``, ``-``), without a backend
-        (default: ``g<N+1>`` after the directory's committed ``g<N>``; several ranks whose saves
-        may fail apart pass a new id for each save, such as its step: see the module's notes).
+        (default: ``g<N+1>``, N the larger of the directory's committed ``g<N>`` and the last
+        default id this process saved there as this rank; several ranks whose saves may fail
+        apart pass a new id for each save, such as its step: see the module's notes).
         Ignored with a backend.
     extra : mapping, optional
         A JSON-serializable dict stored in this rank's shard header (key ``ferro.extra``),
@@ -367,6 +313,9 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         The directory or the shard cannot be written.
     ShardMismatchError
         The committing rank found a temp shard of another save.
+    DistCheckpointError
+        With a backend, any of the above on another rank (its class, naming that rank and its
+        error), or the commit's on rank 0; the backend's errors where a peer does not answer.
 
     Examples
     --------
@@ -376,9 +325,45 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
     ...                  checkpoint_id="step100")  # committed once rank 1 saved too
     'step100'
     """
-    _save = _NUMBER.get() if backend is not None else None  # (numbered by its caller)
-    if backend is not None and _save is None:  # (first: a save refused below counts too)
-        _save = next_save(backend)
+    if backend is None:
+        directory, arrays, extra_json = _prepared(state_dict, directory, rank, world_size,
+                                                  shard_spec, extra)
+        default = checkpoint_id is None
+        ckpt_id = _default_id(directory, rank, world_size) if default else checkpoint_id
+        final = _write_shard(arrays, directory, rank, world_size, shard_spec, ckpt_id,
+                             extra_json)
+        if all_tmp_shards_written(directory, ckpt_id, world_size):
+            _commit(directory, final)
+        if default:
+            _saved_default(directory, rank, world_size, ckpt_id)
+        return ckpt_id
+    # collective: numbered first (a save refused below counts too), and a rank that refuses
+    # its save still takes part in the id's agreement and the commit's exchange, telling rank 0
+    # why: every rank raises at once and no message of this save is left unread
+    save = save_number(backend)
+    group = checkpoint_group(backend)
+    failure = final = None
+    try:
+        directory, arrays, extra_json = _prepared(state_dict, directory, rank, world_size,
+                                                  shard_spec, extra)
+    except Exception as exc:
+        failure = exc
+    ckpt_id = agree_on_id(group, save)
+    if failure is None:
+        try:
+            final = _write_shard(arrays, directory, rank, world_size, shard_spec, ckpt_id,
+                                 extra_json)
+        except Exception as exc:
+            failure = exc
+    commit_for_all(group, lambda: _commit(directory, final, collective=True), save, failure)
+    return ckpt_id
+
+
+def _prepared(state_dict, directory, rank: int, world_size: int, shard_spec: ShardMetadata,
+              extra) -> tuple[Path, dict[str, np.ndarray], str | None]:
+    """The checks of a save, then its directory made and any save committed there before a
+    crash finished (before the save picks its id or removes temp shards: it would reuse the
+    id, or delete the committed save's shard)."""
     rank, world_size = check_rank_world("save_distributed", rank, world_size)
     if shard_spec.num_ranks != world_size:
         raise InvalidArgumentError(f"save_distributed: shard_spec.num_ranks "
@@ -390,17 +375,22 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointIOError(f"save_distributed: cannot create {directory}: {exc}") from exc
-    # a save that crashed past its commit point is finished before this one picks its id or
-    # removes temp shards (it would reuse the id, or delete the committed save's shard)
     recover(directory)
-    if backend is not None:
-        ckpt_id = _agree_on_id(backend, _save)
-    else:
-        ckpt_id = checkpoint_id or _default_id(directory)
+    return directory, arrays, extra_json
+
+
+def _write_shard(arrays: dict[str, np.ndarray], directory: Path, rank: int, world_size: int,
+                 shard_spec: ShardMetadata, ckpt_id: str, extra_json: str | None
+                 ) -> ShardMetadata:
+    """Write this rank's temp shard of save ``ckpt_id`` durably; returns the save's record."""
     if not CHECKPOINT_ID_RE.fullmatch(ckpt_id):
         raise InvalidArgumentError(f"save_distributed: checkpoint_id {ckpt_id!r} must be "
                                    "letters, digits, '_' or '-'")
-    remove_stale_tmp_shards(directory, rank, ckpt_id)
+    try:
+        remove_stale_tmp_shards(directory, rank, ckpt_id)
+    except OSError as exc:
+        raise CheckpointIOError(f"save_distributed: cannot remove rank {rank}'s stale temp "
+                                f"shards in {directory}: {exc}") from exc
     # widest items first: every tensor then starts at a multiple of its item size, so zero-copy
     # loads (mmap=True) get aligned arrays
     names = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
@@ -423,9 +413,9 @@ def save_distributed(state_dict: Mapping[str, np.ndarray], directory, rank: int,
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointIOError):
             raise CheckpointIOError(f"save_distributed: cannot write {part}: {exc}") from exc
         raise
-    fsync_dir(directory)
-    if backend is not None:
-        _commit_for_all(_checkpoint_group(backend), directory, final, _save)
-    elif all_tmp_shards_written(directory, ckpt_id, world_size):
-        _commit(directory, final)
-    return ckpt_id
+    try:
+        fsync_dir(directory)
+    except OSError as exc:
+        raise CheckpointIOError(f"save_distributed: cannot make {directory} durable (fsync): "
+                                f"{exc}") from exc
+    return final
