@@ -121,6 +121,31 @@ def test_sigterm_to_ferrorun_reaches_every_rank(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM
 
 
+def test_a_rank_ended_by_the_sigterm_ferrorun_passed_on_is_said_so(tmp_path):
+    # it read "rank 0 was killed by SIGTERM", as if something had killed the rank
+    script = write(tmp_path, "sleep.py", """
+        import time
+        print("started", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([*FERRORUN, "--nproc", "2", str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        started = 0
+        while started < 2:
+            line = p.stdout.readline()
+            assert line, "ferrorun ended early"
+            started += "started" in line
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM
+    assert "was killed by SIGTERM (ferrorun's own SIGTERM, passed on)" in err, err
+
+
 def test_module_mode_and_bad_arguments(tmp_path):
     r = subprocess.run([*FERRORUN, "--nproc", "2", "-m", "json.tool", "--help"],
                        capture_output=True, text=True, timeout=60)

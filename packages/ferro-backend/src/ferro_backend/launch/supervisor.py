@@ -162,8 +162,11 @@ class Job:
             if failed:
                 i, code = failed[0]
                 self.failure = (self.ranks[i], code)
-                sys.stderr.write(f"ferrorun: {self.label} {self.ranks[i]} {_describe(code)}; "
-                                 f"stopping the other {self.label}s\n")
+                # (a signal sent to ferrorun and passed on: said so, not taken for the rank's)
+                passed = (f" (ferrorun's own {signal.Signals(self.signal).name}, passed on)"
+                          if self.interrupted and code == -self.signal else "")
+                sys.stderr.write(f"ferrorun: {self.label} {self.ranks[i]} {_describe(code)}"
+                                 f"{passed}; stopping the other {self.label}s\n")
                 self.stop_all()
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
