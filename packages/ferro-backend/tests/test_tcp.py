@@ -272,6 +272,30 @@ result = int(out[0])
     assert [r.result for r in results] == [1, 0]
 
 
+def test_rank_0_giving_up_names_the_connections_a_wrong_token_refused():
+    # it said only "ranks [1] did not join": the rank was up, with another job's token
+    port = free_port()
+    failed: list[BaseException] = []
+
+    def rank0():
+        try:
+            TcpBackend(0, 2, f"127.0.0.1:{port}", token="right-token", timeout=30,
+                       connect_timeout=3.0).close()
+        except BaseException as exc:  # (checked below)
+            failed.append(exc)
+
+    t = threading.Thread(target=rank0, daemon=True)
+    t.start()
+    _wait_listening(port)
+    with pytest.raises(AuthenticationError):
+        TcpBackend(1, 2, f"127.0.0.1:{port}", token="wrong-token", timeout=5)
+    t.join(30)
+    assert not t.is_alive() and len(failed) == 1
+    assert isinstance(failed[0], RendezvousError), failed
+    assert "ranks [1] did not join" in str(failed[0])
+    assert "1 connection(s) were refused for a wrong job token (from 127.0.0.1:" in str(failed[0])
+
+
 def test_port_in_use_names_address_port_and_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

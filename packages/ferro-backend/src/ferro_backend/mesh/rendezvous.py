@@ -150,6 +150,8 @@ class Rendezvous:
         #: rank 0's listening socket when the caller bound it already (a launcher that picked a
         #: free port and told the other ranks, :mod:`.launchers`); taken over and closed here
         self.listener = listener
+        #: where connections refused for a wrong job token came from (named if ranks are late)
+        self.wrong_token: list[str] = []
 
     def run(self, deadline: float) -> dict[int, socket.socket]:
         socks: dict[int, socket.socket] = {}
@@ -268,7 +270,7 @@ class Rendezvous:
                     missing = sorted(expected - joined.keys())
                     raise RendezvousError(
                         f"rank {self.rank} listening on {host}:{port}: ranks {missing} did not "
-                        f"join within the connect timeout")
+                        f"join within the connect timeout{self._wrong_token_note()}")
                 try:
                     sock, peer_addr = lsock.accept()
                 except TimeoutError:
@@ -299,7 +301,20 @@ class Rendezvous:
             arrivals.put((sock, peer_addr, decode_info(sock)))
         except (ProtocolError, AuthenticationError, OSError, struct.error) as exc:
             log.warning("rank %d: refused a connection from %s: %s", self.rank, peer_addr, exc)
+            if isinstance(exc, AuthenticationError):
+                self.wrong_token.append(_where(peer_addr))
             sock.close()
+
+    def _wrong_token_note(self) -> str:
+        """For the timeout's message: the connections refused for a wrong token (a rank
+        started with another job's FERRO_TOKEN / token= never joins)."""
+        refused = list(self.wrong_token)
+        if not refused:
+            return ""
+        shown = ", ".join(dict.fromkeys(refused[:3]))
+        more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+        return (f"; meanwhile {len(refused)} connection(s) were refused for a wrong job token "
+                f"(from {shown}{more}): a rank started with another token (FERRO_TOKEN, token=)")
 
     def _admit(self, sock: socket.socket, peer_addr, info: tuple[int, int, str, int, str],
                expected: set[int], joined: dict) -> str | None:
