@@ -358,6 +358,14 @@ def test_log_dir_log_level_and_master_port_from_the_environment(tmp_path):
     for rank in (0, 1):
         text = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
         assert f"port {port}" in text and "level 10" in text  # DEBUG
+    # a smaller job in the same directory: the earlier job's rank 1 files go, other files stay
+    (tmp_path / "logs" / "notes.txt").write_text("mine")
+    (tmp_path / "logs" / "rank_1.txt").write_text("mine too")
+    r = subprocess.run([*FERRORUN, "--nproc", "1", "--log-dir", str(tmp_path / "logs"),
+                        str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "notes.txt", "rank_0.log", "rank_0.stderr", "rank_0.stdout", "rank_1.txt"]
 
 
 def test_ctrl_c_gives_one_line_per_rank_and_names_the_signal(tmp_path):

@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write each rank's output, unprefixed, to LOG_DIR/rank_<N>.log "
                         "(stdout and stderr as they came), LOG_DIR/rank_<N>.stdout and "
                         "LOG_DIR/rank_<N>.stderr (made if missing, emptied by each run, "
-                        "appended by restarts; progress bars as their last state)")
+                        "appended by restarts; progress bars as their last state; the files of "
+                        "ranks an earlier, larger job had are deleted)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
                    help="level of ferro's loggers in the ranks (FERRO_LOG_LEVEL)")
     emu = p.add_argument_group("emulated nodes (Linux, root): rehearse a multi-node job here")
@@ -273,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         token = secrets.token_hex(16)
     if args.log_dir is not None:
         try:
-            prepare_log_dir(args.log_dir)
+            # (an elastic job's processes are numbered apart; a restart appends)
+            prepare_log_dir(args.log_dir, None if elastic or args.restart_count
+                            else args.nproc * args.nnodes)
         except LogDirError as exc:
             sys.stderr.write(f"ferrorun: {exc}\n")
             return 2

@@ -55,13 +55,27 @@ class LogDirError(LauncherError, OSError):
         return str(self.strerror)
 
 
-def prepare_log_dir(path: Path) -> Path:
-    """Create ``path`` (and its parents) if missing; :class:`LogDirError` names it if that fails."""
+def prepare_log_dir(path: Path, world_size: int | None = None) -> Path:
+    """Create ``path`` (and its parents) if missing; :class:`LogDirError` names it if that fails.
+    ``world_size``: the log files of ranks this job has not (``rank_<N>.*``, N >= it) are left
+    from an earlier, larger job: deleted, so the directory holds this job's logs only."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise LogDirError(path, "create the directory", exc) from exc
+    if world_size is not None:
+        for old in path.glob("rank_*.*"):
+            m = _LOG_NAME.fullmatch(old.name)
+            if m and int(m.group(1)) >= world_size:
+                try:
+                    old.unlink()
+                except OSError as exc:
+                    raise LogDirError(old, "delete an earlier job's log", exc) from exc
     return path
+
+
+#: a rank's log file (:func:`open_logs`)
+_LOG_NAME = re.compile(r"rank_(0|[1-9][0-9]*)\.(log|stdout|stderr)")
 
 
 def open_logs(log_dir: Path, rank: int, append: bool = False) -> dict[str, object]:
