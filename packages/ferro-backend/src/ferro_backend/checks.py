@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 from typing import Any
 
@@ -26,10 +27,37 @@ def _no_objects(op: str, data: Any, mv: memoryview) -> None:
                         "pickle it (ferro_collective.broadcast_object / all_gather_object)")
 
 
+def _array_view(op: str, data: Any) -> tuple[Any, memoryview]:
+    """``(array, view)`` for what has no buffer protocol but that :func:`numpy.asarray` turns
+    into an array sharing its memory (a torch CPU tensor, an object with
+    ``__array_interface__`` or ``__array__``); TypeError naming its type when that would copy
+    (a list, an ``__array__`` returning a fresh array) or fail (a GPU tensor)."""
+    import numpy as np
+
+    try:
+        arr = np.asarray(data)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{op}: this {type(data).__name__} is not a buffer and numpy.asarray "
+                        f"cannot view it ({exc}); pass bytes, a bytearray, a memoryview, a "
+                        "numpy array or a CPU tensor") from None
+    # A copy is a fresh array owning its memory that nothing else holds (2: ``arr`` and the
+    # argument); an array ``__array__`` returns from its object is held by that object too.
+    if arr.flags.owndata and sys.getrefcount(arr) <= 2:
+        raise TypeError(f"{op}: numpy.asarray would copy this {type(data).__name__} (it holds no "
+                        "buffer of its own): pass bytes, a bytearray, a memoryview, a numpy "
+                        "array or a CPU tensor" + (", the receive would fill the copy and "
+                                                   "leave it unchanged" if op == "recv" else ""))
+    return arr, memoryview(arr)
+
+
 def as_send_view(data: Any) -> memoryview:
     """A flat byte view of ``data`` without copying; non-contiguous buffers and buffers of Python
-    objects are refused."""
-    mv = data if isinstance(data, memoryview) else memoryview(data)
+    objects are refused; what has no buffer protocol but that :func:`numpy.asarray` views
+    without copying (a torch CPU tensor) is taken as that array."""
+    try:
+        mv = data if isinstance(data, memoryview) else memoryview(data)
+    except TypeError:
+        data, mv = _array_view("send", data)
     _no_objects("send", data, mv)
     if not mv.c_contiguous:
         raise ValueError(
@@ -42,8 +70,12 @@ def as_send_view(data: Any) -> memoryview:
 
 def as_recv_view(out: Any) -> memoryview:
     """A flat writable byte view of ``out`` without copying; read-only buffers and buffers of
-    Python objects are refused."""
-    mv = out if isinstance(out, memoryview) else memoryview(out)
+    Python objects are refused; what :func:`numpy.asarray` views without copying (a torch CPU
+    tensor) is taken as that array, so the bytes land in its memory."""
+    try:
+        mv = out if isinstance(out, memoryview) else memoryview(out)
+    except TypeError:
+        out, mv = _array_view("recv", out)
     _no_objects("recv", out, mv)
     if mv.readonly:
         raise ValueError(f"recv: the output buffer ({type(out).__name__}) is read-only")
