@@ -108,4 +108,14 @@ __all__ = [
 ]
 
 
-__getattr__ = version_getattr(__name__, "ferro-backend")  # __version__, read when asked
+_version_getattr = version_getattr(__name__, "ferro-backend")  # __version__, read when asked
+
+
+def __getattr__(name: str):
+    """``ferro_backend.testing`` (the test kit) imported when first asked for, so that
+    ``import ferro_backend`` alone pays nothing for it; ``__version__`` read when asked."""
+    if name == "testing":  # (``from . import testing`` would ask this hook again: a loop)
+        import importlib
+
+        return importlib.import_module(f"{__name__}.testing")
+    return _version_getattr(name)

@@ -1,7 +1,8 @@
 """The ``Backend`` protocol: point-to-point messaging between the ranks of a job.
 
 A backend moves raw bytes. Anything that exports the buffer protocol can be sent (``bytes``,
-``bytearray``, ``memoryview``, C-contiguous numpy arrays); ``recv`` fills a caller-allocated,
+``bytearray``, ``memoryview``, C-contiguous numpy arrays), and anything ``np.asarray`` views as
+a C-contiguous array without copying (a torch CPU tensor); ``recv`` fills a caller-allocated,
 writable buffer whose length must equal the message's. Messages between one pair of ranks on one
 ``tag`` arrive in the order they were sent; different tags are independent streams.
 
@@ -17,7 +18,7 @@ import time
 from typing import Any
 
 from .checks import as_recv_view, as_send_view, check_peer, check_rank, check_tag, check_timeout
-from .errors import CollectiveTimeoutError, SizeMismatchError
+from .errors import CollectiveTimeoutError, InvalidRankError, SizeMismatchError
 from .ranks import FixedRanks, describe_topology  # noqa: F401 - FixedRanks: re-exported
 from .request import Request, _DoneRequest, _LazyRecv
 
@@ -127,15 +128,30 @@ class Backend(abc.ABC):
 
     def _send_view(self, data: Any, dst: int, tag: int) -> memoryview:
         """Validate a send's peer and tag; the bytes of ``data`` to send (for transports)."""
-        check_peer("send", dst, self.rank, self.world_size, "dst")
+        try:
+            check_peer("send", dst, self.rank, self.world_size, "dst")
+        except InvalidRankError:
+            self._raise_if_down("send")
+            raise
         check_tag(tag)
         return as_send_view(data)
 
     def _recv_view(self, out: Any, src: int, tag: int) -> memoryview:
         """Validate a receive's peer and tag; the writable bytes of ``out`` (for transports)."""
-        check_peer("recv", src, self.rank, self.world_size, "src")
+        try:
+            check_peer("recv", src, self.rank, self.world_size, "src")
+        except InvalidRankError:
+            self._raise_if_down("recv")
+            raise
         check_tag(tag)
         return as_recv_view(out)
+
+    def _raise_if_down(self, op: str) -> None:
+        """Raise what a closed or aborted backend raises for ``op``, if this one is (it wins
+        over a bad peer: every call on a closed backend raises PeerClosedError at once)."""
+        failure = self.peer_failure(op, self.rank)
+        if failure is not None:
+            raise failure
 
     def irecv(self, out: Any, src: int, *, tag: int = 0) -> Request:
         """Post a receive into ``out`` and return at once; ``Request.wait`` completes it.
@@ -249,6 +265,7 @@ class Backend(abc.ABC):
         timeout : float, optional
         """
         n, me = self.world_size, self.rank
+        self._raise_if_down("barrier")  # (one rank has no round that would notice)
         deadline = time.monotonic() + self.resolve_timeout(timeout, "barrier: timeout")
         step, round_ = 1, 0
         token = bytearray(1)

@@ -111,6 +111,8 @@ class ElasticJob:
 
     def __init__(self, address: str, token: str, *, node: str | None = None,
                  join_timeout: float = 120.0, **backend_kwargs: Any) -> None:
+        if not isinstance(token, str):  # (else the hello's HMAC fails, past the connect)
+            raise TypeError(f"ElasticJob: token must be a str, got {type(token).__name__}")
         host, _, port = address.rpartition(":")
         self._host = host.strip("[]")
         self._timeout = join_timeout

@@ -84,6 +84,8 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
     ValueError
         A timeout that is negative, NaN or not a number; a ``master_addr`` that is not
         ``host:port``.
+    TypeError
+        A ``token`` that is neither a str nor bytes (named at once, before any connection).
     RendezvousError
         The port is in use, rank 0 never came up, or a rank never joined (the message names the
         address, the port and the ranks).
@@ -116,7 +118,10 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
                                                            world_size > LAZY_ABOVE))
         if token is None:
             token = settings.TOKEN.get()
-        key = token.encode() if isinstance(token, str) else (token or b"")
+        elif not isinstance(token, str | bytes | bytearray):  # (else a handshake thread dies)
+            raise TypeError(f"{type(self).__name__}: token must be a str or bytes (or None), got "
+                            f"{type(token).__name__}")
+        key = token.encode() if isinstance(token, str) else bytes(token or b"")
         self.master_addr = master_addr
         host, port = parse_addr(master_addr)
         self._box = Mailbox(rank, lambda: self.timeout, world_size)
