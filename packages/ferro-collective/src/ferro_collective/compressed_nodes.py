@@ -147,6 +147,7 @@ def refuse(name: str, backend: Backend, h, wire: str, timeout, error: BaseExcept
     ``error``'s message; the node's agreement), its other numbers given back."""
     s = Steps(name, str(wire), np.empty(0, np.float32), backend, timeout, numbers=numbers)
     s.fail(error)
+    s.abandons = False  # (its peers' deadline is theirs: an exact call's refusal ends nothing)
     empty = np.empty(0, np.float32)
     s.then(REDUCE_SCATTER, empty, h.node, ReduceOp.SUM, s.take(0, dtype=np.float32),
            lambda got: None)

@@ -23,7 +23,7 @@ from . import tracing
 from .arguments import check_out_like
 from .compressed_agreement import PREFIX, Numbers, check_identities, identity
 from .dispatch import run
-from .executors import prepared
+from .executors import abandoning, prepared
 from .ops import ReduceOp
 from .per_backend import state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, ALLREDUCE
@@ -138,6 +138,10 @@ class Steps:
         #: the bytes this rank's values are encoded into (chunks padded to whole blocks; a
         #: multi-node call's cross-node stage): the timeline's ``wire_bytes``
         self.encoded = 0
+        #: a collective of these steps that times out in the background ends its group
+        #: (:func:`.executors.abandon`, as the dispatcher does for the blocking ones); not a
+        #: refusal's (:func:`.compressed_nodes.refuse`: as an exact call's refusal)
+        self.abandons = True
 
     def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
         a = POOL.take(int(np.prod(shape)), np.dtype(dtype))
@@ -231,7 +235,10 @@ class Steps:
         for i in indices:
             coll, send, group, arg, out, _ = self.calls[i]
             seq, go = prepared(coll, send, group, arg, self.timeout, out, self._span(i))
-            # (the blocking path's calls go through the dispatcher, which times them)
+            # (the blocking path's calls go through the dispatcher, which times them and, as
+            # here, ends the group where this rank gives up on one: no peer completes it alone)
+            if self.abandons:
+                go = abandoning(go, group)
             self.runs[i] = seq, tracing.traced_job(coll.name, go, send, group, None)
             if self.numbers is not None:
                 self.numbers.took(group)

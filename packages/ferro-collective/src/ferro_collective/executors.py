@@ -104,7 +104,9 @@ def abandon(backend: Backend, exc: BaseException) -> None:
         pass
 
 
-def _abandoning(job: Callable[[], Any], backend: Backend) -> Callable[[], Any]:
+def abandoning(job: Callable[[], Any], backend: Backend) -> Callable[[], Any]:
+    """``job`` (a collective on ``backend``, run later: a background call's), which ends
+    ``backend`` (:func:`abandon`) where it raises a collective's timeout."""
     def run():
         try:
             return job()
@@ -122,7 +124,7 @@ def submit(coll: Collective, tensor, backend, arg=None, timeout=None, algorithm=
         plan = _prepare(coll, tensor, backend, arg, timeout, algorithm, out)
     except Exception as exc:
         raise user_facing(exc)  # noqa: B904 (the same error, its traceback cut here)
-    job = tracing.traced_job(plan.name, _abandoning(executor(plan), backend), tensor, backend,
+    job = tracing.traced_job(plan.name, abandoning(executor(plan), backend), tensor, backend,
                              algorithm)
     return Work(plan.name, plan.seq, state(plan.backend).submit(job))
 
