@@ -244,21 +244,26 @@ def test_ranks_that_disagree_on_the_wire_get_the_mismatch_error():
 def test_a_failed_background_call_keeps_the_order_of_the_calls_after_it():
     """``allreduce_async(..., wire=)`` whose first collective fails on every rank (the ranks
     disagree on the wire): every rank raises the mismatch at ``wait``, its later collectives
-    ran all the same (on zeros), so the next calls meet; a bad ``out=`` on one rank raises
-    there alone, at ``wait``, after the collectives."""
+    ran all the same (on zeros), so the next calls meet; a bad ``out=`` on one rank is
+    refused there when the call is made, and its peer's ``wait`` raises the mismatch naming
+    it (no rank returns a result from a call another rank refused)."""
     def body(b):
         failed = fc.allreduce_async(np.ones(600, np.float32), b, timeout=10,
                                     wire="bf16" if b.rank else "int8")
         with pytest.raises(fc.CollectiveMismatchError):
             failed.wait(30)
         after = fc.allreduce(np.full(3, b.rank + 1.0), b, timeout=10)
-        bad = fc.all_gather_async(np.ones(4, np.float32), b, wire="fp16",
-                                  out=np.empty(3 if b.rank else 8, np.float32))
+        def bad():
+            return fc.all_gather_async(np.ones(4, np.float32), b, wire="fp16", timeout=10,
+                                       out=np.empty(3 if b.rank else 8, np.float32))
+
         if b.rank:
             with pytest.raises(fc.SizeMismatchError, match=r"all_gather: out is float32\[3\]"):
-                bad.wait(30)
+                bad()
         else:
-            assert bad.wait(30).tolist() == [1.0] * 8
+            with pytest.raises(fc.CollectiveMismatchError, match=r"rank 1 refused the call "
+                               r"\(SizeMismatchError: out is float32\[3\]"):
+                bad().wait(30)
         return after.tolist(), fc.allreduce(np.ones(2), b, timeout=10).tolist()
 
     assert run_ranks(body, 2) == [([3.0] * 3, [2.0] * 2)] * 2

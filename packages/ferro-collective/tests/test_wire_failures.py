@@ -56,3 +56,58 @@ def test_a_background_call_a_rank_gave_up_on_ends_the_group(name, wire):
     for error, took in (after0, after1):
         assert isinstance(error, (fc.PeerAbortedError, fc.PeerClosedError)), error
         assert took < 5
+
+
+SIZES = {"allreduce": 8, "reduce_scatter": 4, "all_gather": 16}
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "list", "read-only"])
+def test_a_bad_out_on_one_rank_is_refused_on_every_rank(name, background, bad):
+    """A wrong ``out=`` on rank 1 of a compressed call: rank 1 raises its argument error when
+    the call is made; rank 0 raises CollectiveMismatchError naming rank 1 and the reason (no
+    rank returns a result from a call another rank refused), and the next call works."""
+    size = SIZES[name]
+    outs = {"shape": np.empty(size + 1, np.float32), "dtype": np.empty(size, np.float64),
+            "list": [0.0] * size, "read-only": np.empty(size, np.float32)}
+    outs["read-only"].flags.writeable = False
+    expected = {"shape": fc.SizeMismatchError, "dtype": fc.SizeMismatchError,
+                "list": TypeError, "read-only": ValueError}[bad]
+
+    def body(b):
+        x = np.arange(8, dtype=np.float32)
+        out = outs[bad] if b.rank else np.empty(size, np.float32)
+        if background:
+            error = outcome(lambda: CALLS[name](x, b, wire="bf16", out=out,
+                                                timeout=10).wait(30))[0]
+        else:
+            error = outcome(lambda: getattr(fc, name)(x, b, wire="bf16", out=out,
+                                                      timeout=10))[0]
+        return error, fc.allreduce(np.ones(2), b, timeout=10).tolist()
+
+    (e0, next0), (e1, next1) = run_ranks(body, 2, timeout=60)
+    assert type(e1) is expected, e1
+    assert isinstance(e0, fc.CollectiveMismatchError), e0
+    assert "rank 1 refused the call" in str(e0) and expected.__name__ in str(e0), e0
+    assert next0 == next1 == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_a_strided_out_is_still_written(name):
+    size = SIZES[name]
+
+    def body(b):
+        out = np.zeros((size, 2), np.float32)[:, 0]
+        got = getattr(fc, name)(np.arange(8, dtype=np.float32), b, wire="bf16", out=out,
+                                timeout=10)
+        return got is out, out.tolist()
+
+    want = {"allreduce": [2.0 * i for i in range(8)], "reduce_scatter": None,
+            "all_gather": list(range(8)) * 2}[name]
+    for r, (same, values) in enumerate(run_ranks(body, 2, timeout=60)):
+        assert same
+        if want is not None:
+            assert values == [float(v) for v in want]
+        else:
+            assert values == [2.0 * v for v in range(4 * r, 4 * r + 4)]

@@ -102,6 +102,18 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
         raise
 
 
+def _check_out(name: str, out, shape: tuple, dtype) -> None:
+    """``out=`` (where given) an ndarray of the result's ``shape`` and ``dtype``, writable
+    (else TypeError, SizeMismatchError, ValueError naming it): checked with the call's other
+    arguments, so that a bad one on one rank refuses the call on every rank. (It need not be
+    C-contiguous: the result is written into it with ``out[...] = result``.)"""
+    if out is None:
+        return
+    check_out_like(name, out, shape, dtype)
+    if not out.flags.writeable:
+        raise ValueError(f"{name}: out must be writable")
+
+
 def checked_wire(wire: str, algorithm: str | None, name: str) -> str:
     """``wire`` when it is a wire format and no ``algorithm`` is forced with it (else
     ValueError naming the call)."""
@@ -138,6 +150,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, out,
     def check():
         check_floats(x, op, "allreduce")
         check_feedback(feedback, op, name)
+        _check_out("allreduce", out, x.shape, x.dtype)
         return checked_wire(wire, algorithm, name)
 
     wire = checked("allreduce", backend, wire, timeout, check)
@@ -306,6 +319,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
 
             raise SizeMismatchError(f"reduce_scatter: dim 0 of shape {x.shape} is not "
                                     f"divisible by the world size {n}")
+        _check_out("reduce_scatter", out, (x.shape[0] // n, *x.shape[1:]), x.dtype)
         return checked_wire(wire, algorithm, name)
 
     wire = checked("reduce_scatter", backend, wire, timeout, check)
@@ -354,13 +368,15 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     name = "all_gather_async" if background else "all_gather"
     x = np.asarray(tensor)
 
+    n = backend.world_size
+    shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
+
     def check():
         check_floats(x, None, "all_gather")
+        _check_out("all_gather", out, shape, x.dtype)
         return checked_wire(wire, algorithm, name)
 
     wire = checked("all_gather", backend, wire, timeout, check)
-    n = backend.world_size
-    shape = (n,) if x.ndim == 0 else (n * x.shape[0], *x.shape[1:])
     numbers = _numbers(backend)
     s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
     width = s.encoded = encoded_bytes(x.size, wire)

@@ -80,8 +80,8 @@ def deliver(fill: Callable[[np.ndarray], None], like: np.ndarray, shape: tuple,
              out: np.ndarray | None, name: str):
     """The result: ``fill(dest)`` writes its float32 values straight into ``out`` where that
     is a float32 C-contiguous array of the result's shape (no copy, no new memory), else into
-    a new array, returned in ``like``'s dtype or copied into ``out`` (checked here, once the
-    collectives have run: a bad ``out`` on one rank does not leave its peers waiting)."""
+    a new array, returned in ``like``'s dtype or copied into ``out`` (which the call checked
+    with its other arguments, so that a bad one is refused on every rank)."""
     if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == like.dtype == \
             np.float32 and out.flags.c_contiguous and out.flags.writeable:
         fill(out.reshape(-1))
