@@ -4,14 +4,16 @@ Local rank ``i`` is the ``i``-th smallest member (or the ``i``-th member given, 
 ``ordered=True``). Every message of a subgroup travels on the root transport with the subgroup's
 id in the upper 32 bits of the tag, so it can never be taken for a message of the parent or of
 another subgroup between the same pair of ranks. The id is a hash of the members' global ranks
-(in local-rank order), the optional ``name`` and, for a subgroup of a subgroup, the parent's id:
-the same on every member.
+(in local-rank order), the optional ``name``, for a subgroup of a subgroup the parent's id, and
+how many subgroups of the same members and name this rank made of the same parent before it:
+the same on every member, as every member makes its subgroups in the same order.
 """
 
 from __future__ import annotations
 
 import numbers
 import re
+import threading
 import weakref
 import zlib
 from collections.abc import Iterable
@@ -21,11 +23,42 @@ from .base import GROUP_TAG_SHIFT, Backend, FixedRanks, Request
 from .checks import check_rank, check_tag
 from .errors import InvalidRankError, InvalidWorldSizeError, PeerClosedError
 
+#: per parent backend: how many subgroups of each (global members, name) this rank made of it
+_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the same, for a parent that takes no weak reference (by its id)
+_MADE_BY_ID: dict[int, dict[tuple, int]] = {}
+_MADE_LOCK = threading.Lock()
+
+
+def _ordinal(parent: Backend, key: tuple) -> int:
+    """How many subgroups of ``key`` (global members, name) this rank made of ``parent``
+    before now, counting this one."""
+    with _MADE_LOCK:
+        try:
+            made = _MADE.setdefault(parent, {})
+        except TypeError:  # no weak reference, or unhashable: by its id
+            made = _MADE_BY_ID.setdefault(id(parent), {})
+        k = made.get(key, 0)
+        made[key] = k + 1
+        return k
+
 
 class SubBackend(FixedRanks, Backend):
     """A subgroup of ``parent``'s ranks; ``parent`` may itself be a :class:`SubBackend`.
 
-    Every member constructs it with the same ``members`` and ``name``; a non-member cannot.
+    Every member constructs it with the same ``members`` and ``name``; a non-member cannot
+    (InvalidRankError; it counts for nothing below).
+
+    **Every member makes its subgroups of a parent in the same order** (torch's rule for
+    ``new_group``). Each construction is a new group, apart from every other: a second
+    ``SubBackend(parent, members)`` of the same members and name is a second group, whose
+    messages and calls never pair with the first's (its id counts how many subgroups of the
+    same members and name this rank made of ``parent`` before it), and one made after a
+    subgroup was aborted (:meth:`abort_group`, a collective's timeout) is a fresh group that
+    works. A member that makes a subgroup its peers do not make (or makes one twice where
+    they make it once) is out of step with them for every later subgroup of the same members
+    and name: their calls on it wait for their deadline. Share one view rather than making
+    another (a view may be used by any code of its rank).
 
     Parameters
     ----------
@@ -37,7 +70,9 @@ class SubBackend(FixedRanks, Backend):
     name : str, default ""
         Tells apart subgroups of the same members (it enters the subgroup's tag id, as does the
         parent's id when ``parent`` is a subgroup: subgroups of differently named parents never
-        share tags).
+        share tags). Subgroups of different names are counted apart: code that makes its own
+        groups under a name of its own keeps its count whatever other groups of the same
+        members are made.
     ordered : bool, default False
         Keep ``members`` in the order given (duplicates after the first ignored): local rank
         ``i`` is the ``i``-th member listed, not the ``i``-th smallest. Every member must list
@@ -90,8 +125,12 @@ class SubBackend(FixedRanks, Backend):
             self._global = self._members
         # a subgroup of a subgroup folds in its parent's id: the same members under differently
         # named parents (or directly under the root) must not share a tag space
-        key = repr((self._global, name) if parent is self._root
-                   else (self._global, name, parent._group_id)).encode()
+        # and how many of the same members and name this rank made of this parent before
+        # (every member makes them in the same order): two views are two groups
+        k = _ordinal(parent, (self._global, name))
+        key = (self._global, name) if parent is self._root else \
+            (self._global, name, parent._group_id)
+        key = repr(key + (k,) if k else key).encode()
         self._group_id = (zlib.crc32(key) & 0x7FFFFFFF) | 0x80000000
         self._tag_base = self._group_id << GROUP_TAG_SHIFT
         self.timeout = parent.timeout
@@ -125,8 +164,9 @@ class SubBackend(FixedRanks, Backend):
     @property
     def group_id(self) -> int:
         """The subgroup's 32-bit tag prefix, the same on every member: derived from the members'
-        global ranks, the ``name`` and (for a subgroup of a subgroup) the parent's id, it keeps
-        this subgroup's messages apart from the parent's and from other subgroups'.
+        global ranks, the ``name``, (for a subgroup of a subgroup) the parent's id and how many
+        subgroups of the same members and name this rank made of the parent before this one,
+        it keeps this subgroup's messages apart from the parent's and from other subgroups'.
         """
         return self._group_id
 
