@@ -27,6 +27,7 @@ from ferro_backend import DEFAULT_TIMEOUT, Backend
 
 from . import compressed as _compressed
 from .dispatch import run, run_barrier
+from .executors import Refusal
 from .ops import ReduceOp
 from .records import (
     ALL_GATHER,
@@ -279,6 +280,36 @@ def barrier(backend: Backend, *, timeout: float | None = None) -> None:
     run_barrier(BARRIER, backend, timeout)
 
 
+def op_as_root(name: str, backend, root: ReduceOp, timeout) -> TypeError:
+    """The TypeError of a reduce (``name``: ``"reduce"`` or ``"reduce_async"``) given an op
+    where its root goes; the call is refused as every call whose own arguments are wrong is
+    (:class:`.executors.Refusal`): it takes its place in the order of calls and its peers raise
+    CollectiveMismatchError in the same call, naming this rank and the error.
+
+    Parameters
+    ----------
+    name : str
+        The public call, named in the error.
+    backend : ferro_backend.Backend
+        The call's backend (nothing is published where it is no open backend).
+    root : ReduceOp
+        What was passed where the root goes.
+    timeout : float or None
+        The call's ``timeout=``: how long the refusal waits for the peers at most.
+
+    Returns
+    -------
+    TypeError
+        The error to raise, saying to pass the op as ``op=``.
+    """
+    exc = TypeError(f"{name}: {root!r} was passed where the root rank goes; pass the op as "
+                    f"op={root!r} ({name}(tensor, backend, root=0, op=...))")
+    refused = Refusal.of(REDUCE.name, backend, timeout, exc)
+    if refused is not None:
+        refused.start()
+    return exc
+
+
 def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM, *,
            timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray | None:
     """Reduce ``tensor`` element-wise across all ranks; only ``root`` gets the result.
@@ -310,7 +341,9 @@ def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM,
     InvalidRankError
         ``root`` is not in ``[0, world_size)``.
     TypeError
-        An unsupported dtype for ``op``.
+        An unsupported dtype for ``op``, or an op passed where ``root`` goes (saying to pass
+        ``op=``; refused as every bad argument is: the peers raise CollectiveMismatchError in
+        the same call).
     CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for every collective.
 
@@ -321,8 +354,7 @@ def reduce(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceOp.SUM,
     [None, array([6]), None]
     """
     if isinstance(root, ReduceOp):
-        raise TypeError(f"reduce: {root!r} was passed where the root rank goes; pass the op as "
-                        f"op={root!r} (reduce(tensor, backend, root=0, op=...))")
+        raise op_as_root("reduce", backend, root, timeout)
     return run(REDUCE, tensor, backend, (root, op), timeout, None, out)
 
 

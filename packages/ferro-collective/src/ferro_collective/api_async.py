@@ -18,6 +18,7 @@ from .api import (
     REDUCE,
     REDUCE_SCATTER,
     SCATTER,
+    op_as_root,
 )
 from .dispatch import submit
 from .ops import ReduceOp
@@ -122,6 +123,8 @@ def reduce_async(tensor, backend: Backend, root: int = 0, op: ReduceOp = ReduceO
     Work
         Its :meth:`~Work.wait` returns its result (None off root), or raises its error.
     """
+    if isinstance(root, ReduceOp):
+        raise op_as_root("reduce_async", backend, root, timeout)
     return submit(REDUCE, tensor, backend, (root, op), timeout, None, out)
 
 
