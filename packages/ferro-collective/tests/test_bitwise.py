@@ -9,9 +9,10 @@ from hypothesis.extra import numpy as hnp
 
 from ferro_backend import SimulatedBackend
 from ferro_backend.testing import run_ranks
-from ferro_collective import ALGORITHMS, ReduceOp, allreduce, reduce, reduce_scatter
+from ferro_collective import ReduceOp, allreduce, reduce, reduce_scatter
 from ferro_collective.api import REDUCE
 from ferro_collective.dispatch import run
+from ferro_collective.records import ALL_ALGORITHMS as ALGORITHMS
 
 UFUNC = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
          ReduceOp.BXOR: np.bitwise_xor}

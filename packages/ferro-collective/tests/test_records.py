@@ -30,7 +30,7 @@ def test_header_codes_are_distinct_and_stable():
 
 
 def test_algorithms_and_one_call_paths():
-    assert fc.ALGORITHMS == {c.name: c.algorithms for c in records.ALL if c.algorithms}
+    assert records.ALL_ALGORITHMS == {c.name: c.algorithms for c in records.ALL if c.algorithms}
     for c in records.ALL:
         assert not c.algorithms or c.algorithms[0] == "auto"
     one_call = {c.name: c.kind for c in records.ALL if c.kind is not None}

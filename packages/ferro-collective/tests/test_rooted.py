@@ -20,7 +20,6 @@ from ferro_backend import (
 )
 from ferro_backend.testing import run_ranks
 from ferro_collective import (
-    ALGORITHMS,
     ReduceOp,
     Work,
     gather,
@@ -32,6 +31,7 @@ from ferro_collective import (
 )
 from ferro_collective.api import GATHER, REDUCE, SCATTER
 from ferro_collective.dispatch import run
+from ferro_collective.records import ALL_ALGORITHMS as ALGORITHMS
 
 SETTINGS = settings(max_examples=40, deadline=None)
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)

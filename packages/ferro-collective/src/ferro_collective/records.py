@@ -23,11 +23,18 @@ ALL: tuple[Collective, ...] = (
     ALL_GATHER_V, ALL_TO_ALL, ALL_TO_ALL_SINGLE, BROADCAST_OBJECT, ALL_GATHER_OBJECT)
 #: each record by its name
 BY_NAME: dict[str, Collective] = {c.name: c for c in ALL}
-#: every collective's algorithms by name, for those with an ``algorithm=`` argument ("auto":
-#: the measured thresholds up to 4 ranks, the cost model beyond; a forced one must be the same
-#: on every rank)
-ALGORITHMS: dict[str, tuple[str, ...]] = {c.name: c.algorithms for c in ALL if c.algorithms}
+#: every collective's algorithms by name, those whose public call takes no ``algorithm=`` too
+#: (reduce, gather, scatter, all_gather_v, all_to_all: "auto" picks among them; a plan of
+#: their records may force one, as the tests do)
+ALL_ALGORITHMS: dict[str, tuple[str, ...]] = {c.name: c.algorithms for c in ALL if c.algorithms}
+#: the collectives whose public call (and its ``*_async`` form) takes ``algorithm=``
+CHOOSABLE: tuple[str, ...] = ("allreduce", "broadcast", "all_gather", "reduce_scatter")
+#: the algorithms a user may pick, by collective: those with an ``algorithm=`` argument only
+#: ("auto": the measured thresholds up to 4 ranks, the cost model beyond; a forced one must be
+#: the same on every rank)
+ALGORITHMS: dict[str, tuple[str, ...]] = {n: ALL_ALGORITHMS[n] for n in CHOOSABLE}
 
-__all__ = ["ALGORITHMS", "ALL", "ALLREDUCE", "ALL_GATHER", "ALL_GATHER_OBJECT", "ALL_GATHER_V",
-           "ALL_TO_ALL", "ALL_TO_ALL_SINGLE", "BARRIER", "BROADCAST", "BROADCAST_OBJECT",
-           "BY_NAME", "GATHER", "REDUCE", "REDUCE_SCATTER", "SCATTER"]
+__all__ = ["ALGORITHMS", "ALL", "ALLREDUCE", "ALL_ALGORITHMS", "ALL_GATHER", "ALL_GATHER_OBJECT",
+           "ALL_GATHER_V", "ALL_TO_ALL", "ALL_TO_ALL_SINGLE", "BARRIER", "BROADCAST",
+           "BROADCAST_OBJECT", "BY_NAME", "CHOOSABLE", "GATHER", "REDUCE", "REDUCE_SCATTER",
+           "SCATTER"]
