@@ -40,6 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"need 4 <= --min-bytes ({args.min_bytes}) <= --max-bytes ({args.max_bytes})")
     if not (0 < args.seconds < float("inf")):  # (NaN fails too)
         p.error(f"--seconds must be a finite number > 0 (got {args.seconds})")
+    if args.plot is not None:  # told now, not after the measuring
+        if args.plot.is_dir():
+            p.error(f"--plot: {args.plot} is a directory")
+        if not args.plot.parent.is_dir():
+            p.error(f"--plot: no directory {args.plot.parent}")
     return args
 
 
@@ -92,7 +97,14 @@ def measure(backend, byte_sizes: list[int], seconds: float) -> dict[str, list[fl
 
 
 def human(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+    """``nbytes`` in MiB, KiB or bytes: whole where it is a whole number of them, else to
+    one decimal, rounded down (a size under 1 KiB was "0 KiB", 3000 bytes "2 KiB")."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            whole, part = divmod(nbytes, 1 << shift)
+            tenths = (part * 10) >> shift  # (rounded down: 1 MiB - 1 byte is not "1024.0 KiB")
+            return f"{whole} {unit}" if not part else f"{whole}.{tenths} {unit}"
+    return f"{nbytes} B"
 
 
 def plot(table: dict[str, list[float]], byte_sizes: list[int], title: str, path: Path) -> None:

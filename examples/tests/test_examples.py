@@ -210,3 +210,16 @@ def test_bus_bandwidth_sweeps_sizes_and_refuses_an_empty_range():
                           "8192", "--max-bytes", "4096"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--min-bytes (8192) <= --max-bytes (4096)" in bad.stderr
+
+
+def test_bus_bandwidth_names_sizes_under_a_kib_in_bytes():
+    """Every size under 1 KiB was "0 KiB" (and 3000 bytes "2 KiB")."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bus_bandwidth", EXAMPLES / "bus_bandwidth.py")
+    bus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bus)
+    got = [bus.human(n) for n in (4, 256, 1023, 1024, 3000, 4096, 1536 << 10, 16 << 20,
+                                   (1 << 20) - 1)]
+    assert got == ["4 B", "256 B", "1023 B", "1 KiB", "2.9 KiB", "4 KiB", "1.5 MiB", "16 MiB",
+                   "1023.9 KiB"]
