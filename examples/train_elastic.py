@@ -35,7 +35,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from train_mlp import StepFile, build_model, load_data, newest_step, resume, unwritable
+from train_mlp import (
+    StepFile,
+    build_model,
+    load_data,
+    newest_step,
+    resume,
+    unreadable,
+    unusable_directory,
+    unwritable,
+)
 from train_mlp import parse_args as mlp_args
 
 from ferro_backend import elastic, init_from_env, settings
@@ -96,9 +105,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             refuse(f"{flag} must be >= {low} (got {value})")
     if args.resume and args.checkpoint_dir is None:
         refuse("--resume needs --checkpoint-dir")
-    why = unwritable(args.history)
-    if why:
-        refuse(f"--history: {why}")
+    for flag, why in (("--history", unwritable(args.history)),
+                      ("--plot", unwritable(args.plot)),
+                      ("--save-state", unwritable(args.save_state)),
+                      ("--load-state", unreadable(args.load_state)),
+                      ("--step-file", unusable_directory(args.step_file))):
+        if why:
+            refuse(f"{flag}: {why}")
+    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and \
+            not args.checkpoint_dir.is_dir():
+        refuse(f"--checkpoint-dir: {args.checkpoint_dir} is not a directory")
 
 
 def capture(model, opt) -> dict:
@@ -189,7 +205,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"train_elastic: --strategy {args.strategy} needs --checkpoint-dir "
                          "(a lost rank's shard comes back from the last checkpoint)")
     mlp = mlp_args(["--dtype", args.dtype, "--seed", str(args.seed)])
-    x_tr, y_tr, _, _, classes = load_data(mlp)
+    x_tr, y_tr, _, _, classes = load_data(mlp, prog="train_elastic")
     loss_fn = nn.CrossEntropyLoss()
     if settings.ELASTIC.get():
         try:

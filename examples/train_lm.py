@@ -156,9 +156,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, low in (("--dim", 1), ("--layers", 1), ("--heads", 1), ("--seq", 1),
                       ("--batch-size", 1), ("--eval-batches", 1), ("--corpus-chars", 1),
                       ("--steps", 0), ("--warmup", 0), ("--checkpoint-every", 0),
-                      ("--eval-every", 0), ("--sample-chars", 0)):
+                      ("--eval-every", 0), ("--sample-chars", 0), ("--intra-node-size", 1)):
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value < low:
+        if value is not None and value < low:
             refuse(f"{flag} must be >= {low} (got {value})")
     if args.dim % args.heads:
         refuse(f"--heads {args.heads} does not divide --dim {args.dim}")
@@ -442,8 +442,14 @@ def main(argv=None) -> int:
     else:
         intra = None
         if args.strategy == "hybrid_shard" or args.secondary_shard:
-            intra = (args.intra_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-                     or max(1, world // 2))
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+            intra, said = ((args.intra_node_size, "--intra-node-size")
+                           if args.intra_node_size is not None else
+                           (local, "LOCAL_WORLD_SIZE") if local else
+                           (max(1, world // 2), "half the ranks (give --intra-node-size)"))
+            if world % intra:
+                raise SystemExit(f"train_lm: {intra} ranks per node ({said}) do not divide the "
+                                 f"{world} ranks")
         if args.secondary_shard and args.strategy != "full_shard":
             raise SystemExit("train_lm: --secondary-shard is for --strategy full_shard")
         wrapper = FSDP(model, backend, args.strategy, wrap=nn.TransformerBlock,

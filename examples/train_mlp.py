@@ -110,6 +110,31 @@ def unwritable(path: Path | None) -> str | None:
     return None
 
 
+def unusable_directory(path: Path | None) -> str | None:
+    """Why files could not be written in the existing directory ``path`` (``--step-file``),
+    or None."""
+    if path is None:
+        return None
+    if not path.is_dir():
+        return f"{path} is not a directory" if path.exists() else f"no directory {path}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable"
+    return None
+
+
+def unreadable(path: Path | None) -> str | None:
+    """Why the input file ``path`` could not be read, or None."""
+    if path is None:
+        return None
+    if not path.exists():
+        return f"no file {path}"
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not os.access(path, os.R_OK):
+        return f"{path} is not readable"
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse numbers no run can use, one line naming the flag (exit 2), before any backend,
     data or model is made."""
@@ -118,12 +143,21 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
     for flag, low in (("--batch-size", 1), ("--hidden", 1), ("--params", 1), ("--samples", 2),
                       ("--epochs", 0), ("--steps", 0), ("--checkpoint-every", 0),
-                      ("--powersgd-rank", 1), ("--powersgd-start", 0)):
+                      ("--powersgd-rank", 1), ("--powersgd-start", 0), ("--intra-node-size", 1),
+                      ("--fail-at-step", 1), ("--fail-rank", 0)):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < low:
             refuse(f"{flag} must be >= {low} (got {value})")
     if args.lr is not None and not (args.lr >= 0 and math.isfinite(args.lr)):
         refuse(f"--lr must be a finite number >= 0 (got {args.lr})")
+    if args.min_accuracy is not None and math.isnan(args.min_accuracy):
+        refuse("--min-accuracy must be a number (got nan)")
+    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and \
+            not args.checkpoint_dir.is_dir():
+        refuse(f"--checkpoint-dir: {args.checkpoint_dir} is not a directory")
+    why = unusable_directory(args.step_file)
+    if why:
+        refuse(f"--step-file: {why}")
     train = int(args.samples * 0.8)  # load_data holds out the other fifth
     if args.dataset == "synthetic" and train < args.batch_size:
         refuse(f"--samples {args.samples} leaves {train} training samples, fewer than one "
@@ -147,10 +181,13 @@ class StepFile:
             os.pwrite(self.fd, b"%012d" % step, 0)
 
 
-def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+def load_data(args, prog: str = "train_mlp"
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The train and held-out arrays and the number of classes; ``prog``: the script whose
+    message a missing scikit-learn ends with (train_elastic has no ``--dataset``)."""
     dtype = np.dtype(args.dtype)
     if args.dataset == "digits":
-        x, y = load_digits()
+        x, y = load_digits(prog)
         x = x / 16.0
         classes = 10
     else:
@@ -167,7 +204,7 @@ def load_data(args) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int
     return x[tr].astype(dtype), y[tr], x[te].astype(dtype), y[te], classes
 
 
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
+def load_digits(prog: str = "train_mlp") -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits (``load_digits(return_X_y=True)``: float64 pixels, int64 labels),
     read from the file scikit-learn ships without importing it: importing scikit-learn costs
     every rank about 3 s here, a run of a few steps 1 s. Falls back to ``load_digits`` where
@@ -177,9 +214,13 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     except ImportError:
         spec = None
     if spec is None or spec.origin is None:
-        raise SystemExit("train_mlp: --dataset digits needs scikit-learn: pip install "
-                         "scikit-learn (or pip install -r examples/requirements.txt), or use "
-                         "--dataset synthetic")
+        # (only train_mlp has another data set to offer)
+        raise SystemExit(
+            f"{prog}: " + ("--dataset digits needs" if prog == "train_mlp" else
+                           "the digits data set it trains on needs")
+            + " scikit-learn: pip install scikit-learn (or pip install -r "
+            "examples/requirements.txt)" + (", or use --dataset synthetic"
+                                           if prog == "train_mlp" else ""))
     data = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     if data.is_file():
         table = np.loadtxt(data, delimiter=",")
@@ -309,7 +350,12 @@ def main(argv=None) -> int:
     else:
         intra = None
         if args.strategy == "hybrid_shard":
-            intra = args.intra_node_size or max(1, world // 2)
+            intra, said = ((args.intra_node_size, "--intra-node-size")
+                           if args.intra_node_size is not None else
+                           (max(1, world // 2), "half the ranks (give --intra-node-size)"))
+            if world % intra:
+                raise SystemExit(f"train_mlp: {intra} ranks per node ({said}) do not divide the "
+                                 f"{world} ranks")
         wrapper = FSDP(model, backend, args.strategy, intra_node_size=intra,
                        sync_module_states=True)
     powersgd = comm_hook(args, wrapper, backend)

@@ -47,6 +47,23 @@ BAD = [
      "--dump-params: no directory /nonexistent-dir"),
     ("train_mlp", ["--dump-params", "examples"], "--dump-params: examples is a directory"),
     ("train_elastic", ["--history", "README.md/h.json"], "--history: no directory README.md"),
+    ("train_mlp", ["--intra-node-size", "-1"], "--intra-node-size must be >= 1 (got -1)"),
+    ("train_mlp", ["--intra-node-size", "0"], "--intra-node-size must be >= 1 (got 0)"),
+    ("train_mlp", ["--step-file", "/nonexistent-dir"], "--step-file: no directory /nonexistent-dir"),
+    ("train_mlp", ["--step-file", "README.md"], "--step-file: README.md is not a directory"),
+    ("train_mlp", ["--fail-at-step", "0"], "--fail-at-step must be >= 1 (got 0)"),
+    ("train_mlp", ["--checkpoint-dir", "README.md"], "--checkpoint-dir: README.md is not a directory"),
+    ("train_mlp", ["--min-accuracy", "nan"], "--min-accuracy must be a number (got nan)"),
+    ("train_lm", ["--intra-node-size", "0"], "--intra-node-size must be >= 1 (got 0)"),
+    ("train_elastic", ["--plot", "/nonexistent-dir/p.png"], "--plot: no directory /nonexistent-dir"),
+    ("train_elastic", ["--plot", "examples"], "--plot: examples is a directory"),
+    ("train_elastic", ["--save-state", "/nonexistent-dir/s.npz"],
+     "--save-state: no directory /nonexistent-dir"),
+    ("train_elastic", ["--load-state", "/nonexistent.npz"], "--load-state: no file /nonexistent.npz"),
+    ("train_elastic", ["--step-file", "/nonexistent-dir"], "--step-file: no directory /nonexistent-dir"),
+    ("train_elastic", ["--checkpoint-dir", "README.md"],
+     "--checkpoint-dir: README.md is not a directory"),
+    ("bus_bandwidth", ["--plot", "/nonexistent-dir/b.png"], "--plot: no directory /nonexistent-dir"),
     ("bus_bandwidth", ["--seconds", "nan"], "--seconds must be a finite number > 0"),
     ("bus_bandwidth", ["--seconds", "-1"], "--seconds must be a finite number > 0"),
     ("bus_bandwidth", ["--seconds", "inf"], "--seconds must be a finite number > 0"),
@@ -79,3 +96,20 @@ def test_a_bad_ferro_restart_count_names_the_variable(script):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr == (f"{script}: FERRO_RESTART_COUNT 'abc' is invalid, expected a whole "
                         "number >= 0\n")
+
+
+@pytest.mark.parametrize("script", ["train_mlp", "train_lm"])
+def test_ranks_per_node_that_do_not_divide_the_world_are_one_line(script):
+    """--intra-node-size 3 on 2 ranks: the flag named, not FSDP's traceback."""
+    tiny = (["--dataset", "synthetic", "--params", "5000", "--samples", "512"]
+            if script == "train_mlp" else ["--dim", "16", "--layers", "1", "--heads", "2",
+                                           "--seq", "8", "--corpus-chars", "5000"])
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "FERRO_ELASTIC", "FERRO_RESTART_COUNT")}
+    r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", "2",
+                        str(EXAMPLES / f"{script}.py"), "--strategy", "hybrid_shard",
+                        "--intra-node-size", "3", "--steps", "1", "--no-progress", *tiny],
+                       capture_output=True, text=True, timeout=90, cwd=ROOT, env=environ)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "Traceback" not in out, out
+    assert f"{script}: 3 ranks per node (--intra-node-size) do not divide the 2 ranks" in out

@@ -18,20 +18,21 @@ pytestmark = pytest.mark.timeout(300)
 # Runs train_mlp.py as `python train_mlp.py ARGS` (one rank) with OPTIONAL unimportable, as on a
 # machine where only the ferro packages are installed.
 BLOCKER = f"""
-import runpy, sys
+import os, runpy, sys
 class Blocker:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {OPTIONAL!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
 sys.meta_path.insert(0, Blocker())
-sys.argv = [{str(SCRIPT)!r}, *sys.argv[1:]]
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as `python SCRIPT` would
+sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_without_optional(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCKER, *map(str, args)], capture_output=True,
-                          text=True, timeout=240, cwd=cwd)
+def run_without_optional(*args, cwd, script=SCRIPT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCKER, str(script), *map(str, args)],
+                          capture_output=True, text=True, timeout=240, cwd=cwd)
 
 
 def run_one_rank(*args, cwd) -> subprocess.CompletedProcess:
@@ -56,6 +57,15 @@ def test_digits_without_scikit_learn_names_the_pip_package(tmp_path):
     r = run_without_optional("--steps", 1, "--no-progress", cwd=tmp_path)
     assert r.returncode != 0
     assert "pip install scikit-learn" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_train_elastic_without_scikit_learn_offers_no_flag_it_lacks(tmp_path):
+    """train_elastic trains on train_mlp's digits: its message recommended train_mlp's
+    --dataset synthetic, which train_elastic does not have."""
+    r = run_without_optional("--steps", 1, cwd=tmp_path, script=SCRIPT.with_name("train_elastic.py"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("train_elastic: ") and "pip install scikit-learn" in r.stderr
+    assert "--dataset" not in r.stderr, r.stderr
 
 
 def test_synthetic_run_without_any_optional_package(tmp_path):
