@@ -7,9 +7,13 @@ from __future__ import annotations
 import sys
 
 import contract_workers
+import ferro_jax as fj
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from ferro_backend.testing import run_processes
+from ferro_backend.testing import run_processes, run_ranks
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux engine")
 
@@ -21,3 +25,32 @@ def test_computations_on_two_cpu_devices_run_in_dispatch_order(transport):
                              timeout=150, backend_timeout=30):
         assert res["devices"] == 2
         assert res["sums"] == [[3.0, 30.0]] * 3, res
+
+
+def test_recv_and_barrier_under_vmap_raise():
+    def rank_main(backend):
+        rank = backend.rank
+        xb = jnp.ones((3, 4)) * rank
+        out = {}
+        calls = {"barrier": lambda v: fj.barrier(backend=backend, timeout=5),
+                 "recv": lambda v: v + fj.recv(v, 1 - rank, backend=backend, timeout=5),
+                 "send": lambda v: fj.send(v, 1 - rank, backend=backend),
+                 "jit recv": jax.jit(lambda v: fj.recv(v, 1 - rank, backend=backend,
+                                                       timeout=5))}
+        for name, f in calls.items():
+            try:
+                jax.vmap(f)(xb)
+                out[name] = "ran"
+            except Exception as exc:  # (before the fix: recv timed out, having run)
+                out[name] = f"{type(exc).__name__}: {exc}"
+        # an unbatched collective under vmap still runs (once), batched ones as before
+        const = jax.vmap(lambda v: fj.allreduce(jnp.full(2, rank + 1.0), backend=backend,
+                                                timeout=5) + v)(jnp.zeros((3, 2)))
+        out["const"] = np.asarray(const).tolist()
+        return out
+
+    for res in run_ranks(rank_main, 2, timeout=60):
+        for name in ("barrier", "recv", "send", "jit recv"):
+            assert res[name].startswith("NotImplementedError") and "under jax.vmap" in res[name], \
+                (name, res[name])
+        assert res["const"] == [[3.0, 3.0]] * 3

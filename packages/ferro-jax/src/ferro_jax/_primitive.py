@@ -19,7 +19,9 @@ outside jit waits for it, and a token passed by hand is tied to it.
 
 Batching (``vmap``): the collectives are batched exactly (the mapped axis moved to just after
 dim 0, where the calls that split or join along dim 0 leave it alone); point-to-point calls
-under ``vmap`` raise NotImplementedError. Differentiation: :mod:`._ad`.
+and barrier under ``vmap`` raise NotImplementedError (recv and barrier too, which have no batched
+input: the rule is JAX's ``fancy_primitive_batchers``, called for every equation under
+``vmap``). Differentiation: :mod:`._ad`.
 """
 
 from __future__ import annotations
@@ -179,11 +181,16 @@ mlir.register_lowering(ferro_p, _lowering, platform="cpu")
 
 
 # ---------------------------------------------------------------- vmap
-def _batching(args, dims, *, kind, **params):
+def _refuse_under_vmap(kind: str) -> None:
     if kind in ("send", "recv", "sendrecv", "barrier"):
+        what = "a barrier" if kind == "barrier" else "a point-to-point call"
         raise NotImplementedError(
-            f"ferro_jax.{kind} under jax.vmap: a point-to-point call has no batched form "
+            f"ferro_jax.{kind} under jax.vmap: {what} has no batched form "
             "(call it on the whole batch outside vmap)")
+
+
+def _batching(args, dims, *, kind, **params):
+    _refuse_under_vmap(kind)
     (x,), (d,) = args, dims
     if kind in ("allreduce", "reduce", "broadcast"):  # element-wise: any axis stays put
         return bind(x, kind=kind, **params), [d]
@@ -197,4 +204,19 @@ def _batching(args, dims, *, kind, **params):
     return bind(x, kind=kind, **params), [1]
 
 
-batching.primitive_batchers[ferro_p] = _batching
+def _batching_any(axis_data, args, dims, *, kind, **params):
+    """The rule JAX calls for every ``ferro`` equation under ``vmap``, batched inputs or not
+    (its ``primitive_batchers`` rule is skipped where none is batched: recv and barrier, whose
+    inputs never are, would run once for the whole batch instead of refusing)."""
+    del axis_data
+    _refuse_under_vmap(kind)
+    if all(d is None for d in dims):  # nothing batched (an allreduce of a constant): as is
+        outs = bind(*args, kind=kind, **params)
+        return outs, [None] * len(outs)
+    return _batching(args, dims, kind=kind, **params)
+
+
+if hasattr(batching, "fancy_primitive_batchers"):
+    batching.fancy_primitive_batchers[ferro_p] = _batching_any
+else:  # pragma: no cover - an older jax: recv and barrier run unbatched under vmap
+    batching.primitive_batchers[ferro_p] = _batching
