@@ -4,6 +4,7 @@ registrations bounded."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import contract_workers
@@ -12,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ferro_jax import _pypath
 
+from ferro_backend import SimulatedBackend
 from ferro_backend.testing import run_processes, run_ranks
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux engine")
@@ -54,3 +57,25 @@ def test_recv_and_barrier_under_vmap_raise():
             assert res[name].startswith("NotImplementedError") and "under jax.vmap" in res[name], \
                 (name, res[name])
         assert res["const"] == [[3.0, 3.0]] * 3
+
+
+def test_python_path_registrations_do_not_grow_with_retraces():
+    (backend,) = SimulatedBackend.create_group(1)
+
+    def rounds():
+        for i in range(6):
+            f = jax.jit(lambda x: fj.all_gather(x, backend=backend))
+            f(jnp.ones(i + 1)).block_until_ready()
+
+    rounds()
+    jax.clear_caches()
+    gc.collect()
+    before = len(_pypath._calls)
+    for _ in range(3):
+        rounds()
+        jax.clear_caches()
+        gc.collect()
+    assert len(_pypath._calls) == before
+    # another shape is another call
+    jax.jit(lambda x: fj.all_gather(x, backend=backend))(jnp.ones(99)).block_until_ready()
+    assert len(_pypath._calls) == before + 1

@@ -131,6 +131,8 @@ def _door_runs(kind: str, comm: _lib.Comm, avals) -> bool:
 
 
 def _python_call(kind, comm, avals_in, avals_out, params) -> int:
+    """The number of the Python path's function for this call (one per distinct call: its
+    kind, communicator, arrays and parameters; a retrace reuses it, :func:`_pypath.register`)."""
     timeout = params["timeout"] or None
     extra = {k: params[k] for k in ("op", "root", "src", "dst", "tag")}
     mark = (1,) if params["marked"] else ()  # the collective's arrays as (*shape, 1)
@@ -138,18 +140,26 @@ def _python_call(kind, comm, avals_in, avals_out, params) -> int:
     x_shape = avals_in[0].shape if avals_in else ()
     if mark and kind == "all_gather" and not x_shape:
         x_shape = (1,)  # a 0-d input gathers to (world_size,): as (1, 1) to (world_size, 1)
-    x_at = _pypath.Views((*x_shape, *mark), avals_in[0].dtype) if avals_in else None
-    y_at = _pypath.Views((*avals_out[0].shape, *mark), avals_out[0].dtype)
+    x_spec = ((*x_shape, *mark), np.dtype(avals_in[0].dtype)) if avals_in else None
+    y_spec = ((*avals_out[0].shape, *mark), np.dtype(avals_out[0].dtype))
 
-    def call(ins: list[int], outs: list[int]) -> None:
-        x = x_at(ins[0]) if x_at is not None else None
-        y = y_at(outs[0])
-        _pypath.run(kind, comm.backend, x, None if kind in SIDE_ONLY else y, timeout=timeout,
-                    **extra)
-        if kind in SIDE_ONLY:
-            y[...] = 1  # done
+    def make():
+        x_at = _pypath.Views(*x_spec) if x_spec is not None else None
+        y_at = _pypath.Views(*y_spec)
 
-    return _pypath.register(call)
+        def call(ins: list[int], outs: list[int]) -> None:
+            x = x_at(ins[0]) if x_at is not None else None
+            y = y_at(outs[0])
+            _pypath.run(kind, comm.backend, x, None if kind in SIDE_ONLY else y,
+                        timeout=timeout, **extra)
+            if kind in SIDE_ONLY:
+                y[...] = 1  # done
+
+        return call
+
+    # (the Comm: hashed by identity, and held by _lib for the life of the process)
+    key = (kind, comm, x_spec, y_spec, timeout, tuple(sorted(extra.items())))
+    return _pypath.register(key, make)
 
 
 def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeout, marked,

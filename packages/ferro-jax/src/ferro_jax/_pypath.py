@@ -16,7 +16,7 @@ import ctypes
 import functools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from ferro_backend import (
 )
 
 _calls: list[Callable[[list[int], list[int]], None]] = []
+_numbers: dict[Hashable, int] = {}  # a call's description -> its number
 _lock = threading.Lock()
 
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
@@ -35,11 +36,19 @@ _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int64)
 
 
-def register(fn: Callable[[list[int], list[int]], None]) -> int:
-    """Give ``fn(in_addresses, out_addresses)`` a number for the FFI call's ``call`` attribute."""
+def register(key: Hashable, make: Callable[[], Callable[[list[int], list[int]], None]]) -> int:
+    """The number of the call ``key`` describes, for the FFI call's ``call`` attribute: the one
+    given before to the same description (a retrace, another computation with the same call,
+    one compiled again after ``jax.clear_caches()``), else ``make()``'s function
+    ``fn(in_addresses, out_addresses)`` under a new number. A compiled computation holds only
+    the number, so an entry is never dropped (any computation still alive may run it), and
+    the entries are bounded by the distinct calls a process lowers, not by its lowerings."""
     with _lock:
-        _calls.append(fn)
-        return len(_calls) - 1
+        number = _numbers.get(key)
+        if number is None:
+            _calls.append(make())
+            number = _numbers[key] = len(_calls) - 1
+        return number
 
 
 def code_for(exc: BaseException) -> int:
