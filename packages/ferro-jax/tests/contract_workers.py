@@ -9,6 +9,7 @@ jax.config.update("jax_enable_x64", True)
 
 import ferro_jax as fj  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
 
 
 def two_devices(backend) -> dict:
@@ -37,3 +38,28 @@ def two_devices(backend) -> dict:
             rb = b(y)
             sums.append([float(np.asarray(ra)[0]), float(np.asarray(rb)[0])])
     return {"devices": len(jax.devices()), "sums": sums}
+
+
+def other_float8(backend) -> dict:
+    """all_gather on float8_e4m3fn on rank 0, float8_e5m2 elsewhere (the same width), and
+    bfloat16 against float16, in and out of jit: a mismatch on every rank."""
+    fj.init(backend)
+    rank = backend.rank
+    pairs = {"float8": (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2),
+             "bfloat16": (ml_dtypes.bfloat16, np.float16)}
+    out = {}
+    for name, (mine, theirs) in pairs.items():
+        dtype = mine if rank == 0 else theirs
+        for how, call in (("jit", jax.jit(lambda v: fj.all_gather(v, timeout=20))),
+                          ("eager", lambda v: fj.all_gather(v, timeout=20))):
+            try:
+                with fj.typed_errors():
+                    got = np.asarray(call(jnp.full(3, 1.5, dtype))).astype(np.float32)
+                out[f"{name} {how}"] = got.tolist()
+            except Exception as exc:  # (what each rank raised, by name)
+                out[f"{name} {how}"] = f"{type(exc).__name__}: {exc}"
+    # the same dtype on every rank still moves (the header names it on both)
+    same = jax.jit(lambda v: fj.all_gather(v, timeout=20))(
+        jnp.full(2, rank + 1.5, ml_dtypes.float8_e5m2))
+    out["same"] = np.asarray(same).astype(np.float32).tolist()
+    return out

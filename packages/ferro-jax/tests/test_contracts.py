@@ -30,6 +30,21 @@ def test_computations_on_two_cpu_devices_run_in_dispatch_order(transport):
         assert res["sums"] == [[3.0, 30.0]] * 3, res
 
 
+@linux
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_dtypes_of_the_same_width_that_differ_are_a_mismatch(transport):
+    results = run_processes(contract_workers.other_float8, 2, transport=transport, timeout=150,
+                            backend_timeout=30)
+    for rank, res in enumerate(results):
+        for name in ("float8", "bfloat16"):
+            for how in ("jit", "eager"):
+                got = res[f"{name} {how}"]
+                assert isinstance(got, str) and got.startswith("CollectiveMismatchError"), \
+                    (rank, name, how, got)
+        assert "float8_e4m3fn" in res["float8 jit"] and "float8_e5m2" in res["float8 jit"]
+        assert res["same"] == [1.5, 1.5, 2.5, 2.5]
+
+
 def test_recv_and_barrier_under_vmap_raise():
     def rank_main(backend):
         rank = backend.rank

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferro/engine.h"
@@ -45,8 +46,11 @@ enum Kind : int32_t {
 struct Type {
   int dtype;         // ferro_dtype
   int per_item;      // door items per XLA element (2: complex as pairs of floats)
-  const char* name;  // the type the call's header names (NULL: the door's own)
+  const char* name;  // the type the call's header names (NULL: the door's own; kByteName: the
+                     // type_name attribute, the dtype's own code, ferro_collective's dtype_code)
 };
+
+const char kByteName[] = "";  // a type the door moves as bytes: its header names the real one
 
 // XLA's element type -> the door's; reductions=false admits any type as bytes
 bool door_type(ffi::DataType t, bool reductions, Type* out) {
@@ -71,7 +75,7 @@ bool door_type(ffi::DataType t, bool reductions, Type* out) {
   if (reductions) return false;
   size_t width = ffi::ByteWidth(t);
   if (width == 0) return false;
-  *out = {FERRO_UINT8, static_cast<int>(width), "xla"};
+  *out = {FERRO_UINT8, static_cast<int>(width), kByteName};
   return true;
 }
 
@@ -142,7 +146,7 @@ inline void pin_this_thread() {
 
 ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t slot, int32_t kind, int32_t op,
-                    int32_t root, double timeout, int32_t marked) {
+                    int32_t root, double timeout, int32_t marked, std::string_view type_name) {
   pin_this_thread();
   ferro_comm* c = nullptr;
   if (ffi::Error e = comm_of(slot, &c); e.failure()) return e;
@@ -156,7 +160,16 @@ ffi::Error DoorImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                       "[ferro FERRO_UNSUPPORTED] ferro_jax: the engine does not reduce this "
                       "element type");
   }
-  o.type_name = t.name;
+  char named[9] = {0};  // the header's dtype: at most 8 chars, NUL-terminated here
+  if (t.name == kByteName) {
+    // ferro_collective.header.dtype_code of the jax dtype (lowering): float8_e4m3fn and
+    // float8_e5m2 (same width, both bytes to the door) name two dtypes, so ranks that disagree
+    // get a mismatch instead of reading each other's bytes in their own type
+    std::memcpy(named, type_name.data(), type_name.size() < 8 ? type_name.size() : 8);
+    o.type_name = named[0] != '\0' ? named : "|u1";
+  } else {
+    o.type_name = t.name;
+  }
   auto dims = x.dimensions();
   std::vector<int64_t> shape(dims.begin(), dims.end());
   if (t.per_item != 1) shape.push_back(t.per_item);  // complex pairs, bytes of odd types
@@ -258,7 +271,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ferro_jax_door, DoorImpl,
                                   .Attr<int32_t>("op")
                                   .Attr<int32_t>("root")
                                   .Attr<double>("timeout")
-                                  .Attr<int32_t>("marked"));
+                                  .Attr<int32_t>("marked")
+                                  .Attr<std::string_view>("type_name"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ferro_jax_barrier, BarrierImpl,
                               ffi::Ffi::Bind()

@@ -35,6 +35,8 @@ import numpy as np
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import batching, mlir
 
+from ferro_collective.header import dtype_code
+
 from . import _dispatch, _lib, _pypath
 
 #: the door's kinds (_handlers.cc) and ops (ferro/engine.h)
@@ -162,6 +164,14 @@ def _python_call(kind, comm, avals_in, avals_out, params) -> int:
     return _pypath.register(key, make)
 
 
+def header_type(dtype) -> str:
+    """The dtype the door's header names for a type it moves as bytes (float8...):
+    ferro-collective's code for it (``ferro_collective.header.dtype_code``), so that ranks whose
+    dtypes differ (float8_e4m3fn against float8_e5m2: the same width) get a mismatch, as the
+    Python path's calls do. The handler ignores it for the door's own types."""
+    return dtype_code(np.dtype(dtype)).decode("ascii")
+
+
 def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeout, marked,
               **params):
     token = ctx.tokens_in.get(EFFECT)
@@ -173,7 +183,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args, kind, comm, op, root, timeou
                                     "kind": np.int32(DOOR_KINDS[kind]),
                                     "op": np.int32(DOOR_OPS[op]), "root": np.int32(root),
                                     "timeout": np.float64(timeout),
-                                    "marked": np.int32(marked)}
+                                    "marked": np.int32(marked),
+                                    "type_name": header_type(ctx.avals_in[0].dtype)}
     else:
         call = _python_call(kind, comm, ctx.avals_in, ctx.avals_out,
                             dict(op=op, root=root, timeout=timeout, marked=marked, **params))

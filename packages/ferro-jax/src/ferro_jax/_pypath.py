@@ -143,13 +143,18 @@ _OPS = {"sum": fc.ReduceOp.SUM, "mean": fc.ReduceOp.MEAN, "max": fc.ReduceOp.MAX
 
 
 def _as_native(a: np.ndarray, reduces: bool) -> np.ndarray:
-    """A view ferro-collective takes: complex as pairs of floats; for calls that only move
-    data, a type it does not know (float8...) as its bytes."""
-    if a.dtype.kind == "c":  # (reshape(-1) first: a 0-d array's dtype cannot change size)
+    """A view ferro-collective takes: for a reduction, complex as pairs of floats; a call that
+    only moves data takes the array as it is (ferro-collective moves any type, float8 and
+    bfloat16 included, and its header names the real dtype, so ranks that pass float8_e4m3fn
+    and float8_e5m2 get a mismatch instead of reading each other's bytes in their own type)."""
+    if reduces and a.dtype.kind == "c":  # (reshape(-1) first: a 0-d array cannot change size)
         return a.reshape(-1).view(a.dtype.type(0).real.dtype).reshape(*a.shape, 2)
-    if not reduces and (a.dtype.kind not in "biuf" or not _typestr_says(a.dtype)):
-        return a.reshape(-1).view(np.uint8).reshape(*a.shape, a.dtype.itemsize)
     return a
+
+
+def _as_bytes(a: np.ndarray, reduces: bool = False) -> np.ndarray:
+    """A point-to-point call's view: the array's bytes (a message carries no dtype)."""
+    return a.reshape(-1).view(np.uint8).reshape(*a.shape, a.dtype.itemsize)
 
 
 def run(kind: str, backend, x: np.ndarray | None, y: np.ndarray | None, *, op: str = "sum",
@@ -159,8 +164,9 @@ def run(kind: str, backend, x: np.ndarray | None, y: np.ndarray | None, *, op: s
     reduces = kind in ("allreduce", "reduce", "reduce_scatter")
     if kind == "all_gather" and x is not None and x.ndim == 0:  # gathers to (world_size,)
         x, y = x.reshape(1), y
-    xs = None if x is None else _as_native(x, reduces)
-    ys = None if y is None else _as_native(y, reduces)
+    native = _as_bytes if kind in ("send", "recv", "sendrecv") else _as_native
+    xs = None if x is None else native(x, reduces)
+    ys = None if y is None else native(y, reduces)
     if kind == "allreduce":
         fc.allreduce(xs, backend, _OPS[op], timeout=timeout, out=ys)
     elif kind == "reduce":
