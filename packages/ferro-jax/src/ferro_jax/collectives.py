@@ -210,7 +210,7 @@ def all_to_all(x: Any, *, backend: Any = None, timeout: float | None = None,
 
 
 def barrier(*, backend: Any = None, timeout: float | None = None, token: Any = None) -> Any:
-    """Wait until every rank has called barrier (returns None, or the token).
+    """Wait until every rank has called barrier (returns None, or ``(None, token)``).
 
     Parameters
     ----------
@@ -223,16 +223,16 @@ def barrier(*, backend: Any = None, timeout: float | None = None, token: Any = N
 
     Returns
     -------
-    jax.Array or tuple
-        None;
-        ``(result, token)`` where a token was passed.
+    None or tuple
+        None; ``(None, token)`` where a token was passed (the token after the call).
     """
     return _run("barrier", (), token, comm=comm(backend), timeout=_timeout(timeout))
 
 
 def send(x: Any, dst: int, tag: int = 0, *, backend: Any = None, token: Any = None) -> Any:
-    """Send ``x`` to rank ``dst`` on stream ``tag`` (returns None, or the token). Sends never
-    wait for the receiver. Not differentiable (use :func:`sendrecv`).
+    """Send ``x`` to rank ``dst`` on stream ``tag`` (returns None, or ``(None, token)``).
+
+    Sends never wait for the receiver. Not differentiable (use :func:`sendrecv`).
 
     Parameters
     ----------
@@ -249,9 +249,8 @@ def send(x: Any, dst: int, tag: int = 0, *, backend: Any = None, token: Any = No
 
     Returns
     -------
-    jax.Array or tuple
-        None;
-        ``(result, token)`` where a token was passed.
+    None or tuple
+        None; ``(None, token)`` where a token was passed (the token after the call).
     """
     x = jnp.asarray(x)
     c = comm(backend)
