@@ -263,7 +263,11 @@ def resume(manager: CheckpointManager, step: int, wrapper, opt, powersgd=None) -
             manager.rank == 0:
         print(f"PowerSGD: the checkpoint was saved by {extra['world_size']} ranks: its error "
               "feedback and Qs start afresh on this world size", flush=True)
-    wrapper.load_sharded_state_dict(tensors, opt)
+    try:
+        wrapper.load_sharded_state_dict(tensors, opt)
+    except ValueError as exc:  # (on every rank) a checkpoint of another model, say --hidden
+        raise SystemExit(f"resume: the checkpoint of step {step} does not fit this model: "
+                         f"{exc}") from None
     return int(extra["step"])
 
 

@@ -198,6 +198,18 @@ def test_resume_from_a_mistyped_directory_is_refused(tmp_path):
     assert "--resume" in said and "no-such-ckpt" in said and "check the path" in said
 
 
+def test_resume_with_another_hidden_width_is_refused_in_one_line(tmp_path):
+    """--resume --hidden 4 over a --hidden 8 checkpoint on 2 ranks: every rank's piece has the
+    narrower model's size; it "resumed" (a model of the checkpoint's halves), now it is refused."""
+    common = ["--steps", "2", "--checkpoint-dir", tmp_path / "ckpt", "--no-progress", "--no-plot"]
+    ferrorun(2, EXAMPLES / "train_mlp.py", "--hidden", "8", *common)
+    r = ferrorun(2, EXAMPLES / "train_mlp.py", "--hidden", "4", "--resume", *common, check=False)
+    said = r.stdout + r.stderr
+    assert r.returncode == 1 and "Traceback" not in said, said[-3000:]
+    assert "resume: the checkpoint of step 2 does not fit this model" in said, said[-3000:]
+    assert "another shape" in said and "resumed from" not in said
+
+
 def test_bus_bandwidth_sweeps_sizes_and_refuses_an_empty_range():
     r = ferrorun(2, EXAMPLES / "bus_bandwidth.py", "--min-bytes", "4096", "--max-bytes", "65536",
                  "--seconds", "0.01")
