@@ -163,3 +163,24 @@ def test_a_sharded_job_reloads_the_lost_shard_from_its_checkpoint_without_restar
              tmp_path / "ref.npz")
     for a, b in zip(full_params(final), full_params(tmp_path / "ref.npz"), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_documented_command_kills_a_rank_and_a_replacement_joins(tmp_path):
+    """docs/examples.md's command, as written there: with 120 steps the survivors finished
+    before the replacement (seconds to start and join) was up, though the page said it joins."""
+    import re
+    import shlex
+
+    text = " ".join((ROOT / "docs" / "examples.md").read_text().split())
+    command = re.search(r"`(ferrorun --nproc 2:3 [^`]*examples/train_elastic\.py[^`]*)`",
+                        text).group(1)
+    argv = shlex.split(command.replace("curve.png", str(tmp_path / "curve.png")))
+    assert argv[0] == "ferrorun"
+    history = tmp_path / "history.json"
+    r = subprocess.run([*FERRORUN, *argv[1:], "--history", str(history)], capture_output=True,
+                       text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    changes = json.loads(history.read_text())["changes"]
+    assert "killed by SIGKILL" in r.stderr and "nothing to do" not in r.stdout, r.stdout[-2000:]
+    assert changes[0]["step"] == 40 and changes[-1]["world_size"] == 3, changes
+    assert (tmp_path / "curve.png").stat().st_size > 0
