@@ -111,3 +111,64 @@ def test_a_strided_out_is_still_written(name):
             assert values == [float(v) for v in want]
         else:
             assert values == [2.0 * v for v in range(4 * r, 4 * r + 4)]
+
+
+@pytest.mark.parametrize("name, wires", [
+    ("allreduce", ("bf16", "int8")), ("allreduce", ("fp16", "int4")),
+    ("reduce_scatter", ("bf16", "int4")), ("all_gather", ("fp16", "int8"))])
+@pytest.mark.parametrize("background", [False, True])
+def test_ranks_that_disagree_on_the_wire_are_named_by_their_calls(name, wires, background):
+    """Wires whose rows differ in width: the mismatch met by the internal all-to-all's (or
+    all-gather's) header check is told in the user's words on every rank, each rank's call
+    named (before: ``all_to_all_single(uint8[*, 136])`` against ``(uint8[*, 388])``)."""
+    def body(b):
+        wire = wires[b.rank]
+        x = np.arange(8, dtype=np.float32)
+        if background:
+            return outcome(lambda: CALLS[name](x, b, wire=wire, timeout=10).wait(30))[0]
+        return outcome(lambda: getattr(fc, name)(x, b, wire=wire, timeout=10))[0]
+
+    args = "(float32[8], SUM)" if name != "all_gather" else "(float32[8])"
+    for rank, error in enumerate(run_ranks(body, 2, timeout=60)):
+        assert isinstance(error, fc.CollectiveMismatchError), error
+        text = str(error)
+        assert text.startswith(f"{name}[{wires[rank]}]: ranks disagree on the call"), text
+        assert f"ranks [{rank}] called {name}[{wires[rank]}]{args}" in text, text
+        theirs = text.partition(f"ranks [{1 - rank}] called ")[2]
+        assert f"{name}[{wires[1 - rank]}]{args}" in theirs.split("; ranks [")[0], text
+        assert "all_to_all_single" not in text and "uint8" not in text, text
+
+
+def test_an_exact_call_against_a_compressed_one_is_named_by_both_calls():
+    def body(b):
+        return outcome(lambda: fc.allreduce(np.ones(4, np.float32), b, timeout=10,
+                                            wire="bf16" if b.rank else None))[0]
+
+    errors = run_ranks(body, 2, timeout=60)
+    assert all(isinstance(e, fc.CollectiveMismatchError) for e in errors), errors
+    assert str(errors[1]) == ("allreduce[bf16]: ranks disagree on the call: ranks [0] called "
+                              "allreduce(float32[4], SUM); ranks [1] called "
+                              "allreduce[bf16](float32[4], SUM)")
+
+
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("background", [False, True])
+def test_a_bad_timeout_is_refused_in_the_calls_name(name, background):
+    """``timeout=nan`` on rank 0 of a compressed call: ValueError naming the user's call there
+    (not the internal all-to-all), CollectiveMismatchError naming the call and rank 0 on the
+    peer, at once; the next call works."""
+    def body(b):
+        x = np.arange(8, dtype=np.float32)
+        timeout = float("nan") if b.rank == 0 else 10
+        if background:
+            error, took = outcome(lambda: CALLS[name](x, b, wire="bf16", timeout=timeout).wait(30))
+        else:
+            error, took = outcome(lambda: getattr(fc, name)(x, b, wire="bf16", timeout=timeout))
+        return error, took, fc.allreduce(np.ones(2), b, timeout=10).tolist()
+
+    (e0, _, next0), (e1, took1, next1) = run_ranks(body, 2, timeout=60)
+    assert type(e0) is ValueError and str(e0).startswith(f"{name}: timeout nan is invalid"), e0
+    assert isinstance(e1, fc.CollectiveMismatchError), e1
+    assert str(e1).startswith(f"{name}[bf16] (seq "), e1
+    assert "rank 0 refused the call (ValueError: timeout nan" in str(e1), e1
+    assert took1 < 5 and next0 == next1 == [2.0, 2.0]

@@ -22,10 +22,11 @@ import numpy as np
 
 from ferro_backend import Backend
 from ferro_backend import timeline as _timeline
+from ferro_backend.checks import check_timeout
 
 from . import _wire as _kernel
 from .arguments import check_out_like
-from .compressed_agreement import Numbers, WholeCheck, identity
+from .compressed_agreement import PREFIX, Numbers, WholeCheck, identity
 from .compressed_nodes import node_calls, node_pieces, reduce_scatter_nodes, refuse
 from .compressed_steps import (
     Joined,
@@ -80,8 +81,12 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
     if failure is not None:
         raise failure
     try:
+        if timeout is not None:  # (in the call's name: its collectives would name theirs)
+            check_timeout(timeout, f"{name}: timeout")
         return check()
     except ARGUMENT_ERRORS as exc:
+        if timeout is not None and not _valid_timeout(timeout):
+            timeout = None  # (the refusal waits for the backend's deadline)
         h = getattr(backend, "hierarchy", None)
         if h is not None and h.num_nodes > 1:
             if (name == "allreduce" or wire not in ("int8", "int4")) and name != "all_gather" \
@@ -100,6 +105,14 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
             numbers.took(backend)
             numbers.rest()
         raise
+
+
+def _valid_timeout(timeout) -> bool:
+    try:
+        check_timeout(timeout)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_out(name: str, out, shape: tuple, dtype) -> None:
@@ -340,7 +353,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp, wire: str, timeout, o
     width = encoded_bytes(c, wire)
     s.encoded = n * width
     who = identity("reduce_scatter", x, op, wire)
-    p = s.carry(who, backend)
+    p = s.carry(who, backend, lambda w: PREFIX + encoded_bytes(chunk(per, 1, w), w))
     sent, rows, acc = s.take(n, p + width), s.take(n, p + width), s.take(c, dtype=np.float32)
     sent[:, :p] = who
     encode_chunks(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), per, c, wire,
@@ -381,7 +394,7 @@ def all_gather(tensor, backend: Backend, wire: str, timeout, out, background: bo
     s = Steps("all_gather", wire, tensor, backend, timeout, numbers=numbers)
     width = s.encoded = encoded_bytes(x.size, wire)
     who = identity("all_gather", x, None, wire)
-    p = s.carry(who, backend)
+    p = s.carry(who, backend, lambda w: PREFIX + encoded_bytes(x.size, w))
     mine, gathered = s.take(p + width), s.take(n * (p + width))
     mine[:p] = who
     encode_into(np.ascontiguousarray(x.reshape(-1), dtype=np.float32), wire, mine[p:])

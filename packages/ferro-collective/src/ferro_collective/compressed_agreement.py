@@ -11,6 +11,7 @@ catches up (:func:`.header.owed`).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import state
 from .records import ALL_GATHER
+from .wire import WIRES
 
 #: bytes a compressed call's first collective carries ahead of each rank's data: the call as
 #: the rank made it (:func:`identity`), compared on every rank (:func:`check_identities`).
@@ -59,6 +61,70 @@ def check_identities(rows: np.ndarray, rank: int) -> None:
     parts = [f"ranks {rs} called {_described(i)}" for i, rs in groups.items()]
     raise CollectiveMismatchError(f"{_described(ids[rank]).split('(')[0]}: ranks disagree on "
                                   "the call: " + "; ".join(parts))
+
+
+_DISAGREE = ": ranks disagree on the collective: "
+_REFUSED = re.compile(r"(all_to_all_single|all_gather) (\(seq \d+\): rank \d+ refused the call)")
+_PART = re.compile(r"ranks \[([^\]]*)\] called (.*?)(?: \(seq \d+\))?(?=; ranks \[|$)", re.S)
+_ROWS = re.compile(r"(all_to_all_single|all_gather)\(uint8\[(?:\*, )?(\d+)\]\)")
+
+
+def in_words(error: BaseException, who: np.ndarray, first: str, rows: int,
+             widths: Callable[[str], int] | None = None) -> BaseException:
+    """``error``, met by the first collective of a compressed call (``first``: its record's
+    name; ``rows``: the bytes of each of its rows, :data:`PREFIX` included), in the words of
+    the user's call (``who``: its :func:`identity`) where it is that collective's header check:
+    a refusal names the call (``allreduce[bf16] (seq 3): rank 1 refused the call (...)``), and
+    a disagreement names each rank's call, not the exact collectives it is made of. A peer's
+    compressed call is known by its first collective there: where it is this call's kind with
+    rows of another width, the wires that give the same values rows of that width
+    (``widths(wire)``: bf16 and fp16 give the same) where any does, else its rows' width.
+    Other errors are returned as they are."""
+    if not isinstance(error, CollectiveMismatchError):
+        return error
+    mine = _described(who.tobytes())
+    call = mine.split("(")[0]
+    text = str(error)
+    refused = _REFUSED.match(text)
+    if refused is not None:
+        return _chained(error, f"{call} {refused.group(2)}{text[refused.end():]}")
+    head, sep, rest = text.partition(_DISAGREE)
+    parts = _PART.findall(rest)
+    if not sep or head != first or not parts:
+        return error
+    words = [f"ranks [{ranks}] called {_peer(desc, mine, first, rows, widths)}"
+             for ranks, desc in parts]
+    return _chained(error, f"{call}: ranks disagree on the call: " + "; ".join(words))
+
+
+def _peer(desc: str, mine: str, first: str, rows: int,
+          widths: Callable[[str], int] | None) -> str:
+    """What a rank whose first collective ``desc`` says (:func:`.header.describe`, its
+    sequence number cut) called, against this rank's call ``mine``."""
+    m = _ROWS.fullmatch(desc)
+    if m is None:
+        return desc  # (an exact call: in its own words)
+    coll, width = m.group(1), int(m.group(2))
+    if coll == first and width == rows:
+        return mine
+    name, _, args = mine.partition("[")
+    args = args.partition("]")[2]
+    wires = [w for w in WIRES if widths(w) == width] if widths and coll == first else []
+    if wires:
+        return (" or ".join(f"{name}[{w}]{args}" for w in wires) + " (as its rows' width "
+                f"says, {width - PREFIX} bytes; or a call of another size whose rows are as "
+                "wide)")
+    if coll == "all_gather" and width == PREFIX:
+        return (f"a compressed call large enough to be cut in pieces (its check {desc}: "
+                "another size)")
+    return (f"another compressed call (its first collective {desc}: rows of "
+            f"{max(0, width - PREFIX)} bytes, of another size, wire or kind)")
+
+
+def _chained(error: BaseException, message: str) -> CollectiveMismatchError:
+    new = CollectiveMismatchError(message)
+    new.__cause__ = error
+    return new
 
 
 def _described(ident: bytes) -> str:
@@ -130,7 +196,7 @@ class WholeCheck:
     def __init__(self, name: str, x: np.ndarray, op: ReduceOp | None, wire: str,
                  backend: Backend, timeout, numbers: Numbers) -> None:
         self.n, self.rank, self.numbers = backend.world_size, backend.rank, numbers
-        mine = identity(name, x, op, wire)
+        mine = self.who = identity(name, x, op, wire)
         self.gathered = np.empty(self.n * PREFIX, np.uint8)
         self.seq, go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered,
                                 numbers.span(backend))
@@ -144,7 +210,7 @@ class WholeCheck:
         try:
             check_identities(np.asarray(self._go()).reshape(self.n, PREFIX), self.rank)
         except BaseException as exc:
-            error = exc
+            error = in_words(exc, self.who, ALL_GATHER.name, PREFIX)
         self.numbers.ran_first(error)
         if error is not None and fail is not None:
             fail(error)

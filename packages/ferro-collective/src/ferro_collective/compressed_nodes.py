@@ -201,7 +201,7 @@ def reduce_scatter_nodes(x: np.ndarray, tensor, h, backend: Backend, op: ReduceO
         s.result = deliver(fill, x, shape, out, "reduce_scatter")
 
     s.then(REDUCE_SCATTER, grouped.reshape(-1), h.node, node_op, node_sum, summed)
-    p = s.carry(who, h.cross)
+    p = s.carry(who, h.cross, lambda w: PREFIX + encoded_bytes(per, w))
     sent, rows = s.take(nodes, p + width), s.take(nodes, p + width)
     acc = s.take(per, dtype=np.float32)
     sent[:, :p] = who

@@ -21,7 +21,7 @@ from ferro_backend import timeline as _timeline
 from . import _wire as _kernel
 from . import tracing
 from .arguments import check_out_like
-from .compressed_agreement import PREFIX, Numbers, check_identities, identity
+from .compressed_agreement import PREFIX, Numbers, check_identities, identity, in_words
 from .dispatch import run
 from .executors import abandoning, prepared
 from .ops import ReduceOp
@@ -123,6 +123,10 @@ class Steps:
         self.decider: int | None = None
         self.verify: Callable[[Any], None] = lambda got: None
         self._rows = 0
+        #: the call's identity (:meth:`carry`) and the width of the decider's rows for the
+        #: same values in another wire: its header check's errors in the user's words
+        self.who: np.ndarray | None = None
+        self.widths: Callable[[str], int] | None = None
         #: the node's agreement on the decider (:meth:`agreement`; a multi-node call's)
         self.agree: int | None = None
         #: the call's first collective failed with a mismatch on the agreement's group: every
@@ -152,17 +156,21 @@ class Steps:
              step: Callable[[Any], None]) -> None:
         self.calls.append((coll, send, group, arg, out, step))
 
-    def carry(self, who: np.ndarray | None, group: Backend) -> int:
+    def carry(self, who: np.ndarray | None, group: Backend,
+              widths: Callable[[str], int] | None = None) -> int:
         """The next collective (:meth:`then`) carries ``who`` (the call's :func:`identity`)
         ahead of each of its rows (one per rank of ``group``), checked on every rank as part
         of it, and decides the call (:class:`Numbers`: the first collective of a flat call; a
         multi-node call's first cross-node one). A rank whose collectives before it failed
         sends its failure there instead (the identity of a refusal, naming its error), so that
         every rank of ``group`` fails there too. Returns the bytes ahead of each row
-        (:data:`PREFIX`; 0 without ``who``)."""
+        (:data:`PREFIX`; 0 without ``who``). ``widths(wire)``: the bytes of a row of it
+        (``PREFIX`` included) where the call's values were sent in ``wire`` (its errors' words:
+        :func:`.compressed_agreement.in_words`)."""
         if who is None:
             return 0
         self.decider, self._rows = len(self.calls), group.world_size
+        self.who, self.widths = who, widths
         n, rank = group.world_size, group.rank
         self.verify = lambda got: check_identities(np.asarray(got).reshape(n, -1), rank)
         return PREFIX
@@ -272,12 +280,15 @@ class Steps:
                 if i == self.decider:
                     self.verify(got)
             except BaseException as exc:
+                if i == self.decider:
+                    exc = in_words(exc, self.who, self.calls[i][0].name,
+                                   self.calls[i][1].shape[-1], self.widths)
                 self._ran(i, exc)
                 if i == 0 and self.agree is not None and isinstance(
                         exc, CollectiveMismatchError) and self.calls[0][2] is self.calls[
                             self.agree][2]:
                     self.skip_agree = True
-                raise
+                raise exc  # (in the user's words: the original is its cause)
             self._ran(i, None)
             if self.error is None:
                 step(got)
@@ -347,7 +358,7 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     c = chunk(flat.size, n, wire)
     width = encoded_bytes(c, wire)
     s.encoded += n * width
-    p = s.carry(who, group)
+    p = s.carry(who, group, lambda w: PREFIX + encoded_bytes(chunk(flat.size, n, w), w))
     sent, rows, mine = s.take(n, p + width), s.take(n, p + width), s.take(width)
     acc, gathered = s.take(c, dtype=np.float32), s.take(n * width)
     if who is not None:
