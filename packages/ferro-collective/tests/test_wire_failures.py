@@ -172,3 +172,60 @@ def test_a_bad_timeout_is_refused_in_the_calls_name(name, background):
     assert str(e1).startswith(f"{name}[bf16] (seq "), e1
     assert "rank 0 refused the call (ValueError: timeout nan" in str(e1), e1
     assert took1 < 5 and next0 == next1 == [2.0, 2.0]
+
+
+KILLED = """
+import os, signal
+import ferro_collective as fc
+from ferro_backend.hierarchy import attach_hierarchy
+attach_hierarchy(b, ["a", "a", "b", "b"])
+fc.barrier(b)
+if b.rank == 3:
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+t = time.monotonic()
+try:
+    fc.allreduce(np.ones(300_000, np.float32), b, wire="bf16", timeout=20)
+    result = ["returned"]
+except Exception as exc:
+    result = [type(exc).__name__, str(exc), getattr(exc, "peer", None), time.monotonic() - t]
+"""
+
+
+def test_a_rank_killed_in_a_multi_node_call_is_a_peer_failure_on_every_survivor():
+    """Nodes a a b b over TCP, rank 3 SIGKILLed in a compressed allreduce: rank 2's node stage
+    fails, and the rank of node a that meets it in the cross-node collective (rank 0) raises
+    PeerClosedError naming rank 2 (the job's rank, not the cross-node group's 1) and the dead
+    rank 3, as the exact hierarchical call does (it raised a disagreement on the call)."""
+    from ferro_backend.engine import AVAILABLE
+    from ferro_backend.testing import Job
+
+    if not AVAILABLE:
+        pytest.skip("the node stages need the engine (Linux)")
+    with Job(KILLED, 4, timeout=20) as job:
+        results = job.finish(60)
+    got = {r.rank: r.result for r in results if r.rank != 3}
+    for rank, (name, *_rest) in got.items():
+        assert name in ("PeerClosedError", "PeerAbortedError"), (rank, got[rank])
+        assert _rest[-1] < 10, (rank, got[rank])
+    name, text, peer, _ = got[0]
+    assert text.startswith("allreduce[bf16]: rank 2 met a failure"), text
+    assert "peer rank 3" in text and peer == 3, text
+
+
+def test_a_multi_node_disagreement_names_the_jobs_ranks():
+    """Nodes a a b b, node b's ranks in fp16, node a's in bf16: the cross-node collective's
+    check names the job's ranks (0 and 2 on rank 0), not the cross-node group's (0 and 1)."""
+    from ferro_backend.hierarchy import attach_hierarchy
+
+    def body(b):
+        attach_hierarchy(b, ("a", "a", "b", "b"))
+        return outcome(lambda: fc.allreduce(np.ones(1000, np.float32), b, timeout=10,
+                                            wire="bf16" if b.rank < 2 else "fp16"))[0]
+
+    errors = run_ranks(body, 4, timeout=60)
+    assert all(isinstance(e, fc.CollectiveMismatchError) for e in errors), errors
+    assert "ranks [0] called allreduce[bf16](float32[1000], SUM); ranks [2] called " \
+           "allreduce[fp16](float32[1000], SUM)" in str(errors[0]), errors[0]
+    assert "ranks [1] called allreduce[bf16](float32[1000], SUM); ranks [3] called " \
+           "allreduce[fp16](float32[1000], SUM)" in str(errors[1]), errors[1]

@@ -17,10 +17,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ferro_backend import Backend, CollectiveMismatchError
+from ferro_backend import (
+    Backend,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerAbortedError,
+    PeerClosedError,
+)
 
 from .executors import abandoning, prepared
-from .header import HEADER_SIZE, describe, refusal
+from .header import HEADER_SIZE, INVALID, describe, reason, refusal
 from .header import encode as encode_header
 from .ops import ReduceOp
 from .per_backend import state
@@ -48,19 +54,42 @@ def identity(name: str, x: np.ndarray | None, op: ReduceOp | None, wire: str,
     return out
 
 
-def check_identities(rows: np.ndarray, rank: int) -> None:
-    """Raise :class:`~ferro_backend.CollectiveMismatchError` where the ranks' identities (the
-    first :data:`PREFIX` bytes of each of ``rows``, one per rank in rank order) differ: every
-    rank holds them all, so every rank raises, naming what each rank called."""
+#: a refusal's reasons that are a peer's failure, not a disagreement (a rank whose stage
+#: before the identity's collective failed sends its failure there: :meth:`.Steps.carry`)
+_FAILURES = {cls.__name__: cls for cls in (PeerAbortedError, PeerClosedError,
+                                           CollectiveTimeoutError)}
+
+
+def check_identities(rows: np.ndarray, rank: int, ranks=None) -> None:
+    """Raise where the ranks' identities (the first :data:`PREFIX` bytes of each of ``rows``,
+    one per rank in rank order) differ: every rank holds them all, so every rank raises. Where
+    a rank sent a failure it met in the call (a peer gone or aborted, a timeout, in a stage
+    before this collective), that error's type, naming that rank and the failure; else
+    :class:`~ferro_backend.CollectiveMismatchError` naming what each rank called. ``ranks``:
+    the job's rank of each row (a subgroup's :attr:`~ferro_backend.SubBackend.global_ranks`;
+    default the rows' indices)."""
     ids = [rows[r, :PREFIX].tobytes() for r in range(rows.shape[0])]
     if all(i == ids[rank] for i in ids):
         return
+    ranks = list(range(len(ids))) if ranks is None else list(ranks)
+    call = _described(ids[rank]).split("(")[0]
+    for r, i in enumerate(ids):
+        if i[5] & INVALID:
+            text = reason(i[:HEADER_SIZE])
+            kind = _FAILURES.get(text.partition(":")[0])
+            if kind is not None:
+                message = (f"{call}: rank {ranks[r]} met a failure in an earlier stage of the "
+                           f"call ({text})")
+                if kind is CollectiveTimeoutError:
+                    raise kind(message)
+                peer = re.search(r"peer rank (\d+)|rank (\d+) aborted", text)
+                raise kind(message, peer=int(next(g for g in peer.groups() if g))
+                           if peer else ranks[r])
     groups: dict[bytes, list[int]] = {}
     for r, i in enumerate(ids):
-        groups.setdefault(i, []).append(r)
+        groups.setdefault(i, []).append(ranks[r])
     parts = [f"ranks {rs} called {_described(i)}" for i, rs in groups.items()]
-    raise CollectiveMismatchError(f"{_described(ids[rank]).split('(')[0]}: ranks disagree on "
-                                  "the call: " + "; ".join(parts))
+    raise CollectiveMismatchError(f"{call}: ranks disagree on the call: " + "; ".join(parts))
 
 
 _DISAGREE = ": ranks disagree on the collective: "
@@ -196,6 +225,7 @@ class WholeCheck:
     def __init__(self, name: str, x: np.ndarray, op: ReduceOp | None, wire: str,
                  backend: Backend, timeout, numbers: Numbers) -> None:
         self.n, self.rank, self.numbers = backend.world_size, backend.rank, numbers
+        self.ranks = getattr(backend, "global_ranks", None)
         mine = self.who = identity(name, x, op, wire)
         self.gathered = np.empty(self.n * PREFIX, np.uint8)
         self.seq, go = prepared(ALL_GATHER, mine, backend, None, timeout, self.gathered,
@@ -208,7 +238,8 @@ class WholeCheck:
         """Run it; where it fails, ``fail(error)`` (before :attr:`done` is set), then raise."""
         error = None
         try:
-            check_identities(np.asarray(self._go()).reshape(self.n, PREFIX), self.rank)
+            check_identities(np.asarray(self._go()).reshape(self.n, PREFIX), self.rank,
+                             self.ranks)
         except BaseException as exc:
             error = in_words(exc, self.who, ALL_GATHER.name, PREFIX)
         self.numbers.ran_first(error)

@@ -171,8 +171,8 @@ class Steps:
             return 0
         self.decider, self._rows = len(self.calls), group.world_size
         self.who, self.widths = who, widths
-        n, rank = group.world_size, group.rank
-        self.verify = lambda got: check_identities(np.asarray(got).reshape(n, -1), rank)
+        n, rank, ranks = group.world_size, group.rank, getattr(group, "global_ranks", None)
+        self.verify = lambda got: check_identities(np.asarray(got).reshape(n, -1), rank, ranks)
         return PREFIX
 
     def _span(self, i: int) -> int:
