@@ -229,3 +229,30 @@ def test_a_multi_node_disagreement_names_the_jobs_ranks():
            "allreduce[fp16](float32[1000], SUM)" in str(errors[0]), errors[0]
     assert "ranks [1] called allreduce[bf16](float32[1000], SUM); ranks [3] called " \
            "allreduce[fp16](float32[1000], SUM)" in str(errors[1]), errors[1]
+
+
+@pytest.mark.parametrize("wire", ["int4", "bf16"])
+def test_a_failed_call_leaves_the_error_feedback_as_it_was(wire):
+    """A fed-back compressed allreduce that fails (rank 1 refuses it: an int dtype; rank 0
+    meets the refusal) leaves both residuals as they were, so the next call goes on with the
+    same bits as a series without the failed call (its residuals were replaced before)."""
+    from ferro_collective.wire import Feedback
+
+    def series(b, fail):
+        g = np.linspace(-1, 1, 1000).astype(np.float32) * (b.rank + 1)
+        fb = Feedback()
+        fc.allreduce(g, b, wire=wire, feedback=fb, timeout=10)
+        before = fb.sent.copy(), fb.folded.copy()
+        if fail:
+            bad = g if b.rank == 0 else g.astype(np.int32)
+            with pytest.raises((fc.CollectiveMismatchError, TypeError)):
+                fc.allreduce(bad * 3, b, wire=wire, feedback=fb, timeout=10)
+            assert np.array_equal(fb.sent, before[0]) and np.array_equal(fb.folded, before[1])
+        after = fc.allreduce(g, b, wire=wire, feedback=fb, timeout=10)
+        return after, fb.sent, fb.folded
+
+    failed = run_ranks(lambda b: series(b, True), 2, timeout=60)
+    plain = run_ranks(lambda b: series(b, False), 2, timeout=60)
+    for got, want in zip(failed, plain):
+        for a, w in zip(got, want):
+            assert a.tobytes() == w.tobytes()

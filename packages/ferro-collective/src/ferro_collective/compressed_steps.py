@@ -146,6 +146,9 @@ class Steps:
         #: (:func:`.executors.abandon`, as the dispatcher does for the blocking ones); not a
         #: refusal's (:func:`.compressed_nodes.refuse`: as an exact call's refusal)
         self.abandons = True
+        #: run once the call has run whole without an error (its error feedback's new
+        #: residuals replace the old ones then)
+        self.succeeded: list[Callable[[], None]] = []
 
     def take(self, *shape: int, dtype=np.uint8) -> np.ndarray:
         a = POOL.take(int(np.prod(shape)), np.dtype(dtype))
@@ -307,6 +310,11 @@ class Steps:
         the result."""
         if self.error is not None:
             raise self.error
+        return self._succeeded()
+
+    def _succeeded(self):
+        for commit in self.succeeded:
+            commit()
         POOL.give(*self.borrowed)
         return self.result
 
@@ -325,8 +333,7 @@ class Steps:
                                            self._span(i)))
             if self.error is not None and (decided is None or i >= decided):
                 raise self.error
-        POOL.give(*self.borrowed)
-        return self.result
+        return self._succeeded()
 
     def _later(self):
         if self.after is not None:
@@ -353,7 +360,8 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     ``agree``, then agrees on it: :meth:`Steps.agreement`) and checked. Returns what encodes
     ``flat`` into the first one's bytes (call it once ``flat`` holds the values).
     ``feedback`` (:class:`~.wire.Feedback`): both encodings' last residuals are added to
-    what they encode (``flat`` is not changed) and replaced by theirs."""
+    what they encode (``flat`` is not changed) and replaced by theirs once the call succeeded
+    (:attr:`Steps.succeeded`; a failed call leaves them as they were)."""
     n, wire = group.world_size, s.wire
     c = chunk(flat.size, n, wire)
     width = encoded_bytes(c, wire)
@@ -364,15 +372,19 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
     if who is not None:
         sent[:, :p] = who
 
+    # (a fed-back call's new residuals replace the old ones once it succeeded: a failed call
+    # leaves them as they were)
+    residuals: dict[str, np.ndarray] = {}
+
     def folded(got):
         fold_rows(got.reshape(n, p + width)[:, p:], wire, op, acc)
-        if feedback is not None:
-            feedback.add_folded(acc)
+        if feedback is not None and _fits(feedback.folded, acc.size):
+            np.add(acc, feedback.folded, out=acc)
         encode_into(acc, wire, mine)
         if feedback is not None:
             decoded = POOL.take(c, np.float32)
             decode_into(mine, wire, decoded, _kernel.COPY)
-            np.subtract(acc, decoded, out=feedback.folded)
+            residuals["folded"] = np.subtract(acc, decoded)
             POOL.give(decoded)
 
     def ended(got):
@@ -386,14 +398,26 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
         return lambda: encode_chunks(flat, c, c, wire, sent[:, p:])
 
     def encode_fed_back():
-        x = feedback.add_sent(flat)
+        x = np.add(flat, feedback.sent, dtype=np.float32) if _fits(feedback.sent, flat.size) \
+            else flat
         encode_chunks(x, c, c, wire, sent[:, p:])
         decoded = POOL.take(flat.size, np.float32)
         decode_rows(sent[:, p:], c, wire, decoded)
-        np.subtract(x, decoded, out=feedback.sent)
+        residuals["sent"] = np.subtract(x, decoded)
         POOL.give(decoded)
 
+    def commit():
+        feedback.sent = residuals["sent"]
+        feedback.folded = residuals.get("folded", feedback.folded)
+
+    s.succeeded.append(commit)
     return encode_fed_back
+
+
+def _fits(residual: np.ndarray | None, size: int) -> bool:
+    """Whether a fed-back ``residual`` (None before the first call) is added to a call of
+    ``size`` values (one of another size starts afresh: zeros)."""
+    return residual is not None and residual.size == size
 
 
 def traced(name: str, wire: str, tensor, backend: Backend, wire_bytes: int, cat: str, call,
