@@ -384,7 +384,7 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
         if feedback is not None:
             decoded = POOL.take(c, np.float32)
             decode_into(mine, wire, decoded, _kernel.COPY)
-            residuals["folded"] = np.subtract(acc, decoded)
+            residuals["folded"] = np.subtract(acc, decoded, out=feedback.spare("folded", c))
             POOL.give(decoded)
 
     def ended(got):
@@ -403,12 +403,12 @@ def flat_allreduce(s: Steps, flat: np.ndarray, group: Backend, op: ReduceOp,
         encode_chunks(x, c, c, wire, sent[:, p:])
         decoded = POOL.take(flat.size, np.float32)
         decode_rows(sent[:, p:], c, wire, decoded)
-        residuals["sent"] = np.subtract(x, decoded)
+        residuals["sent"] = np.subtract(x, decoded, out=feedback.spare("sent", flat.size))
         POOL.give(decoded)
 
     def commit():
-        feedback.sent = residuals["sent"]
-        feedback.folded = residuals.get("folded", feedback.folded)
+        for name, new in residuals.items():
+            feedback.replace(name, new)
 
     s.succeeded.append(commit)
     return encode_fed_back

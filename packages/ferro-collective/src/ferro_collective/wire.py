@@ -170,8 +170,9 @@ class Feedback:
     A compressed allreduce encodes twice: each rank's input (its contribution, ``sent``) and,
     on the rank that folds it, each folded chunk before the all-gather (``folded``; on a
     multi-node job, the cross-node stage's contribution and folded chunk). A rank keeps both
-    residuals here, as float32 arrays that the calls it is passed to update in place (None
-    before the first; replaced by zeros when a call's sizes differ from the last one's). Pass
+    residuals here, as float32 arrays that the calls it is passed to replace once they have
+    succeeded (a failed call leaves them as they were; None before the first; zeros when a
+    call's sizes differ from the last one's), each kept in one of two buffers it swaps. Pass
     one to a single series of calls with the same size, world and wire (one per gradient
     buffer), never to two calls in flight at once (the second would add residuals the first
     has not replaced yet). SUM and MEAN only.
@@ -195,11 +196,52 @@ class Feedback:
     [0.15, 0.15]
     """
 
-    __slots__ = ("folded", "sent")
+    __slots__ = ("_spares", "folded", "sent")
 
     def __init__(self, sent: np.ndarray | None = None, folded: np.ndarray | None = None) -> None:
         self.sent = None if sent is None else np.array(sent, np.float32).reshape(-1)
         self.folded = None if folded is None else np.array(folded, np.float32).reshape(-1)
+        #: per residual, the buffer a call writes its new one into (swapped with the current
+        #: one when the call succeeded: no new memory per call)
+        self._spares: dict[str, np.ndarray] = {}
+
+    def spare(self, name: str, size: int) -> np.ndarray:
+        """The buffer a call writes residual ``name``'s (``"sent"`` or ``"folded"``) new
+        values into, of ``size`` float32 values (never the current residual).
+
+        Parameters
+        ----------
+        name : str
+            ``"sent"`` or ``"folded"``.
+        size : int
+            The number of values.
+
+        Returns
+        -------
+        numpy.ndarray
+            A flat float32 array, its values unspecified.
+        """
+        buf = self._spares.get(name)
+        if buf is None or buf.size != size:
+            buf = self._spares[name] = np.empty(size, np.float32)
+        return buf
+
+    def replace(self, name: str, new: np.ndarray) -> None:
+        """Make ``new`` (from :meth:`spare`) residual ``name``; the old one becomes the spare.
+
+        Parameters
+        ----------
+        name : str
+            ``"sent"`` or ``"folded"``.
+        new : numpy.ndarray
+            The new residual.
+        """
+        old = getattr(self, name)
+        setattr(self, name, new)
+        if old is not None and old is not new:
+            self._spares[name] = old
+        else:
+            self._spares.pop(name, None)
 
     def add_sent(self, x: np.ndarray) -> np.ndarray:
         """``x`` plus the last contribution's residual (zeros where there was none, or of
