@@ -149,6 +149,10 @@ def test_an_exact_call_against_a_compressed_one_is_named_by_both_calls():
     assert str(errors[1]) == ("allreduce[bf16]: ranks disagree on the call: ranks [0] called "
                               "allreduce(float32[4], SUM); ranks [1] called "
                               "allreduce[bf16](float32[4], SUM)")
+    # the exact call's rank reads the peer's first collective as what begins a call of several
+    # (it read as if the peer had called all_to_all_single)
+    assert ("ranks [1] called all_to_all_single(uint8[*, 132]) (seq 0; the first of the 9 "
+            "collectives of one call, as a compressed call with wire= begins)") in str(errors[0])
 
 
 @pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "all_gather"])

@@ -94,7 +94,7 @@ def check_identities(rows: np.ndarray, rank: int, ranks=None) -> None:
 
 _DISAGREE = ": ranks disagree on the collective: "
 _REFUSED = re.compile(r"(all_to_all_single|all_gather) (\(seq \d+\): rank \d+ refused the call)")
-_PART = re.compile(r"ranks \[([^\]]*)\] called (.*?)(?: \(seq \d+\))?(?=; ranks \[|$)", re.S)
+_PART = re.compile(r"ranks \[([^\]]*)\] called (.*?)(?: \(seq \d+[^()]*\))?(?=; ranks \[|$)", re.S)
 _ROWS = re.compile(r"(all_to_all_single|all_gather)\(uint8\[(?:\*, )?(\d+)\]\)")
 
 

@@ -329,7 +329,7 @@ def dtype_of(dstr: bytes | str) -> np.dtype | None:
 
 
 def describe(header: bytes) -> str:
-    magic, op, redop, ndim, flags, _, dstr, root, seq, *dims = _HEADER.unpack(header)
+    magic, op, redop, ndim, flags, span, dstr, root, seq, *dims = _HEADER.unpack(header)
     if magic != b"FC":
         return f"<not a ferro collective header: {header[:8]!r}>"
     name = _COLLECTIVE_NAMES.get(op, f"collective#{op}")
@@ -349,7 +349,11 @@ def describe(header: bytes) -> str:
         args.append(_REDOP_NAMES.get(redop, f"op#{redop}"))
     if root >= 0:
         args.append(f"root={root}")
-    return f"{name}({', '.join(args)}) (seq {seq})"
+    # (the first collective of a call made of several: a rank's exact call meeting it must not
+    # read as if the peer had called this inner collective)
+    whole = (f"; the first of the {span} collectives of one call, as a compressed call with "
+             "wire= begins" if span > 1 else "")
+    return f"{name}({', '.join(args)}) (seq {seq}{whole})"
 
 
 def resolve_unknown(headers: list[bytes]) -> list[bytes]:
