@@ -103,36 +103,19 @@ def test_sigterm_to_ferrorun_reaches_every_rank(tmp_path):
         while True:
             time.sleep(0.1)
     """)
-    p = subprocess.Popen([*FERRORUN, "--nproc", "3", str(script)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        started = 0
-        while started < 3:
-            line = p.stdout.readline()
-            assert line, "ferrorun ended early"
-            started += "started" in line
-        p.send_signal(signal.SIGTERM)
-        p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    code, _ = sigterm_once_started(script, 3)
     assert sorted(os.listdir(marks)) == ["term-0", "term-1", "term-2"]
-    assert p.returncode == 128 + signal.SIGTERM
+    assert code == 128 + signal.SIGTERM
 
 
-def test_a_rank_ended_by_the_sigterm_ferrorun_passed_on_is_said_so(tmp_path):
-    # it read "rank 0 was killed by SIGTERM", as if something had killed the rank
-    script = write(tmp_path, "sleep.py", """
-        import time
-        print("started", flush=True)
-        time.sleep(60)
-    """)
-    p = subprocess.Popen([*FERRORUN, "--nproc", "2", str(script)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+def sigterm_once_started(script, nproc: int) -> tuple[int, str]:
+    """``ferrorun --nproc nproc script`` sent SIGTERM once every rank printed "started": its
+    exit code and stderr."""
+    p = subprocess.Popen([*FERRORUN, "--nproc", str(nproc), str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started = 0
-        while started < 2:
+        while started < nproc:
             line = p.stdout.readline()
             assert line, "ferrorun ended early"
             started += "started" in line
@@ -142,7 +125,18 @@ def test_a_rank_ended_by_the_sigterm_ferrorun_passed_on_is_said_so(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode == 128 + signal.SIGTERM
+    return p.returncode, err
+
+
+def test_a_rank_ended_by_the_sigterm_ferrorun_passed_on_is_said_so(tmp_path):
+    # it read "rank 0 was killed by SIGTERM", as if something had killed the rank
+    script = write(tmp_path, "sleep.py", """
+        import time
+        print("started", flush=True)
+        time.sleep(60)
+    """)
+    code, err = sigterm_once_started(script, 2)
+    assert code == 128 + signal.SIGTERM
     assert "was killed by SIGTERM (ferrorun's own SIGTERM, passed on)" in err, err
 
 
