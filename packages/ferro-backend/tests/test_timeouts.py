@@ -75,6 +75,17 @@ def test_backend_timeout_is_the_default_deadline_of_recv_and_barrier():
     assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.parametrize("timeout", [0.0, 0.05])
+def test_a_barrier_timeout_names_the_barrier_its_round_and_the_late_rank(timeout):
+    # with a deadline left it named the internal receive: "recv: ... (tag 4294967295, 1 bytes)"
+    a, _, _ = SimulatedBackend.create_group(3)
+    with pytest.raises(CollectiveTimeoutError,
+                       match=r"^barrier: rank 0 timed out in round 0 of 3 ranks") as info:
+        a.barrier(timeout=timeout)
+    if timeout:
+        assert str(info.value).endswith("waiting for rank 2"), info.value
+
+
 @pytest.mark.parametrize("cls", [TcpBackend, ShmBackend])
 @pytest.mark.parametrize("bad", [float("nan"), -5, "x"], ids=repr)
 def test_socket_backends_refuse_bad_timeouts_before_any_network(cls, bad):

@@ -276,7 +276,12 @@ class Backend(abc.ABC):
                 raise CollectiveTimeoutError(
                     f"barrier: rank {me} timed out in round {round_} of {n} ranks"
                 )
-            self.recv(token, (me - step) % n, tag=BARRIER_TAG, timeout=remaining)
+            try:
+                self.recv(token, (me - step) % n, tag=BARRIER_TAG, timeout=remaining)
+            except CollectiveTimeoutError:  # (in the barrier's words, naming the late rank)
+                raise CollectiveTimeoutError(
+                    f"barrier: rank {me} timed out in round {round_} of {n} ranks waiting "
+                    f"for rank {(me - step) % n}") from None
             if token[0] != round_:
                 raise SizeMismatchError(
                     f"barrier: rank {me} got round {token[0]} from rank {(me - step) % n}, "
