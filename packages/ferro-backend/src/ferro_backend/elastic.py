@@ -169,6 +169,8 @@ class ElasticJob:
         bool
         """
         if not self._pending:
+            self._take_buffered()  # a line that came in the same read as the generation's
+        if not self._pending:
             ready, _, _ = select.select([self._sock], [], [], 0)
             if ready:
                 self._drain()
@@ -336,6 +338,11 @@ class ElasticJob:
         """Take what arrived, without blocking (between generations only verdicts and
         ``pending`` come)."""
         self._recv()
+        self._take_buffered()
+
+    def _take_buffered(self) -> None:
+        """Take the complete lines already received (between generations only verdicts and
+        ``pending`` come)."""
         while b"\n" in self._buf:
             msg = self._take()
             if msg is not None:
