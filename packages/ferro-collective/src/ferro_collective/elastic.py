@@ -27,13 +27,16 @@ calls :meth:`~ElasticState.commit` after each optimizer step and
 
 Every collective of a step must come before its optimizer step (gradients, the loss for
 logging): a failure then leaves each rank's state at the step it last committed, which is what
-it reports. The state is whatever ``capture()`` returns: nested dicts, lists and tuples of numpy arrays
-and picklable scalars (a model's parameters, an optimizer's ``state_dict()``); ``restore``
+it reports. The state is whatever ``capture()`` returns: nested dicts, lists and tuples of
+numpy arrays (0-d ones too) and picklable scalars (a model's parameters, an optimizer's
+``state_dict()``); namedtuples (an optimizer's ``AdamState(count, mu, nu)``) and other
+subclasses come back as their own type. ``restore``
 receives the copy. Arrays travel as one broadcast per dtype.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,18 +71,41 @@ def _walk(tree: Any, is_leaf: Callable[[Any], bool], leaf: Callable[[Any], Any])
     if is_leaf(tree):
         return leaf(tree)
     if isinstance(tree, dict):
-        return {k: _walk(v, is_leaf, leaf) for k, v in tree.items()}
+        items = {k: _walk(v, is_leaf, leaf) for k, v in tree.items()}
+        return items if type(tree) is dict else _rebuild(tree, items)
     if isinstance(tree, (list, tuple)):
         parts = [_walk(v, is_leaf, leaf) for v in tree]
-        return parts if isinstance(tree, list) else tuple(parts)
+        if type(tree) is list:
+            return parts
+        return tuple(parts) if type(tree) is tuple else _rebuild(tree, parts)
     return tree
+
+
+def _rebuild(tree: Any, parts: Any) -> Any:
+    """A container of ``tree``'s own type (a namedtuple such as an optimizer's
+    ``AdamState(count, mu, nu)``, another tuple, list or dict subclass) holding ``parts``."""
+    kind = type(tree)
+    try:
+        if isinstance(tree, tuple) and hasattr(kind, "_fields"):  # a namedtuple
+            return kind(*parts)
+        if isinstance(tree, dict):  # (a copy keeps what the constructor needs: defaultdict)
+            new = copy.copy(tree)
+            new.clear()
+            new.update(parts)
+            return new
+        return kind(parts)
+    except Exception as exc:
+        raise TypeError(f"ElasticState: cannot rebuild a {kind.__module__}.{kind.__qualname__} "
+                        f"of the captured state from its {len(parts)} items ({exc}): capture "
+                        "plain dicts, lists, tuples or namedtuples") from exc
 
 
 def _split(tree: Any, arrays: list[np.ndarray]) -> Any:
     """The skeleton of ``tree`` with each array replaced by a :class:`_Slot` (appended to
     ``arrays``)."""
     def slot(a: np.ndarray) -> _Slot:
-        arrays.append(np.ascontiguousarray(a))
+        # (ascontiguousarray makes a 0-d array 1-d: its shape is put back)
+        arrays.append(np.ascontiguousarray(a).reshape(a.shape))
         return _Slot(len(arrays) - 1)
 
     return _walk(tree, lambda x: isinstance(x, np.ndarray), slot)
