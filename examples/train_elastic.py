@@ -229,6 +229,7 @@ def main(argv=None) -> int:
             # a sharded job saves before taking a newcomer in: no step is lost
             before_join=(lambda b: t.save(state.step, b)) if sharded else None)
         state.sync()   # a fresh job: rank 0's state; a replacement: its peers'
+        backend = job.backend  # (a new one if a member was lost during the sync)
     t.wrap(backend)    # after the sync: the members of a new generation wrap in this order
     if state is not None and t.sharded and job.history[-1]["reason"] != "start":
         state.step = t.resume(backend)   # a replacement: the checkpoint the others load

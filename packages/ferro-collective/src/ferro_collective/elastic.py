@@ -4,9 +4,13 @@
 calls :meth:`~ElasticState.commit` after each optimizer step and
 :meth:`~ElasticState.recover` when a collective failed because a member is gone::
 
-    job = ferro_backend.elastic.join()
+    try:
+        job = ferro_backend.elastic.join()
+    except ferro_backend.elastic.JobFinishedError:  # a replacement that came after the end
+        sys.exit(0)                                # (the job succeeded: nothing to do)
     state = ElasticState(job, capture=lambda: {...arrays...}, restore=load_them)
     state.sync()                                   # every member starts from one state
+                                                   # (a member lost here: as in recover)
     while state.step < total:
         try:
             train_one_step(job.backend)            # forward, backward, optimizer step
@@ -161,7 +165,25 @@ class ElasticState:
 
     def sync(self) -> None:
         """Copy the state from the generation's source (``job.source``; rank 0 of a fresh job)
-        to every member. Collective over the current generation."""
+        to every member. Collective over the current generation.
+
+        A member lost during it (one of :data:`RECOVERABLE`) is handled as :meth:`recover`
+        handles one during a step: this rank moves to the next generation and the state is
+        copied there, so ``job.backend`` may be a new one afterwards (build what holds it
+        after the first ``sync``).
+
+        Raises
+        ------
+        ferro_backend.elastic.ElasticError
+            The job cannot go on (fewer members than its minimum).
+        """
+        try:
+            self._sync()
+        except RECOVERABLE as exc:  # e.g. a member that died right after joining
+            self._change(exc)
+
+    def _sync(self) -> None:
+        """One attempt of :meth:`sync` on the current generation."""
         backend = self.job.backend
         source = self.job.source if self.job.source is not None else 0
         arrays: list[np.ndarray] = []
@@ -233,7 +255,7 @@ class ElasticState:
         while True:
             self.job.rebuild(self.step if self._has_state else -1, reason)
             try:
-                self.sync()
+                self._sync()
                 break
             except RECOVERABLE as exc:  # another member failed during the change
                 reason = f"{type(exc).__name__}: {exc}"
