@@ -49,7 +49,10 @@ class ElasticError(LauncherError):
 
 
 class JobFinishedError(ElasticError):
-    """This rank (a replacement) arrived after the job finished: nothing is left to do."""
+    """This rank (a replacement) arrived after the job finished: nothing is left to do.
+
+    :func:`join` raises it; the script should exit 0 on it (ferrorun counts a rank that exits
+    with it unhandled as failed)."""
 
 
 class _Member:
@@ -372,6 +375,10 @@ def join(**backend_kwargs: Any) -> ElasticJob:
 
     Raises
     ------
+    JobFinishedError
+        This rank is a replacement (ferrorun starts one per failure) that arrived after the
+        members finished: the job succeeded and nothing is left to do. Catch it and exit 0,
+        else ferrorun counts this rank as failed and exits 1. A subclass of ElasticError.
     ElasticError
         Not started by ``ferrorun --nproc MIN:MAX`` / ``--nnodes MIN:MAX``, the coordinator is
         unreachable, or the job cannot go on.
@@ -380,7 +387,10 @@ def join(**backend_kwargs: Any) -> ElasticJob:
 
     Examples
     --------
-    >>> job = join()                       # doctest: +SKIP
+    >>> try:                               # doctest: +SKIP
+    ...     job = join()
+    ... except JobFinishedError:           # a replacement that came after the end
+    ...     raise SystemExit(0)
     >>> job.backend.rank, job.world_size   # doctest: +SKIP
     (0, 4)
     """
