@@ -69,6 +69,9 @@ class Mailbox:
         self.aborted: tuple[int, str] | None = None
         #: subgroup id -> (the rank that gave up on it, why): its receives fail
         self.aborted_groups: dict[int, tuple[int, str]] = {}
+        #: subgroups whose view this rank closed (SubBackend.close): a receive on their tags
+        #: fails (each view has an id of its own, so this closes that view alone)
+        self.closed_groups: set[int] = set()
         #: subgroup id -> called (no arguments) once it is aborted
         self.on_group_abort: dict[int, list[Callable[[], None]]] = {}
         self.closed = False
@@ -177,6 +180,26 @@ class Mailbox:
         for callback in callbacks:
             callback()
 
+    def close_group(self, group: int) -> None:
+        """This rank closed its view of subgroup ``group``: every receive posted on its tags
+        (a thread of this rank blocked in it) fails with PeerClosedError now; the members are
+        not told (a closed view publishes nothing) and later calls are the view's to refuse."""
+        with self.cond:
+            self.closed_groups.add(group)
+            failed = []
+            for key in [k for k in self.posted if k[1] >> GROUP_TAG_SHIFT == group]:
+                failed.extend(self.posted.pop(key))
+            for tag in [t for t in self.posted_any if t >> GROUP_TAG_SHIFT == group]:
+                failed.extend(self.posted_any.pop(tag))
+            self.cond.notify_all()
+        for req in failed:
+            req.fail(self.closed_group_error("recv"))
+
+    def closed_group_error(self, op: str) -> PeerClosedError:
+        """The error of an ``op`` on a subgroup whose view this rank closed."""
+        return PeerClosedError(f"{op}: rank {self.rank} closed its view of this subgroup",
+                               peer=self.rank)
+
     def add_group_abort_callback(self, group: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` once subgroup ``group`` is aborted (at once if it already is)."""
         with self.cond:
@@ -197,6 +220,8 @@ class Mailbox:
                 raise self.failure("recv", src)
             if self.aborted_groups and tag >> GROUP_TAG_SHIFT in self.aborted_groups:
                 raise self.group_failure("recv", tag >> GROUP_TAG_SHIFT)
+            if self.closed_groups and tag >> GROUP_TAG_SHIFT in self.closed_groups:
+                raise self.closed_group_error("recv")
             msg = self._pop_unexpected(src, tag)
             if msg is None:
                 if check:
@@ -401,70 +426,5 @@ class Mailbox:
         req.complete()
 
 
-class SubgroupAborts:
-    """A transport's side of :meth:`ferro_backend.SubBackend.abort_group`, for a transport
-    whose receives all go through its :class:`Mailbox` (``self._box``): a subgroup's abort
-    notice travels to its members as a message on the subgroup's
-    :data:`~ferro_backend.base.GROUP_ABORT_TAG`,
-    which each member's mailbox takes for what it is (:meth:`Mailbox.deliver`)."""
-
-    def abort_subgroup(self, group: int, members, reason: str) -> None:
-        """Tell ``members`` that this rank gave up on a subgroup, and record it here too
-        (what :meth:`ferro_backend.SubBackend.abort_group` calls).
-
-        Parameters
-        ----------
-        group : int
-            The subgroup's id (:attr:`ferro_backend.SubBackend.group_id`).
-        members : iterable of int
-            Its ranks on this transport.
-        reason : str
-            Why (the members' PeerAbortedError carries it).
-        """
-        notice = reason.encode("utf-8", "replace")[:60000]
-        tag = (group << GROUP_TAG_SHIFT) | GROUP_ABORT_TAG
-        for r in members:
-            if r != self.rank:
-                try:
-                    self._send_notice(notice, r, tag)
-                except Exception:  # (a member gone or a transport closed: none to tell)
-                    pass
-        self._box.abort_group(group, self.rank, reason)
-
-    def _send_notice(self, notice: bytes, dst: int, tag: int) -> None:
-        """Send an abort notice (a transport whose other routes deliver only when a receive
-        drains them sends it where its receive loop reads unasked: the TCP mesh)."""
-        self.isend(notice, dst, tag=tag)
-
-    def subgroup_failure(self, op: str, group: int) -> BaseException | None:
-        """The error an operation on a subgroup must raise, if a member gave up on it.
-
-        Parameters
-        ----------
-        op : str
-            The operation (named in the error).
-        group : int
-            The subgroup's id.
-
-        Returns
-        -------
-        BaseException or None
-            PeerAbortedError naming the member and its reason, or None.
-        """
-        return self._box.group_failure(op, group)
-
-    def on_subgroup_abort(self, group: int, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once a member gives up on a subgroup (at once if one has).
-
-        Parameters
-        ----------
-        group : int
-            The subgroup's id.
-        callback : callable
-            Called with no arguments, from the thread that takes the notice.
-        """
-        self._box.add_group_abort_callback(group, callback)
-
-
-__all__ = ["ANY_SOURCE", "CLOSED_CLEANLY", "Mailbox", "PostedRecv", "SubgroupAborts",
+__all__ = ["ANY_SOURCE", "CLOSED_CLEANLY", "Mailbox", "PostedRecv",
            "copy_into"]

@@ -31,7 +31,8 @@ import numpy as np
 from .base import DEFAULT_TIMEOUT, GROUP_TAG_SHIFT, Backend, FixedRanks, Request
 from .checks import as_recv_view, check_tag, check_timeout, size_mismatch
 from .errors import CollectiveTimeoutError, PeerAbortedError
-from .mailbox import ANY_SOURCE, CLOSED_CLEANLY, Mailbox, SubgroupAborts
+from .mailbox import ANY_SOURCE, CLOSED_CLEANLY, Mailbox
+from .subgroup_aborts import SubgroupAborts
 
 _HDR = struct.Struct("<QQ")  # ferro tag, payload bytes
 # the control messages' first byte (on the control tag): this rank aborted (the reason follows),

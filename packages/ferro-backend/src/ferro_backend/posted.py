@@ -79,11 +79,17 @@ class PostedRecv(Request):
         deadline = time.monotonic() + check_timeout(timeout, "poll: timeout")
         driver = box.driver
         looked = driver is None  # with a driver, one look at the sockets even for poll(0)
+        failed = None
         with box.cond:
             while not self._done:
                 failure = box.failure("recv", self.src)
                 if failure is not None and box._withdraw(self):
-                    raise failure
+                    # the receive has failed for every waiter: another thread waiting on it, or
+                    # a later wait/poll, raises the same error at once (they waited out their
+                    # deadline, then a CollectiveTimeoutError)
+                    self._error, self._done, failed = failure, True, failure
+                    box.cond.notify_all()
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 and looked:
                     return False
@@ -96,6 +102,10 @@ class PostedRecv(Request):
                 finally:
                     box.cond.acquire()
                 looked = True
+        if failed is not None:
+            if driver is not None:  # (a waiter reading the sockets looks up)
+                driver.nudge()
+            raise failed
         return True
 
     def wait(self, timeout: float | None = None) -> None:

@@ -12,8 +12,9 @@ from typing import Any
 from .base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
 from .checks import as_recv_view, check_tag, check_timeout, check_world_size
 from .errors import CollectiveTimeoutError, PeerClosedError
-from .mailbox import Mailbox, SubgroupAborts
+from .mailbox import Mailbox
 from .netsim import Network, TimedRequest, VirtualTime
+from .subgroup_aborts import SubgroupAborts
 
 
 class SimulatedBackend(FixedRanks, SubgroupAborts, Backend):

@@ -339,10 +339,14 @@ class SubBackend(FixedRanks, Backend):
             engine.mark_failed(str(self._root.subgroup_failure("engine", self._group_id)))
 
     def close(self) -> None:
-        """Every later call on this view raises PeerClosedError on this rank; it releases
-        nothing else (the parent owns the transport, which stays open) but the view's own
-        engine, if one was attached (``attach_engine(view)``: its calls end too)."""
-        self._closed = True
+        """Every call on this view, those of this rank's threads waiting in one and every
+        later one, raises PeerClosedError on this rank; it releases nothing else (the parent
+        owns the transport, which stays open) but the view's own engine, if one was attached
+        (``attach_engine(view)``: its calls end too)."""
+        was_closed, self._closed = self._closed, True
+        closing = getattr(self._root, "close_subgroup", None)
+        if closing is not None and not was_closed:
+            closing(self._group_id)  # (a receive posted on it waited for its deadline)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

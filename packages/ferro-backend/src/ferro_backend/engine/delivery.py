@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..base import Request
+from ..base import GROUP_TAG_SHIFT, Request
 from ..checks import as_recv_view, check_timeout, size_mismatch
 from ..errors import CollectiveTimeoutError, DistributedError, PeerClosedError, ProtocolError
 from ..mailbox import Mailbox, PostedRecv
@@ -80,12 +80,20 @@ class Delivery:
             if box.unexpected.get(key) or box.posted.get(key) or box.posted_any.get(tag):
                 return False  # queued, or a receive posted earlier may take the message
             ring = self.inc[src]
+            group = tag >> GROUP_TAG_SHIFT
             while True:
                 entry = ring.peek()
                 if entry is None:
-                    if ring.wait_data(deadline) != _ring.READY:
-                        return False  # late or failing: the general path says which
-                    continue
+                    # (in slices: a subgroup view closed meanwhile by another thread of this
+                    # rank posts nothing this wait would notice)
+                    until = min(deadline, time.monotonic() + CANCEL_SLICE)
+                    rc = ring.wait_data(until)
+                    if rc == _ring.READY:
+                        continue
+                    if rc == _ring.TIME_UP and time.monotonic() < deadline and not (
+                            box.closed_groups and group in box.closed_groups):
+                        continue
+                    return False  # late, failing or closed: the general path says which
                 kind, length, got_tag, total, aux = entry
                 self._check_entry(ring, src, entry)
                 if got_tag != tag or total != nbytes:
@@ -138,6 +146,7 @@ class Delivery:
                         if req._done:
                             return True
                         self.withdraw(req)
+                        req.fail(failure)  # (for every waiter: done, with this error)
                         raise failure
                     now = time.monotonic()
                     if now >= deadline:

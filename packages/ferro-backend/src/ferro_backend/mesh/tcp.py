@@ -23,8 +23,9 @@ from .. import settings
 from ..base import DEFAULT_TIMEOUT, Backend, FixedRanks, Request
 from ..checks import as_recv_view, check_rank, check_tag, check_world_size, timeout_from_env
 from ..errors import DistributedError, PeerClosedError, RendezvousError
-from ..mailbox import Mailbox, SubgroupAborts
+from ..mailbox import Mailbox
 from ..posted import PumpedRecv
+from ..subgroup_aborts import SubgroupAborts
 from .compose import Composable
 from .framing import K_DATA, Link, read_frames
 from .lazy import Connector
