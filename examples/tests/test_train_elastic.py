@@ -111,19 +111,28 @@ def test_an_elastic_job_on_two_nodes_loses_a_node_and_goes_on(tmp_path):
 
     from ferro_backend.mesh.rendezvous import free_port
 
-    port, history = free_port(), tmp_path / "history.json"
+    port, history, steps = free_port(), tmp_path / "history.json", tmp_path / "steps"
+    steps.mkdir()
     agents = []
     for node in (0, 1):
         env = dict(os.environ, FERRO_NODE_ID=f"node{node}")
         cmd = [*FERRORUN, "--nnodes", "1:2", "--node-rank", str(node), "--nproc", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port), "--token", "t0k",
                "--settle", "5", "--timeout", "5", str(SCRIPT), *COMMON, "--steps", "3000",
-               "--history", str(history)]
+               "--history", str(history), "--step-file", str(steps)]
         agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True,
                                        start_new_session=True))
     try:
-        time.sleep(5)
+        # node 1 dies once all four ranks have trained together (a fixed 5 s could kill it
+        # before the job formed on a loaded host: no membership change then)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = [int(f.read_bytes() or b"0") for f in steps.iterdir()]
+            if len(done) >= 4 and min(done) >= 2:
+                break
+            assert all(a.poll() is None for a in agents), [a.communicate() for a in agents]
+            time.sleep(0.05)
         assert agents[1].poll() is None, agents[1].communicate()
         os.kill(agents[1].pid, signal.SIGKILL)
         out, err = agents[0].communicate(timeout=200)
