@@ -168,11 +168,7 @@ class Mailbox:
         callbacks. The rest of the job (other tags) goes on."""
         with self.cond:
             self.aborted_groups.setdefault(group, (who, reason))
-            failed = []
-            for key in [k for k in self.posted if k[1] >> GROUP_TAG_SHIFT == group]:
-                failed.extend(self.posted.pop(key))
-            for tag in [t for t in self.posted_any if t >> GROUP_TAG_SHIFT == group]:
-                failed.extend(self.posted_any.pop(tag))
+            failed = self._take_group_receives(group)
             callbacks = self.on_group_abort.pop(group, [])
             self.cond.notify_all()
         for req in failed:
@@ -180,17 +176,22 @@ class Mailbox:
         for callback in callbacks:
             callback()
 
+    def _take_group_receives(self, group: int) -> list[PostedRecv]:
+        """(``cond`` held) The receives posted on subgroup ``group``'s tags, withdrawn."""
+        taken: list[PostedRecv] = []
+        for key in [k for k in self.posted if k[1] >> GROUP_TAG_SHIFT == group]:
+            taken.extend(self.posted.pop(key))
+        for tag in [t for t in self.posted_any if t >> GROUP_TAG_SHIFT == group]:
+            taken.extend(self.posted_any.pop(tag))
+        return taken
+
     def close_group(self, group: int) -> None:
         """This rank closed its view of subgroup ``group``: every receive posted on its tags
         (a thread of this rank blocked in it) fails with PeerClosedError now; the members are
         not told (a closed view publishes nothing) and later calls are the view's to refuse."""
         with self.cond:
             self.closed_groups.add(group)
-            failed = []
-            for key in [k for k in self.posted if k[1] >> GROUP_TAG_SHIFT == group]:
-                failed.extend(self.posted.pop(key))
-            for tag in [t for t in self.posted_any if t >> GROUP_TAG_SHIFT == group]:
-                failed.extend(self.posted_any.pop(tag))
+            failed = self._take_group_receives(group)
             self.cond.notify_all()
         for req in failed:
             req.fail(self.closed_group_error("recv"))
