@@ -793,11 +793,19 @@ print("LOOPING", flush=True)
 while rc == _comm.OK and time.monotonic() < end:
     rc = call.run(x, out, timeout=3.0)
 result = [rc, _comm.last_error(), reports]
+# hold the backend open until every survivor has its result: a survivor whose deadline fell
+# earlier (a loaded host starts the ranks' calls apart) would otherwise close first, and the
+# other would read "peer rank 0 is gone" before its own deadline
+done = __import__("pathlib").Path(sys.argv[1])
+(done / f"done{b.rank}").touch()
+hold = time.monotonic() + 30
+while len(list(done.glob("done*"))) < b.world_size - 1 and time.monotonic() < hold:
+    time.sleep(0.05)
 """
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_stopped_inside_a_pipelined_allreduce_is_named_by_the_others(world):
+def test_a_rank_stopped_inside_a_pipelined_allreduce_is_named_by_the_others(world, tmp_path):
     """Every rank reached the pipelined step, so no step counter is behind: the stall report
     and the timeout name the rank whose chunks stopped coming (SIGSTOPped mid-loop)."""
     import os
@@ -805,7 +813,8 @@ def test_a_rank_stopped_inside_a_pipelined_allreduce_is_named_by_the_others(worl
 
     from ferro_backend.testing import Job
 
-    with Job(_PIPELINED_LOOP, world, backend="ShmBackend", timeout=30.0) as job:
+    with Job(_PIPELINED_LOOP, world, backend="ShmBackend", timeout=30.0,
+             args=[tmp_path]) as job:
         victim = job.procs[1]
         try:
             for r in range(world):
