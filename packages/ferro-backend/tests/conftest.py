@@ -5,7 +5,7 @@ try:  # (ferro-torch's session runs test_launchers.py from here without hypothes
 except ImportError:
     pass
 else:
-    settings.register_profile("line", derandomize=True)  # the test line's: noxfile.HYPOTHESIS
+    settings.register_profile("line", derandomize=True, deadline=None)  # noxfile.HYPOTHESIS
 
 
 def pytest_collection_modifyitems(items):

@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import settings
 
-settings.register_profile("line", derandomize=True)  # the test line's: noxfile.HYPOTHESIS
+settings.register_profile("line", derandomize=True, deadline=None)  # noxfile.HYPOTHESIS
 
 
 def pytest_collection_modifyitems(items):
