@@ -144,6 +144,7 @@ def test_backend_contract_under_mpirun(tmp_path, n):
 FAILURES = textwrap.dedent("""
     import json, time
     import numpy as np
+    from mpi4py import MPI
     from ferro_backend import MpiBackend, PeerAbortedError, PeerClosedError
     closing, aborting = MpiBackend(timeout=30), MpiBackend(timeout=30)
     me = closing.rank
@@ -175,7 +176,13 @@ FAILURES = textwrap.dedent("""
         aborting.send(np.arange(4.0), 1, tag=5)
         aborting.abort("gave up")
     else:
-        time.sleep(1.0)  # the data and the abort have both arrived
+        # wait until rank 0's abort (a control message on MPI's highest tag, sent after the
+        # data) is here, not consumed: a probe, polled (a probe drives MPI's progress, what it
+        # brings in shows on the next one), bounded at 30 s
+        control_tag = aborting.comm.Get_attr(MPI.TAG_UB)
+        deadline = time.monotonic() + 30
+        while not aborting.comm.Iprobe(source=0, tag=control_tag) and time.monotonic() < deadline:
+            time.sleep(0.01)
         buf = np.zeros(4)
         try:
             aborting.recv(buf, 0, tag=5, timeout=10)
@@ -202,6 +209,7 @@ def test_a_closed_peer_fails_calls_at_once_and_an_abort_wins_over_arrived_data(t
 SUBGROUP = textwrap.dedent("""
     import json, time
     import numpy as np
+    from mpi4py import MPI
     from ferro_backend import MpiBackend, PeerAbortedError, SubBackend
     b = MpiBackend(timeout=30)
     out = {}
@@ -211,7 +219,12 @@ SUBGROUP = textwrap.dedent("""
             sub.send(np.arange(4.0), 1, tag=5)
             sub.abort_group("gave up")
         else:
-            time.sleep(1.0)  # the data and the notice have both arrived
+            # wait until rank 0's notice (a control message on MPI's highest tag of the parent's
+            # communicator, sent after the data) is here, not consumed: a polled probe, 30 s bound
+            control_tag = b.comm.Get_attr(MPI.TAG_UB)
+            deadline = time.monotonic() + 30
+            while not b.comm.Iprobe(source=0, tag=control_tag) and time.monotonic() < deadline:
+                time.sleep(0.01)
             t0 = time.monotonic()
             try:
                 buf = np.zeros(4)

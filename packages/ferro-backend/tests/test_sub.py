@@ -212,19 +212,21 @@ def test_abort_group_ends_the_subgroup_alone_on_every_member():
     from ferro_backend import PeerAbortedError
 
     group = SimulatedBackend.create_group(3, timeout=20)
-    posted = threading.Event()
+    posted = threading.Semaphore(0)  # released by each of ranks 1 and 2 once its receive is posted
 
     def body(b):
         sub = SubBackend(b, [0, 1, 2], name="ends")
         other = SubBackend(b, [0, 1, 2], name="stays")
         got = []
         if b.rank == 0:
-            posted.wait(10)
-            time.sleep(0.2)
+            # both receives are posted before the notice (a rank posting after it would raise at
+            # irecv, outside the try below): wait for each, not for whichever posts first
+            assert posted.acquire(timeout=30) and posted.acquire(timeout=30)
+            time.sleep(0.2)  # (most likely inside req.wait by now; posted is what matters)
             sub.abort_group("a test gave up")
         else:
             req = sub.irecv(np.empty(2), 0, tag=5)  # waiting when the notice comes
-            posted.set()
+            posted.release()
             t0 = time.monotonic()
             try:
                 req.wait(10)
