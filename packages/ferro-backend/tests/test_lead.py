@@ -46,7 +46,23 @@ def test_a_waiting_thread_reads_its_own_frame(compiled, monkeypatch):
     try:
         readers = _record_readers(b1)
         got = np.empty(4)
-        sender = threading.Timer(0.05, lambda: b0.send(np.arange(4.0), 1, tag=3))
+        # the frame goes out once this thread leads (its first turn in Lead.drive; it keeps the
+        # lead until its receive is done), not after a fixed 50 ms that a slow start outlasts
+        leading = threading.Event()
+        loop = b1._reactor
+        serve = loop._serve
+
+        def first_turn(req, cap):
+            leading.set()
+            serve(req, cap)
+
+        loop._serve = first_turn
+
+        def send():
+            assert leading.wait(10), "rank 1's receive never took the lead"
+            b0.send(np.arange(4.0), 1, tag=3)
+
+        sender = threading.Thread(target=send)
         sender.start()
         b1.recv(got, 0, tag=3, timeout=10)
         sender.join(10)

@@ -93,7 +93,7 @@ def test_full_ring_times_out_and_bad_arguments_are_named(ring):
         pass
     t0 = time.monotonic()
     assert r.put(_ring.EAGER, 1, 900, 0, bytes(900), t0 + 0.1)[0] == _ring.TIME_UP
-    assert 0.09 <= time.monotonic() - t0 < 1.0
+    assert 0.09 <= time.monotonic() - t0 < 3  # (at its deadline; the bound allows for load)
     assert r.wait_data(time.monotonic() + 1) == _ring.READY  # there is data: at once
     with pytest.raises(ValueError, match="does not fit"):
         r.take(bytearray(10))
@@ -244,7 +244,7 @@ def test_two_ranks_sending_each_other_descriptors_take_them_without_the_watch_th
     # both send, then receive: the later sender takes the earlier one's message right after
     # putting its own, so neither waits for a watch thread
     slowest = run_job(EXCHANGE, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "always"})
-    assert max(slowest) < 2.0
+    assert max(slowest) < 5  # (a watch thread would take 10 s; the bound allows for load)
 
 
 def test_two_ranks_streaming_to_each_other_take_each_others_chunks_while_they_wait():
@@ -252,7 +252,7 @@ def test_two_ranks_streaming_to_each_other_take_each_others_chunks_while_they_wa
     # a sender waiting for room takes what its peer sent, so both go on without the watch
     # threads (each would otherwise wait for the other's, here 10 s)
     slowest = run_job(EXCHANGE, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
-    assert max(slowest) < 2.0
+    assert max(slowest) < 5  # (a watch thread would take 10 s; the bound allows for load)
 
 
 STALLED = """
@@ -283,7 +283,7 @@ def test_an_exchange_whose_senders_both_stopped_taking_goes_on_by_itself():
     # for room: both stall, then wait longer between takes; neither may sit until a watch
     # thread (here 10 s) moves the other's message once they take again
     slowest = run_job(STALLED, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
-    assert max(slowest) < 2.0
+    assert max(slowest) < 5  # (a watch thread would take 10 s; the bound allows for load)
 
 
 PART_TAKEN = """
@@ -323,7 +323,7 @@ def test_a_sender_takes_the_rest_of_a_message_it_has_begun_to_take():
     # taking the rest once rank 1 runs again, so that rank 1 ends its send and receives;
     # neither may sit until a watch thread (here 10 s) moves a message
     slowest = run_job(PART_TAKEN, 2, backend="ShmBackend", env={"FERRO_SHM_CMA": "never"})
-    assert max(slowest) < 2.0
+    assert max(slowest) < 5  # (a watch thread would take 10 s; the bound allows for load)
 
 
 IRECV = """
@@ -419,7 +419,8 @@ else:
 
 def test_messages_sent_before_a_close_are_delivered_then_the_close_is_named():
     sums, clean, elapsed = run_job(DRAIN_THEN_FAIL, 2, backend="ShmBackend")[1]
-    assert sums == [10, 80000, 3 * CMA_THRESHOLD * 2] and clean and elapsed < 1.0
+    # named at the close, not at the 10 s timeout (the bound allows for a loaded host)
+    assert sums == [10, 80000, 3 * CMA_THRESHOLD * 2] and clean and elapsed < 5
 
 
 def test_sender_blocked_on_a_full_ring_fails_promptly_when_the_receiver_dies():

@@ -123,7 +123,9 @@ def test_socket_backends_refuse_bad_per_call_timeouts_and_honour_their_own(backe
     """
     for errors in run_job(body, 2, backend=backend):
         assert errors[:-1] == ["ok"] * 9
-        assert 0.25 < errors[-1] < 2.0
+        # the 0.3 s timeout was honoured (nothing else ends that receive); the upper bound
+        # only allows for a loaded host
+        assert 0.25 < errors[-1] < 10
 
 
 def test_ferro_timeout_env_is_validated(monkeypatch):
