@@ -136,7 +136,7 @@ def test_ferrorun_timeout_reaches_the_collectives(tmp_path):
         "b = ferro_backend.init_from_env()\n"
         "assert b.timeout == 0.5, b.timeout\n"
         "if b.rank == 1:\n"
-        "    time.sleep(20)\n"
+        "    time.sleep(300)\n"
         "t0 = time.monotonic()\n"
         "try:\n"
         "    ferro_collective.allreduce(np.ones(4), b)\n"
@@ -145,12 +145,15 @@ def test_ferrorun_timeout_reaches_the_collectives(tmp_path):
         "    raise SystemExit(3)\n")
     t0 = time.monotonic()
     r = subprocess.run([*FERRORUN, "--nproc", "2", "--transport", "tcp", "--timeout", "0.5",
-                        "--grace", "1", str(script)], capture_output=True, text=True, timeout=60,
+                        "--grace", "1", str(script)], capture_output=True, text=True, timeout=150,
                        cwd=ROOT)
     assert r.returncode == 3, r.stdout + r.stderr
     (line,) = [ln for ln in r.stdout.splitlines() if "TIMED OUT" in ln]
-    assert float(line.split("after ")[1].split("s:")[0]) < 2.0
-    assert time.monotonic() - t0 < 15  # rank 1 was stopped, not waited for
+    # at the 0.5 s timeout (nothing else ends the allreduce; the bound allows for load)
+    assert float(line.split("after ")[1].split("s:")[0]) < 5
+    # rank 1 (asleep for 300 s) was stopped, not waited for; the bound allows for the starts of
+    # ferrorun and both ranks on a loaded host
+    assert time.monotonic() - t0 < 60
 
 
 def killed_run_ends_like_an_unbroken_one(tmp_path, common: list[str], seed: int) -> None:
