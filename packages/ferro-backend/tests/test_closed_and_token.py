@@ -67,7 +67,8 @@ def test_a_token_neither_str_nor_bytes_is_refused_at_once(cls, token):
     with pytest.raises(TypeError, match=rf"{cls.__name__}: token must be a str or bytes .*, "
                                         rf"got {type(token).__name__}"):
         cls(0, 2, f"127.0.0.1:{free_port()}", timeout=5.0, token=token)
-    assert time.monotonic() - start < 2.0  # (not after the connect timeout)
+    # (not after the 5 s connect timeout: 4 leaves room for a loaded host's stalls)
+    assert time.monotonic() - start < 4.0
 
 
 def test_str_and_bytes_tokens_are_taken_and_elastic_needs_a_str():
