@@ -75,7 +75,8 @@ def _timeouts(b: Backend) -> None:
     try:
         b.recv(bytearray(1), 1, tag=99, timeout=0.2)
     except CollectiveTimeoutError:
-        assert time.monotonic() - t0 < 2.0, "the timeout fired long after 0.2 s"
+        # (5 s: room for a loaded host's scheduling stalls, still far past 0.2 s)
+        assert time.monotonic() - t0 < 5.0, "the timeout fired long after 0.2 s"
     else:
         raise AssertionError("a receive from a silent peer returned")
     for bad in (float("nan"), -1.0):
@@ -93,15 +94,16 @@ def _timeouts(b: Backend) -> None:
 def _peer_ends(b: Backend, end: Callable[[Backend], None], expected: type, what: str,
                reason: str = "") -> None:
     """Rank 1 ends itself with ``end``; rank 0's receive from it must raise ``expected``
-    (naming ``reason`` if given) within 2.5 s."""
+    (naming ``reason`` if given) within 10 s, long before its 30 s timeout (the time counts
+    from rank 0's receive, and rank 1's thread may start late on a loaded host)."""
     if b.rank == 1:
         end(b)
     elif b.rank == 0:
         t0 = time.monotonic()
         try:
-            b.recv(bytearray(1), 1, tag=7, timeout=10)
+            b.recv(bytearray(1), 1, tag=7, timeout=30)
         except expected as exc:
-            assert time.monotonic() - t0 < 2.5, f"{expected.__name__} came late"
+            assert time.monotonic() - t0 < 10, f"{expected.__name__} came late"
             assert reason in str(exc), f"the {what} reason is lost: {exc}"
         else:
             raise AssertionError(f"a receive from a peer that {what} returned")
