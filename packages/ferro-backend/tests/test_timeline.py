@@ -200,6 +200,7 @@ def test_tcp_close_runs_every_step_when_one_fails():
     b1.close()
     assert ran == [1]
     if reactor is not None:
+        reactor._thread.join(10)  # (close joins it 1 s at most: on a loaded host it may lag)
         assert not reactor._thread.is_alive()
     assert all(link.sock.fileno() == -1 for link in b0._links.values())
 
@@ -359,9 +360,17 @@ RESTARTED = """
         b.barrier()
     if attempt == 0 and b.rank == 1:
         raise SystemExit(1)
+    mark = os.environ["RESTARTED_MARK"]   # outside the trace folder
     if attempt == 1 and b.rank == 0:
+        # fail once rank 1 is inside "compute" (right after the barrier, on a loaded host,
+        # ferrorun's SIGTERM reached rank 1 before it entered the span)
+        end = time.monotonic() + 30
+        while not os.path.exists(mark) and time.monotonic() < end:
+            time.sleep(0.02)
         raise SystemExit(5)
     with timeline.span("compute"):
+        if attempt == 1:
+            open(mark, "w").close()
         time.sleep(60)   # attempt 0: rank 0, attempt 1: rank 1, stopped by ferrorun (SIGTERM)
 """
 
@@ -374,7 +383,8 @@ def test_ferrorun_restarts_merge_the_last_attempt_only_and_name_it(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ferro_backend.launch", "--nproc", "2",
                         "--transport", "tcp", "--max-restarts", "1", "--grace", "20",
                         "--trace", str(out), str(script)],
-                       capture_output=True, text=True, timeout=100, env=dict(os.environ))
+                       capture_output=True, text=True, timeout=100,
+                       env=dict(os.environ, RESTARTED_MARK=str(tmp_path / "in_compute")))
     assert r.returncode == 5, r.stderr
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {(e["pid"], e["name"]) for e in events if e.get("cat") == "span"}
