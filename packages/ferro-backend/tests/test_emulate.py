@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferro_backend.launch import emulate, netns
@@ -66,6 +66,7 @@ def wait_until(pred, timeout: float) -> bool:
 
 # ---- options and errors (any platform, any user) ----
 
+@settings(deadline=None)  # a pure function: a loaded host's stall is no failure of it
 @given(st.integers(1, 999), st.sampled_from(["", "k", "m", "g"]), st.sampled_from(["bit", "bps"]))
 def test_rate_bits_reads_tc_units(number, prefix, unit):
     bits = number * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[prefix] * (8 if unit == "bps" else 1)
@@ -190,7 +191,14 @@ JOB = """
     import os, socket, sys, time
     import numpy as np
     import ferro_backend as fb
-    b = fb.init_from_env()
+    if "--then-loop" in sys.argv:
+        # each rank ends on its own typed error, not on the SIGTERM ferrorun sends once another
+        # rank has failed (--grace bounds a rank that hangs)
+        import signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # a loaded host may start one node's rank seconds after the other's: --timeout is the
+    # collectives' deadline, not the rendezvous'
+    b = fb.init_from_env(connect_timeout=60)
     h = b.hierarchy
     print("joined", b.rank, socket.gethostname(), h and h.num_nodes, h and h.local_world,
           os.environ.get("FERRO_HOST_RANKS"), flush=True)
@@ -241,21 +249,75 @@ def test_job_on_two_emulated_nodes(tmp_path):
     assert wait_until(lambda: namespaces() <= before, 5)
 
 
+def _wait_for(pred, timeout: float, proc: subprocess.Popen, what: str) -> None:
+    """Poll ``pred`` (<= ``timeout`` s) while ``proc`` runs; fail naming ``what`` otherwise."""
+    end = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"ferrorun ended before {what}"
+        assert time.monotonic() < end, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+
+
 @needs_namespaces
 def test_cut_link_raises_a_typed_error_on_every_rank(tmp_path):
+    """Node 1's link is cut once both ranks are in their loop (the command ferrorun prints, run
+    by the test: a fixed --cut-link time came before the job formed on a loaded host): each
+    rank raises a ferro error by its deadline."""
     before = namespaces()
-    t0 = time.monotonic()
-    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--timeout", "2",
-                        "--cut-link", "1@5", "--grace", "20", str(_script(tmp_path)),
-                        "--then-loop"], capture_output=True, text=True, timeout=80)
-    took = time.monotonic() - t0
-    assert r.stdout.count(" summed ") == 2, r.stdout + r.stderr
-    raised = sorted(line.split(" raised ")[1] for line in r.stdout.splitlines()
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as o, open(err, "w") as e:
+        p = subprocess.Popen([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--timeout",
+                              "2", "--grace", "20", str(_script(tmp_path)), "--then-loop"],
+                             stdout=o, stderr=e, text=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        _wait_for(lambda: out.read_text().count(" summed ") == 2, 60, p, "both ranks summed")
+        line = next(x for x in err.read_text().splitlines() if "cut a node's link with: " in x)
+        cut = line.split("cut a node's link with: ", 1)[1].replace("p<node>", "p1")
+        subprocess.run(cut, shell=True, check=True, timeout=30)
+        t0 = time.monotonic()
+        p.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    raised = sorted(line.split(" raised ")[1] for line in stdout.splitlines()
                     if " raised " in line)
-    assert [x.split()[0] for x in raised] == ["0", "1"], r.stdout + r.stderr
+    assert [x.split()[0] for x in raised] == ["0", "1"], stdout + stderr
     assert all(x.split()[1].endswith("Error") for x in raised), raised
-    assert "cut node 1's link at 5 s" in r.stderr and r.returncode == 3
-    assert took < 5 + 2 + 20, took  # the deadline, not a hang
+    assert p.returncode == 3, stdout + stderr
+    # the deadline (2 s), not a hang: a rank that hung would be killed only after --grace 20
+    assert took < 2 + 15, took
+    assert wait_until(lambda: namespaces() <= before, 5)
+
+
+CUT_SEEN = """
+import socket, subprocess, time
+if socket.gethostname() == "node1":
+    end = time.monotonic() + 30
+    while b"NO-CARRIER" not in subprocess.run(["ip", "-o", "link", "show", "dev", "eth0"],
+                                              capture_output=True).stdout:
+        if time.monotonic() > end:
+            raise SystemExit("node1: eth0 still has its carrier after 30 s")
+        time.sleep(0.1)
+    print("node1 lost its link", flush=True)
+"""
+
+
+@needs_namespaces
+def test_cut_link_cuts_the_node_s_link_on_schedule(tmp_path):
+    """--cut-link 1@2: ferrorun cuts node 1's link 2 s into the job and says so (node 1's rank
+    waits, <= 30 s, until its eth0 has no carrier)."""
+    script = tmp_path / "cut_seen.py"
+    script.write_text(CUT_SEEN)
+    before = namespaces()
+    r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--cut-link", "1@2",
+                        str(script)], capture_output=True, text=True, timeout=80)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "node1 lost its link" in r.stdout, r.stdout + r.stderr
+    assert "cut node 1's link at 2 s" in r.stderr, r.stderr
     assert wait_until(lambda: namespaces() <= before, 5)
 
 
@@ -326,7 +388,13 @@ RESTARTS = """
 import os, sys, time
 r, c = int(os.environ["RANK"]), int(os.environ["FERRO_RESTART_COUNT"])
 print(f"rank {r} attempt {c}", flush=True)
-time.sleep(1.5)     # (every rank has printed, however slowly it started)
+# every rank of this attempt has printed before rank 1 fails it (a file each in argv[1])
+open(os.path.join(sys.argv[1], f"{c}.{r}"), "w").close()
+end = time.monotonic() + 30
+while not all(os.path.exists(os.path.join(sys.argv[1], f"{c}.{k}")) for k in (0, 1)):
+    if time.monotonic() > end:
+        sys.exit(f"rank {r} attempt {c}: the other rank did not start within 30 s")
+    time.sleep(0.05)
 if r == 1 and c < 2:
     sys.exit(9)     # fails on attempts 0 and 1
 """
@@ -338,10 +406,11 @@ def test_emulated_restarts_count_attempts_and_append_the_logs(tmp_path):
     (a script resumes from its checkpoint on > 0), and --log-dir keeps every attempt."""
     script = tmp_path / "restarts.py"
     script.write_text(RESTARTS)
-    logs = tmp_path / "logs"
+    logs, up = tmp_path / "logs", tmp_path / "up"
+    up.mkdir()
     before = namespaces()
     r = subprocess.run([*FERRORUN, "--emulate-nodes", "2", "--nproc", "1", "--grace", "1",
-                        "--max-restarts", "3", "--log-dir", str(logs), str(script)],
+                        "--max-restarts", "3", "--log-dir", str(logs), str(script), str(up)],
                        capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "restarting the job (2 of 3)" in r.stderr and "(3 of 3)" not in r.stderr
