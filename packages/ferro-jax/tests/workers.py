@@ -328,23 +328,37 @@ def differentiation_disagrees(backend) -> dict:
     return out
 
 
-def late_peer(backend) -> str:
-    """Rank 0's jitted allreduce times out (1 s) while rank 1 sleeps; rank 1's call, late, took
-    rank 0's contribution from the engine's slots and returned [102, 102, 102]. Now rank 0's
-    door aborts the backend and the late call raises."""
-    import time
+def _wait_for(path, seconds: float = 30.0) -> None:
+    end = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def late_peer(backend, flags: str) -> str:
+    """Rank 0's jitted allreduce times out (1 s) while rank 1 has not called; rank 1's call,
+    late, could take rank 0's contribution from the engine's slots and return [102, 102, 102].
+    Now rank 0's door aborts the backend and the late call raises. Both ranks compile first
+    (the deadline times the call, not the trace); rank 1 calls only once rank 0 has its error,
+    and rank 0 keeps its backend open until rank 1 has its answer (files in ``flags``)."""
+    import pathlib
 
     fj.init(backend)
     me = backend.rank
-    call = jax.jit(lambda x: fj.allreduce(x, timeout=1.0 if me == 0 else 20.0))
+    gave_up, answered = pathlib.Path(flags) / "rank0-gave-up", pathlib.Path(flags) / "rank1-done"
+    x = jnp.full(3, 100.0 if me == 0 else 2.0)
+    call = jax.jit(lambda x: fj.allreduce(x, timeout=1.0 if me == 0 else 20.0)).lower(x).compile()
     if me == 1:
-        time.sleep(2.5)
+        _wait_for(gave_up)
     try:
         with fj.typed_errors():
-            got = call(jnp.full(3, 100.0 if me == 0 else 2.0))
-            return str(np.asarray(got).tolist())
+            got = call(x)
+            out = str(np.asarray(got).tolist())
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        out = f"{type(exc).__name__}: {exc}"
+    (gave_up if me == 0 else answered).touch()
+    if me == 0:
+        _wait_for(answered)
+    return out
 
 
 def mismatch(backend) -> str:
