@@ -223,3 +223,25 @@ def test_a_refused_frame_cut_off_by_its_peer_fails_its_receive_at_once():
         assert time.monotonic() - start < 5
     finally:
         close_all([b0, b1])
+
+
+def test_a_loop_thread_outliving_the_close_releases_its_epoll_and_pipe(monkeypatch):
+    """close() joins the receive loop for a second; a loop thread later than that (a loaded
+    host) must still close the epoll and the wake pipe as it ends, not leak them."""
+    from ferro_backend.mesh import reactor
+
+    plain = reactor.Reactor._turn
+
+    def late(self, cap):
+        plain(self, cap)
+        if self._draining:
+            time.sleep(1.6)  # past close()'s one-second join of this thread
+
+    monkeypatch.setattr(reactor.Reactor, "_turn", late)
+    backends = group(2, connect="eager")
+    reactors = [b._reactor for b in backends]
+    close_all(backends)
+    assert all(r._thread.is_alive() and not r._ep.closed for r in reactors)  # close gave up
+    for r in reactors:
+        r._thread.join(10)
+    assert all(r._ep.closed and r._wake_w == -1 for r in reactors)

@@ -66,6 +66,8 @@ class Reactor(Lead):
         self._parked: dict[tuple[int, int], Incoming] = {}  # (peer, tag) -> parked link
         self._stop = False
         self._draining = False
+        self._finished = False  # finish() ran: whoever ends last (it or the loop) releases
+        self._released = False  # the epoll and the wake pipe are closed
         Lead.__init__(self, box, self._lock)
         box.on_post = self._posted
         box.driver = self
@@ -109,11 +111,21 @@ class Reactor(Lead):
             self.box.on_post = None
         if self.box.driver is self:
             self.box.driver = None
-        if not self._thread.is_alive() and self._lead.acquire(timeout=1.0):
-            self._ep.close()  # no waiting thread reads any more (they see _stop)
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
-            self._wake_w = -1
+        self._finished = True
+        if not self._thread.is_alive():
+            self._release()
+        # else the loop thread, late on a loaded host, releases them as it ends (_run)
+
+    def _release(self) -> None:
+        """Close the epoll and the wake pipe once, when neither the loop thread nor a waiting
+        thread reads them any more (they see _stop); the lead stays taken, so none leads again."""
+        if self._released or not self._lead.acquire(timeout=1.0):
+            return
+        self._released = True
+        self._ep.close()
+        wake_w, self._wake_w = self._wake_w, -1
+        for fd in (self._wake_r, wake_w):
+            os.close(fd)
 
     def _rouse(self) -> None:  # the loop thread, from epoll or its rest
         self._wake()
@@ -124,6 +136,13 @@ class Reactor(Lead):
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._finished:  # finish() gave up joining this thread: release for it
+                self._release()
+
+    def _loop(self) -> None:
         while not self._stop:
             if self._draining and not self._live and not self._new:
                 return
