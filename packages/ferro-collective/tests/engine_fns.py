@@ -1,5 +1,6 @@
 """Module-level rank functions for the same-host engine tests (spawned processes import them)."""
 
+import logging
 import os
 import resource
 import time
@@ -162,38 +163,64 @@ def mismatch(b) -> str:
     return "no error"
 
 
-def late_peer(b, delay: float) -> dict:
-    """Rank 1 arrives ``delay`` s late; rank 0 has a 0.5 s deadline and measures its CPU use."""
+def _wait_for(path: str, limit: float = 30.0) -> bool:
+    """Poll for the file ``path`` (another rank's signal) for at most ``limit`` seconds."""
+    end = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def late_peer(b, flags: str) -> dict:
+    """Rank 1 stays silent until rank 0 has timed out (and made its second call): rank 0 has
+    a 0.5 s deadline and measures its CPU use. Ranks beyond 1 are in the allreduce before
+    rank 0 starts and have a long deadline: rank 0's deadline always falls first (no other
+    rank's timeout aborts the job under it) and names rank 1 alone."""
     out = {}
+    done = os.path.join(flags, "rank0-done")
     if b.rank == 1:
-        time.sleep(delay)
+        out["waited"] = _wait_for(done)  # arrives late by construction, not by a sleep
         try:
             fc.allreduce(np.ones(4), b, timeout=5)
         except Exception as exc:  # rank 0 has given up by now
             out["error"] = type(exc).__name__
         return out
+    if b.rank == 0:  # every rank beyond 1 is about to call (its flag is written just before)
+        out["waited"] = all(_wait_for(os.path.join(flags, f"in{r}"))
+                            for r in range(2, b.world_size))
+        expected = CollectiveTimeoutError  # its own deadline, no other rank's abort
+    else:
+        _touch(os.path.join(flags, f"in{b.rank}"))
+        # rank 0's timeout ends the group: this rank's call is aborted (long before 30 s)
+        expected = (CollectiveTimeoutError, PeerAbortedError, PeerClosedError)
     cpu0 = resource.getrusage(resource.RUSAGE_THREAD).ru_utime
     t0 = time.monotonic()
-    # rank 0 is the one measured; a rank beyond 1 that the machine's load started late may
-    # meet rank 0's close (after rank 0's own deadline) before its own deadline: a peer gone;
-    # where such a rank times out first, it aborts the job and rank 0 raises PeerAbortedError
-    # carrying that timeout's words (a timeout ends the group)
-    expected = (CollectiveTimeoutError, PeerAbortedError) if b.rank == 0 else (
-        CollectiveTimeoutError, PeerClosedError)
     try:
-        fc.allreduce(np.ones(4), b, timeout=0.5)
+        fc.allreduce(np.ones(4), b, timeout=0.5 if b.rank == 0 else 30)
         out["error"] = None
     except expected as exc:
         out["error"] = str(exc)
     out["seconds"] = time.monotonic() - t0
     out["cpu"] = resource.getrusage(resource.RUSAGE_THREAD).ru_utime - cpu0
+    # the group that timed out is aborted: rank 0 too raises the job's abort after it
+    after = (CollectiveTimeoutError, PeerAbortedError) + (
+        () if b.rank == 0 else (PeerClosedError,))
     try:
-        fc.allreduce(np.ones(4), b, timeout=0.5)
+        fc.allreduce(np.ones(4), b, timeout=0.5 if b.rank == 0 else 30)
         out["after"] = "no error"
-    except expected as exc:
+    except after as exc:
         out["after"] = str(exc)
-    if b.rank > 1:  # stay until rank 0 is surely done: a rank 0 that the machine's load held
-        time.sleep(delay)  # back must still see a silent rank 1, not this rank's close
+    if b.rank == 0:
+        _touch(done)
+    else:  # stay open until rank 0 is done: it must see a silent rank 1, not this rank's close
+        out["waited"] = _wait_for(done)
     return out
 
 
@@ -354,7 +381,7 @@ def exchange_mismatch(b, case: str) -> str:
     return "no error"
 
 
-def exchange_stalled_reader(b) -> dict:
+def exchange_stalled_reader(b, flags: str) -> dict:
     """A large scatter whose non-root ranks are slow to read the root's memory: the root times
     out at its deadline in the last step (it waits for them to finish reading), naming them."""
     from ferro_collective.engine_group import EngineGroup
@@ -368,6 +395,11 @@ def exchange_stalled_reader(b) -> dict:
             return orig(self, rank, addr, dst)
 
         EngineGroup.read = slow
+        _touch(os.path.join(flags, f"in{b.rank}"))
+    else:  # both readers are about to call: a reader the load started late is not one of
+        # those the root's 0.5 s deadline names for a stalled read
+        out["waited"] = all(_wait_for(os.path.join(flags, f"in{r}"))
+                            for r in range(1, b.world_size))
     t0 = time.monotonic()
     try:
         fc.scatter(np.ones(b.world_size * 200_000) if b.rank == 0 else None, b,
@@ -376,36 +408,67 @@ def exchange_stalled_reader(b) -> dict:
     except (CollectiveTimeoutError, PeerClosedError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["seconds"] = time.monotonic() - t0
-    if b.rank == 0:
-        time.sleep(2.0)  # alive while the others finish reading (its buffer may be gone)
+    if b.rank == 0:  # alive until every reader has its result (a file each): a reader that
+        # the load held back must still meet the root's withdrawn step, not its close
+        out["held"] = all(_wait_for(os.path.join(flags, f"done{r}"))
+                          for r in range(1, b.world_size))
+    else:
+        _touch(os.path.join(flags, f"done{b.rank}"))
     return out
 
 
-def late_but_in_time(b) -> list:
-    """Rank 1 joins each one-call collective after rank 0's stall report (at half its 1.6 s
-    deadline) but before the deadline: rank 0's call waits on and returns the right result."""
+class StallFlag(logging.Handler):
+    """On the ``ferro_collective`` logger: a stall report ("still waiting") writes the file
+    ``flag`` in ``flags`` (set before each call), the signal a late peer waits for."""
+
+    def __init__(self, flags: str) -> None:
+        super().__init__()
+        self.flags = flags
+        self.flag = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.flag and "still waiting" in record.getMessage():
+            _touch(os.path.join(self.flags, self.flag))
+
+    def __enter__(self) -> "StallFlag":
+        logging.getLogger("ferro_collective").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("ferro_collective").removeHandler(self)
+
+
+def late_but_in_time(b, flags: str) -> list:
+    """Rank 1 joins each one-call collective after rank 0's stall report (it waits for the
+    file rank 0's log handler writes on it) and so before rank 0's 4 s deadline: rank 0's
+    call waits on and returns the right result. The report comes at a quarter of the
+    deadline, which leaves rank 1 3 s to arrive after it."""
+    fc.set_stall_report(0.25)
     n = b.world_size
     got = []
     x = np.arange(8, dtype=np.float32) + b.rank
     calls = [
-        lambda: fc.allreduce(x, b, ReduceOp.MAX, timeout=1.6),
-        lambda: fc.reduce_scatter(x, b, timeout=1.6),
-        lambda: fc.broadcast(x, b, root=1, timeout=1.6),
-        lambda: fc.all_gather(x[:2], b, timeout=1.6),
-        lambda: fc.barrier(b, timeout=1.6),
+        lambda: fc.allreduce(x, b, ReduceOp.MAX, timeout=4),
+        lambda: fc.reduce_scatter(x, b, timeout=4),
+        lambda: fc.broadcast(x, b, root=1, timeout=4),
+        lambda: fc.all_gather(x[:2], b, timeout=4),
+        lambda: fc.barrier(b, timeout=4),
     ]
-    for call in calls:
-        if b.rank == 1:
-            time.sleep(1.0)
-        res = call()
-        got.append(None if res is None else res.tolist())
+    reported = []
+    with StallFlag(flags) as stall:
+        for i, call in enumerate(calls):
+            stall.flag = f"stall{i}"
+            if b.rank == 1:
+                reported.append(_wait_for(os.path.join(flags, stall.flag)))
+            res = call()
+            got.append(None if res is None else res.tolist())
     expected = [(np.arange(8) + n - 1).tolist(),
                 (sum(np.arange(8) + r for r in range(n))[b.rank * 8 // n:(b.rank + 1) * 8 // n]
                  ).tolist(),
                 (np.arange(8) + 1).tolist(),
                 np.concatenate([np.arange(2) + r for r in range(n)]).tolist(),
                 None]
-    return [g == e for g, e in zip(got, expected)]
+    return [g == e for g, e in zip(got, expected)] + reported
 
 
 def bad_timeouts(b) -> list:

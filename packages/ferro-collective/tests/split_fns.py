@@ -1,8 +1,9 @@
 """Rank functions for the split allreduce tests (spawned processes import them)."""
 
-import time
+import os
 
 import numpy as np
+from engine_fns import StallFlag, _wait_for
 
 import ferro_collective as fc
 from ferro_collective import ReduceOp
@@ -36,18 +37,22 @@ def equals_star(b, cases: list) -> list[str]:
     return bad
 
 
-def late_in_split(b, count: int) -> list:
-    """Rank 1 starts each split allreduce after rank 0's stall report (at half its 1.6 s
-    deadline), before the deadline: rank 0's call waits on and returns the right result, on
-    the compiled path and on the general path."""
+def late_in_split(b, count: int, flags: str) -> list:
+    """Rank 1 starts each split allreduce after rank 0's stall report (it waits for the file
+    rank 0's log handler writes on it; the report comes at a quarter of the 4 s deadline), so
+    before the deadline: rank 0's call waits on and returns the right result, on the compiled
+    path and on the general path."""
+    fc.set_stall_report(0.25)
     got = []
     x = np.arange(count, dtype=np.float32) + b.rank
     expected = sum(np.arange(count, dtype=np.float32) + r for r in range(b.world_size))
-    for strided in (False, True):
-        if b.rank == 1:
-            time.sleep(1.0)
-        arg = np.repeat(x, 2)[::2] if strided else x
-        got.append(bool((fc.allreduce(arg, b, timeout=1.6) == expected).all()))
+    with StallFlag(flags) as stall:
+        for strided in (False, True):
+            stall.flag = f"stall{int(strided)}"
+            if b.rank == 1:
+                got.append(_wait_for(os.path.join(flags, stall.flag)))
+            arg = np.repeat(x, 2)[::2] if strided else x
+            got.append(bool((fc.allreduce(arg, b, timeout=4) == expected).all()))
     fc.barrier(b, timeout=10)
     return got
 
@@ -69,14 +74,20 @@ def gathers_equal_star(b, sizes: list) -> list[str]:
     return bad
 
 
-def late_in_stream(b, size: int) -> bool:
-    """Rank 1 starts a streamed all_gather after rank 0's stall report, before its deadline."""
-    if b.rank == 1:
-        time.sleep(1.0)
+def late_in_stream(b, size: int, flags: str) -> list:
+    """Rank 1 starts a streamed all_gather after rank 0's stall report (the file rank 0's log
+    handler writes on it; at a quarter of the 4 s deadline), before its deadline."""
+    fc.set_stall_report(0.25)
+    out = []
     x = np.full(size, b.rank, np.float32)
-    got = fc.all_gather(x, b, timeout=1.6)
+    with StallFlag(flags) as stall:
+        stall.flag = "stall"
+        if b.rank == 1:
+            out.append(_wait_for(os.path.join(flags, stall.flag)))
+        got = fc.all_gather(x, b, timeout=4)
     fc.barrier(b, timeout=10)
-    return bool((got == np.repeat(np.arange(b.world_size, dtype=np.float32), size)).all())
+    return out + [bool((got == np.repeat(np.arange(b.world_size, dtype=np.float32),
+                                         size)).all())]
 
 
 def stream_then_one_step(b, rounds: int) -> list[str]:

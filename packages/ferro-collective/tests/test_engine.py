@@ -8,6 +8,7 @@ reads are off. Small slots (``FERRO_SHM_SLOT_BYTES``) make the large paths cheap
 
 import json
 import os
+import re
 import signal
 import time
 from unittest import mock
@@ -75,10 +76,17 @@ def test_mismatch_is_reported_on_every_rank_and_the_group_stays_usable():
 
 
 @pytest.mark.parametrize("world", [2, 3])  # 3 ranks on 2 cores: the yield phase, then sleep
-def test_silent_peer_times_out_at_the_deadline_without_burning_cpu(world):
-    res = run_processes(engine_fns.late_peer, world, 2.5, transport="shm", timeout=60)[0]
-    assert "timed out after 0.5s waiting for ranks [1]" in res["error"]
-    assert 0.45 < res["seconds"] < 1.5
+def test_silent_peer_times_out_at_the_deadline_without_burning_cpu(world, tmp_path):
+    # rank 1 calls only once rank 0 is done (a flag file), ranks beyond 1 wait with a long
+    # deadline: rank 0's own 0.5 s deadline is the one that ends its call
+    results = run_processes(engine_fns.late_peer, world, str(tmp_path), transport="shm",
+                            timeout=60)
+    assert all(r["waited"] for r in results), results
+    res = results[0]
+    assert "timed out after 0.5s waiting for ranks [1]" in res["error"], res
+    # not before the deadline; the upper bound only shows it did not wait on (it has room
+    # for the scheduling stalls of a loaded 2-core host)
+    assert 0.45 < res["seconds"] < 3.0, res
     assert res["cpu"] < 0.05 * res["seconds"] + 0.01  # no busy wait after the short spin
     assert "timed out" in res["after"]  # a group whose steps disagree refuses further calls
 
@@ -88,12 +96,11 @@ import ferro_collective as fc
 if b.rank == 1:
     print("READY", flush=True)
     time.sleep(60)
-t0 = time.monotonic()
 try:
     fc.allreduce(np.ones(1000), b, timeout=30)
     result = "no error"
 except PeerClosedError as exc:
-    result = [type(exc).__name__, str(exc), time.monotonic() - t0]
+    result = [type(exc).__name__, str(exc), time.time()]
 """
 
 
@@ -126,13 +133,16 @@ def test_killed_peer_fails_the_others_promptly_and_leaves_nothing_behind():
         with open(f"/proc/{job.procs[1].pid}/maps") as f:
             maps = f.read()
         assert "memfd:ferro-engine" in maps and "/dev/shm/" not in maps
-        time.sleep(0.3)  # ranks 0 and 2 are waiting in the allreduce
+        time.sleep(0.3)  # ranks 0 and 2 are (most likely) waiting in the allreduce
+        t_kill = time.time()
         os.kill(job.procs[1].pid, signal.SIGKILL)
         results = job.finish(30)
     for r in (0, 2):
-        name, msg, seconds = results[r].result
-        assert name in ("PeerClosedError", "PeerAbortedError") and "1" in msg, msg
-        assert seconds < 2.5 + 0.3
+        name, msg, t_err = results[r].result
+        # the error names the dead rank ("peer rank 1 is gone"), not just any "1"
+        assert name in ("PeerClosedError", "PeerAbortedError"), msg
+        assert re.search(r"\branks? \[?1\b", msg), msg
+        assert t_err - t_kill < 2.5  # from the kill, not from the rank's start
     # nothing ferro made has a name in /dev/shm (other programs may add theirs meanwhile)
     assert [n for n in _shm_names() - before if "ferro" in n] == []
     assert _lasting_engine_sockets() == []
@@ -197,8 +207,11 @@ def test_a_one_step_call_against_a_general_one_is_a_mismatch():
         assert "broadcast" in msg and msg.endswith("usable=True"), msg
 
 
-def test_scatter_root_times_out_while_its_readers_stall():
-    res = run_processes(engine_fns.exchange_stalled_reader, 3, transport="shm", timeout=60)
+def test_scatter_root_times_out_while_its_readers_stall(tmp_path):
+    res = run_processes(engine_fns.exchange_stalled_reader, 3, str(tmp_path), transport="shm",
+                        timeout=60)
+    # the root called once both readers were about to, and stayed open until both had a result
+    assert res[0]["waited"] and res[0]["held"], res[0]
     assert res[0]["error"].startswith("CollectiveTimeoutError"), res[0]
     assert "timed out after 0.5s waiting for ranks [1, 2]" in res[0]["error"], res[0]
     assert 0.45 < res[0]["seconds"] < 1.4
@@ -243,10 +256,12 @@ def test_killed_peer_fails_scatter_and_all_to_all_promptly():
     assert max(latencies) < 2.5, latencies
 
 
-def test_one_call_collectives_wait_past_the_stall_report_for_a_late_peer():
-    # rank 1 arrives after rank 0's soft deadline (stall report), before its hard one
-    for flags in run_processes(engine_fns.late_but_in_time, 2, transport="shm", timeout=60):
-        assert flags == [True] * 5
+def test_one_call_collectives_wait_past_the_stall_report_for_a_late_peer(tmp_path):
+    # rank 1 arrives after rank 0's soft deadline (stall report: rank 1 waits for a file
+    # rank 0's log handler writes on it), before its hard one
+    flags = run_processes(engine_fns.late_but_in_time, 2, str(tmp_path), transport="shm",
+                          timeout=90)
+    assert flags == [[True] * 5, [True] * 10]  # rank 1 also saw each of the 5 reports
 
 
 def test_the_doors_headers_are_the_ones_the_python_steps_pack():
