@@ -267,4 +267,4 @@ def test_silent_peer_times_out(call):
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="timed out after 0.4s"):
         call(rank0)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 5  # gave up at its deadline (a loaded host's room)

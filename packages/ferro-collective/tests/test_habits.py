@@ -162,7 +162,8 @@ def test_the_refusing_rank_raises_at_once_whether_or_not_its_peers_call():
         t0 = time.monotonic()
         with pytest.raises(TypeError, match="complex64"):
             call()
-        assert time.monotonic() - t0 < 1.0  # not the 30 s deadline: published in the background
+        # not the 30 s deadline: published in the background (10 s: a loaded host's room)
+        assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.parametrize("transport", ["threads", "tcp", "shm"])

@@ -116,4 +116,4 @@ def test_root_checked_and_mismatch_and_timeout():
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="all_gather_object .* 0.3s"):
         all_gather_object(1, rank0, timeout=0.3)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 5  # gave up at its deadline (a loaded host's room)

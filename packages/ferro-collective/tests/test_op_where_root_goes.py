@@ -61,7 +61,8 @@ def _check(results, name: str, asynchronous: bool, n: int):
     for err, _ in others:
         assert err[0] == CollectiveMismatchError.__name__, err
         assert "rank 0" in err[1] and want.__name__ in err[1], err
-        assert err[2] < 2.5, f"rank learnt of rank 0's refusal after {err[2]:.1f} s"
+        # far below the 20 s deadline (room for a loaded host's stalls)
+        assert err[2] < 10, f"rank learnt of rank 0's refusal after {err[2]:.1f} s"
     assert [after0] + [a for _, a in others] == [float(n)] * n
 
 

@@ -111,5 +111,5 @@ def test_a_failed_call_gives_nothing_back():
             fc.allreduce(np.ones(20000, np.float32), rank0, algorithm="recursive_doubling")
     finally:
         fc.set_mismatch_check(True)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5  # gave up at its 0.3 s deadline (a loaded host's room)
     assert POOL.held_bytes() == 0  # its incoming array may still receive: dropped
