@@ -95,7 +95,9 @@ def test_below_the_minimum_the_replacement_ferrorun_starts_is_waited_for(tmp_pat
     # --settle 0.5 s is far less than a replacement takes to start (a new Python process that
     # loads the data: seconds): the coordinator waits because ferrorun told it one is coming.
     # (0.05 s raced ferrorun's own notice of the death, polled every 50 ms, on a loaded host:
-    # the survivor's report came first and the job ended with too few members)
+    # the survivor's report came first and the job ended with too few members; the coordinator
+    # now also waits until ferrorun has looked at every process that ended: Coordinator's
+    # unseen_deaths, tests/test_elastic_watch.py)
     history = tmp_path / "history.json"
     r = ferrorun("2:2", "--steps", 200, "--kill", "1@30", "--history", history,
                  extra=["--max-restarts", "1", "--settle", "0.5", "--join-timeout", "60"])

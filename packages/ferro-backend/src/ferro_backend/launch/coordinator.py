@@ -37,6 +37,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,16 +70,24 @@ class _Member:
 
 
 class Coordinator:
-    """Serve one elastic job's membership on ``host:port`` (port 0: a free one) in a thread."""
+    """Serve one elastic job's membership on ``host:port`` (port 0: a free one) in a thread.
+
+    ``unseen_deaths`` (optional; ferrorun on node 0 passes it): called, from the coordinator's
+    thread, before it ends the job for too few members; True while a process of this node's
+    agent has ended that the agent has not yet looked at (it may start a replacement and call
+    :meth:`expect`): the job waits for the agent's look rather than race it.
+    """
 
     def __init__(self, token: str, min_members: int, max_members: int, expected: int, *,
                  host: str = "127.0.0.1", port: int = 0, settle: float = 30.0,
-                 last_call: float = 10.0, join_deadline: float = 60.0) -> None:
+                 last_call: float = 10.0, join_deadline: float = 60.0,
+                 unseen_deaths: Callable[[], bool] | None = None) -> None:
         if not 1 <= min_members <= max_members or not min_members <= expected <= max_members:
             raise ValueError(f"Coordinator: need 1 <= min ({min_members}) <= expected "
                              f"({expected}) <= max ({max_members})")
         self.token, self.min, self.max, self.expected = token, min_members, max_members, expected
         self.settle, self.last_call, self.join_deadline = settle, last_call, join_deadline
+        self.unseen_deaths = unseen_deaths
         #: when each replacement an agent announced stops being waited for (oldest first)
         self._coming: list[float] = []
         self._lsock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
@@ -277,6 +286,8 @@ class Coordinator:
         if len(members) < self.min and (now - oldest <= self.settle or (
                 self._awaited(now) and now - oldest <= self.join_deadline)):
             return   # too few for now: a replacement may be (or is) on its way
+        if len(members) < self.min and self.unseen_deaths is not None and self.unseen_deaths():
+            return   # the agent has yet to see a death; it may announce a replacement (expect)
         self._form(members, reason)
 
     def _form(self, members: list[_Member], reason: str) -> None:

@@ -60,6 +60,9 @@ class ElasticRun:
         #: processes seen stopped (SIGSTOP), index -> since when; those ferrorun ended itself
         self.stopped_since: dict[int, float] = {}
         self.ended: set[int] = set()
+        self.jobs: list[Job] = []
+        #: processes whose end _watch has handled (a replacement announced and started, or not)
+        self.handled: set[int] = set()
         self.coordinator: Coordinator | None = None
         if args.node_rank == 0:
             host = "127.0.0.1" if nnodes[1] == 1 else ("::" if ":" in args.master_addr
@@ -68,7 +71,8 @@ class ElasticRun:
                                            nnodes[1] * nproc[1], host=host,
                                            port=args.master_port or 0, settle=settle,
                                            last_call=settle,
-                                           join_deadline=args.join_timeout)
+                                           join_deadline=args.join_timeout,
+                                           unseen_deaths=self._unseen_death)
             port = self.coordinator.address.rpartition(":")[2]
             where = f"127.0.0.1:{port}" if nnodes[1] == 1 else f"{args.master_addr}:{port}"
         else:
@@ -93,7 +97,6 @@ class ElasticRun:
             base.pop(var, None)
         self.base = base
         self.replacements_left = args.max_restarts
-        self.jobs: list[Job] = []
         self.local_of: list[int] = []   # each process's LOCAL_RANK (a replacement takes it over)
         self.started = 0
         self.signal: int | None = None  # the SIGINT/SIGTERM ferrorun passed on (the first)
@@ -151,6 +154,7 @@ class ElasticRun:
                 done.add(i)
                 if code == 0:
                     ok += 1
+                    self.handled.add(i)
                     continue
                 last_failure = code if code > 0 else 128 - code
                 finished = state is not None and state["finished"]
@@ -169,6 +173,7 @@ class ElasticRun:
                     self.replacements_left -= 1
                     self._expect_replacement()
                     self._start(self.local_of[i])
+                self.handled.add(i)   # (after expect(): see _unseen_death)
             if running and not received:
                 self._end_stopped(done, state)
             if not running and len(done) == len(self.jobs):
@@ -185,10 +190,26 @@ class ElasticRun:
                     return late
                 if ok and (state is None or state["finished"] or clean):
                     return 0
+                failed = self.coordinator.snapshot()["failed"] if self.coordinator else None
+                if failed:   # (since this turn's snapshot: the members it failed have ended)
+                    sys.stderr.write(f"ferrorun: the elastic job cannot go on: {failed}\n")
+                    return last_failure or 1
                 sys.stderr.write(f"ferrorun: a process failed (exit code {last_failure}) and no "
                                  "member said the elastic job was done (ElasticJob.close())\n")
                 return last_failure or 1
             time.sleep(0.05)
+
+    def _unseen_death(self) -> bool:
+        """(The coordinator's thread, before it ends the job for too few members.) Whether a
+        process of this ferrorun has ended that :meth:`_watch` has not handled yet: it may be
+        about to announce a replacement (:meth:`_expect_replacement`, before it marks the
+        process handled), so the coordinator waits for its look: on a loaded host the
+        survivors' reports and ``--settle`` could otherwise pass before ferrorun (polling every
+        50 ms) saw the death, and the job end with a replacement on its way."""
+        for i, job in enumerate(list(self.jobs)):
+            if i not in self.handled and _has_ended(job.procs[0]):
+                return True
+        return False
 
     def _end_stopped(self, done: set[int], state: dict | None) -> None:
         """End the processes that are stopped (SIGSTOP: hung, not dead, so ferrorun would wait
@@ -257,6 +278,19 @@ class ElasticRun:
         for g in history[1:]:
             sys.stderr.write(f"ferrorun: generation {g['generation']}: {g['world_size']} ranks "
                              f"from step {g['step']} ({g['reason']})\n")
+
+
+def _has_ended(proc) -> bool:
+    """Whether ``proc`` (a child) has ended, from any thread, without reaping it: its
+    ``poll()`` from another thread answers None while :meth:`ElasticRun._watch` polls it."""
+    if proc.returncode is not None:
+        return True
+    if not hasattr(os, "waitid"):  # (macOS before Python 3.13)
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True   # reaped meanwhile (by _watch's poll)
 
 
 __all__ = ["ElasticRun", "parse_range"]
