@@ -138,6 +138,7 @@ result = seen
     assert run_job(body, 2) == [[True, False, True]] * 2
 
 
+@pytest.mark.timeout(360)
 def test_message_over_2_gib():
     body = """
 n = (2 << 30) + 24
@@ -148,10 +149,14 @@ if b.rank == 0:
     result = 0
 else:
     out = np.empty(n, dtype=np.uint8)
-    b.recv(out, 0, timeout=60)
+    b.recv(out, 0, timeout=240)
     result = [int(out[0]), int(out[1 << 31]), int(out[n - 1]), int(out[12345])]
 """
-    assert run_job(body, 2, timeout=60)[1] == [7, 8, 9, 0]
+    # 7.6 s in CI, but 4 GiB of pages on a loaded line took over 60 s once: the limits are
+    # far above (the point is the result, not the time)
+    results = Job(body, 2, timeout=240).finish(300)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert results[1].result == [7, 8, 9, 0]
 
 
 def test_peer_killed_mid_recv_gives_peer_closed_promptly():
