@@ -14,7 +14,16 @@ from ferro_backend.launch.netns import unavailable
 from ferro_backend.testing.exclusive import one_emulation_at_a_time
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(200)
+# func_only: the wait for the emulation lock (another lane's emulated tests may hold it for
+# minutes, and the lock bounds it itself) is not the test's time
+pytestmark = pytest.mark.timeout(200, func_only=True)
+
+
+@pytest.fixture
+def one_emulation():
+    """ferro-backend's tests count every namespace: one emulated cluster at a time."""
+    with one_emulation_at_a_time():
+        yield
 
 
 REASON = unavailable("1gbit")
@@ -27,9 +36,8 @@ def summary(stdout: str) -> dict:
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated nodes: {REASON}")
-def test_demo_on_two_emulated_nodes_matches_one_node(tmp_path):
-    with one_emulation_at_a_time():  # ferro-backend's tests count every namespace
-        demo_matches_one_node(tmp_path)
+def test_demo_on_two_emulated_nodes_matches_one_node(tmp_path, one_emulation):
+    demo_matches_one_node(tmp_path)
 
 
 def demo_matches_one_node(tmp_path):
@@ -51,7 +59,7 @@ def demo_matches_one_node(tmp_path):
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated nodes: {REASON}")
-def test_an_elastic_job_survives_a_cut_link(tmp_path):
+def test_an_elastic_job_survives_a_cut_link(tmp_path, one_emulation):
     """`--emulate-nodes 2 --nnodes 1:2`: node 1's link is cut mid-training; node 0's ranks
     time out on it, the coordinator fences node 1 after --settle, and node 0 trains on.
 
@@ -65,33 +73,32 @@ def test_an_elastic_job_survives_a_cut_link(tmp_path):
     steps.mkdir()
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     settle = 10.0
-    with one_emulation_at_a_time():
-        with open(out, "w") as o, open(err, "w") as e:
-            p = subprocess.Popen([sys.executable, "-m", "ferro_backend.launch", "--emulate-nodes",
-                                  "2", "--nnodes", "1:2", "--nproc", "1", "--timeout", "1",
-                                  "--settle", str(settle), str(ROOT / "examples/train_elastic.py"),
-                                  "--steps", "4000", "--dtype", "float64", "--history",
-                                  str(history), "--step-file", str(steps)],
-                                 stdout=o, stderr=e, text=True, cwd=ROOT,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                done = [int(f.read_bytes() or b"0") for f in steps.iterdir()]
-                if len(done) == 2 and min(done) >= 2:
-                    break
-                assert p.poll() is None, f"{out.read_text()[-3000:]}\n{err.read_text()[-3000:]}"
-                assert time.monotonic() < deadline, f"the job did not form: steps {done}"
-                time.sleep(0.05)
-            line = next(x for x in err.read_text().splitlines()
-                        if "cut a node's link with: " in x)
-            cut = line.split("cut a node's link with: ", 1)[1].replace("p<node>", "p1")
-            subprocess.run(cut, shell=True, check=True, timeout=30)
-            p.wait(150)
-        finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    with open(out, "w") as o, open(err, "w") as e:
+        p = subprocess.Popen([sys.executable, "-m", "ferro_backend.launch", "--emulate-nodes",
+                              "2", "--nnodes", "1:2", "--nproc", "1", "--timeout", "1",
+                              "--settle", str(settle), str(ROOT / "examples/train_elastic.py"),
+                              "--steps", "4000", "--dtype", "float64", "--history",
+                              str(history), "--step-file", str(steps)],
+                             stdout=o, stderr=e, text=True, cwd=ROOT,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            done = [int(f.read_bytes() or b"0") for f in steps.iterdir()]
+            if len(done) == 2 and min(done) >= 2:
+                break
+            assert p.poll() is None, f"{out.read_text()[-3000:]}\n{err.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the job did not form: steps {done}"
+            time.sleep(0.05)
+        line = next(x for x in err.read_text().splitlines()
+                    if "cut a node's link with: " in x)
+        cut = line.split("cut a node's link with: ", 1)[1].replace("p<node>", "p1")
+        subprocess.run(cut, shell=True, check=True, timeout=30)
+        p.wait(150)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
     stdout, stderr = out.read_text(), err.read_text()
     assert p.returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     changes = json.loads(history.read_text())["changes"]
