@@ -38,9 +38,11 @@ def suite(b, seed):
 
 def subgroup_gave_up(b, engine=False) -> list:
     """Ranks 0 and 2 of 3 share a subgroup (its own engine with ``engine``); rank 0's
-    allreduce on it times out, rank 2 calls late: it raises PeerAbortedError naming rank 0
-    (before: it completed the call with rank 0's abandoned data, or waited out its deadline).
-    Then the parent's allreduce runs on every rank: only the subgroup ended."""
+    allreduce on it times out, rank 2 calls late (once rank 0's abort notice has reached it):
+    it raises PeerAbortedError naming rank 0 (before: it completed the call with rank 0's
+    abandoned data, or waited out its deadline). Then the parent's allreduce runs on every
+    rank: only the subgroup ended."""
+    import threading
     import time
 
     from ferro_backend import SubBackend
@@ -52,8 +54,12 @@ def subgroup_gave_up(b, engine=False) -> list:
             from ferro_backend.engine import attach_engine
 
             attach_engine(sub)
-        if b.rank == 2:
-            time.sleep(2.0)
+        if b.rank == 2:  # late by construction, not by a sleep a loaded host can outlast: the
+            # notice of rank 0's timeout has come (a call before it, with rank 0's data on the
+            # way before the notice, may still complete: the notice is what makes it late)
+            told = threading.Event()
+            b.on_subgroup_abort(sub.group_id, told.set)
+            out.append(told.wait(30))
         t0 = time.monotonic()
         try:
             got = allreduce(np.full(2, 100.0 if b.rank == 0 else 2.0), sub,

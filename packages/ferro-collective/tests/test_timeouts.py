@@ -25,7 +25,7 @@ def test_collective_with_a_silent_peer_raises_within_the_backend_timeout(name):
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="0.5s"):
         CALLS[name](rank0)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5  # gave up at its deadline, with a loaded host's room
 
 
 @pytest.mark.timeout(30)
@@ -34,14 +34,14 @@ def test_per_call_timeout_wins_and_subgroups_inherit_the_parent_timeout():
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="0.2s"):
         fc.allreduce(np.ones(3), rank0, timeout=0.2)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5  # gave up at its deadline, with a loaded host's room
     rank0, _silent = SimulatedBackend.create_group(2, timeout=30)  # (a timeout ended the last)
     rank0.timeout = 0.3
     sub = SubBackend(rank0, [0, 1])
     t0 = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="0.3s"):
         fc.allreduce(np.ones(3), sub)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5  # gave up at its deadline, with a loaded host's room
 
 
 @pytest.mark.timeout(30)
@@ -133,6 +133,8 @@ def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on(how):
 
 def _subgroup_verdicts(said):
     first, outside, late = said
+    assert late[0] is True, late  # rank 2 called once rank 0's abort notice had come
+    late = late[1:]
     assert first[0][0] == "CollectiveTimeoutError", first
     assert late[0][0] == "PeerAbortedError" and "rank 0 gave up on this subgroup" in late[0][1], late
     assert late[0][2], late  # at once, not at its own deadline
