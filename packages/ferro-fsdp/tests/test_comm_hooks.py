@@ -69,10 +69,12 @@ def test_the_simple_hooks_give_the_wire_allreduce_of_the_bucket(hook, wire, back
 @pytest.mark.parametrize("background", [False, True], ids=["in_thread", "background"])
 def test_the_simple_hooks_follow_the_ddps_background_and_overlap_the_backward(background):
     """In the background the bucket's allreduce is still running when the hook returns (rank 1
-    is late by 0.3 s) and the backward goes on; in the training thread it is done."""
-    import time
+    is late: it starts its step only once rank 0's first hook has returned) and the backward
+    goes on; in the training thread it is done."""
+    import threading
 
     x, y = make_data(16, DIMS, dtype=np.float32)
+    late = threading.Event()  # rank 0's first hook has returned
 
     def body(b):
         seen = []
@@ -80,12 +82,17 @@ def test_the_simple_hooks_follow_the_ddps_background_and_overlap_the_backward(ba
         def watching(state, bucket):
             work = bf16_compress_hook(state, bucket)
             seen.append((bucket.background(), work.is_completed()))
+            if b.rank == 0:
+                late.set()
             return work
 
         d = DDP(make_mlp(DIMS, dtype=np.float32), b, background=background, bucket_cap_mb=1e-3)
         d.register_comm_hook(None, watching)
         if b.rank == 1:
-            time.sleep(0.3)
+            # in the background rank 1 waits for rank 0's first hook (not a fixed 0.3 s, which a
+            # stalled rank 0 outlasted); in the training thread that hook waits for rank 1, so
+            # rank 1 is late by 0.3 s only
+            late.wait(30 if background else 0.3)
         return seen, step_grads(d, b, x, y)
 
     results = run(body, 2)
