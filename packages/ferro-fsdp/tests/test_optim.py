@@ -230,6 +230,7 @@ def torch_trajectory(make_torch, p0, grads):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.0}, {"weight_decay": 0.3, "lr": 0.05},
                                 {"betas": (0.8, 0.95), "eps": 1e-4, "weight_decay": 0.1}])
+@pytest.mark.timeout(300)  # 10-20 s on a loaded CI lane (torch's import): past 120 s is a hang
 def test_adamw_matches_torch(kw, dtype):
     import torch
 
