@@ -6,11 +6,13 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import soak
 
-# a stand-in for ferrorun: a child that counts steps into DIR/<pid>, one every 10 ms, to LAST
+# a stand-in for ferrorun: a child that counts steps into DIR/<pid>, one every 10 ms, to LAST;
+# with HOLD, it then ends only once HOLD exists (at most 30 s on)
 JOB = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", '''
@@ -19,13 +21,17 @@ fd = os.open(os.path.join(sys.argv[1], str(os.getpid())), os.O_WRONLY | os.O_CRE
 for step in range(1, int(sys.argv[2]) + 1):
     os.pwrite(fd, b"%012d" % step, 0)
     time.sleep(0.01)
-''', sys.argv[1], sys.argv[2]])
+end = time.monotonic() + 30
+while len(sys.argv) > 3 and not os.path.exists(sys.argv[3]) and time.monotonic() < end:
+    time.sleep(0.01)
+''', *sys.argv[1:]])
 sys.exit(child.wait() and 3)
 """
 
 
-def fake_job(tmp: Path, last: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", JOB, str(tmp), str(last)])
+def fake_job(tmp: Path, last: int, hold: Path | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", JOB, str(tmp), str(last),
+                             *([str(hold)] if hold else [])])
 
 
 def test_a_planned_kill_fires_when_the_job_reaches_its_step(tmp_path: Path) -> None:
@@ -40,10 +46,17 @@ def test_a_planned_kill_fires_when_the_job_reaches_its_step(tmp_path: Path) -> N
 
 
 def test_a_fault_the_job_ends_before_is_not_injected(tmp_path: Path) -> None:
-    proc = fake_job(tmp_path, 10)
+    release = tmp_path / "release"  # (not a step file: its name is not a pid)
+    proc = fake_job(tmp_path, 10, hold=release)
     inj = soak.Injector(proc, [(5, "stop-short"), (50, "kill")], tmp_path, 0.05,
                         random.Random(0))
     inj.start()
+    # the job stays at its last step until the stop-short is in (a loaded host's stall of
+    # the injector outlasted the job's 10 steps), then ends before step 50
+    end = time.monotonic() + 30
+    while not inj.done and inj.is_alive() and time.monotonic() < end:
+        time.sleep(0.01)
+    release.touch()
     assert proc.wait(timeout=30) == 0
     inj.join(10)
     assert (inj.done, inj.missed) == (["stop-short"], ["kill"])
