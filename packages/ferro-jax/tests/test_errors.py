@@ -115,8 +115,9 @@ def _eager_mismatch(backend):
 
 
 def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on(tmp_path):
-    first, late = run_processes(workers.late_peer, 2, str(tmp_path), transport="shm",
-                                timeout=120)
+    (_, first), (told, late) = run_processes(workers.late_peer, 2, str(tmp_path),
+                                            transport="shm", timeout=120)
+    assert told, late  # rank 1 called once rank 0's abort had reached it
     assert first.startswith("CollectiveTimeoutError"), first
     assert "rank 0 aborted the job" in late, late
 

@@ -328,37 +328,40 @@ def differentiation_disagrees(backend) -> dict:
     return out
 
 
-def _wait_for(path, seconds: float = 30.0) -> None:
+def _wait_until(ready, seconds: float = 30.0) -> bool:
     end = time.monotonic() + seconds
-    while not path.exists() and time.monotonic() < end:
+    while not ready() and time.monotonic() < end:
         time.sleep(0.05)
+    return bool(ready())
 
 
-def late_peer(backend, flags: str) -> str:
+def late_peer(backend, flags: str) -> list:
     """Rank 0's jitted allreduce times out (1 s) while rank 1 has not called; rank 1's call,
     late, could take rank 0's contribution from the engine's slots and return [102, 102, 102].
     Now rank 0's door aborts the backend and the late call raises. Both ranks compile first
-    (the deadline times the call, not the trace); rank 1 calls only once rank 0 has its error,
-    and rank 0 keeps its backend open until rank 1 has its answer (files in ``flags``)."""
+    (the deadline times the call, not the trace); rank 1 calls once rank 0's abort has reached
+    it (late by construction, not by a sleep a slow compile of rank 0's can outlast), and rank 0
+    keeps its backend open until rank 1 has its answer (a file in ``flags``). Returns [whether
+    the abort had come (rank 1), what the call returned or raised]."""
     import pathlib
 
     fj.init(backend)
     me = backend.rank
-    gave_up, answered = pathlib.Path(flags) / "rank0-gave-up", pathlib.Path(flags) / "rank1-done"
+    answered = pathlib.Path(flags) / "rank1-done"
     x = jnp.full(3, 100.0 if me == 0 else 2.0)
     call = jax.jit(lambda x: fj.allreduce(x, timeout=1.0 if me == 0 else 20.0)).lower(x).compile()
-    if me == 1:
-        _wait_for(gave_up)
+    told = me == 0 or _wait_until(lambda: backend.peer_failure("allreduce", 0) is not None)
     try:
         with fj.typed_errors():
             got = call(x)
             out = str(np.asarray(got).tolist())
     except Exception as exc:
         out = f"{type(exc).__name__}: {exc}"
-    (gave_up if me == 0 else answered).touch()
-    if me == 0:
-        _wait_for(answered)
-    return out
+    if me == 1:
+        answered.touch()
+    else:
+        _wait_until(answered.exists)
+    return [told, out]
 
 
 def mismatch(backend) -> str:
