@@ -45,5 +45,6 @@ def test_an_async_collective_then_point_to_point_messages_complete_as_on_gloo(ki
         assert r["send"]["seconds"] < 5 and r["batch"]["seconds"] < 5, r
     # Work.wait(timeout) on a deferred call raises within its timeout; a later wait completes it
     got = ranks[0]["wait_timeout"]["got"]
-    assert "Timed out" in got["raised"] and got["waited"] < 2.0, got
+    # (5 s: room for a loaded host's stalls, still half the group's 10 s deadline)
+    assert "Timed out" in got["raised"] and got["waited"] < 5.0, got
     assert got["value"] == [3.0, 3.0] and ranks[1]["wait_timeout"]["got"] == [3.0, 3.0], ranks

@@ -64,6 +64,7 @@ def test_a_late_peer_never_completes_a_call_another_rank_gave_up_on(kind):
     assert run.returncodes == [0], run.output[-4000:]
     got = run.by_rank()
     assert got[0]["kind"] == kind and "Timed out" in got[0]["got"], got
+    assert got[1]["told"] is True, got  # rank 1 called once rank 0's abort had reached it
     assert isinstance(got[1]["got"], str) and "rank 0 aborted the job" in got[1]["got"], got
 
 
@@ -122,7 +123,7 @@ def test_what_gloo_checks_is_checked(ranks):
         assert "[3, 2]" in h["all_gather_shape"] and "[2, 3]" in h["all_gather_shape"]
         total = sum(k + 1 for k in range(N))
         assert h["complex_reduce_scatter"] == [[1.0 * total, 2.0 * total], [3.0 * total, -total]]
-        assert h["recv_self"][1] < 1.0
+        assert h["recv_self"][1] < 20  # (not the group's 60 s deadline; room for stalls)
     assert ranks[0]["habits"]["complex_reduce"] == [[6.0, 12.0], [18.0, -6.0]]
     said = ranks[1]["habits"]["wait_timeout"]  # (the compiled backend's: c10d's bare words before)
     assert "Timed out waiting 300ms" in said

@@ -4,6 +4,7 @@ got and how long each part took (a part that hangs meets the group's 10 s deadli
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -99,11 +100,15 @@ def async_then_batch(me: int):
 
 
 def wait_timeout(me: int):
-    """Rank 1 comes 2.5 s late: rank 0's wait(timeout=0.5 s) raises within it, and a later
-    wait() completes the call."""
+    """Rank 1 comes late: rank 0's wait(timeout=0.5 s) raises within it, and a later wait()
+    completes the call. Rank 1 calls only once rank 0's wait has raised (a flag file in the
+    run's result directory, not a sleep: a stalled rank 0 may start its wait late)."""
+    flag = os.path.join(os.environ["TEST_RESULT_DIR"], "flag-rank0-waited")
     t = torch.full((2,), float(me + 1))
     if me == 1:
-        time.sleep(2.5)
+        end = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < end:
+            time.sleep(0.05)
         dist.all_reduce(t)
         return t.tolist()
     w = dist.all_reduce(t, async_op=True)
@@ -114,6 +119,7 @@ def wait_timeout(me: int):
     except Exception as exc:  # (the test reads it)
         raised = f"{type(exc).__name__}: {str(exc)[:200]}"
     waited = time.monotonic() - start
+    open(flag, "w").close()
     w.wait()
     return {"raised": raised, "waited": waited, "value": t.tolist()}
 

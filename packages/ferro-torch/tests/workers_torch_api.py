@@ -487,22 +487,40 @@ def scenario_torch_api() -> None:
     os._exit(0)  # rank 0's timed-out barrier group is never completed by the others
 
 
+def _wait_until(ready, seconds: float = 30.0) -> bool:
+    end = time.monotonic() + seconds
+    while not ready() and time.monotonic() < end:
+        time.sleep(0.05)
+    return bool(ready())
+
+
 def scenario_late_peer() -> None:
-    """Rank 0's all_reduce times out (1 s) while rank 1 sleeps; rank 1's call then came late
-    and returned a sum with rank 0's abandoned contribution (the door: [102, 102]), while rank
-    0 had raised. Now a rank that gives up on a collective aborts the transport: the late
-    call raises."""
-    kind = init(timeout=1)
+    """Rank 0's all_reduce times out (1 s) while rank 1 has not called; rank 1's call then came
+    late and returned a sum with rank 0's abandoned contribution (the door: [102, 102]), while
+    rank 0 had raised. Now a rank that gives up on a collective aborts the transport: the late
+    call raises. Rank 1 calls once rank 0's abort has reached it (late by construction, not by
+    a sleep a stalled rank 0 can outlast), and rank 0 stays until rank 1 has its answer (a
+    file in the run's result directory, named as no result is)."""
+    # the group's 1 s deadline is the test's; the set-up's store waits get 60 s (torch's store
+    # took the 1 s too: a rank loading the compiled backend on a loaded host came after the
+    # other had given up on its key)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=60)))
+    kind = init(timeout=1, store=store, rank=rank, world_size=world)
     me = dist.get_rank()
-    if me == 1:
-        time.sleep(2.5)
+    answered = os.path.join(os.environ["TEST_RESULT_DIR"], "flag-rank1-answered")
+    transport = ferro_torch.python_group(dist.group.WORLD).ferro_backend
+    told = me == 0 or _wait_until(lambda: transport.peer_failure("all_reduce", 0) is not None)
     t = torch.full((2,), 100.0 if me == 0 else 2.0)
     try:
         dist.all_reduce(t)
         got = t.tolist()
     except Exception as exc:  # (the test reads what each rank got)
         got = f"{type(exc).__name__}: {exc}"
-    report(rank=me, kind=kind, got=got)
+    if me == 1:
+        open(answered, "w").close()
+    else:
+        _wait_until(lambda: os.path.exists(answered))
+    report(rank=me, kind=kind, got=got, told=told)
     os._exit(0)
 
 
