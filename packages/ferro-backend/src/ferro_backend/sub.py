@@ -305,9 +305,11 @@ class SubBackend(FixedRanks, Backend):
         """This rank gives up on the subgroup alone: every member's calls on it, those waiting
         and every later one, raise PeerAbortedError naming this rank and ``reason``, and this
         view is closed; the parent and the other subgroups go on (as torch's groups end one at
-        a time). A collective that times out on a subgroup calls it (a late member then never
-        completes the call with this rank's abandoned data). On a root transport that cannot
-        tell the members (an outside one) it closes this view only.
+        a time). A collective that times out on a subgroup calls it: a late member that calls
+        once the notice has reached it never completes the call with this rank's abandoned
+        data (the notice follows the data this rank sent before it gave up, so a member calling
+        in between may still complete with it). On a root transport that cannot tell the
+        members (an outside one) it closes this view only.
 
         The error names the aborting member by its global rank (the root transport's); a
         ``reason`` naming ranks names the subgroup's (a collective's on it does), so where the
