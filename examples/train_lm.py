@@ -380,11 +380,7 @@ def plot_losses(history: list[dict], path: Path) -> None:
 # ------------------------------------------------------------------------------ training
 def main(argv=None) -> int:
     args = parse_args(argv)
-    backend = init_from_env()
-    rank, world = backend.rank, backend.world_size
-    if args.batch_size % world:
-        raise SystemExit(f"train_lm: --batch-size {args.batch_size} is not divisible by "
-                         f"{world} ranks")
+    # the flags first, before the backend: a bad one is one line, not a job that connected
     if args.resume and args.checkpoint_dir is None:
         raise SystemExit("train_lm: --resume needs --checkpoint-dir")
     if args.grads_wire == "powersgd" and args.strategy != "ddp":
@@ -404,6 +400,11 @@ def main(argv=None) -> int:
     if args.resume and not restart and not args.checkpoint_dir.is_dir():
         raise SystemExit(f"train_lm: --resume: no checkpoint directory {args.checkpoint_dir}; "
                          "check the path")
+    backend = init_from_env()
+    rank, world = backend.rank, backend.world_size
+    if args.batch_size % world:
+        raise SystemExit(f"train_lm: --batch-size {args.batch_size} is not divisible by "
+                         f"{world} ranks")
     cfg = {k: getattr(args, k) for k in MODEL_KEYS}
 
     texts = read_sources(args.corpus_chars)

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ferro_backend.testing import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_lm.py"
 FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
@@ -173,3 +175,16 @@ def test_powersgd_is_refused_outside_ddp_and_with_a_bad_rank():
         r = subprocess.run([sys.executable, str(SCRIPT), *map(str, TINY), "--steps", "1", *extra],
                            capture_output=True, text=True, timeout=60, cwd=ROOT, env=ENV)
         assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
+
+
+def test_a_bad_powersgd_flag_is_refused_before_the_backend_connects():
+    """The flags are checked before the job's ranks connect: a rank whose peers never come
+    (rank 1 of 2, nobody at the address) still says what is wrong at once, not after its
+    connect timeout."""
+    env = {**ENV, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, TINY), "--steps", "1",
+                        "--strategy", "ddp", "--grads-wire", "powersgd", "--powersgd-start", "-1"],
+                       capture_output=True, text=True, timeout=50, cwd=ROOT, env=env)
+    assert r.returncode != 0 and "--powersgd-start >= 0 (got 4 and -1)" in r.stderr, \
+        r.stderr[-2000:]
