@@ -268,3 +268,40 @@ def test_silent_peer_times_out(call):
     with pytest.raises(CollectiveTimeoutError, match="timed out after 0.4s"):
         call(rank0)
     assert time.monotonic() - t0 < 5  # gave up at its deadline (a loaded host's room)
+
+
+@pytest.mark.parametrize("name", ["all_gather_v", "all_to_all", "all_to_all_single", "scatter",
+                                  "all_gather_object"])
+def test_a_peer_gone_is_named_by_the_call(name):
+    """The collectives with a metadata round name themselves in a peer's failure, as the others
+    do (``all_to_all_single (seq 0) on rank 1: recv: ...``; before: ``recv: rank 1 <-> 2: peer
+    rank 2 is gone`` with no call)."""
+    import threading
+
+    import ferro_collective as fc
+
+    closed = threading.Event()
+    x = np.arange(6, dtype=np.float32)
+    calls = {"all_gather_v": lambda b: fc.all_gather_v(x, b, timeout=30),
+             "all_to_all": lambda b: fc.all_to_all([x[:2], x[2:4], x[4:]], b, timeout=30),
+             "all_to_all_single": lambda b: fc.all_to_all_single(x, b, timeout=30),
+             "scatter": lambda b: fc.scatter(x.reshape(3, 2) if b.rank == 0 else None, b,
+                                             timeout=30),
+             "all_gather_object": lambda b: fc.all_gather_object({"r": b.rank}, b, timeout=30)}
+
+    def body(b):
+        if b.rank == 2:
+            b.close()
+            closed.set()
+            return None
+        assert closed.wait(60)
+        try:
+            calls[name](b)
+        except fc.PeerClosedError as exc:
+            return exc
+        return "returned"
+
+    for rank, error in enumerate(run_ranks(body, 3, timeout=60)[:2]):
+        assert isinstance(error, fc.PeerClosedError), error
+        assert str(error).startswith(f"{name} (seq 0) on rank {rank}: "), error
+        assert "peer rank 2 is gone" in str(error), error

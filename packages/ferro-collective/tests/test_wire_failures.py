@@ -3,6 +3,7 @@ exact calls do; a bad argument on one rank is refused on every rank; each rank's
 the user's call, not the exact collectives it is made of; a failed call leaves its error
 feedback as it was."""
 
+import threading
 import time
 
 import numpy as np
@@ -285,3 +286,49 @@ def test_the_residuals_take_no_new_memory_per_call(wire):
         return all(a.tobytes() == c.tobytes() for a, c in outs)
 
     assert run_ranks(body, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+@pytest.mark.parametrize("background", [False, True])
+def test_a_timeout_and_a_peer_gone_are_named_by_the_users_call(name, wire, background):
+    """A compressed call that times out, or whose peer closed its backend, raises in the user's
+    call's name and wire (``allreduce[bf16] (seq 0) on rank 0: timed out ...``; before: the
+    internal ``all_to_all_single (seq 0) ...``, and a peer gone read ``recv: rank 0 <-> 2``
+    with no call at all)."""
+    x = np.arange(12, dtype=np.float32)
+
+    def call(b, timeout):
+        if background:
+            return outcome(lambda: CALLS[name](x, b, wire=wire, timeout=timeout).wait(60))[0]
+        return outcome(lambda: getattr(fc, name)(x, b, wire=wire, timeout=timeout))[0]
+
+    answered = threading.Event()
+
+    def late(b):  # rank 1 never calls: rank 0's deadline passes
+        if b.rank == 0:
+            error = call(b, 0.5)
+            answered.set()
+            return error
+        assert answered.wait(60)  # (open until rank 0 has its error: not a peer gone)
+
+    timed_out = run_ranks(late, 2, timeout=60)[0]
+    assert isinstance(timed_out, fc.CollectiveTimeoutError), timed_out
+    assert str(timed_out).startswith(f"{name}[{wire}] (seq "), timed_out
+    assert " on rank 0: timed out after 0.5s" in str(timed_out), timed_out
+
+    closed = threading.Event()
+
+    def gone(b):  # rank 2 has closed its backend: ranks 0 and 1 meet it in the call
+        if b.rank == 2:
+            b.close()
+            closed.set()
+            return None
+        assert closed.wait(60)  # (a peer that fails first would leave the other to wait for
+        return call(b, 30)      # its deadline, for that peer's part it never sent)
+
+    for rank, error in enumerate(run_ranks(gone, 3, timeout=60)[:2]):
+        assert isinstance(error, fc.PeerClosedError), error
+        assert str(error).startswith(f"{name}[{wire}] (seq "), error
+        assert f"on rank {rank}: " in str(error) and "peer rank 2 is gone" in str(error), error
+        assert "all_to_all_single" not in str(error), error

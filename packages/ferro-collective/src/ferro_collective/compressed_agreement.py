@@ -108,11 +108,11 @@ def in_words(error: BaseException, who: np.ndarray, first: str, rows: int,
     compressed call is known by its first collective there: where it is this call's kind with
     rows of another width, the wires that give the same values rows of that width
     (``widths(wire)``: bf16 and fp16 give the same) where any does, else its rows' width.
-    Other errors are returned as they are."""
-    if not isinstance(error, CollectiveMismatchError):
-        return error
+    Other errors: :func:`in_call`."""
     mine = _described(who.tobytes())
     call = mine.split("(")[0]
+    if not isinstance(error, CollectiveMismatchError):
+        return in_call(error, call)
     text = str(error)
     refused = _REFUSED.match(text)
     if refused is not None:
@@ -124,6 +124,24 @@ def in_words(error: BaseException, who: np.ndarray, first: str, rows: int,
     words = [f"ranks [{ranks}] called {_peer(desc, mine, first, rows, widths)}"
              for ranks, desc in parts]
     return _chained(error, f"{call}: ranks disagree on the call: " + "; ".join(words))
+
+
+#: the start of an error message that names one of a compressed call's collectives
+_INTERNAL = re.compile(r"(all_to_all_single|all_gather|allreduce|reduce_scatter) (\(seq \d+\))")
+
+
+def in_call(error: BaseException, call: str) -> BaseException:
+    """``error``, met by one of a compressed call's collectives, in the name of the user's call
+    ``call`` (``allreduce[bf16]``) where its message starts with that collective's (a timeout,
+    a peer gone or aborted: ``all_to_all_single (seq 3) on rank 0: ...`` becomes
+    ``allreduce[bf16] (seq 3) on rank 0: ...``), renamed in place as
+    :meth:`.p2p.Ctx.name_failure` names a call (its type and attributes kept; each is made
+    for the call that met it). Any other error is returned as it is."""
+    text = error.args[0] if error.args and isinstance(error.args[0], str) else None
+    m = _INTERNAL.match(text) if text is not None else None
+    if m is not None:
+        error.args = (f"{call} {m.group(2)}{text[m.end():]}",) + error.args[1:]
+    return error
 
 
 def _peer(desc: str, mine: str, first: str, rows: int,

@@ -21,7 +21,14 @@ from ferro_backend import timeline as _timeline
 from . import _wire as _kernel
 from . import tracing
 from .arguments import check_out_like
-from .compressed_agreement import PREFIX, Numbers, check_identities, identity, in_words
+from .compressed_agreement import (
+    PREFIX,
+    Numbers,
+    check_identities,
+    identity,
+    in_call,
+    in_words,
+)
 from .dispatch import run
 from .executors import abandoning, prepared
 from .ops import ReduceOp
@@ -299,9 +306,12 @@ class Steps:
             self.fail(exc)
 
     def fail(self, error: BaseException) -> None:
-        """Keep the call's first error; a piece's tells ``on_error`` at once."""
+        """Keep the call's first error (in the user's call's name: :func:`in_call`); a piece's
+        tells ``on_error`` at once."""
         if self.error is None:
-            self.error = error
+            self.error = error = in_call(
+                error, f"{self.name}[{self.wire}]" if self.wire not in (None, "None")
+                else self.name)
             if self.on_error is not None:
                 self.on_error(error)
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ferro_backend import Backend, CollectiveMismatchError
+from ferro_backend import Backend, CollectiveMismatchError, PeerClosedError
 from ferro_backend.engine import AVAILABLE as _ENGINE
 
 from . import gathered, pair
@@ -153,6 +153,13 @@ class MetaPlan(Plan):
 
     def run_python(self):
         ctx = self.context()
+        try:
+            return self._run_python(ctx)
+        except PeerClosedError as exc:  # (the transport's words name only recv or send)
+            ctx.name_failure(exc)
+            raise
+
+    def _run_python(self, ctx: Ctx):
         if ctx.n == 1:
             return self._finish(ctx, [self._block()])
         if not mismatch_check_enabled():
