@@ -8,9 +8,10 @@ import time
 
 import numpy as np
 import pytest
+import wire_fns
 
 import ferro_collective as fc
-from ferro_backend.testing import run_ranks
+from ferro_backend.testing import run_processes, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -332,3 +333,17 @@ def test_a_timeout_and_a_peer_gone_are_named_by_the_users_call(name, wire, backg
         assert str(error).startswith(f"{name}[{wire}] (seq "), error
         assert f"on rank {rank}: " in str(error) and "peer rank 2 is gone" in str(error), error
         assert "all_to_all_single" not in str(error), error
+
+
+@pytest.mark.parametrize("transport, name, wire", [
+    ("shm", "allreduce", "bf16"), ("shm", "reduce_scatter", "int8"),
+    ("tcp", "all_gather", "int4")])
+def test_a_peer_gone_is_named_by_the_users_call_on_real_processes(transport, name, wire,
+                                                                  tmp_path):
+    """On the engine (its words: ``allreduce[bf16]: rank 0 <-> 2: peer rank 2 is gone``) and
+    over TCP, as on simulated ranks."""
+    got = run_processes(wire_fns.peer_gone, 3, name, wire, str(tmp_path / "closed"),
+                        transport=transport, timeout=90)
+    for rank, text in enumerate(got[:2]):
+        assert text.startswith(f"PeerClosedError: {name}[{wire}]"), text
+        assert f"rank {rank} <-> 2: peer rank 2 is gone" in text, text

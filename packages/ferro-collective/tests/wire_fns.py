@@ -260,3 +260,25 @@ def exact_against(b, small, cut, timeout) -> dict:
             lambda: fc.reduce_scatter(small, b, wire="bf16", timeout=timeout),
             lambda: fc.all_to_all_single(small, b, timeout=timeout)),
     }
+
+
+def peer_gone(b, name: str, wire: str, flag: str) -> str | None:
+    """Rank 2 closes its backend (then writes ``flag``); ranks 0 and 1 then make the compressed
+    call ``name`` and return the error they meet, as ``Type: message``."""
+    import os
+    import time
+
+    if b.rank == 2:
+        b.close()
+        with open(flag, "w"):
+            pass
+        return None
+    deadline = time.monotonic() + 60
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    x = np.arange(12, dtype=np.float32)
+    try:
+        getattr(fc, name)(x, b, wire=wire, timeout=30)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"

@@ -127,20 +127,22 @@ def in_words(error: BaseException, who: np.ndarray, first: str, rows: int,
 
 
 #: the start of an error message that names one of a compressed call's collectives
-_INTERNAL = re.compile(r"(all_to_all_single|all_gather|allreduce|reduce_scatter) (\(seq \d+\))")
+#: (``name (seq N) on rank R: ...`` over messages, ``name: rank R <-> P: ...`` on the engine)
+_INTERNAL = re.compile(r"(all_to_all_single|all_gather|allreduce|reduce_scatter)( \(seq \d+\)|(?=: ))")
 
 
 def in_call(error: BaseException, call: str) -> BaseException:
     """``error``, met by one of a compressed call's collectives, in the name of the user's call
     ``call`` (``allreduce[bf16]``) where its message starts with that collective's (a timeout,
     a peer gone or aborted: ``all_to_all_single (seq 3) on rank 0: ...`` becomes
-    ``allreduce[bf16] (seq 3) on rank 0: ...``), renamed in place as
+    ``allreduce[bf16] (seq 3) on rank 0: ...``; on the engine ``all_to_all_single: rank 0 <->
+    2: ...``, ``allreduce[bf16]: rank 0 <-> 2: ...``), renamed in place as
     :meth:`.p2p.Ctx.name_failure` names a call (its type and attributes kept; each is made
     for the call that met it). Any other error is returned as it is."""
     text = error.args[0] if error.args and isinstance(error.args[0], str) else None
     m = _INTERNAL.match(text) if text is not None else None
     if m is not None:
-        error.args = (f"{call} {m.group(2)}{text[m.end():]}",) + error.args[1:]
+        error.args = (f"{call}{m.group(2)}{text[m.end():]}",) + error.args[1:]
     return error
 
 
