@@ -169,8 +169,9 @@ def test_error_feedback_loads_from_full_tensors_and_starts_afresh_on_another_wor
     from ferro_fsdp import wire_state
 
     def units():
-        return [SimpleNamespace(name="", dtype=np.float32, errors=None),
-                SimpleNamespace(name="layers.0", dtype=np.float32, errors=None)]
+        return [SimpleNamespace(name="", dtype=np.float32, errors=None, feeds_back=lambda k, n: True),
+                SimpleNamespace(name="layers.0", dtype=np.float32, errors=None,
+                                feeds_back=lambda k, n: True)]
 
     full = {"wire_error.world": np.array([2, 2]), "wire_error.layers.0.1": np.arange(6.0)}
     got = units()
@@ -211,3 +212,47 @@ def test_a_job_resumed_without_grads_wire_drops_the_saved_error_feedback():
 
     for saved, resaved in run(body, 2):
         assert saved and resaved == []
+
+
+@pytest.mark.parametrize("saved_kw, loaded_kw", [
+    ({"strategy": "no_shard"}, {"strategy": "full_shard"}),   # allreduce series, no allreduce
+    ({"strategy": "full_shard"}, {"strategy": "full_shard", "wrap": nn.Linear}),  # empty root
+], ids=["no_shard-into-full_shard", "wrap-none-into-wrap-linear"])
+def test_error_feedback_this_configuration_does_not_feed_back_is_dropped(saved_kw, loaded_kw):
+    """A residual the loading configuration never uses nor updates (NO_SHARD's allreduce series
+    under FULL_SHARD; wrap=None's root array on a wrapped model's empty root) is dropped with a
+    warning: it was kept and re-saved unchanged by every later checkpoint, and resuming such
+    a one on the saving configuration fed back a residual many steps old. The same
+    configuration loads it without a warning."""
+    import warnings
+
+    from _helpers import make_opt, train_steps
+
+    x, y = make_data(8, DIMS, dtype=np.float32)
+
+    def fsdp(b, kw):
+        kw = dict(kw)
+        f = FSDP(make_mlp(DIMS, seed=7, dtype=np.float32), b, kw.pop("strategy"),
+                 grads_wire="int8", **kw)
+        return f, make_opt("adam", f.parameters())
+
+    def body(b):
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        f, opt = fsdp(b, saved_kw)
+        train_steps(f, opt, nn.CrossEntropyLoss(), x[sl], y[sl], 2)
+        saved, _ = f.sharded_state_dict(opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            h, opt3 = fsdp(b, saved_kw)
+            h.load_sharded_state_dict(dict(saved), opt3)  # its own configuration: no warning
+        g, opt2 = fsdp(b, loaded_kw)
+        with pytest.warns(RuntimeWarning, match="of another strategy or wrap policy"):
+            g.load_sharded_state_dict(dict(saved), opt2)
+        train_steps(g, opt2, nn.CrossEntropyLoss(), x[sl], y[sl], 2)
+        resaved, _ = g.sharded_state_dict(opt2)
+        return {k: v for k, v in saved.items() if k.startswith("wire_error.")}, resaved
+
+    for saved, resaved in run(body, 2):
+        stale = [k for k, v in saved.items() if k != "wire_error.world" and k in resaved
+                 and resaved[k].tobytes() == v.tobytes()]
+        assert len(saved) > 1 and stale == []

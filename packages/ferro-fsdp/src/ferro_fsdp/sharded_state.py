@@ -370,8 +370,9 @@ class ShardedStateDicts:
         of a model of another shape, and are refused). Optimizer
         state is loaded into ``optimizer`` (built on ``module.parameters()``); keys it does not
         find start fresh, and so does ``grads_wire``'s error feedback where it was not saved or
-        was saved on another world size (with a RuntimeWarning). Collective: every rank must
-        call it.
+        was saved on another world size, and a residual this configuration's steps do not feed
+        back (of another strategy or wrap policy; both with a RuntimeWarning). Collective: every
+        rank must call it.
 
         Parameters
         ----------

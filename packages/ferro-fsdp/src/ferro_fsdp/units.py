@@ -374,6 +374,30 @@ class Unit:
         np.add(x, error, out=x)
         np.subtract(x, sent_values(x, n, self.owner._grads_wire, "reduce_scatter"), out=error)
 
+    def feeds_back(self, key: str, size: int) -> bool:
+        """Whether this unit's steps feed back a saved residual ``key`` of ``size`` elements
+        (``wire_state``'s name without the unit: an array index ``k`` of :meth:`feed_back`, or
+        ``<series>-sent`` / ``-folded`` of :meth:`wired`), as :meth:`reduce` and
+        :meth:`finish_reduce` call them: one they never call (of another strategy or wrap
+        policy) would be carried, unchanged, into every later save."""
+        owner = self.owner
+        if owner._grads_wire not in ("int8", "int4") or not self.layout.numel:
+            return False
+        if key.isdigit():  # a reduce-scatter's array: the packed gradient, or parameter k's
+            group, k = owner._shard_group, int(key)
+            if (owner._spec.grad_reduce == "allreduce" or group is None
+                    or group.world_size <= 1):
+                return False
+            return ((k == 0 and size == self.layout.padded_numel)
+                    or (self.direct and k < len(self.layout.numels)
+                        and size == self.layout.numels[k]))
+        series = key.rpartition("-")[0]
+        if series == "replicas":
+            group = owner._replicate_group
+            return group is not None and group.world_size > 1
+        return (series.startswith("allreduce") and series[len("allreduce"):].isdigit()
+                and owner._spec.grad_reduce == "allreduce" and owner._backend.world_size > 1)
+
     def finish_reduce(self) -> np.ndarray:
         """Wait for the started reductions; this rank's averaged flat gradient (chunk, or the
         full flat gradient for NO_SHARD), replicated over the replicate group if any."""

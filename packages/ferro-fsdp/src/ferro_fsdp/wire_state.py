@@ -12,9 +12,12 @@ rank: ``wire_error.<unit>.<k>`` (a reduce-scatter's array ``k``) or
 ``r``'s ``n`` elements at ``r * n``, and ``wire_error.world``, the world it was saved on (one
 int64 per rank). It loads back on the same world size (from the pieces, or from the full
 tensors on every rank); saved on another world size, or not saved at all, the feedback starts
-afresh (zeros), with a warning in the first case. A loaded residual whose shape no longer
-matches what its unit sends (another strategy or wrap policy) is dropped at the first step as a
-fresh one would be.
+afresh (zeros), with a warning in the first case. A loaded residual that this configuration's
+steps do not feed back (``Unit.feeds_back``: of another strategy or wrap policy, an array or
+series its unit does not reduce, an empty unit's, or of another size) is dropped on loading,
+with a warning, as a fresh one would be: kept, it would be re-saved unchanged by every later
+checkpoint, and a resume of such a one on the configuration that feeds it back would add a
+residual many steps old.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
                       stacklevel=3)
         return
     by_name = {_name(u): u for u in units}
+    dropped = []
     for key, value in saved.items():
         if key == WORLD_KEY:
             continue
@@ -98,6 +102,9 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
                                  f"not a piece for each of {world} ranks")
             n = piece.size // world
             piece = piece[rank * n:(rank + 1) * n]
+        if not unit.feeds_back(k, piece.size):
+            dropped.append(key)
+            continue
         if not k.isdigit():
             if unit.feedbacks is None:
                 unit.feedbacks = {}
@@ -107,6 +114,11 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
         if unit.errors is None:
             unit.errors = {}
         unit.errors[int(k)] = np.array(piece, dtype=unit.dtype, copy=True)
+    if dropped:
+        warnings.warn(f"load_sharded_state_dict: grads_wire's error feedback {sorted(dropped)} "
+                      f"is of another strategy or wrap policy (this model's steps feed none "
+                      f"such back): it is dropped, the feedback starts afresh", RuntimeWarning,
+                      stacklevel=3)
 
 
 __all__ = ["PREFIX", "WORLD_KEY", "load", "save", "split"]
