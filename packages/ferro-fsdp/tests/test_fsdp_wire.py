@@ -183,9 +183,14 @@ def test_error_feedback_loads_from_full_tensors_and_starts_afresh_on_another_wor
         wire_state.load(got, {"wire_error.world": np.array([2]),
                               "wire_error.root.0": np.zeros(3)}, 4, 0)
     assert all(u.errors is None for u in got)
-    with pytest.raises(ValueError, match="'wire_error.nothere.0' names no unit"):
+    got = units()  # a unit of another wrap policy: dropped (it raised, after a half load)
+    with pytest.warns(RuntimeWarning, match=r"\['wire_error.nothere.0'\] is of another strategy"):
+        wire_state.load(got, {"wire_error.world": np.array([1]),
+                              "wire_error.nothere.0": np.zeros(3)}, 1, 0)
+    assert all(u.errors is None for u in got)
+    with pytest.raises(ValueError, match="'wire_error.root.x' names no error feedback residual"):
         wire_state.load(units(), {"wire_error.world": np.array([1]),
-                                  "wire_error.nothere.0": np.zeros(3)}, 1, 0)
+                                  "wire_error.root.x": np.zeros(3)}, 1, 0)
     with pytest.raises(ValueError, match="without 'wire_error.world'"):
         wire_state.load(units(), {"wire_error.root.0": np.zeros(3)}, 1, 0)
 
@@ -224,8 +229,6 @@ def test_error_feedback_this_configuration_does_not_feed_back_is_dropped(saved_k
     warning: it was kept and re-saved unchanged by every later checkpoint, and resuming such
     a one on the saving configuration fed back a residual many steps old. The same
     configuration loads it without a warning."""
-    import warnings
-
     from _helpers import make_opt, train_steps
 
     x, y = make_data(8, DIMS, dtype=np.float32)
@@ -241,18 +244,71 @@ def test_error_feedback_this_configuration_does_not_feed_back_is_dropped(saved_k
         f, opt = fsdp(b, saved_kw)
         train_steps(f, opt, nn.CrossEntropyLoss(), x[sl], y[sl], 2)
         saved, _ = f.sharded_state_dict(opt)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            h, opt3 = fsdp(b, saved_kw)
-            h.load_sharded_state_dict(dict(saved), opt3)  # its own configuration: no warning
+        h, opt3 = fsdp(b, saved_kw)
+        h.load_sharded_state_dict(dict(saved), opt3)  # its own configuration: no warning
         g, opt2 = fsdp(b, loaded_kw)
-        with pytest.warns(RuntimeWarning, match="of another strategy or wrap policy"):
-            g.load_sharded_state_dict(dict(saved), opt2)
+        g.load_sharded_state_dict(dict(saved), opt2)  # warns
         train_steps(g, opt2, nn.CrossEntropyLoss(), x[sl], y[sl], 2)
         resaved, _ = g.sharded_state_dict(opt2)
         return {k: v for k, v in saved.items() if k.startswith("wire_error.")}, resaved
 
-    for saved, resaved in run(body, 2):
+    # (the warnings are caught here: catch_warnings is not thread-safe, the ranks are threads)
+    with pytest.warns(RuntimeWarning) as caught:
+        results = run(body, 2)
+    said = [str(w.message) for w in caught if "of another strategy or wrap policy" in
+            str(w.message)]
+    assert len(said) == 2  # one a rank: the other configuration's load only
+    for saved, resaved in results:
         stale = [k for k, v in saved.items() if k != "wire_error.world" and k in resaved
                  and resaved[k].tobytes() == v.tobytes()]
         assert len(saved) > 1 and stale == []
+
+
+def test_a_checkpoint_of_another_wrap_policy_resumes_and_a_refused_load_changes_nothing():
+    """int8 error feedback saved with wrap=nn.Linear names units ('0', '2') a wrap=None model
+    does not have: the load raised ValueError ("'wire_error.0.0' names no unit") after it had
+    overwritten the parameters and optimizer state. Now those residuals are dropped with a
+    warning and the load succeeds; a load that is refused (a malformed error feedback key, a
+    missing parameter key) raises on every rank before it changes parameters, optimizer state
+    or error feedback."""
+    from _helpers import make_opt, train_steps
+
+    x, y = make_data(8, DIMS, dtype=np.float32)
+
+    def fsdp(b, seed, **kw):
+        f = FSDP(make_mlp(DIMS, seed=seed, dtype=np.float32), b, grads_wire="int8", **kw)
+        return f, make_opt("adam", f.parameters())
+
+    def state(f, opt):
+        tensors = f.sharded_state_dict(opt)[0]
+        return {k: v.tobytes() for k, v in tensors.items()}
+
+    def body(b):
+        sl = slice(4 * b.rank, 4 * b.rank + 4)
+        f, opt = fsdp(b, 7, wrap=nn.Linear)
+        train_steps(f, opt, nn.CrossEntropyLoss(), x[sl], y[sl], 2)
+        saved, _ = f.sharded_state_dict(opt)
+        g, opt2 = fsdp(b, 3)
+        train_steps(g, opt2, nn.CrossEntropyLoss(), x[sl], y[sl], 1)
+        before = state(g, opt2)
+        assert any(k.startswith("wire_error.root.") for k in before)
+        refused = []
+        name = next(iter(g.full_state_dict()))
+        for bad in ({**saved, "wire_error.0.x": saved["wire_error.world"]},
+                    {k: v for k, v in saved.items() if k != name}):
+            with pytest.raises(ValueError) as e:
+                g.load_sharded_state_dict(dict(bad), opt2)
+            refused.append(str(e.value))
+            assert state(g, opt2) == before  # parameters, optimizer state, feedback untouched
+        g.load_sharded_state_dict(dict(saved), opt2)  # warns
+        return refused, g.full_state_dict(), f.full_state_dict(), state(g, opt2)
+
+    with pytest.warns(RuntimeWarning) as caught:  # (here: the ranks are threads)
+        results = run(body, 2)
+    assert len([w for w in caught if "of another strategy or wrap policy" in
+                str(w.message)]) == 2  # the load that succeeds, on each rank
+    for refused, got, want, after in results:
+        assert "'wire_error.0.x' names no error feedback residual" in refused[0]
+        assert "missing parameter keys" in refused[1]
+        assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+        assert not any(k.startswith("wire_error.") and k != "wire_error.world" for k in after)

@@ -127,7 +127,11 @@ def save(plan: Plan, optimizer: Any = None) -> tuple[dict[str, np.ndarray], dict
     return tensors, specs
 
 
-def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
+def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None,
+         problem: str | None = None) -> None:
+    """Load ``tensors`` into the parameters (and ``optimizer``), checking everything on every
+    rank before it changes anything: a load that raises leaves them as they were. ``problem``:
+    what a caller found wrong with the rest of the state it loads (every rank raises)."""
     _check_optimizer("load_sharded_state_dict", plan, optimizer)
     keys = _keys(plan, optimizer)
     known = {k for k, *_ in keys}
@@ -138,16 +142,20 @@ def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
                  if kind != "scalar" and k in tensors and np.ndim(tensors[k]) > 1
                  and np.shape(tensors[k]) != tuple(plan.layout.shapes[i])]
     lengths = np.array([np.asarray(tensors[k]).size if k in tensors else -1 for k, *_ in keys]
-                       + [len(unexpected), len(misshaped)], dtype=np.int64)
+                       + [len(unexpected), len(misshaped), problem is not None], dtype=np.int64)
     if plan.world > 1:
         table = all_gather(lengths, plan.backend, timeout=plan.timeout).reshape(plan.world, -1)
     else:
         table = lengths.reshape(1, -1)
-    if table[:, -2].any():
-        raise ValueError(f"load_sharded_state_dict: unexpected keys {unexpected} on rank {plan.rank} "
-                         f"({int(table[:, -2].sum())} over all ranks)")
     if table[:, -1].any():
         where = np.flatnonzero(table[:, -1]).tolist()
+        raise ValueError(problem or f"load_sharded_state_dict: refused on ranks {where} "
+                                    f"(see theirs)")
+    if table[:, -3].any():
+        raise ValueError(f"load_sharded_state_dict: unexpected keys {unexpected} on rank {plan.rank} "
+                         f"({int(table[:, -3].sum())} over all ranks)")
+    if table[:, -2].any():
+        where = np.flatnonzero(table[:, -2]).tolist()
         said = "; ".join(f"{k!r} has shape {got}, its parameter {want}"
                          for k, got, want in misshaped) or "see theirs"
         raise ValueError(f"load_sharded_state_dict: full tensors of another shape on ranks "
@@ -158,6 +166,7 @@ def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
     _check_complete(plan, keys, table, optimizer)
     _check_full_claims(plan, keys, tensors, table)
     new_state: dict[int, dict[str, Any]] = {}
+    new_params: list[tuple[Parameter, np.ndarray]] = []  # set once all have loaded
     for j, (key, i, kind, k) in enumerate(keys):
         col = table[:, j]
         if (col < 0).all():
@@ -172,14 +181,14 @@ def load(plan: Plan, tensors: dict[str, Any], optimizer: Any = None) -> None:
         data = _load_region(plan, key, i, np.asarray(tensors[key]), col)
         local = plan.local_from(i, data)
         if kind == "param":
-            p = plan.params[i]
-            if (p.data.shape == local.shape and p.data.dtype == local.dtype
-                    and p.data.flags.writeable):
-                p.data[...] = local
-            else:
-                p.data = local
+            new_params.append((plan.params[i], local))
         else:
             new_state.setdefault(i, {})[k] = local
+    for p, local in new_params:
+        if p.data.shape == local.shape and p.data.dtype == local.dtype and p.data.flags.writeable:
+            p.data[...] = local
+        else:
+            p.data = local
     if optimizer is not None:
         for i, p in enumerate(plan.params):
             if i in new_state:
@@ -384,8 +393,10 @@ class ShardedStateDicts:
         Raises
         ------
         ValueError
-            Missing parameter keys, unexpected keys, pieces that do not add up, or "full
-            tensors" that differ between ranks (same on all ranks).
+            Missing parameter keys, unexpected keys, pieces that do not add up, "full
+            tensors" that differ between ranks, or a malformed error feedback key (on every
+            rank, before anything is changed: a refused load leaves the parameters, the
+            optimizer state and the error feedback as they were).
         TypeError
             ``optimizer`` has no ``.state``.
 
@@ -395,10 +406,16 @@ class ShardedStateDicts:
         >>> fsdp.load_sharded_state_dict(tensors, opt)
         """
         rest, errors = wire_state.split(tensors)
-        load(self._state_plan(), rest, optimizer)
         if self._grads_wire not in ("int8", "int4"):  # (fed back by no step: not kept either,
             errors = {}                                # lest a later save carry it stale)
-        wire_state.load(self._units, errors, self._backend.world_size, self._backend.rank)
+        problem, loaded = None, wire_state.Loaded([], [])
+        try:  # checked with the rest, on every rank, before anything changes
+            loaded = wire_state.prepare(self._units, errors, self._backend.world_size,
+                                        self._backend.rank)
+        except ValueError as e:
+            problem = str(e)
+        load(self._state_plan(), rest, optimizer, problem)
+        wire_state.apply(self._units, loaded)
 
     def _state_plan(self) -> Plan:
         return Plan(self._backend, self._names, self._params, self._layout,

@@ -14,15 +14,17 @@ int64 per rank). It loads back on the same world size (from the pieces, or from 
 tensors on every rank); saved on another world size, or not saved at all, the feedback starts
 afresh (zeros), with a warning in the first case. A loaded residual that this configuration's
 steps do not feed back (``Unit.feeds_back``: of another strategy or wrap policy, an array or
-series its unit does not reduce, an empty unit's, or of another size) is dropped on loading,
-with a warning, as a fresh one would be: kept, it would be re-saved unchanged by every later
-checkpoint, and a resume of such a one on the configuration that feeds it back would add a
-residual many steps old.
+series its unit does not reduce, an empty unit's, a unit it does not have, or of another
+size) is dropped on loading, with a warning, as a fresh one would be: kept, it would be re-saved
+unchanged by every later checkpoint, and a resume of such a one on the configuration that
+feeds it back would add a residual many steps old. A load checks everything (:func:`prepare`)
+before it changes any residual (:func:`apply`).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,15 @@ PREFIX = "wire_error."
 #: a Feedback's residuals: this rank's contribution's, its folded chunk's
 _PARTS = ("sent", "folded")
 WORLD_KEY = PREFIX + "world"
+
+
+@dataclass
+class Loaded:
+    """:func:`prepare`'s result: ``(unit, k, this rank's piece)`` of each residual to load, and
+    the warnings to give once it is loaded."""
+
+    residuals: list[tuple[Any, str, np.ndarray]]
+    warnings: list[str]
 
 
 def _name(unit: Any) -> str:
@@ -65,14 +76,13 @@ def split(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return rest, {k: v for k, v in tensors.items() if k.startswith(PREFIX)}
 
 
-def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None:
-    """Replace every unit's residuals with the saved ones (``saved``: the ``wire_error.*``
-    tensors :func:`split` took out; empty: every unit starts afresh). Raises ValueError for a
-    key that names no unit or a piece that does not fit the world."""
-    for unit in units:
-        unit.errors = unit.feedbacks = None
+def prepare(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> Loaded:
+    """What :func:`apply` will set (``saved``: the ``wire_error.*`` tensors :func:`split` took
+    out; empty: every unit starts afresh), touching no unit: a load checks everything before it
+    changes anything. Raises ValueError for keys without the world mark, a key that names no
+    residual, or a piece that does not fit the world."""
     if not saved:
-        return
+        return Loaded([], [])
     if WORLD_KEY not in saved:
         raise ValueError(f"load_sharded_state_dict: error feedback keys without {WORLD_KEY!r}")
     marks = np.asarray(saved[WORLD_KEY]).reshape(-1)
@@ -80,21 +90,24 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
     if marks.size not in (1, world) or int(marks[0]) != world:
         # (resharded to another world, a rank's piece of the mark may be empty)
         was = f"{int(marks[0])} ranks" if marks.size else "another number of ranks"
-        warnings.warn(f"load_sharded_state_dict: grads_wire's error feedback was saved on "
-                      f"{was}, this job has {world}: it starts afresh", RuntimeWarning,
-                      stacklevel=3)
-        return
+        return Loaded([], [f"load_sharded_state_dict: grads_wire's error feedback was saved on "
+                           f"{was}, this job has {world}: it starts afresh"])
     by_name = {_name(u): u for u in units}
+    residuals: list[tuple[Any, str, np.ndarray]] = []
     dropped = []
     for key, value in saved.items():
         if key == WORLD_KEY:
             continue
         name, _, k = key[len(PREFIX):].rpartition(".")
-        unit = by_name.get(name)
         series, _, part = k.rpartition("-")
-        if unit is None or not (k.isdigit() or (series and part in _PARTS)):
-            raise ValueError(f"load_sharded_state_dict: {key!r} names no unit of this model "
-                             f"(units: {sorted(by_name)})")
+        if not name or not (k.isdigit() or (series and part in _PARTS)):
+            raise ValueError(f"load_sharded_state_dict: {key!r} names no error feedback "
+                             f"residual ('{PREFIX}<unit>.<k>' or '.<series>-sent' / "
+                             f"'-folded')")
+        unit = by_name.get(name)
+        if unit is None:  # a unit of another wrap policy
+            dropped.append(key)
+            continue
         piece = np.asarray(value).reshape(-1)
         if full:
             if piece.size % world:
@@ -105,7 +118,23 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
         if not unit.feeds_back(k, piece.size):
             dropped.append(key)
             continue
+        residuals.append((unit, k, piece))
+    said = []
+    if dropped:
+        said.append(f"load_sharded_state_dict: grads_wire's error feedback {sorted(dropped)} "
+                    f"is of another strategy or wrap policy (this model's steps feed none such "
+                    f"back): it is dropped, the feedback starts afresh")
+    return Loaded(residuals, said)
+
+
+def apply(units: list[Any], loaded: Loaded) -> None:
+    """Replace every unit's residuals with what :func:`prepare` found (and warn what it
+    dropped)."""
+    for unit in units:
+        unit.errors = unit.feedbacks = None
+    for unit, k, piece in loaded.residuals:
         if not k.isdigit():
+            series, _, part = k.rpartition("-")
             if unit.feedbacks is None:
                 unit.feedbacks = {}
             setattr(unit.feedbacks.setdefault(series, Feedback()), part,
@@ -114,11 +143,14 @@ def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None
         if unit.errors is None:
             unit.errors = {}
         unit.errors[int(k)] = np.array(piece, dtype=unit.dtype, copy=True)
-    if dropped:
-        warnings.warn(f"load_sharded_state_dict: grads_wire's error feedback {sorted(dropped)} "
-                      f"is of another strategy or wrap policy (this model's steps feed none "
-                      f"such back): it is dropped, the feedback starts afresh", RuntimeWarning,
-                      stacklevel=3)
+    for message in loaded.warnings:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["PREFIX", "WORLD_KEY", "load", "save", "split"]
+def load(units: list[Any], saved: dict[str, Any], world: int, rank: int) -> None:
+    """Replace every unit's residuals with the saved ones: :func:`prepare`, then :func:`apply`
+    (nothing is changed when it raises)."""
+    apply(units, prepare(units, saved, world, rank))
+
+
+__all__ = ["PREFIX", "WORLD_KEY", "Loaded", "apply", "load", "prepare", "save", "split"]
