@@ -297,6 +297,56 @@ def test_the_sharded_state_is_each_ranks_row_and_a_new_world_starts_it_afresh():
     assert errors[0].tobytes() != errors[1].tobytes()  # (the ranks' own: they differ)
 
 
+def test_the_sharded_state_refuses_another_rank_or_seed_as_load_state_dict_does():
+    """``sharded_state_dict`` saves the approximation rank and seed, and
+    ``load_sharded_state_dict`` refuses a state saved with others (as ``load_state_dict``):
+    it took a rank-1 state into a rank-2 one without a word, and where the Qs' total size
+    happened to fit (rank 1's Qs of a 40x16 and a 3x16 matrix, 32 values, where rank 2
+    compresses the first alone: its 16x2 Q) reused them as another warm-start Q. Refused on every rank
+    (also where another world's restore gave a rank no row), before it takes anything; a
+    checkpoint without them (written before they were saved) loads as before."""
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        state = PowerSGDState(b, matrix_approximation_rank=1, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d.register_comm_hook(state, powerSGD_hook)
+        for _ in range(2):
+            for p in d.module.parameters():
+                p.grad = None
+            step_grads(d, b, x, y)
+        rows, specs = state.sharded_state_dict()
+        refused = []
+        regrouped = {k: (np.concatenate([v, v]) if b.rank == 0 else v[:0])
+                     for k, v in rows.items()}  # another world's restore
+        for kw, tensors in (({"matrix_approximation_rank": 2}, rows),
+                            ({"random_seed": 3}, rows),
+                            ({"matrix_approximation_rank": 2}, regrouped)):
+            other = PowerSGDState(b, start_powerSGD_iter=1, **kw)
+            given = dict(tensors)
+            with pytest.raises(ValueError) as e:
+                other.load_sharded_state_dict(given)
+            refused.append(str(e.value))
+            assert given.keys() == tensors.keys()  # nothing taken
+            assert other.iter == 0 and not other.error_dict and not other.q_memory_dict
+        old = PowerSGDState(b, matrix_approximation_rank=2, start_powerSGD_iter=1)
+        accepted = old.load_sharded_state_dict(
+            {k: v for k, v in rows.items() if k not in ("powersgd.rank", "powersgd.random_seed")})
+        return rows, specs, refused, accepted, old.iter
+
+    for rows, specs, refused, accepted, it in run(body, 2):
+        assert rows["powersgd.rank"].tolist() == [[1]]
+        assert rows["powersgd.random_seed"].tolist() == [[0]]
+        assert specs["powersgd.rank"] == ((2, 1), 0, [1, 1])
+        assert refused == ["PowerSGDState.load_sharded_state_dict: saved with rank 1, this "
+                           "state has 2",
+                           "PowerSGDState.load_sharded_state_dict: saved with random_seed 0, "
+                           "this state has 3",
+                           "PowerSGDState.load_sharded_state_dict: saved with rank 1, this "
+                           "state has 2"]
+        assert accepted and it == 2
+
+
 def test_errors_are_named():
     def body(b):
         d = DDP(make_mlp(DIMS), b)

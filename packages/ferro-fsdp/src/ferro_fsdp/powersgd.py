@@ -125,16 +125,24 @@ class PowerSGDState:
         ValueError
             It was saved with another approximation rank or seed.
         """
-        for key, mine in (("rank", self.matrix_approximation_rank),
-                          ("random_seed", self.random_seed)):
+        for key, mine in self._settings():
             if int(state[key]) != mine:
                 raise ValueError(f"PowerSGDState.load_state_dict: saved with {key} "
                                  f"{int(state[key])}, this state has {mine}")
         self.iter = int(state["iter"])
-        self.error_dict = {int(k.split("/", 1)[1]): np.array(v) for k, v in state.items()
-                           if k.startswith("error/")}
-        self.q_memory_dict = {int(k.split("/", 1)[1]): np.array(v) for k, v in state.items()
-                              if k.startswith("q/")}
+        self._restore({int(k.split("/", 1)[1]): np.array(v) for k, v in state.items()
+                       if k.startswith("error/")},
+                      {int(k.split("/", 1)[1]): np.array(v) for k, v in state.items()
+                       if k.startswith("q/")})
+
+    def _settings(self) -> tuple[tuple[str, int], ...]:
+        """What a saved state must have been saved with to be this one's (its Qs' shapes and
+        values follow from them)."""
+        return (("rank", self.matrix_approximation_rank), ("random_seed", self.random_seed))
+
+    def _restore(self, errors: dict[int, np.ndarray], qs: dict[int, np.ndarray]) -> None:
+        """Take restored errors and Qs."""
+        self.error_dict, self.q_memory_dict = errors, qs
 
     def sharded_state_dict(self, prefix: str = "powersgd.") -> tuple[dict[str, np.ndarray],
                                                                     dict[str, tuple]]:
@@ -146,8 +154,9 @@ class PowerSGDState:
         Parameters
         ----------
         prefix : str, default "powersgd."
-            The tensors' names start with it: ``<prefix>iter``, ``<prefix>error.<bucket>``,
-            ``<prefix>q.<bucket>``.
+            The tensors' names start with it: ``<prefix>iter``, ``<prefix>rank`` and
+            ``<prefix>random_seed`` (what :meth:`load_sharded_state_dict` checks, as
+            :meth:`load_state_dict` does), ``<prefix>error.<bucket>``, ``<prefix>q.<bucket>``.
 
         Returns
         -------
@@ -157,6 +166,8 @@ class PowerSGDState:
         """
         n = self.backend.world_size
         rows = {f"{prefix}iter": np.array([[self.iter]], np.int64)}
+        rows.update({f"{prefix}{key}": np.array([[value]], np.int64)
+                     for key, value in self._settings()})
         rows.update({f"{prefix}error.{k}": v.reshape(1, -1).copy()
                      for k, v in self.error_dict.items()})
         rows.update({f"{prefix}q.{k}": v.reshape(1, -1).copy()
@@ -187,25 +198,42 @@ class PowerSGDState:
         ------
         KeyError
             ``tensors`` has no ``<prefix>iter`` (the checkpoint holds no PowerSGD state).
+        ValueError
+            It was saved with another approximation rank or seed (on every rank, before
+            anything is taken; a checkpoint that does not hold them, written before they were
+            saved, is not checked).
         """
-        mine = {k[len(prefix):]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
-        if "iter" not in mine:
+        if f"{prefix}iter" not in tensors:
             raise KeyError(f"PowerSGDState.load_sharded_state_dict: no {prefix}iter in the "
                            "checkpoint's tensors (it holds no PowerSGD state)")
+        mine = {k[len(prefix):]: np.asarray(v) for k, v in tensors.items()
+                if k.startswith(prefix)}
         steps = mine.pop("iter").reshape(-1)
+        settings = self._settings()
+        # each setting's saved value (the same in every row; -1: this rank restored no row of
+        # it, or the checkpoint has none)
+        saved = [int(mine.pop(key).reshape(-1).max(initial=-1)) if key in mine else -1
+                 for key, _ in settings]
         own = steps.size == 1 and all(v.shape[0] == 1 for v in mine.values())
-        # one decision on every rank (a rank whose rows are not its own makes it for all) and
-        # one step count (a rank of a new world may have restored no row of it)
-        lost, step = allreduce(np.array([0 if own else 1, steps.max() if steps.size else -1],
-                                        np.int64), self.backend, ReduceOp.MAX)
+        # one decision on every rank (a rank whose rows are not its own makes it for all), one
+        # step count (a rank of a new world may have restored no row of it), one check
+        lost, step, *saved = allreduce(
+            np.array([0 if own else 1, steps.max() if steps.size else -1, *saved], np.int64),
+            self.backend, ReduceOp.MAX).tolist()
+        for (key, value), was in zip(settings, saved):
+            if was >= 0 and was != value:
+                raise ValueError(f"PowerSGDState.load_sharded_state_dict: saved with {key} "
+                                 f"{was}, this state has {value}")
+        for k in [k for k in tensors if k.startswith(prefix)]:
+            del tensors[k]
         self.iter = int(step)
         if lost:
             self.error_dict, self.q_memory_dict = {}, {}
             return False
-        self.error_dict = {int(k.split(".", 1)[1]): np.array(v[0]) for k, v in mine.items()
-                           if k.startswith("error.")}
-        self.q_memory_dict = {int(k.split(".", 1)[1]): np.array(v[0]) for k, v in mine.items()
-                              if k.startswith("q.")}
+        self._restore({int(k.split(".", 1)[1]): np.array(v[0]) for k, v in mine.items()
+                       if k.startswith("error.")},
+                      {int(k.split(".", 1)[1]): np.array(v[0]) for k, v in mine.items()
+                       if k.startswith("q.")})
         return True
 
 
