@@ -347,6 +347,45 @@ def test_the_sharded_state_refuses_another_rank_or_seed_as_load_state_dict_does(
         assert accepted and it == 2
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["state_dict", "sharded"])
+def test_errors_and_qs_this_state_does_not_use_are_not_restored(sharded):
+    """Restored into a state with ``use_error_feedback=False`` the errors (``warm_start=False``:
+    the Qs) were kept, never used nor updated, and re-saved unchanged by every later save; a
+    resume of such a one with error feedback on added an error many steps old. Now they are
+    dropped; what the state uses is restored as before."""
+    x, y = make_data(16, DIMS, dtype=np.float32)
+
+    def body(b):
+        state = PowerSGDState(b, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
+        d.register_comm_hook(state, powerSGD_hook)
+        for _ in range(2):
+            for p in d.module.parameters():
+                p.grad = None
+            step_grads(d, b, x, y)
+        got = []
+        for kw in ({"use_error_feedback": False}, {"warm_start": False}, {}):
+            other = PowerSGDState(b, start_powerSGD_iter=1, **kw)
+            if sharded:
+                assert other.load_sharded_state_dict(dict(state.sharded_state_dict()[0]))
+            else:
+                other.load_state_dict(state.state_dict())
+            d2 = DDP(make_mlp(DIMS, dtype=np.float32), b)
+            d2.register_comm_hook(other, powerSGD_hook)
+            for p in d2.module.parameters():
+                p.grad = None
+            step_grads(d2, b, x, y)  # a step later
+            got.append(sorted(other.sharded_state_dict()[0]) if sharded
+                       else sorted(other.state_dict()))
+        return got
+
+    error, q = ("powersgd.error.0", "powersgd.q.0") if sharded else ("error/0", "q/0")
+    for no_feedback, cold, same in run(body, 2):
+        assert error not in no_feedback and q in no_feedback
+        assert q not in cold and error in cold
+        assert error in same and q in same
+
+
 def test_errors_are_named():
     def body(b):
         d = DDP(make_mlp(DIMS), b)

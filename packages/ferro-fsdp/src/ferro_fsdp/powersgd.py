@@ -120,6 +120,9 @@ class PowerSGDState:
         ----------
         state : dict
 
+        Errors (Qs) are not kept where this state does not use them
+        (``use_error_feedback=False``, ``warm_start=False``).
+
         Raises
         ------
         ValueError
@@ -141,8 +144,12 @@ class PowerSGDState:
         return (("rank", self.matrix_approximation_rank), ("random_seed", self.random_seed))
 
     def _restore(self, errors: dict[int, np.ndarray], qs: dict[int, np.ndarray]) -> None:
-        """Take restored errors and Qs."""
-        self.error_dict, self.q_memory_dict = errors, qs
+        """Take restored errors and Qs, but not those this state's hook never uses nor
+        updates (``use_error_feedback=False``'s errors, ``warm_start=False``'s Qs): kept, every
+        later save would carry them unchanged, and a resume of such a one with them on would
+        add an error (or start from a Q) many steps old."""
+        self.error_dict = errors if self.use_error_feedback else {}
+        self.q_memory_dict = qs if self.warm_start else {}
 
     def sharded_state_dict(self, prefix: str = "powersgd.") -> tuple[dict[str, np.ndarray],
                                                                     dict[str, tuple]]:
@@ -180,8 +187,10 @@ class PowerSGDState:
         taking (popping) the ones named with ``prefix`` out of ``tensors``. Restored on the
         world size that saved them, each rank gets its own error feedback and Qs back: the run
         continues exactly. On another world size a rank's row is not its own (the error
-        feedback is per rank): the step count is kept, errors and Qs start afresh. Every rank
-        calls it (it agrees with the others over the backend: one small allreduce).
+        feedback is per rank): the step count is kept, errors and Qs start afresh. Errors
+        (Qs) are not kept where this state does not use them (``use_error_feedback=False``,
+        ``warm_start=False``). Every rank calls it (it agrees with the others over the
+        backend: one small allreduce).
 
         Parameters
         ----------
