@@ -411,3 +411,49 @@ def test_errors_are_named():
         return True
 
     assert run(body, 2) == [True, True]
+
+
+def test_float16_columns_past_fp16s_range_are_orthogonalized_not_zeroed():
+    """A float16 P whose columns' squared norms pass 65504 (the largest float16): summed in
+    float16 they read inf and the columns came out zero; summed in float32 they come out
+    orthonormal, as the float32 Gram-Schmidt's result rounded to float16."""
+    from ferro_fsdp.powersgd import _orthogonalize
+
+    rng = np.random.default_rng(0)
+    p = (rng.standard_normal((64, 3)) * 300).astype(np.float16)
+    assert float(np.sum(p[:, 0].astype(np.float32) ** 2)) > 65504
+    want = p.astype(np.float32)
+    _orthogonalize(want, 0.0)
+    with np.errstate(over="raise"):
+        _orthogonalize(p, 0.0)
+    got = p.astype(np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    np.testing.assert_allclose(got.T @ got, np.eye(3), atol=1e-2)
+
+
+def test_powersgd_on_float16_parameters_with_large_gradients_keeps_them():
+    """DDP of a float16 MLP fed large inputs, PowerSGD rank 2 with error feedback: every step's
+    approximated matrix gradients are finite and not zero (the third step's were all zero)."""
+    x, y = make_data(16, DIMS, dtype=np.float16)
+    x = x * np.float16(300)
+
+    def body(b):
+        state = PowerSGDState(b, matrix_approximation_rank=2, start_powerSGD_iter=1)
+        d = DDP(make_mlp(DIMS, dtype=np.float16), b)
+        d.register_comm_hook(state, powerSGD_hook)
+        steps = []
+        for _ in range(4):
+            steps.append(step_grads(d, b, x, y))
+            for p in d.module.parameters():
+                p.grad = None
+        return steps
+
+    results = run(body, 2)
+    for steps in results:
+        for grads in steps:
+            for g in grads:
+                assert np.isfinite(g).all()
+                if g.ndim >= 2:
+                    assert np.abs(g.astype(np.float32)).max() > 0
+    assert [[g.tobytes() for g in s] for s in results[0]] == \
+        [[g.tobytes() for g in s] for s in results[1]]  # the same bits on every rank

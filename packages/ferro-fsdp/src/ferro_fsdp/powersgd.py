@@ -247,13 +247,23 @@ class PowerSGDState:
 
 
 def _orthogonalize(p: np.ndarray, eps: float) -> None:
-    """Gram-Schmidt on the columns of ``p`` (n x r), in place."""
+    """Gram-Schmidt on the columns of ``p`` (n x r), in place. The norms and projections of a
+    float16 ``p`` are summed in float32 (a column's squared norm past 65504 read inf in float16,
+    and the column, then the bucket's approximated gradients, came out zero); float32 and
+    float64 keep their own dtype, and their bits."""
+    wide = np.promote_types(p.dtype, np.float32)
+
+    def widened(a: np.ndarray) -> np.ndarray:
+        return a if a.dtype == wide else a.astype(wide)
+
     for i in range(p.shape[1]):
         col = p[:, i]
-        col /= np.sqrt(col @ col) + eps if eps else (np.sqrt(col @ col) or 1.0)
+        c = widened(col)
+        norm = np.sqrt(c @ c)
+        col /= norm + eps if eps else (norm or 1.0)
         if i + 1 < p.shape[1]:
             rest = p[:, i + 1:]
-            rest -= np.outer(col, col @ rest)
+            rest -= np.outer(col, widened(col) @ widened(rest)).astype(p.dtype, copy=False)
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
