@@ -18,7 +18,13 @@ import time
 from typing import Any
 
 from .checks import as_recv_view, as_send_view, check_peer, check_rank, check_tag, check_timeout
-from .errors import CollectiveTimeoutError, InvalidRankError, SizeMismatchError
+from .errors import (
+    CollectiveTimeoutError,
+    InvalidRankError,
+    PeerAbortedError,
+    PeerClosedError,
+    SizeMismatchError,
+)
 from .ranks import FixedRanks, describe_topology  # noqa: F401 - FixedRanks: re-exported
 from .request import Request, _DoneRequest, _LazyRecv
 
@@ -40,10 +46,16 @@ collective's tags. Every ferro transport takes a message on such a tag (a subgro
 class Backend(abc.ABC):
     """Transport-agnostic point-to-point messaging for the ranks of one job.
 
-    Implementations provide :attr:`rank`, :attr:`world_size`, :meth:`send`, :meth:`recv` and
-    :meth:`close`; :meth:`barrier`, :meth:`irecv`, :meth:`isend` and :meth:`abort` have default
-    implementations on top of those. A backend is a context manager: leaving the ``with`` block
-    closes it, and leaving it with an exception first aborts, so peers stop waiting for this rank.
+    Implementations provide :attr:`rank`, :attr:`world_size`, :meth:`send`, :meth:`recv`,
+    :meth:`close` (which calls ``super().close()``) and :meth:`abort`; :meth:`barrier`,
+    :meth:`irecv` and :meth:`isend` have default implementations on top of those, and
+    :meth:`peer_failure` reports this backend closed or aborted once ``super().close()`` (or the
+    default :meth:`abort`) recorded it. The default :meth:`abort` tells no peer the reason: it
+    records the abort and closes the backend, so peers see what the transport's :meth:`close`
+    shows them (``PeerClosedError``), not ``PeerAbortedError``; a transport implements it to keep
+    the contract (``ferro_backend.testing.check_backend`` checks it). A backend is a context
+    manager: leaving the ``with`` block closes it, and leaving it with an exception first
+    aborts, so peers stop waiting for this rank.
     """
 
     #: the one default deadline, in seconds, of every blocking call on this backend: p2p
@@ -53,6 +65,9 @@ class Backend(abc.ABC):
     #: payload bytes this rank sent / received (transports that count them update these)
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: this backend's own end as ``Backend.close``/``Backend.abort`` recorded it:
+    #: ``("closed", "")``, ``("aborted", reason)``, or None while it is up
+    _ended: tuple[str, str] | None = None
 
     @property
     def timeout(self) -> float:
@@ -103,7 +118,10 @@ class Backend(abc.ABC):
         """Send the bytes of ``data`` to rank ``dst`` on stream ``tag``.
 
         Returns once ``data`` may be reused. Raises :class:`InvalidRankError` for a bad ``dst``
-        (or ``dst == rank``), :class:`PeerClosedError` if ``dst`` is gone.
+        (or ``dst == rank``), :class:`PeerClosedError` if ``dst`` is gone (closed or died) or
+        this backend is closed, :class:`PeerAbortedError` once an abort of ``dst`` (or of this
+        rank) is known. ``tag`` is any integer in ``[0, 2**64)``: tags that differ only above
+        bit 31 are separate streams (subgroups live there).
 
         Parameters
         ----------
@@ -118,7 +136,11 @@ class Backend(abc.ABC):
         Raises :class:`SizeMismatchError` if the message's length differs from ``len(out)`` in
         bytes, :class:`CollectiveTimeoutError` after ``timeout`` seconds (default:
         :attr:`Backend.timeout`), :class:`PeerClosedError`/:class:`PeerAbortedError` if ``src`` closed,
-        died or aborted.
+        died or aborted, or this backend is closed. Abort wins over data: once this rank knows
+        ``src`` aborted, every receive from it raises :class:`PeerAbortedError` naming the
+        reason, even where messages ``src`` sent before aborting are still queued (so no rank
+        completes a collective another rank gave up on). A closed peer's queued messages are
+        still delivered first.
 
         Parameters
         ----------
@@ -290,17 +312,39 @@ class Backend(abc.ABC):
             step <<= 1
             round_ += 1
 
-    def abort(self, reason: str) -> None:  # noqa: B027 - optional for foreign transports
-        """Tell every peer that this rank failed; their blocked calls raise PeerAbortedError.
+    def abort(self, reason: str) -> None:
+        """Tell every peer that this rank failed: their pending and later receives from this
+        rank raise :class:`PeerAbortedError` naming ``reason`` (even where this rank's earlier
+        messages are queued), and every later call on this backend raises
+        :class:`PeerClosedError` (or a subclass). Ferro's collectives call it when they time
+        out or fail, so the peers stop waiting.
+
+        Every transport must implement it. The default reaches no peer with the reason: it
+        records the abort (:meth:`peer_failure` then reports it, so this rank's later calls
+        raise) and calls :meth:`close`, so peers see only what the transport shows them of a
+        closed rank (:class:`PeerClosedError`, not :class:`PeerAbortedError`).
 
         Parameters
         ----------
         reason : str
+            Why, named in the peers' errors.
         """
+        if self._ended is None:
+            self._ended = ("aborted", str(reason))
+        self.close()
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the transport. Idempotent."""
+        """Release the transport. Idempotent. Every later call on this backend raises
+        :class:`PeerClosedError`; so do the peers' sends to this rank and their receives from
+        it (messages it sent before closing may still be delivered first).
+
+        Implementations call ``super().close()``: it records this backend closed, so the
+        default :meth:`peer_failure` reports it (the layers above ask it before a call, so
+        collectives, even on one rank, raise :class:`PeerClosedError` after close).
+        """
+        if self._ended is None:
+            self._ended = ("closed", "")
 
     def __enter__(self) -> Backend:
         return self
@@ -331,7 +375,11 @@ class Backend(abc.ABC):
 
     def peer_failure(self, op: str, peer: int) -> BaseException | None:
         """The error an ``op`` involving ``peer`` must raise now (the job aborted, this backend
-        closed, or ``peer`` is gone), or None. Transports that track failures override it.
+        closed, or ``peer`` is gone), or None. Ferro's layers ask it (``peer`` = this rank)
+        before every collective. The default knows only this backend's own end, as recorded by
+        ``Backend.close`` (reached through ``super().close()``) and the default :meth:`abort`:
+        :class:`PeerAbortedError` after an abort, :class:`PeerClosedError` after close.
+        Transports that track their peers' failures override it.
 
         Parameters
         ----------
@@ -345,7 +393,14 @@ class Backend(abc.ABC):
         BaseException or None
             The error to raise (not raised here), or None when ``peer`` may be used.
         """
-        return None
+        ended = self._ended
+        if ended is None:
+            return None
+        me = self.rank
+        if ended[0] == "aborted":
+            return PeerAbortedError(f"{op}: rank {me} aborted: {ended[1]}", peer=me,
+                                    reason=ended[1])
+        return PeerClosedError(f"{op}: rank {me}'s backend is closed", peer=me)
 
     def link_transports(self) -> tuple[str, str]:
         """How this transport moves messages, in words; transports override it for
