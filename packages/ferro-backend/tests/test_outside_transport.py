@@ -1,5 +1,8 @@
 """An outside transport written from the README: what the base class gives it (its own closed or
-aborted state, through ``super().close()`` and the default ``abort``)."""
+aborted state, through ``super().close()`` and the default ``abort``), and the conformance kit's
+promises that catch the transports that break what the collectives rely on (64-bit tags, abort
+wins over data, sends to a gone peer raise, every call after close or abort raises, abort
+implemented)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from ferro_backend import (
     CollectiveTimeoutError,
     PeerAbortedError,
     PeerClosedError,
+    SimulatedBackend,
     SizeMismatchError,
 )
+from ferro_backend.testing import check_backend, run_threads
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -109,6 +114,14 @@ class _InheritsAbort(_Queue):
     abort = Backend.abort
 
 
+def test_an_outside_transport_that_follows_the_readme_passes():
+    check_backend(_Queue.create_group, world_sizes=(1, 2, 3))
+
+
+def test_simulated_passes_the_new_promises_at_one_two_and_three_ranks():
+    check_backend(SimulatedBackend.create_group, world_sizes=(1, 2, 3))
+
+
 # -- what the base class does for it --------------------------------------------------------
 def test_super_close_makes_every_later_call_raise_even_on_one_rank():
     """0.4's Backend.close recorded nothing and the default peer_failure said None: a closed
@@ -140,3 +153,75 @@ def test_the_default_abort_records_and_closes():
     with pytest.raises(PeerClosedError):
         a.recv(bytearray(1), 1)
     assert time.monotonic() - t0 < 5
+
+
+# -- deficient transports the kit now names ---------------------------------------------------
+class _Tag32(SimulatedBackend):
+    """Keeps only the low 32 bits of a tag: a subgroup's messages mix with the parent's."""
+
+    def send(self, data, dst, *, tag=0):
+        super().send(data, dst, tag=tag & 0xFFFFFFFF)
+
+    def irecv(self, out, src, *, tag=0):
+        return super().irecv(out, src, tag=tag & 0xFFFFFFFF)
+
+
+class _NoSuperClose(_Queue):
+    """close() never reaches Backend.close: nothing records it (its own send/recv check the
+    hub only for peers)."""
+
+    def close(self):
+        with self._hub.cond:
+            self._hub.closed.add(self._rank)
+            self._hub.cond.notify_all()
+
+
+
+
+class _DataFirst(_Queue):
+    """Delivers what an aborted rank sent before its abort (data wins over abort)."""
+
+    def _take(self, key, src):
+        queue = self._hub.queues[key]
+        if queue:
+            return queue.popleft()
+        return super()._take(key, src)
+
+
+class _SendsIntoTheVoid(_Queue):
+    """A send to an aborted or closed peer is dropped without an error."""
+
+    def _gone(self, op, peer):
+        if op != "send":
+            super()._gone(op, peer)
+
+
+@pytest.mark.parametrize("cls, sizes, promise", [
+    (_Tag32, (2,), "tags are 64-bit.*mixed"),
+    (_NoSuperClose, (1,), "after close\\(\\).*peer_failure.*super\\(\\).close"),
+    (_InheritsAbort, (2,), "abort reaches the peers.*PeerClosedError, not PeerAbortedError"),
+    (_DataFirst, (2,), "abort wins over data.*delivered after the abort was known"),
+    (_SendsIntoTheVoid, (2,), "closed peer.*a send to a peer that closed"),
+])
+def test_the_kit_names_the_broken_promise(cls, sizes, promise):
+    with pytest.raises(AssertionError, match=promise):
+        check_backend(cls.create_group, world_sizes=sizes)
+
+
+def test_tag32_mixes_a_subgroup_with_its_parent():
+    """What the 64-bit tag promise protects: on the 32-bit transport, the parent's receive on
+    tag 5 takes the subgroup's message."""
+    from ferro_backend import SubBackend
+
+    def fn(b):
+        s = SubBackend(b, [0, 1])
+        if b.rank == 0:
+            s.send(b"S", 1, tag=5)
+            b.send(b"P", 1, tag=5)
+            return None
+        got = bytearray(1)
+        b.recv(got, 0, tag=5, timeout=10)
+        return bytes(got)
+
+    assert run_threads(fn, SimulatedBackend.create_group(2), timeout=30)[1] == b"P"
+    assert run_threads(fn, _Tag32.create_group(2), timeout=30)[1] == b"S"

@@ -52,6 +52,24 @@ def _fifo_and_tags(b: Backend) -> None:
         assert (bytes(x), bytes(y)) == (b"A", b"B"), f"tags mixed: tag 1 gave {bytes(x)!r}"
 
 
+# tags that differ from 5 only above bit 31: what a subgroup's message carries there (its id,
+# bit 31 of the id always set), so a transport that keeps 32 bits of the tag mixes them
+WIDE_TAGS = (5, (1 << 32) | 5, (0x80000001 << 32) | 5, (0xFFFFFFFF << 32) | 5)
+
+
+def _wide_tags(b: Backend) -> None:
+    if b.rank == 0:
+        for i, tag in reversed(list(enumerate(WIDE_TAGS))):  # the widest first
+            b.send(bytes([i]), 1, tag=tag)
+    elif b.rank == 1:
+        got = bytearray(1)
+        for i, tag in enumerate(WIDE_TAGS):  # the narrowest first
+            b.recv(got, 0, tag=tag, timeout=20)
+            assert got[0] == i, (
+                f"tags {WIDE_TAGS[got[0]]:#x} and {tag:#x} mixed (the same low 32 bits): tags "
+                f"are 64-bit, a subgroup's id travels above bit 31")
+
+
 def _size_mismatch(b: Backend) -> None:
     if b.rank == 0:
         b.send(np.zeros(8, np.uint8), 1, tag=3)
@@ -95,18 +113,39 @@ def _peer_ends(b: Backend, end: Callable[[Backend], None], expected: type, what:
                reason: str = "") -> None:
     """Rank 1 ends itself with ``end``; rank 0's receive from it must raise ``expected``
     (naming ``reason`` if given) within 10 s, long before its 30 s timeout (the time counts
-    from rank 0's receive, and rank 1's thread may start late on a loaded host)."""
+    from rank 0's receive, and rank 1's thread may start late on a loaded host); then a send
+    to it raises too."""
     if b.rank == 1:
         end(b)
     elif b.rank == 0:
-        t0 = time.monotonic()
-        try:
-            b.recv(bytearray(1), 1, tag=7, timeout=30)
-        except expected as exc:
-            assert time.monotonic() - t0 < 10, f"{expected.__name__} came late"
-            assert reason in str(exc), f"the {what} reason is lost: {exc}"
-        else:
-            raise AssertionError(f"a receive from a peer that {what} returned")
+        _raises_within(b, 1, expected, what, reason, tag=7)
+        _send_raises(b, 1, what)
+
+
+def _raises_within(b: Backend, peer: int, expected: type, what: str, reason: str,
+                   tag: int) -> None:
+    """``b``'s receive from ``peer`` on ``tag`` raises ``expected`` naming ``reason``."""
+    t0 = time.monotonic()
+    try:
+        b.recv(bytearray(1), peer, tag=tag, timeout=30)
+    except expected as exc:
+        assert time.monotonic() - t0 < 10, f"{expected.__name__} came late"
+        assert reason in str(exc), f"the {what} reason is lost: {exc}"
+    except PeerClosedError as exc:  # (expected is PeerAbortedError)
+        raise AssertionError(
+            f"a receive from a peer that {what} raised {type(exc).__name__}, not "
+            f"{expected.__name__}: {exc} (the inherited Backend.abort only closes the backend: "
+            f"implement abort)") from exc
+    else:
+        raise AssertionError(f"a receive from a peer that {what} returned")
+
+
+def _send_raises(b: Backend, peer: int, what: str) -> None:
+    try:
+        b.send(b"x", peer, tag=7)
+    except PeerClosedError:
+        return
+    raise AssertionError(f"a send to a peer that {what} (known) raised nothing")
 
 
 def _closed(b: Backend) -> None:
@@ -118,14 +157,74 @@ def _aborted(b: Backend) -> None:
                "conformance abort")
 
 
+def _abort_wins_over_data(b: Backend) -> None:
+    """Rank 0 sends, then aborts; once rank 1 knows it, the message is abandoned: its receive
+    raises PeerAbortedError (a late rank must not complete a collective rank 0 gave up on)."""
+    if b.rank == 0:
+        b.send(b"D", 1, tag=7)
+        b.abort("conformance abort")
+    elif b.rank == 1:
+        _raises_within(b, 0, PeerAbortedError, "aborted", "conformance abort", tag=8)  # now known
+        try:
+            b.recv(bytearray(1), 0, tag=7, timeout=10)
+        except PeerAbortedError:
+            pass
+        else:
+            raise AssertionError("a message sent before its sender aborted was delivered "
+                                 "after the abort was known (abort must win over data)")
+        _send_raises(b, 0, "aborted")
+
+
+def _after(end: Callable[[Backend], None], what: str) -> Callable[[Backend], None]:
+    """Rank 0 ends itself with ``end``; every later call on it raises PeerClosedError (or a
+    subclass): peer_failure (which the layers above ask before each collective, on one rank
+    too), barrier, send and receive (to and from a peer that is still up); close again
+    returns."""
+    def check(b: Backend) -> None:
+        if b.rank != 0:
+            return
+        end(b)
+        failure = b.peer_failure("conformance", b.rank)
+        assert isinstance(failure, PeerClosedError), (
+            f"after {what}, peer_failure(op, rank) is {failure!r}, not a PeerClosedError: the "
+            f"layers above ask it before every collective (call super().close() in close)")
+        calls: list[tuple[str, Callable[[], object]]] = [("barrier", lambda: b.barrier(
+            timeout=10))]
+        if b.world_size > 1:
+            calls += [("send", lambda: b.send(b"x", 1, tag=9)),
+                      ("recv", lambda: b.recv(bytearray(1), 1, tag=9, timeout=10))]
+        for name, call in calls:
+            try:
+                call()
+            except PeerClosedError:
+                continue
+            except CollectiveTimeoutError as exc:
+                raise AssertionError(f"{name} after {what} waited out its timeout instead of "
+                                     f"raising PeerClosedError") from exc
+            raise AssertionError(f"{name} after {what} raised nothing")
+        b.close()
+
+    return check
+
+
+_after_close = _after(lambda b: b.close(), "close()")
+_after_abort = _after(lambda b: b.abort("conformance abort"), "abort()")
+ONE_RANK = frozenset({_after_close, _after_abort})
+"""The checks that also run on a one-rank group (the others need two ranks)."""
+
 PROMISES: list[tuple[str, Callable[[Backend], None]]] = [
     ("sends never wait for the receiver", _never_wait),
     ("messages are FIFO per (src, dst, tag) and tags are apart", _fifo_and_tags),
+    ("tags are 64-bit: tags equal in their low 32 bits are apart", _wide_tags),
     ("a wrong-size receive raises SizeMismatchError and the stream stays in step",
      _size_mismatch),
     ("timeouts fire, bad timeouts raise ValueError, irecv returns a pending Request", _timeouts),
     ("a closed peer gives PeerClosedError", _closed),
     ("abort reaches the peers as PeerAbortedError with the reason", _aborted),
+    ("abort wins over data: once an abort is known, receives from the aborted rank raise "
+     "PeerAbortedError even with its earlier messages queued", _abort_wins_over_data),
+    ("every call after close() raises PeerClosedError", _after_close),
+    ("every call after abort() raises PeerClosedError", _after_abort),
 ]
 
 
@@ -135,7 +234,8 @@ def check_backend(make_group: Callable[[int], list[Backend]],
 
     ``make_group(n)`` returns ``n`` connected backends, index ``i`` being rank ``i`` (usable from
     threads, like ``SimulatedBackend.create_group``). Raises AssertionError naming the broken
-    promise, the world size and what happened.
+    promise, the world size and what happened. A world size of 1 runs the promises one rank
+    can keep (every call after ``close()`` or ``abort()`` raises ``PeerClosedError``).
 
     >>> from ferro_backend import SimulatedBackend
     >>> check_backend(SimulatedBackend.create_group)
@@ -147,7 +247,8 @@ def run_promises(kit: str, make_group: Callable[[int], list[Backend]],
                  world_sizes: Sequence[int],
                  promises: Sequence[tuple[str, Callable[[Backend], None]]]) -> None:
     """Run each ``(promise, check)`` on every rank (threads) of a fresh group of each size;
-    AssertionError naming the kit, the world size, the promise and what happened."""
+    AssertionError naming the kit, the world size, the promise and what happened. On one rank,
+    only the checks in :data:`ONE_RANK` run."""
     for n in world_sizes:
         group = make_group(n)
         for i, b in enumerate(group):
@@ -155,6 +256,8 @@ def run_promises(kit: str, make_group: Callable[[int], list[Backend]],
                 f"{kit}({n} ranks): backend {i} says rank {b.rank} of {b.world_size}")
         _close_all(group)
         for promise, check in promises:
+            if n < 2 and check not in ONE_RANK:
+                continue
             group = make_group(n)
             try:
                 run_threads(check, group, timeout=60, abort_on_error=False, raise_first=False)
