@@ -347,3 +347,69 @@ def test_a_peer_gone_is_named_by_the_users_call_on_real_processes(transport, nam
     for rank, text in enumerate(got[:2]):
         assert text.startswith(f"PeerClosedError: {name}[{wire}]"), text
         assert f"rank {rank} <-> 2: peer rank 2 is gone" in text, text
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_the_reason_a_rank_gives_up_with_names_the_users_call(name):
+    """Rank 0's compressed call times out (rank 2 never calls): rank 0 ends the job, and rank
+    1 reads the reason in the user's call's words (it read ``it gave up on a collective:
+    all_to_all_single (seq 0) ...``)."""
+    done = threading.Event()
+    x = np.arange(12, dtype=np.float32)
+
+    def body(b):
+        if b.rank == 2:  # never calls; open until both others have their errors
+            assert done.wait(60)
+            return None
+        error = outcome(lambda: getattr(fc, name)(x, b, wire="bf16",
+                                                  timeout=1 if b.rank == 0 else 30))[0]
+        if b.rank == 1:
+            done.set()
+        return error
+
+    gave_up, told = run_ranks(body, 3, timeout=60)[:2]
+    assert isinstance(gave_up, fc.CollectiveTimeoutError), gave_up
+    assert str(gave_up).startswith(f"{name}[bf16] (seq 0) on rank 0: timed out"), gave_up
+    assert isinstance(told, fc.PeerAbortedError), told
+    assert f"it gave up on a collective: {name}[bf16] (seq 0) on rank 0" in str(told), told
+    assert "all_to_all_single" not in str(told), told
+
+
+@pytest.mark.parametrize("size", [12, 3 << 20], ids=["one piece", "in pieces"])
+def test_a_peer_abort_met_anywhere_in_the_call_names_the_users_call(size):
+    """Rank 1 has aborted. Rank 0's compressed allreduce meets it at its entry check, or (the
+    abort arriving just after that check: here the check is made to miss it once) where the
+    call numbers its collectives (a call in pieces numbers them all at once): either way the
+    error names ``allreduce[bf16]`` (the second read ``all_to_all_single: rank 1 aborted``)."""
+    aborted = threading.Event()
+
+    def body(b):
+        if b.rank == 1:
+            b.abort("gone for good")
+            aborted.set()
+            return None
+        assert aborted.wait(60)
+        deadline = time.monotonic() + 30
+        while b.peer_failure("allreduce", 1) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the notice has arrived)
+        x = np.ones(size, np.float32)
+        errors = [outcome(lambda: fc.allreduce(x, b, wire="bf16", timeout=30))[0]]
+        real, missed = b.peer_failure, []
+
+        def late_notice(op, peer):
+            if not missed:
+                missed.append(op)
+                return None
+            return real(op, peer)
+
+        b.peer_failure = late_notice
+        try:
+            errors.append(outcome(lambda: fc.allreduce(x, b, wire="bf16", timeout=30))[0])
+        finally:
+            del b.peer_failure
+        return errors
+
+    for error in run_ranks(body, 2, timeout=60)[0]:
+        assert isinstance(error, fc.PeerAbortedError), error
+        assert str(error).startswith("allreduce[bf16]"), error
+        assert "gone for good" in str(error), error

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend
+from ferro_backend import Backend, DistributedError
 from ferro_backend import timeline as _timeline
 from ferro_backend.checks import check_timeout
 
@@ -39,7 +39,7 @@ from .compressed_steps import (
     flat_allreduce,
     fold_rows,
 )
-from .executors import ARGUMENT_ERRORS, Refusal
+from .executors import ARGUMENT_ERRORS, Refusal, in_call
 from .ops import ReduceOp
 from .per_backend import WORKER_PREFIX, state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE
@@ -77,7 +77,9 @@ def checked(name: str, backend: Backend, wire, timeout, check: Callable[[], Any]
     call's other numbers are given back, as the peers give back theirs. (A multi-node
     all_gather or int8/int4 reduce_scatter refused on one rank leaves its peers to their
     deadline.)"""
-    failure = backend.peer_failure(name, backend.rank)  # closed or aborted: the call's name
+    # closed or aborted: the call's name, with its wire (as where it is met inside the call)
+    failure = backend.peer_failure(f"{name}[{wire}]" if isinstance(wire, str) else name,
+                                   backend.rank)
     if failure is not None:
         raise failure
     try:
@@ -212,7 +214,16 @@ def _in_pieces(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, o
 
 def _pieces_call(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, op: ReduceOp,
                  wire: str, timeout, out, background: bool):
-    """:func:`_in_pieces` untimed."""
+    """:func:`_in_pieces` untimed; its errors (met where it numbers its collectives too) name
+    the user's call (:func:`.executors.in_call`)."""
+    try:
+        return _pieces_run(x, pieces, backend, op, wire, timeout, out, background)
+    except DistributedError as exc:
+        raise in_call(exc, f"allreduce[{wire}]")  # noqa: B904 (the same error, renamed)
+
+
+def _pieces_run(x: np.ndarray, pieces: list[tuple[int, int]], backend: Backend, op: ReduceOp,
+                wire: str, timeout, out, background: bool):
     flat = x.reshape(-1)
     fits = (isinstance(out, np.ndarray) and out.shape == x.shape and out.dtype == x.dtype
             and out.flags.c_contiguous and out.flags.writeable)

@@ -25,7 +25,7 @@ from ferro_backend import (
     PeerClosedError,
 )
 
-from .executors import abandoning, prepared
+from .executors import abandoning, calling, in_call, prepared
 from .header import HEADER_SIZE, INVALID, describe, reason, refusal
 from .header import encode as encode_header
 from .ops import ReduceOp
@@ -124,26 +124,6 @@ def in_words(error: BaseException, who: np.ndarray, first: str, rows: int,
     words = [f"ranks [{ranks}] called {_peer(desc, mine, first, rows, widths)}"
              for ranks, desc in parts]
     return _chained(error, f"{call}: ranks disagree on the call: " + "; ".join(words))
-
-
-#: the start of an error message that names one of a compressed call's collectives
-#: (``name (seq N) on rank R: ...`` over messages, ``name: rank R <-> P: ...`` on the engine)
-_INTERNAL = re.compile(r"(all_to_all_single|all_gather|allreduce|reduce_scatter)( \(seq \d+\)|(?=: ))")
-
-
-def in_call(error: BaseException, call: str) -> BaseException:
-    """``error``, met by one of a compressed call's collectives, in the name of the user's call
-    ``call`` (``allreduce[bf16]``) where its message starts with that collective's (a timeout,
-    a peer gone or aborted: ``all_to_all_single (seq 3) on rank 0: ...`` becomes
-    ``allreduce[bf16] (seq 3) on rank 0: ...``; on the engine ``all_to_all_single: rank 0 <->
-    2: ...``, ``allreduce[bf16]: rank 0 <-> 2: ...``), renamed in place as
-    :meth:`.p2p.Ctx.name_failure` names a call (its type and attributes kept; each is made
-    for the call that met it). Any other error is returned as it is."""
-    text = error.args[0] if error.args and isinstance(error.args[0], str) else None
-    m = _INTERNAL.match(text) if text is not None else None
-    if m is not None:
-        error.args = (f"{call}{m.group(2)}{text[m.end():]}",) + error.args[1:]
-    return error
 
 
 def _peer(desc: str, mine: str, first: str, rows: int,
@@ -258,8 +238,9 @@ class WholeCheck:
         """Run it; where it fails, ``fail(error)`` (before :attr:`done` is set), then raise."""
         error = None
         try:
-            check_identities(np.asarray(self._go()).reshape(self.n, PREFIX), self.rank,
-                             self.ranks)
+            with calling(_described(self.who.tobytes()).split("(")[0]):
+                got = self._go()
+            check_identities(np.asarray(got).reshape(self.n, PREFIX), self.rank, self.ranks)
         except BaseException as exc:
             error = in_words(exc, self.who, ALL_GATHER.name, PREFIX)
         self.numbers.ran_first(error)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ferro_backend import Backend, CollectiveMismatchError
+from ferro_backend import Backend, CollectiveMismatchError, DistributedError
 from ferro_backend import timeline as _timeline
 
 from . import _wire as _kernel
@@ -30,7 +30,7 @@ from .compressed_agreement import (
     in_words,
 )
 from .dispatch import run
-from .executors import abandoning, prepared
+from .executors import abandoning, calling, prepared
 from .ops import ReduceOp
 from .per_backend import state
 from .records import ALL_GATHER, ALL_TO_ALL_SINGLE, ALLREDUCE
@@ -238,11 +238,23 @@ class Steps:
                 f"{self.name}[{self.wire}]: ranks of another node disagree on the call (their "
                 "error names what each rank called)"))
 
+    @property
+    def label(self) -> str:
+        """The user's call, as its errors name it: ``allreduce[bf16]``."""
+        return f"{self.name}[{self.wire}]" if self.wire not in (None, "None") else self.name
+
     def run(self, background: bool):
-        """The result now, or (``background``) a :class:`Work` that gives it."""
-        if not background:
-            return self._traced(self._now)
-        self.number(range(len(self.calls)))  # numbered now, in order
+        """The result now, or (``background``) a :class:`Work` that gives it. Its errors name
+        the user's call (:func:`.executors.in_call`), as does the reason its peers read where
+        this rank gives up on one of its collectives (:func:`.executors.calling`)."""
+        try:
+            if not background:
+                with calling(self.label):
+                    return self._traced(self._now)
+            with calling(self.label):
+                self.number(range(len(self.calls)))  # numbered now, in order
+        except DistributedError as exc:
+            raise in_call(exc, self.label)  # noqa: B904 (the same error, renamed)
         future = state(self.backend).submit(
             lambda: self._traced(self._later, cat="collective.async"))
         return Work(self.name, self.runs[0][0], future)
@@ -309,9 +321,7 @@ class Steps:
         """Keep the call's first error (in the user's call's name: :func:`in_call`); a piece's
         tells ``on_error`` at once."""
         if self.error is None:
-            self.error = error = in_call(
-                error, f"{self.name}[{self.wire}]" if self.wire not in (None, "None")
-                else self.name)
+            self.error = error = in_call(error, self.label)
             if self.on_error is not None:
                 self.on_error(error)
 
@@ -348,7 +358,8 @@ class Steps:
     def _later(self):
         if self.after is not None:
             self.after.wait()
-        self.run_numbered(range(len(self.calls)))
+        with calling(self.label):
+            self.run_numbered(range(len(self.calls)))
         return self.close()
 
     def _traced(self, call, *args, cat: str = "collective"):

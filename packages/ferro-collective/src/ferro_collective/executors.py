@@ -27,7 +27,9 @@ background.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +85,40 @@ def general(coll: Collective, tensor, backend, arg, timeout, algorithm, out, spa
     return executor(_prepare(coll, tensor, backend, arg, timeout, algorithm, out, span))()
 
 
+#: the start of an error message that names one of a compressed call's collectives
+#: (``name (seq N) on rank R: ...`` over messages, ``name: rank R <-> P: ...`` on the engine)
+_INTERNAL = re.compile(r"(all_to_all_single|all_gather|allreduce|reduce_scatter)( \(seq \d+\)|(?=: ))")
+#: the user's call this thread's collectives are part of (:func:`calling`)
+_CALLING = threading.local()
+
+
+def in_call(error: BaseException, call: str) -> BaseException:
+    """``error``, met by one of a compressed call's collectives, in the name of the user's call
+    ``call`` (``allreduce[bf16]``) where its message starts with that collective's (a timeout,
+    a peer gone or aborted: ``all_to_all_single (seq 3) on rank 0: ...`` becomes
+    ``allreduce[bf16] (seq 3) on rank 0: ...``; on the engine ``all_to_all_single: rank 0 <->
+    2: ...``, ``allreduce[bf16]: rank 0 <-> 2: ...``), renamed in place as
+    :meth:`.p2p.Ctx.name_failure` names a call (its type and attributes kept; each is made
+    for the call that met it). Any other error is returned as it is."""
+    text = error.args[0] if error.args and isinstance(error.args[0], str) else None
+    m = _INTERNAL.match(text) if text is not None else None
+    if m is not None:
+        error.args = (f"{call}{m.group(2)}{text[m.end():]}",) + error.args[1:]
+    return error
+
+
+@contextlib.contextmanager
+def calling(call: str):
+    """Inside, this thread's collectives are parts of the user's call ``call``: one it gives
+    up on (:func:`abandon`) is named ``call`` in its error and in the reason its peers read."""
+    outer = getattr(_CALLING, "name", None)
+    _CALLING.name = call
+    try:
+        yield
+    finally:
+        _CALLING.name = outer
+
+
 def abandon(backend: Backend, exc: BaseException) -> None:
     """This rank gave up on a collective (``exc``: its deadline passed): abort ``backend``,
     so that no peer completes the call without it. Its messages are already on their way (a
@@ -95,6 +131,9 @@ def abandon(backend: Backend, exc: BaseException) -> None:
     Nothing if ``exc`` is no collective's timeout."""
     if not isinstance(exc, CollectiveTimeoutError) or backend is None:
         return
+    call = getattr(_CALLING, "name", None)
+    if call is not None:  # (a compressed call's collective: the user's call, to the peers too)
+        in_call(exc, call)
     try:
         if isinstance(backend, SubBackend):
             backend.abort_group(f"it gave up on a collective: {exc}")
