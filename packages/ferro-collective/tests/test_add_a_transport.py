@@ -1,6 +1,6 @@
 """Adding a transport touches only its own module: ``QueueBackend`` (ranks as threads of one
-process, a message a copy in its receiver's queue) implements the five things a transport must
-(``rank``, ``world_size``, ``send``, ``recv``, ``close``, plus ``abort`` to be a good citizen),
+process, a message a copy in its receiver's queue) implements what a transport must (``rank``,
+``world_size``, ``send``, ``recv``, ``close`` calling ``super().close()``, and ``abort``),
 passes ferro-backend's conformance kit (``ferro_backend.testing.check_backend``) and then runs
 every collective of ferro-collective against numpy's reference. ``docs/guide/architecture.md``
 ("how to add a transport") walks through this module."""
@@ -57,23 +57,36 @@ class QueueBackend(Backend):
     def world_size(self) -> int:
         return self._n
 
+    def _check_up(self, op: str) -> None:
+        """Raise if this backend is closed or aborted (Backend.close/abort recorded it)."""
+        failure = self.peer_failure(op, self._rank)
+        if failure is not None:
+            raise failure
+
     def send(self, data, dst: int, *, tag: int = 0) -> None:
+        self._check_up("send")
         payload = bytes(self._send_view(data, dst, tag))  # checks dst and tag; a copy
         hub = self._hub
         with hub.cond:
+            if dst in hub.aborted:
+                raise PeerAbortedError(f"send: rank {dst} aborted: {hub.aborted[dst]}")
             if dst in hub.closed:
                 raise PeerClosedError(f"send: rank {dst} has closed")
             hub.queues[dst, self._rank, tag].append(payload)
             hub.cond.notify_all()
 
     def recv(self, out, src: int, *, tag: int = 0, timeout: float | None = None) -> None:
+        self._check_up("recv")
         view = self._recv_view(out, src, tag).cast("B")
         deadline = time.monotonic() + self.resolve_timeout(timeout, "recv: timeout")
         hub, key = self._hub, (self._rank, src, tag)
         with hub.cond:
-            while not hub.queues[key]:
-                if src in hub.aborted:
+            while True:
+                if src in hub.aborted:  # abort wins over the messages src sent before it
                     raise PeerAbortedError(f"recv: rank {src} aborted: {hub.aborted[src]}")
+                self._check_up("recv")  # closed while this receive waited
+                if hub.queues[key]:
+                    break
                 if src in hub.closed:
                     raise PeerClosedError(f"recv: rank {src} has closed")
                 left = deadline - time.monotonic()
@@ -89,10 +102,12 @@ class QueueBackend(Backend):
 
     def abort(self, reason: str) -> None:
         with self._hub.cond:
-            self._hub.aborted[self._rank] = reason
+            self._hub.aborted.setdefault(self._rank, reason)
             self._hub.cond.notify_all()
+        super().abort(reason)  # records it (peer_failure) and closes
 
     def close(self) -> None:
+        super().close()  # records it: peer_failure reports this backend closed
         with self._hub.cond:
             self._hub.closed.add(self._rank)
             self._hub.cond.notify_all()
