@@ -15,7 +15,7 @@ from _helpers import (
     wrap,
 )
 
-from ferro_fsdp import DDP, FSDP, nn
+from ferro_fsdp import DDP, FSDP, Module, Parameter, nn
 
 STEPS, MAX_NORM = 4, 0.05
 
@@ -132,3 +132,38 @@ def test_ddp_bucket_caps_take_numpy_numbers_and_refuse_non_finite():
         return True
 
     assert run(body, 2) == [True, True]
+
+
+class _Half(Module):
+    """One float16 weight of 100 elements whose gradient is 30 everywhere: norm 300, whose
+    squared sum (90000) is past float16's largest value."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(np.zeros(100, np.float16))
+
+    def forward(self, x):
+        return x
+
+    def backward(self, g):
+        self.w.accumulate_grad(np.full(100, 30.0, np.float16))
+        return g
+
+
+@pytest.mark.parametrize("kind", ["ddp", "full_shard", "no_shard"])
+def test_float16_gradients_sum_their_squares_without_overflow(kind):
+    # the squared sum was np.vdot in float16: inf past a norm of 256, and every gradient was
+    # scaled by max_norm / inf = 0. torch's clip_grad_norm_ returns 300 and scales by 1/300
+    def body(b):
+        w = wrap(_Half(), b, kind)
+        w(np.zeros(1))
+        w.backward(np.zeros(1))
+        if isinstance(w, FSDP):
+            w.sync_gradients()
+        norm = w.clip_grad_norm_(1.0)
+        return norm, w.module.w.grad.copy()
+
+    for norm, grad in run(body, 2):
+        assert norm == pytest.approx(300.0, rel=1e-6)
+        assert grad.dtype == np.float16
+        np.testing.assert_array_equal(grad, np.float16(30.0) * np.float16(1.0 / (300.0 + 1e-6)))

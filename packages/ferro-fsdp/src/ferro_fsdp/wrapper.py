@@ -21,6 +21,15 @@ from .module import Module
 from .parameter import Parameter
 
 
+def _squared_sum(g: np.ndarray) -> float:
+    """``sum(|g|**2)`` as a Python float: float32 / float64 gradients in their own dtype (one
+    BLAS dot), narrower ones (float16) in float64, whose squares would overflow them (a norm
+    past 256 read inf in float16, and clipping by it zeroed every gradient)."""
+    if g.dtype.itemsize < 4 and g.dtype.kind != "c":
+        g = g.astype(np.float64)
+    return float(np.vdot(g, g).real)
+
+
 class ModuleWrapper:
     """What FSDP and DDP share as wrappers of one module over one backend: the read-only
     ``module``/``backend``, the module's parameters (what an optimizer steps), ``train``/``eval``
@@ -106,7 +115,7 @@ class ModuleWrapper:
                 or not max_norm > 0:
             raise ValueError(f"{op}: max_norm {max_norm!r} must be a number > 0")
         grads = [p.grad for p in self._module.parameters() if p.grad is not None]
-        local = np.array([sum(float(np.vdot(g, g).real) for g in grads)], np.float64)
+        local = np.array([sum(_squared_sum(g) for g in grads)], np.float64)
         if norm_group is not None and norm_group.world_size > 1:
             local = allreduce(local, norm_group)
         norm = math.sqrt(float(local[0]))
