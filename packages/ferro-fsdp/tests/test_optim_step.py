@@ -152,3 +152,58 @@ def test_the_kernels_share_one_compiled_cython_utility_module():
 
     util = sys.modules["ferro_fsdp._cyutility"]
     assert util.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("kind,key", [("sgd", "momentum_buffer"), ("adam", "exp_avg"),
+                                      ("adamw", "exp_avg_sq")])
+def test_a_state_array_of_another_shape_is_refused_by_the_step(kind, key, fused):
+    # the compiled step looped over the parameter's length and indexed the state with it: a
+    # 2-element buffer on a 1000-element parameter was read and written past its end
+    # (memory corruption), a longer one silently used its first elements; the numpy step
+    # failed on broadcasting. Now both refuse it before anything is written
+    p = Parameter(np.zeros(1000))
+    opt = MAKE[kind]([p], fused=fused, **({"lr": 0.1, "momentum": 0.9} if kind == "sgd" else {}))
+    p.grad = np.ones(1000)
+    opt.step()
+    before = p.data.copy()
+    guard = np.full(4000, 7.0)
+    opt.state[p][key] = guard[:2]  # a 2-element buffer inside a larger block
+    with pytest.raises(ValueError, match=rf"{type(opt).__name__}\.step: parameter 0's "
+                                         rf"'{key}' has shape \(2,\), its parameter \(1000,\)"):
+        opt.step()
+    assert (guard == 7.0).all()
+    np.testing.assert_array_equal(p.data, before)
+    opt.state[p][key] = np.zeros(2000)[::2]  # the right shape, not contiguous: the numpy step
+    opt.step()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_momentum_from_before_fsdp_wrapping_is_refused_on_every_rank(fused):
+    # an SGD that stepped the full parameters keeps full-size buffers; after FULL_SHARD the
+    # fused step used each buffer's first chunk on every rank (rank 1 took rank 0's momentum)
+    from _helpers import run
+
+    from ferro_fsdp import FSDP, nn
+
+    def body(b):
+        m = nn.Sequential(nn.Linear(4, 4, rng=0, dtype=np.float64))
+        opt = optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=fused)
+        loss_fn, x = nn.MSELoss(), np.arange(8.0).reshape(2, 4)
+        loss_fn(m(x), np.zeros((2, 4)))
+        m.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+        fsdp = FSDP(m, b, "full_shard")
+        loss_fn(fsdp(x), np.zeros((2, 4)))
+        fsdp.backward(loss_fn.backward())
+        fsdp.sync_gradients()
+        shards = [p.data.copy() for p in fsdp.parameters()]
+        with pytest.raises(ValueError, match=r"SGD\.step: parameter 0's 'momentum_buffer' has "
+                                             r"shape \(4, 4\), its parameter \(8,\)"):
+            opt.step()
+        for p, s in zip(fsdp.parameters(), shards):
+            np.testing.assert_array_equal(p.data, s)
+        return True
+
+    assert run(body, 2) == [True, True]

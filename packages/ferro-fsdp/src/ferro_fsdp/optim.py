@@ -139,14 +139,34 @@ class Optimizer:
         Raises
         ------
         ValueError
-            A gradient whose shape is not its parameter's, or a read-only parameter array.
+            A gradient whose shape is not its parameter's, a read-only parameter array, or a
+            state array (:attr:`array_state_keys`) not of its parameter's shape: state made
+            for the parameter's other data, e.g. a full-size one from a step before FSDP
+            sharded the parameter (checked before anything of that parameter is written; the
+            compiled step would read and write past a smaller array's end, or use a larger
+            one's first elements).
         """
+        name = type(self).__name__
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or not p.requires_grad:
                     continue
-                self._update(p, self._grad(p, type(self).__name__), group,
-                             self.state.setdefault(p, {}))
+                grad = self._grad(p, name)
+                state = self.state.setdefault(p, {})
+                for k in self.array_state_keys:
+                    v = state.get(k)
+                    if v is not None and np.shape(v) != p.data.shape:
+                        raise ValueError(
+                            f"{name}.step: {self._who(p)}'s {k!r} has shape {np.shape(v)}, its "
+                            f"parameter {p.data.shape} (state made before the parameter was "
+                            "resharded, e.g. a step before FSDP wrapped the model? Create the "
+                            "optimizer's state after wrapping, or restore it with "
+                            "load_sharded_state_dict)")
+                self._update(p, grad, group, state)
+
+    def _who(self, p: Parameter) -> str:
+        """``p`` in an error's words: its index in :attr:`params`."""
+        return f"parameter {next(i for i, q in enumerate(self.params) if q is p)}"
 
     def _update(self, p: Parameter, grad: np.ndarray, group: dict, state: dict) -> None:
         raise NotImplementedError
