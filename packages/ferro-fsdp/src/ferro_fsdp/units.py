@@ -320,8 +320,12 @@ class Unit:
                 self.result = np.empty(self.layout.shard_numel, self.dtype)
             out = self.result if first else pool.take(self.layout.shard_numel, self.dtype)
             group = owner._shard_group
-            if self.direct and self.layout.numel and all(
-                    g is not None and g.flags.c_contiguous for g in grads):
+            if self.direct and self.layout.numel:
+                # the path is the layout's, the same on every rank (not whether this rank has
+                # every gradient: the ranks issued different reduce-scatters); a parameter
+                # without a gradient counts as zeros, as on the packed path
+                grads = [np.zeros(n, self.dtype) if g is None else np.ascontiguousarray(g)
+                         for g, n in zip(grads, self.layout.numels)]
                 for k, g in enumerate(grads):
                     self.feed_back(g.reshape(-1), group.world_size, k)
                 with timeline.span("fsdp.reduce_scatter", "fsdp", unit=self.name or "<root>",
