@@ -88,8 +88,11 @@ def train(b, strategy, wrap, intra):
     return grads, f
 
 
+# FULL_SHARD / HYBRID_SHARD gather each unit as it runs (a collective): with wrap= every rank
+# must run the same units; wrap=None (one unit) lets the ranks' branches differ
 CASES = [(FS, 2, None, None), (FS, 4, None, None), (HS, 4, 2, None),
-         *((s, w, None, None) for s, w in [(SGO, 2), (SGO, 3), (NS, 2), (NS, 4)])]
+         *((s, w, None, wrap) for s, w in [(SGO, 2), (SGO, 3), (NS, 2), (NS, 4)]
+           for wrap in (None, nn.Linear))]
 
 
 @pytest.mark.parametrize("strategy,world,intra,wrap", CASES)
@@ -97,7 +100,10 @@ def test_a_parameter_without_a_gradient_on_some_ranks_counts_as_zeros(strategy, 
                                                                       wrap):
     # wrap=None, every parameter split evenly over the ranks (Unit.direct): the per-parameter
     # path was taken only where this rank had every gradient, so the ranks issued different
-    # reduce-scatters (CollectiveMismatchError)
+    # reduce-scatters (CollectiveMismatchError). wrap=nn.Linear: each rank started its units'
+    # reductions in its own backward's order, and those its backward did not reach in
+    # sync_gradients: equal-size reductions of different units paired up across ranks (NO_SHARD,
+    # SHARD_GRAD_OP: wrong gradients, silently; FULL_SHARD: a mismatch)
     ref = reference(world)
 
     def body(b):
@@ -110,3 +116,80 @@ def test_a_parameter_without_a_gradient_on_some_ranks_counts_as_zeros(strategy, 
         for w_step, g_step in zip(want, got):
             for w, g in zip(w_step, g_step):
                 np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("strategy,world", [(SGO, 2), (SGO, 3), (NS, 2), (NS, 4)])
+def test_units_unused_on_some_ranks_give_the_bits_of_one_unit(strategy, world):
+    # wrap= changes when bytes move, never the results, whichever units a rank's backward ran
+    one = run(lambda b: train(b, strategy, None, None)[0], world)
+    units = run(lambda b: train(b, strategy, nn.Linear, None)[0], world)
+    for ra, rb in zip(one, units):
+        for sa, sb in zip(ra, rb):
+            for a, c in zip(sa, sb):
+                np.testing.assert_array_equal(a, c)
+
+
+def test_reductions_wait_for_their_turn_in_the_common_order(monkeypatch):
+    # a unit whose backward is done before the units ahead of it in the common order (the
+    # units' order reversed) is reduced after them: the order is every rank's
+    import ferro_fsdp.units as units_mod
+
+    issued = {0: [], 1: []}
+    real = units_mod.Unit.start_reduce
+
+    def logged(self, op):
+        issued[self.owner._backend.rank].append(self.name or "<root>")
+        return real(self, op)
+
+    monkeypatch.setattr(units_mod.Unit, "start_reduce", logged)
+
+    class Reversed(Branchy):
+        def forward(self, x):  # rank 1 runs the layers the other way round
+            self._ran = [n for n in NAMES if n not in self.skip]
+            if self.rank == 1:
+                self._ran.reverse()
+            for n in self._ran:
+                x = getattr(self, n)(x)
+            return x
+
+    def body(b):
+        m = Reversed()
+        m.rank = b.rank
+        f = FSDP(m, b, NS, wrap=nn.Linear)
+        y = f(_x(b.rank, 0))
+        f.backward(np.ones_like(y))
+        f.sync_gradients()
+        return [p.grad.copy() for p in f.module.parameters()]
+
+    run(body, 2)
+    assert issued[0] == issued[1] == ["c", "b", "a", "<root>"]
+
+
+@pytest.mark.parametrize("strategy,world,wrap", [(FS, 2, None), (SGO, 3, nn.Linear),
+                                                 (NS, 2, nn.Linear), (NS, 4, nn.Linear)])
+@pytest.mark.parametrize("no_sync_first", [True, False])
+def test_no_sync_micro_steps_with_units_unused_on_some_ranks(strategy, world, wrap,
+                                                             no_sync_first):
+    # two micro-steps, one inside no_sync(), each skipping other layers on each rank: which
+    # units sync_gradients reduces again is decided the same on every rank (it was decided
+    # from this rank's gradients)
+    ref = reference(world)
+
+    def body(b):
+        f = FSDP(Branchy(), b, strategy, wrap=wrap)
+        for step, skips in enumerate(SKIPS):
+            f.module.skip = skips[b.rank]
+            y = f(_x(b.rank, step))
+            if (step == 0) == no_sync_first:
+                with f.no_sync():
+                    f.backward(np.ones_like(y))
+            else:
+                f.backward(np.ones_like(y))
+        f.sync_gradients()
+        want = [this_ranks_piece(f, i, ref[0][n] + ref[1][n])
+                for i, (n, _) in enumerate(f.module.named_parameters())]
+        return want, [np.array(p.grad, copy=True) for p in f.module.parameters()]
+
+    for want, got in run(body, world):
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-15)

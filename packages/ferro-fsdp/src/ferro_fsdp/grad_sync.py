@@ -45,9 +45,12 @@ class GradientSync:
             inner.sync_gradients()
         spec = self._spec
         try:
-            for unit in self._units:
-                if unit.dirty or not unit.reductions or any(
-                        fp.grad is not None for fp in unit.fps or ()):
+            # decided the same on every rank (not from this rank's gradients: a unit whose
+            # backward ran on some ranks only was reduced on those, and paired with another
+            # unit's reduction on the others): every unit again where a backward inside
+            # no_sync() left gradients, or no backward outside it started the reductions
+            if self._unreduced or any(not unit.reductions for unit in self._units):
+                for unit in self._units:
                     unit.start_reduce("sync_gradients")
             for unit in self._units:
                 flat = unit.finish_reduce()
@@ -71,6 +74,7 @@ class GradientSync:
                     future, _ = unit.pending
                     unit.pending = None
                     future.result()
+            self._unreduced = False
 
     def _grad_as(self, form: str, i: int, view: np.ndarray) -> np.ndarray:
         """Parameter ``i``'s reduced gradient in the strategy's ``grad_form``."""

@@ -5,7 +5,15 @@ hook just before it runs (the next unit's gather starting in the background, in 
 first forward recorded) and freed right after it (FULL_SHARD / HYBRID_SHARD, unless
 ``reshard_after_forward=False``). ``backward`` walks that order in reverse: each unit is gathered
 again just before its backward and, outside ``no_sync()``, the reduction of its gradients starts
-as soon as its backward is done, while the rest of the backward runs. What a unit does is
+as soon as its backward is done, while the rest of the backward runs.
+
+The reductions are collectives, matched across ranks by the order they are issued in, so every
+rank issues them in one order that no rank's execution decides: the units' order reversed (the
+order of a backward through a model whose units run in module order), the root last. A unit
+whose backward is done before its turn waits for it; a unit whose backward did not run on this
+rank (a branch this rank's batch did not take) is reduced at its turn at the end of the backward,
+its missing gradients as zeros. (Issued in each rank's own order, two units of equal size
+reduced together the gradients of different parameters, silently.) What a unit does is
 :class:`~ferro_fsdp.units.Unit`'s; waiting for the reductions is ``sync_gradients``'
 (:mod:`ferro_fsdp.grad_sync`).
 """
@@ -32,6 +40,14 @@ class UnitSchedule(Module):
         self._recording = True
         self._phase: str | None = None    # "forward" / "backward" while FSDP runs the module
         self._sync = True
+        # the reductions' common order (sub-units; the root goes last), where a backward is in it
+        self._reduce_order: list[Unit] = self._units[:0:-1]
+        self._turn = {id(u): k for k, u in enumerate(self._reduce_order)}
+        self._next_reduce = 0             # the next unit of _reduce_order to be issued
+        self._done: set[int] = set()      # units whose backward is done, waiting for their turn
+        #: a backward inside no_sync() left gradients no reduction holds (every unit is reduced
+        #: again by sync_gradients: the same decision on every rank)
+        self._unreduced = False
         self._hook_handles = []
         for unit in self._units[1:]:
             self._hook(unit)
@@ -111,8 +127,27 @@ class UnitSchedule(Module):
             return
         unit.swap_out(with_grads=True)
         unit.free()
-        if self._sync:
+        if not self._sync:
+            return
+        if self._turn[id(unit)] < self._next_reduce:  # its turn passed: its backward ran again
             unit.start_reduce("backward")
+            return
+        self._done.add(id(unit))
+        self._issue_reductions(last=False)
+
+    def _issue_reductions(self, last: bool) -> None:
+        """Start the reductions whose turn has come: those of units whose backward is done, in
+        the common order, up to the first one still waiting for its backward (``last``: the
+        backward is over, every unit left is reduced, and the root)."""
+        order = self._reduce_order
+        while self._next_reduce < len(order) and (
+                last or id(order[self._next_reduce]) in self._done):
+            order[self._next_reduce].start_reduce("backward")
+            self._next_reduce += 1
+        if last:
+            self._root.start_reduce("backward")
+            self._done = set()
+            self._unreduced = False
 
     def _restore(self, with_grads: bool) -> None:
         """After the module ran (or raised): every unit shows its shards again."""
@@ -172,8 +207,10 @@ class UnitSchedule(Module):
 
         The gradients go to ``full_params[i].grad`` (adding to what an earlier backward left
         there) and, outside ``no_sync()``, each unit's reduction starts as soon as its backward
-        is done; the module's own ``.grad`` is untouched until ``sync_gradients``. Returns the
-        module's return value.
+        is done and the units before it in the common order (the units' order reversed) are
+        started, every rank issuing them in that order (a unit this rank's backward did not
+        reach at the end, its gradients zeros); the module's own ``.grad`` is untouched until
+        ``sync_gradients``. Returns the module's return value.
 
         Parameters
         ----------
@@ -195,6 +232,7 @@ class UnitSchedule(Module):
         if self._phase is not None:
             raise FSDPStateError(f"FSDP.backward: called inside this FSDP's own {self._phase}")
         self._phase = "backward"
+        self._next_reduce, self._done = 0, set()
         try:
             self._root.gather("backward")
             self._root.swap_in(with_grads=True)
@@ -205,7 +243,9 @@ class UnitSchedule(Module):
             self._phase = None
             self._restore(with_grads=True)
         if self._sync:
-            self._root.start_reduce("backward")
+            self._issue_reductions(last=True)
+        else:
+            self._unreduced = True
         return out
 
     @contextlib.contextmanager
