@@ -51,7 +51,8 @@ def test_every_call_on_a_closed_backend_raises_on_every_rank(transport):
 
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
 def test_a_compressed_call_on_a_closed_backend_names_the_call(wire):
-    # it named the inner collective that found the backend closed (all_to_all_single)
+    # it named the inner collective that found the backend closed (all_to_all_single); the
+    # call is named with its wire, as an error met inside the call names it
     (b,) = SimulatedBackend.create_group(1)
     b.close()
     for name, call in (("allreduce", lambda: fc.allreduce(np.ones(8, np.float32), b, wire=wire)),
@@ -59,7 +60,8 @@ def test_a_compressed_call_on_a_closed_backend_names_the_call(wire):
                                                                 wire=wire).wait(5)),
                        ("reduce_scatter",
                         lambda: fc.reduce_scatter(np.ones(8, np.float32), b, wire=wire))):
-        with pytest.raises(PeerClosedError, match=f"^{name}: rank 0's backend is closed"):
+        with pytest.raises(PeerClosedError,
+                           match=fr"^{name}\[{wire}\]: rank 0's backend is closed"):
             call()
 
 
