@@ -69,7 +69,6 @@ class GradientSync:
             for unit in self._units:
                 unit.reductions = []
                 unit.fps = None
-                unit.dirty = False
                 if unit.pending is not None:  # a prefetch nobody used: let it finish, drop it
                     future, _ = unit.pending
                     unit.pending = None

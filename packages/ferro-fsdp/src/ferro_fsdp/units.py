@@ -86,7 +86,6 @@ class Unit:
         self.reductions: list[Work] = []               # started, not yet waited for
         self.swapped: list[tuple[np.ndarray, Any]] | None = None
         self.checked = False  # the pending gather was the user's prefetch
-        self.dirty = False   # a backward wrote gradients that no started reduction holds
         self.full_buf: np.ndarray | None = None    # backs fps[i].data while held (pooled)
         self.grad_buf: np.ndarray | None = None    # backs the full gradients (pooled)
         self.result: np.ndarray | None = None      # the reduced gradient .grad views (persistent)
@@ -266,7 +265,6 @@ class Unit:
             p.data, p.grad = data, grad
             p.set_grad_slot(slot)
         self.swapped = None
-        self.dirty = self.dirty or with_grads
 
     # -- gradients ----------------------------------------------------------------------------
     def full_grads(self, op: str) -> list[np.ndarray | None]:
@@ -289,7 +287,6 @@ class Unit:
         The first reduction of a step lands in the unit's persistent result buffer (what
         ``.grad`` views after the sync); any further one (a second backward outside
         ``no_sync``) in a pooled buffer that ``finish_reduce`` adds in and gives back."""
-        self.dirty = False
         self.ensure_fps()
         grads = self.full_grads(op)
         owner, pool = self.owner, self.owner._pool
