@@ -29,6 +29,19 @@ def step_grads(d, b, x, y):
     return [p.grad.copy() for p in d.module.parameters()]
 
 
+def powersgd_trained(b, x, y, steps: int, **kw) -> PowerSGDState:
+    """A PowerSGD state (``start_powerSGD_iter=1``, ``kw``) after ``steps`` DDP steps of the MLP
+    on this rank's quarter of ``x, y``."""
+    state = PowerSGDState(b, start_powerSGD_iter=1, **kw)
+    d = DDP(make_mlp(DIMS, dtype=np.float32), b)  # one bucket
+    d.register_comm_hook(state, powerSGD_hook)
+    for _ in range(steps):
+        for p in d.module.parameters():
+            p.grad = None
+        step_grads(d, b, x, y)
+    return state
+
+
 def local_grads(b, x, y):
     """This rank's own gradients (no DDP), flattened in the DDP bucket's order."""
     m = make_mlp(DIMS, dtype=np.float32)
@@ -231,13 +244,7 @@ def test_a_state_restored_under_another_bucket_plan_starts_its_errors_afresh():
     x, y = make_data(16, DIMS, dtype=np.float32)
 
     def body(b):
-        state = PowerSGDState(b, start_powerSGD_iter=1)
-        d = DDP(make_mlp(DIMS, dtype=np.float32), b)  # one bucket
-        d.register_comm_hook(state, powerSGD_hook)
-        for _ in range(2):
-            for p in d.module.parameters():
-                p.grad = None
-            step_grads(d, b, x, y)
+        state = powersgd_trained(b, x, y, 2)
         grads = []
         for saved in (state.state_dict(), None):
             s2 = PowerSGDState(b, start_powerSGD_iter=1)
@@ -266,13 +273,7 @@ def test_the_sharded_state_is_each_ranks_row_and_a_new_world_starts_it_afresh():
     x, y = make_data(16, DIMS, dtype=np.float32)
 
     def body(b):
-        state = PowerSGDState(b, start_powerSGD_iter=1)
-        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
-        d.register_comm_hook(state, powerSGD_hook)
-        for _ in range(3):
-            for p in d.module.parameters():
-                p.grad = None
-            step_grads(d, b, x, y)
+        state = powersgd_trained(b, x, y, 3)
         rows, specs = state.sharded_state_dict()
         same = PowerSGDState(b, start_powerSGD_iter=1)
         whole = same.load_sharded_state_dict({**rows, "model.w": np.zeros(2)})
@@ -308,13 +309,7 @@ def test_the_sharded_state_refuses_another_rank_or_seed_as_load_state_dict_does(
     x, y = make_data(16, DIMS, dtype=np.float32)
 
     def body(b):
-        state = PowerSGDState(b, matrix_approximation_rank=1, start_powerSGD_iter=1)
-        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
-        d.register_comm_hook(state, powerSGD_hook)
-        for _ in range(2):
-            for p in d.module.parameters():
-                p.grad = None
-            step_grads(d, b, x, y)
+        state = powersgd_trained(b, x, y, 2, matrix_approximation_rank=1)
         rows, specs = state.sharded_state_dict()
         refused = []
         regrouped = {k: (np.concatenate([v, v]) if b.rank == 0 else v[:0])
@@ -356,13 +351,7 @@ def test_errors_and_qs_this_state_does_not_use_are_not_restored(sharded):
     x, y = make_data(16, DIMS, dtype=np.float32)
 
     def body(b):
-        state = PowerSGDState(b, start_powerSGD_iter=1)
-        d = DDP(make_mlp(DIMS, dtype=np.float32), b)
-        d.register_comm_hook(state, powerSGD_hook)
-        for _ in range(2):
-            for p in d.module.parameters():
-                p.grad = None
-            step_grads(d, b, x, y)
+        state = powersgd_trained(b, x, y, 2)
         got = []
         for kw in ({"use_error_feedback": False}, {"warm_start": False}, {}):
             other = PowerSGDState(b, start_powerSGD_iter=1, **kw)
