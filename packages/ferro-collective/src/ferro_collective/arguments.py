@@ -35,12 +35,27 @@ def fast_array(tensor) -> np.ndarray | None:
 
 def check_out_like(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> None:
     """``out=`` an ndarray (else TypeError) of the result's shape and dtype (else
-    SizeMismatchError, naming both)."""
+    SizeMismatchError, naming both). An ndarray subclass whose flat view is not 1-d
+    (``numpy.matrix``: its reshape stays 2-d) is a TypeError too: the collectives write
+    ``out`` through its flat view (a subclass that keeps ndarray's views, such as
+    ``numpy.memmap``, is written as an ndarray)."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
+    if type(out) is not np.ndarray and _flat_dims(out) != 1:
+        raise TypeError(f"{name}: out must be a numpy array whose views behave as ndarray's, "
+                        f"got {type(out).__module__}.{type(out).__name__} (its reshape(-1) is "
+                        "not 1-d); pass np.asarray(out)")
     if out.shape != tuple(shape) or out.dtype != dtype:
         raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
                                 f"{np.dtype(dtype)}{list(shape)}")
+
+
+def _flat_dims(out: np.ndarray) -> int:
+    """The dimensions of ``out.reshape(-1)`` (-1 where the subclass cannot make it)."""
+    try:
+        return out.reshape(-1).ndim
+    except Exception:  # (a subclass's own reshape: refused, whatever it raised)
+        return -1
 
 
 def check_out(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
