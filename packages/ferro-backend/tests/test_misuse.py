@@ -28,13 +28,17 @@ FERRORUN = [sys.executable, "-m", "ferro_backend.launch"]
 
 
 def _unbufferable(b):
-    """Each rank sends the other an object array, then a datetime64 array: a typed error on
-    both sides, nothing queued, and the next message is the next one."""
+    """Each rank sends the other an object array, then a non-contiguous array: a typed error on
+    both sides, nothing queued, and the next message is the next one. (A datetime64 array was
+    the second one, refused by every transport alike; it now moves as its bytes:
+    test_buffer_dtypes.py.)"""
     other = 1 - b.rank
     said = []
-    for bad in (np.array([object(), "x"], dtype=object), np.array(["2026-11-30"], "M8[D]")):
+    for bad in (np.array([object(), "x"], dtype=object), np.zeros((3, 4))[:, ::2]):
         for call in (lambda bad=bad: b.send(bad, other, tag=1),
-                     lambda bad=bad: b.recv(np.empty_like(bad), other, tag=1, timeout=5)):
+                     lambda bad=bad: b.recv(np.zeros((3, 4), bad.dtype)[:, ::2] if not
+                                            bad.dtype.hasobject else np.empty_like(bad),
+                                            other, tag=1, timeout=5)):
             try:
                 call()
                 said.append("no error")

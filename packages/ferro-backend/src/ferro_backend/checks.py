@@ -47,7 +47,27 @@ def _array_view(op: str, data: Any) -> tuple[Any, memoryview]:
                         "buffer of its own): pass bytes, a bytearray, a memoryview, a numpy "
                         "array or a CPU tensor" + (", the receive would fill the copy and "
                                                    "leave it unchanged" if op == "recv" else ""))
-    return arr, memoryview(arr)
+    return arr, _memoryview(op, arr)
+
+
+def _memoryview(op: str, data: Any) -> memoryview:
+    """``memoryview(data)``; for a numpy array whose dtype the buffer protocol cannot describe
+    (bfloat16 and the float8 kinds of ml_dtypes, datetime64, timedelta64: numpy raises
+    ValueError "cannot include dtype ... in a buffer"), a flat byte view of its memory, so it
+    moves as its bytes, bit-exact, like any fixed-size dtype (a non-contiguous one: ValueError;
+    one holding Python objects is refused after, by :func:`_no_objects`, as it has the array)."""
+    try:
+        return memoryview(data)
+    except ValueError:
+        import numpy as np
+
+        if not isinstance(data, np.ndarray):
+            raise
+        if not data.flags.c_contiguous:
+            raise ValueError(f"{op}: {'output ' if op == 'recv' else ''}buffer of shape "
+                             f"{data.shape} is not C-contiguous"
+                             + ("; pass np.ascontiguousarray(x)" if op == "send" else "")) from None
+        return memoryview(data.reshape(-1).view(np.uint8))
 
 
 def as_send_view(data: Any) -> memoryview:
@@ -55,7 +75,7 @@ def as_send_view(data: Any) -> memoryview:
     objects are refused; what has no buffer protocol but that :func:`numpy.asarray` views
     without copying (a torch CPU tensor) is taken as that array."""
     try:
-        mv = data if isinstance(data, memoryview) else memoryview(data)
+        mv = data if isinstance(data, memoryview) else _memoryview("send", data)
     except TypeError:
         data, mv = _array_view("send", data)
     _no_objects("send", data, mv)
@@ -73,7 +93,7 @@ def as_recv_view(out: Any) -> memoryview:
     Python objects are refused; what :func:`numpy.asarray` views without copying (a torch CPU
     tensor) is taken as that array, so the bytes land in its memory."""
     try:
-        mv = out if isinstance(out, memoryview) else memoryview(out)
+        mv = out if isinstance(out, memoryview) else _memoryview("recv", out)
     except TypeError:
         out, mv = _array_view("recv", out)
     _no_objects("recv", out, mv)
