@@ -38,6 +38,11 @@ def suite(b) -> list[str]:
                      ("gather", lambda: fc.gather(x, b, 0, timeout=10)),
                      ("all_gather_v", lambda: fc.all_gather_v(x, b, timeout=10))]:
         mismatch(name, fn, "(float8_e4m3fn[", "(int4[")  # (the door's messages too)
+    z = np.arange(4.0).astype(">f4" if r == 0 else "<f4")  # (byte order alone differs)
+    for name, fn in [("all_gather >f4", lambda: fc.all_gather(z, b, timeout=10)),
+                     ("broadcast >f4", lambda: fc.broadcast(z, b, 0, timeout=10)),
+                     ("gather >f4", lambda: fc.gather(z, b, 0, timeout=10))]:
+        mismatch(name, fn, "(>f4[4]", "(float32[4]")
     y = np.zeros(2 + r, ml_dtypes.float8_e5m2)
     mismatch("e5m2 shapes", lambda: fc.all_gather(y, b, timeout=10), "float8_e5m2[2]",
              "float8_e5m2[3]")

@@ -178,7 +178,8 @@ def dtype_from_code(code: bytes) -> np.dtype | None:
 def dtype_name(code: bytes) -> str:
     """A readable name of the dtype a code names (:func:`dtype_code`): numpy's or ml_dtypes'
     (``float32``, ``float8_e4m3fn``), else the code itself (``#`` and a hash: a dtype without
-    a short name, as a structured one). Never raises.
+    a short name, as a structured one). A dtype not in this host's byte order is named by its
+    code (``>f4``), so that it reads otherwise than the native one (``float32``). Never raises.
 
     Parameters
     ----------
@@ -198,7 +199,9 @@ def dtype_name(code: bytes) -> str:
     if text.startswith("#"):  # (as the engine's door prints it too)
         return text
     dtype = dtype_from_code(code)
-    return dtype.name if dtype is not None else text
+    if dtype is None:
+        return text
+    return dtype.name if dtype.byteorder in "=|" else dtype.str
 
 
 _check: bool | None = None  # None: FERRO_COLLECTIVE_CHECK decides, at the first call
