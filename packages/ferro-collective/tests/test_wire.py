@@ -234,6 +234,31 @@ def test_bad_arguments_are_named():
         run_ranks(lambda b: fc.reduce_scatter(np.ones(3), b, wire="bf16"), 2)
 
 
+def test_an_op_by_name_is_taken_with_a_wire_as_without():
+    def body(b):
+        x = np.arange(4, dtype=np.float32) + b.rank
+        got = []
+        for name, op in [("max", ReduceOp.MAX), ("Mean", ReduceOp.MEAN), ("sum", ReduceOp.SUM),
+                         ("min", ReduceOp.MIN)]:
+            want = fc.allreduce(x, b, op, wire="bf16").tolist()
+            got.append(fc.allreduce(x, b, name, wire="bf16").tolist() == want)
+            got.append(fc.allreduce_async(x, b, name, wire="int8").wait().tolist()
+                       == fc.allreduce(x, b, op, wire="int8").tolist())
+            got.append(fc.reduce_scatter(x, b, name, wire="fp16").tolist()
+                       == fc.reduce_scatter(x, b, op, wire="fp16").tolist())
+            got.append(fc.reduce_scatter_async(x, b, name, wire="bf16").wait().tolist()
+                       == fc.reduce_scatter(x, b, op, wire="bf16").tolist())
+        return got
+
+    assert run_ranks(body, 2, timeout=60) == [[True] * 16] * 2
+    errors = collect(lambda b: fc.allreduce(np.ones(3, np.float32), b,
+                                            "median" if b.rank else "max", wire="bf16",
+                                            timeout=10), 2)
+    assert isinstance(errors[1], ValueError) and "unknown reduce op 'median'" in str(errors[1])
+    assert isinstance(errors[0], fc.CollectiveMismatchError), errors[0]
+    assert "rank 1 refused the call" in str(errors[0])
+
+
 def test_ranks_that_disagree_on_the_wire_get_the_mismatch_error():
     errors = collect(lambda b: fc.allreduce(np.ones(600, np.float32), b, timeout=10,
                                             wire="bf16" if b.rank else "int8"), 2)

@@ -39,7 +39,7 @@ from .records import (
     REDUCE_SCATTER,
     SCATTER,
 )
-from .wire import Feedback
+from .wire import Feedback, wire_op
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
 """The default :attr:`~ferro_backend.Backend.timeout` (60 s). A collective's deadline is its backend's
@@ -120,7 +120,7 @@ def allreduce(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0.2001953125, 600.0], [0.2001953125, 600.0]]
     """
     if wire is not None:
-        return _compressed.allreduce(tensor, backend, op, wire, timeout, out,
+        return _compressed.allreduce(tensor, backend, wire_op(op), wire, timeout, out,
                                      algorithm=algorithm, feedback=feedback)
     return run(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
@@ -251,7 +251,7 @@ def reduce_scatter(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
     [[0, 3], [6, 9]]
     """
     if wire is not None:
-        return _compressed.reduce_scatter(tensor, backend, op, wire, timeout, out,
+        return _compressed.reduce_scatter(tensor, backend, wire_op(op), wire, timeout, out,
                                           algorithm=algorithm)
     return run(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 

@@ -22,7 +22,7 @@ from .api import (
 )
 from .dispatch import submit
 from .ops import ReduceOp
-from .wire import Feedback
+from .wire import Feedback, wire_op
 from .work import Work
 
 
@@ -45,7 +45,7 @@ def allreduce_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, *,
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
     if wire is not None:
-        return _compressed.allreduce(tensor, backend, op, wire, timeout, out,
+        return _compressed.allreduce(tensor, backend, wire_op(op), wire, timeout, out,
                                      background=True, algorithm=algorithm, feedback=feedback)
     return submit(ALLREDUCE, tensor, backend, op, timeout, algorithm, out)
 
@@ -104,7 +104,7 @@ def reduce_scatter_async(tensor, backend: Backend, op: ReduceOp = ReduceOp.SUM, 
         Its :meth:`~Work.wait` returns its result, or raises its error.
     """
     if wire is not None:
-        return _compressed.reduce_scatter(tensor, backend, op, wire, timeout, out,
+        return _compressed.reduce_scatter(tensor, backend, wire_op(op), wire, timeout, out,
                                           background=True, algorithm=algorithm)
     return submit(REDUCE_SCATTER, tensor, backend, op, timeout, algorithm, out)
 

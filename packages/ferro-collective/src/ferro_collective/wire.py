@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _wire as _kernel
-from .ops import BFLOAT16, ReduceOp
+from .ops import BFLOAT16, ReduceOp, as_op
 
 #: the wire formats
 WIRES = ("bf16", "fp16", "int8", "int4")
@@ -56,10 +56,22 @@ def check_wire(wire: str, name: str) -> str:
     return wire
 
 
+def wire_op(op):
+    """``op`` as the exact calls take it (a :class:`ReduceOp`, its name in any case, or its
+    value), for a compressed call: its ReduceOp, or ``op`` itself where it names none (the
+    call's :func:`check_floats` refuses it then, on every rank of the call)."""
+    try:
+        return as_op(op)
+    except ValueError:
+        return op
+
+
 def check_floats(x: np.ndarray, op: ReduceOp | None, name: str) -> None:
     if x.dtype.kind != "f" and x.dtype != BFLOAT16:
         raise TypeError(f"{name}: wire formats compress float dtypes, not {x.dtype} "
                         "(send integers exactly: wire=None)")
+    if op is not None and not isinstance(op, ReduceOp):
+        as_op(op)  # (the exact calls' ValueError: an op that names none)
     if op is not None and op not in FOLD:
         raise TypeError(f"{name}: {op} is not defined with a wire format (SUM, MEAN, MAX, MIN, "
                         "PRODUCT)")
