@@ -748,3 +748,39 @@ def subgroup_engine_late_and_closed(b) -> list:
         except PeerClosedError:
             out.append(("closed", time.monotonic() - t0 < 5))
     return out
+
+
+def pending_works_after_a_peer_closes(b, flags: str) -> list[str]:
+    """Ranks 0 and 2 issue six async calls, then rank 1 closes its backend (it waits for both
+    to have issued theirs: files in ``flags``); each Work's error, and a later blocking call's,
+    as ``type: message``, with whether it is an object another call raised already."""
+    if b.rank == 1:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(os.path.join(flags, f"issued{r}")) for r in (0, 2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        b.close()
+        return []
+    works = [("allreduce", fc.allreduce_async(np.ones(10), b, timeout=30)),
+             ("broadcast", fc.broadcast_async(np.ones(10), b, timeout=30)),
+             ("all_gather", fc.all_gather_async(np.ones(10), b, timeout=30)),
+             ("reduce_scatter", fc.reduce_scatter_async(np.ones(12), b, timeout=30)),
+             ("gather", fc.gather_async(np.ones(10), b, timeout=30)),
+             ("all_gather_v", fc.all_gather_v_async(np.ones(3), b, timeout=30))]
+    with open(os.path.join(flags, f"issued{b.rank}"), "w"):
+        pass
+    out, seen = [], set()
+    for name, work in works:
+        try:
+            work.wait(60)
+            out.append(f"{name} returned")
+        except Exception as exc:
+            out.append(f"{name} -> {type(exc).__name__}: {exc}" +
+                       (" (raised before)" if id(exc) in seen else ""))
+            seen.add(id(exc))
+    try:
+        fc.gather(np.ones(3), b, timeout=30)
+        out.append("gather returned")
+    except Exception as exc:
+        out.append(f"gather -> {type(exc).__name__}: {exc}")
+    return out

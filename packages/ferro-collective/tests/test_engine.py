@@ -322,3 +322,17 @@ def test_a_subgroup_engine_attached_late_runs_and_its_view_closed_refuses():
     for out in got:
         assert out[:3] == [[2.0] * 3, [3.0] * 3, [0, 1]], out
     assert got[0][3] == ("closed", True), got[0]
+
+
+def test_calls_after_the_group_broke_name_themselves(tmp_path):
+    """A peer closes while six async calls are pending on the engine: each Work, and a later
+    blocking call, raises an error of the failure's type naming its own call (every call after
+    the first failure raised the one stored error object, which named that first call)."""
+    got = run_processes(engine_fns.pending_works_after_a_peer_closes, 3, str(tmp_path),
+                        transport="shm", timeout=90)
+    for rank in (0, 2):
+        for line in got[rank]:
+            name, _, error = line.partition(" -> ")
+            assert error.startswith(f"PeerClosedError: {name}"), line
+            assert "peer rank 1 is gone" in error and "(raised before)" not in error, line
+            assert error.count("an earlier call") <= 1, line  # (the first failure, once)

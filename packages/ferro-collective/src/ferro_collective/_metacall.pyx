@@ -181,7 +181,8 @@ cdef class Twin:
                 self.g._raise(rc, name, seq, secs)
             return body(self, seq, secs, start, x, arg, out, ints)
         except (CollectiveTimeoutError, PeerClosedError) as exc:
-            self.g.broken = exc
+            if self.g.broken is None:  # (the first failure: later calls name it after theirs)
+                self.g.broken = exc
             raise
         finally:
             self.comm.end(seq)

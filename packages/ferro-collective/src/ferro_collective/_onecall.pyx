@@ -19,12 +19,12 @@ becomes ferro's typed error (:meth:`~.engine.EngineGroup._raise`).
 from cpython.object cimport PyObject
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport Py_INCREF
-from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GetObject
 from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
 
+from copy import copy as _copy
 from weakref import ref as _weakref
 
 from . import p2p
@@ -34,7 +34,6 @@ from .ops import CODES, OPS, ReduceOp
 
 from ferro_backend import Backend as _Backend
 from ferro_backend import engine as _engine
-from ferro_backend.tracebacks import user_facing as _user_facing
 from ferro_backend.kernels import _fold
 
 from ._doorplan cimport MAX_DIMS, DoorPlan
@@ -141,6 +140,21 @@ cdef class Core:
         self._stall = comm.stall_fraction
         self.twin = None
 
+    def still_broken(self, str name, seq=None):
+        """The group's failure (:attr:`broken`, met by an earlier call) as the error of this
+        call ``name`` (ticket ``seq`` where known): a new error of its type naming this call
+        and rank, the failure's own words after it (every later call raised the one stored
+        object, which named the call that met it)."""
+        broken = self.broken
+        try:
+            exc = _copy(broken)
+        except Exception:  # (an error its type cannot remake from its message)
+            return broken
+        where = name if seq is None else f"{name} (seq {seq})"
+        exc.args = (f"{where} on rank {self.me}: an earlier call on this group failed: "
+                    f"{broken}",)
+        return exc
+
     # ------------------------------------------------------------------ what a subclass gives
     # (EngineGroup, ferro_collective.engine_group: the backend's timeout rules and ferro's errors)
     def _resolve(self, timeout, str name):
@@ -173,7 +187,7 @@ cdef class Core:
         t = self._timeout(p.name, timeout)
         cdef double stall = <double>_p2p["STALL_FRACTION"]
         if self.broken is not None:
-            raise self.broken
+            raise self.still_broken(p.name)
         if stall != self._stall:
             self._comm.stall_fraction = self._stall = stall
         # the ticket taken as the call is made (under the GIL: this process's order of calls)

@@ -162,13 +162,14 @@ class EngineGroup(Core):
         call = Step(plan.name, plan.seq, plan.timeout, span=plan.span, whole=plan.whole)
         try:
             if self.broken is not None:
-                raise self.broken
+                raise self.still_broken(plan.name, plan.seq)
             rc = self.comm.begin(plan.seq, plan.timeout, plan.name)
             if rc != OK:
                 self._raise(rc, plan.name, plan.seq, plan.timeout)
             return plan.run_engine(self, call)
         except (CollectiveTimeoutError, PeerClosedError) as exc:
-            self.broken = exc
+            if self.broken is None:  # (the first failure: later calls name it after theirs)
+                self.broken = exc
             raise
         finally:
             self.comm.end(plan.seq)  # nothing if the door ended its turn already
@@ -211,7 +212,8 @@ class EngineGroup(Core):
         if rc == TIMEOUT or rc == FAILED:
             exc: BaseException = (CollectiveTimeoutError(msg) if rc == TIMEOUT else
                                   self._failure(Step(name, seq, timeout), self.steps.missing()))
-            self.broken = exc
+            if self.broken is None:
+                self.broken = exc
             raise exc
         if rc == CLOSED:
             # (a forked child's copy of the engine is closed there: the backend says so)
