@@ -264,7 +264,8 @@ def exact_against(b, small, cut, timeout) -> dict:
 
 def peer_gone(b, name: str, wire: str, flag: str) -> str | None:
     """Rank 2 closes its backend (then writes ``flag``); ranks 0 and 1 then make the compressed
-    call ``name`` and return the error they meet, as ``Type: message``."""
+    call ``name`` and return the error they meet, as ``Type: message``, each holding its
+    backend open until the other has its error."""
     import os
     import time
 
@@ -279,6 +280,13 @@ def peer_gone(b, name: str, wire: str, flag: str) -> str | None:
     x = np.arange(12, dtype=np.float32)
     try:
         getattr(fc, name)(x, b, wire=wire, timeout=30)
+        got = "returned"
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "returned"
+        got = f"{type(exc).__name__}: {exc}"
+    # open until the other survivor has its error too (its close would be a second peer gone)
+    with open(f"{flag}.{b.rank}", "w"):
+        pass
+    other = f"{flag}.{1 - b.rank}"
+    while not os.path.exists(other) and time.monotonic() < deadline + 60:
+        time.sleep(0.01)
+    return got
