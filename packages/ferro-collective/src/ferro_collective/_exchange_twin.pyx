@@ -16,7 +16,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from .arguments import check_out, deliver
+from .arguments import check_out, check_out_known, deliver
 from .header import encode
 from .metadata_sizes import row_views, split_plan
 from .metadata_step import guard, payload_offset
@@ -134,8 +134,14 @@ cdef object all_to_all_single_now(Twin self, object tensor, object splits, objec
         if splits[1] is None:
             for d in range(n):
                 ints[n + d] = -1
-        elif _ints_into(splits[1], n, ints + n) < 0:
-            return None
+            got = -1
+        else:
+            got = _ints_into(splits[1], n, ints + n)
+            if got < 0:
+                return None
+        if out is not None and guard(lambda: check_out_known(
+                "all_to_all_single", out, (got, *(<object>x).shape[1:]), x.dtype))[1] is not None:
+            return None  # (a bad out= the general path refuses, on every rank)
         return self.turn("all_to_all_single", secs, _a2a_single, x, span, out, ints)
     finally:
         free(ints)

@@ -39,6 +39,7 @@ from .records import (
     REDUCE_SCATTER,
     SCATTER,
 )
+from .rooted import scatter_path
 from .wire import Feedback, wire_op
 
 DEFAULT_COLLECTIVE_TIMEOUT: float = DEFAULT_TIMEOUT
@@ -149,7 +150,11 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
     root : int, default 0
         The rank whose ``tensor`` every rank returns.
     timeout, algorithm, out
-        As for :func:`allreduce` (``algorithm``: "auto", "tree" or "star").
+        As for :func:`allreduce` (``algorithm``: "auto", "tree" or "star"). A non-root that
+        passes None learns the shape and dtype only from the root's header: its ``out`` is
+        checked before the call for all else (not an array, read-only...: every rank raises),
+        for its shape and dtype once the data moved, where a wrong one raises
+        SizeMismatchError on that rank alone (its peers return the root's array).
 
     Returns
     -------
@@ -162,6 +167,9 @@ def broadcast(tensor, backend: Backend, root: int = 0, *, timeout: float | None 
         ``root`` is not in ``[0, world_size)``.
     ValueError
         None on the root.
+    SizeMismatchError (a ValueError)
+        A non-root that passed None: its ``out`` of another shape or dtype than the root's,
+        on that rank alone, after the call.
     TypeError, CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for :func:`allreduce`.
 
@@ -411,7 +419,12 @@ def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = 
     timeout : float, optional
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     out : numpy.ndarray, optional
-        A writable C-contiguous array of the chunk's shape and dtype to fill and return.
+        A writable C-contiguous array of the chunk's shape and dtype to fill and return. On
+        the root it is checked before the call (a wrong one: the root refuses, every other
+        rank raises CollectiveMismatchError); on the other ranks, which learn the chunk's
+        shape and dtype only from the root, all but its shape and dtype are: one of another
+        shape or dtype raises SizeMismatchError on that rank alone, after the data moved (its
+        peers return their chunks).
 
     Returns
     -------
@@ -424,8 +437,8 @@ def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = 
         ``root`` is not in ``[0, world_size)``.
     SizeMismatchError (a ValueError)
         Dim 0 of the root's tensor is not divisible by the world size, or it is 0-d: on every
-        rank (the root's shape reaches every rank first). ``out`` of the wrong shape or dtype:
-        on that rank, after the call.
+        rank (the root's shape reaches every rank first). A non-root's ``out`` of the wrong
+        shape or dtype: on that rank alone, after the call (see ``out``).
     CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for every collective; the root passing None is an error on the root and a
         CollectiveMismatchError on the others.
@@ -436,7 +449,8 @@ def scatter(tensor, backend: Backend, root: int = 0, *, timeout: float | None = 
     >>> run_ranks(lambda b: scatter(np.arange(4) if b.rank == 0 else None, b), 2)
     [array([0, 1]), array([2, 3])]
     """
-    return run(SCATTER, tensor, backend, root, timeout, None, out)
+    return run(SCATTER, tensor, backend, root, timeout, scatter_path(tensor, backend, root, out),
+               out)
 
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "all_gather", "allreduce", "barrier", "broadcast",

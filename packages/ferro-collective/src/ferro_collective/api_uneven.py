@@ -15,6 +15,7 @@ from ferro_backend import Backend
 
 from .arguments import check_out
 from .dispatch import run, submit
+from .exchange import list_out_refused
 from .records import (
     ALL_GATHER_OBJECT,
     ALL_GATHER_V,
@@ -44,8 +45,12 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None,
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     out : sequence of numpy.ndarray, optional
         ``world_size`` writable C-contiguous arrays, entry ``r`` of rank ``r``'s shape and the
-        dtype, filled and returned (as a list). Checked once the data moved: a wrong one raises
-        on this rank alone, its peers' calls complete.
+        dtype, filled and returned (as a list). Checked before the call for all this rank
+        knows (the list, each entry's type, dtype, flags and shape after dim 0, this rank's
+        own entry whole): a wrong one is refused, every rank raises (its peers
+        CollectiveMismatchError naming it). The other entries' dim 0 is known only from the
+        metadata round: a wrong one raises SizeMismatchError on this rank alone, after the
+        data moved (its peers' calls return).
 
     Returns
     -------
@@ -56,6 +61,8 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None,
     ------
     TypeError
         An unsupported dtype.
+    TypeError, ValueError, SizeMismatchError
+        A wrong ``out`` (see ``out``: before the call, or on this rank alone after it).
     CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for every collective.
         (CollectiveMismatchError: another dtype or trailing shape than a peer's.)
@@ -67,7 +74,8 @@ def all_gather_v(tensor, backend: Backend, *, timeout: float | None = None,
     ...  run_ranks(lambda b: all_gather_v(np.arange(b.rank + 1), b), 2)]
     [[[0], [0, 1]], [[0], [0, 1]]]
     """
-    return _into("all_gather_v", out, run(ALL_GATHER_V, tensor, backend, None, timeout))
+    return _into("all_gather_v", out, run(ALL_GATHER_V, tensor, backend, None, timeout,
+                                          _path("all_gather_v", out, tensor, backend), out))
 
 
 def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None,
@@ -84,7 +92,8 @@ def all_gather_v_async(tensor, backend: Backend, *, timeout: float | None = None
     Work
         Its :meth:`~Work.wait` returns the list, or raises its error.
     """
-    return _into_later("all_gather_v", out, submit(ALL_GATHER_V, tensor, backend, None, timeout))
+    return _into_later("all_gather_v", out, submit(ALL_GATHER_V, tensor, backend, None, timeout,
+                                                   None, out))
 
 
 def all_to_all(tensors: Sequence, backend: Backend, *, timeout: float | None = None,
@@ -106,8 +115,11 @@ def all_to_all(tensors: Sequence, backend: Backend, *, timeout: float | None = N
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     out : sequence of numpy.ndarray, optional
         ``world_size`` writable C-contiguous arrays, entry ``r`` of the shape rank ``r`` sends
-        here and the dtype, filled and returned (as a list). Checked once the data moved: a
-        wrong one raises on this rank alone, its peers' calls complete.
+        here and the dtype, filled and returned (as a list). Checked before the call for all
+        this rank knows (the list, each entry's type, dtype, flags and shape after dim 0): a
+        wrong one is refused, every rank raises (its peers CollectiveMismatchError naming it).
+        Dim 0 is known only from the metadata round: a wrong one raises SizeMismatchError on
+        this rank alone, after the data moved (its peers' calls return).
 
     Returns
     -------
@@ -121,6 +133,8 @@ def all_to_all(tensors: Sequence, backend: Backend, *, timeout: float | None = N
     ValueError
         Not ``world_size`` tensors, or mixed dtypes or trailing shapes: on this rank (the
         others get CollectiveMismatchError).
+    TypeError, ValueError, SizeMismatchError
+        A wrong ``out`` (see ``out``: before the call, or on this rank alone after it).
     CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for every collective.
 
@@ -132,7 +146,8 @@ def all_to_all(tensors: Sequence, backend: Backend, *, timeout: float | None = N
     >>> [[a.tolist() for a in r] for r in res]
     [[[0], [10]], [[1], [11]]]
     """
-    return _into("all_to_all", out, run(ALL_TO_ALL, tensors, backend, None, timeout))
+    return _into("all_to_all", out, run(ALL_TO_ALL, tensors, backend, None, timeout,
+                                        _path("all_to_all", out, tensors, backend), out))
 
 
 def all_to_all_async(tensors: Sequence, backend: Backend, *, timeout: float | None = None,
@@ -149,7 +164,8 @@ def all_to_all_async(tensors: Sequence, backend: Backend, *, timeout: float | No
     Work
         Its :meth:`~Work.wait` returns the list, or raises its error.
     """
-    return _into_later("all_to_all", out, submit(ALL_TO_ALL, tensors, backend, None, timeout))
+    return _into_later("all_to_all", out, submit(ALL_TO_ALL, tensors, backend, None, timeout,
+                                                 None, out))
 
 
 def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits=None,
@@ -177,6 +193,11 @@ def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits
         Seconds before CollectiveTimeoutError (default: ``backend.timeout``).
     out : numpy.ndarray, optional
         A writable C-contiguous array of the result's shape and dtype to fill and return.
+        Checked before the call for all this rank knows (its type, dtype, flags, shape after
+        dim 0, and dim 0 where ``recv_splits`` are given): a wrong one is refused, every rank
+        raises (its peers CollectiveMismatchError naming it). Without ``recv_splits`` dim 0 is
+        known only from the metadata round: a wrong one raises SizeMismatchError on this rank
+        alone, after the data moved (its peers' calls return).
 
     Returns
     -------
@@ -189,7 +210,8 @@ def all_to_all_single(tensor, backend: Backend, *, send_splits=None, recv_splits
         Splits that do not add up to dim 0 or disagree between ranks, a 0-d ``tensor``, or
         dim 0 not divisible when splits are None: on every rank.
     ValueError, TypeError
-        Splits that are not ``world_size`` integers or are negative; ``out`` not a numpy array.
+        Splits that are not ``world_size`` integers or are negative; ``out`` not a numpy array,
+        read-only or strided.
     CollectiveMismatchError, CollectiveTimeoutError, PeerClosedError
         As for every collective.
 
@@ -304,6 +326,13 @@ def all_gather_object(obj, backend: Backend, *, timeout: float | None = None) ->
     [[('rank', 0), ('rank', 1)], [('rank', 0), ('rank', 1)]]
     """
     return run(ALL_GATHER_OBJECT, obj, backend, None, timeout)
+
+
+def _path(name: str, out, tensors, backend) -> str | None:
+    """The ``algorithm`` a list collective runs with: None (its one-call path may take it), or
+    ``"auto"`` (the general path) where its prepare step refuses ``out=``
+    (:func:`.exchange.list_out_refused`; the one-call path does not see ``out=``)."""
+    return "auto" if list_out_refused(name, out, tensors, backend) else None
 
 
 def _into(name: str, out, got: list[np.ndarray]) -> list[np.ndarray]:

@@ -39,15 +39,37 @@ def check_out_like(name: str, out, shape: tuple[int, ...], dtype: np.dtype) -> N
     (``numpy.matrix``: its reshape stays 2-d) is a TypeError too: the collectives write
     ``out`` through its flat view (a subclass that keeps ndarray's views, such as
     ``numpy.memmap``, is written as an ndarray)."""
+    check_out_type(name, out)
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
+                                f"{np.dtype(dtype)}{list(shape)}")
+
+
+def check_out_type(name: str, out) -> None:
+    """``out=`` an ndarray whose flat view is 1-d (else TypeError naming its type)."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name}: out must be a numpy array, got {type(out).__name__}")
     if type(out) is not np.ndarray and _flat_dims(out) != 1:
         raise TypeError(f"{name}: out must be a numpy array whose views behave as ndarray's, "
                         f"got {type(out).__module__}.{type(out).__name__} (its reshape(-1) is "
                         "not 1-d); pass np.asarray(out)")
-    if out.shape != tuple(shape) or out.dtype != dtype:
+
+
+def check_out_known(name: str, out, shape: tuple[int, ...] | None,
+                    dtype: np.dtype | None) -> None:
+    """What :func:`check_out` checks of ``out=`` that a rank knows before the data moves, for
+    a call whose result's size only its metadata round tells (the uneven collectives, a
+    non-root's broadcast(None) and scatter): its type (TypeError), writable and C-contiguous
+    (ValueError), ``dtype`` unless None and ``shape``'s dims unless None, a -1 among them
+    unknown (SizeMismatchError, the unknown dims shown as ``*``)."""
+    check_out_type(name, out)
+    if (dtype is not None and out.dtype != dtype) or (shape is not None and (
+            out.ndim != len(shape) or any(k >= 0 and k != m for k, m in zip(shape, out.shape)))):
+        want = "*" if shape is None else ", ".join("*" if k < 0 else str(k) for k in shape)
         raise SizeMismatchError(f"{name}: out is {out.dtype}{list(out.shape)}, the result is "
-                                f"{np.dtype(dtype)}{list(shape)}")
+                                f"{'?' if dtype is None else np.dtype(dtype)}[{want}]")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name}: out must be writable and C-contiguous")
 
 
 def _flat_dims(out: np.ndarray) -> int:
@@ -114,5 +136,6 @@ def deliver(res: np.ndarray, out: np.ndarray | None, late: BaseException | None)
     return res
 
 
-__all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_root", "deliver",
+__all__ = ["SCALARS", "as_array", "check_backend", "check_out", "check_out_known",
+           "check_out_type", "check_root", "deliver",
            "fast_array", "finish", "same_buffer"]

@@ -20,7 +20,7 @@ from ferro_backend import CollectiveMismatchError, InvalidRankError
 
 from . import _onecall, gathered, pair
 from .all_gather import door_bytes
-from .arguments import as_array, check_backend, check_out, same_buffer
+from .arguments import as_array, check_backend, check_out, check_out_known, same_buffer
 from .engine_group import OK, EngineGroup, Step, door_calls
 from .header import UNKNOWN, check_all, decode_array, mismatch_check_enabled, unknown
 from .p2p import Ctx, header_exchange
@@ -98,9 +98,14 @@ class FromRoot(Plan):
     of the call's first step before posting its own (``Steps.peek``), then runs the door's
     broadcast; over point-to-point messages, the header exchange gives it every rank's header.
     The root's header names its shape whole up to six dims; beyond, every rank raises a
-    mismatch saying so. Needs the header exchange (the mismatch check on) off the engine."""
+    mismatch saying so. Needs the header exchange (the mismatch check on) off the engine.
 
-    __slots__ = ("root", "algorithm", "out")
+    An ``out=`` that is not a writable C-contiguous ndarray is refused before the call (on
+    every rank); one of another shape or dtype than the root's is known only from its header:
+    the rank then receives into a new array, as its peers expect, and raises
+    SizeMismatchError once the data moved, on this rank alone (its peers return)."""
+
+    __slots__ = ("root", "algorithm", "out", "late")
 
     def __init__(self, backend, timeout, root: int, algorithm, out, seq: int | None) -> None:
         if getattr(backend, "engine", None) is None and getattr(backend, "hierarchy", None):
@@ -111,11 +116,12 @@ class FromRoot(Plan):
             raise ValueError("broadcast: a non-root may pass None only with the mismatch check "
                              "on (the root's header gives the shape; set_mismatch_check(False) "
                              "skips it): pass an array of the root's shape and dtype")
-        if out is not None and not isinstance(out, np.ndarray):
-            raise TypeError(f"broadcast: out must be a numpy array, got {type(out).__name__}")
+        if out is not None:  # (its shape and dtype: once the root's header is in)
+            check_out_known("broadcast", out, None, None)
         super().__init__("broadcast", backend, timeout, (None, (), None, root),
                          lambda ctx: None, self._engine, None, algorithm, seq)
         self.root, self.algorithm, self.out = root, algorithm, out
+        self.late: BaseException | None = None
 
     def encoded(self) -> bytes:
         return unknown("broadcast", self.root, self.seq)
@@ -128,8 +134,14 @@ class FromRoot(Plan):
                 self.encoded()[16:28]:
             return None
         dtype, shape = found
-        buf = self.out if self.out is not None else np.empty(shape, dtype)
-        check_out("broadcast", buf, shape, dtype)
+        buf = self.out
+        if buf is not None:  # a bad one still takes part (its peers, the tree's children
+            try:             # among them, wait for it), then raises: :attr:`late`
+                check_out("broadcast", buf, shape, dtype)
+            except (TypeError, ValueError) as exc:
+                self.late, buf = exc, None
+        if buf is None:
+            buf = np.empty(shape, dtype)
         return prepare(buf, self.backend, self.root, self.timeout, self.algorithm, buf, self.seq)
 
     def run_python(self) -> np.ndarray:
@@ -147,6 +159,8 @@ class FromRoot(Plan):
         if not gathered.none_was_last(self.backend) and self._took_pair(plan, result.nbytes):
             gathered.none_last(self.backend, True)  # (as the others record it: .gathered)
         ctx.release()
+        if self.late is not None:
+            raise self.late
         return result
 
     def _took_pair(self, plan: Plan, nbytes: int) -> bool:
@@ -169,7 +183,10 @@ class FromRoot(Plan):
             check_all("broadcast", group.me, group.steps.headers())
             raise CollectiveMismatchError(f"broadcast (seq {self.seq}): the root's header "
                                           "does not name an array this rank can receive")
-        return plan.engine(group, call, plan.encoded())
+        result = plan.engine(group, call, plan.encoded())
+        if self.late is not None:
+            raise self.late
+        return result
 
 
 # ----------------------------------------------------------------------------- Python

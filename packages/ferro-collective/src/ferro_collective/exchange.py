@@ -27,7 +27,7 @@ import numpy as np
 from ferro_backend import Backend, SizeMismatchError
 
 from . import _onecall
-from .arguments import as_array, check_backend, check_out, deliver
+from .arguments import as_array, check_backend, check_out, check_out_known, deliver
 from .engine_group import EngineGroup, Step
 from .metadata_sizes import row_bytes, row_views, split_plan
 from .metadata_step import (
@@ -81,13 +81,56 @@ def all_to_all_pairwise(ctx: Ctx, sends: Sequence[np.ndarray],
             ctx.wait(reqs[src], src, f"its block (pairwise exchange step {s})")
 
 
+# ----------------------------------------------------------------------------- list out=
+def check_list_out(name: str, out, x: np.ndarray, n: int, me: int | None) -> None:
+    """What a rank knows of a list collective's ``out=`` before the data moves (the rest is
+    checked once it moved: ``api_uneven._into``): a sequence of ``n`` arrays (TypeError,
+    ValueError), each as :func:`.arguments.check_out_known` checks it against ``x``'s dtype and
+    shape after dim 0 (entry ``me``, this rank's own of all_gather_v: ``x``'s whole shape)."""
+    if out is None:
+        return
+    if isinstance(out, np.ndarray) or not isinstance(out, Sequence):
+        raise TypeError(f"{name}: out must be a list of {n} numpy arrays, got "
+                        f"{type(out).__name__}")
+    if len(out) != n:
+        raise ValueError(f"{name}: out has {len(out)} arrays, the result {n} (one per rank)")
+    some = () if x.ndim == 0 else (-1, *x.shape[1:])
+    for r, o in enumerate(out):
+        check_out_known(f"{name}: out[{r}]", o, x.shape if r == me else some, x.dtype)
+
+
+def list_out_refused(name: str, out, tensors, backend: Backend) -> bool:
+    """Whether a list collective's prepare step would refuse this call's ``out=`` (or its
+    input): the engine's one-call path of all_gather_v and all_to_all does not see ``out=``, so
+    such a call must take the general path, which refuses it on every rank. (False without
+    ``out=``.)"""
+    if out is None:
+        return False
+    try:
+        n = backend.world_size
+        if name == "all_gather_v":
+            check_list_out(name, out, np.asarray(tensors), n, backend.rank)
+        else:
+            check_list_out(name, out, np.asarray(tensors[0]), n, None)
+    except Exception:  # (a bad input too: the general path says what)
+        return True
+    return False
+
+
 # ----------------------------------------------------------------------------- all_gather_v
 def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
                          seq: int | None = None) -> MetaPlan:
-    """The checked plan of one all_gather_v (``arg``, ``out`` unused)."""
+    """The checked plan of one all_gather_v (``arg`` unused; ``out``: the list the caller
+    fills once the data moved, checked here as far as a rank knows it: :func:`check_list_out`)."""
     check_backend("all_gather_v", backend)
     choose(ALL_GATHER_V, algorithm, 0, backend.world_size)
-    x, invalid = guard(lambda: as_array("all_gather_v", tensor, backend))
+
+    def prepare() -> np.ndarray:
+        x = as_array("all_gather_v", tensor, backend)
+        check_list_out("all_gather_v", out, x, backend.world_size, backend.rank)
+        return x
+
+    x, invalid = guard(prepare)
     if invalid is not None:
         return MetaPlan("all_gather_v", backend, timeout, (None, (), None, -1), bytes(8),
                         lambda ctx, metas: None, invalid)
@@ -136,7 +179,7 @@ def prepare_all_gather_v(tensor, backend: Backend, arg, timeout, algorithm, out,
 # ----------------------------------------------------------------------------- all_to_all
 def prepare_all_to_all(tensors, backend: Backend, arg, timeout, algorithm, out,
                        seq: int | None = None) -> MetaPlan:
-    """The checked plan of one all_to_all (``arg``, ``out`` unused)."""
+    """The checked plan of one all_to_all (``arg`` unused; ``out``: as all_gather_v's)."""
     check_backend("all_to_all", backend)
     n = backend.world_size
     choose(ALL_TO_ALL, algorithm, 0, n)
@@ -155,6 +198,7 @@ def prepare_all_to_all(tensors, backend: Backend, arg, timeout, algorithm, out,
                     f"all_to_all: tensors[{r}] is {t.dtype}{list(t.shape)}, tensors[0] is "
                     f"{xs[0].dtype}{list(xs[0].shape)}; all need one dtype and one shape after "
                     "dim 0")
+        check_list_out("all_to_all", out, xs[0], n, None)
         return xs
 
     xs, invalid = guard(prepare)
@@ -234,6 +278,9 @@ def prepare_all_to_all_single(tensor, backend: Backend, arg, timeout, algorithm,
         else:
             send = _splits("send_splits", send_splits, n, x.shape[0])
         recv = [-1] * n if recv_splits is None else _splits("recv_splits", recv_splits, n, None)
+        if out is not None:  # (its dim 0 once the data moved, unless recv_splits say it)
+            check_out_known(name, out, (-1 if recv_splits is None else sum(recv), *x.shape[1:]),
+                            x.dtype)
         return x, send, recv
 
     prepared, invalid = guard(prepare)
@@ -297,5 +344,5 @@ ALL_TO_ALL_SINGLE = Collective("all_to_all_single", prepare_all_to_all_single,
                                _onecall.ALL_TO_ALL_SINGLE, torch="all_to_all_single")
 
 __all__ = ["ALL_GATHER_V", "ALL_TO_ALL", "ALL_TO_ALL_SINGLE", "all_gather_v_ring",
-           "all_to_all_pairwise", "prepare_all_gather_v", "prepare_all_to_all",
-           "prepare_all_to_all_single"]
+           "all_to_all_pairwise", "check_list_out", "list_out_refused", "prepare_all_gather_v",
+           "prepare_all_to_all", "prepare_all_to_all_single"]

@@ -29,7 +29,7 @@ from ferro_backend.partition import split_bounds
 
 from . import _onecall, gathered, pair
 from .all_gather import door_bytes
-from .arguments import as_array, check_backend, check_out, check_root, finish
+from .arguments import as_array, check_backend, check_out, check_out_known, check_root, finish
 from .engine_group import EngineGroup, Step, door_calls
 from .metadata_sizes import scatter_block
 from .metadata_step import MetaPlan, get_pieces, guard, pack_desc, put_pieces
@@ -262,9 +262,11 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
             raise ValueError(f"scatter: the root (rank {root}) must pass an array, got None")
         x = as_array("scatter", tensor, backend)
         try:
-            return x, pack_desc(x)
+            desc = pack_desc(x)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"scatter: {exc}") from None
+        _check_root_out(out, x, n)
+        return x, desc
 
     choose(SCATTER, algorithm, 0, n)  # an unknown algorithm is refused now
     x, meta, invalid = None, pack_desc(None), None
@@ -272,6 +274,8 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
         prepared, invalid = guard(prepare)
         if prepared is not None:
             x, meta = prepared
+    elif out is not None:  # (its shape and dtype: once the root's metadata is in)
+        _, invalid = guard(lambda: check_out_known("scatter", out, None, None))
 
     data = np.ascontiguousarray(x).reshape(-1).view(np.uint8) if x is not None else None
 
@@ -327,6 +331,29 @@ def prepare_scatter(tensor, backend: Backend, root, timeout, algorithm, out,
                     (put, run), algorithm)
 
 
+def _check_root_out(out, x: np.ndarray, n: int) -> None:
+    """The root's ``out=`` checked against its block (where ``x`` splits into ``n``: else
+    every rank raises alike, from its metadata)."""
+    if out is not None and x.ndim and x.shape[0] % n == 0:
+        check_out("scatter", out, (x.shape[0] // n, *x.shape[1:]), x.dtype)
+
+
+def scatter_path(tensor, backend, root, out) -> str | None:
+    """The ``algorithm`` a scatter runs with: None (its one-call path may take it), or
+    ``"auto"`` (the general path) where its prepare step refuses ``out=``: the one-call path
+    checks ``out=`` only once the data moved. (None without ``out=``.)"""
+    if out is None:
+        return None
+    try:
+        if backend.rank == root:
+            _check_root_out(out, np.asarray(tensor), backend.world_size)
+        else:
+            check_out_known("scatter", out, None, None)
+    except Exception:  # (a bad root or tensor too: the general path says what)
+        return "auto"
+    return None
+
+
 REDUCE = Collective("reduce", prepare_reduce, None, ("auto", "tree", "ring"), torch="reduce",
                     jax="reduce")
 GATHER = Collective("gather", prepare_gather, _onecall.GATHER, ("auto", "tree", "star"),
@@ -335,5 +362,5 @@ SCATTER = Collective("scatter", prepare_scatter, _onecall.SCATTER, ("auto", "tre
                      torch="scatter")
 
 __all__ = ["GATHER", "REDUCE", "SCATTER", "gather_star", "gather_tree", "prepare_gather",
-           "prepare_reduce", "prepare_scatter", "reduce_ring", "reduce_tree", "scatter_star",
-           "scatter_tree"]
+           "prepare_reduce", "prepare_scatter", "reduce_ring", "reduce_tree", "scatter_path",
+           "scatter_star", "scatter_tree"]
