@@ -14,6 +14,7 @@ a :class:`~ferro_backend.SubBackend`, so a subgroup's traffic can never be taken
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,10 @@ GROUP_TAG_SHIFT = 32
 """Subgroup ids live in the bits above this one (see :class:`SubBackend`)."""
 BARRIER_TAG = (1 << 32) - 1
 """The tag the default :meth:`Backend.barrier` uses."""
+PUBLISH_BEFORE_CLOSE_S = 2.0
+"""At most this many seconds, :meth:`Backend.finish_publishing` (at the start of ``close`` and
+``abort``) waits for what :meth:`Backend.publish_before_close` registered."""
+_PUBLISHING_LOCK = threading.Lock()
 GROUP_ABORT_TAG = (1 << 32) - 2
 """In a subgroup's tag space: its abort notice (:meth:`SubBackend.abort_group`), above every
 collective's tags. Every ferro transport takes a message on such a tag (a subgroup id above
@@ -311,6 +316,46 @@ class Backend(abc.ABC):
                 )
             step <<= 1
             round_ += 1
+
+    #: threads publishing this backend's messages that close/abort wait for (a short while)
+    _publishing: tuple[threading.Thread, ...] = ()
+
+    def publish_before_close(self, thread: threading.Thread) -> None:
+        """Register ``thread`` (started) as one whose messages should go out before this
+        backend's goodbye: :meth:`finish_publishing`, which ferro's transports call at the start
+        of their :meth:`close` and :meth:`abort`, waits for it a short while. The collectives
+        register the thread publishing a refused call's reason, so that a rank that refuses a
+        call and then closes (its script ending on the error) still tells its peers why.
+
+        Parameters
+        ----------
+        thread : threading.Thread
+            A started thread that sends on this backend and ends by itself (by its deadline).
+        """
+        with _PUBLISHING_LOCK:
+            self._publishing = tuple(t for t in self._publishing if t.is_alive()) + (thread,)
+
+    def finish_publishing(self, limit: float = PUBLISH_BEFORE_CLOSE_S) -> None:
+        """Wait, at most ``limit`` seconds in all, for the threads :meth:`publish_before_close`
+        registered to end (never for the calling thread); nothing when none is registered.
+        Transports call it at the start of :meth:`close` and :meth:`abort`, before the goodbye
+        or abort notice; an outside transport may do the same.
+
+        Parameters
+        ----------
+        limit : float, default :data:`PUBLISH_BEFORE_CLOSE_S`
+            The most seconds it waits; the threads still running then go on (their sends
+            meet the closed backend).
+        """
+        if not self._publishing:  # (the common case: nothing to wait for)
+            return
+        with _PUBLISHING_LOCK:
+            pending, self._publishing = self._publishing, ()
+        end = time.monotonic() + limit
+        me = threading.current_thread()
+        for thread in pending:
+            if thread is not me:
+                thread.join(max(0.0, end - time.monotonic()))
 
     def abort(self, reason: str) -> None:
         """Tell every peer that this rank failed: their pending and later receives from this

@@ -310,6 +310,7 @@ class MpiBackend(FixedRanks, SubgroupAborts, Backend):
         """
         if self._box.closed:
             return
+        self.finish_publishing()  # (a refused call's reason goes out before the notice)
         self._control(_ABORT, reason.encode()[:60000])
         self._box.abort(self._rank, reason)
         self._box.close()
@@ -319,6 +320,7 @@ class MpiBackend(FixedRanks, SubgroupAborts, Backend):
         this rank raise PeerClosedError once they have taken its earlier messages), then free
         the communicator."""
         if not self._box.closed:
+            self.finish_publishing()  # (a refused call's reason goes out first)
             self._flush_sends(self.timeout)
             try:  # (sent after the data: MPI matches a pair's messages in the order sent)
                 self._control(_CLOSE)

@@ -218,6 +218,7 @@ class SimulatedBackend(FixedRanks, SubgroupAborts, Backend):
     def abort(self, reason: str) -> None:
         if self._box.closed:  # (as the TCP mesh: a closed backend publishes nothing)
             return
+        self.finish_publishing()  # (a refused call's reason goes out first)
         for box in self._boxes:
             box.abort(self._rank, reason)
         self.close()
@@ -225,6 +226,7 @@ class SimulatedBackend(FixedRanks, SubgroupAborts, Backend):
     def close(self) -> None:
         if self._box.closed:
             return
+        self.finish_publishing()  # (a refused call's reason goes out first)
         for r, box in enumerate(self._boxes):
             if r == self._rank:
                 box.close()

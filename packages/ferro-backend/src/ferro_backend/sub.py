@@ -290,6 +290,18 @@ class SubBackend(FixedRanks, Backend):
         g, t = self._route("isend", dst, tag)
         return self._root.isend(data, g, tag=t)
 
+    def publish_before_close(self, thread: threading.Thread) -> None:
+        """Register ``thread`` on this view and on the transport under it: closing either
+        waits for it a short while (:meth:`Backend.publish_before_close`).
+
+        Parameters
+        ----------
+        thread : threading.Thread
+            A started thread that sends on this view and ends by itself.
+        """
+        super().publish_before_close(thread)
+        self._root.publish_before_close(thread)
+
     def abort(self, reason: str) -> None:
         """Aborts the whole job: a failing rank fails every group it is in.
 
@@ -322,6 +334,7 @@ class SubBackend(FixedRanks, Backend):
         """
         if self._closed:
             return
+        self.finish_publishing()  # (a refused call's reason goes out before the notice)
         if self._global != tuple(range(self._world)) and re.search(r"\brank", reason):
             shown = ", ".join(map(str, self._global[:32])) + (", ..." if self._world > 32 else "")
             reason = (f"{reason} (ranks of this subgroup, whose ranks 0 to {self._world - 1} are "
@@ -345,6 +358,8 @@ class SubBackend(FixedRanks, Backend):
         later one, raises PeerClosedError on this rank; it releases nothing else (the parent
         owns the transport, which stays open) but the view's own engine, if one was attached
         (``attach_engine(view)``: its calls end too)."""
+        if not self._closed:
+            self.finish_publishing()  # (a refused call's reason goes out first)
         was_closed, self._closed = self._closed, True
         closing = getattr(self._root, "close_subgroup", None)
         if closing is not None and not was_closed:

@@ -214,9 +214,14 @@ class Refusal(Check):
         so that the caller raises its own error at once, whether or not its peers ever make the
         call: on a daemon thread of its own (refusals are rare), which waits for the peers
         (their headers) at most until the call's deadline and never holds up the
-        interpreter's exit."""
-        threading.Thread(target=self.publish, args=(executor(self),), daemon=True,
-                         name=f"ferro-refusal-{self.name}-{self.seq}").start()
+        interpreter's exit. The thread is registered with the backend
+        (:meth:`~ferro_backend.Backend.publish_before_close`): closing or aborting it (the
+        caller's script ending on its error) first waits a short while for the refusal to go
+        out, so that the peers still learn why instead of seeing this rank gone."""
+        thread = threading.Thread(target=self.publish, args=(executor(self),), daemon=True,
+                                  name=f"ferro-refusal-{self.name}-{self.seq}")
+        thread.start()
+        self.backend.publish_before_close(thread)
 
     @staticmethod
     def publish(run: Callable[[], Any]) -> None:

@@ -332,6 +332,7 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
         """
         if self._box.closed:
             return
+        self.finish_publishing()  # (a refused call's reason goes out before the notice)
         if self._connector is not None:
             self._reach_all(ABORT_REACH)
         send_abort(list(self._links.values()), reason)
@@ -348,6 +349,7 @@ class TcpBackend(FixedRanks, Composable, SubgroupAborts, Backend):
             return
         if self._box.closed:
             return
+        self.finish_publishing()  # (a refused call's reason goes out before the goodbye)
         if self._connector is not None:
             self._connector.close()
         say_goodbye(list(self._links.values()))
