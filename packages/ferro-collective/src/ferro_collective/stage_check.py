@@ -280,15 +280,18 @@ class Refused:
 
     def start(self) -> None:
         """Take the call's places now, publish the refusal on a daemon thread (each exchange
-        waits for the peers at most until the call's deadline)."""
+        waits for the peers at most until the call's deadline), which closing or aborting the
+        backend first waits for a short while (as :meth:`.executors.Refusal.start`'s)."""
         state(self.backend).next_seq()
         done = threading.Event()
         for check, seq in zip(self.checks, reserve(*(c.backend for c in self.checks)),
                               strict=True):
             check.seq = seq
             state(check.backend).hold(done)
-        threading.Thread(target=self.publish, args=(done,), daemon=True,
-                         name=f"ferro-refusal-{self.checks[0].name}").start()
+        thread = threading.Thread(target=self.publish, args=(done,), daemon=True,
+                                  name=f"ferro-refusal-{self.checks[0].name}")
+        thread.start()
+        self.backend.publish_before_close(thread)
 
     def publish(self, done: threading.Event) -> None:
         """Both exchanges, then the groups' next calls may take their numbers."""
