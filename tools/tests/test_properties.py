@@ -60,7 +60,7 @@ def test_the_line_draws_the_same_examples_whatever_the_seed(tmp_path):
     holding = sorted(p.parents[1].name for p in root.glob("packages/*/tests/*.py")
                      if "hypothesis" in p.read_text())
     assert sorted(set(holding)) == sorted(consts["PROPERTY_PACKAGES"])  # none drawn at random
-    registration = 'settings.register_profile("line", derandomize=True)'
+    registration = 'settings.register_profile("line", derandomize=True'  # (, deadline=None)
     for name in consts["PROPERTY_PACKAGES"]:
         conftest = root / "packages" / name / "tests" / "conftest.py"
         assert registration in conftest.read_text(), conftest
