@@ -343,7 +343,7 @@ class Backend(abc.ABC):
 
         Parameters
         ----------
-        limit : float, default :data:`PUBLISH_BEFORE_CLOSE_S`
+        limit : float, default 2.0 (``PUBLISH_BEFORE_CLOSE_S``)
             The most seconds it waits; the threads still running then go on (their sends
             meet the closed backend).
         """

@@ -114,14 +114,12 @@ class PowerSGDState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s result.
+        """Continue from :meth:`state_dict`'s result. Errors (Qs) are not kept where this state
+        does not use them (``use_error_feedback=False``, ``warm_start=False``).
 
         Parameters
         ----------
         state : dict
-
-        Errors (Qs) are not kept where this state does not use them
-        (``use_error_feedback=False``, ``warm_start=False``).
 
         Raises
         ------
