@@ -153,16 +153,22 @@ class Optimizer:
                     continue
                 grad = self._grad(p, name)
                 state = self.state.setdefault(p, {})
-                for k in self.array_state_keys:
-                    v = state.get(k)
-                    if v is not None and np.shape(v) != p.data.shape:
-                        raise ValueError(
-                            f"{name}.step: {self._who(p)}'s {k!r} has shape {np.shape(v)}, its "
-                            f"parameter {p.data.shape} (state made before the parameter was "
-                            "resharded, e.g. a step before FSDP wrapped the model? Create the "
-                            "optimizer's state after wrapping, or restore it with "
-                            "load_sharded_state_dict)")
+                self._check_arrays(state, p, "step", None)
                 self._update(p, grad, group, state)
+
+    def _check_arrays(self, state: dict[str, Any], p: Parameter, op: str,
+                      who: str | None) -> None:
+        """Refuse an array entry of ``state`` (of :attr:`array_state_keys`) not of ``p``'s shape
+        (the compiled step would read and write past a smaller one's end, or use a larger one's
+        first elements), in the words of ``op`` (``who``: the parameter; None: its index)."""
+        for k in self.array_state_keys:
+            v = state.get(k)
+            if v is not None and np.shape(v) != p.data.shape:
+                hint = (" (state made before the parameter was resharded, e.g. a step before "
+                        "FSDP wrapped the model? Create the optimizer's state after wrapping, "
+                        "or restore it with load_sharded_state_dict)") if op == "step" else ""
+                raise ValueError(f"{type(self).__name__}.{op}: {who or self._who(p)}'s {k!r} "
+                                 f"has shape {np.shape(v)}, its parameter {p.data.shape}{hint}")
 
     def _who(self, p: Parameter) -> str:
         """``p`` in an error's words: its index in :attr:`params`."""
@@ -241,11 +247,7 @@ class Optimizer:
             Naming the optimizer, ``who``, the entry and the shapes.
         """
         name = type(self).__name__
-        for k in self.array_state_keys:
-            v = state.get(k)
-            if v is not None and np.shape(v) != p.data.shape:
-                raise ValueError(f"{name}.load_state_dict: {who}'s {k!r} has shape "
-                                 f"{np.shape(v)}, its parameter {p.data.shape}")
+        self._check_arrays(state, p, "load_state_dict", who)
         missing = [k for k in self.required_state_keys if k not in state]
         if state and missing:
             raise ValueError(f"{name}.load_state_dict: {who}'s state lacks {missing} (it has "
