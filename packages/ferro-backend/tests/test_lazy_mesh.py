@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,45 @@ def test_abort_reaches_a_rank_never_talked_to():
         assert done.wait(15), "the abort did not reach rank 2"
         t.join(5)
         assert "disk full on rank 0" in str(done.err)
+    finally:
+        close_all(bs)
+
+
+def test_an_abort_is_named_to_a_rank_whose_first_connection_it_refused(monkeypatch):
+    """Rank 1's first receive from rank 0 connects while rank 0 aborts (rank 0 greets it only
+    after its abort closed its connector): rank 0's abort came in on the connection rank 0 made
+    to reach rank 1, so the receive raises PeerAbortedError naming the reason, not the
+    RendezvousError 'rank 0 has closed its backend' of the refused handshake."""
+    from ferro_backend.mesh import lazy
+
+    greet = lazy.Connector._greet
+    held = threading.Event()
+
+    def slow_greet(self, sock, addr):
+        if self.rank == 0:
+            held.set()
+            time.sleep(1.0)  # rank 0 aborts meanwhile
+        greet(self, sock, addr)
+
+    monkeypatch.setattr(lazy.Connector, "_greet", slow_greet)
+    bs = group(2)
+    try:
+        got: list = []
+
+        def receive():
+            try:
+                bs[1].recv(np.empty(1), 0, tag=5, timeout=20)
+            except BaseException as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=receive)
+        t.start()
+        assert held.wait(10), "rank 1 never connected to rank 0"
+        bs[0].abort("conformance abort")
+        t.join(30)
+        assert not t.is_alive()
+        assert len(got) == 1 and isinstance(got[0], PeerAbortedError), got
+        assert "conformance abort" in str(got[0])
     finally:
         close_all(bs)
 

@@ -27,11 +27,16 @@ _AUTH = struct.Struct("<32s")  # HMAC-SHA256
 _INFO = struct.Struct("<IIHHH")  # rank, world_size, listen port, host and node lengths
 _STATUS = struct.Struct("<BH")  # status, message length
 
-ST_OK, ST_AUTH, ST_BAD, ST_TAKEN = 0, 1, 2, 3
+ST_OK, ST_AUTH, ST_BAD, ST_TAKEN, ST_CLOSED = 0, 1, 2, 3, 4
 
 
 class ConnectionTaken(RendezvousError):
     """The peer refused this connection because it keeps the one it made to this rank."""
+
+
+class PeerHasClosed(RendezvousError):
+    """The peer refused this connection because it has closed (or aborted) its backend: what
+    it told this rank before, it told on a connection it made (the lazy mesh)."""
 
 
 def _mac(key: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
@@ -90,6 +95,8 @@ def client_handshake(sock: socket.socket, key: bytes, info: bytes, where: str) -
     status, message = _recv_status(sock)
     if status == ST_TAKEN:
         raise ConnectionTaken(f"{where}: {message}")
+    if status == ST_CLOSED:
+        raise PeerHasClosed(f"{where}: rejected: {message}")
     if status != ST_OK:
         raise RendezvousError(f"{where}: rejected: {message}")
 

@@ -32,9 +32,11 @@ from collections.abc import Callable
 from ..errors import AuthenticationError, PeerClosedError, ProtocolError, RendezvousError
 from .handshake import (
     ST_BAD,
+    ST_CLOSED,
     ST_OK,
     ST_TAKEN,
     ConnectionTaken,
+    PeerHasClosed,
     decode_info,
     send_status,
     server_handshake,
@@ -89,6 +91,12 @@ class Connector:
                                   self.key, self.node, retry=False)
             except ConnectionTaken:
                 sock = None  # the peer keeps the connection it is making to us: wait for it
+            except PeerHasClosed as exc:
+                with self.cond:  # (a connection the peer made registers under the lock)
+                    if self._has(peer):
+                        return  # its goodbye or abort came on the one it made: read it there
+                raise PeerClosedError(f"rank {self.rank} -> {peer}: rank {peer} at {host}:{port} "
+                                      f"has closed its backend", peer=peer) from exc
             except OSError as exc:
                 raise PeerClosedError(
                     f"rank {self.rank} -> {peer}: cannot connect to {host}:{port} "
@@ -145,7 +153,7 @@ class Connector:
                 if problem is not None:
                     status = None
                 elif self.closed:
-                    status, problem = None, f"rank {self.rank} has closed its backend"
+                    status = ST_CLOSED
                 elif self._has(prank) or (prank in self.connecting and prank > self.rank):
                     status = ST_TAKEN  # ours is (or will be) the one both keep
                 else:
@@ -159,6 +167,9 @@ class Connector:
             if status is None:
                 send_status(sock, ST_BAD, problem)
                 raise ProtocolError(problem)
+            if status == ST_CLOSED:
+                send_status(sock, ST_CLOSED, f"rank {self.rank} has closed its backend")
+                sock.close()
             if status == ST_TAKEN:
                 send_status(sock, ST_TAKEN,
                             f"rank {self.rank} keeps its own connection to rank {prank}")
